@@ -1,0 +1,24 @@
+"""The `gpuloom` command line. Each command group lives in its own module of this package."""
+
+from __future__ import annotations
+
+import click
+
+from gpuloom import __version__
+from gpuloom.clients.cli.profiles import profiles
+from gpuloom.clients.cli.serve import serve, up
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="gpuloom")
+def cli() -> None:
+    """gpuloom: share GPUs between many jobs while keeping the important ones fast."""
+
+
+cli.add_command(up)
+cli.add_command(serve)
+cli.add_command(profiles)
+
+
+def main() -> None:
+    cli()

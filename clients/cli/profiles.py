@@ -1,0 +1,168 @@
+"""`gpuloom profiles list|show`: read the profile store."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from itertools import islice
+from typing import Any
+
+import click
+
+from gpuloom.clients.cli.table import render_table
+from gpuloom.services.common.errors import DomainError
+from gpuloom.services.profile_store import domain as d
+
+KINDS = [k.value for k in d.ProfileKind]
+store_option = click.option(
+    "--store",
+    "address",
+    envvar="GPULOOM_PROFILE_STORE_ADDRESS",
+    default="localhost:50052",
+    show_default=True,
+    help="Profile store address (env GPULOOM_PROFILE_STORE_ADDRESS).",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+
+
+@click.group()
+def profiles() -> None:
+    """Inspect the profiles of jobs and kernels in the profile store."""
+
+
+def _client(address: str) -> Any:
+    from gpuloom.clients.profile_store import ProfileStoreClient
+
+    return ProfileStoreClient(address)
+
+
+def _fail(error: DomainError, address: str) -> click.ClickException:
+    return click.ClickException(f"{error.message} (profile store at {address})")
+
+
+@profiles.command("list")
+@click.option("--kind", type=click.Choice(KINDS), help="Only profiles of this kind.")
+@click.option("--key", default="", help="Only this task key (function name for throughput).")
+@click.option("--gpu-model", default="", help="Only this GPU model.")
+@click.option("--limit", type=click.IntRange(min=1), default=1000, show_default=True)
+@store_option
+@json_option
+def list_profiles(
+    kind: str | None, key: str, gpu_model: str, limit: int, address: str, as_json: bool
+) -> None:
+    """List stored profiles, one line each."""
+    try:
+        with _client(address) as client:
+            found = list(
+                islice(client.list(d.ProfileKind(kind) if kind else None, key, gpu_model), limit)
+            )
+    except DomainError as error:
+        raise _fail(error, address) from None
+    if as_json:
+        for s in found:
+            click.echo(json.dumps(_jsonable(s)))
+        return
+    if not found:
+        click.echo("no profiles match")
+        return
+    rows = [
+        (s.id.kind.value, s.id.key, s.id.gpu_model, s.version, s.entries, _when(s.updated_at))
+        for s in found
+    ]
+    click.echo(render_table(["KIND", "KEY", "GPU MODEL", "VERSION", "ENTRIES", "UPDATED"], rows))
+
+
+@profiles.command("show")
+@click.argument("kind", type=click.Choice(KINDS))
+@click.argument("key")
+@click.argument("gpu_model")
+@store_option
+@json_option
+def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: bool) -> None:
+    """Show one profile in full: KIND KEY GPU_MODEL (KEY is the task key or function name)."""
+    try:
+        with _client(address) as client:
+            profile = client.get(d.ProfileKind(kind), key, gpu_model)
+    except DomainError as error:
+        raise _fail(error, address) from None
+    if as_json:
+        click.echo(json.dumps(_jsonable(profile), indent=2))
+        return
+    click.echo(
+        f"{profile.KIND.value} profile {profile.key!r} on {profile.gpu_model!r}, "
+        f"version {profile.version}, updated {_when(profile.updated_at)}"
+    )
+    headers, rows, extra = _details(profile)
+    if extra:
+        click.echo(extra)
+    click.echo(render_table(headers, rows))
+
+
+def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
+    match p:
+        case d.KernelProfile():
+            headers = ["KERNEL ID", "NAME", "GRID", "BLOCK", "SAMPLES"]
+            headers += ["MEAN us", "P50 us", "P95 us", "GAP AFTER us"]
+            rows = [
+                (
+                    f"{k.kernel_id:016x}",
+                    _short(k.name),
+                    f"{k.grid.x}x{k.grid.y}x{k.grid.z}",
+                    f"{k.block.x}x{k.block.y}x{k.block.z}",
+                    k.sample_count,
+                    k.mean_duration_ns / 1000,
+                    k.p50_duration_ns / 1000,
+                    k.p95_duration_ns / 1000,
+                    k.mean_gap_after_ns / 1000,
+                )
+                for k in p.kernels
+            ]
+            return headers, rows, f"measured runs: {p.measured_runs}"
+        case d.ThroughputProfile():
+            headers = ["SM %", "QUOTA %", "REQUESTS/S", "P50 ms", "P99 ms"]
+            rows = [
+                (
+                    pt.sm_percent,
+                    pt.quota_percent,
+                    pt.requests_per_s,
+                    pt.p50_latency_ms,
+                    pt.p99_latency_ms,
+                )
+                for pt in p.points
+            ]
+            return headers, rows, ""
+        case d.MigProfile():
+            rows = [(t.slices, t.exec_time_s) for t in p.times]
+            return ["SLICES", "EXEC TIME s"], rows, ""
+        case d.JobProfile():
+            extra = (
+                f"mini-batch {p.minibatch_time_s * 1000:.2f} ms, peak memory "
+                f"{p.peak_memory_bytes / 2**30:.2f} GiB, GPU utilisation "
+                f"{p.gpu_utilization_percent:.1f}%, solo throughput {p.solo_throughput:.2f}/s"
+            )
+            rows = [(c.with_task_key, c.throughput) for c in p.colocated]
+            return ["CO-LOCATED WITH", "THROUGHPUT/S"], rows, extra
+
+
+def _short(name: str, width: int = 48) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "-"
+
+
+def _jsonable(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if hasattr(value, "KIND"):
+            out = {"kind": value.KIND.value, **out}
+        return out
+    if isinstance(value, tuple | list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, d.ProfileKind):
+        return value.value
+    return value

@@ -1,0 +1,41 @@
+"""`gpuloom up` and `gpuloom serve`: run the control plane in the foreground."""
+
+from __future__ import annotations
+
+import asyncio
+
+import click
+
+from gpuloom.services.common.settings import SettingsError
+
+
+def _run(services: tuple[str, ...]) -> None:
+    from gpuloom.services import launcher
+
+    def announce(endpoints: list[launcher.Endpoint]) -> None:
+        width = max(len(e.name) for e in endpoints)
+        click.echo("gpuloom is running (Ctrl-C or SIGTERM stops it):")
+        for endpoint in endpoints:
+            click.echo(f"  {endpoint.name:<{width}}  {endpoint.address}")
+
+    try:
+        asyncio.run(launcher.run(services, announce))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"cannot start: {error}") from None
+
+
+@click.command()
+def up() -> None:
+    """Run the whole control plane on the embedded default (SQLite, in-process cache)."""
+    from gpuloom.services.launcher import SERVICES
+
+    _run(SERVICES)
+
+
+@click.command()
+@click.argument("service", type=click.Choice(["profile-store"]))
+def serve(service: str) -> None:
+    """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
+    _run((service,))

@@ -1,0 +1,146 @@
+"""A small typed client for gpuloom.v1.ProfileStore.
+
+Returns the profile store's domain dataclasses and raises its domain errors (NotFound,
+InvalidArgument, Aborted, ...), so callers never touch protobuf messages or status codes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from datetime import UTC
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.services.profile_store import convert
+from gpuloom.services.profile_store import domain as d
+from gpuloom.v1 import profile_store_pb2 as pb
+from gpuloom.v1 import profile_store_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "localhost:50052"
+
+
+def default_address() -> str:
+    return os.environ.get("GPULOOM_PROFILE_STORE_ADDRESS", DEFAULT_ADDRESS)
+
+
+class ProfileStoreClient:
+    def __init__(self, address: str | None = None, timeout_s: float = 10.0) -> None:
+        self.address = address or default_address()
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = pb_grpc.ProfileStoreStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> ProfileStoreClient:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    def put(self, profile: d.Profile, expected_version: int | None = None) -> d.Profile:
+        """Store a profile of any kind; returns it with the version the store gave it."""
+        match profile:
+            case d.KernelProfile():
+                request = pb.PutKernelProfileRequest(profile=convert.kernel_profile_to_pb(profile))
+                method, back = "PutKernelProfile", convert.kernel_profile_from_pb
+            case d.ThroughputProfile():
+                request = pb.PutThroughputProfileRequest(
+                    profile=convert.throughput_profile_to_pb(profile)
+                )
+                method, back = "PutThroughputProfile", convert.throughput_profile_from_pb
+            case d.MigProfile():
+                request = pb.PutMigProfileRequest(profile=convert.mig_profile_to_pb(profile))
+                method, back = "PutMigProfile", convert.mig_profile_from_pb
+            case d.JobProfile():
+                request = pb.PutJobProfileRequest(profile=convert.job_profile_to_pb(profile))
+                method, back = "PutJobProfile", convert.job_profile_from_pb
+        if expected_version is not None:
+            request.expected_version = expected_version
+        return _stamped(back, self._call(method, request))
+
+    def get(self, kind: d.ProfileKind, key: str, gpu_model: str) -> d.Profile:
+        method, back = _GETTERS[kind]
+        return _stamped(
+            back, self._call(method, pb.GetProfileRequest(key=key, gpu_model=gpu_model))
+        )
+
+    def get_kernel_profile(self, task_key: str, gpu_model: str) -> d.KernelProfile:
+        profile = self.get(d.ProfileKind.KERNEL, task_key, gpu_model)
+        assert isinstance(profile, d.KernelProfile)
+        return profile
+
+    def list(
+        self,
+        kind: d.ProfileKind | None = None,
+        key: str = "",
+        gpu_model: str = "",
+        page_size: int = 100,
+    ) -> Iterator[d.ProfileSummary]:
+        """Every matching profile summary, fetching pages as the iteration goes."""
+        token = ""
+        while True:
+            response = self._call(
+                "ListProfiles",
+                pb.ListProfilesRequest(
+                    kind=convert.KIND_TO_PB[kind] if kind else pb.PROFILE_KIND_UNSPECIFIED,
+                    key=key,
+                    gpu_model=gpu_model,
+                    page_size=page_size,
+                    page_token=token,
+                ),
+            )
+            assert isinstance(response, pb.ListProfilesResponse)
+            for summary in response.profiles:
+                meta = summary.meta
+                yield d.ProfileSummary(
+                    d.ProfileId(convert.KIND_FROM_PB[meta.kind], meta.key, meta.gpu_model),
+                    meta.version,
+                    meta.updated_at.ToDatetime(tzinfo=UTC),
+                    summary.entries,
+                )
+            token = response.next_page_token
+            if not token:
+                return
+
+    def delete(
+        self, kind: d.ProfileKind, key: str, gpu_model: str, expected_version: int | None = None
+    ) -> int:
+        request = pb.DeleteProfileRequest(
+            kind=convert.KIND_TO_PB[kind], key=key, gpu_model=gpu_model
+        )
+        if expected_version is not None:
+            request.expected_version = expected_version
+        response = self._call("DeleteProfile", request)
+        assert isinstance(response, pb.DeleteProfileResponse)
+        return response.deleted_version
+
+
+_GETTERS = {
+    d.ProfileKind.KERNEL: ("GetKernelProfile", convert.kernel_profile_from_pb),
+    d.ProfileKind.THROUGHPUT: ("GetThroughputProfile", convert.throughput_profile_from_pb),
+    d.ProfileKind.MIG: ("GetMigProfile", convert.mig_profile_from_pb),
+    d.ProfileKind.JOB: ("GetJobProfile", convert.job_profile_from_pb),
+}
+
+
+def _stamped(from_pb: Callable[[Any], d.Profile], message: Any) -> d.Profile:
+    """The converters ignore store-assigned fields on the way in; a client wants them."""
+    meta = message.meta
+    return replace(
+        from_pb(message), version=meta.version, updated_at=meta.updated_at.ToDatetime(tzinfo=UTC)
+    )

@@ -1,0 +1,1 @@
+"""gpuloom's gRPC services (import package gpuloom.services)."""

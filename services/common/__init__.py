@@ -1,0 +1,1 @@
+"""Machinery every gpuloom service shares: settings, logging, metrics, gRPC server, errors."""

@@ -1,0 +1,95 @@
+"""The one table mapping domain errors to gRPC status codes, and the decorator that uses it."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+
+from gpuloom.services.common import errors
+from gpuloom.services.common.metrics import RPC_LATENCY, RPC_TOTAL
+
+STATUS_BY_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Aborted: grpc.StatusCode.ABORTED,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(error: errors.DomainError) -> grpc.StatusCode:
+    for cls in type(error).__mro__:
+        if cls in STATUS_BY_ERROR:
+            return STATUS_BY_ERROR[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[[Any, Request, grpc.aio.ServicerContext], Awaitable[Response]]
+
+log = structlog.get_logger("gpuloom.rpc")
+
+
+def rpc(service: str) -> Callable[[Handler], Handler]:
+    """Wrap an async unary servicer method: bind log context, count, time and map domain errors.
+
+    Unexpected exceptions become INTERNAL with a generic message (the details go to the log), so
+    a bug never leaks a traceback to the caller and never kills the server.
+    """
+
+    def decorate(method: Handler) -> Handler:
+        name = method.__name__
+
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            with structlog.contextvars.bound_contextvars(rpc=f"{service}/{name}"):
+                try:
+                    return await method(self, request, context)
+                except errors.DomainError as error:
+                    code = status_for(error)
+                    if code is grpc.StatusCode.INTERNAL:
+                        log.error("unmapped domain error", error=str(error))
+                    else:
+                        log.info("request refused", code=code.name, error=error.message)
+                    await context.abort(code, error.message)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception:
+                    code = grpc.StatusCode.INTERNAL
+                    log.exception("unhandled error")
+                    await context.abort(code, f"internal error in {name}; see the service log")
+                finally:
+                    RPC_TOTAL.labels(service, name, code.name).inc()
+                    RPC_LATENCY.labels(service, name).observe(time.perf_counter() - started)
+
+        return wrapper
+
+    return decorate
+
+
+ERROR_BY_STATUS: dict[grpc.StatusCode, type[errors.DomainError]] = {
+    code: error for error, code in STATUS_BY_ERROR.items()
+}
+
+
+def error_from_rpc(error: grpc.RpcError) -> errors.DomainError:
+    """The client side of the table: turn a failed call back into the domain error it came from."""
+    code = error.code()  # type: ignore[attr-defined]
+    message = error.details() or code.name  # type: ignore[attr-defined]
+    cls = ERROR_BY_STATUS.get(code)
+    if cls is errors.InvalidArgument:
+        field, _, problem = message.partition(": ")
+        return errors.InvalidArgument(field, problem)
+    if cls is None:
+        return errors.Unavailable(f"{code.name}: {message}")
+    return cls(message)

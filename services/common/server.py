@@ -1,0 +1,84 @@
+"""gRPC server factory: every gpuloom server gets reflection and the standard health service."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = structlog.get_logger("gpuloom.server")
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ServiceRegistration:
+    """A servicer and how to add it: `full_name` is e.g. "gpuloom.v1.ProfileStore"."""
+
+    full_name: str
+    add_to_server: Callable[[grpc.aio.Server], None]
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Report NOT_SERVING, then let in-flight calls finish for up to `grace_s` seconds."""
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    services: Sequence[ServiceRegistration],
+    host: str,
+    port: int,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+) -> RunningServer:
+    """Bind and start an asyncio gRPC server; port 0 picks a free port (see RunningServer.port)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    for service in services:
+        service.add_to_server(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = tuple(s.full_name for s in services)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port} (address in use?)")
+    await server.start()
+    for name in ("", *names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("grpc server listening", address=f"{host}:{bound}", services=list(names))
+    return RunningServer(server, health_servicer, bound, names)
+
+
+async def wait_for_shutdown_signal() -> signal.Signals:
+    """Block until SIGINT or SIGTERM arrives; return which one."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[signal.Signals] = loop.create_future()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, lambda s=sig: received.done() or received.set_result(s))
+    try:
+        return await received
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,55 @@
+"""Start gpuloom services in this process: one named service (`gpuloom serve`) or the whole
+control plane on the embedded default (`gpuloom up`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+
+from gpuloom.services.common.logging import configure_logging
+from gpuloom.services.common.metrics import start_metrics_endpoint
+from gpuloom.services.common.server import wait_for_shutdown_signal
+from gpuloom.services.common.settings import CommonSettings, load
+from gpuloom.services.profile_store.app import ProfileStoreApp
+from gpuloom.services.profile_store.settings import ProfileStoreSettings
+
+log = structlog.get_logger("gpuloom.launcher")
+
+SERVICES = ("profile-store",)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    address: str
+
+
+async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], None]) -> None:
+    """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
+    common = load(CommonSettings)
+    configure_logging(common.log_level, common.log_format)
+    started: list[ProfileStoreApp] = []
+    endpoints: list[Endpoint] = []
+    try:
+        if "profile-store" in services:
+            app = await ProfileStoreApp.start(
+                load(ProfileStoreSettings), common.bind_host, common.data_dir
+            )
+            started.append(app)
+            endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
+        metrics_port = start_metrics_endpoint(common.bind_host, common.metrics_port)
+        if metrics_port is not None:
+            endpoints.append(
+                Endpoint(
+                    "metrics (Prometheus)", f"http://{common.bind_host}:{metrics_port}/metrics"
+                )
+            )
+        announce(endpoints)
+        received = await wait_for_shutdown_signal()
+        log.info("shutting down", signal=received.name)
+    finally:
+        for app in reversed(started):
+            await app.stop()
+    log.info("stopped")

@@ -1,0 +1,184 @@
+"""Conversion between gpuloom.v1 protobuf messages and the profile store's domain types."""
+
+from __future__ import annotations
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.profile_store import domain as d
+from gpuloom.v1 import common_pb2 as common
+from gpuloom.v1 import profile_store_pb2 as pb
+
+KIND_TO_PB = {
+    d.ProfileKind.KERNEL: pb.PROFILE_KIND_KERNEL,
+    d.ProfileKind.THROUGHPUT: pb.PROFILE_KIND_THROUGHPUT,
+    d.ProfileKind.MIG: pb.PROFILE_KIND_MIG,
+    d.ProfileKind.JOB: pb.PROFILE_KIND_JOB,
+}
+KIND_FROM_PB = {v: k for k, v in KIND_TO_PB.items()}
+
+
+def kind_from_pb(
+    value: int, field: str, *, allow_unspecified: bool = False
+) -> d.ProfileKind | None:
+    if value == pb.PROFILE_KIND_UNSPECIFIED and allow_unspecified:
+        return None
+    if value not in KIND_FROM_PB:
+        known = ", ".join(pb.ProfileKind.Name(v) for v in KIND_FROM_PB)
+        raise InvalidArgument(
+            field, f"unknown or unspecified profile kind {value}; use one of {known}"
+        )
+    return KIND_FROM_PB[value]
+
+
+def _dim3(msg: common.Dim3) -> d.Dim3:
+    return d.Dim3(msg.x, msg.y, msg.z)
+
+
+def _meta(profile: d.Profile) -> pb.ProfileMeta:
+    meta = pb.ProfileMeta(
+        kind=KIND_TO_PB[profile.KIND],
+        key=profile.key,
+        gpu_model=profile.gpu_model,
+        version=profile.version,
+    )
+    if profile.updated_at is not None:
+        meta.updated_at.FromDatetime(profile.updated_at)
+    return meta
+
+
+def _check_meta_kind(meta: pb.ProfileMeta, expected: d.ProfileKind) -> None:
+    # The kind follows from the RPC; a meta that names another kind is a client bug worth flagging.
+    if meta.kind not in (pb.PROFILE_KIND_UNSPECIFIED, KIND_TO_PB[expected]):
+        raise InvalidArgument(
+            "profile.meta.kind", f"must be {pb.ProfileKind.Name(KIND_TO_PB[expected])} or unset"
+        )
+
+
+def kernel_profile_from_pb(msg: pb.KernelProfile) -> d.KernelProfile:
+    _check_meta_kind(msg.meta, d.ProfileKind.KERNEL)
+    return d.KernelProfile(
+        key=msg.meta.key,
+        gpu_model=msg.meta.gpu_model,
+        measured_runs=msg.measured_runs,
+        kernels=tuple(
+            d.KernelStats(
+                kernel_id=k.kernel_id,
+                name=k.name,
+                grid=_dim3(k.grid),
+                block=_dim3(k.block),
+                sample_count=k.sample_count,
+                mean_duration_ns=k.mean_duration_ns,
+                p50_duration_ns=k.p50_duration_ns,
+                p95_duration_ns=k.p95_duration_ns,
+                mean_gap_after_ns=k.mean_gap_after_ns,
+            )
+            for k in msg.kernels
+        ),
+    )
+
+
+def kernel_profile_to_pb(p: d.KernelProfile) -> pb.KernelProfile:
+    return pb.KernelProfile(
+        meta=_meta(p),
+        measured_runs=p.measured_runs,
+        kernels=[
+            pb.KernelStats(
+                kernel_id=k.kernel_id,
+                name=k.name,
+                grid=common.Dim3(x=k.grid.x, y=k.grid.y, z=k.grid.z),
+                block=common.Dim3(x=k.block.x, y=k.block.y, z=k.block.z),
+                sample_count=k.sample_count,
+                mean_duration_ns=k.mean_duration_ns,
+                p50_duration_ns=k.p50_duration_ns,
+                p95_duration_ns=k.p95_duration_ns,
+                mean_gap_after_ns=k.mean_gap_after_ns,
+            )
+            for k in p.kernels
+        ],
+    )
+
+
+def throughput_profile_from_pb(msg: pb.ThroughputProfile) -> d.ThroughputProfile:
+    _check_meta_kind(msg.meta, d.ProfileKind.THROUGHPUT)
+    return d.ThroughputProfile(
+        key=msg.meta.key,
+        gpu_model=msg.meta.gpu_model,
+        points=tuple(
+            d.ThroughputPoint(
+                p.sm_percent, p.quota_percent, p.requests_per_s, p.p50_latency_ms, p.p99_latency_ms
+            )
+            for p in msg.points
+        ),
+    )
+
+
+def throughput_profile_to_pb(p: d.ThroughputProfile) -> pb.ThroughputProfile:
+    return pb.ThroughputProfile(
+        meta=_meta(p),
+        points=[
+            pb.ThroughputPoint(
+                sm_percent=pt.sm_percent,
+                quota_percent=pt.quota_percent,
+                requests_per_s=pt.requests_per_s,
+                p50_latency_ms=pt.p50_latency_ms,
+                p99_latency_ms=pt.p99_latency_ms,
+            )
+            for pt in p.points
+        ],
+    )
+
+
+def mig_profile_from_pb(msg: pb.MigProfileRecord) -> d.MigProfile:
+    _check_meta_kind(msg.meta, d.ProfileKind.MIG)
+    return d.MigProfile(
+        key=msg.meta.key,
+        gpu_model=msg.meta.gpu_model,
+        times=tuple(d.MigTime(t.slices, t.exec_time_s) for t in msg.times),
+    )
+
+
+def mig_profile_to_pb(p: d.MigProfile) -> pb.MigProfileRecord:
+    return pb.MigProfileRecord(
+        meta=_meta(p),
+        times=[pb.MigTime(slices=t.slices, exec_time_s=t.exec_time_s) for t in p.times],
+    )
+
+
+def job_profile_from_pb(msg: pb.JobProfile) -> d.JobProfile:
+    _check_meta_kind(msg.meta, d.ProfileKind.JOB)
+    return d.JobProfile(
+        key=msg.meta.key,
+        gpu_model=msg.meta.gpu_model,
+        minibatch_time_s=msg.minibatch_time_s,
+        peak_memory_bytes=msg.peak_memory_bytes,
+        gpu_utilization_percent=msg.gpu_utilization_percent,
+        solo_throughput=msg.solo_throughput,
+        colocated=tuple(
+            d.ColocatedThroughput(c.with_task_key, c.throughput) for c in msg.colocated
+        ),
+    )
+
+
+def job_profile_to_pb(p: d.JobProfile) -> pb.JobProfile:
+    return pb.JobProfile(
+        meta=_meta(p),
+        minibatch_time_s=p.minibatch_time_s,
+        peak_memory_bytes=p.peak_memory_bytes,
+        gpu_utilization_percent=p.gpu_utilization_percent,
+        solo_throughput=p.solo_throughput,
+        colocated=[
+            pb.ColocatedThroughput(with_task_key=c.with_task_key, throughput=c.throughput)
+            for c in p.colocated
+        ],
+    )
+
+
+def summary_to_pb(s: d.ProfileSummary) -> pb.ProfileSummary:
+    meta = pb.ProfileMeta(
+        kind=KIND_TO_PB[s.id.kind], key=s.id.key, gpu_model=s.id.gpu_model, version=s.version
+    )
+    meta.updated_at.FromDatetime(s.updated_at)
+    return pb.ProfileSummary(meta=meta, entries=s.entries)
+
+
+def optional_version(request: object) -> int | None:
+    return request.expected_version if request.HasField("expected_version") else None  # type: ignore[attr-defined]

@@ -1,0 +1,71 @@
+"""The profile store's domain core: validation, the database, and the cache in front of gets."""
+
+from __future__ import annotations
+
+from gpuloom.services.common.errors import InvalidArgument, NotFound
+from gpuloom.services.profile_store import codec
+from gpuloom.services.profile_store.cache import ProfileCache
+from gpuloom.services.profile_store.domain import (
+    Page,
+    Profile,
+    ProfileFilter,
+    ProfileId,
+    profile_id,
+)
+from gpuloom.services.profile_store.repository import MAX_PAGE_SIZE, ProfileRepository
+from gpuloom.services.profile_store.validation import (
+    check_gpu_model,
+    check_key,
+    check_version,
+    validate_profile,
+)
+
+
+class ProfileStore:
+    def __init__(self, repository: ProfileRepository, cache: ProfileCache) -> None:
+        self._repository = repository
+        self._cache = cache
+
+    async def get(self, pid: ProfileId) -> Profile:
+        check_key("key", pid.key)
+        check_gpu_model("gpu_model", pid.gpu_model)
+        entry = await self._cache.fetch(pid)
+        if entry is not None:
+            if entry.payload is None:
+                raise NotFound(f"no {pid}")
+            cached = codec.decode(entry.payload)
+            if cached is not None:
+                return cached
+        found = await self._repository.lookup(pid)
+        if found.version:
+            payload = codec.encode(found.profile) if found.profile is not None else None
+            await self._cache.offer(pid, found.version, payload)
+        if found.profile is None:
+            raise NotFound(f"no {pid}")
+        return found.profile
+
+    async def put(self, profile: Profile, expected_version: int | None = None) -> Profile:
+        validate_profile(profile)
+        check_version("expected_version", expected_version)
+        stored = await self._repository.put(profile, expected_version)
+        await self._cache.offer(profile_id(stored), stored.version, codec.encode(stored))
+        return stored
+
+    async def delete(self, pid: ProfileId, expected_version: int | None = None) -> int:
+        check_key("key", pid.key)
+        check_gpu_model("gpu_model", pid.gpu_model)
+        check_version("expected_version", expected_version)
+        version = await self._repository.delete(pid, expected_version)
+        await self._cache.offer(pid, version, None)
+        return version
+
+    async def list(self, where: ProfileFilter, page_size: int = 0, page_token: str = "") -> Page:
+        if where.key:
+            check_key("key", where.key)
+        if where.gpu_model:
+            check_gpu_model("gpu_model", where.gpu_model)
+        if not 0 <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidArgument(
+                "page_size", f"must be within 0..{MAX_PAGE_SIZE}, got {page_size}"
+            )
+        return await self._repository.list(where, page_size, page_token)

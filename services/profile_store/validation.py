@@ -1,0 +1,167 @@
+"""Validation of profiles before anything is written. Errors name the field as the proto does."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.profile_store.domain import (
+    Dim3,
+    JobProfile,
+    KernelProfile,
+    MigProfile,
+    Profile,
+    ThroughputProfile,
+)
+
+MAX_KEY_CHARS = 256
+MAX_GPU_MODEL_CHARS = 128
+MAX_KERNEL_NAME_CHARS = 8192
+MAX_ENTRIES = 100_000
+MAX_MEASURED_RUNS = 1_000_000
+MAX_INT64 = 2**63 - 1
+MIG_SLICE_SIZES = frozenset({1, 2, 3, 4, 7})
+# CUDA launch limits: grid x up to 2^31-1, grid y/z up to 65535; block up to 1024x1024x64.
+GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+BLOCK_LIMITS = (1024, 1024, 64)
+
+
+def check_name(field: str, value: str, max_chars: int) -> None:
+    """A key, model or name: non-empty, bounded, no control characters, no outer whitespace."""
+    if not value:
+        raise InvalidArgument(field, "must not be empty")
+    if len(value) > max_chars:
+        raise InvalidArgument(field, f"is {len(value)} characters long, at most {max_chars}")
+    if value != value.strip():
+        raise InvalidArgument(field, "must not start or end with whitespace")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidArgument(field, "must not contain control characters")
+
+
+def check_key(field: str, value: str) -> None:
+    check_name(field, value, MAX_KEY_CHARS)
+
+
+def check_gpu_model(field: str, value: str) -> None:
+    check_name(field, value, MAX_GPU_MODEL_CHARS)
+
+
+def check_non_negative(field: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(field, f"must be a finite number >= 0, got {value}")
+
+
+def check_positive(field: str, value: float) -> None:
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(field, f"must be a finite number > 0, got {value}")
+
+
+def check_range(field: str, value: float, low: float, high: float) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidArgument(field, f"must be within {low}..{high}, got {value}")
+
+
+def check_entries(field: str, entries: Sequence[object]) -> None:
+    if not entries:
+        raise InvalidArgument(field, "must have at least one entry")
+    if len(entries) > MAX_ENTRIES:
+        raise InvalidArgument(field, f"has {len(entries)} entries, at most {MAX_ENTRIES}")
+
+
+def check_unique(field: str, keys: Iterable[object], what: str) -> None:
+    seen: set[object] = set()
+    for index, key in enumerate(keys):
+        if key in seen:
+            raise InvalidArgument(f"{field}[{index}]", f"duplicate {what} {key}")
+        seen.add(key)
+
+
+def check_dim3(field: str, dim: Dim3, limits: tuple[int, int, int]) -> None:
+    for axis, value, limit in zip("xyz", (dim.x, dim.y, dim.z), limits, strict=True):
+        if not 1 <= value <= limit:
+            raise InvalidArgument(f"{field}.{axis}", f"must be within 1..{limit}, got {value}")
+
+
+def check_version(field: str, version: int | None) -> None:
+    if version is not None and not 0 <= version <= MAX_INT64:
+        raise InvalidArgument(field, f"must be within 0..{MAX_INT64}, got {version}")
+
+
+def _check_kernel_profile(p: KernelProfile) -> None:
+    check_range("profile.measured_runs", p.measured_runs, 1, MAX_MEASURED_RUNS)
+    check_entries("profile.kernels", p.kernels)
+    for i, k in enumerate(p.kernels):
+        f = f"profile.kernels[{i}]"
+        check_range(f"{f}.kernel_id", k.kernel_id, 0, 2**64 - 1)
+        check_name(f"{f}.name", k.name, MAX_KERNEL_NAME_CHARS)
+        check_dim3(f"{f}.grid", k.grid, GRID_LIMITS)
+        check_dim3(f"{f}.block", k.block, BLOCK_LIMITS)
+        check_range(f"{f}.sample_count", k.sample_count, 1, MAX_INT64)
+        check_non_negative(f"{f}.mean_duration_ns", k.mean_duration_ns)
+        check_non_negative(f"{f}.p50_duration_ns", k.p50_duration_ns)
+        check_non_negative(f"{f}.p95_duration_ns", k.p95_duration_ns)
+        check_non_negative(f"{f}.mean_gap_after_ns", k.mean_gap_after_ns)
+        if k.p50_duration_ns > k.p95_duration_ns:
+            raise InvalidArgument(f"{f}.p50_duration_ns", "must not exceed p95_duration_ns")
+    check_unique("profile.kernels", (k.kernel_id for k in p.kernels), "kernel_id")
+
+
+def _check_throughput_profile(p: ThroughputProfile) -> None:
+    check_entries("profile.points", p.points)
+    for i, point in enumerate(p.points):
+        f = f"profile.points[{i}]"
+        check_range(f"{f}.sm_percent", point.sm_percent, 1, 100)
+        if not (math.isfinite(point.quota_percent) and 0 < point.quota_percent <= 100):
+            raise InvalidArgument(
+                f"{f}.quota_percent", f"must be in (0, 100], got {point.quota_percent}"
+            )
+        check_non_negative(f"{f}.requests_per_s", point.requests_per_s)
+        check_non_negative(f"{f}.p50_latency_ms", point.p50_latency_ms)
+        check_non_negative(f"{f}.p99_latency_ms", point.p99_latency_ms)
+        if point.p50_latency_ms > point.p99_latency_ms:
+            raise InvalidArgument(f"{f}.p50_latency_ms", "must not exceed p99_latency_ms")
+    check_unique(
+        "profile.points",
+        ((pt.sm_percent, pt.quota_percent) for pt in p.points),
+        "(sm_percent, quota_percent)",
+    )
+
+
+def _check_mig_profile(p: MigProfile) -> None:
+    check_entries("profile.times", p.times)
+    for i, t in enumerate(p.times):
+        f = f"profile.times[{i}]"
+        if t.slices not in MIG_SLICE_SIZES:
+            sizes = ", ".join(map(str, sorted(MIG_SLICE_SIZES)))
+            raise InvalidArgument(f"{f}.slices", f"must be one of {sizes}, got {t.slices}")
+        check_positive(f"{f}.exec_time_s", t.exec_time_s)
+    check_unique("profile.times", (t.slices for t in p.times), "slices")
+
+
+def _check_job_profile(p: JobProfile) -> None:
+    check_positive("profile.minibatch_time_s", p.minibatch_time_s)
+    check_range("profile.peak_memory_bytes", p.peak_memory_bytes, 0, MAX_INT64)
+    check_range("profile.gpu_utilization_percent", p.gpu_utilization_percent, 0, 100)
+    check_non_negative("profile.solo_throughput", p.solo_throughput)
+    if len(p.colocated) > MAX_ENTRIES:
+        raise InvalidArgument("profile.colocated", f"has more than {MAX_ENTRIES} entries")
+    for i, c in enumerate(p.colocated):
+        check_key(f"profile.colocated[{i}].with_task_key", c.with_task_key)
+        check_non_negative(f"profile.colocated[{i}].throughput", c.throughput)
+    check_unique("profile.colocated", (c.with_task_key for c in p.colocated), "with_task_key")
+
+
+_CHECKS = {
+    KernelProfile: _check_kernel_profile,
+    ThroughputProfile: _check_throughput_profile,
+    MigProfile: _check_mig_profile,
+    JobProfile: _check_job_profile,
+}
+
+
+def validate_profile(profile: Profile) -> None:
+    """Raise InvalidArgument naming the first offending field; return None if all is well."""
+    check_key("profile.meta.key", profile.key)
+    check_gpu_model("profile.meta.gpu_model", profile.gpu_model)
+    _CHECKS[type(profile)](profile)  # type: ignore[operator]
