@@ -1,0 +1,64 @@
+"""Valid profiles of every kind, for tests to store, corrupt and compare."""
+
+from __future__ import annotations
+
+from gpuloom.services.profile_store import domain as d
+
+
+def kernel_profile(
+    key: str = "resnet50-train", gpu_model: str = "A100", n: int = 3
+) -> d.KernelProfile:
+    return d.KernelProfile(
+        key=key,
+        gpu_model=gpu_model,
+        measured_runs=20,
+        kernels=tuple(
+            d.KernelStats(
+                kernel_id=0xFEED_0000_0000_0000 + i,  # above 2^63: exercises unsigned handling
+                name=f"void sgemm_kernel<{i}>(float*, float const*)",
+                grid=d.Dim3(128 + i, 2, 1),
+                block=d.Dim3(256, 1, 1),
+                sample_count=19,
+                mean_duration_ns=1000.0 + i,
+                p50_duration_ns=950.0 + i,
+                p95_duration_ns=1400.0 + i,
+                mean_gap_after_ns=35.5,
+            )
+            for i in range(n)
+        ),
+    )
+
+
+def throughput_profile(key: str = "resnet-infer", gpu_model: str = "A100") -> d.ThroughputProfile:
+    return d.ThroughputProfile(
+        key=key,
+        gpu_model=gpu_model,
+        points=(
+            d.ThroughputPoint(12, 40.0, 180.0, 8.0, 21.0),
+            d.ThroughputPoint(24, 40.0, 330.0, 6.5, 15.0),
+            d.ThroughputPoint(100, 100.0, 1500.0, 2.0, 4.0),
+        ),
+    )
+
+
+def mig_profile(key: str = "rodinia-lud", gpu_model: str = "A100") -> d.MigProfile:
+    return d.MigProfile(
+        key=key,
+        gpu_model=gpu_model,
+        times=(d.MigTime(1, 40.0), d.MigTime(2, 21.0), d.MigTime(3, 15.0), d.MigTime(7, 7.5)),
+    )
+
+
+def job_profile(key: str = "bert-finetune", gpu_model: str = "V100") -> d.JobProfile:
+    return d.JobProfile(
+        key=key,
+        gpu_model=gpu_model,
+        minibatch_time_s=0.215,
+        peak_memory_bytes=11 * 2**30,
+        gpu_utilization_percent=87.5,
+        solo_throughput=4.65,
+        colocated=(d.ColocatedThroughput("resnet50-train", 3.1),),
+    )
+
+
+ALL_KINDS = (kernel_profile, throughput_profile, mig_profile, job_profile)

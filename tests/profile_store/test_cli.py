@@ -1,0 +1,59 @@
+"""`gpuloom profiles list|show` against a running store, and the CLI's answers to bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from click.testing import CliRunner, Result
+
+from gpuloom.clients.cli import cli
+from gpuloom.services.profile_store.app import ProfileStoreApp
+from tests.conftest import free_port
+from tests.profile_store import samples
+
+
+async def invoke(*args: str) -> Result:
+    # The store serves on this event loop, so the blocking CLI runs in a worker thread.
+    return await asyncio.to_thread(CliRunner().invoke, cli, list(args))
+
+
+async def test_list_and_show_print_readable_tables(store_app: ProfileStoreApp) -> None:
+    store = f"--store=127.0.0.1:{store_app.port}"
+    await store_app.store.put(samples.kernel_profile())
+    await store_app.store.put(samples.throughput_profile())
+
+    listed = await invoke("profiles", "list", store)
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].split() == ["KIND", "KEY", "GPU", "MODEL", "VERSION", "ENTRIES", "UPDATED"]
+    assert any(line.startswith("kernel") and "resnet50-train" in line for line in lines[2:])
+    assert any(line.startswith("throughput") and "resnet-infer" in line for line in lines[2:])
+
+    shown = await invoke("profiles", "show", "kernel", "resnet50-train", "A100", store)
+    assert shown.exit_code == 0, shown.output
+    assert "measured runs: 20" in shown.output
+    assert "feed000000000002" in shown.output and "128x1x1" not in shown.output
+    assert "130x2x1" in shown.output  # grid of the third kernel
+
+    as_json = await invoke(
+        "profiles", "show", "throughput", "resnet-infer", "A100", store, "--json"
+    )
+    document = json.loads(as_json.output)
+    assert document["kind"] == "throughput" and len(document["points"]) == 3
+
+    filtered = await invoke("profiles", "list", store, "--kind", "mig")
+    assert filtered.output.strip() == "no profiles match"
+
+
+async def test_cli_errors_are_clear(store_app: ProfileStoreApp) -> None:
+    store = f"--store=127.0.0.1:{store_app.port}"
+    missing = await invoke("profiles", "show", "job", "nobody", "A100", store)
+    assert missing.exit_code == 1
+    assert "no job profile 'nobody' on 'A100'" in missing.output
+
+    bad_kind = await invoke("profiles", "show", "gizmo", "x", "A100", store)
+    assert bad_kind.exit_code == 2 and "gizmo" in bad_kind.output
+
+    dead = await invoke("profiles", "list", f"--store=127.0.0.1:{free_port()}")
+    assert dead.exit_code == 1 and "failed to connect" in dead.output

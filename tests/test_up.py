@@ -1,0 +1,77 @@
+"""`gpuloom up` as a user runs it: a real process on the embedded default, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from gpuloom.clients.profile_store import ProfileStoreClient
+from tests.conftest import free_port
+from tests.profile_store import samples
+
+GPULOOM = str(Path(sys.executable).parent / "gpuloom")
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
+    env.update(GPULOOM_DATA_DIR=str(tmp_path / "state"), **extra)
+    return env
+
+
+def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> None:
+    port, metrics = free_port(), free_port()
+    env = _env(tmp_path, GPULOOM_PROFILE_STORE_PORT=str(port), GPULOOM_METRICS_PORT=str(metrics))
+    process = subprocess.Popen(
+        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        banner = [process.stdout.readline() for _ in range(3)]
+        assert f"127.0.0.1:{port}" in banner[1] and "profile-store" in banner[1]
+        assert f"http://127.0.0.1:{metrics}/metrics" in banner[2]
+
+        with ProfileStoreClient(f"127.0.0.1:{port}") as client:
+            stored = client.put(samples.mig_profile())
+            assert client.get(stored.KIND, stored.key, stored.gpu_model) == stored
+        assert (tmp_path / "state" / "profiles.db").exists()  # SQLite, the embedded default
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read()
+        assert (
+            b'gpuloom_rpc_total{code="OK",method="PutMigProfile",service="gpuloom.v1.ProfileStore"}'
+            in scraped
+        )
+
+        process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        assert process.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_bad_configuration_fails_fast_naming_the_variable(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [GPULOOM, "up"],
+        env=_env(tmp_path, GPULOOM_PROFILE_STORE_PORT="99999"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "GPULOOM_PROFILE_STORE_PORT" in result.stderr
+    assert "less than or equal to 65535" in result.stderr
+
+    result = subprocess.run(
+        [GPULOOM, "serve", "profile-store"],
+        env=_env(tmp_path, GPULOOM_PROFILE_STORE_DATABASE_URL="mysql://x"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1 and "GPULOOM_PROFILE_STORE_DATABASE_URL" in result.stderr
