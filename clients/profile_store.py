@@ -7,11 +7,9 @@ InvalidArgument, Aborted, ...), so callers never touch protobuf messages or stat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Iterator
 from datetime import UTC
 from types import TracebackType
-from typing import Any
 
 import grpc
 
@@ -54,30 +52,15 @@ class ProfileStoreClient:
 
     def put(self, profile: d.Profile, expected_version: int | None = None) -> d.Profile:
         """Store a profile of any kind; returns it with the version the store gave it."""
-        match profile:
-            case d.KernelProfile():
-                request = pb.PutKernelProfileRequest(profile=convert.kernel_profile_to_pb(profile))
-                method, back = "PutKernelProfile", convert.kernel_profile_from_pb
-            case d.ThroughputProfile():
-                request = pb.PutThroughputProfileRequest(
-                    profile=convert.throughput_profile_to_pb(profile)
-                )
-                method, back = "PutThroughputProfile", convert.throughput_profile_from_pb
-            case d.MigProfile():
-                request = pb.PutMigProfileRequest(profile=convert.mig_profile_to_pb(profile))
-                method, back = "PutMigProfile", convert.mig_profile_from_pb
-            case d.JobProfile():
-                request = pb.PutJobProfileRequest(profile=convert.job_profile_to_pb(profile))
-                method, back = "PutJobProfile", convert.job_profile_from_pb
+        method, request_type = _PUTS[profile.KIND]
+        request = request_type(profile=convert.TO_PB[type(profile)](profile))
         if expected_version is not None:
             request.expected_version = expected_version
-        return _stamped(back, self._call(method, request))
+        return convert.stamped_from_pb(profile.KIND, self._call(method, request))
 
     def get(self, kind: d.ProfileKind, key: str, gpu_model: str) -> d.Profile:
-        method, back = _GETTERS[kind]
-        return _stamped(
-            back, self._call(method, pb.GetProfileRequest(key=key, gpu_model=gpu_model))
-        )
+        request = pb.GetProfileRequest(key=key, gpu_model=gpu_model)
+        return convert.stamped_from_pb(kind, self._call(_GETS[kind], request))
 
     def get_kernel_profile(self, task_key: str, gpu_model: str) -> d.KernelProfile:
         profile = self.get(d.ProfileKind.KERNEL, task_key, gpu_model)
@@ -130,17 +113,15 @@ class ProfileStoreClient:
         return response.deleted_version
 
 
-_GETTERS = {
-    d.ProfileKind.KERNEL: ("GetKernelProfile", convert.kernel_profile_from_pb),
-    d.ProfileKind.THROUGHPUT: ("GetThroughputProfile", convert.throughput_profile_from_pb),
-    d.ProfileKind.MIG: ("GetMigProfile", convert.mig_profile_from_pb),
-    d.ProfileKind.JOB: ("GetJobProfile", convert.job_profile_from_pb),
+_PUTS = {
+    d.ProfileKind.KERNEL: ("PutKernelProfile", pb.PutKernelProfileRequest),
+    d.ProfileKind.THROUGHPUT: ("PutThroughputProfile", pb.PutThroughputProfileRequest),
+    d.ProfileKind.MIG: ("PutMigProfile", pb.PutMigProfileRequest),
+    d.ProfileKind.JOB: ("PutJobProfile", pb.PutJobProfileRequest),
 }
-
-
-def _stamped(from_pb: Callable[[Any], d.Profile], message: Any) -> d.Profile:
-    """The converters ignore store-assigned fields on the way in; a client wants them."""
-    meta = message.meta
-    return replace(
-        from_pb(message), version=meta.version, updated_at=meta.updated_at.ToDatetime(tzinfo=UTC)
-    )
+_GETS = {
+    d.ProfileKind.KERNEL: "GetKernelProfile",
+    d.ProfileKind.THROUGHPUT: "GetThroughputProfile",
+    d.ProfileKind.MIG: "GetMigProfile",
+    d.ProfileKind.JOB: "GetJobProfile",
+}

@@ -10,6 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.profile_store.cache import InProcessCache, ProfileCache, RedisCache
+from gpuloom.services.profile_store.convert import ProtobufCodec
 from gpuloom.services.profile_store.core import ProfileStore
 from gpuloom.services.profile_store.repository import ProfileRepository
 from gpuloom.services.profile_store.servicer import SERVICE, ProfileStoreServicer
@@ -27,6 +28,7 @@ def build_cache(settings: ProfileStoreSettings) -> ProfileCache:
             ttl_s=settings.cache_ttl_s,
             timeout_s=settings.cache_timeout_s,
             retry_s=settings.cache_retry_s,
+            prefix=settings.cache_prefix,
         )
     return InProcessCache(settings.in_process_cache_entries, settings.cache_ttl_s)
 
@@ -51,7 +53,7 @@ class ProfileStoreApp:
         try:
             if settings.auto_migrate:
                 await migrate(engine, settings.database_schema)
-            store = ProfileStore(ProfileRepository(engine), cache)
+            store = ProfileStore(ProfileRepository(engine), cache, ProtobufCodec())
             servicer = ProfileStoreServicer(store)
             registration = ServiceRegistration(
                 SERVICE, lambda server: pb_grpc.add_ProfileStoreServicer_to_server(servicer, server)

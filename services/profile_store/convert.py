@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC
+from typing import Any
+
+from google.protobuf.message import Message
+
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.profile_store import domain as d
 from gpuloom.v1 import common_pb2 as common
@@ -178,6 +185,40 @@ def summary_to_pb(s: d.ProfileSummary) -> pb.ProfileSummary:
     )
     meta.updated_at.FromDatetime(s.updated_at)
     return pb.ProfileSummary(meta=meta, entries=s.entries)
+
+
+TO_PB: dict[type, Callable[[Any], Message]] = {
+    d.KernelProfile: kernel_profile_to_pb,
+    d.ThroughputProfile: throughput_profile_to_pb,
+    d.MigProfile: mig_profile_to_pb,
+    d.JobProfile: job_profile_to_pb,
+}
+FROM_PB: dict[d.ProfileKind, tuple[type[Message], Callable[[Any], d.Profile]]] = {
+    d.ProfileKind.KERNEL: (pb.KernelProfile, kernel_profile_from_pb),
+    d.ProfileKind.THROUGHPUT: (pb.ThroughputProfile, throughput_profile_from_pb),
+    d.ProfileKind.MIG: (pb.MigProfileRecord, mig_profile_from_pb),
+    d.ProfileKind.JOB: (pb.JobProfile, job_profile_from_pb),
+}
+
+
+def stamped_from_pb(kind: d.ProfileKind, message: Any) -> d.Profile:
+    """A domain profile with the store-assigned version and timestamp kept (from_pb drops them)."""
+    meta = message.meta
+    return replace(
+        FROM_PB[kind][1](message),
+        version=meta.version,
+        updated_at=meta.updated_at.ToDatetime(tzinfo=UTC),
+    )
+
+
+class ProtobufCodec:
+    """Profiles as the serialized gpuloom.v1 message the Get RPC of their kind returns."""
+
+    def encode(self, profile: d.Profile) -> bytes:
+        return TO_PB[type(profile)](profile).SerializeToString()
+
+    def decode(self, kind: d.ProfileKind, data: bytes) -> d.Profile:
+        return stamped_from_pb(kind, FROM_PB[kind][0].FromString(data))
 
 
 def optional_version(request: object) -> int | None:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from gpuloom.services.common.errors import InvalidArgument, NotFound
-from gpuloom.services.profile_store import codec
 from gpuloom.services.profile_store.cache import ProfileCache
 from gpuloom.services.profile_store.domain import (
     Page,
     Profile,
     ProfileFilter,
     ProfileId,
+    ProfileKind,
     profile_id,
 )
 from gpuloom.services.profile_store.repository import MAX_PAGE_SIZE, ProfileRepository
@@ -21,34 +23,48 @@ from gpuloom.services.profile_store.validation import (
 )
 
 
+class ProfileCodec(Protocol):
+    """How profiles are encoded in the cache. The servicer supplies its wire encoding, so a cache
+    hit is served as stored bytes without building a Python object per kernel."""
+
+    def encode(self, profile: Profile) -> bytes: ...
+
+    def decode(self, kind: ProfileKind, data: bytes) -> Profile: ...
+
+
 class ProfileStore:
-    def __init__(self, repository: ProfileRepository, cache: ProfileCache) -> None:
+    def __init__(
+        self, repository: ProfileRepository, cache: ProfileCache, codec: ProfileCodec
+    ) -> None:
         self._repository = repository
         self._cache = cache
+        self._codec = codec
 
-    async def get(self, pid: ProfileId) -> Profile:
+    async def get_encoded(self, pid: ProfileId) -> bytes:
+        """The profile in the codec's encoding: from the cache, else from the database."""
         check_key("key", pid.key)
         check_gpu_model("gpu_model", pid.gpu_model)
         entry = await self._cache.fetch(pid)
         if entry is not None:
             if entry.payload is None:
                 raise NotFound(f"no {pid}")
-            cached = codec.decode(entry.payload)
-            if cached is not None:
-                return cached
+            return entry.payload
         found = await self._repository.lookup(pid)
+        payload = self._codec.encode(found.profile) if found.profile is not None else None
         if found.version:
-            payload = codec.encode(found.profile) if found.profile is not None else None
             await self._cache.offer(pid, found.version, payload)
-        if found.profile is None:
+        if payload is None:
             raise NotFound(f"no {pid}")
-        return found.profile
+        return payload
+
+    async def get(self, pid: ProfileId) -> Profile:
+        return self._codec.decode(pid.kind, await self.get_encoded(pid))
 
     async def put(self, profile: Profile, expected_version: int | None = None) -> Profile:
         validate_profile(profile)
         check_version("expected_version", expected_version)
         stored = await self._repository.put(profile, expected_version)
-        await self._cache.offer(profile_id(stored), stored.version, codec.encode(stored))
+        await self._cache.offer(profile_id(stored), stored.version, self._codec.encode(stored))
         return stored
 
     async def delete(self, pid: ProfileId, expected_version: int | None = None) -> int:

@@ -27,6 +27,8 @@ class ProfileStoreSettings(BaseSettings):
     database_schema: str = Field(default="", pattern=r"^([a-z_][a-z0-9_]{0,62})?$")
     # Empty: the embedded default, an in-process cache.
     redis_url: str = ""
+    # Every cache key starts with this, so several stores (or tests) can share one Redis.
+    cache_prefix: str = Field(default="gpuloom:profile-store:v1:", min_length=1, max_length=128)
     cache_ttl_s: int = Field(default=3600, ge=1, le=7 * 24 * 3600)
     # Per-command Redis timeout; a slow or dead Redis costs a request at most this much.
     cache_timeout_s: float = Field(default=0.25, gt=0, le=10)
