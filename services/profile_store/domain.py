@@ -100,7 +100,10 @@ class MigTime:
 
 @dataclass(frozen=True, slots=True)
 class MigProfile:
-    """Execution time of a task on each MIG instance size it can run on (FAR)."""
+    """Execution time of a task on each MIG instance size it can run on (FAR).
+
+    The times form a mapping from size to time, so they are kept sorted by size: two profiles
+    with the same times are equal whatever order they were given in."""
 
     KIND: ClassVar[ProfileKind] = ProfileKind.MIG
     key: str
@@ -108,6 +111,9 @@ class MigProfile:
     times: tuple[MigTime, ...]
     version: int = 0
     updated_at: datetime | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "times", tuple(sorted(self.times, key=lambda t: t.slices)))
 
     @property
     def entries(self) -> int:

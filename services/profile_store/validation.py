@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Iterable, Sequence
 
 from gpuloom.services.common.errors import InvalidArgument
@@ -35,7 +36,7 @@ def check_name(field: str, value: str, max_chars: int) -> None:
         raise InvalidArgument(field, f"is {len(value)} characters long, at most {max_chars}")
     if value != value.strip():
         raise InvalidArgument(field, "must not start or end with whitespace")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+    if any(unicodedata.category(c) == "Cc" for c in value):
         raise InvalidArgument(field, "must not contain control characters")
 
 
