@@ -7,6 +7,7 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 
 from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.shapes import validate_mig_slices
 from gpuloom.services.profile_store.domain import (
     Dim3,
     JobProfile,
@@ -22,7 +23,6 @@ MAX_KERNEL_NAME_CHARS = 8192
 MAX_ENTRIES = 100_000
 MAX_MEASURED_RUNS = 1_000_000
 MAX_INT64 = 2**63 - 1
-MIG_SLICE_SIZES = frozenset({1, 2, 3, 4, 7})
 # CUDA launch limits: grid x up to 2^31-1, grid y/z up to 65535; block up to 1024x1024x64.
 GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
 BLOCK_LIMITS = (1024, 1024, 64)
@@ -133,9 +133,7 @@ def _check_mig_profile(p: MigProfile) -> None:
     check_entries("profile.times", p.times)
     for i, t in enumerate(p.times):
         f = f"profile.times[{i}]"
-        if t.slices not in MIG_SLICE_SIZES:
-            sizes = ", ".join(map(str, sorted(MIG_SLICE_SIZES)))
-            raise InvalidArgument(f"{f}.slices", f"must be one of {sizes}, got {t.slices}")
+        validate_mig_slices(f"{f}.slices", t.slices)
         check_positive(f"{f}.exec_time_s", t.exec_time_s)
     check_unique("profile.times", (t.slices for t in p.times), "slices")
 
