@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Table, delete, func, insert, select, tuple_, update
+from sqlalchemy import Table, delete, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -333,11 +333,6 @@ class ProfileRepository:
         last = summaries[-1].id if summaries else None
         token = encode_page_token(last) if more and last else ""
         return Page(summaries, token)
-
-    async def count(self) -> int:
-        async with self._engine.connect() as conn:
-            total = await conn.scalar(select(func.count()).select_from(PROFILES))
-        return int(total or 0)
 
     @contextlib.asynccontextmanager
     async def _transaction(self) -> AsyncIterator[AsyncConnection]:
