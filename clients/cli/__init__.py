@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpuloom import __version__
+from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import serve, up
 
@@ -18,6 +19,7 @@ def cli() -> None:
 cli.add_command(up)
 cli.add_command(serve)
 cli.add_command(profiles)
+cli.add_command(mig)
 
 
 def main() -> None:

@@ -1,0 +1,39 @@
+"""MIG planning: FAR (Villarrubia et al., JPDC 2025), its baselines, and the data they share.
+
+Pure code: tasks and a GPU geometry in, a Plan out. `get_planner(name)` finds a policy.
+"""
+
+from gpuloom.policies.mig.geometry import GEOMETRIES, MigGeometry, Placement, get_geometry
+from gpuloom.policies.mig.lower_bound import area_lower_bound
+from gpuloom.policies.mig.plan import (
+    Assignment,
+    InvalidPlanError,
+    InvalidTaskError,
+    MigPlanner,
+    MigTask,
+    Plan,
+    PlanningError,
+    Reconfiguration,
+    verify_plan,
+)
+from gpuloom.policies.mig.registry import PLANNERS, UnknownPolicyError, get_planner
+
+__all__ = [
+    "GEOMETRIES",
+    "PLANNERS",
+    "Assignment",
+    "InvalidPlanError",
+    "InvalidTaskError",
+    "MigGeometry",
+    "MigPlanner",
+    "MigTask",
+    "Placement",
+    "Plan",
+    "PlanningError",
+    "Reconfiguration",
+    "UnknownPolicyError",
+    "area_lower_bound",
+    "get_geometry",
+    "get_planner",
+    "verify_plan",
+]
