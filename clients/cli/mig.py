@@ -260,26 +260,25 @@ def draw_gantt(plan: Plan, gpu: MigGeometry, title: str, out: Path) -> None:
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for r in plan.reconfigurations:
-        slices = gpu.placement(r.size, r.first_slice).slices
+        placement = gpu.placement(r.size, r.first_slice)
         axes.broken_barh(
             [(r.start_s, r.end_s - r.start_s)],
-            (slices.start, len(slices)),
+            (placement.first_slice, placement.span),
             facecolors="tab:cyan" if r.action == "create" else "tab:red",
             alpha=0.6,
         )
     colours = [f"C{i}" for i in range(10)]
     for a in plan.assignments:
-        slices = gpu.placement(a.size, a.first_slice).slices
         axes.broken_barh(
             [(a.start_s, a.end_s - a.start_s)],
-            (slices.start + 0.08, a.size - 0.16),
+            (a.first_slice + 0.08, a.size - 0.16),
             facecolors=colours[a.task_index % len(colours)],
             edgecolors="black",
             linewidth=0.5,
         )
         axes.text(
             (a.start_s + a.end_s) / 2,
-            slices.start + a.size / 2,
+            a.first_slice + a.size / 2,
             a.task,
             ha="center",
             va="center",

@@ -38,6 +38,9 @@ from gpuloom.policies.mig.refine import NodeTasks, SearchSpace, improve
 from gpuloom.policies.mig.timeline import EMPTY_GPU, GpuState, Timeline, simulate
 
 ConcatMode = Literal["trivial", "reverse", "reverse+refine"]
+RANDOM_ALLOCATION_BUDGET = 2000
+# How sharply random allocations prefer sizes close to a task's least work.
+RANDOM_ALLOCATION_SHARPNESS = 4.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,10 @@ class FarOptions:
     # Run a task placed on the 3-slice instance at slice 0 on the 4-slice instance over the
     # same slices instead when it is no slower there (slice 3 is blocked either way).
     use_wider_instance: bool = True
+    # Also list-schedule this many random allocations (fixed seed, sizes drawn with weight
+    # exp(-4 (work / least work - 1))), fewer on big batches: at most
+    # RANDOM_ALLOCATION_BUDGET / tasks of them, since each costs a phase-2 run.
+    random_allocations: int = 32
     # At most this many allocations go through phase 2 (lowest lower bound first)...
     max_allocations: int = 512
     # ... and phase 2 stops after this many runs in a row that did not beat the best (None:
@@ -71,6 +78,7 @@ class FarOptions:
             capped_families=False,
             remold=False,
             use_wider_instance=False,
+            random_allocations=0,
             patience=None,
         )
 
@@ -174,6 +182,23 @@ def _first_allocations(problem: _Problem, capped: bool) -> list[np.ndarray]:
             if not any(np.array_equal(start, seen) for seen in starts):
                 starts.append(start)
     return starts
+
+
+def _random_allocations(problem: _Problem, count: int) -> list[np.ndarray]:
+    """Allocations drawn around the least-work sizes, from a fixed seed (same input, same
+    plan)."""
+    rng = np.random.default_rng(0)
+    relative = problem.work / problem.work.min(axis=1, keepdims=True)
+    weights = np.exp(-RANDOM_ALLOCATION_SHARPNESS * (relative - 1))
+    cumulative = (weights / weights.sum(axis=1, keepdims=True)).cumsum(axis=1)
+    least_work = np.argmin(problem.work, axis=1)
+    draws = []
+    for _ in range(count):
+        alloc = (rng.random((len(relative), 1)) < cumulative).argmax(axis=1)
+        # Rounding can land on a size the task cannot use: fall back to its least work.
+        unusable = np.isinf(problem.times[np.arange(len(alloc)), alloc])
+        draws.append(np.where(unusable, least_work, alloc))
+    return draws
 
 
 def _allocation_family(problem: _Problem, first: np.ndarray, stop_area: float) -> _Family:
@@ -384,6 +409,11 @@ def far_layout(
             seen.add(alloc.tobytes())
             run(alloc)
             since_improved = 0 if ranked[0][0] < before else since_improved + 1
+    count = min(options.random_allocations, RANDOM_ALLOCATION_BUDGET // len(tasks))
+    for alloc in _random_allocations(problem, count):
+        if alloc.tobytes() not in seen:
+            seen.add(alloc.tobytes())
+            run(alloc)
 
     best_nodes = _node_lists(problem, ranked[0][2])
     best_makespan, moves, swaps = ranked[0][0], 0, 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 
@@ -21,16 +21,18 @@ class UnknownGpuError(ValueError):
 
 @dataclass(frozen=True, order=True)
 class Placement:
-    """One legal MIG instance: `size` compute slices starting at `first_slice`."""
+    """One legal MIG instance: `size` compute slices starting at `first_slice`; `slices` are
+    the ones it blocks while it exists (its footprint, `span` of them)."""
 
     size: int
     first_slice: int
     span: int
+    slices: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
-    @property
-    def slices(self) -> range:
-        """The slices this instance blocks while it exists (its footprint)."""
-        return range(self.first_slice, self.first_slice + self.span)
+    def __post_init__(self) -> None:
+        # Stored, not computed on access: the planners read it in their innermost loops.
+        footprint = tuple(range(self.first_slice, self.first_slice + self.span))
+        object.__setattr__(self, "slices", footprint)
 
     def overlaps(self, other: Placement) -> bool:
         return (

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 CANDIDATES_PER_ALTERNATIVE = 2
+# Nodes with this many tasks or more search swap partners with numpy; below, plain Python is
+# faster.
+VECTORISE_FROM = 48
 
 
 @dataclass
@@ -38,7 +41,7 @@ class SearchSpace:
     (inf: cannot run there) and the nodes its tasks may move to; per slice, the nodes
     covering it from the last executed to the first."""
 
-    node_slices: Sequence[range]
+    node_slices: Sequence[Sequence[int]]
     node_times: Sequence[Sequence[float]]
     alternatives: Sequence[Sequence[int]]
     chains: Sequence[Sequence[int]]
@@ -78,8 +81,8 @@ class _Search:
         self.ends = slice_ends_of(self.loads)
         self.best = sorted(self.ends, reverse=True)
         self.stats = SearchStats(evaluations=1)
-        # Task times per node as arrays for the swap search, rebuilt after a node changes.
-        self.arrays: list[np.ndarray | None] = [None] * len(nodes)
+        # Each node's task times (ascending) for the swap search, rebuilt after it changes.
+        self.times: list[list[float] | None] = [None] * len(nodes)
 
     def step(self, max_evaluations: int) -> bool:
         """Make one improving move or swap; False when there is none (or out of budget).
@@ -100,13 +103,12 @@ class _Search:
         return False
 
     def improve_node(self, node: int, makespan: float, eps: float, budget: int) -> bool:
-        space = self.space
-
-        def slice_end(n: int) -> float:
-            return max(self.ends[s] for s in space.node_slices[n])
-
-        for alt in sorted(space.alternatives[node], key=slice_end):
-            gap = makespan - slice_end(alt)
+        space, ends = self.space, self.ends
+        alternatives = sorted(
+            (max(ends[s] for s in space.node_slices[alt]), alt) for alt in space.alternatives[node]
+        )
+        for alt_end, alt in alternatives:
+            gap = makespan - alt_end
             if gap <= eps:
                 break
             same_size = space.node_times[alt] is space.node_times[node]
@@ -136,7 +138,7 @@ class _Search:
         candidate = sorted(candidate_ends, reverse=True)
         if _better(candidate, self.best):
             self.ends, self.best = candidate_ends, candidate
-            self.arrays[node] = self.arrays[alt] = None
+            self.times[node] = self.times[alt] = None
             return True
         self._exchange(alt, arriving, node, leaving)
         return False
@@ -156,24 +158,50 @@ class _Search:
         source, target = self.nodes[node], self.nodes[alt]
         if not target:
             return []
+        if len(source) < VECTORISE_FROM:
+            return _closest_pairs(source, target, self._times(alt), gap)
         out_times, back_times = self._array(node), self._array(alt)
         half = gap / 2
-        right = np.searchsorted(back_times, out_times - half).clip(max=len(target) - 1)
-        pairs = np.concatenate([(right - 1).clip(min=0), right])
-        outs = np.tile(np.arange(len(source)), 2)
-        difference = out_times[outs] - back_times[pairs]
-        score = np.where((difference > 0) & (difference < gap), np.abs(difference - half), np.inf)
-        chosen = np.argsort(score, kind="stable")[:CANDIDATES_PER_ALTERNATIVE]
-        return [
-            (source[outs[c]], target[pairs[c]]) for c in chosen.tolist() if np.isfinite(score[c])
-        ]
+        right = np.searchsorted(back_times, out_times - half)
+        best_score = np.full(len(source), np.inf)
+        best_back = np.zeros(len(source), dtype=int)
+        for pick in (right - 1, right):
+            inside = (pick >= 0) & (pick < len(target))
+            pick = pick.clip(0, len(target) - 1)
+            difference = out_times - back_times[pick]
+            score = np.where(
+                inside & (difference > 0) & (difference < gap), np.abs(difference - half), np.inf
+            )
+            better = score < best_score
+            best_score = np.where(better, score, best_score)
+            best_back = np.where(better, pick, best_back)
+        chosen = np.argsort(best_score, kind="stable")[:CANDIDATES_PER_ALTERNATIVE].tolist()
+        return [(source[o], target[best_back[o]]) for o in chosen if best_score[o] < np.inf]
+
+    def _times(self, node: int) -> list[float]:
+        cached = self.times[node]
+        if cached is None:
+            cached = [seconds for seconds, _ in self.nodes[node]]
+            self.times[node] = cached
+        return cached
 
     def _array(self, node: int) -> np.ndarray:
-        cached = self.arrays[node]
-        if cached is None:
-            cached = np.array([seconds for seconds, _ in self.nodes[node]])
-            self.arrays[node] = cached
-        return cached
+        return np.array(self._times(node))
+
+
+def _closest_pairs(
+    source: NodeTasks, target: NodeTasks, target_times: list[float], gap: float
+) -> list[tuple[Entry, Entry]]:
+    half = gap / 2
+    scored: list[tuple[float, Entry, Entry]] = []
+    for out in source:
+        i = bisect_left(target_times, out[0] - half)
+        for back in target[max(i - 1, 0) : i + 1]:
+            difference = out[0] - back[0]
+            if 0 < difference < gap:
+                scored.append((abs(difference - half), out, back))
+    scored.sort(key=lambda item: item[0])
+    return [(out, back) for _, out, back in scored[:CANDIDATES_PER_ALTERNATIVE]]
 
 
 def _moves(

@@ -131,8 +131,10 @@ def simulate(
     # (ready key, destroy-before-create, owner): the queue serves what became possible first.
     pending: list[tuple[float, int, int]] = []
     not_before = [release_s] * count
-    for i, placement in enumerate(placements):
-        not_before[carried + i] = max(release_s, *(free_at[s] for s in placement.slices))
+    if state.slice_free_at:
+        for i, placement in enumerate(placements):
+            latest_free = max(free_at[s] for s in placement.slices)
+            not_before[carried + i] = max(release_s, latest_free)
     create_key = list(not_before)
     destroyed_at = [math.nan] * count
 

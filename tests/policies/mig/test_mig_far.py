@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -90,8 +92,9 @@ def test_three_slice_tasks_stay_on_the_four_slice_instance_when_no_slower() -> N
         task("b1", A100, 40, 20, 10, 10, 9.9),
         task("b2", A100, 40, 20, 10, 10, 9.9),
     ]
-    published = FarPlanner(FarOptions(refine=False, use_wider_instance=False)).plan(tasks, A100)
-    wider = FarPlanner(FarOptions(refine=False)).plan(tasks, A100)
+    phase_2 = dataclasses.replace(FarOptions.paper(), refine=False)
+    published = FarPlanner(phase_2).plan(tasks, A100)
+    wider = FarPlanner(dataclasses.replace(phase_2, use_wider_instance=True)).plan(tasks, A100)
     verify_plan(published, tasks, A100)
     verify_plan(wider, tasks, A100)
     assert any((a.size, a.first_slice) == (3, 0) for a in published.assignments)
