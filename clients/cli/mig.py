@@ -33,7 +33,13 @@ def mig() -> None:
 
 
 @mig.command("plan")
-@click.option("--gpu", "gpu_name", required=True, type=click.Choice(GPUS, case_sensitive=False))
+@click.option(
+    "--gpu",
+    "gpu_name",
+    required=True,
+    type=click.Choice(GPUS, case_sensitive=False),
+    metavar="[" + "|".join(GPUS) + "]",
+)
 @click.option(
     "--policy",
     default="far",
@@ -100,7 +106,13 @@ def plan_command(
 
 
 @mig.command("synth")
-@click.option("--gpu", "gpu_name", required=True, type=click.Choice(GPUS, case_sensitive=False))
+@click.option(
+    "--gpu",
+    "gpu_name",
+    required=True,
+    type=click.Choice(GPUS, case_sensitive=False),
+    metavar="[" + "|".join(GPUS) + "]",
+)
 @click.option(
     "--workload",
     type=click.Choice(synthetic.WORKLOADS),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -34,7 +34,7 @@ from gpuloom.policies.mig.plan import (
     Reconfiguration,
     validate_tasks,
 )
-from gpuloom.policies.mig.refine import NodeTasks, SearchSpace, improve
+from gpuloom.policies.mig.refine import NodeTasks, SearchRules, SearchSpace, improve
 from gpuloom.policies.mig.timeline import EMPTY_GPU, GpuState, Timeline, simulate
 
 ConcatMode = Literal["trivial", "reverse", "reverse+refine"]
@@ -54,8 +54,8 @@ class FarOptions:
     # Besides the paper's family (every task starts at its least-work size), also grow
     # families whose tasks start at their least-work size no larger than each instance size.
     capped_families: bool = True
-    # Refinement may also move a task to an instance of another size (re-molding it).
-    remold: bool = True
+    # How widely phase 3 (and concatenation) search; SearchRules.paper() is Algorithm 2.
+    search: SearchRules = field(default_factory=SearchRules)
     # Run a task placed on the 3-slice instance at slice 0 on the 4-slice instance over the
     # same slices instead when it is no slower there (slice 3 is blocked either way).
     use_wider_instance: bool = True
@@ -76,7 +76,7 @@ class FarOptions:
         return cls(
             refine_top=1,
             capped_families=False,
-            remold=False,
+            search=SearchRules.paper(),
             use_wider_instance=False,
             random_allocations=0,
             patience=None,
@@ -356,42 +356,46 @@ def _loads(nodes: Sequence[NodeTasks]) -> list[float | None]:
     return [sum(seconds for seconds, _ in tasks) if tasks else None for tasks in nodes]
 
 
-def far_layout(
-    tasks: Sequence[MigTask], gpu: MigGeometry, options: FarOptions = FarOptions()
-) -> BatchLayout:
-    """Phases 1-3 of FAR for one batch."""
-    validate_tasks(tasks, gpu)
-    problem = _Problem(tasks, gpu)
+class _Ranking:
+    """Phase 2 over many allocations, keeping the best schedules: (makespan, order found,
+    tasks per tree node), best first."""
 
-    def makespan_of(node_tasks: Sequence[Sequence[int]]) -> float:
-        durations = problem.node_durations
+    def __init__(self, problem: _Problem, options: FarOptions) -> None:
+        self.problem = problem
+        self.options = options
+        self.keep = max(options.refine_top if options.refine else 1, 1)
+        self.entries: list[tuple[float, int, list[list[int]]]] = []
+        self.seen: set[bytes] = set()
+
+    @property
+    def best(self) -> float:
+        return self.entries[0][0] if self.entries else math.inf
+
+    def run(self, alloc: np.ndarray) -> bool:
+        """List-schedule an allocation not seen before; True if it beat the best."""
+        key = alloc.tobytes()
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        before = self.best
+        node_tasks = _list_schedule(self.problem, alloc)
+        if self.options.use_wider_instance:
+            _use_wider_instances(self.problem, node_tasks)
+        durations = self.problem.node_durations
         loads = [
             sum(durations[node][t] for t in tasks) if tasks else None
             for node, tasks in enumerate(node_tasks)
         ]
-        return _timed(problem, loads, reverse=False).makespan
+        makespan = _timed(self.problem, loads, reverse=False).makespan
+        self.entries.append((makespan, len(self.seen), node_tasks))
+        self.entries.sort(key=lambda entry: entry[:2])
+        del self.entries[self.keep :]
+        return self.best < before
 
-    keep = max(options.refine_top if options.refine else 1, 1)
-    # (makespan, tie-break, tasks per node) of the best phase-2 schedules, best first.
-    ranked: list[tuple[float, int, list[list[int]]]] = []
 
-    def run(alloc: np.ndarray) -> None:
-        node_tasks = _list_schedule(problem, alloc)
-        if options.use_wider_instance:
-            _use_wider_instances(problem, node_tasks)
-        ranked.append((makespan_of(node_tasks), len(seen), node_tasks))
-        ranked.sort(key=lambda item: item[:2])
-        del ranked[keep:]
-
-    def best_so_far() -> float:
-        return ranked[0][0] if ranked else math.inf
-
-    seen: set[bytes] = set()
-    starts = _first_allocations(problem, options.capped_families)
-    for start in starts:
-        seen.add(start.tobytes())
-        run(start)
-    families = [_allocation_family(problem, start, best_so_far()) for start in starts]
+def _run_families(ranking: _Ranking, families: Sequence[_Family], options: FarOptions) -> None:
+    """Run the families' allocations in ascending order of lower bound while one could still
+    beat the best schedule (and, with `patience`, while they keep beating it)."""
     candidates = sorted(
         (family.lower_bound[k], f, k)
         for f, family in enumerate(families)
@@ -399,34 +403,45 @@ def far_layout(
     )
     since_improved = 0
     for bound, f, k in candidates:
-        if len(seen) >= options.max_allocations or bound >= best_so_far():
-            break
+        if len(ranking.seen) >= options.max_allocations or bound >= ranking.best:
+            return
         if options.patience is not None and since_improved >= options.patience:
-            break
+            return
         alloc = families[f].allocation(k)
-        if alloc.tobytes() not in seen:
-            before = ranked[0][0]
-            seen.add(alloc.tobytes())
-            run(alloc)
-            since_improved = 0 if ranked[0][0] < before else since_improved + 1
+        if alloc.tobytes() in ranking.seen:
+            continue
+        since_improved = 0 if ranking.run(alloc) else since_improved + 1
+
+
+def far_layout(
+    tasks: Sequence[MigTask], gpu: MigGeometry, options: FarOptions = FarOptions()
+) -> BatchLayout:
+    """Phases 1-3 of FAR for one batch."""
+    validate_tasks(tasks, gpu)
+    problem = _Problem(tasks, gpu)
+    ranking = _Ranking(problem, options)
+    starts = _first_allocations(problem, options.capped_families)
+    for start in starts:
+        ranking.run(start)
+    families = [_allocation_family(problem, start, ranking.best) for start in starts]
+    _run_families(ranking, families, options)
     count = min(options.random_allocations, RANDOM_ALLOCATION_BUDGET // len(tasks))
     for alloc in _random_allocations(problem, count):
-        if alloc.tobytes() not in seen:
-            seen.add(alloc.tobytes())
-            run(alloc)
+        ranking.run(alloc)
 
-    best_nodes = _node_lists(problem, ranked[0][2])
-    best_makespan, moves, swaps = ranked[0][0], 0, 0
+    best_nodes = _node_lists(problem, ranking.entries[0][2])
+    best_makespan, moves, swaps = ranking.best, 0, 0
     if options.refine:
-        space = _search_space(problem, reverse=False, any_size=options.remold)
+        space = _search_space(problem, reverse=False, any_size=options.search.any_size)
         best_makespan = math.inf
-        for _, _, node_tasks in ranked:
+        for _, _, node_tasks in ranking.entries:
             nodes = _node_lists(problem, node_tasks)
             stats = improve(
                 nodes,
                 space,
                 lambda loads: _timed(problem, loads, reverse=False).slice_end,
                 options.max_refine_evaluations,
+                options.search,
             )
             makespan = _timed(problem, _loads(nodes), reverse=False).makespan
             if makespan < best_makespan:
@@ -436,9 +451,9 @@ def far_layout(
     return BatchLayout(
         tasks=tuple(tasks),
         node_tasks=tuple(tuple(t for _, t in reversed(node)) for node in best_nodes),
-        phase2_makespan_s=ranked[0][0],
+        phase2_makespan_s=ranking.best,
         allocations=sum(len(family.lower_bound) for family in families),
-        allocations_run=len(seen),
+        allocations_run=len(ranking.seen),
         moves=moves,
         swaps=swaps,
     )
@@ -450,7 +465,7 @@ def concatenate(
     mode: ConcatMode = "reverse+refine",
     policy: str = "far",
     max_refine_evaluations: int = 300,
-    remold: bool = True,
+    rules: SearchRules | None = None,
 ) -> Plan:
     """One plan running the batches one after another on the same GPU.
 
@@ -460,6 +475,7 @@ def concatenate(
     reverse+refine: as reverse, then tasks of the new batch are moved and swapped (as in
       phase 3) to overlap the previous batch better (Section 4.3).
     """
+    rules = rules or SearchRules()
     state = EMPTY_GPU
     assignments: list[Assignment] = []
     reconfigurations: list[Reconfiguration] = []
@@ -473,9 +489,10 @@ def concatenate(
         if mode == "reverse+refine" and number > 0:
             improve(
                 nodes,
-                _search_space(problem, reverse, any_size=remold),
+                _search_space(problem, reverse, any_size=rules.any_size),
                 lambda loads, p=problem, s=state, r=reverse: _timed(p, loads, r, s).slice_end,
                 max_refine_evaluations,
+                rules,
             )
         timeline = _timed(problem, _loads(nodes), reverse, state, release)
         order = _execution_order(len(nodes), reverse)
@@ -532,5 +549,5 @@ def plan_batches(
         gpu,
         mode,
         max_refine_evaluations=options.max_refine_evaluations,
-        remold=options.remold,
+        rules=options.search,
     )

@@ -1,17 +1,17 @@
-"""Phase 3 of FAR: improve a schedule by moving and swapping tasks between instances of the
-same size (Section 3.3 of the paper); also used to tighten batch concatenation (Section 4.3).
+"""Phase 3 of FAR: improve a schedule by moving and swapping tasks between instances
+(Section 3.3 of the paper); also used to tighten batch concatenation (Section 4.3).
 
-The paper's rules pick the candidates: look at the slices that reach the makespan, walk the
-instances on those slices from the last one executed backwards (Algorithm 2 opens the parent
-when a node cannot improve), and for an alternative instance of the same size whose slices end
-`gap` seconds before the makespan, move the task closest to gap/2 (shorter than gap), or swap
-the pair whose time difference is closest to gap/2 (positive, under gap).
+The paper's rules (`SearchRules.paper()`): look at the slices that reach the makespan, walk
+the instances on those slices from the last one executed backwards (Algorithm 2 opens the
+parent when a node cannot improve), and for the instance of the same size whose slices end
+first, `gap` seconds before the makespan, move the task closest to gap/2 (shorter than gap),
+or else swap the pair whose time difference is closest to gap/2 (positive, under gap).
 
-Where this goes beyond the paper: every candidate is timed exactly (reconfigurations
-included) instead of with the slice-end estimate, all same-size alternatives are tried (not
-only the earliest-ending one), the two best moves and swaps per alternative are tried, and a
-change is kept when it lowers the sorted vector of slice end times, so a step that fixes one
-of several critical slices counts even before the makespan itself drops.
+Always: every candidate is timed exactly (reconfigurations included) rather than with the
+slice-end estimate, and a change is kept when it lowers the sorted vector of slice end times,
+so fixing one of several critical slices counts before the makespan itself drops. The default
+rules go further: moves to instances of other sizes (at their speed), every alternative
+instance, the two best moves and swaps per alternative, and slices below the makespan too.
 """
 
 from __future__ import annotations
@@ -22,10 +22,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-CANDIDATES_PER_ALTERNATIVE = 2
 # Nodes with this many tasks or more search swap partners with numpy; below, plain Python is
 # faster.
 VECTORISE_FROM = 48
+
+
+@dataclass(frozen=True)
+class SearchRules:
+    """How widely phase 3 looks for a better schedule."""
+
+    # Moves may go to an instance of another size, the task taking that size's time.
+    any_size: bool = True
+    # Try every alternative instance, not only the same-size one whose slices end first.
+    every_alternative: bool = True
+    # Moves and swaps tried per alternative, best first.
+    candidates: int = 2
+    # Also try to lower slices that end before the makespan.
+    below_makespan: bool = True
+
+    @classmethod
+    def paper(cls) -> SearchRules:
+        return cls(any_size=False, every_alternative=False, candidates=1, below_makespan=False)
 
 
 @dataclass
@@ -58,22 +75,31 @@ def improve(
     space: SearchSpace,
     slice_ends_of: SliceEnds,
     max_evaluations: int,
+    rules: SearchRules,
 ) -> SearchStats:
     """Move and swap tasks in `nodes` (changed in place) while the schedule gets better.
 
     `slice_ends_of(loads)` times the schedule whose node i runs loads[i] seconds of tasks
-    (None: no tasks) and returns when each slice is last busy.
+    (None: no tasks) and returns when each slice is last busy. Whether tasks may change size
+    is the `space`'s business (its alternatives); the other rules apply here.
     """
-    search = _Search(nodes, space, slice_ends_of)
+    search = _Search(nodes, space, slice_ends_of, rules)
     while search.stats.evaluations < max_evaluations and search.step(max_evaluations):
         pass
     return search.stats
 
 
 class _Search:
-    def __init__(self, nodes: list[NodeTasks], space: SearchSpace, slice_ends_of: SliceEnds):
+    def __init__(
+        self,
+        nodes: list[NodeTasks],
+        space: SearchSpace,
+        slice_ends_of: SliceEnds,
+        rules: SearchRules,
+    ) -> None:
         self.nodes = nodes
         self.space = space
+        self.rules = rules
         self.slice_ends_of = slice_ends_of
         self.loads: list[float | None] = [
             sum(seconds for seconds, _ in tasks) if tasks else None for tasks in nodes
@@ -87,11 +113,14 @@ class _Search:
     def step(self, max_evaluations: int) -> bool:
         """Make one improving move or swap; False when there is none (or out of budget).
 
-        Slices are tried from the one ending last down: lowering a slice below the makespan
-        also counts, and often opens the room a later move of a critical task needs."""
-        eps = 1e-9 * max(1.0, self.best[0])
+        Slices are tried from the one ending last down. Lowering a slice below the makespan
+        often opens the room a later move of a critical task needs."""
+        makespan = self.best[0]
+        eps = 1e-9 * max(1.0, makespan)
         tried: set[int] = set()
         for level, slice_ in sorted(((end, s) for s, end in enumerate(self.ends)), reverse=True):
+            if level < makespan - eps and not self.rules.below_makespan:
+                break
             for node in self.space.chains[slice_]:
                 if node in tried or not self.nodes[node]:
                     continue
@@ -102,23 +131,27 @@ class _Search:
                     return False
         return False
 
-    def improve_node(self, node: int, makespan: float, eps: float, budget: int) -> bool:
+    def improve_node(self, node: int, level: float, eps: float, budget: int) -> bool:
+        """Lower the end of `node`'s slices below `level` by one move or swap."""
         space, ends = self.space, self.ends
         alternatives = sorted(
             (max(ends[s] for s in space.node_slices[alt]), alt) for alt in space.alternatives[node]
         )
+        if not self.rules.every_alternative:
+            alternatives = alternatives[:1]
+        count = self.rules.candidates
         for alt_end, alt in alternatives:
-            gap = makespan - alt_end
+            gap = level - alt_end
             if gap <= eps:
                 break
             same_size = space.node_times[alt] is space.node_times[node]
-            for moved in _moves(self.nodes[node], space.node_times[alt], same_size, gap):
+            for moved in _moves(self.nodes[node], space.node_times[alt], same_size, gap, count):
                 arrived = (space.node_times[alt][moved[1]], moved[1])
                 if self.try_exchange(node, [moved], alt, [arrived]):
                     self.stats.moves += 1
                     return True
             if same_size:
-                for out, back in self.swaps(node, alt, gap):
+                for out, back in self.swaps(node, alt, gap, count):
                     if self.try_exchange(node, [out, back], alt, [out, back]):
                         self.stats.swaps += 1
                         return True
@@ -153,13 +186,13 @@ class _Search:
             tasks = self.nodes[changed]
             self.loads[changed] = sum(seconds for seconds, _ in tasks) if tasks else None
 
-    def swaps(self, node: int, alt: int, gap: float) -> list[tuple[Entry, Entry]]:
+    def swaps(self, node: int, alt: int, gap: float, count: int) -> list[tuple[Entry, Entry]]:
         """Pairs (from node, from alt) with 0 < difference < gap, closest to gap/2."""
         source, target = self.nodes[node], self.nodes[alt]
         if not target:
             return []
         if len(source) < VECTORISE_FROM:
-            return _closest_pairs(source, target, self._times(alt), gap)
+            return _closest_pairs(source, target, self._times(alt), gap, count)
         out_times, back_times = self._array(node), self._array(alt)
         half = gap / 2
         right = np.searchsorted(back_times, out_times - half)
@@ -175,7 +208,7 @@ class _Search:
             better = score < best_score
             best_score = np.where(better, score, best_score)
             best_back = np.where(better, pick, best_back)
-        chosen = np.argsort(best_score, kind="stable")[:CANDIDATES_PER_ALTERNATIVE].tolist()
+        chosen = np.argsort(best_score, kind="stable")[:count].tolist()
         return [(source[o], target[best_back[o]]) for o in chosen if best_score[o] < np.inf]
 
     def _times(self, node: int) -> list[float]:
@@ -190,7 +223,7 @@ class _Search:
 
 
 def _closest_pairs(
-    source: NodeTasks, target: NodeTasks, target_times: list[float], gap: float
+    source: NodeTasks, target: NodeTasks, target_times: list[float], gap: float, count: int
 ) -> list[tuple[Entry, Entry]]:
     half = gap / 2
     scored: list[tuple[float, Entry, Entry]] = []
@@ -201,22 +234,22 @@ def _closest_pairs(
             if 0 < difference < gap:
                 scored.append((abs(difference - half), out, back))
     scored.sort(key=lambda item: item[0])
-    return [(out, back) for _, out, back in scored[:CANDIDATES_PER_ALTERNATIVE]]
+    return [(out, back) for _, out, back in scored[:count]]
 
 
 def _moves(
-    tasks: NodeTasks, times_there: Sequence[float], same_size: bool, gap: float
+    tasks: NodeTasks, times_there: Sequence[float], same_size: bool, gap: float, count: int
 ) -> list[Entry]:
     """The tasks that would run shorter than `gap` on the other node, closest to gap/2."""
     half = gap / 2
     if same_size:
         i = bisect_left(tasks, (half, -1))
-        around = tasks[max(i - CANDIDATES_PER_ALTERNATIVE, 0) : i + CANDIDATES_PER_ALTERNATIVE]
+        around = tasks[max(i - count, 0) : i + count]
     else:
         around = tasks
     fitting = [t for t in around if times_there[t[1]] < gap]
     fitting.sort(key=lambda t: abs(times_there[t[1]] - half))
-    return fitting[:CANDIDATES_PER_ALTERNATIVE]
+    return fitting[:count]
 
 
 def _better(candidate: Sequence[float], best: Sequence[float]) -> bool:

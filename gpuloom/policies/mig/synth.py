@@ -29,6 +29,7 @@ from gpuloom.policies.mig.plan import MigTask
 MEMORY_TO_COMPUTE_PER_SLICE = 0.3
 
 # (mean, standard deviation, low, high) of r per kind of step.
+StepKind = tuple[float, float, float, float]
 _SUPER = (-0.25, 0.25, -0.5, 0.0)
 _NEAR = (0.1, 0.1, 0.0, 0.2)
 _SUB = (0.75, 0.25, 0.5, 1.0)
@@ -107,7 +108,7 @@ def generate(n: int, gpu: MigGeometry, spec: SynthSpec, rng: np.random.Generator
     unknown = set(spec.scaling) - set(gpu.sizes)
     if unknown:
         raise ValueError(f"{gpu.name} has no instance size {min(unknown)}")
-    steps: list[list[tuple[float, float, float, float]]] = []
+    steps: list[list[StepKind]] = []
     for scales_to, count in task_counts(n, spec.scaling).items():
         memory_bound = math.ceil(spec.memory_bound_share * count) if scales_to > 1 else 0
         for number in range(count):
@@ -130,9 +131,9 @@ def generate(n: int, gpu: MigGeometry, spec: SynthSpec, rng: np.random.Generator
 
 def _step_kinds(
     gpu: MigGeometry, scales_to: int, memory_bound: bool, rng: np.random.Generator
-) -> list[tuple[float, float, float, float]]:
+) -> list[StepKind]:
     """The kind of each step s -> s + 1 for s = 1 .. slices - 1."""
-    kinds: list[tuple[float, float, float, float]] = []
+    kinds: list[StepKind] = []
     sizes: Sequence[int] = gpu.sizes
     bound = "memory" if memory_bound else "compute"
     for low, high in itertools.pairwise(sizes):

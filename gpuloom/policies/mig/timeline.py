@@ -50,10 +50,10 @@ class ReconfigOp:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Times of one sequence of segments. Unused segments have start and end NaN."""
+    """Times of one sequence of segments: when each starts its first task (NaN when it has
+    no tasks), the reconfigurations, when each slice is last busy, and what is left."""
 
     start: tuple[float, ...]
-    end: tuple[float, ...]
     ops: tuple[ReconfigOp, ...]
     slice_end: tuple[float, ...]
     state: GpuState
@@ -190,7 +190,6 @@ def simulate(
             live[owner] = None
     return Timeline(
         start=tuple(start[carried:]),
-        end=tuple(end[carried:]),
         ops=tuple(ops),
         slice_end=tuple(slice_end),
         state=GpuState(
