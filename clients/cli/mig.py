@@ -27,19 +27,22 @@ from gpuloom.policies.mig.taskfile import TaskFileError, format_tasks, parse_tas
 GPUS = ("A30", "A100", "H100")
 
 
-@click.group()
-def mig() -> None:
-    """Plan MIG partitions and task placement (FAR and baselines)."""
-
-
-@mig.command("plan")
-@click.option(
+gpu_option = click.option(
     "--gpu",
     "gpu_name",
     required=True,
     type=click.Choice(GPUS, case_sensitive=False),
     metavar="[" + "|".join(GPUS) + "]",
 )
+
+
+@click.group()
+def mig() -> None:
+    """Plan MIG partitions and task placement (FAR and baselines)."""
+
+
+@mig.command("plan")
+@gpu_option
 @click.option(
     "--policy",
     default="far",
@@ -106,13 +109,7 @@ def plan_command(
 
 
 @mig.command("synth")
-@click.option(
-    "--gpu",
-    "gpu_name",
-    required=True,
-    type=click.Choice(GPUS, case_sensitive=False),
-    metavar="[" + "|".join(GPUS) + "]",
-)
+@gpu_option
 @click.option(
     "--workload",
     type=click.Choice(synthetic.WORKLOADS),
