@@ -13,12 +13,14 @@ from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
 from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
+from gpuloom.services.dispatcher.app import DispatcherApp
+from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 
 log = structlog.get_logger("gpuloom.launcher")
 
-SERVICES = ("profile-store",)
+SERVICES = ("profile-store", "dispatcher")
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
-    started: list[ProfileStoreApp] = []
+    started: list[ProfileStoreApp | DispatcherApp] = []
     endpoints: list[Endpoint] = []
     try:
         if "profile-store" in services:
@@ -40,6 +42,19 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
             )
             started.append(app)
             endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
+        if "dispatcher" in services:
+            dispatchers = await DispatcherApp.start(
+                load(DispatcherSettings), common.bind_host, common.data_dir
+            )
+            started.append(dispatchers)
+            for dispatcher in dispatchers.dispatchers:
+                gpu = dispatcher.core.gpu
+                endpoints.append(
+                    Endpoint(
+                        f"dispatcher GPU {gpu.index} {gpu.model} (gRPC)",
+                        f"{common.bind_host}:{dispatcher.port}",
+                    )
+                )
         metrics_port = start_metrics_endpoint(common.bind_host, common.metrics_port)
         if metrics_port is not None:
             endpoints.append(

@@ -10,7 +10,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+
 from gpuloom.clients.profile_store import ProfileStoreClient
+from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 from tests.conftest import free_port
 from tests.profile_store import samples
 
@@ -25,15 +28,31 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> None:
     port, metrics = free_port(), free_port()
-    env = _env(tmp_path, GPULOOM_PROFILE_STORE_PORT=str(port), GPULOOM_METRICS_PORT=str(metrics))
+    env = _env(
+        tmp_path,
+        GPULOOM_PROFILE_STORE_PORT=str(port),
+        GPULOOM_METRICS_PORT=str(metrics),
+        GPULOOM_DISPATCHER_PORT="0",  # any free ports
+        GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB,H100-80GB",
+        GPULOOM_DISPATCHER_BACKEND="simulated",
+    )
     process = subprocess.Popen(
         [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(3)]
+        banner = [process.stdout.readline() for _ in range(5)]
         assert f"127.0.0.1:{port}" in banner[1] and "profile-store" in banner[1]
-        assert f"http://127.0.0.1:{metrics}/metrics" in banner[2]
+        assert "dispatcher GPU 0 A100-80GB" in banner[2]
+        assert "dispatcher GPU 1 H100-80GB" in banner[3]
+        assert f"http://127.0.0.1:{metrics}/metrics" in banner[4]
+        dispatcher_address = banner[3].split()[-1]
+        with grpc.insecure_channel(dispatcher_address) as channel:
+            status = dispatcher_pb2_grpc.DispatcherStub(channel).GetGpuStatus(
+                dispatcher_pb2.GetGpuStatusRequest(), timeout=10
+            )
+        assert status.gpu.model == "H100-80GB" and status.gpu.index == 1
+        assert (tmp_path / "state" / "dispatcher" / "gpu-1.sock").is_socket()
 
         with ProfileStoreClient(f"127.0.0.1:{port}") as client:
             stored = client.put(samples.mig_profile())
@@ -66,6 +85,16 @@ def test_bad_configuration_fails_fast_naming_the_variable(tmp_path: Path) -> Non
     assert result.returncode == 1
     assert "GPULOOM_PROFILE_STORE_PORT" in result.stderr
     assert "less than or equal to 65535" in result.stderr
+
+    result = subprocess.run(
+        [GPULOOM, "serve", "dispatcher"],
+        env=_env(tmp_path, GPULOOM_DISPATCHER_SIM_GPUS="3xB9000"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "GPULOOM_DISPATCHER_SIM_GPUS" in result.stderr and "B9000" in result.stderr
 
     result = subprocess.run(
         [GPULOOM, "serve", "profile-store"],

@@ -6,6 +6,7 @@ import asyncio
 
 import click
 
+from gpuloom.services.common.errors import DomainError
 from gpuloom.services.common.settings import SettingsError
 
 
@@ -22,7 +23,7 @@ def _run(services: tuple[str, ...]) -> None:
         asyncio.run(launcher.run(services, announce))
     except SettingsError as error:
         raise click.ClickException(str(error)) from None
-    except OSError as error:
+    except (OSError, DomainError) as error:
         raise click.ClickException(f"cannot start: {error}") from None
 
 
@@ -35,7 +36,7 @@ def up() -> None:
 
 
 @click.command()
-@click.argument("service", type=click.Choice(["profile-store"]))
+@click.argument("service", type=click.Choice(["profile-store", "dispatcher"]))
 def serve(service: str) -> None:
     """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
     _run((service,))

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -63,6 +64,46 @@ def rpc(service: str) -> Callable[[Handler], Handler]:
                         log.info("request refused", code=code.name, error=error.message)
                     await context.abort(code, error.message)
                 except grpc.aio.AbortError:
+                    raise
+                except Exception:
+                    code = grpc.StatusCode.INTERNAL
+                    log.exception("unhandled error")
+                    await context.abort(code, f"internal error in {name}; see the service log")
+                finally:
+                    RPC_TOTAL.labels(service, name, code.name).inc()
+                    RPC_LATENCY.labels(service, name).observe(time.perf_counter() - started)
+
+        return wrapper
+
+    return decorate
+
+
+StreamHandler = Callable[[Any, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+
+def stream_rpc(service: str) -> Callable[[StreamHandler], StreamHandler]:
+    """`rpc` for server-streaming methods (async generators): the same context, metrics and
+    error mapping, applied to the whole stream."""
+
+    def decorate(method: StreamHandler) -> StreamHandler:
+        name = method.__name__
+
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            with structlog.contextvars.bound_contextvars(rpc=f"{service}/{name}"):
+                try:
+                    async for item in method(self, request, context):
+                        yield item
+                except errors.DomainError as error:
+                    code = status_for(error)
+                    log.info("stream ended with an error", code=code.name, error=error.message)
+                    await context.abort(code, error.message)
+                except grpc.aio.AbortError:
+                    raise
+                except asyncio.CancelledError:
+                    code = grpc.StatusCode.CANCELLED
                     raise
                 except Exception:
                     code = grpc.StatusCode.INTERNAL

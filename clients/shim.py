@@ -1,0 +1,301 @@
+"""The client side of the shim channel in Python: the reference the C shim must match.
+
+Tests, the simulator and the benchmark use it as a GPU process would use the shim:
+
+    with ShimClient.connect(socket_path, token) as shim:
+        while work:
+            lease = shim.acquire()            # blocks (bounded) until admitted
+            ... run kernels until lease.until_ns ...
+            shim.record_usage(gpu_s, burst_s)  # carried by the next lease request
+
+`acquire` costs one shared-memory load while the lease lasts; only when it must wait does it
+send a LeaseRequest frame and sleep on the region's futex word.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import select
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from gpuloom.shimwire import (
+    FRAME_HEADER,
+    PROTOCOL_VERSION,
+    AdmissionRegion,
+    AdmissionState,
+    FrameReader,
+    ShimMode,
+    encode_frame,
+)
+from gpuloom.v1 import shim_pb2
+
+
+class ShimChannelError(Exception):
+    """The dispatcher refused us, broke the protocol, or cannot be reached."""
+
+
+class Evicted(ShimChannelError):
+    """Our assignment was released or evicted: stop using the GPU."""
+
+
+@dataclass(frozen=True, slots=True)
+class Registration:
+    assignment_id: str
+    mode: ShimMode
+    memory_cap_bytes: int
+    sm_percent: int
+    priority: int
+    window_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseView:
+    lease_id: int
+    until_ns: int  # CLOCK_MONOTONIC (time.monotonic_ns); 2**64-1 = open-ended
+
+    def remaining_s(self) -> float:
+        return max(0.0, (self.until_ns - time.monotonic_ns()) / 1e9)
+
+
+class ShimClient:
+    def __init__(self, sock: socket.socket, registration: Registration, region: AdmissionRegion):
+        self._sock = sock
+        self.registration = registration
+        self.region = region
+        self._reader = FrameReader()
+        self._used_s = 0.0
+        self._burst_s = 0.0
+        self._usage_lease = 0
+
+    @classmethod
+    def connect(
+        cls,
+        socket_path: str | Path,
+        token: str,
+        process_name: str = "python",
+        timeout_s: float = 5.0,
+    ) -> ShimClient:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(socket_path))
+            register = shim_pb2.ShimMessage(
+                register=shim_pb2.Register(
+                    protocol_version=PROTOCOL_VERSION,
+                    assignment_token=token,
+                    process_name=process_name,
+                )
+            )
+            sock.sendall(encode_frame(register.SerializeToString()))
+            message, fds = _receive_first(sock)
+        except OSError as error:
+            sock.close()
+            raise ShimChannelError(
+                f"cannot reach the dispatcher at {socket_path}: {error}"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        kind = message.WhichOneof("body")
+        if kind != "registered" or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            if kind == "error":
+                raise ShimChannelError(f"dispatcher refused registration: {message.error.message}")
+            raise ShimChannelError(f"unexpected answer to register: {kind} with {len(fds)} fds")
+        try:
+            region = AdmissionRegion.open(fds[0])
+        finally:
+            os.close(fds[0])
+        registered = message.registered
+        registration = Registration(
+            assignment_id=registered.assignment_id,
+            mode=ShimMode(registered.mode),
+            memory_cap_bytes=registered.memory_cap_bytes,
+            sm_percent=registered.sm_percent,
+            priority=registered.priority,
+            window_s=registered.window_ns / 1e9,
+        )
+        sock.settimeout(timeout_s)
+        return cls(sock, registration, region)
+
+    # ---- leases ----
+
+    def current_lease(self) -> LeaseView | None:
+        """The lease in force now, from shared memory (no system call)."""
+        until = self.region.admit_until_ns
+        if time.monotonic_ns() < until:
+            return LeaseView(self.region.lease_id, until)
+        return None
+
+    def acquire(self, timeout_s: float = 5.0) -> LeaseView:
+        """Return a lease in force, asking for one and waiting (at most `timeout_s`) if needed."""
+        region = self.region
+        lease = self.current_lease()
+        if lease is not None:
+            return lease
+        if region.state is AdmissionState.EVICTED:
+            raise Evicted(self._reason_from_socket() or "assignment ended")
+        deadline = time.monotonic() + timeout_s
+        epoch = region.epoch
+        seen_lease = region.lease_id
+        self._send(shim_pb2.ShimMessage(lease_request=self._lease_request()))
+        while True:
+            lease = self.current_lease()
+            if lease is not None:
+                return lease
+            if region.state is AdmissionState.EVICTED:
+                raise Evicted(self._reason_from_socket() or "assignment ended")
+            missed = region.lease_id
+            if missed not in (0, seen_lease):
+                # A lease came and expired before we looked (a short one, or we were slow to
+                # wake): report it unused and ask again.
+                self._flush_usage(release=False)
+                self._usage_lease, seen_lease = missed, missed
+                self._send(shim_pb2.ShimMessage(lease_request=self._lease_request()))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._check_socket()
+                raise TimeoutError(f"no lease within {timeout_s} s")
+            region.wait_for_change(epoch, min(left, 0.05))
+            new_epoch = region.epoch
+            if new_epoch == epoch:
+                self._check_socket()
+            epoch = new_epoch
+
+    def record_usage(self, gpu_s: float, burst_s: float = 0.0) -> None:
+        """Account GPU time measured under the current lease (sent with the next request)."""
+        lease_id = self.region.lease_id
+        if lease_id != self._usage_lease:
+            self._flush_usage(release=False)
+            self._usage_lease = lease_id
+        self._used_s += gpu_s
+        self._burst_s = max(self._burst_s, burst_s)
+
+    def release(self) -> None:
+        """End the current lease early, reporting its usage: no more work for now."""
+        self._flush_usage(release=True)
+
+    def send_measurements(self, records: Iterable[shim_pb2.KernelRecord]) -> None:
+        batch = shim_pb2.MeasurementBatch(records=list(records))
+        self._send(shim_pb2.ShimMessage(measurements=batch))
+
+    def close(self) -> None:
+        if self._sock.fileno() >= 0:
+            with contextlib.suppress(ShimChannelError):
+                self._send(shim_pb2.ShimMessage(goodbye=shim_pb2.Goodbye()))
+            self._sock.close()
+        self.region.close()
+
+    def __enter__(self) -> ShimClient:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ---- internals ----
+
+    def _lease_request(self) -> shim_pb2.LeaseRequest:
+        request = shim_pb2.LeaseRequest()
+        if self._usage_lease:
+            request.report.CopyFrom(self._take_report(release=False))
+        return request
+
+    def _take_report(self, release: bool) -> shim_pb2.UsageReport:
+        report = shim_pb2.UsageReport(
+            lease_id=self._usage_lease,
+            gpu_time_ns=int(self._used_s * 1e9),
+            longest_burst_ns=int(self._burst_s * 1e9),
+            release=release,
+        )
+        self._usage_lease, self._used_s, self._burst_s = 0, 0.0, 0.0
+        return report
+
+    def _flush_usage(self, release: bool) -> None:
+        if self._usage_lease:
+            self._send(shim_pb2.ShimMessage(usage=self._take_report(release)))
+
+    def _send(self, message: shim_pb2.ShimMessage) -> None:
+        try:
+            self._sock.sendall(encode_frame(message.SerializeToString()))
+        except OSError as error:
+            raise ShimChannelError(f"lost the dispatcher: {error}") from None
+
+    def _pending_messages(self) -> tuple[list[shim_pb2.DispatcherMessage], bool]:
+        """Messages the dispatcher sent since we last looked (non-blocking), and whether it has
+        closed the connection."""
+        messages: list[shim_pb2.DispatcherMessage] = []
+        while True:
+            # A poll first: the socket has a timeout for sends, which would also make a
+            # non-blocking receive wait.
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable:
+                return messages, False
+            try:
+                data = self._sock.recv(65536)
+            except OSError as error:
+                raise ShimChannelError(f"lost the dispatcher: {error}") from None
+            if not data:
+                return messages, True
+            messages.extend(
+                shim_pb2.DispatcherMessage.FromString(frame) for frame in self._reader.feed(data)
+            )
+
+    def _check_socket(self) -> None:
+        messages, closed = self._pending_messages()
+        for message in messages:
+            kind = message.WhichOneof("body")
+            if kind == "evicted":
+                raise Evicted(message.evicted.reason)
+            if kind == "error":
+                raise ShimChannelError(f"dispatcher: {message.error.message}")
+        if closed:
+            raise ShimChannelError("the dispatcher closed the connection")
+
+    def _reason_from_socket(self) -> str:
+        try:
+            self._check_socket()
+        except Evicted as evicted:
+            return str(evicted)
+        except ShimChannelError:
+            return ""
+        return ""
+
+
+def _receive_first(sock: socket.socket) -> tuple[shim_pb2.DispatcherMessage, list[int]]:
+    """Read the first frame and the descriptors that ride on it."""
+    fds = array.array("i")
+    data = b""
+    while len(data) < FRAME_HEADER.size:
+        # Read no further than the header: the fd rides on the first byte, and anything after
+        # this frame belongs to the regular reader.
+        want = FRAME_HEADER.size - len(data)
+        chunk, ancillary, _flags, _ = sock.recvmsg(want, socket.CMSG_SPACE(4 * fds.itemsize))
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                usable = len(payload) - len(payload) % fds.itemsize
+                fds.frombytes(payload[:usable])
+        if not chunk:
+            raise OSError("connection closed during registration")
+        data += chunk
+    (length,) = FRAME_HEADER.unpack_from(data)
+    while len(data) < FRAME_HEADER.size + length:
+        chunk = sock.recv(FRAME_HEADER.size + length - len(data))
+        if not chunk:
+            raise OSError("connection closed during registration")
+        data += chunk
+    payload = data[FRAME_HEADER.size : FRAME_HEADER.size + length]
+    return shim_pb2.DispatcherMessage.FromString(payload), list(fds)

@@ -1,0 +1,44 @@
+"""Token scheduling for one GPU's dispatcher: Gemini-style time leases, FaST-GShare's
+spatio-temporal multi-token policy, and exclusive and FIFO baselines.
+
+Pure code: the live dispatcher and the simulator drive `TokenScheduler` with an injected clock.
+`get_policy(name)` finds a policy.
+"""
+
+from gpuloom.policies.tokens.model import (
+    EPSILON_S,
+    ClientShare,
+    ClientState,
+    ClientView,
+    Decision,
+    Lease,
+    SchedulerView,
+    TokenConfig,
+    TokenPolicy,
+)
+from gpuloom.policies.tokens.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    UnknownTokenPolicyError,
+    get_policy,
+)
+from gpuloom.policies.tokens.scheduler import ClientSnapshot, SchedulerSnapshot, TokenScheduler
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "EPSILON_S",
+    "POLICIES",
+    "ClientShare",
+    "ClientSnapshot",
+    "ClientState",
+    "ClientView",
+    "Decision",
+    "Lease",
+    "SchedulerSnapshot",
+    "SchedulerView",
+    "TokenConfig",
+    "TokenPolicy",
+    "TokenScheduler",
+    "UnknownTokenPolicyError",
+    "get_policy",
+]

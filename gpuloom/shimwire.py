@@ -1,0 +1,230 @@
+"""The shim channel's wire format, shared by the dispatcher and the Python reference client.
+
+Two parts, both specified in protos/gpuloom/v1/shim.proto (the C shim follows the same text):
+- frames: a 4-byte little-endian length, then one serialized message;
+- the admission region: 64 bytes of shared memory per client, written by the dispatcher, read
+  by the shim on every launch; a waiting shim sleeps on its epoch word with FUTEX_WAIT.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import enum
+import mmap
+import os
+import struct
+import time
+
+FRAME_HEADER = struct.Struct("<I")
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+PROTOCOL_VERSION = 1
+
+
+class FrameError(Exception):
+    """The peer broke the framing rules; the connection must be closed."""
+
+
+def encode_frame(payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+class FrameReader:
+    """Splits a byte stream into frame payloads, refusing empty and oversized frames."""
+
+    __slots__ = ("_buffer", "max_frame_bytes")
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._buffer = bytearray()
+        self.max_frame_bytes = max_frame_bytes
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add received bytes; return every frame now complete (raises FrameError on a bad one)."""
+        buffer = self._buffer
+        buffer += data
+        frames = []
+        start = 0
+        while len(buffer) - start >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(buffer, start)
+            if length == 0 or length > self.max_frame_bytes:
+                raise FrameError(f"frame length {length} outside 1..{self.max_frame_bytes} bytes")
+            end = start + FRAME_HEADER.size + length
+            if len(buffer) < end:
+                break
+            frames.append(bytes(buffer[start + FRAME_HEADER.size : end]))
+            start = end
+        if start:
+            del buffer[:start]
+        return frames
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buffer)
+
+
+# ---- the admission region ----
+
+REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
+REGION_VERSION = 1
+REGION_BYTES = 64
+OPEN_ENDED_NS = (1 << 64) - 1
+
+_OFF_MAGIC, _OFF_VERSION, _OFF_EPOCH, _OFF_STATE = 0, 4, 8, 12
+_OFF_ADMIT_UNTIL, _OFF_LEASE_ID, _OFF_MEMORY_CAP = 16, 24, 32
+_OFF_SM_PERCENT, _OFF_MODE = 40, 44
+
+
+class AdmissionState(enum.IntEnum):
+    """Mirrors gpuloom.v1.AdmissionState (kept here so domain code needs no protobuf import)."""
+
+    WAITING = 1
+    LEASED = 2
+    OPEN = 3
+    EVICTED = 4
+
+
+class ShimMode(enum.IntEnum):
+    """Mirrors gpuloom.v1.ShimMode."""
+
+    SHARE = 1
+    MEASURE = 2
+    OFF = 3
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_SYS_FUTEX = 202 if os.uname().machine == "x86_64" else 98  # x86_64; aarch64 uses 98
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(address: int, expected: int, timeout_s: float) -> None:
+    """Sleep while the u32 at `address` equals `expected`, at most `timeout_s` (spurious wake-ups
+    and EAGAIN are normal: callers re-check what they wait for)."""
+    timeout = _Timespec(int(timeout_s), int((timeout_s % 1) * 1e9))
+    _libc.syscall(
+        _SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAIT, expected, ctypes.byref(timeout)
+    )
+
+
+def futex_wake(address: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(address), _FUTEX_WAKE, 0x7FFFFFFF, None)
+
+
+class AdmissionRegion:
+    """One client's admission region over a shared mapping (see shim.proto for the layout).
+
+    Only the dispatcher writes (the `publish_*` methods); aligned 4- and 8-byte fields are read
+    and written with single loads and stores, and the epoch is bumped last so a woken waiter
+    sees the new lease.
+    """
+
+    def __init__(self, mapping: mmap.mmap) -> None:
+        if len(mapping) < REGION_BYTES:
+            raise ValueError(f"admission region needs {REGION_BYTES} bytes, got {len(mapping)}")
+        self._mapping = mapping
+        self._epoch = ctypes.c_uint32.from_buffer(mapping, _OFF_EPOCH)
+        self._state = ctypes.c_uint32.from_buffer(mapping, _OFF_STATE)
+        self._admit_until = ctypes.c_uint64.from_buffer(mapping, _OFF_ADMIT_UNTIL)
+        self._lease_id = ctypes.c_uint64.from_buffer(mapping, _OFF_LEASE_ID)
+        self._epoch_address = ctypes.addressof(self._epoch)
+
+    # -- creating and opening --
+
+    @classmethod
+    def create(
+        cls, name: str, memory_cap_bytes: int, sm_percent: int, mode: ShimMode
+    ) -> tuple[AdmissionRegion, int]:
+        """A fresh region in a memfd; returns the region and the fd to pass to the client."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, REGION_BYTES)
+            mapping = mmap.mmap(fd, REGION_BYTES)
+        except BaseException:
+            os.close(fd)
+            raise
+        struct.pack_into("<II", mapping, _OFF_MAGIC, REGION_MAGIC, REGION_VERSION)
+        struct.pack_into("<Q", mapping, _OFF_MEMORY_CAP, memory_cap_bytes)
+        struct.pack_into("<II", mapping, _OFF_SM_PERCENT, sm_percent, int(mode))
+        region = cls(mapping)
+        region._state.value = AdmissionState.WAITING
+        return region, fd
+
+    @classmethod
+    def open(cls, fd: int) -> AdmissionRegion:
+        """Map a region received from the dispatcher (client side); checks magic and version."""
+        size = os.fstat(fd).st_size
+        if size < REGION_BYTES:
+            raise ValueError(f"admission region is {size} bytes, expected {REGION_BYTES}")
+        mapping = mmap.mmap(fd, REGION_BYTES, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        magic, version = struct.unpack_from("<II", mapping, _OFF_MAGIC)
+        if magic != REGION_MAGIC or version != REGION_VERSION:
+            mapping.close()
+            raise ValueError(f"not a gpuloom admission region (magic {magic:#x} v{version})")
+        return cls(mapping)
+
+    def close(self) -> None:
+        # The ctypes views pin the buffer; drop them before closing the mapping.
+        del self._epoch, self._state, self._admit_until, self._lease_id
+        self._mapping.close()
+
+    # -- reading (shim side, and tests) --
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.value
+
+    @property
+    def state(self) -> AdmissionState:
+        return AdmissionState(self._state.value)
+
+    @property
+    def admit_until_ns(self) -> int:
+        return self._admit_until.value
+
+    @property
+    def lease_id(self) -> int:
+        return self._lease_id.value
+
+    @property
+    def memory_cap_bytes(self) -> int:
+        return struct.unpack_from("<Q", self._mapping, _OFF_MEMORY_CAP)[0]
+
+    @property
+    def sm_percent(self) -> int:
+        return struct.unpack_from("<I", self._mapping, _OFF_SM_PERCENT)[0]
+
+    @property
+    def mode(self) -> ShimMode:
+        return ShimMode(struct.unpack_from("<I", self._mapping, _OFF_MODE)[0])
+
+    def admitted(self, now_ns: int | None = None) -> bool:
+        """The launch-path check: one load and a clock read."""
+        return (time.monotonic_ns() if now_ns is None else now_ns) < self._admit_until.value
+
+    def wait_for_change(self, seen_epoch: int, timeout_s: float) -> None:
+        futex_wait(self._epoch_address, seen_epoch, timeout_s)
+
+    # -- writing (dispatcher side) --
+
+    def _publish(self, state: AdmissionState, admit_until_ns: int, lease_id: int) -> None:
+        self._lease_id.value = lease_id
+        self._admit_until.value = admit_until_ns
+        self._state.value = state
+        self._epoch.value = (self._epoch.value + 1) & 0xFFFFFFFF
+        futex_wake(self._epoch_address)
+
+    def publish_lease(self, lease_id: int, until_ns: int) -> None:
+        self._publish(AdmissionState.LEASED, until_ns, lease_id)
+
+    def publish_open(self) -> None:
+        self._publish(AdmissionState.OPEN, OPEN_ENDED_NS, 0)
+
+    def publish_waiting(self) -> None:
+        self._publish(AdmissionState.WAITING, 0, 0)
+
+    def publish_evicted(self) -> None:
+        self._publish(AdmissionState.EVICTED, 0, 0)

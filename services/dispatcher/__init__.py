@@ -1,0 +1,1 @@
+"""The per-GPU dispatcher: reservations, the shim channel and token sharing."""

@@ -1,0 +1,158 @@
+"""Wiring of the dispatchers: settings -> GPU backend -> per GPU: reservation book, token
+scheduler, shim channel thread, core and gRPC server (port base + GPU index)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from gpuloom.policies.tokens.registry import get_policy
+from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
+from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
+from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
+from gpuloom.services.dispatcher.core import DispatcherCore
+from gpuloom.services.dispatcher.gpu import open_backend
+from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
+from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.reservations import ReservationBook
+from gpuloom.services.dispatcher.servicer import SERVICE, DispatcherServicer
+from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("gpuloom.dispatcher")
+
+
+@dataclass
+class GpuDispatcher:
+    core: DispatcherCore
+    channel: ShimChannel
+    server: RunningServer
+    measurements: MeasurementBuffer
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+
+def token_config(settings: DispatcherSettings) -> TokenConfig:
+    return TokenConfig(
+        window_s=settings.window_ms / 1e3,
+        lease_min_s=settings.lease_min_ms / 1e3,
+        lease_max_s=settings.lease_max_ms / 1e3,
+        lease_initial_s=settings.lease_initial_ms / 1e3,
+        fifo_slice_s=settings.fifo_slice_ms / 1e3,
+    )
+
+
+async def start_gpu_dispatcher(
+    settings: DispatcherSettings,
+    backend: GpuBackend,
+    gpu: GpuInfo,
+    host: str,
+    port: int,
+    data_dir: Path,
+) -> GpuDispatcher:
+    """One dispatcher: the GPU's reservations live in data_dir/dispatcher/gpu-INDEX/."""
+    state_dir = data_dir / "dispatcher" / f"gpu-{gpu.index}"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    socket_dir = settings.socket_dir or data_dir / "dispatcher"
+    socket_path = (socket_dir / f"gpu-{gpu.index}.sock").absolute()
+    book = ReservationBook(gpu.memory_bytes, state_dir / "reservations.json")
+    config = token_config(settings)
+    scheduler = TokenScheduler(get_policy(settings.policy), config, time.monotonic())
+    measurements = MeasurementBuffer()
+    loop = asyncio.get_running_loop()
+    core: DispatcherCore | None = None
+
+    def on_event(event):  # type: ignore[no-untyped-def]
+        if core is not None:
+            core.publish_from_channel(event)
+
+    channel = ShimChannel(
+        gpu_label=str(gpu.index),
+        socket_path=socket_path,
+        book=book,
+        scheduler=scheduler,
+        on_event=on_event,
+        measurements=measurements,
+        limits=ChannelLimits(
+            max_frame_bytes=settings.max_frame_bytes,
+            register_timeout_s=settings.register_timeout_s,
+        ),
+        window_s=config.window_s,
+    )
+    core = DispatcherCore(
+        gpu=gpu,
+        node=settings.node,
+        backend=backend,
+        book=book,
+        channel=channel,
+        socket_path=str(socket_path),
+        policy=settings.policy,
+        window_s=config.window_s,
+        loop=loop,
+    )
+    channel.start()
+    try:
+        servicer = DispatcherServicer(core)
+        registration = ServiceRegistration(
+            SERVICE, lambda server: pb_grpc.add_DispatcherServicer_to_server(servicer, server)
+        )
+        server = await start_server([registration], host, port, settings.max_message_bytes)
+    except BaseException:
+        channel.stop()
+        raise
+    log.info(
+        "dispatcher ready",
+        gpu=gpu.index,
+        model=gpu.model,
+        uuid=gpu.uuid,
+        backend=backend.name,
+        policy=settings.policy,
+        port=server.port,
+        socket=str(socket_path),
+        reservations=len(book.all()),
+    )
+    return GpuDispatcher(core, channel, server, measurements)
+
+
+@dataclass
+class DispatcherApp:
+    backend: GpuBackend
+    dispatchers: list[GpuDispatcher]
+
+    @classmethod
+    async def start(cls, settings: DispatcherSettings, host: str, data_dir: Path) -> DispatcherApp:
+        backend = await asyncio.to_thread(open_backend, settings.backend, settings.sim_gpus)
+        dispatchers: list[GpuDispatcher] = []
+        try:
+            gpus = backend.gpus()
+            try:
+                indexes = settings.gpu_indexes(len(gpus))
+            except ValueError as error:
+                raise OSError(str(error)) from None
+            for index in indexes:
+                port = settings.port + index if settings.port else 0
+                dispatchers.append(
+                    await start_gpu_dispatcher(settings, backend, gpus[index], host, port, data_dir)
+                )
+        except BaseException:
+            for dispatcher in dispatchers:
+                await _stop(dispatcher, 0)
+            backend.close()
+            raise
+        return cls(backend, dispatchers)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        for dispatcher in self.dispatchers:
+            await _stop(dispatcher, grace_s)
+        self.backend.close()
+
+
+async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
+    await dispatcher.server.stop(grace_s)
+    await asyncio.to_thread(dispatcher.channel.stop)

@@ -1,0 +1,147 @@
+"""Protobuf <-> domain for the dispatcher. Missing sub-messages become zero values, which the
+domain validation then names (e.g. "share.sm_percent: must be within 1..100, got 0")."""
+
+from __future__ import annotations
+
+import math
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.dispatcher.domain import (
+    ClientStatus,
+    DispatcherEvent,
+    EventKind,
+    GpuStatusView,
+    LeaseState,
+    Reservation,
+    ReserveSpec,
+)
+from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
+from gpuloom.shimwire import ShimMode
+from gpuloom.v1 import common_pb2, dispatcher_pb2, shim_pb2
+
+_LEASE_STATE_TO_PB = {
+    LeaseState.IDLE: dispatcher_pb2.LEASE_STATE_IDLE,
+    LeaseState.WAITING: dispatcher_pb2.LEASE_STATE_WAITING,
+    LeaseState.HOLDING: dispatcher_pb2.LEASE_STATE_HOLDING,
+    LeaseState.BLOCKED: dispatcher_pb2.LEASE_STATE_BLOCKED,
+}
+_EVENT_KIND_TO_PB = {
+    kind: dispatcher_pb2.DispatcherEventKind.Value("DISPATCHER_EVENT_KIND_" + kind.name)
+    for kind in EventKind
+}
+
+
+def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
+    mode = request.mode or shim_pb2.SHIM_MODE_SHARE
+    if mode not in (int(m) for m in ShimMode):
+        raise InvalidArgument("mode", f"unknown shim mode {mode}")
+    quota = request.share.quota
+    return ReserveSpec(
+        assignment_id=request.assignment_id,
+        client_name=request.client_name,
+        priority=request.priority.level,
+        memory_cap_bytes=request.memory_cap_bytes,
+        share=SpatioTemporalShare(
+            request.share.sm_percent, TimeQuota(quota.request_percent, quota.limit_percent)
+        ),
+        mode=ShimMode(mode),
+        token=request.assignment_token,
+    )
+
+
+def gpu_ref(gpu: GpuInfo, node: str) -> common_pb2.GpuRef:
+    return common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid)
+
+
+def assignment_to_pb(
+    reservation: Reservation,
+    gpu: GpuInfo,
+    node: str,
+    socket_path: str,
+    environment: dict[str, str] | None,
+) -> dispatcher_pb2.Assignment:
+    """With `environment` (Reserve's answer) the token is included; listings pass None."""
+    quota = reservation.share.quota
+    return dispatcher_pb2.Assignment(
+        assignment_id=reservation.assignment_id,
+        client_name=reservation.client_name,
+        priority=common_pb2.Priority(level=reservation.priority),
+        memory_cap_bytes=reservation.memory_cap_bytes,
+        share=common_pb2.SpatioTemporalShare(
+            sm_percent=reservation.share.sm_percent,
+            quota=common_pb2.TimeQuota(
+                request_percent=quota.request_percent, limit_percent=quota.limit_percent
+            ),
+        ),
+        mode=int(reservation.mode),
+        assignment_token=reservation.token if environment is not None else "",
+        socket_path=socket_path,
+        gpu=gpu_ref(gpu, node),
+        reserved_at_unix_s=reservation.reserved_at_unix_s,
+        environment=environment or {},
+    )
+
+
+def gpu_description_to_pb(gpu: GpuInfo, node: str, backend: str) -> dispatcher_pb2.GpuDescription:
+    return dispatcher_pb2.GpuDescription(
+        ref=gpu_ref(gpu, node),
+        index=gpu.index,
+        model=gpu.model,
+        memory_bytes=gpu.memory_bytes,
+        sm_count=gpu.sm_count,
+        mig_capable=gpu.mig_capable,
+        mig_enabled=gpu.mig_enabled,
+        backend=backend,
+    )
+
+
+def client_status_to_pb(
+    status: ClientStatus, gpu: GpuInfo, node: str, socket_path: str
+) -> dispatcher_pb2.ClientStatus:
+    remaining_ms = status.lease_remaining_s * 1e3
+    return dispatcher_pb2.ClientStatus(
+        assignment=assignment_to_pb(status.reservation, gpu, node, socket_path, None),
+        connected=status.connected,
+        pid=status.pid,
+        state=_LEASE_STATE_TO_PB[status.state],
+        used_percent=status.used_fraction * 100,
+        # An open-ended (exclusive) lease has no end to count down to; -1 says so.
+        lease_remaining_ms=remaining_ms if math.isfinite(remaining_ms) else -1.0,
+        lease_length_ms=status.lease_length_s * 1e3,
+        leases_granted=status.leases_granted,
+        gpu_time_s=status.gpu_time_s,
+    )
+
+
+def gpu_status_to_pb(
+    view: GpuStatusView,
+    usage: GpuUsage,
+    gpu: GpuInfo,
+    node: str,
+    backend: str,
+    socket_path: str,
+) -> dispatcher_pb2.GpuStatus:
+    return dispatcher_pb2.GpuStatus(
+        gpu=gpu_description_to_pb(gpu, node, backend),
+        policy=view.policy,
+        window_ms=view.window_s * 1e3,
+        clients=[client_status_to_pb(c, gpu, node, socket_path) for c in view.clients],
+        waiting=list(view.waiting),
+        running_sm_percent=view.running_sm_percent,
+        utilization_percent=usage.utilization_percent,
+        memory_used_bytes=usage.memory_used_bytes,
+        memory_reserved_bytes=view.memory_reserved_bytes,
+        quota_reserved_percent=view.quota_reserved_percent,
+    )
+
+
+def event_to_pb(event: DispatcherEvent) -> dispatcher_pb2.DispatcherEvent:
+    return dispatcher_pb2.DispatcherEvent(
+        kind=_EVENT_KIND_TO_PB[event.kind],
+        time_unix_s=event.time_unix_s,
+        assignment_id=event.assignment_id,
+        detail=event.detail,
+        lease_id=event.lease_id,
+        lease_ms=event.lease_ms,
+    )

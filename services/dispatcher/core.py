@@ -1,0 +1,223 @@
+"""The dispatcher's domain core, as the gRPC servicer sees it: reserve, release, evict, status,
+events. State changes are made on the shim channel's thread (which owns the scheduler) or in
+the thread-safe reservation book; this class only coordinates them from the asyncio side."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import structlog
+
+from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
+from gpuloom.services.common.errors import NotFound, ResourceExhausted
+from gpuloom.services.dispatcher.channel import ShimChannel
+from gpuloom.services.dispatcher.domain import (
+    LEASE_EVENTS,
+    ClientStatus,
+    DispatcherEvent,
+    EventKind,
+    GpuStatusView,
+    LeaseState,
+    Reservation,
+    ReserveSpec,
+)
+from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.reservations import ReservationBook
+
+log = structlog.get_logger("gpuloom.dispatcher")
+
+T = TypeVar("T")
+# A watcher that falls this far behind is cut off rather than slowing the dispatcher down.
+MAX_PENDING_EVENTS = 10_000
+
+
+class EventStreamOverflow(ResourceExhausted):
+    """The watcher did not keep up; its stream ends."""
+
+
+@dataclass(eq=False)
+class _Subscriber:
+    queue: asyncio.Queue[DispatcherEvent | None]
+    include_leases: bool
+
+
+class DispatcherCore:
+    def __init__(
+        self,
+        gpu: GpuInfo,
+        node: str,
+        backend: GpuBackend,
+        book: ReservationBook,
+        channel: ShimChannel,
+        socket_path: str,
+        policy: str,
+        window_s: float,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.gpu = gpu
+        self.node = node
+        self.backend = backend
+        self.book = book
+        self.channel = channel
+        self.socket_path = socket_path
+        self.policy = policy
+        self.window_s = window_s
+        self._loop = loop
+        self._subscribers: list[_Subscriber] = []
+
+    # ---- commands ----
+
+    async def reserve(self, spec: ReserveSpec) -> Reservation:
+        spec.validate()
+        reservation, created = await asyncio.to_thread(self.book.reserve, spec)
+        if created:
+            try:
+                await self._on_channel(lambda: self.channel.add_reservation(reservation))
+            except BaseException:
+                await asyncio.to_thread(self.book.release, reservation.assignment_id)
+                raise
+            self.publish(self._event(EventKind.RESERVED, reservation.assignment_id))
+            log.info(
+                "reserved",
+                assignment=reservation.assignment_id,
+                client=reservation.client_name,
+                sm_percent=reservation.share.sm_percent,
+                quota_request=reservation.share.quota.request_percent,
+                quota_limit=reservation.share.quota.limit_percent,
+                memory_cap=reservation.memory_cap_bytes,
+            )
+        return reservation
+
+    async def release(self, assignment_id: str) -> bool:
+        return await self._end(assignment_id, "assignment released", EventKind.RELEASED)
+
+    async def evict(self, assignment_id: str, reason: str) -> None:
+        if not await self._end(assignment_id, reason or "evicted", EventKind.EVICTED):
+            raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+
+    async def _end(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
+        reservation = await asyncio.to_thread(self.book.release, assignment_id)
+        if reservation is None:
+            return False
+        await self._on_channel(
+            lambda: self.channel.remove_reservation(assignment_id, reason, reservation.mode)
+        )
+        self.publish(self._event(kind, assignment_id, reason))
+        log.info(kind.value, assignment=assignment_id, reason=reason)
+        return True
+
+    # ---- queries ----
+
+    async def status(self) -> tuple[GpuStatusView, GpuUsage]:
+        snapshot, connected = await self._on_channel(
+            lambda: (self.channel.scheduler_snapshot(), self.channel.connected())
+        )
+        usage = await asyncio.to_thread(self.backend.usage, self.gpu.index)
+        now = time.monotonic()
+        clients = tuple(
+            self._client_status(reservation, snapshot, connected, now)
+            for reservation in sorted(self.book.all(), key=lambda r: r.reserved_at_unix_s)
+        )
+        view = GpuStatusView(
+            policy=self.policy,
+            window_s=self.window_s,
+            clients=clients,
+            waiting=snapshot.waiting,
+            running_sm_percent=snapshot.running_sm_percent,
+            memory_reserved_bytes=self.book.memory_reserved_bytes(),
+            quota_reserved_percent=self.book.quota_reserved_percent(),
+        )
+        return view, usage
+
+    def _client_status(
+        self,
+        reservation: Reservation,
+        snapshot: SchedulerSnapshot,
+        connected: dict[str, int],
+        now: float,
+    ) -> ClientStatus:
+        pid = connected.get(reservation.assignment_id, 0)
+        if pid == 0 and reservation.bound is not None:
+            pid = reservation.bound.pid
+        client = snapshot.clients.get(reservation.assignment_id)
+        if client is None:  # not time-shared (measure/off modes)
+            return ClientStatus(
+                reservation, reservation.assignment_id in connected, pid, LeaseState.IDLE,
+                0.0, 0.0, 0.0, 0, 0.0,
+            )  # fmt: skip
+        lease = client.lease
+        remaining = 0.0 if lease is None else max(0.0, lease.expires_at - now)
+        return ClientStatus(
+            reservation=reservation,
+            connected=reservation.assignment_id in connected,
+            pid=pid,
+            state=LeaseState(client.state),
+            used_fraction=client.used_s / self.window_s,
+            lease_remaining_s=remaining if math.isfinite(remaining) else math.inf,
+            lease_length_s=client.q_s,
+            leases_granted=client.leases_granted,
+            gpu_time_s=client.total_gpu_s,
+        )
+
+    def environment(self, reservation: Reservation) -> dict[str, str]:
+        """What the process holding `reservation` must run with."""
+        environment = {
+            "GPULOOM_DISPATCHER_SOCKET": self.socket_path,
+            "GPULOOM_ASSIGNMENT_TOKEN": reservation.token,
+            "GPULOOM_ASSIGNMENT_ID": reservation.assignment_id,
+        }
+        # CUDA understands real GPU and MIG UUIDs; a simulated GPU has nothing to select.
+        if self.gpu.uuid.startswith(("GPU-", "MIG-")):
+            environment["CUDA_VISIBLE_DEVICES"] = self.gpu.uuid
+        return environment
+
+    # ---- events ----
+
+    def publish_from_channel(self, event: DispatcherEvent) -> None:
+        """Called on the channel thread."""
+        self._loop.call_soon_threadsafe(self.publish, event)
+
+    def publish(self, event: DispatcherEvent) -> None:
+        is_lease = event.kind in LEASE_EVENTS
+        for subscriber in list(self._subscribers):
+            if is_lease and not subscriber.include_leases:
+                continue
+            if subscriber.queue.qsize() >= MAX_PENDING_EVENTS:
+                self._unsubscribe(subscriber)
+                subscriber.queue.put_nowait(None)
+                continue
+            subscriber.queue.put_nowait(event)
+
+    async def events(self, include_leases: bool) -> AsyncIterator[DispatcherEvent]:
+        subscriber = _Subscriber(asyncio.Queue(), include_leases)
+        self._subscribers.append(subscriber)
+        self._update_lease_events()
+        try:
+            while True:
+                event = await subscriber.queue.get()
+                if event is None:
+                    raise EventStreamOverflow(
+                        f"event stream dropped: more than {MAX_PENDING_EVENTS} events unread"
+                    )
+                yield event
+        finally:
+            self._unsubscribe(subscriber)
+
+    def _unsubscribe(self, subscriber: _Subscriber) -> None:
+        if subscriber in self._subscribers:
+            self._subscribers.remove(subscriber)
+            self._update_lease_events()
+
+    def _update_lease_events(self) -> None:
+        self.channel.lease_events_wanted = any(s.include_leases for s in self._subscribers)
+
+    def _event(self, kind: EventKind, assignment_id: str, detail: str = "") -> DispatcherEvent:
+        return DispatcherEvent(kind, time.time(), assignment_id, detail)
+
+    async def _on_channel(self, function: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self.channel.submit(function))

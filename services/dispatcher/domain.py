@@ -1,0 +1,139 @@
+"""Domain types of the dispatcher: reservations, the processes bound to them, events."""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+from dataclasses import dataclass
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.shapes import SpatioTemporalShare, validate_priority
+from gpuloom.services.profile_store.validation import check_name
+from gpuloom.shimwire import ShimMode
+
+ASSIGNMENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+TOKEN = re.compile(r"^[A-Za-z0-9_-]{32,128}$")
+MAX_CLIENT_NAME_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ReserveSpec:
+    """What a caller asks for; validated before anything changes."""
+
+    assignment_id: str
+    client_name: str
+    priority: int
+    memory_cap_bytes: int
+    share: SpatioTemporalShare
+    mode: ShimMode = ShimMode.SHARE
+    token: str = ""
+
+    def validate(self) -> None:
+        if not ASSIGNMENT_ID.match(self.assignment_id):
+            raise InvalidArgument(
+                "assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -"
+            )
+        if self.client_name:
+            check_name("client_name", self.client_name, MAX_CLIENT_NAME_CHARS)
+        validate_priority("priority.level", self.priority)
+        if self.memory_cap_bytes < 0:
+            raise InvalidArgument("memory_cap_bytes", "must not be negative")
+        self.share.validate("share")
+        if self.token and not TOKEN.match(self.token):
+            raise InvalidArgument(
+                "assignment_token", "must be 32..128 URL-safe characters (A-Z a-z 0-9 _ -)"
+            )
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True, slots=True)
+class BoundProcess:
+    """The process a token was first presented by: pid plus its start time, so that a recycled
+    pid is not mistaken for the original process."""
+
+    pid: int
+    start_ticks: int
+    uid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    assignment_id: str
+    client_name: str
+    priority: int
+    memory_cap_bytes: int  # resolved: never 0
+    share: SpatioTemporalShare
+    mode: ShimMode
+    token: str
+    reserved_at_unix_s: float
+    bound: BoundProcess | None = None
+
+    def same_request(self, spec: ReserveSpec, memory_cap_bytes: int) -> bool:
+        """Would `spec` have produced this reservation? (for idempotent retries)"""
+        return (
+            spec.client_name == self.client_name
+            and spec.priority == self.priority
+            and memory_cap_bytes == self.memory_cap_bytes
+            and spec.share == self.share
+            and spec.mode == self.mode
+            and (not spec.token or spec.token == self.token)
+        )
+
+
+class EventKind(enum.Enum):
+    RESERVED = "reserved"
+    RELEASED = "released"
+    REGISTERED = "registered"
+    DISCONNECTED = "disconnected"
+    EVICTED = "evicted"
+    REFUSED = "refused"
+    LEASE_GRANTED = "lease-granted"
+    LEASE_ENDED = "lease-ended"
+
+
+LEASE_EVENTS = frozenset({EventKind.LEASE_GRANTED, EventKind.LEASE_ENDED})
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherEvent:
+    kind: EventKind
+    time_unix_s: float
+    assignment_id: str = ""
+    detail: str = ""
+    lease_id: int = 0
+    lease_ms: float = 0.0
+
+
+class LeaseState(enum.Enum):
+    IDLE = "idle"
+    WAITING = "waiting"
+    HOLDING = "holding"
+    BLOCKED = "blocked"
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatus:
+    reservation: Reservation
+    connected: bool
+    pid: int
+    state: LeaseState
+    used_fraction: float
+    lease_remaining_s: float
+    lease_length_s: float
+    leases_granted: int
+    gpu_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class GpuStatusView:
+    policy: str
+    window_s: float
+    clients: tuple[ClientStatus, ...]
+    waiting: tuple[str, ...]
+    running_sm_percent: int
+    memory_reserved_bytes: int
+    quota_reserved_percent: float

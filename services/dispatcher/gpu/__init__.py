@@ -1,0 +1,32 @@
+"""GPU backends of the dispatcher: what its GPU is, how busy it is, and its MIG layout.
+
+`open_backend` picks one: `NvmlBackend` (the real driver, through pynvml) or
+`SimulatedBackend` (GPUs described by a fleet spec such as "4xA100-80GB").
+"""
+
+from gpuloom.services.dispatcher.gpu.backend import (
+    GpuBackend,
+    GpuInfo,
+    GpuProcess,
+    GpuUsage,
+    MigInstance,
+)
+from gpuloom.services.dispatcher.gpu.models import MODELS, GpuModel
+from gpuloom.services.dispatcher.gpu.nvml import NvmlBackend
+from gpuloom.services.dispatcher.gpu.select import BACKEND_KINDS, open_backend
+from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend, parse_fleet_spec
+
+__all__ = [
+    "BACKEND_KINDS",
+    "MODELS",
+    "GpuBackend",
+    "GpuInfo",
+    "GpuModel",
+    "GpuProcess",
+    "GpuUsage",
+    "MigInstance",
+    "NvmlBackend",
+    "SimulatedBackend",
+    "open_backend",
+    "parse_fleet_spec",
+]

@@ -1,0 +1,159 @@
+"""GPU models the backends know: memory, SM count, MIG capability and MIG profiles.
+
+The simulated backend builds its GPUs from this table; the NVML backend uses it to name what
+the driver reports ("NVIDIA A100-SXM4-80GB" is an A100-80GB) and for what old drivers cannot
+tell. MIG rules (legal placements, creation times) come from gpuloom.policies.mig.geometry.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from gpuloom.policies.mig.geometry import MigGeometry, Placement, get_geometry
+from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
+from gpuloom.services.dispatcher.gpu.backend import MigInstance
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class GpuModel:
+    name: str  # "A100-80GB": family and nominal memory, what the fleet spec names
+    family: str  # "A100": what the driver's name contains
+    memory_gib: int
+    sm_count: int
+    # Name of the MIG geometry the model follows; None where the model has no MIG.
+    mig_geometry: str | None = None
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_gib * GIB
+
+    @property
+    def mig_capable(self) -> bool:
+        return self.mig_geometry is not None
+
+    def geometry(self) -> MigGeometry:
+        if self.mig_geometry is None:
+            raise FailedPrecondition(f"{self.name} is not MIG-capable")
+        return get_geometry(self.mig_geometry)
+
+
+MODELS: Mapping[str, GpuModel] = MappingProxyType(
+    {
+        m.name: m
+        for m in (
+            GpuModel("A100-40GB", "A100", 40, 108, "A100"),
+            GpuModel("A100-80GB", "A100", 80, 108, "A100"),
+            GpuModel("H100-80GB", "H100", 80, 132, "H100"),
+            # Same MIG rules as the H100 and no published reconfiguration times, so the
+            # H100's geometry (with its Table 1 times) stands in.
+            GpuModel("H200-141GB", "H200", 141, 132, "H100"),
+            GpuModel("A30-24GB", "A30", 24, 56, "A30"),
+            GpuModel("V100-32GB", "V100", 32, 80),
+            GpuModel("T4-16GB", "T4", 16, 40),
+            GpuModel("L4-24GB", "L4", 24, 58),
+        )
+    }
+)
+
+
+def find_model(name: str) -> GpuModel | None:
+    """The model of that name, case-insensitive ("a100-80gb" works), or None."""
+    wanted = name.strip().lower()
+    return next((m for m in MODELS.values() if m.name.lower() == wanted), None)
+
+
+# A driver's total can be a little under the nominal size (an H100 80GB reports 79.6 GiB),
+# but a different memory size is a different product (H100 NVL has 94 GB): don't guess then.
+_MEMORY_TOLERANCE = 0.1
+
+
+def match_driver_name(driver_name: str, memory_bytes: int) -> GpuModel | None:
+    """The known model a driver-reported name and memory size describe, or None."""
+    candidates = [
+        m
+        for m in MODELS.values()
+        # Whole words only: "L4" must not match "L40S", nor "H200" "GH200".
+        if re.search(rf"\b{re.escape(m.family)}\b", driver_name, re.IGNORECASE)
+        and abs(memory_bytes - m.memory_bytes) <= _MEMORY_TOLERANCE * m.memory_bytes
+    ]
+    return min(candidates, key=lambda m: abs(memory_bytes - m.memory_bytes), default=None)
+
+
+# Memory slices an instance of each size gets, per geometry slice count: the 7-slice GPUs
+# split memory in 8, the A30 in 4. It is also the placement size NVML expects (a 3-slice
+# instance at slice 4 is NVML placement {start 4, size 4}).
+_MEMORY_SLICES: Mapping[int, Mapping[int, int]] = MappingProxyType(
+    {7: MappingProxyType({1: 1, 2: 2, 3: 4, 4: 4, 7: 8}), 4: MappingProxyType({1: 1, 2: 2, 4: 4})}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MigProfile:
+    slices: int
+    memory_bytes: int
+    name: str  # "3g.40gb"
+    nvml_placement_size: int
+
+
+def mig_profile(model: GpuModel, slices: int) -> MigProfile:
+    """The MIG profile of `slices` compute slices on the model (InvalidArgument if none)."""
+    geometry = model.geometry()
+    if slices not in geometry.sizes:
+        raise InvalidArgument(
+            "slices",
+            f"{model.name} has no {slices}-slice MIG instance; sizes: "
+            + ", ".join(map(str, geometry.sizes)),
+        )
+    memory_slices = _MEMORY_SLICES[geometry.slice_count]
+    share = memory_slices[slices] / max(memory_slices.values())
+    # NVIDIA rounds half up in profile names: an H200's half is 70.5 GB, "3g.71gb".
+    gigabytes = math.floor(model.memory_gib * share + 0.5)
+    return MigProfile(
+        slices=slices,
+        memory_bytes=int(model.memory_bytes * share),
+        name=f"{slices}g.{gigabytes}gb",
+        nvml_placement_size=memory_slices[slices],
+    )
+
+
+def check_placement(
+    model: GpuModel, slices: int, first_slice: int, existing: Iterable[MigInstance]
+) -> Placement:
+    """The placement, if an instance of `slices` at `first_slice` can be created next to the
+    existing ones: InvalidArgument for a size or slice the model lacks, FailedPrecondition for
+    an illegal or overlapping placement."""
+    geometry = model.geometry()
+    mig_profile(model, slices)  # rejects sizes the model lacks
+    if not 0 <= first_slice < geometry.slice_count:
+        raise InvalidArgument(
+            "first_slice",
+            f"must be 0..{geometry.slice_count - 1} on {model.name}, got {first_slice}",
+        )
+    if not geometry.is_legal(slices, first_slice):
+        legal = sorted(p.first_slice for p in geometry.placements if p.size == slices)
+        raise FailedPrecondition(
+            f"{model.name} cannot place a {slices}-slice MIG instance at slice {first_slice}; "
+            f"legal first slices: {', '.join(map(str, legal))}"
+        )
+    placement = geometry.placement(slices, first_slice)
+    for instance in existing:
+        if placement.overlaps(footprint(geometry, instance)):
+            raise FailedPrecondition(
+                f"a {slices}-slice MIG instance at slice {first_slice} would overlap "
+                f"{instance.profile_name} at slice {instance.first_slice} ({instance.uuid})"
+            )
+    return placement
+
+
+def footprint(geometry: MigGeometry, instance: MigInstance) -> Placement:
+    """The slices an existing instance blocks."""
+    if geometry.is_legal(instance.slices, instance.first_slice):
+        return geometry.placement(instance.slices, instance.first_slice)
+    # Made outside gpuloom in a way the geometry does not know: assume it blocks its size.
+    return Placement(size=instance.slices, first_slice=instance.first_slice, span=instance.slices)

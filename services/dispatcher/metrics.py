@@ -1,0 +1,41 @@
+"""Prometheus metrics of the dispatchers (labelled by GPU, since `gpuloom up` runs several)."""
+
+from __future__ import annotations
+
+import prometheus_client
+
+LEASES_GRANTED = prometheus_client.Counter(
+    "gpuloom_dispatcher_leases_granted_total", "Time leases granted", ["gpu"]
+)
+LEASE_WAIT = prometheus_client.Histogram(
+    "gpuloom_dispatcher_lease_wait_seconds",
+    "Time from a lease request to its grant",
+    ["gpu"],
+    buckets=(5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+QUEUE_DEPTH = prometheus_client.Gauge(
+    "gpuloom_dispatcher_queue_depth", "Clients waiting for a lease", ["gpu"]
+)
+CLIENT_USED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_client_used_ratio",
+    "GPU time charged to a client in the current window, as a fraction of the window",
+    ["gpu", "assignment"],
+)
+CLIENT_QUOTA = prometheus_client.Gauge(
+    "gpuloom_dispatcher_client_quota_ratio",
+    "A client's time quota as a fraction of the window",
+    ["gpu", "assignment", "bound"],
+)
+CONNECTIONS = prometheus_client.Gauge(
+    "gpuloom_dispatcher_connections", "Open shim channel connections", ["gpu"]
+)
+CONNECTIONS_CLOSED = prometheus_client.Counter(
+    "gpuloom_dispatcher_connections_closed_total",
+    "Shim channel connections closed, by reason",
+    ["gpu", "reason"],
+)
+MEASUREMENT_RECORDS = prometheus_client.Counter(
+    "gpuloom_dispatcher_measurement_records_total",
+    "Kernel measurement records received from shims",
+    ["gpu"],
+)

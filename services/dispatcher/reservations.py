@@ -1,0 +1,228 @@
+"""The reservations of one GPU: admission control, idempotency and persistence.
+
+A reservation is what placement bought on this GPU for one process. The book refuses to
+over-commit: the memory caps together fit in the GPU's memory and the guaranteed time quotas
+(requests) together fit in the window. It is written to a JSON file on every change (atomic
+rename), so a restarted dispatcher still knows every reservation and which process holds it.
+Both the gRPC side and the shim channel thread use the book, hence the lock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gpuloom.services.common.errors import (
+    AlreadyExists,
+    DomainError,
+    FailedPrecondition,
+    ResourceExhausted,
+)
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.dispatcher.domain import (
+    BoundProcess,
+    Reservation,
+    ReserveSpec,
+    new_token,
+)
+from gpuloom.shimwire import ShimMode
+
+log = structlog.get_logger("gpuloom.dispatcher.reservations")
+
+FILE_VERSION = 1
+MAX_RESERVATIONS = 1024
+# Float sums of percentages: allow rounding noise, not real over-commitment.
+_QUOTA_EPSILON = 1e-9
+
+
+class ReservationBook:
+    def __init__(self, gpu_memory_bytes: int, path: Path | None) -> None:
+        self._gpu_memory_bytes = gpu_memory_bytes
+        self._path = path
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Reservation] = {}
+        self._by_token: dict[str, str] = {}
+        if path is not None and path.exists():
+            for reservation in _load(path):
+                self._by_id[reservation.assignment_id] = reservation
+                self._by_token[reservation.token] = reservation.assignment_id
+            log.info("reservations restored", count=len(self._by_id), path=str(path))
+
+    # -- queries --
+
+    def all(self) -> list[Reservation]:
+        with self._lock:
+            return list(self._by_id.values())
+
+    def get(self, assignment_id: str) -> Reservation | None:
+        with self._lock:
+            return self._by_id.get(assignment_id)
+
+    def by_token(self, token: str) -> Reservation | None:
+        with self._lock:
+            assignment_id = self._by_token.get(token)
+            return None if assignment_id is None else self._by_id[assignment_id]
+
+    def memory_reserved_bytes(self) -> int:
+        with self._lock:
+            return sum(r.memory_cap_bytes for r in self._by_id.values())
+
+    def quota_reserved_percent(self) -> float:
+        with self._lock:
+            return sum(
+                r.share.quota.request_percent
+                for r in self._by_id.values()
+                if r.mode is ShimMode.SHARE
+            )
+
+    # -- changes --
+
+    def reserve(self, spec: ReserveSpec) -> tuple[Reservation, bool]:
+        """Admit `spec` (validated by the caller); returns (reservation, created)."""
+        memory = spec.memory_cap_bytes or self._gpu_memory_bytes
+        with self._lock:
+            existing = self._by_id.get(spec.assignment_id)
+            if existing is not None:
+                if existing.same_request(spec, memory):
+                    return existing, False
+                raise AlreadyExists(
+                    f"assignment {spec.assignment_id!r} exists with a different request"
+                )
+            if spec.token and spec.token in self._by_token:
+                raise AlreadyExists("assignment_token is already used by another assignment")
+            if len(self._by_id) >= MAX_RESERVATIONS:
+                raise ResourceExhausted(f"this GPU holds the maximum of {MAX_RESERVATIONS}")
+            if memory > self._gpu_memory_bytes:
+                raise ResourceExhausted(
+                    f"memory_cap_bytes {memory} exceeds the GPU's {self._gpu_memory_bytes} bytes"
+                )
+            used_memory = sum(r.memory_cap_bytes for r in self._by_id.values())
+            if used_memory + memory > self._gpu_memory_bytes:
+                raise ResourceExhausted(
+                    f"not enough GPU memory: {self._gpu_memory_bytes - used_memory} bytes free, "
+                    f"{memory} asked"
+                )
+            if spec.mode is ShimMode.SHARE:
+                used_quota = sum(
+                    r.share.quota.request_percent
+                    for r in self._by_id.values()
+                    if r.mode is ShimMode.SHARE
+                )
+                asked = spec.share.quota.request_percent
+                if used_quota + asked > 100 + _QUOTA_EPSILON:
+                    raise ResourceExhausted(
+                        f"time quota over-committed: {100 - used_quota:.3g}% of the window is "
+                        f"still guaranteed to nobody, {asked:.3g}% asked"
+                    )
+            reservation = Reservation(
+                assignment_id=spec.assignment_id,
+                client_name=spec.client_name,
+                priority=spec.priority,
+                memory_cap_bytes=memory,
+                share=spec.share,
+                mode=spec.mode,
+                token=spec.token or new_token(),
+                reserved_at_unix_s=time.time(),
+            )
+            self._by_id[reservation.assignment_id] = reservation
+            self._by_token[reservation.token] = reservation.assignment_id
+            self._save_locked()
+            return reservation, True
+
+    def release(self, assignment_id: str) -> Reservation | None:
+        with self._lock:
+            reservation = self._by_id.pop(assignment_id, None)
+            if reservation is None:
+                return None
+            del self._by_token[reservation.token]
+            self._save_locked()
+            return reservation
+
+    def bind(self, assignment_id: str, process: BoundProcess) -> Reservation:
+        """Bind the token to its first process; the same process again is fine, any other is
+        refused (FailedPrecondition), so one process cannot spend another's quota."""
+        with self._lock:
+            reservation = self._by_id.get(assignment_id)
+            if reservation is None:
+                raise FailedPrecondition("the assignment was released")
+            if reservation.bound is not None:
+                bound = reservation.bound
+                if (bound.pid, bound.start_ticks) != (process.pid, process.start_ticks):
+                    raise FailedPrecondition(
+                        f"assignment token already used by pid {bound.pid}; tokens are one-time"
+                    )
+                return reservation
+            reservation = dataclasses.replace(reservation, bound=process)
+            self._by_id[assignment_id] = reservation
+            self._save_locked()
+            return reservation
+
+    def _save_locked(self) -> None:
+        if self._path is None:
+            return
+        document = {
+            "version": FILE_VERSION,
+            "reservations": [_to_json(r) for r in self._by_id.values()],
+        }
+        temporary = self._path.with_suffix(".tmp")
+        with open(temporary, "w") as file:
+            json.dump(document, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self._path)
+
+
+def _to_json(reservation: Reservation) -> dict[str, Any]:
+    document = dataclasses.asdict(reservation)
+    document["mode"] = reservation.mode.name
+    return document
+
+
+def _load(path: Path) -> list[Reservation]:
+    """Read the reservations file; a damaged file stops the dispatcher instead of silently
+    forgetting what placement paid for."""
+    try:
+        document = json.loads(path.read_text())
+        if document.get("version") != FILE_VERSION:
+            raise ValueError(f"unknown version {document.get('version')!r}")
+        reservations = []
+        for item in document["reservations"]:
+            quota = item["share"]["quota"]
+            share = SpatioTemporalShare(
+                int(item["share"]["sm_percent"]),
+                TimeQuota(float(quota["request_percent"]), float(quota["limit_percent"])),
+            )
+            spec = ReserveSpec(
+                assignment_id=item["assignment_id"],
+                client_name=item["client_name"],
+                priority=int(item["priority"]),
+                memory_cap_bytes=int(item["memory_cap_bytes"]),
+                share=share,
+                mode=ShimMode[item["mode"]],
+                token=item["token"],
+            )
+            spec.validate()
+            bound = item["bound"]
+            reservations.append(
+                Reservation(
+                    assignment_id=spec.assignment_id,
+                    client_name=spec.client_name,
+                    priority=spec.priority,
+                    memory_cap_bytes=spec.memory_cap_bytes,
+                    share=share,
+                    mode=spec.mode,
+                    token=spec.token,
+                    reserved_at_unix_s=float(item["reserved_at_unix_s"]),
+                    bound=None if bound is None else BoundProcess(**bound),
+                )
+            )
+        return reservations
+    except (OSError, ValueError, KeyError, TypeError, DomainError) as error:
+        raise RuntimeError(f"cannot read the reservations file {path}: {error}") from None

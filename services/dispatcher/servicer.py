@@ -1,0 +1,80 @@
+"""gpuloom.v1.Dispatcher servicer: protobuf in, domain core, protobuf out. Nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.grpc_errors import rpc, stream_rpc
+from gpuloom.services.dispatcher import convert
+from gpuloom.services.dispatcher.core import DispatcherCore
+from gpuloom.services.dispatcher.domain import ASSIGNMENT_ID
+from gpuloom.v1 import dispatcher_pb2 as pb
+from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
+
+SERVICE = "gpuloom.v1.Dispatcher"
+Context = grpc.aio.ServicerContext
+MAX_REASON_CHARS = 1024
+
+
+def _assignment_id(value: str) -> str:
+    if not ASSIGNMENT_ID.match(value):
+        raise InvalidArgument("assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
+    return value
+
+
+class DispatcherServicer(pb_grpc.DispatcherServicer):
+    def __init__(self, core: DispatcherCore) -> None:
+        self._core = core
+
+    @rpc(SERVICE)
+    async def Reserve(self, request: pb.ReserveRequest, context: Context) -> pb.Assignment:
+        core = self._core
+        reservation = await core.reserve(convert.reserve_spec_from_pb(request))
+        return convert.assignment_to_pb(
+            reservation, core.gpu, core.node, core.socket_path, core.environment(reservation)
+        )
+
+    @rpc(SERVICE)
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
+        released = await self._core.release(_assignment_id(request.assignment_id))
+        return pb.ReleaseResponse(released=released)
+
+    @rpc(SERVICE)
+    async def GetGpuStatus(self, request: pb.GetGpuStatusRequest, context: Context) -> pb.GpuStatus:
+        core = self._core
+        view, usage = await core.status()
+        return convert.gpu_status_to_pb(
+            view, usage, core.gpu, core.node, core.backend.name, core.socket_path
+        )
+
+    @rpc(SERVICE)
+    async def ListClients(
+        self, request: pb.ListClientsRequest, context: Context
+    ) -> pb.ListClientsResponse:
+        core = self._core
+        view, _ = await core.status()
+        return pb.ListClientsResponse(
+            clients=[
+                convert.client_status_to_pb(c, core.gpu, core.node, core.socket_path)
+                for c in view.clients
+            ]
+        )
+
+    @rpc(SERVICE)
+    async def EvictClient(
+        self, request: pb.EvictClientRequest, context: Context
+    ) -> pb.EvictClientResponse:
+        if len(request.reason) > MAX_REASON_CHARS:
+            raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
+        await self._core.evict(_assignment_id(request.assignment_id), request.reason)
+        return pb.EvictClientResponse()
+
+    @stream_rpc(SERVICE)
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: Context
+    ) -> AsyncIterator[pb.DispatcherEvent]:
+        async for event in self._core.events(request.include_leases):
+            yield convert.event_to_pb(event)

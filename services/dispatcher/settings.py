@@ -1,0 +1,75 @@
+"""Settings of the dispatchers (environment variables GPULOOM_DISPATCHER_*)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuloom.policies.tokens.registry import POLICIES
+from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
+
+
+class DispatcherSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPULOOM_DISPATCHER_", extra="ignore")
+
+    # The dispatcher of GPU i listens on port + i (50060, 50061, ...).
+    port: int = Field(default=50060, ge=0, le=65535)
+    # Which GPUs this process serves: "all", or indexes such as "0" or "0,2".
+    gpus: str = Field(default="all", pattern=r"^(all|\d{1,3}(,\d{1,3})*)$")
+    # "auto": NVML when it finds a GPU, otherwise the simulated fleet below.
+    backend: Literal["auto", "nvml", "simulated"] = "auto"
+    # The simulated fleet: "4xA100-80GB", "A100-80GB,H100-80GB,2xA30-24GB", ...
+    sim_gpus: str = "4xA100-80GB"
+    # Unix sockets of the shim channels; empty: GPULOOM_DATA_DIR/dispatcher.
+    socket_dir: Path | None = None
+    node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
+    policy: str = "spatiotemporal"
+    window_ms: float = Field(default=1000.0, gt=0, le=60_000)
+    lease_min_ms: float = Field(default=2.0, gt=0)
+    lease_max_ms: float = Field(default=100.0, gt=0)
+    lease_initial_ms: float = Field(default=20.0, gt=0)
+    fifo_slice_ms: float = Field(default=50.0, gt=0)
+    max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
+    register_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy; known: {', '.join(sorted(POLICIES))}")
+        return name
+
+    @field_validator("sim_gpus")
+    @classmethod
+    def _fleet_spec(cls, spec: str) -> str:
+        parse_fleet_spec(spec)  # raises ValueError naming the bad entry
+        return spec
+
+    @model_validator(mode="after")
+    def _lease_bounds(self) -> DispatcherSettings:
+        if not self.lease_min_ms <= self.lease_initial_ms <= self.lease_max_ms:
+            raise ValueError(
+                "need lease_min_ms <= lease_initial_ms <= lease_max_ms, got "
+                f"{self.lease_min_ms}, {self.lease_initial_ms}, {self.lease_max_ms}"
+            )
+        if self.lease_max_ms > self.window_ms:
+            raise ValueError("lease_max_ms must not exceed window_ms")
+        return self
+
+    def gpu_indexes(self, available: int) -> list[int]:
+        """The GPU indexes to serve out of `available`; ValueError names a missing one."""
+        if self.gpus == "all":
+            return list(range(available))
+        indexes = sorted({int(part) for part in self.gpus.split(",")})
+        missing = [i for i in indexes if i >= available]
+        if missing:
+            raise ValueError(
+                f"GPULOOM_DISPATCHER_GPUS names GPU {missing[0]}, but there are {available}"
+            )
+        return indexes

@@ -1,0 +1,108 @@
+"""A live dispatcher in the test process: simulated GPU, real Unix socket, real gRPC server."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
+from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
+from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
+    path = Path(tempfile.mkdtemp(prefix="gl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class LiveDispatcher:
+    dispatcher: GpuDispatcher
+    stub: dispatcher_pb2_grpc.DispatcherStub
+    data_dir: Path
+
+    @property
+    def socket_path(self) -> str:
+        return self.dispatcher.core.socket_path
+
+    async def reserve(
+        self,
+        sm: int = 100,
+        request: float = 50.0,
+        limit: float | None = None,
+        memory_gib: float = 1.0,
+        mode: int = 0,
+        assignment_id: str | None = None,
+    ) -> dispatcher_pb2.Assignment:
+        return await self.stub.Reserve(
+            reserve_request(sm, request, limit, memory_gib, mode, assignment_id)
+        )
+
+
+def reserve_request(
+    sm: int = 100,
+    request: float = 50.0,
+    limit: float | None = None,
+    memory_gib: float = 1.0,
+    mode: int = 0,
+    assignment_id: str | None = None,
+) -> dispatcher_pb2.ReserveRequest:
+    return dispatcher_pb2.ReserveRequest(
+        assignment_id=assignment_id or f"job-{uuid.uuid4().hex[:8]}",
+        client_name="test job",
+        priority=common_pb2.Priority(level=5),
+        memory_cap_bytes=int(memory_gib * GIB),
+        share=common_pb2.SpatioTemporalShare(
+            sm_percent=sm,
+            quota=common_pb2.TimeQuota(
+                request_percent=request, limit_percent=request if limit is None else limit
+            ),
+        ),
+        mode=mode,
+    )
+
+
+def dispatcher_settings(**overrides: object) -> DispatcherSettings:
+    values: dict[str, object] = {
+        "window_ms": 200.0,
+        "lease_min_ms": 2.0,
+        "lease_initial_ms": 10.0,
+        "lease_max_ms": 20.0,
+        "register_timeout_s": 1.0,
+    }
+    values.update(overrides)
+    return DispatcherSettings(**values)  # type: ignore[arg-type]
+
+
+async def start_live(data_dir: Path, **overrides: object) -> tuple[GpuDispatcher, grpc.aio.Channel]:
+    backend = SimulatedBackend("A100-80GB")
+    dispatcher = await start_gpu_dispatcher(
+        dispatcher_settings(**overrides), backend, backend.gpu(0), "127.0.0.1", 0, data_dir
+    )
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{dispatcher.port}")
+    return dispatcher, channel
+
+
+@pytest.fixture
+async def live(short_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[LiveDispatcher]:
+    overrides = getattr(request, "param", {})
+    dispatcher, channel = await start_live(short_dir, **overrides)
+    try:
+        yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
+    finally:
+        await channel.close()
+        await dispatcher.server.stop(0)
+        dispatcher.channel.stop()

@@ -1,0 +1,1 @@
+"""Tests of the dispatcher's GPU backends (simulated, and NVML against a fake pynvml)."""

@@ -1,0 +1,259 @@
+"""The shim channel against the Python reference client: registration, identity, leases through
+shared memory, and what garbage, dead clients and silent clients get."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gpuloom.clients.shim import Evicted, ShimChannelError, ShimClient
+from gpuloom.shimwire import AdmissionState, ShimMode, encode_frame
+from gpuloom.v1 import dispatcher_pb2, shim_pb2
+from tests.dispatcher.conftest import LiveDispatcher
+
+
+async def test_register_hands_out_the_region_with_cap_and_share(live: LiveDispatcher) -> None:
+    assignment = await live.reserve(sm=40, request=30, limit=60, memory_gib=2)
+    assert assignment.environment["GPULOOM_ASSIGNMENT_TOKEN"] == assignment.assignment_token
+    assert assignment.environment["GPULOOM_DISPATCHER_SOCKET"] == live.socket_path
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        registration = shim.registration
+        assert registration.assignment_id == assignment.assignment_id
+        assert registration.memory_cap_bytes == 2 << 30
+        assert registration.sm_percent == 40
+        assert registration.mode is ShimMode.SHARE
+        assert registration.window_s == pytest.approx(0.2)
+        assert shim.region.memory_cap_bytes == 2 << 30
+        assert shim.region.state is AdmissionState.WAITING
+        assert shim.current_lease() is None
+
+        lease = shim.acquire(timeout_s=2)
+        assert shim.region.state is AdmissionState.LEASED
+        assert 0 < lease.remaining_s() <= 0.010 + 1e-3  # lease_initial_ms in the fixture
+        assert shim.acquire() == lease  # still in force: no round trip
+
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    (client,) = status.clients
+    assert client.leases_granted == 1 and client.pid == os.getpid()
+
+
+async def test_measure_and_off_modes_are_admitted_open(live: LiveDispatcher) -> None:
+    for mode in (shim_pb2.SHIM_MODE_MEASURE, shim_pb2.SHIM_MODE_OFF):
+        assignment = await live.reserve(sm=10, request=10, mode=mode)
+        with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+            assert shim.region.state is AdmissionState.OPEN
+            assert shim.current_lease() is not None
+
+
+async def test_unknown_token_is_refused(live: LiveDispatcher) -> None:
+    with pytest.raises(ShimChannelError, match="unknown assignment token"):
+        ShimClient.connect(live.socket_path, "x" * 43)
+
+
+REPLAY = textwrap.dedent(
+    """
+    import sys
+    from gpuloom.clients.shim import ShimClient, ShimChannelError
+    try:
+        ShimClient.connect(sys.argv[1], sys.argv[2]).close()
+    except ShimChannelError as error:
+        print(error)
+        sys.exit(3)
+    """
+)
+
+
+async def test_token_replayed_by_another_process_is_refused(live: LiveDispatcher) -> None:
+    assignment = await live.reserve()
+    token = assignment.assignment_token
+    with ShimClient.connect(live.socket_path, token):
+        pass
+    # The same process may come back (a reconnect) ...
+    with ShimClient.connect(live.socket_path, token) as again:
+        assert again.registration.assignment_id == assignment.assignment_id
+    # ... but no other process may spend this assignment.
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", REPLAY, live.socket_path, token],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 3, result.stderr
+    assert f"already used by pid {os.getpid()}" in result.stdout
+
+
+async def test_two_half_gpu_clients_run_together_and_a_third_waits(live: LiveDispatcher) -> None:
+    tokens = [
+        (await live.reserve(sm=sm, request=30, limit=100)).assignment_token for sm in (50, 50, 30)
+    ]
+    first, second, third = (ShimClient.connect(live.socket_path, t) for t in tokens)
+    try:
+        a = first.acquire(timeout_s=2)
+        b = second.acquire(timeout_s=2)
+        assert first.current_lease() is not None and second.current_lease() is not None
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        assert status.running_sm_percent == 100
+
+        waiting = asyncio.create_task(asyncio.to_thread(third.acquire, 2.0))
+        await asyncio.sleep(0.002)
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        assert third.current_lease() is None
+        assert list(status.waiting) == [third.registration.assignment_id]
+        # 50 + 50 + 30 > 100: the third gets its lease only once one of the others' ends.
+        c = await waiting
+        ended_first = min(a.until_ns, b.until_ns)
+        assert time.monotonic_ns() >= ended_first - 1_000_000
+        assert c.lease_id > max(a.lease_id, b.lease_id)
+    finally:
+        for shim in (first, second, third):
+            shim.close()
+
+
+def _raw_connect(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(path)
+    return sock
+
+
+def _closed_with_error(sock: socket.socket) -> str:
+    """Read what the dispatcher says before it hangs up; '' when it hangs up silently."""
+    data = b""
+    while True:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    sock.close()
+    if not data:
+        return ""
+    message = shim_pb2.DispatcherMessage.FromString(data[4:])
+    return message.error.message
+
+
+@pytest.mark.parametrize(
+    ("garbage", "expected"),
+    [
+        (b"\xff\xff\xff\xff", "frame length 4294967295 outside"),
+        (b"\x00\x00\x00\x00", "frame length 0 outside"),
+        (encode_frame(b"\xff\xff\xff"), "malformed message"),
+        (encode_frame(b"\x78\x01"), "unknown or empty message type"),  # field 15: not ours
+        (
+            encode_frame(shim_pb2.ShimMessage(goodbye=shim_pb2.Goodbye()).SerializeToString()),
+            "first message must be register",
+        ),
+        (
+            encode_frame(
+                shim_pb2.ShimMessage(
+                    register=shim_pb2.Register(protocol_version=9, assignment_token="t")
+                ).SerializeToString()
+            ),
+            "protocol version 9 not supported",
+        ),
+    ],
+)
+async def test_garbage_closes_only_the_offending_connection(
+    live: LiveDispatcher, garbage: bytes, expected: str
+) -> None:
+    assignment = await live.reserve()
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as good:
+        bad = _raw_connect(live.socket_path)
+        bad.sendall(garbage)
+        reason = await asyncio.to_thread(_closed_with_error, bad)
+        assert expected in reason
+        # Everyone else carries on.
+        assert good.acquire(timeout_s=2) is not None
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert len(status.clients) == 1
+
+
+async def test_a_silent_connection_is_closed_after_the_registration_limit(
+    live: LiveDispatcher,
+) -> None:
+    silent = _raw_connect(live.socket_path)
+    started = time.monotonic()
+    reason = await asyncio.to_thread(_closed_with_error, silent)
+    assert "no registration within the time limit" in reason
+    assert time.monotonic() - started < 3  # limit 1 s in the fixture, swept every 0.5 s
+
+
+async def test_implausible_usage_report_closes_the_connection(live: LiveDispatcher) -> None:
+    assignment = await live.reserve()
+    shim = ShimClient.connect(live.socket_path, assignment.assignment_token)
+    lease = shim.acquire(timeout_s=2)
+    report = shim_pb2.UsageReport(lease_id=lease.lease_id, gpu_time_ns=10**18, release=True)
+    shim._send(shim_pb2.ShimMessage(usage=report))
+    with pytest.raises(ShimChannelError, match="not plausible"):
+        for _ in range(100):
+            shim._check_socket()
+            await asyncio.sleep(0.01)
+    shim.close()
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from gpuloom.clients.shim import ShimClient
+    shim = ShimClient.connect(sys.argv[1], sys.argv[2])
+    lease = shim.acquire(timeout_s=5)
+    print(lease.lease_id, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.parametrize("live", [{"policy": "exclusive"}], indirect=True)
+async def test_a_client_killed_holding_a_lease_loses_it_at_once(live: LiveDispatcher) -> None:
+    """Exclusive mode: the holder's lease never expires, so only the death notice frees it."""
+    holder_token = (await live.reserve(request=50)).assignment_token
+    waiter_token = (await live.reserve(request=50)).assignment_token
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, live.socket_path, holder_token],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        line = await asyncio.to_thread(holder.stdout.readline)
+        assert line.strip().isdigit()
+        with ShimClient.connect(live.socket_path, waiter_token) as waiter:
+            with pytest.raises(TimeoutError):
+                waiter.acquire(timeout_s=0.2)
+            holder.send_signal(signal.SIGKILL)
+            started = time.monotonic()
+            lease = await asyncio.to_thread(waiter.acquire, 5.0)
+            assert time.monotonic() - started < 1.0
+            assert lease.remaining_s() > 1e6  # exclusive: open-ended
+    finally:
+        holder.kill()
+        holder.wait()
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    holder_status = next(c for c in status.clients if not c.connected)
+    assert holder_status.state == dispatcher_pb2.LEASE_STATE_IDLE
+
+
+async def test_release_evicts_the_connected_process(live: LiveDispatcher) -> None:
+    assignment = await live.reserve()
+    shim = ShimClient.connect(live.socket_path, assignment.assignment_token)
+    shim.acquire(timeout_s=2)
+    released = await live.stub.Release(
+        dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+    )
+    assert released.released
+    assert shim.region.state is AdmissionState.EVICTED
+    with pytest.raises(Evicted, match="assignment released"):
+        shim.acquire(timeout_s=1)
+    shim.close()
+    again = await live.stub.Release(
+        dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+    )
+    assert not again.released

@@ -1,0 +1,147 @@
+"""gpuloom.v1.Dispatcher over real gRPC: what good and bad requests get, status and events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from gpuloom.clients.shim import ShimClient
+from gpuloom.v1 import dispatcher_pb2
+from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request
+
+
+async def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call  # type: ignore[misc]
+    return caught.value.code(), caught.value.details() or ""
+
+
+@pytest.mark.parametrize(
+    ("request_args", "code", "field"),
+    [
+        ({"request": 60, "limit": 40}, grpc.StatusCode.INVALID_ARGUMENT, "share.quota.request"),
+        ({"sm": 101}, grpc.StatusCode.INVALID_ARGUMENT, "share.sm_percent"),
+        ({"sm": 0}, grpc.StatusCode.INVALID_ARGUMENT, "share.sm_percent"),
+        ({"request": 0}, grpc.StatusCode.INVALID_ARGUMENT, "share.quota.request_percent"),
+        ({"limit": 100.5}, grpc.StatusCode.INVALID_ARGUMENT, "share.quota.limit_percent"),
+        ({"assignment_id": "no spaces"}, grpc.StatusCode.INVALID_ARGUMENT, "assignment_id"),
+        ({"mode": 7}, grpc.StatusCode.INVALID_ARGUMENT, "mode"),
+        ({"memory_gib": 81}, grpc.StatusCode.RESOURCE_EXHAUSTED, "exceeds the GPU"),
+    ],
+)
+async def test_bad_reservations_are_refused_and_change_nothing(
+    live: LiveDispatcher, request_args: dict, code: grpc.StatusCode, field: str
+) -> None:
+    got, details = await _code_and_details(live.stub.Reserve(reserve_request(**request_args)))
+    assert got == code
+    assert field in details
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert len(status.clients) == 0 and status.memory_reserved_bytes == 0
+
+
+async def test_capacity_is_never_over_committed(live: LiveDispatcher) -> None:
+    await live.reserve(request=60, memory_gib=50)
+    got, details = await _code_and_details(live.stub.Reserve(reserve_request(request=50)))
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "time quota over-committed" in details
+    got, details = await _code_and_details(
+        live.stub.Reserve(reserve_request(request=10, memory_gib=40))
+    )
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "not enough GPU memory" in details
+    # What still fits is admitted; SM shares may add up past 100% (they take turns in time).
+    await live.reserve(sm=100, request=40, memory_gib=30)
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert status.quota_reserved_percent == pytest.approx(100)
+    assert status.memory_reserved_bytes == 80 * GIB
+
+
+async def test_reserve_is_idempotent_by_assignment_id(live: LiveDispatcher) -> None:
+    request = reserve_request(sm=30, request=20, assignment_id="svc-a.1")
+    first = await live.stub.Reserve(request)
+    again = await live.stub.Reserve(request)
+    assert again.assignment_token == first.assignment_token
+    changed = reserve_request(sm=40, request=20, assignment_id="svc-a.1")
+    got, details = await _code_and_details(live.stub.Reserve(changed))
+    assert got == grpc.StatusCode.ALREADY_EXISTS and "svc-a.1" in details
+    listed = await live.stub.ListClients(dispatcher_pb2.ListClientsRequest())
+    assert [c.assignment.share.sm_percent for c in listed.clients] == [30]
+    assert listed.clients[0].assignment.assignment_token == ""  # never listed
+
+
+async def test_a_caller_supplied_token_is_used_and_must_be_well_formed(
+    live: LiveDispatcher,
+) -> None:
+    request = reserve_request()
+    request.assignment_token = "short"
+    got, details = await _code_and_details(live.stub.Reserve(request))
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "assignment_token" in details
+    request.assignment_token = "T" * 40
+    assignment = await live.stub.Reserve(request)
+    assert assignment.assignment_token == "T" * 40
+
+
+async def test_status_shows_clients_quotas_usage_and_queue(live: LiveDispatcher) -> None:
+    assignment = await live.reserve(sm=60, request=25, limit=50, memory_gib=4)
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        shim.acquire(timeout_s=2)
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert status.gpu.model == "A100-80GB" and status.gpu.backend == "simulated"
+    assert status.gpu.memory_bytes == 80 * GIB and status.gpu.sm_count == 108
+    assert status.policy == "spatiotemporal" and status.window_ms == pytest.approx(200)
+    (client,) = status.clients
+    assert client.connected and client.state == dispatcher_pb2.LEASE_STATE_HOLDING
+    assert client.assignment.share.quota.request_percent == 25
+    assert client.used_percent > 0  # the provisional charge of the lease
+    assert status.running_sm_percent == 60
+
+
+async def test_evict_disconnects_and_unknown_is_not_found(live: LiveDispatcher) -> None:
+    assignment = await live.reserve()
+    shim = ShimClient.connect(live.socket_path, assignment.assignment_token)
+    await live.stub.EvictClient(
+        dispatcher_pb2.EvictClientRequest(assignment_id=assignment.assignment_id, reason="drain")
+    )
+    assert shim.region.state.name == "EVICTED"
+    shim.close()
+    got, _ = await _code_and_details(
+        live.stub.EvictClient(dispatcher_pb2.EvictClientRequest(assignment_id="nobody"))
+    )
+    assert got == grpc.StatusCode.NOT_FOUND
+    got, details = await _code_and_details(
+        live.stub.EvictClient(
+            dispatcher_pb2.EvictClientRequest(
+                assignment_id=assignment.assignment_id, reason="x" * 2000
+            )
+        )
+    )
+    assert got == grpc.StatusCode.INVALID_ARGUMENT and "reason" in details
+
+
+async def test_events_stream_reservations_connections_and_leases(live: LiveDispatcher) -> None:
+    call = live.stub.WatchEvents(dispatcher_pb2.WatchEventsRequest(include_leases=True))
+    received: list[dispatcher_pb2.DispatcherEvent] = []
+
+    async def collect() -> None:
+        async for event in call:
+            received.append(event)
+
+    collector = asyncio.create_task(collect())
+    await asyncio.sleep(0.1)  # the stream is subscribed
+    assignment = await live.reserve()
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        shim.acquire(timeout_s=2)
+    await live.stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id))
+    for _ in range(100):
+        if any(e.kind == dispatcher_pb2.DISPATCHER_EVENT_KIND_RELEASED for e in received):
+            break
+        await asyncio.sleep(0.02)
+    call.cancel()
+    collector.cancel()
+    kinds = [dispatcher_pb2.DispatcherEventKind.Name(e.kind) for e in received]
+    for expected in ("RESERVED", "REGISTERED", "LEASE_GRANTED", "DISCONNECTED", "RELEASED"):
+        assert f"DISPATCHER_EVENT_KIND_{expected}" in kinds
+    assert kinds.index("DISPATCHER_EVENT_KIND_RESERVED") < kinds.index(
+        "DISPATCHER_EVENT_KIND_REGISTERED"
+    )
+    assert all(e.assignment_id == assignment.assignment_id for e in received)
