@@ -210,21 +210,25 @@ class AdmissionRegion:
 
     # -- writing (dispatcher side) --
 
-    def _publish(self, state: AdmissionState, admit_until_ns: int, lease_id: int) -> None:
+    def _publish(
+        self, state: AdmissionState, admit_until_ns: int, lease_id: int, wake: bool
+    ) -> None:
         self._lease_id.value = lease_id
         self._admit_until.value = admit_until_ns
         self._state.value = state
         self._epoch.value = (self._epoch.value + 1) & 0xFFFFFFFF
-        futex_wake(self._epoch_address)
+        if wake:
+            futex_wake(self._epoch_address)
 
     def publish_lease(self, lease_id: int, until_ns: int) -> None:
-        self._publish(AdmissionState.LEASED, until_ns, lease_id)
+        self._publish(AdmissionState.LEASED, until_ns, lease_id, wake=True)
 
     def publish_open(self) -> None:
-        self._publish(AdmissionState.OPEN, OPEN_ENDED_NS, 0)
+        self._publish(AdmissionState.OPEN, OPEN_ENDED_NS, 0, wake=True)
 
     def publish_waiting(self) -> None:
-        self._publish(AdmissionState.WAITING, 0, 0)
+        # A revocation: nobody sleeps waiting for one, so no wake-up system call.
+        self._publish(AdmissionState.WAITING, 0, 0, wake=False)
 
     def publish_evicted(self) -> None:
-        self._publish(AdmissionState.EVICTED, 0, 0)
+        self._publish(AdmissionState.EVICTED, 0, 0, wake=True)

@@ -14,7 +14,7 @@ import concurrent.futures
 import contextlib
 import math
 import os
-import selectors
+import select
 import socket
 import stat
 import struct
@@ -127,7 +127,9 @@ class ShimChannel:
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
         self._window_ns = int(window_s * 1e9)
-        self._selector = selectors.DefaultSelector()
+        # Raw epoll: the loop runs once per lease request, so every layer counts.
+        self._epoll = select.epoll()
+        self._special: dict[int, str] = {}
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._timer = DeadlineTimer()
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]]
@@ -142,6 +144,10 @@ class ShimChannel:
         self._labels = {"gpu": gpu_label}
         self._leases_granted = metrics.LEASES_GRANTED.labels(gpu_label)
         self._lease_wait = metrics.LEASE_WAIT.labels(gpu_label)
+        # Lease metrics are collected here and handed to Prometheus in housekeeping, off the
+        # request path.
+        self._granted_since_flush = 0
+        self._waits: list[float] = []
 
     # ---- life cycle (called from the owner's thread) ----
 
@@ -159,9 +165,13 @@ class ShimChannel:
         listener.listen(128)
         listener.setblocking(False)
         self._listener = listener
-        self._selector.register(listener, selectors.EVENT_READ, "listener")
-        self._selector.register(self._wake_fd, selectors.EVENT_READ, "wake")
-        self._selector.register(self._timer.fd, selectors.EVENT_READ, "timer")
+        self._special = {
+            listener.fileno(): "listener",
+            self._wake_fd: "wake",
+            self._timer.fd: "timer",
+        }
+        for fd in self._special:
+            self._epoll.register(fd, select.EPOLLIN)
         now = time.monotonic()
         for reservation in self._book.all():
             self._admit_to_scheduler(reservation, now)
@@ -182,11 +192,11 @@ class ShimChannel:
         for connection in list(self._connections.values()):
             self._close(connection, "dispatcher stopping", quiet=True)
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            self._epoll.unregister(self._listener)
             self._listener.close()
             self._listener = None
             self._socket_path.unlink(missing_ok=True)
-        self._selector.close()
+        self._epoll.close()
         os.close(self._wake_fd)
         self._timer.close()
 
@@ -231,39 +241,46 @@ class ShimChannel:
 
     def _run(self) -> None:
         housekeeping_at = 0.0
+        scheduler, timer, poll = self._scheduler, self._timer, self._epoll.poll
         while self._running:
-            self._timer.arm(self._scheduler.next_deadline())
+            timer.arm(scheduler.next_deadline())
             try:
-                ready = self._selector.select(0.5)
+                ready = poll(0.5)
             except InterruptedError:
                 continue
-            for key, mask in ready:
+            for fd, mask in ready:
                 try:
-                    self._handle(key, mask)
+                    self._handle(fd, mask)
                 except Exception:
                     # A bug in handling one connection must not take the channel down.
                     log.exception("shim channel handler failed", gpu=self._gpu)
-                    if isinstance(key.data, _Connection):
-                        self._close(key.data, "internal error")
+                    connection = self._connections.get(fd)
+                    if connection is not None:
+                        self._close(connection, "internal error")
             now = time.monotonic()
-            self._apply(self._scheduler.advance(now))
+            deadline = scheduler.next_deadline()
+            if deadline is not None and deadline <= now:
+                self._apply(scheduler.advance(now))
             if now >= housekeeping_at:
                 housekeeping_at = now + 0.5
                 self._housekeeping(now)
 
-    def _handle(self, key: selectors.SelectorKey, mask: int) -> None:
-        if key.data == "timer":
-            self._timer.clear()  # the scheduler advances right after this round
-        elif key.data == "listener":
-            self._accept()
-        elif key.data == "wake":
-            self._run_commands()
-        else:
-            connection: _Connection = key.data
-            if mask & selectors.EVENT_WRITE:
+    def _handle(self, fd: int, mask: int) -> None:
+        connection = self._connections.get(fd)
+        if connection is not None:
+            if mask & select.EPOLLOUT:
                 self._flush(connection)
-            if mask & selectors.EVENT_READ and connection.sock.fileno() >= 0:
+            readable = mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR)
+            if readable and connection.sock.fileno() >= 0:  # _flush may have closed it
                 self._read(connection)
+            return
+        kind = self._special.get(fd)
+        if kind == "timer":
+            self._timer.clear()  # the scheduler advances right after this round
+        elif kind == "listener":
+            self._accept()
+        elif kind == "wake":
+            self._run_commands()
 
     def _run_commands(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -296,7 +313,7 @@ class ShimChannel:
             connection = _Connection(sock, peer, FrameReader(self._limits.max_frame_bytes))
             connection.deadline = time.monotonic() + self._limits.register_timeout_s
             self._connections[sock.fileno()] = connection
-            self._selector.register(sock, selectors.EVENT_READ, connection)
+            self._epoll.register(sock.fileno(), select.EPOLLIN)
 
     def _read(self, connection: _Connection) -> None:
         try:
@@ -402,9 +419,7 @@ class ShimChannel:
             )
             if sent < len(frame):
                 connection.out += frame[sent:]
-                self._selector.modify(
-                    connection.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, connection
-                )
+                self._epoll.modify(connection.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
         except OSError as error:
             region.close()
             self._close(connection, f"cannot send registration: {error}")
@@ -432,11 +447,12 @@ class ShimChannel:
         if connection.region is None or connection.region.mode is not ShimMode.SHARE:
             return  # admitted open; nothing to queue for
         now = time.monotonic()
+        ended = None
         if request.HasField("report") and request.report.lease_id:
-            self._apply(self._charge(assignment_id, request.report, now, ending=True))
+            ended = self._charge(assignment_id, request.report, now, ending=True)
         if connection.requested_at is None:
             connection.requested_at = now
-        self._apply(self._scheduler.request(assignment_id, now))
+        self._apply(ended, self._scheduler.request(assignment_id, now))
 
     def _usage(self, connection: _Connection, report: shim_pb2.UsageReport) -> None:
         assert connection.assignment_id is not None
@@ -491,39 +507,50 @@ class ShimChannel:
         )
         return None
 
-    def _apply(self, decision: Decision | None) -> None:
-        if decision is None:
-            return
+    def _apply(self, *decisions: Decision | None) -> None:
+        """Write decisions into the regions: grants first, so the woken shim runs while the
+        bookkeeping is done; a lease ended and replaced in the same breath is then no longer
+        the region's lease and is left alone."""
         now = time.monotonic()
-        for lease in decision.ended:
-            connection = self._by_assignment.get(lease.client_id)
-            region = None if connection is None else connection.region
-            # A lease that ran to its end needs no write: its deadline already says so, and
-            # its id stays visible, so a shim that woke too late can report it. One that ended
-            # early (released, withdrawn) is revoked.
-            if region is not None and region.lease_id == lease.lease_id and lease.expires_at > now:
-                region.publish_waiting()
-            if self.lease_events_wanted:
-                self._emit(EventKind.LEASE_ENDED, lease.client_id, lease_id=lease.lease_id)
         stray: list[Lease] = []
-        for lease in decision.granted:
-            connection = self._by_assignment.get(lease.client_id)
-            if connection is None or connection.region is None:
-                stray.append(lease)  # nobody to use it: hand it straight back below
+        for decision in decisions:
+            if not decision:
                 continue
-            connection.region.publish_lease(lease.lease_id, _deadline_ns(lease))
-            self._leases_granted.inc()
-            if connection.requested_at is not None:
-                self._lease_wait.observe(lease.granted_at - connection.requested_at)
-                connection.requested_at = None
-            if self.lease_events_wanted:
-                length_ms = (lease.expires_at - lease.granted_at) * 1e3
-                self._emit(
-                    EventKind.LEASE_GRANTED,
-                    lease.client_id,
-                    lease_id=lease.lease_id,
-                    lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
-                )
+            for lease in decision.granted:
+                connection = self._by_assignment.get(lease.client_id)
+                if connection is None or connection.region is None:
+                    stray.append(lease)  # nobody to use it: hand it straight back below
+                    continue
+                connection.region.publish_lease(lease.lease_id, _deadline_ns(lease))
+                self._granted_since_flush += 1
+                if connection.requested_at is not None:
+                    self._waits.append(lease.granted_at - connection.requested_at)
+                    connection.requested_at = None
+                if self.lease_events_wanted:
+                    length_ms = (lease.expires_at - lease.granted_at) * 1e3
+                    self._emit(
+                        EventKind.LEASE_GRANTED,
+                        lease.client_id,
+                        lease_id=lease.lease_id,
+                        lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
+                    )
+        for decision in decisions:
+            if not decision:
+                continue
+            for lease in decision.ended:
+                connection = self._by_assignment.get(lease.client_id)
+                region = None if connection is None else connection.region
+                # A lease that ran to its end needs no write: its deadline already says so,
+                # and its id stays visible, so a shim that woke too late can report it. One
+                # that ended early (released, withdrawn) is revoked.
+                if (
+                    region is not None
+                    and region.lease_id == lease.lease_id
+                    and lease.expires_at > now
+                ):
+                    region.publish_waiting()
+                if self.lease_events_wanted:
+                    self._emit(EventKind.LEASE_ENDED, lease.client_id, lease_id=lease.lease_id)
         for lease in stray:
             self._apply(self._scheduler.withdraw(lease.client_id, now))
 
@@ -542,9 +569,7 @@ class ShimChannel:
                 return  # the read side will notice the dead peer
             if sent < len(frame):
                 connection.out += frame[sent:]
-                self._selector.modify(
-                    connection.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, connection
-                )
+                self._epoll.modify(connection.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
         if len(connection.out) > self._limits.max_unsent_bytes:
             self._close(connection, "client does not read its socket")
 
@@ -558,7 +583,7 @@ class ShimChannel:
             return
         del connection.out[:sent]
         if not connection.out:
-            self._selector.modify(connection.sock, selectors.EVENT_READ, connection)
+            self._epoll.modify(connection.sock.fileno(), select.EPOLLIN)
 
     def _refuse(self, connection: _Connection, reason: str, assignment_id: str = "") -> None:
         message = shim_pb2.DispatcherMessage(error=shim_pb2.ProtocolError(message=reason))
@@ -576,7 +601,7 @@ class ShimChannel:
             with contextlib.suppress(OSError):  # best effort: tell the peer why, then hang up
                 sock.send(connection.out)
         self._connections.pop(sock.fileno(), None)
-        self._selector.unregister(sock)
+        self._epoll.unregister(sock.fileno())
         sock.close()
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
@@ -599,6 +624,11 @@ class ShimChannel:
         for connection in list(self._connections.values()):
             if connection.assignment_id is None and now > connection.deadline:
                 self._refuse(connection, "no registration within the time limit")
+        self._leases_granted.inc(self._granted_since_flush)
+        self._granted_since_flush = 0
+        waits, self._waits = self._waits, []
+        for wait in waits:
+            self._lease_wait.observe(wait)
         snapshot = self._scheduler.snapshot(now)
         metrics.QUEUE_DEPTH.labels(self._gpu).set(len(snapshot.waiting))
         metrics.CONNECTIONS.labels(self._gpu).set(len(self._connections))

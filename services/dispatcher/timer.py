@@ -41,15 +41,17 @@ class DeadlineTimer:
         self._armed: float | None = None
 
     def arm(self, deadline: float | None) -> None:
-        """Fire at `deadline` (None: never). Re-arming at the same deadline costs nothing."""
-        if deadline == self._armed:
+        """Fire at `deadline` or earlier (None: whenever convenient). The timer is moved only
+        when the deadline comes sooner: leases keep pushing the next deadline later, and an
+        early wake-up (the loop finds nothing due and re-arms) is cheaper than a system call
+        per lease."""
+        armed = self._armed
+        if deadline is None or (armed is not None and armed <= deadline):
             return
         self._armed = deadline
-        spec = _Itimerspec()
-        if deadline is not None:
-            # A zero it_value disarms the timer; a deadline at or before zero must still fire.
-            fraction, whole = math.modf(max(deadline, 1e-9))
-            spec.it_value = _Timespec(int(whole), max(1, int(fraction * 1e9)))
+        # A zero it_value disarms the timer; a deadline at or before zero must still fire.
+        fraction, whole = math.modf(max(deadline, 1e-9))
+        spec = _Itimerspec(it_value=_Timespec(int(whole), max(1, int(fraction * 1e9))))
         if _libc.timerfd_settime(self.fd, _TFD_TIMER_ABSTIME, ctypes.byref(spec), None) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"timerfd_settime: {os.strerror(error)}")
