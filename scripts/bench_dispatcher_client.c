@@ -4,7 +4,7 @@
  * few fields it needs), as the C shim will, so that scripts/bench_dispatcher measures the
  * dispatcher and not a Python client's own overhead.
  *
- *   bench_dispatcher_client SOCKET TOKEN SECONDS PAUSE_US OUT
+ *   bench_dispatcher_client SOCKET TOKEN SECONDS PAUSE_US SPIN_US OUT
  *   bench_dispatcher_client --pingpong SECONDS PAUSE_US OUT
  * writes one int64 latency in nanoseconds per round trip to OUT.
  */
@@ -27,9 +27,6 @@
 #define OFF_EPOCH 8
 #define OFF_ADMIT_UNTIL 16
 #define OFF_LEASE_ID 24
-#ifndef SPIN_NS
-#define SPIN_NS 50000u
-#endif
 
 static void die(const char *what) {
     fprintf(stderr, "bench_dispatcher_client: %s: %s\n", what, errno ? strerror(errno) : "");
@@ -212,12 +209,13 @@ static int pingpong(double seconds, long pause_us, const char *out_path) {
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--pingpong") == 0)
         return pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s SOCKET TOKEN SECONDS PAUSE_US OUT\n", argv[0]);
+    if (argc != 7) {
+        fprintf(stderr, "usage: %s SOCKET TOKEN SECONDS PAUSE_US SPIN_US OUT\n", argv[0]);
         return 2;
     }
     double seconds = atof(argv[3]);
     long pause_us = atol(argv[4]);
+    uint64_t spin_ns = (uint64_t)atol(argv[5]) * 1000u;
     int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     struct sockaddr_un address = {.sun_family = AF_UNIX};
     if (strlen(argv[1]) >= sizeof address.sun_path) die("socket path too long");
@@ -247,10 +245,10 @@ int main(int argc, char **argv) {
                 length = lease_request(message, lease);
                 send_frame(sock, message, length);
             }
-            /* Spin briefly before sleeping: a grant usually comes within tens of
-             * microseconds, and waking a sleeping process costs the dispatcher a system call
-             * that is several times dearer than a FUTEX_WAKE nobody waits on. */
-            if (now_ns() - started < SPIN_NS) {
+            /* Optionally spin before sleeping: waking a sleeping process costs the dispatcher
+             * a system call several times dearer than a FUTEX_WAKE nobody waits on, but a
+             * spinner takes a CPU the dispatcher may need. */
+            if (now_ns() - started < spin_ns) {
                 __builtin_ia32_pause();
                 continue;
             }
@@ -265,7 +263,7 @@ int main(int argc, char **argv) {
             nanosleep(&pause, NULL);
         }
     }
-    FILE *out = fopen(argv[5], "wb");
+    FILE *out = fopen(argv[6], "wb");
     if (out == NULL) die("open output");
     if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
     fclose(out);

@@ -227,6 +227,10 @@ class ShimChannel:
             self._close(connection, "evicted", quiet=True, flush=True)
         if mode is ShimMode.SHARE:
             self._apply(self._scheduler.remove_client(assignment_id, now))
+            with contextlib.suppress(KeyError):  # never reported yet
+                metrics.CLIENT_USED.remove(self._gpu, assignment_id)
+                for bound in ("request", "limit"):
+                    metrics.CLIENT_QUOTA.remove(self._gpu, assignment_id, bound)
 
     def connected(self) -> dict[str, int]:
         """assignment id -> pid of every registered connection."""
@@ -635,6 +639,9 @@ class ShimChannel:
         for client_id, client in snapshot.clients.items():
             used = client.used_s / self._scheduler.config.window_s
             metrics.CLIENT_USED.labels(self._gpu, client_id).set(used)
+            quota = metrics.CLIENT_QUOTA
+            quota.labels(self._gpu, client_id, "request").set(client.share.quota_request)
+            quota.labels(self._gpu, client_id, "limit").set(client.share.quota_limit)
 
     def _emit(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from gpuloom.clients.shim import ShimClient
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request
+from tests.profile_store.test_grpcurl import grpcurl_binary
 
 
 async def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
@@ -145,3 +147,33 @@ async def test_events_stream_reservations_connections_and_leases(live: LiveDispa
         "DISPATCHER_EVENT_KIND_REGISTERED"
     )
     assert all(e.assignment_id == assignment.assignment_id for e in received)
+
+
+async def test_grpcurl_reserves_and_reads_status_through_reflection(live: LiveDispatcher) -> None:
+    """What docs/dispatcher.md shows: grpcurl with nothing but server reflection."""
+    address = f"127.0.0.1:{live.dispatcher.port}"
+
+    async def grpcurl(*args: str) -> str:
+        process = await asyncio.create_subprocess_exec(
+            grpcurl_binary(), "-plaintext", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+        assert process.returncode == 0, err.decode()
+        return out.decode()
+
+    assert "gpuloom.v1.Dispatcher" in await grpcurl(address, "list")
+    reserve = {
+        "assignment_id": "demo-1",
+        "client_name": "resnet",
+        "memory_cap_bytes": str(4 << 30),
+        "share": {"sm_percent": 24, "quota": {"request_percent": 40, "limit_percent": 60}},
+    }
+    answer = json.loads(
+        await grpcurl("-d", json.dumps(reserve), address, "gpuloom.v1.Dispatcher/Reserve")
+    )
+    assert answer["environment"]["GPULOOM_DISPATCHER_SOCKET"] == live.socket_path
+    status = json.loads(await grpcurl(address, "gpuloom.v1.Dispatcher/GetGpuStatus"))
+    # grpcurl prints the proto field names.
+    assert status["clients"][0]["assignment"]["share"]["sm_percent"] == 24
+    assert status["quota_reserved_percent"] == 40
