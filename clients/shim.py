@@ -73,6 +73,9 @@ class ShimClient:
         self._used_s = 0.0
         self._burst_s = 0.0
         self._usage_lease = 0
+        # A lease we gave back stays in the region until the dispatcher has read our release;
+        # it must not be used meanwhile.
+        self._released_lease = 0
 
     @classmethod
     def connect(
@@ -133,7 +136,9 @@ class ShimClient:
         """The lease in force now, from shared memory (no system call)."""
         until = self.region.admit_until_ns
         if time.monotonic_ns() < until:
-            return LeaseView(self.region.lease_id, until)
+            lease_id = self.region.lease_id
+            if lease_id == 0 or lease_id != self._released_lease:
+                return LeaseView(lease_id, until)
         return None
 
     def acquire(self, timeout_s: float = 5.0) -> LeaseView:
@@ -182,6 +187,13 @@ class ShimClient:
 
     def release(self) -> None:
         """End the current lease early, reporting its usage: no more work for now."""
+        lease = self.current_lease()
+        if lease is None or lease.lease_id == 0:
+            return  # nothing held (an open-ended admission has nothing to give back)
+        if self._usage_lease != lease.lease_id:
+            self._flush_usage(release=False)
+            self._usage_lease = lease.lease_id
+        self._released_lease = lease.lease_id
         self._flush_usage(release=True)
 
     def send_measurements(self, records: Iterable[shim_pb2.KernelRecord]) -> None:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import time
 
+import prometheus_client
 import pytest
 
 from gpuloom.clients.shim import Evicted, ShimChannelError, ShimClient
@@ -257,3 +258,56 @@ async def test_release_evicts_the_connected_process(live: LiveDispatcher) -> Non
         dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
     )
     assert not again.released
+
+
+async def test_a_client_that_never_reads_slows_nobody(live: LiveDispatcher) -> None:
+    """It registers, never reads a byte (not even its registration) and keeps asking for
+    leases; the dispatcher serves another client meanwhile and can still evict it."""
+    silent_assignment = await live.reserve(sm=50, request=30)
+    good_assignment = await live.reserve(sm=50, request=30)
+    silent = _raw_connect(live.socket_path)
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    register = shim_pb2.ShimMessage(
+        register=shim_pb2.Register(
+            protocol_version=1, assignment_token=silent_assignment.assignment_token
+        )
+    )
+    silent.sendall(encode_frame(register.SerializeToString()))
+    request = encode_frame(
+        shim_pb2.ShimMessage(lease_request=shim_pb2.LeaseRequest()).SerializeToString()
+    )
+    with ShimClient.connect(live.socket_path, good_assignment.assignment_token) as good:
+        for _ in range(200):
+            silent.sendall(request)
+            assert good.acquire(timeout_s=2) is not None
+            good.release()
+    await live.stub.EvictClient(
+        dispatcher_pb2.EvictClientRequest(assignment_id=silent_assignment.assignment_id)
+    )
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert [c.assignment.assignment_id for c in status.clients] == [good_assignment.assignment_id]
+    silent.close()
+
+
+def _sample(name: str, **labels: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.mark.parametrize("live", [{"window_ms": 10_000}], indirect=True)
+async def test_metrics_count_leases_waits_and_usage(live: LiveDispatcher) -> None:
+    granted_before = _sample("gpuloom_dispatcher_leases_granted_total", gpu="0")
+    waits_before = _sample("gpuloom_dispatcher_lease_wait_seconds_count", gpu="0")
+    assignment = await live.reserve(sm=100, request=40, limit=80)
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        for _ in range(5):
+            shim.acquire(timeout_s=2)
+            shim.record_usage(0.001)
+            shim.release()
+        await asyncio.sleep(0.7)  # lease metrics are flushed every 0.5 s
+        labels = {"gpu": "0", "assignment": assignment.assignment_id}
+        assert _sample("gpuloom_dispatcher_leases_granted_total", gpu="0") - granted_before == 5
+        assert _sample("gpuloom_dispatcher_lease_wait_seconds_count", gpu="0") - waits_before == 5
+        assert _sample("gpuloom_dispatcher_client_used_ratio", **labels) > 0
+        assert _sample("gpuloom_dispatcher_client_quota_ratio", bound="limit", **labels) == 0.8
+    await live.stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id))
+    assert _sample("gpuloom_dispatcher_client_quota_ratio", bound="limit", **labels) == 0
