@@ -95,6 +95,7 @@ async def start_gpu_dispatcher(
         policy=settings.policy,
         window_s=config.window_s,
         loop=loop,
+        state_dir=state_dir,
     )
     channel.start()
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from gpuloom.policies.mig import Plan
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.domain import (
@@ -17,6 +18,7 @@ from gpuloom.services.dispatcher.domain import (
     ReserveSpec,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.mig_executor import MigBatchTask, MigRunReport, TaskRun
 from gpuloom.shimwire import ShimMode
 from gpuloom.v1 import common_pb2, dispatcher_pb2, shim_pb2
 
@@ -145,3 +147,52 @@ def event_to_pb(event: DispatcherEvent) -> dispatcher_pb2.DispatcherEvent:
         lease_id=event.lease_id,
         lease_ms=event.lease_ms,
     )
+
+
+def mig_batch_from_pb(request: dispatcher_pb2.RunMigBatchRequest) -> list[MigBatchTask]:
+    return [
+        MigBatchTask(task.name, dict(task.seconds_by_size), tuple(task.argv))
+        for task in request.tasks
+    ]
+
+
+def _task_run_to_pb(run: TaskRun) -> dispatcher_pb2.MigTaskRun:
+    return dispatcher_pb2.MigTaskRun(
+        task=run.task,
+        size=run.size,
+        first_slice=run.first_slice,
+        instance_uuid=run.instance_uuid,
+        planned_start_s=run.planned_start_s,
+        planned_end_s=run.planned_end_s,
+        start_s=run.start_s,
+        end_s=run.end_s,
+        exit_code=run.exit_code,
+    )
+
+
+def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.MigRunUpdate:
+    if isinstance(update, Plan):
+        planned = dispatcher_pb2.MigPlanned(
+            policy=update.policy,
+            planned_makespan_s=update.makespan_s,
+            tasks=len(update.assignments),
+        )
+        return dispatcher_pb2.MigRunUpdate(planned=planned)
+    if isinstance(update, TaskRun):
+        return dispatcher_pb2.MigRunUpdate(task_ended=_task_run_to_pb(update))
+    report = dispatcher_pb2.MigRunReport(
+        tasks=[_task_run_to_pb(t) for t in update.tasks],
+        reconfigurations=[
+            dispatcher_pb2.MigReconfigRun(
+                action=r.action,
+                size=r.size,
+                first_slice=r.first_slice,
+                start_s=r.start_s,
+                end_s=r.end_s,
+            )
+            for r in update.reconfigurations
+        ],
+        planned_makespan_s=update.planned_makespan_s,
+        makespan_s=update.makespan_s,
+    )
+    return dispatcher_pb2.MigRunUpdate(report=report)

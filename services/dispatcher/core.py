@@ -7,14 +7,21 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import structlog
 
+from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
-from gpuloom.services.common.errors import NotFound, ResourceExhausted
+from gpuloom.services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from gpuloom.services.dispatcher.channel import ShimChannel
 from gpuloom.services.dispatcher.domain import (
     LEASE_EVENTS,
@@ -27,6 +34,15 @@ from gpuloom.services.dispatcher.domain import (
     ReserveSpec,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.gpu.models import find_model
+from gpuloom.services.dispatcher.mig_executor import (
+    MigBatchTask,
+    MigExecutor,
+    MigRunReport,
+    TaskRun,
+    subprocess_runner,
+    validate_batch,
+)
 from gpuloom.services.dispatcher.reservations import ReservationBook
 
 log = structlog.get_logger("gpuloom.dispatcher")
@@ -58,6 +74,7 @@ class DispatcherCore:
         policy: str,
         window_s: float,
         loop: asyncio.AbstractEventLoop,
+        state_dir: Path,
     ) -> None:
         self.gpu = gpu
         self.node = node
@@ -69,6 +86,8 @@ class DispatcherCore:
         self.window_s = window_s
         self._loop = loop
         self._subscribers: list[_Subscriber] = []
+        self._state_dir = state_dir
+        self._mig_running = False
 
     # ---- commands ----
 
@@ -175,6 +194,60 @@ class DispatcherCore:
         if self.gpu.uuid.startswith(("GPU-", "MIG-")):
             environment["CUDA_VISIBLE_DEVICES"] = self.gpu.uuid
         return environment
+
+    # ---- MIG ----
+
+    async def run_mig_batch(
+        self,
+        tasks: Sequence[MigBatchTask],
+        policy: str,
+        create_s: Mapping[int, float],
+        destroy_s: Mapping[int, float],
+    ) -> AsyncIterator[Plan | TaskRun | MigRunReport]:
+        """Plan `tasks` and run them on this GPU: yields the plan, each task as it ends, and
+        the report. The run goes on if the caller goes away (its processes are not killed)."""
+        model = find_model(self.gpu.model)
+        if model is None or not model.mig_capable:
+            raise FailedPrecondition(f"GPU {self.gpu.index} ({self.gpu.model}) is not MIG-capable")
+        try:
+            geometry = model.geometry().with_reconfig_times(create_s or None, destroy_s or None)
+        except ValueError as error:
+            raise InvalidArgument("create_seconds", str(error)) from None
+        planned_tasks = validate_batch(tasks, geometry)
+        try:
+            planner = get_planner(policy or "far")
+        except UnknownPolicyError as error:
+            raise InvalidArgument("policy", str(error)) from None
+        commands = {task.name: task.argv for task in tasks}
+        runner = subprocess_runner(commands, self._state_dir / "mig-logs")
+        executor = MigExecutor(self.backend, self.gpu.index, geometry, runner)
+        if self._mig_running:
+            raise FailedPrecondition("a MIG batch is already running on this GPU")
+        self._mig_running = True
+        try:
+            await asyncio.to_thread(executor.check_ready)
+            plan = await asyncio.to_thread(planner.plan, planned_tasks, geometry)
+            yield plan
+        except BaseException:
+            self._mig_running = False
+            raise
+        ended: asyncio.Queue[TaskRun] = asyncio.Queue()
+
+        def on_task(run: TaskRun) -> None:
+            self._loop.call_soon_threadsafe(ended.put_nowait, run)
+
+        # The GPU stays busy until the run's thread is done, even if the caller hangs up
+        # (its tasks are not killed half-way).
+        running = asyncio.ensure_future(asyncio.to_thread(executor.execute, plan, on_task))
+        running.add_done_callback(lambda _: setattr(self, "_mig_running", False))
+        while not running.done() or not ended.empty():
+            getter = asyncio.ensure_future(ended.get())
+            await asyncio.wait({getter, running}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+        yield running.result()
 
     # ---- events ----
 

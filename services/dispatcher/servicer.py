@@ -78,3 +78,16 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
     ) -> AsyncIterator[pb.DispatcherEvent]:
         async for event in self._core.events(request.include_leases):
             yield convert.event_to_pb(event)
+
+    @stream_rpc(SERVICE)
+    async def RunMigBatch(
+        self, request: pb.RunMigBatchRequest, context: Context
+    ) -> AsyncIterator[pb.MigRunUpdate]:
+        updates = self._core.run_mig_batch(
+            convert.mig_batch_from_pb(request),
+            request.policy,
+            dict(request.create_seconds),
+            dict(request.destroy_seconds),
+        )
+        async for update in updates:
+            yield convert.mig_update_to_pb(update)
