@@ -1,0 +1,1033 @@
+/* A fake libcuda.so.1 for testing the shim without a GPU.
+ *
+ * Built from the real cuda.h (prototypes and types), it implements the slice of the driver API
+ * that the shim and its tests use. Kernels "run" on one engine per fake GPU shared by every
+ * process: a lock file (flock) under GPULOOM_FAKE_CUDA_DIR held while the kernel sleeps for its
+ * duration. Launches are asynchronous and stream-ordered: each stream has a worker thread that
+ * runs its queue; synchronisation waits for the queue to drain. Events take the time at which
+ * the work queued before them finished, so cuEventElapsedTime measures real time.
+ *
+ * Kernel durations come from the module image: a text list of "name duration_us" lines; a name
+ * listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N microseconds;
+ * otherwise 100 us.
+ *
+ * Environment:
+ *   GPULOOM_FAKE_CUDA_DIR    directory of the engine lock and runs.log (default
+ *                            /tmp/gpuloom-fake-cuda-UID); runs.log gets "run PID NAME T0 T1"
+ *                            (CLOCK_MONOTONIC ns) for every kernel that ran: the ground truth.
+ *   GPULOOM_FAKE_CUDA_TRACE  file that gets one line per driver entry point reached
+ *                            ("fake ENTRY NAME GX GY GZ BX BY BZ" for launches).
+ *   GPULOOM_FAKE_CUDA_MEM_MIB device memory (default 81920).
+ *
+ * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
+ * an older driver.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gl_cuda.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ---- time, trace, engine ---- */
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_done = PTHREAD_COND_INITIALIZER; /* broadcast on every completion */
+static int g_inited;
+static int g_trace_fd = -1;
+static int g_runs_fd = -1;
+static int g_engine_fd = -1;
+static uint64_t g_mem_total;
+static uint64_t g_mem_used;
+
+static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void trace(const char *fmt, ...) {
+    if (g_trace_fd < 0) return;
+    char line[512];
+    va_list args;
+    va_start(args, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, args);
+    va_end(args);
+    if (n < 0) return;
+    if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
+    line[n++] = '\n';
+    if (write(g_trace_fd, line, (size_t)n) < 0) { /* best effort */
+    }
+}
+
+__attribute__((constructor)) static void fake_setup(void) {
+    const char *path = getenv("GPULOOM_FAKE_CUDA_TRACE");
+    if (path && *path) g_trace_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    char dir[512];
+    const char *base = getenv("GPULOOM_FAKE_CUDA_DIR");
+    if (base && *base)
+        snprintf(dir, sizeof dir, "%s", base);
+    else
+        snprintf(dir, sizeof dir, "/tmp/gpuloom-fake-cuda-%u", (unsigned)getuid());
+    mkdir(dir, 0755);
+    char file[600];
+    snprintf(file, sizeof file, "%s/engine.lock", dir);
+    g_engine_fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    snprintf(file, sizeof file, "%s/runs.log", dir);
+    g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
+    g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+}
+
+static void sleep_until(uint64_t deadline) {
+    struct timespec t = {.tv_sec = (time_t)(deadline / 1000000000u),
+                         .tv_nsec = (long)(deadline % 1000000000u)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) == EINTR) {
+    }
+}
+
+/* Run one kernel on the shared engine: wait for it, hold it for the duration. */
+static void engine_run(const char *name, uint64_t duration_us) {
+    if (g_engine_fd >= 0) flock(g_engine_fd, LOCK_EX);
+    uint64_t start = now_ns();
+    sleep_until(start + duration_us * 1000u);
+    uint64_t end = now_ns();
+    if (g_engine_fd >= 0) flock(g_engine_fd, LOCK_UN);
+    if (g_runs_fd >= 0) {
+        char line[256];
+        int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
+                         (unsigned long long)start, (unsigned long long)end);
+        if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
+        }
+    }
+}
+
+/* ---- modules, functions ---- */
+
+typedef struct fk_func {
+    char name[128];
+    uint64_t duration_us;
+} fk_func;
+
+typedef struct fk_module {
+    int count;
+    fk_func *funcs;
+} fk_module;
+
+static uint64_t duration_from_name(const char *name) {
+    size_t n = strlen(name);
+    if (n > 3 && strcmp(name + n - 2, "us") == 0) {
+        size_t end = n - 2, start = end;
+        while (start > 0 && name[start - 1] >= '0' && name[start - 1] <= '9') start--;
+        if (start < end && start > 0 && name[start - 1] == '_')
+            return strtoull(name + start, NULL, 10);
+    }
+    return 100;
+}
+
+static CUresult load_module(fk_module **out, const void *image) {
+    if (out == NULL || image == NULL) return CUDA_ERROR_INVALID_VALUE;
+    const char *text = image;
+    fk_module *module = calloc(1, sizeof *module);
+    if (module == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    int capacity = 0;
+    while (*text) {
+        const char *line_end = strchr(text, '\n');
+        size_t length = line_end ? (size_t)(line_end - text) : strlen(text);
+        char line[256];
+        if (length >= sizeof line) length = sizeof line - 1;
+        memcpy(line, text, length);
+        line[length] = 0;
+        text += length + (line_end ? 1 : 0);
+        char name[128];
+        unsigned long long duration = 0;
+        int fields = sscanf(line, "%127s %llu", name, &duration);
+        if (fields < 1) continue;
+        if (module->count == capacity) {
+            capacity = capacity ? capacity * 2 : 8;
+            fk_func *grown = realloc(module->funcs, (size_t)capacity * sizeof *grown);
+            if (grown == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+            module->funcs = grown;
+        }
+        fk_func *f = &module->funcs[module->count++];
+        snprintf(f->name, sizeof f->name, "%s", name);
+        f->duration_us = fields == 2 ? duration : duration_from_name(name);
+    }
+    if (module->count == 0) {
+        free(module);
+        return CUDA_ERROR_INVALID_IMAGE;
+    }
+    *out = module;
+    return CUDA_SUCCESS;
+}
+
+static CUresult module_function(fk_func **out, fk_module *module, const char *name) {
+    if (out == NULL || module == NULL || name == NULL) return CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < module->count; i++)
+        if (strcmp(module->funcs[i].name, name) == 0) {
+            *out = &module->funcs[i];
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+/* ---- streams, events, graphs ---- */
+
+typedef struct fk_event {
+    uint64_t timestamp;
+    uint64_t recorded; /* records made */
+    uint64_t completed; /* records completed */
+} fk_event;
+
+enum { OP_KERNEL, OP_EVENT };
+
+typedef struct fk_op {
+    int kind;
+    const fk_func *func;
+    fk_event *event;
+    uint64_t event_seq;
+    struct fk_op *next;
+} fk_op;
+
+typedef struct fk_graph {
+    int count;
+    const fk_func **funcs;
+} fk_graph;
+
+typedef struct fk_stream {
+    pthread_t thread;
+    pthread_cond_t work;
+    fk_op *head, *tail;
+    int running; /* an op is being executed */
+    int stop;
+    int capturing;
+    fk_graph *capture;
+    struct fk_stream *next_stream;
+} fk_stream;
+
+static fk_stream *g_streams;
+static fk_stream *g_default;
+
+static void *stream_worker(void *arg) {
+    fk_stream *s = arg;
+    pthread_mutex_lock(&g_lock);
+    for (;;) {
+        while (s->head == NULL && !s->stop) pthread_cond_wait(&s->work, &g_lock);
+        if (s->head == NULL && s->stop) break;
+        fk_op *op = s->head;
+        s->running = 1;
+        if (op->kind == OP_KERNEL) {
+            pthread_mutex_unlock(&g_lock);
+            engine_run(op->func->name, op->func->duration_us);
+            pthread_mutex_lock(&g_lock);
+        } else if (op->event_seq == op->event->recorded) {
+            op->event->timestamp = now_ns();
+            op->event->completed = op->event_seq;
+        }
+        s->head = op->next;
+        if (s->head == NULL) s->tail = NULL;
+        s->running = 0;
+        free(op);
+        pthread_cond_broadcast(&g_done);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return NULL;
+}
+
+/* Called with g_lock held. */
+static fk_stream *new_stream(void) {
+    fk_stream *s = calloc(1, sizeof *s);
+    if (s == NULL) return NULL;
+    pthread_cond_init(&s->work, NULL);
+    if (pthread_create(&s->thread, NULL, stream_worker, s) != 0) {
+        free(s);
+        return NULL;
+    }
+    s->next_stream = g_streams;
+    g_streams = s;
+    return s;
+}
+
+/* NULL, CU_STREAM_LEGACY and CU_STREAM_PER_THREAD all map to one default stream. Called with
+ * g_lock held. */
+static fk_stream *resolve_stream(CUstream handle) {
+    if (handle == NULL || handle == CU_STREAM_LEGACY || handle == CU_STREAM_PER_THREAD) {
+        if (g_default == NULL) g_default = new_stream();
+        return g_default;
+    }
+    return (fk_stream *)handle;
+}
+
+static int stream_idle(const fk_stream *s) { return s->head == NULL && !s->running; }
+
+static void enqueue(fk_stream *s, fk_op *op) {
+    op->next = NULL;
+    if (s->tail)
+        s->tail->next = op;
+    else
+        s->head = op;
+    s->tail = op;
+    pthread_cond_signal(&s->work);
+}
+
+static CUresult launch(const char *entry, CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                       unsigned bx, unsigned by, unsigned bz, CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (f == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    const fk_func *func = (const fk_func *)f;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    if (s == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (s->capturing) {
+        fk_graph *g = s->capture;
+        const fk_func **grown = realloc(g->funcs, (size_t)(g->count + 1) * sizeof *grown);
+        if (grown == NULL) {
+            pthread_mutex_unlock(&g_lock);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        g->funcs = grown;
+        g->funcs[g->count++] = func;
+        pthread_mutex_unlock(&g_lock);
+        trace("fake %s %s %u %u %u %u %u %u captured", entry, func->name, gx, gy, gz, bx, by, bz);
+        return CUDA_SUCCESS;
+    }
+    fk_op *op = calloc(1, sizeof *op);
+    if (op == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    op->kind = OP_KERNEL;
+    op->func = func;
+    enqueue(s, op);
+    pthread_mutex_unlock(&g_lock);
+    trace("fake %s %s %u %u %u %u %u %u", entry, func->name, gx, gy, gz, bx, by, bz);
+    return CUDA_SUCCESS;
+}
+
+static CUresult sync_stream(CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    while (s && !stream_idle(s)) pthread_cond_wait(&g_done, &g_lock);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+static CUresult sync_all(void) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_lock);
+    for (;;) {
+        int busy = 0;
+        for (fk_stream *s = g_streams; s; s = s->next_stream) busy |= !stream_idle(s);
+        if (!busy) break;
+        pthread_cond_wait(&g_done, &g_lock);
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+/* ---- memory ---- */
+
+typedef struct fk_alloc {
+    uint64_t address;
+    uint64_t size;
+    struct fk_alloc *next;
+} fk_alloc;
+
+static fk_alloc *g_allocs;
+static uint64_t g_next_address = 0x7f0000000000ull;
+
+static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    if (g_mem_used + size > g_mem_total) {
+        pthread_mutex_unlock(&g_lock);
+        trace("fake %s %llu out_of_memory", entry, (unsigned long long)size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    fk_alloc *a = malloc(sizeof *a);
+    if (a == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->address = g_next_address;
+    a->size = size;
+    a->next = g_allocs;
+    g_allocs = a;
+    g_next_address += (size + 0xfffffu) & ~0xfffffull; /* 1 MiB granules */
+    g_mem_used += size;
+    pthread_mutex_unlock(&g_lock);
+    *out = a->address;
+    trace("fake %s %llu ok", entry, (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_free(const char *entry, uint64_t address) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (address == 0) return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    for (fk_alloc **p = &g_allocs; *p; p = &(*p)->next) {
+        if ((*p)->address == address) {
+            fk_alloc *a = *p;
+            *p = a->next;
+            g_mem_used -= a->size;
+            pthread_mutex_unlock(&g_lock);
+            trace("fake %s %llu", entry, (unsigned long long)a->size);
+            free(a);
+            return CUDA_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ======== the driver API ======== */
+
+EXPORT CUresult CUDAAPI cuInit(unsigned int flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    g_inited = 1;
+    trace("fake cuInit");
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDriverGetVersion(int *version) {
+    if (version == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *version = CUDA_VERSION;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceGetCount(int *count) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (count == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *count = 1;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceGet(CUdevice *device, int ordinal) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceGetName(char *name, int length, CUdevice device) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (name == NULL || length <= 0) return CUDA_ERROR_INVALID_VALUE;
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    snprintf(name, (size_t)length, "gpuloom fake GPU");
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceTotalMem_v2(size_t *bytes, CUdevice device) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (bytes == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = g_mem_total;
+    return CUDA_SUCCESS;
+}
+
+static int g_context_token;
+static __thread CUcontext t_current;
+
+EXPORT CUresult CUDAAPI cuCtxCreate_v2(CUcontext *context, unsigned int flags, CUdevice device) {
+    (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (context == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *context = (CUcontext)&g_context_token;
+    t_current = *context;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *context, CUdevice device) {
+    return cuCtxCreate_v2(context, 0, device);
+}
+
+EXPORT CUresult CUDAAPI cuCtxSetCurrent(CUcontext context) {
+    t_current = context;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuCtxGetCurrent(CUcontext *context) {
+    if (context == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *context = t_current;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuCtxDestroy_v2(CUcontext context) {
+    if (context == NULL) return CUDA_ERROR_INVALID_CONTEXT;
+    sync_all();
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
+    trace("fake cuCtxSynchronize");
+    return sync_all();
+}
+
+EXPORT CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    return load_module((fk_module **)module, image);
+}
+
+EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *function, CUmodule module,
+                                            const char *name) {
+    return module_function((fk_func **)function, (fk_module *)module, name);
+}
+
+EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+    if (module == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    /* Functions stay allocated: a launch may still be queued (a real driver would wait). */
+    trace("fake cuModuleUnload");
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuLibraryLoadData(CUlibrary *library, const void *code,
+                                          CUjit_option *jitOptions, void **jitOptionsValues,
+                                          unsigned int numJitOptions,
+                                          CUlibraryOption *libraryOptions,
+                                          void **libraryOptionValues,
+                                          unsigned int numLibraryOptions) {
+    (void)jitOptions, (void)jitOptionsValues, (void)numJitOptions;
+    (void)libraryOptions, (void)libraryOptionValues, (void)numLibraryOptions;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    return load_module((fk_module **)library, code);
+}
+
+EXPORT CUresult CUDAAPI cuLibraryGetKernel(CUkernel *kernel, CUlibrary library, const char *name) {
+    return module_function((fk_func **)kernel, (fk_module *)library, name);
+}
+
+EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *function, CUkernel kernel) {
+    if (function == NULL || kernel == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *function = (CUfunction)kernel;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuLibraryUnload(CUlibrary library) {
+    return library ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+#ifndef FAKE_MINIMAL
+EXPORT CUresult CUDAAPI cuFuncGetName(const char **name, CUfunction function) {
+    if (name == NULL || function == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *name = ((const fk_func *)function)->name;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuKernelGetName(const char **name, CUkernel kernel) {
+    if (name == NULL || kernel == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *name = ((const fk_func *)kernel)->name;
+    return CUDA_SUCCESS;
+}
+#endif
+
+/* -- launches -- */
+
+EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy,
+                                       unsigned int gz, unsigned int bx, unsigned int by,
+                                       unsigned int bz, unsigned int shared, CUstream stream,
+                                       void **params, void **extra) {
+    (void)shared, (void)params, (void)extra;
+    return launch("cuLaunchKernel", f, gx, gy, gz, bx, by, bz, stream);
+}
+
+EXPORT CUresult CUDAAPI cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned int gy,
+                                            unsigned int gz, unsigned int bx, unsigned int by,
+                                            unsigned int bz, unsigned int shared,
+                                            CUstream stream, void **params, void **extra) {
+    (void)shared, (void)params, (void)extra;
+    return launch("cuLaunchKernel_ptsz", f, gx, gy, gz, bx, by, bz, stream);
+}
+
+#ifndef FAKE_MINIMAL
+EXPORT CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **params,
+                                         void **extra) {
+    (void)params, (void)extra;
+    if (c == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return launch("cuLaunchKernelEx", f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX,
+                  c->blockDimY, c->blockDimZ, c->hStream);
+}
+
+EXPORT CUresult CUDAAPI cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f,
+                                              void **params, void **extra) {
+    (void)params, (void)extra;
+    if (c == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return launch("cuLaunchKernelEx_ptsz", f, c->gridDimX, c->gridDimY, c->gridDimZ,
+                  c->blockDimX, c->blockDimY, c->blockDimZ, c->hStream);
+}
+#endif
+
+EXPORT CUresult CUDAAPI cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsigned int gy,
+                                                  unsigned int gz, unsigned int bx,
+                                                  unsigned int by, unsigned int bz,
+                                                  unsigned int shared, CUstream stream,
+                                                  void **params) {
+    (void)shared, (void)params;
+    return launch("cuLaunchCooperativeKernel", f, gx, gy, gz, bx, by, bz, stream);
+}
+
+EXPORT CUresult CUDAAPI cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx,
+                                                       unsigned int gy, unsigned int gz,
+                                                       unsigned int bx, unsigned int by,
+                                                       unsigned int bz, unsigned int shared,
+                                                       CUstream stream, void **params) {
+    (void)shared, (void)params;
+    return launch("cuLaunchCooperativeKernel_ptsz", f, gx, gy, gz, bx, by, bz, stream);
+}
+
+/* -- streams and capture -- */
+
+EXPORT CUresult CUDAAPI cuStreamCreate(CUstream *stream, unsigned int flags) {
+    (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (stream == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = new_stream();
+    pthread_mutex_unlock(&g_lock);
+    if (s == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    *stream = (CUstream)s;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream stream) {
+    if (stream == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    /* Streams live until exit: a destroyed stream's queued work still completes. */
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
+    trace("fake cuStreamSynchronize");
+    return sync_stream(stream);
+}
+
+EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream stream) {
+    trace("fake cuStreamSynchronize_ptsz");
+    return sync_stream(stream);
+}
+
+static CUresult stream_query(CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    int idle = s == NULL || stream_idle(s);
+    pthread_mutex_unlock(&g_lock);
+    return idle ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+EXPORT CUresult CUDAAPI cuStreamQuery(CUstream stream) { return stream_query(stream); }
+EXPORT CUresult CUDAAPI cuStreamQuery_ptsz(CUstream stream) { return stream_query(stream); }
+
+static CUresult is_capturing(CUstream stream, CUstreamCaptureStatus *status) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (status == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    *status = s && s->capturing ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status) {
+    return is_capturing(stream, status);
+}
+
+EXPORT CUresult CUDAAPI cuStreamIsCapturing_ptsz(CUstream stream, CUstreamCaptureStatus *status) {
+    return is_capturing(stream, status);
+}
+
+static CUresult begin_capture(CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    /* Like the real driver, the legacy default stream cannot be captured. */
+    if (stream == NULL || stream == CU_STREAM_LEGACY) return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    CUresult result = CUDA_SUCCESS;
+    if (s->capturing)
+        result = CUDA_ERROR_ILLEGAL_STATE;
+    else if ((s->capture = calloc(1, sizeof *s->capture)) == NULL)
+        result = CUDA_ERROR_OUT_OF_MEMORY;
+    else
+        s->capturing = 1;
+    pthread_mutex_unlock(&g_lock);
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode) {
+    (void)mode;
+    return begin_capture(stream);
+}
+
+EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(CUstream stream, CUstreamCaptureMode mode) {
+    (void)mode;
+    return begin_capture(stream);
+}
+
+static CUresult end_capture(CUstream stream, CUgraph *graph) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (graph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    CUresult result = CUDA_ERROR_ILLEGAL_STATE;
+    if (s && s->capturing) {
+        *graph = (CUgraph)s->capture;
+        s->capture = NULL;
+        s->capturing = 0;
+        result = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuStreamEndCapture(CUstream stream, CUgraph *graph) {
+    return end_capture(stream, graph);
+}
+
+EXPORT CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream stream, CUgraph *graph) {
+    return end_capture(stream, graph);
+}
+
+EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph,
+                                                    unsigned long long flags) {
+    (void)flags;
+    if (exec == NULL || graph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    const fk_graph *g = (const fk_graph *)graph;
+    fk_graph *copy = calloc(1, sizeof *copy);
+    if (copy == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    copy->count = g->count;
+    copy->funcs = malloc((size_t)(g->count ? g->count : 1) * sizeof *copy->funcs);
+    if (copy->funcs == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (g->count) memcpy(copy->funcs, g->funcs, (size_t)g->count * sizeof *copy->funcs);
+    *exec = (CUgraphExec)copy;
+    return CUDA_SUCCESS;
+}
+
+static void free_graph(fk_graph *g) {
+    if (g == NULL) return;
+    free(g->funcs);
+    free(g);
+}
+
+EXPORT CUresult CUDAAPI cuGraphDestroy(CUgraph graph) {
+    free_graph((fk_graph *)graph);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec exec) {
+    free_graph((fk_graph *)exec);
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_launch(const char *entry, CUgraphExec exec, CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (exec == NULL) return CUDA_ERROR_INVALID_VALUE;
+    const fk_graph *g = (const fk_graph *)exec;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    for (int i = 0; i < g->count; i++) {
+        fk_op *op = calloc(1, sizeof *op);
+        if (op == NULL) break;
+        op->kind = OP_KERNEL;
+        op->func = g->funcs[i];
+        enqueue(s, op);
+    }
+    pthread_mutex_unlock(&g_lock);
+    trace("fake %s %d", entry, g->count);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuGraphLaunch(CUgraphExec exec, CUstream stream) {
+    return graph_launch("cuGraphLaunch", exec, stream);
+}
+
+EXPORT CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream) {
+    return graph_launch("cuGraphLaunch_ptsz", exec, stream);
+}
+
+/* -- events -- */
+
+EXPORT CUresult CUDAAPI cuEventCreate(CUevent *event, unsigned int flags) {
+    (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (event == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fk_event *e = calloc(1, sizeof *e);
+    if (e == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    *event = (CUevent)e;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventDestroy_v2(CUevent event) {
+    if (event == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    fk_event *e = (fk_event *)event;
+    pthread_mutex_lock(&g_lock);
+    /* A record still queued keeps a pointer to the event: wait for it. */
+    while (e->completed != e->recorded) pthread_cond_wait(&g_done, &g_lock);
+    pthread_mutex_unlock(&g_lock);
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+static CUresult event_record(CUevent event, CUstream stream) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (event == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    fk_event *e = (fk_event *)event;
+    fk_op *op = calloc(1, sizeof *op);
+    if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&g_lock);
+    fk_stream *s = resolve_stream(stream);
+    op->kind = OP_EVENT;
+    op->event = e;
+    op->event_seq = ++e->recorded;
+    enqueue(s, op);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventRecord(CUevent event, CUstream stream) {
+    return event_record(event, stream);
+}
+
+EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent event, CUstream stream) {
+    return event_record(event, stream);
+}
+
+EXPORT CUresult CUDAAPI cuEventQuery(CUevent event) {
+    if (event == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    fk_event *e = (fk_event *)event;
+    pthread_mutex_lock(&g_lock);
+    int done = e->completed == e->recorded;
+    pthread_mutex_unlock(&g_lock);
+    return done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+}
+
+EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent event) {
+    if (event == NULL) return CUDA_ERROR_INVALID_HANDLE;
+    fk_event *e = (fk_event *)event;
+    trace("fake cuEventSynchronize");
+    pthread_mutex_lock(&g_lock);
+    while (e->completed != e->recorded) pthread_cond_wait(&g_done, &g_lock);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuEventElapsedTime(float *ms, CUevent start, CUevent end) {
+    if (ms == NULL || start == NULL || end == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fk_event *a = (fk_event *)start, *b = (fk_event *)end;
+    pthread_mutex_lock(&g_lock);
+    CUresult result = CUDA_SUCCESS;
+    if (a->recorded == 0 || b->recorded == 0)
+        result = CUDA_ERROR_INVALID_HANDLE;
+    else if (a->completed != a->recorded || b->completed != b->recorded)
+        result = CUDA_ERROR_NOT_READY;
+    else
+        *ms = (float)((double)((int64_t)(b->timestamp - a->timestamp)) / 1e6);
+    pthread_mutex_unlock(&g_lock);
+    return result;
+}
+
+/* -- memory -- */
+
+EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    return mem_alloc("cuMemAlloc_v2", (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
+                                           size_t height, unsigned int element_bytes) {
+    if (pitch == NULL || element_bytes == 0 || element_bytes > 16) return CUDA_ERROR_INVALID_VALUE;
+    size_t rounded = (width + 511) & ~(size_t)511;
+    CUresult result = mem_alloc("cuMemAllocPitch_v2", (uint64_t *)dptr, rounded * height);
+    if (result == CUDA_SUCCESS) *pitch = rounded;
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags) {
+    (void)flags;
+    return mem_alloc("cuMemAllocManaged", (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream stream) {
+    (void)stream;
+    return mem_alloc("cuMemAllocAsync", (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream stream) {
+    (void)stream;
+    return mem_alloc("cuMemAllocAsync_ptsz", (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
+                                    const CUmemAllocationProp *prop, unsigned long long flags) {
+    (void)prop, (void)flags;
+    return mem_alloc("cuMemCreate", (uint64_t *)handle, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+    return mem_free("cuMemRelease", handle);
+}
+
+EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) { return mem_free("cuMemFree_v2", dptr); }
+
+EXPORT CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
+    (void)stream;
+    return mem_free("cuMemFreeAsync", dptr);
+}
+
+EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream) {
+    (void)stream;
+    return mem_free("cuMemFreeAsync_ptsz", dptr);
+}
+
+EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (free_bytes == NULL || total_bytes == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    *free_bytes = g_mem_total - g_mem_used;
+    *total_bytes = g_mem_total;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+/* The copy waits for all work (legacy default stream semantics); the data is zeros. */
+static CUresult copy_dtoh(const char *entry, void *dst, CUdeviceptr src, size_t bytes) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dst == NULL || src == 0) return CUDA_ERROR_INVALID_VALUE;
+    trace("fake %s", entry);
+    sync_all();
+    memset(dst, 0, bytes);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t bytes) {
+    return copy_dtoh("cuMemcpyDtoH_v2", dst, src, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2_ptds(void *dst, CUdeviceptr src, size_t bytes) {
+    return copy_dtoh("cuMemcpyDtoH_v2_ptds", dst, src, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuGetExportTable(const void **table, const CUuuid *id) {
+    (void)id;
+    if (table) *table = NULL;
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* -- cuGetProcAddress: the fake's own functions by (base) name -- */
+
+typedef struct {
+    const char *name;   /* the name cudart asks for */
+    int min_version;    /* the driver version that introduced this entry */
+    void *legacy;       /* default / legacy-stream variant */
+    void *per_thread;   /* per-thread-default-stream variant (NULL: same as legacy) */
+} proc_entry;
+
+#define PROC(name, version, legacy, ptsz) {name, version, (void *)(legacy), (void *)(ptsz)}
+
+static const proc_entry g_procs[] = {
+    PROC("cuInit", 2000, cuInit, NULL),
+    PROC("cuDriverGetVersion", 2020, cuDriverGetVersion, NULL),
+    PROC("cuDeviceGet", 2000, cuDeviceGet, NULL),
+    PROC("cuDeviceGetCount", 2000, cuDeviceGetCount, NULL),
+    PROC("cuDeviceGetName", 2000, cuDeviceGetName, NULL),
+    PROC("cuDeviceTotalMem", 3020, cuDeviceTotalMem_v2, NULL),
+    PROC("cuCtxCreate", 3020, cuCtxCreate_v2, NULL),
+    PROC("cuCtxDestroy", 4000, cuCtxDestroy_v2, NULL),
+    PROC("cuCtxSynchronize", 2000, cuCtxSynchronize, NULL),
+    PROC("cuCtxSetCurrent", 4000, cuCtxSetCurrent, NULL),
+    PROC("cuCtxGetCurrent", 4000, cuCtxGetCurrent, NULL),
+    PROC("cuDevicePrimaryCtxRetain", 7000, cuDevicePrimaryCtxRetain, NULL),
+    PROC("cuModuleLoadData", 2000, cuModuleLoadData, NULL),
+    PROC("cuModuleGetFunction", 2000, cuModuleGetFunction, NULL),
+    PROC("cuModuleUnload", 2000, cuModuleUnload, NULL),
+    PROC("cuLibraryLoadData", 12000, cuLibraryLoadData, NULL),
+    PROC("cuLibraryGetKernel", 12000, cuLibraryGetKernel, NULL),
+    PROC("cuLibraryUnload", 12000, cuLibraryUnload, NULL),
+    PROC("cuKernelGetFunction", 12000, cuKernelGetFunction, NULL),
+#ifndef FAKE_MINIMAL
+    PROC("cuFuncGetName", 12030, cuFuncGetName, NULL),
+    PROC("cuKernelGetName", 12030, cuKernelGetName, NULL),
+    PROC("cuLaunchKernelEx", 11060, cuLaunchKernelEx, cuLaunchKernelEx_ptsz),
+#endif
+    PROC("cuLaunchKernel", 4000, cuLaunchKernel, cuLaunchKernel_ptsz),
+    PROC("cuLaunchCooperativeKernel", 9000, cuLaunchCooperativeKernel,
+         cuLaunchCooperativeKernel_ptsz),
+    PROC("cuGraphLaunch", 10000, cuGraphLaunch, cuGraphLaunch_ptsz),
+    PROC("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags, NULL),
+    PROC("cuGraphDestroy", 10000, cuGraphDestroy, NULL),
+    PROC("cuGraphExecDestroy", 10000, cuGraphExecDestroy, NULL),
+    PROC("cuStreamCreate", 2000, cuStreamCreate, NULL),
+    PROC("cuStreamDestroy", 4000, cuStreamDestroy_v2, NULL),
+    PROC("cuStreamSynchronize", 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz),
+    PROC("cuStreamQuery", 2000, cuStreamQuery, cuStreamQuery_ptsz),
+    PROC("cuStreamIsCapturing", 10000, cuStreamIsCapturing, cuStreamIsCapturing_ptsz),
+    PROC("cuStreamBeginCapture", 10010, cuStreamBeginCapture_v2, cuStreamBeginCapture_v2_ptsz),
+    PROC("cuStreamEndCapture", 10000, cuStreamEndCapture, cuStreamEndCapture_ptsz),
+    PROC("cuEventCreate", 2000, cuEventCreate, NULL),
+    PROC("cuEventDestroy", 4000, cuEventDestroy_v2, NULL),
+    PROC("cuEventRecord", 2000, cuEventRecord, cuEventRecord_ptsz),
+    PROC("cuEventQuery", 2000, cuEventQuery, NULL),
+    PROC("cuEventSynchronize", 2000, cuEventSynchronize, NULL),
+    PROC("cuEventElapsedTime", 2000, cuEventElapsedTime, NULL),
+    PROC("cuMemAlloc", 3020, cuMemAlloc_v2, NULL),
+    PROC("cuMemAllocPitch", 3020, cuMemAllocPitch_v2, NULL),
+    PROC("cuMemAllocManaged", 6000, cuMemAllocManaged, NULL),
+    PROC("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz),
+    PROC("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz),
+    PROC("cuMemCreate", 10020, cuMemCreate, NULL),
+    PROC("cuMemRelease", 10020, cuMemRelease, NULL),
+    PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
+    PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
+    PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
+    PROC("cuGetExportTable", 3000, cuGetExportTable, NULL),
+    PROC("cuGetProcAddress", 12000, cuGetProcAddress_v2, NULL),
+    PROC("cuGetProcAddress", 11030, cuGetProcAddress, NULL),
+};
+
+EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                                            cuuint64_t flags,
+                                            CUdriverProcAddressQueryResult *status) {
+    if (symbol == NULL || pfn == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *pfn = NULL;
+    int too_old = 0;
+    for (size_t i = 0; i < sizeof g_procs / sizeof g_procs[0]; i++) {
+        const proc_entry *e = &g_procs[i];
+        if (strcmp(e->name, symbol) != 0) continue;
+        if (version < e->min_version) {
+            too_old = 1;
+            continue;
+        }
+        int per_thread = (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+        *pfn = per_thread && e->per_thread ? e->per_thread : e->legacy;
+        if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+        trace("fake cuGetProcAddress %s %s", symbol, per_thread ? "ptds" : "legacy");
+        return CUDA_SUCCESS;
+    }
+    if (status)
+        *status = too_old ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+                          : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+    return CUDA_ERROR_NOT_FOUND;
+}
+
+EXPORT CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int version,
+                                         cuuint64_t flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}

@@ -1,0 +1,341 @@
+#define _GNU_SOURCE
+#include "wire.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- encoding ---- */
+
+static size_t put_varint(uint8_t *out, uint64_t value) {
+    size_t n = 0;
+    while (value >= 0x80) {
+        out[n++] = (uint8_t)(value | 0x80);
+        value >>= 7;
+    }
+    out[n++] = (uint8_t)value;
+    return n;
+}
+
+static size_t put_uint_field(uint8_t *out, unsigned field, uint64_t value) {
+    if (value == 0) return 0; /* proto3: defaults are not sent */
+    size_t n = put_varint(out, (uint64_t)field << 3);
+    return n + put_varint(out + n, value);
+}
+
+static size_t put_bytes_field(uint8_t *out, unsigned field, const void *data, size_t length) {
+    size_t n = put_varint(out, ((uint64_t)field << 3) | 2);
+    n += put_varint(out + n, length);
+    memcpy(out + n, data, length);
+    return n + length;
+}
+
+static int send_all(int sock, const uint8_t *data, size_t length) {
+    while (length > 0) {
+        ssize_t sent = send(sock, data, length, MSG_NOSIGNAL);
+        if (sent < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        data += sent;
+        length -= (size_t)sent;
+    }
+    return 0;
+}
+
+/* Frame = u32 little-endian length + payload (x86-64 and aarch64 Linux are little-endian). */
+static int send_frame(int sock, const uint8_t *payload, size_t length) {
+    uint8_t frame[1024];
+    if (length + 4 > sizeof frame) {
+        errno = EMSGSIZE;
+        return -1;
+    }
+    uint32_t n = (uint32_t)length;
+    memcpy(frame, &n, 4);
+    memcpy(frame + 4, payload, length);
+    return send_all(sock, frame, length + 4);
+}
+
+static size_t encode_usage(uint8_t *out, const gl_usage *u) {
+    size_t n = 0;
+    n += put_uint_field(out + n, 1, u->lease_id);
+    n += put_uint_field(out + n, 2, u->gpu_time_ns);
+    n += put_uint_field(out + n, 3, u->longest_burst_ns);
+    n += put_uint_field(out + n, 4, u->release ? 1 : 0);
+    n += put_uint_field(out + n, 5, u->allocated_bytes);
+    return n;
+}
+
+int gl_send_lease_request(int sock, const gl_usage *report) {
+    uint8_t usage[64], request[80], message[96];
+    size_t q = 0;
+    if (report) q = put_bytes_field(request, 1, usage, encode_usage(usage, report));
+    size_t m = put_bytes_field(message, 2, request, q); /* ShimMessage.lease_request */
+    return send_frame(sock, message, m);
+}
+
+int gl_send_usage(int sock, const gl_usage *report) {
+    uint8_t usage[64], message[80];
+    size_t m = put_bytes_field(message, 3, usage, encode_usage(usage, report));
+    return send_frame(sock, message, m);
+}
+
+int gl_send_goodbye(int sock) {
+    uint8_t message[2];
+    size_t m = put_bytes_field(message, 5, "", 0);
+    return send_frame(sock, message, m);
+}
+
+/* ---- decoding ---- */
+
+static int get_varint(const uint8_t *data, size_t length, size_t *pos, uint64_t *out) {
+    uint64_t value = 0;
+    for (unsigned shift = 0; shift < 64; shift += 7) {
+        if (*pos >= length) return -1;
+        uint8_t byte = data[(*pos)++];
+        value |= (uint64_t)(byte & 0x7f) << shift;
+        if (!(byte & 0x80)) {
+            *out = value;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* Iterate the fields of a message: returns 1 with field/type/value (or data/len), 0 at the
+ * end, -1 malformed. */
+static int next_field(const uint8_t *data, size_t length, size_t *pos, unsigned *field,
+                      uint64_t *value, const uint8_t **bytes) {
+    if (*pos >= length) return 0;
+    uint64_t key;
+    if (get_varint(data, length, pos, &key) != 0) return -1;
+    *field = (unsigned)(key >> 3);
+    *bytes = NULL;
+    switch (key & 7) {
+    case 0:
+        return get_varint(data, length, pos, value) == 0 ? 1 : -1;
+    case 1:
+        if (*pos + 8 > length) return -1;
+        memcpy(value, data + *pos, 8);
+        *pos += 8;
+        return 1;
+    case 5: {
+        uint32_t v;
+        if (*pos + 4 > length) return -1;
+        memcpy(&v, data + *pos, 4);
+        *value = v;
+        *pos += 4;
+        return 1;
+    }
+    case 2:
+        if (get_varint(data, length, pos, value) != 0 || *value > length - *pos) return -1;
+        *bytes = data + *pos;
+        *pos += *value;
+        return 1;
+    default:
+        return -1;
+    }
+}
+
+/* The first string field 1 of a submessage (Evicted.reason, ProtocolError.message). */
+static void first_string(const uint8_t *data, size_t length, char *text, size_t size) {
+    size_t pos = 0;
+    unsigned field;
+    uint64_t value;
+    const uint8_t *bytes;
+    if (size) text[0] = 0;
+    while (next_field(data, length, &pos, &field, &value, &bytes) == 1) {
+        if (field == 1 && bytes && size) {
+            size_t n = value < size - 1 ? (size_t)value : size - 1;
+            memcpy(text, bytes, n);
+            text[n] = 0;
+            return;
+        }
+    }
+}
+
+int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *reg, char *text,
+                         size_t text_size) {
+    size_t pos = 0;
+    unsigned field;
+    uint64_t value;
+    const uint8_t *bytes;
+    int result = 0, status;
+    while ((status = next_field(data, length, &pos, &field, &value, &bytes)) == 1) {
+        if (bytes == NULL) continue;
+        if (field == 1) {
+            size_t inner = 0;
+            unsigned f;
+            uint64_t v;
+            const uint8_t *b;
+            int s;
+            if (reg) memset(reg, 0, sizeof *reg);
+            while ((s = next_field(bytes, (size_t)value, &inner, &f, &v, &b)) == 1) {
+                if (reg == NULL || b != NULL) continue;
+                if (f == 3) reg->mode = (uint32_t)v;
+                if (f == 4) reg->memory_cap_bytes = v;
+                if (f == 5) reg->sm_percent = (uint32_t)v;
+                if (f == 7) reg->window_ns = v;
+            }
+            if (s < 0) return -1;
+            result = 1;
+        } else if (field == 2 || field == 3) {
+            first_string(bytes, (size_t)value, text, text_size);
+            result = (int)field;
+        }
+    }
+    return status < 0 ? -1 : result;
+}
+
+/* ---- registration ---- */
+
+static int wait_readable(int sock, int timeout_ms) {
+    struct pollfd p = {.fd = sock, .events = POLLIN};
+    for (;;) {
+        int n = poll(&p, 1, timeout_ms);
+        if (n < 0 && errno == EINTR) continue;
+        return n;
+    }
+}
+
+static int recv_exact(int sock, uint8_t *data, size_t length, int timeout_ms) {
+    while (length > 0) {
+        if (wait_readable(sock, timeout_ms) <= 0) {
+            errno = ETIMEDOUT;
+            return -1;
+        }
+        ssize_t got = recv(sock, data, length, 0);
+        if (got == 0) {
+            errno = ECONNRESET;
+            return -1;
+        }
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        data += got;
+        length -= (size_t)got;
+    }
+    return 0;
+}
+
+int gl_register(const char *socket_path, const char *token, const char *process_name,
+                int timeout_ms, int *sock_out, volatile uint8_t **region_out,
+                gl_registration *reg, int *refused, char *why, size_t why_size) {
+    *refused = 0;
+    int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (sock < 0) {
+        snprintf(why, why_size, "socket: %s", strerror(errno));
+        return -1;
+    }
+    struct sockaddr_un address = {.sun_family = AF_UNIX};
+    snprintf(address.sun_path, sizeof address.sun_path, "%s", socket_path);
+    struct timeval send_timeout = {.tv_sec = timeout_ms / 1000,
+                                   .tv_usec = (timeout_ms % 1000) * 1000};
+    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
+    if (connect(sock, (struct sockaddr *)&address, sizeof address) != 0) {
+        snprintf(why, why_size, "cannot reach the dispatcher at %s: %s", socket_path,
+                 strerror(errno));
+        close(sock);
+        return -1;
+    }
+    uint8_t body[512], message[600];
+    size_t token_length = strlen(token), name_length = strlen(process_name), n = 0;
+    if (name_length > 128) name_length = 128;
+    if (token_length > 256) token_length = 256;
+    n += put_uint_field(body + n, 1, 1); /* protocol_version */
+    n += put_bytes_field(body + n, 2, token, token_length);
+    n += put_bytes_field(body + n, 3, process_name, name_length);
+    size_t m = put_bytes_field(message, 1, body, n); /* ShimMessage.register */
+    if (send_frame(sock, message, m) != 0) {
+        snprintf(why, why_size, "cannot send registration: %s", strerror(errno));
+        close(sock);
+        return -1;
+    }
+    /* The header and the memfd arrive together; read no further than the header. */
+    uint8_t header[4];
+    size_t have = 0;
+    int fd = -1;
+    while (have < 4) {
+        if (wait_readable(sock, timeout_ms) <= 0) {
+            snprintf(why, why_size, "no answer to registration within %d ms", timeout_ms);
+            goto fail;
+        }
+        char control[CMSG_SPACE(4 * sizeof(int))];
+        struct iovec iov = {.iov_base = header + have, .iov_len = 4 - have};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
+                             .msg_controllen = sizeof control};
+        ssize_t got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+        if (got < 0 && errno == EINTR) continue;
+        if (got <= 0) {
+            snprintf(why, why_size, "the dispatcher closed the connection during registration");
+            goto fail;
+        }
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < count; i++) {
+                int received;
+                memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof received);
+                if (fd < 0)
+                    fd = received;
+                else
+                    close(received);
+            }
+        }
+        have += (size_t)got;
+    }
+    uint32_t length;
+    memcpy(&length, header, 4);
+    if (length == 0 || length > 65536) {
+        snprintf(why, why_size, "bad registration frame (%u bytes)", length);
+        goto fail;
+    }
+    uint8_t *reply = malloc(length);
+    if (reply == NULL || recv_exact(sock, reply, length, timeout_ms) != 0) {
+        snprintf(why, why_size, "registration reply cut short: %s", strerror(errno));
+        free(reply);
+        goto fail;
+    }
+    char text[256];
+    int kind = gl_decode_dispatcher(reply, length, reg, text, sizeof text);
+    free(reply);
+    if (kind == 3 || kind == 2) {
+        *refused = 1;
+        snprintf(why, why_size, "dispatcher refused registration: %s", text);
+        goto fail;
+    }
+    if (kind != 1 || fd < 0) {
+        snprintf(why, why_size, "unexpected answer to registration");
+        goto fail;
+    }
+    void *mapped = mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    fd = -1;
+    if (mapped == MAP_FAILED) {
+        snprintf(why, why_size, "cannot map the admission region: %s", strerror(errno));
+        goto fail;
+    }
+    uint32_t magic, version;
+    memcpy(&magic, mapped, 4);
+    memcpy(&version, (uint8_t *)mapped + 4, 4);
+    if (magic != GL_REGION_MAGIC || version != GL_REGION_VERSION) {
+        munmap(mapped, GL_REGION_BYTES);
+        snprintf(why, why_size, "not a gpuloom admission region (magic %#x v%u)", magic, version);
+        goto fail;
+    }
+    *sock_out = sock;
+    *region_out = mapped;
+    return 0;
+fail:
+    if (fd >= 0) close(fd);
+    close(sock);
+    return -1;
+}

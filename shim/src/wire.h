@@ -1,0 +1,54 @@
+/* The shim channel (protos/gpuloom/v1/shim.proto) in C: hand-encoded protobuf for the few
+ * messages the shim sends, a decoder for what the dispatcher sends, registration. */
+#ifndef GL_WIRE_H
+#define GL_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define GL_REGION_MAGIC 0x4D534C47u
+#define GL_REGION_VERSION 1u
+#define GL_REGION_BYTES 64u
+#define GL_OFF_EPOCH 8
+#define GL_OFF_STATE 12
+#define GL_OFF_ADMIT_UNTIL 16
+#define GL_OFF_LEASE_ID 24
+#define GL_OFF_MEMORY_CAP 32
+#define GL_OFF_MODE 44
+
+enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3 };
+enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };
+
+typedef struct {
+    uint32_t mode;
+    uint64_t memory_cap_bytes;
+    uint32_t sm_percent;
+    uint64_t window_ns;
+} gl_registration;
+
+typedef struct {
+    uint64_t lease_id;
+    uint64_t gpu_time_ns;
+    uint64_t longest_burst_ns;
+    int release;
+    uint64_t allocated_bytes;
+} gl_usage;
+
+/* Connect and register; on success *sock and *region are set (the region is mapped read-write
+ * shared, 64 bytes). On failure returns -1 and writes why into `why`; *refused is set when the
+ * dispatcher answered with a ProtocolError (as opposed to being unreachable). */
+int gl_register(const char *socket_path, const char *token, const char *process_name,
+                int timeout_ms, int *sock, volatile uint8_t **region, gl_registration *reg,
+                int *refused, char *why, size_t why_size);
+
+/* Frames; each returns 0 or -1 (errno set). */
+int gl_send_lease_request(int sock, const gl_usage *report); /* report may be NULL */
+int gl_send_usage(int sock, const gl_usage *report);
+int gl_send_goodbye(int sock);
+
+/* Decode one DispatcherMessage: returns 2 evicted, 3 error (text in `text`), 1 registered,
+ * 0 unknown, -1 malformed. */
+int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *reg, char *text,
+                         size_t text_size);
+
+#endif

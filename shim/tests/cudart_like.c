@@ -1,0 +1,366 @@
+/* A test program that drives the driver API the way a CUDA application does.
+ *
+ *   cudart_like [--proc] [--ptds] OP...
+ *
+ * --proc  resolve every entry point as cudart does: dlsym(libcuda, "cuGetProcAddress_v2"),
+ *         then cuGetProcAddress itself and everything else through it. Without it the program
+ *         calls the -lcuda symbols directly.
+ * --ptds  per-thread default stream: the _ptsz/_ptds entry points (direct), or the
+ *         CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM flag (--proc).
+ *
+ * OPs (results go to stdout as "key value..." lines):
+ *   module NAME:US[,NAME:US...]     load a module (cuModuleLoadData/cuModuleGetFunction)
+ *   library NAME:US[,...]           load a library (cuLibraryLoadData/GetKernel/KernelGetFunction)
+ *   unload                          unload the last module
+ *   stream                          create a stream and use it from now on
+ *   launch KIND NAME N GX GY GZ BX BY BZ   KIND: kernel | ex | coop
+ *   loop SECONDS NAME SYNC_EVERY    launch NAME (1x1) until SECONDS pass, stream-sync every
+ *                                   SYNC_EVERY launches; stops at the first failed launch
+ *   sync | ssync | esync | dtoh     cuCtxSynchronize | cuStreamSynchronize | event record +
+ *                                   cuEventSynchronize | cuMemcpyDtoH
+ *   alloc KIND BYTES                KIND: alloc | pitch | managed | async | create
+ *   freeall                         free every allocation
+ *   meminfo                         cuMemGetInfo
+ *   capture NAME N                  capture N launches into a graph, then cuGraphLaunch it
+ *   timed NAME N                    events around N launches: prints the elapsed ms
+ * Exit status: 0, or 3 when a launch failed (the code is printed), 2 on a usage error.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gl_cuda.h"
+
+#define API(X)                                                                                  \
+    X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) X(cuCtxCreate)              \
+    X(cuCtxSynchronize) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)           \
+    X(cuLibraryLoadData) X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuLaunchKernel)        \
+    X(cuLaunchKernelEx) X(cuLaunchCooperativeKernel) X(cuGraphLaunch) X(cuStreamCreate)        \
+    X(cuStreamSynchronize) X(cuStreamBeginCapture) X(cuStreamEndCapture)                       \
+    X(cuGraphInstantiate) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)              \
+    X(cuEventElapsedTime) X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemAllocManaged)                \
+    X(cuMemAllocAsync) X(cuMemCreate) X(cuMemRelease) X(cuMemFree) X(cuMemGetInfo)             \
+    X(cuMemcpyDtoH)
+
+static struct {
+#define FIELD(name) __typeof__(&name) name;
+    API(FIELD)
+#undef FIELD
+} D;
+
+static const char *const NAMES[] = {
+#define NAME(name) #name,
+    API(NAME)
+#undef NAME
+};
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static void resolve_direct(int ptds) {
+#define DIRECT(name) D.name = name;
+    API(DIRECT)
+#undef DIRECT
+    if (ptds) {
+        D.cuLaunchKernel = cuLaunchKernel_ptsz;
+        D.cuLaunchKernelEx = cuLaunchKernelEx_ptsz;
+        D.cuLaunchCooperativeKernel = cuLaunchCooperativeKernel_ptsz;
+        D.cuGraphLaunch = cuGraphLaunch_ptsz;
+        D.cuStreamSynchronize = cuStreamSynchronize_ptsz;
+        D.cuStreamBeginCapture = cuStreamBeginCapture_v2_ptsz;
+        D.cuStreamEndCapture = cuStreamEndCapture_ptsz;
+        D.cuEventRecord = cuEventRecord_ptsz;
+        D.cuMemAllocAsync = cuMemAllocAsync_ptsz;
+        D.cuMemcpyDtoH = cuMemcpyDtoH_v2_ptds;
+    }
+}
+
+/* cudart's way: only cuGetProcAddress_v2 comes from dlsym; the rest from it. */
+static int resolve_proc(int ptds) {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (lib == NULL) {
+        printf("resolve error dlopen %s\n", dlerror());
+        return -1;
+    }
+    __typeof__(&cuGetProcAddress_v2) gpa = dlsym(lib, "cuGetProcAddress_v2");
+    if (gpa == NULL) {
+        printf("resolve error no cuGetProcAddress_v2\n");
+        return -1;
+    }
+    cuuint64_t flags = ptds ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                            : CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+    void *self = NULL;
+    CUdriverProcAddressQueryResult status;
+    if (gpa("cuGetProcAddress", &self, CUDA_VERSION, flags, &status) != CUDA_SUCCESS || !self) {
+        printf("resolve error cuGetProcAddress\n");
+        return -1;
+    }
+    printf("resolve cuGetProcAddress %s\n", self == (void *)gpa ? "same" : "different");
+    gpa = (__typeof__(gpa))self;
+    void **slots = (void **)&D;
+    for (size_t i = 0; i < sizeof NAMES / sizeof NAMES[0]; i++) {
+        /* cudart asks by base name: strip the _v2 that cuda.h's macros added. */
+        char name[128];
+        snprintf(name, sizeof name, "%s", NAMES[i]);
+        if (strcmp(name, "cuGraphInstantiate") == 0) snprintf(name, sizeof name, "%s",
+                                                              "cuGraphInstantiateWithFlags");
+        slots[i] = NULL;
+        CUresult r = gpa(name, &slots[i], CUDA_VERSION, flags, &status);
+        if (r != CUDA_SUCCESS) printf("resolve missing %s %d\n", name, (int)r);
+    }
+    return 0;
+}
+
+#define MAX_FUNCS 64
+static struct {
+    char name[128];
+    CUfunction f;
+} g_funcs[MAX_FUNCS];
+static int g_func_count;
+static CUmodule g_module;
+static CUstream g_stream;
+
+typedef struct {
+    int kind; /* 0 device pointer, 1 handle */
+    uint64_t value;
+} allocation;
+static allocation g_allocs[256];
+static int g_alloc_count;
+
+static CUfunction find(const char *name) {
+    for (int i = 0; i < g_func_count; i++)
+        if (strcmp(g_funcs[i].name, name) == 0) return g_funcs[i].f;
+    return NULL;
+}
+
+/* "a:100,b:200" -> "a 100\nb 200\n" */
+static char *image_from(const char *spec) {
+    char *image = calloc(1, strlen(spec) * 2 + 8), *out = image;
+    for (const char *p = spec; *p; p++) *out++ = *p == ',' ? '\n' : *p == ':' ? ' ' : *p;
+    *out++ = '\n';
+    return image;
+}
+
+static void add_names(const char *spec, int library) {
+    char *copy = strdup(spec), *save = NULL;
+    CUlibrary lib = NULL;
+    char *image = image_from(spec);
+    CUresult r = library ? D.cuLibraryLoadData(&lib, image, NULL, NULL, 0, NULL, NULL, 0)
+                         : D.cuModuleLoadData(&g_module, image);
+    printf("%s rc=%d\n", library ? "library" : "module", (int)r);
+    for (char *item = strtok_r(copy, ",", &save); item && r == CUDA_SUCCESS;
+         item = strtok_r(NULL, ",", &save)) {
+        char *colon = strchr(item, ':');
+        if (colon) *colon = 0;
+        if (g_func_count == MAX_FUNCS) break;
+        CUfunction f = NULL;
+        CUresult got;
+        if (library) {
+            CUkernel k = NULL;
+            got = D.cuLibraryGetKernel(&k, lib, item);
+            if (got == CUDA_SUCCESS) got = D.cuKernelGetFunction(&f, k);
+        } else {
+            got = D.cuModuleGetFunction(&f, g_module, item);
+        }
+        if (got != CUDA_SUCCESS) printf("function %s rc=%d\n", item, (int)got);
+        snprintf(g_funcs[g_func_count].name, sizeof g_funcs[0].name, "%s", item);
+        g_funcs[g_func_count++].f = f;
+    }
+    free(copy);
+    free(image);
+}
+
+static CUresult launch_one(const char *kind, CUfunction f, unsigned d[6]) {
+    if (strcmp(kind, "ex") == 0) {
+        if (D.cuLaunchKernelEx == NULL) return CUDA_ERROR_NOT_FOUND;
+        CUlaunchConfig c = {.gridDimX = d[0], .gridDimY = d[1], .gridDimZ = d[2],
+                            .blockDimX = d[3], .blockDimY = d[4], .blockDimZ = d[5],
+                            .hStream = g_stream};
+        return D.cuLaunchKernelEx(&c, f, NULL, NULL);
+    }
+    if (strcmp(kind, "coop") == 0)
+        return D.cuLaunchCooperativeKernel(f, d[0], d[1], d[2], d[3], d[4], d[5], 0, g_stream,
+                                           NULL);
+    return D.cuLaunchKernel(f, d[0], d[1], d[2], d[3], d[4], d[5], 0, g_stream, NULL, NULL);
+}
+
+static CUresult alloc(const char *kind, size_t bytes) {
+    CUdeviceptr p = 0;
+    CUresult r;
+    int handle = 0;
+    if (strcmp(kind, "pitch") == 0) {
+        size_t pitch = 0;
+        r = D.cuMemAllocPitch(&p, &pitch, bytes / 64, 64, 4);
+    } else if (strcmp(kind, "managed") == 0) {
+        r = D.cuMemAllocManaged(&p, bytes, CU_MEM_ATTACH_GLOBAL);
+    } else if (strcmp(kind, "async") == 0) {
+        r = D.cuMemAllocAsync(&p, bytes, g_stream);
+    } else if (strcmp(kind, "create") == 0) {
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+        CUmemGenericAllocationHandle h = 0;
+        r = D.cuMemCreate(&h, bytes, &prop, 0);
+        p = h;
+        handle = 1;
+    } else {
+        r = D.cuMemAlloc(&p, bytes);
+    }
+    if (r == CUDA_SUCCESS && g_alloc_count < 256)
+        g_allocs[g_alloc_count++] = (allocation){handle, p};
+    return r;
+}
+
+int main(int argc, char **argv) {
+    int proc = 0, ptds = 0, i = 1, failed = 0;
+    for (; i < argc && strncmp(argv[i], "--", 2) == 0; i++) {
+        if (strcmp(argv[i], "--proc") == 0) proc = 1;
+        else if (strcmp(argv[i], "--ptds") == 0) ptds = 1;
+        else {
+            fprintf(stderr, "unknown option %s\n", argv[i]);
+            return 2;
+        }
+    }
+    if (proc) {
+        if (resolve_proc(ptds) != 0) return 1;
+    } else {
+        resolve_direct(ptds);
+    }
+    CUresult r = D.cuInit(0);
+    printf("init rc=%d pid=%d\n", (int)r, (int)getpid());
+    if (r != CUDA_SUCCESS) return 1;
+    CUdevice device;
+    CUcontext context;
+    D.cuDeviceGet(&device, 0);
+    D.cuCtxCreate(&context, 0, device);
+#define NEED(n)                                          \
+    if (i + (n) >= argc) {                               \
+        fprintf(stderr, "%s needs %d arguments\n", op, n); \
+        return 2;                                        \
+    }
+    for (; i < argc; i++) {
+        const char *op = argv[i];
+        if (strcmp(op, "module") == 0 || strcmp(op, "library") == 0) {
+            NEED(1);
+            add_names(argv[++i], op[0] == 'l');
+        } else if (strcmp(op, "unload") == 0) {
+            printf("unload rc=%d\n", (int)D.cuModuleUnload(g_module));
+        } else if (strcmp(op, "stream") == 0) {
+            printf("stream rc=%d\n", (int)D.cuStreamCreate(&g_stream, 0));
+        } else if (strcmp(op, "launch") == 0) {
+            NEED(9);
+            const char *kind = argv[i + 1], *name = argv[i + 2];
+            long count = atol(argv[i + 3]);
+            unsigned d[6];
+            for (int k = 0; k < 6; k++) d[k] = (unsigned)atol(argv[i + 4 + k]);
+            i += 9;
+            CUresult last = CUDA_SUCCESS;
+            for (long n = 0; n < count; n++) {
+                last = launch_one(kind, find(name), d);
+                if (last != CUDA_SUCCESS) break;
+            }
+            printf("launch %s %s rc=%d\n", kind, name, (int)last);
+            if (last != CUDA_SUCCESS) failed = 1;
+        } else if (strcmp(op, "loop") == 0) {
+            NEED(3);
+            double seconds = atof(argv[i + 1]);
+            CUfunction f = find(argv[i + 2]);
+            long every = atol(argv[i + 3]);
+            i += 3;
+            unsigned d[6] = {1, 1, 1, 1, 1, 1};
+            uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9), worst = 0;
+            long launches = 0;
+            CUresult last = CUDA_SUCCESS;
+            while (now_ns() < stop) {
+                uint64_t t0 = now_ns();
+                last = launch_one("kernel", f, d);
+                uint64_t took = now_ns() - t0;
+                if (took > worst) worst = took;
+                if (last != CUDA_SUCCESS) break;
+                if (++launches % (every > 0 ? every : 1) == 0) D.cuStreamSynchronize(g_stream);
+            }
+            D.cuStreamSynchronize(g_stream);
+            printf("loop launches=%ld rc=%d max_launch_ms=%.3f\n", launches, (int)last,
+                   worst / 1e6);
+            if (last != CUDA_SUCCESS) {
+                fprintf(stderr, "cudart_like: launch failed with CUresult %d\n", (int)last);
+                failed = 1;
+            }
+        } else if (strcmp(op, "sync") == 0) {
+            printf("sync rc=%d\n", (int)D.cuCtxSynchronize());
+        } else if (strcmp(op, "ssync") == 0) {
+            printf("ssync rc=%d\n", (int)D.cuStreamSynchronize(g_stream));
+        } else if (strcmp(op, "esync") == 0) {
+            CUevent e;
+            D.cuEventCreate(&e, 0);
+            D.cuEventRecord(e, g_stream);
+            printf("esync rc=%d\n", (int)D.cuEventSynchronize(e));
+        } else if (strcmp(op, "dtoh") == 0) {
+            char buffer[16];
+            CUdeviceptr p = 0;
+            if (D.cuMemAlloc(&p, sizeof buffer) == CUDA_SUCCESS)
+                g_allocs[g_alloc_count++] = (allocation){0, p};
+            printf("dtoh rc=%d\n", (int)D.cuMemcpyDtoH(buffer, p, sizeof buffer));
+        } else if (strcmp(op, "alloc") == 0) {
+            NEED(2);
+            const char *kind = argv[i + 1];
+            unsigned long long bytes = strtoull(argv[i + 2], NULL, 10);
+            i += 2;
+            printf("alloc %s %llu rc=%d\n", kind, bytes, (int)alloc(kind, bytes));
+        } else if (strcmp(op, "freeall") == 0) {
+            int bad = 0;
+            for (int k = 0; k < g_alloc_count; k++)
+                bad |= (g_allocs[k].kind ? D.cuMemRelease(g_allocs[k].value)
+                                         : D.cuMemFree(g_allocs[k].value)) != CUDA_SUCCESS;
+            g_alloc_count = 0;
+            printf("freeall rc=%d\n", bad);
+        } else if (strcmp(op, "meminfo") == 0) {
+            size_t free_bytes = 0, total = 0;
+            r = D.cuMemGetInfo(&free_bytes, &total);
+            printf("meminfo rc=%d free=%zu total=%zu\n", (int)r, free_bytes, total);
+        } else if (strcmp(op, "capture") == 0) {
+            NEED(2);
+            CUfunction f = find(argv[i + 1]);
+            long count = atol(argv[i + 2]);
+            i += 2;
+            unsigned d[6] = {1, 1, 1, 1, 1, 1};
+            CUgraph graph = NULL;
+            CUgraphExec exec = NULL;
+            r = D.cuStreamBeginCapture(g_stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+            for (long n = 0; n < count && r == CUDA_SUCCESS; n++) r = launch_one("kernel", f, d);
+            CUresult ended = D.cuStreamEndCapture(g_stream, &graph);
+            if (r == CUDA_SUCCESS) r = ended;
+            if (r == CUDA_SUCCESS) r = D.cuGraphInstantiate(&exec, graph, 0);
+            printf("capture rc=%d\n", (int)r);
+            if (r == CUDA_SUCCESS) printf("graph rc=%d\n", (int)D.cuGraphLaunch(exec, g_stream));
+        } else if (strcmp(op, "timed") == 0) {
+            NEED(2);
+            CUfunction f = find(argv[i + 1]);
+            long count = atol(argv[i + 2]);
+            i += 2;
+            unsigned d[6] = {1, 1, 1, 1, 1, 1};
+            CUevent a, b;
+            D.cuEventCreate(&a, 0);
+            D.cuEventCreate(&b, 0);
+            D.cuEventRecord(a, g_stream);
+            for (long n = 0; n < count; n++) launch_one("kernel", f, d);
+            D.cuEventRecord(b, g_stream);
+            D.cuEventSynchronize(b);
+            float ms = 0;
+            r = D.cuEventElapsedTime(&ms, a, b);
+            printf("timed rc=%d ms=%.3f\n", (int)r, ms);
+        } else {
+            fprintf(stderr, "unknown op %s\n", op);
+            return 2;
+        }
+        fflush(stdout);
+    }
+    return failed ? 3 : 0;
+}

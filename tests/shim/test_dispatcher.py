@@ -1,0 +1,188 @@
+"""The shim against a live dispatcher (simulated GPU, real socket): memory cap, token sharing
+measured on the fake GPU's engine, dispatcher loss (open and closed), token reuse."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.dispatcher.conftest import GIB, LiveDispatcher
+from tests.shim.conftest import CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_OUT_OF_MEMORY, Runner
+
+MIB = 1 << 20
+
+
+def _env(live: LiveDispatcher, token: str, **extra: str) -> dict[str, str]:
+    return {
+        "GPULOOM_DISPATCHER_SOCKET": live.socket_path,
+        "GPULOOM_ASSIGNMENT_TOKEN": token,
+        **extra,
+    }
+
+
+async def test_memory_cap_on_every_allocation_path(live: LiveDispatcher, run: Runner) -> None:
+    assignment = await live.reserve(memory_gib=1.0)
+    kinds = ["alloc", "pitch", "managed", "async", "create"]
+    ops: list[str] = []
+    for kind in kinds:  # 5 x 200 MiB fit under 1 GiB ...
+        ops += ["alloc", kind, str(200 * MIB)]
+    for kind in kinds:  # ... and then nothing of 100 MiB does, on any path
+        ops += ["alloc", kind, str(100 * MIB)]
+    ops += ["meminfo", "freeall", "meminfo", "alloc", "create", str(1000 * MIB)]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for kind in kinds:
+        assert f"alloc {kind} {200 * MIB} rc=0" in lines
+        assert f"alloc {kind} {100 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
+    meminfo = [line for line in lines if line.startswith("meminfo")]
+    assert meminfo[0] == f"meminfo rc=0 free={GIB - 1000 * MIB} total={GIB}"
+    assert meminfo[1] == f"meminfo rc=0 free={GIB} total={GIB}"  # frees are tracked
+    assert lines[-1] == f"alloc create {1000 * MIB} rc=0"
+    # The refused allocations never reached the driver.
+    assert not any(
+        "100" in line and "fake cuMem" in line and "out_of" in line for line in result.fake_trace
+    )
+
+
+KERNEL, SYNC_EVERY = "k_work_2000us", "1"
+SHARING = {"window_ms": 500.0, "lease_min_ms": 20.0, "lease_initial_ms": 25.0, "lease_max_ms": 50.0}
+
+
+@pytest.mark.parametrize("live", [SHARING], indirect=True)
+async def test_two_processes_share_the_gpu_by_their_requests(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    requests = [0.3, 0.7]
+    assignments = [await live.reserve(sm=100, request=r * 100, limit=r * 100) for r in requests]
+    tokens = [assignment.assignment_token for assignment in assignments]
+    seconds = 4.0
+    results = await asyncio.gather(
+        *(
+            run.run_async(
+                "module",
+                KERNEL,
+                "loop",
+                str(seconds),
+                KERNEL,
+                SYNC_EVERY,
+                env=_env(live, token, GPULOOM_SHIM_WAIT_MS="3000"),
+            )
+            for token in tokens
+        )
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        assert "UNTHROTTLED" not in result.stderr, result.stderr
+    runs = run.engine_runs()
+    pids = sorted({pid for pid, *_ in runs})
+    assert len(pids) == 2
+    first = min(start for _, _, start, _ in runs)
+    last = min(max(end for p, _, _, end in runs if p == pid) for pid in pids)
+    start, stop = first + int(1.0e9), last - int(0.2e9)  # skip a warm-up second and the tail
+    assert stop - start > 2e9
+
+    def busy(pid: int) -> int:
+        return sum(
+            max(0, min(end, stop) - max(begin, start)) for p, _, begin, end in runs if p == pid
+        )
+
+    # GPU-time shares: each process's part of the time the fake GPU's engine was busy (the
+    # engine's own log is the ground truth). Requests add up to 100 %, so the few percent lost
+    # to lease handovers and launch overhead come out of someone's share of the wall clock;
+    # the shares of GPU time delivered are what the quotas divide.
+    total = sum(busy(pid) for pid in pids)
+    assert total / (stop - start) > 0.9, "the engine sat idle: leases are not handed over"
+    shares = [busy(int(result.value("init", "pid"))) / total for result in results]
+    for share, request in zip(shares, requests, strict=True):
+        assert share == pytest.approx(request, abs=0.03), shares
+
+    # The dispatcher charged what the shim measured with events: close to the engine's truth.
+    channel = live.dispatcher.channel
+    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
+    for assignment, result in zip(assignments, results, strict=True):
+        pid = int(result.value("init", "pid"))
+        truth_s = sum(end - begin for p, _, begin, end in runs if p == pid) / 1e9
+        charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
+        assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+async def test_dispatcher_loss_mid_run(live: LiveDispatcher, run: Runner, policy: str) -> None:
+    # A small share: the process waits for leases most of the time, so losing the dispatcher
+    # while it waits is the likely case.
+    token = (await live.reserve(sm=100, request=20.0, limit=20.0)).assignment_token
+    wait_ms = 300
+    env = _env(live, token, GPULOOM_SHIM_WAIT_MS=str(wait_ms), GPULOOM_ON_DISPATCHER_LOSS=policy)
+    task = asyncio.create_task(
+        run.run_async("module", "k_l_500us", "loop", "2.0", "k_l_500us", "1", env=env)
+    )
+    await asyncio.sleep(0.8)
+    await asyncio.to_thread(live.dispatcher.channel.stop)
+    started = asyncio.get_running_loop().time()
+    result = await task
+    finished = asyncio.get_running_loop().time() - started
+    assert "lost the dispatcher" in result.stderr, result.stderr
+    max_launch_ms = float(result.value("loop", "max_launch_ms"))
+    assert max_launch_ms < wait_ms + 100, result.stdout
+    if policy == "open":
+        assert result.returncode == 0, result.stderr
+        assert "UNTHROTTLED" in result.stderr
+        # The rest of the run went at full speed (2 s of 0.5 ms kernels, 20 % before the loss).
+        assert int(result.value("loop", "launches")) > 1000
+    else:
+        assert result.returncode == 3
+        assert f"rc={CUDA_ERROR_NOT_PERMITTED}" in result.line("loop")
+        assert "CUDA_ERROR_NOT_PERMITTED" in result.stderr
+        assert finished < 1.5  # it failed soon after the loss instead of running on
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+async def test_another_process_with_the_same_token_is_refused(
+    live: LiveDispatcher, run: Runner, policy: str
+) -> None:
+    token = (await live.reserve(sm=100, request=50.0)).assignment_token
+    env = _env(live, token, GPULOOM_ON_DISPATCHER_LOSS=policy)
+    owner = await run.run_async(
+        "module",
+        "k_o_10us",
+        "launch",
+        "kernel",
+        "k_o_10us",
+        "3",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        env=env,
+    )
+    assert owner.returncode == 0 and owner.stderr == "", owner.stderr
+    assert any(line.startswith("registered mode 1") for line in owner.shim_trace)
+    thief = await run.run_async(
+        "module",
+        "k_o_10us",
+        "launch",
+        "kernel",
+        "k_o_10us",
+        "3",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        env=env,
+    )
+    assert "dispatcher refused registration" in thief.stderr, thief.stderr
+    assert "refused" in thief.shim_trace
+    if policy == "open":
+        assert thief.returncode == 0
+        assert "UNTHROTTLED" in thief.stderr
+    else:
+        assert thief.returncode == 3
+        assert f"launch kernel k_o_10us rc={CUDA_ERROR_NOT_PERMITTED}" in thief.stdout

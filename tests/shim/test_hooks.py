@@ -1,0 +1,296 @@
+"""The shim's interposition without a dispatcher: every launch path lands in a hook with the
+right name, grid, block and kernel ID, and reaches the matching real (fake) function; cudart-
+style resolution through cuGetProcAddress lands in the hooks too; bad configuration is reported
+and passed through."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.shim.conftest import CUDA_ERROR_NOT_FOUND, Runner, kernel_id
+
+MODULE = "k_small_100us,k_big:200"
+LAUNCHES = [
+    "launch",
+    "kernel",
+    "k_small_100us",
+    "2",
+    "4",
+    "1",
+    "1",
+    "128",
+    "1",
+    "1",
+    "launch",
+    "ex",
+    "k_big",
+    "1",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "6",
+    "launch",
+    "coop",
+    "k_big",
+    "1",
+    "7",
+    "1",
+    "1",
+    "32",
+    "2",
+    "1",
+]
+EXPECTED = [  # (entry point, name, grid, block) in launch order
+    ("cuLaunchKernel", "k_small_100us", (4, 1, 1), (128, 1, 1)),
+    ("cuLaunchKernel", "k_small_100us", (4, 1, 1), (128, 1, 1)),
+    ("cuLaunchKernelEx", "k_big", (1, 2, 3), (4, 5, 6)),
+    ("cuLaunchCooperativeKernel", "k_big", (7, 1, 1), (32, 2, 1)),
+]
+
+
+def _launches(trace: list[str]) -> list[tuple[str, int, str, tuple, tuple]]:
+    out = []
+    for line in trace:
+        parts = line.split()
+        if parts[0] == "launch" and parts[3] != "<graph>":
+            dims = tuple(int(p) for p in parts[4:10])
+            out.append((parts[1], int(parts[2], 16), parts[3], dims[:3], dims[3:]))
+    return out
+
+
+def _fake_launches(trace: list[str]) -> list[tuple[str, str, tuple, tuple]]:
+    out = []
+    for line in trace:
+        parts = line.split()
+        if parts[1].startswith(("cuLaunch",)) and "captured" not in parts:
+            dims = tuple(int(p) for p in parts[3:9])
+            out.append((parts[1], parts[2], dims[:3], dims[3:]))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("flags", "suffix"),
+    [([], ""), (["--ptds"], "_ptsz"), (["--proc"], ""), (["--proc", "--ptds"], "_ptsz")],
+    ids=["direct", "direct-ptsz", "cudart-style", "cudart-style-ptsz"],
+)
+def test_every_launch_path_is_seen_with_name_dims_and_id(
+    run: Runner, flags: list[str], suffix: str
+) -> None:
+    result = run(*flags, "module", MODULE, *LAUNCHES, "sync")
+    assert result.returncode == 0, result.stderr
+    seen = _launches(result.shim_trace)
+    assert seen == [
+        (entry + suffix, kernel_id(name, grid, block), name, grid, block)
+        for entry, name, grid, block in EXPECTED
+    ]
+    # ... and each reached the same flavour of the real function: _ptsz stays _ptsz.
+    assert _fake_launches(result.fake_trace) == [
+        (entry + suffix, name, grid, block) for entry, name, grid, block in EXPECTED
+    ]
+    if "--proc" in flags:
+        # cudart asks for cuGetProcAddress through cuGetProcAddress_v2: it gets the hook.
+        assert "resolve cuGetProcAddress same" in result.stdout
+        assert "dlsym cuGetProcAddress_v2 hooked" in result.shim_trace
+        assert "procaddr cuGetProcAddress hooked" in result.shim_trace
+
+
+def test_kernel_ids_are_stable_and_distinguish_dimensions() -> None:
+    a = kernel_id("k", (1, 1, 1), (32, 1, 1))
+    assert a == kernel_id("k", (1, 1, 1), (32, 1, 1))
+    assert a != kernel_id("k", (1, 1, 1), (1, 32, 1))
+    assert a != kernel_id("j", (1, 1, 1), (32, 1, 1))
+
+
+@pytest.mark.parametrize("flags", [[], ["--ptds"]], ids=["legacy", "ptsz"])
+def test_graph_launch_is_one_unit_and_captured_launches_are_not_blocked(
+    run: Runner, flags: list[str]
+) -> None:
+    result = run(*flags, "module", "k_g_50us", "stream", "capture", "k_g_50us", "3", "ssync")
+    assert result.returncode == 0, result.stderr
+    assert "capture rc=0" in result.stdout and "graph rc=0" in result.stdout
+    suffix = "_ptsz" if flags else ""
+    graphs = [
+        line for line in result.shim_trace if line.startswith(f"launch cuGraphLaunch{suffix} ")
+    ]
+    assert len(graphs) == 1 and " <graph> " in graphs[0]
+    assert f"fake cuGraphLaunch{suffix} 3" in result.fake_trace
+    # The engine ran the three captured kernels once, when the graph was launched.
+    assert [name for _, name, _, _ in run.engine_runs()] == ["k_g_50us"] * 3
+
+
+def test_names_without_cuFuncGetName_come_from_the_module_and_library_tables(
+    run: Runner,
+) -> None:
+    """An older driver (no cuFuncGetName/cuKernelGetName/cuLaunchKernelEx): names come from the
+    cuModuleGetFunction / cuLibraryGetKernel / cuKernelGetFunction hooks; a missing real symbol
+    answers CUDA_ERROR_NOT_FOUND instead of calling NULL."""
+    result = run(
+        "module",
+        "k_mod_10us",
+        "library",
+        "k_lib_10us",
+        "launch",
+        "kernel",
+        "k_mod_10us",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "launch",
+        "kernel",
+        "k_lib_10us",
+        "1",
+        "2",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "launch",
+        "ex",
+        "k_mod_10us",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        fake="fake_min",
+    )
+    assert result.returncode == 3  # the cuLaunchKernelEx launch failed, as it should
+    assert f"launch ex k_mod_10us rc={CUDA_ERROR_NOT_FOUND}" in result.stdout
+    names = [(entry, name) for entry, _, name, _, _ in _launches(result.shim_trace)]
+    assert names[:2] == [("cuLaunchKernel", "k_mod_10us"), ("cuLaunchKernel", "k_lib_10us")]
+
+
+def test_module_unload_evicts_names(run: Runner) -> None:
+    result = run(
+        "module",
+        "k_gone_10us",
+        "launch",
+        "kernel",
+        "k_gone_10us",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        "unload",
+        "launch",
+        "kernel",
+        "k_gone_10us",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        fake="fake_min",
+    )
+    assert result.returncode == 0, result.stderr
+    names = [name for _, _, name, _, _ in _launches(result.shim_trace)]
+    assert names == ["k_gone_10us", "?"]
+
+
+def test_events_measure_kernel_time_on_the_fake(run: Runner) -> None:
+    result = run("module", "k_t_2000us", "stream", "timed", "k_t_2000us", "5")
+    assert result.returncode == 0, result.stderr
+    elapsed = float(result.value("timed", "ms"))
+    assert 10.0 <= elapsed < 20.0
+
+
+def test_no_configuration_passes_through_silently(run: Runner) -> None:
+    result = run(
+        "module",
+        "k_p_10us",
+        "launch",
+        "kernel",
+        "k_p_10us",
+        "3",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "alloc",
+        "alloc",
+        str(60 << 30),
+        "sync",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "config passthrough" in result.shim_trace
+    assert f"alloc alloc {60 << 30} rc=0" in result.stdout  # no cap without a dispatcher
+
+
+TOKEN = "a" * 40
+
+
+@pytest.mark.parametrize(
+    ("env", "complaint"),
+    [
+        ({"GPULOOM_SHIM_WAIT_MS": "soon"}, "GPULOOM_SHIM_WAIT_MS=soon"),
+        ({"GPULOOM_SHIM_WAIT_MS": "0"}, "GPULOOM_SHIM_WAIT_MS=0"),
+        ({"GPULOOM_ON_DISPATCHER_LOSS": "maybe"}, "GPULOOM_ON_DISPATCHER_LOSS=maybe"),
+        ({"GPULOOM_SHIM_LOG": "loud"}, "GPULOOM_SHIM_LOG=loud"),
+        ({"GPULOOM_ASSIGNMENT_TOKEN": "short"}, "GPULOOM_ASSIGNMENT_TOKEN is not"),
+        ({"GPULOOM_ASSIGNMENT_TOKEN": ""}, "GPULOOM_ASSIGNMENT_TOKEN is not"),
+        ({"GPULOOM_DISPATCHER_SOCKET": "/tmp/" + "x" * 120}, "longer than a Unix socket"),
+    ],
+)
+def test_bad_configuration_is_reported_once_and_passes_through(
+    run: Runner, env: dict[str, str], complaint: str
+) -> None:
+    environment = {
+        "GPULOOM_DISPATCHER_SOCKET": "/nonexistent/socket",
+        "GPULOOM_ASSIGNMENT_TOKEN": TOKEN,
+        **env,
+    }
+    result = run(
+        "module",
+        "k_c_10us",
+        "launch",
+        "kernel",
+        "k_c_10us",
+        "5",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "1",
+        "sync",
+        env=environment,
+    )
+    assert result.returncode == 0, result.stderr
+    complaints = [line for line in result.stderr.splitlines() if "bad configuration" in line]
+    assert len(complaints) == 1, result.stderr
+    assert complaint in complaints[0] and "passing through" in complaints[0]
+    assert "config invalid" in result.shim_trace
+    assert "launch kernel k_c_10us rc=0" in result.stdout
+
+
+def test_unreachable_dispatcher_fails_open_without_waiting(run: Runner) -> None:
+    environment = {
+        "GPULOOM_DISPATCHER_SOCKET": "/nonexistent/socket",
+        "GPULOOM_ASSIGNMENT_TOKEN": TOKEN,
+        "GPULOOM_SHIM_WAIT_MS": "200",
+    }
+    result = run("module", "k_u_10us", "loop", "0.3", "k_u_10us", "1", env=environment)
+    assert result.returncode == 0, result.stderr
+    assert "UNTHROTTLED" in result.stderr
+    assert float(result.value("loop", "max_launch_ms")) < 100
+    assert int(result.value("loop", "launches")) > 10
