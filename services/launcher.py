@@ -17,10 +17,12 @@ from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
+from gpuloom.services.profiler.app import ProfilerApp
+from gpuloom.services.profiler.settings import ProfilerSettings
 
 log = structlog.get_logger("gpuloom.launcher")
 
-SERVICES = ("profile-store", "dispatcher")
+SERVICES = ("profile-store", "profiler", "dispatcher")
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
-    started: list[ProfileStoreApp | DispatcherApp] = []
+    started: list[ProfileStoreApp | ProfilerApp | DispatcherApp] = []
     endpoints: list[Endpoint] = []
     try:
         if "profile-store" in services:
@@ -42,10 +44,24 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
             )
             started.append(app)
             endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
+        if "profiler" in services:
+            settings = load(ProfilerSettings)
+            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
+            if store is not None:  # the store in this process, wherever it listens
+                settings = settings.model_copy(
+                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
+                )
+            profiler = await ProfilerApp.start(settings, common.bind_host)
+            started.append(profiler)
+            endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
         if "dispatcher" in services:
-            dispatchers = await DispatcherApp.start(
-                load(DispatcherSettings), common.bind_host, common.data_dir
-            )
+            settings = load(DispatcherSettings)
+            profiler = next((a for a in started if isinstance(a, ProfilerApp)), None)
+            if profiler is not None and not settings.profiler_address:
+                settings = settings.model_copy(
+                    update={"profiler_address": f"{common.bind_host}:{profiler.port}"}
+                )
+            dispatchers = await DispatcherApp.start(settings, common.bind_host, common.data_dir)
             started.append(dispatchers)
             for dispatcher in dispatchers.dispatchers:
                 gpu = dispatcher.core.gpu

@@ -33,6 +33,7 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
         GPULOOM_PROFILE_STORE_PORT=str(port),
         GPULOOM_METRICS_PORT=str(metrics),
         GPULOOM_DISPATCHER_PORT="0",  # any free ports
+        GPULOOM_PROFILER_PORT="0",
         GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB,H100-80GB",
         GPULOOM_DISPATCHER_BACKEND="simulated",
     )
@@ -41,12 +42,13 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
     )
     try:
         assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(5)]
+        banner = [process.stdout.readline() for _ in range(6)]
         assert f"127.0.0.1:{port}" in banner[1] and "profile-store" in banner[1]
-        assert "dispatcher GPU 0 A100-80GB" in banner[2]
-        assert "dispatcher GPU 1 H100-80GB" in banner[3]
-        assert f"http://127.0.0.1:{metrics}/metrics" in banner[4]
-        dispatcher_address = banner[3].split()[-1]
+        assert "profiler (gRPC)" in banner[2]
+        assert "dispatcher GPU 0 A100-80GB" in banner[3]
+        assert "dispatcher GPU 1 H100-80GB" in banner[4]
+        assert f"http://127.0.0.1:{metrics}/metrics" in banner[5]
+        dispatcher_address = banner[4].split()[-1]
         with grpc.insecure_channel(dispatcher_address) as channel:
             status = dispatcher_pb2_grpc.DispatcherStub(channel).GetGpuStatus(
                 dispatcher_pb2.GetGpuStatusRequest(), timeout=10

@@ -36,7 +36,7 @@ def up() -> None:
 
 
 @click.command()
-@click.argument("service", type=click.Choice(["profile-store", "dispatcher"]))
+@click.argument("service", type=click.Choice(["profile-store", "profiler", "dispatcher"]))
 def serve(service: str) -> None:
     """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
     _run((service,))

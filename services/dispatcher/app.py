@@ -18,6 +18,7 @@ from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.servicer import SERVICE, DispatcherServicer
 from gpuloom.services.dispatcher.settings import DispatcherSettings
@@ -31,7 +32,9 @@ class GpuDispatcher:
     core: DispatcherCore
     channel: ShimChannel
     server: RunningServer
-    measurements: MeasurementBuffer
+    # Where measure-mode records go: to the profiler, or (without one) a bounded buffer.
+    measurements: MeasurementBuffer | None
+    profiler_link: ProfilerLink | None
 
     @property
     def port(self) -> int:
@@ -64,7 +67,14 @@ async def start_gpu_dispatcher(
     book = ReservationBook(gpu.memory_bytes, state_dir / "reservations.json")
     config = token_config(settings)
     scheduler = TokenScheduler(get_policy(settings.policy), config, time.monotonic())
-    measurements = MeasurementBuffer()
+    link = None
+    measurements = None
+    if settings.profiler_address:
+        link = ProfilerLink(settings.profiler_address, gpu.model, settings.profiler_poll_s)
+        sink = link.records
+    else:
+        measurements = MeasurementBuffer()
+        sink = measurements
     loop = asyncio.get_running_loop()
     core: DispatcherCore | None = None
 
@@ -78,12 +88,13 @@ async def start_gpu_dispatcher(
         book=book,
         scheduler=scheduler,
         on_event=on_event,
-        measurements=measurements,
+        measurements=sink,
         limits=ChannelLimits(
             max_frame_bytes=settings.max_frame_bytes,
             register_timeout_s=settings.register_timeout_s,
         ),
         window_s=config.window_s,
+        choose_mode=None if link is None else link.choose_mode,
     )
     core = DispatcherCore(
         gpu=gpu,
@@ -96,8 +107,11 @@ async def start_gpu_dispatcher(
         window_s=config.window_s,
         loop=loop,
         state_dir=state_dir,
+        profiler_link=link,
     )
     channel.start()
+    if link is not None:
+        await link.start()
     try:
         servicer = DispatcherServicer(core)
         registration = ServiceRegistration(
@@ -106,6 +120,8 @@ async def start_gpu_dispatcher(
         server = await start_server([registration], host, port, settings.max_message_bytes)
     except BaseException:
         channel.stop()
+        if link is not None:
+            await link.stop()
         raise
     log.info(
         "dispatcher ready",
@@ -118,7 +134,7 @@ async def start_gpu_dispatcher(
         socket=str(socket_path),
         reservations=len(book.all()),
     )
-    return GpuDispatcher(core, channel, server, measurements)
+    return GpuDispatcher(core, channel, server, measurements, link)
 
 
 @dataclass
@@ -157,3 +173,5 @@ class DispatcherApp:
 async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     await dispatcher.server.stop(grace_s)
     await asyncio.to_thread(dispatcher.channel.stop)
+    if dispatcher.profiler_link is not None:
+        await dispatcher.profiler_link.stop()

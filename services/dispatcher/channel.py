@@ -118,6 +118,7 @@ class ShimChannel:
         measurements: MeasurementSink,
         limits: ChannelLimits | None = None,
         window_s: float = 1.0,
+        choose_mode: Callable[[Reservation], ShimMode] | None = None,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -126,6 +127,9 @@ class ShimChannel:
         self._on_event = on_event
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
+        # Which mode a registering process gets (the profiler link turns SHARE into MEASURE
+        # while its task is being measured).
+        self._choose_mode = choose_mode or (lambda reservation: reservation.mode)
         self._window_ns = int(window_s * 1e9)
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
@@ -390,14 +394,15 @@ class ShimChannel:
         previous = self._by_assignment.get(assignment_id)
         if previous is not None:
             self._close(previous, "replaced by a new connection of the same process")
+        mode = self._choose_mode(reservation)
         region, fd = AdmissionRegion.create(
             f"gpuloom-{assignment_id}",
             reservation.memory_cap_bytes,
             reservation.share.sm_percent,
-            reservation.mode,
+            mode,
         )
         # The region is complete before the shim can see it.
-        if reservation.mode is ShimMode.SHARE:
+        if mode is ShimMode.SHARE:
             snapshot = self._scheduler.snapshot(time.monotonic())
             lease = snapshot.clients[assignment_id].lease
             if lease is not None:  # the same process reconnected while holding a lease
@@ -408,7 +413,7 @@ class ShimChannel:
             registered=shim_pb2.Registered(
                 protocol_version=PROTOCOL_VERSION,
                 assignment_id=assignment_id,
-                mode=int(reservation.mode),
+                mode=int(mode),
                 memory_cap_bytes=reservation.memory_cap_bytes,
                 sm_percent=reservation.share.sm_percent,
                 priority=reservation.priority,
@@ -440,7 +445,7 @@ class ShimChannel:
             pid=pid,
             uid=uid,
             process=register.process_name[:128],
-            mode=reservation.mode.name,
+            mode=mode.name,
         )
         self._emit(EventKind.REGISTERED, assignment_id, f"pid {pid} uid {uid}")
         return True

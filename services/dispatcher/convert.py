@@ -49,6 +49,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
         ),
         mode=ShimMode(mode),
         token=request.assignment_token,
+        task_key=request.task_key,
     )
 
 
@@ -82,6 +83,7 @@ def assignment_to_pb(
         gpu=gpu_ref(gpu, node),
         reserved_at_unix_s=reservation.reserved_at_unix_s,
         environment=environment or {},
+        task_key=reservation.task_key,
     )
 
 

@@ -43,6 +43,7 @@ from gpuloom.services.dispatcher.mig_executor import (
     subprocess_runner,
     validate_batch,
 )
+from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 
 log = structlog.get_logger("gpuloom.dispatcher")
@@ -75,6 +76,7 @@ class DispatcherCore:
         window_s: float,
         loop: asyncio.AbstractEventLoop,
         state_dir: Path,
+        profiler_link: ProfilerLink | None = None,
     ) -> None:
         self.gpu = gpu
         self.node = node
@@ -87,6 +89,7 @@ class DispatcherCore:
         self._loop = loop
         self._subscribers: list[_Subscriber] = []
         self._state_dir = state_dir
+        self._profiler_link = profiler_link
         self._mig_running = False
 
     # ---- commands ----
@@ -256,6 +259,8 @@ class DispatcherCore:
         self._loop.call_soon_threadsafe(self.publish, event)
 
     def publish(self, event: DispatcherEvent) -> None:
+        if self._profiler_link is not None:
+            self._profiler_link.on_event(event)
         is_lease = event.kind in LEASE_EVENTS
         for subscriber in list(self._subscribers):
             if is_lease and not subscriber.include_leases:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.shapes import SpatioTemporalShare, validate_priority
-from gpuloom.services.profile_store.validation import check_name
+from gpuloom.services.profile_store.validation import MAX_KEY_CHARS, check_name
 from gpuloom.shimwire import ShimMode
 
 ASSIGNMENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -28,6 +28,7 @@ class ReserveSpec:
     share: SpatioTemporalShare
     mode: ShimMode = ShimMode.SHARE
     token: str = ""
+    task_key: str = ""
 
     def validate(self) -> None:
         if not ASSIGNMENT_ID.match(self.assignment_id):
@@ -40,6 +41,8 @@ class ReserveSpec:
         if self.memory_cap_bytes < 0:
             raise InvalidArgument("memory_cap_bytes", "must not be negative")
         self.share.validate("share")
+        if self.task_key:
+            check_name("task_key", self.task_key, MAX_KEY_CHARS)
         if self.token and not TOKEN.match(self.token):
             raise InvalidArgument(
                 "assignment_token", "must be 32..128 URL-safe characters (A-Z a-z 0-9 _ -)"
@@ -71,6 +74,7 @@ class Reservation:
     token: str
     reserved_at_unix_s: float
     bound: BoundProcess | None = None
+    task_key: str = ""
 
     def same_request(self, spec: ReserveSpec, memory_cap_bytes: int) -> bool:
         """Would `spec` have produced this reservation? (for idempotent retries)"""
@@ -80,6 +84,7 @@ class Reservation:
             and memory_cap_bytes == self.memory_cap_bytes
             and spec.share == self.share
             and spec.mode == self.mode
+            and spec.task_key == self.task_key
             and (not spec.token or spec.token == self.token)
         )
 

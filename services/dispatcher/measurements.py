@@ -29,7 +29,7 @@ class MeasurementBuffer:
         if not self._warned:
             self._warned = True
             log.warning(
-                "measurement batches are buffered here, not yet forwarded to a profiler",
+                "no profiler configured: measurement batches are buffered, not forwarded",
                 assignment=assignment_id,
             )
         with self._lock:

@@ -130,6 +130,7 @@ class ReservationBook:
                 mode=spec.mode,
                 token=spec.token or new_token(),
                 reserved_at_unix_s=time.time(),
+                task_key=spec.task_key,
             )
             self._by_id[reservation.assignment_id] = reservation
             self._by_token[reservation.token] = reservation.assignment_id
@@ -207,6 +208,7 @@ def _load(path: Path) -> list[Reservation]:
                 share=share,
                 mode=ShimMode[item["mode"]],
                 token=item["token"],
+                task_key=item.get("task_key", ""),
             )
             spec.validate()
             bound = item["bound"]
@@ -221,6 +223,7 @@ def _load(path: Path) -> list[Reservation]:
                     token=spec.token,
                     reserved_at_unix_s=float(item["reserved_at_unix_s"]),
                     bound=None if bound is None else BoundProcess(**bound),
+                    task_key=spec.task_key,
                 )
             )
         return reservations

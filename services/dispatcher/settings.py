@@ -37,6 +37,10 @@ class DispatcherSettings(BaseSettings):
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     register_timeout_s: float = Field(default=5.0, gt=0, le=300)
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
+    # The profiler that measurement sessions come from; empty: none (measure-mode records are
+    # then kept in a bounded buffer and not forwarded).
+    profiler_address: str = ""
+    profiler_poll_s: float = Field(default=1.0, gt=0, le=60)
 
     @field_validator("policy")
     @classmethod

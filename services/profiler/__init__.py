@@ -1,0 +1,1 @@
+"""The profiler: measurement sessions -> kernel profiles (FIKIT), with gap predictors."""

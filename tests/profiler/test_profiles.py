@@ -1,0 +1,95 @@
+"""End to end: T measured runs streamed in column batches become a kernel profile in the real
+profile store, with durations and gaps matching what was measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpuloom.policies.profiling.kernels import kernel_id
+from gpuloom.services.profiler.convert import pack
+from gpuloom.v1 import (
+    common_pb2,
+    profile_store_pb2,
+    profile_store_pb2_grpc,
+    profiler_pb2,
+    profiler_pb2_grpc,
+)
+
+RUNS = 12
+# A run: these kernels in this order; each has a true duration, and the gap after it depends
+# on which kernel comes next, so "relu" is followed by 15 us before conv2 but 1 us before pool
+# (structure a context predictor can use and the per-kernel mean cannot).
+SEQUENCE = ["conv1", "relu", "conv2", "relu", "pool", "fc", "softmax"]
+DURATION_NS = {"conv1": 80_000, "relu": 6_000, "conv2": 120_000, "pool": 9_000, "fc": 40_000,
+               "softmax": 4_000}  # fmt: skip
+GRID, BLOCK = (64, 1, 1), (256, 1, 1)
+
+
+def _runs(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    ids = np.array([kernel_id(n, GRID, BLOCK) for n in SEQUENCE], dtype=np.uint64)
+    runs = []
+    for _ in range(RUNS):
+        durations = np.array([DURATION_NS[n] for n in SEQUENCE]) * rng.normal(1, 0.02, len(ids))
+        following = np.array([SEQUENCE[i + 1] if i + 1 < len(SEQUENCE) else "" for i in
+                              range(len(SEQUENCE))])  # fmt: skip
+        base = np.select([following == "relu", following == "pool"], [2_000, 1_000], 15_000)
+        gaps = base * rng.normal(1, 0.05, len(ids))
+        starts = np.cumsum(np.concatenate([[1_000], (durations + gaps)[:-1]]))
+        runs.append((ids, starts.astype(np.uint64), (starts + durations).astype(np.uint64)))
+    return runs
+
+
+async def test_t_runs_become_a_stored_kernel_profile(
+    profiler: profiler_pb2_grpc.ProfilerStub, stub: profile_store_pb2_grpc.ProfileStoreStub
+) -> None:
+    session = await profiler.OpenSession(
+        profiler_pb2.OpenSessionRequest(task_key="tiny-cnn", gpu_model="A100-80GB", runs=RUNS)
+    )
+    kernels = [
+        profiler_pb2.KernelInfo(
+            kernel_id=kernel_id(n, GRID, BLOCK),
+            name=n,
+            grid=common_pb2.Dim3(x=GRID[0], y=GRID[1], z=GRID[2]),
+            block=common_pb2.Dim3(x=BLOCK[0], y=BLOCK[1], z=BLOCK[2]),
+        )
+        for n in dict.fromkeys(SEQUENCE)
+    ]
+
+    async def uploads():  # type: ignore[no-untyped-def]
+        for run, (ids, starts, ends) in enumerate(_runs(np.random.default_rng(7))):
+            half = len(ids) // 2  # a run split over two messages, completed by the second
+            for lo, hi, done in ((0, half, []), (half, len(ids), [run])):
+                yield profiler_pb2.MeasurementUpload(
+                    session_id=session.session_id,
+                    kernels=kernels if run == 0 and lo == 0 else [],
+                    kernel_ids=pack(ids[lo:hi], "<u8"),
+                    start_ns=pack(starts[lo:hi], "<u8"),
+                    end_ns=pack(ends[lo:hi], "<u8"),
+                    run_index=pack([run] * (hi - lo), "<u4"),
+                    completed_runs=done,
+                )
+
+    summary = await profiler.UploadMeasurements(uploads())
+    assert summary.records == RUNS * len(SEQUENCE)
+    assert list(summary.completed_sessions) == [session.session_id]
+    done = await profiler.GetSession(profiler_pb2.GetSessionRequest(session_id=session.session_id))
+    assert done.state == profiler_pb2.SESSION_STATE_COMPLETE and done.kernels == 6
+    assert done.runs_received == RUNS
+    # Gaps depend on the next kernel: a context predictor beats the paper's per-kernel mean.
+    assert done.predictor.chosen != "mean"
+    assert done.predictor.mae_ns[done.predictor.chosen] < done.predictor.mae_ns["mean"] / 2
+
+    stored = await stub.GetKernelProfile(
+        profile_store_pb2.GetProfileRequest(key="tiny-cnn", gpu_model="A100-80GB")
+    )
+    assert stored.measured_runs == RUNS
+    by_name = {k.name: k for k in stored.kernels}
+    for name, true_ns in DURATION_NS.items():
+        assert by_name[name].mean_duration_ns == pytest.approx(true_ns, rel=0.05)
+        assert by_name[name].grid.x == 64 and by_name[name].block.x == 256
+    assert by_name["relu"].sample_count == 2 * RUNS
+    assert by_name["softmax"].mean_gap_after_ns == 0  # last in every run: no gap after it
+    assert by_name["conv1"].mean_gap_after_ns == pytest.approx(2_000, rel=0.05)
+    assert by_name["pool"].mean_gap_after_ns == pytest.approx(15_000, rel=0.05)
+    assert by_name["relu"].mean_gap_after_ns == pytest.approx(8_000, rel=0.05)
