@@ -80,11 +80,23 @@ def kernel_profile_from_pb(msg: pb.KernelProfile) -> d.KernelProfile:
             )
             for k in msg.kernels
         ),
+        gap_predictor=_gap_predictor_from_pb(msg.gap_predictor)
+        if msg.HasField("gap_predictor")
+        else None,
+    )
+
+
+def _gap_predictor_from_pb(msg: pb.GapPredictorModel) -> d.GapPredictorModel:
+    return d.GapPredictorModel(
+        kind=msg.kind,
+        mae_ns=msg.mae_ns,
+        candidates_mae_ns=dict(msg.candidates_mae_ns),
+        model_json=msg.model_json,
     )
 
 
 def kernel_profile_to_pb(p: d.KernelProfile) -> pb.KernelProfile:
-    return pb.KernelProfile(
+    message = pb.KernelProfile(
         meta=_meta(p),
         measured_runs=p.measured_runs,
         kernels=[
@@ -102,6 +114,13 @@ def kernel_profile_to_pb(p: d.KernelProfile) -> pb.KernelProfile:
             for k in p.kernels
         ],
     )
+    if p.gap_predictor is not None:
+        g = p.gap_predictor
+        message.gap_predictor.kind = g.kind
+        message.gap_predictor.mae_ns = g.mae_ns
+        message.gap_predictor.candidates_mae_ns.update(g.candidates_mae_ns)
+        message.gap_predictor.model_json = g.model_json
+    return message
 
 
 def throughput_profile_from_pb(msg: pb.ThroughputProfile) -> d.ThroughputProfile:

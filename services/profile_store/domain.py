@@ -8,6 +8,7 @@ assigned by the store on every write; values given by a writer are ignored.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
@@ -53,6 +54,16 @@ class KernelStats:
 
 
 @dataclass(frozen=True, slots=True)
+class GapPredictorModel:
+    """The gap predictor the profiler chose for a task, with its held-out error."""
+
+    kind: str
+    mae_ns: float
+    candidates_mae_ns: Mapping[str, float]
+    model_json: str
+
+
+@dataclass(frozen=True, slots=True)
 class KernelProfile:
     KIND: ClassVar[ProfileKind] = ProfileKind.KERNEL
     key: str
@@ -61,6 +72,7 @@ class KernelProfile:
     kernels: tuple[KernelStats, ...]
     version: int = 0
     updated_at: datetime | None = None
+    gap_predictor: GapPredictorModel | None = None
 
     @property
     def entries(self) -> int:

@@ -15,6 +15,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     String,
+    Text,
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -56,6 +57,8 @@ class KernelProfileRow(Base):
     __tablename__ = "kernel_profiles"
     profile_id: Mapped[int] = _profile_fk()
     measured_runs: Mapped[int] = mapped_column(Integer)
+    # The chosen gap predictor as one JSON document (kind, errors, fitted tables); NULL: none.
+    gap_predictor: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class KernelStatsRow(Base):

@@ -25,6 +25,7 @@ from gpuloom.services.common.errors import Aborted, InvalidArgument, NotFound
 from gpuloom.services.profile_store.domain import (
     ColocatedThroughput,
     Dim3,
+    GapPredictorModel,
     JobProfile,
     KernelProfile,
     KernelStats,
@@ -70,7 +71,9 @@ class KindMapping:
 
 def _kernel_rows(p: KernelProfile) -> dict[Table, list[dict[str, Any]]]:
     return {
-        _table(KernelProfileRow): [{"measured_runs": p.measured_runs}],
+        _table(KernelProfileRow): [
+            {"measured_runs": p.measured_runs, "gap_predictor": _predictor_json(p.gap_predictor)}
+        ],
         _table(KernelStatsRow): [
             {
                 "kernel_id": f"{k.kernel_id:016x}",
@@ -94,9 +97,13 @@ def _kernel_rows(p: KernelProfile) -> dict[Table, list[dict[str, Any]]]:
 
 
 async def _load_kernel(conn: AsyncConnection, header: Any) -> KernelProfile:
-    runs = await conn.scalar(
-        select(KernelProfileRow.measured_runs).where(KernelProfileRow.profile_id == header.id)
-    )
+    head = (
+        await conn.execute(
+            select(KernelProfileRow.measured_runs, KernelProfileRow.gap_predictor).where(
+                KernelProfileRow.profile_id == header.id
+            )
+        )
+    ).first()
     rows = await conn.execute(
         select(_table(KernelStatsRow))
         .where(KernelStatsRow.profile_id == header.id)
@@ -116,7 +123,35 @@ async def _load_kernel(conn: AsyncConnection, header: Any) -> KernelProfile:
         )
         for r in rows
     )
-    return KernelProfile(header.key, header.gpu_model, runs or 0, kernels)
+    return KernelProfile(
+        header.key,
+        header.gpu_model,
+        head.measured_runs if head else 0,
+        kernels,
+        gap_predictor=_predictor_from_json(head.gap_predictor) if head else None,
+    )
+
+
+def _predictor_json(predictor: GapPredictorModel | None) -> str | None:
+    if predictor is None:
+        return None
+    return json.dumps(
+        {
+            "kind": predictor.kind,
+            "mae_ns": predictor.mae_ns,
+            "candidates_mae_ns": dict(predictor.candidates_mae_ns),
+            "model_json": predictor.model_json,
+        }
+    )
+
+
+def _predictor_from_json(document: str | None) -> GapPredictorModel | None:
+    if document is None:
+        return None
+    data = json.loads(document)
+    return GapPredictorModel(
+        data["kind"], data["mae_ns"], data["candidates_mae_ns"], data["model_json"]
+    )
 
 
 def _throughput_rows(p: ThroughputProfile) -> dict[Table, list[dict[str, Any]]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -10,6 +11,7 @@ from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.shapes import validate_mig_slices
 from gpuloom.services.profile_store.domain import (
     Dim3,
+    GapPredictorModel,
     JobProfile,
     KernelProfile,
     MigProfile,
@@ -106,6 +108,26 @@ def _check_kernel_profile(p: KernelProfile) -> None:
         if k.p50_duration_ns > k.p95_duration_ns:
             raise InvalidArgument(f"{f}.p50_duration_ns", "must not exceed p95_duration_ns")
     check_unique("profile.kernels", (k.kernel_id for k in p.kernels), "kernel_id")
+    if p.gap_predictor is not None:
+        _check_gap_predictor(p.gap_predictor)
+
+
+MAX_PREDICTOR_JSON_CHARS = 4 << 20
+
+
+def _check_gap_predictor(g: GapPredictorModel) -> None:
+    f = "profile.gap_predictor"
+    check_name(f"{f}.kind", g.kind, 32)
+    check_non_negative(f"{f}.mae_ns", g.mae_ns)
+    for name, mae in g.candidates_mae_ns.items():
+        check_name(f"{f}.candidates_mae_ns", name, 32)
+        check_non_negative(f"{f}.candidates_mae_ns[{name}]", mae)
+    if len(g.model_json) > MAX_PREDICTOR_JSON_CHARS:
+        raise InvalidArgument(f"{f}.model_json", f"at most {MAX_PREDICTOR_JSON_CHARS} characters")
+    try:
+        json.loads(g.model_json)
+    except ValueError:
+        raise InvalidArgument(f"{f}.model_json", "must be JSON") from None
 
 
 def _check_throughput_profile(p: ThroughputProfile) -> None:

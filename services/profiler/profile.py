@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from gpuloom.policies.profiling.gaps import choose_predictor
 from gpuloom.policies.profiling.kernels import Runs, order_runs, summarise
-from gpuloom.services.profile_store.domain import KernelProfile, KernelStats
+from gpuloom.services.profile_store.domain import GapPredictorModel, KernelProfile, KernelStats
 from gpuloom.services.profiler.domain import KernelName, PredictorSummary, Session
 
 
@@ -41,6 +43,12 @@ def build_kernel_profile(
         gpu_model=session.gpu_model,
         measured_runs=session.runs,
         kernels=tuple(kernels),
+        gap_predictor=GapPredictorModel(
+            kind=choice.name,
+            mae_ns=choice.mae_ns[choice.name],
+            candidates_mae_ns=dict(choice.mae_ns),
+            model_json=json.dumps(choice.predictor.to_dict()),
+        ),
     )
     return profile, PredictorSummary(choice.name, dict(choice.mae_ns))
 

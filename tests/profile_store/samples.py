@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpuloom.services.profile_store import domain as d
 
 
@@ -61,4 +63,24 @@ def job_profile(key: str = "bert-finetune", gpu_model: str = "V100") -> d.JobPro
     )
 
 
-ALL_KINDS = (kernel_profile, throughput_profile, mig_profile, job_profile)
+def kernel_profile_with_predictor(
+    key: str = "bert-infer", gpu_model: str = "A100"
+) -> d.KernelProfile:
+    return replace(
+        kernel_profile(key, gpu_model),
+        gap_predictor=d.GapPredictorModel(
+            kind="pair",
+            mae_ns=812.5,
+            candidates_mae_ns={"mean": 4100.0, "pair": 812.5, "position": 830.0},
+            model_json='{"name": "pair", "pairs": [["feed0000000000", "feed0000000001", 35.5]]}',
+        ),
+    )
+
+
+ALL_KINDS = (
+    kernel_profile,
+    kernel_profile_with_predictor,
+    throughput_profile,
+    mig_profile,
+    job_profile,
+)

@@ -3,9 +3,12 @@ profile store, with durations and gaps matching what was measured."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from gpuloom.policies.profiling.gaps import load_predictor
 from gpuloom.policies.profiling.kernels import kernel_id
 from gpuloom.services.profiler.convert import pack
 from gpuloom.v1 import (
@@ -84,6 +87,14 @@ async def test_t_runs_become_a_stored_kernel_profile(
         profile_store_pb2.GetProfileRequest(key="tiny-cnn", gpu_model="A100-80GB")
     )
     assert stored.measured_runs == RUNS
+    # The chosen predictor is stored with the profile and predicts the gaps it was chosen for.
+    predictor = stored.gap_predictor
+    assert predictor.kind == done.predictor.chosen
+    assert predictor.mae_ns == pytest.approx(done.predictor.mae_ns[predictor.kind])
+    fitted = load_predictor(json.loads(predictor.model_json))
+    relu, pool, conv2 = (kernel_id(n, GRID, BLOCK) for n in ("relu", "pool", "conv2"))
+    assert fitted.gap_after(relu, pool) == pytest.approx(1_000, rel=0.1)
+    assert fitted.gap_after(relu, conv2) == pytest.approx(15_000, rel=0.1)
     by_name = {k.name: k for k in stored.kernels}
     for name, true_ns in DURATION_NS.items():
         assert by_name[name].mean_duration_ns == pytest.approx(true_ns, rel=0.05)
