@@ -181,6 +181,9 @@ def job_profile_from_pb(msg: pb.JobProfile) -> d.JobProfile:
         colocated=tuple(
             d.ColocatedThroughput(c.with_task_key, c.throughput) for c in msg.colocated
         ),
+        minibatch_cv=msg.minibatch_cv,
+        low_memory_points_s=tuple(msg.low_memory_points_s),
+        low_memory_bytes=msg.low_memory_bytes,
     )
 
 
@@ -195,6 +198,9 @@ def job_profile_to_pb(p: d.JobProfile) -> pb.JobProfile:
             pb.ColocatedThroughput(with_task_key=c.with_task_key, throughput=c.throughput)
             for c in p.colocated
         ],
+        minibatch_cv=p.minibatch_cv,
+        low_memory_points_s=p.low_memory_points_s,
+        low_memory_bytes=p.low_memory_bytes,
     )
 
 

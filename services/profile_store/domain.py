@@ -152,6 +152,9 @@ class JobProfile:
     colocated: tuple[ColocatedThroughput, ...] = ()
     version: int = 0
     updated_at: datetime | None = None
+    minibatch_cv: float = 0.0
+    low_memory_points_s: tuple[float, ...] = ()
+    low_memory_bytes: int = 0
 
     @property
     def entries(self) -> int:

@@ -106,6 +106,10 @@ class JobProfileRow(Base):
     peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
     gpu_utilization_percent: Mapped[float] = mapped_column(Float)
     solo_throughput: Mapped[float] = mapped_column(Float)
+    minibatch_cv: Mapped[float] = mapped_column(Float, server_default="0")
+    # Seconds, as a JSON list: read and written whole, never queried.
+    low_memory_points: Mapped[str] = mapped_column(Text, server_default="[]")
+    low_memory_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class JobColocationRow(Base):

@@ -210,6 +210,9 @@ def _job_rows(p: JobProfile) -> dict[Table, list[dict[str, Any]]]:
                 "peak_memory_bytes": p.peak_memory_bytes,
                 "gpu_utilization_percent": p.gpu_utilization_percent,
                 "solo_throughput": p.solo_throughput,
+                "minibatch_cv": p.minibatch_cv,
+                "low_memory_points": json.dumps(list(p.low_memory_points_s)),
+                "low_memory_bytes": p.low_memory_bytes,
             }
         ],
         _table(JobColocationRow): [
@@ -238,6 +241,9 @@ async def _load_job(conn: AsyncConnection, header: Any) -> JobProfile:
         gpu_utilization_percent=stats.gpu_utilization_percent,
         solo_throughput=stats.solo_throughput,
         colocated=tuple(ColocatedThroughput(r.with_task_key, r.throughput) for r in rows),
+        minibatch_cv=stats.minibatch_cv,
+        low_memory_points_s=tuple(json.loads(stats.low_memory_points)),
+        low_memory_bytes=stats.low_memory_bytes,
     )
 
 

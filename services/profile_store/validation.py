@@ -171,6 +171,12 @@ def _check_job_profile(p: JobProfile) -> None:
         check_key(f"profile.colocated[{i}].with_task_key", c.with_task_key)
         check_non_negative(f"profile.colocated[{i}].throughput", c.throughput)
     check_unique("profile.colocated", (c.with_task_key for c in p.colocated), "with_task_key")
+    check_non_negative("profile.minibatch_cv", p.minibatch_cv)
+    check_range("profile.low_memory_bytes", p.low_memory_bytes, 0, MAX_INT64)
+    if len(p.low_memory_points_s) > MAX_ENTRIES:
+        raise InvalidArgument("profile.low_memory_points_s", f"more than {MAX_ENTRIES} points")
+    for i, point in enumerate(p.low_memory_points_s):
+        check_non_negative(f"profile.low_memory_points_s[{i}]", point)
 
 
 _CHECKS = {

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from gpuloom.services.common.errors import NotFound
 from gpuloom.services.common.grpc_errors import error_from_rpc
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
-from gpuloom.services.profile_store.convert import kernel_profile_to_pb
-from gpuloom.services.profile_store.domain import KernelProfile
+from gpuloom.services.profile_store.convert import (
+    job_profile_from_pb,
+    job_profile_to_pb,
+    kernel_profile_to_pb,
+)
+from gpuloom.services.profile_store.domain import JobProfile, KernelProfile
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.servicer import SERVICE, ProfilerServicer
 from gpuloom.services.profiler.settings import ProfilerSettings
@@ -20,17 +25,31 @@ from gpuloom.v1 import profiler_pb2_grpc as pb_grpc
 log = structlog.get_logger("gpuloom.profiler")
 
 
-class ProfileStoreSink:
-    """Writes finished kernel profiles to the profile store over gRPC."""
+class ProfileStoreClient:
+    """The profile store over gRPC, as the profiler core needs it."""
 
     def __init__(self, address: str) -> None:
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
 
-    async def __call__(self, profile: KernelProfile) -> object:
+    async def put_kernel_profile(self, profile: KernelProfile) -> object:
         request = profile_store_pb2.PutKernelProfileRequest(profile=kernel_profile_to_pb(profile))
+        return await self._call(self._stub.PutKernelProfile, request)
+
+    async def get_job_profile(self, key: str, gpu_model: str) -> JobProfile | None:
+        request = profile_store_pb2.GetProfileRequest(key=key, gpu_model=gpu_model)
         try:
-            return await self._stub.PutKernelProfile(request, timeout=30)
+            return job_profile_from_pb(await self._call(self._stub.GetJobProfile, request))
+        except NotFound:
+            return None
+
+    async def put_job_profile(self, profile: JobProfile) -> object:
+        request = profile_store_pb2.PutJobProfileRequest(profile=job_profile_to_pb(profile))
+        return await self._call(self._stub.PutJobProfile, request)
+
+    async def _call(self, method, request):  # type: ignore[no-untyped-def]
+        try:
+            return await method(request, timeout=30)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from None
 
@@ -42,7 +61,7 @@ class ProfileStoreSink:
 class ProfilerApp:
     core: ProfilerCore
     server: RunningServer
-    sink: ProfileStoreSink
+    store: ProfileStoreClient
 
     @property
     def port(self) -> int:
@@ -50,8 +69,8 @@ class ProfilerApp:
 
     @classmethod
     async def start(cls, settings: ProfilerSettings, host: str) -> ProfilerApp:
-        sink = ProfileStoreSink(settings.profile_store_address)
-        core = ProfilerCore(sink)
+        store = ProfileStoreClient(settings.profile_store_address)
+        core = ProfilerCore(store)
         servicer = ProfilerServicer(core)
         registration = ServiceRegistration(
             SERVICE, lambda server: pb_grpc.add_ProfilerServicer_to_server(servicer, server)
@@ -61,11 +80,11 @@ class ProfilerApp:
                 [registration], host, settings.port, settings.max_message_bytes
             )
         except BaseException:
-            await sink.close()
+            await store.close()
             raise
         log.info("profiler ready", port=server.port, store=settings.profile_store_address)
-        return cls(core, server, sink)
+        return cls(core, server, store)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.server.stop(grace_s)
-        await self.sink.close()
+        await self.store.close()

@@ -10,18 +10,21 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Protocol
 
 import numpy as np
 import structlog
 
+from gpuloom.policies.profiling.cycles import Cycle, NoCycle, detect_cycle
 from gpuloom.services.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from gpuloom.services.profile_store.domain import KernelProfile
+from gpuloom.services.profile_store.domain import JobProfile, KernelProfile
 from gpuloom.services.profile_store.validation import (
     MAX_GPU_MODEL_CHARS,
     MAX_KEY_CHARS,
@@ -40,10 +43,18 @@ from gpuloom.services.profiler.profile import build_kernel_profile
 
 log = structlog.get_logger("gpuloom.profiler")
 
-# Stores a finished profile (the profile store's PutKernelProfile, or a fake in tests).
-ProfileSink = Callable[[KernelProfile], Awaitable[object]]
+
+class ProfileStorePort(Protocol):
+    """What the profiler needs of the profile store (gRPC in the service, a fake in tests)."""
+
+    async def put_kernel_profile(self, profile: KernelProfile) -> object: ...
+    async def get_job_profile(self, key: str, gpu_model: str) -> JobProfile | None: ...
+    async def put_job_profile(self, profile: JobProfile) -> object: ...
+
+
 MAX_RECORDS_PER_SESSION = 50_000_000
 MAX_RECORDS_PER_BATCH = 1_000_000
+MAX_MEMORY_SAMPLES = 1_000_000
 
 
 class _Buffers:
@@ -61,8 +72,8 @@ class _Buffers:
 
 
 class ProfilerCore:
-    def __init__(self, sink: ProfileSink, clock: Callable[[], float] = time.time) -> None:
-        self._sink = sink
+    def __init__(self, store: ProfileStorePort, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._buffers: dict[str, _Buffers] = {}
@@ -144,7 +155,7 @@ class ProfilerCore:
             profile, predictor = await asyncio.to_thread(
                 build_kernel_profile, session, columns, buffers.names
             )
-            await self._sink(profile)
+            await self._store.put_kernel_profile(profile)
         except Exception as error:  # the session says why; the store was not written
             log.exception("profile failed", session=session.session_id)
             session.error = str(error) or type(error).__name__
@@ -161,6 +172,57 @@ class ProfilerCore:
             kernels=session.kernels,
             predictor=predictor.chosen,
         )
+
+    # ---- training introspection ----
+
+    async def analyze_memory(
+        self,
+        job_key: str,
+        gpu_model: str,
+        times_s: np.ndarray,
+        memory_bytes: np.ndarray,
+        store: bool,
+    ) -> tuple[Cycle | NoCycle, bool]:
+        """The mini-batch cycle of a memory series (Gandiva); with `store`, a cycle found is
+        written into the job's profile (other fields kept). Returns (analysis, stored)."""
+        check_name("job_key", job_key, MAX_KEY_CHARS)
+        check_name("gpu_model", gpu_model, MAX_GPU_MODEL_CHARS)
+        if len(times_s) != len(memory_bytes):
+            raise InvalidArgument("memory_bytes", "needs one sample per entry of times_s")
+        if len(times_s) > MAX_MEMORY_SAMPLES:
+            raise InvalidArgument("times_s", f"at most {MAX_MEMORY_SAMPLES} samples")
+        if len(times_s) and (np.min(memory_bytes) < 0):
+            raise InvalidArgument("memory_bytes", "must not be negative")
+        try:
+            analysis = await asyncio.to_thread(detect_cycle, times_s, memory_bytes)
+        except ValueError as error:
+            raise InvalidArgument("times_s", str(error)) from None
+        if not store or not isinstance(analysis, Cycle):
+            return analysis, False
+        existing = await self._store.get_job_profile(job_key, gpu_model)
+        cycle_fields = {
+            "minibatch_time_s": analysis.period_s,
+            "minibatch_cv": analysis.cv,
+            "low_memory_points_s": tuple(
+                float(t) - float(times_s.min()) for t in analysis.low_points_s
+            ),
+            "low_memory_bytes": int(analysis.low_memory_bytes),
+            "peak_memory_bytes": int(max(memory_bytes.max(), existing.peak_memory_bytes))
+            if existing is not None
+            else int(memory_bytes.max()),
+        }
+        if existing is None:
+            profile = JobProfile(
+                key=job_key,
+                gpu_model=gpu_model,
+                gpu_utilization_percent=0.0,
+                solo_throughput=1.0 / analysis.period_s,
+                **cycle_fields,
+            )
+        else:
+            profile = replace(existing, version=0, updated_at=None, **cycle_fields)
+        await self._store.put_job_profile(profile)
+        return analysis, True
 
     def _close(self, session: Session, state: SessionState) -> None:
         session.state = state

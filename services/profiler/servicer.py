@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
+from gpuloom.policies.profiling.cycles import Cycle
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc
 from gpuloom.services.profiler import convert
@@ -61,3 +63,27 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
             if finished and session.session_id not in summary.completed_sessions:
                 summary.completed_sessions.append(session.session_id)
         return summary
+
+    @rpc(SERVICE)
+    async def AnalyzeMemory(
+        self, request: pb.AnalyzeMemoryRequest, context: Context
+    ) -> pb.MemoryAnalysis:
+        analysis, stored = await self._core.analyze_memory(
+            request.job_key,
+            request.gpu_model,
+            np.array(request.times_s, dtype=np.float64),
+            np.array(request.memory_bytes, dtype=np.float64),
+            request.store,
+        )
+        if not isinstance(analysis, Cycle):
+            return pb.MemoryAnalysis(cycle_found=False, reason=analysis.reason)
+        return pb.MemoryAnalysis(
+            cycle_found=True,
+            minibatch_time_s=analysis.period_s,
+            cv=analysis.cv,
+            stable=analysis.stable,
+            low_points_s=analysis.low_points_s,
+            low_memory_bytes=analysis.low_memory_bytes,
+            high_memory_bytes=analysis.high_memory_bytes,
+            stored=stored,
+        )

@@ -60,6 +60,9 @@ def job_profile(key: str = "bert-finetune", gpu_model: str = "V100") -> d.JobPro
         gpu_utilization_percent=87.5,
         solo_throughput=4.65,
         colocated=(d.ColocatedThroughput("resnet50-train", 3.1),),
+        minibatch_cv=0.04,
+        low_memory_points_s=(0.05, 0.265, 0.48),
+        low_memory_bytes=3 * 2**30,
     )
 
 

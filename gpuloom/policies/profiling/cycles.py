@@ -8,8 +8,9 @@ least memory has to be copied out.
 `detect_cycle` takes (time s, bytes) samples, irregular and noisy, and:
 
 1. resamples them onto a uniform grid (median sampling interval) and removes a linear trend;
-2. finds the period first, as the highest autocorrelation peak past its first zero crossing
-   and within span / min_cycles (a cycle must repeat at least min_cycles times);
+2. finds the period first, as the highest autocorrelation peak (of the series averaged over
+   5 points) past its first zero crossing and within span / min_cycles (a cycle must repeat
+   at least min_cycles times); a peak under min_autocorrelation is no cycle;
 3. median-filters the series over a tenth of that period, up to a quarter when the noise
    is strong (a median keeps the sharp drops of a sawtooth or step where they are), and
    walks it with hysteresis: a minimum counts once the memory has risen `hysteresis` x the
@@ -52,7 +53,7 @@ class CycleOptions:
     # Swing (99th - 1st percentile) under this share of the median level: flat.
     flat_fraction: float = 1e-3
     # Autocorrelation at the period below this: no periodic structure.
-    min_autocorrelation: float = 0.25
+    min_autocorrelation: float = 0.4
     # Shares of the swing: the rise that confirms a minimum, and the low window's height.
     hysteresis: float = 0.3
     low_band: float = 0.1
@@ -233,7 +234,10 @@ def detect_cycle(
     trend = np.polyval(np.polyfit(grid - grid[0], y, 1), grid - grid[0])
     detrended = y - trend
 
-    acf = _autocorrelation(detrended - detrended.mean())
+    # A 5-point average first: it takes 4/5 of white noise's variance away, which would
+    # otherwise drag the peak down, and leaves a cycle of >= 10 points nearly whole.
+    averaged = np.convolve(detrended, np.ones(5) / 5, mode="same")
+    acf = _autocorrelation(averaged - averaged.mean())
     longest = len(grid) // options.min_cycles
     below = np.flatnonzero(acf[: longest + 1] <= 0)
     if below.size == 0:
