@@ -24,11 +24,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gpuloom.policies.profiling.kernels import Runs, _lookup
+from gpuloom.policies.profiling.kernels import Runs, group, lookup, mix64
 
 FORMAT_VERSION = 1
 MAX_PAIRS = 100_000
 MAX_POSITIONS = 100_000
+# Up to this many (kernel, kernel) combinations, pair means come from one bincount, not a sort.
+DENSE_PAIR_TABLE = 1 << 22
 # A sequence seen in fewer runs than this has no per-position mean worth the name.
 MIN_RUNS_PER_SEQUENCE = 2
 # Simplest first: ties in choose_predictor go to the earliest.
@@ -111,6 +113,26 @@ def _measured(runs: Runs) -> np.ndarray:
 
 
 @dataclass(frozen=True, slots=True, eq=False)
+class _Gaps:
+    """The measured gaps of some runs, kernel IDs as indices into their sorted vocabulary:
+    computed once and shared by the fits of all predictors."""
+
+    vocabulary: np.ndarray  # uint64, ascending: every kernel ID of the runs
+    before: np.ndarray  # int64: the kernel each gap follows
+    after: np.ndarray  # int64: the kernel that ends it
+    gaps_ns: np.ndarray
+
+
+def _gaps_of(runs: Runs) -> _Gaps:
+    _, has_next = _next_ids(runs)
+    measured = _measured(runs) & has_next
+    vocabulary, index = group(runs.kernel_ids)
+    following = np.zeros_like(index)
+    following[:-1] = index[1:]
+    return _Gaps(vocabulary, index[measured], following[measured], runs.gaps_ns[measured])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class MeanGap:
     """FIKIT's predictor: the mean gap after each kernel ID; `default_ns` (the mean of all
     gaps) for kernel IDs never measured."""
@@ -122,19 +144,22 @@ class MeanGap:
 
     @classmethod
     def fit(cls, runs: Runs) -> MeanGap:
-        measured = _measured(runs)
-        ids = runs.kernel_ids[measured]
-        gaps = runs.gaps_ns[measured]
-        if len(ids) == 0:
+        return cls._fit(_gaps_of(runs))
+
+    @classmethod
+    def _fit(cls, g: _Gaps) -> MeanGap:
+        if len(g.gaps_ns) == 0:
             return cls(np.zeros(0, np.uint64), np.zeros(0), 0.0)
-        unique, inverse = np.unique(ids, return_inverse=True)
-        means = np.bincount(inverse, weights=gaps) / np.bincount(inverse)
-        return cls(unique, means, float(gaps.mean()))
+        size = len(g.vocabulary)
+        counts = np.bincount(g.before, minlength=size)
+        sums = np.bincount(g.before, weights=g.gaps_ns, minlength=size)
+        seen = counts > 0
+        return cls(g.vocabulary[seen], sums[seen] / counts[seen], float(g.gaps_ns.mean()))
 
     def predict_ids(self, kernel_ids: np.ndarray) -> np.ndarray:
         if len(self.kernel_ids) == 0:
             return np.full(len(kernel_ids), self.default_ns)
-        row = _lookup(self.kernel_ids, kernel_ids)
+        row = lookup(self.kernel_ids, kernel_ids)
         return np.where(row >= 0, self.gaps_ns[np.maximum(row, 0)], self.default_ns)
 
     def predict(self, runs: Runs) -> np.ndarray:
@@ -168,8 +193,8 @@ class MeanGap:
 def _pair_codes(vocabulary: np.ndarray, first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """One int64 per (first, second) pair of kernel IDs of `vocabulary`, -1 if either is not
     in it; codes sort like the pairs."""
-    a = _lookup(vocabulary, first)
-    b = _lookup(vocabulary, second)
+    a = lookup(vocabulary, first)
+    b = lookup(vocabulary, second)
     return np.where((a >= 0) & (b >= 0), a * len(vocabulary) + b, -1)
 
 
@@ -194,27 +219,31 @@ class PairGap:
 
     @classmethod
     def fit(cls, runs: Runs) -> PairGap:
-        mean = MeanGap.fit(runs)
-        measured = _measured(runs)
-        following, _ = _next_ids(runs)
-        first = runs.kernel_ids[measured]
-        second = following[measured]
-        gaps = runs.gaps_ns[measured]
-        if len(first) == 0:
+        g = _gaps_of(runs)
+        return cls._fit(g, MeanGap._fit(g))
+
+    @classmethod
+    def _fit(cls, g: _Gaps, mean: MeanGap) -> PairGap:
+        if len(g.gaps_ns) == 0:
             empty = np.zeros(0, np.uint64)
             return cls(mean, empty, empty, np.zeros(0))
-        order = np.lexsort((second, first))
-        first, second, gaps = first[order], second[order], gaps[order]
-        new = np.ones(len(first), dtype=bool)
-        new[1:] = (first[1:] != first[:-1]) | (second[1:] != second[:-1])
-        starts = np.flatnonzero(new)
-        counts = np.diff(np.append(starts, len(first)))
-        means = np.add.reduceat(gaps, starts) / counts
-        keep = np.arange(len(starts))
-        if len(starts) > MAX_PAIRS:
+        size = len(g.vocabulary)
+        # Pair codes sort like (first, second): the vocabulary is ascending.
+        codes = g.before * size + g.after
+        if size * size <= DENSE_PAIR_TABLE:
+            counts = np.bincount(codes, minlength=size * size)
+            sums = np.bincount(codes, weights=g.gaps_ns, minlength=size * size)
+            pairs = np.flatnonzero(counts)
+            counts, sums = counts[pairs], sums[pairs]
+        else:
+            pairs, inverse = group(codes)
+            counts = np.bincount(inverse)
+            sums = np.bincount(inverse, weights=g.gaps_ns)
+        if len(pairs) > MAX_PAIRS:
             # The most frequent pairs carry most launches; the rest fall back to "mean".
             keep = np.sort(np.argsort(-counts, kind="stable")[:MAX_PAIRS])
-        return cls(mean, first[starts][keep], second[starts][keep], means[keep])
+            pairs, counts, sums = pairs[keep], counts[keep], sums[keep]
+        return cls(mean, g.vocabulary[pairs // size], g.vocabulary[pairs % size], sums / counts)
 
     def predict_pairs(self, first: np.ndarray, second: np.ndarray) -> np.ndarray:
         fallback = self.mean.predict_ids(first)
@@ -274,12 +303,16 @@ class PositionGap:
 
     @classmethod
     def fit(cls, runs: Runs) -> PositionGap:
-        pair = PairGap.fit(runs)
-        sequence, members = _common_sequence(runs)
-        if len(members) < MIN_RUNS_PER_SEQUENCE or len(sequence) < 2:
+        return cls._fit(runs, PairGap.fit(runs))
+
+    @classmethod
+    def _fit(cls, runs: Runs, pair: PairGap) -> PositionGap:
+        members = _common_sequence(runs)
+        if len(members) < MIN_RUNS_PER_SEQUENCE:
             return cls(pair, np.zeros(0, np.uint64), np.zeros(0))
-        gaps = np.stack([runs.gaps_ns[runs.offsets[t] : runs.offsets[t + 1]] for t in members])
-        return cls(pair, sequence, gaps[:, :-1].mean(axis=0))
+        length = int(runs.lengths[members[0]])
+        rows = runs.offsets[members][:, None] + np.arange(length - 1)
+        return cls(pair, runs.run(int(members[0])).copy(), runs.gaps_ns[rows].mean(axis=0))
 
     def predict(self, runs: Runs) -> np.ndarray:
         predicted = self.pair.predict(runs)
@@ -328,25 +361,39 @@ class PositionGap:
         return cls(PairGap.from_dict(data.get("pair")), sequence, gaps)
 
 
-def _common_sequence(runs: Runs) -> tuple[np.ndarray, list[int]]:
-    """The kernel sequence most runs share (longest on ties) and the runs that have it."""
-    best: tuple[int, int] = (0, 0)
-    sequence, members = np.zeros(0, np.uint64), []
+def _common_sequence(runs: Runs) -> np.ndarray:
+    """The runs that share the most common kernel sequence (the longest on ties) of 2 to
+    MAX_POSITIONS launches."""
     lengths = runs.lengths
-    for length in np.unique(lengths):
-        if length < 2 or length > MAX_POSITIONS:
-            continue
-        of_length = np.flatnonzero(lengths == length)
-        if len(of_length) < MIN_RUNS_PER_SEQUENCE:
-            continue
-        matrix = np.stack([runs.run(int(t)) for t in of_length])
-        unique, inverse, counts = np.unique(matrix, axis=0, return_inverse=True, return_counts=True)
-        top = int(np.argmax(counts))
-        if (int(counts[top]), int(length)) > best:
-            best = (int(counts[top]), int(length))
-            sequence = unique[top]
-            members = of_length[inverse.reshape(-1) == top].tolist()
-    return sequence, members
+    eligible = np.flatnonzero((lengths >= 2) & (lengths <= MAX_POSITIONS))
+    if len(eligible) < MIN_RUNS_PER_SEQUENCE:
+        return eligible[:0]
+    # A fingerprint per run: the wrapping sum of a hash of (kernel ID, position) per launch.
+    position = runs.positions().astype(np.uint64)
+    terms = mix64(runs.kernel_ids ^ mix64(position))
+    running = np.concatenate((np.zeros(1, np.uint64), np.cumsum(terms, dtype=np.uint64)))
+    fingerprints = (running[runs.offsets[1:]] - running[runs.offsets[:-1]])[eligible]
+    keys = np.stack((lengths[eligible].astype(np.uint64), fingerprints), axis=1)
+    distinct, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    # Most runs first, then the longest sequence.
+    best = int(np.lexsort((distinct[:, 0], counts))[-1])
+    members = eligible[inverse.reshape(-1) == best]
+    # A fingerprint collision would put a different sequence in: keep exact copies only.
+    first = runs.run(int(members[0]))
+    rows = runs.offsets[members][:, None] + np.arange(len(first))
+    return members[np.all(runs.kernel_ids[rows] == first, axis=1)]
+
+
+def _fit_all(runs: Runs, names: Sequence[str]) -> dict[str, GapPredictor]:
+    """The named predictors fitted on `runs`, the simpler ones taken from the richer ones'
+    fallbacks (the same tables as fitting them on their own, computed once)."""
+    g = _gaps_of(runs)
+    fitted: dict[str, GapPredictor] = {"mean": MeanGap._fit(g)}
+    if "pair" in names or "position" in names:
+        fitted["pair"] = PairGap._fit(g, fitted["mean"])
+    if "position" in names:
+        fitted["position"] = PositionGap._fit(runs, fitted["pair"])
+    return {name: fitted[name] for name in names}
 
 
 Fit = Callable[[Runs], GapPredictor]
@@ -418,6 +465,8 @@ def choose_predictor(
         raise ValueError("cross-validation needs at least 2 runs")
     if folds < 2:
         raise ValueError(f"folds must be >= 2, got {folds}")
+    if not tie_tolerance >= 0:
+        raise ValueError(f"tie_tolerance must be >= 0, got {tie_tolerance}")
     folds = min(folds, runs.count)
     fold_of = np.arange(runs.count) % folds
     totals = dict.fromkeys(candidates, 0.0)
@@ -425,8 +474,8 @@ def choose_predictor(
     for fold in range(folds):
         train = runs.select(np.flatnonzero(fold_of != fold))
         test = runs.select(np.flatnonzero(fold_of == fold))
-        for name in candidates:
-            total, n = mean_absolute_error(PREDICTORS[name](train), test)
+        for name, predictor in _fit_all(train, candidates).items():
+            total, n = mean_absolute_error(predictor, test)
             totals[name] += total
         count += n
     if count == 0:
@@ -437,7 +486,7 @@ def choose_predictor(
     name = next(c for c in ranked if mae[c] <= best * (1 + tie_tolerance) + 1e-9)
     return PredictorChoice(
         name=name,
-        predictor=PREDICTORS[name](runs),
+        predictor=_fit_all(runs, [name])[name],
         mae_ns=MappingProxyType(mae),
         folds=folds,
         gaps=count,

@@ -55,6 +55,19 @@ def kernel_id(name: str, grid: Dim3, block: Dim3) -> int:
     return h
 
 
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise: a fixed, well-spread hash of uint64 values."""
+    z = np.asarray(x, dtype=np.uint64) + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Runs:
     """Measured runs in launch order, runs concatenated: run t is the slice
@@ -157,7 +170,7 @@ class KernelTable:
 
     def index_of(self, kernel_ids: np.ndarray | Sequence[int]) -> np.ndarray:
         """Row of each kernel ID, -1 where the table has none."""
-        return _lookup(self.kernel_ids, np.asarray(kernel_ids, dtype=np.uint64))
+        return lookup(self.kernel_ids, np.asarray(kernel_ids, dtype=np.uint64))
 
     def get(self, kernel_id: int) -> KernelSummary | None:
         row = int(self.index_of([kernel_id])[0])
@@ -178,7 +191,7 @@ class KernelTable:
         )
 
 
-def _lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+def lookup(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Index of each id in the ascending array sorted_ids, -1 where absent."""
     if len(sorted_ids) == 0:
         return np.full(len(ids), -1, dtype=np.int64)
@@ -263,9 +276,26 @@ def _in_order(r: _Records) -> bool:
     return bool(np.all(ordered | tied))
 
 
+def _launch_order(r: _Records) -> np.ndarray:
+    """The permutation sorting records by (run, start, end, kernel ID)."""
+    first = int(r.start_ns.min())
+    span = int(r.start_ns.max()) - first
+    shift = max(int(r.run_index.max()).bit_length(), 1)
+    if span < 1 << (62 - shift):
+        # Usually one int64 key (run above, start below) orders everything: a single sort.
+        keys = (r.run_index << (62 - shift)) | (r.start_ns - first)
+        order = np.argsort(keys)
+        ordered = keys[order]
+        if not np.any(ordered[1:] == ordered[:-1]):
+            return order
+    # Equal starts within a run: break the ties by end, then kernel ID, so that the order
+    # (and every gap) does not depend on how the records arrived.
+    return np.lexsort((r.kernel_ids, r.end_ns, r.start_ns, r.run_index))
+
+
 def _order(r: _Records, runs: int | None) -> Runs:
     if not _in_order(r):
-        order = np.lexsort((r.kernel_ids, r.end_ns, r.start_ns, r.run_index))
+        order = _launch_order(r)
         r = _Records(r.kernel_ids[order], r.start_ns[order], r.end_ns[order], r.run_index[order])
     count = runs if runs is not None else (int(r.run_index[-1]) + 1 if len(r.run_index) else 0)
     offsets = np.searchsorted(r.run_index, np.arange(count + 1)).astype(np.int64)
@@ -290,7 +320,9 @@ def order_runs(
     return _order(_validate(kernel_ids, start_ns, end_ns, run_index, runs), runs)
 
 
-def _group_quantile(values: np.ndarray, starts: np.ndarray, counts: np.ndarray, q: float):
+def _group_quantile(
+    values: np.ndarray, starts: np.ndarray, counts: np.ndarray, q: float
+) -> np.ndarray:
     """q-quantile of each group of `values` (each group sorted ascending, groups contiguous),
     linear interpolation between order statistics."""
     position = starts + q * (counts - 1)
@@ -300,33 +332,52 @@ def _group_quantile(values: np.ndarray, starts: np.ndarray, counts: np.ndarray, 
     return values[low] + (values[high] - values[low]) * fraction
 
 
+def group(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values ascending, each value's index among them): np.unique with
+    return_inverse, without its slower stable sort."""
+    if len(values) == 0:
+        return values[:0], np.zeros(0, np.int64)
+    order = np.argsort(values)
+    ordered = values[order]
+    new = np.empty(len(values), dtype=bool)
+    new[0] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=new[1:])
+    inverse = np.empty(len(values), dtype=np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], inverse
+
+
+def _sorted_within_groups(inverse: np.ndarray, values: np.ndarray, groups: int) -> np.ndarray:
+    """`values` sorted by (group, value)."""
+    shift = max(int(groups - 1).bit_length(), 1)
+    if values.size and values.min() >= 0 and int(values.max()) < 1 << (62 - shift):
+        # One int64 key (group above, value below) sorts several times faster than lexsort.
+        keys = np.sort((inverse << (62 - shift)) | values)
+        return keys & ((1 << (62 - shift)) - 1)
+    return values[np.lexsort((values, inverse))]
+
+
 def summarise(runs: Runs) -> KernelTable:
     """Statistics per kernel ID over all runs."""
-    if len(runs.kernel_ids) == 0:
-        empty_f = np.zeros(0, np.float64)
-        empty_i = np.zeros(0, np.int64)
-        return KernelTable(
-            np.zeros(0, np.uint64), empty_i, empty_f, empty_f, empty_f, empty_i, empty_f
-        )
-    order = np.lexsort((runs.durations_ns, runs.kernel_ids))
-    ids = runs.kernel_ids[order]
-    durations = runs.durations_ns[order].astype(np.float64)
-    gaps = runs.gaps_ns[order]
-    starts = np.concatenate(([0], np.flatnonzero(ids[1:] != ids[:-1]) + 1)).astype(np.int64)
-    counts = np.diff(np.append(starts, len(ids)))
-    has_gap = ~np.isnan(gaps)
-    gap_count = np.add.reduceat(has_gap.astype(np.int64), starts)
-    gap_sum = np.add.reduceat(np.where(has_gap, gaps, 0.0), starts)
+    ids, inverse = group(runs.kernel_ids)
+    groups = len(ids)
+    counts = np.bincount(inverse, minlength=groups)
+    starts = np.cumsum(counts) - counts
+    durations = _sorted_within_groups(inverse, runs.durations_ns, groups).astype(np.float64)
+    has_gap = ~np.isnan(runs.gaps_ns)
+    gap_count = np.bincount(inverse[has_gap], minlength=groups)
+    gap_sum = np.bincount(inverse[has_gap], weights=runs.gaps_ns[has_gap], minlength=groups)
     return KernelTable(
-        kernel_ids=ids[starts],
+        kernel_ids=ids,
         sample_count=counts.astype(np.int64),
-        mean_duration_ns=np.add.reduceat(durations, starts) / counts,
+        mean_duration_ns=np.bincount(
+            inverse, weights=runs.durations_ns.astype(np.float64), minlength=groups
+        )
+        / counts,
         p50_duration_ns=_group_quantile(durations, starts, counts, 0.50),
         p95_duration_ns=_group_quantile(durations, starts, counts, 0.95),
-        gap_count=gap_count,
-        mean_gap_after_ns=np.divide(
-            gap_sum, gap_count, out=np.zeros(len(starts)), where=gap_count > 0
-        ),
+        gap_count=gap_count.astype(np.int64),
+        mean_gap_after_ns=np.divide(gap_sum, gap_count, out=np.zeros(groups), where=gap_count > 0),
     )
 
 

@@ -38,7 +38,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from gpuloom.policies.profiling.kernels import kernel_id
+from gpuloom.policies.profiling.kernels import kernel_id, mix64
 
 ORION_COLUMNS = ("Name", "Profile", "Memory_footprint", "SM_usage", "Duration")
 # No real kernel launch takes under 100 ns on a V100; a trace made only of such values is
@@ -164,22 +164,9 @@ class GapModel:
             raise ValueError("boundary_every must be >= 0")
 
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: a fixed, well-spread hash of uint64 values."""
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
 def _exponential(keys: np.ndarray, mean: float) -> np.ndarray:
     """A fixed exponential draw of the given mean per key."""
-    unit = (_mix(keys) >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    unit = (mix64(keys) >> np.uint64(11)).astype(np.float64) * 2.0**-53
     return -mean * np.log1p(-unit)
 
 
@@ -188,9 +175,9 @@ def expected_gaps(sequence: np.ndarray, model: GapModel, seed: int = 0) -> np.nd
     model.validate()
     first = np.asarray(sequence, dtype=np.uint64)[:-1]
     second = np.asarray(sequence, dtype=np.uint64)[1:]
-    salt = _mix(np.array([seed], dtype=np.uint64))[0]
+    salt = mix64(np.array([seed], dtype=np.uint64))[0]
     kernel = _exponential(first ^ salt, model.kernel_ns)
-    pair = _exponential(_mix(first ^ salt) ^ second, model.pair_ns)
+    pair = _exponential(mix64(first ^ salt) ^ second, model.pair_ns)
     boundary = np.zeros(len(first))
     count = 0
     if model.boundary_every and model.boundary_ns and len(first):
@@ -213,7 +200,7 @@ class Measurements:
     run_index: np.ndarray  # uint32
     runs: int
     sequence: np.ndarray  # uint64: the kernel IDs of one run
-    expected_gap_ns: np.ndarray  # after each kernel of the sequence but the last
+    expected_gap_ns: np.ndarray  # mean (stalls included) after each kernel but the last
     true_mean_duration_ns: Mapping[int, float]  # per kernel ID, noise-free
 
 
