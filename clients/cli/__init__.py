@@ -6,6 +6,7 @@ import click
 
 from gpuloom import __version__
 from gpuloom.clients.cli.mig import mig
+from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import serve, up
 
@@ -20,6 +21,7 @@ cli.add_command(up)
 cli.add_command(serve)
 cli.add_command(profiles)
 cli.add_command(mig)
+cli.add_command(profile)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from gpuloom.services.profile_store.domain import (
     KernelProfile,
     MigProfile,
     Profile,
+    ThroughputPoint,
     ThroughputProfile,
 )
 
@@ -130,20 +131,23 @@ def _check_gap_predictor(g: GapPredictorModel) -> None:
         raise InvalidArgument(f"{f}.model_json", "must be JSON") from None
 
 
+def check_throughput_point(f: str, point: ThroughputPoint) -> None:
+    check_range(f"{f}.sm_percent", point.sm_percent, 1, 100)
+    if not (math.isfinite(point.quota_percent) and 0 < point.quota_percent <= 100):
+        raise InvalidArgument(
+            f"{f}.quota_percent", f"must be in (0, 100], got {point.quota_percent}"
+        )
+    check_non_negative(f"{f}.requests_per_s", point.requests_per_s)
+    check_non_negative(f"{f}.p50_latency_ms", point.p50_latency_ms)
+    check_non_negative(f"{f}.p99_latency_ms", point.p99_latency_ms)
+    if point.p50_latency_ms > point.p99_latency_ms:
+        raise InvalidArgument(f"{f}.p50_latency_ms", "must not exceed p99_latency_ms")
+
+
 def _check_throughput_profile(p: ThroughputProfile) -> None:
     check_entries("profile.points", p.points)
     for i, point in enumerate(p.points):
-        f = f"profile.points[{i}]"
-        check_range(f"{f}.sm_percent", point.sm_percent, 1, 100)
-        if not (math.isfinite(point.quota_percent) and 0 < point.quota_percent <= 100):
-            raise InvalidArgument(
-                f"{f}.quota_percent", f"must be in (0, 100], got {point.quota_percent}"
-            )
-        check_non_negative(f"{f}.requests_per_s", point.requests_per_s)
-        check_non_negative(f"{f}.p50_latency_ms", point.p50_latency_ms)
-        check_non_negative(f"{f}.p99_latency_ms", point.p99_latency_ms)
-        if point.p50_latency_ms > point.p99_latency_ms:
-            raise InvalidArgument(f"{f}.p50_latency_ms", "must not exceed p99_latency_ms")
+        check_throughput_point(f"profile.points[{i}]", point)
     check_unique(
         "profile.points",
         ((pt.sm_percent, pt.quota_percent) for pt in p.points),

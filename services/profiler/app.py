@@ -14,8 +14,15 @@ from gpuloom.services.profile_store.convert import (
     job_profile_from_pb,
     job_profile_to_pb,
     kernel_profile_to_pb,
+    stamped_from_pb,
+    throughput_profile_to_pb,
 )
-from gpuloom.services.profile_store.domain import JobProfile, KernelProfile
+from gpuloom.services.profile_store.domain import (
+    JobProfile,
+    KernelProfile,
+    ProfileKind,
+    ThroughputProfile,
+)
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.servicer import SERVICE, ProfilerServicer
 from gpuloom.services.profiler.settings import ProfilerSettings
@@ -46,6 +53,25 @@ class ProfileStoreClient:
     async def put_job_profile(self, profile: JobProfile) -> object:
         request = profile_store_pb2.PutJobProfileRequest(profile=job_profile_to_pb(profile))
         return await self._call(self._stub.PutJobProfile, request)
+
+    async def get_throughput_profile(self, key: str, gpu_model: str) -> ThroughputProfile | None:
+        request = profile_store_pb2.GetProfileRequest(key=key, gpu_model=gpu_model)
+        try:
+            found = await self._call(self._stub.GetThroughputProfile, request)
+        except NotFound:
+            return None
+        return stamped_from_pb(ProfileKind.THROUGHPUT, found)  # type: ignore[return-value]
+
+    async def put_throughput_profile(
+        self, profile: ThroughputProfile, expected_version: int | None
+    ) -> ThroughputProfile:
+        request = profile_store_pb2.PutThroughputProfileRequest(
+            profile=throughput_profile_to_pb(profile)
+        )
+        if expected_version is not None:
+            request.expected_version = expected_version
+        stored = await self._call(self._stub.PutThroughputProfile, request)
+        return stamped_from_pb(ProfileKind.THROUGHPUT, stored)  # type: ignore[return-value]
 
     async def _call(self, method, request):  # type: ignore[no-untyped-def]
         try:

@@ -19,16 +19,23 @@ import structlog
 
 from gpuloom.policies.profiling.cycles import Cycle, NoCycle, detect_cycle
 from gpuloom.services.common.errors import (
+    Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from gpuloom.services.profile_store.domain import JobProfile, KernelProfile
+from gpuloom.services.profile_store.domain import (
+    JobProfile,
+    KernelProfile,
+    ThroughputPoint,
+    ThroughputProfile,
+)
 from gpuloom.services.profile_store.validation import (
     MAX_GPU_MODEL_CHARS,
     MAX_KEY_CHARS,
     check_name,
+    check_throughput_point,
 )
 from gpuloom.services.profiler.domain import (
     DEFAULT_RUNS,
@@ -50,6 +57,12 @@ class ProfileStorePort(Protocol):
     async def put_kernel_profile(self, profile: KernelProfile) -> object: ...
     async def get_job_profile(self, key: str, gpu_model: str) -> JobProfile | None: ...
     async def put_job_profile(self, profile: JobProfile) -> object: ...
+    async def get_throughput_profile(
+        self, key: str, gpu_model: str
+    ) -> ThroughputProfile | None: ...
+    async def put_throughput_profile(
+        self, profile: ThroughputProfile, expected_version: int | None
+    ) -> ThroughputProfile: ...
 
 
 MAX_RECORDS_PER_SESSION = 50_000_000
@@ -223,6 +236,32 @@ class ProfilerCore:
             profile = replace(existing, version=0, updated_at=None, **cycle_fields)
         await self._store.put_job_profile(profile)
         return analysis, True
+
+    # ---- throughput sweeps ----
+
+    async def record_throughput_point(
+        self, function: str, gpu_model: str, point: ThroughputPoint
+    ) -> ThroughputProfile:
+        """Merge one sweep point into the function's throughput profile; a concurrent writer
+        makes this read again and retry (the store's version check), so no point is lost."""
+        check_name("function", function, MAX_KEY_CHARS)
+        check_name("gpu_model", gpu_model, MAX_GPU_MODEL_CHARS)
+        check_throughput_point("point", point)
+        for _attempt in range(5):
+            existing = await self._store.get_throughput_profile(function, gpu_model)
+            others = () if existing is None else tuple(
+                p for p in existing.points
+                if (p.sm_percent, p.quota_percent) != (point.sm_percent, point.quota_percent)
+            )  # fmt: skip
+            points = tuple(sorted((*others, point), key=lambda p: (p.sm_percent, p.quota_percent)))
+            profile = ThroughputProfile(function, gpu_model, points)
+            try:
+                return await self._store.put_throughput_profile(
+                    profile, 0 if existing is None else existing.version
+                )
+            except Aborted:
+                continue
+        raise Aborted(f"throughput profile of {function!r} keeps changing; try again")
 
     def _close(self, session: Session, state: SessionState) -> None:
         session.state = state

@@ -10,9 +10,12 @@ import numpy as np
 from gpuloom.policies.profiling.cycles import Cycle
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc
+from gpuloom.services.profile_store.convert import throughput_profile_to_pb
+from gpuloom.services.profile_store.domain import ThroughputPoint
 from gpuloom.services.profiler import convert
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.domain import SessionState
+from gpuloom.v1 import profile_store_pb2
 from gpuloom.v1 import profiler_pb2 as pb
 from gpuloom.v1 import profiler_pb2_grpc as pb_grpc
 
@@ -87,3 +90,21 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
             high_memory_bytes=analysis.high_memory_bytes,
             stored=stored,
         )
+
+    @rpc(SERVICE)
+    async def RecordThroughputPoint(
+        self, request: pb.RecordThroughputPointRequest, context: Context
+    ) -> profile_store_pb2.ThroughputProfile:
+        point = request.point
+        profile = await self._core.record_throughput_point(
+            request.function,
+            request.gpu_model,
+            ThroughputPoint(
+                point.sm_percent,
+                point.quota_percent,
+                point.requests_per_s,
+                point.p50_latency_ms,
+                point.p99_latency_ms,
+            ),
+        )
+        return throughput_profile_to_pb(profile)
