@@ -5,30 +5,21 @@ limits."""
 from __future__ import annotations
 
 import asyncio
-import threading
+import json
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from gpuloom.clients.shim import ShimClient
 from tests.dispatcher.conftest import LiveDispatcher
 
 WINDOW_S = 0.5
 WINDOWS = 10
 # Leases of 25-50 ms: a Python client needs a few hundred microseconds to wake up for a lease,
 # and that handover time is lost to everyone; with 10 ms leases it alone would cost ~4%.
+SATURATE = str(Path(__file__).with_name("saturate.py"))
 TOKENS = {"window_ms": WINDOW_S * 1e3, "lease_initial_ms": 25.0, "lease_max_ms": 50.0}
-
-
-def _saturate(shim: ShimClient, start: float, stop: float, held: list[tuple[float, float]]) -> None:
-    """Always have work: hold every lease to its end, report the time held as GPU time."""
-    while time.monotonic() < stop:
-        lease = shim.acquire(timeout_s=2)
-        began = time.monotonic()
-        time.sleep(lease.remaining_s())
-        ended = time.monotonic()
-        shim.record_usage(ended - began, burst_s=ended - began)
-        held.append((began, ended))
 
 
 def _share(held: list[tuple[float, float]], start: float, stop: float) -> float:
@@ -37,27 +28,31 @@ def _share(held: list[tuple[float, float]], start: float, stop: float) -> float:
 
 
 async def _run(live: LiveDispatcher, quotas: list[tuple[float, float]], active: list[bool]):
+    """Each client is its own process, as GPU jobs are (no shared interpreter lock)."""
     tokens = [
         (await live.reserve(sm=100, request=r * 100, limit=lim * 100)).assignment_token
         for r, lim in quotas
     ]
-    shims = [ShimClient.connect(live.socket_path, t) for t in tokens]
-    # One warm-up window, then ten measured ones.
-    start = time.monotonic() + WINDOW_S
+    # A warm-up window (processes start, leases adapt), then ten measured ones.
+    start = time.monotonic() + 2 * WINDOW_S
     stop = start + WINDOWS * WINDOW_S
-    held: list[list[tuple[float, float]]] = [[] for _ in shims]
-    threads = [
-        threading.Thread(target=_saturate, args=(shim, start, stop, held[i]))
-        for i, shim in enumerate(shims)
+    processes = {
+        i: await asyncio.create_subprocess_exec(
+            sys.executable,
+            SATURATE,
+            live.socket_path,
+            token,
+            repr(stop),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        for i, token in enumerate(tokens)
         if active[i]
-    ]
-    try:
-        for thread in threads:
-            thread.start()
-        await asyncio.to_thread(lambda: [t.join(timeout=30) for t in threads])
-    finally:
-        for shim in shims:
-            shim.close()
+    }
+    held: list[list[tuple[float, float]]] = [[] for _ in tokens]
+    for i, process in processes.items():
+        out, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        assert process.returncode == 0
+        held[i] = [tuple(pair) for pair in json.loads(out)]
     return [_share(h, start, stop) for h in held]
 
 
@@ -73,8 +68,9 @@ async def test_saturating_clients_get_their_requests_within_two_points(
 
 @pytest.mark.parametrize("live", [TOKENS], indirect=True)
 async def test_idle_time_is_absorbed_up_to_the_limits(live: LiveDispatcher) -> None:
-    # The 0.5 client is idle: the others may run past their requests, up to 0.4 and 0.6.
-    shares = await _run(live, [(0.2, 0.4), (0.3, 0.6), (0.5, 0.5)], [True, True, False])
+    # The 0.5 client is idle: the others run past their requests (0.2, 0.3) up to their
+    # limits (0.35, 0.45), and no further, though the GPU still has idle time left.
+    shares = await _run(live, [(0.2, 0.35), (0.3, 0.45), (0.5, 0.5)], [True, True, False])
     assert shares[2] == 0
-    assert shares[0] == pytest.approx(0.4, abs=0.02), shares
-    assert shares[1] == pytest.approx(0.6, abs=0.02), shares
+    assert shares[0] == pytest.approx(0.35, abs=0.02), shares
+    assert shares[1] == pytest.approx(0.45, abs=0.02), shares

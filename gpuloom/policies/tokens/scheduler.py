@@ -132,6 +132,12 @@ class _View:
         return self._s._waiting.values()
 
 
+def _check_report(used_gpu_s: float, burst_s: float | None) -> None:
+    _check_measure("used_gpu_s", used_gpu_s)
+    if burst_s is not None:
+        _check_measure("burst_s", burst_s)
+
+
 def _check_measure(name: str, value: float) -> None:
     if not value >= 0.0 or value == math.inf:  # also rejects NaN
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -201,11 +207,7 @@ class TokenScheduler:
         )
 
     def remove_client(self, client_id: str, now: float) -> Decision:
-        client = self._client(client_id)
-        self._tick(now)
-        ended: list[Lease] = []
-        if self._now >= self._next_expiry:
-            self._expire(ended)
+        client, ended = self._begin(client_id, now)
         del self._clients[client_id]
         self._let_go(client, ended)
         return self._decide(ended)
@@ -214,20 +216,12 @@ class TokenScheduler:
         """The client is gone for now (its process died or disconnected) but keeps its share:
         its lease ends, charged the time it was held unless usage was reported, and it leaves
         the queue. Unlike remove_client, its used quota stays, so a reconnect resets nothing."""
-        client = self._client(client_id)
-        self._tick(now)
-        ended: list[Lease] = []
-        if self._now >= self._next_expiry:
-            self._expire(ended)
+        client, ended = self._begin(client_id, now)
         self._let_go(client, ended)
         return self._decide(ended)
 
     def request(self, client_id: str, now: float) -> Decision:
-        client = self._client(client_id)
-        self._tick(now)
-        ended: list[Lease] = []
-        if self._now >= self._next_expiry:
-            self._expire(ended)
+        client, ended = self._begin(client_id, now)
         if client.charge is None and client_id not in self._waiting:
             client.requested_at = self._now
             self._waiting[client_id] = client
@@ -242,14 +236,8 @@ class TokenScheduler:
         burst_s: float | None,
         now: float,
     ) -> Decision:
-        _check_measure("used_gpu_s", used_gpu_s)
-        if burst_s is not None:
-            _check_measure("burst_s", burst_s)
-        client = self._client(client_id)
-        self._tick(now)
-        ended: list[Lease] = []
-        if self._now >= self._next_expiry:
-            self._expire(ended)
+        _check_report(used_gpu_s, burst_s)
+        client, ended = self._begin(client_id, now)
         charge = client.charge
         if charge is not None and charge.lease.lease_id == lease_id:
             ended.append(self._end(charge, self._now))
@@ -264,9 +252,7 @@ class TokenScheduler:
         burst_s: float | None,
         now: float,
     ) -> None:
-        _check_measure("used_gpu_s", used_gpu_s)
-        if burst_s is not None:
-            _check_measure("burst_s", burst_s)
+        _check_report(used_gpu_s, burst_s)
         client = self._client(client_id)
         self._tick(now)
         # No decision here (there is no one to hand leases to): if the report frees quota for
@@ -327,6 +313,15 @@ class TokenScheduler:
         )
 
     # -- the state machine ---------------------------------------------------------------------
+
+    def _begin(self, client_id: str, now: float) -> tuple[_Client, list[Lease]]:
+        """Every client call starts here: the client, the clock moved on, due leases ended."""
+        client = self._client(client_id)
+        self._tick(now)
+        ended: list[Lease] = []
+        if self._now >= self._next_expiry:
+            self._expire(ended)
+        return client, ended
 
     def _client(self, client_id: str) -> _Client:
         try:
