@@ -16,8 +16,8 @@ from tests.dispatcher.conftest import LiveDispatcher
 
 WINDOW_S = 0.5
 WINDOWS = 10
-# Leases of 25-50 ms: a Python client needs a few hundred microseconds to wake up for a lease,
-# and that handover time is lost to everyone; with 10 ms leases it alone would cost ~4%.
+# Leases of 25-50 ms: a Python client needs from a few hundred microseconds to milliseconds (on
+# a loaded machine) to wake up for a lease, and that time is lost; with 10 ms leases ~4%.
 SATURATE = str(Path(__file__).with_name("saturate.py"))
 TOKENS = {"window_ms": WINDOW_S * 1e3, "lease_initial_ms": 25.0, "lease_max_ms": 50.0}
 
