@@ -19,8 +19,9 @@ import contextlib
 import os
 import select
 import socket
+import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -84,7 +85,10 @@ class ShimClient:
         token: str,
         process_name: str = "python",
         timeout_s: float = 5.0,
+        argv: Sequence[str] | None = None,
     ) -> ShimClient:
+        """Register with the dispatcher. `argv` (default: this process's sys.argv) is sent so
+        that a reservation without a task key gets one derived from the command line."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -94,6 +98,7 @@ class ShimClient:
                     protocol_version=PROTOCOL_VERSION,
                     assignment_token=token,
                     process_name=process_name,
+                    argv=list(sys.argv if argv is None else argv)[:64],
                 )
             )
             sock.sendall(encode_frame(register.SerializeToString()))

@@ -42,6 +42,7 @@ from gpuloom.services.dispatcher.domain import (
     DispatcherEvent,
     EventKind,
     Reservation,
+    derive_task_key,
 )
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
@@ -118,7 +119,7 @@ class ShimChannel:
         measurements: MeasurementSink,
         limits: ChannelLimits | None = None,
         window_s: float = 1.0,
-        choose_mode: Callable[[Reservation], ShimMode] | None = None,
+        choose_mode: Callable[[Reservation, str], ShimMode] | None = None,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -127,9 +128,9 @@ class ShimChannel:
         self._on_event = on_event
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
-        # Which mode a registering process gets (the profiler link turns SHARE into MEASURE
-        # while its task is being measured).
-        self._choose_mode = choose_mode or (lambda reservation: reservation.mode)
+        # Which mode a registering process of a task gets (the profiler link turns SHARE into
+        # MEASURE while its task is being measured).
+        self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
         self._window_ns = int(window_s * 1e9)
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
@@ -394,7 +395,8 @@ class ShimChannel:
         previous = self._by_assignment.get(assignment_id)
         if previous is not None:
             self._close(previous, "replaced by a new connection of the same process")
-        mode = self._choose_mode(reservation)
+        task_key = reservation.task_key or derive_task_key(register.process_name, register.argv)
+        mode = self._choose_mode(reservation, task_key)
         region, fd = AdmissionRegion.create(
             f"gpuloom-{assignment_id}",
             reservation.memory_cap_bytes,
@@ -445,6 +447,7 @@ class ShimChannel:
             pid=pid,
             uid=uid,
             process=register.process_name[:128],
+            task=task_key,
             mode=mode.name,
         )
         self._emit(EventKind.REGISTERED, assignment_id, f"pid {pid} uid {uid}")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import hashlib
+import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpuloom.services.common.errors import InvalidArgument
@@ -142,3 +145,20 @@ class GpuStatusView:
     running_sm_percent: int
     memory_reserved_bytes: int
     quota_reserved_percent: float
+
+
+MAX_ARGV = 64
+MAX_ARG_CHARS = 4096
+
+
+def derive_task_key(process_name: str, argv: Sequence[str]) -> str:
+    """A task key for a process whose reservation names none: its program's name and a digest
+    of its whole command line, so reruns of the same command are the same task (FIKIT
+    measures a task once and shares it afterwards). '' when the process said nothing."""
+    words = [w[:MAX_ARG_CHARS] for w in argv[:MAX_ARGV]] or ([process_name] if process_name else [])
+    if not words:
+        return ""
+    program = os.path.basename(words[0]) or "task"
+    program = "".join(c if c.isalnum() or c in "._-" else "_" for c in program)[:64]
+    digest = hashlib.sha256("\0".join(words).encode("utf-8", "replace")).hexdigest()[:16]
+    return f"{program}-{digest}"

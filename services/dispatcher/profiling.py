@@ -77,16 +77,17 @@ class ProfilerLink:
 
     # ---- called on the shim channel thread ----
 
-    def choose_mode(self, reservation: Reservation) -> ShimMode:
+    def choose_mode(self, reservation: Reservation, task_key: str) -> ShimMode:
         """MEASURE for a SHARE process of a task with an open session and runs left (this
-        process takes the next run), else the reservation's own mode."""
-        if reservation.mode is not ShimMode.SHARE or not reservation.task_key:
+        process takes the next run), else the reservation's own mode. `task_key` is the
+        reservation's, or the one derived from the process's command line."""
+        if reservation.mode is not ShimMode.SHARE or not task_key:
             return reservation.mode
         with self._lock:
             existing = self._runs.get(reservation.assignment_id)
             if existing is not None:  # the same process reconnected: same run
                 return ShimMode.MEASURE
-            session = self._open.get(reservation.task_key)
+            session = self._open.get(task_key)
             if session is None:
                 return reservation.mode
             claimed = self._claimed.get(session.session_id, 0)
@@ -97,7 +98,7 @@ class ProfilerLink:
         log.info(
             "process measures",
             assignment=reservation.assignment_id,
-            task=reservation.task_key,
+            task=task_key,
             session=session.session_id,
             run=claimed,
         )

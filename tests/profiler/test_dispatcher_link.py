@@ -12,6 +12,7 @@ import pytest
 
 from gpuloom.clients.shim import ShimClient
 from gpuloom.policies.profiling.kernels import kernel_id
+from gpuloom.services.dispatcher.domain import derive_task_key
 from gpuloom.services.profiler.app import ProfilerApp
 from gpuloom.shimwire import ShimMode
 from gpuloom.v1 import (
@@ -126,3 +127,33 @@ async def test_without_a_reachable_profiler_processes_share(short_dir: Path) -> 
         await dispatcher.server.stop(0)
         dispatcher.channel.stop()
         await dispatcher.profiler_link.stop()  # type: ignore[union-attr]
+
+
+async def test_a_task_key_is_derived_from_the_command_line(
+    linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],
+    profiler: profiler_pb2_grpc.ProfilerStub,
+) -> None:
+    """A reservation without a task key: the process's command line names the task."""
+    dispatcher, socket_path = linked
+    argv = ["/usr/bin/python3", "train.py", "--epochs", "3"]
+    key = derive_task_key("python3", argv)
+    assert key.startswith("python3-") and key == derive_task_key("python3", list(argv))
+    assert key != derive_task_key("python3", [*argv[:-1], "4"])
+    await profiler.OpenSession(
+        profiler_pb2.OpenSessionRequest(task_key=key, gpu_model="A100-80GB", runs=RUNS)
+    )
+    await asyncio.sleep(0.3)
+
+    async def register(command: list[str], n: int) -> ShimMode:
+        assignment = await dispatcher.Reserve(
+            reserve_request(sm=50, request=10, assignment_id=f"derived-{n}")
+        )
+        with ShimClient.connect(socket_path, assignment.assignment_token, argv=command) as shim:
+            mode = shim.registration.mode
+        await dispatcher.Release(
+            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+        )
+        return mode
+
+    assert await register(argv, 1) is ShimMode.MEASURE
+    assert await register(["/usr/bin/python3", "serve.py"], 2) is ShimMode.SHARE

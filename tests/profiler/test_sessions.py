@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -126,3 +128,34 @@ async def test_uploads_for_unknown_or_closed_sessions(
     await profiler.CancelSession(profiler_pb2.CancelSessionRequest(session_id=session.session_id))
     code, _ = await _refused(_upload_all(profiler, _upload(session.session_id)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_broken_stream_keeps_what_arrived_and_the_session_continues(
+    profiler: profiler_pb2_grpc.ProfilerStub,
+) -> None:
+    session = await _open(profiler)
+    sent = asyncio.Event()
+
+    async def stream_then_hang():  # type: ignore[no-untyped-def]
+        yield _upload(session.session_id)
+        sent.set()
+        await asyncio.sleep(3600)  # the uploader dies here, mid-stream
+
+    call = profiler.UploadMeasurements(stream_then_hang())
+    await sent.wait()
+    for _ in range(100):  # the first batch is applied while the stream is still open
+        state = await profiler.GetSession(
+            profiler_pb2.GetSessionRequest(session_id=session.session_id)
+        )
+        if state.records == 2:
+            break
+        await asyncio.sleep(0.02)
+    call.cancel()
+    after = await profiler.GetSession(profiler_pb2.GetSessionRequest(session_id=session.session_id))
+    assert after.records == 2 and after.state == profiler_pb2.SESSION_STATE_OPEN
+    # A new stream carries on where the broken one stopped.
+    more = _upload(session.session_id, run_index=[1, 1])
+    summary = await _upload_all(profiler, more)
+    assert summary.records == 2
+    final = await profiler.GetSession(profiler_pb2.GetSessionRequest(session_id=session.session_id))
+    assert final.records == 4
