@@ -3,9 +3,12 @@
  * Built from the real cuda.h (prototypes and types), it implements the slice of the driver API
  * that the shim and its tests use. Kernels "run" on one engine per fake GPU shared by every
  * process: a lock file (flock) under GPULOOM_FAKE_CUDA_DIR held while the kernel sleeps for its
- * duration. Launches are asynchronous and stream-ordered: each stream has a worker thread that
- * runs its queue; synchronisation waits for the queue to drain. Events take the time at which
- * the work queued before them finished, so cuEventElapsedTime measures real time.
+ * duration (the times logged are an ideal GPU's: see engine_run). Launches are asynchronous
+ * and stream-ordered: each stream has a worker thread that runs its queue; synchronisation
+ * waits for the queue to drain. Events take the time at which
+ * the work queued before them finished (the kernel's end on the engine, as logged in runs.log),
+ * or the time they were recorded on an idle stream, so cuEventElapsedTime measures real time
+ * and cuEventQuery answers CUDA_ERROR_NOT_READY until then.
  *
  * Kernel durations come from the module image: a text list of "name duration_us" lines; a name
  * listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N microseconds;
@@ -98,13 +101,29 @@ static void sleep_until(uint64_t deadline) {
     }
 }
 
-/* Run one kernel on the shared engine: wait for it, hold it for the duration. */
-static void engine_run(const char *name, uint64_t duration_us) {
-    if (g_engine_fd >= 0) flock(g_engine_fd, LOCK_EX);
-    uint64_t start = now_ns();
+/* Run one kernel on the shared engine: wait for it, hold it for the duration. Returns when it
+ * ended.
+ *
+ * The kernel starts as a GPU would start it, not when this thread got around to it: when it
+ * was ready (`ready`: queued, and the work before it on its stream done) or when the engine's
+ * previous kernel ended (kept in the lock file, for every process), whichever is later. It
+ * ends when the thread wakes from sleeping until start + duration. So a worker thread that the
+ * host's scheduler runs late between two kernels does not show up as a gap that a GPU would
+ * not have had (nor as a difference between the log and the events). */
+static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready) {
+    uint64_t last = 0;
+    if (g_engine_fd >= 0) {
+        flock(g_engine_fd, LOCK_EX);
+        if (pread(g_engine_fd, &last, sizeof last, 0) != (ssize_t)sizeof last) last = 0;
+    }
+    uint64_t start = ready > last ? ready : last;
     sleep_until(start + duration_us * 1000u);
     uint64_t end = now_ns();
-    if (g_engine_fd >= 0) flock(g_engine_fd, LOCK_UN);
+    if (g_engine_fd >= 0) {
+        if (pwrite(g_engine_fd, &end, sizeof end, 0) != (ssize_t)sizeof end) { /* best effort */
+        }
+        flock(g_engine_fd, LOCK_UN);
+    }
     if (g_runs_fd >= 0) {
         char line[256];
         int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
@@ -112,6 +131,7 @@ static void engine_run(const char *name, uint64_t duration_us) {
         if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
         }
     }
+    return end;
 }
 
 /* ---- modules, functions ---- */
@@ -195,6 +215,7 @@ enum { OP_KERNEL, OP_EVENT };
 
 typedef struct fk_op {
     int kind;
+    uint64_t queued_ns; /* when it was enqueued */
     const fk_func *func;
     fk_event *event;
     uint64_t event_seq;
@@ -211,6 +232,7 @@ typedef struct fk_stream {
     pthread_cond_t work;
     fk_op *head, *tail;
     int running; /* an op is being executed */
+    uint64_t done_ns; /* when the last op finished (on the GPU's terms) */
     int stop;
     int capturing;
     fk_graph *capture;
@@ -229,12 +251,20 @@ static void *stream_worker(void *arg) {
         fk_op *op = s->head;
         s->running = 1;
         if (op->kind == OP_KERNEL) {
+            uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
-            engine_run(op->func->name, op->func->duration_us);
+            uint64_t end = engine_run(op->func->name, op->func->duration_us, ready);
             pthread_mutex_lock(&g_lock);
-        } else if (op->event_seq == op->event->recorded) {
-            op->event->timestamp = now_ns();
-            op->event->completed = op->event_seq;
+            s->done_ns = end;
+        } else {
+            /* An event completes when the work before it did (not when this thread got to it),
+             * or, on an idle stream, when it was recorded. */
+            uint64_t at = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
+            s->done_ns = at;
+            if (op->event_seq == op->event->recorded) {
+                op->event->timestamp = at;
+                op->event->completed = op->event_seq;
+            }
         }
         s->head = op->next;
         if (s->head == NULL) s->tail = NULL;
@@ -274,6 +304,7 @@ static int stream_idle(const fk_stream *s) { return s->head == NULL && !s->runni
 
 static void enqueue(fk_stream *s, fk_op *op) {
     op->next = NULL;
+    op->queued_ns = now_ns();
     if (s->tail)
         s->tail->next = op;
     else
@@ -795,11 +826,14 @@ static CUresult event_record(CUevent event, CUstream stream) {
     if (op == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&g_lock);
     fk_stream *s = resolve_stream(stream);
+    int captured = s->capturing;
     op->kind = OP_EVENT;
     op->event = e;
     op->event_seq = ++e->recorded;
     enqueue(s, op);
     pthread_mutex_unlock(&g_lock);
+    /* A real driver would add a node to the capture: the tests see that the shim never does. */
+    if (captured) trace("fake cuEventRecord captured");
     return CUDA_SUCCESS;
 }
 

@@ -87,6 +87,36 @@ int gl_send_usage(int sock, const gl_usage *report) {
     return send_frame(sock, message, m);
 }
 
+static size_t put_dim3(uint8_t *out, unsigned field, const uint32_t d[3]) {
+    uint8_t body[3 * 6];
+    size_t n = 0;
+    for (unsigned i = 0; i < 3; i++) n += put_uint_field(body + n, i + 1, d[i]);
+    return put_bytes_field(out, field, body, n);
+}
+
+size_t gl_encode_kernel_record(uint8_t *out, const gl_kernel_record *r) {
+    uint8_t body[GL_KERNEL_RECORD_MAX];
+    size_t n = 0, name_length = r->name ? strnlen(r->name, GL_NAME_MAX - 1) : 0;
+    n += put_uint_field(body + n, 1, r->kernel_id);
+    n += put_bytes_field(body + n, 2, r->name ? r->name : "", name_length);
+    n += put_dim3(body + n, 3, r->dims);
+    n += put_dim3(body + n, 4, r->dims + 3);
+    n += put_uint_field(body + n, 5, r->start_ns);
+    n += put_uint_field(body + n, 6, r->end_ns);
+    return put_bytes_field(out, 1, body, n); /* MeasurementBatch.records */
+}
+
+int gl_send_measurement_batch(int sock, const uint8_t *records, size_t length) {
+    uint8_t head[4 + 1 + 10];
+    size_t n = 4;
+    head[n++] = (4 << 3) | 2; /* ShimMessage.measurements */
+    n += put_varint(head + n, length);
+    uint32_t frame = (uint32_t)(n - 4 + length);
+    memcpy(head, &frame, 4);
+    if (send_all(sock, head, n) != 0) return -1;
+    return send_all(sock, records, length);
+}
+
 int gl_send_goodbye(int sock) {
     uint8_t message[2];
     size_t m = put_bytes_field(message, 5, "", 0);

@@ -41,10 +41,29 @@ int gl_register(const char *socket_path, const char *token, const char *process_
                 int timeout_ms, int *sock, volatile uint8_t **region, gl_registration *reg,
                 int *refused, char *why, size_t why_size);
 
+/* One KernelRecord (measure mode); run_index is left 0 (the dispatcher assigns runs). */
+typedef struct {
+    uint64_t kernel_id;
+    const char *name; /* at most GL_NAME_MAX - 1 bytes are encoded */
+    uint32_t dims[6]; /* grid x y z, block x y z */
+    uint64_t start_ns, end_ns;
+} gl_kernel_record;
+
+#define GL_NAME_MAX 1024
+/* The most bytes gl_encode_kernel_record writes. */
+#define GL_KERNEL_RECORD_MAX (GL_NAME_MAX + 128)
+
 /* Frames; each returns 0 or -1 (errno set). */
 int gl_send_lease_request(int sock, const gl_usage *report); /* report may be NULL */
 int gl_send_usage(int sock, const gl_usage *report);
 int gl_send_goodbye(int sock);
+
+/* Appends `r` to `out` as one `records` field of a MeasurementBatch (so concatenated records
+ * are a MeasurementBatch's bytes); returns the bytes written (at most GL_KERNEL_RECORD_MAX). */
+size_t gl_encode_kernel_record(uint8_t *out, const gl_kernel_record *r);
+/* Sends ShimMessage{measurements: MeasurementBatch} whose bytes are `records` (a concatenation
+ * of gl_encode_kernel_record outputs). A failure may leave a partial frame: close the socket. */
+int gl_send_measurement_batch(int sock, const uint8_t *records, size_t length);
 
 /* Decode one DispatcherMessage: returns 2 evicted, 3 error (text in `text`), 1 registered,
  * 0 unknown, -1 malformed. */

@@ -16,6 +16,9 @@
  *   launch KIND NAME N GX GY GZ BX BY BZ   KIND: kernel | ex | coop
  *   loop SECONDS NAME SYNC_EVERY    launch NAME (1x1) until SECONDS pass, stream-sync every
  *                                   SYNC_EVERY launches; stops at the first failed launch
+ *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
+ *                                   the time the launch calls took (total and longest)
+ *   sleep US                        sleep on the host (idle time between kernels)
  *   sync | ssync | esync | dtoh     cuCtxSynchronize | cuStreamSynchronize | event record +
  *                                   cuEventSynchronize | cuMemcpyDtoH
  *   alloc KIND BYTES                KIND: alloc | pitch | managed | async | create
@@ -293,6 +296,29 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "cudart_like: launch failed with CUresult %d\n", (int)last);
                 failed = 1;
             }
+        } else if (strcmp(op, "burst") == 0) {
+            NEED(2);
+            CUfunction f = find(argv[i + 1]);
+            long count = atol(argv[i + 2]), n = 0;
+            i += 2;
+            unsigned d[6] = {1, 1, 1, 1, 1, 1};
+            uint64_t begin = now_ns(), worst = 0;
+            CUresult last = CUDA_SUCCESS;
+            for (; n < count; n++) {
+                uint64_t t0 = now_ns();
+                last = launch_one("kernel", f, d);
+                uint64_t took = now_ns() - t0;
+                if (took > worst) worst = took;
+                if (last != CUDA_SUCCESS) break;
+            }
+            printf("burst launches=%ld rc=%d launch_ms=%.3f max_launch_ms=%.3f\n", n, (int)last,
+                   (now_ns() - begin) / 1e6, worst / 1e6);
+            if (last != CUDA_SUCCESS) failed = 1;
+        } else if (strcmp(op, "sleep") == 0) {
+            NEED(1);
+            long us = atol(argv[++i]);
+            struct timespec pause = {.tv_sec = us / 1000000, .tv_nsec = (us % 1000000) * 1000};
+            nanosleep(&pause, NULL);
         } else if (strcmp(op, "sync") == 0) {
             printf("sync rc=%d\n", (int)D.cuCtxSynchronize());
         } else if (strcmp(op, "ssync") == 0) {

@@ -246,6 +246,7 @@ TOKEN = "a" * 40
         ({"GPULOOM_SHIM_WAIT_MS": "0"}, "GPULOOM_SHIM_WAIT_MS=0"),
         ({"GPULOOM_ON_DISPATCHER_LOSS": "maybe"}, "GPULOOM_ON_DISPATCHER_LOSS=maybe"),
         ({"GPULOOM_SHIM_LOG": "loud"}, "GPULOOM_SHIM_LOG=loud"),
+        ({"GPULOOM_SHIM_EVENT_POOL": "0"}, "GPULOOM_SHIM_EVENT_POOL=0"),
         ({"GPULOOM_ASSIGNMENT_TOKEN": "short"}, "GPULOOM_ASSIGNMENT_TOKEN is not"),
         ({"GPULOOM_ASSIGNMENT_TOKEN": ""}, "GPULOOM_ASSIGNMENT_TOKEN is not"),
         ({"GPULOOM_DISPATCHER_SOCKET": "/tmp/" + "x" * 120}, "longer than a Unix socket"),
