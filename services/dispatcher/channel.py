@@ -450,7 +450,7 @@ class ShimChannel:
             task=task_key,
             mode=mode.name,
         )
-        self._emit(EventKind.REGISTERED, assignment_id, f"pid {pid} uid {uid}")
+        self._emit(EventKind.REGISTERED, assignment_id, f"pid {pid} uid {uid} task {task_key}")
         return True
 
     def _lease_request(self, connection: _Connection, request: shim_pb2.LeaseRequest) -> None:

@@ -256,6 +256,57 @@ static int recv_exact(int sock, uint8_t *data, size_t length, int timeout_ms) {
     return 0;
 }
 
+/* Register.argv (field 4) from /proc/self/cmdline, so that the dispatcher can derive a task
+ * key for a reservation that names none. Bounded as the dispatcher reads it: at most 64
+ * arguments of at most 4 KiB, within `room` bytes. */
+#define GL_MAX_ARGS 64
+#define GL_MAX_ARG_BYTES 4096
+#define GL_CMDLINE_BYTES 16384
+static size_t put_cmdline(uint8_t *out, size_t room) {
+    char *cmdline = malloc(GL_CMDLINE_BYTES);
+    FILE *file = cmdline == NULL ? NULL : fopen("/proc/self/cmdline", "rb");
+    if (file == NULL) {
+        free(cmdline);
+        return 0;
+    }
+    size_t length = fread(cmdline, 1, GL_CMDLINE_BYTES, file);
+    fclose(file);
+    size_t n = 0, at = 0;
+    for (int count = 0; at < length && count < GL_MAX_ARGS; count++) {
+        size_t arg = strnlen(cmdline + at, length - at);
+        size_t use = arg > GL_MAX_ARG_BYTES ? GL_MAX_ARG_BYTES : arg;
+        if (n + use + 16 > room) break;
+        n += put_bytes_field(out + n, 4, cmdline + at, use);
+        at += arg + 1;
+    }
+    free(cmdline);
+    return n;
+}
+
+/* The Register frame: protocol version, token, program name and command line. */
+static int send_register(int sock, const char *token, const char *process_name) {
+    size_t room = GL_CMDLINE_BYTES + 1024;
+    uint8_t *body = malloc(room), *message = malloc(room + 16);
+    if (body == NULL || message == NULL) {
+        free(body);
+        free(message);
+        errno = ENOMEM;
+        return -1;
+    }
+    size_t token_length = strlen(token), name_length = strlen(process_name), n = 0;
+    if (name_length > 128) name_length = 128;
+    if (token_length > 256) token_length = 256;
+    n += put_uint_field(body + n, 1, 1); /* protocol_version */
+    n += put_bytes_field(body + n, 2, token, token_length);
+    n += put_bytes_field(body + n, 3, process_name, name_length);
+    n += put_cmdline(body + n, room - n);
+    size_t m = put_bytes_field(message, 1, body, n); /* ShimMessage.register */
+    int result = send_frame(sock, message, m);
+    free(body);
+    free(message);
+    return result;
+}
+
 int gl_register(const char *socket_path, const char *token, const char *process_name,
                 int timeout_ms, int *sock_out, volatile uint8_t **region_out,
                 gl_registration *reg, int *refused, char *why, size_t why_size) {
@@ -276,15 +327,7 @@ int gl_register(const char *socket_path, const char *token, const char *process_
         close(sock);
         return -1;
     }
-    uint8_t body[512], message[600];
-    size_t token_length = strlen(token), name_length = strlen(process_name), n = 0;
-    if (name_length > 128) name_length = 128;
-    if (token_length > 256) token_length = 256;
-    n += put_uint_field(body + n, 1, 1); /* protocol_version */
-    n += put_bytes_field(body + n, 2, token, token_length);
-    n += put_bytes_field(body + n, 3, process_name, name_length);
-    size_t m = put_bytes_field(message, 1, body, n); /* ShimMessage.register */
-    if (send_frame(sock, message, m) != 0) {
+    if (send_register(sock, token, process_name) != 0) {
         snprintf(why, why_size, "cannot send registration: %s", strerror(errno));
         close(sock);
         return -1;

@@ -7,8 +7,15 @@ import asyncio
 
 import pytest
 
+from gpuloom.services.dispatcher.domain import derive_task_key
+from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import GIB, LiveDispatcher
-from tests.shim.conftest import CUDA_ERROR_NOT_PERMITTED, CUDA_ERROR_OUT_OF_MEMORY, Runner
+from tests.shim.conftest import (
+    CUDA_ERROR_NOT_PERMITTED,
+    CUDA_ERROR_OUT_OF_MEMORY,
+    PROGRAM,
+    Runner,
+)
 
 MIB = 1 << 20
 
@@ -186,3 +193,21 @@ async def test_another_process_with_the_same_token_is_refused(
     else:
         assert thief.returncode == 3
         assert f"launch kernel k_o_10us rc={CUDA_ERROR_NOT_PERMITTED}" in thief.stdout
+
+
+async def test_the_shim_sends_its_command_line_for_a_derived_task_key(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    """A reservation without a task key: the dispatcher derives one from the C process's
+    command line, exactly as from the Python client's."""
+    events = live.stub.WatchEvents(dispatcher_pb2.WatchEventsRequest())
+    assignment = await live.reserve()
+    ops = ["sync", "meminfo"]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    expected = derive_task_key("cudart_like", [str(PROGRAM), *ops])
+    async for event in events:
+        if event.kind == dispatcher_pb2.DISPATCHER_EVENT_KIND_REGISTERED:
+            assert event.detail.endswith(f"task {expected}"), event.detail
+            break
+    events.cancel()
