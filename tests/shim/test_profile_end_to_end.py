@@ -1,0 +1,113 @@
+"""FIKIT measurement end to end with the C shim: a CUDA workload (the fake driver) runs T times
+under a live dispatcher linked to the profiler; each run measures its kernels in the shim, the
+dispatcher forwards them, and the stored kernel profile matches the fake GPU's durations."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from gpuloom.services.profiler.app import ProfilerApp
+from gpuloom.v1 import (
+    dispatcher_pb2,
+    dispatcher_pb2_grpc,
+    profile_store_pb2,
+    profile_store_pb2_grpc,
+    profiler_pb2,
+    profiler_pb2_grpc,
+)
+from tests.dispatcher.conftest import reserve_request, start_live
+from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
+from tests.profiler.conftest import profiler, profiler_app  # noqa: F401  (fixtures)
+from tests.shim.conftest import Runner
+
+RUNS = 10
+DURATIONS_US = {"conv": 2000, "relu": 1000, "gemm": 3000}
+# One run of the task: each kernel three times (the shim drops each kernel's first sample),
+# each followed by a stream sync and 200 us of host work.
+WORKLOAD = ["module", ",".join(f"{n}:{us}" for n, us in DURATIONS_US.items())]
+for _ in range(3):
+    for name in DURATIONS_US:
+        WORKLOAD += ["launch", "kernel", name, "1", "8", "1", "1", "128", "1", "1"]
+        WORKLOAD += ["ssync", "sleep", "200"]  # the GPU idles while the host works
+WORKLOAD += ["sync"]
+
+
+@pytest.fixture
+async def linked(
+    short_dir: Path,
+    profiler_app: ProfilerApp,  # noqa: F811
+) -> AsyncIterator[tuple[dispatcher_pb2_grpc.DispatcherStub, str]]:
+    dispatcher, channel = await start_live(
+        short_dir, profiler_address=f"127.0.0.1:{profiler_app.port}", profiler_poll_s=0.05
+    )
+    try:
+        yield dispatcher_pb2_grpc.DispatcherStub(channel), dispatcher.core.socket_path
+    finally:
+        await channel.close()
+        await dispatcher.server.stop(0)
+        dispatcher.channel.stop()
+        await dispatcher.profiler_link.stop()  # type: ignore[union-attr]
+
+
+async def test_t_runs_of_a_cuda_workload_become_its_kernel_profile(
+    linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],
+    profiler: profiler_pb2_grpc.ProfilerStub,  # noqa: F811
+    stub: profile_store_pb2_grpc.ProfileStoreStub,  # noqa: F811
+    run: Runner,
+) -> None:
+    dispatcher, socket_path = linked
+    session = await profiler.OpenSession(
+        profiler_pb2.OpenSessionRequest(task_key="fake-cnn", gpu_model="A100-80GB", runs=RUNS)
+    )
+    await asyncio.sleep(0.3)  # the dispatcher sees the open session
+    for n in range(RUNS):
+        request = reserve_request(sm=100, request=50, limit=100, assignment_id=f"cnn-{n}")
+        request.task_key = "fake-cnn"
+        assignment = await dispatcher.Reserve(request)
+        env = {
+            "GPULOOM_DISPATCHER_SOCKET": socket_path,
+            "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
+        }
+        result = await run.run_async(*WORKLOAD, env=env)
+        assert result.returncode == 0, result.stderr
+        await dispatcher.Release(
+            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+        )
+
+    for _ in range(200):
+        done = await profiler.GetSession(
+            profiler_pb2.GetSessionRequest(session_id=session.session_id)
+        )
+        if done.state != profiler_pb2.SESSION_STATE_OPEN:
+            break
+        await asyncio.sleep(0.05)
+    assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
+    assert done.records == RUNS * 2 * len(DURATIONS_US)  # 3 launches each, first dropped
+
+    stored = await stub.GetKernelProfile(
+        profile_store_pb2.GetProfileRequest(key="fake-cnn", gpu_model="A100-80GB")
+    )
+    by_name = {k.name: k for k in stored.kernels}
+    assert set(by_name) == set(DURATIONS_US)
+    # Ground truth: what the fake GPU really ran (its kernels sleep, and a busy machine makes
+    # some sleeps longer than asked), less each process's first run of each kernel.
+    truth: dict[str, list[int]] = {name: [] for name in DURATIONS_US}
+    first_seen: set[tuple[int, str]] = set()
+    for pid, name, start, end in run.engine_runs():
+        if (pid, name) in first_seen:
+            truth[name].append(end - start)
+        first_seen.add((pid, name))
+    for name, us in DURATIONS_US.items():
+        true_mean = sum(truth[name]) / len(truth[name])
+        assert true_mean >= us * 1000 * 0.99
+        assert by_name[name].mean_duration_ns == pytest.approx(true_mean, rel=0.05), name
+        assert by_name[name].sample_count == 2 * RUNS
+        assert by_name[name].grid.x == 8 and by_name[name].block.x == 128
+    # After every kernel the host waits for it and then works 200 us: the GPU idles at least
+    # that long (plus the launch's own latency) before the next kernel.
+    for name in DURATIONS_US:
+        assert 200_000 <= by_name[name].mean_gap_after_ns < 2_000_000, name
