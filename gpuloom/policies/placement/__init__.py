@@ -1,0 +1,91 @@
+"""Placement of jobs on a fleet of shared GPUs: FaST-GShare's Maximal Rectangles algorithm
+over each GPU's time-quota x SM rectangle, its auto-scaling heuristic, bin-packing, spreading
+and time-sharing baselines, and a FIKIT gap-aware policy for low-priority jobs.
+
+Pure code: the placement service and the simulator keep a `Fleet` (every GPU's allocations and
+free rectangles, incrementally) and call `Fleet.place(job, policy)` and `Fleet.release(id)`.
+`get_policy(name)` finds a policy; `plan_scaling` is Algorithm 1.
+"""
+
+from gpuloom.policies.placement.autoscale import (
+    Replica,
+    ScalingPlan,
+    ThroughputPoint,
+    plan_scaling,
+)
+from gpuloom.policies.placement.binpack import BinPackPolicy, SpreadPolicy
+from gpuloom.policies.placement.fleet import (
+    Fleet,
+    GpuSlot,
+    InvalidPlacementError,
+    InvalidStateError,
+    ModelIndex,
+)
+from gpuloom.policies.placement.gap_aware import (
+    MIN_GAP_NS,
+    GapAwarePolicy,
+    KernelTimes,
+    fill_rate,
+    fillable_ns,
+)
+from gpuloom.policies.placement.model import (
+    GRID_AREA,
+    GRID_H,
+    GRID_W,
+    QUOTA_STEPS_PER_PERCENT,
+    Allocation,
+    GpuState,
+    InvalidRequestError,
+    JobRequest,
+    Placement,
+    PlacementPolicy,
+    Rect,
+    Unplaceable,
+    quota_steps,
+)
+from gpuloom.policies.placement.mra import MraPolicy
+from gpuloom.policies.placement.registry import (
+    DEFAULT_POLICY,
+    POLICIES,
+    UnknownPlacementPolicyError,
+    get_policy,
+)
+from gpuloom.policies.placement.timeshare import TimeSharePolicy
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "GRID_AREA",
+    "GRID_H",
+    "GRID_W",
+    "MIN_GAP_NS",
+    "POLICIES",
+    "QUOTA_STEPS_PER_PERCENT",
+    "Allocation",
+    "BinPackPolicy",
+    "Fleet",
+    "GapAwarePolicy",
+    "GpuSlot",
+    "GpuState",
+    "InvalidPlacementError",
+    "InvalidRequestError",
+    "InvalidStateError",
+    "JobRequest",
+    "KernelTimes",
+    "ModelIndex",
+    "MraPolicy",
+    "Placement",
+    "PlacementPolicy",
+    "Rect",
+    "Replica",
+    "ScalingPlan",
+    "SpreadPolicy",
+    "ThroughputPoint",
+    "TimeSharePolicy",
+    "UnknownPlacementPolicyError",
+    "Unplaceable",
+    "fill_rate",
+    "fillable_ns",
+    "get_policy",
+    "plan_scaling",
+    "quota_steps",
+]

@@ -1,0 +1,583 @@
+"""The placement state of a fleet: every GPU's allocations and free rectangles, kept
+incrementally, and the indexes that make a decision cheap with thousands of GPUs.
+
+Per model (a job's gpu_model constraint picks models, "" all of them) the fleet keeps, over
+its schedulable GPUs only:
+
+- `rects`: every free box of every GPU as (area, gpu_id, box), sorted: MRA's global best match
+  (the least area that still fits) is the first fitting entry at or after the job's area;
+- `by_free`: (free area, gpu_id), sorted, one list per memory class (free memory rounded
+  down to a power of two): bin-packing walks them up, spreading down, and skips the classes
+  with too little memory, which is what turns most GPUs away once a fleet is busy;
+- `by_id`: GPU ids, sorted, for first-fit walks.
+
+A decision touches one GPU, so it updates a handful of entries (bisect, not a rebuild). A GPU
+marked unschedulable keeps its allocations and leaves the indexes.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, insort
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from gpuloom.policies.placement.maxrects import (
+    Box,
+    FreeRects,
+    box_area,
+    box_of,
+    inside,
+    maximal_boxes,
+    overlaps,
+    rect_of,
+)
+from gpuloom.policies.placement.model import (
+    GRID_AREA,
+    GRID_H,
+    GRID_W,
+    Allocation,
+    GpuState,
+    InvalidRequestError,
+    JobRequest,
+    Placement,
+    PlacementPolicy,
+    Rect,
+    Unplaceable,
+    describe_gib,
+    describe_shape,
+    quota_steps,
+)
+
+# FaST-GShare rebuilds a GPU's list once it grows past a threshold; here past
+# REBUILD_FACTOR * allocations + REBUILD_SLACK rectangles.
+REBUILD_FACTOR = 4
+REBUILD_SLACK = 8
+
+
+class InvalidStateError(ValueError):
+    """Allocations that cannot all be on their GPU: overlapping rectangles, too much memory,
+    an id used twice."""
+
+
+class InvalidPlacementError(ValueError):
+    """A policy returned a placement the fleet cannot commit (a bug in the policy)."""
+
+
+# Who holds a GPU for the gap-aware policy: (holder task key, holder priority, allocations of
+# lower priority already filling its gaps).
+HolderGroup = tuple[str, int, int]
+
+
+@dataclass(slots=True, eq=False)
+class GpuSlot:
+    """The fleet's live record of one GPU. Policies read it; only the fleet changes it."""
+
+    gpu_id: str
+    node: str
+    model: str
+    memory_bytes: int
+    sm_count: int
+    schedulable: bool
+    free: FreeRects = field(default_factory=FreeRects)
+    allocations: dict[str, Allocation] = field(default_factory=dict)
+    boxes: dict[str, Box] = field(default_factory=dict)
+    memory_free: int = 0  # set from memory_bytes when loaded
+    area_free: int = GRID_AREA  # stored, not computed: the searches read them in their loops
+    holder: HolderGroup | None = None
+
+    @property
+    def memory_used(self) -> int:
+        return self.memory_bytes - self.memory_free
+
+    @property
+    def area_used(self) -> int:
+        return GRID_AREA - self.area_free
+
+    def state(self) -> GpuState:
+        return GpuState(
+            self.gpu_id,
+            self.node,
+            self.model,
+            self.memory_bytes,
+            self.sm_count,
+            self.schedulable,
+            tuple(self.allocations.values()),
+        )
+
+
+def _remove(items: list, key: object) -> None:
+    i = bisect_left(items, key)
+    if i == len(items) or items[i] != key:
+        raise AssertionError(f"index lost {key!r}")
+    del items[i]
+
+
+@dataclass(slots=True, eq=False)
+class ModelIndex:
+    """The schedulable GPUs of one model, indexed for the policies (read-only for them)."""
+
+    model: str
+    gpu_ids: set[str] = field(default_factory=set)  # all of the model, schedulable or not
+    rects: list[tuple[int, str, Box]] = field(default_factory=list)
+    by_free: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # by memory class
+    by_id: list[str] = field(default_factory=list)
+    max_memory: int = -1  # of the schedulable GPUs; -1: to be computed
+
+
+class Fleet:
+    """Every GPU's allocations and free space. `place` asks a policy and commits its answer;
+    `release` gives the space back. Not thread-safe: the service serialises calls."""
+
+    def __init__(
+        self, rebuild_factor: int = REBUILD_FACTOR, rebuild_slack: int = REBUILD_SLACK
+    ) -> None:
+        if rebuild_factor < 1 or rebuild_slack < 0:
+            raise ValueError("rebuild_factor must be >= 1 and rebuild_slack >= 0")
+        self.rebuild_factor = rebuild_factor
+        self.rebuild_slack = rebuild_slack
+        self.rebuilds = 0  # free lists rebuilt past the threshold, for tests and metrics
+        self._gpus: dict[str, GpuSlot] = {}
+        self._models: dict[str, ModelIndex] = {}
+        self._where: dict[str, str] = {}  # allocation id -> gpu id
+        self._holders: dict[HolderGroup, list[str]] = {}
+
+    # --- building -------------------------------------------------------------------------
+
+    @classmethod
+    def from_allocations(
+        cls,
+        gpus: Iterable[GpuState],
+        rebuild_factor: int = REBUILD_FACTOR,
+        rebuild_slack: int = REBUILD_SLACK,
+    ) -> Fleet:
+        """The fleet as a restarted service reloads it: each GPU with its stored allocations."""
+        fleet = cls(rebuild_factor, rebuild_slack)
+        for gpu in gpus:
+            fleet.add_gpu(gpu)
+        return fleet
+
+    def add_gpu(self, gpu: GpuState) -> None:
+        """Register a GPU with the allocations it already holds. Allocations with a rectangle
+        keep it; those without one (old records) are placed first-fit after them."""
+        gpu.validate()
+        if gpu.gpu_id in self._gpus:
+            raise InvalidStateError(f"GPU {gpu.gpu_id} is already registered")
+        slot = GpuSlot(
+            gpu.gpu_id, gpu.node, gpu.model, gpu.memory_bytes, gpu.sm_count, gpu.schedulable
+        )
+        placed = _load_allocations(slot, gpu.allocations, self._where)
+        slot.free = FreeRects.build(slot.boxes.values())
+        for allocation in placed:
+            self._where[allocation.allocation_id] = slot.gpu_id
+        self._gpus[slot.gpu_id] = slot
+        index = self._models.get(slot.model)
+        if index is None:
+            index = self._models[slot.model] = ModelIndex(slot.model)
+        index.gpu_ids.add(slot.gpu_id)
+        if slot.schedulable:
+            self._index(slot)
+        self._update_holder(slot)
+
+    def remove_gpu(self, gpu_id: str) -> tuple[Allocation, ...]:
+        """Forget a GPU; returns the allocations it held (now gone)."""
+        slot = self._slot(gpu_id)
+        if slot.schedulable:
+            self._unindex(slot)
+        self._set_holder(slot, None)
+        index = self._models[slot.model]
+        index.gpu_ids.discard(gpu_id)
+        if not index.gpu_ids:
+            del self._models[slot.model]
+        for allocation_id in slot.allocations:
+            del self._where[allocation_id]
+        del self._gpus[gpu_id]
+        return tuple(slot.allocations.values())
+
+    def set_schedulable(self, gpu_id: str, schedulable: bool) -> None:
+        """An unschedulable GPU keeps its allocations (they can be released) but takes no job."""
+        slot = self._slot(gpu_id)
+        if slot.schedulable == schedulable:
+            return
+        if schedulable:
+            slot.schedulable = True
+            self._index(slot)
+        else:
+            self._unindex(slot)
+            slot.schedulable = False
+
+    # --- deciding -------------------------------------------------------------------------
+
+    def place(self, job: JobRequest, policy: PlacementPolicy) -> Placement | Unplaceable:
+        """Ask `policy` where `job` goes and commit the allocation; Unplaceable changes nothing."""
+        job.validate()
+        if job.job_id in self._where:
+            raise InvalidRequestError(
+                f"job {job.job_id} already holds an allocation on GPU {self._where[job.job_id]}"
+            )
+        decision = policy.place(job, self)
+        if isinstance(decision, Unplaceable):
+            return decision
+        self._commit(job, decision)
+        return decision
+
+    def release(self, allocation_id: str) -> Allocation | None:
+        """Give an allocation's space back; None when there is no such allocation (already
+        released), so a retried release is harmless."""
+        gpu_id = self._where.pop(allocation_id, None)
+        if gpu_id is None:
+            return None
+        slot = self._gpus[gpu_id]
+        allocation = slot.allocations.pop(allocation_id)
+        box = slot.boxes.pop(allocation_id)
+        before = self._before(slot)
+        slot.free.vacate(box, slot.boxes.values())
+        # Only kept rectangles make the list longer than the maximal set, so only they warrant
+        # a rebuild (a crowded GPU can have more maximal rectangles than the threshold).
+        limit = self.rebuild_factor * len(slot.allocations) + self.rebuild_slack
+        if slot.free.kept and len(slot.free) > limit:
+            slot.free.rebuild(slot.boxes.values())
+            self.rebuilds += 1
+        slot.memory_free += allocation.memory_bytes
+        slot.area_free += box_area(box)
+        self._after(slot, before)
+        self._update_holder(slot)
+        return allocation
+
+    # --- reading --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._gpus)
+
+    def __contains__(self, gpu_id: object) -> bool:
+        return gpu_id in self._gpus
+
+    def gpu_ids(self) -> Iterator[str]:
+        return iter(self._gpus)
+
+    @property
+    def slots(self) -> Mapping[str, GpuSlot]:
+        """Every GPU's live record by id, for policies' inner loops; read, never change."""
+        return self._gpus
+
+    def slot(self, gpu_id: str) -> GpuSlot:
+        """The live record of a GPU (KeyError if unknown); read it, never change it."""
+        return self._gpus[gpu_id]
+
+    def gpu(self, gpu_id: str) -> GpuState:
+        """A snapshot of the GPU with its allocations (what the service stores)."""
+        return self._slot(gpu_id).state()
+
+    def snapshot(self) -> list[GpuState]:
+        """Every GPU as `from_allocations` takes it back."""
+        return [slot.state() for slot in self._gpus.values()]
+
+    def allocations(self, gpu_id: str) -> tuple[Allocation, ...]:
+        return tuple(self._slot(gpu_id).allocations.values())
+
+    def allocation(self, allocation_id: str) -> Allocation | None:
+        gpu_id = self._where.get(allocation_id)
+        return None if gpu_id is None else self._gpus[gpu_id].allocations[allocation_id]
+
+    def gpu_of(self, allocation_id: str) -> str | None:
+        return self._where.get(allocation_id)
+
+    def free_rects(self, gpu_id: str) -> tuple[Rect, ...]:
+        """The GPU's free-rectangle list (maximal, then kept), for display and tests."""
+        return tuple(rect_of(b) for b in self._slot(gpu_id).free.boxes())
+
+    def models(self) -> list[str]:
+        return sorted(self._models)
+
+    def indexes_for(self, gpu_model: str) -> list[ModelIndex]:
+        """The indexes a job's model constraint admits ("" = every model)."""
+        if gpu_model:
+            index = self._models.get(gpu_model)
+            return [] if index is None else [index]
+        return [self._models[m] for m in sorted(self._models)]
+
+    def holder_groups(self) -> dict[HolderGroup, list[str]]:
+        """GPUs by who holds them: (task key of the highest-priority allocation, its priority,
+        lower-priority allocations there); GPU ids sorted. Only holders with a task key.
+        Read-only; unschedulable GPUs included."""
+        return self._holders
+
+    def unplaceable(self, job: JobRequest, w: int, h: int, shape_note: str = "") -> Unplaceable:
+        """Why no GPU takes a w x h rectangle with the job's memory and model: the first of
+        unknown model, nothing schedulable, too little memory anywhere, no room of that shape,
+        no room of that shape with the memory."""
+        indexes = self.indexes_for(job.gpu_model)
+        of_model = f" of model {job.gpu_model}" if job.gpu_model else ""
+        if not indexes:
+            known = ", ".join(self.models()) or "none registered"
+            return Unplaceable(job.job_id, f"no GPU{of_model} (models: {known})")
+        live = [index for index in indexes if index.by_id]
+        if not live:
+            return Unplaceable(job.job_id, f"no schedulable GPU{of_model}")
+        largest = max(self._max_memory(index) for index in live)
+        if job.memory_bytes > largest:
+            return Unplaceable(
+                job.job_id,
+                f"needs {describe_gib(job.memory_bytes)}, the largest GPU{of_model} has "
+                f"{describe_gib(largest)}",
+            )
+        shape = describe_shape(w, h) + shape_note
+        if not any(_has_shape(index.rects, w, h) for index in live):
+            return Unplaceable(job.job_id, f"no GPU{of_model} has {shape} free")
+        return Unplaceable(
+            job.job_id,
+            f"no GPU{of_model} has {shape} free together with "
+            f"{describe_gib(job.memory_bytes)} of memory",
+        )
+
+    def verify(self) -> None:
+        """Check every invariant (for tests and simulators); raise InvalidStateError."""
+        for slot in self._gpus.values():
+            boxes = list(slot.boxes.items())
+            for i, (a_id, a) in enumerate(boxes):
+                if not (0 <= a[0] < a[2] <= GRID_W and 0 <= a[1] < a[3] <= GRID_H):
+                    raise InvalidStateError(f"{slot.gpu_id}: {a_id} lies outside the GPU")
+                for b_id, b in boxes[i + 1 :]:
+                    if overlaps(a, b):
+                        raise InvalidStateError(f"{slot.gpu_id}: {a_id} overlaps {b_id}")
+            memory = sum(a.memory_bytes for a in slot.allocations.values())
+            if memory != slot.memory_used or memory > slot.memory_bytes:
+                raise InvalidStateError(f"{slot.gpu_id}: memory over-committed or miscounted")
+            if sum(box_area(b) for _, b in boxes) != slot.area_used:
+                raise InvalidStateError(f"{slot.gpu_id}: used area miscounted")
+            exact = maximal_boxes(b for _, b in boxes)
+            if sorted(exact) != sorted(slot.free.maximal):
+                raise InvalidStateError(f"{slot.gpu_id}: maximal rectangles drifted")
+            for k in slot.free.kept:
+                if not any(inside(k, m) for m in exact) or k in exact:
+                    raise InvalidStateError(f"{slot.gpu_id}: kept rectangle {k} is wrong")
+        for model, index in self._models.items():
+            of_model = [self._gpus[g] for g in sorted(index.gpu_ids)]
+            if any(s.model != model for s in of_model):
+                raise InvalidStateError(f"model {model}: index holds another model's GPU")
+            live = [s for s in of_model if s.schedulable]
+            rects = sorted((box_area(b), s.gpu_id, b) for s in live for b in s.free.boxes())
+            if index.rects != rects:
+                raise InvalidStateError(f"model {model}: rectangle index drifted")
+            by_free: dict[int, list[tuple[int, str]]] = {}
+            for s in live:
+                by_free.setdefault(memory_class(s.memory_free), []).append((s.area_free, s.gpu_id))
+            if index.by_free != {c: sorted(keys) for c, keys in by_free.items()}:
+                raise InvalidStateError(f"model {model}: free-area index drifted")
+            if index.by_id != [s.gpu_id for s in live]:
+                raise InvalidStateError(f"model {model}: GPU id index drifted")
+        holders = Fleet()
+        for slot in self._gpus.values():
+            copy = GpuSlot(slot.gpu_id, "", slot.model, 1, 0, False, allocations=slot.allocations)
+            holders._update_holder(copy)
+        if holders._holders != self._holders:
+            raise InvalidStateError("holder groups drifted")
+        if {a: s.gpu_id for s in self._gpus.values() for a in s.allocations} != self._where:
+            raise InvalidStateError("allocation ids drifted")
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def _slot(self, gpu_id: str) -> GpuSlot:
+        slot = self._gpus.get(gpu_id)
+        if slot is None:
+            raise KeyError(f"unknown GPU {gpu_id!r}")
+        return slot
+
+    def _commit(self, job: JobRequest, placement: Placement) -> None:
+        slot = self._gpus.get(placement.gpu_id)
+        rect = placement.rect
+        problem = ""
+        if slot is None:
+            problem = "an unknown GPU"
+        elif not slot.schedulable:
+            problem = "an unschedulable GPU"
+        elif job.gpu_model and slot.model != job.gpu_model:
+            problem = f"a {slot.model}, not a {job.gpu_model}"
+        elif job.memory_bytes > slot.memory_free:
+            problem = "a GPU without that much free memory"
+        elif placement.allocation_id != job.job_id:
+            problem = f"the allocation id {placement.allocation_id!r}"
+        if not problem:
+            try:
+                rect.validate()
+            except InvalidRequestError as error:
+                problem = str(error)
+        if not problem and (rect.w < job.w or rect.h < job.sm_percent):
+            problem = f"the smaller rectangle {rect.label()}"
+        if problem or slot is None:
+            raise InvalidPlacementError(f"policy {placement.policy} put {job.job_id} on {problem}")
+        box = box_of(rect)
+        if not slot.free.is_free(box):
+            raise InvalidPlacementError(
+                f"policy {placement.policy} put {job.job_id} on taken space {rect.label()} of "
+                f"{slot.gpu_id}"
+            )
+        allocation = Allocation(
+            job.job_id,
+            job.sm_percent,
+            job.quota_request_percent,
+            job.memory_bytes,
+            job.priority,
+            job.task_key,
+            rect,
+        )
+        before = self._before(slot)
+        slot.free.occupy(box)
+        slot.allocations[job.job_id] = allocation
+        slot.boxes[job.job_id] = box
+        slot.memory_free -= job.memory_bytes
+        slot.area_free -= box_area(box)
+        self._where[job.job_id] = slot.gpu_id
+        self._after(slot, before)
+        self._update_holder(slot)
+
+    def _before(self, slot: GpuSlot) -> tuple[set[Box], tuple[int, str], int] | None:
+        if not slot.schedulable:
+            return None
+        return set(slot.free.boxes()), (slot.area_free, slot.gpu_id), slot.memory_free
+
+    def _after(self, slot: GpuSlot, before: tuple[set[Box], tuple[int, str], int] | None) -> None:
+        if before is None:
+            return
+        old_boxes, old_key, old_memory = before
+        new_boxes = set(slot.free.boxes())
+        index = self._models[slot.model]
+        gpu_id = slot.gpu_id
+        for box in old_boxes - new_boxes:
+            _remove(index.rects, (box_area(box), gpu_id, box))
+        for box in new_boxes - old_boxes:
+            insort(index.rects, (box_area(box), gpu_id, box))
+        _unfree(index, old_key, old_memory)
+        _free(index, (slot.area_free, gpu_id), slot.memory_free)
+
+    def _index(self, slot: GpuSlot) -> None:
+        index = self._models[slot.model]
+        for box in slot.free.boxes():
+            insort(index.rects, (box_area(box), slot.gpu_id, box))
+        _free(index, (slot.area_free, slot.gpu_id), slot.memory_free)
+        insort(index.by_id, slot.gpu_id)
+        index.max_memory = -1
+
+    def _unindex(self, slot: GpuSlot) -> None:
+        index = self._models[slot.model]
+        for box in slot.free.boxes():
+            _remove(index.rects, (box_area(box), slot.gpu_id, box))
+        _unfree(index, (slot.area_free, slot.gpu_id), slot.memory_free)
+        _remove(index.by_id, slot.gpu_id)
+        index.max_memory = -1
+
+    def _max_memory(self, index: ModelIndex) -> int:
+        # GPUs come and go rarely; decisions that fail may come often.
+        if index.max_memory < 0:
+            index.max_memory = max(self._gpus[g].memory_bytes for g in index.by_id)
+        return index.max_memory
+
+    def _update_holder(self, slot: GpuSlot) -> None:
+        group: HolderGroup | None = None
+        if slot.allocations:
+            holder = min(slot.allocations.values(), key=lambda a: (a.priority, a.allocation_id))
+            if holder.task_key:
+                fillers = sum(a.priority > holder.priority for a in slot.allocations.values())
+                group = (holder.task_key, holder.priority, fillers)
+        self._set_holder(slot, group)
+
+    def _set_holder(self, slot: GpuSlot, group: HolderGroup | None) -> None:
+        if group == slot.holder:
+            return
+        if slot.holder is not None:
+            members = self._holders[slot.holder]
+            _remove(members, slot.gpu_id)
+            if not members:
+                del self._holders[slot.holder]
+        if group is not None:
+            insort(self._holders.setdefault(group, []), slot.gpu_id)
+        slot.holder = group
+
+
+def memory_class(memory_free: int) -> int:
+    """GPUs in class c have 2**(c-1) <= free memory < 2**c bytes (class 0: none free)."""
+    return memory_free.bit_length()
+
+
+def memory_classes(index: ModelIndex, need: int) -> list[int]:
+    """The classes that may hold `need` bytes, most memory first; all but the last surely do."""
+    least = memory_class(need)
+    return sorted((c for c in index.by_free if c >= least), reverse=True)
+
+
+def _free(index: ModelIndex, key: tuple[int, str], memory_free: int) -> None:
+    insort(index.by_free.setdefault(memory_class(memory_free), []), key)
+
+
+def _unfree(index: ModelIndex, key: tuple[int, str], memory_free: int) -> None:
+    c = memory_class(memory_free)
+    keys = index.by_free[c]
+    _remove(keys, key)
+    if not keys:
+        del index.by_free[c]
+
+
+def _has_shape(rects: list[tuple[int, str, Box]], w: int, h: int) -> bool:
+    for i in range(bisect_left(rects, (w * h,)), len(rects)):
+        box = rects[i][2]
+        if box[2] - box[0] >= w and box[3] - box[1] >= h:
+            return True
+    return False
+
+
+def _load_allocations(
+    slot: GpuSlot, allocations: Iterable[Allocation], taken: dict[str, str]
+) -> list[Allocation]:
+    """Put stored allocations on a fresh slot: positioned ones first, then the rest first-fit.
+    Raises InvalidStateError if they cannot all be there."""
+    pending: list[Allocation] = []
+    placed: list[Allocation] = []
+    seen: set[str] = set()
+    for allocation in allocations:
+        a_id = allocation.allocation_id
+        if a_id in taken or a_id in seen:
+            raise InvalidStateError(f"allocation {a_id} appears twice")
+        seen.add(a_id)
+        if allocation.rect is None:
+            pending.append(allocation)
+            continue
+        box = box_of(allocation.rect)
+        for other_id, other in slot.boxes.items():
+            if overlaps(box, other):
+                raise InvalidStateError(
+                    f"GPU {slot.gpu_id}: allocations {other_id} and {a_id} overlap"
+                )
+        slot.boxes[a_id] = box
+        slot.allocations[a_id] = allocation
+        placed.append(allocation)
+    free = FreeRects.build(slot.boxes.values())
+    for allocation in pending:
+        w, h = quota_steps(allocation.quota_percent), allocation.sm_percent
+        spot = free.first_fit(w, h)
+        if spot is None:
+            raise InvalidStateError(
+                f"GPU {slot.gpu_id}: no room left for allocation {allocation.allocation_id} "
+                f"({describe_shape(w, h)})"
+            )
+        box = (spot[0], spot[1], spot[0] + w, spot[1] + h)
+        free.occupy(box)
+        allocation = Allocation(
+            allocation.allocation_id,
+            allocation.sm_percent,
+            allocation.quota_percent,
+            allocation.memory_bytes,
+            allocation.priority,
+            allocation.task_key,
+            rect_of(box),
+        )
+        slot.boxes[allocation.allocation_id] = box
+        slot.allocations[allocation.allocation_id] = allocation
+        placed.append(allocation)
+    memory = sum(a.memory_bytes for a in placed)
+    if memory > slot.memory_bytes:
+        raise InvalidStateError(
+            f"GPU {slot.gpu_id}: allocations hold {describe_gib(memory)} of "
+            f"{describe_gib(slot.memory_bytes)}"
+        )
+    slot.memory_free = slot.memory_bytes - memory
+    slot.area_free = GRID_AREA - sum(box_area(b) for b in slot.boxes.values())
+    return placed

@@ -1,0 +1,264 @@
+"""The data placement works on: GPUs with their allocations, job requests, the rectangles they
+take, decisions, and the policy protocol.
+
+A GPU's compute capacity is FaST-GShare's rectangle (Gu et al., section 3.4.2): width = time
+quota, height = SM percent, 100 % x 100 %. An allocation takes a quota x SM rectangle of it and
+some memory. Rectangles live on an integer grid so that splitting and merging them is exact:
+the quota axis has GRID_W steps of 0.01 % of the window, the SM axis GRID_H steps of 1 %.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gpuloom.policies.placement.fleet import Fleet
+
+QUOTA_STEPS_PER_PERCENT = 100
+GRID_W = 100 * QUOTA_STEPS_PER_PERCENT  # the whole time window
+GRID_H = 100  # all SMs
+GRID_AREA = GRID_W * GRID_H
+MAX_PRIORITY = 9  # 0 is the highest
+GIB = 1 << 30
+
+
+class InvalidRequestError(ValueError):
+    """A GPU, allocation or job field that makes no sense."""
+
+
+def quota_steps(percent: float) -> int:
+    """Grid steps for a quota in percent, rounded up: a reservation is never smaller than asked.
+    The inner round() keeps 33.33 (3332.9999... steps in binary) at 3333."""
+    return math.ceil(round(percent * QUOTA_STEPS_PER_PERCENT, 6))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_id(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidRequestError(f"{name} must be a non-empty string, got {value!r}")
+
+
+def _check_sm(value: object) -> None:
+    if not _is_int(value) or not 1 <= value <= 100:  # type: ignore[operator]
+        raise InvalidRequestError(f"sm_percent must be an integer in 1..100, got {value!r}")
+
+
+def _check_quota(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 < value <= 100
+        or quota_steps(value) < 1
+    ):
+        raise InvalidRequestError(f"{name} must lie in (0, 100] (at least 0.01), got {value!r}")
+
+
+def _check_memory(value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise InvalidRequestError(f"memory_bytes must be an integer >= 0, got {value!r}")
+
+
+def _check_priority(value: object) -> None:
+    if not _is_int(value) or not 0 <= value <= MAX_PRIORITY:  # type: ignore[operator]
+        raise InvalidRequestError(
+            f"priority must be an integer in 0..{MAX_PRIORITY} (0 highest), got {value!r}"
+        )
+
+
+def describe_gib(n_bytes: int) -> str:
+    """90 GiB, 1.5 GiB, 0.25 GiB: short and exact enough for a reason string."""
+    gib = n_bytes / GIB
+    return f"{gib:.0f} GiB" if gib == int(gib) else f"{gib:.3g} GiB"
+
+
+def describe_shape(w: int, h: int) -> str:
+    """'40% quota x 50% SM' for a w x h rectangle in grid steps."""
+    return f"{w / QUOTA_STEPS_PER_PERCENT:g}% quota x {h}% SM"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Rect:
+    """A rectangle of one GPU: x = quota offset and w = quota, in steps of 0.01 % of the window;
+    y = SM offset and h = SM, in percent. Ends are exclusive: x + w <= GRID_W."""
+
+    x: int
+    y: int
+    w: int
+    h: int
+
+    @property
+    def area(self) -> int:
+        return self.w * self.h
+
+    @property
+    def quota_offset_percent(self) -> float:
+        return self.x / QUOTA_STEPS_PER_PERCENT
+
+    @property
+    def quota_percent(self) -> float:
+        return self.w / QUOTA_STEPS_PER_PERCENT
+
+    def overlaps(self, other: Rect) -> bool:
+        return (
+            self.x < other.x + other.w
+            and other.x < self.x + self.w
+            and self.y < other.y + other.h
+            and other.y < self.y + self.h
+        )
+
+    def label(self) -> str:
+        return (
+            f"quota {self.quota_percent:g}%@{self.quota_offset_percent:g}% x SM {self.h}%@{self.y}%"
+        )
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError unless the rectangle is non-empty and inside the GPU."""
+        if not all(_is_int(v) for v in (self.x, self.y, self.w, self.h)):
+            raise InvalidRequestError(f"rectangle fields must be integers, got {self!r}")
+        if self.w < 1 or self.h < 1:
+            raise InvalidRequestError(f"rectangle {self!r} is empty")
+        if self.x < 0 or self.y < 0 or self.x + self.w > GRID_W or self.y + self.h > GRID_H:
+            raise InvalidRequestError(
+                f"rectangle {self!r} is outside the GPU ({GRID_W} quota steps x {GRID_H}% SM)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Resources held on one GPU. `rect` is where they sit in its quota x SM rectangle; the
+    service stores it with the allocation so that a restart rebuilds the same free space.
+    None (an old record) is placed first-fit when the GPU is loaded."""
+
+    allocation_id: str
+    sm_percent: int  # 1..100, what the job runs with
+    quota_percent: float  # (0, 100], the time-quota request (the guaranteed part)
+    memory_bytes: int
+    priority: int = 0  # 0..9, 0 highest
+    task_key: str = ""
+    rect: Rect | None = None
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that makes no sense."""
+        _check_id("allocation_id", self.allocation_id)
+        _check_sm(self.sm_percent)
+        _check_quota("quota_percent", self.quota_percent)
+        _check_memory(self.memory_bytes)
+        _check_priority(self.priority)
+        if not isinstance(self.task_key, str):
+            raise InvalidRequestError(f"task_key must be a string, got {self.task_key!r}")
+        if self.rect is not None:
+            self.rect.validate()
+            # The time-share baseline widens the SM side to 100 %, never narrows either side.
+            if self.rect.w < quota_steps(self.quota_percent) or self.rect.h < self.sm_percent:
+                raise InvalidRequestError(
+                    f"allocation {self.allocation_id}: rectangle {self.rect.label()} is smaller "
+                    f"than its {self.quota_percent:g}% quota x {self.sm_percent}% SM"
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class GpuState:
+    """One GPU as registered, with the allocations on it (for add_gpu and restarts)."""
+
+    gpu_id: str
+    node: str
+    model: str
+    memory_bytes: int
+    sm_count: int = 0  # informative: shapes are in percent of the SMs
+    schedulable: bool = True
+    allocations: tuple[Allocation, ...] = ()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that makes no sense."""
+        _check_id("gpu_id", self.gpu_id)
+        if not isinstance(self.node, str):
+            raise InvalidRequestError(f"node must be a string, got {self.node!r}")
+        _check_id("model", self.model)
+        if not _is_int(self.memory_bytes) or self.memory_bytes < 1:
+            raise InvalidRequestError(
+                f"memory_bytes must be a positive integer, got {self.memory_bytes!r}"
+            )
+        if not _is_int(self.sm_count) or self.sm_count < 0:
+            raise InvalidRequestError(f"sm_count must be an integer >= 0, got {self.sm_count!r}")
+        if not isinstance(self.schedulable, bool):
+            raise InvalidRequestError(f"schedulable must be a bool, got {self.schedulable!r}")
+        for allocation in self.allocations:
+            allocation.validate()
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """What a job asks for. quota_limit_percent (None: the request) is carried to the
+    dispatcher; placement reserves the request, the guaranteed part (FaST-GShare's Q_request)."""
+
+    job_id: str
+    sm_percent: int
+    quota_request_percent: float
+    memory_bytes: int
+    quota_limit_percent: float | None = None
+    priority: int = 0
+    gpu_model: str = ""  # "" = any model
+    task_key: str = ""
+
+    @property
+    def quota_limit(self) -> float:
+        limit = self.quota_limit_percent
+        return self.quota_request_percent if limit is None else limit
+
+    @property
+    def w(self) -> int:
+        return quota_steps(self.quota_request_percent)
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field that makes no sense."""
+        _check_id("job_id", self.job_id)
+        _check_sm(self.sm_percent)
+        _check_quota("quota_request_percent", self.quota_request_percent)
+        if self.quota_limit_percent is not None:
+            _check_quota("quota_limit_percent", self.quota_limit_percent)
+            if self.quota_limit_percent < self.quota_request_percent:
+                raise InvalidRequestError(
+                    f"quota_limit_percent ({self.quota_limit_percent}) must be >= "
+                    f"quota_request_percent ({self.quota_request_percent})"
+                )
+        _check_memory(self.memory_bytes)
+        _check_priority(self.priority)
+        if not isinstance(self.gpu_model, str) or not isinstance(self.task_key, str):
+            raise InvalidRequestError("gpu_model and task_key must be strings")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a job goes: a GPU and the rectangle it takes there."""
+
+    allocation_id: str  # the job id
+    gpu_id: str
+    node: str
+    rect: Rect
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unplaceable:
+    """No GPU can take the job now; `reason` is for people."""
+
+    job_id: str
+    reason: str
+
+
+class PlacementPolicy(Protocol):
+    """Chooses a GPU and a rectangle for one job. The fleet holds the free space of every GPU
+    (incrementally, shared by all policies), so a policy keeps no per-GPU state and needs no
+    release hook; `Fleet.place` commits what it returns."""
+
+    @property
+    def name(self) -> str: ...
+
+    def place(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
+        """Decide only: nothing changes until the fleet commits the placement."""
+        ...
