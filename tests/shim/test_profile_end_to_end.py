@@ -5,12 +5,9 @@ dispatcher forwards them, and the stored kernel profile matches the fake GPU's d
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
-from gpuloom.services.profiler.app import ProfilerApp
 from gpuloom.v1 import (
     dispatcher_pb2,
     dispatcher_pb2_grpc,
@@ -19,9 +16,10 @@ from gpuloom.v1 import (
     profiler_pb2,
     profiler_pb2_grpc,
 )
-from tests.dispatcher.conftest import reserve_request, start_live
+from tests.dispatcher.conftest import reserve_request
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.profiler.conftest import profiler, profiler_app  # noqa: F401  (fixtures)
+from tests.profiler.test_dispatcher_link import linked  # noqa: F401  (fixture)
 from tests.shim.conftest import Runner
 
 RUNS = 10
@@ -36,25 +34,8 @@ for _ in range(3):
 WORKLOAD += ["sync"]
 
 
-@pytest.fixture
-async def linked(
-    short_dir: Path,
-    profiler_app: ProfilerApp,  # noqa: F811
-) -> AsyncIterator[tuple[dispatcher_pb2_grpc.DispatcherStub, str]]:
-    dispatcher, channel = await start_live(
-        short_dir, profiler_address=f"127.0.0.1:{profiler_app.port}", profiler_poll_s=0.05
-    )
-    try:
-        yield dispatcher_pb2_grpc.DispatcherStub(channel), dispatcher.core.socket_path
-    finally:
-        await channel.close()
-        await dispatcher.server.stop(0)
-        dispatcher.channel.stop()
-        await dispatcher.profiler_link.stop()  # type: ignore[union-attr]
-
-
 async def test_t_runs_of_a_cuda_workload_become_its_kernel_profile(
-    linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],
+    linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],  # noqa: F811
     profiler: profiler_pb2_grpc.ProfilerStub,  # noqa: F811
     stub: profile_store_pb2_grpc.ProfileStoreStub,  # noqa: F811
     run: Runner,
