@@ -137,6 +137,7 @@ def gpu_status_to_pb(
         memory_used_bytes=usage.memory_used_bytes,
         memory_reserved_bytes=view.memory_reserved_bytes,
         quota_reserved_percent=view.quota_reserved_percent,
+        window_elapsed_ms=view.window_elapsed_s * 1e3,
     )
 
 

@@ -153,6 +153,7 @@ class DispatcherCore:
             running_sm_percent=snapshot.running_sm_percent,
             memory_reserved_bytes=self.book.memory_reserved_bytes(),
             quota_reserved_percent=self.book.quota_reserved_percent(),
+            window_elapsed_s=snapshot.now - snapshot.window_start,
         )
         return view, usage
 

@@ -145,6 +145,7 @@ class GpuStatusView:
     running_sm_percent: int
     memory_reserved_bytes: int
     quota_reserved_percent: float
+    window_elapsed_s: float
 
 
 MAX_ARGV = 64

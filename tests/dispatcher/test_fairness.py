@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import LiveDispatcher
 
 WINDOW_S = 0.5
@@ -33,8 +34,11 @@ async def _run(live: LiveDispatcher, quotas: list[tuple[float, float]], active: 
         (await live.reserve(sm=100, request=r * 100, limit=lim * 100)).assignment_token
         for r, lim in quotas
     ]
-    # A warm-up window (processes start, leases adapt), then ten measured ones.
-    start = time.monotonic() + 2 * WINDOW_S
+    # Two warm-up windows (processes start, leases adapt), then ten measured ones, aligned with
+    # the dispatcher's own windows (a lease granted near a window's end runs into the next).
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    window_start = time.monotonic() - status.window_elapsed_ms / 1e3
+    start = window_start + 3 * WINDOW_S
     stop = start + WINDOWS * WINDOW_S
     processes = {
         i: await asyncio.create_subprocess_exec(

@@ -91,6 +91,7 @@ async def test_status_shows_clients_quotas_usage_and_queue(live: LiveDispatcher)
     assert status.gpu.model == "A100-80GB" and status.gpu.backend == "simulated"
     assert status.gpu.memory_bytes == 80 * GIB and status.gpu.sm_count == 108
     assert status.policy == "spatiotemporal" and status.window_ms == pytest.approx(200)
+    assert 0 <= status.window_elapsed_ms < 200
     (client,) = status.clients
     assert client.connected and client.state == dispatcher_pb2.LEASE_STATE_HOLDING
     assert client.assignment.share.quota.request_percent == 25
