@@ -15,6 +15,7 @@ from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
 from gpuloom.services.dispatcher.core import DispatcherCore
+from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
@@ -76,11 +77,10 @@ async def start_gpu_dispatcher(
         measurements = MeasurementBuffer()
         sink = measurements
     loop = asyncio.get_running_loop()
-    core: DispatcherCore | None = None
+    core: DispatcherCore
 
-    def on_event(event):  # type: ignore[no-untyped-def]
-        if core is not None:
-            core.publish_from_channel(event)
+    def on_event(event: DispatcherEvent) -> None:
+        core.publish_from_channel(event)  # the channel emits only once started, after `core`
 
     channel = ShimChannel(
         gpu_label=str(gpu.index),

@@ -89,6 +89,7 @@ class _Connection:
     __slots__ = (
         "assignment_id",
         "deadline",
+        "mode",
         "out",
         "peer",
         "reader",
@@ -103,6 +104,7 @@ class _Connection:
         self.reader = reader
         self.out = bytearray()
         self.assignment_id: str | None = None
+        self.mode: ShimMode | None = None  # set at registration
         self.region: AdmissionRegion | None = None
         self.deadline = 0.0
         self.requested_at: float | None = None
@@ -438,6 +440,7 @@ class ShimChannel:
         finally:
             os.close(fd)
         connection.assignment_id = assignment_id
+        connection.mode = mode
         connection.region = region
         self._by_assignment[assignment_id] = connection
         log.info(
@@ -456,7 +459,7 @@ class ShimChannel:
     def _lease_request(self, connection: _Connection, request: shim_pb2.LeaseRequest) -> None:
         assignment_id = connection.assignment_id
         assert assignment_id is not None
-        if connection.region is None or connection.region.mode is not ShimMode.SHARE:
+        if connection.mode is not ShimMode.SHARE:
             return  # admitted open; nothing to queue for
         now = time.monotonic()
         ended = None
@@ -468,7 +471,7 @@ class ShimChannel:
 
     def _usage(self, connection: _Connection, report: shim_pb2.UsageReport) -> None:
         assert connection.assignment_id is not None
-        if connection.region is None or connection.region.mode is not ShimMode.SHARE:
+        if connection.mode is not ShimMode.SHARE:
             return
         self._apply(
             self._charge(connection.assignment_id, report, time.monotonic(), report.release)
@@ -618,7 +621,7 @@ class ShimChannel:
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
             del self._by_assignment[assignment_id]
-            if connection.region is not None and connection.region.mode is ShimMode.SHARE:
+            if connection.mode is ShimMode.SHARE:
                 # A dead client's lease ends now; it is charged the time it held it.
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))
             self._emit(EventKind.DISCONNECTED, assignment_id, reason)

@@ -20,6 +20,12 @@ TOKEN = re.compile(r"^[A-Za-z0-9_-]{32,128}$")
 MAX_CLIENT_NAME_CHARS = 256
 
 
+def check_assignment_id(value: str) -> str:
+    if not ASSIGNMENT_ID.match(value):
+        raise InvalidArgument("assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ReserveSpec:
     """What a caller asks for; validated before anything changes."""
@@ -34,10 +40,7 @@ class ReserveSpec:
     task_key: str = ""
 
     def validate(self) -> None:
-        if not ASSIGNMENT_ID.match(self.assignment_id):
-            raise InvalidArgument(
-                "assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -"
-            )
+        check_assignment_id(self.assignment_id)
         if self.client_name:
             check_name("client_name", self.client_name, MAX_CLIENT_NAME_CHARS)
         validate_priority("priority.level", self.priority)

@@ -10,19 +10,13 @@ from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.dispatcher import convert
 from gpuloom.services.dispatcher.core import DispatcherCore
-from gpuloom.services.dispatcher.domain import ASSIGNMENT_ID
+from gpuloom.services.dispatcher.domain import check_assignment_id
 from gpuloom.v1 import dispatcher_pb2 as pb
 from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
 
 SERVICE = "gpuloom.v1.Dispatcher"
 Context = grpc.aio.ServicerContext
 MAX_REASON_CHARS = 1024
-
-
-def _assignment_id(value: str) -> str:
-    if not ASSIGNMENT_ID.match(value):
-        raise InvalidArgument("assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
-    return value
 
 
 class DispatcherServicer(pb_grpc.DispatcherServicer):
@@ -39,7 +33,7 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
 
     @rpc(SERVICE)
     async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
-        released = await self._core.release(_assignment_id(request.assignment_id))
+        released = await self._core.release(check_assignment_id(request.assignment_id))
         return pb.ReleaseResponse(released=released)
 
     @rpc(SERVICE)
@@ -69,7 +63,7 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
     ) -> pb.EvictClientResponse:
         if len(request.reason) > MAX_REASON_CHARS:
             raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
-        await self._core.evict(_assignment_id(request.assignment_id), request.reason)
+        await self._core.evict(check_assignment_id(request.assignment_id), request.reason)
         return pb.EvictClientResponse()
 
     @stream_rpc(SERVICE)
