@@ -193,14 +193,6 @@ class AdmissionRegion:
     def memory_cap_bytes(self) -> int:
         return struct.unpack_from("<Q", self._mapping, _OFF_MEMORY_CAP)[0]
 
-    @property
-    def sm_percent(self) -> int:
-        return struct.unpack_from("<I", self._mapping, _OFF_SM_PERCENT)[0]
-
-    @property
-    def mode(self) -> ShimMode:
-        return ShimMode(struct.unpack_from("<I", self._mapping, _OFF_MODE)[0])
-
     def admitted(self, now_ns: int | None = None) -> bool:
         """The launch-path check: one load and a clock read."""
         return (time.monotonic_ns() if now_ns is None else now_ns) < self._admit_until.value
