@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuloom.policies.profiling.kernels import kernel_id  # noqa: F401  (the shim's, re-exported)
 from tests.dispatcher.conftest import live, short_dir  # noqa: F401  (re-exported fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,16 +44,6 @@ def shim_build() -> Path:
             pytrace=False,
         )
     return BUILD
-
-
-def kernel_id(name: str, grid: tuple[int, int, int], block: tuple[int, int, int]) -> int:
-    """The shim's kernel ID (shim/README.md): FNV-1a 64 over the name, then the six u32
-    dimensions little-endian."""
-    value = 0xCBF29CE484222325
-    data = name.encode() + b"".join(d.to_bytes(4, "little") for d in (*grid, *block))
-    for byte in data:
-        value = ((value ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
-    return value
 
 
 @dataclass
