@@ -46,6 +46,17 @@ def shim_build() -> Path:
     return BUILD
 
 
+def launch(
+    kind: str,
+    name: str,
+    count: int,
+    grid: tuple[int, int, int] = (1, 1, 1),
+    block: tuple[int, int, int] = (1, 1, 1),
+) -> list[str]:
+    """cudart_like's `launch KIND NAME N GX GY GZ BX BY BZ` op."""
+    return ["launch", kind, name, str(count), *map(str, (*grid, *block))]
+
+
 @dataclass
 class Run:
     returncode: int

@@ -15,6 +15,7 @@ from tests.shim.conftest import (
     CUDA_ERROR_OUT_OF_MEMORY,
     PROGRAM,
     Runner,
+    launch,
 )
 
 MIB = 1 << 20
@@ -154,16 +155,7 @@ async def test_another_process_with_the_same_token_is_refused(
     owner = await run.run_async(
         "module",
         "k_o_10us",
-        "launch",
-        "kernel",
-        "k_o_10us",
-        "3",
-        "1",
-        "1",
-        "1",
-        "1",
-        "1",
-        "1",
+        *launch("kernel", "k_o_10us", 3),
         "sync",
         env=env,
     )
@@ -172,16 +164,7 @@ async def test_another_process_with_the_same_token_is_refused(
     thief = await run.run_async(
         "module",
         "k_o_10us",
-        "launch",
-        "kernel",
-        "k_o_10us",
-        "3",
-        "1",
-        "1",
-        "1",
-        "1",
-        "1",
-        "1",
+        *launch("kernel", "k_o_10us", 3),
         "sync",
         env=env,
     )

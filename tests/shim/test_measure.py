@@ -11,7 +11,7 @@ import pytest
 
 from gpuloom.v1 import shim_pb2
 from tests.dispatcher.conftest import LiveDispatcher
-from tests.shim.conftest import Runner, kernel_id
+from tests.shim.conftest import Runner, kernel_id, launch
 
 MEASURE, OFF = 2, 3
 
@@ -67,7 +67,7 @@ async def test_records_match_the_fake_gpu(live: LiveDispatcher, run: Runner) -> 
     ops = ["module", MODULE]
     for _ in range(ROUNDS):  # four kernels back to back, then a sync and idle time
         for kind, name, grid, block in ROUND:
-            ops += ["launch", kind, name, "1", *map(str, grid + block)]
+            ops += launch(kind, name, 1, grid, block)
         ops += ["ssync", "sleep", str(IDLE_US)]
     result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
     assert result.returncode == 0, result.stderr
@@ -235,13 +235,12 @@ async def test_graph_is_one_record_and_captures_are_not_measured(
 async def test_two_streams_are_collected_independently(live: LiveDispatcher, run: Runner) -> None:
     """A stream whose kernels are still running does not hold back another stream's records."""
     assignment = await live.reserve(mode=MEASURE)
-    one = ["1"] * 6
     result = await run.run_async(
         "module",
         "k_x_150000us,k_y_2000us",
-        *["launch", "kernel", "k_x_150000us", "2", *one],  # the default stream: 300 ms
+        *launch("kernel", "k_x_150000us", 2),  # the default stream: 300 ms
         "stream",
-        *["launch", "kernel", "k_y_2000us", "4", *one],  # a stream of its own: 8 ms
+        *launch("kernel", "k_y_2000us", 4),  # a stream of its own: 8 ms
         "ssync",  # k_x is still running: k_y's records are collected here, and sent...
         "sync",  # ... while this waits for k_x
         env=_env(live, assignment.assignment_token),

@@ -20,7 +20,7 @@ from tests.dispatcher.conftest import reserve_request
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.profiler.conftest import profiler, profiler_app  # noqa: F401  (fixtures)
 from tests.profiler.test_dispatcher_link import linked  # noqa: F401  (fixture)
-from tests.shim.conftest import Runner
+from tests.shim.conftest import Runner, launch
 
 RUNS = 10
 DURATIONS_US = {"conv": 2000, "relu": 1000, "gemm": 3000}
@@ -29,7 +29,7 @@ DURATIONS_US = {"conv": 2000, "relu": 1000, "gemm": 3000}
 WORKLOAD = ["module", ",".join(f"{n}:{us}" for n, us in DURATIONS_US.items())]
 for _ in range(3):
     for name in DURATIONS_US:
-        WORKLOAD += ["launch", "kernel", name, "1", "8", "1", "1", "128", "1", "1"]
+        WORKLOAD += launch("kernel", name, 1, (8, 1, 1), (128, 1, 1))
         WORKLOAD += ["ssync", "sleep", "200"]  # the GPU idles while the host works
 WORKLOAD += ["sync"]
 
