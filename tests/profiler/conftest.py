@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,7 +11,7 @@ import pytest
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profiler.app import ProfilerApp
 from gpuloom.services.profiler.settings import ProfilerSettings
-from gpuloom.v1 import profiler_pb2_grpc
+from gpuloom.v1 import profiler_pb2, profiler_pb2_grpc
 from tests.dispatcher.conftest import short_dir  # noqa: F401  (fixture)
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 
@@ -30,3 +31,18 @@ async def profiler(profiler_app: ProfilerApp) -> AsyncIterator[profiler_pb2_grpc
         options=[("grpc.max_send_message_length", 64 << 20)],
     ) as channel:
         yield profiler_pb2_grpc.ProfilerStub(channel)
+
+
+async def session_when_closed(
+    client: profiler_pb2_grpc.ProfilerStub, session_id: str, timeout_s: float = 10.0
+) -> profiler_pb2.Session:
+    """The session once it is no longer open (or as it is when the timeout passes)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        request = profiler_pb2.GetSessionRequest(session_id=session_id)
+        session = await client.GetSession(request)
+        if session.state != profiler_pb2.SESSION_STATE_OPEN:
+            return session
+        if asyncio.get_running_loop().time() > deadline:
+            return session
+        await asyncio.sleep(0.05)

@@ -26,6 +26,7 @@ from gpuloom.v1 import (
     shim_pb2,
 )
 from tests.dispatcher.conftest import reserve_request, start_live
+from tests.profiler.conftest import session_when_closed
 
 RUNS = 10
 KERNELS = [("gemm", 50_000, 3_000), ("softmax", 8_000, 12_000), ("copy", 20_000, 5_000)]
@@ -92,13 +93,7 @@ async def test_a_session_measures_t_processes_then_the_task_shares(
     modes = [await _process(dispatcher, socket_path, n) for n in range(1, RUNS + 1)]
     assert modes == [ShimMode.MEASURE] * RUNS
 
-    for _ in range(100):
-        done = await profiler.GetSession(
-            profiler_pb2.GetSessionRequest(session_id=session.session_id)
-        )
-        if done.state != profiler_pb2.SESSION_STATE_OPEN:
-            break
-        await asyncio.sleep(0.05)
+    done = await session_when_closed(profiler, session.session_id)
     assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
     assert done.runs_received == RUNS and done.records == RUNS * 12
 

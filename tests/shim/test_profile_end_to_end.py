@@ -18,7 +18,11 @@ from gpuloom.v1 import (
 )
 from tests.dispatcher.conftest import reserve_request
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
-from tests.profiler.conftest import profiler, profiler_app  # noqa: F401  (fixtures)
+from tests.profiler.conftest import (  # noqa: F401  (fixtures)
+    profiler,
+    profiler_app,
+    session_when_closed,
+)
 from tests.profiler.test_dispatcher_link import linked  # noqa: F401  (fixture)
 from tests.shim.conftest import Runner, launch
 
@@ -59,13 +63,7 @@ async def test_t_runs_of_a_cuda_workload_become_its_kernel_profile(
             dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
         )
 
-    for _ in range(200):
-        done = await profiler.GetSession(
-            profiler_pb2.GetSessionRequest(session_id=session.session_id)
-        )
-        if done.state != profiler_pb2.SESSION_STATE_OPEN:
-            break
-        await asyncio.sleep(0.05)
+    done = await session_when_closed(profiler, session.session_id)
     assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
     assert done.records == RUNS * 2 * len(DURATIONS_US)  # 3 launches each, first dropped
 
