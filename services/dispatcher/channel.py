@@ -526,6 +526,8 @@ class ShimChannel:
         """Write decisions into the regions: grants first, so the woken shim runs while the
         bookkeeping is done; a lease ended and replaced in the same breath is then no longer
         the region's lease and is left alone."""
+        if not any(decisions):
+            return
         now = time.monotonic()
         stray: list[Lease] = []
         for decision in decisions:

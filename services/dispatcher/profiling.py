@@ -138,6 +138,7 @@ class ProfilerLink:
         request = profiler_pb2.ListSessionsRequest(
             state=profiler_pb2.SESSION_STATE_OPEN, gpu_model=self._gpu_model
         )
+        reachable = True
         while True:
             try:
                 listed = await stub.ListSessions(request, timeout=5)
@@ -146,8 +147,17 @@ class ProfilerLink:
                     self._open = open_now
                     live = {s.session_id for s in open_now.values()}
                     self._claimed = {k: v for k, v in self._claimed.items() if k in live}
+                if not reachable:
+                    log.info("profiler reachable again", address=self._address)
+                reachable = True
             except grpc.aio.AioRpcError as error:
-                log.debug("profiler unreachable", code=error.code().name)
+                if reachable:  # once per outage: a wrong address must not pass unnoticed
+                    log.warning(
+                        "profiler unreachable: tasks share instead of being measured",
+                        address=self._address,
+                        code=error.code().name,
+                    )
+                reachable = False
             await asyncio.sleep(self._poll_s)
 
     async def _upload(self, stub: profiler_pb2_grpc.ProfilerStub) -> None:
