@@ -40,6 +40,7 @@ FILE_VERSION = 1
 MAX_RESERVATIONS = 1024
 # Float sums of percentages: allow rounding noise, not real over-commitment.
 _QUOTA_EPSILON = 1e-9
+FULL_AREA = 100 * 100  # SM percent x quota percent of the whole GPU
 
 
 class ReservationBook:
@@ -110,16 +111,19 @@ class ReservationBook:
                     f"{memory} asked"
                 )
             if spec.mode is ShimMode.SHARE:
-                used_quota = sum(
-                    r.share.quota.request_percent
+                # FaST-GShare's rectangle: each share takes SM % x quota % of the GPU, and
+                # shares on disjoint SMs may run at the same time, so the areas must fit.
+                used = sum(
+                    r.share.sm_percent * r.share.quota.request_percent
                     for r in self._by_id.values()
                     if r.mode is ShimMode.SHARE
                 )
-                asked = spec.share.quota.request_percent
-                if used_quota + asked > 100 + _QUOTA_EPSILON:
+                asked = spec.share.sm_percent * spec.share.quota.request_percent
+                if used + asked > FULL_AREA * (1 + _QUOTA_EPSILON):
                     raise ResourceExhausted(
-                        f"time quota over-committed: {100 - used_quota:.3g}% of the window is "
-                        f"still guaranteed to nobody, {asked:.3g}% asked"
+                        f"GPU over-committed: {100 - used / 100:.3g}% of its (SM x time quota) "
+                        f"area is free, {asked / 100:.3g}% asked "
+                        f"({spec.share.sm_percent}% SM x {spec.share.quota.request_percent:g}% quota)"
                     )
             reservation = Reservation(
                 assignment_id=spec.assignment_id,

@@ -5,16 +5,8 @@ from __future__ import annotations
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
-
-# Accepted URL schemes and the async driver each one is served by.
-_DRIVER_FOR_SCHEME = {
-    "postgresql": "postgresql+asyncpg",
-    "postgres": "postgresql+asyncpg",
-    "postgresql+asyncpg": "postgresql+asyncpg",
-    "sqlite": "sqlite+aiosqlite",
-    "sqlite+aiosqlite": "sqlite+aiosqlite",
-}
 
 
 class ProfileStoreSettings(BaseSettings):
@@ -24,7 +16,7 @@ class ProfileStoreSettings(BaseSettings):
     # Empty: the embedded default, SQLite in GPULOOM_DATA_DIR/profiles.db.
     database_url: str = ""
     # PostgreSQL only: keep the tables in this schema (created if missing).
-    database_schema: str = Field(default="", pattern=r"^([a-z_][a-z0-9_]{0,62})?$")
+    database_schema: str = Field(default="", pattern=SCHEMA_PATTERN)
     # Empty: the embedded default, an in-process cache.
     redis_url: str = ""
     # Every cache key starts with this, so several stores (or tests) can share one Redis.
@@ -41,12 +33,7 @@ class ProfileStoreSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _async_driver(cls, url: str) -> str:
-        if not url:
-            return url
-        scheme, sep, rest = url.partition("://")
-        if not sep or scheme not in _DRIVER_FOR_SCHEME:
-            raise ValueError("must be a postgresql://... or sqlite:///... URL")
-        return f"{_DRIVER_FOR_SCHEME[scheme]}://{rest}"
+        return async_database_url(url)
 
     @field_validator("redis_url")
     @classmethod

@@ -40,13 +40,23 @@ def test_memory_zero_means_the_whole_gpu_and_leaves_nothing_for_others() -> None
         book.reserve(spec("more", memory_gib=1))
 
 
-def test_only_share_mode_counts_against_the_time_quota() -> None:
+def test_only_share_mode_counts_against_the_gpu_area() -> None:
     book = ReservationBook(16 * GIB, None)
-    book.reserve(spec("s", request=90))
-    book.reserve(spec("m", request=90, mode=ShimMode.MEASURE))
-    with pytest.raises(ResourceExhausted, match="time quota over-committed"):
-        book.reserve(spec("t", request=20))
+    book.reserve(spec("s", request=90, sm=100))
+    book.reserve(spec("m", request=90, sm=100, mode=ShimMode.MEASURE))
+    with pytest.raises(ResourceExhausted, match="over-committed"):
+        book.reserve(spec("t", request=20, sm=100))
     assert book.quota_reserved_percent() == 90
+
+
+def test_shares_on_disjoint_sms_may_each_hold_most_of_the_window() -> None:
+    # FaST-GShare: two 50 % SM partitions can both run 90 % of the time; a third cannot.
+    book = ReservationBook(16 * GIB, None)
+    book.reserve(spec("left", request=90, sm=50))
+    book.reserve(spec("right", request=90, sm=50))
+    with pytest.raises(ResourceExhausted, match=r"10% of its \(SM x time quota\) area is free"):
+        book.reserve(spec("third", request=30, sm=50))
+    book.reserve(spec("small", request=20, sm=50))
 
 
 def test_a_token_binds_to_its_first_process_only() -> None:
@@ -124,7 +134,7 @@ operations = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(operations)
-def test_never_over_commits_memory_or_quota(ops: list[tuple[str, int, int, float, int]]) -> None:
+def test_never_over_commits_memory_or_gpu_area(ops: list[tuple[str, int, int, float, int]]) -> None:
     book = ReservationBook(40 * GIB, None)
     for action, number, memory, request, sm in ops:
         before = book.all()
@@ -136,4 +146,5 @@ def test_never_over_commits_memory_or_quota(ops: list[tuple[str, int, int, float
         except (ResourceExhausted, AlreadyExists):
             assert book.all() == before  # refused: nothing changed
         assert book.memory_reserved_bytes() <= 40 * GIB
-        assert book.quota_reserved_percent() <= 100 + 1e-6
+        area = sum(r.share.sm_percent * r.share.quota.request_percent for r in book.all())
+        assert area <= 100 * 100 * (1 + 1e-6)

@@ -46,7 +46,7 @@ async def test_bad_reservations_are_refused_and_change_nothing(
 async def test_capacity_is_never_over_committed(live: LiveDispatcher) -> None:
     await live.reserve(request=60, memory_gib=50)
     got, details = await _code_and_details(live.stub.Reserve(reserve_request(request=50)))
-    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "time quota over-committed" in details
+    assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "over-committed" in details
     got, details = await _code_and_details(
         live.stub.Reserve(reserve_request(request=10, memory_gib=40))
     )

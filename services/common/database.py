@@ -1,0 +1,82 @@
+"""SQL engines and alembic migrations shared by the services that keep state in a database
+(the profile store and placement): PostgreSQL for deployments, SQLite as the embedded default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+# Accepted URL schemes and the async driver each one is served by.
+_DRIVER_FOR_SCHEME = {
+    "postgresql": "postgresql+asyncpg",
+    "postgres": "postgresql+asyncpg",
+    "postgresql+asyncpg": "postgresql+asyncpg",
+    "sqlite": "sqlite+aiosqlite",
+    "sqlite+aiosqlite": "sqlite+aiosqlite",
+}
+SCHEMA_PATTERN = r"^([a-z_][a-z0-9_]{0,62})?$"
+
+
+def async_database_url(url: str) -> str:
+    """The URL with its async driver; ValueError for anything but PostgreSQL or SQLite."""
+    if not url:
+        return url
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _DRIVER_FOR_SCHEME:
+        raise ValueError("must be a postgresql://... or sqlite:///... URL")
+    return f"{_DRIVER_FOR_SCHEME[scheme]}://{rest}"
+
+
+def embedded_url(data_dir: Path, filename: str) -> str:
+    """The embedded default: a SQLite file in the data directory."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite+aiosqlite:///{(data_dir / filename).resolve()}"
+
+
+def open_engine(url: str, schema: str = "") -> AsyncEngine:
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if url.startswith("postgresql"):
+        kwargs.update(pool_size=10, max_overflow=10)
+        if schema:
+            kwargs["connect_args"] = {"server_settings": {"search_path": schema}}
+    engine = create_async_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # WAL lets readers proceed while a write is in progress; the timeout absorbs short lock waits.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=5000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def alembic_config(migrations: Path) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations))
+    return config
+
+
+async def migrate(engine: AsyncEngine, migrations: Path, schema: str = "") -> None:
+    """Bring the schema to the newest alembic revision in `migrations` (idempotent, safe to
+    run concurrently: each env.py takes an advisory lock on PostgreSQL)."""
+
+    def upgrade(connection: Connection) -> None:
+        if schema:
+            connection.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
+        config = alembic_config(migrations)
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
+
+    async with engine.begin() as connection:
+        await connection.run_sync(upgrade)

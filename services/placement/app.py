@@ -1,0 +1,95 @@
+"""Wiring of the placement service: settings -> engine, repository, dispatcher client,
+profile source, core, gRPC server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
+from gpuloom.services.placement.core import CoreConfig, PlacementCore
+from gpuloom.services.placement.dispatchers import Dispatchers, GrpcDispatchers
+from gpuloom.services.placement.profiles import GrpcProfileSource, ProfileSource
+from gpuloom.services.placement.repository import PlacementRepository
+from gpuloom.services.placement.servicer import SERVICE, PlacementServicer
+from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.placement.storage import create_engine, migrate
+from gpuloom.v1 import placement_pb2_grpc as pb_grpc
+
+log = structlog.get_logger("gpuloom.placement")
+
+
+@dataclass
+class PlacementApp:
+    core: PlacementCore
+    server: RunningServer
+    engine: AsyncEngine
+    dispatchers: Dispatchers
+    profiles: ProfileSource | None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @classmethod
+    async def start(
+        cls,
+        settings: PlacementSettings,
+        host: str,
+        data_dir: Path,
+        dispatchers: Dispatchers | None = None,
+    ) -> PlacementApp:
+        """`dispatchers` replaces the gRPC client (the benchmark stands in its own)."""
+        engine = create_engine(settings, data_dir)
+        dispatchers = dispatchers or GrpcDispatchers(settings.dispatcher_timeout_s)
+        profiles = (
+            GrpcProfileSource(settings.profile_store_address)
+            if settings.profile_store_address
+            else None
+        )
+        core = None
+        try:
+            if settings.auto_migrate:
+                await migrate(engine, settings.database_schema)
+            config = CoreConfig(
+                default_policy=settings.default_policy,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+                heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                max_batch=settings.max_batch,
+            )
+            core = PlacementCore(PlacementRepository(engine), dispatchers, profiles, config)
+            await core.start()
+            servicer = PlacementServicer(core)
+            registration = ServiceRegistration(
+                SERVICE, lambda server: pb_grpc.add_PlacementServicer_to_server(servicer, server)
+            )
+            server = await start_server(
+                [registration], host, settings.port, settings.max_message_bytes
+            )
+        except BaseException:
+            if core is not None:
+                await core.stop()
+            await dispatchers.close()
+            if profiles is not None:
+                await profiles.close()
+            await engine.dispose()
+            raise
+        log.info(
+            "placement ready",
+            port=server.port,
+            database=engine.url.render_as_string(hide_password=True),
+            policy=settings.default_policy,
+            profile_store=settings.profile_store_address or None,
+        )
+        return cls(core, server, engine, dispatchers, profiles)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.server.stop(grace_s)
+        await self.core.stop()
+        await self.dispatchers.close()
+        if self.profiles is not None:
+            await self.profiles.close()
+        await self.engine.dispose()

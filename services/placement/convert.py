@@ -1,0 +1,202 @@
+"""Protobuf <-> domain for the placement service. Missing sub-messages become zero values,
+which the domain validation then names (e.g. "spec.kind: required ...")."""
+
+from __future__ import annotations
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.placement.core import GpuView, ScalingResult
+from gpuloom.services.placement.domain import (
+    GpuInfo,
+    Job,
+    JobKind,
+    JobSpec,
+    JobState,
+    MigInstance,
+    Slo,
+)
+from gpuloom.services.placement.repository import JobFilter
+from gpuloom.v1 import common_pb2
+from gpuloom.v1 import placement_pb2 as pb
+
+_KIND_FROM_PB = {
+    pb.JOB_KIND_INFERENCE: JobKind.INFERENCE,
+    pb.JOB_KIND_TRAINING: JobKind.TRAINING,
+    pb.JOB_KIND_BATCH: JobKind.BATCH,
+}
+_KIND_TO_PB = {kind: code for code, kind in _KIND_FROM_PB.items()}
+_STATE_TO_PB = {state: pb.JobState.Value("JOB_STATE_" + state.name) for state in JobState}
+_STATE_FROM_PB = {code: state for state, code in _STATE_TO_PB.items()}
+
+
+def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
+    if msg.kind not in _KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
+        raise InvalidArgument(f"{field}.kind", f"unknown job kind {msg.kind}")
+    resources = msg.resources
+    which = resources.WhichOneof("share")
+    share = None
+    if which == "mps":
+        quota = resources.mps.quota
+        # A limit of 0 means "no more than the request".
+        limit = quota.limit_percent or quota.request_percent
+        share = SpatioTemporalShare(
+            resources.mps.sm_percent, TimeQuota(quota.request_percent, limit)
+        )
+    return JobSpec(
+        name=msg.name,
+        kind=_KIND_FROM_PB.get(msg.kind),
+        memory_bytes=resources.memory_bytes,
+        share=share,
+        whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
+        mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
+        task_key=msg.task_key,
+        priority=msg.priority.level,
+        slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
+        policy=msg.policy.strip(),
+        gpu_model=msg.gpu_model,
+    )
+
+
+def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
+    resources = common_pb2.Resources(memory_bytes=spec.memory_bytes)
+    if spec.share is not None:
+        resources.mps.CopyFrom(_share_to_pb(spec.share))
+    elif spec.whole_gpus:
+        resources.whole_gpus = spec.whole_gpus
+    return pb.JobSpec(
+        name=spec.name,
+        task_key=spec.task_key,
+        kind=_KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
+        priority=common_pb2.Priority(level=spec.priority),
+        resources=resources,
+        slo=pb.Slo(
+            p99_latency_ms=spec.slo.p99_latency_ms,
+            target_requests_per_s=spec.slo.target_requests_per_s,
+        ),
+        policy=spec.policy,
+        gpu_model=spec.gpu_model,
+    )
+
+
+def _share_to_pb(share: SpatioTemporalShare) -> common_pb2.SpatioTemporalShare:
+    return common_pb2.SpatioTemporalShare(
+        sm_percent=share.sm_percent,
+        quota=common_pb2.TimeQuota(
+            request_percent=share.quota.request_percent, limit_percent=share.quota.limit_percent
+        ),
+    )
+
+
+def job_to_pb(job: Job) -> pb.Job:
+    msg = pb.Job(
+        job_id=job.job_id,
+        request_id=job.request_id,
+        spec=spec_to_pb(job.spec),
+        state=_STATE_TO_PB[job.state],
+        pending_reason=job.pending_reason,
+        message=job.message,
+        policy=job.policy,
+        submitted_at_unix_s=job.submitted_at,
+        updated_at_unix_s=job.updated_at,
+        exit_code=job.exit_code,
+        revision=job.revision,
+        function=job.function,
+    )
+    binding = job.binding
+    if binding is not None and job.state.holds_capacity:
+        x, y, _w, _h = binding.rect
+        msg.assignment.CopyFrom(
+            pb.JobAssignment(
+                gpu=common_pb2.GpuRef(node=binding.node, gpu_uuid=binding.gpu_uuid),
+                dispatcher_address=binding.dispatcher_address,
+                assignment_id=job.job_id,
+                share=_share_to_pb(SpatioTemporalShare(job.spec.sm_percent, job.spec.quota)),
+                memory_cap_bytes=binding.memory_cap_bytes,
+                quota_offset_percent=x / 100,
+                sm_offset_percent=y,
+                environment=binding.environment,
+            )
+        )
+    return msg
+
+
+def state_from_pb(code: int, field: str) -> JobState:
+    state = _STATE_FROM_PB.get(code)
+    if state is None:
+        raise InvalidArgument(field, f"unknown job state {code}")
+    return state
+
+
+def filter_from_pb(request: pb.ListJobsRequest) -> JobFilter:
+    return JobFilter(
+        states=tuple(state_from_pb(s, "states") for s in request.states),
+        task_key=request.task_key,
+        gpu_uuid=request.gpu_uuid,
+        function=request.function,
+    )
+
+
+def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
+    return GpuInfo(
+        gpu_uuid=msg.ref.gpu_uuid,
+        node=msg.ref.node,
+        model=msg.model,
+        memory_bytes=msg.memory_bytes,
+        sm_count=msg.sm_count,
+        mig_capable=msg.mig_capable,
+        mig_enabled=msg.mig_enabled,
+        mig_instances=tuple(
+            MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
+        ),
+        mps_enabled=msg.mps_enabled,
+    )
+
+
+def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
+    return pb.GpuInfo(
+        ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
+        model=info.model,
+        memory_bytes=info.memory_bytes,
+        sm_count=info.sm_count,
+        mig_capable=info.mig_capable,
+        mig_enabled=info.mig_enabled,
+        mig_instances=[
+            pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
+            for m in info.mig_instances
+        ],
+        mps_enabled=info.mps_enabled,
+    )
+
+
+def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:
+    record = view.record
+    return pb.GpuEntry(
+        gpu=gpu_info_to_pb(record.info),
+        dispatcher_address=record.dispatcher_address,
+        schedulable=view.schedulable,
+        lost=record.lost,
+        last_heartbeat_unix_s=record.last_heartbeat,
+        utilization_percent=record.utilization_percent,
+        memory_used_bytes=record.memory_used_bytes,
+        memory_reserved_bytes=view.memory_reserved_bytes,
+        area_reserved_percent=view.area_reserved_percent,
+        jobs=view.jobs,
+    )
+
+
+def scaling_to_pb(result: ScalingResult) -> pb.SetFunctionLoadResponse:
+    msg = pb.SetFunctionLoadResponse(
+        added=[job_to_pb(j) for j in result.added],
+        removed=[job_to_pb(j) for j in result.removed],
+        capacity_requests_per_s=result.capacity_rps,
+    )
+    best = result.most_efficient
+    if best is not None:
+        msg.most_efficient.CopyFrom(
+            pb.ThroughputConfig(
+                sm_percent=best.sm_percent,
+                quota_percent=best.quota_percent,
+                requests_per_s=best.requests_per_s,
+            )
+        )
+    return msg

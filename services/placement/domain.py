@@ -1,0 +1,229 @@
+"""The placement service's domain: job specs and their validation, jobs and their states, and
+the GPUs of the inventory. Nothing here knows about gRPC or SQL."""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass, field, replace
+
+from gpuloom.policies.placement import POLICIES
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota, validate_priority
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+ADDRESS = re.compile(r"[A-Za-z0-9.\-_\[\]:]{1,253}:\d{1,5}")
+MAX_NAME = 128
+MAX_KEY = 256
+JOB_ID_PREFIX = "j-"  # the dispatcher's assignment id is the job id: ids with it are ours
+
+
+class JobKind(enum.Enum):
+    INFERENCE = "inference"
+    TRAINING = "training"
+    BATCH = "batch"
+
+
+class JobState(enum.Enum):
+    PENDING = "pending"
+    BINDING = "binding"
+    ASSIGNED = "assigned"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+    @property
+    def holds_capacity(self) -> bool:
+        return self in (JobState.BINDING, JobState.ASSIGNED)
+
+
+FINISHED = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST})
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    p99_latency_ms: float = 0.0
+    target_requests_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a submitter asks for. Exactly one of `share` (an MPS SM share and time quota) and
+    `whole_gpus` is set; `mig_slices` is recognised only to refuse it clearly."""
+
+    name: str
+    kind: JobKind | None
+    memory_bytes: int
+    share: SpatioTemporalShare | None = None
+    whole_gpus: int = 0
+    mig_slices: int = 0
+    task_key: str = ""
+    priority: int = 0
+    slo: Slo = field(default_factory=Slo)
+    policy: str = ""
+    gpu_model: str = ""
+
+    def validate(self) -> None:
+        """InvalidArgument naming the first field that makes no sense."""
+        if not 1 <= len(self.name) <= MAX_NAME or not self.name.isprintable():
+            raise InvalidArgument(
+                "spec.name", f"must be 1..{MAX_NAME} printable characters, got {self.name!r}"
+            )
+        if self.kind is None:
+            raise InvalidArgument("spec.kind", "required: inference, training or batch")
+        if len(self.task_key) > MAX_KEY or not self.task_key.isprintable():
+            raise InvalidArgument(
+                "spec.task_key", f"must be at most {MAX_KEY} printable characters"
+            )
+        validate_priority("spec.priority.level", self.priority)
+        if len(self.gpu_model) > MAX_NAME:
+            raise InvalidArgument("spec.gpu_model", f"must be at most {MAX_NAME} characters")
+        if self.policy and self.policy not in POLICIES:
+            known = ", ".join(sorted(POLICIES))
+            raise InvalidArgument(
+                "spec.policy", f"unknown placement policy {self.policy!r}; known: {known}"
+            )
+        for name, value in (
+            ("p99_latency_ms", self.slo.p99_latency_ms),
+            ("target_requests_per_s", self.slo.target_requests_per_s),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
+        self._validate_resources()
+
+    def _validate_resources(self) -> None:
+        if self.mig_slices:
+            raise InvalidArgument(
+                "spec.resources.mig",
+                "MIG instances are not placed by this service yet: submit an MPS share "
+                "(resources.mps) or whole_gpus = 1, or run MIG batches with RunMigBatch on a "
+                "dispatcher",
+            )
+        if self.share is None and not self.whole_gpus:
+            raise InvalidArgument(
+                "spec.resources", "set one of mps (SM percent and time quota) or whole_gpus"
+            )
+        if self.whole_gpus and self.whole_gpus != 1:
+            raise InvalidArgument(
+                "spec.resources.whole_gpus",
+                f"only 1 is supported (jobs spanning GPUs are not built yet), got "
+                f"{self.whole_gpus}",
+            )
+        if self.share is not None:
+            self.share.validate("spec.resources.mps")
+            if self.memory_bytes <= 0:
+                raise InvalidArgument(
+                    "spec.resources.memory_bytes",
+                    "required for an MPS share (the GPU memory cap, in bytes)",
+                )
+
+    @property
+    def sm_percent(self) -> int:
+        return 100 if self.share is None else self.share.sm_percent
+
+    @property
+    def quota(self) -> TimeQuota:
+        return TimeQuota(100.0, 100.0) if self.share is None else self.share.quota
+
+
+@dataclass(frozen=True, slots=True)
+class Binding:
+    """Where a job's capacity is reserved, and (once bound) what its process runs with."""
+
+    gpu_uuid: str
+    node: str
+    dispatcher_address: str
+    # The job's rectangle in the GPU's (quota x SM) grid: quota in 0.01 % steps, SM in %.
+    rect: tuple[int, int, int, int]
+    memory_cap_bytes: int
+    token: str
+    environment: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    job_id: str
+    request_id: str
+    spec: JobSpec
+    state: JobState
+    submitted_at: float
+    updated_at: float
+    revision: int = 1
+    pending_reason: str = ""
+    message: str = ""
+    policy: str = ""  # the policy that placed it
+    binding: Binding | None = None
+    exit_code: int = 0
+    function: str = ""
+
+    def advance(self, now: float, **changes: object) -> Job:
+        """The next revision of this job."""
+        return replace(self, updated_at=now, revision=self.revision + 1, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    slices: int
+    first_slice: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """A GPU as its dispatcher registers it."""
+
+    gpu_uuid: str
+    node: str
+    model: str
+    memory_bytes: int
+    sm_count: int = 0
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_instances: tuple[MigInstance, ...] = ()
+    mps_enabled: bool = False
+
+    def validate(self) -> None:
+        for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
+            if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
+                raise InvalidArgument(name, f"must be 1..{MAX_NAME} printable characters")
+        if not 1 <= len(self.node) <= 253 or not self.node.isprintable():
+            raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
+        if self.memory_bytes <= 0:
+            raise InvalidArgument("gpu.memory_bytes", "must be > 0")
+        for i, instance in enumerate(self.mig_instances):
+            if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
+                raise InvalidArgument(
+                    f"gpu.mig_instances[{i}]",
+                    f"{instance.slices} slices at slice {instance.first_slice} is no MIG instance",
+                )
+
+
+@dataclass(slots=True)
+class GpuRecord:
+    """The inventory's view of one GPU: what was registered plus what heartbeats say."""
+
+    info: GpuInfo
+    dispatcher_address: str
+    registered_at: float
+    last_heartbeat: float
+    lost: bool = False
+    utilization_percent: float = 0.0
+    memory_used_bytes: int = 0
+
+
+def validate_request_id(request_id: str) -> None:
+    if not REQUEST_ID.fullmatch(request_id):
+        raise InvalidArgument(
+            "request_id", f"must match [A-Za-z0-9._:-]{{1,128}}, got {request_id[:140]!r}"
+        )
+
+
+def validate_address(field_name: str, address: str) -> None:
+    if not ADDRESS.fullmatch(address) or not 0 < int(address.rsplit(":", 1)[1]) < 65536:
+        raise InvalidArgument(field_name, f"must be host:port, got {address[:260]!r}")

@@ -1,0 +1,102 @@
+"""Profiles placement reads from the profile store: kernel times (gap-aware placement) and
+throughput points (auto-scaling). A small Protocol, its gRPC implementation, and the
+conversions from store profiles to the policies' inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from gpuloom.policies.placement import KernelTimes, ThroughputPoint
+from gpuloom.services.common.errors import NotFound
+from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.services.profile_store.convert import (
+    kernel_profile_from_pb,
+    throughput_profile_from_pb,
+)
+from gpuloom.services.profile_store.domain import KernelProfile, ThroughputProfile
+from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
+
+# A kernel profile becomes at most this many (duration, gap) pairs: enough to describe a run's
+# shape, bounded so that scoring a pair of jobs stays cheap.
+MAX_KERNEL_ENTRIES = 4096
+
+
+class ProfileSource(Protocol):
+    async def kernel_times(self, task_key: str, gpu_model: str) -> KernelTimes | None:
+        """The task's kernel times on that model ("" = any model); None if unprofiled."""
+        ...
+
+    async def throughput(self, function: str, gpu_model: str) -> list[ThroughputPoint] | None:
+        """The function's throughput points on that model ("" = any model)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def kernel_times_from_profile(profile: KernelProfile) -> KernelTimes:
+    """FIKIT's per-kernel means as one run's histogram: each kernel listed as often as it
+    runs per measured run, capped at MAX_KERNEL_ENTRIES entries in proportion."""
+    runs = max(1, profile.measured_runs)
+    per_run = [max(1, round(k.sample_count / runs)) for k in profile.kernels]
+    total = sum(per_run)
+    scale = min(1.0, MAX_KERNEL_ENTRIES / total) if total else 1.0
+    durations: list[float] = []
+    gaps: list[float] = []
+    for kernel, count in zip(profile.kernels, per_run, strict=True):
+        n = max(1, round(count * scale))
+        durations.extend([kernel.mean_duration_ns] * n)
+        gaps.extend([kernel.mean_gap_after_ns] * n)
+    return KernelTimes(profile.key, tuple(durations), tuple(gaps))
+
+
+def throughput_points(profile: ThroughputProfile) -> list[ThroughputPoint]:
+    return [
+        ThroughputPoint(p.sm_percent, p.quota_percent, p.requests_per_s) for p in profile.points
+    ]
+
+
+class GrpcProfileSource:
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
+        self._timeout_s = timeout_s
+
+    async def kernel_times(self, task_key: str, gpu_model: str) -> KernelTimes | None:
+        found = await self._get(
+            self._stub.GetKernelProfile, task_key, gpu_model, profile_store_pb2.PROFILE_KIND_KERNEL
+        )
+        return None if found is None else kernel_times_from_profile(kernel_profile_from_pb(found))
+
+    async def throughput(self, function: str, gpu_model: str) -> list[ThroughputPoint] | None:
+        found = await self._get(
+            self._stub.GetThroughputProfile,
+            function,
+            gpu_model,
+            profile_store_pb2.PROFILE_KIND_THROUGHPUT,
+        )
+        return None if found is None else throughput_points(throughput_profile_from_pb(found))
+
+    async def _get(self, method, key: str, gpu_model: str, kind: int):  # type: ignore[no-untyped-def]
+        try:
+            models: Sequence[str] = [gpu_model]
+            if not gpu_model:
+                listing = await self._stub.ListProfiles(
+                    profile_store_pb2.ListProfilesRequest(key=key, kind=kind, page_size=1),
+                    timeout=self._timeout_s,
+                )
+                models = [s.meta.gpu_model for s in listing.profiles]
+            for model in models:
+                request = profile_store_pb2.GetProfileRequest(key=key, gpu_model=model)
+                return await method(request, timeout=self._timeout_s)
+            return None
+        except grpc.aio.AioRpcError as error:
+            domain = error_from_rpc(error)
+            if isinstance(domain, NotFound):
+                return None
+            raise domain from None
+
+    async def close(self) -> None:
+        await self._channel.close()

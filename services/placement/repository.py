@@ -1,0 +1,291 @@
+"""Jobs and GPUs in SQL (SQLAlchemy Core: batches of rows per statement, no ORM overhead on
+the decision path). Every method is one transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Table, bindparam, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.placement.domain import (
+    Binding,
+    GpuInfo,
+    GpuRecord,
+    Job,
+    JobKind,
+    JobSpec,
+    JobState,
+    MigInstance,
+    Slo,
+)
+from gpuloom.services.placement.models import GpuRow, JobRow
+
+JOBS: Table = JobRow.__table__  # type: ignore[assignment]
+GPUS: Table = GpuRow.__table__  # type: ignore[assignment]
+LIVE_STATES = [JobState.PENDING.value, JobState.BINDING.value, JobState.ASSIGNED.value]
+
+
+def spec_to_json(spec: JobSpec) -> str:
+    share = spec.share
+    document = {
+        "name": spec.name,
+        "kind": spec.kind.value if spec.kind else None,
+        "memory_bytes": spec.memory_bytes,
+        "share": None
+        if share is None
+        else [share.sm_percent, share.quota.request_percent, share.quota.limit_percent],
+        "whole_gpus": spec.whole_gpus,
+        "task_key": spec.task_key,
+        "priority": spec.priority,
+        "slo": [spec.slo.p99_latency_ms, spec.slo.target_requests_per_s],
+        "policy": spec.policy,
+        "gpu_model": spec.gpu_model,
+    }
+    return json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def spec_from_json(text: str) -> JobSpec:
+    d = json.loads(text)
+    share = d["share"]
+    return JobSpec(
+        name=d["name"],
+        kind=JobKind(d["kind"]) if d["kind"] else None,
+        memory_bytes=d["memory_bytes"],
+        share=None if share is None else SpatioTemporalShare(share[0], TimeQuota(*share[1:])),
+        whole_gpus=d["whole_gpus"],
+        task_key=d["task_key"],
+        priority=d["priority"],
+        slo=Slo(*d["slo"]),
+        policy=d["policy"],
+        gpu_model=d["gpu_model"],
+    )
+
+
+def _binding_to_json(binding: Binding | None) -> str | None:
+    if binding is None:
+        return None
+    return json.dumps(
+        {
+            "gpu_uuid": binding.gpu_uuid,
+            "node": binding.node,
+            "dispatcher_address": binding.dispatcher_address,
+            "rect": list(binding.rect),
+            "memory_cap_bytes": binding.memory_cap_bytes,
+            "token": binding.token,
+            "environment": binding.environment,
+        },
+        separators=(",", ":"),
+    )
+
+
+def _binding_from_json(text: str | None) -> Binding | None:
+    if text is None:
+        return None
+    d = json.loads(text)
+    d["rect"] = tuple(d["rect"])
+    return Binding(**d)
+
+
+def _job_values(job: Job) -> dict[str, object]:
+    return {
+        "job_id": job.job_id,
+        "request_id": job.request_id,
+        "spec": spec_to_json(job.spec),
+        "task_key": job.spec.task_key,
+        "function": job.function,
+        "state": job.state.value,
+        "revision": job.revision,
+        "pending_reason": job.pending_reason,
+        "message": job.message,
+        "policy": job.policy,
+        "submitted_at": job.submitted_at,
+        "updated_at": job.updated_at,
+        "exit_code": job.exit_code,
+        "gpu_uuid": job.binding.gpu_uuid if job.binding else None,
+        "binding": _binding_to_json(job.binding),
+    }
+
+
+def _job_from_row(row: object) -> Job:
+    r = row._mapping  # type: ignore[attr-defined]
+    return Job(
+        job_id=r["job_id"],
+        request_id=r["request_id"],
+        spec=spec_from_json(r["spec"]),
+        state=JobState(r["state"]),
+        submitted_at=r["submitted_at"],
+        updated_at=r["updated_at"],
+        revision=r["revision"],
+        pending_reason=r["pending_reason"],
+        message=r["message"],
+        policy=r["policy"],
+        binding=_binding_from_json(r["binding"]),
+        exit_code=r["exit_code"],
+        function=r["function"],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class JobFilter:
+    states: tuple[JobState, ...] = ()
+    task_key: str = ""
+    gpu_uuid: str = ""
+    function: str = ""
+
+
+class PlacementRepository:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._update_job = (
+            update(JOBS)
+            .where(JOBS.c.job_id == bindparam("b_job_id"))
+            .values(
+                {
+                    name: bindparam(name)
+                    for name in (
+                        "state",
+                        "revision",
+                        "pending_reason",
+                        "message",
+                        "policy",
+                        "updated_at",
+                        "exit_code",
+                        "gpu_uuid",
+                        "binding",
+                    )
+                }
+            )
+        )
+
+    # ---- jobs ----
+
+    async def insert_jobs(self, jobs: Sequence[Job]) -> None:
+        if not jobs:
+            return
+        async with self._engine.begin() as connection:
+            await connection.execute(JOBS.insert(), [_job_values(j) for j in jobs])
+
+    async def update_jobs(self, jobs: Iterable[Job]) -> None:
+        rows = []
+        for job in jobs:
+            values = _job_values(job)
+            values["b_job_id"] = values.pop("job_id")
+            for fixed in ("request_id", "spec", "task_key", "function", "submitted_at"):
+                del values[fixed]
+            rows.append(values)
+        if not rows:
+            return
+        async with self._engine.begin() as connection:
+            await connection.execute(self._update_job, rows)
+
+    async def get_job(self, job_id: str) -> Job | None:
+        async with self._engine.connect() as connection:
+            row = (await connection.execute(select(JOBS).where(JOBS.c.job_id == job_id))).first()
+        return None if row is None else _job_from_row(row)
+
+    async def jobs_by_request_id(self, request_ids: Sequence[str]) -> dict[str, Job]:
+        if not request_ids:
+            return {}
+        async with self._engine.connect() as connection:
+            rows = await connection.execute(
+                select(JOBS).where(JOBS.c.request_id.in_(list(request_ids)))
+            )
+            return {job.request_id: job for job in map(_job_from_row, rows)}
+
+    async def live_jobs(self) -> list[Job]:
+        """Every job that is pending or holds capacity, in submission order."""
+        async with self._engine.connect() as connection:
+            rows = await connection.execute(
+                select(JOBS).where(JOBS.c.state.in_(LIVE_STATES)).order_by(JOBS.c.seq)
+            )
+            return [_job_from_row(row) for row in rows]
+
+    async def list_jobs(
+        self, where: JobFilter, limit: int, after_seq: int
+    ) -> tuple[list[Job], int | None]:
+        """Up to `limit` jobs after position `after_seq`, and the position to continue from
+        (None: no more)."""
+        query = select(JOBS).where(JOBS.c.seq > after_seq)
+        if where.states:
+            query = query.where(JOBS.c.state.in_([s.value for s in where.states]))
+        for column, value in (
+            (JOBS.c.task_key, where.task_key),
+            (JOBS.c.gpu_uuid, where.gpu_uuid),
+            (JOBS.c.function, where.function),
+        ):
+            if value:
+                query = query.where(column == value)
+        query = query.order_by(JOBS.c.seq).limit(limit + 1)
+        async with self._engine.connect() as connection:
+            rows = (await connection.execute(query)).all()
+        more = len(rows) > limit
+        rows = rows[:limit]
+        jobs = [_job_from_row(row) for row in rows]
+        return jobs, (rows[-1]._mapping["seq"] if more else None)
+
+    # ---- GPUs ----
+
+    async def save_gpu(self, record: GpuRecord) -> None:
+        info = record.info
+        values = {
+            "gpu_uuid": info.gpu_uuid,
+            "node": info.node,
+            "model": info.model,
+            "memory_bytes": info.memory_bytes,
+            "sm_count": info.sm_count,
+            "mig_capable": info.mig_capable,
+            "mig_enabled": info.mig_enabled,
+            "mps_enabled": info.mps_enabled,
+            "mig_instances": json.dumps(
+                [[m.slices, m.first_slice, m.uuid] for m in info.mig_instances]
+            ),
+            "dispatcher_address": record.dispatcher_address,
+            "registered_at": record.registered_at,
+            "lost": record.lost,
+        }
+        async with self._engine.begin() as connection:
+            dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+            insert = dialect.insert(GPUS).values(values)
+            changes = {k: v for k, v in values.items() if k != "gpu_uuid"}
+            await connection.execute(
+                insert.on_conflict_do_update(index_elements=["gpu_uuid"], set_=changes)
+            )
+
+    async def set_gpu_lost(self, gpu_uuid: str, lost: bool) -> None:
+        async with self._engine.begin() as connection:
+            await connection.execute(
+                update(GPUS).where(GPUS.c.gpu_uuid == gpu_uuid).values(lost=lost)
+            )
+
+    async def gpus(self) -> list[GpuRecord]:
+        async with self._engine.connect() as connection:
+            rows = await connection.execute(select(GPUS).order_by(GPUS.c.gpu_uuid))
+            records = []
+            for row in rows:
+                r = row._mapping
+                info = GpuInfo(
+                    gpu_uuid=r["gpu_uuid"],
+                    node=r["node"],
+                    model=r["model"],
+                    memory_bytes=r["memory_bytes"],
+                    sm_count=r["sm_count"],
+                    mig_capable=r["mig_capable"],
+                    mig_enabled=r["mig_enabled"],
+                    mig_instances=tuple(MigInstance(*m) for m in json.loads(r["mig_instances"])),
+                    mps_enabled=r["mps_enabled"],
+                )
+                records.append(
+                    GpuRecord(
+                        info=info,
+                        dispatcher_address=r["dispatcher_address"],
+                        registered_at=r["registered_at"],
+                        last_heartbeat=0.0,
+                        lost=r["lost"],
+                    )
+                )
+            return records

@@ -1,0 +1,111 @@
+"""gpuloom.v1.Placement servicer: protobuf in, domain core, protobuf out. Nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.services.common.grpc_errors import rpc, stream_rpc
+from gpuloom.services.placement import convert
+from gpuloom.services.placement.core import PlacementCore
+from gpuloom.v1 import placement_pb2 as pb
+from gpuloom.v1 import placement_pb2_grpc as pb_grpc
+
+SERVICE = "gpuloom.v1.Placement"
+Context = grpc.aio.ServicerContext
+MAX_MESSAGE_CHARS = 4096
+
+
+def _job_id(job_id: str) -> str:
+    if not 1 <= len(job_id) <= 64:
+        raise InvalidArgument("job_id", "required (at most 64 characters)")
+    return job_id
+
+
+def _text(field: str, value: str) -> str:
+    if len(value) > MAX_MESSAGE_CHARS:
+        raise InvalidArgument(field, f"must be at most {MAX_MESSAGE_CHARS} characters")
+    return value
+
+
+class PlacementServicer(pb_grpc.PlacementServicer):
+    def __init__(self, core: PlacementCore) -> None:
+        self._core = core
+
+    @rpc(SERVICE)
+    async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.Job:
+        job = await self._core.submit(request.request_id, convert.spec_from_pb(request.spec))
+        return convert.job_to_pb(job)
+
+    @rpc(SERVICE)
+    async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
+        return convert.job_to_pb(await self._core.get(_job_id(request.job_id)))
+
+    @rpc(SERVICE)
+    async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
+        jobs, token = await self._core.list(
+            convert.filter_from_pb(request), request.page_size, request.page_token
+        )
+        return pb.ListJobsResponse(jobs=[convert.job_to_pb(j) for j in jobs], next_page_token=token)
+
+    @rpc(SERVICE)
+    async def CancelJob(self, request: pb.CancelJobRequest, context: Context) -> pb.Job:
+        job = await self._core.cancel(_job_id(request.job_id), _text("reason", request.reason))
+        return convert.job_to_pb(job)
+
+    @stream_rpc(SERVICE)
+    async def WatchJob(
+        self, request: pb.WatchJobRequest, context: Context
+    ) -> AsyncIterator[pb.Job]:
+        async for job in self._core.watch(_job_id(request.job_id)):
+            yield convert.job_to_pb(job)
+
+    @rpc(SERVICE)
+    async def ReportJobDone(self, request: pb.ReportJobDoneRequest, context: Context) -> pb.Job:
+        job = await self._core.report_done(
+            _job_id(request.job_id),
+            request.succeeded,
+            request.exit_code,
+            _text("message", request.message),
+        )
+        return convert.job_to_pb(job)
+
+    @rpc(SERVICE)
+    async def SetFunctionLoad(
+        self, request: pb.SetFunctionLoadRequest, context: Context
+    ) -> pb.SetFunctionLoadResponse:
+        template = convert.spec_from_pb(request.template, "template")
+        result = await self._core.set_function_load(
+            request.function, request.requests_per_s, template
+        )
+        return convert.scaling_to_pb(result)
+
+    @rpc(SERVICE)
+    async def RegisterGpu(
+        self, request: pb.RegisterGpuRequest, context: Context
+    ) -> pb.RegisterGpuResponse:
+        interval = await self._core.register_gpu(
+            convert.gpu_info_from_pb(request.gpu), request.dispatcher_address
+        )
+        return pb.RegisterGpuResponse(heartbeat_interval_s=interval)
+
+    @rpc(SERVICE)
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: Context
+    ) -> pb.HeartbeatResponse:
+        stale = await self._core.heartbeat(
+            request.gpu_uuid,
+            request.utilization_percent,
+            request.memory_used_bytes,
+            request.assignment_ids,
+        )
+        return pb.HeartbeatResponse(release_assignment_ids=stale)
+
+    @rpc(SERVICE)
+    async def ListGpus(self, request: pb.ListGpusRequest, context: Context) -> pb.ListGpusResponse:
+        views, token = self._core.gpus(request.node, request.page_size, request.page_token)
+        return pb.ListGpusResponse(
+            gpus=[convert.gpu_entry_to_pb(v) for v in views], next_page_token=token
+        )

@@ -1,0 +1,51 @@
+"""Settings of the placement service (environment variables GPULOOM_PLACEMENT_*)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
+from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
+from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
+
+
+class PlacementSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="GPULOOM_PLACEMENT_", extra="ignore")
+
+    port: int = Field(default=50051, ge=0, le=65535)
+    # Empty: the embedded default, SQLite in GPULOOM_DATA_DIR/placement.db.
+    database_url: str = ""
+    # PostgreSQL only: keep the tables in this schema (created if missing).
+    database_schema: str = Field(default="", pattern=SCHEMA_PATTERN)
+    auto_migrate: bool = True
+    # Where kernel and throughput profiles come from (gap-aware placement, auto-scaling);
+    # empty: no profile store (gap-aware falls back to mra, SetFunctionLoad is refused).
+    profile_store_address: str = ""
+    default_policy: str = DEFAULT_POLICY
+    # Dispatchers send a heartbeat this often; a GPU silent for heartbeat_timeout_s is lost.
+    heartbeat_interval_s: float = Field(default=2.0, gt=0, le=300)
+    heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # How long a dispatcher may take to answer Reserve/Release.
+    dispatcher_timeout_s: float = Field(default=5.0, gt=0, le=120)
+    # Submissions decided and written in one transaction at most.
+    max_batch: int = Field(default=256, ge=1, le=10_000)
+    max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
+
+    @field_validator("database_url")
+    @classmethod
+    def _async_driver(cls, url: str) -> str:
+        return async_database_url(url)
+
+    @field_validator("default_policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown placement policy; known: {', '.join(sorted(POLICIES))}")
+        return name
+
+    @model_validator(mode="after")
+    def _timeout_after_interval(self) -> PlacementSettings:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return self
