@@ -15,6 +15,8 @@ from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.placement.app import PlacementApp
+from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.app import ProfilerApp
@@ -22,7 +24,7 @@ from gpuloom.services.profiler.settings import ProfilerSettings
 
 log = structlog.get_logger("gpuloom.launcher")
 
-SERVICES = ("profile-store", "profiler", "dispatcher")
+SERVICES = ("profile-store", "profiler", "placement", "dispatcher")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
-    started: list[ProfileStoreApp | ProfilerApp | DispatcherApp] = []
+    started: list[ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp] = []
     endpoints: list[Endpoint] = []
     try:
         if "profile-store" in services:
@@ -54,12 +56,27 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
             profiler = await ProfilerApp.start(settings, common.bind_host)
             started.append(profiler)
             endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
+        if "placement" in services:
+            settings = load(PlacementSettings)
+            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
+            if store is not None and not settings.profile_store_address:
+                settings = settings.model_copy(
+                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
+                )
+            placement = await PlacementApp.start(settings, common.bind_host, common.data_dir)
+            started.append(placement)
+            endpoints.append(Endpoint("placement (gRPC)", f"{common.bind_host}:{placement.port}"))
         if "dispatcher" in services:
             settings = load(DispatcherSettings)
             profiler = next((a for a in started if isinstance(a, ProfilerApp)), None)
             if profiler is not None and not settings.profiler_address:
                 settings = settings.model_copy(
                     update={"profiler_address": f"{common.bind_host}:{profiler.port}"}
+                )
+            placement = next((a for a in started if isinstance(a, PlacementApp)), None)
+            if placement is not None and not settings.placement_address:
+                settings = settings.model_copy(
+                    update={"placement_address": f"{common.bind_host}:{placement.port}"}
                 )
             dispatchers = await DispatcherApp.start(settings, common.bind_host, common.data_dir)
             started.append(dispatchers)

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 
 from gpuloom.clients.profile_store import ProfileStoreClient
-from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
+from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
 from tests.conftest import free_port
 from tests.profile_store import samples
 
@@ -34,6 +34,7 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
         GPULOOM_METRICS_PORT=str(metrics),
         GPULOOM_DISPATCHER_PORT="0",  # any free ports
         GPULOOM_PROFILER_PORT="0",
+        GPULOOM_PLACEMENT_PORT="0",
         GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB,H100-80GB",
         GPULOOM_DISPATCHER_BACKEND="simulated",
     )
@@ -42,19 +43,33 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
     )
     try:
         assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(6)]
+        banner = [process.stdout.readline() for _ in range(7)]
         assert f"127.0.0.1:{port}" in banner[1] and "profile-store" in banner[1]
         assert "profiler (gRPC)" in banner[2]
-        assert "dispatcher GPU 0 A100-80GB" in banner[3]
-        assert "dispatcher GPU 1 H100-80GB" in banner[4]
-        assert f"http://127.0.0.1:{metrics}/metrics" in banner[5]
-        dispatcher_address = banner[4].split()[-1]
+        assert "placement (gRPC)" in banner[3]
+        assert "dispatcher GPU 0 A100-80GB" in banner[4]
+        assert "dispatcher GPU 1 H100-80GB" in banner[5]
+        assert f"http://127.0.0.1:{metrics}/metrics" in banner[6]
+        dispatcher_address = banner[5].split()[-1]
         with grpc.insecure_channel(dispatcher_address) as channel:
             status = dispatcher_pb2_grpc.DispatcherStub(channel).GetGpuStatus(
                 dispatcher_pb2.GetGpuStatusRequest(), timeout=10
             )
         assert status.gpu.model == "H100-80GB" and status.gpu.index == 1
         assert (tmp_path / "state" / "dispatcher" / "gpu-1.sock").is_socket()
+
+        # The dispatchers registered their GPUs with placement on their own.
+        with grpc.insecure_channel(banner[3].split()[-1]) as channel:
+            stub = placement_pb2_grpc.PlacementStub(channel)
+            deadline = time.monotonic() + 10
+            while True:
+                gpus = stub.ListGpus(placement_pb2.ListGpusRequest(), timeout=10).gpus
+                if len(gpus) == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        assert sorted(g.gpu.model for g in gpus) == ["A100-80GB", "H100-80GB"]
+        assert all(g.schedulable and g.dispatcher_address for g in gpus)
+        assert (tmp_path / "state" / "placement.db").exists()
 
         with ProfileStoreClient(f"127.0.0.1:{port}") as client:
             stored = client.put(samples.mig_profile())
@@ -106,3 +121,13 @@ def test_bad_configuration_fails_fast_naming_the_variable(tmp_path: Path) -> Non
         timeout=30,
     )
     assert result.returncode == 1 and "GPULOOM_PROFILE_STORE_DATABASE_URL" in result.stderr
+
+    result = subprocess.run(
+        [GPULOOM, "serve", "placement"],
+        env=_env(tmp_path, GPULOOM_PLACEMENT_DEFAULT_POLICY="best-guess"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert "GPULOOM_PLACEMENT_DEFAULT_POLICY" in result.stderr and "mra" in result.stderr

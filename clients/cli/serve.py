@@ -36,7 +36,9 @@ def up() -> None:
 
 
 @click.command()
-@click.argument("service", type=click.Choice(["profile-store", "profiler", "dispatcher"]))
+@click.argument(
+    "service", type=click.Choice(["profile-store", "profiler", "placement", "dispatcher"])
+)
 def serve(service: str) -> None:
     """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
     _run((service,))

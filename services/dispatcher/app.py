@@ -19,6 +19,7 @@ from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.servicer import SERVICE, DispatcherServicer
@@ -36,6 +37,8 @@ class GpuDispatcher:
     # Where measure-mode records go: to the profiler, or (without one) a bounded buffer.
     measurements: MeasurementBuffer | None
     profiler_link: ProfilerLink | None
+    # Registration and heartbeats to placement; None without GPULOOM_DISPATCHER_PLACEMENT_ADDRESS.
+    placement_link: PlacementLink | None = None
 
     @property
     def port(self) -> int:
@@ -123,6 +126,14 @@ async def start_gpu_dispatcher(
         if link is not None:
             await link.stop()
         raise
+    placement_link = None
+    if settings.placement_address:  # after the server is up: placement dials its real port
+        placement_link = PlacementLink(
+            settings.placement_address,
+            core,
+            advertised_address(settings.advertise_host, host, server.port),
+        )
+        await placement_link.start()
     log.info(
         "dispatcher ready",
         gpu=gpu.index,
@@ -133,8 +144,9 @@ async def start_gpu_dispatcher(
         port=server.port,
         socket=str(socket_path),
         reservations=len(book.all()),
+        placement=settings.placement_address or None,
     )
-    return GpuDispatcher(core, channel, server, measurements, link)
+    return GpuDispatcher(core, channel, server, measurements, link, placement_link)
 
 
 @dataclass
@@ -171,6 +183,9 @@ class DispatcherApp:
 
 
 async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
+    # First: releases placement asks for must not reach a channel that is stopping.
+    if dispatcher.placement_link is not None:
+        await dispatcher.placement_link.stop()
     await dispatcher.server.stop(grace_s)
     await asyncio.to_thread(dispatcher.channel.stop)
     if dispatcher.profiler_link is not None:

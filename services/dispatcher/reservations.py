@@ -123,7 +123,8 @@ class ReservationBook:
                     raise ResourceExhausted(
                         f"GPU over-committed: {100 - used / 100:.3g}% of its (SM x time quota) "
                         f"area is free, {asked / 100:.3g}% asked "
-                        f"({spec.share.sm_percent}% SM x {spec.share.quota.request_percent:g}% quota)"
+                        f"({spec.share.sm_percent}% SM x "
+                        f"{spec.share.quota.request_percent:g}% quota)"
                     )
             reservation = Reservation(
                 assignment_id=spec.assignment_id,

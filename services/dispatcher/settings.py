@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpuloom.policies.tokens.registry import POLICIES
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
+from gpuloom.services.dispatcher.placement_link import check_advertise_host
 
 
 class DispatcherSettings(BaseSettings):
@@ -41,6 +42,12 @@ class DispatcherSettings(BaseSettings):
     # then kept in a bounded buffer and not forwarded).
     profiler_address: str = ""
     profiler_poll_s: float = Field(default=1.0, gt=0, le=60)
+    # The placement service this dispatcher registers its GPU with and sends heartbeats to;
+    # empty: none (the dispatcher serves whoever calls it, and registers nowhere).
+    placement_address: str = ""
+    # The host placement dials to reach this dispatcher (its port is added); empty: the bind
+    # host, or this machine's host name when the bind host is 0.0.0.0 or ::.
+    advertise_host: str = ""
 
     @field_validator("policy")
     @classmethod
@@ -48,6 +55,11 @@ class DispatcherSettings(BaseSettings):
         if name not in POLICIES:
             raise ValueError(f"unknown policy; known: {', '.join(sorted(POLICIES))}")
         return name
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _advertise_host(cls, host: str) -> str:
+        return check_advertise_host(host)
 
     @field_validator("sim_gpus")
     @classmethod

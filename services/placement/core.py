@@ -375,7 +375,8 @@ class PlacementCore:
         record = self._gpus.get(gpu_uuid)
         if record is None:
             raise NotFound(f"GPU {gpu_uuid!r} is not registered: register it first")
-        if not (math.isfinite(utilization_percent) and 0 <= utilization_percent <= 100):
+        # NaN: the driver cannot tell (NVML with MIG on); anything else must be a percentage.
+        if not math.isnan(utilization_percent) and not 0 <= utilization_percent <= 100:
             raise InvalidArgument(
                 "utilization_percent", f"must be within 0..100, got {utilization_percent}"
             )

@@ -1,0 +1,212 @@
+"""The placement core with an injected clock and in-memory dispatchers: heartbeats and lost
+GPUs, restarts on the same database, and the no-over-commitment invariant."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuloom.policies.placement import GRID_H, GRID_W
+from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.placement.core import CoreConfig, PlacementCore
+from gpuloom.services.placement.domain import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.services.placement.repository import PlacementRepository
+from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.placement.storage import create_engine, migrate
+from tests.placement.fakes import FakeDispatchers
+
+GIB = 1 << 30
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def spec(name: str = "job", sm: int = 50, quota: float = 50, memory_gib: float = 8) -> JobSpec:
+    return JobSpec(
+        name=name,
+        kind=JobKind.INFERENCE,
+        memory_bytes=int(memory_gib * GIB),
+        share=SpatioTemporalShare(sm, TimeQuota(quota, quota)),
+    )
+
+
+def gpu(i: int, memory_gib: int = 80) -> GpuInfo:
+    return GpuInfo(f"GPU-{i}", f"node-{i // 2}", "A100-80GB", memory_gib * GIB, 108)
+
+
+class Harness:
+    """A core on a SQLite file that can be stopped and started again on the same file."""
+
+    def __init__(self, folder: Path) -> None:
+        self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
+        self.dispatchers = FakeDispatchers()
+        self.clock = Clock()
+        self.core: PlacementCore | None = None
+        self.engine = None
+
+    async def start(self) -> PlacementCore:
+        self.engine = create_engine(self.settings)
+        await migrate(self.engine)
+        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5)
+        self.core = PlacementCore(
+            PlacementRepository(self.engine), self.dispatchers, None, config, self.clock
+        )
+        await self.core.start()
+        return self.core
+
+    async def stop(self) -> None:
+        assert self.core is not None and self.engine is not None
+        await self.core.stop()
+        await self.engine.dispose()
+
+
+@pytest.fixture
+async def harness(tmp_path: Path):
+    h = Harness(tmp_path)
+    await h.start()
+    yield h
+    await h.stop()
+
+
+async def test_a_silent_gpu_is_lost_with_its_jobs_and_comes_back_on_its_next_heartbeat(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    for i in range(2):
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    jobs = [await core.submit(f"r{i}", spec(f"j{i}", sm=100, quota=100)) for i in range(2)]
+    assert {j.binding.gpu_uuid for j in jobs if j.binding} == {"GPU-0", "GPU-1"}
+    harness.clock.now += 4
+    await core.heartbeat("GPU-1", math.nan, 0, [jobs[1].job_id])  # NaN: utilisation unknown
+    with pytest.raises(InvalidArgument, match="utilization_percent"):
+        await core.heartbeat("GPU-1", 140.0, 0, [])
+    harness.clock.now += 2  # GPU-0 silent for 6 s, GPU-1 for 2 s
+    assert await core.check_heartbeats() == ["GPU-0"]
+    lost = next(j for j in jobs if j.binding and j.binding.gpu_uuid == "GPU-0")
+    got = await core.get(lost.job_id)
+    assert got.state is JobState.LOST and "stopped sending heartbeats" in got.message
+    # A new job cannot go to the lost GPU, and GPU-1 is full: it waits.
+    waiting = await core.submit("r-new", spec("new", sm=100, quota=100))
+    assert waiting.state is JobState.PENDING
+    # The dispatcher comes back: it is told to drop the lost job's reservation, and the
+    # waiting job gets the GPU.
+    stale = await core.heartbeat("GPU-0", 0.0, 0, [lost.job_id])
+    assert stale == [lost.job_id]
+    for _ in range(100):
+        now = await core.get(waiting.job_id)
+        if now.state is JobState.ASSIGNED:
+            break
+        await asyncio.sleep(0.01)
+    assert now.state is JobState.ASSIGNED and now.binding and now.binding.gpu_uuid == "GPU-0"
+
+
+async def test_a_restart_keeps_every_job_and_decision_and_binds_what_was_only_reserved(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path)
+    core = await h.start()
+    await core.register_gpu(gpu(0), "10.0.0.1:50060")
+    await core.register_gpu(gpu(1), "10.0.0.2:50060")
+    h.dispatchers.down.add("10.0.0.2:50060")
+    placed = [await core.submit(f"r{i}", spec(f"j{i}", sm=30, quota=30)) for i in range(6)]
+    before = {j.job_id: j for j in placed}
+    await h.stop()
+
+    h.dispatchers.down.clear()
+    core = await h.start()
+    for job_id, job in before.items():
+        again = await core.get(job_id)
+        assert again.request_id == job.request_id and again.spec == job.spec
+        if job.state is JobState.ASSIGNED:
+            assert again.state is JobState.ASSIGNED and again.binding == job.binding
+    # The fleet is rebuilt from the stored rectangles: nothing overlaps, nothing is lost.
+    core._fleet.verify()
+    assert sorted(core._fleet.gpu_ids()) == ["GPU-0", "GPU-1"]
+    # Re-submitting the same requests gives the same jobs, not new placements.
+    for i in range(6):
+        assert (await core.submit(f"r{i}", spec(f"j{i}", sm=30, quota=30))).job_id in before
+    held = h.dispatchers.all_held()
+    assert all(held.get(j) for j, job in before.items() if job.state is JobState.ASSIGNED)
+    await h.stop()
+
+
+async def test_ending_jobs_follows_their_state(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    with pytest.raises(NotFound):
+        await core.cancel("j-missing")
+    pending = await core.submit("r1", spec())
+    assert pending.state is JobState.PENDING and "no GPU" in pending.pending_reason
+    with pytest.raises(FailedPrecondition, match="only an assigned job can finish"):
+        await core.report_done(pending.job_id, True, 0, "")
+    cancelled = await core.cancel(pending.job_id, "changed my mind")
+    assert cancelled.state is JobState.CANCELLED and cancelled.message == "changed my mind"
+    with pytest.raises(FailedPrecondition, match="already finished"):
+        await core.cancel(pending.job_id)
+
+
+arrivals = st.lists(
+    st.tuples(
+        st.sampled_from(["submit", "cancel", "done", "lose"]),
+        st.integers(1, 100),  # SM percent
+        st.sampled_from([5.0, 12.5, 25.0, 33.33, 40.0, 60.0, 100.0]),  # quota
+        st.integers(1, 40),  # memory GiB
+        st.sampled_from(["mra", "binpack", "spread", "time-share"]),
+        st.integers(0, 30),  # which job to end
+    ),
+    max_size=30,
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=arrivals)
+async def test_no_gpu_is_ever_over_committed_whatever_the_order(
+    tmp_path_factory: pytest.TempPathFactory, ops: list
+) -> None:
+    h = Harness(tmp_path_factory.mktemp("prop"))
+    core = await h.start()
+    for i in range(3):
+        await core.register_gpu(gpu(i, memory_gib=48), f"10.0.0.{i}:50060")
+    ids: list[str] = []
+    for n, (action, sm, quota, memory, policy, which) in enumerate(ops):
+        if action == "submit":
+            job_spec = replace(spec(f"j{n}", sm, quota, memory), policy=policy)
+            ids.append((await core.submit(f"r{n}", job_spec)).job_id)
+        elif ids and action in ("cancel", "done"):
+            job = await core.get(ids[which % len(ids)])
+            if job.state is JobState.ASSIGNED:
+                if action == "cancel":
+                    await core.cancel(job.job_id)
+                else:
+                    await core.report_done(job.job_id, True, 0, "")
+        elif action == "lose":
+            h.clock.now += 10
+            for i in range(3):
+                if i != which % 3:
+                    await core.heartbeat(f"GPU-{i}", 0.0, 0, [])
+            await core.check_heartbeats()
+            await core.heartbeat(f"GPU-{which % 3}", 0.0, 0, [])
+        core._fleet.verify()
+        for gpu_id in core._fleet.gpu_ids():
+            slot = core._fleet.slot(gpu_id)
+            assert slot.memory_used <= 48 * GIB
+            assert slot.area_used <= GRID_W * GRID_H
+        # What the dispatchers hold is exactly the assigned jobs.
+        live_assigned = {j.job_id for j in core._live.values() if j.state is JobState.ASSIGNED}
+        assert set(h.dispatchers.all_held()) >= live_assigned
+    await h.stop()
