@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from gpuloom import __version__
+from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, submit, watch
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
@@ -22,6 +23,8 @@ cli.add_command(serve)
 cli.add_command(profiles)
 cli.add_command(mig)
 cli.add_command(profile)
+for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
+    cli.add_command(command)
 
 
 def main() -> None:

@@ -3,16 +3,11 @@ grid through a dispatcher, recording each point with the profiler (FaST-Profiler
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import click
 
+from gpuloom.clients.shim_path import default_shim_path
 from gpuloom.clients.sweep import DEFAULT_QUOTAS, DEFAULT_SM, Sweep, SweepError
 from gpuloom.services.common.errors import DomainError
-
-# Where scripts/test and scripts/up build the shim in a checkout.
-_CHECKOUT_SHIM = Path(__file__).resolve().parents[2] / "shim" / "build" / "libgpuloom.so"
 
 
 def _numbers(kind: type, text: str, option: str) -> list:
@@ -89,9 +84,7 @@ def sweep(
     if no_shim:
         shim_path = None
     elif shim_path is None:
-        shim_path = os.environ.get("GPULOOM_SHIM_PATH") or (
-            str(_CHECKOUT_SHIM) if _CHECKOUT_SHIM.is_file() else None
-        )
+        shim_path = default_shim_path()
     runner = Sweep(
         function=function,
         command=command,

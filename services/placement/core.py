@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import math
 import secrets
 import time
@@ -50,6 +51,7 @@ from gpuloom.services.common.errors import (
     Unavailable,
 )
 from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers
 from gpuloom.services.placement.domain import (
     JOB_ID_PREFIX,
@@ -72,6 +74,8 @@ log = structlog.get_logger("gpuloom.placement")
 # A profile looked up in the profile store is reused for this long (found or not).
 PROFILE_TTL_S = 60.0
 MAX_PAGE_JOBS = 1000
+# Bindings wait at most this long to be written with a decision batch.
+RECORD_DELAY_S = 0.05
 MAX_PAGE_GPUS = 10_000
 
 
@@ -89,6 +93,7 @@ class _Submission:
     spec: JobSpec
     function: str
     done: asyncio.Future[Job]
+    arrived: float = field(default_factory=time.perf_counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +147,7 @@ class PlacementCore:
         self._watchers: dict[str, set[asyncio.Queue[Job]]] = defaultdict(set)
         self._lock = asyncio.Lock()  # one writer of fleet + database at a time
         self._queue: list[_Submission] = []
+        self._unsaved: dict[str, Job] = {}  # bindings not yet written (see _bind)
         self._wake = asyncio.Event()
         self._retry_pending = False
         self._function_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -193,6 +199,12 @@ class PlacementCore:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._background:
             await asyncio.wait(self._background, timeout=5)
+        if self._unsaved:
+            try:
+                await self._repo.update_jobs(list(self._unsaved.values()))
+                self._unsaved.clear()
+            except Exception:
+                log.exception("bindings not recorded at shutdown; the restart binds them again")
         for submission in self._queue:
             if not submission.done.done():
                 submission.done.set_exception(Unavailable("placement is shutting down"))
@@ -433,75 +445,91 @@ class PlacementCore:
 
     async def _decide_loop(self) -> None:
         while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue or self._retry_pending:
-                batch = self._queue[: self.config.max_batch]
-                del self._queue[: len(batch)]
-                try:
-                    await self._decide(batch)
-                except Exception as error:  # never let one bad batch stop the service
-                    log.exception("decision batch failed", jobs=len(batch))
-                    for submission in batch:
-                        if not submission.done.done():
-                            submission.done.set_exception(
-                                Unavailable(f"placement could not decide: {error}")
-                            )
+            if not (self._queue or self._retry_pending):
+                # Bindings are written with the next batch, or after a short quiet spell.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._wake.wait(), RECORD_DELAY_S if self._unsaved else None
+                    )
+                self._wake.clear()
+            if not (self._queue or self._retry_pending or self._unsaved):
+                continue
+            batch = self._queue[: self.config.max_batch]
+            del self._queue[: len(batch)]
+            try:
+                await self._decide(batch)
+            except Exception as error:  # never let one bad batch stop the service
+                log.exception("decision batch failed", jobs=len(batch))
+                for submission in batch:
+                    if not submission.done.done():
+                        submission.done.set_exception(
+                            Unavailable(f"placement could not decide: {error}")
+                        )
 
     async def _decide(self, batch: list[_Submission]) -> None:
         async with self._lock:
             now = self._clock()
             retried = self._place_pending(now) if self._retry_pending else []
             self._retry_pending = False
-            existing = await self._repo.jobs_by_request_id([s.request_id for s in batch])
-            new: list[Job] = []
-            waiting: list[tuple[_Submission, str]] = []
+            fresh: dict[str, Job] = {}  # request id -> the job this batch makes of it
+            waiting: list[tuple[_Submission, Job]] = []
             for submission in batch:
-                prior = existing.get(submission.request_id)
-                if prior is not None:
-                    if prior.spec != submission.spec or prior.function != submission.function:
-                        submission.done.set_exception(
-                            AlreadyExists(
-                                f"request_id {submission.request_id!r} was used for a "
-                                f"different job ({prior.job_id})"
-                            )
-                        )
-                        continue
-                    waiting.append((submission, prior.job_id))
-                    continue
-                job = Job(
-                    job_id=f"{JOB_ID_PREFIX}{uuid.uuid4().hex}",
-                    request_id=submission.request_id,
-                    spec=submission.spec,
-                    state=JobState.PENDING,
-                    submitted_at=now,
-                    updated_at=now,
-                    function=submission.function,
-                )
-                job = self._place(job, now)
-                existing[submission.request_id] = job
-                new.append(job)
-                waiting.append((submission, job.job_id))
+                job = fresh.get(submission.request_id)
+                if job is None:
+                    job = Job(
+                        job_id=f"{JOB_ID_PREFIX}{uuid.uuid4().hex}",
+                        request_id=submission.request_id,
+                        spec=submission.spec,
+                        state=JobState.PENDING,
+                        submitted_at=now,
+                        updated_at=now,
+                        function=submission.function,
+                    )
+                    job = fresh[submission.request_id] = self._place(job, now)
+                waiting.append((submission, job))
             changed = [job for job, _ in retried]
+            unsaved = list(self._unsaved.values())
+            self._unsaved.clear()
             try:
-                await self._repo.insert_jobs(new)
-                await self._repo.update_jobs(changed)
-            except Exception:
-                for job in (*new, *changed):
+                taken = await self._repo.write(list(fresh.values()), [*changed, *unsaved])
+            except BaseException:  # a failed write, or the service stopping in the middle
+                for job in (*fresh.values(), *changed):
                     if job.state is JobState.BINDING:
                         self._fleet.release(job.job_id)
                 for job, before in retried:
                     self._live[job.job_id] = before
+                for job in unsaved:
+                    self._unsaved.setdefault(job.job_id, job)
                 raise
-            for job in (*new, *changed):
+            for request_id in taken:  # submitted before: that job stands, this one never was
+                job = fresh.pop(request_id)
+                if job.state is JobState.BINDING:
+                    self._fleet.release(job.job_id)
+            prior = await self._repo.jobs_by_request_id(list(taken)) if taken else {}
+            for job in (*fresh.values(), *changed):
                 self._live[job.job_id] = job
                 self._publish(job)
-            self.counters.decided += len(new) + len(changed)
-        binding = [job for job in (*new, *changed) if job.state is JobState.BINDING]
+            self.counters.decided += len(fresh) + len(changed)
+            decided_at = time.perf_counter()
+            for submission in batch:
+                metrics.DECISION_LATENCY.observe(decided_at - submission.arrived)
+        answers: list[tuple[_Submission, str]] = []
+        for submission, job in waiting:
+            job = prior.get(submission.request_id, job)
+            if job.spec != submission.spec or job.function != submission.function:
+                submission.done.set_exception(
+                    AlreadyExists(
+                        f"request_id {submission.request_id!r} was used for a different job "
+                        f"({job.job_id})"
+                    )
+                )
+            else:
+                answers.append((submission, job.job_id))
+        binding = [job for job in (*fresh.values(), *changed) if job.state is JobState.BINDING]
         if binding:
-            self._spawn(self._bind(binding, waiting))
+            self._spawn(self._bind(binding, answers))
         else:
-            await self._answer(waiting)
+            await self._answer(answers)
 
     def _place(self, job: Job, now: float) -> Job:
         """Ask the job's policy for a place. A placed job is BINDING (its capacity is now
@@ -577,6 +605,7 @@ class PlacementCore:
                     self._suspend(job.binding.gpu_uuid)
                     self._release_on_dispatcher(job.binding, job.job_id)
                     self.counters.bind_failures += 1
+                    metrics.BIND_FAILURES.inc()
                     log.warning(
                         "binding failed", job=job.job_id, gpu=job.binding.gpu_uuid, error=message
                     )
@@ -599,17 +628,15 @@ class PlacementCore:
                             binding=replace(job.binding, environment=result),
                         )
                     )
-            try:
-                await self._repo.update_jobs(changed)
-            except Exception:
-                # The rows still say BINDING: a restart binds them again (idempotently).
-                log.exception("could not record bindings", jobs=len(changed))
-                changed = []
+            # Recorded behind, with the next decision batch: the BINDING row already holds the
+            # decision, and a restart binds it again (idempotently) if this write never lands.
             for job in changed:
                 self._live[job.job_id] = job
+                self._unsaved[job.job_id] = job
                 self._publish(job)
             if any(job.state is JobState.PENDING for job in changed):
                 self._retry_pending = True
+                self._wake.set()
         await self._answer(waiting)
 
     async def _reserve(self, job: Job) -> dict[str, str]:
@@ -671,6 +698,7 @@ class PlacementCore:
                     raise NotFound(f"no job {job_id!r}")
                 raise FailedPrecondition(f"job {job_id} already finished ({stored.state.value})")
             ended = job.advance(self._clock(), state=state, message=message, exit_code=exit_code)
+            self._unsaved.pop(job_id, None)
             await self._repo.update_jobs([ended])
             self._retire(job, ended)
         self._wake.set()
@@ -680,6 +708,8 @@ class PlacementCore:
     async def _finish_many(self, jobs: Sequence[Job], state: JobState, message: str) -> None:
         now = self._clock()
         ended = [j.advance(now, state=state, message=message) for j in jobs]
+        for job in jobs:
+            self._unsaved.pop(job.job_id, None)
         await self._repo.update_jobs(ended)
         for before, after in zip(jobs, ended, strict=True):
             self._retire(before, after)
@@ -740,6 +770,7 @@ class PlacementCore:
             )
             await self._finish_many(held, JobState.LOST, message)
             self.counters.lost_jobs += len(held)
+            metrics.JOBS_LOST.inc(len(held))
         log.warning("GPU lost", gpu=gpu_uuid, node=record.info.node, jobs_lost=len(held))
 
     # ---- helpers ----

@@ -144,6 +144,8 @@ class PlacementRepository:
         self._update_job = (
             update(JOBS)
             .where(JOBS.c.job_id == bindparam("b_job_id"))
+            # Writes may land out of order (bindings are recorded behind); never go back.
+            .where(JOBS.c.revision < bindparam("b_revision"))
             .values(
                 {
                     name: bindparam(name)
@@ -164,24 +166,40 @@ class PlacementRepository:
 
     # ---- jobs ----
 
-    async def insert_jobs(self, jobs: Sequence[Job]) -> None:
-        if not jobs:
-            return
+    async def write(self, new: Sequence[Job], changed: Sequence[Job]) -> set[str]:
+        """Insert new jobs and update changed ones in one transaction. A new job whose
+        request id is already taken is not inserted: returns those request ids."""
         async with self._engine.begin() as connection:
-            await connection.execute(JOBS.insert(), [_job_values(j) for j in jobs])
+            taken: set[str] = set()
+            if new:
+                dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
+                insert = (
+                    dialect.insert(JOBS)
+                    .on_conflict_do_nothing(index_elements=["request_id"])
+                    .returning(JOBS.c.request_id)
+                )
+                result = await connection.execute(insert, [_job_values(j) for j in new])
+                taken = {j.request_id for j in new} - set(result.scalars())
+            if changed:
+                await connection.execute(self._update_job, self._update_rows(changed))
+        return taken
 
-    async def update_jobs(self, jobs: Iterable[Job]) -> None:
+    async def update_jobs(self, jobs: Sequence[Job]) -> None:
+        if jobs:
+            async with self._engine.begin() as connection:
+                await connection.execute(self._update_job, self._update_rows(jobs))
+
+    @staticmethod
+    def _update_rows(jobs: Iterable[Job]) -> list[dict[str, object]]:
         rows = []
         for job in jobs:
             values = _job_values(job)
             values["b_job_id"] = values.pop("job_id")
+            values["b_revision"] = values["revision"]
             for fixed in ("request_id", "spec", "task_key", "function", "submitted_at"):
                 del values[fixed]
             rows.append(values)
-        if not rows:
-            return
-        async with self._engine.begin() as connection:
-            await connection.execute(self._update_job, rows)
+        return rows
 
     async def get_job(self, job_id: str) -> Job | None:
         async with self._engine.connect() as connection:

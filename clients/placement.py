@@ -1,0 +1,489 @@
+"""A synchronous client for gpuloom.v1.Placement, and the job file format.
+
+The client returns the service's protobuf messages (`placement_pb2.Job`, `GpuEntry`, ...) and
+raises the domain errors of services/common/errors.py with the server's message (NotFound,
+InvalidArgument with `.field`, FailedPrecondition, Unavailable when the service cannot be
+reached, ...), so callers never look at gRPC status codes.
+
+A job file (YAML or JSON) holds one job spec; `spec_from_document` turns its content into a
+`placement_pb2.JobSpec`, naming the file and the key of anything malformed. docs/jobs.md has the
+format.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import grpc
+import yaml
+
+from gpuloom.services.common.errors import DomainError, FailedPrecondition
+from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.v1 import common_pb2
+from gpuloom.v1 import placement_pb2 as pb
+from gpuloom.v1 import placement_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
+ADDRESS_ENV = "GPULOOM_PLACEMENT_ADDRESS"
+GIB = 1 << 30
+DEFAULT_PRIORITY = 5
+
+KINDS = {
+    "inference": pb.JOB_KIND_INFERENCE,
+    "training": pb.JOB_KIND_TRAINING,
+    "batch": pb.JOB_KIND_BATCH,
+}
+STATES = {
+    "pending": pb.JOB_STATE_PENDING,
+    "binding": pb.JOB_STATE_BINDING,
+    "assigned": pb.JOB_STATE_ASSIGNED,
+    "succeeded": pb.JOB_STATE_SUCCEEDED,
+    "failed": pb.JOB_STATE_FAILED,
+    "cancelled": pb.JOB_STATE_CANCELLED,
+    "lost": pb.JOB_STATE_LOST,
+}
+FINISHED_STATES = frozenset(
+    {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_LOST}
+)
+_STATE_NAMES = {code: name for name, code in STATES.items()}
+_KIND_NAMES = {code: name for name, code in KINDS.items()}
+
+
+def default_address() -> str:
+    return os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)
+
+
+def state_name(state: int) -> str:
+    """'pending', 'assigned', ... for a JobState value."""
+    return _STATE_NAMES.get(state, f"unknown({state})")
+
+
+def kind_name(kind: int) -> str:
+    return _KIND_NAMES.get(kind, "unspecified")
+
+
+def is_finished(job: pb.Job) -> bool:
+    return job.state in FINISHED_STATES
+
+
+class JobNotAssigned(FailedPrecondition):
+    """The job finished (failed, cancelled, lost, ...) instead of being assigned."""
+
+    def __init__(self, job: pb.Job) -> None:
+        detail = f": {job.message}" if job.message else ""
+        super().__init__(f"job {job.job_id} ended {state_name(job.state)}{detail}")
+        self.job = job
+
+
+class WaitTimedOut(DomainError):
+    """The job was not assigned within the time allowed; `job` is how it was last seen."""
+
+    def __init__(self, job: pb.Job, timeout_s: float) -> None:
+        reason = f" ({job.pending_reason})" if job.pending_reason else ""
+        super().__init__(
+            f"job {job.job_id} was not assigned within {timeout_s:g} s: still "
+            f"{state_name(job.state)}{reason}"
+        )
+        self.job = job
+
+
+class PlacementClient:
+    """Blocking calls to the placement service at `address` (default: GPULOOM_PLACEMENT_ADDRESS,
+    else localhost:50051). Use as a context manager, or call close()."""
+
+    def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
+        self.address = address or default_address()
+        self._channel = grpc.insecure_channel(self.address)
+        self._stub = pb_grpc.PlacementStub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> PlacementClient:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: object) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+
+    # ---- jobs ----
+
+    def submit(self, spec: pb.JobSpec | Mapping[str, Any], request_id: str | None = None) -> pb.Job:
+        """Submit a job: a JobSpec, or a job document as a job file holds it (whose
+        `request_id`, if any, is used when `request_id` is not given). Without a request id a
+        fresh one is made, so every call is a new job. Answers once the job is assigned or left
+        pending (see `pending_reason`)."""
+        if not isinstance(spec, pb.JobSpec):
+            document = spec
+            spec = spec_from_document(document, "spec")
+            if request_id is None:
+                request_id = document.get("request_id")
+        request = pb.SubmitJobRequest(request_id=request_id or uuid.uuid4().hex, spec=spec)
+        return self._call("SubmitJob", request)
+
+    def get(self, job_id: str) -> pb.Job:
+        return self._call("GetJob", pb.GetJobRequest(job_id=job_id))
+
+    def list(
+        self,
+        states: Iterable[int | str] = (),
+        task_key: str = "",
+        function: str = "",
+        gpu_uuid: str = "",
+        limit: int | None = None,
+        page_size: int = 100,
+    ) -> Iterator[pb.Job]:
+        """Every matching job (at most `limit`), fetching pages as the iteration goes. States are
+        JobState values or their names ('pending', 'assigned', ...)."""
+        codes = [_state_code(s) for s in states]
+        if limit is not None:
+            page_size = max(1, min(page_size, limit))
+        token, seen = "", 0
+        while True:
+            response = self._call(
+                "ListJobs",
+                pb.ListJobsRequest(
+                    states=codes,
+                    task_key=task_key,
+                    function=function,
+                    gpu_uuid=gpu_uuid,
+                    page_size=page_size,
+                    page_token=token,
+                ),
+            )
+            for job in response.jobs:
+                if limit is not None and seen >= limit:
+                    return
+                seen += 1
+                yield job
+            token = response.next_page_token
+            if not token or (limit is not None and seen >= limit):
+                return
+
+    def cancel(self, job_id: str, reason: str = "") -> pb.Job:
+        return self._call("CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason))
+
+    def report_done(
+        self, job_id: str, succeeded: bool, exit_code: int, message: str = ""
+    ) -> pb.Job:
+        """Tell placement that an assigned job's process ended; its capacity is released."""
+        request = pb.ReportJobDoneRequest(
+            job_id=job_id, succeeded=succeeded, exit_code=exit_code, message=message
+        )
+        return self._call("ReportJobDone", request)
+
+    def watch(self, job_id: str, timeout_s: float | None = None) -> Iterator[pb.Job]:
+        """The job now, then every change, until it finishes. Closing the iterator early hangs
+        up. With `timeout_s`, the whole stream is bounded (it ends with Unavailable)."""
+        call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        finally:
+            call.cancel()
+
+    def wait_assigned(
+        self,
+        job_id: str,
+        timeout_s: float | None = None,
+        on_update: Callable[[pb.Job], None] | None = None,
+    ) -> pb.Job:
+        """Follow the job until it is ASSIGNED and return it. Raises JobNotAssigned if it
+        finishes instead (failed, cancelled, lost, ...) and WaitTimedOut after `timeout_s`
+        (None: no limit). `on_update` sees every revision on the way."""
+        last: pb.Job | None = None
+        call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
+        try:
+            for job in call:
+                last = job
+                if on_update is not None:
+                    on_update(job)
+                if job.state == pb.JOB_STATE_ASSIGNED:
+                    return job
+                if is_finished(job):
+                    raise JobNotAssigned(job)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:  # type: ignore[attr-defined]
+                raise WaitTimedOut(last or self.get(job_id), timeout_s) from None
+            raise error_from_rpc(error) from None
+        finally:
+            call.cancel()
+        # The stream ended without an ASSIGNED or finished job (the server went away).
+        raise FailedPrecondition(f"the watch of job {job_id} ended before it was assigned")
+
+    def set_function_load(
+        self,
+        function: str,
+        requests_per_s: float,
+        template: pb.JobSpec | Mapping[str, Any],
+    ) -> pb.SetFunctionLoadResponse:
+        """Auto-scaling: the request rate `function` must serve; `template` is the replicas'
+        spec (a JobSpec or a job document; its MPS share is chosen by the scaler)."""
+        if not isinstance(template, pb.JobSpec):
+            template = spec_from_document(template, "template", require_resources=False)
+        request = pb.SetFunctionLoadRequest(
+            function=function, requests_per_s=requests_per_s, template=template
+        )
+        return self._call("SetFunctionLoad", request)
+
+    # ---- inventory ----
+
+    def gpus(self, node: str = "", page_size: int = 1000) -> Iterator[pb.GpuEntry]:
+        """Every registered GPU (of `node`, if given), over all pages."""
+        token = ""
+        while True:
+            response = self._call(
+                "ListGpus", pb.ListGpusRequest(node=node, page_size=page_size, page_token=token)
+            )
+            yield from response.gpus
+            token = response.next_page_token
+            if not token:
+                return
+
+
+def _state_code(state: int | str) -> int:
+    if isinstance(state, str):
+        try:
+            return STATES[state.lower()]
+        except KeyError:
+            known = ", ".join(STATES)
+            raise ValueError(f"unknown job state {state!r}; known: {known}") from None
+    return state
+
+
+# ---- job files ----
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be read or makes no sense: names the file and, where there is
+    one, the key."""
+
+    def __init__(self, source: str, key: str | None, problem: str) -> None:
+        where = f"{source}: key {key!r}: " if key else f"{source}: "
+        super().__init__(where + problem)
+        self.source = source
+        self.key = key
+        self.problem = problem
+
+
+def load_job_file(path: str | Path) -> dict[str, Any]:
+    """The document in a job file: JSON for *.json, YAML otherwise. Raises JobFileError when the
+    file cannot be read or parsed, or does not hold a mapping."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise JobFileError(source, None, f"cannot read it: {error}") from None
+    try:
+        is_json = path.suffix.lower() == ".json"
+        document = json.loads(text) if is_json else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise JobFileError(source, None, f"not valid JSON: {error}") from None
+    except yaml.YAMLError as error:
+        raise JobFileError(source, None, f"not valid YAML: {error}") from None
+    if not isinstance(document, dict):
+        raise JobFileError(
+            source,
+            None,
+            "must hold a mapping of keys (name, kind, resources, ...), got "
+            + ("an empty document" if document is None else type(document).__name__),
+        )
+    return document
+
+
+_TOP_KEYS = (
+    "name",
+    "kind",
+    "task_key",
+    "priority",
+    "policy",
+    "gpu_model",
+    "resources",
+    "slo",
+    "request_id",
+)
+_RESOURCE_KEYS = ("memory_gib", "memory_bytes", "mps", "whole_gpus")
+_MPS_KEYS = ("sm_percent", "quota_request_percent", "quota_limit_percent")
+_SLO_KEYS = ("p99_latency_ms", "target_requests_per_s")
+
+
+class _Reader:
+    """Typed access to one mapping of a job document, naming `source` and the dotted key."""
+
+    def __init__(self, source: str, mapping: Mapping[str, Any], prefix: str = "") -> None:
+        self.source, self.mapping, self.prefix = source, mapping, prefix
+
+    def fail(self, key: str | None, problem: str) -> JobFileError:
+        return JobFileError(self.source, self.path(key) if key else self.prefix or None, problem)
+
+    def path(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def only(self, allowed: tuple[str, ...]) -> None:
+        unknown = [str(k) for k in self.mapping if k not in allowed]
+        if unknown:
+            names = ", ".join(repr(self.path(k)) for k in unknown)
+            raise JobFileError(
+                self.source,
+                self.path(unknown[0]),
+                f"unknown key{'s' if len(unknown) > 1 else ''} {names}; allowed here: "
+                + ", ".join(allowed),
+            )
+
+    def text(self, key: str, required: bool = False) -> str:
+        value = self.mapping.get(key)
+        if value is None:
+            if required:
+                raise self.fail(key, "required")
+            return ""
+        if not isinstance(value, str):
+            raise self.fail(key, f"must be a string, got {value!r}")
+        return value
+
+    def integer(self, key: str) -> int | None:
+        value = self.mapping.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be a whole number, got {value!r}")
+        return value
+
+    def number(self, key: str) -> float | None:
+        value = self.mapping.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise self.fail(key, f"must be finite, got {value!r}")
+        return float(value)
+
+    def section(self, key: str) -> _Reader | None:
+        value = self.mapping.get(key)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.fail(key, f"must be a mapping, got {type(value).__name__}")
+        return _Reader(self.source, value, self.path(key))
+
+
+def spec_from_document(
+    doc: Mapping[str, Any], source: str, require_resources: bool = True
+) -> pb.JobSpec:
+    """A JobSpec from a job document (the content of a job file). Checks the shape and types
+    here, naming `source` and the key (JobFileError); value ranges other than the priority are
+    the service's to check (its InvalidArgument names the spec field)."""
+    if not isinstance(doc, Mapping):
+        raise JobFileError(source, None, f"must hold a mapping of keys, got {type(doc).__name__}")
+    top = _Reader(source, doc)
+    top.only(_TOP_KEYS)
+    spec = pb.JobSpec(name=top.text("name", required=True))
+    kind = top.text("kind", required=True)
+    if kind not in KINDS:
+        raise top.fail("kind", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    spec.kind = KINDS[kind]
+    spec.task_key = top.text("task_key")
+    spec.policy = top.text("policy")
+    spec.gpu_model = top.text("gpu_model")
+    top.text("request_id")  # a string if given; the caller sends it with the spec
+    priority = top.integer("priority")
+    if priority is None:
+        priority = DEFAULT_PRIORITY
+    if not 0 <= priority <= 9:
+        raise top.fail("priority", f"must be within 0..9 (0 is highest), got {priority}")
+    spec.priority.CopyFrom(common_pb2.Priority(level=priority))
+    _resources_into(spec, top.section("resources"), top, require_resources)
+    slo = top.section("slo")
+    if slo is not None:
+        slo.only(_SLO_KEYS)
+        spec.slo.p99_latency_ms = slo.number("p99_latency_ms") or 0.0
+        spec.slo.target_requests_per_s = slo.number("target_requests_per_s") or 0.0
+    return spec
+
+
+def _resources_into(
+    spec: pb.JobSpec, resources: _Reader | None, top: _Reader, required: bool
+) -> None:
+    if resources is None:
+        if required:
+            raise top.fail("resources", "required: memory_gib plus mps, or whole_gpus: 1")
+        return
+    resources.only(_RESOURCE_KEYS)
+    gib = resources.number("memory_gib")
+    memory_bytes = resources.integer("memory_bytes")
+    if gib is not None and memory_bytes is not None:
+        raise resources.fail("memory_gib", "give memory_gib or memory_bytes, not both")
+    if gib is not None:
+        if not 0 <= gib < 1 << 33:
+            raise resources.fail("memory_gib", f"must be >= 0 (and sane), got {gib:g}")
+        spec.resources.memory_bytes = round(gib * GIB)
+    elif memory_bytes is not None:
+        if not 0 <= memory_bytes < 1 << 64:
+            raise resources.fail("memory_bytes", f"must be >= 0, got {memory_bytes}")
+        spec.resources.memory_bytes = memory_bytes
+    mps = resources.section("mps")
+    whole = resources.integer("whole_gpus")
+    if mps is not None and whole is not None:
+        raise resources.fail("mps", "give mps or whole_gpus, not both")
+    if whole is not None:
+        if not 0 <= whole < 1 << 32:
+            raise resources.fail("whole_gpus", f"must be 1, got {whole}")
+        spec.resources.whole_gpus = whole
+    elif mps is not None:
+        mps.only(_MPS_KEYS)
+        sm = mps.integer("sm_percent")
+        request = mps.number("quota_request_percent")
+        if sm is None:
+            raise mps.fail("sm_percent", "required (1..100)")
+        if request is None:
+            raise mps.fail("quota_request_percent", "required (percent of the time window)")
+        if not 0 <= sm < 1 << 32:  # what the message can carry; the service checks 1..100
+            raise mps.fail("sm_percent", f"must be within 1..100, got {sm}")
+        spec.resources.mps.sm_percent = sm
+        spec.resources.mps.quota.request_percent = request
+        spec.resources.mps.quota.limit_percent = mps.number("quota_limit_percent") or 0.0
+    elif required:
+        raise resources.fail(None, "set one of mps (sm_percent and quota) or whole_gpus: 1")
+
+
+# Spec fields in the service's InvalidArgument -> the key of a job file that sets them.
+_FILE_KEYS = {
+    "spec.resources.mps.quota.request_percent": "resources.mps.quota_request_percent",
+    "spec.resources.mps.quota.limit_percent": "resources.mps.quota_limit_percent",
+    "spec.resources.memory_bytes": "resources.memory_gib",
+    "spec.priority.level": "priority",
+}
+
+
+def file_key_for(field: str, doc: Mapping[str, Any] | None = None) -> str | None:
+    """The job file key behind a field the service named (`spec.resources.mps.sm_percent` ->
+    `resources.mps.sm_percent`), or None when the field is not the spec's. With the document,
+    the memory key is the one it used."""
+    if field == "spec.resources.memory_bytes" and doc is not None:
+        resources = doc.get("resources")
+        if isinstance(resources, Mapping) and "memory_bytes" in resources:
+            return "resources.memory_bytes"
+    if field in _FILE_KEYS:
+        return _FILE_KEYS[field]
+    if field == "request_id":
+        return field
+    if field.startswith("spec."):
+        return field.removeprefix("spec.")
+    return None

@@ -1,0 +1,35 @@
+"""Prometheus metrics of the placement service."""
+
+from __future__ import annotations
+
+import prometheus_client
+
+# From a submission's arrival to its decision being written (placed or pending): what a
+# decision costs, queueing for the next batch included, the dispatcher's bind excluded.
+DECISION_LATENCY = prometheus_client.Histogram(
+    "gpuloom_placement_decision_seconds",
+    "Time from a submission's arrival to its decision being durable",
+    buckets=(
+        0.0005,
+        0.001,
+        0.0015,
+        0.002,
+        0.0025,
+        0.003,
+        0.004,
+        0.005,
+        0.0075,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        1.0,
+    ),
+)
+BIND_FAILURES = prometheus_client.Counter(
+    "gpuloom_placement_bind_failures_total", "Reservations a dispatcher refused or never answered"
+)
+JOBS_LOST = prometheus_client.Counter(
+    "gpuloom_placement_jobs_lost_total", "Jobs lost because their GPU stopped sending heartbeats"
+)

@@ -1,0 +1,547 @@
+"""The placement client and the job commands of the CLI against a live placement service with
+real dispatchers on simulated GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from gpuloom.clients.cli import cli
+from gpuloom.clients.placement import (
+    JobFileError,
+    JobNotAssigned,
+    PlacementClient,
+    WaitTimedOut,
+    load_job_file,
+    spec_from_document,
+)
+from gpuloom.services.dispatcher.app import DispatcherApp
+from gpuloom.v1 import common_pb2
+from gpuloom.v1 import placement_pb2 as pb
+from tests.placement.conftest import GIB, Live, eventually, mps_spec, register_all, submit
+
+YAML_JOB = """\
+# a shared inference job
+name: resnet-serve
+kind: inference
+task_key: resnet50
+priority: 2
+policy: mra
+resources:
+  memory_gib: 8
+  mps: {sm_percent: 30, quota_request_percent: 40, quota_limit_percent: 60}
+slo: {p99_latency_ms: 25, target_requests_per_s: 300}
+"""
+JSON_JOB = {
+    "name": "trainer",
+    "kind": "training",
+    "request_id": "train-1",
+    "resources": {"memory_bytes": 16 * GIB, "whole_gpus": 1},
+}
+
+
+def address(live: Live) -> str:
+    return f"--placement=127.0.0.1:{live.app.port}"
+
+
+# CliRunner swaps sys.stdout for the whole process, so the service's log lines (printed on
+# this event loop while a command runs) land in its output too: they are left out here.
+SERVICE_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+def stdout_lines(result: Result) -> list[str]:
+    return [line for line in result.stdout.splitlines() if not SERVICE_LOG.match(line)]
+
+
+def stdout_of(result: Result) -> str:
+    return "\n".join(stdout_lines(result))
+
+
+async def invoke(*args: str) -> Result:
+    # Placement serves on this event loop, so the blocking CLI runs in a worker thread.
+    return await asyncio.to_thread(CliRunner().invoke, cli, list(args))
+
+
+async def all_jobs(live: Live) -> list[pb.Job]:
+    return list((await live.stub.ListJobs(pb.ListJobsRequest())).jobs)
+
+
+async def get_job(live: Live, job_id: str) -> pb.Job:
+    return await live.stub.GetJob(pb.GetJobRequest(job_id=job_id))
+
+
+# ---- submit ----
+
+
+async def test_submit_a_yaml_and_a_json_job_file(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(YAML_JOB)
+    shared = await invoke("submit", str(yaml_file), address(placement))
+    assert shared.exit_code == 0, shared.output
+    job_id = stdout_of(shared).split()[1]
+    assert "assigned on GPU SIM-" in shared.output
+    assert "SM 30%, quota 40% (limit 60%), memory 8.00 GiB" in shared.output
+
+    job = await get_job(placement, job_id)
+    assert job.state == pb.JOB_STATE_ASSIGNED
+    assert (job.spec.name, job.spec.kind, job.spec.task_key) == (
+        "resnet-serve",
+        pb.JOB_KIND_INFERENCE,
+        "resnet50",
+    )
+    assert job.spec.priority.level == 2 and job.policy == "mra"
+    assert job.spec.resources.memory_bytes == 8 * GIB
+    mps = job.spec.resources.mps
+    assert (mps.sm_percent, mps.quota.request_percent, mps.quota.limit_percent) == (30, 40, 60)
+    assert (job.spec.slo.p99_latency_ms, job.spec.slo.target_requests_per_s) == (25, 300)
+
+    json_file = tmp_path / "train.json"
+    json_file.write_text(json.dumps(JSON_JOB))
+    whole = await invoke("submit", str(json_file), address(placement), "--json")
+    assert whole.exit_code == 0, whole.output
+    document = json.loads(stdout_of(whole))
+    assert document["state"] == "JOB_STATE_ASSIGNED"
+    assert document["request_id"] == "train-1"
+    assert document["spec"]["resources"] == {"memory_bytes": str(16 * GIB), "whole_gpus": 1}
+    assert document["spec"]["priority"] == {"level": 5}  # the default of job files
+    # The file's request_id makes submitting it again idempotent.
+    again = await invoke("submit", str(json_file), address(placement), "--json")
+    assert json.loads(stdout_of(again))["job_id"] == document["job_id"]
+    assert len(await all_jobs(placement)) == 2
+
+
+BAD_FILES = [
+    ("unknown.yaml", "name: a\nkind: batch\ncolour: red\n", ["'colour'", "unknown key"]),
+    (
+        "nested.yaml",
+        "name: a\nkind: batch\nresources: {whole_gpus: 1, gpus: 2}\n",
+        ["'resources.gpus'", "unknown key"],
+    ),
+    ("nokind.yaml", "name: a\nresources: {whole_gpus: 1}\n", ["'kind'", "required"]),
+    ("badkind.json", '{"name": "a", "kind": "serving"}', ["'kind'", "inference, training"]),
+    (
+        "sm0.yaml",
+        "name: a\nkind: batch\nresources:\n  memory_gib: 4\n"
+        "  mps: {sm_percent: 0, quota_request_percent: 50}\n",
+        [
+            "'resources.mps.sm_percent'",
+            "refused by placement",
+            "spec.resources.mps.sm_percent: must be within 1..100, got 0",
+        ],
+    ),
+    ("list.yaml", "- name: a\n- name: b\n", ["must hold a mapping", "got list"]),
+    ("broken.json", '{"name": "a",', ["not valid JSON"]),
+    (
+        "priority.yaml",
+        "name: a\nkind: batch\npriority: 12\nresources: {whole_gpus: 1}\n",
+        ["'priority'", "0..9"],
+    ),
+    (
+        "type.yaml",
+        "name: a\nkind: batch\nresources: {memory_gib: lots, whole_gpus: 1}\n",
+        ["'resources.memory_gib'", "must be a number"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("filename", "content", "expected"), BAD_FILES)
+async def test_bad_job_files_exit_2_naming_the_file_and_key_and_submit_nothing(
+    placement: Live,
+    dispatchers: DispatcherApp,
+    tmp_path: Path,
+    filename: str,
+    content: str,
+    expected: list[str],
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    path = tmp_path / filename
+    path.write_text(content)
+    result = await invoke("submit", str(path), address(placement))
+    assert result.exit_code == 2, result.output
+    assert str(path) in result.output
+    for text in expected:
+        assert text in result.output
+    assert await all_jobs(placement) == []
+
+
+async def test_a_missing_file_and_an_unreachable_service_are_clear(
+    placement: Live, tmp_path: Path
+) -> None:
+    missing = await invoke("submit", str(tmp_path / "nope.yaml"), address(placement))
+    assert missing.exit_code == 2 and "nope.yaml" in missing.output
+    assert "cannot read it" in missing.output
+    path = tmp_path / "ok.yaml"
+    path.write_text("name: a\nkind: batch\nresources: {whole_gpus: 1}\n")
+    await placement.app.stop(0)
+    dead = await invoke("submit", str(path), address(placement))
+    assert dead.exit_code == 1 and "placement at 127.0.0.1" in dead.output
+
+
+async def test_submit_wait_follows_a_pending_job_until_it_is_assigned(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    big = [
+        await submit(placement.stub, mps_spec(f"big{i}", 100, 100, memory_gib=70)) for i in range(4)
+    ]
+    path = tmp_path / "late.yaml"
+    path.write_text("name: late\nkind: batch\nresources: {whole_gpus: 1}\n")
+    waiting = asyncio.create_task(invoke("submit", str(path), address(placement), "--wait"))
+
+    # Once the late job is pending, free a GPU for it.
+    async def pending() -> list[pb.Job]:
+        return [j for j in await all_jobs(placement) if j.spec.name == "late"]
+
+    async with asyncio.timeout(10):
+        while not await pending():
+            await asyncio.sleep(0.02)
+    await placement.stub.CancelJob(pb.CancelJobRequest(job_id=big[0].job_id))
+    result = await waiting
+    assert result.exit_code == 0, result.output
+    assert "pending:" in result.stderr
+    assert "assigned on GPU " + big[0].assignment.gpu.gpu_uuid in result.stdout
+
+
+# ---- jobs, job, cancel, watch, gpus ----
+
+
+async def test_jobs_lists_filters_and_prints_json(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    shared = await submit(placement.stub, mps_spec("shared", 40, 30, task_key="t1"))
+    whole_spec = pb.JobSpec(name="whole", kind=pb.JOB_KIND_BATCH, task_key="t2")
+    whole_spec.resources.CopyFrom(common_pb2.Resources(whole_gpus=1))
+    whole = await submit(placement.stub, whole_spec)
+
+    listed = await invoke("jobs", address(placement), "--json")
+    assert listed.exit_code == 0, listed.output
+    documents = [json.loads(line) for line in stdout_lines(listed)]
+    assert [d["job_id"] for d in documents] == [shared.job_id, whole.job_id]
+    assert all(d["state"] == "JOB_STATE_ASSIGNED" for d in documents)
+
+    table = await invoke("jobs", address(placement))
+    lines = stdout_lines(table)
+    assert lines[0].split()[:4] == ["ID", "NAME", "STATE", "PRIO"]
+    row = next(line for line in lines if line.startswith(shared.job_id)).split()
+    assert row[1:3] == ["shared", "assigned"]
+    assert shared.assignment.gpu.gpu_uuid in row and "40" in row and "30.00" in row
+
+    only = await invoke("jobs", address(placement), "--task-key", "t2", "--json")
+    assert [json.loads(line)["job_id"] for line in stdout_lines(only)] == [whole.job_id]
+    none = await invoke("jobs", address(placement), "--state", "pending")
+    assert stdout_of(none).strip() == "no jobs match"
+
+
+async def test_job_shows_one_job_and_cancel_cancels_it(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    job = await submit(placement.stub, mps_spec("victim", 20, 20))
+
+    shown = await invoke("job", job.job_id, address(placement))
+    assert shown.exit_code == 0, shown.output
+    assert f"GPULOOM_ASSIGNMENT_ID={job.job_id}" in shown.output
+    assert "GPULOOM_ASSIGNMENT_TOKEN=(hidden)" in shown.output
+    assert job.assignment.environment["GPULOOM_ASSIGNMENT_TOKEN"] not in shown.output
+
+    cancelled = await invoke("cancel", job.job_id, "--reason", "not needed", address(placement))
+    assert cancelled.exit_code == 0, cancelled.output
+    assert f"job {job.job_id} cancelled" in cancelled.output
+    after = await get_job(placement, job.job_id)
+    assert after.state == pb.JOB_STATE_CANCELLED and "not needed" in after.message
+
+    twice = await invoke("cancel", job.job_id, address(placement))
+    assert twice.exit_code == 1 and "cancelled" in twice.output
+    unknown = await invoke("job", "j-nobody", address(placement))
+    assert unknown.exit_code == 1 and "j-nobody" in unknown.output
+
+
+async def test_watch_prints_the_final_state_of_a_finished_job(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    job = await submit(placement.stub, mps_spec("done"))
+    await placement.stub.ReportJobDone(
+        pb.ReportJobDoneRequest(job_id=job.job_id, succeeded=True, exit_code=0, message="ok")
+    )
+    watched = await invoke("watch", job.job_id, address(placement))
+    assert watched.exit_code == 0, watched.output
+    lines = stdout_lines(watched)
+    assert len(lines) == 1 and lines[0].endswith(f"job {job.job_id} succeeded (exit code 0): ok")
+
+    as_json = await invoke("watch", job.job_id, address(placement), "--json")
+    assert json.loads(stdout_of(as_json))["state"] == "JOB_STATE_SUCCEEDED"
+
+
+async def test_watch_follows_a_job_through_its_changes(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    job = await submit(placement.stub, mps_spec("followed"))
+    watching = asyncio.create_task(invoke("watch", job.job_id, address(placement)))
+    await eventually(lambda: bool(placement.app.core._watchers.get(job.job_id)))
+    await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="bye"))
+    watched = await watching
+    assert watched.exit_code == 0, watched.output
+    lines = stdout_lines(watched)
+    assert "assigned on GPU" in lines[0]
+    assert lines[-1].endswith(f"job {job.job_id} cancelled: bye")
+
+
+async def test_gpus_lists_the_four_simulated_gpus(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    job = await submit(placement.stub, mps_spec("one", 50, 50, memory_gib=8))
+    listed = await invoke("gpus", address(placement), "--json")
+    assert listed.exit_code == 0, listed.output
+    entries = [json.loads(line) for line in stdout_lines(listed)]
+    assert len(entries) == 4
+    assert {e["gpu"]["model"] for e in entries} == {"A100-80GB"}
+    holder = next(e for e in entries if e["gpu"]["ref"]["gpu_uuid"] == job.assignment.gpu.gpu_uuid)
+    assert holder["jobs"] == 1 and holder["memory_reserved_bytes"] == str(8 * GIB)
+
+    table = await invoke("gpus", address(placement), "--node", "n1")
+    lines = stdout_lines(table)
+    assert lines[0].split()[:3] == ["NODE", "UUID", "MODEL"]
+    assert len(lines) == 2 + 4 and all("schedulable" in line for line in lines[2:])
+    other = await invoke("gpus", address(placement), "--node", "n9")
+    assert stdout_of(other).strip() == "no GPUs registered"
+
+
+# ---- run ----
+
+PRINT_ID_EXIT_3 = "import os, sys; print(os.environ['GPULOOM_ASSIGNMENT_ID']); sys.exit(3)"
+
+
+async def test_run_runs_the_command_in_its_assignment_and_reports_its_exit_code(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    result = await invoke(
+        "run", address(placement), "--no-shim", "--", sys.executable, "-c", PRINT_ID_EXIT_3
+    )
+    assert result.exit_code == 3, result.output
+    (job,) = await all_jobs(placement)
+    assert stdout_of(result).strip() == job.job_id
+    assert job.state == pb.JOB_STATE_FAILED and job.exit_code == 3
+    assert "exited with code 3" in job.message
+    assert job.spec.resources.WhichOneof("share") == "whole_gpus"
+    assert job.spec.kind == pb.JOB_KIND_BATCH
+    # Its GPU was given back.
+    await eventually(lambda: not any(d.core.book.all() for d in dispatchers.dispatchers))
+
+
+async def test_run_with_a_share_passes_the_share_and_preloads_the_shim(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    shim = tmp_path / "libfake.so"
+    shim.write_bytes(b"")  # never loaded: the child is Python and reads its environment
+    script = textwrap.dedent(
+        """
+        import os
+        print(os.environ["LD_PRELOAD"])
+        print(os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"])
+        """
+    )
+    result = await asyncio.to_thread(
+        CliRunner(env={"LD_PRELOAD": "/opt/other.so"}).invoke,
+        cli,
+        [
+            "run",
+            address(placement),
+            "--sm",
+            "25",
+            "--quota",
+            "40",
+            "--memory-gib",
+            "2",
+            "--name",
+            "shared-run",
+            "--priority",
+            "1",
+            "--shim",
+            str(shim),
+            "--",
+            sys.executable,
+            "-c",
+            script,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert stdout_lines(result) == [f"{shim}:/opt/other.so", "25"]
+    (job,) = await all_jobs(placement)
+    assert job.state == pb.JOB_STATE_SUCCEEDED and job.exit_code == 0
+    assert (job.spec.name, job.spec.priority.level) == ("shared-run", 1)
+    mps = job.spec.resources.mps
+    assert (mps.sm_percent, mps.quota.request_percent) == (25, 40)
+    assert job.spec.resources.memory_bytes == 2 * GIB
+
+
+async def test_run_of_a_command_that_does_not_exist_exits_127_and_fails_the_job(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    result = await invoke("run", address(placement), "--no-shim", "--", "gpuloom-no-such-cmd")
+    assert result.exit_code == 127, result.output
+    assert "cannot start 'gpuloom-no-such-cmd'" in result.stderr
+    (job,) = await all_jobs(placement)
+    assert job.state == pb.JOB_STATE_FAILED and job.exit_code == 127
+    assert "gpuloom-no-such-cmd" in job.message
+
+
+async def test_run_stops_the_command_when_its_job_is_cancelled(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    sleeper = "import time; print('started', flush=True); time.sleep(60)"
+    running = asyncio.create_task(
+        invoke("run", address(placement), "--no-shim", "--", sys.executable, "-c", sleeper)
+    )
+    async with asyncio.timeout(10):
+        while not (jobs := await all_jobs(placement)) or jobs[0].state != pb.JOB_STATE_ASSIGNED:
+            await asyncio.sleep(0.02)
+    await placement.stub.CancelJob(pb.CancelJobRequest(job_id=jobs[0].job_id, reason="stop"))
+    result = await running
+    assert result.exit_code == 128 + 15, result.output  # SIGTERM
+    assert "was cancelled: stop" in result.stderr
+    assert (await get_job(placement, jobs[0].job_id)).state == pb.JOB_STATE_CANCELLED
+
+
+async def test_run_gives_up_after_its_timeout_and_cancels_the_job(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    for i in range(4):
+        await submit(placement.stub, mps_spec(f"big{i}", 100, 100, memory_gib=70))
+    result = await invoke("run", address(placement), "--no-shim", "--timeout", "0.5", "--", "true")
+    assert result.exit_code == 1, result.output
+    assert "pending:" in result.stderr and "not assigned within 0.5 s" in result.stderr
+    late = [j for j in await all_jobs(placement) if j.spec.name == "true"]
+    assert len(late) == 1 and late[0].state == pb.JOB_STATE_CANCELLED
+
+
+async def test_run_refuses_inconsistent_options(placement: Live) -> None:
+    for args, text in [
+        (["--sm", "20"], "--memory-gib"),
+        (["--whole-gpu", "--quota", "10", "--memory-gib", "1"], "--whole-gpu"),
+        (["--quota-limit", "50"], "--quota-limit"),
+        (["--sm", "0", "--memory-gib", "1"], "--sm"),
+    ]:
+        result = await invoke("run", address(placement), *args, "--", "true")
+        assert result.exit_code == 2 and text in result.output, (args, result.output)
+    bad_policy = await invoke("run", address(placement), "--policy", "best-guess", "--", "true")
+    assert bad_policy.exit_code == 2 and "--policy" in bad_policy.output
+    assert "unknown placement policy 'best-guess'" in bad_policy.output
+    assert await all_jobs(placement) == []
+
+
+# ---- the client ----
+
+
+async def test_client_waits_for_assignment_and_says_when_a_job_ends_instead(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    for i in range(4):
+        await submit(placement.stub, mps_spec(f"big{i}", 100, 100, memory_gib=70))
+    client = PlacementClient(f"127.0.0.1:{placement.app.port}")
+    try:
+        job = await asyncio.to_thread(
+            client.submit, {"name": "w", "kind": "batch", "resources": {"whole_gpus": 1}}
+        )
+        assert job.state == pb.JOB_STATE_PENDING
+        with pytest.raises(WaitTimedOut) as timed_out:
+            await asyncio.to_thread(client.wait_assigned, job.job_id, 0.2)
+        assert timed_out.value.job.state == pb.JOB_STATE_PENDING
+
+        waiting = asyncio.create_task(asyncio.to_thread(client.wait_assigned, job.job_id))
+        await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="gone"))
+        with pytest.raises(JobNotAssigned) as ended:
+            await waiting
+        assert ended.value.job.state == pb.JOB_STATE_CANCELLED
+        assert str(ended.value) == f"job {job.job_id} ended cancelled: gone"
+
+        states = [j.state for j in await asyncio.to_thread(lambda: list(client.watch(job.job_id)))]
+        assert states == [pb.JOB_STATE_CANCELLED]
+        pages = await asyncio.to_thread(lambda: list(client.list(page_size=2)))
+        assert len(pages) == 5
+        limited = await asyncio.to_thread(lambda: list(client.list(["assigned"], limit=3)))
+        assert len(limited) == 3 and all(j.state == pb.JOB_STATE_ASSIGNED for j in limited)
+    finally:
+        client.close()
+
+
+def test_job_documents_become_specs_with_defaults() -> None:
+    spec = spec_from_document(
+        {"name": "n", "kind": "batch", "resources": {"memory_bytes": 5, "whole_gpus": 1}}, "x"
+    )
+    assert spec.priority.level == 5 and spec.resources.memory_bytes == 5
+    assert spec.resources.WhichOneof("share") == "whole_gpus"
+    assert not spec.HasField("slo") or spec.slo.p99_latency_ms == 0
+
+
+@pytest.mark.parametrize(
+    ("document", "key", "problem"),
+    [
+        ({"kind": "batch"}, "name", "required"),
+        ({"name": 3, "kind": "batch"}, "name", "must be a string"),
+        ({"name": "n", "kind": "batch"}, "resources", "required"),
+        (
+            {"name": "n", "kind": "batch", "resources": {"memory_gib": 1, "memory_bytes": 1}},
+            "resources.memory_gib",
+            "not both",
+        ),
+        (
+            {
+                "name": "n",
+                "kind": "batch",
+                "resources": {"whole_gpus": 1, "mps": {"sm_percent": 1}},
+            },
+            "resources.mps",
+            "not both",
+        ),
+        (
+            {"name": "n", "kind": "batch", "resources": {"mps": {"sm_percent": 10}}},
+            "resources.mps.quota_request_percent",
+            "required",
+        ),
+        (
+            {"name": "n", "kind": "batch", "resources": {"whole_gpus": True}},
+            "resources.whole_gpus",
+            "whole number",
+        ),
+        (
+            {"name": "n", "kind": "batch", "resources": {"whole_gpus": 1}, "slo": {"p50": 1}},
+            "slo.p50",
+            "unknown key",
+        ),
+        ({"name": "n", "kind": "batch", "resources": []}, "resources", "must be a mapping"),
+    ],
+)
+def test_job_document_problems_name_the_source_and_key(
+    document: dict, key: str, problem: str
+) -> None:
+    with pytest.raises(JobFileError) as caught:
+        spec_from_document(document, "job.yaml")
+    assert caught.value.key == key and caught.value.source == "job.yaml"
+    assert str(caught.value).startswith(f"job.yaml: key {key!r}: ") and problem in str(caught.value)
+
+
+def test_an_empty_job_file_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("# nothing\n")
+    with pytest.raises(JobFileError, match="empty document"):
+        load_job_file(path)
