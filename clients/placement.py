@@ -18,12 +18,12 @@ import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
 import yaml
 
+from gpuloom.clients.blocking import BlockingClient
 from gpuloom.services.common.errors import DomainError, FailedPrecondition
 from gpuloom.services.common.grpc_errors import error_from_rpc
 from gpuloom.v1 import common_pb2
@@ -94,32 +94,12 @@ class WaitTimedOut(DomainError):
         self.job = job
 
 
-class PlacementClient:
+class PlacementClient(BlockingClient):
     """Blocking calls to the placement service at `address` (default: GPULOOM_PLACEMENT_ADDRESS,
     else localhost:50051). Use as a context manager, or call close()."""
 
     def __init__(self, address: str | None = None, timeout_s: float = 30.0) -> None:
-        self.address = address or default_address()
-        self._channel = grpc.insecure_channel(self.address)
-        self._stub = pb_grpc.PlacementStub(self._channel)
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> PlacementClient:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _call(self, method: str, request: object) -> Any:
-        try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+        super().__init__(address or default_address(), pb_grpc.PlacementStub, timeout_s)
 
     # ---- jobs ----
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from datetime import UTC
-from types import TracebackType
 
-import grpc
-
-from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.clients.blocking import BlockingClient
 from gpuloom.services.profile_store import convert
 from gpuloom.services.profile_store import domain as d
 from gpuloom.v1 import profile_store_pb2 as pb
@@ -26,29 +23,9 @@ def default_address() -> str:
     return os.environ.get("GPULOOM_PROFILE_STORE_ADDRESS", DEFAULT_ADDRESS)
 
 
-class ProfileStoreClient:
+class ProfileStoreClient(BlockingClient):
     def __init__(self, address: str | None = None, timeout_s: float = 10.0) -> None:
-        self.address = address or default_address()
-        self._channel = grpc.insecure_channel(self.address)
-        self._stub = pb_grpc.ProfileStoreStub(self._channel)
-        self._timeout_s = timeout_s
-
-    def __enter__(self) -> ProfileStoreClient:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def _call(self, method: str, request: object) -> object:
-        try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s)
-        except grpc.RpcError as error:
-            raise error_from_rpc(error) from None
+        super().__init__(address or default_address(), pb_grpc.ProfileStoreStub, timeout_s)
 
     def put(self, profile: d.Profile, expected_version: int | None = None) -> d.Profile:
         """Store a profile of any kind; returns it with the version the store gave it."""

@@ -143,12 +143,7 @@ def list_jobs(
     """List jobs, oldest first: one table row (or one JSON object per line with --json)."""
     with _placement(address) as client:
         found = list(client.list(states, task_key, function, gpu_uuid, limit=limit))
-    if as_json:
-        for job in found:
-            click.echo(_json(job))
-        return
-    if not found:
-        click.echo("no jobs match")
+    if _echo_json_or_nothing(found, as_json, "no jobs match"):
         return
     headers = ["ID", "NAME", "STATE", "PRIO", "GPU", "SM %", "QUOTA %", "MEMORY"]
     rows = [
@@ -220,12 +215,7 @@ def gpus(node: str, address: str, as_json: bool) -> None:
     """List the registered GPUs: what is reserved on each and how busy it is."""
     with _placement(address) as client:
         found = list(client.gpus(node))
-    if as_json:
-        for entry in found:
-            click.echo(_json(entry))
-        return
-    if not found:
-        click.echo("no GPUs registered")
+    if _echo_json_or_nothing(found, as_json, "no GPUs registered"):
         return
     headers = ["NODE", "UUID", "MODEL", "MEMORY", "STATUS", "JOBS", "AREA %", "MEM RESERVED"]
     rows = [
@@ -597,6 +587,18 @@ def _json(message: Message, indent: int | None = None) -> str:
         message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
     return json.dumps(document, indent=indent)
+
+
+def _echo_json_or_nothing(items: list, as_json: bool, empty: str) -> bool:
+    """With --json print one object per line; with nothing to show say so. True: done."""
+    if as_json:
+        for item in items:
+            click.echo(_json(item))
+        return True
+    if not items:
+        click.echo(empty)
+        return True
+    return False
 
 
 def _share(spec: pb.JobSpec) -> str:

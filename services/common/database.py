@@ -80,3 +80,39 @@ async def migrate(engine: AsyncEngine, migrations: Path, schema: str = "") -> No
 
     async with engine.begin() as connection:
         await connection.run_sync(upgrade)
+
+
+def run_migrations(
+    connection: Connection,
+    metadata: Any,
+    lock_id: int,
+    version_table: str = "alembic_version",
+    only_tables_starting: str = "",
+) -> None:
+    """The body of a migrations env.py: apply the revisions over `connection`, serialised on
+    PostgreSQL by an advisory lock (several replicas may start at once). With
+    `only_tables_starting`, autogenerate looks at those tables only (a shared database)."""
+    from alembic import context
+
+    def include_name(name: str | None, kind: str, _parent: object) -> bool:
+        return kind != "table" or (name or "").startswith(only_tables_starting)
+
+    context.configure(
+        connection=connection,
+        target_metadata=metadata,
+        compare_type=True,
+        version_table=version_table,
+        include_name=include_name,
+    )
+    with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.execute(text(f"SELECT pg_advisory_xact_lock({lock_id})"))
+        context.run_migrations()
+
+
+async def run_migrations_by_hand(engine: AsyncEngine, run: Any) -> None:
+    """alembic run from the command line: connect with the service's settings and `run`."""
+    async with engine.connect() as connection:
+        await connection.run_sync(run)
+        await connection.commit()
+    await engine.dispose()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 from alembic import context
-from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from gpuloom.services.common.database import run_migrations, run_migrations_by_hand
 from gpuloom.services.placement.models import VERSION_TABLE, Base
 
 # Serialises concurrent migrators on PostgreSQL (distinct from the profile store's lock).
@@ -16,33 +16,15 @@ MIGRATION_LOCK_ID = 0x67706C6163656D  # "gplacem"
 
 
 def run_with(connection: Connection) -> None:
-    context.configure(
-        connection=connection,
-        target_metadata=Base.metadata,
-        compare_type=True,
-        version_table=VERSION_TABLE,
-        # Only our tables: placement may share a database with the profile store.
-        include_name=lambda name, kind, _parent: kind != "table" or name.startswith("placement_"),
-    )
-    with context.begin_transaction():
-        if connection.dialect.name == "postgresql":
-            connection.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})"))
-        context.run_migrations()
-
-
-async def run_from_settings() -> None:
-    from gpuloom.services.placement.settings import PlacementSettings
-    from gpuloom.services.placement.storage import create_engine
-
-    engine = create_engine(PlacementSettings())
-    async with engine.connect() as connection:
-        await connection.run_sync(run_with)
-        await connection.commit()
-    await engine.dispose()
+    # Only our tables: placement may share a database with the profile store.
+    run_migrations(connection, Base.metadata, MIGRATION_LOCK_ID, VERSION_TABLE, "placement_")
 
 
 given = context.config.attributes.get("connection")
 if given is not None:
     run_with(given)
 else:
-    asyncio.run(run_from_settings())
+    from gpuloom.services.placement.settings import PlacementSettings
+    from gpuloom.services.placement.storage import create_engine
+
+    asyncio.run(run_migrations_by_hand(create_engine(PlacementSettings()), run_with))

@@ -1,0 +1,39 @@
+"""What every blocking gpuloom client shares: one channel, a per-call timeout, and failed calls
+turned back into the domain errors the service raised."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+
+from gpuloom.services.common.grpc_errors import error_from_rpc
+
+
+class BlockingClient:
+    def __init__(
+        self, address: str, make_stub: Callable[[grpc.Channel], Any], timeout_s: float
+    ) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = make_stub(self._channel)
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: str, request: object) -> Any:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
