@@ -11,7 +11,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
-from gpuloom.services.placement.dispatchers import Dispatchers, GrpcDispatchers
+from gpuloom.services.placement.dispatchers import (
+    Dispatchers,
+    GrpcDispatchers,
+    GrpcMigRunner,
+    MigRunner,
+)
+from gpuloom.services.placement.mig_batches import MigBatchConfig
 from gpuloom.services.placement.profiles import GrpcProfileSource, ProfileSource
 from gpuloom.services.placement.repository import PlacementRepository
 from gpuloom.services.placement.servicer import SERVICE, PlacementServicer
@@ -29,6 +35,7 @@ class PlacementApp:
     engine: AsyncEngine
     dispatchers: Dispatchers
     profiles: ProfileSource | None
+    mig_runner: MigRunner
 
     @property
     def port(self) -> int:
@@ -41,10 +48,13 @@ class PlacementApp:
         host: str,
         data_dir: Path,
         dispatchers: Dispatchers | None = None,
+        mig_runner: MigRunner | None = None,
     ) -> PlacementApp:
-        """`dispatchers` replaces the gRPC client (the benchmark stands in its own)."""
+        """`dispatchers` and `mig_runner` replace the gRPC clients (the benchmark stands in its
+        own dispatchers)."""
         engine = create_engine(settings, data_dir)
         dispatchers = dispatchers or GrpcDispatchers(settings.dispatcher_timeout_s)
+        mig_runner = mig_runner or GrpcMigRunner()
         profiles = (
             GrpcProfileSource(settings.profile_store_address)
             if settings.profile_store_address
@@ -59,8 +69,20 @@ class PlacementApp:
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 heartbeat_timeout_s=settings.heartbeat_timeout_s,
                 max_batch=settings.max_batch,
+                mig=MigBatchConfig(
+                    window_s=settings.mig_batch_window_s,
+                    max_tasks=settings.mig_batch_max_tasks,
+                    create_seconds=settings.mig_create_seconds,
+                    destroy_seconds=settings.mig_destroy_seconds,
+                ),
             )
-            core = PlacementCore(PlacementRepository(engine), dispatchers, profiles, config)
+            core = PlacementCore(
+                PlacementRepository(engine),
+                dispatchers,
+                profiles,
+                config,
+                mig_runner=mig_runner,
+            )
             await core.start()
             servicer = PlacementServicer(core)
             registration = ServiceRegistration(
@@ -73,6 +95,7 @@ class PlacementApp:
             if core is not None:
                 await core.stop()
             await dispatchers.close()
+            await mig_runner.close()
             if profiles is not None:
                 await profiles.close()
             await engine.dispose()
@@ -84,12 +107,13 @@ class PlacementApp:
             policy=settings.default_policy,
             profile_store=settings.profile_store_address or None,
         )
-        return cls(core, server, engine, dispatchers, profiles)
+        return cls(core, server, engine, dispatchers, profiles, mig_runner)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.server.stop(grace_s)
         await self.core.stop()
         await self.dispatchers.close()
+        await self.mig_runner.close()
         if self.profiles is not None:
             await self.profiles.close()
         await self.engine.dispose()

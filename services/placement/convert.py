@@ -54,6 +54,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy.strip(),
         gpu_model=msg.gpu_model,
+        command=tuple(msg.command),
     )
 
 
@@ -63,6 +64,8 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         resources.mps.CopyFrom(_share_to_pb(spec.share))
     elif spec.whole_gpus:
         resources.whole_gpus = spec.whole_gpus
+    elif spec.mig_slices:
+        resources.mig.slices = spec.mig_slices
     return pb.JobSpec(
         name=spec.name,
         task_key=spec.task_key,
@@ -75,6 +78,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         ),
         policy=spec.policy,
         gpu_model=spec.gpu_model,
+        command=spec.command,
     )
 
 
@@ -103,7 +107,23 @@ def job_to_pb(job: Job) -> pb.Job:
         function=job.function,
     )
     binding = job.binding
-    if binding is not None and job.state.holds_capacity:
+    if binding is not None and job.state.holds_capacity and binding.mig is not None:
+        slot = binding.mig
+        msg.assignment.CopyFrom(
+            pb.JobAssignment(
+                gpu=common_pb2.GpuRef(node=binding.node, gpu_uuid=binding.gpu_uuid),
+                dispatcher_address=binding.dispatcher_address,
+                assignment_id=job.job_id,
+                memory_cap_bytes=binding.memory_cap_bytes,
+                mig=pb.MigSlot(
+                    size=slot.size,
+                    first_slice=slot.first_slice,
+                    planned_start_unix_s=slot.planned_start,
+                    planned_end_unix_s=slot.planned_end,
+                ),
+            )
+        )
+    elif binding is not None and job.state.holds_capacity:
         x, y, _w, _h = binding.rect
         msg.assignment.CopyFrom(
             pb.JobAssignment(

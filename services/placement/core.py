@@ -8,6 +8,9 @@ the reason; the GPU takes no new job until its next heartbeat. The database is t
 restarted service reloads the GPUs and every live job, rebuilds the fleet from the stored
 rectangles, and binds again what was reserved but not yet bound (Reserve is idempotent by the
 job id and its stored token).
+
+MIG batch tasks take another road (mig_batches.py): written PENDING by the same decision
+batches, then collected into MIG batches, planned over the MIG GPUs and run by the dispatchers.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from gpuloom.services.common.errors import (
 )
 from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement import metrics
-from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers
+from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
 from gpuloom.services.placement.domain import (
     JOB_ID_PREFIX,
     MAX_KEY,
@@ -66,6 +69,7 @@ from gpuloom.services.placement.domain import (
     validate_address,
     validate_request_id,
 )
+from gpuloom.services.placement.mig_batches import WAITING, MigBatchConfig, MigBatches
 from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 
@@ -85,6 +89,7 @@ class CoreConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     max_batch: int = 256
+    mig: MigBatchConfig = field(default_factory=MigBatchConfig)
 
 
 @dataclass(slots=True)
@@ -132,7 +137,11 @@ class PlacementCore:
         profiles: ProfileSource | None,
         config: CoreConfig = CoreConfig(),
         clock: Callable[[], float] = time.time,
+        *,
+        mig_runner: MigRunner | None = None,
     ) -> None:
+        """`mig_runner` runs MIG batches on the dispatchers; None: MIG batch tasks are
+        refused."""
         self._repo = repository
         self._dispatchers = dispatchers
         self._profiles = profiles
@@ -155,6 +164,7 @@ class PlacementCore:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.counters = _Counters()
+        self.mig = MigBatches(self, mig_runner, config.mig)
 
     # ---- life cycle ----
 
@@ -165,7 +175,7 @@ class PlacementCore:
         live = await self._repo.live_jobs()
         holding: dict[str, list[Allocation]] = defaultdict(list)
         for job in live:
-            if job.state.holds_capacity and job.binding is not None:
+            if job.state.holds_capacity and job.binding is not None and job.binding.mig is None:
                 holding[job.binding.gpu_uuid].append(_allocation(job))
         for record in records:
             record.last_heartbeat = now  # a full timeout of grace after a restart
@@ -176,6 +186,7 @@ class PlacementCore:
         orphans = [j for j in live if j.binding is not None and j.binding.gpu_uuid in holding]
         if orphans:  # a GPU row vanished under its jobs: say so rather than forget them
             await self._finish_many(orphans, JobState.LOST, "its GPU is no longer registered")
+        await self.mig.restore(list(self._live.values()))
         self._retry_pending = True
         rebind = [j for j in self._live.values() if j.state is JobState.BINDING]
         log.info(
@@ -187,6 +198,7 @@ class PlacementCore:
         self._tasks = [
             asyncio.create_task(self._decide_loop(), name="placement-decide"),
             asyncio.create_task(self._heartbeat_monitor(), name="placement-heartbeats"),
+            asyncio.create_task(self.mig.run(), name="placement-mig-batches"),
         ]
         if rebind:
             self._spawn(self._bind(rebind, []))
@@ -197,6 +209,7 @@ class PlacementCore:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.mig.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)
         if self._unsaved:
@@ -224,7 +237,10 @@ class PlacementCore:
         self._check_memory(spec)
         if self._stopping:
             raise Unavailable("placement is shutting down")
-        await self._load_kernel_profile(spec)
+        if spec.is_mig_batch:
+            spec = await self.mig.admit(spec)
+        else:
+            await self._load_kernel_profile(spec)
         done: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
         self._queue.append(_Submission(request_id, spec, function, done))
         self._wake.set()
@@ -317,6 +333,7 @@ class PlacementCore:
                     share=_share(point.sm_percent, point.quota_percent),
                     whole_gpus=0,
                     mig_slices=0,
+                    command=(),
                 )
                 added.append(await self.submit(f"scale-{uuid.uuid4().hex}", spec, function))
             removed = [
@@ -361,7 +378,7 @@ class PlacementCore:
                 held = self._fleet.remove_gpu(info.gpu_uuid)
                 self._fleet.add_gpu(_gpu_state(record, list(held)))
             else:
-                self._fleet.set_schedulable(info.gpu_uuid, True)
+                self._fleet.set_schedulable(info.gpu_uuid, _takes_shares(record))
             self.counters.suspended.discard(info.gpu_uuid)
             self._note_memory(info)
             self._retry_pending = True
@@ -402,7 +419,7 @@ class PlacementCore:
                     await self._repo.set_gpu_lost(gpu_uuid, False)
                     log.info("GPU is back", gpu=gpu_uuid, node=record.info.node)
                 self.counters.suspended.discard(gpu_uuid)
-                self._fleet.set_schedulable(gpu_uuid, True)
+                self._fleet.set_schedulable(gpu_uuid, _takes_shares(record))
                 self._retry_pending = True
             self._wake.set()
         stale = []
@@ -509,6 +526,7 @@ class PlacementCore:
             for job in (*fresh.values(), *changed):
                 self._live[job.job_id] = job
                 self._publish(job)
+            self.mig.collect([j for j in fresh.values() if j.spec.is_mig_batch], now)
             self.counters.decided += len(fresh) + len(changed)
             decided_at = time.perf_counter()
             for submission in batch:
@@ -533,7 +551,10 @@ class PlacementCore:
 
     def _place(self, job: Job, now: float) -> Job:
         """Ask the job's policy for a place. A placed job is BINDING (its capacity is now
-        taken in the fleet); an unplaceable one stays PENDING with the reason."""
+        taken in the fleet); an unplaceable one stays PENDING with the reason. A MIG batch task
+        stays PENDING: the MIG batches take it from there."""
+        if job.spec.is_mig_batch:
+            return replace(job, pending_reason=WAITING)
         if not len(self._fleet):
             return replace(job, pending_reason="no GPU is registered yet")
         spec = job.spec
@@ -571,7 +592,11 @@ class PlacementCore:
         (placed job, job before) for those that found a place."""
         placed = []
         pending = sorted(
-            (j for j in self._live.values() if j.state is JobState.PENDING),
+            (
+                j
+                for j in self._live.values()
+                if j.state is JobState.PENDING and not j.spec.is_mig_batch
+            ),
             key=lambda j: (j.spec.priority, j.submitted_at),
         )
         for job in pending:
@@ -689,7 +714,15 @@ class PlacementCore:
 
     # ---- ending jobs ----
 
-    async def _end(self, job_id: str, state: JobState, message: str, exit_code: int) -> Job:
+    async def _end(
+        self,
+        job_id: str,
+        state: JobState,
+        message: str,
+        exit_code: int,
+        *,
+        from_mig_run: bool = False,
+    ) -> Job:
         async with self._lock:
             job = self._live.get(job_id)
             if job is None:
@@ -697,6 +730,8 @@ class PlacementCore:
                 if stored is None:
                     raise NotFound(f"no job {job_id!r}")
                 raise FailedPrecondition(f"job {job_id} already finished ({stored.state.value})")
+            if not from_mig_run:
+                self.mig.before_end(job, state)
             ended = job.advance(self._clock(), state=state, message=message, exit_code=exit_code)
             self._unsaved.pop(job_id, None)
             await self._repo.update_jobs([ended])
@@ -717,7 +752,14 @@ class PlacementCore:
     def _retire(self, before: Job, after: Job) -> None:
         """Forget a finished job: its capacity goes back, here and on the dispatcher."""
         self._live.pop(before.job_id, None)
-        if before.state.holds_capacity and before.binding is not None:
+        if before.spec.is_mig_batch:
+            self.mig.forget(before.job_id)
+        # A MIG task holds no rectangle and no reservation: its run is the dispatcher's.
+        if (
+            before.state.holds_capacity
+            and before.binding is not None
+            and before.binding.mig is None
+        ):
             self._fleet.release(before.job_id)
             self._release_on_dispatcher(before.binding, before.job_id)
             self._retry_pending = True
@@ -832,6 +874,11 @@ def _allocation(job: Job) -> Allocation:
     )
 
 
+def _takes_shares(record: GpuRecord) -> bool:
+    """MPS shares and whole-GPU jobs go to live GPUs not in MIG mode (those run MIG batches)."""
+    return not record.lost and not record.info.mig_enabled
+
+
 def _gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState:
     info = record.info
     return GpuState(
@@ -840,7 +887,7 @@ def _gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState
         model=info.model,
         memory_bytes=info.memory_bytes,
         sm_count=info.sm_count,
-        schedulable=not record.lost,
+        schedulable=_takes_shares(record),
         allocations=tuple(allocations),
     )
 

@@ -16,6 +16,9 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ADDRESS = re.compile(r"[A-Za-z0-9.\-_\[\]:]{1,253}:\d{1,5}")
 MAX_NAME = 128
 MAX_KEY = 256
+# A MIG batch task's command, as the dispatcher takes it (RunMigBatch's MigTaskSpec.argv).
+MAX_COMMAND_ARGS = 256
+MAX_COMMAND_ARG_CHARS = 4096
 JOB_ID_PREFIX = "j-"  # the dispatcher's assignment id is the job id: ids with it are ours
 
 
@@ -54,8 +57,12 @@ class Slo:
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What a submitter asks for. Exactly one of `share` (an MPS SM share and time quota) and
-    `whole_gpus` is set; `mig_slices` is recognised only to refuse it clearly."""
+    """What a submitter asks for. Exactly one of `share` (an MPS SM share and time quota),
+    `whole_gpus` and `mig_slices` is set. `mig_slices` marks a MIG batch task (kind batch,
+    with a task key and a `command`): its value is not used, the batch planner chooses the
+    instance size from the task's MIG profile. `mig_times` (size -> seconds) is what placement
+    read from that profile when it accepted the task, kept with the job so that a restart
+    plans it the same way; it is not part of the request (not compared)."""
 
     name: str
     kind: JobKind | None
@@ -68,6 +75,12 @@ class JobSpec:
     slo: Slo = field(default_factory=Slo)
     policy: str = ""
     gpu_model: str = ""
+    command: tuple[str, ...] = ()
+    mig_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+
+    @property
+    def is_mig_batch(self) -> bool:
+        return self.mig_slices > 0
 
     def validate(self) -> None:
         """InvalidArgument naming the first field that makes no sense."""
@@ -99,11 +112,11 @@ class JobSpec:
 
     def _validate_resources(self) -> None:
         if self.mig_slices:
+            self._validate_mig()
+            return
+        if self.command:
             raise InvalidArgument(
-                "spec.resources.mig",
-                "MIG instances are not placed by this service yet: submit an MPS share "
-                "(resources.mps) or whole_gpus = 1, or run MIG batches with RunMigBatch on a "
-                "dispatcher",
+                "spec.command", "only MIG batch tasks (resources.mig, kind batch) take a command"
             )
         if self.share is None and not self.whole_gpus:
             raise InvalidArgument(
@@ -123,6 +136,36 @@ class JobSpec:
                     "required for an MPS share (the GPU memory cap, in bytes)",
                 )
 
+    def _validate_mig(self) -> None:
+        if self.share is not None or self.whole_gpus:
+            raise InvalidArgument(
+                "spec.resources", "mig cannot be combined with an MPS share or whole_gpus"
+            )
+        if self.kind is not JobKind.BATCH:
+            raise InvalidArgument(
+                "spec.kind", "a MIG task (resources.mig) must be of kind batch (JOB_KIND_BATCH)"
+            )
+        if not self.task_key:
+            raise InvalidArgument(
+                "spec.task_key",
+                "required for a MIG task: its MIG profile in the profile store gives its time "
+                "on each instance size",
+            )
+        if not self.command or len(self.command) > MAX_COMMAND_ARGS:
+            raise InvalidArgument(
+                "spec.command",
+                f"a MIG task needs its command: 1..{MAX_COMMAND_ARGS} arguments, got "
+                f"{len(self.command)}",
+            )
+        if not self.command[0]:
+            raise InvalidArgument("spec.command", "the program (the first argument) is empty")
+        for i, arg in enumerate(self.command):
+            if len(arg) > MAX_COMMAND_ARG_CHARS or "\0" in arg:
+                raise InvalidArgument(
+                    f"spec.command[{i}]",
+                    f"arguments are at most {MAX_COMMAND_ARG_CHARS} characters, with no NUL",
+                )
+
     @property
     def sm_percent(self) -> int:
         return 100 if self.share is None else self.share.sm_percent
@@ -130,6 +173,17 @@ class JobSpec:
     @property
     def quota(self) -> TimeQuota:
         return TimeQuota(100.0, 100.0) if self.share is None else self.share.quota
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlot:
+    """Where and when the fleet's batch planner put a MIG task: an instance of `size` slices
+    from `first_slice` on, from planned_start to planned_end (Unix seconds)."""
+
+    size: int
+    first_slice: int
+    planned_start: float
+    planned_end: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +198,7 @@ class Binding:
     memory_cap_bytes: int
     token: str
     environment: dict[str, str] = field(default_factory=dict, hash=False)
+    mig: MigSlot | None = None  # MIG batch tasks: the instance planned for it (rect unused)
 
 
 @dataclass(frozen=True, slots=True)

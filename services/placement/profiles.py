@@ -1,6 +1,6 @@
-"""Profiles placement reads from the profile store: kernel times (gap-aware placement) and
-throughput points (auto-scaling). A small Protocol, its gRPC implementation, and the
-conversions from store profiles to the policies' inputs."""
+"""Profiles placement reads from the profile store: kernel times (gap-aware placement),
+throughput points (auto-scaling) and MIG times (MIG batches). A small Protocol, its gRPC
+implementation, and the conversions from store profiles to the policies' inputs."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from gpuloom.services.common.errors import NotFound
 from gpuloom.services.common.grpc_errors import error_from_rpc
 from gpuloom.services.profile_store.convert import (
     kernel_profile_from_pb,
+    mig_profile_from_pb,
     throughput_profile_from_pb,
 )
-from gpuloom.services.profile_store.domain import KernelProfile, ThroughputProfile
+from gpuloom.services.profile_store.domain import KernelProfile, MigProfile, ThroughputProfile
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
 # A kernel profile becomes at most this many (duration, gap) pairs: enough to describe a run's
@@ -31,6 +32,11 @@ class ProfileSource(Protocol):
 
     async def throughput(self, function: str, gpu_model: str) -> list[ThroughputPoint] | None:
         """The function's throughput points on that model ("" = any model)."""
+        ...
+
+    async def mig_times(self, task_key: str, gpu_model: str) -> dict[int, float] | None:
+        """The task's run time on each MIG instance size (slices -> seconds) on that model
+        ("" = any model); None if it has no MIG profile."""
         ...
 
     async def close(self) -> None: ...
@@ -58,6 +64,10 @@ def throughput_points(profile: ThroughputProfile) -> list[ThroughputPoint]:
     ]
 
 
+def mig_times_from_profile(profile: MigProfile) -> dict[int, float]:
+    return {t.slices: t.exec_time_s for t in profile.times}
+
+
 class GrpcProfileSource:
     def __init__(self, address: str, timeout_s: float = 5.0) -> None:
         self._channel = grpc.aio.insecure_channel(address)
@@ -78,6 +88,12 @@ class GrpcProfileSource:
             profile_store_pb2.PROFILE_KIND_THROUGHPUT,
         )
         return None if found is None else throughput_points(throughput_profile_from_pb(found))
+
+    async def mig_times(self, task_key: str, gpu_model: str) -> dict[int, float] | None:
+        found = await self._get(
+            self._stub.GetMigProfile, task_key, gpu_model, profile_store_pb2.PROFILE_KIND_MIG
+        )
+        return None if found is None else mig_times_from_profile(mig_profile_from_pb(found))
 
     async def _get(self, method, key: str, gpu_model: str, kind: int):  # type: ignore[no-untyped-def]
         try:

@@ -21,6 +21,7 @@ from gpuloom.services.placement.domain import (
     JobSpec,
     JobState,
     MigInstance,
+    MigSlot,
     Slo,
 )
 from gpuloom.services.placement.models import GpuRow, JobRow
@@ -46,6 +47,10 @@ def spec_to_json(spec: JobSpec) -> str:
         "policy": spec.policy,
         "gpu_model": spec.gpu_model,
     }
+    if spec.mig_slices:  # MIG batch tasks only: other rows stay as they were
+        document["mig_slices"] = spec.mig_slices
+        document["command"] = list(spec.command)
+        document["mig_times"] = [list(pair) for pair in spec.mig_times]
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
@@ -63,24 +68,29 @@ def spec_from_json(text: str) -> JobSpec:
         slo=Slo(*d["slo"]),
         policy=d["policy"],
         gpu_model=d["gpu_model"],
+        # Absent from rows written before MIG batches (and from every other job).
+        mig_slices=d.get("mig_slices", 0),
+        command=tuple(d.get("command", ())),
+        mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
     )
 
 
 def _binding_to_json(binding: Binding | None) -> str | None:
     if binding is None:
         return None
-    return json.dumps(
-        {
-            "gpu_uuid": binding.gpu_uuid,
-            "node": binding.node,
-            "dispatcher_address": binding.dispatcher_address,
-            "rect": list(binding.rect),
-            "memory_cap_bytes": binding.memory_cap_bytes,
-            "token": binding.token,
-            "environment": binding.environment,
-        },
-        separators=(",", ":"),
-    )
+    document: dict[str, object] = {
+        "gpu_uuid": binding.gpu_uuid,
+        "node": binding.node,
+        "dispatcher_address": binding.dispatcher_address,
+        "rect": list(binding.rect),
+        "memory_cap_bytes": binding.memory_cap_bytes,
+        "token": binding.token,
+        "environment": binding.environment,
+    }
+    mig = binding.mig
+    if mig is not None:
+        document["mig"] = [mig.size, mig.first_slice, mig.planned_start, mig.planned_end]
+    return json.dumps(document, separators=(",", ":"))
 
 
 def _binding_from_json(text: str | None) -> Binding | None:
@@ -88,7 +98,8 @@ def _binding_from_json(text: str | None) -> Binding | None:
         return None
     d = json.loads(text)
     d["rect"] = tuple(d["rect"])
-    return Binding(**d)
+    mig = d.pop("mig", None)
+    return Binding(**d, mig=None if mig is None else MigSlot(*mig))
 
 
 def _job_values(job: Job) -> dict[str, object]:

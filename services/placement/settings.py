@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -31,6 +33,15 @@ class PlacementSettings(BaseSettings):
     # Submissions decided and written in one transaction at most.
     max_batch: int = Field(default=256, ge=1, le=10_000)
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
+    # MIG batch tasks are collected into a batch until the oldest has waited this long, or
+    # until this many wait (RunMigBatch takes at most 1000 tasks).
+    mig_batch_window_s: float = Field(default=10.0, gt=0, le=86_400)
+    mig_batch_max_tasks: int = Field(default=64, ge=1, le=1000)
+    # Instance creation / destruction seconds by size (JSON, e.g. {"1": 0.2, "7": 0.4}) that
+    # MIG batches are planned with and that dispatchers are told to plan with; sizes left out
+    # keep the paper's Table 1 times of the GPU's model.
+    mig_create_seconds: dict[int, float] = Field(default_factory=dict)
+    mig_destroy_seconds: dict[int, float] = Field(default_factory=dict)
 
     @field_validator("database_url")
     @classmethod
@@ -43,6 +54,16 @@ class PlacementSettings(BaseSettings):
         if name not in POLICIES:
             raise ValueError(f"unknown placement policy; known: {', '.join(sorted(POLICIES))}")
         return name
+
+    @field_validator("mig_create_seconds", "mig_destroy_seconds")
+    @classmethod
+    def _reconfig_seconds(cls, seconds: dict[int, float]) -> dict[int, float]:
+        for size, value in seconds.items():
+            if size not in (1, 2, 3, 4, 7):
+                raise ValueError(f"{size} is no MIG instance size (1, 2, 3, 4 or 7)")
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"size {size}: must be a finite number of seconds >= 0")
+        return seconds
 
     @model_validator(mode="after")
     def _timeout_after_interval(self) -> PlacementSettings:

@@ -1,13 +1,21 @@
-"""An in-memory stand-in for the dispatchers placement binds on (the `Dispatchers` protocol):
-it keeps each GPU's reservations, can be told to refuse, and checks that nothing is reserved
-twice under different tokens."""
+"""In-memory stand-ins for what placement talks to: the dispatchers it binds on (the
+`Dispatchers` protocol: each GPU's reservations, told to refuse, checking that nothing is
+reserved twice under different tokens), dispatchers running MIG batches (`MigRunner`), and a
+profile store with MIG profiles (`ProfileSource`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
+from collections.abc import AsyncIterator
 
-from gpuloom.services.common.errors import AlreadyExists, Unavailable
-from gpuloom.services.placement.dispatchers import BindRequest
+from gpuloom.services.common.errors import AlreadyExists, FailedPrecondition, Unavailable
+from gpuloom.services.placement.dispatchers import (
+    BindRequest,
+    MigRunRequest,
+    MigRunStarted,
+    MigTaskEnded,
+)
 
 
 class FakeDispatchers:
@@ -38,3 +46,79 @@ class FakeDispatchers:
     def all_held(self) -> dict[str, str]:
         """assignment id -> dispatcher address, over every dispatcher."""
         return {aid: address for address, held in self.held.items() for aid in held}
+
+
+class FakeProfiles:
+    """A profile store with MIG profiles only: (task key, model) -> size -> seconds."""
+
+    def __init__(self) -> None:
+        self.mig: dict[tuple[str, str], dict[int, float]] = {}
+        self.mig_lookups = 0
+
+    async def kernel_times(self, task_key: str, gpu_model: str) -> None:
+        return None
+
+    async def throughput(self, function: str, gpu_model: str) -> None:
+        return None
+
+    async def mig_times(self, task_key: str, gpu_model: str) -> dict[int, float] | None:
+        self.mig_lookups += 1
+        if gpu_model:
+            return self.mig.get((task_key, gpu_model))
+        return next((t for (key, _), t in self.mig.items() if key == task_key), None)
+
+    async def close(self) -> None:
+        pass
+
+
+class FakeMigRunner:
+    """Dispatchers running MIG batches (the `MigRunner` protocol), as RunMigBatch does: one
+    batch at a time per dispatcher (a second one is refused), each task ending with the exit
+    code set for it (0 by default), on its smallest timed size. Runs end their tasks only once
+    `go` is set; `refuse` makes a dispatcher refuse, `break_after_start` makes its stream fail
+    once the batch started."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, MigRunRequest]] = []
+        self.exit_codes: dict[str, int] = {}
+        self.refuse: set[str] = set()
+        self.break_after_start: set[str] = set()
+        self.go = asyncio.Event()
+        self.go.set()
+        self.running: set[str] = set()
+        self.overlaps = 0  # batches refused because one was running on the same dispatcher
+
+    async def run_mig_batch(
+        self, address: str, request: MigRunRequest
+    ) -> AsyncIterator[MigRunStarted | MigTaskEnded]:
+        if address in self.refuse:
+            raise Unavailable(f"dispatcher {address} unreachable")
+        if address in self.running:
+            self.overlaps += 1
+            raise FailedPrecondition("a MIG batch is already running on this GPU")
+        self.requests.append((address, request))
+        self.running.add(address)
+        try:
+            yield MigRunStarted(planned_makespan_s=1.0)
+            if address in self.break_after_start:
+                raise Unavailable(f"dispatcher {address}: stream reset")
+            await self.go.wait()
+            for offset, task in enumerate(request.tasks):
+                size = min(task.seconds_by_size)
+                seconds = task.seconds_by_size[size]
+                yield MigTaskEnded(
+                    task=task.name,
+                    size=size,
+                    first_slice=0,
+                    instance_uuid=f"MIG-{address}-{size}g",
+                    planned_start_s=float(offset),
+                    planned_end_s=offset + seconds,
+                    start_s=offset + 0.01,
+                    end_s=offset + seconds + 0.02,
+                    exit_code=self.exit_codes.get(task.name, 0),
+                )
+        finally:
+            self.running.discard(address)
+
+    async def close(self) -> None:
+        pass

@@ -210,3 +210,17 @@ async def test_no_gpu_is_ever_over_committed_whatever_the_order(
         live_assigned = {j.job_id for j in core._live.values() if j.state is JobState.ASSIGNED}
         assert set(h.dispatchers.all_held()) >= live_assigned
     await h.stop()
+
+
+async def test_gpus_in_mig_mode_take_no_shares(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    mig_mode = replace(gpu(0), mig_capable=True, mig_enabled=True)
+    await core.register_gpu(mig_mode, "10.0.0.0:50060")
+    await core.register_gpu(gpu(1), "10.0.0.1:50060")
+    placed = [await core.submit(f"r{i}", spec(f"j{i}", sm=100, quota=50)) for i in range(3)]
+    assert [j.state for j in placed] == [JobState.ASSIGNED, JobState.ASSIGNED, JobState.PENDING]
+    assert {j.binding.gpu_uuid for j in placed if j.binding} == {"GPU-1"}
+    # A heartbeat after a restart of its dispatcher does not open it to shares either.
+    await core.register_gpu(mig_mode, "10.0.0.0:50060")
+    assert not core._fleet.slot("GPU-0").schedulable

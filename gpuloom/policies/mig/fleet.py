@@ -14,9 +14,10 @@ from then. `end_s` and `FleetPlan.makespan_s` are already seconds from then.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -32,7 +33,8 @@ class BatchCollector:
     """Tasks wait here until they form a batch: when the oldest has waited `window_s`
     seconds, or as soon as `max_tasks` are waiting. A batch holds at most `max_tasks` tasks,
     the oldest first; the rest keep waiting (their own arrival times count for the next one).
-    Task names are unique among the waiting tasks."""
+    Task names are unique among the waiting tasks. A task added with an earlier `now` than
+    tasks already waiting (one put back) takes its place by arrival time."""
 
     def __init__(self, window_s: float, max_tasks: int) -> None:
         if (
@@ -57,8 +59,17 @@ class BatchCollector:
         _check_now(now)
         if task.name in self._names:
             raise ValueError(f"task {task.name!r} is already waiting; names must be unique")
-        self._tasks.append((now, task))
+        bisect.insort(self._tasks, (now, task), key=lambda entry: entry[0])
         self._names.add(task.name)
+
+    def remove(self, name: str) -> bool:
+        """Take a waiting task out (it will not be in any batch); False when none waits
+        under that name."""
+        if name not in self._names:
+            return False
+        self._tasks = [entry for entry in self._tasks if entry[1].name != name]
+        self._names.discard(name)
+        return True
 
     def due(self, now: float) -> bool:
         _check_now(now)
@@ -249,8 +260,15 @@ class MigFleetPlanner:
         history = self._history.get(gpu_id)
         return len(history.layouts) if history else 0
 
-    def plan(self, batch: Sequence[MigTask], gpus: Sequence[MigGpu]) -> FleetPlan:
-        state = _prepare(batch, gpus)
+    def plan(
+        self,
+        batch: Sequence[MigTask],
+        gpus: Sequence[MigGpu],
+        only_on: Sequence[Collection[str] | None] | None = None,
+    ) -> FleetPlan:
+        """`only_on[i]`, when given and not None, holds the ids of the GPUs task i may go to
+        (e.g. those of the model it asks for); the others are never considered for it."""
+        state = _prepare(batch, gpus, only_on)
         layouts: dict[tuple[int, tuple[int, ...]], BatchLayout] = {}
 
         def evaluate(gpu: int, share: tuple[int, ...]) -> tuple[GpuPlan, BatchLayout]:
@@ -370,10 +388,16 @@ class MigFleetPlanner:
         return False
 
 
-def _prepare(batch: Sequence[MigTask], gpus: Sequence[MigGpu]) -> _Batch:
+def _prepare(
+    batch: Sequence[MigTask],
+    gpus: Sequence[MigGpu],
+    only_on: Sequence[Collection[str] | None] | None = None,
+) -> _Batch:
     tasks = list(batch)
     if not tasks:
         raise ValueError("the batch is empty")
+    if only_on is not None and len(only_on) != len(tasks):
+        raise ValueError(f"only_on has {len(only_on)} entries for {len(tasks)} tasks")
     fleet = list(gpus)
     if not fleet:
         raise ValueError("no GPUs to plan on")
@@ -390,13 +414,17 @@ def _prepare(batch: Sequence[MigTask], gpus: Sequence[MigGpu]) -> _Batch:
                     f"number of seconds or inf, got {seconds}"
                 )
         work = {}
+        allowed = None if only_on is None else only_on[index]
         for g, gpu in enumerate(fleet):
+            if allowed is not None and gpu.gpu_id not in allowed:
+                continue
             least = min(size * task.time(size) for size in gpu.geometry.sizes)
             if math.isfinite(least):
                 work[g] = least
         if not work:
+            among = "the fleet" if allowed is None else f"{sorted(allowed)}"
             raise InvalidTaskError(
-                f"task {index} ({task.name}) cannot run on any GPU of the fleet: it has times "
+                f"task {index} ({task.name}) cannot run on any GPU of {among}: it has times "
                 f"for sizes {sorted(s for s, t in task.times.items() if math.isfinite(t))}"
             )
         state.runnable.append(sorted(work))

@@ -105,6 +105,29 @@ def test_task_names_are_unique_among_waiting_tasks() -> None:
     assert collector.waiting == 1
 
 
+def test_a_task_taken_out_never_joins_a_batch() -> None:
+    collector = BatchCollector(window_s=5.0, max_tasks=2)
+    collector.add(named("a", s1=1.0), now=0.0)
+    collector.add(named("b", s1=1.0), now=1.0)
+    assert collector.due(1.0)
+    assert collector.remove("a") and not collector.remove("a") and not collector.remove("z")
+    # One waits now, so the size threshold is no longer met; the window runs from b.
+    assert not collector.due(1.0)
+    assert collector.next_due_s(1.0) == pytest.approx(5.0)
+    collector.add(named("a", s1=1.0), now=2.0)  # the name is free again
+    assert [t.name for t in collector.take(2.0)] == ["b", "a"]
+
+
+def test_a_task_put_back_keeps_its_place_by_arrival_time() -> None:
+    collector = BatchCollector(window_s=10.0, max_tasks=2)
+    collector.add(named("new", s1=1.0), now=8.0)
+    collector.add(named("old", s1=1.0), now=1.0)  # waited since 1.0: it goes first
+    collector.add(named("newer", s1=1.0), now=9.0)
+    assert [t.name for t in collector.take(9.0)] == ["old", "new"]
+    # The window of what is left runs from its own arrival.
+    assert collector.next_due_s(9.0) == pytest.approx(10.0)
+
+
 @pytest.mark.parametrize("window_s", [0.0, -1.0, INF, math.nan, True, "1"])
 def test_window_must_be_finite_and_positive(window_s: object) -> None:
     with pytest.raises(ValueError, match="window_s"):
@@ -161,6 +184,22 @@ def test_a_task_no_gpu_can_run_is_refused_by_name() -> None:
     batch = [named("fine", s1=1.0, s4=0.3), named("wide-only", s7=2.0, s3=3.0)]
     with pytest.raises(InvalidTaskError, match="wide-only"):
         MigFleetPlanner().plan(batch, [MigGpu("a30-0", A30), MigGpu("a30-1", A30)])
+
+
+def test_only_on_keeps_a_task_on_the_gpus_listed_for_it() -> None:
+    batch = [named(f"t{i}", s1=4.0, s7=1.0) for i in range(6)]
+    gpus = [MigGpu("a", A100), MigGpu("b", A100), MigGpu("c", A100)]
+    # t0 and t1 only on "c" (a busy one, which the split would otherwise avoid for them).
+    gpus[2] = MigGpu("c", A100, busy_until_s=20.0)
+    only_on = [{"c"}, {"c"}, None, None, None, None]
+    result = MigFleetPlanner().plan(batch, gpus, only_on)
+    check(result, batch, gpus)
+    assert result.task_gpu[0] == result.task_gpu[1] == "c"
+    assert "c" not in result.task_gpu[2:]
+    with pytest.raises(InvalidTaskError, match=r"t0\) cannot run on any GPU of \['x'\]"):
+        MigFleetPlanner().plan(batch, gpus, [{"x"}, *[None] * 5])
+    with pytest.raises(ValueError, match="only_on has 1 entries for 6 tasks"):
+        MigFleetPlanner().plan(batch, gpus, [None])
 
 
 def test_bad_batches_and_fleets_are_refused() -> None:

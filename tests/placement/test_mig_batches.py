@@ -1,0 +1,652 @@
+"""MIG batches in the placement core, with an injected clock, a fake profile store and fake
+dispatchers running the batches: collection by window and by size, the split over the fleet's
+MIG GPUs (every plan checked with verify_plan), runs and their ends, failures, cancellation and
+restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuloom.policies.mig import verify_plan
+from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
+from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
+from gpuloom.services.dispatcher.gpu.models import find_model
+from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
+from gpuloom.services.placement.core import CoreConfig, PlacementCore
+from gpuloom.services.placement.domain import (
+    Binding,
+    GpuInfo,
+    Job,
+    JobKind,
+    JobSpec,
+    JobState,
+    MigSlot,
+)
+from gpuloom.services.placement.mig_batches import NO_MIG_GPU, MigBatchConfig
+from gpuloom.services.placement.repository import (
+    PlacementRepository,
+    _binding_from_json,
+    _binding_to_json,
+    spec_from_json,
+    spec_to_json,
+)
+from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.placement.storage import create_engine, migrate
+from gpuloom.services.profile_store import domain as d
+from gpuloom.services.profile_store.app import ProfileStoreApp
+from gpuloom.services.profile_store.settings import ProfileStoreSettings
+from gpuloom.v1 import common_pb2, placement_pb2
+from tests.dispatcher.conftest import dispatcher_settings
+from tests.placement.conftest import eventually, start_placement, submit
+from tests.placement.fakes import FakeDispatchers, FakeMigRunner, FakeProfiles
+
+GIB = 1 << 30
+A100 = "A100-80GB"
+# A task that scales with its instance, and one that does not.
+SCALING = {1: 8.0, 2: 4.2, 3: 3.0, 4: 2.4, 7: 1.5}
+FLAT = {1: 2.0, 2: 2.0, 3: 2.0, 4: 2.0, 7: 2.0}
+SUCCEEDED = placement_pb2.JOB_STATE_SUCCEEDED
+FAILED = placement_pb2.JOB_STATE_FAILED
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def mig_spec(
+    name: str = "task", task_key: str = "scaling", command: tuple[str, ...] = ("true",), **changes
+) -> JobSpec:
+    spec = JobSpec(
+        name=name,
+        kind=JobKind.BATCH,
+        memory_bytes=0,
+        mig_slices=1,
+        task_key=task_key,
+        command=command,
+    )
+    return replace(spec, **changes)
+
+
+def mig_gpu(i: int, model: str = A100, enabled: bool = True) -> GpuInfo:
+    known = find_model(model)
+    assert known is not None
+    return GpuInfo(
+        f"GPU-{i}",
+        "node-0",
+        model,
+        known.memory_bytes,
+        known.sm_count,
+        mig_capable=known.mig_capable,
+        mig_enabled=enabled,
+    )
+
+
+class Harness:
+    """A core on a SQLite file with MIG batches: fake profiles, fake dispatchers running the
+    batches, a clock the test moves."""
+
+    def __init__(self, folder: Path, max_tasks: int = 64, window_s: float = 10.0) -> None:
+        self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
+        self.profiles: FakeProfiles | None = FakeProfiles()
+        self.profiles.mig[("scaling", A100)] = SCALING
+        self.profiles.mig[("flat", A100)] = FLAT
+        self.runner = FakeMigRunner()
+        self.clock = Clock()
+        # No timer task: the tests plan what is due themselves, on their own clock (the
+        # end-to-end test at the end has the service's timer do it).
+        self.mig = MigBatchConfig(window_s=window_s, max_tasks=max_tasks, timer=False)
+        self.core: PlacementCore | None = None
+        self.engine = None
+
+    async def start(self) -> PlacementCore:
+        self.engine = create_engine(self.settings)
+        await migrate(self.engine)
+        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig)
+        self.core = PlacementCore(
+            PlacementRepository(self.engine),
+            FakeDispatchers(),
+            self.profiles,
+            config,
+            self.clock,
+            mig_runner=self.runner,
+        )
+        await self.core.start()
+        return self.core
+
+    async def stop(self) -> None:
+        assert self.core is not None and self.engine is not None
+        await self.core.stop()
+        await self.engine.dispose()
+
+    async def submit(self, count: int, key: str = "scaling", **changes) -> list[Job]:
+        assert self.core is not None
+        return [
+            await self.core.submit(f"{key}-{i}", mig_spec(f"{key}-{i}", key, **changes))
+            for i in range(count)
+        ]
+
+    async def wait_for(self, job_ids: list[str], *states: JobState) -> list[Job]:
+        """The jobs, once every one is in one of `states`."""
+        assert self.core is not None
+        async with asyncio.timeout(10):
+            while True:
+                jobs = [await self.core.get(job_id) for job_id in job_ids]
+                if all(job.state in states for job in jobs):
+                    return jobs
+                await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
+    h = Harness(tmp_path)
+    await h.start()
+    yield h
+    await h.stop()
+
+
+def ids(jobs: list[Job]) -> list[str]:
+    return [job.job_id for job in jobs]
+
+
+async def test_a_batch_is_due_when_its_oldest_task_has_waited_the_window(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    for i in range(2):
+        await core.register_gpu(mig_gpu(i), f"10.0.0.{i}:50060")
+    jobs = await harness.submit(2)
+    assert all(job.state is JobState.PENDING for job in jobs)
+    assert (
+        jobs[-1].pending_reason == "waiting for the next MIG batch (2 of 64 tasks; due in 10.0 s)"
+    )
+    harness.clock.now += 9.9
+    assert await core.mig.plan_due() is None
+    assert not harness.runner.requests
+    assert "due in 0.1 s" in (await core.get(jobs[0].job_id)).pending_reason
+    harness.clock.now += 0.1
+    plan = await core.mig.plan_due()
+    assert plan is not None and len(plan.task_gpu) == 2
+    done = await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+    assert all(job.exit_code == 0 and job.policy == "far" for job in done)
+    assert await core.mig.plan_due() is None  # nothing waits any more
+
+
+async def test_a_batch_is_due_at_once_when_max_tasks_wait(tmp_path: Path) -> None:
+    h = Harness(tmp_path, max_tasks=3)
+    core = await h.start()
+    try:
+        await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+        h.runner.go.clear()  # runs hold their tasks: the jobs stay ASSIGNED
+        first = await h.submit(2)
+        assert await core.mig.plan_due() is None
+        assert "(2 of 3 tasks; due in 10.0 s)" in first[1].pending_reason
+        third = await core.submit("third", mig_spec("third"))
+        assert "(3 of 3 tasks; due now)" in third.pending_reason
+        # No time passed: the size alone makes the batch due.
+        assert await core.mig.plan_due() is not None
+        assigned = await h.wait_for([*ids(first), third.job_id], JobState.ASSIGNED)
+        assert {job.binding.gpu_uuid for job in assigned if job.binding} == {"GPU-0"}
+        await eventually(lambda: len(h.runner.requests) == 1)
+        h.runner.go.set()
+        await h.wait_for(ids(assigned), JobState.SUCCEEDED)
+    finally:
+        await h.stop()
+
+
+async def test_a_batch_is_split_over_two_mig_gpus_with_legal_plans_written_durably(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    for i in range(2):
+        await core.register_gpu(mig_gpu(i), f"10.0.0.{i}:50060")
+    harness.runner.go.clear()
+    jobs = await harness.submit(6, "scaling") + await harness.submit(4, "flat")
+    harness.clock.now += 10
+    planned_at = harness.clock.now
+    plan = await core.mig.plan_due()
+    assert plan is not None
+    assert set(plan.plans) == {"GPU-0", "GPU-1"}  # both GPUs take a share
+    geometry = find_model(A100).geometry()  # type: ignore[union-attr]
+    by_job = {}
+    for gpu_id, gpu_plan in plan.plans.items():
+        verify_plan(gpu_plan.plan, gpu_plan.tasks, geometry)
+        for a in gpu_plan.new_assignments:
+            by_job[a.task] = (gpu_id, a, gpu_plan.now_s)
+    assert sorted(by_job) == sorted(ids(jobs))  # every job planned exactly once
+
+    for job in jobs:
+        got = await core.get(job.job_id)
+        stored = await core._repo.get_job(job.job_id)  # written, not only in memory
+        gpu_id, a, now_s = by_job[job.job_id]
+        for seen in (got, stored):
+            assert seen is not None and seen.state is JobState.ASSIGNED
+            assert seen.binding is not None and seen.binding.gpu_uuid == gpu_id
+            assert seen.binding.dispatcher_address == f"10.0.0.{gpu_id[-1]}:50060"
+            slot = seen.binding.mig
+            assert slot is not None and (slot.size, slot.first_slice) == (a.size, a.first_slice)
+            assert slot.planned_start == pytest.approx(planned_at + a.start_s - now_s)
+            assert slot.planned_end == pytest.approx(planned_at + a.end_s - now_s)
+
+    # One RunMigBatch per GPU with exactly its tasks, their commands and their times.
+    await eventually(lambda: len(harness.runner.requests) == 2)
+    assert sorted(address for address, _ in harness.runner.requests) == [
+        "10.0.0.0:50060",
+        "10.0.0.1:50060",
+    ]
+    for address, request in harness.runner.requests:
+        gpu_id = f"GPU-{address.split('.')[3][0]}"
+        assert request.policy == "far"
+        assert {t.name for t in request.tasks} == {j for j, v in by_job.items() if v[0] == gpu_id}
+        for t in request.tasks:
+            assert t.argv == ("true",)
+            assert dict(t.seconds_by_size) in (SCALING, FLAT)
+    harness.runner.go.set()
+    done = await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+    assert all("exit code 0" in job.message and "planned" in job.message for job in done)
+
+
+async def test_a_second_batch_is_planned_after_the_first_and_runs_after_it(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path, window_s=1.0)
+    core = await h.start()
+    try:
+        await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+        h.runner.go.clear()
+        first = await h.submit(3, "scaling")
+        h.clock.now += 1
+        one = await core.mig.plan_due()
+        assert one is not None
+        second = await h.submit(3, "flat")
+        h.clock.now += 1
+        two = await core.mig.plan_due()
+        assert two is not None
+        # The GPU is still busy with the first batch (as planned): the second is concatenated
+        # into its plan, or starts a fresh plan after it; nothing of it starts in the past.
+        gpu_plan = two.plans["GPU-0"]
+        assert gpu_plan.concatenated or gpu_plan.now_s < 0
+        assert core.mig.planner.kept_batches("GPU-0") == (2 if gpu_plan.concatenated else 1)
+        slots = [(await core.get(j)).binding.mig for j in ids(second)]  # type: ignore[union-attr]
+        assert min(slot.planned_start for slot in slots) >= h.clock.now - 1e-6  # type: ignore[union-attr]
+        # Only one batch runs on a dispatcher at a time: the second waits for the first (the
+        # fake dispatcher refuses a second one while one runs, as RunMigBatch does).
+        await eventually(lambda: len(h.runner.requests) == 1)
+        h.runner.go.set()
+        await h.wait_for(ids(first) + ids(second), JobState.SUCCEEDED)
+        assert len(h.runner.requests) == 2 and h.runner.overlaps == 0
+    finally:
+        await h.stop()
+
+
+async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    jobs = await harness.submit(2)
+    harness.runner.exit_codes[jobs[1].job_id] = 3
+    harness.clock.now += 10
+    await core.mig.plan_due()
+    ok, bad = await harness.wait_for(ids(jobs), JobState.SUCCEEDED, JobState.FAILED)
+    assert ok.state is JobState.SUCCEEDED and ok.exit_code == 0
+    assert bad.state is JobState.FAILED and bad.exit_code == 3
+    assert bad.message.startswith("exit code 3: ran ") and "GPU-0" in bad.message
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"kind": JobKind.TRAINING}, "spec.kind"),
+        ({"task_key": ""}, "spec.task_key"),
+        ({"command": ()}, "spec.command"),
+        ({"command": ("",)}, "spec.command"),
+        ({"command": ("echo",) * 257}, "spec.command"),
+        ({"command": ("echo", "x" * 4097)}, "spec.command[1]"),
+        ({"command": ("echo", "a\0b")}, "spec.command[1]"),
+        ({"share": SpatioTemporalShare(50, TimeQuota(50, 50))}, "spec.resources"),
+        ({"whole_gpus": 1}, "spec.resources"),
+    ],
+)
+async def test_bad_mig_specs_are_refused_naming_the_field(
+    harness: Harness, changes: dict, field: str
+) -> None:
+    core = harness.core
+    assert core is not None
+    spec = mig_spec(**changes)
+    with pytest.raises(InvalidArgument) as refused:
+        await core.submit("bad", spec)
+    assert refused.value.field == field
+
+
+async def test_a_command_without_mig_is_refused(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    spec = JobSpec(
+        name="mps",
+        kind=JobKind.BATCH,
+        memory_bytes=GIB,
+        share=SpatioTemporalShare(50, TimeQuota(50, 50)),
+        command=("true",),
+    )
+    with pytest.raises(InvalidArgument) as refused:
+        await core.submit("mps", spec)
+    assert refused.value.field == "spec.command"
+
+
+async def test_a_task_without_a_mig_profile_or_profile_store_is_a_failed_precondition(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path)
+    core = await h.start()
+    try:
+        with pytest.raises(FailedPrecondition, match="no MIG profile for task 'unknown'"):
+            await core.submit("r", mig_spec(task_key="unknown"))
+        with pytest.raises(FailedPrecondition, match=r"no MIG profile .* on H100-80GB"):
+            await core.submit("r", mig_spec(gpu_model="H100-80GB"))
+    finally:
+        await h.stop()
+    h.profiles = None
+    core = await h.start()
+    try:
+        with pytest.raises(FailedPrecondition, match="PROFILE_STORE_ADDRESS"):
+            await core.submit("r", mig_spec())
+        assert not await core._repo.live_jobs()  # nothing was written
+    finally:
+        await h.stop()
+
+
+async def test_tasks_wait_while_no_mig_gpu_can_take_them(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    # An MPS GPU (no MIG) is no help.
+    await core.register_gpu(mig_gpu(0, "V100-32GB"), "10.0.0.0:50060")
+    jobs = await harness.submit(2)
+    harness.clock.now += 10
+    assert await core.mig.plan_due() is None
+    assert (await core.get(jobs[0].job_id)).pending_reason == NO_MIG_GPU
+    # A MIG-capable GPU with MIG mode off cannot run a batch either.
+    await core.register_gpu(mig_gpu(1, enabled=False), "10.0.0.1:50060")
+    assert await core.mig.plan_due() is None
+    assert "1 with MIG mode off" in (await core.get(jobs[0].job_id)).pending_reason
+    await core.register_gpu(mig_gpu(2), "10.0.0.2:50060")
+    plan = await core.mig.plan_due()
+    assert plan is not None and set(plan.plans) == {"GPU-2"}
+    await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+
+
+async def test_a_task_goes_only_to_gpus_of_the_model_it_names(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    harness.profiles.mig[("scaling", "H100-80GB")] = SCALING  # type: ignore[union-attr]
+    harness.profiles.mig[("scaling", "A30-24GB")] = SCALING  # type: ignore[union-attr]
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    await core.register_gpu(mig_gpu(1, "H100-80GB"), "10.0.0.1:50060")
+    h100 = await harness.submit(4, gpu_model="H100-80GB")
+    a30 = await core.submit("a30", mig_spec("a30", gpu_model="A30-24GB"))
+    harness.clock.now += 10
+    plan = await core.mig.plan_due()
+    assert plan is not None and set(plan.plans) == {"GPU-1"}
+    done = await harness.wait_for(ids(h100), JobState.SUCCEEDED)
+    assert all("GPU-1" in job.message for job in done)
+    waiting = await core.get(a30.job_id)
+    assert waiting.state is JobState.PENDING
+    assert "no MIG GPU of model A30-24GB" in waiting.pending_reason
+    # Cancelling a waiting task takes it out of the queue.
+    cancelled = await core.cancel(a30.job_id, "no A30 here")
+    assert cancelled.state is JobState.CANCELLED
+    await core.register_gpu(mig_gpu(2, "A30-24GB"), "10.0.0.2:50060")
+    assert await core.mig.plan_due() is None
+
+
+async def test_a_refused_run_gives_its_tasks_back_to_the_next_batch(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    harness.runner.refuse.add("10.0.0.0:50060")
+    jobs = await harness.submit(4)
+    harness.clock.now += 10
+    assert await core.mig.plan_due() is not None
+    back = await harness.wait_for(ids(jobs), JobState.PENDING)
+    # Written with the reason; GPU-0 is skipped until its next heartbeat.
+    stored = await core._repo.get_job(jobs[0].job_id)
+    assert stored is not None and stored.state is JobState.PENDING and stored.binding is None
+    assert stored.pending_reason.startswith(
+        "its MIG batch on GPU GPU-0 could not run (dispatcher 10.0.0.0:50060 unreachable)"
+    )
+    assert await core.mig.plan_due() is None
+    reasons = [(await core.get(job.job_id)).pending_reason for job in back]
+    assert all("skipped until their next heartbeat" in reason for reason in reasons)
+    # Another MIG GPU takes them at once: they have waited their window already.
+    await core.register_gpu(mig_gpu(1), "10.0.0.1:50060")
+    plan = await core.mig.plan_due()
+    assert plan is not None and set(plan.plans) == {"GPU-1"}
+    done = await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+    assert all("GPU-1" in job.message for job in done)
+    # After its heartbeat GPU-0 takes batches again.
+    await core.heartbeat("GPU-0", 0.0, 0, [])
+    harness.runner.refuse.clear()
+    more = await harness.submit(8, "flat")
+    harness.clock.now += 10
+    plan = await core.mig.plan_due()
+    assert plan is not None and "GPU-0" in plan.plans
+    await harness.wait_for(ids(more), JobState.SUCCEEDED)
+
+
+async def test_a_run_whose_stream_breaks_loses_its_tasks_saying_so(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    harness.runner.break_after_start.add("10.0.0.0:50060")
+    jobs = await harness.submit(2)
+    harness.clock.now += 10
+    await core.mig.plan_due()
+    lost = await harness.wait_for(ids(jobs), JobState.LOST)
+    assert all("stream failed" in j.message and "cannot be followed" in j.message for j in lost)
+
+
+async def test_a_task_in_a_batch_cannot_be_cancelled_or_reported_done(harness: Harness) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    harness.runner.go.clear()
+    jobs = await harness.submit(2)
+    waiting = await core.submit("waiting", mig_spec("waiting"))
+    assert (await core.cancel(waiting.job_id)).state is JobState.CANCELLED
+    harness.clock.now += 10
+    plan = await core.mig.plan_due()
+    assert plan is not None and len(plan.task_gpu) == 2  # the cancelled one is not in it
+    with pytest.raises(FailedPrecondition, match="it cannot be cancelled yet"):
+        await core.cancel(jobs[0].job_id)
+    with pytest.raises(FailedPrecondition, match="placement follows the run"):
+        await core.report_done(jobs[0].job_id, True, 0, "")
+    harness.runner.go.set()
+    await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+
+
+async def test_a_restart_collects_waiting_tasks_again_and_loses_those_it_cannot_follow(
+    tmp_path: Path,
+) -> None:
+    h = Harness(tmp_path)
+    core = await h.start()
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    h.runner.go.clear()
+    running = await h.submit(2, "scaling")
+    h.clock.now += 10
+    assert await core.mig.plan_due() is not None
+    waiting = await h.submit(2, "flat")
+    await h.stop()  # the runs' streams go with it
+
+    h.profiles = None  # the times come from the stored jobs, not the profile store
+    h.runner = FakeMigRunner()
+    core = await h.start()
+    lost = [await core.get(job_id) for job_id in ids(running)]
+    assert all(job.state is JobState.LOST for job in lost)
+    assert all("placement restarted" in job.message for job in lost)
+    again = [await core.get(job_id) for job_id in ids(waiting)]
+    assert all(job.state is JobState.PENDING for job in again)
+    h.clock.now += 10
+    plan = await core.mig.plan_due()
+    assert plan is not None and set(plan.plans) == {"GPU-0"}
+    await h.wait_for(ids(waiting), JobState.SUCCEEDED)
+    assert {t.name for t in h.runner.requests[0][1].tasks} == set(ids(waiting))
+    assert {dict(t.seconds_by_size)[1] for t in h.runner.requests[0][1].tasks} == {FLAT[1]}
+    await h.stop()
+
+
+def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -> None:
+    spec = replace(mig_spec(command=("python", "-c", "print(1)")), mig_times=((1, 2.5), (7, 0.5)))
+    again = spec_from_json(spec_to_json(spec))
+    assert again == spec and again.mig_times == spec.mig_times and again.command == spec.command
+    slot = MigSlot(size=3, first_slice=4, planned_start=10.0, planned_end=12.5)
+    binding = Binding("GPU-0", "n", "h:1", (0, 0, 0, 0), 40 * GIB, "", mig=slot)
+    assert _binding_from_json(_binding_to_json(binding)) == binding
+    # Rows written before MIG batches have none of the new keys.
+    old_spec = (
+        '{"gpu_model":"","kind":"inference","memory_bytes":1,"name":"n","policy":"",'
+        '"priority":0,"share":[50,50.0,50.0],"slo":[0.0,0.0],"task_key":"","whole_gpus":0}'
+    )
+    old = spec_from_json(old_spec)
+    assert (old.mig_slices, old.command, old.mig_times) == (0, (), ())
+    assert spec_to_json(old) == old_spec  # and other jobs are written as before
+    old_binding = (
+        '{"gpu_uuid":"GPU-0","node":"n","dispatcher_address":"h:1","rect":[0,0,10,10],'
+        '"memory_cap_bytes":1,"token":"t","environment":{}}'
+    )
+    loaded = _binding_from_json(old_binding)
+    assert loaded is not None and loaded.mig is None
+    assert _binding_to_json(loaded) == old_binding
+
+
+# --- end to end: gRPC, a real profile store, real dispatchers on simulated MIG GPUs ----------
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
+    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'profiles.db'}")
+    app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
+    yield app
+    await app.stop(0)
+
+
+@pytest.fixture
+async def mig_dispatchers(short_dir: Path) -> AsyncIterator[list[GpuDispatcher]]:
+    """Two simulated A100s in MIG mode, instant reconfiguration, one dispatcher each."""
+    backend = SimulatedBackend("2xA100-80GB", mig_enabled=True, time_scale=0)
+    started = [
+        await start_gpu_dispatcher(dispatcher_settings(), backend, gpu, "127.0.0.1", 0, short_dir)
+        for gpu in backend.gpus()
+    ]
+    yield started
+    for dispatcher in started:
+        await dispatcher.server.stop(0)
+        dispatcher.channel.stop()
+    backend.close()
+
+
+def mig_job(name: str, command: list[str]) -> placement_pb2.JobSpec:
+    return placement_pb2.JobSpec(
+        name=name,
+        task_key="tiny",
+        kind=placement_pb2.JOB_KIND_BATCH,
+        resources=common_pb2.Resources(mig=common_pb2.MigProfile(slices=1)),
+        command=command,
+    )
+
+
+async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
+    store: ProfileStoreApp, mig_dispatchers: list[GpuDispatcher], tmp_path: Path
+) -> None:
+    instant = dict.fromkeys((1, 2, 3, 4, 7), 0.0)  # as the simulated GPUs reconfigure
+    settings = PlacementSettings(
+        port=0,
+        database_url=f"sqlite:///{tmp_path / 'placement.db'}",
+        profile_store_address=f"127.0.0.1:{store.port}",
+        mig_batch_max_tasks=4,  # the fourth task makes the batch due
+        mig_batch_window_s=600,
+        mig_create_seconds=instant,
+        mig_destroy_seconds=instant,
+    )
+    live = await start_placement(settings, tmp_path)
+    try:
+        for dispatcher in mig_dispatchers:
+            gpu = dispatcher.core.gpu
+            await live.stub.RegisterGpu(
+                placement_pb2.RegisterGpuRequest(
+                    gpu=placement_pb2.GpuInfo(
+                        ref=common_pb2.GpuRef(node="n1", gpu_uuid=gpu.uuid),
+                        model=gpu.model,
+                        memory_bytes=gpu.memory_bytes,
+                        sm_count=gpu.sm_count,
+                        mig_capable=True,
+                        mig_enabled=True,
+                    ),
+                    dispatcher_address=f"127.0.0.1:{dispatcher.port}",
+                )
+            )
+        # Without a profile the task is refused; with one it waits for its batch.
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await submit(live.stub, mig_job("early", ["true"]))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no MIG profile for task 'tiny'" in (refused.value.details() or "")
+        times = tuple(d.MigTime(s, t) for s, t in ((1, 0.4), (2, 0.3), (3, 0.2), (7, 0.1)))
+        await store.store.put(d.MigProfile(key="tiny", gpu_model=A100, times=times), None)
+
+        fails = [sys.executable, "-S", "-c", "import sys; sys.exit(3)"]
+        commands = [["true"], ["true"], fails, ["true"]]
+        jobs = []
+        for i, command in enumerate(commands[:3]):
+            job = await submit(live.stub, mig_job(f"task-{i}", command))
+            assert job.state == placement_pb2.JOB_STATE_PENDING
+            assert job.pending_reason.startswith(f"waiting for the next MIG batch ({i + 1} of 4")
+            jobs.append(job)
+        watch = live.stub.WatchJob(placement_pb2.WatchJobRequest(job_id=jobs[0].job_id))
+        jobs.append(await submit(live.stub, mig_job("task-3", commands[3])))
+
+        seen = [job async for job in watch]  # until it finishes
+        assigned = next(j for j in seen if j.state == placement_pb2.JOB_STATE_ASSIGNED)
+        slot = assigned.assignment.mig
+        assert slot.size in (1, 2, 3, 7) and slot.planned_end_unix_s > slot.planned_start_unix_s
+        assert assigned.assignment.dispatcher_address.startswith("127.0.0.1:")
+        assert seen[-1].state == placement_pb2.JOB_STATE_SUCCEEDED
+        # The GPU was idle: the dispatcher's FAR plan of its share is placement's, so the task
+        # ran in the instance placement planned for it.
+        assert f"on {slot.size} slices at slice {slot.first_slice} (MIG-" in seen[-1].message
+
+        async with asyncio.timeout(20):
+            while True:
+                ended = [
+                    await live.stub.GetJob(placement_pb2.GetJobRequest(job_id=j.job_id))
+                    for j in jobs
+                ]
+                if all(j.state in (SUCCEEDED, FAILED) for j in ended):
+                    break
+                await asyncio.sleep(0.05)
+        assert [(j.state, j.exit_code) for j in ended] == [
+            (SUCCEEDED, 0),
+            (SUCCEEDED, 0),
+            (FAILED, 3),
+            (SUCCEEDED, 0),
+        ]
+        uuids = {dispatcher.core.gpu.uuid for dispatcher in mig_dispatchers}
+        for job in ended:
+            # Real and planned times, the GPU and the MIG instance it ran in.
+            assert job.message.startswith(f"exit code {job.exit_code}: ran ")
+            assert any(f"into its batch on GPU {uuid} " in job.message for uuid in uuids)
+            assert "(MIG-" in job.message and "the dispatcher planned" in job.message
+            assert job.spec.resources.WhichOneof("share") == "mig"
+            assert list(job.spec.command) in commands
+    finally:
+        await live.stop()
