@@ -92,6 +92,26 @@ class CoreConfig:
     mig: MigBatchConfig = field(default_factory=MigBatchConfig)
 
 
+class LiveJobs(dict[str, Job]):
+    """The jobs still pending or holding capacity, by id, with the pending ones (MIG batch
+    tasks aside: they wait for their batch) indexed, so that retrying them scans only them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, None] = {}
+
+    def __setitem__(self, job_id: str, job: Job) -> None:
+        super().__setitem__(job_id, job)
+        if job.state is JobState.PENDING and not job.spec.is_mig_batch:
+            self.pending[job_id] = None
+        else:
+            self.pending.pop(job_id, None)
+
+    def pop(self, job_id: str, default: Job | None = None) -> Job | None:  # type: ignore[override]
+        self.pending.pop(job_id, None)
+        return super().pop(job_id, default)
+
+
 @dataclass(slots=True)
 class _Submission:
     request_id: str
@@ -150,7 +170,7 @@ class PlacementCore:
         self._fleet = Fleet()
         self._gpus: dict[str, GpuRecord] = {}
         self._max_memory: dict[str, int] = {}  # model -> largest GPU memory ("" = any model)
-        self._live: dict[str, Job] = {}  # pending jobs and jobs holding capacity
+        self._live = LiveJobs()
         self._policies: dict[str, PlacementPolicy] = {name: get_policy(name) for name in POLICIES}
         self._kernel_cache: dict[tuple[str, str], float] = {}  # (task, model) -> looked up at
         self._watchers: dict[str, set[asyncio.Queue[Job]]] = defaultdict(set)
@@ -182,7 +202,8 @@ class PlacementCore:
             self._gpus[record.info.gpu_uuid] = record
             self._fleet.add_gpu(_gpu_state(record, holding.pop(record.info.gpu_uuid, [])))
             self._note_memory(record.info)
-        self._live = {job.job_id: job for job in live}
+        for job in live:
+            self._live[job.job_id] = job
         orphans = [j for j in live if j.binding is not None and j.binding.gpu_uuid in holding]
         if orphans:  # a GPU row vanished under its jobs: say so rather than forget them
             await self._finish_many(orphans, JobState.LOST, "its GPU is no longer registered")
@@ -592,11 +613,7 @@ class PlacementCore:
         (placed job, job before) for those that found a place."""
         placed = []
         pending = sorted(
-            (
-                j
-                for j in self._live.values()
-                if j.state is JobState.PENDING and not j.spec.is_mig_batch
-            ),
+            (self._live[job_id] for job_id in self._live.pending),
             key=lambda j: (j.spec.priority, j.submitted_at),
         )
         for job in pending:
