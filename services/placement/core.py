@@ -121,6 +121,19 @@ class _Submission:
     arrived: float = field(default_factory=time.perf_counter)
 
 
+@dataclass(slots=True)
+class _Ending:
+    """A request to end a job (cancel, a runner's report, a MIG task's end)."""
+
+    job_id: str
+    state: JobState
+    message: str
+    exit_code: int
+    from_mig_run: bool
+    require_assigned: bool
+    done: asyncio.Future[Job]
+
+
 @dataclass(frozen=True, slots=True)
 class GpuView:
     """A GPU for ListGpus: the record plus what the fleet holds on it."""
@@ -176,6 +189,7 @@ class PlacementCore:
         self._watchers: dict[str, set[asyncio.Queue[Job]]] = defaultdict(set)
         self._lock = asyncio.Lock()  # one writer of fleet + database at a time
         self._queue: list[_Submission] = []
+        self._ends: list[_Ending] = []
         self._unsaved: dict[str, Job] = {}  # bindings not yet written (see _bind)
         self._wake = asyncio.Event()
         self._retry_pending = False
@@ -239,10 +253,11 @@ class PlacementCore:
                 self._unsaved.clear()
             except Exception:
                 log.exception("bindings not recorded at shutdown; the restart binds them again")
-        for submission in self._queue:
-            if not submission.done.done():
-                submission.done.set_exception(Unavailable("placement is shutting down"))
+        for waiter in (*self._queue, *self._ends):
+            if not waiter.done.done():
+                waiter.done.set_exception(Unavailable("placement is shutting down"))
         self._queue.clear()
+        self._ends.clear()
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
@@ -287,13 +302,8 @@ class PlacementCore:
         return await self._end(job_id, JobState.CANCELLED, reason or "cancelled", 0)
 
     async def report_done(self, job_id: str, succeeded: bool, exit_code: int, message: str) -> Job:
-        job = self._live.get(job_id)
-        if job is not None and job.state is not JobState.ASSIGNED:
-            raise FailedPrecondition(
-                f"job {job_id} is {job.state.value}: only an assigned job can finish"
-            )
         state = JobState.SUCCEEDED if succeeded else JobState.FAILED
-        return await self._end(job_id, state, message, exit_code)
+        return await self._end(job_id, state, message, exit_code, require_assigned=True)
 
     async def watch(self, job_id: str) -> AsyncIterator[Job]:
         """The job now, then each new revision, until it finishes."""
@@ -483,31 +493,35 @@ class PlacementCore:
 
     async def _decide_loop(self) -> None:
         while True:
-            if not (self._queue or self._retry_pending):
+            if not (self._queue or self._ends or self._retry_pending):
                 # Bindings are written with the next batch, or after a short quiet spell.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self._wake.wait(), RECORD_DELAY_S if self._unsaved else None
                     )
                 self._wake.clear()
-            if not (self._queue or self._retry_pending or self._unsaved):
+            if not (self._queue or self._ends or self._retry_pending or self._unsaved):
                 continue
             batch = self._queue[: self.config.max_batch]
             del self._queue[: len(batch)]
+            ends = self._ends[: self.config.max_batch]
+            del self._ends[: len(ends)]
             try:
-                await self._decide(batch)
+                await self._decide(batch, ends)
             except Exception as error:  # never let one bad batch stop the service
-                log.exception("decision batch failed", jobs=len(batch))
-                for submission in batch:
-                    if not submission.done.done():
-                        submission.done.set_exception(
+                log.exception("decision batch failed", jobs=len(batch), ends=len(ends))
+                for waiter in (*batch, *ends):
+                    if not waiter.done.done():
+                        waiter.done.set_exception(
                             Unavailable(f"placement could not decide: {error}")
                         )
 
-    async def _decide(self, batch: list[_Submission]) -> None:
+    async def _decide(self, batch: list[_Submission], ends: list[_Ending]) -> None:
         async with self._lock:
             now = self._clock()
-            retried = self._place_pending(now) if self._retry_pending else []
+            endings = await self._take_ends(list(ends), now)
+            ending = {before.job_id for _, before, _ in endings}
+            retried = self._place_pending(now, ending) if self._retry_pending else []
             self._retry_pending = False
             fresh: dict[str, Job] = {}  # request id -> the job this batch makes of it
             waiting: list[tuple[_Submission, Job]] = []
@@ -528,8 +542,9 @@ class PlacementCore:
             changed = [job for job, _ in retried]
             unsaved = list(self._unsaved.values())
             self._unsaved.clear()
+            ended = [after for _, _, after in endings]
             try:
-                taken = await self._repo.write(list(fresh.values()), [*changed, *unsaved])
+                taken = await self._repo.write(list(fresh.values()), [*changed, *unsaved, *ended])
             except BaseException:  # a failed write, or the service stopping in the middle
                 for job in (*fresh.values(), *changed):
                     if job.state is JobState.BINDING:
@@ -538,7 +553,12 @@ class PlacementCore:
                     self._live[job.job_id] = before
                 for job in unsaved:
                     self._unsaved.setdefault(job.job_id, job)
+                for end, _, _ in endings:
+                    end.done.set_exception(Unavailable("the job's end could not be recorded"))
                 raise
+            for end, before, after in endings:
+                self._retire(before, after)
+                end.done.set_result(after)
             for request_id in taken:  # submitted before: that job stands, this one never was
                 job = fresh.pop(request_id)
                 if job.state is JobState.BINDING:
@@ -608,12 +628,12 @@ class PlacementCore:
             now, state=JobState.BINDING, binding=binding, policy=decision.policy, pending_reason=""
         )
 
-    def _place_pending(self, now: float) -> list[tuple[Job, Job]]:
+    def _place_pending(self, now: float, ending: set[str]) -> list[tuple[Job, Job]]:
         """Try every pending job again, highest priority and oldest first; returns
         (placed job, job before) for those that found a place."""
         placed = []
         pending = sorted(
-            (self._live[job_id] for job_id in self._live.pending),
+            (self._live[job_id] for job_id in self._live.pending if job_id not in ending),
             key=lambda j: (j.spec.priority, j.submitted_at),
         )
         for job in pending:
@@ -739,23 +759,47 @@ class PlacementCore:
         exit_code: int,
         *,
         from_mig_run: bool = False,
+        require_assigned: bool = False,
     ) -> Job:
-        async with self._lock:
-            job = self._live.get(job_id)
-            if job is None:
-                stored = await self._repo.get_job(job_id)
-                if stored is None:
-                    raise NotFound(f"no job {job_id!r}")
-                raise FailedPrecondition(f"job {job_id} already finished ({stored.state.value})")
-            if not from_mig_run:
-                self.mig.before_end(job, state)
-            ended = job.advance(self._clock(), state=state, message=message, exit_code=exit_code)
-            self._unsaved.pop(job_id, None)
-            await self._repo.update_jobs([ended])
-            self._retire(job, ended)
+        """End a job with the next decision batch (its write shares that transaction)."""
+        if self._stopping:
+            raise Unavailable("placement is shutting down")
+        done: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
+        self._ends.append(
+            _Ending(job_id, state, message, exit_code, from_mig_run, require_assigned, done)
+        )
         self._wake.set()
+        ended = await done
         log.info("job ended", job=job_id, state=state.value, message=message)
         return ended
+
+    async def _take_ends(self, ends: list[_Ending], now: float) -> list[tuple[_Ending, Job, Job]]:
+        """Check the queued ends against the jobs now; refused ones get their error."""
+        taken: list[tuple[_Ending, Job, Job]] = []
+        seen: set[str] = set()
+        for end in ends:
+            job = self._live.get(end.job_id)
+            try:
+                if job is None or end.job_id in seen:
+                    stored = await self._repo.get_job(end.job_id)
+                    if stored is None and job is None:
+                        raise NotFound(f"no job {end.job_id!r}")
+                    state = stored.state.value if stored else end.state.value
+                    raise FailedPrecondition(f"job {end.job_id} already finished ({state})")
+                if end.require_assigned and job.state is not JobState.ASSIGNED:
+                    raise FailedPrecondition(
+                        f"job {end.job_id} is {job.state.value}: only an assigned job can finish"
+                    )
+                if not end.from_mig_run:
+                    self.mig.before_end(job, end.state)
+            except DomainError as error:
+                end.done.set_exception(error)
+                continue
+            seen.add(end.job_id)
+            ended = job.advance(now, state=end.state, message=end.message, exit_code=end.exit_code)
+            self._unsaved.pop(end.job_id, None)
+            taken.append((end, job, ended))
+        return taken
 
     async def _finish_many(self, jobs: Sequence[Job], state: JobState, message: str) -> None:
         now = self._clock()
