@@ -298,8 +298,9 @@ _TOP_KEYS = (
     "resources",
     "slo",
     "request_id",
+    "command",
 )
-_RESOURCE_KEYS = ("memory_gib", "memory_bytes", "mps", "whole_gpus")
+_RESOURCE_KEYS = ("memory_gib", "memory_bytes", "mps", "whole_gpus", "mig")
 _MPS_KEYS = ("sm_percent", "quota_request_percent", "quota_limit_percent")
 _SLO_KEYS = ("p99_latency_ms", "target_requests_per_s")
 
@@ -390,6 +391,11 @@ def spec_from_document(
         raise top.fail("priority", f"must be within 0..9 (0 is highest), got {priority}")
     spec.priority.CopyFrom(common_pb2.Priority(level=priority))
     _resources_into(spec, top.section("resources"), top, require_resources)
+    command = top.mapping.get("command")
+    if command is not None:
+        if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
+            raise top.fail("command", f"must be a list of strings, got {command!r}")
+        spec.command.extend(command)
     slo = top.section("slo")
     if slo is not None:
         slo.only(_SLO_KEYS)
@@ -420,9 +426,15 @@ def _resources_into(
         spec.resources.memory_bytes = memory_bytes
     mps = resources.section("mps")
     whole = resources.integer("whole_gpus")
-    if mps is not None and whole is not None:
-        raise resources.fail("mps", "give mps or whole_gpus, not both")
-    if whole is not None:
+    mig = resources.mapping.get("mig")
+    if sum(x is not None for x in (mps, whole, mig)) > 1:
+        raise resources.fail("mps", "give one of mps, whole_gpus and mig")
+    if mig is not None:
+        # A MIG batch task: the batch planner chooses the instance size.
+        if mig is not True:
+            raise resources.fail("mig", f"must be true (the planner sizes it), got {mig!r}")
+        spec.resources.mig.SetInParent()
+    elif whole is not None:
         if not 0 <= whole < 1 << 32:
             raise resources.fail("whole_gpus", f"must be 1, got {whole}")
         spec.resources.whole_gpus = whole
@@ -440,7 +452,9 @@ def _resources_into(
         spec.resources.mps.quota.request_percent = request
         spec.resources.mps.quota.limit_percent = mps.number("quota_limit_percent") or 0.0
     elif required:
-        raise resources.fail(None, "set one of mps (sm_percent and quota) or whole_gpus: 1")
+        raise resources.fail(
+            None, "set one of mps (sm_percent and quota), whole_gpus: 1 or mig: true"
+        )
 
 
 # Spec fields in the service's InvalidArgument -> the key of a job file that sets them.

@@ -614,6 +614,8 @@ def _share(spec: pb.JobSpec) -> str:
         text = f"SM {resources.mps.sm_percent}%, quota {quota.request_percent:g}%{limit}"
     elif which == "whole_gpus":
         text = "whole GPU" if resources.whole_gpus == 1 else f"{resources.whole_gpus} GPUs"
+    elif which == "mig":
+        text = "a MIG instance (sized by the batch planner)"
     else:
         text = "no share"
     if resources.memory_bytes:
@@ -622,8 +624,11 @@ def _share(spec: pb.JobSpec) -> str:
 
 
 def _sm_quota(spec: pb.JobSpec) -> tuple[object, object]:
-    if spec.resources.WhichOneof("share") == "mps":
+    which = spec.resources.WhichOneof("share")
+    if which == "mps":
         return spec.resources.mps.sm_percent, spec.resources.mps.quota.request_percent
+    if which == "mig":
+        return "MIG", "-"
     return 100, 100.0
 
 
@@ -642,7 +647,16 @@ def _clock(unix_s: float) -> str:
 
 def _where(job: pb.Job) -> str:
     gpu = job.assignment.gpu
-    return f"GPU {gpu.gpu_uuid} on node {gpu.node}" if gpu.gpu_uuid else "no GPU"
+    if not gpu.gpu_uuid:
+        return "no GPU"
+    where = f"GPU {gpu.gpu_uuid} on node {gpu.node}"
+    if job.assignment.HasField("mig"):
+        slot = job.assignment.mig
+        where += (
+            f", MIG {slot.size} slices at slice {slot.first_slice}, planned "
+            f"{_clock(slot.planned_start_unix_s)}-{_clock(slot.planned_end_unix_s)}"
+        )
+    return where
 
 
 def _summary(job: pb.Job) -> str:

@@ -484,6 +484,21 @@ async def test_client_waits_for_assignment_and_says_when_a_job_ends_instead(
         client.close()
 
 
+def test_a_mig_batch_task_document_leaves_the_size_to_the_planner() -> None:
+    spec = spec_from_document(
+        {
+            "name": "lud",
+            "kind": "batch",
+            "task_key": "rodinia-lud",
+            "resources": {"mig": True},
+            "command": ["./lud", "-s", "8192"],
+        },
+        "lud.yaml",
+    )
+    assert spec.resources.WhichOneof("share") == "mig"
+    assert list(spec.command) == ["./lud", "-s", "8192"]
+
+
 def test_job_documents_become_specs_with_defaults() -> None:
     spec = spec_from_document(
         {"name": "n", "kind": "batch", "resources": {"memory_bytes": 5, "whole_gpus": 1}}, "x"
@@ -511,7 +526,17 @@ def test_job_documents_become_specs_with_defaults() -> None:
                 "resources": {"whole_gpus": 1, "mps": {"sm_percent": 1}},
             },
             "resources.mps",
-            "not both",
+            "give one of mps, whole_gpus and mig",
+        ),
+        (
+            {"name": "n", "kind": "batch", "resources": {"mig": 3}, "command": ["true"]},
+            "resources.mig",
+            "must be true",
+        ),
+        (
+            {"name": "n", "kind": "batch", "resources": {"mig": True}, "command": "true"},
+            "command",
+            "list of strings",
         ),
         (
             {"name": "n", "kind": "batch", "resources": {"mps": {"sm_percent": 10}}},
@@ -545,3 +570,15 @@ def test_an_empty_job_file_is_refused(tmp_path: Path) -> None:
     path.write_text("# nothing\n")
     with pytest.raises(JobFileError, match="empty document"):
         load_job_file(path)
+
+
+def test_a_mig_task_shows_its_planned_instance() -> None:
+    from gpuloom.clients.cli.jobs import _summary
+
+    job = pb.Job(job_id="j-1", state=pb.JOB_STATE_ASSIGNED)
+    job.spec.resources.mig.SetInParent()
+    job.assignment.gpu.gpu_uuid, job.assignment.gpu.node = "GPU-7", "n1"
+    job.assignment.mig.CopyFrom(pb.MigSlot(size=3, first_slice=4))
+    line = _summary(job)
+    assert "GPU GPU-7 on node n1, MIG 3 slices at slice 4" in line
+    assert "a MIG instance (sized by the batch planner)" in line
