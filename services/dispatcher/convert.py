@@ -159,6 +159,20 @@ def mig_batch_from_pb(request: dispatcher_pb2.RunMigBatchRequest) -> list[MigBat
     ]
 
 
+def task_run_from_pb(msg: dispatcher_pb2.MigTaskRun) -> TaskRun:
+    return TaskRun(
+        task=msg.task,
+        size=msg.size,
+        first_slice=msg.first_slice,
+        instance_uuid=msg.instance_uuid,
+        planned_start_s=msg.planned_start_s,
+        planned_end_s=msg.planned_end_s,
+        start_s=msg.start_s,
+        end_s=msg.end_s,
+        exit_code=msg.exit_code,
+    )
+
+
 def _task_run_to_pb(run: TaskRun) -> dispatcher_pb2.MigTaskRun:
     return dispatcher_pb2.MigTaskRun(
         task=run.task,

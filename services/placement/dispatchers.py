@@ -13,6 +13,8 @@ import grpc
 
 from gpuloom.services.common.errors import DomainError, Unavailable
 from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.services.dispatcher.convert import task_run_from_pb
+from gpuloom.services.dispatcher.mig_executor import TaskRun
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 
@@ -128,26 +130,10 @@ class MigRunStarted:
     planned_makespan_s: float
 
 
-@dataclass(frozen=True, slots=True)
-class MigTaskEnded:
-    """One task of the batch ended. Times are seconds from the start of the run on the
-    dispatcher, planned (by the dispatcher's own plan) and real."""
-
-    task: str
-    size: int
-    first_slice: int
-    instance_uuid: str
-    planned_start_s: float
-    planned_end_s: float
-    start_s: float
-    end_s: float
-    exit_code: int
-
-
 class MigRunner(Protocol):
     def run_mig_batch(
         self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | MigTaskEnded]:
+    ) -> AsyncIterator[MigRunStarted | TaskRun]:
         """Run a batch on the dispatcher at `address` (RunMigBatch): yields MigRunStarted once
         it is planned there, then each task as it ends, and stops when the run is over.
         Raises a DomainError when the dispatcher refuses the batch, cannot be reached, or the
@@ -175,7 +161,7 @@ class GrpcMigRunner:
 
     async def run_mig_batch(
         self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | MigTaskEnded]:
+    ) -> AsyncIterator[MigRunStarted | TaskRun]:
         message = dispatcher_pb2.RunMigBatchRequest(
             tasks=[
                 dispatcher_pb2.MigTaskSpec(
@@ -202,18 +188,7 @@ class GrpcMigRunner:
                 if kind == "planned":
                     yield MigRunStarted(update.planned.planned_makespan_s)
                 elif kind == "task_ended":
-                    run = update.task_ended
-                    yield MigTaskEnded(
-                        task=run.task,
-                        size=run.size,
-                        first_slice=run.first_slice,
-                        instance_uuid=run.instance_uuid,
-                        planned_start_s=run.planned_start_s,
-                        planned_end_s=run.planned_end_s,
-                        start_s=run.start_s,
-                        end_s=run.end_s,
-                        exit_code=run.exit_code,
-                    )
+                    yield task_run_from_pb(update.task_ended)
                 update = await call.read()
         except grpc.aio.AioRpcError as error:
             raise _domain_error(address, error) from None

@@ -29,11 +29,11 @@ from gpuloom.policies.mig.geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask
 from gpuloom.services.common.errors import DomainError, FailedPrecondition
 from gpuloom.services.dispatcher.gpu.models import find_model, mig_profile
+from gpuloom.services.dispatcher.mig_executor import TaskRun
 from gpuloom.services.placement.dispatchers import (
     MigRunner,
     MigRunRequest,
     MigRunStarted,
-    MigTaskEnded,
     MigTaskRequest,
 )
 from gpuloom.services.placement.domain import (
@@ -479,7 +479,7 @@ class MigBatches:
                         tasks=len(names),
                         planned_makespan_s=round(update.planned_makespan_s, 3),
                     )
-                elif isinstance(update, MigTaskEnded) and update.task in names:
+                elif isinstance(update, TaskRun) and update.task in names:
                     ended.add(update.task)
                     await self._task_ended(gpu_id, update)
         except DomainError as error:
@@ -497,7 +497,7 @@ class MigBatches:
                 gpu_id, left, started, failure or "the run ended without reporting them"
             )
 
-    async def _task_ended(self, gpu_id: str, update: MigTaskEnded) -> None:
+    async def _task_ended(self, gpu_id: str, update: TaskRun) -> None:
         core = self._core
         job = core._live.get(update.task)
         if job is None or job.state is not JobState.ASSIGNED or job.binding is None:

@@ -10,11 +10,11 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from gpuloom.services.common.errors import AlreadyExists, FailedPrecondition, Unavailable
+from gpuloom.services.dispatcher.mig_executor import TaskRun
 from gpuloom.services.placement.dispatchers import (
     BindRequest,
     MigRunRequest,
     MigRunStarted,
-    MigTaskEnded,
 )
 
 
@@ -90,7 +90,7 @@ class FakeMigRunner:
 
     async def run_mig_batch(
         self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | MigTaskEnded]:
+    ) -> AsyncIterator[MigRunStarted | TaskRun]:
         if address in self.refuse:
             raise Unavailable(f"dispatcher {address} unreachable")
         if address in self.running:
@@ -106,7 +106,7 @@ class FakeMigRunner:
             for offset, task in enumerate(request.tasks):
                 size = min(task.seconds_by_size)
                 seconds = task.seconds_by_size[size]
-                yield MigTaskEnded(
+                yield TaskRun(
                     task=task.name,
                     size=size,
                     first_slice=0,

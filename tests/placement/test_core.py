@@ -15,22 +15,10 @@ from hypothesis import strategies as st
 from gpuloom.policies.placement import GRID_H, GRID_W
 from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
-from gpuloom.services.placement.core import CoreConfig, PlacementCore
 from gpuloom.services.placement.domain import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.services.placement.repository import PlacementRepository
-from gpuloom.services.placement.settings import PlacementSettings
-from gpuloom.services.placement.storage import create_engine, migrate
-from tests.placement.fakes import FakeDispatchers
+from tests.placement.harness import CoreHarness
 
 GIB = 1 << 30
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def spec(name: str = "job", sm: int = 50, quota: float = 50, memory_gib: float = 8) -> JobSpec:
@@ -46,42 +34,16 @@ def gpu(i: int, memory_gib: int = 80) -> GpuInfo:
     return GpuInfo(f"GPU-{i}", f"node-{i // 2}", "A100-80GB", memory_gib * GIB, 108)
 
 
-class Harness:
-    """A core on a SQLite file that can be stopped and started again on the same file."""
-
-    def __init__(self, folder: Path) -> None:
-        self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
-        self.dispatchers = FakeDispatchers()
-        self.clock = Clock()
-        self.core: PlacementCore | None = None
-        self.engine = None
-
-    async def start(self) -> PlacementCore:
-        self.engine = create_engine(self.settings)
-        await migrate(self.engine)
-        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5)
-        self.core = PlacementCore(
-            PlacementRepository(self.engine), self.dispatchers, None, config, self.clock
-        )
-        await self.core.start()
-        return self.core
-
-    async def stop(self) -> None:
-        assert self.core is not None and self.engine is not None
-        await self.core.stop()
-        await self.engine.dispose()
-
-
 @pytest.fixture
 async def harness(tmp_path: Path):
-    h = Harness(tmp_path)
+    h = CoreHarness(tmp_path)
     await h.start()
     yield h
     await h.stop()
 
 
 async def test_a_silent_gpu_is_lost_with_its_jobs_and_comes_back_on_its_next_heartbeat(
-    harness: Harness,
+    harness: CoreHarness,
 ) -> None:
     core = harness.core
     assert core is not None
@@ -116,7 +78,7 @@ async def test_a_silent_gpu_is_lost_with_its_jobs_and_comes_back_on_its_next_hea
 async def test_a_restart_keeps_every_job_and_decision_and_binds_what_was_only_reserved(
     tmp_path: Path,
 ) -> None:
-    h = Harness(tmp_path)
+    h = CoreHarness(tmp_path)
     core = await h.start()
     await core.register_gpu(gpu(0), "10.0.0.1:50060")
     await core.register_gpu(gpu(1), "10.0.0.2:50060")
@@ -143,7 +105,7 @@ async def test_a_restart_keeps_every_job_and_decision_and_binds_what_was_only_re
     await h.stop()
 
 
-async def test_ending_jobs_follows_their_state(harness: Harness) -> None:
+async def test_ending_jobs_follows_their_state(harness: CoreHarness) -> None:
     core = harness.core
     assert core is not None
     with pytest.raises(NotFound):
@@ -178,7 +140,7 @@ arrivals = st.lists(
 async def test_no_gpu_is_ever_over_committed_whatever_the_order(
     tmp_path_factory: pytest.TempPathFactory, ops: list
 ) -> None:
-    h = Harness(tmp_path_factory.mktemp("prop"))
+    h = CoreHarness(tmp_path_factory.mktemp("prop"))
     core = await h.start()
     for i in range(3):
         await core.register_gpu(gpu(i, memory_gib=48), f"10.0.0.{i}:50060")
@@ -212,7 +174,7 @@ async def test_no_gpu_is_ever_over_committed_whatever_the_order(
     await h.stop()
 
 
-async def test_gpus_in_mig_mode_take_no_shares(harness: Harness) -> None:
+async def test_gpus_in_mig_mode_take_no_shares(harness: CoreHarness) -> None:
     core = harness.core
     assert core is not None
     mig_mode = replace(gpu(0), mig_capable=True, mig_enabled=True)

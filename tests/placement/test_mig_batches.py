@@ -20,7 +20,6 @@ from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
 from gpuloom.services.dispatcher.gpu.models import find_model
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
-from gpuloom.services.placement.core import CoreConfig, PlacementCore
 from gpuloom.services.placement.domain import (
     Binding,
     GpuInfo,
@@ -32,21 +31,20 @@ from gpuloom.services.placement.domain import (
 )
 from gpuloom.services.placement.mig_batches import NO_MIG_GPU, MigBatchConfig
 from gpuloom.services.placement.repository import (
-    PlacementRepository,
     _binding_from_json,
     _binding_to_json,
     spec_from_json,
     spec_to_json,
 )
 from gpuloom.services.placement.settings import PlacementSettings
-from gpuloom.services.placement.storage import create_engine, migrate
 from gpuloom.services.profile_store import domain as d
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2
 from tests.dispatcher.conftest import dispatcher_settings
 from tests.placement.conftest import eventually, start_placement, submit
-from tests.placement.fakes import FakeDispatchers, FakeMigRunner, FakeProfiles
+from tests.placement.fakes import FakeMigRunner, FakeProfiles
+from tests.placement.harness import CoreHarness
 
 GIB = 1 << 30
 A100 = "A100-80GB"
@@ -55,14 +53,6 @@ SCALING = {1: 8.0, 2: 4.2, 3: 3.0, 4: 2.4, 7: 1.5}
 FLAT = {1: 2.0, 2: 2.0, 3: 2.0, 4: 2.0, 7: 2.0}
 SUCCEEDED = placement_pb2.JOB_STATE_SUCCEEDED
 FAILED = placement_pb2.JOB_STATE_FAILED
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def mig_spec(
@@ -93,42 +83,17 @@ def mig_gpu(i: int, model: str = A100, enabled: bool = True) -> GpuInfo:
     )
 
 
-class Harness:
-    """A core on a SQLite file with MIG batches: fake profiles, fake dispatchers running the
-    batches, a clock the test moves."""
+class Harness(CoreHarness):
+    """A core with MIG batches: fake profiles, fake dispatchers running the batches, a clock
+    the test moves. No timer task: the tests plan what is due themselves, on their own clock
+    (the end-to-end test at the end has the service's timer do it)."""
 
     def __init__(self, folder: Path, max_tasks: int = 64, window_s: float = 10.0) -> None:
-        self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
-        self.profiles: FakeProfiles | None = FakeProfiles()
-        self.profiles.mig[("scaling", A100)] = SCALING
-        self.profiles.mig[("flat", A100)] = FLAT
-        self.runner = FakeMigRunner()
-        self.clock = Clock()
-        # No timer task: the tests plan what is due themselves, on their own clock (the
-        # end-to-end test at the end has the service's timer do it).
-        self.mig = MigBatchConfig(window_s=window_s, max_tasks=max_tasks, timer=False)
-        self.core: PlacementCore | None = None
-        self.engine = None
-
-    async def start(self) -> PlacementCore:
-        self.engine = create_engine(self.settings)
-        await migrate(self.engine)
-        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig)
-        self.core = PlacementCore(
-            PlacementRepository(self.engine),
-            FakeDispatchers(),
-            self.profiles,
-            config,
-            self.clock,
-            mig_runner=self.runner,
-        )
-        await self.core.start()
-        return self.core
-
-    async def stop(self) -> None:
-        assert self.core is not None and self.engine is not None
-        await self.core.stop()
-        await self.engine.dispose()
+        profiles = FakeProfiles()
+        profiles.mig[("scaling", A100)] = SCALING
+        profiles.mig[("flat", A100)] = FLAT
+        mig = MigBatchConfig(window_s=window_s, max_tasks=max_tasks, timer=False)
+        super().__init__(folder, profiles, FakeMigRunner(), mig)
 
     async def submit(self, count: int, key: str = "scaling", **changes) -> list[Job]:
         assert self.core is not None

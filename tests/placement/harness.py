@@ -1,0 +1,60 @@
+"""A placement core on a SQLite file with in-memory dispatchers and a clock the test moves;
+it can be stopped and started again on the same file (a restart)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpuloom.services.placement.core import CoreConfig, PlacementCore
+from gpuloom.services.placement.mig_batches import MigBatchConfig
+from gpuloom.services.placement.profiles import ProfileSource
+from gpuloom.services.placement.repository import PlacementRepository
+from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.placement.storage import create_engine, migrate
+from tests.placement.fakes import FakeDispatchers, FakeMigRunner
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CoreHarness:
+    def __init__(
+        self,
+        folder: Path,
+        profiles: ProfileSource | None = None,
+        runner: FakeMigRunner | None = None,
+        mig: MigBatchConfig | None = None,
+    ) -> None:
+        self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
+        self.dispatchers = FakeDispatchers()
+        self.profiles = profiles
+        self.runner = runner
+        self.mig = mig or MigBatchConfig(timer=False)
+        self.clock = Clock()
+        self.core: PlacementCore | None = None
+        self.engine = None
+
+    async def start(self) -> PlacementCore:
+        self.engine = create_engine(self.settings)
+        await migrate(self.engine)
+        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig)
+        self.core = PlacementCore(
+            PlacementRepository(self.engine),
+            self.dispatchers,
+            self.profiles,
+            config,
+            self.clock,
+            mig_runner=self.runner,
+        )
+        await self.core.start()
+        return self.core
+
+    async def stop(self) -> None:
+        assert self.core is not None and self.engine is not None
+        await self.core.stop()
+        await self.engine.dispose()
