@@ -153,15 +153,6 @@ class ScalingResult:
     most_efficient: ThroughputPoint | None
 
 
-@dataclass(slots=True)
-class _Counters:
-    decided: int = 0
-    bound: int = 0
-    bind_failures: int = 0
-    lost_jobs: int = 0
-    suspended: set[str] = field(default_factory=set)  # GPUs whose bind failed, until heartbeat
-
-
 class PlacementCore:
     def __init__(
         self,
@@ -197,7 +188,8 @@ class PlacementCore:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
-        self.counters = _Counters()
+        # GPUs whose dispatcher failed a bind or a MIG run: no new work until its next heartbeat.
+        self.suspended: set[str] = set()
         self.mig = MigBatches(self, mig_runner, config.mig)
 
     # ---- life cycle ----
@@ -410,7 +402,7 @@ class PlacementCore:
                 self._fleet.add_gpu(_gpu_state(record, list(held)))
             else:
                 self._fleet.set_schedulable(info.gpu_uuid, _takes_shares(record))
-            self.counters.suspended.discard(info.gpu_uuid)
+            self.suspended.discard(info.gpu_uuid)
             self._note_memory(info)
             self._retry_pending = True
         self._wake.set()
@@ -443,13 +435,13 @@ class PlacementCore:
         record.last_heartbeat = self._clock()
         record.utilization_percent = utilization_percent
         record.memory_used_bytes = memory_used_bytes
-        if record.lost or gpu_uuid in self.counters.suspended:
+        if record.lost or gpu_uuid in self.suspended:
             async with self._lock:
                 if record.lost:
                     record.lost = False
                     await self._repo.set_gpu_lost(gpu_uuid, False)
                     log.info("GPU is back", gpu=gpu_uuid, node=record.info.node)
-                self.counters.suspended.discard(gpu_uuid)
+                self.suspended.discard(gpu_uuid)
                 self._fleet.set_schedulable(gpu_uuid, _takes_shares(record))
                 self._retry_pending = True
             self._wake.set()
@@ -568,7 +560,6 @@ class PlacementCore:
                 self._live[job.job_id] = job
                 self._publish(job)
             self.mig.collect([j for j in fresh.values() if j.spec.is_mig_batch], now)
-            self.counters.decided += len(fresh) + len(changed)
             decided_at = time.perf_counter()
             for submission in batch:
                 metrics.DECISION_LATENCY.observe(decided_at - submission.arrived)
@@ -666,7 +657,6 @@ class PlacementCore:
                     self._fleet.release(job.job_id)
                     self._suspend(job.binding.gpu_uuid)
                     self._release_on_dispatcher(job.binding, job.job_id)
-                    self.counters.bind_failures += 1
                     metrics.BIND_FAILURES.inc()
                     log.warning(
                         "binding failed", job=job.job_id, gpu=job.binding.gpu_uuid, error=message
@@ -682,7 +672,6 @@ class PlacementCore:
                         )
                     )
                 else:
-                    self.counters.bound += 1
                     changed.append(
                         current.advance(
                             now,
@@ -737,7 +726,7 @@ class PlacementCore:
         """No new job on this GPU until its dispatcher shows it is alive again."""
         if gpu_uuid in self._fleet:
             self._fleet.set_schedulable(gpu_uuid, False)
-            self.counters.suspended.add(gpu_uuid)
+            self.suspended.add(gpu_uuid)
 
     def _release_on_dispatcher(self, binding: Binding, job_id: str) -> None:
         async def release() -> None:
@@ -872,7 +861,6 @@ class PlacementCore:
                 f"(last one {age:.1f} s ago)"
             )
             await self._finish_many(held, JobState.LOST, message)
-            self.counters.lost_jobs += len(held)
             metrics.JOBS_LOST.inc(len(held))
         log.warning("GPU lost", gpu=gpu_uuid, node=record.info.node, jobs_lost=len(held))
 

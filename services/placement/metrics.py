@@ -33,3 +33,13 @@ BIND_FAILURES = prometheus_client.Counter(
 JOBS_LOST = prometheus_client.Counter(
     "gpuloom_placement_jobs_lost_total", "Jobs lost because their GPU stopped sending heartbeats"
 )
+MIG_BATCHES = prometheus_client.Counter(
+    "gpuloom_placement_mig_batches_total", "MIG batches planned over the fleet"
+)
+MIG_RUNS = prometheus_client.Counter(
+    "gpuloom_placement_mig_runs_total", "RunMigBatch calls started on dispatchers"
+)
+MIG_RUNS_FAILED = prometheus_client.Counter(
+    "gpuloom_placement_mig_runs_failed_total",
+    "MIG runs a dispatcher refused, or whose stream broke",
+)

@@ -30,6 +30,7 @@ from gpuloom.policies.mig.plan import MigTask
 from gpuloom.services.common.errors import DomainError, FailedPrecondition
 from gpuloom.services.dispatcher.gpu.models import find_model, mig_profile
 from gpuloom.services.dispatcher.mig_executor import TaskRun
+from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import (
     MigRunner,
     MigRunRequest,
@@ -79,13 +80,6 @@ class _MigGpuInfo:
     geometry: MigGeometry
 
 
-@dataclass(slots=True)
-class MigCounters:
-    batches: int = 0  # batches planned
-    runs: int = 0  # RunMigBatch calls started
-    failed_runs: int = 0
-
-
 class MigBatches:
     def __init__(
         self, core: PlacementCore, runner: MigRunner | None, config: MigBatchConfig
@@ -103,7 +97,6 @@ class MigBatches:
         self._profiles: dict[tuple[str, str], tuple[float, tuple[tuple[int, float], ...]]] = {}
         self._wake = asyncio.Event()
         self.last_plan: FleetPlan | None = None
-        self.counters = MigCounters()
 
     # ---- hooks the core calls ----
 
@@ -288,7 +281,7 @@ class MigBatches:
                 )
                 self._start_run(by_id[gpu_id], gpu_plan, batch)
             self.last_plan = plan
-            self.counters.batches += 1
+            metrics.MIG_BATCHES.inc()
             self._refresh_reasons(now)
         log.info(
             "MIG batch planned",
@@ -313,7 +306,7 @@ class MigBatches:
                 continue
             capable += 1
             slot = core._fleet.slot(info.gpu_uuid)
-            if record.lost or info.gpu_uuid in core.counters.suspended:
+            if record.lost or info.gpu_uuid in core.suspended:
                 down += 1
             elif not info.mig_enabled:
                 off += 1
@@ -468,7 +461,7 @@ class MigBatches:
         started = False
         ended: set[str] = set()
         failure = ""
-        self.counters.runs += 1
+        metrics.MIG_RUNS.inc()
         try:
             async for update in self._runner.run_mig_batch(address, request):
                 if isinstance(update, MigRunStarted):
@@ -489,7 +482,7 @@ class MigBatches:
             failure = repr(error)
         left = [name for name in names if name not in ended]
         if left or failure:
-            self.counters.failed_runs += 1
+            metrics.MIG_RUNS_FAILED.inc()
             log.warning(
                 "MIG batch run failed", gpu=gpu_id, started=started, left=len(left), error=failure
             )
