@@ -329,6 +329,7 @@ class PlacementCore:
             raise InvalidArgument(
                 "requests_per_s", f"must be finite and >= 0, got {requests_per_s}"
             )
+        _replica_spec(template, 1, 1.0).validate_as("template")
         if self._profiles is None:
             raise FailedPrecondition(
                 "auto-scaling needs throughput profiles, and no profile store is configured "
@@ -350,13 +351,8 @@ class PlacementCore:
             added = []
             for point in plan.add:
                 spec = replace(
-                    template,
-                    kind=JobKind.INFERENCE,
+                    _replica_spec(template, point.sm_percent, point.quota_percent),
                     task_key=function,
-                    share=_share(point.sm_percent, point.quota_percent),
-                    whole_gpus=0,
-                    mig_slices=0,
-                    command=(),
                 )
                 added.append(await self.submit(f"scale-{uuid.uuid4().hex}", spec, function))
             removed = [
@@ -389,19 +385,24 @@ class PlacementCore:
                 registered_at=now if old is None else old.registered_at,
                 last_heartbeat=now,
             )
-            await self._repo.save_gpu(record)
-            self._gpus[info.gpu_uuid] = record
+            reshaped = old is not None and (
+                (old.info.node, old.info.model, old.info.memory_bytes)
+                != (info.node, info.model, info.memory_bytes)
+            )
             if old is None:
                 self._fleet.add_gpu(_gpu_state(record, []))
-            elif (old.info.node, old.info.model, old.info.memory_bytes) != (
-                info.node,
-                info.model,
-                info.memory_bytes,
-            ):
-                held = self._fleet.remove_gpu(info.gpu_uuid)
-                self._fleet.add_gpu(_gpu_state(record, list(held)))
-            else:
-                self._fleet.set_schedulable(info.gpu_uuid, _takes_shares(record))
+            elif reshaped:
+                self._replace_gpu(old, record)
+            try:
+                await self._repo.save_gpu(record)
+            except BaseException:  # not recorded: the fleet goes back to what it was
+                if old is None:
+                    self._fleet.remove_gpu(info.gpu_uuid)
+                elif reshaped:
+                    self._replace_gpu(record, old)
+                raise
+            self._gpus[info.gpu_uuid] = record
+            self._fleet.set_schedulable(info.gpu_uuid, _takes_shares(record))
             self.suspended.discard(info.gpu_uuid)
             self._note_memory(info)
             self._retry_pending = True
@@ -415,6 +416,19 @@ class PlacementCore:
             again=old is not None,
         )
         return self.config.heartbeat_interval_s
+
+    def _replace_gpu(self, old: GpuRecord, new: GpuRecord) -> None:
+        """The same GPU registered with another node, model or memory: its jobs stay on it
+        if they still fit, otherwise the registration is refused and nothing changes."""
+        held = self._fleet.remove_gpu(old.info.gpu_uuid)
+        try:
+            self._fleet.add_gpu(_gpu_state(new, list(held)))
+        except ValueError as error:
+            self._fleet.add_gpu(_gpu_state(old, list(held)))
+            raise FailedPrecondition(
+                f"GPU {new.info.gpu_uuid} holds jobs that would not fit it as registered now "
+                f"({error}); end them first"
+            ) from None
 
     async def heartbeat(
         self,
@@ -904,9 +918,17 @@ class PlacementCore:
             policy.set_profile(times)
 
 
-def _share(sm_percent: int, quota_percent: float) -> SpatioTemporalShare:
-    """A replica's share: it is guaranteed its profiled quota and may use no more."""
-    return SpatioTemporalShare(sm_percent, TimeQuota(quota_percent, quota_percent))
+def _replica_spec(template: JobSpec, sm_percent: int, quota_percent: float) -> JobSpec:
+    """A function replica: the template's name, memory, priority, policy and model, at one
+    profiled configuration (guaranteed its quota, and no more)."""
+    return replace(
+        template,
+        kind=JobKind.INFERENCE,
+        share=SpatioTemporalShare(sm_percent, TimeQuota(quota_percent, quota_percent)),
+        whole_gpus=0,
+        mig_slices=0,
+        command=(),
+    )
 
 
 def _allocation(job: Job) -> Allocation:

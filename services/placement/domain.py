@@ -110,6 +110,14 @@ class JobSpec:
                 raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
         self._validate_resources()
 
+    def validate_as(self, name: str) -> None:
+        """validate(), naming fields under `name` (a template) instead of `spec`."""
+        try:
+            self.validate()
+        except InvalidArgument as error:
+            field = error.field.replace("spec", name, 1)
+            raise InvalidArgument(field, error.message.split(": ", 1)[1]) from None
+
     def _validate_resources(self) -> None:
         if self.mig_slices:
             self._validate_mig()

@@ -186,3 +186,21 @@ async def test_gpus_in_mig_mode_take_no_shares(harness: CoreHarness) -> None:
     # A heartbeat after a restart of its dispatcher does not open it to shares either.
     await core.register_gpu(mig_mode, "10.0.0.0:50060")
     assert not core._fleet.slot("GPU-0").schedulable
+
+
+async def test_a_gpu_re_registered_smaller_than_its_jobs_is_refused_and_changes_nothing(
+    harness: CoreHarness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(gpu(0, memory_gib=80), "10.0.0.0:50060")
+    job = await core.submit("r1", spec("big", memory_gib=60))
+    assert job.state is JobState.ASSIGNED
+    with pytest.raises(FailedPrecondition, match="would not fit"):
+        await core.register_gpu(gpu(0, memory_gib=40), "10.0.0.0:50060")
+    assert core._fleet.gpu("GPU-0").memory_bytes == 80 * GIB
+    assert [a.allocation_id for a in core._fleet.allocations("GPU-0")] == [job.job_id]
+    # Larger is fine, and the job stays where it is.
+    await core.register_gpu(gpu(0, memory_gib=96), "10.0.0.9:50060")
+    assert core._fleet.gpu("GPU-0").memory_bytes == 96 * GIB
+    assert core._fleet.gpu_of(job.job_id) == "GPU-0"

@@ -106,6 +106,17 @@ async def test_scaling_a_function_without_a_profile_is_refused(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await placement.stub.SetFunctionLoad(load("resnet", -1))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad = load("resnet", 100)
+    bad.template.priority.level = 12
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await placement.stub.SetFunctionLoad(bad)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("template.priority.level")
+    bad = load("resnet", 100)
+    bad.template.resources.memory_bytes = 0
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await placement.stub.SetFunctionLoad(bad)
+    assert (caught.value.details() or "").startswith("template.resources.memory_bytes")
 
 
 def kernels(key: str, duration_ns: float, gap_ns: float, n: int = 20) -> d.KernelProfile:
