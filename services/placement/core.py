@@ -452,8 +452,8 @@ class PlacementCore:
         if record.lost or gpu_uuid in self.suspended:
             async with self._lock:
                 if record.lost:
-                    record.lost = False
                     await self._repo.set_gpu_lost(gpu_uuid, False)
+                    record.lost = False
                     log.info("GPU is back", gpu=gpu_uuid, node=record.info.node)
                 self.suspended.discard(gpu_uuid)
                 self._fleet.set_schedulable(gpu_uuid, _takes_shares(record))
