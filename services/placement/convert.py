@@ -107,7 +107,10 @@ def job_to_pb(job: Job) -> pb.Job:
         function=job.function,
     )
     binding = job.binding
-    if binding is not None and job.state.holds_capacity and binding.mig is not None:
+    # A finished job still says where it ran; only a live one carries its environment.
+    if binding is None or job.state is JobState.PENDING:
+        return msg
+    if binding.mig is not None:
         slot = binding.mig
         msg.assignment.CopyFrom(
             pb.JobAssignment(
@@ -123,7 +126,7 @@ def job_to_pb(job: Job) -> pb.Job:
                 ),
             )
         )
-    elif binding is not None and job.state.holds_capacity:
+    else:
         x, y, _w, _h = binding.rect
         msg.assignment.CopyFrom(
             pb.JobAssignment(
@@ -134,7 +137,7 @@ def job_to_pb(job: Job) -> pb.Job:
                 memory_cap_bytes=binding.memory_cap_bytes,
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
-                environment=binding.environment,
+                environment=binding.environment if job.state.holds_capacity else {},
             )
         )
     return msg

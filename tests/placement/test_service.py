@@ -137,6 +137,9 @@ async def test_finished_jobs_cannot_be_cancelled_or_finished_again(
         placement_pb2.ReportJobDoneRequest(job_id=job.job_id, succeeded=True, exit_code=0)
     )
     assert done.state == placement_pb2.JOB_STATE_SUCCEEDED
+    # It still says where it ran, without the environment (its token is spent).
+    assert done.assignment.gpu.gpu_uuid == job.assignment.gpu.gpu_uuid
+    assert job.assignment.environment and not done.assignment.environment
     got, details = await _code(
         placement.stub.CancelJob(placement_pb2.CancelJobRequest(job_id=job.job_id))
     )
