@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import bisect
 import contextlib
+import itertools
 import math
 import secrets
 import time
@@ -173,6 +175,7 @@ class PlacementCore:
         self._clock = clock
         self._fleet = Fleet()
         self._gpus: dict[str, GpuRecord] = {}
+        self._gpu_keys: list[tuple[str, str]] | None = None  # (node, uuid), sorted: ListGpus
         self._max_memory: dict[str, int] = {}  # model -> largest GPU memory ("" = any model)
         self._live = LiveJobs()
         self._policies: dict[str, PlacementPolicy] = {name: get_policy(name) for name in POLICIES}
@@ -402,6 +405,8 @@ class PlacementCore:
                     self._replace_gpu(record, old)
                 raise
             self._gpus[info.gpu_uuid] = record
+            if old is None or old.info.node != info.node:
+                self._gpu_keys = None
             self._fleet.set_schedulable(info.gpu_uuid, _takes_shares(record))
             self.suspended.discard(info.gpu_uuid)
             self._note_memory(info)
@@ -472,14 +477,24 @@ class PlacementCore:
         if page_size > MAX_PAGE_GPUS:
             raise InvalidArgument("page_size", f"must be at most {MAX_PAGE_GPUS}, got {page_size}")
         limit = page_size or 1000
-        after = _decode_text(page_token)
-        keys = sorted(
-            (r.info.node, r.info.gpu_uuid)
-            for r in self._gpus.values()
-            if not node or r.info.node == node
-        )
-        keys = [k for k in keys if "\x1f".join(k) > after] if after else keys
-        page = keys[:limit]
+        if self._gpu_keys is None:
+            self._gpu_keys = sorted((r.info.node, r.info.gpu_uuid) for r in self._gpus.values())
+        keys = self._gpu_keys
+        start = 0
+        if page_token:
+            after = tuple(_decode_text(page_token).split("\x1f"))
+            if len(after) != 2:
+                raise InvalidArgument("page_token", "is not a token this service handed out")
+            start = bisect.bisect_right(keys, after)
+        page: list[tuple[str, str]] = []
+        more = False
+        for key in itertools.islice(keys, start, None):
+            if node and key[0] != node:
+                continue
+            if len(page) == limit:
+                more = True
+                break
+            page.append(key)
         views = []
         for _, gpu_uuid in page:
             slot = self._fleet.slot(gpu_uuid)
@@ -492,7 +507,7 @@ class PlacementCore:
                     jobs=len(slot.allocations),
                 )
             )
-        token = _encode_token("\x1f".join(page[-1])) if len(keys) > limit else ""
+        token = _encode_token("\x1f".join(page[-1])) if more else ""
         return views, token
 
     # ---- deciding ----

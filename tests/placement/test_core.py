@@ -204,3 +204,23 @@ async def test_a_gpu_re_registered_smaller_than_its_jobs_is_refused_and_changes_
     await core.register_gpu(gpu(0, memory_gib=96), "10.0.0.9:50060")
     assert core._fleet.gpu("GPU-0").memory_bytes == 96 * GIB
     assert core._fleet.gpu_of(job.job_id) == "GPU-0"
+
+
+async def test_list_gpus_pages_through_the_fleet_by_node_then_uuid(harness: CoreHarness) -> None:
+    core = harness.core
+    assert core is not None
+    for i in (4, 0, 3, 1, 2):  # nodes: node-0 (GPU-0, 1), node-1 (GPU-2, 3), node-2 (GPU-4)
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    seen, token = [], ""
+    while True:
+        views, token = core.gpus("", 2, token)
+        seen += [v.record.info.gpu_uuid for v in views]
+        if not token:
+            break
+    assert seen == ["GPU-0", "GPU-1", "GPU-2", "GPU-3", "GPU-4"]
+    first, token = core.gpus("node-1", 1, "")
+    assert [v.record.info.gpu_uuid for v in first] == ["GPU-2"] and token
+    rest, token = core.gpus("node-1", 1, token)
+    assert [v.record.info.gpu_uuid for v in rest] == ["GPU-3"] and not token
+    with pytest.raises(InvalidArgument, match="page_token"):
+        core.gpus("", 2, "bm90LWEtdG9rZW4=")  # base64, but not ours
