@@ -4,7 +4,6 @@ implementation, and the conversions from store profiles to the policies' inputs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import grpc
@@ -96,18 +95,19 @@ class GrpcProfileSource:
         return None if found is None else mig_times_from_profile(mig_profile_from_pb(found))
 
     async def _get(self, method, key: str, gpu_model: str, kind: int):  # type: ignore[no-untyped-def]
+        """The profile of (key, gpu_model); with no model, of the first model listed."""
         try:
-            models: Sequence[str] = [gpu_model]
-            if not gpu_model:
+            model = gpu_model
+            if not model:
                 listing = await self._stub.ListProfiles(
                     profile_store_pb2.ListProfilesRequest(key=key, kind=kind, page_size=1),
                     timeout=self._timeout_s,
                 )
-                models = [s.meta.gpu_model for s in listing.profiles]
-            for model in models:
-                request = profile_store_pb2.GetProfileRequest(key=key, gpu_model=model)
-                return await method(request, timeout=self._timeout_s)
-            return None
+                if not listing.profiles:
+                    return None
+                model = listing.profiles[0].meta.gpu_model
+            request = profile_store_pb2.GetProfileRequest(key=key, gpu_model=model)
+            return await method(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:
             domain = error_from_rpc(error)
             if isinstance(domain, NotFound):
