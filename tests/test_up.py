@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import grpc
+import pytest
 
 from gpuloom.clients.profile_store import ProfileStoreClient
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
@@ -91,43 +92,21 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
             process.wait()
 
 
-def test_bad_configuration_fails_fast_naming_the_variable(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("command", "variable", "value", "said"),
+    [
+        ("up", "GPULOOM_PROFILE_STORE_PORT", "99999", "less than or equal to 65535"),
+        ("dispatcher", "GPULOOM_DISPATCHER_SIM_GPUS", "3xB9000", "B9000"),
+        ("profile-store", "GPULOOM_PROFILE_STORE_DATABASE_URL", "mysql://x", "postgresql://"),
+        ("placement", "GPULOOM_PLACEMENT_DEFAULT_POLICY", "best-guess", "mra"),
+    ],
+)
+def test_bad_configuration_fails_fast_naming_the_variable(
+    tmp_path: Path, command: str, variable: str, value: str, said: str
+) -> None:
+    argv = [GPULOOM, "up"] if command == "up" else [GPULOOM, "serve", command]
     result = subprocess.run(
-        [GPULOOM, "up"],
-        env=_env(tmp_path, GPULOOM_PROFILE_STORE_PORT="99999"),
-        capture_output=True,
-        text=True,
-        timeout=30,
+        argv, env=_env(tmp_path, **{variable: value}), capture_output=True, text=True, timeout=30
     )
     assert result.returncode == 1
-    assert "GPULOOM_PROFILE_STORE_PORT" in result.stderr
-    assert "less than or equal to 65535" in result.stderr
-
-    result = subprocess.run(
-        [GPULOOM, "serve", "dispatcher"],
-        env=_env(tmp_path, GPULOOM_DISPATCHER_SIM_GPUS="3xB9000"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 1
-    assert "GPULOOM_DISPATCHER_SIM_GPUS" in result.stderr and "B9000" in result.stderr
-
-    result = subprocess.run(
-        [GPULOOM, "serve", "profile-store"],
-        env=_env(tmp_path, GPULOOM_PROFILE_STORE_DATABASE_URL="mysql://x"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 1 and "GPULOOM_PROFILE_STORE_DATABASE_URL" in result.stderr
-
-    result = subprocess.run(
-        [GPULOOM, "serve", "placement"],
-        env=_env(tmp_path, GPULOOM_PLACEMENT_DEFAULT_POLICY="best-guess"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert result.returncode == 1
-    assert "GPULOOM_PLACEMENT_DEFAULT_POLICY" in result.stderr and "mra" in result.stderr
+    assert variable in result.stderr and said in result.stderr
