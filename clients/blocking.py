@@ -9,7 +9,7 @@ from typing import Any, Self
 
 import grpc
 
-from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.convert.status import error_from_rpc
 
 
 class BlockingClient:

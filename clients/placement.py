@@ -1,7 +1,7 @@
 """A synchronous client for gpuloom.v1.Placement, and the job file format.
 
 The client returns the service's protobuf messages (`placement_pb2.Job`, `GpuEntry`, ...) and
-raises the domain errors of services/common/errors.py with the server's message (NotFound,
+raises the domain errors of gpuloom/domain/errors.py with the server's message (NotFound,
 InvalidArgument with `.field`, FailedPrecondition, Unavailable when the service cannot be
 reached, ...), so callers never look at gRPC status codes.
 
@@ -24,8 +24,8 @@ import grpc
 import yaml
 
 from gpuloom.clients.blocking import BlockingClient
-from gpuloom.services.common.errors import DomainError, FailedPrecondition
-from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.convert.status import error_from_rpc
+from gpuloom.domain.errors import DomainError, FailedPrecondition
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc

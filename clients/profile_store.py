@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from datetime import UTC
 
 from gpuloom.clients.blocking import BlockingClient
-from gpuloom.services.profile_store import convert
-from gpuloom.services.profile_store import domain as d
+from gpuloom.convert import profiles as convert
+from gpuloom.domain import profiles as d
 from gpuloom.v1 import profile_store_pb2 as pb
 from gpuloom.v1 import profile_store_pb2_grpc as pb_grpc
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from gpuloom.services.common.errors import InvalidArgument, NotFound
-from gpuloom.services.common.grpc_errors import error_from_rpc
+from gpuloom.convert.status import error_from_rpc
+from gpuloom.domain.errors import InvalidArgument, NotFound
 from gpuloom.v1 import (
     common_pb2,
     dispatcher_pb2,

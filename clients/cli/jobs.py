@@ -38,7 +38,7 @@ from gpuloom.clients.placement import (
     state_name,
 )
 from gpuloom.clients.shim_path import default_shim_path
-from gpuloom.services.common.errors import DomainError, InvalidArgument
+from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 

@@ -10,14 +10,13 @@ from pathlib import Path
 import click
 import numpy as np
 
+from gpuloom.domain.mig_geometry import MigGeometry, get_geometry
 from gpuloom.policies.mig import (
     InvalidTaskError,
-    MigGeometry,
     Plan,
     PlanningError,
     UnknownPolicyError,
     area_lower_bound,
-    get_geometry,
     get_planner,
     verify_plan,
 )

@@ -7,7 +7,7 @@ import click
 
 from gpuloom.clients.shim_path import default_shim_path
 from gpuloom.clients.sweep import DEFAULT_QUOTAS, DEFAULT_SM, Sweep, SweepError
-from gpuloom.services.common.errors import DomainError
+from gpuloom.domain.errors import DomainError
 
 
 def _numbers(kind: type, text: str, option: str) -> list:

@@ -11,8 +11,8 @@ from typing import Any
 import click
 
 from gpuloom.clients.cli.table import render_table
-from gpuloom.services.common.errors import DomainError
-from gpuloom.services.profile_store import domain as d
+from gpuloom.domain import profiles as d
+from gpuloom.domain.errors import DomainError
 
 KINDS = [k.value for k in d.ProfileKind]
 store_option = click.option(

@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from gpuloom.services.common.errors import DomainError
+from gpuloom.domain.errors import DomainError
 from gpuloom.services.common.settings import SettingsError
 
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import structlog
 from google.protobuf.message import DecodeError
 
+from gpuloom.domain.errors import DomainError
 from gpuloom.policies.tokens.scheduler import (
     ClientShare,
     Decision,
@@ -35,7 +36,6 @@ from gpuloom.policies.tokens.scheduler import (
     SchedulerSnapshot,
     TokenScheduler,
 )
-from gpuloom.services.common.errors import DomainError
 from gpuloom.services.dispatcher import metrics
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,

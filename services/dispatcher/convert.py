@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import math
 
+from gpuloom.convert.mig import task_run_to_pb
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.mig_runs import MigRunReport, TaskRun
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.mig import Plan
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
     DispatcherEvent,
@@ -18,7 +20,7 @@ from gpuloom.services.dispatcher.domain import (
     ReserveSpec,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
-from gpuloom.services.dispatcher.mig_executor import MigBatchTask, MigRunReport, TaskRun
+from gpuloom.services.dispatcher.mig_executor import MigBatchTask
 from gpuloom.shimwire import ShimMode
 from gpuloom.v1 import common_pb2, dispatcher_pb2, shim_pb2
 
@@ -159,34 +161,6 @@ def mig_batch_from_pb(request: dispatcher_pb2.RunMigBatchRequest) -> list[MigBat
     ]
 
 
-def task_run_from_pb(msg: dispatcher_pb2.MigTaskRun) -> TaskRun:
-    return TaskRun(
-        task=msg.task,
-        size=msg.size,
-        first_slice=msg.first_slice,
-        instance_uuid=msg.instance_uuid,
-        planned_start_s=msg.planned_start_s,
-        planned_end_s=msg.planned_end_s,
-        start_s=msg.start_s,
-        end_s=msg.end_s,
-        exit_code=msg.exit_code,
-    )
-
-
-def _task_run_to_pb(run: TaskRun) -> dispatcher_pb2.MigTaskRun:
-    return dispatcher_pb2.MigTaskRun(
-        task=run.task,
-        size=run.size,
-        first_slice=run.first_slice,
-        instance_uuid=run.instance_uuid,
-        planned_start_s=run.planned_start_s,
-        planned_end_s=run.planned_end_s,
-        start_s=run.start_s,
-        end_s=run.end_s,
-        exit_code=run.exit_code,
-    )
-
-
 def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.MigRunUpdate:
     if isinstance(update, Plan):
         planned = dispatcher_pb2.MigPlanned(
@@ -196,9 +170,9 @@ def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.Mi
         )
         return dispatcher_pb2.MigRunUpdate(planned=planned)
     if isinstance(update, TaskRun):
-        return dispatcher_pb2.MigRunUpdate(task_ended=_task_run_to_pb(update))
+        return dispatcher_pb2.MigRunUpdate(task_ended=task_run_to_pb(update))
     report = dispatcher_pb2.MigRunReport(
-        tasks=[_task_run_to_pb(t) for t in update.tasks],
+        tasks=[task_run_to_pb(t) for t in update.tasks],
         reconfigurations=[
             dispatcher_pb2.MigReconfigRun(
                 action=r.action,

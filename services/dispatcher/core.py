@@ -14,14 +14,15 @@ from typing import TypeVar
 
 import structlog
 
-from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
-from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
-from gpuloom.services.common.errors import (
+from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
+from gpuloom.domain.gpus import find_model
+from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
+from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
 from gpuloom.services.dispatcher.channel import ShimChannel
 from gpuloom.services.dispatcher.domain import (
     LEASE_EVENTS,
@@ -34,7 +35,6 @@ from gpuloom.services.dispatcher.domain import (
     ReserveSpec,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo, GpuUsage
-from gpuloom.services.dispatcher.gpu.models import find_model
 from gpuloom.services.dispatcher.mig_executor import (
     MigBatchTask,
     MigExecutor,

@@ -10,9 +10,9 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.common.shapes import SpatioTemporalShare, validate_priority
-from gpuloom.services.profile_store.validation import MAX_KEY_CHARS, check_name
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.shares import SpatioTemporalShare, validate_priority
+from gpuloom.domain.validation import MAX_KEY_CHARS, check_name
 from gpuloom.shimwire import ShimMode
 
 ASSIGNMENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")

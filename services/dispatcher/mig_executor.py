@@ -22,7 +22,10 @@ from pathlib import Path
 
 import structlog
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
+from gpuloom.domain.mig_geometry import MigGeometry, Placement
+from gpuloom.domain.mig_runs import MigRunReport, ReconfigRun, TaskRun
+from gpuloom.domain.validation import check_name
 from gpuloom.policies.mig.plan import (
     Assignment,
     InvalidTaskError,
@@ -30,44 +33,12 @@ from gpuloom.policies.mig.plan import (
     Plan,
     validate_tasks,
 )
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend
-from gpuloom.services.profile_store.validation import check_name
 
 log = structlog.get_logger("gpuloom.dispatcher.mig")
 
 # Runs one task in an instance: (task name, environment additions) -> exit code.
 TaskRunner = Callable[[str, Mapping[str, str]], int]
-
-
-@dataclass(frozen=True, slots=True)
-class TaskRun:
-    task: str
-    size: int
-    first_slice: int
-    instance_uuid: str
-    planned_start_s: float
-    planned_end_s: float
-    start_s: float
-    end_s: float
-    exit_code: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReconfigRun:
-    action: str  # "create" or "destroy"
-    size: int
-    first_slice: int
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class MigRunReport:
-    tasks: tuple[TaskRun, ...]
-    reconfigurations: tuple[ReconfigRun, ...]
-    planned_makespan_s: float
-    makespan_s: float
 
 
 @dataclass

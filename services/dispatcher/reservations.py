@@ -19,13 +19,13 @@ from typing import Any
 
 import structlog
 
-from gpuloom.services.common.errors import (
+from gpuloom.domain.errors import (
     AlreadyExists,
     DomainError,
     FailedPrecondition,
     ResourceExhausted,
 )
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,
     Reservation,

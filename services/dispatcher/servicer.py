@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.domain.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.dispatcher import convert
 from gpuloom.services.dispatcher.core import DispatcherCore

@@ -3,8 +3,8 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.core import GpuView, ScalingResult
 from gpuloom.services.placement.domain import (
     GpuInfo,

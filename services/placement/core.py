@@ -30,6 +30,15 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
+from gpuloom.domain.errors import (
+    AlreadyExists,
+    DomainError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.placement import (
     GRID_AREA,
     POLICIES,
@@ -47,15 +56,6 @@ from gpuloom.policies.placement import (
     get_policy,
     plan_scaling,
 )
-from gpuloom.services.common.errors import (
-    AlreadyExists,
-    DomainError,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    Unavailable,
-)
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
 from gpuloom.services.placement.domain import (

@@ -11,10 +11,10 @@ from typing import Protocol
 
 import grpc
 
-from gpuloom.services.common.errors import DomainError, Unavailable
-from gpuloom.services.common.grpc_errors import error_from_rpc
-from gpuloom.services.dispatcher.convert import task_run_from_pb
-from gpuloom.services.dispatcher.mig_executor import TaskRun
+from gpuloom.convert.mig import task_run_from_pb
+from gpuloom.convert.status import error_from_rpc
+from gpuloom.domain.errors import DomainError, Unavailable
+from gpuloom.domain.mig_runs import TaskRun
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 

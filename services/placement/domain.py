@@ -8,9 +8,9 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota, validate_priority
 from gpuloom.policies.placement import POLICIES
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota, validate_priority
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ADDRESS = re.compile(r"[A-Za-z0-9.\-_\[\]:]{1,253}:\d{1,5}")

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gpuloom.domain.errors import DomainError, FailedPrecondition
+from gpuloom.domain.gpus import find_model, mig_profile
+from gpuloom.domain.mig_geometry import MigGeometry
+from gpuloom.domain.mig_runs import TaskRun
 from gpuloom.policies.mig.fleet import BatchCollector, FleetPlan, GpuPlan, MigFleetPlanner, MigGpu
-from gpuloom.policies.mig.geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask
-from gpuloom.services.common.errors import DomainError, FailedPrecondition
-from gpuloom.services.dispatcher.gpu.models import find_model, mig_profile
-from gpuloom.services.dispatcher.mig_executor import TaskRun
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import (
     MigRunner,

@@ -8,15 +8,15 @@ from typing import Protocol
 
 import grpc
 
-from gpuloom.policies.placement import KernelTimes, ThroughputPoint
-from gpuloom.services.common.errors import NotFound
-from gpuloom.services.common.grpc_errors import error_from_rpc
-from gpuloom.services.profile_store.convert import (
+from gpuloom.convert.profiles import (
     kernel_profile_from_pb,
     mig_profile_from_pb,
     throughput_profile_from_pb,
 )
-from gpuloom.services.profile_store.domain import KernelProfile, MigProfile, ThroughputProfile
+from gpuloom.convert.status import error_from_rpc
+from gpuloom.domain.errors import NotFound
+from gpuloom.domain.profiles import KernelProfile, MigProfile, ThroughputProfile
+from gpuloom.policies.placement import KernelTimes, ThroughputPoint
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
 # A kernel profile becomes at most this many (duration, gap) pairs: enough to describe a run's

@@ -11,7 +11,7 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.domain import (
     Binding,
     GpuInfo,

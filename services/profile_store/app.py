@@ -8,9 +8,9 @@ from pathlib import Path
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gpuloom.convert.profiles import ProtobufCodec
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.profile_store.cache import InProcessCache, ProfileCache, RedisCache
-from gpuloom.services.profile_store.convert import ProtobufCodec
 from gpuloom.services.profile_store.core import ProfileStore
 from gpuloom.services.profile_store.repository import ProfileRepository
 from gpuloom.services.profile_store.servicer import SERVICE, ProfileStoreServicer

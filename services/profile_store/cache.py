@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from gpuloom.services.profile_store.domain import ProfileId
+from gpuloom.domain.profiles import ProfileId
 
 log = structlog.get_logger("gpuloom.profile_store.cache")
 

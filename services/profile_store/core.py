@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from gpuloom.services.common.errors import InvalidArgument, NotFound
-from gpuloom.services.profile_store.cache import ProfileCache
-from gpuloom.services.profile_store.domain import (
+from gpuloom.domain.errors import InvalidArgument, NotFound
+from gpuloom.domain.profiles import (
     Page,
     Profile,
     ProfileFilter,
@@ -14,13 +13,14 @@ from gpuloom.services.profile_store.domain import (
     ProfileKind,
     profile_id,
 )
-from gpuloom.services.profile_store.repository import MAX_PAGE_SIZE, ProfileRepository
-from gpuloom.services.profile_store.validation import (
+from gpuloom.domain.validation import (
     check_gpu_model,
     check_key,
     check_version,
     validate_profile,
 )
+from gpuloom.services.profile_store.cache import ProfileCache
+from gpuloom.services.profile_store.repository import MAX_PAGE_SIZE, ProfileRepository
 
 
 class ProfileCodec(Protocol):

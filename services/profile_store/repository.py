@@ -21,8 +21,8 @@ from sqlalchemy import Table, delete, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from gpuloom.services.common.errors import Aborted, InvalidArgument, NotFound
-from gpuloom.services.profile_store.domain import (
+from gpuloom.domain.errors import Aborted, InvalidArgument, NotFound
+from gpuloom.domain.profiles import (
     ColocatedThroughput,
     Dim3,
     GapPredictorModel,

@@ -7,10 +7,10 @@ from typing import Any
 
 import grpc
 
+from gpuloom.convert import profiles as convert
+from gpuloom.domain.profiles import ProfileFilter, ProfileId, ProfileKind
 from gpuloom.services.common.grpc_errors import rpc
-from gpuloom.services.profile_store import convert
 from gpuloom.services.profile_store.core import ProfileStore
-from gpuloom.services.profile_store.domain import ProfileFilter, ProfileId, ProfileKind
 from gpuloom.v1 import profile_store_pb2 as pb
 from gpuloom.v1 import profile_store_pb2_grpc as pb_grpc
 
@@ -23,7 +23,7 @@ class ProfileStoreServicer(pb_grpc.ProfileStoreServicer):
         self._store = store
 
     async def _put(self, request: Any, from_pb: Callable[[Any], Any], to_pb: Callable) -> Any:
-        stored = await self._store.put(from_pb(request.profile), convert.optional_version(request))
+        stored = await self._store.put(from_pb(request.profile), _optional_version(request))
         return to_pb(stored)
 
     async def _get(self, kind: ProfileKind, request: pb.GetProfileRequest) -> Any:
@@ -104,5 +104,9 @@ class ProfileStoreServicer(pb_grpc.ProfileStoreServicer):
         kind = convert.kind_from_pb(request.kind, "kind")
         assert kind is not None
         pid = ProfileId(kind, request.key, request.gpu_model)
-        version = await self._store.delete(pid, convert.optional_version(request))
+        version = await self._store.delete(pid, _optional_version(request))
         return pb.DeleteProfileResponse(deleted_version=version)
+
+
+def _optional_version(request: object) -> int | None:
+    return request.expected_version if request.HasField("expected_version") else None  # type: ignore[attr-defined]

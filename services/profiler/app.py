@@ -7,22 +7,22 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from gpuloom.services.common.errors import NotFound
-from gpuloom.services.common.grpc_errors import error_from_rpc
-from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
-from gpuloom.services.profile_store.convert import (
+from gpuloom.convert.profiles import (
     job_profile_from_pb,
     job_profile_to_pb,
     kernel_profile_to_pb,
     stamped_from_pb,
     throughput_profile_to_pb,
 )
-from gpuloom.services.profile_store.domain import (
+from gpuloom.convert.status import error_from_rpc
+from gpuloom.domain.errors import NotFound
+from gpuloom.domain.profiles import (
     JobProfile,
     KernelProfile,
     ProfileKind,
     ThroughputProfile,
 )
+from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.servicer import SERVICE, ProfilerServicer
 from gpuloom.services.profiler.settings import ProfilerSettings

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.profile_store.domain import Dim3
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.profiles import Dim3
 from gpuloom.services.profiler.domain import (
     KernelName,
     MeasurementBatch,

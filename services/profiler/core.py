@@ -17,26 +17,26 @@ from typing import Protocol
 import numpy as np
 import structlog
 
-from gpuloom.policies.profiling.cycles import Cycle, NoCycle, detect_cycle
-from gpuloom.services.common.errors import (
+from gpuloom.domain.errors import (
     Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
 )
-from gpuloom.services.profile_store.domain import (
+from gpuloom.domain.profiles import (
     JobProfile,
     KernelProfile,
     ThroughputPoint,
     ThroughputProfile,
 )
-from gpuloom.services.profile_store.validation import (
+from gpuloom.domain.validation import (
     MAX_GPU_MODEL_CHARS,
     MAX_KEY_CHARS,
     check_name,
     check_throughput_point,
 )
+from gpuloom.policies.profiling.cycles import Cycle, NoCycle, detect_cycle
 from gpuloom.services.profiler.domain import (
     DEFAULT_RUNS,
     MAX_RUNS,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gpuloom.services.profile_store.domain import Dim3
+from gpuloom.domain.profiles import Dim3
 
 DEFAULT_RUNS = 20
 MIN_RUNS = 10

@@ -6,9 +6,9 @@ import json
 
 import numpy as np
 
+from gpuloom.domain.profiles import GapPredictorModel, KernelProfile, KernelStats
 from gpuloom.policies.profiling.gaps import choose_predictor
 from gpuloom.policies.profiling.kernels import Runs, order_runs, summarise
-from gpuloom.services.profile_store.domain import GapPredictorModel, KernelProfile, KernelStats
 from gpuloom.services.profiler.domain import KernelName, PredictorSummary, Session
 
 

@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from gpuloom.convert.profiles import throughput_profile_to_pb
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.profiles import ThroughputPoint
 from gpuloom.policies.profiling.cycles import Cycle
-from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc
-from gpuloom.services.profile_store.convert import throughput_profile_to_pb
-from gpuloom.services.profile_store.domain import ThroughputPoint
 from gpuloom.services.profiler import convert
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.domain import SessionState

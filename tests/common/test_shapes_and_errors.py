@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpuloom.services.common import errors
-from gpuloom.services.common.grpc_errors import STATUS_BY_ERROR, error_from_rpc, status_for
-from gpuloom.services.common.shapes import (
+from gpuloom.convert.status import STATUS_BY_ERROR, error_from_rpc, status_for
+from gpuloom.domain import errors
+from gpuloom.domain.shares import (
     SpatioTemporalShare,
     TimeQuota,
     validate_mig_slices,

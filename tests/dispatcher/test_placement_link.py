@@ -17,7 +17,7 @@ import pytest
 from pydantic import ValidationError
 from structlog.testing import capture_logs
 
-from gpuloom.services.common.errors import Unavailable
+from gpuloom.domain.errors import Unavailable
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.common.settings import SettingsError, load
 from gpuloom.services.dispatcher.app import GpuDispatcher, _stop, start_gpu_dispatcher

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuloom.services.common.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.domain import BoundProcess, ReserveSpec
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.shimwire import ShimMode

@@ -9,8 +9,8 @@ import asyncio
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from gpuloom.services.common.errors import AlreadyExists, FailedPrecondition, Unavailable
-from gpuloom.services.dispatcher.mig_executor import TaskRun
+from gpuloom.domain.errors import AlreadyExists, FailedPrecondition, Unavailable
+from gpuloom.domain.mig_runs import TaskRun
 from gpuloom.services.placement.dispatchers import (
     BindRequest,
     MigRunRequest,

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.placement import GRID_H, GRID_W
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.domain import GpuInfo, JobKind, JobSpec, JobState
 from tests.placement.harness import CoreHarness
 

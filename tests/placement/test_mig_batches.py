@@ -14,11 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpuloom.domain import profiles as d
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
+from gpuloom.domain.gpus import find_model
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.mig import verify_plan
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
-from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
-from gpuloom.services.dispatcher.gpu.models import find_model
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
 from gpuloom.services.placement.domain import (
     Binding,
@@ -37,7 +38,6 @@ from gpuloom.services.placement.repository import (
     spec_to_json,
 )
 from gpuloom.services.placement.settings import PlacementSettings
-from gpuloom.services.profile_store import domain as d
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2

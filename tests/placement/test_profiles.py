@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpuloom.domain import profiles as d
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.placement.settings import PlacementSettings
-from gpuloom.services.profile_store import domain as d
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import placement_pb2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gpuloom.services.profile_store import domain as d
+from gpuloom.domain import profiles as d
 
 
 def kernel_profile(

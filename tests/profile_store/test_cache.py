@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gpuloom.services.profile_store import domain as d
+from gpuloom.domain import profiles as d
 from gpuloom.services.profile_store.cache import (
     CACHE_REQUESTS,
     CacheEntry,

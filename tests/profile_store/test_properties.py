@@ -8,15 +8,15 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuloom.services.profile_store import convert
-from gpuloom.services.profile_store import domain as d
+from gpuloom.convert import profiles as convert
+from gpuloom.domain import profiles as d
+from gpuloom.domain.validation import validate_profile
 from gpuloom.services.profile_store.cache import InProcessCache
 from gpuloom.services.profile_store.core import ProfileStore
 from gpuloom.services.profile_store.models import Base
 from gpuloom.services.profile_store.repository import ProfileRepository
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profile_store.storage import create_engine
-from gpuloom.services.profile_store.validation import validate_profile
 
 names = st.text(
     alphabet=st.characters(

@@ -10,8 +10,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gpuloom.services.common.errors import Aborted, InvalidArgument, NotFound
-from gpuloom.services.profile_store import domain as d
+from gpuloom.domain import profiles as d
+from gpuloom.domain.errors import Aborted, InvalidArgument, NotFound
 from gpuloom.services.profile_store.models import Base
 from gpuloom.services.profile_store.repository import ProfileRepository
 from tests.profile_store import samples

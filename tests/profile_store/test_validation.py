@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.profile_store import domain as d
-from gpuloom.services.profile_store.validation import MAX_ENTRIES, validate_profile
+from gpuloom.domain import profiles as d
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.validation import MAX_ENTRIES, validate_profile
 from tests.profile_store import samples
 
 

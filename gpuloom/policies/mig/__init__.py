@@ -1,9 +1,9 @@
 """MIG planning: FAR (Villarrubia et al., JPDC 2025), its baselines, and the data they share.
 
-Pure code: tasks and a GPU geometry in, a Plan out. `get_planner(name)` finds a policy.
+Pure code: tasks and a GPU geometry (gpuloom.domain.mig_geometry) in, a Plan out.
+`get_planner(name)` finds a policy.
 """
 
-from gpuloom.policies.mig.geometry import GEOMETRIES, MigGeometry, Placement, get_geometry
 from gpuloom.policies.mig.lower_bound import area_lower_bound
 from gpuloom.policies.mig.plan import (
     Assignment,
@@ -19,21 +19,17 @@ from gpuloom.policies.mig.plan import (
 from gpuloom.policies.mig.registry import PLANNERS, UnknownPolicyError, get_planner
 
 __all__ = [
-    "GEOMETRIES",
     "PLANNERS",
     "Assignment",
     "InvalidPlanError",
     "InvalidTaskError",
-    "MigGeometry",
     "MigPlanner",
     "MigTask",
-    "Placement",
     "Plan",
     "PlanningError",
     "Reconfiguration",
     "UnknownPolicyError",
     "area_lower_bound",
-    "get_geometry",
     "get_planner",
     "verify_plan",
 ]

@@ -26,7 +26,7 @@ from typing import Literal
 
 import numpy as np
 
-from gpuloom.policies.mig.geometry import MigGeometry
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.plan import (
     Assignment,
     MigTask,

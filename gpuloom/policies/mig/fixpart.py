@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement
+from gpuloom.domain.mig_geometry import MigGeometry, Placement
 from gpuloom.policies.mig.plan import Assignment, MigTask, Plan, PlanningError, validate_tasks
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.fixpart import fixed_partition_plan
-from gpuloom.policies.mig.geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask, Plan, PlanningError, validate_tasks
 
 

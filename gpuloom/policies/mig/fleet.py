@@ -21,8 +21,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.far import BatchLayout, ConcatMode, FarOptions, concatenate, far_layout
-from gpuloom.policies.mig.geometry import MigGeometry
 from gpuloom.policies.mig.plan import Assignment, InvalidTaskError, MigTask, Plan
 
 DEFAULT_OPTIONS = FarOptions()

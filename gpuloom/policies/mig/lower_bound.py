@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpuloom.policies.mig.geometry import MigGeometry
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask
 
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement
+from gpuloom.domain.mig_geometry import MigGeometry, Placement
 from gpuloom.policies.mig.plan import (
     Action,
     Assignment,

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement
+from gpuloom.domain.mig_geometry import MigGeometry, Placement
 
 Action = Literal["create", "destroy"]
 

@@ -23,7 +23,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from gpuloom.policies.mig.geometry import MigGeometry
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask
 
 MEMORY_TO_COMPUTE_PER_SLICE = 0.3

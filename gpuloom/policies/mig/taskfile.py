@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gpuloom.policies.mig.geometry import MigGeometry
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig.plan import MigTask
 
 

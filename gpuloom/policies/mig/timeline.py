@@ -22,7 +22,7 @@ from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement
+from gpuloom.domain.mig_geometry import MigGeometry, Placement
 from gpuloom.policies.mig.plan import Action
 
 

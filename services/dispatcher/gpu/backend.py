@@ -2,7 +2,7 @@
 
 Two backends implement it: `SimulatedBackend` (described by config; CI and laptops have no GPU)
 and `NvmlBackend` (the real driver through pynvml). Both raise the domain errors of
-services/common/errors.py, so callers never see a pynvml exception:
+gpuloom/domain/errors.py, so callers never see a pynvml exception:
 
 - NotFound: no GPU with that index, no MIG instance with that UUID;
 - InvalidArgument: an instance size or first slice that cannot exist on that model;

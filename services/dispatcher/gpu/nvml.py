@@ -18,19 +18,19 @@ from typing import Any
 
 import structlog
 
-from gpuloom.services.common.errors import (
+from gpuloom.domain.errors import (
     DomainError,
     FailedPrecondition,
     NotFound,
     Unavailable,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
-from gpuloom.services.dispatcher.gpu.models import (
+from gpuloom.domain.gpus import (
     GpuModel,
-    check_placement,
     match_driver_name,
     mig_profile,
 )
+from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.mig_checks import check_placement
 
 log = structlog.get_logger("gpuloom.dispatcher.gpu")
 

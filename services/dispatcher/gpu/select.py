@@ -8,7 +8,7 @@ from typing import Any
 
 import structlog
 
-from gpuloom.services.common.errors import DomainError, Unavailable
+from gpuloom.domain.errors import DomainError, Unavailable
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend
 from gpuloom.services.dispatcher.gpu.nvml import NvmlBackend
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend, parse_fleet_spec

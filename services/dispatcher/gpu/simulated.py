@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
-from gpuloom.services.dispatcher.gpu.models import (
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.gpus import (
     MODELS,
     GpuModel,
-    check_placement,
     find_model,
     mig_profile,
 )
+from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.mig_checks import check_placement
 
 log = structlog.get_logger("gpuloom.dispatcher.gpu")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
-from gpuloom.services.dispatcher.gpu.models import (
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
+from gpuloom.domain.gpus import (
     GIB,
     MODELS,
     find_model,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from gpuloom.services.common.errors import (
+from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from structlog.testing import capture_logs
 
-from gpuloom.services.common.errors import Unavailable
+from gpuloom.domain.errors import Unavailable
 from gpuloom.services.dispatcher.gpu import NvmlBackend, SimulatedBackend, open_backend
 
 from . import fake_pynvml as fake

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.gpus import GIB
 from gpuloom.services.dispatcher.gpu import GpuBackend, SimulatedBackend
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
-from gpuloom.services.dispatcher.gpu.models import GIB
 
 from .helpers import SleepRecorder
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from gpuloom.policies.mig import GEOMETRIES, MigGeometry, MigTask
+from gpuloom.domain.mig_geometry import GEOMETRIES, MigGeometry
+from gpuloom.policies.mig import MigTask
 from gpuloom.policies.mig.taskfile import parse_tasks
 
 # CI checks the repository out with shared/ beside it.

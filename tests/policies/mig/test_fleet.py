@@ -7,10 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuloom.domain.mig_geometry import A30, A100, H100
 from gpuloom.policies.mig import InvalidTaskError, MigTask, area_lower_bound, verify_plan
 from gpuloom.policies.mig.far import FarPlanner
 from gpuloom.policies.mig.fleet import BatchCollector, FleetPlan, MigFleetPlanner, MigGpu
-from gpuloom.policies.mig.geometry import A30, A100, H100
 
 from .helpers import rodinia, task
 

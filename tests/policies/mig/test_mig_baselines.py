@@ -1,5 +1,6 @@
 import pytest
 
+from gpuloom.domain.mig_geometry import A30, A100
 from gpuloom.policies.mig import (
     PLANNERS,
     PlanningError,
@@ -10,7 +11,6 @@ from gpuloom.policies.mig import (
 )
 from gpuloom.policies.mig.fixpart import FixPartPlanner, fixed_partition_plan, layout
 from gpuloom.policies.mig.fixpart_best import FixPartBestPlanner
-from gpuloom.policies.mig.geometry import A30, A100
 from gpuloom.policies.mig.miso import MisoPlanner
 
 from .helpers import rodinia, task

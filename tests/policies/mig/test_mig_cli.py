@@ -8,8 +8,8 @@ from click.testing import CliRunner
 
 from gpuloom.clients.cli import cli
 from gpuloom.clients.cli.mig import mig
+from gpuloom.domain.mig_geometry import A30, A100
 from gpuloom.policies.mig import area_lower_bound, verify_plan
-from gpuloom.policies.mig.geometry import A30, A100
 
 from .helpers import TRACES, rodinia
 

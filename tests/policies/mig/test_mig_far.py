@@ -3,6 +3,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from gpuloom.domain.mig_geometry import A30, A100, MigGeometry
 from gpuloom.policies.mig import area_lower_bound, get_planner, verify_plan
 from gpuloom.policies.mig.far import (
     FarOptions,
@@ -14,7 +15,6 @@ from gpuloom.policies.mig.far import (
     far_layout,
     plan_batches,
 )
-from gpuloom.policies.mig.geometry import A30, A100, MigGeometry
 
 from .helpers import rodinia, task
 

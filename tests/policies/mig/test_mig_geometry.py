@@ -2,8 +2,17 @@ import itertools
 
 import pytest
 
-from gpuloom.policies.mig import GEOMETRIES, MigGeometry, Placement, get_geometry
-from gpuloom.policies.mig.geometry import A30, A100, B200, H100, UnknownGpuError
+from gpuloom.domain.mig_geometry import (
+    A30,
+    A100,
+    B200,
+    GEOMETRIES,
+    H100,
+    MigGeometry,
+    Placement,
+    UnknownGpuError,
+    get_geometry,
+)
 
 
 def tree_cuts(gpu: MigGeometry, node: int = 0) -> list[frozenset[Placement]]:

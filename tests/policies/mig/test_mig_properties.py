@@ -7,9 +7,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.policies.mig import (
     InvalidPlanError,
-    MigGeometry,
     PlanningError,
     area_lower_bound,
     get_planner,

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from gpuloom.domain.mig_geometry import A30, A100, MigGeometry
 from gpuloom.policies.mig import synth
-from gpuloom.policies.mig.geometry import A30, A100, MigGeometry
 from gpuloom.policies.mig.lower_bound import min_work
 
 

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
+from gpuloom.domain.mig_geometry import A30, A100
 from gpuloom.policies.mig import Assignment, InvalidPlanError, Plan, Reconfiguration, verify_plan
-from gpuloom.policies.mig.geometry import A30, A100
 
 from .helpers import task
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpuloom.services.common.errors import InvalidArgument
+from gpuloom.domain.errors import InvalidArgument
 
 MIG_SLICE_SIZES = (1, 2, 3, 4, 7)
 LOWEST_PRIORITY = 9

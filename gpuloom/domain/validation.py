@@ -7,9 +7,8 @@ import math
 import unicodedata
 from collections.abc import Iterable, Sequence
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.common.shapes import validate_mig_slices
-from gpuloom.services.profile_store.domain import (
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.profiles import (
     Dim3,
     GapPredictorModel,
     JobProfile,
@@ -19,6 +18,7 @@ from gpuloom.services.profile_store.domain import (
     ThroughputPoint,
     ThroughputProfile,
 )
+from gpuloom.domain.shares import validate_mig_slices
 
 MAX_KEY_CHARS = 256
 MAX_GPU_MODEL_CHARS = 128

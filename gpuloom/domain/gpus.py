@@ -1,21 +1,21 @@
-"""GPU models the backends know: memory, SM count, MIG capability and MIG profiles.
+"""The GPU model catalogue: memory, SM count, MIG capability and MIG profiles of each model.
 
-The simulated backend builds its GPUs from this table; the NVML backend uses it to name what
-the driver reports ("NVIDIA A100-SXM4-80GB" is an A100-80GB) and for what old drivers cannot
-tell. MIG rules (legal placements, creation times) come from gpuloom.policies.mig.geometry.
+The dispatcher's simulated backend builds its GPUs from this table and its NVML backend uses
+it to name what the driver reports ("NVIDIA A100-SXM4-80GB" is an A100-80GB); placement reads
+it to plan MIG batches. MIG rules (legal placements, creation times) come from
+gpuloom.domain.mig_geometry.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from gpuloom.policies.mig.geometry import MigGeometry, Placement, get_geometry
-from gpuloom.services.common.errors import FailedPrecondition, InvalidArgument
-from gpuloom.services.dispatcher.gpu.backend import MigInstance
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
+from gpuloom.domain.mig_geometry import MigGeometry, get_geometry
 
 GIB = 1 << 30
 
@@ -120,40 +120,3 @@ def mig_profile(model: GpuModel, slices: int) -> MigProfile:
         name=f"{slices}g.{gigabytes}gb",
         nvml_placement_size=memory_slices[slices],
     )
-
-
-def check_placement(
-    model: GpuModel, slices: int, first_slice: int, existing: Iterable[MigInstance]
-) -> Placement:
-    """The placement, if an instance of `slices` at `first_slice` can be created next to the
-    existing ones: InvalidArgument for a size or slice the model lacks, FailedPrecondition for
-    an illegal or overlapping placement."""
-    geometry = model.geometry()
-    mig_profile(model, slices)  # rejects sizes the model lacks
-    if not 0 <= first_slice < geometry.slice_count:
-        raise InvalidArgument(
-            "first_slice",
-            f"must be 0..{geometry.slice_count - 1} on {model.name}, got {first_slice}",
-        )
-    if not geometry.is_legal(slices, first_slice):
-        legal = sorted(p.first_slice for p in geometry.placements if p.size == slices)
-        raise FailedPrecondition(
-            f"{model.name} cannot place a {slices}-slice MIG instance at slice {first_slice}; "
-            f"legal first slices: {', '.join(map(str, legal))}"
-        )
-    placement = geometry.placement(slices, first_slice)
-    for instance in existing:
-        if placement.overlaps(footprint(geometry, instance)):
-            raise FailedPrecondition(
-                f"a {slices}-slice MIG instance at slice {first_slice} would overlap "
-                f"{instance.profile_name} at slice {instance.first_slice} ({instance.uuid})"
-            )
-    return placement
-
-
-def footprint(geometry: MigGeometry, instance: MigInstance) -> Placement:
-    """The slices an existing instance blocks."""
-    if geometry.is_legal(instance.slices, instance.first_slice):
-        return geometry.placement(instance.slices, instance.first_slice)
-    # Made outside gpuloom in a way the geometry does not know: assume it blocks its size.
-    return Placement(size=instance.slices, first_slice=instance.first_slice, span=instance.slices)

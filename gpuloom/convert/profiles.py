@@ -1,4 +1,6 @@
-"""Conversion between gpuloom.v1 protobuf messages and the profile store's domain types."""
+"""Conversion between gpuloom.v1 protobuf messages and the domain's profile types: the profile
+store serves them, the profiler and placement write and read them, the client library returns
+them."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ from typing import Any
 
 from google.protobuf.message import Message
 
-from gpuloom.services.common.errors import InvalidArgument
-from gpuloom.services.profile_store import domain as d
+from gpuloom.domain import profiles as d
+from gpuloom.domain.errors import InvalidArgument
 from gpuloom.v1 import common_pb2 as common
 from gpuloom.v1 import profile_store_pb2 as pb
 
@@ -244,7 +246,3 @@ class ProtobufCodec:
 
     def decode(self, kind: d.ProfileKind, data: bytes) -> d.Profile:
         return stamped_from_pb(kind, FROM_PB[kind][0].FromString(data))
-
-
-def optional_version(request: object) -> int | None:
-    return request.expected_version if request.HasField("expected_version") else None  # type: ignore[attr-defined]
