@@ -7,11 +7,12 @@ import asyncio
 import click
 
 from gpuloom.domain.errors import DomainError
-from gpuloom.services.common.settings import SettingsError
 
 
 def _run(services: tuple[str, ...]) -> None:
+    # Imported here, not at the top: the other commands of the CLI load no service code.
     from gpuloom.services import launcher
+    from gpuloom.services.common.settings import SettingsError
 
     def announce(endpoints: list[launcher.Endpoint]) -> None:
         width = max(len(e.name) for e in endpoints)
