@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 
 from gpuloom.convert.mig import task_run_to_pb
+from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
@@ -40,15 +40,12 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
     mode = request.mode or shim_pb2.SHIM_MODE_SHARE
     if mode not in (int(m) for m in ShimMode):
         raise InvalidArgument("mode", f"unknown shim mode {mode}")
-    quota = request.share.quota
     return ReserveSpec(
         assignment_id=request.assignment_id,
         client_name=request.client_name,
         priority=request.priority.level,
         memory_cap_bytes=request.memory_cap_bytes,
-        share=SpatioTemporalShare(
-            request.share.sm_percent, TimeQuota(quota.request_percent, quota.limit_percent)
-        ),
+        share=share_from_pb(request.share),
         mode=ShimMode(mode),
         token=request.assignment_token,
         task_key=request.task_key,
@@ -67,18 +64,12 @@ def assignment_to_pb(
     environment: dict[str, str] | None,
 ) -> dispatcher_pb2.Assignment:
     """With `environment` (Reserve's answer) the token is included; listings pass None."""
-    quota = reservation.share.quota
     return dispatcher_pb2.Assignment(
         assignment_id=reservation.assignment_id,
         client_name=reservation.client_name,
         priority=common_pb2.Priority(level=reservation.priority),
         memory_cap_bytes=reservation.memory_cap_bytes,
-        share=common_pb2.SpatioTemporalShare(
-            sm_percent=reservation.share.sm_percent,
-            quota=common_pb2.TimeQuota(
-                request_percent=quota.request_percent, limit_percent=quota.limit_percent
-            ),
-        ),
+        share=share_to_pb(reservation.share),
         mode=int(reservation.mode),
         assignment_token=reservation.token if environment is not None else "",
         socket_path=socket_path,

@@ -3,6 +3,7 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
+from gpuloom.convert.shares import share_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.core import GpuView, ScalingResult
@@ -61,7 +62,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
 def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
     resources = common_pb2.Resources(memory_bytes=spec.memory_bytes)
     if spec.share is not None:
-        resources.mps.CopyFrom(_share_to_pb(spec.share))
+        resources.mps.CopyFrom(share_to_pb(spec.share))
     elif spec.whole_gpus:
         resources.whole_gpus = spec.whole_gpus
     elif spec.mig_slices:
@@ -79,15 +80,6 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         policy=spec.policy,
         gpu_model=spec.gpu_model,
         command=spec.command,
-    )
-
-
-def _share_to_pb(share: SpatioTemporalShare) -> common_pb2.SpatioTemporalShare:
-    return common_pb2.SpatioTemporalShare(
-        sm_percent=share.sm_percent,
-        quota=common_pb2.TimeQuota(
-            request_percent=share.quota.request_percent, limit_percent=share.quota.limit_percent
-        ),
     )
 
 
@@ -133,7 +125,7 @@ def job_to_pb(job: Job) -> pb.Job:
                 gpu=common_pb2.GpuRef(node=binding.node, gpu_uuid=binding.gpu_uuid),
                 dispatcher_address=binding.dispatcher_address,
                 assignment_id=job.job_id,
-                share=_share_to_pb(SpatioTemporalShare(job.spec.sm_percent, job.spec.quota)),
+                share=share_to_pb(SpatioTemporalShare(job.spec.sm_percent, job.spec.quota)),
                 memory_cap_bytes=binding.memory_cap_bytes,
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
