@@ -1,7 +1,7 @@
 """A small typed client for gpuloom.v1.ProfileStore.
 
-Returns the profile store's domain dataclasses and raises its domain errors (NotFound,
-InvalidArgument, Aborted, ...), so callers never touch protobuf messages or status codes.
+Returns the domain's profile dataclasses (gpuloom.domain.profiles) and raises domain errors
+(NotFound, InvalidArgument, Aborted, ...), so callers never touch protobuf or status codes.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Domain errors. Domain code raises these; services/common/grpc_errors.py maps them to gRPC codes.
+"""Domain errors. Domain code raises these; gpuloom/convert/status.py maps them to gRPC codes.
 
 Nothing here knows about gRPC, so the policies and the simulator can use the same errors.
 """
