@@ -1,15 +1,8 @@
 """Run a command as a placed job: submit, wait for the assignment, start the command with the
 job's environment, pass signals on, stop it if the job is cancelled or lost, report its end.
 
-`gpuloom run` is a thin caller of `JobRunner`; a submitter's own program can use it the same way:
-
-    with PlacementClient() as placement:
-        runner = JobRunner(placement, shim_path=default_shim_path(), on_message=print)
-        outcome = runner.run({"name": "train", "kind": "training",
-                              "resources": {"whole_gpus": 1}}, ["python", "train.py"])
-        sys.exit(outcome.exit_code)
-
-docs/jobs.md ("From Python") describes what happens at each step.
+`gpuloom run` is a thin caller of `JobRunner`, and a submitter's own program can use it the same
+way: docs/jobs.md ("Running a command as a job") has an example, which the tests run.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ placement_option = click.option(
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -145,7 +147,7 @@ def list_jobs(
             job.spec.name,
             job.state.value,
             job.spec.priority,
-            job.assignment.gpu_uuid if job.assignment and job.assignment.gpu_uuid else "-",
+            (job.assignment.gpu_uuid if job.assignment else "") or "-",
             *_sm_quota(job.spec),
             _memory(job.spec.memory_bytes),
             _short(job.pending_reason if job.state is JobState.PENDING else job.message),
@@ -296,8 +298,6 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
 # Spec fields the service may refuse -> the option of `run` that sets them.
 _RUN_OPTIONS = {field: decls[0] for field, decls, _ in _SPEC_OPTIONS if field is not None}
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 def _spec_options(command: F) -> F:
     for _, decls, settings in reversed(_SPEC_OPTIONS):
@@ -435,9 +435,6 @@ def _json(job: JobView, indent: int | None = None) -> str:
 
 def _gpu_json(entry: GpuEntry) -> str:
     return json.dumps(convert.gpu_entry_json(entry))
-
-
-T = TypeVar("T")
 
 
 def _echo_json_or_nothing(
