@@ -1,9 +1,11 @@
 """A synchronous client for gpuloom.v1.Placement, and the job file format.
 
-The client returns the service's protobuf messages (`placement_pb2.Job`, `GpuEntry`, ...) and
-raises the domain errors of gpuloom/domain/errors.py with the server's message (NotFound,
+The client returns domain dataclasses (`JobView` with its `Assignment`, `GpuEntry`,
+`FunctionScaling` of gpuloom.domain.placement; the job spec and states of the placement domain)
+and raises the domain errors of gpuloom/domain/errors.py with the server's message (NotFound,
 InvalidArgument with `.field`, FailedPrecondition, Unavailable when the service cannot be
-reached, ...), so callers never look at gRPC status codes.
+reached, ...), so callers never look at protobuf messages or gRPC status codes.
+gpuloom.convert.placement does the converting.
 
 A job file (YAML or JSON) holds one job spec; `spec_from_document` turns its content into a
 `placement_pb2.JobSpec`, naming the file and the key of anything malformed. docs/jobs.md has the
@@ -24,8 +26,10 @@ import grpc
 import yaml
 
 from gpuloom.clients.blocking import BlockingClient
+from gpuloom.convert import placement as convert
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, FailedPrecondition
+from gpuloom.domain.placement import FunctionScaling, GpuEntry, JobSpec, JobState, JobView
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
@@ -40,56 +44,31 @@ KINDS = {
     "training": pb.JOB_KIND_TRAINING,
     "batch": pb.JOB_KIND_BATCH,
 }
-STATES = {
-    "pending": pb.JOB_STATE_PENDING,
-    "binding": pb.JOB_STATE_BINDING,
-    "assigned": pb.JOB_STATE_ASSIGNED,
-    "succeeded": pb.JOB_STATE_SUCCEEDED,
-    "failed": pb.JOB_STATE_FAILED,
-    "cancelled": pb.JOB_STATE_CANCELLED,
-    "lost": pb.JOB_STATE_LOST,
-}
-FINISHED_STATES = frozenset(
-    {pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_LOST}
-)
-_STATE_NAMES = {code: name for name, code in STATES.items()}
-_KIND_NAMES = {code: name for name, code in KINDS.items()}
+# A spec to submit: the domain's, a message, or a job document as a job file holds it.
+SpecLike = JobSpec | pb.JobSpec | Mapping[str, Any]
 
 
 def default_address() -> str:
     return os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS)
 
 
-def state_name(state: int) -> str:
-    """'pending', 'assigned', ... for a JobState value."""
-    return _STATE_NAMES.get(state, f"unknown({state})")
-
-
-def kind_name(kind: int) -> str:
-    return _KIND_NAMES.get(kind, "unspecified")
-
-
-def is_finished(job: pb.Job) -> bool:
-    return job.state in FINISHED_STATES
-
-
 class JobNotAssigned(FailedPrecondition):
     """The job finished (failed, cancelled, lost, ...) instead of being assigned."""
 
-    def __init__(self, job: pb.Job) -> None:
+    def __init__(self, job: JobView) -> None:
         detail = f": {job.message}" if job.message else ""
-        super().__init__(f"job {job.job_id} ended {state_name(job.state)}{detail}")
+        super().__init__(f"job {job.job_id} ended {job.state.value}{detail}")
         self.job = job
 
 
 class WaitTimedOut(DomainError):
     """The job was not assigned within the time allowed; `job` is how it was last seen."""
 
-    def __init__(self, job: pb.Job, timeout_s: float) -> None:
+    def __init__(self, job: JobView, timeout_s: float) -> None:
         reason = f" ({job.pending_reason})" if job.pending_reason else ""
         super().__init__(
             f"job {job.job_id} was not assigned within {timeout_s:g} s: still "
-            f"{state_name(job.state)}{reason}"
+            f"{job.state.value}{reason}"
         )
         self.job = job
 
@@ -103,34 +82,36 @@ class PlacementClient(BlockingClient):
 
     # ---- jobs ----
 
-    def submit(self, spec: pb.JobSpec | Mapping[str, Any], request_id: str | None = None) -> pb.Job:
+    def submit(self, spec: SpecLike, request_id: str | None = None) -> JobView:
         """Submit a job: a JobSpec, or a job document as a job file holds it (whose
         `request_id`, if any, is used when `request_id` is not given). Without a request id a
         fresh one is made, so every call is a new job. Answers once the job is assigned or left
         pending (see `pending_reason`)."""
-        if not isinstance(spec, pb.JobSpec):
+        if isinstance(spec, Mapping):
             document = spec
             spec = spec_from_document(document, "spec")
             if request_id is None:
                 request_id = document.get("request_id")
-        request = pb.SubmitJobRequest(request_id=request_id or uuid.uuid4().hex, spec=spec)
-        return self._call("SubmitJob", request)
+        request = pb.SubmitJobRequest(
+            request_id=request_id or uuid.uuid4().hex, spec=_spec_message(spec)
+        )
+        return convert.job_from_pb(self._call("SubmitJob", request))
 
-    def get(self, job_id: str) -> pb.Job:
-        return self._call("GetJob", pb.GetJobRequest(job_id=job_id))
+    def get(self, job_id: str) -> JobView:
+        return convert.job_from_pb(self._call("GetJob", pb.GetJobRequest(job_id=job_id)))
 
     def list(
         self,
-        states: Iterable[int | str] = (),
+        states: Iterable[JobState | str] = (),
         task_key: str = "",
         function: str = "",
         gpu_uuid: str = "",
         limit: int | None = None,
         page_size: int = 100,
-    ) -> Iterator[pb.Job]:
+    ) -> Iterator[JobView]:
         """Every matching job (at most `limit`), fetching pages as the iteration goes. States are
-        JobState values or their names ('pending', 'assigned', ...)."""
-        codes = [_state_code(s) for s in states]
+        JobStates or their names ('pending', 'assigned', ...)."""
+        codes = [convert.STATE_TO_PB[_state(s)] for s in states]
         if limit is not None:
             page_size = max(1, min(page_size, limit))
         token, seen = "", 0
@@ -150,29 +131,31 @@ class PlacementClient(BlockingClient):
                 if limit is not None and seen >= limit:
                     return
                 seen += 1
-                yield job
+                yield convert.job_from_pb(job)
             token = response.next_page_token
             if not token or (limit is not None and seen >= limit):
                 return
 
-    def cancel(self, job_id: str, reason: str = "") -> pb.Job:
-        return self._call("CancelJob", pb.CancelJobRequest(job_id=job_id, reason=reason))
+    def cancel(self, job_id: str, reason: str = "") -> JobView:
+        request = pb.CancelJobRequest(job_id=job_id, reason=reason)
+        return convert.job_from_pb(self._call("CancelJob", request))
 
     def report_done(
         self, job_id: str, succeeded: bool, exit_code: int, message: str = ""
-    ) -> pb.Job:
+    ) -> JobView:
         """Tell placement that an assigned job's process ended; its capacity is released."""
         request = pb.ReportJobDoneRequest(
             job_id=job_id, succeeded=succeeded, exit_code=exit_code, message=message
         )
-        return self._call("ReportJobDone", request)
+        return convert.job_from_pb(self._call("ReportJobDone", request))
 
-    def watch(self, job_id: str, timeout_s: float | None = None) -> Iterator[pb.Job]:
+    def watch(self, job_id: str, timeout_s: float | None = None) -> Iterator[JobView]:
         """The job now, then every change, until it finishes. Closing the iterator early hangs
         up. With `timeout_s`, the whole stream is bounded (it ends with Unavailable)."""
         call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
         try:
-            yield from call
+            for job in call:
+                yield convert.job_from_pb(job)
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None
         finally:
@@ -182,21 +165,21 @@ class PlacementClient(BlockingClient):
         self,
         job_id: str,
         timeout_s: float | None = None,
-        on_update: Callable[[pb.Job], None] | None = None,
-    ) -> pb.Job:
+        on_update: Callable[[JobView], None] | None = None,
+    ) -> JobView:
         """Follow the job until it is ASSIGNED and return it. Raises JobNotAssigned if it
         finishes instead (failed, cancelled, lost, ...) and WaitTimedOut after `timeout_s`
         (None: no limit). `on_update` sees every revision on the way."""
-        last: pb.Job | None = None
+        last: JobView | None = None
         call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
         try:
-            for job in call:
-                last = job
+            for message in call:
+                job = last = convert.job_from_pb(message)
                 if on_update is not None:
                     on_update(job)
-                if job.state == pb.JOB_STATE_ASSIGNED:
+                if job.state is JobState.ASSIGNED:
                     return job
-                if is_finished(job):
+                if job.state.finished:
                     raise JobNotAssigned(job)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:  # type: ignore[attr-defined]
@@ -208,43 +191,45 @@ class PlacementClient(BlockingClient):
         raise FailedPrecondition(f"the watch of job {job_id} ended before it was assigned")
 
     def set_function_load(
-        self,
-        function: str,
-        requests_per_s: float,
-        template: pb.JobSpec | Mapping[str, Any],
-    ) -> pb.SetFunctionLoadResponse:
+        self, function: str, requests_per_s: float, template: SpecLike
+    ) -> FunctionScaling:
         """Auto-scaling: the request rate `function` must serve; `template` is the replicas'
         spec (a JobSpec or a job document; its MPS share is chosen by the scaler)."""
-        if not isinstance(template, pb.JobSpec):
+        if isinstance(template, Mapping):
             template = spec_from_document(template, "template", require_resources=False)
         request = pb.SetFunctionLoadRequest(
-            function=function, requests_per_s=requests_per_s, template=template
+            function=function, requests_per_s=requests_per_s, template=_spec_message(template)
         )
-        return self._call("SetFunctionLoad", request)
+        return convert.scaling_from_pb(self._call("SetFunctionLoad", request))
 
     # ---- inventory ----
 
-    def gpus(self, node: str = "", page_size: int = 1000) -> Iterator[pb.GpuEntry]:
+    def gpus(self, node: str = "", page_size: int = 1000) -> Iterator[GpuEntry]:
         """Every registered GPU (of `node`, if given), over all pages."""
         token = ""
         while True:
             response = self._call(
                 "ListGpus", pb.ListGpusRequest(node=node, page_size=page_size, page_token=token)
             )
-            yield from response.gpus
+            for entry in response.gpus:
+                yield convert.gpu_entry_from_pb(entry)
             token = response.next_page_token
             if not token:
                 return
 
 
-def _state_code(state: int | str) -> int:
-    if isinstance(state, str):
-        try:
-            return STATES[state.lower()]
-        except KeyError:
-            known = ", ".join(STATES)
-            raise ValueError(f"unknown job state {state!r}; known: {known}") from None
-    return state
+def _spec_message(spec: JobSpec | pb.JobSpec) -> pb.JobSpec:
+    return spec if isinstance(spec, pb.JobSpec) else convert.spec_to_pb(spec)
+
+
+def _state(state: JobState | str) -> JobState:
+    if isinstance(state, JobState):
+        return state
+    try:
+        return JobState(state.lower())
+    except ValueError:
+        known = ", ".join(s.value for s in JobState)
+        raise ValueError(f"unknown job state {state!r}; known: {known}") from None
 
 
 # ---- job files ----

@@ -6,41 +6,33 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from typing import IO, Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import click
-from google.protobuf.json_format import MessageToDict
-from google.protobuf.message import Message
 
 from gpuloom.clients.cli.table import render_table
 from gpuloom.clients.placement import (
     DEFAULT_ADDRESS,
     DEFAULT_PRIORITY,
     GIB,
-    KINDS,
-    STATES,
     JobFileError,
     JobNotAssigned,
     PlacementClient,
     WaitTimedOut,
     file_key_for,
-    is_finished,
-    kind_name,
     load_job_file,
     spec_from_document,
-    state_name,
 )
+from gpuloom.clients.run import JobRunner
 from gpuloom.clients.shim_path import default_shim_path
+from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
-from gpuloom.v1 import common_pb2
-from gpuloom.v1 import placement_pb2 as pb
+from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 
 placement_option = click.option(
     "--placement",
@@ -52,6 +44,8 @@ placement_option = click.option(
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -100,7 +94,7 @@ def submit(file: str, wait: bool, address: str, as_json: bool) -> None:
             raise click.UsageError(
                 f"{file}: key {key!r}: refused by placement: {error.message}"
             ) from None
-        if wait and job.state != pb.JOB_STATE_ASSIGNED and not is_finished(job):
+        if wait and job.state is not JobState.ASSIGNED and not job.state.finished:
             click.echo(_summary(job), err=True)
             try:
                 job = client.wait_assigned(job.job_id)
@@ -110,8 +104,8 @@ def submit(file: str, wait: bool, address: str, as_json: bool) -> None:
         click.echo(_json(job, indent=2))
     else:
         click.echo(_summary(job))
-    if wait and job.state != pb.JOB_STATE_ASSIGNED:
-        raise click.ClickException(f"job {job.job_id} ended {state_name(job.state)}")
+    if wait and job.state is not JobState.ASSIGNED:
+        raise click.ClickException(f"job {job.job_id} ended {job.state.value}")
 
 
 # ---- jobs, job, cancel, watch ----
@@ -122,7 +116,7 @@ def submit(file: str, wait: bool, address: str, as_json: bool) -> None:
     "--state",
     "states",
     multiple=True,
-    type=click.Choice(list(STATES)),
+    type=click.Choice([state.value for state in JobState]),
     help="Only jobs in this state (repeatable).",
 )
 @click.option("--task-key", default="", help="Only jobs with this task key.")
@@ -143,19 +137,19 @@ def list_jobs(
     """List jobs, oldest first: one table row (or one JSON object per line with --json)."""
     with _placement(address) as client:
         found = list(client.list(states, task_key, function, gpu_uuid, limit=limit))
-    if _echo_json_or_nothing(found, as_json, "no jobs match"):
+    if _echo_json_or_nothing(found, _json, as_json, "no jobs match"):
         return
     headers = ["ID", "NAME", "STATE", "PRIO", "GPU", "SM %", "QUOTA %", "MEMORY"]
     rows = [
         (
             job.job_id,
             job.spec.name,
-            state_name(job.state),
-            job.spec.priority.level,
-            job.assignment.gpu.gpu_uuid or "-",
+            job.state.value,
+            job.spec.priority,
+            (job.assignment.gpu_uuid if job.assignment else "") or "-",
             *_sm_quota(job.spec),
-            _memory(job.spec.resources.memory_bytes),
-            _short(job.pending_reason if job.state == pb.JOB_STATE_PENDING else job.message),
+            _memory(job.spec.memory_bytes),
+            _short(job.pending_reason if job.state is JobState.PENDING else job.message),
         )
         for job in found
     ]
@@ -192,7 +186,7 @@ def cancel(job_id: str, reason: str, address: str, as_json: bool) -> None:
 def watch(job_id: str, address: str, as_json: bool) -> None:
     """Print the job's state now, then a line for each change (of state, or of the reason it is
     pending) until it finishes. --json prints each revision as a JSON line."""
-    last: tuple[int, str] | None = None
+    last: tuple[JobState, str] | None = None
     with _placement(address) as client:
         for job in client.watch(job_id):
             if as_json:
@@ -201,7 +195,7 @@ def watch(job_id: str, address: str, as_json: bool) -> None:
             seen = (job.state, job.pending_reason)
             if seen != last:
                 last = seen
-                click.echo(f"{_clock(job.updated_at_unix_s)}  {_summary(job)}")
+                click.echo(f"{_clock(job.updated_at)}  {_summary(job)}")
 
 
 # ---- gpus ----
@@ -215,13 +209,13 @@ def gpus(node: str, address: str, as_json: bool) -> None:
     """List the registered GPUs: what is reserved on each and how busy it is."""
     with _placement(address) as client:
         found = list(client.gpus(node))
-    if _echo_json_or_nothing(found, as_json, "no GPUs registered"):
+    if _echo_json_or_nothing(found, _gpu_json, as_json, "no GPUs registered"):
         return
     headers = ["NODE", "UUID", "MODEL", "MEMORY", "STATUS", "JOBS", "AREA %", "MEM RESERVED"]
     rows = [
         (
-            g.gpu.ref.node,
-            g.gpu.ref.gpu_uuid,
+            g.gpu.node,
+            g.gpu.gpu_uuid,
             g.gpu.model,
             _memory(g.gpu.memory_bytes),
             "lost" if g.lost else "schedulable" if g.schedulable else "unschedulable",
@@ -237,39 +231,83 @@ def gpus(node: str, address: str, as_json: bool) -> None:
 
 # ---- run ----
 
+# The options of `run` that make its job's spec, in the order --help shows them: each with the
+# spec field the service names when it refuses the value (None: checked here, or by click).
+_SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        "spec.priority.level",
+        ("--priority",),
+        {
+            "type": click.IntRange(0, 9),
+            "default": DEFAULT_PRIORITY,
+            "show_default": True,
+            "help": "0 (highest) .. 9.",
+        },
+    ),
+    (
+        "spec.task_key",
+        ("--task-key",),
+        {"default": "", "help": "Task key (which profiles describe the job)."},
+    ),
+    ("spec.name", ("--name",), {"default": "", "help": "Job name (default: the command's name)."}),
+    (
+        "spec.resources.mps.sm_percent",
+        ("--sm",),
+        {"type": click.IntRange(1, 100), "help": "SM percent of an MPS share."},
+    ),
+    (
+        "spec.resources.mps.quota.request_percent",
+        ("--quota",),
+        {
+            "type": click.FloatRange(0, 100, min_open=True),
+            "help": "Time quota (percent of the window) of an MPS share.",
+        },
+    ),
+    (
+        "spec.resources.mps.quota.limit_percent",
+        ("--quota-limit",),
+        {
+            "type": click.FloatRange(0, 100, min_open=True),
+            "help": "Time quota limit in percent (default: the quota).",
+        },
+    ),
+    (
+        "spec.resources.memory_bytes",
+        ("--memory-gib",),
+        {"type": click.FloatRange(0, min_open=True), "help": "GPU memory cap in GiB."},
+    ),
+    (None, ("--whole-gpu",), {"is_flag": True, "help": "Ask for a whole GPU (the default)."}),
+    (
+        "spec.policy",
+        ("--policy",),
+        {"default": "", "help": "Placement policy (default: the service's)."},
+    ),
+    ("spec.gpu_model", ("--gpu-model",), {"default": "", "help": "Only GPUs of this model."}),
+    (
+        None,
+        ("--kind",),
+        {
+            "type": click.Choice([kind.value for kind in JobKind]),
+            "default": JobKind.BATCH.value,
+            "show_default": True,
+            "help": "Job kind.",
+        },
+    ),
+)
+# Spec fields the service may refuse -> the option of `run` that sets them.
+_RUN_OPTIONS = {field: decls[0] for field, decls, _ in _SPEC_OPTIONS if field is not None}
+
+
+def _spec_options(command: F) -> F:
+    for _, decls, settings in reversed(_SPEC_OPTIONS):
+        command = click.option(*decls, **settings)(command)
+    return command
+
 
 @click.command(
     "run", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False}
 )
-@click.option(
-    "--priority",
-    type=click.IntRange(0, 9),
-    default=DEFAULT_PRIORITY,
-    show_default=True,
-    help="0 (highest) .. 9.",
-)
-@click.option("--task-key", default="", help="Task key (which profiles describe the job).")
-@click.option("--name", default="", help="Job name (default: the command's name).")
-@click.option("--sm", type=click.IntRange(1, 100), help="SM percent of an MPS share.")
-@click.option(
-    "--quota",
-    type=click.FloatRange(0, 100, min_open=True),
-    help="Time quota (percent of the window) of an MPS share.",
-)
-@click.option(
-    "--quota-limit",
-    type=click.FloatRange(0, 100, min_open=True),
-    help="Time quota limit in percent (default: the quota).",
-)
-@click.option(
-    "--memory-gib", type=click.FloatRange(0, min_open=True), help="GPU memory cap in GiB."
-)
-@click.option("--whole-gpu", is_flag=True, help="Ask for a whole GPU (the default).")
-@click.option("--policy", default="", help="Placement policy (default: the service's).")
-@click.option("--gpu-model", default="", help="Only GPUs of this model.")
-@click.option(
-    "--kind", type=click.Choice(list(KINDS)), default="batch", show_default=True, help="Job kind."
-)
+@_spec_options
 @click.option(
     "--timeout",
     type=click.FloatRange(0, min_open=True),
@@ -286,22 +324,12 @@ def gpus(node: str, address: str, as_json: bool) -> None:
 @placement_option
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
-    priority: int,
-    task_key: str,
-    name: str,
-    sm: int | None,
-    quota: float | None,
-    quota_limit: float | None,
-    memory_gib: float | None,
-    whole_gpu: bool,
-    policy: str,
-    gpu_model: str,
-    kind: str,
     timeout: float | None,
     shim_path: str | None,
     no_shim: bool,
     address: str,
     command: tuple[str, ...],
+    **spec_options: Any,
 ) -> None:
     """Run COMMAND as a placed job: submit, wait for the assignment, run, report the end.
 
@@ -321,50 +349,44 @@ def run(
     found, 126 if it could not be started otherwise; 1 if the job ended before it was
     assigned or the wait timed out).
     """
-    spec = _run_spec(
-        command, priority, task_key, name, sm, quota, quota_limit, memory_gib, whole_gpu
-    )
-    spec.kind = KINDS[kind]
-    spec.policy = policy
-    spec.gpu_model = gpu_model
+    spec = _run_spec(command, **spec_options)
     if no_shim:
         shim_path = None
     elif shim_path is None:
         shim_path = default_shim_path()
         if shim_path is None:
-            click.echo(
-                "gpuloom run: no shim found (set GPULOOM_SHIM_PATH or build shim/); running "
-                "without it, so the time quota is not enforced",
-                err=True,
+            _say(
+                "no shim found (set GPULOOM_SHIM_PATH or build shim/); running without it, so "
+                "the time quota is not enforced"
             )
     with _placement(address) as client:
+        runner = JobRunner(client, shim_path, on_message=_say)
         try:
             job = client.submit(spec)
         except InvalidArgument as error:
             raise click.BadParameter(
                 error.message, param_hint=_RUN_OPTIONS.get(error.field, "COMMAND")
             ) from None
-        job = _await_assignment(client, job, timeout)
-        code = _run_assigned(client, job, command, shim_path)
+        try:
+            job = runner.wait_assigned(job, timeout)
+        except JobNotAssigned as error:
+            raise click.ClickException(error.message) from None
+        except WaitTimedOut as error:
+            raise click.ClickException(f"{error.message}; cancelled it") from None
+        except KeyboardInterrupt:
+            _say(f"interrupted; cancelled job {job.job_id}")
+            sys.exit(130)
+        code = runner.run_assigned(job, command).exit_code
     sys.exit(code)
 
 
-# Spec fields the service may refuse -> the option of `run` that sets them.
-_RUN_OPTIONS = {
-    "spec.name": "--name",
-    "spec.task_key": "--task-key",
-    "spec.policy": "--policy",
-    "spec.gpu_model": "--gpu-model",
-    "spec.priority.level": "--priority",
-    "spec.resources.memory_bytes": "--memory-gib",
-    "spec.resources.mps.sm_percent": "--sm",
-    "spec.resources.mps.quota.request_percent": "--quota",
-    "spec.resources.mps.quota.limit_percent": "--quota-limit",
-}
+def _say(message: str) -> None:
+    click.echo(f"gpuloom run: {message}", err=True)
 
 
 def _run_spec(
     command: tuple[str, ...],
+    *,
     priority: int,
     task_key: str,
     name: str,
@@ -373,7 +395,10 @@ def _run_spec(
     quota_limit: float | None,
     memory_gib: float | None,
     whole_gpu: bool,
-) -> pb.JobSpec:
+    policy: str,
+    gpu_model: str,
+    kind: str,
+) -> JobSpec:
     shared = sm is not None or quota is not None
     if whole_gpu and shared:
         raise click.UsageError("--whole-gpu excludes --sm and --quota")
@@ -381,219 +406,43 @@ def _run_spec(
         raise click.UsageError("--quota-limit needs an MPS share (--sm and/or --quota)")
     if shared and memory_gib is None:
         raise click.UsageError("--sm/--quota need --memory-gib (the GPU memory cap of a share)")
-    spec = pb.JobSpec(
-        name=name or os.path.basename(command[0])[:128] or "run",
-        task_key=task_key,
-        priority=common_pb2.Priority(level=priority),
-    )
-    if memory_gib is not None:
-        spec.resources.memory_bytes = round(memory_gib * GIB)
+    share = None
     if shared:
-        spec.resources.mps.sm_percent = 100 if sm is None else sm
-        spec.resources.mps.quota.request_percent = 100.0 if quota is None else quota
-        spec.resources.mps.quota.limit_percent = quota_limit or 0.0
-    else:
-        spec.resources.whole_gpus = 1
-    return spec
-
-
-def _await_assignment(client: PlacementClient, job: pb.Job, timeout_s: float | None) -> pb.Job:
-    """The job once ASSIGNED, printing why it waits; a timeout or Ctrl-C cancels it."""
-    if job.state == pb.JOB_STATE_ASSIGNED:
-        return job
-    shown = [""]
-
-    def show(update: pb.Job) -> None:
-        if update.state == pb.JOB_STATE_PENDING and update.pending_reason != shown[0]:
-            shown[0] = update.pending_reason
-            reason = update.pending_reason or "waiting for capacity"
-            click.echo(f"gpuloom run: job {update.job_id} pending: {reason}", err=True)
-
-    try:
-        return client.wait_assigned(job.job_id, timeout_s, on_update=show)
-    except JobNotAssigned as error:
-        raise click.ClickException(error.message) from None
-    except WaitTimedOut as error:
-        _cancel_quietly(client, job.job_id, f"gpuloom run: not assigned within {timeout_s:g} s")
-        raise click.ClickException(f"{error.message}; cancelled it") from None
-    except KeyboardInterrupt:
-        _cancel_quietly(client, job.job_id, "gpuloom run: interrupted while waiting")
-        click.echo(f"gpuloom run: interrupted; cancelled job {job.job_id}", err=True)
-        sys.exit(130)
-
-
-def _cancel_quietly(client: PlacementClient, job_id: str, reason: str) -> None:
-    with contextlib.suppress(DomainError):
-        client.cancel(job_id, reason)
-
-
-def _run_assigned(
-    client: PlacementClient, job: pb.Job, command: tuple[str, ...], shim_path: str | None
-) -> int:
-    """Run COMMAND in the assigned job, report how it ended, and return the exit code to use."""
-    environment = _child_environment(job, shim_path)
-    stdin = sys.stdin if _has_fd(sys.stdin) else subprocess.DEVNULL
-    out = None if _has_fd(sys.stdout) else subprocess.PIPE
-    err = None if _has_fd(sys.stderr) else subprocess.PIPE
-    try:
-        child = subprocess.Popen(command, env=environment, stdin=stdin, stdout=out, stderr=err)
-    except OSError as error:
-        code = 127 if isinstance(error, FileNotFoundError) else 126
-        message = f"cannot start {command[0]!r}: {error.strerror or error}"
-        click.echo(f"gpuloom run: {message}", err=True)
-        _report(client, job.job_id, False, code, message)
-        return code
-    relays = [
-        _relay(pipe, stream)
-        for pipe, stream in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))
-        if pipe is not None
-    ]
-    finished = threading.Event()
-    threading.Thread(
-        target=_stop_if_job_ends, args=(client, job.job_id, child, finished), daemon=True
-    ).start()
-    with _forwarding_signals(child):
-        returncode = child.wait()
-    finished.set()
-    for relay in relays:
-        relay.join()
-    if returncode < 0:
-        code = 128 - returncode
-        message = f"{command[0]} was killed by {_signal_name(-returncode)}"
-    else:
-        code = returncode
-        message = f"{command[0]} exited with code {code}"
-    _report(client, job.job_id, code == 0, code, message)
-    return code
-
-
-def _child_environment(job: pb.Job, shim_path: str | None) -> dict[str, str]:
-    assignment = job.assignment
-    environment = {**os.environ, **assignment.environment}
-    share = job.spec.resources
-    if (
-        share.WhichOneof("share") == "mps"
-        and share.mps.sm_percent < 100
-        and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in assignment.environment
-    ):
-        environment["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(share.mps.sm_percent)
-    if shim_path:
-        preload = environment.get("LD_PRELOAD", "")
-        if shim_path not in preload.replace(":", " ").split():
-            environment["LD_PRELOAD"] = f"{shim_path}:{preload}" if preload else shim_path
-    return environment
-
-
-def _report(client: PlacementClient, job_id: str, succeeded: bool, code: int, message: str) -> None:
-    try:
-        client.report_done(job_id, succeeded, code, message)
-    except DomainError as error:
-        click.echo(f"gpuloom run: could not report job {job_id} done: {error.message}", err=True)
-
-
-def _stop_if_job_ends(
-    client: PlacementClient, job_id: str, child: subprocess.Popen, finished: threading.Event
-) -> None:
-    """SIGTERM the child if the job is cancelled or lost while it runs."""
-    try:
-        for job in client.watch(job_id):
-            if finished.is_set():
-                return
-            if is_finished(job):
-                detail = f": {job.message}" if job.message else ""
-                click.echo(
-                    f"gpuloom run: job {job_id} was {state_name(job.state)}{detail}; "
-                    "stopping the command",
-                    err=True,
-                )
-                with contextlib.suppress(ProcessLookupError):
-                    child.terminate()
-                return
-    except (DomainError, ValueError):
-        return  # the channel closed, or placement went away: the child runs on
-
-
-@contextlib.contextmanager
-def _forwarding_signals(child: subprocess.Popen) -> Iterator[None]:
-    """Pass SIGINT and SIGTERM on to the child while it runs (signal handlers can only be set
-    in the main thread; elsewhere nothing is forwarded). A Ctrl-C at a terminal we share with
-    the child already reached it, so it is not sent twice."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def forward(signum: int, _frame: object) -> None:
-        if signum == signal.SIGINT and _terminal_reaches_child():
-            return
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _terminal_reaches_child() -> bool:
-    """Whether we are in the foreground of our terminal, so its Ctrl-C goes to the child too."""
-    try:
-        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _has_fd(stream: IO[Any] | None) -> bool:
-    """Whether a stream is a real file the child can share (not one replaced in memory)."""
-    try:
-        return stream is not None and stream.fileno() >= 0
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _relay(pipe: IO[bytes], stream: IO[Any]) -> threading.Thread:
-    """Copy a child's output to a stream that has no file descriptor of its own."""
-
-    def copy() -> None:
-        binary = getattr(stream, "buffer", None)
-        with pipe:
-            while chunk := pipe.read1(65536):  # type: ignore[attr-defined]
-                stream.flush()  # what was printed before goes first
-                if binary is not None:
-                    binary.write(chunk)
-                    binary.flush()
-                else:
-                    stream.write(chunk.decode(errors="replace"))
-                    stream.flush()
-
-    thread = threading.Thread(target=copy, daemon=True)
-    thread.start()
-    return thread
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+        request = 100.0 if quota is None else quota
+        share = SpatioTemporalShare(
+            100 if sm is None else sm, TimeQuota(request, quota_limit or request)
+        )
+    return JobSpec(
+        name=name or os.path.basename(command[0])[:128] or "run",
+        kind=JobKind(kind),
+        memory_bytes=0 if memory_gib is None else round(memory_gib * GIB),
+        share=share,
+        whole_gpus=0 if shared else 1,
+        task_key=task_key,
+        priority=priority,
+        policy=policy,
+        gpu_model=gpu_model,
+    )
 
 
 # ---- formatting ----
 
 
-def _json(message: Message, indent: int | None = None) -> str:
-    document = MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
-    return json.dumps(document, indent=indent)
+def _json(job: JobView, indent: int | None = None) -> str:
+    return json.dumps(convert.job_json(job), indent=indent)
 
 
-def _echo_json_or_nothing(items: list, as_json: bool, empty: str) -> bool:
+def _gpu_json(entry: GpuEntry) -> str:
+    return json.dumps(convert.gpu_entry_json(entry))
+
+
+def _echo_json_or_nothing(
+    items: list[T], to_json: Callable[[T], str], as_json: bool, empty: str
+) -> bool:
     """With --json print one object per line; with nothing to show say so. True: done."""
     if as_json:
         for item in items:
-            click.echo(_json(item))
+            click.echo(to_json(item))
         return True
     if not items:
         click.echo(empty)
@@ -601,33 +450,30 @@ def _echo_json_or_nothing(items: list, as_json: bool, empty: str) -> bool:
     return False
 
 
-def _share(spec: pb.JobSpec) -> str:
-    resources = spec.resources
-    which = resources.WhichOneof("share")
-    if which == "mps":
-        quota = resources.mps.quota
+def _share(spec: JobSpec) -> str:
+    if spec.share is not None:
+        quota = spec.share.quota
         limit = (
             f" (limit {quota.limit_percent:g}%)"
             if quota.limit_percent and quota.limit_percent != quota.request_percent
             else ""
         )
-        text = f"SM {resources.mps.sm_percent}%, quota {quota.request_percent:g}%{limit}"
-    elif which == "whole_gpus":
-        text = "whole GPU" if resources.whole_gpus == 1 else f"{resources.whole_gpus} GPUs"
-    elif which == "mig":
+        text = f"SM {spec.share.sm_percent}%, quota {quota.request_percent:g}%{limit}"
+    elif spec.whole_gpus:
+        text = "whole GPU" if spec.whole_gpus == 1 else f"{spec.whole_gpus} GPUs"
+    elif spec.is_mig_batch:
         text = "a MIG instance (sized by the batch planner)"
     else:
         text = "no share"
-    if resources.memory_bytes:
-        text += f", memory {_memory(resources.memory_bytes)}"
+    if spec.memory_bytes:
+        text += f", memory {_memory(spec.memory_bytes)}"
     return text
 
 
-def _sm_quota(spec: pb.JobSpec) -> tuple[object, object]:
-    which = spec.resources.WhichOneof("share")
-    if which == "mps":
-        return spec.resources.mps.sm_percent, spec.resources.mps.quota.request_percent
-    if which == "mig":
+def _sm_quota(spec: JobSpec) -> tuple[object, object]:
+    if spec.share is not None:
+        return spec.share.sm_percent, spec.share.quota.request_percent
+    if spec.is_mig_batch:
         return "MIG", "-"
     return 100, 100.0
 
@@ -645,41 +491,41 @@ def _clock(unix_s: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(unix_s)) if unix_s else "--:--:--"
 
 
-def _where(job: pb.Job) -> str:
-    gpu = job.assignment.gpu
-    if not gpu.gpu_uuid:
+def _where(job: JobView) -> str:
+    assignment = job.assignment
+    if assignment is None or not assignment.gpu_uuid:
         return "no GPU"
-    where = f"GPU {gpu.gpu_uuid} on node {gpu.node}"
-    if job.assignment.HasField("mig"):
-        slot = job.assignment.mig
+    where = f"GPU {assignment.gpu_uuid} on node {assignment.node}"
+    slot = assignment.mig
+    if slot is not None:
         where += (
             f", MIG {slot.size} slices at slice {slot.first_slice}, planned "
-            f"{_clock(slot.planned_start_unix_s)}-{_clock(slot.planned_end_unix_s)}"
+            f"{_clock(slot.planned_start)}-{_clock(slot.planned_end)}"
         )
     return where
 
 
-def _summary(job: pb.Job) -> str:
+def _summary(job: JobView) -> str:
     """One line: id, state, and where it runs or why it waits or how it ended."""
-    state = state_name(job.state)
-    if job.state == pb.JOB_STATE_PENDING:
+    state = job.state.value
+    if job.state is JobState.PENDING:
         return f"job {job.job_id} pending: {job.pending_reason or 'waiting for capacity'}"
-    if job.state in (pb.JOB_STATE_BINDING, pb.JOB_STATE_ASSIGNED):
+    if job.state.holds_capacity:
         return f"job {job.job_id} {state} on {_where(job)}: {_share(job.spec)}"
     line = f"job {job.job_id} {state}"
-    if job.state in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED):
+    if job.state in (JobState.SUCCEEDED, JobState.FAILED):
         line += f" (exit code {job.exit_code})"
     return line + (f": {job.message}" if job.message else "")
 
 
-def _details(job: pb.Job) -> str:
+def _details(job: JobView) -> str:
     spec = job.spec
     rows: list[tuple[str, object]] = [
         ("job", job.job_id),
         ("name", spec.name),
-        ("state", state_name(job.state)),
-        ("kind", kind_name(spec.kind)),
-        ("priority", spec.priority.level),
+        ("state", job.state.value),
+        ("kind", spec.kind.value if spec.kind else "unspecified"),
+        ("priority", spec.priority),
         ("resources", _share(spec)),
         ("task key", spec.task_key or "-"),
         ("function", job.function or "-"),
@@ -693,10 +539,10 @@ def _details(job: pb.Job) -> str:
                 f"p99 {spec.slo.p99_latency_ms:g} ms, {spec.slo.target_requests_per_s:g} req/s",
             )
         )
-    if job.state == pb.JOB_STATE_PENDING:
+    if job.state is JobState.PENDING:
         rows.append(("pending", job.pending_reason or "-"))
-    if job.HasField("assignment"):
-        a = job.assignment
+    a = job.assignment
+    if a is not None:
         rows += [
             ("gpu", _where(job)),
             ("dispatcher", a.dispatcher_address),
@@ -706,14 +552,14 @@ def _details(job: pb.Job) -> str:
         for key in sorted(a.environment):
             value = "(hidden)" if key.endswith("TOKEN") else a.environment[key]
             rows.append(("env", f"{key}={value}"))
-    if job.state in (pb.JOB_STATE_SUCCEEDED, pb.JOB_STATE_FAILED):
+    if job.state in (JobState.SUCCEEDED, JobState.FAILED):
         rows.append(("exit code", job.exit_code))
     if job.message:
         rows.append(("message", job.message))
     rows += [
         ("request id", job.request_id),
-        ("submitted", _timestamp(job.submitted_at_unix_s)),
-        ("updated", f"{_timestamp(job.updated_at_unix_s)} (revision {job.revision})"),
+        ("submitted", _timestamp(job.submitted_at)),
+        ("updated", f"{_timestamp(job.updated_at)} (revision {job.revision})"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)

@@ -3,35 +3,20 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
+from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, STATE_TO_PB, spec_to_pb
 from gpuloom.convert.shares import share_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.placement import GpuInfo, JobSpec, JobState, MigInstance, Slo
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.core import GpuView, ScalingResult
-from gpuloom.services.placement.domain import (
-    GpuInfo,
-    Job,
-    JobKind,
-    JobSpec,
-    JobState,
-    MigInstance,
-    Slo,
-)
+from gpuloom.services.placement.domain import Job
 from gpuloom.services.placement.repository import JobFilter
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
-_KIND_FROM_PB = {
-    pb.JOB_KIND_INFERENCE: JobKind.INFERENCE,
-    pb.JOB_KIND_TRAINING: JobKind.TRAINING,
-    pb.JOB_KIND_BATCH: JobKind.BATCH,
-}
-_KIND_TO_PB = {kind: code for code, kind in _KIND_FROM_PB.items()}
-_STATE_TO_PB = {state: pb.JobState.Value("JOB_STATE_" + state.name) for state in JobState}
-_STATE_FROM_PB = {code: state for state, code in _STATE_TO_PB.items()}
-
 
 def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
-    if msg.kind not in _KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
+    if msg.kind not in KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
         raise InvalidArgument(f"{field}.kind", f"unknown job kind {msg.kind}")
     resources = msg.resources
     which = resources.WhichOneof("share")
@@ -45,7 +30,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         )
     return JobSpec(
         name=msg.name,
-        kind=_KIND_FROM_PB.get(msg.kind),
+        kind=KIND_FROM_PB.get(msg.kind),
         memory_bytes=resources.memory_bytes,
         share=share,
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
@@ -59,36 +44,12 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
     )
 
 
-def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
-    resources = common_pb2.Resources(memory_bytes=spec.memory_bytes)
-    if spec.share is not None:
-        resources.mps.CopyFrom(share_to_pb(spec.share))
-    elif spec.whole_gpus:
-        resources.whole_gpus = spec.whole_gpus
-    elif spec.mig_slices:
-        resources.mig.slices = spec.mig_slices
-    return pb.JobSpec(
-        name=spec.name,
-        task_key=spec.task_key,
-        kind=_KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
-        priority=common_pb2.Priority(level=spec.priority),
-        resources=resources,
-        slo=pb.Slo(
-            p99_latency_ms=spec.slo.p99_latency_ms,
-            target_requests_per_s=spec.slo.target_requests_per_s,
-        ),
-        policy=spec.policy,
-        gpu_model=spec.gpu_model,
-        command=spec.command,
-    )
-
-
 def job_to_pb(job: Job) -> pb.Job:
     msg = pb.Job(
         job_id=job.job_id,
         request_id=job.request_id,
         spec=spec_to_pb(job.spec),
-        state=_STATE_TO_PB[job.state],
+        state=STATE_TO_PB[job.state],
         pending_reason=job.pending_reason,
         message=job.message,
         policy=job.policy,
@@ -136,7 +97,7 @@ def job_to_pb(job: Job) -> pb.Job:
 
 
 def state_from_pb(code: int, field: str) -> JobState:
-    state = _STATE_FROM_PB.get(code)
+    state = STATE_FROM_PB.get(code)
     if state is None:
         raise InvalidArgument(field, f"unknown job state {code}")
     return state

@@ -38,6 +38,7 @@ from gpuloom.domain.errors import (
     NotFound,
     Unavailable,
 )
+from gpuloom.domain.placement import MAX_KEY, GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.placement import (
     GRID_AREA,
@@ -60,14 +61,9 @@ from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
 from gpuloom.services.placement.domain import (
     JOB_ID_PREFIX,
-    MAX_KEY,
     Binding,
-    GpuInfo,
     GpuRecord,
     Job,
-    JobKind,
-    JobSpec,
-    JobState,
     validate_address,
     validate_request_id,
 )
@@ -264,7 +260,7 @@ class PlacementCore:
     async def submit(self, request_id: str, spec: JobSpec, function: str = "") -> Job:
         """Queue a job for the next decision batch; answers once it is bound or pending."""
         validate_request_id(request_id)
-        spec.validate()
+        spec.validate(POLICIES)
         self._check_memory(spec)
         if self._stopping:
             raise Unavailable("placement is shutting down")
@@ -332,7 +328,7 @@ class PlacementCore:
             raise InvalidArgument(
                 "requests_per_s", f"must be finite and >= 0, got {requests_per_s}"
             )
-        _replica_spec(template, 1, 1.0).validate_as("template")
+        _replica_spec(template, 1, 1.0).validate_as("template", POLICIES)
         if self._profiles is None:
             raise FailedPrecondition(
                 "auto-scaling needs throughput profiles, and no profile store is configured "

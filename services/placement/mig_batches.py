@@ -28,6 +28,7 @@ from gpuloom.domain.errors import DomainError, FailedPrecondition
 from gpuloom.domain.gpus import find_model, mig_profile
 from gpuloom.domain.mig_geometry import MigGeometry
 from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.domain.placement import JobSpec, JobState, MigSlot
 from gpuloom.policies.mig.fleet import BatchCollector, FleetPlan, GpuPlan, MigFleetPlanner, MigGpu
 from gpuloom.policies.mig.plan import MigTask
 from gpuloom.services.placement import metrics
@@ -37,14 +38,7 @@ from gpuloom.services.placement.dispatchers import (
     MigRunStarted,
     MigTaskRequest,
 )
-from gpuloom.services.placement.domain import (
-    Binding,
-    GpuRecord,
-    Job,
-    JobSpec,
-    JobState,
-    MigSlot,
-)
+from gpuloom.services.placement.domain import Binding, GpuRecord, Job
 
 if TYPE_CHECKING:
     from gpuloom.services.placement.core import PlacementCore

@@ -11,19 +11,9 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigInstance, MigSlot, Slo
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
-from gpuloom.services.placement.domain import (
-    Binding,
-    GpuInfo,
-    GpuRecord,
-    Job,
-    JobKind,
-    JobSpec,
-    JobState,
-    MigInstance,
-    MigSlot,
-    Slo,
-)
+from gpuloom.services.placement.domain import Binding, GpuRecord, Job
 from gpuloom.services.placement.models import GpuRow, JobRow
 
 JOBS: Table = JobRow.__table__  # type: ignore[assignment]

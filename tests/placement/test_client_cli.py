@@ -22,6 +22,8 @@ from gpuloom.clients.placement import (
     load_job_file,
     spec_from_document,
 )
+from gpuloom.convert.placement import job_from_pb
+from gpuloom.domain.placement import JobState
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
@@ -462,24 +464,24 @@ async def test_client_waits_for_assignment_and_says_when_a_job_ends_instead(
         job = await asyncio.to_thread(
             client.submit, {"name": "w", "kind": "batch", "resources": {"whole_gpus": 1}}
         )
-        assert job.state == pb.JOB_STATE_PENDING
+        assert job.state is JobState.PENDING
         with pytest.raises(WaitTimedOut) as timed_out:
             await asyncio.to_thread(client.wait_assigned, job.job_id, 0.2)
-        assert timed_out.value.job.state == pb.JOB_STATE_PENDING
+        assert timed_out.value.job.state is JobState.PENDING
 
         waiting = asyncio.create_task(asyncio.to_thread(client.wait_assigned, job.job_id))
         await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="gone"))
         with pytest.raises(JobNotAssigned) as ended:
             await waiting
-        assert ended.value.job.state == pb.JOB_STATE_CANCELLED
+        assert ended.value.job.state is JobState.CANCELLED
         assert str(ended.value) == f"job {job.job_id} ended cancelled: gone"
 
         states = [j.state for j in await asyncio.to_thread(lambda: list(client.watch(job.job_id)))]
-        assert states == [pb.JOB_STATE_CANCELLED]
+        assert states == [JobState.CANCELLED]
         pages = await asyncio.to_thread(lambda: list(client.list(page_size=2)))
         assert len(pages) == 5
         limited = await asyncio.to_thread(lambda: list(client.list(["assigned"], limit=3)))
-        assert len(limited) == 3 and all(j.state == pb.JOB_STATE_ASSIGNED for j in limited)
+        assert len(limited) == 3 and all(j.state is JobState.ASSIGNED for j in limited)
     finally:
         client.close()
 
@@ -579,6 +581,6 @@ def test_a_mig_task_shows_its_planned_instance() -> None:
     job.spec.resources.mig.SetInParent()
     job.assignment.gpu.gpu_uuid, job.assignment.gpu.node = "GPU-7", "n1"
     job.assignment.mig.CopyFrom(pb.MigSlot(size=3, first_slice=4))
-    line = _summary(job)
+    line = _summary(job_from_pb(job))
     assert "GPU GPU-7 on node n1, MIG 3 slices at slice 4" in line
     assert "a MIG instance (sized by the batch planner)" in line

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.placement import GRID_H, GRID_W
-from gpuloom.services.placement.domain import GpuInfo, JobKind, JobSpec, JobState
 from tests.placement.harness import CoreHarness
 
 GIB = 1 << 30

@@ -17,19 +17,12 @@ import pytest
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.gpus import find_model
+from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigSlot
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.mig import verify_plan
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
-from gpuloom.services.placement.domain import (
-    Binding,
-    GpuInfo,
-    Job,
-    JobKind,
-    JobSpec,
-    JobState,
-    MigSlot,
-)
+from gpuloom.services.placement.domain import Binding, Job
 from gpuloom.services.placement.mig_batches import NO_MIG_GPU, MigBatchConfig
 from gpuloom.services.placement.repository import (
     _binding_from_json,

@@ -1,0 +1,271 @@
+"""gpuloom.v1.Placement's messages to and from the client-facing domain types
+(gpuloom.domain.placement and the job spec), and their JSON form.
+
+Every conversion here is exact for what the service sends, so `job_to_pb(job_from_pb(m))` is
+`m` again: `*_json` print the same JSON as protobuf's own mapping of the message would (field
+names as in the proto, enums by name, 64-bit integers as strings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+
+from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.domain.placement import (
+    Assignment,
+    FunctionScaling,
+    GpuEntry,
+    GpuInfo,
+    JobKind,
+    JobSpec,
+    JobState,
+    JobView,
+    MigInstance,
+    MigSlot,
+    Slo,
+    ThroughputConfig,
+)
+from gpuloom.v1 import common_pb2
+from gpuloom.v1 import placement_pb2 as pb
+
+KIND_TO_PB = {
+    JobKind.INFERENCE: pb.JOB_KIND_INFERENCE,
+    JobKind.TRAINING: pb.JOB_KIND_TRAINING,
+    JobKind.BATCH: pb.JOB_KIND_BATCH,
+}
+KIND_FROM_PB = {code: kind for kind, code in KIND_TO_PB.items()}
+STATE_TO_PB = {state: pb.JobState.Value("JOB_STATE_" + state.name) for state in JobState}
+STATE_FROM_PB = {code: state for state, code in STATE_TO_PB.items()}
+
+
+# ---- job specs ----
+
+
+def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
+    """As sent, unvalidated. A MIG request counts as one slice when it names no size: the batch
+    planner sizes it anyway, and `mig_slices > 0` is what marks a MIG batch task."""
+    resources = msg.resources
+    which = resources.WhichOneof("share")
+    return JobSpec(
+        name=msg.name,
+        kind=KIND_FROM_PB.get(msg.kind),
+        memory_bytes=resources.memory_bytes,
+        share=share_from_pb(resources.mps) if which == "mps" else None,
+        whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
+        mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
+        task_key=msg.task_key,
+        priority=msg.priority.level,
+        slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
+        policy=msg.policy,
+        gpu_model=msg.gpu_model,
+        command=tuple(msg.command),
+    )
+
+
+def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
+    resources = common_pb2.Resources(memory_bytes=spec.memory_bytes)
+    if spec.share is not None:
+        resources.mps.CopyFrom(share_to_pb(spec.share))
+    elif spec.whole_gpus:
+        resources.whole_gpus = spec.whole_gpus
+    elif spec.mig_slices:
+        resources.mig.slices = spec.mig_slices
+    return pb.JobSpec(
+        name=spec.name,
+        task_key=spec.task_key,
+        kind=KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
+        priority=common_pb2.Priority(level=spec.priority),
+        resources=resources,
+        slo=pb.Slo(
+            p99_latency_ms=spec.slo.p99_latency_ms,
+            target_requests_per_s=spec.slo.target_requests_per_s,
+        ),
+        policy=spec.policy,
+        gpu_model=spec.gpu_model,
+        command=spec.command,
+    )
+
+
+# ---- jobs ----
+
+
+def state_from_pb(code: int) -> JobState:
+    try:
+        return STATE_FROM_PB[code]
+    except KeyError:
+        raise ValueError(f"placement sent an unknown job state {code}") from None
+
+
+def job_from_pb(msg: pb.Job) -> JobView:
+    return JobView(
+        job_id=msg.job_id,
+        request_id=msg.request_id,
+        spec=spec_from_pb(msg.spec),
+        state=state_from_pb(msg.state),
+        submitted_at=msg.submitted_at_unix_s,
+        updated_at=msg.updated_at_unix_s,
+        revision=msg.revision,
+        pending_reason=msg.pending_reason,
+        message=msg.message,
+        assignment=_assignment_from_pb(msg.assignment) if msg.HasField("assignment") else None,
+        policy=msg.policy,
+        exit_code=msg.exit_code,
+        function=msg.function,
+    )
+
+
+def job_to_pb(job: JobView) -> pb.Job:
+    msg = pb.Job(
+        job_id=job.job_id,
+        request_id=job.request_id,
+        spec=spec_to_pb(job.spec),
+        state=STATE_TO_PB[job.state],
+        pending_reason=job.pending_reason,
+        message=job.message,
+        policy=job.policy,
+        submitted_at_unix_s=job.submitted_at,
+        updated_at_unix_s=job.updated_at,
+        exit_code=job.exit_code,
+        revision=job.revision,
+        function=job.function,
+    )
+    if job.assignment is not None:
+        msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))
+    return msg
+
+
+def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
+    slot = msg.mig
+    return Assignment(
+        gpu_uuid=msg.gpu.gpu_uuid,
+        node=msg.gpu.node,
+        dispatcher_address=msg.dispatcher_address,
+        assignment_id=msg.assignment_id,
+        memory_cap_bytes=msg.memory_cap_bytes,
+        share=share_from_pb(msg.share) if msg.HasField("share") else None,
+        quota_offset_percent=msg.quota_offset_percent,
+        sm_offset_percent=msg.sm_offset_percent,
+        environment=dict(msg.environment),
+        mig=(
+            MigSlot(slot.size, slot.first_slice, slot.planned_start_unix_s, slot.planned_end_unix_s)
+            if msg.HasField("mig")
+            else None
+        ),
+    )
+
+
+def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
+    msg = pb.JobAssignment(
+        gpu=common_pb2.GpuRef(node=assignment.node, gpu_uuid=assignment.gpu_uuid),
+        dispatcher_address=assignment.dispatcher_address,
+        assignment_id=assignment.assignment_id,
+        memory_cap_bytes=assignment.memory_cap_bytes,
+        quota_offset_percent=assignment.quota_offset_percent,
+        sm_offset_percent=assignment.sm_offset_percent,
+        environment=assignment.environment,
+    )
+    if assignment.share is not None:
+        msg.share.CopyFrom(share_to_pb(assignment.share))
+    slot = assignment.mig
+    if slot is not None:
+        msg.mig.CopyFrom(
+            pb.MigSlot(
+                size=slot.size,
+                first_slice=slot.first_slice,
+                planned_start_unix_s=slot.planned_start,
+                planned_end_unix_s=slot.planned_end,
+            )
+        )
+    return msg
+
+
+# ---- inventory and auto-scaling ----
+
+
+def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
+    info = msg.gpu
+    return GpuEntry(
+        gpu=GpuInfo(
+            gpu_uuid=info.ref.gpu_uuid,
+            node=info.ref.node,
+            model=info.model,
+            memory_bytes=info.memory_bytes,
+            sm_count=info.sm_count,
+            mig_capable=info.mig_capable,
+            mig_enabled=info.mig_enabled,
+            mig_instances=tuple(
+                MigInstance(m.slices, m.first_slice, m.uuid) for m in info.mig_instances
+            ),
+            mps_enabled=info.mps_enabled,
+        ),
+        dispatcher_address=msg.dispatcher_address,
+        schedulable=msg.schedulable,
+        lost=msg.lost,
+        last_heartbeat=msg.last_heartbeat_unix_s,
+        utilization_percent=msg.utilization_percent,
+        memory_used_bytes=msg.memory_used_bytes,
+        memory_reserved_bytes=msg.memory_reserved_bytes,
+        area_reserved_percent=msg.area_reserved_percent,
+        jobs=msg.jobs,
+    )
+
+
+def gpu_entry_to_pb(entry: GpuEntry) -> pb.GpuEntry:
+    info = entry.gpu
+    return pb.GpuEntry(
+        gpu=pb.GpuInfo(
+            ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
+            model=info.model,
+            memory_bytes=info.memory_bytes,
+            sm_count=info.sm_count,
+            mig_capable=info.mig_capable,
+            mig_enabled=info.mig_enabled,
+            mig_instances=[
+                pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
+                for m in info.mig_instances
+            ],
+            mps_enabled=info.mps_enabled,
+        ),
+        dispatcher_address=entry.dispatcher_address,
+        schedulable=entry.schedulable,
+        lost=entry.lost,
+        last_heartbeat_unix_s=entry.last_heartbeat,
+        utilization_percent=entry.utilization_percent,
+        memory_used_bytes=entry.memory_used_bytes,
+        memory_reserved_bytes=entry.memory_reserved_bytes,
+        area_reserved_percent=entry.area_reserved_percent,
+        jobs=entry.jobs,
+    )
+
+
+def scaling_from_pb(msg: pb.SetFunctionLoadResponse) -> FunctionScaling:
+    best = msg.most_efficient
+    return FunctionScaling(
+        added=tuple(job_from_pb(j) for j in msg.added),
+        removed=tuple(job_from_pb(j) for j in msg.removed),
+        capacity_requests_per_s=msg.capacity_requests_per_s,
+        most_efficient=(
+            ThroughputConfig(best.sm_percent, best.quota_percent, best.requests_per_s)
+            if msg.HasField("most_efficient")
+            else None
+        ),
+    )
+
+
+# ---- JSON ----
+
+
+def job_json(job: JobView) -> dict[str, Any]:
+    return _json(job_to_pb(job))
+
+
+def gpu_entry_json(entry: GpuEntry) -> dict[str, Any]:
+    return _json(gpu_entry_to_pb(entry))
+
+
+def _json(msg: Message) -> dict[str, Any]:
+    return MessageToDict(
+        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )

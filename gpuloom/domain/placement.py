@@ -1,0 +1,308 @@
+"""Placement as its clients see it: a job with the assignment placement answered, a GPU of the
+inventory with what the fleet holds on it, and the outcome of an auto-scaling request.
+
+These are the public views of the gpuloom.v1.Placement answers, and the job spec with its
+validation, the job states and the GPU description, which the service uses too. The service
+keeps richer records of its own (services/placement/domain.py: a job's binding with its
+rectangle and token)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota, validate_priority
+
+MAX_NAME = 128
+MAX_KEY = 256
+# A MIG batch task's command, as the dispatcher takes it (RunMigBatch's MigTaskSpec.argv).
+MAX_COMMAND_ARGS = 256
+MAX_COMMAND_ARG_CHARS = 4096
+
+
+class JobKind(enum.Enum):
+    INFERENCE = "inference"
+    TRAINING = "training"
+    BATCH = "batch"
+
+
+class JobState(enum.Enum):
+    PENDING = "pending"
+    BINDING = "binding"
+    ASSIGNED = "assigned"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+    @property
+    def finished(self) -> bool:
+        return self in FINISHED
+
+    @property
+    def holds_capacity(self) -> bool:
+        return self in (JobState.BINDING, JobState.ASSIGNED)
+
+
+FINISHED = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST})
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    p99_latency_ms: float = 0.0
+    target_requests_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a submitter asks for. Exactly one of `share` (an MPS SM share and time quota),
+    `whole_gpus` and `mig_slices` is set. `mig_slices` marks a MIG batch task (kind batch,
+    with a task key and a `command`): its value is not used, the batch planner chooses the
+    instance size from the task's MIG profile. `mig_times` (size -> seconds) is what placement
+    read from that profile when it accepted the task, kept with the job so that a restart
+    plans it the same way; it is not part of the request (not compared)."""
+
+    name: str
+    kind: JobKind | None
+    memory_bytes: int
+    share: SpatioTemporalShare | None = None
+    whole_gpus: int = 0
+    mig_slices: int = 0
+    task_key: str = ""
+    priority: int = 0
+    slo: Slo = field(default_factory=Slo)
+    policy: str = ""
+    gpu_model: str = ""
+    command: tuple[str, ...] = ()
+    mig_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+
+    @property
+    def is_mig_batch(self) -> bool:
+        return self.mig_slices > 0
+
+    def validate(self, policies: Collection[str]) -> None:
+        """InvalidArgument naming the first field that makes no sense; `policies` are the
+        placement policies the service knows (the domain does not know the registry)."""
+        if not 1 <= len(self.name) <= MAX_NAME or not self.name.isprintable():
+            raise InvalidArgument(
+                "spec.name", f"must be 1..{MAX_NAME} printable characters, got {self.name!r}"
+            )
+        if self.kind is None:
+            raise InvalidArgument("spec.kind", "required: inference, training or batch")
+        if len(self.task_key) > MAX_KEY or not self.task_key.isprintable():
+            raise InvalidArgument(
+                "spec.task_key", f"must be at most {MAX_KEY} printable characters"
+            )
+        validate_priority("spec.priority.level", self.priority)
+        if len(self.gpu_model) > MAX_NAME:
+            raise InvalidArgument("spec.gpu_model", f"must be at most {MAX_NAME} characters")
+        if self.policy and self.policy not in policies:
+            known = ", ".join(sorted(policies))
+            raise InvalidArgument(
+                "spec.policy", f"unknown placement policy {self.policy!r}; known: {known}"
+            )
+        for name, value in (
+            ("p99_latency_ms", self.slo.p99_latency_ms),
+            ("target_requests_per_s", self.slo.target_requests_per_s),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
+        self._validate_resources()
+
+    def validate_as(self, name: str, policies: Collection[str]) -> None:
+        """validate(), naming fields under `name` (a template) instead of `spec`."""
+        try:
+            self.validate(policies)
+        except InvalidArgument as error:
+            field = error.field.replace("spec", name, 1)
+            raise InvalidArgument(field, error.message.split(": ", 1)[1]) from None
+
+    def _validate_resources(self) -> None:
+        if self.mig_slices:
+            self._validate_mig()
+            return
+        if self.command:
+            raise InvalidArgument(
+                "spec.command", "only MIG batch tasks (resources.mig, kind batch) take a command"
+            )
+        if self.share is None and not self.whole_gpus:
+            raise InvalidArgument(
+                "spec.resources", "set one of mps (SM percent and time quota) or whole_gpus"
+            )
+        if self.whole_gpus and self.whole_gpus != 1:
+            raise InvalidArgument(
+                "spec.resources.whole_gpus",
+                f"only 1 is supported (jobs spanning GPUs are not built yet), got "
+                f"{self.whole_gpus}",
+            )
+        if self.share is not None:
+            self.share.validate("spec.resources.mps")
+            if self.memory_bytes <= 0:
+                raise InvalidArgument(
+                    "spec.resources.memory_bytes",
+                    "required for an MPS share (the GPU memory cap, in bytes)",
+                )
+
+    def _validate_mig(self) -> None:
+        if self.share is not None or self.whole_gpus:
+            raise InvalidArgument(
+                "spec.resources", "mig cannot be combined with an MPS share or whole_gpus"
+            )
+        if self.kind is not JobKind.BATCH:
+            raise InvalidArgument(
+                "spec.kind", "a MIG task (resources.mig) must be of kind batch (JOB_KIND_BATCH)"
+            )
+        if not self.task_key:
+            raise InvalidArgument(
+                "spec.task_key",
+                "required for a MIG task: its MIG profile in the profile store gives its time "
+                "on each instance size",
+            )
+        if not self.command or len(self.command) > MAX_COMMAND_ARGS:
+            raise InvalidArgument(
+                "spec.command",
+                f"a MIG task needs its command: 1..{MAX_COMMAND_ARGS} arguments, got "
+                f"{len(self.command)}",
+            )
+        if not self.command[0]:
+            raise InvalidArgument("spec.command", "the program (the first argument) is empty")
+        for i, arg in enumerate(self.command):
+            if len(arg) > MAX_COMMAND_ARG_CHARS or "\0" in arg:
+                raise InvalidArgument(
+                    f"spec.command[{i}]",
+                    f"arguments are at most {MAX_COMMAND_ARG_CHARS} characters, with no NUL",
+                )
+
+    @property
+    def sm_percent(self) -> int:
+        return 100 if self.share is None else self.share.sm_percent
+
+    @property
+    def quota(self) -> TimeQuota:
+        return TimeQuota(100.0, 100.0) if self.share is None else self.share.quota
+
+
+@dataclass(frozen=True, slots=True)
+class MigSlot:
+    """Where and when the fleet's batch planner put a MIG task: an instance of `size` slices
+    from `first_slice` on, from planned_start to planned_end (Unix seconds)."""
+
+    size: int
+    first_slice: int
+    planned_start: float
+    planned_end: float
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    slices: int
+    first_slice: int
+    uuid: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """A GPU as its dispatcher registers it."""
+
+    gpu_uuid: str
+    node: str
+    model: str
+    memory_bytes: int
+    sm_count: int = 0
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_instances: tuple[MigInstance, ...] = ()
+    mps_enabled: bool = False
+
+    def validate(self) -> None:
+        for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
+            if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
+                raise InvalidArgument(name, f"must be 1..{MAX_NAME} printable characters")
+        if not 1 <= len(self.node) <= 253 or not self.node.isprintable():
+            raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
+        if self.memory_bytes <= 0:
+            raise InvalidArgument("gpu.memory_bytes", "must be > 0")
+        for i, instance in enumerate(self.mig_instances):
+            if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
+                raise InvalidArgument(
+                    f"gpu.mig_instances[{i}]",
+                    f"{instance.slices} slices at slice {instance.first_slice} is no MIG instance",
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """Where an assigned job runs and what its process must run with. A MIG batch task has a
+    `mig` slot instead of a share, offsets and environment (the dispatcher runs it)."""
+
+    gpu_uuid: str
+    node: str
+    dispatcher_address: str
+    assignment_id: str
+    memory_cap_bytes: int
+    share: SpatioTemporalShare | None = None
+    # Where the job sits in the GPU's (time quota x SM) rectangle.
+    quota_offset_percent: float = 0.0
+    sm_offset_percent: int = 0
+    # GPULOOM_DISPATCHER_SOCKET, GPULOOM_ASSIGNMENT_TOKEN, ...: only while the job holds it.
+    environment: Mapping[str, str] = field(default_factory=dict, hash=False)
+    mig: MigSlot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """A job as placement reports it: its spec, its state and, once placed, its assignment
+    (kept after it finishes, to say where it ran)."""
+
+    job_id: str
+    request_id: str
+    spec: JobSpec
+    state: JobState
+    submitted_at: float
+    updated_at: float
+    revision: int
+    pending_reason: str = ""  # PENDING: why it is not placed yet
+    message: str = ""  # FAILED / LOST / CANCELLED: what happened
+    assignment: Assignment | None = None
+    policy: str = ""  # the policy that placed it
+    exit_code: int = 0
+    function: str = ""  # set on replicas created by auto-scaling
+
+
+@dataclass(frozen=True, slots=True)
+class GpuEntry:
+    """A registered GPU: what its dispatcher registered, what its heartbeats say, and what the
+    fleet has reserved on it."""
+
+    gpu: GpuInfo
+    dispatcher_address: str
+    schedulable: bool
+    lost: bool  # heartbeats stopped
+    last_heartbeat: float
+    utilization_percent: float
+    memory_used_bytes: int
+    memory_reserved_bytes: int
+    area_reserved_percent: float  # of the (quota x SM) rectangle, in percent
+    jobs: int
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputConfig:
+    """One profiled configuration of an inference function's replicas."""
+
+    sm_percent: int
+    quota_percent: float
+    requests_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionScaling:
+    """What placement did to serve a function's request rate."""
+
+    added: tuple[JobView, ...]
+    removed: tuple[JobView, ...]
+    capacity_requests_per_s: float  # what the replicas serve together now
+    most_efficient: ThroughputConfig | None
