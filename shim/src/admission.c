@@ -84,11 +84,14 @@ static CUresult wait_for_lease(const uint8_t *r) {
     }
 }
 
-CUresult gate_slow(CUstream key, const uint8_t *r) {
+CUresult gate_slow(CUstream key) {
     int state = conn_state();
     if (state == CONN_REFUSED) return on_loss("the dispatcher refused this process");
     if (state == CONN_EVICTED) return on_loss("assignment evicted");
     if (state != CONN_CONNECTED) return on_loss("no dispatcher");
+    /* Read after the state: a registration publishes its region before CONN_CONNECTED, so
+     * this is never NULL (the fast check's copy may predate a first, late registration). */
+    const uint8_t *r = region();
     if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
     if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;
     if (is_capturing(key)) return CUDA_SUCCESS; /* recorded, not run: never block */

@@ -9,7 +9,7 @@
 #pragma GCC visibility push(hidden)
 
 /* Everything after the fast check: refusal, loss, eviction, modes, waiting for a lease. */
-CUresult gate_slow(CUstream key, const uint8_t *r);
+CUresult gate_slow(CUstream key);
 
 /* The launch path: CUDA_SUCCESS when a launch on `key` may run (waiting if need be, bounded),
  * else what the loss policy answers. */
@@ -20,7 +20,7 @@ static inline CUresult gate(CUstream key) {
     if (LIKELY(r != NULL && conn_state() == CONN_CONNECTED) &&
         now_ns() < r_u64(r, GL_OFF_ADMIT_UNTIL))
         return CUDA_SUCCESS;
-    return gate_slow(key, r);
+    return gate_slow(key);
 }
 
 #pragma GCC visibility pop
