@@ -172,8 +172,17 @@ void background_wake(void);
 
 /* ---- usage.c: GPU time measured in bursts between synchronisation points ---- */
 
-/* Before a launch on `key`: open a burst there if none is open. */
-void note_launch(CUstream key);
+/* Usage is measured in share mode, while connected, when the driver has the event functions. */
+static inline int measuring(void) {
+    return g_mode == GL_MODE_SHARE && conn_state() == CONN_CONNECTED && g_aux.event_create &&
+           g_aux.event_record && g_aux.event_query && g_aux.event_elapsed;
+}
+
+void note_launch_measured(CUstream key);
+/* Before a launch on `key`: open a burst (start event) if none is open on that stream. */
+static inline void note_launch(CUstream key) {
+    if (measuring()) note_launch_measured(key);
+}
 /* The usage to report with lease `lease_id` (once per lease); 0 when there is none to send. */
 int take_report(uint64_t lease_id, int release, gl_usage *out);
 

@@ -21,11 +21,6 @@ static int g_pool_count;
 static uint64_t g_pending_ns, g_longest_ns, g_last_reported; /* guarded by g_usage_lock */
 static pthread_mutex_t g_usage_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static int measuring(void) {
-    return g_mode == GL_MODE_SHARE && conn_state() == CONN_CONNECTED && g_aux.event_create &&
-           g_aux.event_record && g_aux.event_query && g_aux.event_elapsed;
-}
-
 static CUevent pool_get(void) {
     if (g_pool_count > 0) return g_pool[--g_pool_count];
     CUevent e = NULL;
@@ -38,9 +33,7 @@ static void pool_put(CUevent e) {
     /* else: leaked (at most a few events beyond the pool) */
 }
 
-/* Before a launch on `key`: open a burst (start event) if none is open on that stream. */
-void note_launch(CUstream key) {
-    if (!measuring()) return;
+void note_launch_measured(CUstream key) {
     pthread_mutex_lock(&g_usage_lock);
     burst *slot = NULL;
     for (int i = 0; i < MAX_BURSTS; i++) {
