@@ -397,8 +397,8 @@ int gl_register(const char *socket_path, const char *token, const char *process_
         goto fail;
     }
     uint32_t magic, version;
-    memcpy(&magic, mapped, 4);
-    memcpy(&version, (uint8_t *)mapped + 4, 4);
+    memcpy(&magic, (uint8_t *)mapped + GL_OFF_MAGIC, 4);
+    memcpy(&version, (uint8_t *)mapped + GL_OFF_VERSION, 4);
     if (magic != GL_REGION_MAGIC || version != GL_REGION_VERSION) {
         munmap(mapped, GL_REGION_BYTES);
         snprintf(why, why_size, "not a gpuloom admission region (magic %#x v%u)", magic, version);

@@ -6,14 +6,19 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
+ * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
 #define GL_REGION_VERSION 1u
 #define GL_REGION_BYTES 64u
+#define GL_OFF_MAGIC 0
+#define GL_OFF_VERSION 4
 #define GL_OFF_EPOCH 8
 #define GL_OFF_STATE 12
 #define GL_OFF_ADMIT_UNTIL 16
 #define GL_OFF_LEASE_ID 24
 #define GL_OFF_MEMORY_CAP 32
+#define GL_OFF_SM_PERCENT 40
 #define GL_OFF_MODE 44
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3 };

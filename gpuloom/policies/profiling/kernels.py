@@ -8,7 +8,7 @@ within the same run: the last kernel of a run has no gap, gaps never cross runs,
 gap (kernels overlapping on concurrent streams) counts as 0. Percentiles interpolate linearly
 between order statistics (numpy's default "linear" method).
 
-Kernel ID (the C shim computes the same, shim/src/shim.c): 64-bit FNV-1a, offset basis
+Kernel ID (the C shim computes the same, shim/src/names.c): 64-bit FNV-1a, offset basis
 0xcbf29ce484222325, prime 0x100000001b3, over the bytes of
 
     UTF-8(name) || u32le(grid.x) u32le(grid.y) u32le(grid.z) u32le(block.x) u32le(block.y)

@@ -1,0 +1,102 @@
+/* Admission in share mode: asking the dispatcher for a lease (LeaseRequest, carrying the
+ * usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
+ * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; what a refused, lost or evicted process's
+ * launches get. The inline fast check is admission.h's gate().
+ * Owns: g_wait_lock, g_stall_epoch, g_stalled, g_last_request_ns. */
+#define _GNU_SOURCE
+#include <linux/futex.h>
+#include <stdio.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "admission.h"
+
+static pthread_mutex_t g_wait_lock = PTHREAD_MUTEX_INITIALIZER; /* one waiter asks at a time */
+/* Guarded by g_wait_lock: the last wait timed out at this epoch; when the last request went. */
+static uint32_t g_stall_epoch;
+static int g_stalled;
+static uint64_t g_last_request_ns;
+
+static int send_request(const uint8_t *r) {
+    gl_usage usage;
+    int has = take_report(r_u64(r, GL_OFF_LEASE_ID), 0, &usage);
+    g_last_request_ns = now_ns();
+    return send_locked(gl_send_lease_request, has ? &usage : NULL);
+}
+
+static void futex_wait(const uint8_t *r, uint32_t seen, uint64_t timeout_ns) {
+    struct timespec t = {.tv_sec = (time_t)(timeout_ns / 1000000000u),
+                         .tv_nsec = (long)(timeout_ns % 1000000000u)};
+    syscall(SYS_futex, (const uint32_t *)(r + GL_OFF_EPOCH), FUTEX_WAIT, seen, &t, NULL, 0);
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Called with g_wait_lock held. */
+static CUresult wait_for_lease(const uint8_t *r) {
+    uint64_t start = now_ns();
+    if (start < r_u64(r, GL_OFF_ADMIT_UNTIL)) return CUDA_SUCCESS;
+    uint32_t epoch = r_u32(r, GL_OFF_EPOCH);
+    if (g_stalled && epoch == g_stall_epoch) {
+        /* The dispatcher did not answer last time: do not wait again, ask now and then. */
+        if (start - g_last_request_ns > 100000000u) send_request(r);
+        return on_loss("the dispatcher grants no lease");
+    }
+    g_stalled = 0;
+    uint64_t seen = r_u64(r, GL_OFF_LEASE_ID);
+    if (send_request(r) != 0) return on_loss("lost the dispatcher");
+    uint64_t deadline = start + (uint64_t)C.wait_ms * 1000000u;
+    for (;;) {
+        uint64_t now = now_ns();
+        if (now < r_u64(r, GL_OFF_ADMIT_UNTIL)) {
+            loss_rearm();
+            return CUDA_SUCCESS;
+        }
+        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+        if (conn_state() != CONN_CONNECTED) return on_loss("lost the dispatcher");
+        uint64_t lease = r_u64(r, GL_OFF_LEASE_ID);
+        if (lease != 0 && lease != seen) {
+            /* A lease came and went before we looked: report it (unused) and ask again. */
+            seen = lease;
+            if (send_request(r) != 0) return on_loss("lost the dispatcher");
+        }
+        if (now >= deadline) {
+            g_stalled = 1;
+            g_stall_epoch = r_u32(r, GL_OFF_EPOCH);
+            loss_rearm();
+            char why[96];
+            snprintf(why, sizeof why, "no lease within GPULOOM_SHIM_WAIT_MS=%d ms", C.wait_ms);
+            return on_loss(why);
+        }
+        if (now - start < 50000u) { /* a grant usually comes within tens of microseconds */
+            cpu_relax();
+            continue;
+        }
+        uint64_t left = deadline - now;
+        futex_wait(r, epoch, left < 20000000u ? left : 20000000u);
+        epoch = r_u32(r, GL_OFF_EPOCH);
+    }
+}
+
+CUresult gate_slow(CUstream key) {
+    int state = conn_state();
+    if (state == CONN_REFUSED) return on_loss("the dispatcher refused this process");
+    if (state == CONN_EVICTED) return on_loss("assignment evicted");
+    if (state != CONN_CONNECTED) return on_loss("no dispatcher");
+    /* Read after the state: a registration publishes its region before CONN_CONNECTED, so
+     * this is never NULL (the fast check's copy may predate a first, late registration). */
+    const uint8_t *r = region();
+    if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+    if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;
+    if (is_capturing(key)) return CUDA_SUCCESS; /* recorded, not run: never block */
+    pthread_mutex_lock(&g_wait_lock);
+    CUresult result = wait_for_lease(r);
+    pthread_mutex_unlock(&g_wait_lock);
+    return result;
+}

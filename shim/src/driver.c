@@ -1,0 +1,75 @@
+/* The real driver: the hook table built from hooks.h, loading the real libcuda and resolving
+ * its functions (hooked and auxiliary), the real dlsym, initialisation, cuInit.
+ * Owns: g_hooks, g_real, g_aux, g_real_dlsym, g_init_once. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+
+#include "shim_internal.h"
+
+const hook_info g_hooks[H_COUNT] = {
+#define GL_INFO(symbol, query, version, per_thread) \
+    {#symbol, query, version, per_thread, (void *)symbol},
+    GL_HOOKS(GL_INFO)
+#undef GL_INFO
+};
+
+void *g_real[H_COUNT];
+struct gl_aux g_aux;
+dlsym_fn g_real_dlsym;
+pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
+
+void resolve_real_dlsym(void) {
+    static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
+    for (size_t i = 0; i < sizeof versions / sizeof versions[0] && !g_real_dlsym; i++)
+        g_real_dlsym = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", versions[i]);
+}
+
+void init_once(void) {
+    if (!g_real_dlsym) resolve_real_dlsym();
+    read_config();
+    const char *path = getenv("GPULOOM_REAL_LIBCUDA");
+    if (path == NULL || *path == 0) path = "libcuda.so.1";
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (lib == NULL || g_real_dlsym == NULL) {
+        say(LOG_ERROR, "cannot load the real driver %s: %s; every CUDA call fails", path,
+            lib ? "no dlsym" : dlerror());
+        return;
+    }
+    for (int i = 0; i < H_COUNT; i++) {
+        void *p = g_real_dlsym(lib, g_hooks[i].symbol);
+        g_real[i] = p == g_hooks[i].hook ? NULL : p; /* never call ourselves */
+    }
+    g_aux.func_get_name = (__typeof__(g_aux.func_get_name))g_real_dlsym(lib, "cuFuncGetName");
+    g_aux.kernel_get_name =
+        (__typeof__(g_aux.kernel_get_name))g_real_dlsym(lib, "cuKernelGetName");
+    g_aux.event_create = (__typeof__(g_aux.event_create))g_real_dlsym(lib, "cuEventCreate");
+    g_aux.event_record = (__typeof__(g_aux.event_record))g_real_dlsym(lib, "cuEventRecord");
+    g_aux.event_query = (__typeof__(g_aux.event_query))g_real_dlsym(lib, "cuEventQuery");
+    g_aux.event_elapsed =
+        (__typeof__(g_aux.event_elapsed))g_real_dlsym(lib, "cuEventElapsedTime");
+    g_aux.is_capturing =
+        (__typeof__(g_aux.is_capturing))g_real_dlsym(lib, "cuStreamIsCapturing");
+    g_aux.ctx_get_current =
+        (__typeof__(g_aux.ctx_get_current))g_real_dlsym(lib, "cuCtxGetCurrent");
+    g_aux.ctx_set_current =
+        (__typeof__(g_aux.ctx_set_current))g_real_dlsym(lib, "cuCtxSetCurrent");
+    g_aux.exchange_capture_mode = (__typeof__(g_aux.exchange_capture_mode))g_real_dlsym(
+        lib, "cuThreadExchangeStreamCaptureMode");
+}
+
+int is_capturing(CUstream key) {
+    if (g_aux.is_capturing == NULL) return 0;
+    CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return g_aux.is_capturing(key, &status) == CUDA_SUCCESS &&
+           status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+EXPORT CUresult CUDAAPI cuInit(unsigned int flags) {
+    init();
+    if (!REAL(cuInit)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuInit)(flags);
+    if (result == CUDA_SUCCESS) ensure_registered();
+    return result;
+}
