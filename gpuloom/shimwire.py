@@ -2,8 +2,10 @@
 
 Two parts, both specified in protos/gpuloom/v1/shim.proto (the C shim follows the same text):
 - frames: a 4-byte little-endian length, then one serialized message;
-- the admission region: 64 bytes of shared memory per client, written by the dispatcher, read
-  by the shim on every launch; a waiting shim sleeps on its epoch word with FUTEX_WAIT.
+- the admission region: 256 bytes of shared memory per client. The lease words are written by
+  the dispatcher and read by the shim on every launch (a waiting shim sleeps on the epoch word
+  with FUTEX_WAIT); the FIKIT words are split into a part the dispatcher's arbiter writes and
+  a part the shim writes (docs/fikit.md).
 """
 
 from __future__ import annotations
@@ -65,13 +67,17 @@ class FrameReader:
 # ---- the admission region ----
 
 REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
-REGION_VERSION = 1
-REGION_BYTES = 64
+REGION_VERSION = 2
+REGION_BYTES = 256
 OPEN_ENDED_NS = (1 << 64) - 1
 
 _OFF_MAGIC, _OFF_VERSION, _OFF_EPOCH, _OFF_STATE = 0, 4, 8, 12
 _OFF_ADMIT_UNTIL, _OFF_LEASE_ID, _OFF_MEMORY_CAP = 16, 24, 32
 _OFF_SM_PERCENT, _OFF_MODE = 40, 44
+# FIKIT words: the arbiter writes these ...
+OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
+# ... and the shim these (own cache line).
+OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128, 132, 136, 144, 152
 
 
 class AdmissionState(enum.IntEnum):
@@ -89,6 +95,15 @@ class ShimMode(enum.IntEnum):
     SHARE = 1
     MEASURE = 2
     OFF = 3
+    FIKIT = 4
+
+
+class FikitRole(enum.IntEnum):
+    """What the arbiter tells a FIKIT shim: launch at once, or request and wait for a grant."""
+
+    NONE = 0
+    HOLDER = 1
+    FILL = 2
 
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -224,3 +239,69 @@ class AdmissionRegion:
 
     def publish_evicted(self) -> None:
         self._publish(AdmissionState.EVICTED, 0, 0, wake=True)
+
+
+class FikitPort:
+    """The shim's side of a region's FIKIT words (the Python reference of shim/src/fikit_gate.c).
+
+    A holder posts a launch and goes; a filler posts a request, rings the doorbell and waits
+    until the arbiter writes the request's sequence number into the grant word.
+    """
+
+    def __init__(self, mapping: mmap.mmap, doorbell_fd: int) -> None:
+        self._mapping = mapping
+        self._doorbell = doorbell_fd
+        self._grant = ctypes.c_uint32.from_buffer(mapping, OFF_FK_GRANT)
+        self._grant_address = ctypes.addressof(self._grant)
+        self.seq = struct.unpack_from("<I", mapping, OFF_FK_REQ_SEQ)[0]
+
+    def _u32(self, offset: int) -> int:
+        return struct.unpack_from("<I", self._mapping, offset)[0]
+
+    @property
+    def role(self) -> FikitRole:
+        return FikitRole(self._u32(OFF_FK_ROLE))
+
+    @property
+    def notify(self) -> bool:
+        return self._u32(OFF_FK_NOTIFY) == 1
+
+    @property
+    def granted(self) -> int:
+        return self._grant.value
+
+    @property
+    def heartbeat_ns(self) -> int:
+        return struct.unpack_from("<Q", self._mapping, OFF_FK_BEAT)[0]
+
+    def ring(self) -> None:
+        os.eventfd_write(self._doorbell, 1)
+
+    def post(self, kernel_id: int, waiting: bool, now_ns: int | None = None) -> int:
+        """Post a launch (holder) or a request (filler); returns its sequence number. The
+        sequence number is stored last, so the arbiter never sees it before the rest."""
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        posted = time.monotonic_ns() if now_ns is None else now_ns
+        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(waiting))
+        struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
+        self.ring()
+        return self.seq
+
+    def wait_grant(self, seq: int, timeout_s: float) -> bool:
+        """Sleep until request `seq` is granted; False after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while (granted := self._grant.value) != seq:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            futex_wait(self._grant_address, granted, min(left, 0.005))
+        struct.pack_into("<I", self._mapping, OFF_FK_WAITING, 0)
+        return True
+
+    def report_done(self, seq: int) -> None:
+        """Granted kernels up to `seq` completed."""
+        struct.pack_into("<I", self._mapping, OFF_FK_DONE, seq)
+        self.ring()
+
+    def close(self) -> None:
+        del self._grant

@@ -96,12 +96,12 @@ int main(int argc, char **argv) {
     double seconds = atof(argv[3]);
     long pause_us = atol(argv[4]);
     uint64_t spin_ns = (uint64_t)atol(argv[5]) * 1000u;
-    int sock, refused;
+    int sock, refused, doorbell;
     volatile uint8_t *region;
     gl_registration registration;
     char why[256];
-    if (gl_register(argv[1], argv[2], "bench", 5000, &sock, &region, &registration, &refused,
-                    why, sizeof why) != 0) {
+    if (gl_register(argv[1], argv[2], "bench", 5000, &sock, &region, &doorbell, &registration,
+                    &refused, why, sizeof why) != 0) {
         fprintf(stderr, "bench_dispatcher_client: %s\n", why);
         return 1;
     }

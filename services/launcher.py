@@ -73,6 +73,11 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
                 settings = settings.model_copy(
                     update={"profiler_address": f"{common.bind_host}:{profiler.port}"}
                 )
+            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
+            if store is not None and not settings.profile_store_address:
+                settings = settings.model_copy(
+                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
+                )
             placement = next((a for a in started if isinstance(a, PlacementApp)), None)
             if placement is not None and not settings.placement_address:
                 settings = settings.model_copy(

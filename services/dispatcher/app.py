@@ -10,20 +10,23 @@ from pathlib import Path
 
 import structlog
 
+from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.registry import get_policy
 from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
+from gpuloom.services.dispatcher.arbiter import Arbiter
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
 from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
+from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.servicer import SERVICE, DispatcherServicer
-from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.dispatcher.settings import FIKIT_POLICY, DispatcherSettings
 from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("gpuloom.dispatcher")
@@ -39,10 +42,22 @@ class GpuDispatcher:
     profiler_link: ProfilerLink | None
     # Registration and heartbeats to placement; None without GPULOOM_DISPATCHER_PLACEMENT_ADDRESS.
     placement_link: PlacementLink | None = None
+    # Policy fikit: the native kernel arbiter and where its kernel tables come from.
+    arbiter: Arbiter | None = None
+    kernel_tables: KernelTables | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
+
+
+def fikit_config(settings: DispatcherSettings) -> FikitConfig:
+    return FikitConfig(
+        gap_threshold_ns=int(settings.fikit_gap_threshold_us * 1e3),
+        idle_margin_ns=int(settings.fikit_idle_margin_us * 1e3),
+        idle_backlog_ns=int(settings.fikit_idle_backlog_us * 1e3),
+        max_wait_ns=int(settings.fikit_max_wait_ms * 1e6),
+    )
 
 
 def token_config(settings: DispatcherSettings) -> TokenConfig:
@@ -70,7 +85,17 @@ async def start_gpu_dispatcher(
     socket_path = (socket_dir / f"gpu-{gpu.index}.sock").absolute()
     book = ReservationBook(gpu.memory_bytes, state_dir / "reservations.json")
     config = token_config(settings)
-    scheduler = TokenScheduler(get_policy(settings.policy), config, time.monotonic())
+    fikit = settings.policy == FIKIT_POLICY
+    # Under fikit no share is leased (kernels are admitted natively); the token scheduler
+    # only serves the channel's lease path, which FIKIT shims do not use.
+    token_policy = "exclusive" if fikit else settings.policy
+    scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
+    arbiter = Arbiter(fikit_config(settings)) if fikit else None
+    kernel_tables = None
+    if fikit and settings.profile_store_address:
+        kernel_tables = KernelTables(
+            settings.profile_store_address, gpu.model, asyncio.get_running_loop()
+        )
     link = None
     measurements = None
     if settings.profiler_address:
@@ -98,6 +123,8 @@ async def start_gpu_dispatcher(
         ),
         window_s=config.window_s,
         choose_mode=None if link is None else link.choose_mode,
+        arbiter=arbiter,
+        kernel_tables=kernel_tables,
     )
     core = DispatcherCore(
         gpu=gpu,
@@ -125,6 +152,7 @@ async def start_gpu_dispatcher(
         channel.stop()
         if link is not None:
             await link.stop()
+        await _stop_fikit(arbiter, kernel_tables)
         raise
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
@@ -146,7 +174,9 @@ async def start_gpu_dispatcher(
         reservations=len(book.all()),
         placement=settings.placement_address or None,
     )
-    return GpuDispatcher(core, channel, server, measurements, link, placement_link)
+    return GpuDispatcher(
+        core, channel, server, measurements, link, placement_link, arbiter, kernel_tables
+    )
 
 
 @dataclass
@@ -190,3 +220,11 @@ async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     await asyncio.to_thread(dispatcher.channel.stop)
     if dispatcher.profiler_link is not None:
         await dispatcher.profiler_link.stop()
+    await _stop_fikit(dispatcher.arbiter, dispatcher.kernel_tables)
+
+
+async def _stop_fikit(arbiter: Arbiter | None, kernel_tables: KernelTables | None) -> None:
+    if kernel_tables is not None:
+        await kernel_tables.close()
+    if arbiter is not None:
+        arbiter.stop()

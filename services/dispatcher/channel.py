@@ -37,6 +37,7 @@ from gpuloom.policies.tokens.scheduler import (
     TokenScheduler,
 )
 from gpuloom.services.dispatcher import metrics
+from gpuloom.services.dispatcher.arbiter import Arbiter, ArbiterFull, ArbiterStats
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,
     DispatcherEvent,
@@ -44,6 +45,7 @@ from gpuloom.services.dispatcher.domain import (
     Reservation,
     derive_task_key,
 )
+from gpuloom.services.dispatcher.kernel_tables import KernelTable, KernelTables
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
 from gpuloom.shimwire import (
@@ -89,6 +91,7 @@ class _Connection:
     __slots__ = (
         "assignment_id",
         "deadline",
+        "fikit_slot",
         "mode",
         "out",
         "peer",
@@ -108,6 +111,7 @@ class _Connection:
         self.region: AdmissionRegion | None = None
         self.deadline = 0.0
         self.requested_at: float | None = None
+        self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
 
 
 class ShimChannel:
@@ -122,6 +126,8 @@ class ShimChannel:
         limits: ChannelLimits | None = None,
         window_s: float = 1.0,
         choose_mode: Callable[[Reservation, str], ShimMode] | None = None,
+        arbiter: Arbiter | None = None,
+        kernel_tables: KernelTables | None = None,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -134,6 +140,10 @@ class ShimChannel:
         # MEASURE while its task is being measured).
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
         self._window_ns = int(window_s * 1e9)
+        # Policy fikit: shares are admitted kernel by kernel by the native arbiter, not leased.
+        self._arbiter = arbiter
+        self._kernel_tables = kernel_tables
+        self._fikit_seen = ArbiterStats(0, 0, 0, 0, 0, 0, 0, 0)
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
         self._special: dict[int, str] = {}
@@ -232,7 +242,7 @@ class ShimChannel:
             evicted = shim_pb2.DispatcherMessage(evicted=shim_pb2.Evicted(reason=reason))
             self._send(connection, evicted)
             self._close(connection, "evicted", quiet=True, flush=True)
-        if mode is ShimMode.SHARE:
+        if mode is ShimMode.SHARE and self._arbiter is None:
             self._apply(self._scheduler.remove_client(assignment_id, now))
             with contextlib.suppress(KeyError):  # never reported yet
                 metrics.CLIENT_USED.remove(self._gpu, assignment_id)
@@ -399,14 +409,30 @@ class ShimChannel:
             self._close(previous, "replaced by a new connection of the same process")
         task_key = reservation.task_key or derive_task_key(register.process_name, register.argv)
         mode = self._choose_mode(reservation, task_key)
+        if mode is ShimMode.SHARE and self._arbiter is not None:
+            mode = ShimMode.FIKIT
         region, fd = AdmissionRegion.create(
             f"gpuloom-{assignment_id}",
             reservation.memory_cap_bytes,
             reservation.share.sm_percent,
             mode,
         )
+        fds = [fd]
         # The region is complete before the shim can see it.
-        if mode is ShimMode.SHARE:
+        if mode is ShimMode.FIKIT:
+            region.publish_open()
+            try:
+                connection.fikit_slot = self._add_fikit_task(
+                    assignment_id, fd, reservation.priority, task_key
+                )
+            except (ArbiterFull, OSError) as error:
+                region.close()
+                os.close(fd)
+                self._refuse(connection, str(error), assignment_id)
+                return False
+            assert self._arbiter is not None
+            fds.append(self._arbiter.doorbell_fd)
+        elif mode is ShimMode.SHARE:
             snapshot = self._scheduler.snapshot(time.monotonic())
             lease = snapshot.clients[assignment_id].lease
             if lease is not None:  # the same process reconnected while holding a lease
@@ -428,13 +454,14 @@ class ShimChannel:
         try:
             frame = encode_frame(reply.SerializeToString())
             sent = connection.sock.sendmsg(
-                [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                [frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
             )
             if sent < len(frame):
                 connection.out += frame[sent:]
                 self._epoll.modify(connection.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
         except OSError as error:
             region.close()
+            connection.region = None
             self._close(connection, f"cannot send registration: {error}")
             return False
         finally:
@@ -505,10 +532,50 @@ class ShimChannel:
         metrics.MEASUREMENT_RECORDS.labels(self._gpu).inc(len(records))
         self._measurements(connection.assignment_id, records)
 
+    # ---- FIKIT ----
+
+    def _add_fikit_task(self, assignment_id: str, region_fd: int, priority: int, task: str) -> int:
+        assert self._arbiter is not None
+        table: KernelTable | None = None
+        if self._kernel_tables is not None:
+
+            def loaded(table: KernelTable) -> None:  # on the event loop: hop to this thread
+                self.submit(lambda: self._install_kernels(assignment_id, table))
+
+            table = self._kernel_tables.lookup(task, loaded)
+        slot = self._arbiter.add_task(region_fd, priority, table or ())
+        log.info(
+            "fikit task admitted",
+            gpu=self._gpu,
+            assignment=assignment_id,
+            task=task,
+            priority=priority,
+            kernels=None if table is None else len(table),
+        )
+        return slot
+
+    def _install_kernels(self, assignment_id: str, table: KernelTable) -> None:
+        connection = self._by_assignment.get(assignment_id)
+        if connection is None or connection.fikit_slot is None or self._arbiter is None:
+            return  # gone meanwhile
+        self._arbiter.set_kernels(connection.fikit_slot, table)
+        log.info("fikit kernel profile installed", assignment=assignment_id, kernels=len(table))
+
+    def _fikit_metrics(self) -> None:
+        if self._arbiter is None:
+            return
+        stats, seen = self._arbiter.stats(), self._fikit_seen
+        for event in ("requests", "grants", "unknown_kernels", "invalid_writes", "role_races"):
+            delta = getattr(stats, event) - getattr(seen, event)
+            if delta:
+                metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)
+        metrics.FIKIT_WAITING.labels(self._gpu).set(stats.waiting)
+        self._fikit_seen = stats
+
     # ---- decisions -> shared memory ----
 
     def _admit_to_scheduler(self, reservation: Reservation, now: float) -> Decision | None:
-        if reservation.mode is not ShimMode.SHARE:
+        if reservation.mode is not ShimMode.SHARE or self._arbiter is not None:
             return None
         quota = reservation.share.quota
         self._scheduler.add_client(
@@ -627,6 +694,9 @@ class ShimChannel:
                 # A dead client's lease ends now; it is charged the time it held it.
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))
             self._emit(EventKind.DISCONNECTED, assignment_id, reason)
+        if connection.fikit_slot is not None and self._arbiter is not None:
+            self._arbiter.remove_task(connection.fikit_slot)
+            connection.fikit_slot = None
         if connection.region is not None:
             connection.region.close()
             connection.region = None
@@ -641,6 +711,7 @@ class ShimChannel:
         for connection in list(self._connections.values()):
             if connection.assignment_id is None and now > connection.deadline:
                 self._refuse(connection, "no registration within the time limit")
+        self._fikit_metrics()
         self._leases_granted.inc(self._granted_since_flush)
         self._granted_since_flush = 0
         waits, self._waits = self._waits, []

@@ -39,3 +39,12 @@ MEASUREMENT_RECORDS = prometheus_client.Counter(
     "Kernel measurement records received from shims",
     ["gpu"],
 )
+FIKIT_EVENTS = prometheus_client.Counter(
+    "gpuloom_dispatcher_fikit_events_total",
+    "FIKIT arbiter events: requests, grants, unknown_kernels (not in the task's profile: no "
+    "gap filling for them), invalid_writes (shim-written words rejected), role_races",
+    ["gpu", "event"],
+)
+FIKIT_WAITING = prometheus_client.Gauge(
+    "gpuloom_dispatcher_fikit_waiting", "FIKIT processes waiting for a kernel grant", ["gpu"]
+)

@@ -15,6 +15,10 @@ from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
 from gpuloom.services.dispatcher.placement_link import check_advertise_host
 
 
+# Not a token policy: kernels are admitted one by one by the native FIKIT arbiter.
+FIKIT_POLICY = "fikit"
+
+
 class DispatcherSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="GPULOOM_DISPATCHER_", extra="ignore")
 
@@ -35,6 +39,16 @@ class DispatcherSettings(BaseSettings):
     lease_max_ms: float = Field(default=100.0, gt=0)
     lease_initial_ms: float = Field(default=20.0, gt=0)
     fifo_slice_ms: float = Field(default=50.0, gt=0)
+    # Policy fikit (docs/fikit.md): holder gaps shorter than this are not filled ...
+    fikit_gap_threshold_us: float = Field(default=100.0, ge=0, le=1e6)
+    # ... a holder with no launch for its predicted gap + this counts as idle ...
+    fikit_idle_margin_us: float = Field(default=200.0, ge=0, le=1e6)
+    # ... while it idles, this much predicted fill work may be outstanding (one kernel always) ...
+    fikit_idle_backlog_us: float = Field(default=0.0, ge=0, le=1e6)
+    # ... and a kernel that waited this long is admitted anyway (0: never; strict priority).
+    fikit_max_wait_ms: float = Field(default=0.0, ge=0, le=3.6e6)
+    # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
+    profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
     register_timeout_s: float = Field(default=5.0, gt=0, le=300)
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
@@ -52,8 +66,9 @@ class DispatcherSettings(BaseSettings):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy; known: {', '.join(sorted(POLICIES))}")
+        known = {*POLICIES, FIKIT_POLICY}
+        if name not in known:
+            raise ValueError(f"unknown policy; known: {', '.join(sorted(known))}")
         return name
 
     @field_validator("advertise_host")

@@ -308,9 +308,10 @@ static int send_register(int sock, const char *token, const char *process_name) 
 }
 
 int gl_register(const char *socket_path, const char *token, const char *process_name,
-                int timeout_ms, int *sock_out, volatile uint8_t **region_out,
+                int timeout_ms, int *sock_out, volatile uint8_t **region_out, int *doorbell_out,
                 gl_registration *reg, int *refused, char *why, size_t why_size) {
     *refused = 0;
+    *doorbell_out = -1;
     int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (sock < 0) {
         snprintf(why, why_size, "socket: %s", strerror(errno));
@@ -335,7 +336,7 @@ int gl_register(const char *socket_path, const char *token, const char *process_
     /* The header and the memfd arrive together; read no further than the header. */
     uint8_t header[4];
     size_t have = 0;
-    int fd = -1;
+    int fd = -1, doorbell = -1;
     while (have < 4) {
         if (wait_readable(sock, timeout_ms) <= 0) {
             snprintf(why, why_size, "no answer to registration within %d ms", timeout_ms);
@@ -359,6 +360,8 @@ int gl_register(const char *socket_path, const char *token, const char *process_
                 memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof received);
                 if (fd < 0)
                     fd = received;
+                else if (doorbell < 0)
+                    doorbell = received;
                 else
                     close(received);
             }
@@ -404,11 +407,18 @@ int gl_register(const char *socket_path, const char *token, const char *process_
         snprintf(why, why_size, "not a gpuloom admission region (magic %#x v%u)", magic, version);
         goto fail;
     }
+    if (reg->mode == GL_MODE_FIKIT && doorbell < 0) {
+        munmap(mapped, GL_REGION_BYTES);
+        snprintf(why, why_size, "FIKIT registration without the GPU's doorbell");
+        goto fail;
+    }
     *sock_out = sock;
     *region_out = mapped;
+    *doorbell_out = doorbell;
     return 0;
 fail:
     if (fd >= 0) close(fd);
+    if (doorbell >= 0) close(doorbell);
     close(sock);
     return -1;
 }

@@ -9,10 +9,11 @@
 /* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
  * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
-#define GL_REGION_VERSION 1u
-#define GL_REGION_BYTES 64u
+#define GL_REGION_VERSION 2u
+#define GL_REGION_BYTES 256u
 #define GL_OFF_MAGIC 0
 #define GL_OFF_VERSION 4
+/* Lease words: written by the dispatcher. */
 #define GL_OFF_EPOCH 8
 #define GL_OFF_STATE 12
 #define GL_OFF_ADMIT_UNTIL 16
@@ -20,9 +21,21 @@
 #define GL_OFF_MEMORY_CAP 32
 #define GL_OFF_SM_PERCENT 40
 #define GL_OFF_MODE 44
+/* FIKIT words written by the arbiter (docs/fikit.md). */
+#define GL_OFF_FK_GRANT 64   /* u32 futex word: the request sequence number granted last */
+#define GL_OFF_FK_ROLE 68    /* u32 GL_ROLE_* */
+#define GL_OFF_FK_NOTIFY 72  /* u32 1: post every launch and ring the doorbell */
+#define GL_OFF_FK_BEAT 80    /* u64 the arbiter's heartbeat (CLOCK_MONOTONIC ns) */
+/* FIKIT words written by the shim; the arbiter validates every read. On their own cache line. */
+#define GL_OFF_FK_REQ_SEQ 128 /* u32 sequence number of the shim's latest launch or request */
+#define GL_OFF_FK_DONE 132    /* u32 sequence number of the latest granted kernel known done */
+#define GL_OFF_FK_KERNEL 136  /* u64 kernel ID of that launch or request (0: not computed) */
+#define GL_OFF_FK_POST_NS 144 /* u64 when it was posted (CLOCK_MONOTONIC ns) */
+#define GL_OFF_FK_WAITING 152 /* u32 1 while the shim waits for a grant of REQ_SEQ */
 
-enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3 };
+enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };
+enum { GL_ROLE_NONE = 0, GL_ROLE_HOLDER = 1, GL_ROLE_FILL = 2 };
 
 typedef struct {
     uint32_t mode;
@@ -40,11 +53,12 @@ typedef struct {
 } gl_usage;
 
 /* Connect and register; on success *sock and *region are set (the region is mapped read-write
- * shared, 64 bytes). On failure returns -1 and writes why into `why`; *refused is set when the
- * dispatcher answered with a ProtocolError (as opposed to being unreachable). */
+ * shared, GL_REGION_BYTES), and *doorbell to the GPU's doorbell eventfd in mode FIKIT (else
+ * -1). On failure returns -1 and writes why into `why`; *refused is set when the dispatcher
+ * answered with a ProtocolError (as opposed to being unreachable). */
 int gl_register(const char *socket_path, const char *token, const char *process_name,
-                int timeout_ms, int *sock, volatile uint8_t **region, gl_registration *reg,
-                int *refused, char *why, size_t why_size);
+                int timeout_ms, int *sock, volatile uint8_t **region, int *doorbell,
+                gl_registration *reg, int *refused, char *why, size_t why_size);
 
 /* One KernelRecord (measure mode); run_index is left 0 (the dispatcher assigns runs). */
 typedef struct {

@@ -16,6 +16,10 @@
  *   launch KIND NAME N GX GY GZ BX BY BZ   KIND: kernel | ex | coop
  *   loop SECONDS NAME SYNC_EVERY    launch NAME (1x1) until SECONDS pass, stream-sync every
  *                                   SYNC_EVERY launches; stops at the first failed launch
+ *   infer N PAUSE_US GAP_US NAME[,NAME...]   N requests: each launches the NAMEs (1x1) in
+ *                                   order, stream-syncing after each and sleeping GAP_US between
+ *                                   them (the host's work); PAUSE_US between requests. Prints
+ *                                   the request latencies' mean, p50, p99 (ms) and the failures
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -221,6 +225,51 @@ static CUresult alloc(const char *kind, size_t bytes) {
     return r;
 }
 
+static int compare_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+static void sleep_us(long us) {
+    struct timespec pause = {.tv_sec = us / 1000000, .tv_nsec = (us % 1000000) * 1000};
+    if (us > 0) nanosleep(&pause, NULL);
+}
+
+/* Inference-like requests: a fixed kernel list, each kernel waited for, host work between. */
+static int infer(long requests, long pause_us, long gap_us, char *names) {
+    CUfunction kernels[64];
+    int count = 0;
+    for (char *save = NULL, *name = strtok_r(names, ",", &save); name && count < 64;
+         name = strtok_r(NULL, ",", &save))
+        kernels[count++] = find(name);
+    if (requests <= 0 || count == 0) {
+        fprintf(stderr, "infer needs N > 0 and at least one kernel\n");
+        return 1;
+    }
+    uint64_t *latency = calloc((size_t)requests, sizeof *latency);
+    unsigned d[6] = {1, 1, 1, 1, 1, 1};
+    long failures = 0;
+    double total = 0;
+    for (long r = 0; r < requests; r++) {
+        uint64_t t0 = now_ns();
+        for (int k = 0; k < count; k++) {
+            if (launch_one("kernel", kernels[k], d) != CUDA_SUCCESS) failures++;
+            D.cuStreamSynchronize(g_stream);
+            if (k + 1 < count) sleep_us(gap_us);
+        }
+        latency[r] = now_ns() - t0;
+        total += (double)latency[r];
+        sleep_us(pause_us);
+    }
+    qsort(latency, (size_t)requests, sizeof *latency, compare_u64);
+    long p99 = (long)(0.99 * (double)(requests - 1) + 0.5);
+    printf("infer requests=%ld failures=%ld mean_ms=%.4f p50_ms=%.4f p99_ms=%.4f\n", requests,
+           failures, total / (double)requests / 1e6, latency[(requests - 1) / 2] / 1e6,
+           latency[p99] / 1e6);
+    free(latency);
+    return failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     int proc = 0, ptds = 0, i = 1, failed = 0;
     for (; i < argc && strncmp(argv[i], "--", 2) == 0; i++) {
@@ -296,6 +345,11 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "cudart_like: launch failed with CUresult %d\n", (int)last);
                 failed = 1;
             }
+        } else if (strcmp(op, "infer") == 0) {
+            NEED(4);
+            if (infer(atol(argv[i + 1]), atol(argv[i + 2]), atol(argv[i + 3]), argv[i + 4]) != 0)
+                failed = 1;
+            i += 4;
         } else if (strcmp(op, "burst") == 0) {
             NEED(2);
             CUfunction f = find(argv[i + 1]);

@@ -1,0 +1,187 @@
+/* A C client of the FIKIT admission path for scripts/bench_fikit: registers with the shim's own
+ * wire code (shim/src/wire.c) and speaks the region protocol as the shim does (docs/fikit.md).
+ *
+ *   bench_fikit_client holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT
+ *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does); OUT gets the
+ *       CLOCK_MONOTONIC time of every launch (u64 ns)
+ *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID OUT
+ *       requests KERNEL_ID again as soon as a grant came (its kernels "complete" at once);
+ *       OUT gets the time at which each grant was seen (u64 ns)
+ *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
+ *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
+ *       which records how long the wake-up took (u64 ns)
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <linux/futex.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "wire.h"
+
+#define CAPACITY (1u << 20)
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_fikit_client: %s: %s\n", what, errno ? strerror(errno) : "");
+    exit(1);
+}
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static uint32_t load32(volatile uint8_t *r, int offset) {
+    return __atomic_load_n((uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
+}
+static void store32(volatile uint8_t *r, int offset, uint32_t value) {
+    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+static void store64(volatile uint8_t *r, int offset, uint64_t value) {
+    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+
+static void futex_wait(volatile void *word, uint32_t seen, long timeout_ns) {
+    struct timespec t = {.tv_sec = 0, .tv_nsec = timeout_ns};
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &t, NULL, 0);
+}
+
+static void ring(int doorbell) {
+    uint64_t one = 1;
+    if (write(doorbell, &one, sizeof one) < 0) { /* a full counter: a wake-up is pending */
+    }
+}
+
+static void sleep_until(uint64_t when) {
+    struct timespec t = {.tv_sec = (time_t)(when / 1000000000u), .tv_nsec = (long)(when % 1000000000u)};
+    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL);
+}
+
+static void write_out(const char *path, const uint64_t *values, size_t count) {
+    FILE *out = fopen(path, "wb");
+    if (out == NULL) die("open output");
+    if (fwrite(values, sizeof *values, count, out) != count) die("write output");
+    fclose(out);
+}
+
+static int futex_pingpong(double seconds, long period_us, const char *out_path) {
+    uint64_t *shared = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (shared == MAP_FAILED) die("mmap");
+    uint32_t *word = (uint32_t *)&shared[0];
+    uint64_t *stamp = &shared[1];
+    uint64_t *results = mmap(NULL, CAPACITY * sizeof *results, PROT_READ | PROT_WRITE,
+                             MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    uint64_t *count = &shared[2];
+    if (results == MAP_FAILED) die("mmap");
+    pid_t child = fork();
+    if (child < 0) die("fork");
+    if (child == 0) {
+        uint32_t seen = 0;
+        while (__atomic_load_n(&shared[3], __ATOMIC_ACQUIRE) == 0) {
+            uint32_t now = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+            if (now == seen) {
+                futex_wait(word, seen, 10000000);
+                continue;
+            }
+            seen = now;
+            uint64_t woke = now_ns();
+            if (*count < CAPACITY) results[(*count)++] = woke - __atomic_load_n(stamp, __ATOMIC_ACQUIRE);
+        }
+        _exit(0);
+    }
+    uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9), next = now_ns();
+    for (uint32_t n = 1; now_ns() < stop; n++) {
+        next += (uint64_t)period_us * 1000u;
+        sleep_until(next);
+        __atomic_store_n(stamp, now_ns(), __ATOMIC_RELEASE);
+        __atomic_store_n(word, n, __ATOMIC_RELEASE);
+        syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0);
+    }
+    __atomic_store_n(&shared[3], 1, __ATOMIC_RELEASE);
+    __atomic_add_fetch(word, 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0);
+    waitpid(child, NULL, 0);
+    write_out(out_path, results, *count);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 5 && strcmp(argv[1], "--futex-pingpong") == 0)
+        return futex_pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
+    int holder = argc == 8 && strcmp(argv[1], "holder") == 0;
+    int filler = argc == 7 && strcmp(argv[1], "filler") == 0;
+    if (!holder && !filler) {
+        fprintf(stderr,
+                "usage: %s holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
+                "       %s filler SOCKET TOKEN SECONDS KERNEL_ID OUT\n"
+                "       %s --futex-pingpong SECONDS PERIOD_US OUT\n",
+                argv[0], argv[0], argv[0]);
+        return 2;
+    }
+    int sock, refused, doorbell;
+    volatile uint8_t *r;
+    gl_registration registration;
+    char why[256];
+    if (gl_register(argv[2], argv[3], argv[1], 5000, &sock, &r, &doorbell, &registration,
+                    &refused, why, sizeof why) != 0) {
+        fprintf(stderr, "bench_fikit_client: %s\n", why);
+        return 1;
+    }
+    if (registration.mode != GL_MODE_FIKIT) {
+        fprintf(stderr, "bench_fikit_client: the dispatcher's policy is not fikit\n");
+        return 1;
+    }
+    uint32_t want = holder ? GL_ROLE_HOLDER : GL_ROLE_FILL;
+    for (uint64_t until = now_ns() + 2000000000u; load32(r, GL_OFF_FK_ROLE) != want;) {
+        if (now_ns() > until) die("no role from the arbiter");
+        usleep(100);
+    }
+    double seconds = atof(argv[4]);
+    uint64_t kernel = strtoull(argv[holder ? 6 : 5], NULL, 0);
+    uint64_t *times = malloc(CAPACITY * sizeof *times);
+    if (times == NULL) die("malloc");
+    size_t count = 0;
+    uint32_t seq = load32(r, GL_OFF_FK_REQ_SEQ);
+    uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
+    if (holder) {
+        long period_us = atol(argv[5]);
+        for (uint64_t next = now_ns(); next < stop && count < CAPACITY;) {
+            next += (uint64_t)period_us * 1000u;
+            sleep_until(next);
+            uint64_t t = now_ns();
+            store64(r, GL_OFF_FK_POST_NS, t);
+            store64(r, GL_OFF_FK_KERNEL, kernel);
+            store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
+            if (load32(r, GL_OFF_FK_NOTIFY)) ring(doorbell);
+            times[count++] = t;
+        }
+    } else {
+        while (now_ns() < stop && count < CAPACITY) {
+            store64(r, GL_OFF_FK_KERNEL, kernel);
+            store64(r, GL_OFF_FK_POST_NS, now_ns());
+            store32(r, GL_OFF_FK_WAITING, 1);
+            store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
+            ring(doorbell);
+            unsigned spins = 0;
+            uint32_t granted;
+            while ((granted = load32(r, GL_OFF_FK_GRANT)) != seq && now_ns() < stop) {
+                if (++spins < 2000) continue; /* the shim spins briefly too */
+                futex_wait(r + GL_OFF_FK_GRANT, granted, 5000000);
+            }
+            if (granted != seq) break;
+            times[count++] = now_ns();
+            store32(r, GL_OFF_FK_WAITING, 0);
+            store32(r, GL_OFF_FK_DONE, seq); /* the kernel is done at once */
+        }
+    }
+    write_out(argv[holder ? 7 : 6], times, count);
+    return 0;
+}

@@ -1,0 +1,178 @@
+"""The FIKIT arbiter of one GPU: a native thread (shim/src/arbiter.c) that admits kernels.
+
+The dispatcher only adds and removes tasks (a region, a priority and a kernel table each); the
+per-kernel path, shim posts in shared memory -> FIKIT decision core -> grants, never enters
+Python. This module is the thin ctypes binding plus the doorbell (an eventfd every FIKIT shim
+of this GPU receives at registration).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpuloom.policies.fikit.core import FikitConfig, load_library
+
+GL_FK_UNKNOWN = (1 << 64) - 1
+MAX_TASKS = 64
+
+
+class _Config(ctypes.Structure):
+    _fields_ = [
+        ("gap_threshold_ns", ctypes.c_uint64),
+        ("idle_margin_ns", ctypes.c_uint64),
+        ("idle_backlog_ns", ctypes.c_uint64),
+        ("max_wait_ns", ctypes.c_uint64),
+    ]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [
+        ("rounds", ctypes.c_uint64),
+        ("requests", ctypes.c_uint64),
+        ("grants", ctypes.c_uint64),
+        ("unknown_kernels", ctypes.c_uint64),
+        ("invalid_writes", ctypes.c_uint64),
+        ("role_races", ctypes.c_uint64),
+        ("tasks", ctypes.c_uint32),
+        ("waiting", ctypes.c_uint32),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ArbiterStats:
+    rounds: int
+    requests: int
+    grants: int
+    unknown_kernels: int
+    invalid_writes: int
+    role_races: int
+    tasks: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTiming:
+    """One kernel of a task's profile, as the arbiter predicts it."""
+
+    kernel_id: int
+    duration_ns: int
+    gap_after_ns: int | None  # None: the profile has no gap for it
+
+
+class ArbiterFull(Exception):
+    """All GL_FK_MAX_TASKS slots of this GPU's arbiter are taken."""
+
+
+_U64_ARRAY = ctypes.POINTER(ctypes.c_uint64)
+_bound: ctypes.CDLL | None = None
+_bind_lock = threading.Lock()
+
+
+def _library(path: Path | None = None) -> ctypes.CDLL:
+    global _bound
+    with _bind_lock:
+        if _bound is None:
+            lib = load_library(path)
+            lib.gl_arbiter_start.restype = ctypes.c_void_p
+            lib.gl_arbiter_start.argtypes = [ctypes.POINTER(_Config), ctypes.c_int, ctypes.c_uint64]
+            lib.gl_arbiter_stop.restype = None
+            lib.gl_arbiter_stop.argtypes = [ctypes.c_void_p]
+            lib.gl_arbiter_add_task.restype = ctypes.c_int
+            lib.gl_arbiter_add_task.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_uint32,
+                _U64_ARRAY,
+                _U64_ARRAY,
+                _U64_ARRAY,
+                ctypes.c_uint32,
+            ]
+            lib.gl_arbiter_set_kernels.restype = ctypes.c_int
+            lib.gl_arbiter_set_kernels.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_int,
+                _U64_ARRAY,
+                _U64_ARRAY,
+                _U64_ARRAY,
+                ctypes.c_uint32,
+            ]
+            lib.gl_arbiter_remove_task.restype = None
+            lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
+            lib.gl_arbiter_get_stats.restype = None
+            lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
+            _bound = lib
+        return _bound
+
+
+class Arbiter:
+    """Owns the native thread and the doorbell; safe to call from any thread."""
+
+    def __init__(self, config: FikitConfig, beat_s: float = 0.02) -> None:
+        self._lib = _library()
+        self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        raw = _Config(
+            config.gap_threshold_ns,
+            config.idle_margin_ns,
+            config.idle_backlog_ns,
+            config.max_wait_ns,
+        )
+        handle = self._lib.gl_arbiter_start(ctypes.byref(raw), self.doorbell_fd, int(beat_s * 1e9))
+        if not handle:
+            error = ctypes.get_errno()
+            os.close(self.doorbell_fd)
+            raise OSError(error, f"cannot start the FIKIT arbiter: {os.strerror(error)}")
+        self._handle: int | None = handle
+
+    def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
+        """Register a task; returns its slot. Raises ArbiterFull when no slot is free."""
+        handle = self._require()
+        ctypes.set_errno(0)
+        slot = self._lib.gl_arbiter_add_task(handle, region_fd, priority, *_arrays(kernels))
+        if slot < 0:
+            error = ctypes.get_errno()
+            if error == 28:  # ENOSPC
+                raise ArbiterFull(f"the FIKIT arbiter admits at most {MAX_TASKS} processes")
+            raise OSError(error, f"cannot add a FIKIT task: {os.strerror(error)}")
+        return slot
+
+    def set_kernels(self, slot: int, kernels: Sequence[KernelTiming]) -> None:
+        """Replace a task's kernel table (its profile arrived after it registered)."""
+        ctypes.set_errno(0)
+        if self._lib.gl_arbiter_set_kernels(self._require(), slot, *_arrays(kernels)) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot install a FIKIT kernel table: {os.strerror(error)}")
+
+    def remove_task(self, slot: int) -> None:
+        self._lib.gl_arbiter_remove_task(self._require(), slot)
+
+    def stats(self) -> ArbiterStats:
+        raw = _Stats()
+        self._lib.gl_arbiter_get_stats(self._require(), ctypes.byref(raw))
+        return ArbiterStats(*(getattr(raw, name) for name, _ in _Stats._fields_))
+
+    def stop(self) -> None:
+        if self._handle is None:
+            return
+        self._lib.gl_arbiter_stop(self._handle)
+        self._handle = None
+        os.close(self.doorbell_fd)
+
+    def _require(self) -> int:
+        if self._handle is None:
+            raise RuntimeError("the FIKIT arbiter is stopped")
+        return self._handle
+
+
+def _arrays(kernels: Sequence[KernelTiming]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, int]:
+    n = len(kernels)
+    ids = (ctypes.c_uint64 * n)(*(k.kernel_id for k in kernels))
+    durations = (ctypes.c_uint64 * n)(*(k.duration_ns for k in kernels))
+    gaps = (ctypes.c_uint64 * n)(
+        *(GL_FK_UNKNOWN if k.gap_after_ns is None else k.gap_after_ns for k in kernels)
+    )
+    return ids, durations, gaps, n

@@ -1,0 +1,129 @@
+"""Kernel tables for FIKIT: per task, kernel ID -> predicted duration and gap after it.
+
+A FIKIT task's kernel profile lives in the profile store (written by the profiler after the
+task's measurement runs). The channel thread asks `lookup` at registration and must not wait:
+a table already fetched is answered at once; an unknown one is fetched on the event loop and
+handed to `on_loaded` (which installs it in the arbiter) when it arrives. Until then the task
+runs with an empty table: the arbiter admits its kernels conservatively (no gap filling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+from collections.abc import Callable
+
+import grpc
+import structlog
+
+from gpuloom.services.dispatcher.arbiter import KernelTiming
+from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
+
+log = structlog.get_logger("gpuloom.dispatcher.kernel_tables")
+
+KernelTable = tuple[KernelTiming, ...]
+# Predictions beyond this are garbage, not profiles (kernels last microseconds to seconds).
+_MAX_PREDICTION_NS = 60 * 10**9
+
+
+def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
+    """The arbiter's view of a kernel profile: mean duration and mean gap per kernel ID."""
+    table = []
+    for kernel in profile.kernels:
+        duration = kernel.mean_duration_ns
+        gap = kernel.mean_gap_after_ns
+        if kernel.kernel_id == 0 or not (math.isfinite(duration) and 0 <= duration):
+            continue
+        table.append(
+            KernelTiming(
+                kernel.kernel_id,
+                min(int(duration), _MAX_PREDICTION_NS),
+                min(int(gap), _MAX_PREDICTION_NS) if math.isfinite(gap) and gap >= 0 else None,
+            )
+        )
+    return tuple(table)
+
+
+class KernelTables:
+    def __init__(
+        self,
+        address: str,
+        gpu_model: str,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._address = address
+        self._gpu_model = gpu_model
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()  # the channel thread looks up; the loop fills
+        self._tables: dict[str, KernelTable] = {}
+        # task key -> who waits for its table (one fetch serves every process of a task)
+        self._waiting: dict[str, list[Callable[[KernelTable], None]]] = {}
+        self._channel: grpc.aio.Channel | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def lookup(self, task_key: str, on_loaded: Callable[[KernelTable], None]) -> KernelTable | None:
+        """The table if known; otherwise None, and `on_loaded` is called (on the loop) once
+        the profile store answers with one."""
+        with self._lock:
+            table = self._tables.get(task_key)
+            if table is not None:
+                return table
+        self._loop.call_soon_threadsafe(self._start_fetch, task_key, on_loaded)
+        return None
+
+    async def prefetch(self, task_key: str) -> KernelTable | None:
+        """Fetch now (a reservation that names its task: the table is there before the shim)."""
+        table = await self._fetch(task_key)
+        if table is not None:
+            with self._lock:
+                self._tables[task_key] = table
+        return table
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    def _start_fetch(self, task_key: str, on_loaded: Callable[[KernelTable], None]) -> None:
+        waiting = self._waiting.setdefault(task_key, [])
+        waiting.append(on_loaded)
+        if len(waiting) > 1:
+            return  # a fetch is under way
+        task = self._loop.create_task(self._fetch_then(task_key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_then(self, task_key: str) -> None:
+        try:
+            table = await self.prefetch(task_key)
+        finally:
+            waiting = self._waiting.pop(task_key, [])
+        if table is not None:
+            for on_loaded in waiting:
+                on_loaded(table)
+
+    async def _fetch(self, task_key: str) -> KernelTable | None:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(self._address)
+        stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
+        request = profile_store_pb2.GetProfileRequest(key=task_key, gpu_model=self._gpu_model)
+        try:
+            profile = await stub.GetKernelProfile(request, timeout=self._timeout_s)
+        except grpc.aio.AioRpcError as error:
+            if error.code() != grpc.StatusCode.NOT_FOUND:
+                log.warning(
+                    "cannot fetch a kernel profile",
+                    task=task_key,
+                    store=self._address,
+                    error=error.details(),
+                )
+            return None
+        return table_from_profile(profile)

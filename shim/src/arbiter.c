@@ -1,0 +1,412 @@
+/* The FIKIT arbiter thread (see arbiter.h and docs/fikit.md).
+ *
+ * One round: read every slot's shim-written words, turn what changed into core calls
+ * (gl_fk_request for a launch or a request, gl_fk_completed for fill kernels known done), ask
+ * the core what may go (gl_fk_decide), write the grants and wake their shims, then refresh
+ * roles, notify flags and heartbeats. The thread sleeps on the doorbell eventfd until the next
+ * post, command or the core's wake-up time. Everything runs under one mutex that add/remove
+ * also take; a round costs microseconds. */
+#define _GNU_SOURCE
+#include "arbiter.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "wire.h"
+
+#define API __attribute__((visibility("default")))
+#define GRANTS_TRACKED 64u /* granted fill kernels remembered per task until known done */
+
+typedef struct {
+    uint64_t id, duration_ns, gap_ns;
+} kernel_entry;
+
+typedef struct {
+    int used;
+    uint8_t *region;
+    uint32_t priority;
+    uint32_t seen_req;    /* REQ_SEQ last handed to the core */
+    uint32_t seen_done;   /* DONE last read */
+    int queued;           /* a request of this task waits in the core */
+    uint32_t queued_seq;  /* ... with this sequence number */
+    uint32_t phantoms;    /* holder launches the core queued: their grants are consumed here */
+    uint32_t granted[GRANTS_TRACKED]; /* sequence numbers of granted kernels not known done */
+    uint32_t granted_head, granted_count;
+    kernel_entry *table; /* open addressing, id 0 = empty; capacity mask+1 (power of two) */
+    uint64_t mask;
+    uint32_t role;
+} slot_state;
+
+struct gl_arbiter {
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int stop;
+    int doorbell;
+    uint64_t beat_ns, last_beat;
+    uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
+    gl_arbiter_stats stats;
+    slot_state slots[GL_FK_MAX_TASKS];
+    gl_fk_core *core; /* gl_fk_core_size() bytes */
+};
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+static inline uint32_t load32(const uint8_t *r, int offset) {
+    return __atomic_load_n((const uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
+}
+static inline uint64_t load64(const uint8_t *r, int offset) {
+    return __atomic_load_n((const uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
+}
+static inline void store32(uint8_t *r, int offset, uint32_t value) {
+    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+static inline void store64(uint8_t *r, int offset, uint64_t value) {
+    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+
+static void wake(uint8_t *r, int offset) {
+    syscall(SYS_futex, (uint32_t *)(r + offset), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static inline uint64_t mix(uint64_t id) { return id * 0x9E3779B97F4A7C15ull; }
+
+static const kernel_entry *lookup(const slot_state *s, uint64_t id) {
+    if (s->table == NULL || id == 0) return NULL;
+    for (uint64_t i = mix(id) & s->mask;; i = (i + 1) & s->mask) {
+        const kernel_entry *e = &s->table[i];
+        if (e->id == id) return e;
+        if (e->id == 0) return NULL;
+    }
+}
+
+/* ---- one round ---- */
+
+static void grant(gl_arbiter *a, uint32_t task) {
+    slot_state *s = &a->slots[task];
+    if (!s->used) return;
+    if (s->phantoms > 0) { /* a holder launch that already ran: nothing to wake, nothing to track */
+        s->phantoms--;
+        gl_fk_completed(a->core, task, 1, now_ns());
+        return;
+    }
+    if (!s->queued) return;
+    s->queued = 0;
+    if (s->granted_count == GRANTS_TRACKED) { /* the oldest is assumed done: the core agrees */
+        s->granted_head = (s->granted_head + 1) % GRANTS_TRACKED;
+        s->granted_count--;
+    }
+    s->granted[(s->granted_head + s->granted_count) % GRANTS_TRACKED] = s->queued_seq;
+    s->granted_count++;
+    store32(s->region, GL_OFF_FK_GRANT, s->queued_seq);
+    wake(s->region, GL_OFF_FK_GRANT);
+    a->stats.grants++;
+}
+
+/* The shim says granted kernels up to `done` completed (a sequence number, so a kernel the
+ * shim launched without a grant, after giving up, cannot keep work outstanding forever). */
+static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    if (done == s->seen_done) return;
+    if ((int32_t)(done - s->seen_req) > 0) { /* done beyond anything requested: garbage */
+        a->stats.invalid_writes++;
+        return;
+    }
+    s->seen_done = done;
+    uint32_t count = 0;
+    while (s->granted_count > 0 && (int32_t)(s->granted[s->granted_head] - done) <= 0) {
+        s->granted_head = (s->granted_head + 1) % GRANTS_TRACKED;
+        s->granted_count--;
+        count++;
+    }
+    if (count) gl_fk_completed(a->core, task, count, now);
+}
+
+static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    uint8_t *r = s->region;
+    uint32_t req = load32(r, GL_OFF_FK_REQ_SEQ);
+    if (req == s->seen_req) return;
+    if (s->queued) {
+        /* One request at a time: a new sequence number while one is queued means the shim
+         * gave up waiting (fail-open) or misbehaves. Its old request is answered on grant. */
+        if (!load32(r, GL_OFF_FK_WAITING)) s->seen_req = req;
+        return;
+    }
+    uint32_t waiting = load32(r, GL_OFF_FK_WAITING);
+    uint64_t kernel = load64(r, GL_OFF_FK_KERNEL);
+    uint64_t posted = load64(r, GL_OFF_FK_POST_NS);
+    /* A post time from the future or from long ago is not believed. */
+    if (posted > now || now - posted > 1000000000ull) posted = now;
+    s->seen_req = req;
+    uint64_t duration = GL_FK_UNKNOWN, gap = GL_FK_UNKNOWN;
+    const kernel_entry *e = lookup(s, kernel);
+    if (e != NULL) {
+        duration = e->duration_ns;
+        gap = e->gap_ns;
+    } else if (kernel != 0) {
+        a->stats.unknown_kernels++;
+    }
+    a->stats.requests++;
+    int admitted = gl_fk_request(a->core, task, duration, gap, posted);
+    if (waiting) {
+        if (admitted < 0) {
+            a->stats.invalid_writes++;
+            return;
+        }
+        s->queued = 1;
+        s->queued_seq = req;
+        if (admitted == 1) grant(a, task);
+    } else if (admitted == 0) {
+        /* The shim launched as holder while the core saw it as a filler (a role change in
+         * flight): the kernel ran; its grant, when the core gives it, is consumed. */
+        s->phantoms++;
+        a->stats.role_races++;
+    }
+}
+
+static void round_locked(gl_arbiter *a) {
+    uint64_t now = now_ns();
+    a->stats.rounds++;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
+        slot_state *s = &a->slots[t];
+        if (!s->used) continue;
+        take_done(a, t, load32(s->region, GL_OFF_FK_DONE), now);
+        take_request(a, t, now);
+    }
+    uint32_t out[GL_FK_MAX_TASKS];
+    uint64_t wake_at;
+    int n = gl_fk_decide(a->core, now, out, GL_FK_MAX_TASKS, &wake_at);
+    for (int i = 0; i < n; i++)
+        if (out[i] < GL_FK_MAX_TASKS) grant(a, out[i]);
+    /* Roles: the best priority holds. Holders post every launch only while somebody waits or
+     * fill work is outstanding: alone, a holder's launch costs a few stores. */
+    uint32_t best = GL_FK_PRIORITIES, waiting = 0, outstanding = 0, tasks = 0;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
+        slot_state *s = &a->slots[t];
+        if (!s->used) continue;
+        tasks++;
+        if (s->priority < best) best = s->priority;
+        waiting += (uint32_t)s->queued;
+        outstanding += s->granted_count;
+    }
+    uint32_t notify = waiting > 0 || outstanding > 0;
+    int beat = now - a->last_beat >= a->beat_ns;
+    if (beat) a->last_beat = now;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
+        slot_state *s = &a->slots[t];
+        if (!s->used) continue;
+        uint32_t role = s->priority == best ? GL_ROLE_HOLDER : GL_ROLE_FILL;
+        if (role != s->role) {
+            s->role = role;
+            store32(s->region, GL_OFF_FK_ROLE, role);
+        }
+        if (load32(s->region, GL_OFF_FK_NOTIFY) != notify)
+            store32(s->region, GL_OFF_FK_NOTIFY, notify);
+        if (beat) store64(s->region, GL_OFF_FK_BEAT, now);
+    }
+    a->stats.tasks = tasks;
+    a->stats.waiting = waiting;
+    a->next_wake = wake_at;
+}
+
+/* ---- the thread ---- */
+
+static void *run(void *arg) {
+    gl_arbiter *a = arg;
+    for (;;) {
+        pthread_mutex_lock(&a->lock);
+        if (a->stop) {
+            pthread_mutex_unlock(&a->lock);
+            return NULL;
+        }
+        round_locked(a);
+        uint64_t now = now_ns(), until = now + a->beat_ns;
+        if (a->next_wake < until) until = a->next_wake;
+        pthread_mutex_unlock(&a->lock);
+        uint64_t wait = until > now ? until - now : 0;
+        struct timespec timeout = {.tv_sec = (time_t)(wait / 1000000000u),
+                                   .tv_nsec = (long)(wait % 1000000000u)};
+        struct pollfd p = {.fd = a->doorbell, .events = POLLIN};
+        if (wait > 0 && ppoll(&p, 1, &timeout, NULL) > 0) {
+            uint64_t count;
+            if (read(a->doorbell, &count, sizeof count) < 0) { /* drained by another read */
+            }
+        }
+    }
+}
+
+static void ring(gl_arbiter *a) {
+    uint64_t one = 1;
+    if (write(a->doorbell, &one, sizeof one) < 0) { /* full counter: a wake-up is pending */
+    }
+}
+
+API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns) {
+    if (doorbell_fd < 0 || beat_ns == 0) {
+        errno = EINVAL;
+        return NULL;
+    }
+    gl_arbiter *a = calloc(1, sizeof *a);
+    if (a == NULL) return NULL;
+    a->core = calloc(1, gl_fk_core_size());
+    if (a->core == NULL || gl_fk_init(a->core, config) != 0) {
+        int error = a->core == NULL ? ENOMEM : EINVAL;
+        free(a->core);
+        free(a);
+        errno = error;
+        return NULL;
+    }
+    a->doorbell = doorbell_fd;
+    a->beat_ns = beat_ns;
+    a->next_wake = UINT64_MAX;
+    pthread_mutex_init(&a->lock, NULL);
+    int error = pthread_create(&a->thread, NULL, run, a);
+    if (error != 0) {
+        pthread_mutex_destroy(&a->lock);
+        free(a->core);
+        free(a);
+        errno = error;
+        return NULL;
+    }
+    return a;
+}
+
+static void release_slot(slot_state *s) {
+    if (s->region != NULL) munmap(s->region, GL_REGION_BYTES);
+    free(s->table);
+    memset(s, 0, sizeof *s);
+}
+
+API void gl_arbiter_stop(gl_arbiter *a) {
+    if (a == NULL) return;
+    pthread_mutex_lock(&a->lock);
+    a->stop = 1;
+    pthread_mutex_unlock(&a->lock);
+    ring(a);
+    pthread_join(a->thread, NULL);
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) release_slot(&a->slots[t]);
+    pthread_mutex_destroy(&a->lock);
+    free(a->core);
+    free(a);
+}
+
+static int fill_table(slot_state *s, const uint64_t *ids, const uint64_t *durations,
+                      const uint64_t *gaps, uint32_t n) {
+    uint64_t capacity = 16;
+    while (capacity < 2 * (uint64_t)n) capacity <<= 1;
+    s->table = calloc(capacity, sizeof *s->table);
+    if (s->table == NULL) return -1;
+    s->mask = capacity - 1;
+    for (uint32_t k = 0; k < n; k++) {
+        if (ids[k] == 0) continue; /* 0 marks an empty bucket (and "not computed" in a post) */
+        uint64_t i = mix(ids[k]) & s->mask;
+        while (s->table[i].id != 0 && s->table[i].id != ids[k]) i = (i + 1) & s->mask;
+        s->table[i] = (kernel_entry){ids[k], durations[k], gaps[k]};
+    }
+    return 0;
+}
+
+API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
+                            const uint64_t *kernel_ids, const uint64_t *durations_ns,
+                            const uint64_t *gaps_ns, uint32_t kernels) {
+    struct stat st;
+    if (priority >= GL_FK_PRIORITIES || fstat(region_fd, &st) != 0 ||
+        st.st_size < (off_t)GL_REGION_BYTES || (kernels > 0 && (kernel_ids == NULL ||
+                                                               durations_ns == NULL ||
+                                                               gaps_ns == NULL))) {
+        errno = EINVAL;
+        return -1;
+    }
+    void *mapped =
+        mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
+    if (mapped == MAP_FAILED) return -1;
+    pthread_mutex_lock(&a->lock);
+    int slot = -1;
+    for (int t = 0; t < GL_FK_MAX_TASKS && slot < 0; t++)
+        if (!a->slots[t].used) slot = t;
+    if (slot < 0) {
+        pthread_mutex_unlock(&a->lock);
+        munmap(mapped, GL_REGION_BYTES);
+        errno = ENOSPC;
+        return -1;
+    }
+    slot_state *s = &a->slots[slot];
+    if (fill_table(s, kernel_ids, durations_ns, gaps_ns, kernels) != 0 ||
+        gl_fk_add_task(a->core, (uint32_t)slot, priority, now_ns()) != 0) {
+        release_slot(s);
+        pthread_mutex_unlock(&a->lock);
+        munmap(mapped, GL_REGION_BYTES);
+        errno = ENOMEM;
+        return -1;
+    }
+    s->used = 1;
+    s->region = mapped;
+    s->priority = priority;
+    /* Whatever the region held before is history, not requests. */
+    s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
+    s->seen_done = load32(s->region, GL_OFF_FK_DONE);
+    store64(s->region, GL_OFF_FK_BEAT, now_ns());
+    pthread_mutex_unlock(&a->lock);
+    ring(a);
+    return slot;
+}
+
+API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_ids,
+                               const uint64_t *durations_ns, const uint64_t *gaps_ns,
+                               uint32_t kernels) {
+    if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS ||
+        (kernels > 0 && (kernel_ids == NULL || durations_ns == NULL || gaps_ns == NULL))) {
+        errno = EINVAL;
+        return -1;
+    }
+    slot_state fresh = {0};
+    if (fill_table(&fresh, kernel_ids, durations_ns, gaps_ns, kernels) != 0) {
+        errno = ENOMEM;
+        return -1;
+    }
+    pthread_mutex_lock(&a->lock);
+    slot_state *s = &a->slots[slot];
+    if (!s->used) {
+        pthread_mutex_unlock(&a->lock);
+        free(fresh.table);
+        errno = ENOENT;
+        return -1;
+    }
+    free(s->table);
+    s->table = fresh.table;
+    s->mask = fresh.mask;
+    pthread_mutex_unlock(&a->lock);
+    return 0;
+}
+
+API void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
+    if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS) return;
+    pthread_mutex_lock(&a->lock);
+    slot_state *s = &a->slots[slot];
+    if (s->used) {
+        gl_fk_remove_task(a->core, (uint32_t)slot, now_ns());
+        release_slot(s);
+    }
+    pthread_mutex_unlock(&a->lock);
+    ring(a); /* the others' roles may change */
+}
+
+API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {
+    pthread_mutex_lock(&a->lock);
+    *out = a->stats;
+    pthread_mutex_unlock(&a->lock);
+}

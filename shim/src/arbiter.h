@@ -1,0 +1,57 @@
+/* The FIKIT arbiter: one native thread per GPU, inside the dispatcher process, that admits the
+ * kernels of every shim on that GPU with the FIKIT decision core (fikit.h).
+ *
+ * Each shim shares two things with the arbiter: its own admission region (a memfd, see
+ * wire.h: the arbiter writes the words at GL_OFF_FK_GRANT.., the shim those at
+ * GL_OFF_FK_REQ_SEQ..) and the GPU's doorbell, an eventfd a shim writes to after posting a
+ * request. No memory is shared between two shims, so one cannot write another's state; what a
+ * shim writes is validated here before the core sees it. The dispatcher (Python, ctypes) adds
+ * and removes tasks; the thread does the rest. */
+#ifndef GL_ARBITER_H
+#define GL_ARBITER_H
+
+#include <stdint.h>
+
+#include "fikit.h"
+
+typedef struct gl_arbiter gl_arbiter;
+
+typedef struct {
+    uint64_t rounds;            /* times the thread woke and looked at the slots */
+    uint64_t requests;          /* requests handed to the core (holder launches included) */
+    uint64_t grants;            /* queued requests granted */
+    uint64_t unknown_kernels;   /* requests whose kernel ID is not in the task's profile */
+    uint64_t invalid_writes;    /* shim-written words rejected (out of range, going backwards) */
+    uint64_t role_races;        /* holder launches the core had queued (task switching races) */
+    uint32_t tasks;             /* tasks now registered */
+    uint32_t waiting;           /* tasks now blocked on a grant */
+} gl_arbiter_stats;
+
+/* Starts the thread. `doorbell_fd` is an eventfd the caller keeps open for the arbiter's
+ * life (the thread reads it); `beat_ns` is how often every region's heartbeat is refreshed.
+ * Returns NULL (errno set) on a bad config or when the thread cannot start. */
+gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns);
+
+/* Stops and joins the thread, unmaps every region, frees the arbiter. */
+void gl_arbiter_stop(gl_arbiter *arbiter);
+
+/* Registers a task: maps its region (region_fd stays the caller's), takes a copy of its kernel
+ * profile (n kernels: ids, mean durations, mean gaps after, in ns; GL_FK_UNKNOWN allowed) and
+ * its priority. Returns the task's slot (0..GL_FK_MAX_TASKS-1), or -1 with errno: EINVAL (bad
+ * priority or region), ENOSPC (all slots taken), ENOMEM. */
+int gl_arbiter_add_task(gl_arbiter *arbiter, int region_fd, uint32_t priority,
+                        const uint64_t *kernel_ids, const uint64_t *durations_ns,
+                        const uint64_t *gaps_ns, uint32_t kernels);
+
+/* Replaces a task's kernel profile (it arrived after the task registered). -1 with errno
+ * EINVAL, ENOENT (no such task) or ENOMEM. */
+int gl_arbiter_set_kernels(gl_arbiter *arbiter, int slot, const uint64_t *kernel_ids,
+                           const uint64_t *durations_ns, const uint64_t *gaps_ns,
+                           uint32_t kernels);
+
+/* Forgets a task (its queued request and outstanding work included) and unmaps its region. */
+void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
+
+void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
+
+#endif
