@@ -9,13 +9,13 @@ of this GPU receives at registration).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from gpuloom.policies.fikit.core import FikitConfig, load_library
+from gpuloom.policies.fikit.core import FikitConfig, library_path
 
 GL_FK_UNKNOWN = (1 << 64) - 1
 MAX_TASKS = 64
@@ -73,11 +73,12 @@ _bound: ctypes.CDLL | None = None
 _bind_lock = threading.Lock()
 
 
-def _library(path: Path | None = None) -> ctypes.CDLL:
+def _library() -> ctypes.CDLL:
     global _bound
     with _bind_lock:
         if _bound is None:
-            lib = load_library(path)
+            # Its own handle on the library: errno must be kept for these calls.
+            lib = ctypes.CDLL(str(library_path()), use_errno=True)
             lib.gl_arbiter_start.restype = ctypes.c_void_p
             lib.gl_arbiter_start.argtypes = [ctypes.POINTER(_Config), ctypes.c_int, ctypes.c_uint64]
             lib.gl_arbiter_stop.restype = None
@@ -135,7 +136,7 @@ class Arbiter:
         slot = self._lib.gl_arbiter_add_task(handle, region_fd, priority, *_arrays(kernels))
         if slot < 0:
             error = ctypes.get_errno()
-            if error == 28:  # ENOSPC
+            if error == errno.ENOSPC:
                 raise ArbiterFull(f"the FIKIT arbiter admits at most {MAX_TASKS} processes")
             raise OSError(error, f"cannot add a FIKIT task: {os.strerror(error)}")
         return slot
