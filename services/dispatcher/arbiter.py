@@ -169,7 +169,9 @@ class Arbiter:
         return self._handle
 
 
-def _arrays(kernels: Sequence[KernelTiming]) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, int]:
+def _arrays(
+    kernels: Sequence[KernelTiming],
+) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, int]:
     n = len(kernels)
     ids = (ctypes.c_uint64 * n)(*(k.kernel_id for k in kernels))
     durations = (ctypes.c_uint64 * n)(*(k.duration_ns for k in kernels))

@@ -420,7 +420,8 @@ class ShimChannel:
         fds = [fd]
         # The region is complete before the shim can see it.
         if mode is ShimMode.FIKIT:
-            region.publish_open()
+            # No lease is ever published: admit_until stays 0, so every launch of the shim
+            # takes its admission path (docs/fikit.md).
             try:
                 connection.fikit_slot = self._add_fikit_task(
                     assignment_id, fd, reservation.priority, task_key

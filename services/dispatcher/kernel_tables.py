@@ -34,7 +34,7 @@ def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
         gap = kernel.mean_gap_after_ns
-        if kernel.kernel_id == 0 or not (math.isfinite(duration) and 0 <= duration):
+        if kernel.kernel_id == 0 or not (math.isfinite(duration) and duration >= 0):
             continue
         table.append(
             KernelTiming(

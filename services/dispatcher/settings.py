@@ -14,7 +14,6 @@ from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
 from gpuloom.services.dispatcher.placement_link import check_advertise_host
 
-
 # Not a token policy: kernels are admitted one by one by the native FIKIT arbiter.
 FIKIT_POLICY = "fikit"
 

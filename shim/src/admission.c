@@ -1,7 +1,7 @@
 /* Admission in share mode: asking the dispatcher for a lease (LeaseRequest, carrying the
  * usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
- * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; what a refused, lost or evicted process's
- * launches get. The inline fast check is admission.h's gate().
+ * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c; what a
+ * refused, lost or evicted process's launches get. The inline fast check is admission.h's gate().
  * Owns: g_wait_lock, g_stall_epoch, g_stalled, g_last_request_ns. */
 #define _GNU_SOURCE
 #include <linux/futex.h>
@@ -84,7 +84,7 @@ static CUresult wait_for_lease(const uint8_t *r) {
     }
 }
 
-CUresult gate_slow(CUstream key) {
+CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq) {
     int state = conn_state();
     if (state == CONN_REFUSED) return on_loss("the dispatcher refused this process");
     if (state == CONN_EVICTED) return on_loss("assignment evicted");
@@ -93,6 +93,8 @@ CUresult gate_slow(CUstream key) {
      * this is never NULL (the fast check's copy may predate a first, late registration). */
     const uint8_t *r = region();
     if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+    if (g_mode == GL_MODE_FIKIT)
+        return fikit_admit((uint8_t *)r, key, launch, granted_seq, &g_wait_lock);
     if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;
     if (is_capturing(key)) return CUDA_SUCCESS; /* recorded, not run: never block */
     pthread_mutex_lock(&g_wait_lock);

@@ -8,20 +8,43 @@
 
 #pragma GCC visibility push(hidden)
 
-/* Everything after the fast check: refusal, loss, eviction, modes, waiting for a lease. */
-CUresult gate_slow(CUstream key);
+/* What is being launched: a kernel (its function and dimensions, for its kernel ID), or NULL
+ * for a graph. */
+typedef struct {
+    CUfunction f;
+    unsigned dims[6];
+} gl_launch;
+
+/* Everything after the fast check: refusal, loss, eviction, modes, waiting for a lease or a
+ * FIKIT grant. *granted_seq is set to a FIKIT grant's sequence number (else 0): pass it to
+ * fikit_track after the launch. */
+CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq);
 
 /* The launch path: CUDA_SUCCESS when a launch on `key` may run (waiting if need be, bounded),
- * else what the loss policy answers. */
-static inline CUresult gate(CUstream key) {
+ * else what the loss policy answers. In mode FIKIT admit_until stays 0: every launch takes
+ * the slow path, whose holder branch is a few stores. */
+static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *granted_seq) {
+    *granted_seq = 0;
     if (!C.active) return CUDA_SUCCESS;
     ensure_registered();
     uint8_t *r = region();
     if (LIKELY(r != NULL && conn_state() == CONN_CONNECTED) &&
         now_ns() < r_u64(r, GL_OFF_ADMIT_UNTIL))
         return CUDA_SUCCESS;
-    return gate_slow(key);
+    return gate_slow(key, launch, granted_seq);
 }
+
+/* ---- fikit_gate.c: FIKIT kernel admission ---- */
+
+/* A holder posts and goes; a filler requests and waits for its grant (with wait_lock held). */
+CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t *granted_seq,
+                     pthread_mutex_t *wait_lock);
+/* After a granted launch on `key`: watch it with an event until it completes. */
+void fikit_track(CUstream key, uint32_t seq);
+/* Report granted kernels that completed; returns how many are still in flight. */
+unsigned fikit_harvest(void);
+/* A (re)registration: its region and the GPU's doorbell (-1 outside mode FIKIT). */
+void fikit_adopt(uint8_t *r, int doorbell);
 
 #pragma GCC visibility pop
 

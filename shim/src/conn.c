@@ -12,7 +12,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "shim_internal.h"
+#include "admission.h"
 
 int g_conn = CONN_NONE;
 static int g_sock = -1; /* guarded by g_send_lock for writers */
@@ -37,7 +37,8 @@ CUresult on_loss(const char *why) {
     return C.closed ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
 }
 
-static void adopt_registration(int sock, uint8_t *r, const gl_registration *reg) {
+static void adopt_registration(int sock, uint8_t *r, int doorbell, const gl_registration *reg) {
+    fikit_adopt(r, doorbell);
     pthread_mutex_lock(&g_send_lock);
     g_sock = sock;
     g_mode = reg->mode;
@@ -102,16 +103,16 @@ static void *background(void *arg) {
             measure_background(); /* frees the events of pairs that are done; drops records */
             struct timespec pause = {.tv_sec = 0, .tv_nsec = failures < 5 ? 200000000 : 1000000000};
             nanosleep(&pause, NULL);
-            int sock = -1, refused = 0;
+            int sock = -1, refused = 0, doorbell = -1;
             uint8_t *r = NULL;
             gl_registration reg;
             char why[512];
             if (gl_register(C.socket_path, C.token, program_invocation_short_name, C.wait_ms,
-                            &sock, (volatile uint8_t **)&r, &reg, &refused, why,
+                            &sock, (volatile uint8_t **)&r, &doorbell, &reg, &refused, why,
                             sizeof why) == 0) {
                 have = 0;
                 failures = 0;
-                adopt_registration(sock, r, &reg);
+                adopt_registration(sock, r, doorbell, &reg);
                 say(LOG_WARN, "reconnected to the dispatcher; sharing again");
                 trace("reconnected");
             } else if (failures++ == 0) {
@@ -126,10 +127,13 @@ static void *background(void *arg) {
             nanosleep(&pause, NULL);
             continue;
         }
-        /* Measure mode: harvest every 50 ms, and when a sync point has records to send. */
+        /* Measure mode: harvest every 50 ms, and when a sync point has records to send.
+         * FIKIT: report granted kernels' completion every millisecond while any are in flight
+         * (the arbiter holds back idle fill until it hears of them). */
         int measure = measure_ready();
+        int fills = fikit_harvest() > 0;
         struct pollfd p[2] = {{.fd = sock, .events = POLLIN}, {.fd = g_wake_fd, .events = POLLIN}};
-        int n = poll(p, g_wake_fd >= 0 ? 2 : 1, measure ? 50 : 250);
+        int n = poll(p, g_wake_fd >= 0 ? 2 : 1, fills ? 1 : measure ? 50 : 250);
         if (n > 0 && g_wake_fd >= 0 && (p[1].revents & POLLIN)) {
             uint64_t count;
             if (read(g_wake_fd, &count, sizeof count) < 0) { /* nothing pending */
@@ -172,13 +176,13 @@ static void *background(void *arg) {
 }
 
 void register_once(void) {
-    int sock = -1, refused = 0;
+    int sock = -1, refused = 0, doorbell = -1;
     uint8_t *r = NULL;
     gl_registration reg;
     char why[512];
     if (gl_register(C.socket_path, C.token, program_invocation_short_name, C.wait_ms, &sock,
-                    (volatile uint8_t **)&r, &reg, &refused, why, sizeof why) == 0) {
-        adopt_registration(sock, r, &reg);
+                    (volatile uint8_t **)&r, &doorbell, &reg, &refused, why, sizeof why) == 0) {
+        adopt_registration(sock, r, doorbell, &reg);
         say(LOG_INFO, "registered: mode %u, memory cap %llu bytes", reg.mode,
             (unsigned long long)reg.memory_cap_bytes);
         trace("registered mode %u cap %llu", reg.mode, (unsigned long long)reg.memory_cap_bytes);

@@ -6,29 +6,38 @@
 #define _GNU_SOURCE
 #include "admission.h"
 
-/* Everything a kernel launch does before calling the real function. In measure mode *slot
- * gets the event pair to finish with measure_end after the real call (or NULL). */
+/* What a launch carries from before the real call to after it. */
+typedef struct {
+    mslot *measured; /* measure mode: the kernel's event pair, or NULL */
+    uint32_t granted; /* FIKIT: the grant's sequence number, or 0 */
+    CUstream key;
+} launch_state;
+
+/* Everything a kernel launch does before calling the real function. */
 static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, unsigned gz,
-                              unsigned bx, unsigned by, unsigned bz, CUstream key, mslot **slot) {
-    *slot = NULL;
-    CUresult result = gate(key);
+                              unsigned bx, unsigned by, unsigned bz, CUstream key,
+                              launch_state *st) {
+    st->measured = NULL;
+    st->key = key;
+    const gl_launch launch = {f, {gx, gy, gz, bx, by, bz}};
+    CUresult result = gate(key, &launch, &st->granted);
     int measure = result == CUDA_SUCCESS && measure_on();
     if (UNLIKELY(C.trace_fd >= 0) || measure) {
         char name[GL_NAME_MAX];
-        unsigned dims[6] = {gx, gy, gz, bx, by, bz};
         function_name(f, name, sizeof name);
-        uint64_t id = kernel_id(name, dims);
+        uint64_t id = kernel_id(name, launch.dims);
         trace("launch %s %016llx %s %u %u %u %u %u %u%s", g_hooks[hook].symbol,
               (unsigned long long)id, name, gx, gy, gz, bx, by, bz,
               result == CUDA_SUCCESS ? "" : " refused");
-        if (measure) *slot = measure_begin(key, name, dims, id);
+        if (measure) st->measured = measure_begin(key, name, launch.dims, id);
     }
     if (result == CUDA_SUCCESS) note_launch(key);
     return result;
 }
 
-static inline CUresult after_launch(mslot *slot, CUresult result) {
-    if (slot) measure_end(slot, result);
+static inline CUresult after_launch(const launch_state *st, CUresult result) {
+    if (st->measured) measure_end(st->measured, result);
+    if (UNLIKELY(st->granted != 0) && result == CUDA_SUCCESS) fikit_track(st->key, st->granted);
     return result;
 }
 
@@ -40,11 +49,11 @@ static ALWAYS_INLINE CUresult cuLaunchKernel_body(int hook, int per_thread, CUfu
                                                   void **params, void **extra) {
     init();
     if (!REAL_AT(cuLaunchKernel, hook)) return CUDA_ERROR_NOT_FOUND;
-    mslot *m;
+    launch_state m;
     CUresult r = before_launch(hook, f, gx, gy, gz, bx, by, bz, stream_key(stream, per_thread),
                                &m);
     if (r != CUDA_SUCCESS) return r;
-    return after_launch(m, REAL_AT(cuLaunchKernel, hook)(f, gx, gy, gz, bx, by, bz, shared,
+    return after_launch(&m, REAL_AT(cuLaunchKernel, hook)(f, gx, gy, gz, bx, by, bz, shared,
                                                          stream, params, extra));
 }
 
@@ -60,12 +69,12 @@ static ALWAYS_INLINE CUresult cuLaunchKernelEx_body(int hook, int per_thread,
     init();
     if (!REAL_AT(cuLaunchKernelEx, hook)) return CUDA_ERROR_NOT_FOUND;
     if (c == NULL) return REAL_AT(cuLaunchKernelEx, hook)(c, f, params, extra);
-    mslot *m;
+    launch_state m;
     CUresult r = before_launch(hook, f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX,
                                c->blockDimY, c->blockDimZ, stream_key(c->hStream, per_thread),
                                &m);
     if (r != CUDA_SUCCESS) return r;
-    return after_launch(m, REAL_AT(cuLaunchKernelEx, hook)(c, f, params, extra));
+    return after_launch(&m, REAL_AT(cuLaunchKernelEx, hook)(c, f, params, extra));
 }
 
 GL_TWIN_HOOKS(cuLaunchKernelEx, _ptsz,
@@ -80,11 +89,11 @@ static ALWAYS_INLINE CUresult cuLaunchCooperativeKernel_body(int hook, int per_t
                                                              CUstream stream, void **params) {
     init();
     if (!REAL_AT(cuLaunchCooperativeKernel, hook)) return CUDA_ERROR_NOT_FOUND;
-    mslot *m;
+    launch_state m;
     CUresult r = before_launch(hook, f, gx, gy, gz, bx, by, bz, stream_key(stream, per_thread),
                                &m);
     if (r != CUDA_SUCCESS) return r;
-    return after_launch(m, REAL_AT(cuLaunchCooperativeKernel, hook)(f, gx, gy, gz, bx, by, bz,
+    return after_launch(&m, REAL_AT(cuLaunchCooperativeKernel, hook)(f, gx, gy, gz, bx, by, bz,
                                                                     shared, stream, params));
 }
 
@@ -96,16 +105,17 @@ GL_TWIN_HOOKS(cuLaunchCooperativeKernel, _ptsz,
 
 /* A graph launch is one unit, named "<graph>" with all dimensions 0 (measured as one record:
  * from before its first node to after its last). */
-static CUresult before_graph(int hook, CUstream key, mslot **slot) {
-    *slot = NULL;
-    CUresult result = gate(key);
+static CUresult before_graph(int hook, CUstream key, launch_state *st) {
+    st->measured = NULL;
+    st->key = key;
+    CUresult result = gate(key, NULL, &st->granted);
     unsigned dims[6] = {0};
     if (UNLIKELY(C.trace_fd >= 0))
         trace("launch %s %016llx <graph> 0 0 0 0 0 0%s", g_hooks[hook].symbol,
               (unsigned long long)kernel_id("<graph>", dims),
               result == CUDA_SUCCESS ? "" : " refused");
     if (result == CUDA_SUCCESS && measure_on())
-        *slot = measure_begin(key, "<graph>", dims, kernel_id("<graph>", dims));
+        st->measured = measure_begin(key, "<graph>", dims, kernel_id("<graph>", dims));
     if (result == CUDA_SUCCESS) note_launch(key);
     return result;
 }
@@ -114,9 +124,9 @@ static ALWAYS_INLINE CUresult cuGraphLaunch_body(int hook, int per_thread, CUgra
                                                  CUstream stream) {
     init();
     if (!REAL_AT(cuGraphLaunch, hook)) return CUDA_ERROR_NOT_FOUND;
-    mslot *m;
+    launch_state m;
     CUresult r = before_graph(hook, stream_key(stream, per_thread), &m);
-    return r != CUDA_SUCCESS ? r : after_launch(m, REAL_AT(cuGraphLaunch, hook)(exec, stream));
+    return r != CUDA_SUCCESS ? r : after_launch(&m, REAL_AT(cuGraphLaunch, hook)(exec, stream));
 }
 
 GL_TWIN_HOOKS(cuGraphLaunch, _ptsz, (CUgraphExec exec, CUstream stream), (exec, stream))

@@ -4,7 +4,7 @@
  * Owns: g_bursts, g_pool, g_pool_count, g_pending_ns, g_longest_ns, g_last_reported,
  * g_usage_lock. */
 #define _GNU_SOURCE
-#include "shim_internal.h"
+#include "admission.h"
 
 #define MAX_BURSTS 64
 #define EVENT_POOL 128
@@ -100,6 +100,7 @@ static void sync_begin(CUstream key, int all) {
  * completed kernel records, when the real call succeeded). */
 static void sync_end(CUresult synced) {
     if (synced == CUDA_SUCCESS) measure_sync_point();
+    if (UNLIKELY(g_mode == GL_MODE_FIKIT)) fikit_harvest();
     if (!measuring()) return;
     pthread_mutex_lock(&g_usage_lock);
     for (int i = 0; i < MAX_BURSTS; i++) {

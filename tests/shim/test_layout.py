@@ -1,5 +1,6 @@
 """The shared-memory layout is the same in C and in Python: the admission region's magic,
-version, size and every field offset, and the values of the mode and state enums.
+version, size and every field offset (the lease words and the FIKIT words), and the values of
+the mode, state and FIKIT role enums.
 
 The C values come from the compiler, not from reading the header: a small program that includes
 `shim/src/wire.h` prints each constant. The names to compare are every region constant
@@ -19,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from gpuloom import shimwire
-from gpuloom.shimwire import AdmissionState, ShimMode
+from gpuloom.shimwire import AdmissionState, FikitRole, ShimMode
 from gpuloom.v1 import shim_pb2
 
 WIRE_H = Path(__file__).resolve().parents[2] / "shim" / "src" / "wire.h"
 # A region constant in wire.h: the region's own constants, field offsets, modes, states.
-C_NAME = r"GL_(?:REGION_[A-Z0-9_]+|OFF_[A-Z0-9_]+|MODE_[A-Z0-9_]+|STATE_[A-Z0-9_]+)"
+C_NAME = r"GL_(?:REGION_[A-Z0-9_]+|OFF_[A-Z0-9_]+|MODE_[A-Z0-9_]+|STATE_[A-Z0-9_]+|ROLE_[A-Z0-9_]+)"
 
 
 def c_names(header: str) -> list[str]:
@@ -68,6 +69,11 @@ def python_layout() -> dict[str, int]:
     values.update(
         {f"GL{name}": value for name, value in vars(shimwire).items() if name.startswith("_OFF_")}
     )
+    # The FIKIT words (public: the arbiter's tests and the reference client write them).
+    values.update(
+        {f"GL_{name}": value for name, value in vars(shimwire).items() if name.startswith("OFF_")}
+    )
+    values.update({f"GL_ROLE_{role.name}": role.value for role in FikitRole})
     values.update({f"GL_MODE_{mode.name}": mode.value for mode in ShimMode})
     values.update({f"GL_STATE_{state.name}": state.value for state in AdmissionState})
     return values

@@ -57,15 +57,20 @@ class _Counters(ctypes.Structure):
     _fields_ = [(f.name, ctypes.c_uint64) for f in fields(FikitCounters)]
 
 
-@cache
-def load_library(path: str | None = None) -> ctypes.CDLL:
-    """Load libglfikit.so from `path`, else $GPULOOM_FIKIT_LIB, else the checkout's build."""
+def library_path(path: str | None = None) -> Path:
+    """libglfikit.so: `path`, else $GPULOOM_FIKIT_LIB, else the checkout's build."""
     where = Path(path or os.environ.get(LIBRARY_ENV) or CHECKOUT_LIBRARY)
     if not where.is_file():
         raise FikitLibraryMissingError(
             f"the FIKIT core {where} is not built: run `make -C shim` (or set {LIBRARY_ENV})"
         )
-    lib = ctypes.CDLL(str(where))
+    return where
+
+
+@cache
+def load_library(path: str | None = None) -> ctypes.CDLL:
+    """Load libglfikit.so (see library_path) with the core's signatures."""
+    lib = ctypes.CDLL(str(library_path(path)))
     u32, u64, core_p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
     signatures = {
         "gl_fk_default_config": (None, [ctypes.POINTER(_Config)]),
