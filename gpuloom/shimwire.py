@@ -98,6 +98,15 @@ class ShimMode(enum.IntEnum):
     FIKIT = 4
 
 
+class FikitPost(enum.IntEnum):
+    """What a FIKIT shim's latest post is: a holder's launch (untracked: taken as done at once;
+    tracked: its completion will be reported) or a filler's request for a grant."""
+
+    LAUNCHED = 0
+    REQUEST = 1
+    TRACKED = 2
+
+
 class FikitRole(enum.IntEnum):
     """What the arbiter tells a FIKIT shim: launch at once, or request and wait for a grant."""
 
@@ -277,12 +286,12 @@ class FikitPort:
     def ring(self) -> None:
         os.eventfd_write(self._doorbell, 1)
 
-    def post(self, kernel_id: int, waiting: bool, now_ns: int | None = None) -> int:
+    def post(self, kernel_id: int, kind: FikitPost, now_ns: int | None = None) -> int:
         """Post a launch (holder) or a request (filler); returns its sequence number. The
         sequence number is stored last, so the arbiter never sees it before the rest."""
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         posted = time.monotonic_ns() if now_ns is None else now_ns
-        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(waiting))
+        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(kind))
         struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
         self.ring()
         return self.seq
@@ -295,7 +304,7 @@ class FikitPort:
             if left <= 0:
                 return False
             futex_wait(self._grant_address, granted, min(left, 0.005))
-        struct.pack_into("<I", self._mapping, OFF_FK_WAITING, 0)
+        struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
         return True
 
     def report_done(self, seq: int) -> None:

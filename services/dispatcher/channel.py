@@ -230,6 +230,9 @@ class ShimChannel:
     # ---- control plane operations (run on the channel thread via submit) ----
 
     def add_reservation(self, reservation: Reservation) -> None:
+        if self._kernel_tables is not None and reservation.task_key:
+            # Fetched now, the kernel table is there before the task's first process.
+            self._kernel_tables.lookup(reservation.task_key, lambda table: None)
         self._apply(self._admit_to_scheduler(reservation, time.monotonic()))
 
     def remove_reservation(self, assignment_id: str, reason: str, mode: ShimMode) -> None:

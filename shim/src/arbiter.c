@@ -39,7 +39,6 @@ typedef struct {
     uint32_t seen_done;   /* DONE last read */
     int queued;           /* a request of this task waits in the core */
     uint32_t queued_seq;  /* ... with this sequence number */
-    uint32_t phantoms;    /* holder launches the core queued: their grants are consumed here */
     uint32_t granted[GRANTS_TRACKED]; /* sequence numbers of granted kernels not known done */
     uint32_t granted_head, granted_count;
     kernel_entry *table; /* open addressing, id 0 = empty; capacity mask+1 (power of two) */
@@ -95,22 +94,24 @@ static const kernel_entry *lookup(const slot_state *s, uint64_t id) {
 
 /* ---- one round ---- */
 
+/* A kernel of this task now counts as outstanding until `done` reaches its sequence number. */
+static void track(gl_arbiter *a, uint32_t task, uint32_t seq) {
+    slot_state *s = &a->slots[task];
+    if (s->granted_count == GRANTS_TRACKED) { /* the oldest is taken as done, by both */
+        s->granted_head = (s->granted_head + 1) % GRANTS_TRACKED;
+        s->granted_count--;
+        gl_fk_completed(a->core, task, 1, now_ns());
+    }
+    s->granted[(s->granted_head + s->granted_count) % GRANTS_TRACKED] = seq;
+    s->granted_count++;
+}
+
 static void grant(gl_arbiter *a, uint32_t task) {
     slot_state *s = &a->slots[task];
     if (!s->used) return;
-    if (s->phantoms > 0) { /* a holder launch that already ran: nothing to wake, nothing to track */
-        s->phantoms--;
-        gl_fk_completed(a->core, task, 1, now_ns());
-        return;
-    }
     if (!s->queued) return;
     s->queued = 0;
-    if (s->granted_count == GRANTS_TRACKED) { /* the oldest is assumed done: the core agrees */
-        s->granted_head = (s->granted_head + 1) % GRANTS_TRACKED;
-        s->granted_count--;
-    }
-    s->granted[(s->granted_head + s->granted_count) % GRANTS_TRACKED] = s->queued_seq;
-    s->granted_count++;
+    track(a, task, s->queued_seq);
     store32(s->region, GL_OFF_FK_GRANT, s->queued_seq);
     wake(s->region, GL_OFF_FK_GRANT);
     a->stats.grants++;
@@ -143,10 +144,14 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
     if (s->queued) {
         /* One request at a time: a new sequence number while one is queued means the shim
          * gave up waiting (fail-open) or misbehaves. Its old request is answered on grant. */
-        if (!load32(r, GL_OFF_FK_WAITING)) s->seen_req = req;
+        if (load32(r, GL_OFF_FK_WAITING) != GL_POST_REQUEST) s->seen_req = req;
         return;
     }
     uint32_t waiting = load32(r, GL_OFF_FK_WAITING);
+    if (waiting > GL_POST_TRACKED) {
+        a->stats.invalid_writes++;
+        waiting = GL_POST_LAUNCHED;
+    }
     uint64_t kernel = load64(r, GL_OFF_FK_KERNEL);
     uint64_t posted = load64(r, GL_OFF_FK_POST_NS);
     /* A post time from the future or from long ago is not believed. */
@@ -161,8 +166,8 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         a->stats.unknown_kernels++;
     }
     a->stats.requests++;
-    int admitted = gl_fk_request(a->core, task, duration, gap, posted);
-    if (waiting) {
+    if (waiting == GL_POST_REQUEST) {
+        int admitted = gl_fk_request(a->core, task, duration, gap, posted);
         if (admitted < 0) {
             a->stats.invalid_writes++;
             return;
@@ -170,12 +175,19 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         s->queued = 1;
         s->queued_seq = req;
         if (admitted == 1) grant(a, task);
-    } else if (admitted == 0) {
-        /* The shim launched as holder while the core saw it as a filler (a role change in
-         * flight): the kernel ran; its grant, when the core gives it, is consumed. */
-        s->phantoms++;
-        a->stats.role_races++;
+        return;
     }
+    /* A holder's launch, reported after the fact. */
+    int launched = gl_fk_launched(a->core, task, duration, gap, posted);
+    if (launched < 0) {
+        a->stats.invalid_writes++;
+        return;
+    }
+    if (launched == 0) a->stats.role_races++; /* a better task arrived meanwhile */
+    if (waiting == GL_POST_TRACKED)
+        track(a, task, req); /* the shim reports its completion with `done` */
+    else
+        gl_fk_completed(a->core, task, 1, now); /* alone on the GPU: nobody needs to know */
 }
 
 static void round_locked(gl_arbiter *a) {

@@ -360,6 +360,30 @@ int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_
     return 0;
 }
 
+int gl_fk_launched(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_t gap_after_ns,
+                   uint64_t now_ns) {
+    if (!valid(core))
+        return -1;
+    gl_fk_task *t = task_at(core, task);
+    if (t == NULL || t->has_request) {
+        core->counters.rejected_calls++;
+        return -1;
+    }
+    uint64_t now = advance(core, now_ns);
+    uint64_t duration = clamp_ns(duration_ns);
+    uint64_t gap = clamp_ns(gap_after_ns);
+    if (duration == GL_FK_UNKNOWN)
+        core->counters.unknown_requests++;
+    if ((int32_t)t->priority == core->holder_priority) {
+        admit_holder(core, task, duration, gap, now);
+        return 1;
+    }
+    /* It ran as a holder's kernel while the holder changed: fill work, outstanding. */
+    core->counters.launched_unadmitted++;
+    admit(core, task, duration, gap, 1, now);
+    return 0;
+}
+
 void gl_fk_completed(gl_fk_core *core, uint32_t task, uint32_t count, uint64_t now_ns) {
     if (!valid(core))
         return;

@@ -45,6 +45,7 @@ typedef struct {
     uint64_t holder_switches;      /* the holder priority changed */
     uint64_t overflowed;           /* admitted kernels beyond GL_FK_MAX_OUTSTANDING per task */
     uint64_t rejected_calls;       /* calls refused or ignored for bad arguments */
+    uint64_t launched_unadmitted;  /* gl_fk_launched by a task no longer a holder */
 } gl_fk_counters;
 
 /* One task's state. Outstanding kernels (admitted, not yet reported completed) are a FIFO of
@@ -110,6 +111,12 @@ GL_FK_API void gl_fk_remove_task(gl_fk_core *core, uint32_t task, uint64_t now_n
  * 1: admitted now, 0: queued (wait for gl_fk_decide), -1: bad task / already queued. */
 GL_FK_API int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns,
                             uint64_t gap_after_ns, uint64_t now_ns);
+/* A kernel the task already launched without asking (a holder does not wait: its launches are
+ * reported after the fact). 1: it was the holder's (admitted as gl_fk_request would); 0: the
+ * task is no longer a holder (a better task arrived meanwhile): the kernel counts as
+ * outstanding fill work; -1: bad task or a request is queued. */
+GL_FK_API int gl_fk_launched(gl_fk_core *core, uint32_t task, uint64_t duration_ns,
+                             uint64_t gap_after_ns, uint64_t now_ns);
 /* `count` of the task's oldest admitted-and-not-yet-completed kernels completed (clamped to
  * what is outstanding). */
 GL_FK_API void gl_fk_completed(gl_fk_core *core, uint32_t task, uint32_t count,

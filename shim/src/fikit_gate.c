@@ -2,7 +2,7 @@
  *
  * A holder launches at once: it bumps its sequence number and stamps the time, and only while
  * the arbiter sets `notify` (somebody waits, or fill kernels are in flight) also writes the
- * kernel ID and rings the GPU's doorbell. A filler posts a request (kernel ID, time, waiting
+ * kernel ID, rings the GPU's doorbell and watches the kernel with an event like a grant. A filler posts a request (kernel ID, time, waiting
  * flag, then the sequence number), rings, and sleeps on its grant word until the arbiter
  * writes its sequence number there. After a granted launch it records an event; the sequence
  * number of the latest granted kernel known done goes back to the arbiter, which bounds the
@@ -133,7 +133,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     uint32_t seq = __atomic_add_fetch(&g_fk_seq, 1, __ATOMIC_RELAXED);
     w_u64(r, GL_OFF_FK_KERNEL, kernel);
     w_u64(r, GL_OFF_FK_POST_NS, now_ns());
-    w_u32(r, GL_OFF_FK_WAITING, 1);
+    w_u32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
     w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
     ring_doorbell();
     uint64_t bound = (uint64_t)C.wait_ms * 1000000u;
@@ -172,7 +172,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
         struct timespec t = {.tv_sec = 0, .tv_nsec = in_flight ? 50000 : 5000000};
         syscall(SYS_futex, (uint32_t *)(r + GL_OFF_FK_GRANT), FUTEX_WAIT, granted, &t, NULL, 0);
     }
-    w_u32(r, GL_OFF_FK_WAITING, 0);
+    w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
     return result;
 }
 
@@ -182,10 +182,18 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
     if (r_u32(r, GL_OFF_FK_ROLE) == GL_ROLE_HOLDER) {
         uint32_t seq = __atomic_add_fetch(&g_fk_seq, 1, __ATOMIC_RELAXED);
         w_u64(r, GL_OFF_FK_POST_NS, now_ns());
-        int notify = r_u32(r, GL_OFF_FK_NOTIFY) != 0;
-        w_u64(r, GL_OFF_FK_KERNEL, notify ? launch_kernel_id(launch) : 0);
+        if (LIKELY(r_u32(r, GL_OFF_FK_NOTIFY) == 0)) { /* alone: nobody needs more */
+            w_u64(r, GL_OFF_FK_KERNEL, 0);
+            w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+            w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
+            return CUDA_SUCCESS;
+        }
+        /* Shared: the arbiter predicts this kernel's gap and hears when it completes. */
+        w_u64(r, GL_OFF_FK_KERNEL, launch_kernel_id(launch));
+        w_u32(r, GL_OFF_FK_WAITING, GL_POST_TRACKED);
         w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
-        if (notify) ring_doorbell();
+        ring_doorbell();
+        *granted_seq = seq;
         return CUDA_SUCCESS;
     }
     if (is_capturing(key)) return CUDA_SUCCESS; /* recorded, not run: never block */

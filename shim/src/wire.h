@@ -31,11 +31,14 @@
 #define GL_OFF_FK_DONE 132    /* u32 sequence number of the latest granted kernel known done */
 #define GL_OFF_FK_KERNEL 136  /* u64 kernel ID of that launch or request (0: not computed) */
 #define GL_OFF_FK_POST_NS 144 /* u64 when it was posted (CLOCK_MONOTONIC ns) */
-#define GL_OFF_FK_WAITING 152 /* u32 1 while the shim waits for a grant of REQ_SEQ */
+#define GL_OFF_FK_WAITING 152 /* u32 what REQ_SEQ is: a GL_POST_* */
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };
 enum { GL_ROLE_NONE = 0, GL_ROLE_HOLDER = 1, GL_ROLE_FILL = 2 };
+/* A post: a holder's launch (untracked: the arbiter takes it as done at once; tracked: `done`
+ * will report it), or a filler's request waiting for its grant. */
+enum { GL_POST_LAUNCHED = 0, GL_POST_REQUEST = 1, GL_POST_TRACKED = 2 };
 
 typedef struct {
     uint32_t mode;

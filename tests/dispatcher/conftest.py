@@ -104,5 +104,13 @@ async def live(short_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator
         yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
     finally:
         await channel.close()
-        await dispatcher.server.stop(0)
-        dispatcher.channel.stop()
+        await stop_live(dispatcher)
+
+
+async def stop_live(dispatcher: GpuDispatcher) -> None:
+    await dispatcher.server.stop(0)
+    dispatcher.channel.stop()
+    if dispatcher.kernel_tables is not None:
+        await dispatcher.kernel_tables.close()
+    if dispatcher.arbiter is not None:
+        dispatcher.arbiter.stop()

@@ -19,6 +19,7 @@ from gpuloom.shimwire import (
     REGION_BYTES,
     AdmissionRegion,
     FikitPort,
+    FikitPost,
     FikitRole,
     ShimMode,
 )
@@ -87,19 +88,19 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
         assert wait_for(lambda: low.port.role is FikitRole.FILL)
         # The holder launches back to back (a gap of 2 ms follows each kernel): a 5 ms fill
         # never fits; keep the holder busy so it never counts as idle.
-        high.port.post(HOLDER_KERNEL, waiting=False)
-        seq = low.port.post(FILL_LONG, waiting=True)
+        high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
+        seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
         for _ in range(40):
             time.sleep(0.0005)
-            high.port.post(HOLDER_KERNEL, waiting=False)
+            high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
         assert low.port.granted != seq
         # A 200 us fill fits the 2 ms gap: granted at the holder's next launch.
         arbiter.remove_task(low.slot)
         low.close()
         low = Task(arbiter, 5, FILL_TABLE)
         assert wait_for(lambda: low.port.role is FikitRole.FILL)
-        seq = low.port.post(FILL_SHORT, waiting=True)
-        high.port.post(HOLDER_KERNEL, waiting=False)
+        seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+        high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
         assert low.port.wait_grant(seq, 1.0)
     finally:
         high.close()
@@ -110,9 +111,9 @@ def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) 
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
         assert wait_for(lambda: low.port.role is FikitRole.FILL)
-        first = low.port.post(FILL_LONG, waiting=True)
+        first = low.port.post(FILL_LONG, FikitPost.REQUEST)
         assert low.port.wait_grant(first, 1.0)  # the holder never launched: idle
-        second = low.port.post(FILL_LONG, waiting=True)
+        second = low.port.post(FILL_LONG, FikitPost.REQUEST)
         time.sleep(0.02)
         assert low.port.granted == first  # the first is still in flight
         low.port.report_done(first)
@@ -139,7 +140,7 @@ def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter)
         before = other.port.heartbeat_ns
         assert wait_for(lambda: other.port.heartbeat_ns > before)
         arbiter.remove_task(low.slot)
-        seq = other.port.post(FILL_SHORT, waiting=True)
+        seq = other.port.post(FILL_SHORT, FikitPost.REQUEST)
         assert other.port.wait_grant(seq, 1.0)
         assert high.port.role is FikitRole.HOLDER
     finally:

@@ -131,10 +131,16 @@ class Runner:
         return self.finish(done.returncode, done.stdout, done.stderr, shim_trace, fake_trace)
 
     async def run_async(
-        self, *args: str, env: dict[str, str] | None = None, timeout: float = 20
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        timeout: float = 20,
+        preload: bool = True,
     ) -> Run:
         """The same, without blocking the event loop (the live dispatcher's gRPC runs on it)."""
-        command, environment, shim_trace, fake_trace = self.prepare(list(args), env, True, "fake")
+        command, environment, shim_trace, fake_trace = self.prepare(
+            list(args), env, preload, "fake"
+        )
         process = await asyncio.create_subprocess_exec(
             *command,
             env=environment,

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from gpuloom import shimwire
-from gpuloom.shimwire import AdmissionState, FikitRole, ShimMode
+from gpuloom.shimwire import AdmissionState, FikitPost, FikitRole, ShimMode
 from gpuloom.v1 import shim_pb2
 
 WIRE_H = Path(__file__).resolve().parents[2] / "shim" / "src" / "wire.h"
-# A region constant in wire.h: the region's own constants, field offsets, modes, states.
-C_NAME = r"GL_(?:REGION_[A-Z0-9_]+|OFF_[A-Z0-9_]+|MODE_[A-Z0-9_]+|STATE_[A-Z0-9_]+|ROLE_[A-Z0-9_]+)"
+# A region constant in wire.h: the region's own constants, field offsets, modes, states, and the
+# FIKIT roles and post kinds.
+C_NAME = r"GL_(?:REGION|OFF|MODE|STATE|ROLE|POST)_[A-Z0-9_]+"
 
 
 def c_names(header: str) -> list[str]:
@@ -74,6 +75,7 @@ def python_layout() -> dict[str, int]:
         {f"GL_{name}": value for name, value in vars(shimwire).items() if name.startswith("OFF_")}
     )
     values.update({f"GL_ROLE_{role.name}": role.value for role in FikitRole})
+    values.update({f"GL_POST_{post.name}": post.value for post in FikitPost})
     values.update({f"GL_MODE_{mode.name}": mode.value for mode in ShimMode})
     values.update({f"GL_STATE_{state.name}": state.value for state in AdmissionState})
     return values

@@ -47,6 +47,7 @@ class FikitCounters:
     holder_switches: int
     overflowed: int
     rejected_calls: int
+    launched_unadmitted: int
 
 
 class _Config(ctypes.Structure):
@@ -79,6 +80,7 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
         "gl_fk_add_task": (ctypes.c_int, [core_p, u32, u32, u64]),
         "gl_fk_remove_task": (None, [core_p, u32, u64]),
         "gl_fk_request": (ctypes.c_int, [core_p, u32, u64, u64, u64]),
+        "gl_fk_launched": (ctypes.c_int, [core_p, u32, u64, u64, u64]),
         "gl_fk_completed": (None, [core_p, u32, u32, u64]),
         "gl_fk_decide": (
             ctypes.c_int,
