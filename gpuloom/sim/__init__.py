@@ -1,0 +1,1 @@
+"""Simulators: pure discrete-event drivers of the policy cores (seeded RNG, virtual time)."""

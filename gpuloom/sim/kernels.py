@@ -1,0 +1,502 @@
+"""A discrete-event model of one GPU running launched kernels, under four admission modes.
+
+One device queue, FIFO, non-preemptive: a launched kernel reaches the queue `launch_latency`
+after its launch and runs when everything before it has finished. Each task's host runs its
+kernel list once per request: it launches a kernel, then (host "sync") waits for it to finish
+or (host "async") goes on at once, spends the kernel's host gap, and launches the next. The
+request completes when its last kernel does. Modes:
+
+- exclusive: each task alone on the GPU (its baseline);
+- sharing: every host launches freely (NVIDIA's default time sharing, one FIFO queue);
+- token: a host launches only while holding a lease of the token scheduler
+  (gpuloom.policies.tokens); kernels already queued run on after the lease ends;
+- fikit: each launch is a request to the native FIKIT core (gpuloom.policies.fikit): launched
+  when admitted or granted; completions are reported to it; its wake time is a timer.
+
+Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gpuloom.policies.fikit.core import UNKNOWN, FikitCore
+from gpuloom.policies.tokens import ClientShare, Decision, TokenConfig, TokenScheduler
+from gpuloom.sim.scenario import Scenario, TaskSpec
+
+MODES = ("exclusive", "sharing", "token", "fikit")
+NS = 1_000_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """What the profiler measured of a task alone: per kernel ID mean duration and mean gap
+    after it (None: never measured, so unknown to the core)."""
+
+    duration_ns: Mapping[str, int]
+    gap_ns: Mapping[str, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    name: str
+    priority: int
+    jct_ns: tuple[int, ...]  # requests completed within the run, in completion order
+
+    def stats(self) -> dict[str, float | int | None]:
+        jct = sorted(self.jct_ns)
+        if not jct:
+            return {
+                "priority": self.priority,
+                "completed": 0,
+                "jct_mean_ms": None,
+                "jct_p50_ms": None,
+                "jct_p99_ms": None,
+                "jct_cv": None,
+            }
+        mean = sum(jct) / len(jct)
+        var = sum((x - mean) ** 2 for x in jct) / len(jct)
+        return {
+            "priority": self.priority,
+            "completed": len(jct),
+            "jct_mean_ms": round(mean / 1e6, 4),
+            "jct_p50_ms": round(_quantile(jct, 0.5) / 1e6, 4),
+            "jct_p99_ms": round(_quantile(jct, 0.99) / 1e6, 4),
+            "jct_cv": round(math.sqrt(var) / mean, 4) if mean > 0 else 0.0,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ModeResult:
+    mode: str
+    tasks: tuple[TaskResult, ...]
+    gpu_busy: float  # busy share of the run (exclusive: the sum of each task's share alone)
+    fill_efficiency: float  # share of the holder's in-request idle time others' kernels ran
+    kernels: tuple[tuple[int, int, int], ...] = field(repr=False)  # (start, end, task index)
+    counters: Mapping[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "tasks": {t.name: t.stats() for t in self.tasks},
+            "gpu_busy": round(self.gpu_busy, 4),
+            "fill_efficiency": round(self.fill_efficiency, 4),
+        }
+
+
+def _quantile(sorted_values: Sequence[int], q: float) -> float:
+    # Linear interpolation between the closest ranks (numpy's default).
+    position = (len(sorted_values) - 1) * q
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+class _Program:
+    """A task's kernel list with the host gaps its program has (the gap model, docs/fikit.md):
+    a base gap per kernel ID or per launch position, drawn once from an exponential with mean
+    host_gap_us, or the inline gap_after_us; each launch jitters durations and gaps."""
+
+    def __init__(self, spec: TaskSpec, rng: random.Random) -> None:
+        self.spec = spec
+        mean = spec.host_gap_us * 1e3
+        by_id: dict[str, float] = {}
+        gaps = []
+        for kernel in spec.kernels:
+            if kernel.gap_after_ns is not None:
+                gaps.append(float(kernel.gap_after_ns))
+            elif spec.gap_model == "per_kernel_id":
+                if kernel.kernel_id not in by_id:
+                    by_id[kernel.kernel_id] = rng.expovariate(1 / mean) if mean > 0 else 0.0
+                gaps.append(by_id[kernel.kernel_id])
+            else:
+                gaps.append(rng.expovariate(1 / mean) if mean > 0 else 0.0)
+        self.base_gap = gaps
+        self._sd = _lognormal_sigma(spec.duration_jitter)
+        self._sg = _lognormal_sigma(spec.gap_jitter)
+
+    def duration(self, i: int, rng: random.Random) -> int:
+        return round(self.spec.kernels[i].duration_ns * _jitter(rng, self._sd))
+
+    def gap(self, i: int, rng: random.Random) -> int:
+        return round(self.base_gap[i] * _jitter(rng, self._sg))
+
+
+def _lognormal_sigma(cv: float) -> float:
+    return math.sqrt(math.log1p(cv * cv))
+
+
+def _jitter(rng: random.Random, sigma: float) -> float:
+    # Mean 1, coefficient of variation cv.
+    return rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma > 0 else 1.0
+
+
+@dataclass(slots=True)
+class _Task:
+    index: int
+    spec: TaskSpec
+    program: _Program
+    rng: random.Random  # its kernels' durations and gaps, launch by launch
+    arrivals: random.Random
+    pending: deque[int] = field(default_factory=deque)  # arrival times of queued requests
+    busy: bool = False  # a request in progress
+    arrived: int = 0
+    next_kernel: int = 0  # index of the next kernel to launch
+    waiting: bool = False  # its host is blocked on admission
+    in_flight: int = 0  # launched, not finished
+    blocked: bool = False  # an async host waiting for room under launch_depth
+    lease_id: int | None = None
+    lease_asked: bool = False
+    jct: list[int] = field(default_factory=list)
+    request_spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+class _Engine:
+    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE, TOKEN = range(6)
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        tasks: Sequence[tuple[TaskSpec, int]],
+        mode: str,
+        profiles: Mapping[str, Profile] | None = None,
+        requests_limit: int | None = None,
+    ) -> None:
+        self.scenario = scenario
+        self.mode = mode
+        # A profiling run ends after its requests, not at the scenario's end.
+        self.end = round(scenario.duration_s * NS) if requests_limit is None else 2**62
+        self.latency = scenario.launch_latency_ns
+        self.requests_limit = requests_limit
+        self.events: list[tuple[int, int, int, int, object]] = []  # time, seq, kind, task, arg
+        self.seq = 0
+        # Per task: its program from its seed; a profiling run (requests_limit) draws its
+        # launches and arrivals from other streams than the measured runs do.
+        salt = 0 if requests_limit is None else 2
+        self.tasks = [
+            _Task(
+                i,
+                spec,
+                _Program(spec, random.Random(seed)),
+                random.Random(seed + 1 + salt),
+                random.Random(seed + 2 + salt),
+            )
+            for i, (spec, seed) in enumerate(tasks)
+        ]
+        self.queue: deque[tuple[int, int, int]] = deque()  # (task, kernel index, duration)
+        self.device_free = True
+        self.kernels: list[tuple[int, int, int]] = []  # (start, end, task) in run order
+        self.profiles = profiles or {}
+        self.core: FikitCore | None = None
+        self.tokens: TokenScheduler | None = None
+        self.timers: set[tuple[int, int]] = set()  # (kind, time) of WAKE/TOKEN events pending
+        self.lease_start: dict[int, float] = {}
+        self.measured_d: dict[str, list[int]] = defaultdict(list)
+        self.measured_g: dict[str, list[int]] = defaultdict(list)
+        self.last_end: dict[int, tuple[int, str]] = {}
+
+    def push(self, at: int, kind: int, task: int = 0, arg: object = None) -> None:
+        heapq.heappush(self.events, (at, self.seq, kind, task, arg))
+        self.seq += 1
+
+    def timer(self, at: int, kind: int) -> None:
+        if at < self.end and (kind, at) not in self.timers:
+            self.timers.add((kind, at))
+            self.push(at, kind)
+
+    def run(self) -> None:
+        if self.mode == "fikit":
+            self.core = FikitCore(self.scenario.fikit)
+            for t in self.tasks:
+                self.core.add_task(t.index, t.spec.priority, round(t.spec.start_s * NS))
+        elif self.mode == "token":
+            self.tokens = TokenScheduler(self.scenario.token_policy, TokenConfig(), 0.0)
+            for t in self.tasks:
+                share = ClientShare(str(t.index), 100, 1 / len(self.tasks), 1.0)
+                self.tokens.add_client(share, 0.0)
+        for t in self.tasks:
+            self.schedule_arrival(t, round(t.spec.start_s * NS))
+        while self.events:
+            at, _, kind, index, arg = heapq.heappop(self.events)
+            if at > self.end:
+                break
+            task = self.tasks[index]
+            if kind == self.KERNEL_END:
+                self.kernel_end(task, arg, at)
+            elif kind == self.ENQUEUE:
+                self.queue.append((index, *arg))
+                if self.device_free:
+                    self.start_device(at)
+            elif kind == self.HOST:
+                self.launch_next(task, at)
+            elif kind == self.ARRIVE:
+                self.arrive(task, at)
+            elif kind == self.WAKE:
+                self.timers.discard((kind, at))
+                self.fikit_decide(at)
+            else:
+                self.timers.discard((kind, at))
+                # The timer was rounded up to whole ns; never advance to before the deadline.
+                deadline = self.tokens.next_deadline()
+                seconds = (
+                    at / NS if deadline is None else max(at / NS, min(deadline, (at + 1) / NS))
+                )
+                self.token_decision(self.tokens.advance(seconds), at)
+
+    def schedule_arrival(self, task: _Task, at: int) -> None:
+        if self.requests_limit is not None and task.arrived >= self.requests_limit:
+            return
+        task.arrived += 1
+        self.push(at, self.ARRIVE, task.index)
+
+    def arrive(self, task: _Task, now: int) -> None:
+        task.pending.append(now)
+        rate = task.spec.rate_per_s
+        if rate is not None:
+            self.schedule_arrival(task, now + round(task.arrivals.expovariate(rate) * NS))
+        if not task.busy:
+            self.start_request(task, now)
+
+    def start_request(self, task: _Task, now: int) -> None:
+        task.busy = True
+        task.next_kernel = 0
+        self.launch_next(task, now)
+
+    # -- host side -----------------------------------------------------------------------
+    def launch_next(self, task: _Task, now: int) -> None:
+        """The host wants to launch its next kernel now."""
+        if task.in_flight >= task.spec.launch_depth:
+            task.blocked = True  # the launch queue is full: wait for a kernel to finish
+            return
+        if self.core is not None:
+            kernel = task.spec.kernels[task.next_kernel]
+            profile = self.profiles[task.spec.name]
+            duration = profile.duration_ns.get(kernel.kernel_id)
+            gap = profile.gap_ns.get(kernel.kernel_id)
+            verdict = self.core.request(
+                task.index,
+                UNKNOWN if duration is None else duration,
+                UNKNOWN if gap is None else gap,
+                now,
+            )
+            if verdict == 1:
+                self.launch(task, now)
+            else:
+                task.waiting = True
+                self.fikit_decide(now)
+        elif self.tokens is not None:
+            if task.lease_id is not None:
+                self.launch(task, now)
+            else:
+                task.waiting = True
+                if not task.lease_asked:
+                    task.lease_asked = True
+                    self.token_decision(self.tokens.request(str(task.index), now / NS), now)
+        else:
+            self.launch(task, now)
+
+    def launch(self, task: _Task, now: int) -> None:
+        task.waiting = False
+        task.in_flight += 1
+        i = task.next_kernel
+        self.push(
+            now + self.latency, self.ENQUEUE, task.index, (i, task.program.duration(i, task.rng))
+        )
+        task.next_kernel = i + 1
+        if task.spec.host == "async" and task.next_kernel < len(task.spec.kernels):
+            self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
+
+    # -- device side ---------------------------------------------------------------------
+    def start_device(self, now: int) -> None:
+        index, i, duration = self.queue.popleft()
+        self.device_free = False
+        self.kernels.append((now, now + duration, index))
+        self.push(now + duration, self.KERNEL_END, index, i)
+
+    def kernel_end(self, task: _Task, i: int, now: int) -> None:
+        self.device_free = True
+        start = self.kernels[-1][0]
+        if self.requests_limit is not None:
+            self.measure(task, i, start, now)
+        if self.queue:
+            self.start_device(now)
+        task.in_flight -= 1
+        if self.core is not None:
+            self.core.completed(task.index, 1, now)
+        if task.blocked:
+            task.blocked = False
+            self.launch_next(task, now)
+        if i == len(task.spec.kernels) - 1:
+            self.finish_request(task, now)
+        elif task.spec.host == "sync":
+            self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
+        if self.core is not None:
+            self.fikit_decide(now)
+
+    def measure(self, task: _Task, i: int, start: int, end: int) -> None:
+        # As the profiler does alone: duration per kernel ID, and the idle time between a
+        # kernel's end and the next kernel's start of the same request.
+        kernel_id = task.spec.kernels[i].kernel_id
+        self.measured_d[kernel_id].append(end - start)
+        previous = self.last_end.get(task.index)
+        if previous is not None and i > 0:
+            self.measured_g[previous[1]].append(start - previous[0])
+        self.last_end[task.index] = (end, kernel_id)
+
+    def finish_request(self, task: _Task, now: int) -> None:
+        arrived = task.pending.popleft()
+        task.jct.append(now - arrived)
+        task.request_spans.append((arrived, now))
+        task.busy = False
+        if task.spec.rate_per_s is None:
+            last = len(task.spec.kernels) - 1
+            self.schedule_arrival(task, now + task.program.gap(last, task.rng))
+        if task.pending:
+            self.start_request(task, now)
+        elif self.tokens is not None and task.lease_id is not None:
+            lease, task.lease_id = task.lease_id, None
+            used = max(0.0, now / NS - self.lease_start[task.index])
+            decision = self.tokens.release(str(task.index), lease, used, None, now / NS)
+            self.token_decision(decision, now)
+
+    # -- fikit ---------------------------------------------------------------------------
+    def fikit_decide(self, now: int) -> None:
+        while True:
+            granted, wake = self.core.decide(now)
+            for index in granted:
+                task = self.tasks[index]
+                if task.waiting:
+                    self.launch(task, now)
+            if wake is None or wake > now:
+                break
+        if wake is not None:
+            self.timer(wake, self.WAKE)
+
+    # -- token leases --------------------------------------------------------------------
+    def token_decision(self, decision: Decision, now: int) -> None:
+        pending = deque([decision])
+        while pending:
+            d = pending.popleft()
+            for lease in d.ended:
+                task = self.tasks[int(lease.client_id)]
+                if task.lease_id != lease.lease_id:
+                    continue
+                task.lease_id = None
+                self.tokens.report_usage(
+                    lease.client_id, lease.lease_id, lease.length_s, None, now / NS
+                )
+                if task.busy:  # still has work: back in line
+                    task.lease_asked = True
+                    pending.append(self.tokens.request(lease.client_id, now / NS))
+            for lease in d.granted:
+                task = self.tasks[int(lease.client_id)]
+                task.lease_asked = False
+                if not task.busy:
+                    pending.append(
+                        self.tokens.release(lease.client_id, lease.lease_id, 0.0, None, now / NS)
+                    )
+                    continue
+                task.lease_id = lease.lease_id
+                self.lease_start[task.index] = lease.granted_at
+                if task.waiting:
+                    self.launch(task, now)
+        deadline = self.tokens.next_deadline()
+        if deadline is not None:
+            self.timer(max(now, math.ceil(deadline * NS)), self.TOKEN)
+
+
+def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> int:
+    """Total length of the intersection of two sorted lists of disjoint spans."""
+    total = i = j = 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if high > low:
+            total += high - low
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _fill_efficiency(engine: _Engine) -> float:
+    best = min(t.spec.priority for t in engine.tasks)
+    holders = {t.index for t in engine.tasks if t.spec.priority == best}
+    if len(holders) == len(engine.tasks):
+        return 0.0
+    requests = _merge(
+        [s for t in engine.tasks if t.index in holders for s in t.request_spans]
+        + [(t.pending[0], engine.end) for t in engine.tasks if t.index in holders and t.busy]
+    )
+    mine = _merge([(s, e) for s, e, i in engine.kernels if i in holders])
+    others = _merge([(s, e) for s, e, i in engine.kernels if i not in holders])
+    in_request = sum(e - s for s, e in requests)
+    idle = in_request - _overlap(requests, mine)
+    return _overlap(requests, others) / idle if idle > 0 else 0.0
+
+
+def _busy(engine: _Engine) -> int:
+    return sum(min(e, engine.end) - s for s, e, _ in engine.kernels if s < engine.end)
+
+
+def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Profile]:
+    """Each task alone for `profile_requests` requests, measured as the profiler would."""
+    profiles = {}
+    for spec, seed in zip(scenario.tasks, seeds, strict=True):
+        engine = _Engine(
+            scenario, [(spec, seed)], "exclusive", requests_limit=scenario.profile_requests
+        )
+        engine.run()
+        profiles[spec.name] = Profile(
+            duration_ns={k: round(sum(v) / len(v)) for k, v in engine.measured_d.items()},
+            gap_ns={k: round(sum(v) / len(v)) for k, v in engine.measured_g.items()},
+        )
+    return profiles
+
+
+def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) -> ModeResult:
+    """Run one mode of the scenario; the same seed gives the same result."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    rng = rng or random.Random(scenario.seed)
+    # Every mode sees the same programs, arrivals and kernel durations: each task's
+    # randomness comes from streams seeded the same way in each mode.
+    seeds = [rng.getrandbits(48) * 4 for _ in scenario.tasks]
+    if mode == "exclusive":
+        results, kernels, busy = [], [], 0
+        for index, spec in enumerate(scenario.tasks):
+            engine = _Engine(scenario, [(spec, seeds[index])], mode)
+            engine.run()
+            results.append(TaskResult(spec.name, spec.priority, tuple(engine.tasks[0].jct)))
+            kernels.extend((s, e, index) for s, e, _ in engine.kernels)
+            busy += _busy(engine)
+        return ModeResult(
+            mode, tuple(results), busy / (scenario.duration_s * NS), 0.0, tuple(sorted(kernels))
+        )
+    profiles = measure_profiles(scenario, seeds) if mode == "fikit" else None
+    engine = _Engine(scenario, list(zip(scenario.tasks, seeds, strict=True)), mode, profiles)
+    engine.run()
+    counters = engine.core.counters() if engine.core is not None else None
+    return ModeResult(
+        mode,
+        tuple(TaskResult(t.spec.name, t.spec.priority, tuple(t.jct)) for t in engine.tasks),
+        _busy(engine) / (scenario.duration_s * NS),
+        _fill_efficiency(engine),
+        tuple(engine.kernels),
+        counters={k: getattr(counters, k) for k in counters.__slots__} if counters else {},
+    )

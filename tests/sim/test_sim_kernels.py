@@ -1,0 +1,148 @@
+"""The kernel-level simulator: bad scenarios answer exit code 2 naming the place; the FIKIT
+mode keeps the high-priority p99 near exclusive on a short orion scenario."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gpuloom.clients.cli import cli
+from gpuloom.sim.kernels import simulate
+from gpuloom.sim.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACES = ROOT.parent / "shared" / "traces" / "orion-model-kernels"
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no ../shared/traces beside")
+
+
+def inline(**task: object) -> dict:
+    base = {
+        "name": "a",
+        "priority": 0,
+        "kernels": [{"name": "k", "duration_us": 10, "gap_after_us": 5}],
+        "arrival": {"closed_loop": True},
+    }
+    return {"seed": 1, "duration_s": 0.01, "tasks": [{**base, **task}]}
+
+
+def run(tmp_path: Path, scenario: dict | str, *args: str) -> tuple[int, str]:
+    path = tmp_path / "s.json"
+    path.write_text(scenario if isinstance(scenario, str) else json.dumps(scenario))
+    result = CliRunner().invoke(cli, ["sim", "kernels", str(path), *args])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ({**inline(), "bogus": 1}, "$.bogus: unknown field"),
+        (inline(extra=1), "$.tasks[0].extra: unknown field"),
+        (inline(priority=10), "$.tasks[0].priority: must be an integer in 0..9"),
+        (inline(priority=-1), "$.tasks[0].priority"),
+        (
+            inline(kernels=[{"name": "k", "duration_us": -1}]),
+            "$.tasks[0].kernels[0].duration_us: must be >= 0",
+        ),
+        (inline(kernels=[]), "$.tasks[0].kernels: must be a non-empty list"),
+        (
+            {"seed": 1, "duration_s": 1, "tasks": [{"name": "a", "priority": 0, "arrival": {}}]},
+            "needs exactly one of kernels_csv and kernels",
+        ),
+        (inline(kernels_csv="x.csv"), "needs exactly one of kernels_csv and kernels"),
+        ("{not json", "line 1, column 2: not JSON"),
+    ],
+)
+def test_bad_scenarios_exit_2_naming_the_place(
+    tmp_path: Path, scenario: dict | str, message: str
+) -> None:
+    code, output = run(tmp_path, scenario)
+    assert code == 2
+    assert message in output and "s.json" in output
+    assert len(output.strip().splitlines()) == 1
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["sim", "kernels", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and "none.json: no such file" in result.output
+    task = inline()["tasks"][0]
+    del task["kernels"]
+    task["kernels_csv"] = "missing.csv"
+    code, output = run(tmp_path, {"seed": 1, "duration_s": 1, "tasks": [task]})
+    assert code == 2 and "$.tasks[0].kernels_csv: no such file" in output
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("Name,Duration,Color\nk,10,red\n", "line 1, column 3: unknown column 'Color'"),
+        ("Name,Duration\nk,-5\n", "line 2, column 2: the duration must be a number >= 0"),
+        ("Name,Duration\nk,abc\n", "line 2, column 2"),
+        ("Name,Duration\n", "no kernels"),
+    ],
+)
+def test_bad_kernel_lists(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "k.csv").write_text(text)
+    task = inline()["tasks"][0]
+    del task["kernels"]
+    task["kernels_csv"] = "k.csv"
+    code, output = run(tmp_path, {"seed": 1, "duration_s": 1, "tasks": [task]})
+    assert code == 2 and message in output and "k.csv" in output
+
+
+def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
+    scenario = inline()
+    scenario["tasks"].append({**scenario["tasks"][0], "name": "b", "priority": 3})
+    code, output = run(tmp_path, scenario, "--json")
+    assert code == 0
+    modes = json.loads(output)["modes"]
+    assert set(modes) == {"exclusive", "sharing", "token", "fikit"}
+    for result in modes.values():
+        assert set(result) == {"tasks", "gpu_busy", "fill_efficiency"}
+        assert set(result["tasks"]["a"]) == {
+            "priority",
+            "completed",
+            "jct_mean_ms",
+            "jct_p50_ms",
+            "jct_p99_ms",
+            "jct_cv",
+        }
+
+
+@needs_traces
+def test_benchmark_scenarios_load_from_the_checkout() -> None:
+    # ../../shared/... from benchmarks/ reaches /work/shared beside the checkout.
+    for path in sorted((ROOT / "benchmarks").glob("fikit_*.json")):
+        assert load_scenario(path).tasks
+
+
+@needs_traces
+def test_fikit_keeps_high_priority_p99_near_exclusive(tmp_path: Path) -> None:
+    scenario = json.loads((ROOT / "benchmarks" / "fikit_mobilenetv2.json").read_text())
+    # 10 s (92 requests): over fewer, p99 is the single worst request.
+    for task in scenario["tasks"]:
+        task["kernels_csv"] = str(TRACES / Path(task["kernels_csv"]).name)
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps(scenario))
+    loaded = load_scenario(path)
+    p99 = {}
+    low_done = 0
+    for mode in ("exclusive", "sharing", "fikit"):
+        stats = simulate(loaded, mode).to_dict()["tasks"]
+        p99[mode] = stats["mobilenetv2-4-fwd"]["jct_p99_ms"]
+        if mode == "fikit":
+            low_done = stats["mobilenetv2-32-fb1"]["completed"]
+    assert p99["exclusive"] <= p99["fikit"] < p99["sharing"]
+    assert p99["fikit"] <= 1.05 * p99["exclusive"]
+    assert low_done > 0
+
+
+def test_same_seed_same_result(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    scenario = inline()
+    scenario["tasks"].append({**scenario["tasks"][0], "name": "b", "priority": 3})
+    path.write_text(json.dumps(scenario))
+    loaded = load_scenario(path)
+    assert simulate(loaded, "fikit").to_dict() == simulate(loaded, "fikit").to_dict()
