@@ -4,9 +4,9 @@
  *   bench_fikit_client holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT
  *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does); OUT gets the
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
- *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID OUT
- *       requests KERNEL_ID again as soon as a grant came (its kernels "complete" at once);
- *       OUT gets the time at which each grant was seen (u64 ns)
+ *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
+ *       requests KERNEL_ID, and once granted "runs" it for KERNEL_US (sleeps), reports it done
+ *       and asks again; OUT gets the time at which each grant was seen (u64 ns)
  *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
  *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
  *       which records how long the wake-up took (u64 ns)
@@ -117,11 +117,11 @@ int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--futex-pingpong") == 0)
         return futex_pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
     int holder = argc == 8 && strcmp(argv[1], "holder") == 0;
-    int filler = argc == 7 && strcmp(argv[1], "filler") == 0;
+    int filler = argc == 8 && strcmp(argv[1], "filler") == 0;
     if (!holder && !filler) {
         fprintf(stderr,
                 "usage: %s holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
-                "       %s filler SOCKET TOKEN SECONDS KERNEL_ID OUT\n"
+                "       %s filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
                 "       %s --futex-pingpong SECONDS PERIOD_US OUT\n",
                 argv[0], argv[0], argv[0]);
         return 2;
@@ -146,6 +146,7 @@ int main(int argc, char **argv) {
     }
     double seconds = atof(argv[4]);
     uint64_t kernel = strtoull(argv[holder ? 6 : 5], NULL, 0);
+    uint64_t kernel_ns = holder ? 0 : (uint64_t)atol(argv[6]) * 1000u;
     uint64_t *times = malloc(CAPACITY * sizeof *times);
     if (times == NULL) die("malloc");
     size_t count = 0;
@@ -167,7 +168,7 @@ int main(int argc, char **argv) {
         while (now_ns() < stop && count < CAPACITY) {
             store64(r, GL_OFF_FK_KERNEL, kernel);
             store64(r, GL_OFF_FK_POST_NS, now_ns());
-            store32(r, GL_OFF_FK_WAITING, 1);
+            store32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             ring(doorbell);
             unsigned spins = 0;
@@ -177,11 +178,13 @@ int main(int argc, char **argv) {
                 futex_wait(r + GL_OFF_FK_GRANT, granted, 5000000);
             }
             if (granted != seq) break;
-            times[count++] = now_ns();
-            store32(r, GL_OFF_FK_WAITING, 0);
-            store32(r, GL_OFF_FK_DONE, seq); /* the kernel is done at once */
+            uint64_t granted_at = now_ns();
+            times[count++] = granted_at;
+            store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+            sleep_until(granted_at + kernel_ns); /* the kernel runs */
+            store32(r, GL_OFF_FK_DONE, seq);
         }
     }
-    write_out(argv[holder ? 7 : 6], times, count);
+    write_out(argv[7], times, count);
     return 0;
 }

@@ -133,6 +133,11 @@ class FikitCore:
         """1: admitted now, 0: queued (wait for a grant from decide), -1: refused."""
         return self._lib.gl_fk_request(self._core, task, duration_ns, gap_after_ns, now_ns)
 
+    def launched(self, task: int, duration_ns: int, gap_after_ns: int, now_ns: int) -> int:
+        """A kernel the task launched without asking (a holder's, reported after the fact):
+        1 admitted as the holder's, 0 counted as fill work (it is no longer a holder)."""
+        return self._lib.gl_fk_launched(self._core, task, duration_ns, gap_after_ns, now_ns)
+
     def completed(self, task: int, count: int, now_ns: int) -> None:
         self._lib.gl_fk_completed(self._core, task, count, now_ns)
 
