@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from gpuloom.services.common.errors import InvalidArgument
 from gpuloom.services.common.shapes import SpatioTemporalShare, TimeQuota
-from gpuloom.services.placement.core import GpuView, ScalingResult
 from gpuloom.services.placement.domain import (
     GpuInfo,
     Job,
@@ -15,7 +14,9 @@ from gpuloom.services.placement.domain import (
     MigInstance,
     Slo,
 )
+from gpuloom.services.placement.inventory import GpuView
 from gpuloom.services.placement.repository import JobFilter
+from gpuloom.services.placement.scaling import ScalingResult
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
