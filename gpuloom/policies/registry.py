@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Generic, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ class UnknownPolicyError(ValueError):
         self.known = known
 
 
-class Registry(Mapping[str, Callable[..., T]], Generic[T]):
+class Registry(Mapping[str, Callable[..., T]]):
     """Policies of one family by name. `factories` make a policy with no argument;
     `with_argument` maps names to factories of one argument (`str | None`) and `arguments`
     names what that argument is ("SIZES"), shown with the known names."""
