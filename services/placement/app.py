@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
 from gpuloom.services.placement.dispatchers import (
+    DispatcherChannels,
     Dispatchers,
     GrpcDispatchers,
     GrpcMigRunner,
@@ -33,9 +34,8 @@ class PlacementApp:
     core: PlacementCore
     server: RunningServer
     engine: AsyncEngine
-    dispatchers: Dispatchers
+    channels: DispatcherChannels
     profiles: ProfileSource | None
-    mig_runner: MigRunner
 
     @property
     def port(self) -> int:
@@ -51,10 +51,11 @@ class PlacementApp:
         mig_runner: MigRunner | None = None,
     ) -> PlacementApp:
         """`dispatchers` and `mig_runner` replace the gRPC clients (the benchmark stands in its
-        own dispatchers)."""
+        own dispatchers); the caller closes what it passes."""
         engine = create_engine(settings, data_dir)
-        dispatchers = dispatchers or GrpcDispatchers(settings.dispatcher_timeout_s)
-        mig_runner = mig_runner or GrpcMigRunner()
+        channels = DispatcherChannels()  # one connection per dispatcher, for both clients
+        dispatchers = dispatchers or GrpcDispatchers(channels, settings.dispatcher_timeout_s)
+        mig_runner = mig_runner or GrpcMigRunner(channels)
         profiles = (
             GrpcProfileSource(settings.profile_store_address)
             if settings.profile_store_address
@@ -94,8 +95,7 @@ class PlacementApp:
         except BaseException:
             if core is not None:
                 await core.stop()
-            await dispatchers.close()
-            await mig_runner.close()
+            await channels.close()
             if profiles is not None:
                 await profiles.close()
             await engine.dispose()
@@ -107,13 +107,12 @@ class PlacementApp:
             policy=settings.default_policy,
             profile_store=settings.profile_store_address or None,
         )
-        return cls(core, server, engine, dispatchers, profiles, mig_runner)
+        return cls(core, server, engine, channels, profiles)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.server.stop(grace_s)
         await self.core.stop()
-        await self.dispatchers.close()
-        await self.mig_runner.close()
+        await self.channels.close()
         if self.profiles is not None:
             await self.profiles.close()
         await self.engine.dispose()

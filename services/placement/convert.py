@@ -8,9 +8,10 @@ from gpuloom.convert.shares import share_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobSpec, JobState, MigInstance, Slo
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
-from gpuloom.services.placement.core import GpuView, ScalingResult
 from gpuloom.services.placement.domain import Job
+from gpuloom.services.placement.inventory import GpuView
 from gpuloom.services.placement.repository import JobFilter
+from gpuloom.services.placement.scaling import ScalingResult
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 

@@ -1,6 +1,7 @@
 """How placement talks to dispatchers: binding reservations, and running MIG batches. Each is a
 small Protocol (so tests and the benchmark can stand in their own dispatchers) with its gRPC
-implementation."""
+implementation; both gRPC implementations share one `DispatcherChannels`, so placement holds one
+connection per dispatcher."""
 
 from __future__ import annotations
 
@@ -41,22 +42,31 @@ class Dispatchers(Protocol):
         """Release (idempotent: an unknown id is fine). Raises a DomainError."""
         ...
 
-    async def close(self) -> None: ...
 
+class DispatcherChannels:
+    """One gRPC channel per dispatcher address, opened on first use, for every client of the
+    dispatchers; its owner closes it once they are done."""
 
-class GrpcDispatchers:
-    """One channel per dispatcher address, opened on first use."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self._timeout_s = timeout_s
+    def __init__(self) -> None:
         self._stubs: dict[str, tuple[grpc.aio.Channel, dispatcher_pb2_grpc.DispatcherStub]] = {}
 
-    def _stub(self, address: str) -> dispatcher_pb2_grpc.DispatcherStub:
+    def stub(self, address: str) -> dispatcher_pb2_grpc.DispatcherStub:
         entry = self._stubs.get(address)
         if entry is None:
             channel = grpc.aio.insecure_channel(address)
             entry = self._stubs[address] = (channel, dispatcher_pb2_grpc.DispatcherStub(channel))
         return entry[1]
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
+
+
+class GrpcDispatchers:
+    def __init__(self, channels: DispatcherChannels, timeout_s: float) -> None:
+        self._channels = channels
+        self._timeout_s = timeout_s
 
     async def reserve(self, address: str, request: BindRequest) -> dict[str, str]:
         message = dispatcher_pb2.ReserveRequest(
@@ -75,24 +85,19 @@ class GrpcDispatchers:
             task_key=request.task_key,
         )
         try:
-            answer = await self._stub(address).Reserve(message, timeout=self._timeout_s)
+            answer = await self._channels.stub(address).Reserve(message, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:
             raise _domain_error(address, error) from None
         return dict(answer.environment)
 
     async def release(self, address: str, assignment_id: str) -> None:
         try:
-            await self._stub(address).Release(
+            await self._channels.stub(address).Release(
                 dispatcher_pb2.ReleaseRequest(assignment_id=assignment_id),
                 timeout=self._timeout_s,
             )
         except grpc.aio.AioRpcError as error:
             raise _domain_error(address, error) from None
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()
 
 
 def _domain_error(address: str, error: grpc.aio.AioRpcError) -> DomainError:
@@ -140,24 +145,14 @@ class MigRunner(Protocol):
         stream breaks."""
         ...
 
-    async def close(self) -> None: ...
-
 
 class GrpcMigRunner:
-    """RunMigBatch over gRPC, one channel per dispatcher address. The stream has no deadline
-    (a batch runs as long as its tasks do); the first answer must come within
-    `start_timeout_s`."""
+    """RunMigBatch over gRPC. The stream has no deadline (a batch runs as long as its tasks
+    do); the first answer must come within `start_timeout_s`."""
 
-    def __init__(self, start_timeout_s: float = 60.0) -> None:
+    def __init__(self, channels: DispatcherChannels, start_timeout_s: float = 60.0) -> None:
+        self._channels = channels
         self._start_timeout_s = start_timeout_s
-        self._stubs: dict[str, tuple[grpc.aio.Channel, dispatcher_pb2_grpc.DispatcherStub]] = {}
-
-    def _stub(self, address: str) -> dispatcher_pb2_grpc.DispatcherStub:
-        entry = self._stubs.get(address)
-        if entry is None:
-            channel = grpc.aio.insecure_channel(address)
-            entry = self._stubs[address] = (channel, dispatcher_pb2_grpc.DispatcherStub(channel))
-        return entry[1]
 
     async def run_mig_batch(
         self, address: str, request: MigRunRequest
@@ -173,7 +168,7 @@ class GrpcMigRunner:
             create_seconds=dict(request.create_seconds),
             destroy_seconds=dict(request.destroy_seconds),
         )
-        call = self._stub(address).RunMigBatch(message)
+        call = self._channels.stub(address).RunMigBatch(message)
         try:
             try:
                 first = await asyncio.wait_for(call.read(), self._start_timeout_s)
@@ -194,8 +189,3 @@ class GrpcMigRunner:
             raise _domain_error(address, error) from None
         finally:
             call.cancel()  # a no-op once the stream is over
-
-    async def close(self) -> None:
-        for channel, _ in self._stubs.values():
-            await channel.close()
-        self._stubs.clear()

@@ -5,9 +5,9 @@ the fleet's MIG GPUs and planned with FAR on each, concatenated after that GPU's
 planned instance, and each GPU's share runs through its dispatcher's RunMigBatch; every task's
 job ends with what its run reported.
 
-This is the MIG half of the `PlacementCore` and works inside it: under the core's lock, on the
-core's live jobs and GPUs, writing through the core's repository and ending jobs through the
-core's `_end`. The core calls its hooks: `admit` (submission), `collect` (after the decision
+It works on placement's jobs only through a `JobLedger` (ledger.py: read a job, note a pending
+reason, record, finish, end as reported, under the ledger's lock) and reads the GPUs from the
+`Inventory`. The decisions call its hooks: `admit` (submission), `collect` (after the decision
 batch that wrote the jobs), `before_end` (cancel, ReportJobDone), `forget` (a job ended),
 `restore` (start), `run` (its task), `stop`.
 """
@@ -20,7 +20,6 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 import structlog
 
@@ -39,16 +38,14 @@ from gpuloom.services.placement.dispatchers import (
     MigTaskRequest,
 )
 from gpuloom.services.placement.domain import Binding, GpuRecord, Job
-
-if TYPE_CHECKING:
-    from gpuloom.services.placement.core import PlacementCore
+from gpuloom.services.placement.inventory import Inventory
+from gpuloom.services.placement.ledger import JobLedger
+from gpuloom.services.placement.profiles import PROFILE_TTL_S, ProfileSource
 
 log = structlog.get_logger("gpuloom.placement.mig")
 
 WAITING = "waiting for the next MIG batch"
 NO_MIG_GPU = "no MIG-capable GPU is registered"
-# A MIG profile read from the profile store is reused for this long.
-PROFILE_TTL_S = 60.0
 MIG_SIZES = (1, 2, 3, 4, 7)
 
 
@@ -76,9 +73,16 @@ class _MigGpuInfo:
 
 class MigBatches:
     def __init__(
-        self, core: PlacementCore, runner: MigRunner | None, config: MigBatchConfig
+        self,
+        ledger: JobLedger,
+        inventory: Inventory,
+        profile_source: ProfileSource | None,
+        runner: MigRunner | None,
+        config: MigBatchConfig,
     ) -> None:
-        self._core = core
+        self._ledger = ledger
+        self._inventory = inventory
+        self._profile_source = profile_source
         self._runner = runner
         self.config = config
         self.planner = MigFleetPlanner()
@@ -92,20 +96,20 @@ class MigBatches:
         self._wake = asyncio.Event()
         self.last_plan: FleetPlan | None = None
 
-    # ---- hooks the core calls ----
+    # ---- hooks the decisions call ----
 
     async def admit(self, spec: JobSpec) -> JobSpec:
         """A valid MIG batch task's spec with its per-size times from its MIG profile."""
         if self._runner is None:
             raise FailedPrecondition("this placement service runs no MIG batches (no MIG runner)")
-        profiles = self._core._profiles
+        profiles = self._profile_source
         if profiles is None:
             raise FailedPrecondition(
                 "MIG batch tasks take their times from MIG profiles, and no profile store is "
                 "configured (GPULOOM_PLACEMENT_PROFILE_STORE_ADDRESS)"
             )
         key = (spec.task_key, spec.gpu_model)
-        now = self._core._clock()
+        now = self._ledger.now()
         cached = self._profiles.get(key)
         if cached is not None and now - cached[0] < PROFILE_TTL_S:
             return replace(spec, mig_times=cached[1])
@@ -132,7 +136,7 @@ class MigBatches:
         return replace(spec, mig_times=usable)
 
     def collect(self, jobs: Sequence[Job], now: float) -> None:
-        """Queue freshly written MIG jobs for the next batch (under the core's lock)."""
+        """Queue freshly written MIG jobs for the next batch (under the ledger's lock)."""
         if not jobs:
             return
         for job in jobs:
@@ -142,7 +146,7 @@ class MigBatches:
         self._wake.set()
 
     def before_end(self, job: Job, state: JobState) -> None:
-        """A job is ending by request (cancel, ReportJobDone), under the core's lock: a MIG
+        """A job is ending by request (cancel, ReportJobDone), under the ledger's lock: a MIG
         task in a batch cannot end that way (a waiting one can)."""
         if not job.spec.is_mig_batch or job.state is JobState.PENDING:
             return
@@ -158,7 +162,7 @@ class MigBatches:
         )
 
     def forget(self, job_id: str) -> None:
-        """A MIG task ended (under the core's lock): if it was waiting, it leaves the queue."""
+        """A MIG task ended (under the ledger's lock): if it was waiting, it leaves the queue."""
         self._collector.remove(job_id)
         self._arrived.pop(job_id, None)
         self._parked.pop(job_id, None)
@@ -177,7 +181,7 @@ class MigBatches:
             elif job.binding is not None:
                 in_batch[job.binding.gpu_uuid].append(job)
         for gpu, jobs in in_batch.items():
-            await self._core._finish_many(
+            await self._ledger.finish(
                 jobs,
                 JobState.LOST,
                 f"placement restarted while this task was in a MIG batch on GPU {gpu}: the "
@@ -190,14 +194,14 @@ class MigBatches:
                 waiting=len(self._arrived),
                 lost=sum(len(j) for j in in_batch.values()),
             )
-        self._refresh_reasons(self._core._clock())
+        self._refresh_reasons(self._ledger.now())
 
     async def run(self) -> None:
-        """Plan a batch whenever one is due (the core runs this as a task)."""
+        """Plan a batch whenever one is due (the decisions run this as a task)."""
         if not self.config.timer:
             return
         while True:
-            now = self._core._clock()
+            now = self._ledger.now()
             delay = self._collector.next_due_s(now)
             if self._arrived and (self._blocked or self._parked):
                 recheck = self.config.recheck_s
@@ -225,9 +229,9 @@ class MigBatches:
     async def plan_due(self) -> FleetPlan | None:
         """Plan the due batch, if one is due and a GPU can take it; start its runs. Returns
         the plan (None when none was made)."""
-        core = self._core
-        async with core._lock:
-            now = core._clock()
+        ledger = self._ledger
+        async with ledger.lock:
+            now = ledger.now()
             gpus = self._available()
             if not gpus:
                 self._refresh_reasons(now)
@@ -236,7 +240,7 @@ class MigBatches:
             batch: list[MigTask] = []
             only_on: list[set[str] | None] = []
             for task in self._collector.take(now):
-                job = core._live.get(task.name)
+                job = ledger.job(task.name)
                 if job is None or job.state is not JobState.PENDING:
                     self._arrived.pop(task.name, None)  # ended meanwhile (defensive)
                     continue
@@ -258,7 +262,7 @@ class MigBatches:
             try:
                 plan = await asyncio.to_thread(self.planner.plan, batch, fleet, only_on)
                 assigned = self._assigned(plan, batch, by_id, now)
-                await core._repo.update_jobs(assigned)
+                await ledger.record(assigned)
             except BaseException:
                 for task in batch:  # nothing happened: they wait for the next try
                     self._collector.add(task, self._arrived[task.name])
@@ -266,8 +270,6 @@ class MigBatches:
                     self.planner.forget(gpu_id)  # a plan that will not run
                 raise
             for job in assigned:
-                core._live[job.job_id] = job
-                core._publish(job)
                 self._arrived.pop(job.job_id, None)
             for gpu_id, gpu_plan in plan.plans.items():
                 self._busy_until[gpu_id] = max(
@@ -291,20 +293,19 @@ class MigBatches:
         """The GPUs that can take a MIG batch now: registered MIG-capable, of a model whose
         MIG geometry is known, with MIG mode on, not lost, not skipped after a failure, and
         holding no MPS or whole-GPU job. Sets `_blocked` to why none can."""
-        core = self._core
+        inventory = self._inventory
         gpus, capable, down, off, held = [], 0, 0, 0, 0
-        for record in core._gpus.values():
+        for record in inventory.records():
             info = record.info
             model = find_model(info.model)
             if not info.mig_capable or model is None or not model.mig_capable:
                 continue
             capable += 1
-            slot = core._fleet.slot(info.gpu_uuid)
-            if record.lost or info.gpu_uuid in core.suspended:
+            if inventory.is_down(record):
                 down += 1
             elif not info.mig_enabled:
                 off += 1
-            elif slot.allocations:
+            elif inventory.holds_shares(info.gpu_uuid):
                 held += 1
             else:
                 geometry = model.geometry().with_reconfig_times(
@@ -326,7 +327,7 @@ class MigBatches:
 
     def _unpark(self, gpus: Sequence[_MigGpuInfo]) -> None:
         for job_id in list(self._parked):
-            job = self._core._live.get(job_id)
+            job = self._ledger.job(job_id)
             if job is None or job.state is not JobState.PENDING:
                 del self._parked[job_id]
                 self._arrived.pop(job_id, None)
@@ -348,7 +349,6 @@ class MigBatches:
         gpus: Mapping[str, _MigGpuInfo],
         now: float,
     ) -> list[Job]:
-        core = self._core
         assigned = []
         for gpu_id, gpu_plan in plan.plans.items():
             gpu = gpus[gpu_id]
@@ -356,7 +356,8 @@ class MigBatches:
             assert model is not None
             for a in gpu_plan.new_assignments:
                 task = batch[gpu_plan.batch_indices[a.task_index - gpu_plan.first_new]]
-                job = core._live[task.name]
+                job = self._ledger.job(task.name)
+                assert job is not None  # pending under the lock since it was taken
                 binding = Binding(
                     gpu_uuid=gpu_id,
                     node=gpu.record.info.node,
@@ -383,7 +384,7 @@ class MigBatches:
         return assigned
 
     def _refresh_reasons(self, now: float) -> None:
-        """Every waiting task's pending reason, fresh (in memory only, like the core's)."""
+        """Every waiting task's pending reason, fresh (in memory only, like the decisions')."""
         due = self._collector.next_due_s(now)
         if self._blocked:
             waiting = self._blocked
@@ -395,12 +396,8 @@ class MigBatches:
                 f"{WAITING} ({self._collector.waiting} of {self.config.max_tasks} tasks; "
                 f"due {when})"
             )
-        live = self._core._live
         for job_id in self._arrived:
-            reason = self._parked.get(job_id, waiting)
-            job = live.get(job_id)
-            if job is not None and job.state is JobState.PENDING and job.pending_reason != reason:
-                live[job_id] = replace(job, pending_reason=reason)
+            self._ledger.set_pending_reason(job_id, self._parked.get(job_id, waiting))
 
     # ---- runs ----
 
@@ -409,15 +406,16 @@ class MigBatches:
         its previous batch is over (a dispatcher runs one batch at a time)."""
         assert self._runner is not None
         sizes = gpu.geometry.sizes
-        live = self._core._live
         tasks = []
         for index in gpu_plan.batch_indices:
             task = batch[index]
+            job = self._ledger.job(task.name)
+            assert job is not None  # assigned under the lock just now
             tasks.append(
                 MigTaskRequest(
                     name=task.name,
                     seconds_by_size={s: t for s, t in task.times.items() if s in sizes},
-                    argv=live[task.name].spec.command,
+                    argv=job.spec.command,
                 )
             )
         geometry = gpu.geometry
@@ -485,8 +483,7 @@ class MigBatches:
             )
 
     async def _task_ended(self, gpu_id: str, update: TaskRun) -> None:
-        core = self._core
-        job = core._live.get(update.task)
+        job = self._ledger.job(update.task)
         if job is None or job.state is not JobState.ASSIGNED or job.binding is None:
             return  # lost with its GPU meanwhile: that stands
         slot = job.binding.mig
@@ -504,7 +501,7 @@ class MigBatches:
         )
         state = JobState.SUCCEEDED if update.exit_code == 0 else JobState.FAILED
         try:
-            await core._end(job.job_id, state, message, update.exit_code, from_mig_run=True)
+            await self._ledger.end_reported(job.job_id, state, message, update.exit_code)
         except DomainError as error:  # ended meanwhile
             log.info("MIG task end not recorded", job=job.job_id, error=error.message)
 
@@ -512,21 +509,21 @@ class MigBatches:
         """A run that never started gives its tasks back to the queue; one whose stream broke
         part-way cannot say how its tasks ended: they are LOST. Either way the GPU takes no
         batch until its next heartbeat."""
-        core = self._core
-        async with core._lock:
-            now = core._clock()
+        ledger = self._ledger
+        async with ledger.lock:
+            now = ledger.now()
             jobs = [
                 job
                 for name in left
-                if (job := core._live.get(name)) is not None
+                if (job := ledger.job(name)) is not None
                 and job.state is JobState.ASSIGNED
                 and job.binding is not None
                 and job.binding.gpu_uuid == gpu_id
             ]
-            core._suspend(gpu_id)
+            self._inventory.suspend(gpu_id)
             self.planner.forget(gpu_id)
             if started:
-                await core._finish_many(
+                await ledger.finish(
                     jobs,
                     JobState.LOST,
                     f"its MIG batch on GPU {gpu_id} started, then the run's stream failed "
@@ -545,10 +542,8 @@ class MigBatches:
                 )
                 for job in jobs
             ]
-            await core._repo.update_jobs(back)
+            await ledger.record(back)
             for job in back:
-                core._live[job.job_id] = job
-                core._publish(job)
                 # From its submission: it has waited its window already, so the next batch
                 # is due at once.
                 self._collector.add(_task(job), job.submitted_at)

@@ -4,9 +4,12 @@ implementation, and the conversions from store profiles to the policies' inputs.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
+import structlog
 
 from gpuloom.convert.profiles import (
     kernel_profile_from_pb,
@@ -14,11 +17,15 @@ from gpuloom.convert.profiles import (
     throughput_profile_from_pb,
 )
 from gpuloom.convert.status import error_from_rpc
-from gpuloom.domain.errors import NotFound
+from gpuloom.domain.errors import DomainError, NotFound
 from gpuloom.domain.profiles import KernelProfile, MigProfile, ThroughputProfile
-from gpuloom.policies.placement import KernelTimes, ThroughputPoint
+from gpuloom.policies.placement import KernelProfiles, KernelTimes, ThroughputPoint
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
+log = structlog.get_logger("gpuloom.placement")
+
+# A profile looked up in the profile store is reused for this long (found or not).
+PROFILE_TTL_S = 60.0
 # A kernel profile becomes at most this many (duration, gap) pairs: enough to describe a run's
 # shape, bounded so that scoring a pair of jobs stays cheap.
 MAX_KERNEL_ENTRIES = 4096
@@ -39,6 +46,35 @@ class ProfileSource(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+class KernelTimesCache:
+    """Kernel times of submitted tasks, fetched before their jobs are decided and offered to
+    every placement policy as its context (policies never wait on the profile store)."""
+
+    def __init__(self, source: ProfileSource | None, clock: Callable[[], float]) -> None:
+        self._source = source
+        self._clock = clock
+        self._looked_up: dict[tuple[str, str], float] = {}  # (task, model) -> looked up at
+        self.context = KernelProfiles()
+
+    async def prefetch(self, task_key: str, gpu_model: str) -> None:
+        """Look the task's kernel times up, once a minute at most; an unavailable store is
+        logged and the job placed without them."""
+        if self._source is None or not task_key:
+            return
+        key = (task_key, gpu_model)
+        now = self._clock()
+        if now - self._looked_up.get(key, -math.inf) < PROFILE_TTL_S:
+            return
+        self._looked_up[key] = now
+        try:
+            times = await self._source.kernel_times(task_key, gpu_model)
+        except DomainError as error:
+            log.warning("kernel profile unavailable", task=task_key, error=error.message)
+            return
+        if times is not None:
+            self.context.set_profile(times)
 
 
 def kernel_times_from_profile(profile: KernelProfile) -> KernelTimes:

@@ -40,9 +40,6 @@ class FakeDispatchers:
             raise Unavailable(f"dispatcher {address} unreachable")
         self.held[address].pop(assignment_id, None)
 
-    async def close(self) -> None:
-        pass
-
     def all_held(self) -> dict[str, str]:
         """assignment id -> dispatcher address, over every dispatcher."""
         return {aid: address for address, held in self.held.items() for aid in held}
@@ -119,6 +116,3 @@ class FakeMigRunner:
                 )
         finally:
             self.running.discard(address)
-
-    async def close(self) -> None:
-        pass

@@ -292,7 +292,7 @@ async def test_watch_follows_a_job_through_its_changes(
     await register_all(placement.stub, dispatchers)
     job = await submit(placement.stub, mps_spec("followed"))
     watching = asyncio.create_task(invoke("watch", job.job_id, address(placement)))
-    await eventually(lambda: bool(placement.app.core._watchers.get(job.job_id)))
+    await eventually(lambda: bool(placement.app.core.jobs._watchers.get(job.job_id)))
     await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="bye"))
     watched = await watching
     assert watched.exit_code == 0, watched.output

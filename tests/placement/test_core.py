@@ -95,8 +95,8 @@ async def test_a_restart_keeps_every_job_and_decision_and_binds_what_was_only_re
         if job.state is JobState.ASSIGNED:
             assert again.state is JobState.ASSIGNED and again.binding == job.binding
     # The fleet is rebuilt from the stored rectangles: nothing overlaps, nothing is lost.
-    core._fleet.verify()
-    assert sorted(core._fleet.gpu_ids()) == ["GPU-0", "GPU-1"]
+    core.inventory.fleet.verify()
+    assert sorted(core.inventory.fleet.gpu_ids()) == ["GPU-0", "GPU-1"]
     # Re-submitting the same requests gives the same jobs, not new placements.
     for i in range(6):
         assert (await core.submit(f"r{i}", spec(f"j{i}", sm=30, quota=30))).job_id in before
@@ -163,13 +163,13 @@ async def test_no_gpu_is_ever_over_committed_whatever_the_order(
                     await core.heartbeat(f"GPU-{i}", 0.0, 0, [])
             await core.check_heartbeats()
             await core.heartbeat(f"GPU-{which % 3}", 0.0, 0, [])
-        core._fleet.verify()
-        for gpu_id in core._fleet.gpu_ids():
-            slot = core._fleet.slot(gpu_id)
+        core.inventory.fleet.verify()
+        for gpu_id in core.inventory.fleet.gpu_ids():
+            slot = core.inventory.fleet.slot(gpu_id)
             assert slot.memory_used <= 48 * GIB
             assert slot.area_used <= GRID_W * GRID_H
         # What the dispatchers hold is exactly the assigned jobs.
-        live_assigned = {j.job_id for j in core._live.values() if j.state is JobState.ASSIGNED}
+        live_assigned = {j.job_id for j in core.jobs.live.values() if j.state is JobState.ASSIGNED}
         assert set(h.dispatchers.all_held()) >= live_assigned
     await h.stop()
 
@@ -185,7 +185,7 @@ async def test_gpus_in_mig_mode_take_no_shares(harness: CoreHarness) -> None:
     assert {j.binding.gpu_uuid for j in placed if j.binding} == {"GPU-1"}
     # A heartbeat after a restart of its dispatcher does not open it to shares either.
     await core.register_gpu(mig_mode, "10.0.0.0:50060")
-    assert not core._fleet.slot("GPU-0").schedulable
+    assert not core.inventory.fleet.slot("GPU-0").schedulable
 
 
 async def test_a_gpu_re_registered_smaller_than_its_jobs_is_refused_and_changes_nothing(
@@ -198,12 +198,12 @@ async def test_a_gpu_re_registered_smaller_than_its_jobs_is_refused_and_changes_
     assert job.state is JobState.ASSIGNED
     with pytest.raises(FailedPrecondition, match="would not fit"):
         await core.register_gpu(gpu(0, memory_gib=40), "10.0.0.0:50060")
-    assert core._fleet.gpu("GPU-0").memory_bytes == 80 * GIB
-    assert [a.allocation_id for a in core._fleet.allocations("GPU-0")] == [job.job_id]
+    assert core.inventory.fleet.gpu("GPU-0").memory_bytes == 80 * GIB
+    assert [a.allocation_id for a in core.inventory.fleet.allocations("GPU-0")] == [job.job_id]
     # Larger is fine, and the job stays where it is.
     await core.register_gpu(gpu(0, memory_gib=96), "10.0.0.9:50060")
-    assert core._fleet.gpu("GPU-0").memory_bytes == 96 * GIB
-    assert core._fleet.gpu_of(job.job_id) == "GPU-0"
+    assert core.inventory.fleet.gpu("GPU-0").memory_bytes == 96 * GIB
+    assert core.inventory.fleet.gpu_of(job.job_id) == "GPU-0"
 
 
 async def test_list_gpus_pages_through_the_fleet_by_node_then_uuid(harness: CoreHarness) -> None:

@@ -188,7 +188,7 @@ async def test_a_batch_is_split_over_two_mig_gpus_with_legal_plans_written_durab
 
     for job in jobs:
         got = await core.get(job.job_id)
-        stored = await core._repo.get_job(job.job_id)  # written, not only in memory
+        stored = await core.repository.get_job(job.job_id)  # written, not only in memory
         gpu_id, a, now_s = by_job[job.job_id]
         for seen in (got, stored):
             assert seen is not None and seen.state is JobState.ASSIGNED
@@ -321,7 +321,7 @@ async def test_a_task_without_a_mig_profile_or_profile_store_is_a_failed_precond
     try:
         with pytest.raises(FailedPrecondition, match="PROFILE_STORE_ADDRESS"):
             await core.submit("r", mig_spec())
-        assert not await core._repo.live_jobs()  # nothing was written
+        assert not await core.repository.live_jobs()  # nothing was written
     finally:
         await h.stop()
 
@@ -379,7 +379,7 @@ async def test_a_refused_run_gives_its_tasks_back_to_the_next_batch(harness: Har
     assert await core.mig.plan_due() is not None
     back = await harness.wait_for(ids(jobs), JobState.PENDING)
     # Written with the reason; GPU-0 is skipped until its next heartbeat.
-    stored = await core._repo.get_job(jobs[0].job_id)
+    stored = await core.repository.get_job(jobs[0].job_id)
     assert stored is not None and stored.state is JobState.PENDING and stored.binding is None
     assert stored.pending_reason.startswith(
         "its MIG batch on GPU GPU-0 could not run (dispatcher 10.0.0.0:50060 unreachable)"

@@ -16,7 +16,8 @@ from gpuloom.policies.mig.plan import (
     Reconfiguration,
     verify_plan,
 )
-from gpuloom.policies.mig.registry import PLANNERS, UnknownPolicyError, get_planner
+from gpuloom.policies.mig.registry import PLANNERS, get_planner
+from gpuloom.policies.registry import UnknownPolicyError
 
 __all__ = [
     "PLANNERS",

@@ -3,7 +3,8 @@ over each GPU's time-quota x SM rectangle, its auto-scaling heuristic, bin-packi
 and time-sharing baselines, and a FIKIT gap-aware policy for low-priority jobs.
 
 Pure code: the placement service and the simulator keep a `Fleet` (every GPU's allocations and
-free rectangles, incrementally) and call `Fleet.place(job, policy)` and `Fleet.release(id)`.
+free rectangles, incrementally) and call `Fleet.place(job, policy, context)` and
+`Fleet.release(id)`; the context offers every policy the profiles the caller has loaded.
 `get_policy(name)` finds a policy; `plan_scaling` is Algorithm 1.
 """
 
@@ -13,7 +14,13 @@ from gpuloom.policies.placement.autoscale import (
     ThroughputPoint,
     plan_scaling,
 )
-from gpuloom.policies.placement.binpack import BinPackPolicy, SpreadPolicy
+from gpuloom.policies.placement.binpack import BinPackPolicy
+from gpuloom.policies.placement.context import (
+    NO_PROFILES,
+    KernelProfiles,
+    KernelTimes,
+    PlacementContext,
+)
 from gpuloom.policies.placement.fleet import (
     Fleet,
     GpuSlot,
@@ -24,7 +31,6 @@ from gpuloom.policies.placement.fleet import (
 from gpuloom.policies.placement.gap_aware import (
     MIN_GAP_NS,
     GapAwarePolicy,
-    KernelTimes,
     fill_rate,
     fillable_ns,
 )
@@ -44,13 +50,10 @@ from gpuloom.policies.placement.model import (
     quota_steps,
 )
 from gpuloom.policies.placement.mra import MraPolicy
-from gpuloom.policies.placement.registry import (
-    DEFAULT_POLICY,
-    POLICIES,
-    UnknownPlacementPolicyError,
-    get_policy,
-)
+from gpuloom.policies.placement.registry import DEFAULT_POLICY, POLICIES, get_policy
+from gpuloom.policies.placement.spread import SpreadPolicy
 from gpuloom.policies.placement.timeshare import TimeSharePolicy
+from gpuloom.policies.registry import UnknownPolicyError
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -58,6 +61,7 @@ __all__ = [
     "GRID_H",
     "GRID_W",
     "MIN_GAP_NS",
+    "NO_PROFILES",
     "POLICIES",
     "QUOTA_STEPS_PER_PERCENT",
     "Allocation",
@@ -70,10 +74,12 @@ __all__ = [
     "InvalidRequestError",
     "InvalidStateError",
     "JobRequest",
+    "KernelProfiles",
     "KernelTimes",
     "ModelIndex",
     "MraPolicy",
     "Placement",
+    "PlacementContext",
     "PlacementPolicy",
     "Rect",
     "Replica",
@@ -81,7 +87,7 @@ __all__ = [
     "SpreadPolicy",
     "ThroughputPoint",
     "TimeSharePolicy",
-    "UnknownPlacementPolicyError",
+    "UnknownPolicyError",
     "Unplaceable",
     "fill_rate",
     "fillable_ns",

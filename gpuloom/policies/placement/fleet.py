@@ -21,6 +21,7 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
 from gpuloom.policies.placement.maxrects import (
     Box,
     FreeRects,
@@ -207,14 +208,20 @@ class Fleet:
 
     # --- deciding -------------------------------------------------------------------------
 
-    def place(self, job: JobRequest, policy: PlacementPolicy) -> Placement | Unplaceable:
-        """Ask `policy` where `job` goes and commit the allocation; Unplaceable changes nothing."""
+    def place(
+        self,
+        job: JobRequest,
+        policy: PlacementPolicy,
+        context: PlacementContext = NO_PROFILES,
+    ) -> Placement | Unplaceable:
+        """Ask `policy` where `job` goes, offering it `context`, and commit the allocation;
+        Unplaceable changes nothing."""
         job.validate()
         if job.job_id in self._where:
             raise InvalidRequestError(
                 f"job {job.job_id} already holds an allocation on GPU {self._where[job.job_id]}"
             )
-        decision = policy.place(job, self)
+        decision = policy.place(job, self, context)
         if isinstance(decision, Unplaceable):
             return decision
         self._commit(job, decision)

@@ -18,21 +18,18 @@ time (its kernels plus its gaps), shared by the low-priority jobs already on tha
 
 Without a profile for the job, without a profiled holder it outranks, or when no such GPU has
 room or any fillable time, the job is placed by the fallback policy (MRA by default).
-Profiles are plain data given by the caller (`set_profile`), e.g. from the profile store.
+Profiles come from the placement context (`context.kernel_times`), loaded beforehand by the
+caller, e.g. from the profile store.
 """
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from itertools import accumulate
-from types import MappingProxyType
 
+from gpuloom.policies.placement.context import KernelTimes, PlacementContext
 from gpuloom.policies.placement.fleet import Fleet
 from gpuloom.policies.placement.model import (
-    InvalidRequestError,
     JobRequest,
     Placement,
     PlacementPolicy,
@@ -43,33 +40,6 @@ from gpuloom.policies.placement.mra import MraPolicy
 
 # FIKIT skips idle gaps shorter than this: a kernel launch alone costs 0.1-2 ms.
 MIN_GAP_NS = 100_000.0
-
-
-@dataclass(frozen=True, slots=True)
-class KernelTimes:
-    """A task's kernel profile: the mean duration of each kernel of one run in launch order,
-    and the mean idle gap after each (FIKIT's per-kernel-ID means); all in nanoseconds. A
-    histogram works too: list each duration as often as it occurs."""
-
-    task_key: str
-    durations_ns: tuple[float, ...]
-    gaps_ns: tuple[float, ...] = ()
-
-    @property
-    def run_ns(self) -> float:
-        return math.fsum(self.durations_ns) + math.fsum(self.gaps_ns)
-
-    def validate(self) -> None:
-        """Raise InvalidRequestError unless the key is set and every time is finite, >= 0."""
-        if not isinstance(self.task_key, str) or not self.task_key:
-            raise InvalidRequestError(f"task_key must be a non-empty string: {self.task_key!r}")
-        for name in ("durations_ns", "gaps_ns"):
-            values = getattr(self, name)
-            if not isinstance(values, tuple) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < math.inf
-                for v in values
-            ):
-                raise InvalidRequestError(f"{name} must be a tuple of finite times >= 0")
 
 
 def fillable_ns(holder: KernelTimes, filler: KernelTimes, min_gap_ns: float = MIN_GAP_NS) -> float:
@@ -112,54 +82,39 @@ class GapAwarePolicy:
     name = "gap-aware"
 
     def __init__(
-        self,
-        profiles: Iterable[KernelTimes] = (),
-        fallback: PlacementPolicy | None = None,
-        min_gap_ns: float = MIN_GAP_NS,
+        self, fallback: PlacementPolicy | None = None, min_gap_ns: float = MIN_GAP_NS
     ) -> None:
         self.fallback: PlacementPolicy = MraPolicy() if fallback is None else fallback
         self.min_gap_ns = min_gap_ns
-        self._profiles: dict[str, KernelTimes] = {}
-        self._rates: dict[tuple[str, str], float] = {}  # (holder, filler) -> fill_rate
-        for times in profiles:
-            self.set_profile(times)
+        # (holder, filler) -> the two profiles a rate was computed from, and the rate: a
+        # context that hands out a new profile for a key makes its rates stale.
+        self._rates: dict[tuple[str, str], tuple[KernelTimes, KernelTimes, float]] = {}
 
-    @property
-    def profiles(self) -> Mapping[str, KernelTimes]:
-        return MappingProxyType(self._profiles)
-
-    def set_profile(self, times: KernelTimes) -> None:
-        times.validate()
-        self._profiles[times.task_key] = times
-        self._forget_rates(times.task_key)
-
-    def forget_profile(self, task_key: str) -> None:
-        self._profiles.pop(task_key, None)
-        self._forget_rates(task_key)
-
-    def rate(self, holder_key: str, filler_key: str) -> float:
-        """fill_rate of the two profiles (0 if either is unknown), cached."""
-        key = (holder_key, filler_key)
-        rate = self._rates.get(key)
-        if rate is None:
-            holder = self._profiles.get(holder_key)
-            filler = self._profiles.get(filler_key)
-            rate = 0.0
-            if holder is not None and filler is not None:
-                rate = fill_rate(holder, filler, self.min_gap_ns)
-            self._rates[key] = rate
+    def rate(self, context: PlacementContext, holder_key: str, filler_key: str) -> float:
+        """fill_rate of the two tasks' profiles in `context` (0 if either is unknown), cached."""
+        holder = context.kernel_times(holder_key)
+        filler = context.kernel_times(filler_key)
+        if holder is None or filler is None:
+            return 0.0
+        cached = self._rates.get((holder_key, filler_key))
+        if cached is not None and cached[0] is holder and cached[1] is filler:
+            return cached[2]
+        rate = fill_rate(holder, filler, self.min_gap_ns)
+        self._rates[(holder_key, filler_key)] = (holder, filler, rate)
         return rate
 
-    def place(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
-        if job.task_key not in self._profiles:
-            return self.fallback.place(job, fleet)
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        if not job.task_key or context.kernel_times(job.task_key) is None:
+            return self.fallback.place(job, fleet, context)
         groups = fleet.holder_groups()
         ranked = []
         for group in groups:
             holder_key, holder_priority, fillers = group
             if holder_priority >= job.priority:
                 continue  # the job does not rank below this holder: nothing to fill
-            rate = self.rate(holder_key, job.task_key)
+            rate = self.rate(context, holder_key, job.task_key)
             if rate > 0:
                 ranked.append((-rate / (1 + fillers), group))
         ranked.sort()
@@ -191,7 +146,4 @@ class GapAwarePolicy:
                 rect = Rect(box[0], box[1], w, h)
                 return Placement(job.job_id, gpu_id, fleet.slot(gpu_id).node, rect, self.name)
             i = j
-        return self.fallback.place(job, fleet)
-
-    def _forget_rates(self, task_key: str) -> None:
-        self._rates = {k: v for k, v in self._rates.items() if task_key not in k}
+        return self.fallback.place(job, fleet, context)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from gpuloom.policies.placement.context import PlacementContext
     from gpuloom.policies.placement.fleet import Fleet
 
 QUOTA_STEPS_PER_PERCENT = 100
@@ -254,11 +255,14 @@ class Unplaceable:
 class PlacementPolicy(Protocol):
     """Chooses a GPU and a rectangle for one job. The fleet holds the free space of every GPU
     (incrementally, shared by all policies), so a policy keeps no per-GPU state and needs no
-    release hook; `Fleet.place` commits what it returns."""
+    release hook; `Fleet.place` commits what it returns. Whatever else a policy may know
+    (kernel profiles) comes through `context`, the same lookups offered to every policy."""
 
     @property
     def name(self) -> str: ...
 
-    def place(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
         """Decide only: nothing changes until the fleet commits the placement."""
         ...

@@ -18,6 +18,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
+from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet import Fleet
 from gpuloom.policies.placement.maxrects import Box
 from gpuloom.policies.placement.model import JobRequest, Placement, Rect, Unplaceable
@@ -51,7 +52,9 @@ def best_match(fleet: Fleet, job: JobRequest, w: int, h: int) -> tuple[str, Box]
 class MraPolicy:
     name: str = "mra"
 
-    def place(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
         w, h = job.w, job.sm_percent
         found = best_match(fleet, job, w, h)
         if found is None:

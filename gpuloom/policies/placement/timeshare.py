@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet import Fleet
 from gpuloom.policies.placement.model import GRID_H, JobRequest, Placement, Rect, Unplaceable
 
@@ -19,7 +20,9 @@ from gpuloom.policies.placement.model import GRID_H, JobRequest, Placement, Rect
 class TimeSharePolicy:
     name: str = "time-share"
 
-    def place(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
         w = job.w
         area = w * GRID_H
         best: str | None = None

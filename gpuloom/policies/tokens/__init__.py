@@ -1,10 +1,11 @@
 """Token scheduling for one GPU's dispatcher: Gemini-style time leases, FaST-GShare's
-spatio-temporal multi-token policy, and exclusive and FIFO baselines.
+spatio-temporal multi-token policy, and the exclusive and FIFO baselines.
 
 Pure code: the live dispatcher and the simulator drive `TokenScheduler` with an injected clock.
 `get_policy(name)` finds a policy.
 """
 
+from gpuloom.policies.registry import UnknownPolicyError
 from gpuloom.policies.tokens.model import (
     EPSILON_S,
     ClientShare,
@@ -16,12 +17,7 @@ from gpuloom.policies.tokens.model import (
     TokenConfig,
     TokenPolicy,
 )
-from gpuloom.policies.tokens.registry import (
-    DEFAULT_POLICY,
-    POLICIES,
-    UnknownTokenPolicyError,
-    get_policy,
-)
+from gpuloom.policies.tokens.registry import DEFAULT_POLICY, POLICIES, get_policy
 from gpuloom.policies.tokens.scheduler import ClientSnapshot, SchedulerSnapshot, TokenScheduler
 
 __all__ = [
@@ -39,6 +35,6 @@ __all__ = [
     "TokenConfig",
     "TokenPolicy",
     "TokenScheduler",
-    "UnknownTokenPolicyError",
+    "UnknownPolicyError",
     "get_policy",
 ]

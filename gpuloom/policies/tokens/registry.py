@@ -2,34 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from functools import partial
 
-from gpuloom.policies.tokens.exclusive import ExclusivePolicy
-from gpuloom.policies.tokens.fifo import FifoPolicy
+from gpuloom.policies.registry import Registry
 from gpuloom.policies.tokens.model import TokenPolicy
+from gpuloom.policies.tokens.one_at_a_time import OneAtATimePolicy
 from gpuloom.policies.tokens.spatiotemporal import SpatioTemporalPolicy
 
 DEFAULT_POLICY = "spatiotemporal"
 
-
-class UnknownTokenPolicyError(ValueError):
-    """No token policy has that name."""
-
-
-POLICIES: Mapping[str, Callable[[], TokenPolicy]] = MappingProxyType(
+POLICIES: Registry[TokenPolicy] = Registry(
+    "token",
     {
         "spatiotemporal": SpatioTemporalPolicy,
-        "exclusive": ExclusivePolicy,
-        "fifo": FifoPolicy,
-    }
+        "exclusive": partial(OneAtATimePolicy, "exclusive", sliced=False),
+        "fifo": partial(OneAtATimePolicy, "fifo", sliced=True),
+    },
 )
 
 
 def get_policy(name: str) -> TokenPolicy:
-    """The policy called `name` (surrounding blanks ignored)."""
-    make = POLICIES.get(name.strip()) if isinstance(name, str) else None
-    if make is None:
-        known = ", ".join(sorted(POLICIES))
-        raise UnknownTokenPolicyError(f"unknown token policy {name!r}; known: {known}")
-    return make()
+    """A new policy called `name` (surrounding blanks ignored)."""
+    return POLICIES.create(name)

@@ -13,6 +13,7 @@ from gpuloom.policies.placement import (
     InvalidStateError,
     JobRequest,
     Placement,
+    PlacementContext,
     Unplaceable,
     get_policy,
 )
@@ -142,7 +143,7 @@ def test_a_policy_cannot_commit_taken_space() -> None:
     class Squatter:
         name = "squatter"
 
-        def place(self, job: JobRequest, fleet: Fleet) -> Placement:
+        def place(self, job: JobRequest, fleet: Fleet, context: PlacementContext) -> Placement:
             return Placement(job.job_id, "a", "n", rect(0, 0, 50, 50), self.name)
 
     fleet = fleet_of(gpu("a"))

@@ -4,9 +4,11 @@ fallback to MRA."""
 import pytest
 
 from gpuloom.policies.placement import (
+    NO_PROFILES,
     Allocation,
     GapAwarePolicy,
     InvalidRequestError,
+    KernelProfiles,
     KernelTimes,
     MraPolicy,
     fill_rate,
@@ -55,9 +57,9 @@ def test_a_low_priority_job_goes_where_its_kernels_fill_the_gaps() -> None:
     fleet = fleet_of(held("a", "short"), held("b", "long"))
     low = job("filler", 30, 30, priority=5, task_key="low")
     # MRA alone ties the two GPUs and takes the lower id.
-    assert placed(MraPolicy().place(low, fleet)).gpu_id == "a"
-    policy = GapAwarePolicy([SHORT_GAPS, LONG_GAPS, FILLER])
-    p = placed(fleet.place(low, policy))
+    assert placed(MraPolicy().place(low, fleet, NO_PROFILES)).gpu_id == "a"
+    profiles = KernelProfiles([SHORT_GAPS, LONG_GAPS, FILLER])
+    p = placed(fleet.place(low, GapAwarePolicy(), profiles))
     assert (p.gpu_id, p.policy) == ("b", "gap-aware")
     assert not p.rect.overlaps(rect(0, 0, 50, 50))
     fleet.verify()
@@ -65,10 +67,10 @@ def test_a_low_priority_job_goes_where_its_kernels_fill_the_gaps() -> None:
 
 def test_lower_priority_jobs_already_there_share_the_gaps() -> None:
     fleet = fleet_of(held("a", "medium"), held("b", "long"))
-    policy = GapAwarePolicy([MEDIUM_GAPS, LONG_GAPS, HALF_MS])
-    first = placed(fleet.place(job("f1", 10, 10, priority=3, task_key="half"), policy))
+    policy, profiles = GapAwarePolicy(), KernelProfiles([MEDIUM_GAPS, LONG_GAPS, HALF_MS])
+    first = placed(fleet.place(job("f1", 10, 10, priority=3, task_key="half"), policy, profiles))
     assert first.gpu_id == "b"  # 0.75 > 0.6
-    second = placed(fleet.place(job("f2", 10, 10, priority=3, task_key="half"), policy))
+    second = placed(fleet.place(job("f2", 10, 10, priority=3, task_key="half"), policy, profiles))
     assert second.gpu_id == "a"  # b: 0.75 / 2 < 0.6
     assert fleet.holder_groups() == {("medium", 0, 1): ["a"], ("long", 0, 1): ["b"]}
 
@@ -80,38 +82,40 @@ def test_a_full_gpu_is_passed_over_for_the_next_best() -> None:
     p = placed(
         fleet.place(
             job("f", 60, 10, priority=3, task_key="half"),
-            GapAwarePolicy([MEDIUM_GAPS, LONG_GAPS, HALF_MS]),
+            GapAwarePolicy(),
+            KernelProfiles([MEDIUM_GAPS, LONG_GAPS, HALF_MS]),
         )
     )
     assert p.gpu_id == "a"
 
 
 @pytest.mark.parametrize(
-    ("policy", "low"),
+    ("profiles", "low"),
     [
-        (GapAwarePolicy(), job("x", 30, 30, priority=5, task_key="low")),  # no profiles
-        (GapAwarePolicy([LONG_GAPS, FILLER]), job("x", 30, 30, priority=5)),  # no task key
-        (GapAwarePolicy([LONG_GAPS, FILLER]), job("x", 30, 30, priority=0, task_key="low")),
-        (GapAwarePolicy([LONG_GAPS]), job("x", 30, 30, priority=5, task_key="low")),
-        (GapAwarePolicy([SHORT_GAPS, FILLER]), job("x", 30, 30, priority=5, task_key="low")),
+        (KernelProfiles(), job("x", 30, 30, priority=5, task_key="low")),  # no profiles
+        (KernelProfiles([LONG_GAPS, FILLER]), job("x", 30, 30, priority=5)),  # no task key
+        (KernelProfiles([LONG_GAPS, FILLER]), job("x", 30, 30, priority=0, task_key="low")),
+        (KernelProfiles([LONG_GAPS]), job("x", 30, 30, priority=5, task_key="low")),
+        (KernelProfiles([SHORT_GAPS, FILLER]), job("x", 30, 30, priority=5, task_key="low")),
     ],
     ids=["no-profiles", "no-task-key", "not-lower-priority", "job-unprofiled", "nothing-fills"],
 )
-def test_falls_back_to_mra(policy: GapAwarePolicy, low) -> None:
+def test_falls_back_to_mra(profiles: KernelProfiles, low) -> None:
     # b's holder has long gaps, but gap-aware cannot use them here: MRA's choice, a.
     fleet = fleet_of(held("a", "short"), held("b", "long"))
-    p = placed(fleet.place(low, policy))
+    p = placed(fleet.place(low, GapAwarePolicy(), profiles))
     assert (p.gpu_id, p.policy) == ("a", "mra")
 
 
 def test_profiles_can_change() -> None:
     fleet = fleet_of(held("a", "short"), held("b", "long"))
-    policy = GapAwarePolicy([SHORT_GAPS, LONG_GAPS, FILLER])
-    assert policy.rate("long", "low") > 0
-    policy.set_profile(KernelTimes("long", (1 * MS,), (200 * US,)))
-    assert policy.rate("long", "low") == 0
-    assert placed(fleet.place(job("x", 30, 30, priority=5, task_key="low"), policy)).gpu_id == "a"
-    policy.forget_profile("low")
-    assert "low" not in policy.profiles
+    policy, profiles = GapAwarePolicy(), KernelProfiles([SHORT_GAPS, LONG_GAPS, FILLER])
+    assert policy.rate(profiles, "long", "low") > 0
+    profiles.set_profile(KernelTimes("long", (1 * MS,), (200 * US,)))
+    assert policy.rate(profiles, "long", "low") == 0
+    low = job("x", 30, 30, priority=5, task_key="low")
+    assert placed(fleet.place(low, policy, profiles)).gpu_id == "a"
+    profiles.forget_profile("low")
+    assert "low" not in profiles.profiles
     with pytest.raises(InvalidRequestError, match="durations_ns"):
-        policy.set_profile(KernelTimes("bad", (-1.0,)))
+        profiles.set_profile(KernelTimes("bad", (-1.0,)))

@@ -1,0 +1,618 @@
+"""Placement's jobs and its decisions: submissions and ends are queued, decided in batches by
+one task against the inventory's `Fleet`, written in one transaction, and only then bound on
+the dispatchers (reserve-then-bind). A bind that fails gives the capacity back and leaves the
+job pending with the reason; the GPU takes no new job until its next heartbeat.
+
+`Decisions` is also the `JobLedger` its MIG batches work through (mig_batches.py): MIG batch
+tasks are written PENDING by the same decision batches, then collected into MIG batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+
+import structlog
+
+from gpuloom.domain.errors import (
+    AlreadyExists,
+    DomainError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from gpuloom.domain.placement import JobSpec, JobState
+from gpuloom.policies.placement import (
+    POLICIES,
+    JobRequest,
+    PlacementPolicy,
+    Unplaceable,
+    get_policy,
+)
+from gpuloom.services.placement import metrics
+from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
+from gpuloom.services.placement.domain import JOB_ID_PREFIX, Binding, Job, validate_request_id
+from gpuloom.services.placement.inventory import Inventory
+from gpuloom.services.placement.ledger import LiveJobs
+from gpuloom.services.placement.mig_batches import WAITING, MigBatchConfig, MigBatches
+from gpuloom.services.placement.paging import decode_seq, encode_token
+from gpuloom.services.placement.profiles import KernelTimesCache, ProfileSource
+from gpuloom.services.placement.repository import JobFilter, PlacementRepository
+
+log = structlog.get_logger("gpuloom.placement")
+
+MAX_PAGE_JOBS = 1000
+# Bindings wait at most this long to be written with a decision batch.
+RECORD_DELAY_S = 0.05
+
+
+@dataclass(slots=True)
+class _Submission:
+    request_id: str
+    spec: JobSpec
+    function: str
+    done: asyncio.Future[Job]
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True)
+class _Ending:
+    """A request to end a job (cancel, a runner's report, a MIG task's end)."""
+
+    job_id: str
+    state: JobState
+    message: str
+    exit_code: int
+    from_mig_run: bool
+    require_assigned: bool
+    done: asyncio.Future[Job]
+
+
+class Decisions:
+    def __init__(
+        self,
+        repository: PlacementRepository,
+        dispatchers: Dispatchers,
+        inventory: Inventory,
+        profiles: ProfileSource | None,
+        *,
+        default_policy: str,
+        max_batch: int,
+        mig: MigBatchConfig,
+        mig_runner: MigRunner | None,
+        clock: Callable[[], float],
+    ) -> None:
+        """`mig_runner` runs MIG batches on the dispatchers; None: MIG batch tasks are
+        refused."""
+        self._repo = repository
+        self._dispatchers = dispatchers
+        self._inventory = inventory
+        self._fleet = inventory.fleet
+        self._default_policy = default_policy
+        self._max_batch = max_batch
+        self._clock = clock
+        self._live = LiveJobs()
+        self._policies: dict[str, PlacementPolicy] = {name: get_policy(name) for name in POLICIES}
+        self._kernel_times = KernelTimesCache(profiles, clock)
+        self._watchers: dict[str, set[asyncio.Queue[Job]]] = defaultdict(set)
+        self._lock = asyncio.Lock()  # one writer of fleet + database at a time
+        self._queue: list[_Submission] = []
+        self._ends: list[_Ending] = []
+        self._unsaved: dict[str, Job] = {}  # bindings not yet written (see _bind)
+        self._wake = asyncio.Event()
+        self._retry_pending = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self.mig = MigBatches(self, inventory, profiles, mig_runner, mig)
+
+    # ---- life cycle ----
+
+    async def start(self, live: Sequence[Job], unregistered: Collection[str]) -> int:
+        """Take the stored live jobs (those on `unregistered` GPUs are LOST), then start
+        deciding; returns how many are bound again."""
+        for job in live:
+            self._live[job.job_id] = job
+        orphans = [j for j in live if j.binding is not None and j.binding.gpu_uuid in unregistered]
+        if orphans:  # a GPU row vanished under its jobs: say so rather than forget them
+            await self.finish(orphans, JobState.LOST, "its GPU is no longer registered")
+        await self.mig.restore(list(self._live.values()))
+        self._retry_pending = True
+        rebind = [j for j in self._live.values() if j.state is JobState.BINDING]
+        self._tasks = [
+            asyncio.create_task(self._decide_loop(), name="placement-decide"),
+            asyncio.create_task(self.mig.run(), name="placement-mig-batches"),
+        ]
+        if rebind:
+            self._spawn(self._bind(rebind, []))
+        self._wake.set()
+        return len(rebind)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.mig.stop()
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
+        if self._unsaved:
+            try:
+                await self._repo.update_jobs(list(self._unsaved.values()))
+                self._unsaved.clear()
+            except Exception:
+                log.exception("bindings not recorded at shutdown; the restart binds them again")
+        for waiter in (*self._queue, *self._ends):
+            if not waiter.done.done():
+                waiter.done.set_exception(Unavailable("placement is shutting down"))
+        self._queue.clear()
+        self._ends.clear()
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- what the core tells ----
+
+    @property
+    def live(self) -> Mapping[str, Job]:
+        """The jobs still pending or holding capacity, by id (read-only)."""
+        return MappingProxyType(self._live)
+
+    def capacity_changed(self) -> None:
+        """GPUs came or came back (under the lock): try the pending jobs again."""
+        self._retry_pending = True
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def holding(self, gpu_uuid: str) -> list[Job]:
+        """The live jobs holding capacity on the GPU."""
+        return [
+            j
+            for j in self._live.values()
+            if j.state.holds_capacity and j.binding is not None and j.binding.gpu_uuid == gpu_uuid
+        ]
+
+    def stale(self, gpu_uuid: str, assignment_ids: Sequence[str]) -> list[str]:
+        """The assignments a GPU's dispatcher holds that no live job on it owns."""
+        stale = []
+        for assignment_id in assignment_ids:
+            if not assignment_id.startswith(JOB_ID_PREFIX):
+                continue  # reserved on the dispatcher by someone else: not ours to judge
+            job = self._live.get(assignment_id)
+            if job is None or job.binding is None or job.binding.gpu_uuid != gpu_uuid:
+                stale.append(assignment_id)
+        return stale
+
+    def replicas(self, function: str) -> list[Job]:
+        """The live jobs serving an inference function."""
+        return [j for j in self._live.values() if j.function == function]
+
+    # ---- submitters ----
+
+    async def submit(self, request_id: str, spec: JobSpec, function: str = "") -> Job:
+        """Queue a job for the next decision batch; answers once it is bound or pending."""
+        validate_request_id(request_id)
+        spec.validate(POLICIES)
+        self._inventory.check_memory(spec)
+        if self._stopping:
+            raise Unavailable("placement is shutting down")
+        if spec.is_mig_batch:
+            spec = await self.mig.admit(spec)
+        else:
+            await self._kernel_times.prefetch(spec.task_key, spec.gpu_model)
+        done: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Submission(request_id, spec, function, done))
+        self._wake.set()
+        return await done
+
+    async def get(self, job_id: str) -> Job:
+        job = self._live.get(job_id) or await self._repo.get_job(job_id)
+        if job is None:
+            raise NotFound(f"no job {job_id!r}")
+        return job
+
+    async def list(
+        self, where: JobFilter, page_size: int, page_token: str
+    ) -> tuple[list[Job], str]:
+        if page_size > MAX_PAGE_JOBS:
+            raise InvalidArgument("page_size", f"must be at most {MAX_PAGE_JOBS}, got {page_size}")
+        after = decode_seq(page_token)
+        jobs, last = await self._repo.list_jobs(where, page_size or 100, after)
+        jobs = [self._live.get(job.job_id, job) for job in jobs]
+        return jobs, "" if last is None else encode_token(str(last))
+
+    async def cancel(self, job_id: str, reason: str = "") -> Job:
+        return await self._end(job_id, JobState.CANCELLED, reason or "cancelled", 0)
+
+    async def report_done(self, job_id: str, succeeded: bool, exit_code: int, message: str) -> Job:
+        state = JobState.SUCCEEDED if succeeded else JobState.FAILED
+        return await self._end(job_id, state, message, exit_code, require_assigned=True)
+
+    async def watch(self, job_id: str) -> AsyncIterator[Job]:
+        """The job now, then each new revision, until it finishes."""
+        queue: asyncio.Queue[Job] = asyncio.Queue()
+        self._watchers[job_id].add(queue)  # before reading, so no change slips through
+        try:
+            job = await self.get(job_id)
+            yield job
+            revision = job.revision
+            while not job.state.finished:
+                job = await queue.get()
+                if job.revision > revision:
+                    revision = job.revision
+                    yield job
+        finally:
+            watchers = self._watchers.get(job_id)
+            if watchers is not None:
+                watchers.discard(queue)
+                if not watchers:
+                    del self._watchers[job_id]
+
+    # ---- the job ledger (for MIG batches) ----
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        return self._lock
+
+    def now(self) -> float:
+        return self._clock()
+
+    def job(self, job_id: str) -> Job | None:
+        return self._live.get(job_id)
+
+    def set_pending_reason(self, job_id: str, reason: str) -> None:
+        job = self._live.get(job_id)
+        if job is not None and job.state is JobState.PENDING and job.pending_reason != reason:
+            self._live[job_id] = replace(job, pending_reason=reason)
+
+    async def record(self, jobs: Sequence[Job]) -> None:
+        await self._repo.update_jobs(list(jobs))
+        for job in jobs:
+            self._live[job.job_id] = job
+            self._publish(job)
+
+    async def finish(self, jobs: Sequence[Job], state: JobState, message: str) -> None:
+        now = self._clock()
+        ended = [j.advance(now, state=state, message=message) for j in jobs]
+        for job in jobs:
+            self._unsaved.pop(job.job_id, None)
+        await self._repo.update_jobs(ended)
+        for before, after in zip(jobs, ended, strict=True):
+            self._retire(before, after)
+
+    async def end_reported(self, job_id: str, state: JobState, message: str, exit_code: int) -> Job:
+        return await self._end(job_id, state, message, exit_code, from_mig_run=True)
+
+    # ---- deciding ----
+
+    async def _decide_loop(self) -> None:
+        while True:
+            if not (self._queue or self._ends or self._retry_pending):
+                # Bindings are written with the next batch, or after a short quiet spell.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._wake.wait(), RECORD_DELAY_S if self._unsaved else None
+                    )
+                self._wake.clear()
+            if not (self._queue or self._ends or self._retry_pending or self._unsaved):
+                continue
+            batch = self._queue[: self._max_batch]
+            del self._queue[: len(batch)]
+            ends = self._ends[: self._max_batch]
+            del self._ends[: len(ends)]
+            try:
+                await self._decide(batch, ends)
+            except Exception as error:  # never let one bad batch stop the service
+                log.exception("decision batch failed", jobs=len(batch), ends=len(ends))
+                for waiter in (*batch, *ends):
+                    if not waiter.done.done():
+                        waiter.done.set_exception(
+                            Unavailable(f"placement could not decide: {error}")
+                        )
+
+    async def _decide(self, batch: list[_Submission], ends: list[_Ending]) -> None:
+        async with self._lock:
+            now = self._clock()
+            endings = await self._take_ends(list(ends), now)
+            ending = {before.job_id for _, before, _ in endings}
+            retried = self._place_pending(now, ending) if self._retry_pending else []
+            self._retry_pending = False
+            fresh: dict[str, Job] = {}  # request id -> the job this batch makes of it
+            waiting: list[tuple[_Submission, Job]] = []
+            for submission in batch:
+                job = fresh.get(submission.request_id)
+                if job is None:
+                    job = Job(
+                        job_id=f"{JOB_ID_PREFIX}{uuid.uuid4().hex}",
+                        request_id=submission.request_id,
+                        spec=submission.spec,
+                        state=JobState.PENDING,
+                        submitted_at=now,
+                        updated_at=now,
+                        function=submission.function,
+                    )
+                    job = fresh[submission.request_id] = self._place(job, now)
+                waiting.append((submission, job))
+            changed = [job for job, _ in retried]
+            unsaved = list(self._unsaved.values())
+            self._unsaved.clear()
+            ended = [after for _, _, after in endings]
+            try:
+                taken = await self._repo.write(list(fresh.values()), [*changed, *unsaved, *ended])
+            except BaseException:  # a failed write, or the service stopping in the middle
+                for job in (*fresh.values(), *changed):
+                    if job.state is JobState.BINDING:
+                        self._fleet.release(job.job_id)
+                for job, before in retried:
+                    self._live[job.job_id] = before
+                for job in unsaved:
+                    self._unsaved.setdefault(job.job_id, job)
+                for end, _, _ in endings:
+                    end.done.set_exception(Unavailable("the job's end could not be recorded"))
+                raise
+            for end, before, after in endings:
+                self._retire(before, after)
+                end.done.set_result(after)
+            for request_id in taken:  # submitted before: that job stands, this one never was
+                job = fresh.pop(request_id)
+                if job.state is JobState.BINDING:
+                    self._fleet.release(job.job_id)
+            prior = await self._repo.jobs_by_request_id(list(taken)) if taken else {}
+            for job in (*fresh.values(), *changed):
+                self._live[job.job_id] = job
+                self._publish(job)
+            self.mig.collect([j for j in fresh.values() if j.spec.is_mig_batch], now)
+            decided_at = time.perf_counter()
+            for submission in batch:
+                metrics.DECISION_LATENCY.observe(decided_at - submission.arrived)
+        answers: list[tuple[_Submission, str]] = []
+        for submission, job in waiting:
+            job = prior.get(submission.request_id, job)
+            if job.spec != submission.spec or job.function != submission.function:
+                submission.done.set_exception(
+                    AlreadyExists(
+                        f"request_id {submission.request_id!r} was used for a different job "
+                        f"({job.job_id})"
+                    )
+                )
+            else:
+                answers.append((submission, job.job_id))
+        binding = [job for job in (*fresh.values(), *changed) if job.state is JobState.BINDING]
+        if binding:
+            self._spawn(self._bind(binding, answers))
+        else:
+            await self._answer(answers)
+
+    def _place(self, job: Job, now: float) -> Job:
+        """Ask the job's policy for a place. A placed job is BINDING (its capacity is now
+        taken in the fleet); an unplaceable one stays PENDING with the reason. A MIG batch task
+        stays PENDING: the MIG batches take it from there."""
+        if job.spec.is_mig_batch:
+            return replace(job, pending_reason=WAITING)
+        if not len(self._fleet):
+            return replace(job, pending_reason="no GPU is registered yet")
+        spec = job.spec
+        request = JobRequest(
+            job_id=job.job_id,
+            sm_percent=spec.sm_percent,
+            quota_request_percent=spec.quota.request_percent,
+            memory_bytes=spec.memory_bytes,
+            quota_limit_percent=spec.quota.limit_percent,
+            priority=spec.priority,
+            gpu_model=spec.gpu_model,
+            task_key=spec.task_key,
+        )
+        decision = self._fleet.place(
+            request,
+            self._policies[spec.policy or self._default_policy],
+            self._kernel_times.context,
+        )
+        if isinstance(decision, Unplaceable):
+            return replace(job, pending_reason=decision.reason)
+        gpu = self._inventory.record(decision.gpu_id)
+        rect = decision.rect
+        binding = Binding(
+            gpu_uuid=decision.gpu_id,
+            node=decision.node,
+            dispatcher_address=gpu.dispatcher_address,
+            rect=(rect.x, rect.y, rect.w, rect.h),
+            memory_cap_bytes=spec.memory_bytes,
+            token=secrets.token_urlsafe(32),
+        )
+        return job.advance(
+            now, state=JobState.BINDING, binding=binding, policy=decision.policy, pending_reason=""
+        )
+
+    def _place_pending(self, now: float, ending: set[str]) -> list[tuple[Job, Job]]:
+        """Try every pending job again, highest priority and oldest first; returns
+        (placed job, job before) for those that found a place."""
+        placed = []
+        pending = sorted(
+            (self._live[job_id] for job_id in self._live.pending if job_id not in ending),
+            key=lambda j: (j.spec.priority, j.submitted_at),
+        )
+        for job in pending:
+            decided = self._place(job, now)
+            if decided.state is JobState.BINDING:
+                placed.append((decided, job))
+            elif decided.pending_reason != job.pending_reason:
+                self._live[job.job_id] = decided  # a fresher reason, kept in memory only
+        return placed
+
+    async def _bind(self, jobs: list[Job], waiting: list[tuple[_Submission, str]]) -> None:
+        """Reserve each job on its dispatcher, then record ASSIGNED, or give the capacity
+        back and leave the job PENDING with the reason."""
+        results = await asyncio.gather(
+            *(self._reserve(job) for job in jobs), return_exceptions=True
+        )
+        async with self._lock:
+            now = self._clock()
+            changed = []
+            for job, result in zip(jobs, results, strict=True):
+                assert job.binding is not None
+                current = self._live.get(job.job_id)
+                if current is None or current.revision != job.revision:
+                    # Cancelled or lost while binding: make sure the dispatcher lets go too.
+                    if not isinstance(result, BaseException):
+                        self._release_on_dispatcher(job.binding, job.job_id)
+                    continue
+                if isinstance(result, BaseException):
+                    message = result.message if isinstance(result, DomainError) else repr(result)
+                    self._fleet.release(job.job_id)
+                    self._inventory.suspend(job.binding.gpu_uuid)
+                    self._release_on_dispatcher(job.binding, job.job_id)
+                    metrics.BIND_FAILURES.inc()
+                    log.warning(
+                        "binding failed", job=job.job_id, gpu=job.binding.gpu_uuid, error=message
+                    )
+                    changed.append(
+                        current.advance(
+                            now,
+                            state=JobState.PENDING,
+                            binding=None,
+                            policy="",
+                            pending_reason=f"binding on GPU {job.binding.gpu_uuid} failed "
+                            f"({message}); will try again",
+                        )
+                    )
+                else:
+                    changed.append(
+                        current.advance(
+                            now,
+                            state=JobState.ASSIGNED,
+                            binding=replace(job.binding, environment=result),
+                        )
+                    )
+            # Recorded behind, with the next decision batch: the BINDING row already holds the
+            # decision, and a restart binds it again (idempotently) if this write never lands.
+            for job in changed:
+                self._live[job.job_id] = job
+                self._unsaved[job.job_id] = job
+                self._publish(job)
+            if any(job.state is JobState.PENDING for job in changed):
+                self._retry_pending = True
+                self._wake.set()
+        await self._answer(waiting)
+
+    async def _reserve(self, job: Job) -> dict[str, str]:
+        binding = job.binding
+        assert binding is not None
+        spec = job.spec
+        return await self._dispatchers.reserve(
+            binding.dispatcher_address,
+            BindRequest(
+                assignment_id=job.job_id,
+                client_name=spec.name,
+                priority=spec.priority,
+                memory_cap_bytes=binding.memory_cap_bytes,
+                sm_percent=spec.sm_percent,
+                quota_request_percent=spec.quota.request_percent,
+                quota_limit_percent=spec.quota.limit_percent,
+                token=binding.token,
+                task_key=spec.task_key,
+            ),
+        )
+
+    async def _answer(self, waiting: list[tuple[_Submission, str]]) -> None:
+        for submission, job_id in waiting:
+            if submission.done.done():
+                continue
+            job = self._live.get(job_id)
+            if job is None:
+                try:
+                    job = await self.get(job_id)
+                except DomainError as error:
+                    submission.done.set_exception(error)
+                    continue
+            submission.done.set_result(job)
+
+    def _release_on_dispatcher(self, binding: Binding, job_id: str) -> None:
+        async def release() -> None:
+            try:
+                await self._dispatchers.release(binding.dispatcher_address, job_id)
+            except DomainError as error:
+                # The dispatcher's next heartbeat lists the id, and is told to release it.
+                log.info("release on dispatcher deferred", job=job_id, error=error.message)
+
+        self._spawn(release())
+
+    async def _end(
+        self,
+        job_id: str,
+        state: JobState,
+        message: str,
+        exit_code: int,
+        *,
+        from_mig_run: bool = False,
+        require_assigned: bool = False,
+    ) -> Job:
+        """End a job with the next decision batch (its write shares that transaction)."""
+        if self._stopping:
+            raise Unavailable("placement is shutting down")
+        done: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
+        self._ends.append(
+            _Ending(job_id, state, message, exit_code, from_mig_run, require_assigned, done)
+        )
+        self._wake.set()
+        ended = await done
+        log.info("job ended", job=job_id, state=state.value, message=message)
+        return ended
+
+    async def _take_ends(self, ends: list[_Ending], now: float) -> list[tuple[_Ending, Job, Job]]:
+        """Check the queued ends against the jobs now; refused ones get their error."""
+        taken: list[tuple[_Ending, Job, Job]] = []
+        seen: set[str] = set()
+        for end in ends:
+            job = self._live.get(end.job_id)
+            try:
+                if job is None or end.job_id in seen:
+                    stored = await self._repo.get_job(end.job_id)
+                    if stored is None and job is None:
+                        raise NotFound(f"no job {end.job_id!r}")
+                    state = stored.state.value if stored else end.state.value
+                    raise FailedPrecondition(f"job {end.job_id} already finished ({state})")
+                if end.require_assigned and job.state is not JobState.ASSIGNED:
+                    raise FailedPrecondition(
+                        f"job {end.job_id} is {job.state.value}: only an assigned job can finish"
+                    )
+                if not end.from_mig_run:
+                    self.mig.before_end(job, end.state)
+            except DomainError as error:
+                end.done.set_exception(error)
+                continue
+            seen.add(end.job_id)
+            ended = job.advance(now, state=end.state, message=end.message, exit_code=end.exit_code)
+            self._unsaved.pop(end.job_id, None)
+            taken.append((end, job, ended))
+        return taken
+
+    def _retire(self, before: Job, after: Job) -> None:
+        """Forget a finished job: its capacity goes back, here and on the dispatcher."""
+        self._live.pop(before.job_id, None)
+        if before.spec.is_mig_batch:
+            self.mig.forget(before.job_id)
+        # A MIG task holds no rectangle and no reservation: its run is the dispatcher's.
+        if (
+            before.state.holds_capacity
+            and before.binding is not None
+            and before.binding.mig is None
+        ):
+            self._fleet.release(before.job_id)
+            self._release_on_dispatcher(before.binding, before.job_id)
+            self._retry_pending = True
+        self._publish(after)
+
+    def _publish(self, job: Job) -> None:
+        for queue in self._watchers.get(job.job_id, ()):
+            queue.put_nowait(job)

@@ -1,0 +1,257 @@
+"""Placement's GPU inventory: the registered GPUs and the `Fleet` of their free space,
+registration and heartbeats as they change it, and the ListGpus view.
+
+It knows no jobs: the core ends the jobs of a GPU it marks lost, and decides again when it
+reports capacity back. Every change is made under the core's lock (one writer of fleet and
+database at a time); reads are lock-free.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.placement import GpuInfo, JobSpec
+from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
+from gpuloom.services.placement.domain import GpuRecord, Job, validate_address
+from gpuloom.services.placement.paging import decode_text, encode_token
+from gpuloom.services.placement.repository import PlacementRepository
+
+log = structlog.get_logger("gpuloom.placement")
+
+MAX_PAGE_GPUS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class GpuView:
+    """A GPU for ListGpus: the record plus what the fleet holds on it."""
+
+    record: GpuRecord
+    schedulable: bool
+    memory_reserved_bytes: int
+    area_reserved_percent: float
+    jobs: int
+
+
+class Inventory:
+    def __init__(self, repository: PlacementRepository) -> None:
+        self._repo = repository
+        self.fleet = Fleet()
+        self._gpus: dict[str, GpuRecord] = {}
+        self._gpu_keys: list[tuple[str, str]] | None = None  # (node, uuid), sorted: ListGpus
+        self._max_memory: dict[str, int] = {}  # model -> largest GPU memory ("" = any model)
+        # GPUs whose dispatcher failed a bind or a MIG run: no new work until its next heartbeat.
+        self.suspended: set[str] = set()
+
+    def load(
+        self, records: Sequence[GpuRecord], holding: Mapping[str, Sequence[Allocation]], now: float
+    ) -> None:
+        """At start: the stored GPUs with the allocations their jobs hold."""
+        for record in records:
+            record.last_heartbeat = now  # a full timeout of grace after a restart
+            self._gpus[record.info.gpu_uuid] = record
+            self.fleet.add_gpu(gpu_state(record, holding.get(record.info.gpu_uuid, ())))
+            self._note_memory(record.info)
+
+    def __contains__(self, gpu_uuid: str) -> bool:
+        return gpu_uuid in self._gpus
+
+    def record(self, gpu_uuid: str) -> GpuRecord:
+        return self._gpus[gpu_uuid]
+
+    def records(self) -> Iterable[GpuRecord]:
+        return self._gpus.values()
+
+    def holds_shares(self, gpu_uuid: str) -> bool:
+        """Whether MPS or whole-GPU jobs hold capacity on the GPU."""
+        return bool(self.fleet.slot(gpu_uuid).allocations)
+
+    # ---- registration and heartbeats (under the core's lock) ----
+
+    async def register(self, info: GpuInfo, dispatcher_address: str, now: float) -> bool:
+        """Add or refresh a GPU, recorded; returns whether it was registered before."""
+        info.validate()
+        validate_address("dispatcher_address", dispatcher_address)
+        old = self._gpus.get(info.gpu_uuid)
+        record = GpuRecord(
+            info=info,
+            dispatcher_address=dispatcher_address,
+            registered_at=now if old is None else old.registered_at,
+            last_heartbeat=now,
+        )
+        reshaped = old is not None and (
+            (old.info.node, old.info.model, old.info.memory_bytes)
+            != (info.node, info.model, info.memory_bytes)
+        )
+        if old is None:
+            self.fleet.add_gpu(gpu_state(record, []))
+        elif reshaped:
+            self._replace_gpu(old, record)
+        try:
+            await self._repo.save_gpu(record)
+        except BaseException:  # not recorded: the fleet goes back to what it was
+            if old is None:
+                self.fleet.remove_gpu(info.gpu_uuid)
+            elif reshaped:
+                self._replace_gpu(record, old)
+            raise
+        self._gpus[info.gpu_uuid] = record
+        if old is None or old.info.node != info.node:
+            self._gpu_keys = None
+        self.fleet.set_schedulable(info.gpu_uuid, takes_shares(record))
+        self.suspended.discard(info.gpu_uuid)
+        self._note_memory(info)
+        return old is not None
+
+    def _replace_gpu(self, old: GpuRecord, new: GpuRecord) -> None:
+        """The same GPU registered with another node, model or memory: its jobs stay on it
+        if they still fit, otherwise the registration is refused and nothing changes."""
+        held = self.fleet.remove_gpu(old.info.gpu_uuid)
+        try:
+            self.fleet.add_gpu(gpu_state(new, list(held)))
+        except ValueError as error:
+            self.fleet.add_gpu(gpu_state(old, list(held)))
+            raise FailedPrecondition(
+                f"GPU {new.info.gpu_uuid} holds jobs that would not fit it as registered now "
+                f"({error}); end them first"
+            ) from None
+
+    def refresh(
+        self, gpu_uuid: str, utilization_percent: float, memory_used_bytes: int, now: float
+    ) -> GpuRecord:
+        """A heartbeat's figures (lock-free: only the record's own fields change)."""
+        record = self._gpus.get(gpu_uuid)
+        if record is None:
+            raise NotFound(f"GPU {gpu_uuid!r} is not registered: register it first")
+        # NaN: the driver cannot tell (NVML with MIG on); anything else must be a percentage.
+        if not math.isnan(utilization_percent) and not 0 <= utilization_percent <= 100:
+            raise InvalidArgument(
+                "utilization_percent", f"must be within 0..100, got {utilization_percent}"
+            )
+        record.last_heartbeat = now
+        record.utilization_percent = utilization_percent
+        record.memory_used_bytes = memory_used_bytes
+        return record
+
+    def is_down(self, record: GpuRecord) -> bool:
+        """Lost, or skipped after a failure until its next heartbeat."""
+        return record.lost or record.info.gpu_uuid in self.suspended
+
+    async def revive(self, record: GpuRecord) -> None:
+        """A lost or suspended GPU's dispatcher is alive again: it takes work again."""
+        gpu_uuid = record.info.gpu_uuid
+        if record.lost:
+            await self._repo.set_gpu_lost(gpu_uuid, False)
+            record.lost = False
+            log.info("GPU is back", gpu=gpu_uuid, node=record.info.node)
+        self.suspended.discard(gpu_uuid)
+        self.fleet.set_schedulable(gpu_uuid, takes_shares(record))
+
+    def silent(self, now: float, timeout_s: float) -> list[GpuRecord]:
+        """GPUs not lost yet whose last heartbeat is older than the timeout."""
+        return [r for r in self._gpus.values() if not r.lost and now - r.last_heartbeat > timeout_s]
+
+    async def mark_lost(self, record: GpuRecord) -> None:
+        await self._repo.set_gpu_lost(record.info.gpu_uuid, True)
+        record.lost = True
+        self.fleet.set_schedulable(record.info.gpu_uuid, False)
+
+    def suspend(self, gpu_uuid: str) -> None:
+        """No new job on this GPU until its dispatcher shows it is alive again."""
+        if gpu_uuid in self.fleet:
+            self.fleet.set_schedulable(gpu_uuid, False)
+            self.suspended.add(gpu_uuid)
+
+    # ---- questions ----
+
+    def check_memory(self, spec: JobSpec) -> None:
+        """A job asking for more memory than any registered GPU (of its model) can never run."""
+        largest = self._max_memory.get(spec.gpu_model)
+        if largest is not None and spec.memory_bytes > largest:
+            of_model = f" {spec.gpu_model}" if spec.gpu_model else ""
+            raise InvalidArgument(
+                "spec.resources.memory_bytes",
+                f"{spec.memory_bytes} bytes is more than any{of_model} GPU in the fleet has "
+                f"(largest: {largest} bytes)",
+            )
+
+    def page(self, node: str, page_size: int, page_token: str) -> tuple[list[GpuView], str]:
+        """ListGpus: GPUs by (node, uuid), optionally of one node."""
+        if page_size > MAX_PAGE_GPUS:
+            raise InvalidArgument("page_size", f"must be at most {MAX_PAGE_GPUS}, got {page_size}")
+        limit = page_size or 1000
+        if self._gpu_keys is None:
+            self._gpu_keys = sorted((r.info.node, r.info.gpu_uuid) for r in self._gpus.values())
+        keys = self._gpu_keys
+        start = 0
+        if page_token:
+            after = tuple(decode_text(page_token).split("\x1f"))
+            if len(after) != 2:
+                raise InvalidArgument("page_token", "is not a token this service handed out")
+            start = bisect.bisect_right(keys, after)
+        page: list[tuple[str, str]] = []
+        more = False
+        for key in itertools.islice(keys, start, None):
+            if node and key[0] != node:
+                continue
+            if len(page) == limit:
+                more = True
+                break
+            page.append(key)
+        views = []
+        for _, gpu_uuid in page:
+            slot = self.fleet.slot(gpu_uuid)
+            views.append(
+                GpuView(
+                    record=self._gpus[gpu_uuid],
+                    schedulable=slot.schedulable,
+                    memory_reserved_bytes=slot.memory_used,
+                    area_reserved_percent=100.0 * slot.area_used / GRID_AREA,
+                    jobs=len(slot.allocations),
+                )
+            )
+        token = encode_token("\x1f".join(page[-1])) if more else ""
+        return views, token
+
+    def _note_memory(self, info: GpuInfo) -> None:
+        for model in ("", info.model):
+            self._max_memory[model] = max(self._max_memory.get(model, 0), info.memory_bytes)
+
+
+def allocation(job: Job) -> Allocation:
+    """The rectangle and memory a placed MPS or whole-GPU job holds, for the fleet."""
+    assert job.binding is not None
+    spec = job.spec
+    return Allocation(
+        allocation_id=job.job_id,
+        sm_percent=spec.sm_percent,
+        quota_percent=spec.quota.request_percent,
+        memory_bytes=spec.memory_bytes,
+        priority=spec.priority,
+        task_key=spec.task_key,
+        rect=Rect(*job.binding.rect),
+    )
+
+
+def takes_shares(record: GpuRecord) -> bool:
+    """MPS shares and whole-GPU jobs go to live GPUs not in MIG mode (those run MIG batches)."""
+    return not record.lost and not record.info.mig_enabled
+
+
+def gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState:
+    info = record.info
+    return GpuState(
+        gpu_id=info.gpu_uuid,
+        node=info.node,
+        model=info.model,
+        memory_bytes=info.memory_bytes,
+        sm_count=info.sm_count,
+        schedulable=takes_shares(record),
+        allocations=tuple(allocations),
+    )

@@ -1,0 +1,65 @@
+"""Placement's live jobs, and the narrow interface through which MIG batches work on them.
+
+`JobLedger` is all `MigBatches` may do with the jobs: read one, note a fresher pending reason,
+record new revisions (written, then published to watchers), finish a few, and end one its run
+reported over; under the ledger's lock, the one writer of fleet and database at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+from gpuloom.domain.placement import JobState
+from gpuloom.services.placement.domain import Job
+
+
+class LiveJobs(dict[str, Job]):
+    """The jobs still pending or holding capacity, by id, with the pending ones (MIG batch
+    tasks aside: they wait for their batch) indexed, so that retrying them scans only them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, None] = {}
+
+    def __setitem__(self, job_id: str, job: Job) -> None:
+        super().__setitem__(job_id, job)
+        if job.state is JobState.PENDING and not job.spec.is_mig_batch:
+            self.pending[job_id] = None
+        else:
+            self.pending.pop(job_id, None)
+
+    def pop(self, job_id: str, default: Job | None = None) -> Job | None:  # type: ignore[override]
+        self.pending.pop(job_id, None)
+        return super().pop(job_id, default)
+
+
+class JobLedger(Protocol):
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while fleet, jobs or database change."""
+        ...
+
+    def now(self) -> float: ...
+
+    def job(self, job_id: str) -> Job | None:
+        """The live job (pending or holding capacity), None once it has finished."""
+        ...
+
+    def set_pending_reason(self, job_id: str, reason: str) -> None:
+        """A pending job's fresher reason, kept in memory only (under the lock)."""
+        ...
+
+    async def record(self, jobs: Sequence[Job]) -> None:
+        """Write new revisions of live jobs, then keep and publish them (under the lock)."""
+        ...
+
+    async def finish(self, jobs: Sequence[Job], state: JobState, message: str) -> None:
+        """End these live jobs at once, written (under the lock)."""
+        ...
+
+    async def end_reported(self, job_id: str, state: JobState, message: str, exit_code: int) -> Job:
+        """End a job its run reported over, with the next decision batch (not under the
+        lock). Raises a DomainError when the job has ended meanwhile."""
+        ...
