@@ -156,6 +156,7 @@ async def test_fikit_keeps_the_high_priority_latency_while_the_low_one_works(
         f"mean/p99 ms: exclusive {exclusive}, sharing {sharing}, fikit {with_fikit}; training "
         f"launches: sharing {_launches(shared_training)}, fikit {_launches(admitted_training)}"
     )
+    print(report)
     # The ordering the simulator predicts (on the mean: a p99 of 150 requests on a shared
     # two-core machine is one unlucky wake-up), and the low-priority task still works.
     assert exclusive[0] <= with_fikit[0] < sharing[0], report
