@@ -3,10 +3,18 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
-from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, STATE_TO_PB, spec_to_pb
-from gpuloom.convert.shares import share_to_pb
+from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB
+from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobSpec, JobState, MigInstance, Slo
+from gpuloom.domain.placement import (
+    Assignment,
+    GpuInfo,
+    JobSpec,
+    JobState,
+    JobView,
+    MigInstance,
+    Slo,
+)
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.placement.domain import Job
 from gpuloom.services.placement.inventory import GpuView
@@ -45,56 +53,49 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
     )
 
 
-def job_to_pb(job: Job) -> pb.Job:
-    msg = pb.Job(
-        job_id=job.job_id,
-        request_id=job.request_id,
-        spec=spec_to_pb(job.spec),
-        state=STATE_TO_PB[job.state],
-        pending_reason=job.pending_reason,
-        message=job.message,
-        policy=job.policy,
-        submitted_at_unix_s=job.submitted_at,
-        updated_at_unix_s=job.updated_at,
-        exit_code=job.exit_code,
-        revision=job.revision,
-        function=job.function,
-    )
+def job_view(job: Job) -> JobView:
+    """What the service tells about a job: its binding as the assignment (a finished job still
+    says where it ran; only a live one carries its environment)."""
     binding = job.binding
-    # A finished job still says where it ran; only a live one carries its environment.
-    if binding is None or job.state is JobState.PENDING:
-        return msg
-    if binding.mig is not None:
-        slot = binding.mig
-        msg.assignment.CopyFrom(
-            pb.JobAssignment(
-                gpu=common_pb2.GpuRef(node=binding.node, gpu_uuid=binding.gpu_uuid),
-                dispatcher_address=binding.dispatcher_address,
-                assignment_id=job.job_id,
-                memory_cap_bytes=binding.memory_cap_bytes,
-                mig=pb.MigSlot(
-                    size=slot.size,
-                    first_slice=slot.first_slice,
-                    planned_start_unix_s=slot.planned_start,
-                    planned_end_unix_s=slot.planned_end,
-                ),
-            )
-        )
-    else:
-        x, y, _w, _h = binding.rect
-        msg.assignment.CopyFrom(
-            pb.JobAssignment(
-                gpu=common_pb2.GpuRef(node=binding.node, gpu_uuid=binding.gpu_uuid),
-                dispatcher_address=binding.dispatcher_address,
-                assignment_id=job.job_id,
-                share=share_to_pb(SpatioTemporalShare(job.spec.sm_percent, job.spec.quota)),
-                memory_cap_bytes=binding.memory_cap_bytes,
+    assignment = None
+    if binding is not None and job.state is not JobState.PENDING:
+        common = {
+            "gpu_uuid": binding.gpu_uuid,
+            "node": binding.node,
+            "dispatcher_address": binding.dispatcher_address,
+            "assignment_id": job.job_id,
+            "memory_cap_bytes": binding.memory_cap_bytes,
+        }
+        if binding.mig is not None:
+            assignment = Assignment(**common, mig=binding.mig)
+        else:
+            x, y, _w, _h = binding.rect
+            assignment = Assignment(
+                **common,
+                share=SpatioTemporalShare(job.spec.sm_percent, job.spec.quota),
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
                 environment=binding.environment if job.state.holds_capacity else {},
             )
-        )
-    return msg
+    return JobView(
+        job_id=job.job_id,
+        request_id=job.request_id,
+        spec=job.spec,
+        state=job.state,
+        submitted_at=job.submitted_at,
+        updated_at=job.updated_at,
+        revision=job.revision,
+        pending_reason=job.pending_reason,
+        message=job.message,
+        assignment=assignment,
+        policy=job.policy,
+        exit_code=job.exit_code,
+        function=job.function,
+    )
+
+
+def job_to_pb(job: Job) -> pb.Job:
+    return view_to_pb(job_view(job))
 
 
 def state_from_pb(code: int, field: str) -> JobState:

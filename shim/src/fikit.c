@@ -333,8 +333,10 @@ void gl_fk_remove_task(gl_fk_core *core, uint32_t task, uint64_t now_ns) {
     refresh_holder(core);
 }
 
-int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_t gap_after_ns,
-                  uint64_t now_ns) {
+/* What gl_fk_request and gl_fk_launched share: checks, the clock, clamping, and a holder's
+ * kernel admitted at once. -1: refused; 1: the holder's, admitted; 0: the caller decides. */
+static int launch_common(gl_fk_core *core, uint32_t task, uint64_t *duration, uint64_t *gap,
+                         uint64_t *now) {
     if (!valid(core))
         return -1;
     gl_fk_task *t = task_at(core, task);
@@ -342,19 +344,28 @@ int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_
         core->counters.rejected_calls++;
         return -1;
     }
-    uint64_t now = advance(core, now_ns);
-    uint64_t duration = clamp_ns(duration_ns);
-    uint64_t gap = clamp_ns(gap_after_ns);
-    if (duration == GL_FK_UNKNOWN)
+    *now = advance(core, *now);
+    *duration = clamp_ns(*duration);
+    *gap = clamp_ns(*gap);
+    if (*duration == GL_FK_UNKNOWN)
         core->counters.unknown_requests++;
     if ((int32_t)t->priority == core->holder_priority) {
-        admit_holder(core, task, duration, gap, now);
+        admit_holder(core, task, *duration, *gap, *now);
         return 1;
     }
+    return 0;
+}
+
+int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_t gap_after_ns,
+                  uint64_t now_ns) {
+    int result = launch_common(core, task, &duration_ns, &gap_after_ns, &now_ns);
+    if (result != 0)
+        return result;
+    gl_fk_task *t = &core->tasks[task];
     t->has_request = 1;
-    t->req_duration_ns = duration;
-    t->req_gap_ns = gap;
-    t->req_time_ns = now;
+    t->req_duration_ns = duration_ns;
+    t->req_gap_ns = gap_after_ns;
+    t->req_time_ns = now_ns;
     t->req_seq = core->next_seq++;
     core->counters.queued++;
     return 0;
@@ -362,25 +373,12 @@ int gl_fk_request(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_
 
 int gl_fk_launched(gl_fk_core *core, uint32_t task, uint64_t duration_ns, uint64_t gap_after_ns,
                    uint64_t now_ns) {
-    if (!valid(core))
-        return -1;
-    gl_fk_task *t = task_at(core, task);
-    if (t == NULL || t->has_request) {
-        core->counters.rejected_calls++;
-        return -1;
-    }
-    uint64_t now = advance(core, now_ns);
-    uint64_t duration = clamp_ns(duration_ns);
-    uint64_t gap = clamp_ns(gap_after_ns);
-    if (duration == GL_FK_UNKNOWN)
-        core->counters.unknown_requests++;
-    if ((int32_t)t->priority == core->holder_priority) {
-        admit_holder(core, task, duration, gap, now);
-        return 1;
-    }
+    int result = launch_common(core, task, &duration_ns, &gap_after_ns, &now_ns);
+    if (result != 0)
+        return result;
     /* It ran as a holder's kernel while the holder changed: fill work, outstanding. */
     core->counters.launched_unadmitted++;
-    admit(core, task, duration, gap, 1, now);
+    admit(core, task, duration_ns, gap_after_ns, 1, now_ns);
     return 0;
 }
 

@@ -254,3 +254,19 @@ def test_window_fills_fit_and_keep_priority_order(gap: int, requests: list) -> N
         best = min((p, t) for t, (p, d) in left.items() if tail + d <= window)
         assert requests[task - 1][0] == best[0]
         tail += left.pop(task)[1]
+
+
+def test_a_launch_reported_after_the_fact_is_the_holders_or_fill_work() -> None:
+    core = make()
+    # The holder's launch, reported after it ran: admitted as its request would be.
+    assert core.launched(HI, 100 * US, 500 * US, 0) == 1
+    assert core.window_end() == 600 * US
+    # A better task arrived while LO (the holder a moment ago) launched: fill work in flight.
+    core.remove_task(HI, 10)
+    assert core.add_task(HI, 0, 10)
+    assert core.launched(LO, 50 * US, 0, 20) == 0
+    assert core.outstanding(LO) == 1
+    assert core.counters().launched_unadmitted == 1
+    # A task with a queued request cannot also report a launch.
+    assert core.request(LO, 50 * US, 0, 30) == 0
+    assert core.launched(LO, 50 * US, 0, 30) == -1
