@@ -184,22 +184,41 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
 # ---- inventory and auto-scaling ----
 
 
-def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
-    info = msg.gpu
-    return GpuEntry(
-        gpu=GpuInfo(
-            gpu_uuid=info.ref.gpu_uuid,
-            node=info.ref.node,
-            model=info.model,
-            memory_bytes=info.memory_bytes,
-            sm_count=info.sm_count,
-            mig_capable=info.mig_capable,
-            mig_enabled=info.mig_enabled,
-            mig_instances=tuple(
-                MigInstance(m.slices, m.first_slice, m.uuid) for m in info.mig_instances
-            ),
-            mps_enabled=info.mps_enabled,
+def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
+    return GpuInfo(
+        gpu_uuid=msg.ref.gpu_uuid,
+        node=msg.ref.node,
+        model=msg.model,
+        memory_bytes=msg.memory_bytes,
+        sm_count=msg.sm_count,
+        mig_capable=msg.mig_capable,
+        mig_enabled=msg.mig_enabled,
+        mig_instances=tuple(
+            MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
         ),
+        mps_enabled=msg.mps_enabled,
+    )
+
+
+def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
+    return pb.GpuInfo(
+        ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
+        model=info.model,
+        memory_bytes=info.memory_bytes,
+        sm_count=info.sm_count,
+        mig_capable=info.mig_capable,
+        mig_enabled=info.mig_enabled,
+        mig_instances=[
+            pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
+            for m in info.mig_instances
+        ],
+        mps_enabled=info.mps_enabled,
+    )
+
+
+def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
+    return GpuEntry(
+        gpu=gpu_info_from_pb(msg.gpu),
         dispatcher_address=msg.dispatcher_address,
         schedulable=msg.schedulable,
         lost=msg.lost,
@@ -213,21 +232,8 @@ def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
 
 
 def gpu_entry_to_pb(entry: GpuEntry) -> pb.GpuEntry:
-    info = entry.gpu
     return pb.GpuEntry(
-        gpu=pb.GpuInfo(
-            ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
-            model=info.model,
-            memory_bytes=info.memory_bytes,
-            sm_count=info.sm_count,
-            mig_capable=info.mig_capable,
-            mig_enabled=info.mig_enabled,
-            mig_instances=[
-                pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
-                for m in info.mig_instances
-            ],
-            mps_enabled=info.mps_enabled,
-        ),
+        gpu=gpu_info_to_pb(entry.gpu),
         dispatcher_address=entry.dispatcher_address,
         schedulable=entry.schedulable,
         lost=entry.lost,

@@ -3,16 +3,14 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
-from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB
+from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, gpu_info_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import (
     Assignment,
-    GpuInfo,
     JobSpec,
     JobState,
     JobView,
-    MigInstance,
     Slo,
 )
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
@@ -20,7 +18,6 @@ from gpuloom.services.placement.domain import Job
 from gpuloom.services.placement.inventory import GpuView
 from gpuloom.services.placement.repository import JobFilter
 from gpuloom.services.placement.scaling import ScalingResult
-from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
 
@@ -111,38 +108,6 @@ def filter_from_pb(request: pb.ListJobsRequest) -> JobFilter:
         task_key=request.task_key,
         gpu_uuid=request.gpu_uuid,
         function=request.function,
-    )
-
-
-def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
-    return GpuInfo(
-        gpu_uuid=msg.ref.gpu_uuid,
-        node=msg.ref.node,
-        model=msg.model,
-        memory_bytes=msg.memory_bytes,
-        sm_count=msg.sm_count,
-        mig_capable=msg.mig_capable,
-        mig_enabled=msg.mig_enabled,
-        mig_instances=tuple(
-            MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
-        ),
-        mps_enabled=msg.mps_enabled,
-    )
-
-
-def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
-    return pb.GpuInfo(
-        ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
-        model=info.model,
-        memory_bytes=info.memory_bytes,
-        sm_count=info.sm_count,
-        mig_capable=info.mig_capable,
-        mig_enabled=info.mig_enabled,
-        mig_instances=[
-            pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
-            for m in info.mig_instances
-        ],
-        mps_enabled=info.mps_enabled,
     )
 
 

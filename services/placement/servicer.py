@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gpuloom.convert.placement import gpu_info_from_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.placement import convert
@@ -87,7 +88,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
         self, request: pb.RegisterGpuRequest, context: Context
     ) -> pb.RegisterGpuResponse:
         interval = await self._core.register_gpu(
-            convert.gpu_info_from_pb(request.gpu), request.dispatcher_address
+            gpu_info_from_pb(request.gpu), request.dispatcher_address
         )
         return pb.RegisterGpuResponse(heartbeat_interval_s=interval)
 
