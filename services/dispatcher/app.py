@@ -90,7 +90,9 @@ async def start_gpu_dispatcher(
     # only serves the channel's lease path, which FIKIT shims do not use.
     token_policy = "exclusive" if fikit else settings.policy
     scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
-    arbiter = Arbiter(fikit_config(settings)) if fikit else None
+    arbiter = None
+    if fikit:
+        arbiter = Arbiter(fikit_config(settings), spin_s=settings.fikit_spin_us / 1e6)
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(

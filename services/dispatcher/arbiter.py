@@ -80,7 +80,12 @@ def _library() -> ctypes.CDLL:
             # Its own handle on the library: errno must be kept for these calls.
             lib = ctypes.CDLL(str(library_path()), use_errno=True)
             lib.gl_arbiter_start.restype = ctypes.c_void_p
-            lib.gl_arbiter_start.argtypes = [ctypes.POINTER(_Config), ctypes.c_int, ctypes.c_uint64]
+            lib.gl_arbiter_start.argtypes = [
+                ctypes.POINTER(_Config),
+                ctypes.c_int,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+            ]
             lib.gl_arbiter_stop.restype = None
             lib.gl_arbiter_stop.argtypes = [ctypes.c_void_p]
             lib.gl_arbiter_add_task.restype = ctypes.c_int
@@ -113,7 +118,7 @@ def _library() -> ctypes.CDLL:
 class Arbiter:
     """Owns the native thread and the doorbell; safe to call from any thread."""
 
-    def __init__(self, config: FikitConfig, beat_s: float = 0.02) -> None:
+    def __init__(self, config: FikitConfig, beat_s: float = 0.02, spin_s: float = 0.0) -> None:
         self._lib = _library()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         raw = _Config(
@@ -122,7 +127,9 @@ class Arbiter:
             config.idle_backlog_ns,
             config.max_wait_ns,
         )
-        handle = self._lib.gl_arbiter_start(ctypes.byref(raw), self.doorbell_fd, int(beat_s * 1e9))
+        handle = self._lib.gl_arbiter_start(
+            ctypes.byref(raw), self.doorbell_fd, int(beat_s * 1e9), int(spin_s * 1e9)
+        )
         if not handle:
             error = ctypes.get_errno()
             os.close(self.doorbell_fd)

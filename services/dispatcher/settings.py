@@ -46,6 +46,9 @@ class DispatcherSettings(BaseSettings):
     fikit_idle_backlog_us: float = Field(default=0.0, ge=0, le=1e6)
     # ... and a kernel that waited this long is admitted anyway (0: never; strict priority).
     fikit_max_wait_ms: float = Field(default=0.0, ge=0, le=3.6e6)
+    # ... and around a holder launch predicted while a filler waits, the arbiter polls for this
+    # long instead of sleeping (CPU for latency; 0: it always sleeps).
+    fikit_spin_us: float = Field(default=0.0, ge=0, le=10_000)
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)

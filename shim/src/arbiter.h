@@ -27,10 +27,13 @@ typedef struct {
     uint32_t waiting;           /* tasks now blocked on a grant */
 } gl_arbiter_stats;
 
-/* Starts the thread. `doorbell_fd` is an eventfd the caller keeps open for the arbiter's
- * life (the thread reads it); `beat_ns` is how often every region's heartbeat is refreshed.
+/* Starts the thread. `doorbell_fd` is a non-blocking eventfd the caller keeps open for the
+ * arbiter's life (the thread reads it); `beat_ns` is how often every region's heartbeat is
+ * refreshed; `spin_ns` is how long, around a holder launch predicted while a filler waits, the
+ * thread polls the doorbell instead of sleeping (a quarter before, the rest after; 0: never).
  * Returns NULL (errno set) on a bad config or when the thread cannot start. */
-gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns);
+gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
+                             uint64_t spin_ns);
 
 /* Stops and joins the thread, unmaps every region, frees the arbiter. */
 void gl_arbiter_stop(gl_arbiter *arbiter);

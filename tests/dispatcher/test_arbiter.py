@@ -54,12 +54,13 @@ def wait_for(condition, timeout_s: float = 2.0) -> bool:
     return condition()
 
 
-@pytest.fixture
-def arbiter() -> Iterator[Arbiter]:
+@pytest.fixture(params=[0.0, 200e-6], ids=["sleeping", "spinning"])
+def arbiter(request: pytest.FixtureRequest) -> Iterator[Arbiter]:
+    """Both ways the thread waits for a predicted holder launch decide alike."""
     config = FikitConfig(
         gap_threshold_ns=100 * US, idle_margin_ns=200 * US, idle_backlog_ns=0, max_wait_ns=0
     )
-    arbiter = Arbiter(config, beat_s=0.01)
+    arbiter = Arbiter(config, beat_s=0.01, spin_s=request.param)
     yield arbiter
     arbiter.stop()
 
