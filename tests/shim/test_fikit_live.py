@@ -21,6 +21,8 @@ import pytest
 
 from gpuloom.policies.profiling.kernels import kernel_id
 from gpuloom.services.profile_store.app import ProfileStoreApp
+from gpuloom.sim.kernels import simulate
+from gpuloom.sim.scenario import load_scenario
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, profile_store_pb2
 from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
 from tests.dispatcher.conftest import GIB, LiveDispatcher, start_live, stop_live
@@ -31,6 +33,7 @@ HIGH = ["k_h1_300us", "k_h2_200us", "k_h3_300us"]
 LOW = "k_lo_150us"
 GAP_US, PAUSE_US = 400, 2000
 REQUESTS = 150
+SCENARIO = "fikit_fake_driver.json"  # the same workloads, for the simulator
 ONE = (1, 1, 1)
 
 
@@ -273,3 +276,14 @@ def _pid_of(run: Runner, kernel: str) -> int:
         if name == kernel:
             return pid
     raise AssertionError(f"nobody ran {kernel}")
+
+
+def test_the_simulator_predicts_the_same_ordering_for_these_workloads() -> None:
+    """benchmarks/fikit_fake_driver.json models the workloads of the first test; the simulator,
+    driving the same decision core, predicts the ordering that test measures live."""
+    scenario = load_scenario(Path(__file__).resolve().parents[2] / "benchmarks" / SCENARIO)
+    mean = {
+        mode: simulate(scenario, mode).to_dict()["tasks"]["infer"]["jct_mean_ms"]
+        for mode in ("exclusive", "sharing", "fikit")
+    }
+    assert mean["exclusive"] <= mean["fikit"] < mean["sharing"], mean
