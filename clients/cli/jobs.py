@@ -91,7 +91,9 @@ def submit(file: str, wait: bool, address: str, as_json: bool) -> None:
             key = file_key_for(error.field, document)
             if key is None:
                 raise
-            raise click.UsageError(
+            # The service refused a value: exit 1 with one line, like any refusal (2 is for
+            # what is wrong before anything is sent).
+            raise click.ClickException(
                 f"{file}: key {key!r}: refused by placement: {error.message}"
             ) from None
         if wait and job.state is not JobState.ASSIGNED and not job.state.finished:
@@ -364,9 +366,8 @@ def run(
         try:
             job = client.submit(spec)
         except InvalidArgument as error:
-            raise click.BadParameter(
-                error.message, param_hint=_RUN_OPTIONS.get(error.field, "COMMAND")
-            ) from None
+            option = _RUN_OPTIONS.get(error.field, "COMMAND")
+            raise click.ClickException(f"{option}: refused by placement: {error.message}") from None
         try:
             job = runner.wait_assigned(job, timeout)
         except JobNotAssigned as error:

@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.placement import (
+    DEFAULT_PRIORITY,
     Assignment,
     FunctionScaling,
     GpuEntry,
@@ -56,7 +57,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
         mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
         task_key=msg.task_key,
-        priority=msg.priority.level,
+        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy,
         gpu_model=msg.gpu_model,

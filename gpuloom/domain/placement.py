@@ -14,7 +14,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota, validate_priority
+from gpuloom.domain.shares import (
+    DEFAULT_PRIORITY,
+    SpatioTemporalShare,
+    TimeQuota,
+    validate_priority,
+)
 
 MAX_NAME = 128
 MAX_KEY = 256
@@ -72,7 +77,7 @@ class JobSpec:
     whole_gpus: int = 0
     mig_slices: int = 0
     task_key: str = ""
-    priority: int = 0
+    priority: int = DEFAULT_PRIORITY
     slo: Slo = field(default_factory=Slo)
     policy: str = ""
     gpu_model: str = ""

@@ -7,6 +7,7 @@ from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, gpu_info_to_p
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import (
+    DEFAULT_PRIORITY,
     Assignment,
     JobSpec,
     JobState,
@@ -42,7 +43,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
         mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
         task_key=msg.task_key,
-        priority=msg.priority.level,
+        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy.strip(),
         gpu_model=msg.gpu_model,
