@@ -213,7 +213,17 @@ def gpus(node: str, address: str, as_json: bool) -> None:
         found = list(client.gpus(node))
     if _echo_json_or_nothing(found, _gpu_json, as_json, "no GPUs registered"):
         return
-    headers = ["NODE", "UUID", "MODEL", "MEMORY", "STATUS", "JOBS", "AREA %", "MEM RESERVED"]
+    headers = [
+        "NODE",
+        "UUID",
+        "MODEL",
+        "MEMORY",
+        "STATUS",
+        "JOBS",
+        "DIRECT",
+        "AREA %",
+        "MEM RESERVED",
+    ]
     rows = [
         (
             g.gpu.node,
@@ -222,6 +232,7 @@ def gpus(node: str, address: str, as_json: bool) -> None:
             _memory(g.gpu.memory_bytes),
             "lost" if g.lost else "schedulable" if g.schedulable else "unschedulable",
             g.jobs,
+            g.direct_reservations,
             g.area_reserved_percent,
             _memory(g.memory_reserved_bytes),
             g.utilization_percent,

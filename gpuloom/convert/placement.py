@@ -14,7 +14,6 @@ from google.protobuf.message import Message
 
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.placement import (
-    DEFAULT_PRIORITY,
     Assignment,
     FunctionScaling,
     GpuEntry,
@@ -28,6 +27,7 @@ from gpuloom.domain.placement import (
     Slo,
     ThroughputConfig,
 )
+from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
@@ -229,6 +229,7 @@ def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
         memory_reserved_bytes=msg.memory_reserved_bytes,
         area_reserved_percent=msg.area_reserved_percent,
         jobs=msg.jobs,
+        direct_reservations=msg.direct_reservations,
     )
 
 
@@ -244,6 +245,7 @@ def gpu_entry_to_pb(entry: GpuEntry) -> pb.GpuEntry:
         memory_reserved_bytes=entry.memory_reserved_bytes,
         area_reserved_percent=entry.area_reserved_percent,
         jobs=entry.jobs,
+        direct_reservations=entry.direct_reservations,
     )
 
 

@@ -292,6 +292,8 @@ class GpuEntry:
     memory_reserved_bytes: int
     area_reserved_percent: float  # of the (quota x SM) rectangle, in percent
     jobs: int
+    # Shares reserved on the dispatcher directly, not by placement (in the figures above).
+    direct_reservations: int = 0
 
 
 @dataclass(frozen=True, slots=True)
