@@ -102,7 +102,7 @@ def test_the_readmes_run_line_runs_as_written(plane: Plane) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert re.search(r"served 5 requests on a 24% SM share: .* failures 0", result.stdout)
-    assert "no shim found" not in result.stderr  # the shim saw the example's launches
+    assert "no shim found" not in result.stderr  # the shim was preloaded into the example
 
 
 def test_a_share_reserved_on_a_dispatcher_directly_is_counted_by_placement(
