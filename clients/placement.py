@@ -29,7 +29,14 @@ from gpuloom.clients.blocking import BlockingClient
 from gpuloom.convert import placement as convert
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, FailedPrecondition
-from gpuloom.domain.placement import FunctionScaling, GpuEntry, JobSpec, JobState, JobView
+from gpuloom.domain.placement import (
+    DEFAULT_PRIORITY,
+    FunctionScaling,
+    GpuEntry,
+    JobSpec,
+    JobState,
+    JobView,
+)
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
@@ -37,7 +44,6 @@ from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 DEFAULT_ADDRESS = "localhost:50051"
 ADDRESS_ENV = "GPULOOM_PLACEMENT_ADDRESS"
 GIB = 1 << 30
-DEFAULT_PRIORITY = 5
 
 KINDS = {
     "inference": pb.JOB_KIND_INFERENCE,

@@ -11,7 +11,7 @@ import structlog
 
 from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
-from gpuloom.services.common.server import wait_for_shutdown_signal
+from gpuloom.services.common.server import PortInUse, wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
@@ -39,14 +39,17 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     configure_logging(common.log_level, common.log_format)
     started: list[ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp] = []
     endpoints: list[Endpoint] = []
+    port_variable = ""  # the setting of the port being bound
     try:
         if "profile-store" in services:
+            port_variable = "GPULOOM_PROFILE_STORE_PORT"
             app = await ProfileStoreApp.start(
                 load(ProfileStoreSettings), common.bind_host, common.data_dir
             )
             started.append(app)
             endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
         if "profiler" in services:
+            port_variable = "GPULOOM_PROFILER_PORT"
             settings = load(ProfilerSettings)
             store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
             if store is not None:  # the store in this process, wherever it listens
@@ -57,6 +60,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
             started.append(profiler)
             endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
         if "placement" in services:
+            port_variable = "GPULOOM_PLACEMENT_PORT"
             settings = load(PlacementSettings)
             store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
             if store is not None and not settings.profile_store_address:
@@ -67,6 +71,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
             started.append(placement)
             endpoints.append(Endpoint("placement (gRPC)", f"{common.bind_host}:{placement.port}"))
         if "dispatcher" in services:
+            port_variable = "GPULOOM_DISPATCHER_PORT"  # GPU i's dispatcher listens on it + i
             settings = load(DispatcherSettings)
             profiler = next((a for a in started if isinstance(a, ProfilerApp)), None)
             if profiler is not None and not settings.profiler_address:
@@ -93,6 +98,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
                         f"{common.bind_host}:{dispatcher.port}",
                     )
                 )
+        port_variable = "GPULOOM_METRICS_PORT"
         metrics_port = start_metrics_endpoint(common.bind_host, common.metrics_port)
         if metrics_port is not None:
             endpoints.append(
@@ -107,6 +113,9 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
         announce(endpoints)
         received = await wait_for_shutdown_signal()
         log.info("shutting down", signal=received.name)
+    except PortInUse as error:
+        # Name the setting that picks the port: the usual cause is a second `gpuloom up`.
+        raise PortInUse(error.host, error.port, port_variable) from None
     finally:
         for app in reversed(started):
             await app.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,3 +111,37 @@ def test_bad_configuration_fails_fast_naming_the_variable(
     )
     assert result.returncode == 1
     assert variable in result.stderr and said in result.stderr
+
+
+@pytest.mark.parametrize(
+    "variable", ["GPULOOM_PROFILE_STORE_PORT", "GPULOOM_PLACEMENT_PORT", "GPULOOM_METRICS_PORT"]
+)
+def test_a_port_in_use_is_one_line_naming_the_port_and_its_variable(
+    tmp_path: Path, variable: str
+) -> None:
+    ports = {
+        name: "0"
+        for name in (
+            "GPULOOM_PROFILE_STORE_PORT",
+            "GPULOOM_PROFILER_PORT",
+            "GPULOOM_PLACEMENT_PORT",
+            "GPULOOM_DISPATCHER_PORT",
+            "GPULOOM_METRICS_PORT",
+        )
+    }
+    with socket.socket() as taken:  # what a first `gpuloom up` holds
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports[variable] = str(port)
+        env = _env(tmp_path, GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB", **ports)
+        result = subprocess.run(
+            [GPULOOM, "up"], env=env, capture_output=True, text=True, timeout=60
+        )
+    assert result.returncode == 1, result.stderr
+    [line] = [line for line in result.stderr.splitlines() if not line.startswith("{")]
+    assert line == (
+        f"Error: cannot start: port {port} on 127.0.0.1 is in use (another gpuloom running?); "
+        f"set {variable} to another port"
+    )
+    assert "Traceback" not in result.stderr + result.stdout

@@ -91,7 +91,9 @@ def submit(file: str, wait: bool, address: str, as_json: bool) -> None:
             key = file_key_for(error.field, document)
             if key is None:
                 raise
-            raise click.UsageError(
+            # The service refused a value: exit 1 with one line, like any refusal (2 is for
+            # what is wrong before anything is sent).
+            raise click.ClickException(
                 f"{file}: key {key!r}: refused by placement: {error.message}"
             ) from None
         if wait and job.state is not JobState.ASSIGNED and not job.state.finished:
@@ -211,7 +213,17 @@ def gpus(node: str, address: str, as_json: bool) -> None:
         found = list(client.gpus(node))
     if _echo_json_or_nothing(found, _gpu_json, as_json, "no GPUs registered"):
         return
-    headers = ["NODE", "UUID", "MODEL", "MEMORY", "STATUS", "JOBS", "AREA %", "MEM RESERVED"]
+    headers = [
+        "NODE",
+        "UUID",
+        "MODEL",
+        "MEMORY",
+        "STATUS",
+        "JOBS",
+        "DIRECT",
+        "AREA %",
+        "MEM RESERVED",
+    ]
     rows = [
         (
             g.gpu.node,
@@ -220,6 +232,7 @@ def gpus(node: str, address: str, as_json: bool) -> None:
             _memory(g.gpu.memory_bytes),
             "lost" if g.lost else "schedulable" if g.schedulable else "unschedulable",
             g.jobs,
+            g.direct_reservations,
             g.area_reserved_percent,
             _memory(g.memory_reserved_bytes),
             g.utilization_percent,
@@ -364,9 +377,8 @@ def run(
         try:
             job = client.submit(spec)
         except InvalidArgument as error:
-            raise click.BadParameter(
-                error.message, param_hint=_RUN_OPTIONS.get(error.field, "COMMAND")
-            ) from None
+            option = _RUN_OPTIONS.get(error.field, "COMMAND")
+            raise click.ClickException(f"{option}: refused by placement: {error.message}") from None
         try:
             job = runner.wait_assigned(job, timeout)
         except JobNotAssigned as error:

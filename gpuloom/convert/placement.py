@@ -27,6 +27,7 @@ from gpuloom.domain.placement import (
     Slo,
     ThroughputConfig,
 )
+from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
@@ -56,7 +57,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
         mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
         task_key=msg.task_key,
-        priority=msg.priority.level,
+        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy,
         gpu_model=msg.gpu_model,
@@ -228,6 +229,7 @@ def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
         memory_reserved_bytes=msg.memory_reserved_bytes,
         area_reserved_percent=msg.area_reserved_percent,
         jobs=msg.jobs,
+        direct_reservations=msg.direct_reservations,
     )
 
 
@@ -243,6 +245,7 @@ def gpu_entry_to_pb(entry: GpuEntry) -> pb.GpuEntry:
         memory_reserved_bytes=entry.memory_reserved_bytes,
         area_reserved_percent=entry.area_reserved_percent,
         jobs=entry.jobs,
+        direct_reservations=entry.direct_reservations,
     )
 
 

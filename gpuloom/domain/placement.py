@@ -14,7 +14,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota, validate_priority
+from gpuloom.domain.shares import (
+    DEFAULT_PRIORITY,
+    SpatioTemporalShare,
+    TimeQuota,
+    validate_priority,
+)
 
 MAX_NAME = 128
 MAX_KEY = 256
@@ -72,7 +77,7 @@ class JobSpec:
     whole_gpus: int = 0
     mig_slices: int = 0
     task_key: str = ""
-    priority: int = 0
+    priority: int = DEFAULT_PRIORITY
     slo: Slo = field(default_factory=Slo)
     policy: str = ""
     gpu_model: str = ""
@@ -287,6 +292,8 @@ class GpuEntry:
     memory_reserved_bytes: int
     area_reserved_percent: float  # of the (quota x SM) rectangle, in percent
     jobs: int
+    # Shares reserved on the dispatcher directly, not by placement (in the figures above).
+    direct_reservations: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,12 @@ class SpatioTemporalShare:
         self.quota.validate(f"{field}.quota")
 
 
+# What a request that names no priority gets, everywhere (placement's SubmitJob, the
+# dispatcher's Reserve, the CLI, job files): the middle, so that an unmarked job does not go
+# ahead of the ones marked important.
+DEFAULT_PRIORITY = 5
+
+
 def validate_priority(field: str, level: int) -> None:
     if not 0 <= level <= LOWEST_PRIORITY:
         raise InvalidArgument(

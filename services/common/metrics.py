@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+
 import prometheus_client
 import structlog
+
+from gpuloom.services.common.server import PortInUse
 
 RPC_TOTAL = prometheus_client.Counter(
     "gpuloom_rpc_total",
@@ -24,7 +28,12 @@ def start_metrics_endpoint(host: str, port: int) -> int | None:
     """Serve /metrics over HTTP in a background thread; port 0 disables it. Returns the port."""
     if port == 0:
         return None
-    server, _thread = prometheus_client.start_http_server(port, addr=host)
+    try:
+        server, _thread = prometheus_client.start_http_server(port, addr=host)
+    except OSError as error:
+        if error.errno != errno.EADDRINUSE:
+            raise
+        raise PortInUse(host, port) from None
     bound = server.server_port
     log.info("metrics endpoint listening", url=f"http://{host}:{bound}/metrics")
     return bound

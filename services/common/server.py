@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import signal
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,6 +41,36 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
+class PortInUse(OSError):
+    """The port a server was to listen on is taken, most often by another gpuloom. `variable`
+    names the setting that chooses the port, when the caller knows it."""
+
+    def __init__(self, host: str, port: int, variable: str = "") -> None:
+        self.host, self.port, self.variable = host, port, variable
+        message = f"port {port} on {host} is in use (another gpuloom running?)"
+        if variable:
+            message += f"; set {variable} to another port"
+        super().__init__(message)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether `port` can be bound: asked before grpc binds, whose refusal also writes a
+    multi-line native log to stderr."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return True  # let grpc say what is wrong with the host
+    family, kind, _, _, address = infos[0]
+    with socket.socket(family, kind) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return False
+    return True
+
+
 async def start_server(
     services: Sequence[ServiceRegistration],
     host: str,
@@ -61,9 +93,14 @@ async def start_server(
     reflection.enable_server_reflection(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if port and not _port_free(host, port):
+        raise PortInUse(host, port)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # how grpc says the port is taken
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC server to {host}:{port} (address in use?)")
+        raise PortInUse(host, port)
     await server.start()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

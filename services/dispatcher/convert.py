@@ -9,6 +9,7 @@ from gpuloom.convert.mig import task_run_to_pb
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
+from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
@@ -43,7 +44,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
     return ReserveSpec(
         assignment_id=request.assignment_id,
         client_name=request.client_name,
-        priority=request.priority.level,
+        priority=(request.priority.level if request.HasField("priority") else DEFAULT_PRIORITY),
         memory_cap_bytes=request.memory_cap_bytes,
         share=share_from_pb(request.share),
         mode=ShimMode(mode),

@@ -2,9 +2,11 @@
 
 Registration (RegisterGpu) describes the GPU (model, memory, SMs, MIG, whether MPS-style
 spatial sharing is on) and the address placement should dial to reserve on it; placement
-answers with the heartbeat interval. Each heartbeat carries the GPU's utilisation, the memory
-in use and the assignment ids the reservation book holds; placement answers with the ids it no
-longer knows as live, which are released here.
+answers with the heartbeat interval. Registration and each heartbeat carry the reservations
+the book holds (id, priority, memory cap, share): placement counts the ones it did not make
+(reserved here directly) as occupied space on this GPU. Each heartbeat also carries the GPU's
+utilisation and the memory in use; placement answers with the ids of its own jobs it no longer
+knows as live, which are released here.
 
 Placement may forget the GPU (NOT_FOUND: register again) or go away (UNAVAILABLE, a deadline:
 keep trying at the interval, and register again once it answers, since it may have restarted).
@@ -25,6 +27,8 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import structlog
 
+from gpuloom.convert.shares import share_to_pb
+from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 
@@ -202,6 +206,7 @@ class PlacementLink:
                 gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY
             ),
             dispatcher_address=self._dispatcher_address,
+            reservations=[_reservation_to_pb(r) for r in self._reservations()],
         )
         response = await stub.RegisterGpu(request, timeout=self._timeout_s)
         self._interval_s = clamp_interval(response.heartbeat_interval_s)
@@ -215,12 +220,13 @@ class PlacementLink:
         )
 
     async def _heartbeat(self, stub: placement_pb2_grpc.PlacementStub) -> None:
-        usage, assignment_ids = await self._bounded(asyncio.to_thread(self._read_status))
+        usage, reservations = await self._bounded(asyncio.to_thread(self._read_status))
         request = placement_pb2.HeartbeatRequest(
             gpu_uuid=self._core.gpu.uuid,
             utilization_percent=usage.utilization_percent,
             memory_used_bytes=usage.memory_used_bytes,
-            assignment_ids=assignment_ids,
+            assignment_ids=[r.assignment_id for r in reservations],
+            reservations=[_reservation_to_pb(r) for r in reservations],
         )
         response = await stub.Heartbeat(request, timeout=self._timeout_s)
         for assignment_id in response.release_assignment_ids:
@@ -256,13 +262,24 @@ class PlacementLink:
             log.warning("cannot list the GPU's MIG instances", error=repr(error))
             return gpu, []
 
-    def _read_status(self) -> tuple[GpuUsage, list[str]]:
-        usage = self._core.backend.usage(self._core.gpu.index)
-        ids = sorted(r.assignment_id for r in self._core.book.all())
-        return usage, ids
+    def _read_status(self) -> tuple[GpuUsage, list[Reservation]]:
+        return self._core.backend.usage(self._core.gpu.index), self._reservations()
+
+    def _reservations(self) -> list[Reservation]:
+        return sorted(self._core.book.all(), key=lambda r: r.assignment_id)
 
     async def _bounded(self, awaitable: Awaitable[T]) -> T:
         return await asyncio.wait_for(awaitable, self._timeout_s)
+
+
+def _reservation_to_pb(reservation: Reservation) -> placement_pb2.DispatcherReservation:
+    return placement_pb2.DispatcherReservation(
+        assignment_id=reservation.assignment_id,
+        priority=common_pb2.Priority(level=reservation.priority),
+        memory_cap_bytes=reservation.memory_cap_bytes,
+        share=share_to_pb(reservation.share),
+        task_key=reservation.task_key,
+    )
 
 
 def _gpu_info_to_pb(

@@ -3,6 +3,8 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, gpu_info_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
@@ -13,9 +15,15 @@ from gpuloom.domain.placement import (
     JobView,
     Slo,
 )
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
-from gpuloom.services.placement.domain import Job
-from gpuloom.services.placement.inventory import GpuView
+from gpuloom.domain.shares import (
+    DEFAULT_PRIORITY,
+    LOWEST_PRIORITY,
+    SpatioTemporalShare,
+    TimeQuota,
+)
+from gpuloom.policies.placement import Allocation
+from gpuloom.services.placement.domain import JOB_ID_PREFIX, Job
+from gpuloom.services.placement.inventory import GpuView, direct_id
 from gpuloom.services.placement.repository import JobFilter
 from gpuloom.services.placement.scaling import ScalingResult
 from gpuloom.v1 import placement_pb2 as pb
@@ -42,7 +50,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
         mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
         task_key=msg.task_key,
-        priority=msg.priority.level,
+        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy.strip(),
         gpu_model=msg.gpu_model,
@@ -111,6 +119,37 @@ def filter_from_pb(request: pb.ListJobsRequest) -> JobFilter:
     )
 
 
+def direct_reservations_from_pb(
+    gpu_uuid: str, reservations: Iterable[pb.DispatcherReservation]
+) -> list[Allocation]:
+    """The shares a dispatcher reports that placement did not reserve (its own jobs' ids start
+    with JOB_ID_PREFIX), as fleet allocations; values the dispatcher could not have accepted are
+    refused, naming the field."""
+    direct = []
+    for index, reservation in enumerate(reservations):
+        if reservation.assignment_id.startswith(JOB_ID_PREFIX):
+            continue
+        share = reservation.share
+        field = f"reservations[{index}]"
+        if not 1 <= share.sm_percent <= 100:
+            raise InvalidArgument(f"{field}.share.sm_percent", "must be within 1..100")
+        if not 0 < share.quota.request_percent <= 100:
+            raise InvalidArgument(f"{field}.share.quota.request_percent", "must be in (0, 100]")
+        if not reservation.assignment_id:
+            raise InvalidArgument(f"{field}.assignment_id", "must not be empty")
+        direct.append(
+            Allocation(
+                allocation_id=direct_id(gpu_uuid, reservation.assignment_id),
+                sm_percent=share.sm_percent,
+                quota_percent=share.quota.request_percent,
+                memory_bytes=reservation.memory_cap_bytes,
+                priority=min(reservation.priority.level, LOWEST_PRIORITY),
+                task_key=reservation.task_key,
+            )
+        )
+    return direct
+
+
 def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:
     record = view.record
     return pb.GpuEntry(
@@ -124,6 +163,7 @@ def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:
         memory_reserved_bytes=view.memory_reserved_bytes,
         area_reserved_percent=view.area_reserved_percent,
         jobs=view.jobs,
+        direct_reservations=view.direct_reservations,
     )
 
 

@@ -141,10 +141,14 @@ class PlacementCore:
 
     # ---- dispatchers ----
 
-    async def register_gpu(self, info: GpuInfo, dispatcher_address: str) -> float:
-        """Add or refresh a GPU; returns the heartbeat interval the dispatcher must keep."""
+    async def register_gpu(
+        self, info: GpuInfo, dispatcher_address: str, direct: Sequence[Allocation] = ()
+    ) -> float:
+        """Add or refresh a GPU with the shares reserved on its dispatcher directly; returns
+        the heartbeat interval the dispatcher must keep."""
         async with self.jobs.lock:
             again = await self.inventory.register(info, dispatcher_address, self._clock())
+            self.inventory.set_direct(info.gpu_uuid, direct)
             self.jobs.capacity_changed()
         self.jobs.wake()
         log.info(
@@ -163,14 +167,19 @@ class PlacementCore:
         utilization_percent: float,
         memory_used_bytes: int,
         assignment_ids: Sequence[str],
+        direct: Sequence[Allocation] = (),
     ) -> list[str]:
-        """Refresh a GPU; returns the assignments its dispatcher holds that no live job owns."""
+        """Refresh a GPU and the shares reserved on its dispatcher directly; returns the
+        assignments its dispatcher holds that no live job owns."""
         record = self.inventory.refresh(
             gpu_uuid, utilization_percent, memory_used_bytes, self._clock()
         )
-        if self.inventory.is_down(record):
+        down = self.inventory.is_down(record)
+        if down or self.inventory.direct_changed(gpu_uuid, direct):
             async with self.jobs.lock:
-                await self.inventory.revive(record)
+                if down:
+                    await self.inventory.revive(record)
+                self.inventory.set_direct(gpu_uuid, direct)
                 self.jobs.capacity_changed()
             self.jobs.wake()
         return self.jobs.stale(gpu_uuid, assignment_ids)

@@ -2,8 +2,10 @@
 registration and heartbeats as they change it, and the ListGpus view.
 
 It knows no jobs: the core ends the jobs of a GPU it marks lost, and decides again when it
-reports capacity back. Every change is made under the core's lock (one writer of fleet and
-database at a time); reads are lock-free.
+reports capacity back. Shares reserved on a dispatcher directly (not by placement), as its
+registration and heartbeats report them, sit in the fleet as allocations no job owns
+(`direct_id`), so that jobs are not placed into space that is taken. Every change is made
+under the core's lock (one writer of fleet and database at a time); reads are lock-free.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import structlog
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.placement import GpuInfo, JobSpec
 from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
+from gpuloom.policies.placement.fleet import InvalidStateError
 from gpuloom.services.placement.domain import GpuRecord, Job, validate_address
 from gpuloom.services.placement.paging import decode_text, encode_token
 from gpuloom.services.placement.repository import PlacementRepository
@@ -37,6 +40,7 @@ class GpuView:
     memory_reserved_bytes: int
     area_reserved_percent: float
     jobs: int
+    direct_reservations: int
 
 
 class Inventory:
@@ -48,6 +52,8 @@ class Inventory:
         self._max_memory: dict[str, int] = {}  # model -> largest GPU memory ("" = any model)
         # GPUs whose dispatcher failed a bind or a MIG run: no new work until its next heartbeat.
         self.suspended: set[str] = set()
+        # GPU -> the fleet ids of the direct reservations its dispatcher reported last.
+        self._direct: dict[str, frozenset[str]] = {}
 
     def load(
         self, records: Sequence[GpuRecord], holding: Mapping[str, Sequence[Allocation]], now: float
@@ -168,6 +174,40 @@ class Inventory:
             self.fleet.set_schedulable(gpu_uuid, False)
             self.suspended.add(gpu_uuid)
 
+    def direct_changed(self, gpu_uuid: str, direct: Sequence[Allocation]) -> bool:
+        """Whether `direct` differs from what the GPU's dispatcher reported last (lock-free;
+        an assignment id keeps its request, the dispatcher refuses another under it)."""
+        return frozenset(a.allocation_id for a in direct) != self._direct.get(gpu_uuid, frozenset())
+
+    def set_direct(self, gpu_uuid: str, direct: Sequence[Allocation]) -> None:
+        """Make the GPU's direct reservations in the fleet the ones `direct` lists (its
+        dispatcher's last report). One that does not fit beside the rest (a dispatcher that
+        overcommits its GPU) is left out, with a warning."""
+        old = self._direct.get(gpu_uuid, frozenset())
+        new = {a.allocation_id: a for a in direct}
+        for gone in old - new.keys():
+            self.fleet.release(gone)
+        added = [a for a_id, a in sorted(new.items()) if a_id not in old]
+        if added:
+            record = self._gpus[gpu_uuid]
+            schedulable = self.fleet.slot(gpu_uuid).schedulable
+            held = list(self.fleet.remove_gpu(gpu_uuid))
+            for candidate in added:
+                try:  # the fleet takes a GPU whole: try it with the candidate, then take it back
+                    self.fleet.add_gpu(gpu_state(record, [*held, candidate]))
+                except (InvalidStateError, ValueError) as error:
+                    log.warning(
+                        "a direct reservation does not fit beside the rest: not counted",
+                        gpu=gpu_uuid,
+                        reservation=candidate.allocation_id,
+                        error=str(error),
+                    )
+                    continue
+                held = list(self.fleet.remove_gpu(gpu_uuid))
+            self.fleet.add_gpu(gpu_state(record, held))
+            self.fleet.set_schedulable(gpu_uuid, schedulable)
+        self._direct[gpu_uuid] = frozenset(new)
+
     # ---- questions ----
 
     def check_memory(self, spec: JobSpec) -> None:
@@ -207,13 +247,15 @@ class Inventory:
         views = []
         for _, gpu_uuid in page:
             slot = self.fleet.slot(gpu_uuid)
+            direct = sum(1 for a_id in self._direct.get(gpu_uuid, ()) if a_id in slot.allocations)
             views.append(
                 GpuView(
                     record=self._gpus[gpu_uuid],
                     schedulable=slot.schedulable,
                     memory_reserved_bytes=slot.memory_used,
                     area_reserved_percent=100.0 * slot.area_used / GRID_AREA,
-                    jobs=len(slot.allocations),
+                    jobs=len(slot.allocations) - direct,
+                    direct_reservations=direct,
                 )
             )
         token = encode_token("\x1f".join(page[-1])) if more else ""
@@ -237,6 +279,12 @@ def allocation(job: Job) -> Allocation:
         task_key=spec.task_key,
         rect=Rect(*job.binding.rect),
     )
+
+
+def direct_id(gpu_uuid: str, assignment_id: str) -> str:
+    """The fleet's id of a share reserved on the GPU's dispatcher directly (assignment ids are
+    chosen per dispatcher, so the GPU makes them unique)."""
+    return f"direct:{gpu_uuid}:{assignment_id}"
 
 
 def takes_shares(record: GpuRecord) -> bool:

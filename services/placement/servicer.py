@@ -87,8 +87,11 @@ class PlacementServicer(pb_grpc.PlacementServicer):
     async def RegisterGpu(
         self, request: pb.RegisterGpuRequest, context: Context
     ) -> pb.RegisterGpuResponse:
+        info = gpu_info_from_pb(request.gpu)
         interval = await self._core.register_gpu(
-            gpu_info_from_pb(request.gpu), request.dispatcher_address
+            info,
+            request.dispatcher_address,
+            convert.direct_reservations_from_pb(info.gpu_uuid, request.reservations),
         )
         return pb.RegisterGpuResponse(heartbeat_interval_s=interval)
 
@@ -101,6 +104,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             request.utilization_percent,
             request.memory_used_bytes,
             request.assignment_ids,
+            convert.direct_reservations_from_pb(request.gpu_uuid, request.reservations),
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 

@@ -205,7 +205,9 @@ async def test_heartbeats_carry_usage_and_the_assignments_held(
     backend.report_usage(0, 42.0, 3 * GIB)
     async with linked_dispatcher(short_dir, placement.address, backend) as linked:
         await linked.stub.Reserve(reserve_request(request=20, assignment_id="job-b"))
-        await linked.stub.Reserve(reserve_request(request=20, assignment_id="job-a"))
+        unset = reserve_request(sm=30, request=20, limit=40, assignment_id="job-a")
+        unset.ClearField("priority")  # gets the default, 5
+        await linked.stub.Reserve(unset)
         await eventually(
             lambda: ["job-a", "job-b"] in placement.fake.heartbeat_ids(),
             "a heartbeat listing both assignments",
@@ -213,6 +215,12 @@ async def test_heartbeats_carry_usage_and_the_assignments_held(
         last = placement.fake.heartbeats[-1]
         assert last.utilization_percent == pytest.approx(42.0)
         assert last.memory_used_bytes == 3 * GIB
+        # The reservations in full, for placement to count the ones it did not make.
+        first = last.reservations[0]
+        assert [r.assignment_id for r in last.reservations] == ["job-a", "job-b"]
+        assert (first.priority.level, first.memory_cap_bytes) == (5, GIB)
+        assert (first.share.sm_percent, first.share.quota.request_percent) == (30, 20)
+        assert first.share.quota.limit_percent == 40
 
 
 async def test_assignments_placement_no_longer_knows_are_released(

@@ -24,6 +24,7 @@ from gpuloom.clients.placement import (
 )
 from gpuloom.convert.placement import job_from_pb
 from gpuloom.domain.placement import JobState
+from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
@@ -60,6 +61,11 @@ SERVICE_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[")
 
 def stdout_lines(result: Result) -> list[str]:
     return [line for line in result.stdout.splitlines() if not SERVICE_LOG.match(line)]
+
+
+def output_lines(result: Result) -> list[str]:
+    """stdout and stderr, without the service's log lines."""
+    return [line for line in result.output.splitlines() if not SERVICE_LOG.match(line)]
 
 
 def stdout_of(result: Result) -> str:
@@ -131,16 +137,6 @@ BAD_FILES = [
     ),
     ("nokind.yaml", "name: a\nresources: {whole_gpus: 1}\n", ["'kind'", "required"]),
     ("badkind.json", '{"name": "a", "kind": "serving"}', ["'kind'", "inference, training"]),
-    (
-        "sm0.yaml",
-        "name: a\nkind: batch\nresources:\n  memory_gib: 4\n"
-        "  mps: {sm_percent: 0, quota_request_percent: 50}\n",
-        [
-            "'resources.mps.sm_percent'",
-            "refused by placement",
-            "spec.resources.mps.sm_percent: must be within 1..100, got 0",
-        ],
-    ),
     ("list.yaml", "- name: a\n- name: b\n", ["must hold a mapping", "got list"]),
     ("broken.json", '{"name": "a",', ["not valid JSON"]),
     (
@@ -173,6 +169,24 @@ async def test_bad_job_files_exit_2_naming_the_file_and_key_and_submit_nothing(
     assert str(path) in result.output
     for text in expected:
         assert text in result.output
+    assert await all_jobs(placement) == []
+
+
+async def test_a_value_the_service_refuses_exits_1_with_one_line(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    path = tmp_path / "sm0.yaml"
+    path.write_text(
+        "name: a\nkind: batch\nresources:\n  memory_gib: 4\n"
+        "  mps: {sm_percent: 0, quota_request_percent: 50}\n"
+    )
+    result = await invoke("submit", str(path), address(placement))
+    assert result.exit_code == 1, result.output
+    assert output_lines(result) == [
+        f"Error: {path}: key 'resources.mps.sm_percent': refused by placement: "
+        "spec.resources.mps.sm_percent: must be within 1..100, got 0"
+    ]
     assert await all_jobs(placement) == []
 
 
@@ -444,8 +458,11 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
     ]:
         result = await invoke("run", address(placement), *args, "--", "true")
         assert result.exit_code == 2 and text in result.output, (args, result.output)
+    # A value only the service checks is a refusal: exit 1, one line, no usage banner.
     bad_policy = await invoke("run", address(placement), "--policy", "best-guess", "--", "true")
-    assert bad_policy.exit_code == 2 and "--policy" in bad_policy.output
+    assert bad_policy.exit_code == 1 and "Usage:" not in bad_policy.output
+    lines = output_lines(bad_policy)
+    assert len(lines) == 1 and lines[0].startswith("Error: --policy: refused by placement")
     assert "unknown placement policy 'best-guess'" in bad_policy.output
     assert await all_jobs(placement) == []
 
@@ -584,3 +601,23 @@ def test_a_mig_task_shows_its_planned_instance() -> None:
     line = _summary(job_from_pb(job))
     assert "GPU GPU-7 on node n1, MIG 3 slices at slice 4" in line
     assert "a MIG instance (sized by the batch planner)" in line
+
+
+async def test_one_priority_default_for_the_service_the_cli_and_job_files(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    unset = mps_spec("unset")
+    unset.ClearField("priority")
+    assert (await submit(placement.stub, unset)).spec.priority.level == DEFAULT_PRIORITY == 5
+    highest = mps_spec("highest", priority=0)  # an explicit 0 stays the highest
+    assert (await submit(placement.stub, highest)).spec.priority.level == 0
+
+    path = tmp_path / "plain.yaml"
+    path.write_text("name: plain\nkind: batch\nresources: {memory_gib: 1, whole_gpus: 1}\n")
+    filed = await invoke("submit", str(path), address(placement), "--json")
+    assert json.loads(stdout_of(filed))["spec"]["priority"] == {"level": DEFAULT_PRIORITY}
+    ran = await invoke("run", address(placement), "--no-shim", "--name", "ran", "--", "true")
+    assert ran.exit_code == 0, ran.output
+    [job] = [j for j in await all_jobs(placement) if j.spec.name == "ran"]
+    assert job.spec.priority.level == DEFAULT_PRIORITY

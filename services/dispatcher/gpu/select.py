@@ -62,7 +62,7 @@ def open_backend(
             )
             return backend
     log.info("gpu_backend_chosen", backend="simulated", reason=reason, gpus=len(fleet))
-    return SimulatedBackend(fleet, mig_enabled=mig_enabled, time_scale=time_scale, sleep=sleep)
+    return SimulatedBackend(sim_gpus, mig_enabled=mig_enabled, time_scale=time_scale, sleep=sleep)
 
 
 def _count_gpus(backend: NvmlBackend) -> int:

@@ -30,15 +30,16 @@ from gpuloom.services.dispatcher.gpu.mig_checks import check_placement
 log = structlog.get_logger("gpuloom.dispatcher.gpu")
 
 MAX_GPUS = 64
-_FLEET_ITEM = re.compile(r"(?:(\d+)\s*[xX]\s*)?([A-Za-z][A-Za-z0-9-]*)")
-_EXAMPLE = "expected [COUNTx]MODEL[,...], e.g. '4xA100-80GB' or 'A100-80GB,2xA30-24GB'"
+_FLEET_ITEM = re.compile(r"(?:(\d+)\s*[xX]\s*)?([A-Za-z][A-Za-z0-9-]*)(\s*:\s*[mM][iI][gG])?")
+_EXAMPLE = "expected [COUNTx]MODEL[:mig][,...], e.g. '4xA100-80GB' or 'A100-80GB:mig,2xA30-24GB'"
 
 
-def parse_fleet_spec(spec: str) -> list[GpuModel]:
-    """The GPUs a fleet spec describes, in index order. ValueError naming the bad part."""
+def parse_fleet(spec: str) -> list[tuple[GpuModel, bool]]:
+    """The GPUs a fleet spec describes, in index order, each with whether it starts in MIG
+    mode (`:mig` after the model). ValueError naming the bad part."""
     if not spec.strip():
         raise ValueError(f"empty GPU fleet spec; {_EXAMPLE}")
-    fleet: list[GpuModel] = []
+    fleet: list[tuple[GpuModel, bool]] = []
     for part in spec.split(","):
         item = part.strip()
         match = _FLEET_ITEM.fullmatch(item)
@@ -52,10 +53,18 @@ def parse_fleet_spec(spec: str) -> list[GpuModel]:
             raise ValueError(
                 f"unknown GPU model {match[2]!r} in {spec!r}; known: {', '.join(MODELS)}"
             )
-        fleet.extend([model] * count)
+        mig = match[3] is not None
+        if mig and not model.mig_capable:
+            raise ValueError(f"{model.name} in {item!r} is not MIG-capable; drop ':mig'")
+        fleet.extend([(model, mig)] * count)
     if len(fleet) > MAX_GPUS:
         raise ValueError(f"GPU fleet spec {spec!r} has {len(fleet)} GPUs; at most {MAX_GPUS}")
     return fleet
+
+
+def parse_fleet_spec(spec: str) -> list[GpuModel]:
+    """The models of the GPUs a fleet spec describes, in index order (see `parse_fleet`)."""
+    return [model for model, _ in parse_fleet(spec)]
 
 
 def simulated_uuid(model: GpuModel, index: int) -> str:
@@ -98,16 +107,17 @@ class SimulatedBackend:
         time_scale: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        """`mig_enabled` is the starting MIG mode of the MIG-capable GPUs; `time_scale`
-        multiplies the MIG reconfiguration times (0: instant)."""
+        """`mig_enabled` is the starting MIG mode of the MIG-capable GPUs (a fleet spec turns
+        it on per GPU with `:mig`); `time_scale` multiplies the MIG reconfiguration times (0:
+        instant)."""
         if not (time_scale >= 0 and math.isfinite(time_scale)):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale}")
-        models = parse_fleet_spec(fleet) if isinstance(fleet, str) else list(fleet)
-        if not models:
+        gpus = parse_fleet(fleet) if isinstance(fleet, str) else [(m, False) for m in fleet]
+        if not gpus:
             raise ValueError("a simulated fleet needs at least one GPU")
         self._gpus = [
-            _Gpu(i, m, simulated_uuid(m, i), mig_enabled=mig_enabled and m.mig_capable)
-            for i, m in enumerate(models)
+            _Gpu(i, m, simulated_uuid(m, i), mig_enabled=(mig_enabled or mig) and m.mig_capable)
+            for i, (m, mig) in enumerate(gpus)
         ]
         self._time_scale = time_scale
         self._sleep = sleep

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpuloom.services.dispatcher.gpu.simulated import MAX_GPUS, parse_fleet_spec
+from gpuloom.services.dispatcher.gpu.select import open_backend
+from gpuloom.services.dispatcher.gpu.simulated import MAX_GPUS, parse_fleet, parse_fleet_spec
+from gpuloom.services.dispatcher.settings import DispatcherSettings
 
 
 def names(spec: str) -> list[str]:
@@ -67,6 +69,36 @@ def test_unknown_model_is_named_and_known_models_listed(spec: str, named: str) -
     ],
 )
 def test_bad_specs_name_the_bad_part(spec: str, named: str) -> None:
+    with pytest.raises(ValueError) as error:
+        parse_fleet_spec(spec)
+    assert named in str(error.value)
+
+
+def test_mig_after_a_model_starts_those_gpus_in_mig_mode() -> None:
+    fleet = parse_fleet("2xA100-80GB:mig, H100-80GB , A30-24GB : MIG")
+    assert [(model.name, mig) for model, mig in fleet] == [
+        ("A100-80GB", True),
+        ("A100-80GB", True),
+        ("H100-80GB", False),
+        ("A30-24GB", True),
+    ]
+    assert names("2xA100-80GB:mig") == ["A100-80GB", "A100-80GB"]
+    backend = open_backend("simulated", "A100-80GB:mig,A100-80GB")
+    assert [gpu.mig_enabled for gpu in backend.gpus()] == [True, False]
+    # What `scripts/up` reads: the setting accepts it, and a MIG GPU takes MIG instances.
+    settings = DispatcherSettings(sim_gpus="2xA100-80GB:mig")
+    backend = open_backend("simulated", settings.sim_gpus, time_scale=0)
+    assert backend.create_mig_instance(0, 7, 0).uuid
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("L4-24GB:mig", "L4-24GB in 'L4-24GB:mig' is not MIG-capable"),
+        ("A100-80GB:mps", "bad GPU fleet entry 'A100-80GB:mps'"),
+    ],
+)
+def test_mig_on_a_gpu_without_it_or_another_suffix_is_refused(spec: str, named: str) -> None:
     with pytest.raises(ValueError) as error:
         parse_fleet_spec(spec)
     assert named in str(error.value)
