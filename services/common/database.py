@@ -13,6 +13,8 @@ from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from gpuloom.services.common.private_files import create_private_file
+
 # Accepted URL schemes and the async driver each one is served by.
 _DRIVER_FOR_SCHEME = {
     "postgresql": "postgresql+asyncpg",
@@ -35,9 +37,12 @@ def async_database_url(url: str) -> str:
 
 
 def embedded_url(data_dir: Path, filename: str) -> str:
-    """The embedded default: a SQLite file in the data directory."""
+    """The embedded default: a SQLite file in the data directory, 0600 (placement's holds the
+    assignment tokens; the directory stays open: the dispatchers' sockets live under it)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite+aiosqlite:///{(data_dir / filename).resolve()}"
+    path = data_dir / filename
+    create_private_file(path)
+    return f"sqlite+aiosqlite:///{path.resolve()}"
 
 
 def open_engine(url: str, schema: str = "") -> AsyncEngine:
