@@ -11,6 +11,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from gpuloom.services.common.private_files import create_private_file
@@ -55,6 +56,24 @@ def open_engine(url: str, schema: str = "") -> AsyncEngine:
     if url.startswith("sqlite"):
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     return engine
+
+
+class DatabaseUnreachable(OSError):
+    """The database cannot be reached at start-up; the message names it and its setting."""
+
+
+async def ensure_reachable(engine: AsyncEngine, variable: str) -> None:
+    """Connect once, so that a service that cannot reach its database says which database
+    (its URL without the password) and which variable sets it, instead of a bare
+    "[Errno 111] Connect call failed"."""
+    try:
+        async with engine.connect():
+            pass
+    except (OSError, DBAPIError) as error:
+        url = engine.url.render_as_string(hide_password=True)
+        raise DatabaseUnreachable(
+            f"cannot reach the database {url} (set by {variable}): {error}"
+        ) from error
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
