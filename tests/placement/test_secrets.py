@@ -1,9 +1,12 @@
 """Assignment tokens go to the job's submitter only: SubmitJob's answer and GetJob by the job's
-id carry them, listings and watches never do; the client library reads them by GetJob."""
+id carry them, listings, watches and logs never do; the client library reads them by GetJob."""
 
 from __future__ import annotations
 
 import asyncio
+
+import structlog
+import structlog.testing
 
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE, JobState
@@ -16,14 +19,20 @@ async def test_only_the_submitters_answers_carry_the_token(
     placement: Live, dispatchers: DispatcherApp
 ) -> None:
     await register_all(placement.stub, dispatchers)
-    job = await submit(placement.stub, mps_spec("secret", 30, 30))
-    assert job.state == pb.JOB_STATE_ASSIGNED
-    token = job.assignment.environment[ASSIGNMENT_TOKEN_VARIABLE]
-    got = await placement.stub.GetJob(pb.GetJobRequest(job_id=job.job_id))
+    with structlog.testing.capture_logs() as logged:
+        job = await submit(placement.stub, mps_spec("secret", 30, 30))
+        assert job.state == pb.JOB_STATE_ASSIGNED
+        token = job.assignment.environment[ASSIGNMENT_TOKEN_VARIABLE]
+        got = await placement.stub.GetJob(pb.GetJobRequest(job_id=job.job_id))
+        await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="done"))
     assert got.assignment.environment[ASSIGNMENT_TOKEN_VARIABLE] == token
+    # Neither placement nor the dispatcher logged it while binding, answering or releasing.
+    assert logged and token not in repr(logged)
 
+    job = await submit(placement.stub, mps_spec("listed", 30, 30))
+    token = job.assignment.environment[ASSIGNMENT_TOKEN_VARIABLE]
     listing = await placement.stub.ListJobs(pb.ListJobsRequest())
-    (listed,) = listing.jobs
+    (listed,) = [j for j in listing.jobs if j.job_id == job.job_id]
     assert listed.assignment.environment["GPULOOM_ASSIGNMENT_ID"] == job.job_id
     assert ASSIGNMENT_TOKEN_VARIABLE not in listed.assignment.environment
     assert token not in str(listing)
