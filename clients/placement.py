@@ -173,9 +173,10 @@ class PlacementClient(BlockingClient):
         timeout_s: float | None = None,
         on_update: Callable[[JobView], None] | None = None,
     ) -> JobView:
-        """Follow the job until it is ASSIGNED and return it. Raises JobNotAssigned if it
-        finishes instead (failed, cancelled, lost, ...) and WaitTimedOut after `timeout_s`
-        (None: no limit). `on_update` sees every revision on the way."""
+        """Follow the job until it is ASSIGNED and return it (read by GetJob, so with its
+        token). Raises JobNotAssigned if it finishes instead (failed, cancelled, lost, ...) and
+        WaitTimedOut after `timeout_s` (None: no limit). `on_update` sees every revision on the
+        way."""
         last: JobView | None = None
         call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
         try:
@@ -184,7 +185,10 @@ class PlacementClient(BlockingClient):
                 if on_update is not None:
                     on_update(job)
                 if job.state is JobState.ASSIGNED:
-                    return job
+                    # Watch answers never carry the assignment token; GetJob does.
+                    job = self.get(job_id)
+                    if job.state is JobState.ASSIGNED:
+                        return job
                 if job.state.finished:
                     raise JobNotAssigned(job)
         except grpc.RpcError as error:

@@ -238,6 +238,11 @@ class GpuInfo:
                 )
 
 
+# The assignment's secret: whoever presents it to the dispatcher first holds the reservation,
+# so placement tells it only to the job's submitter (see docs/security.md).
+ASSIGNMENT_TOKEN_VARIABLE = "GPULOOM_ASSIGNMENT_TOKEN"
+
+
 @dataclass(frozen=True, slots=True)
 class Assignment:
     """Where an assigned job runs and what its process must run with. A MIG batch task has a

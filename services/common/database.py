@@ -11,7 +11,10 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from gpuloom.services.common.private_files import create_private_file
 
 # Accepted URL schemes and the async driver each one is served by.
 _DRIVER_FOR_SCHEME = {
@@ -35,9 +38,12 @@ def async_database_url(url: str) -> str:
 
 
 def embedded_url(data_dir: Path, filename: str) -> str:
-    """The embedded default: a SQLite file in the data directory."""
+    """The embedded default: a SQLite file in the data directory, 0600 (placement's holds the
+    assignment tokens; the directory stays open: the dispatchers' sockets live under it)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    return f"sqlite+aiosqlite:///{(data_dir / filename).resolve()}"
+    path = data_dir / filename
+    create_private_file(path)
+    return f"sqlite+aiosqlite:///{path.resolve()}"
 
 
 def open_engine(url: str, schema: str = "") -> AsyncEngine:
@@ -50,6 +56,24 @@ def open_engine(url: str, schema: str = "") -> AsyncEngine:
     if url.startswith("sqlite"):
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     return engine
+
+
+class DatabaseUnreachable(OSError):
+    """The database cannot be reached at start-up; the message names it and its setting."""
+
+
+async def ensure_reachable(engine: AsyncEngine, variable: str) -> None:
+    """Connect once, so that a service that cannot reach its database says which database
+    (its URL without the password) and which variable sets it, instead of a bare
+    "[Errno 111] Connect call failed"."""
+    try:
+        async with engine.connect():
+            pass
+    except (OSError, DBAPIError) as error:
+        url = engine.url.render_as_string(hide_password=True)
+        raise DatabaseUnreachable(
+            f"cannot reach the database {url} (set by {variable}): {error}"
+        ) from error
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

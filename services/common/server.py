@@ -1,4 +1,5 @@
-"""gRPC server factory: every gpuloom server gets reflection and the standard health service."""
+"""gRPC server factory: every gpuloom server gets reflection, the standard health service and
+the request check of validation.py (INVALID_ARGUMENT for undecodable bytes and NUL bytes)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from gpuloom.services.common.validation import RequestValidator
 
 log = structlog.get_logger("gpuloom.server")
 
@@ -79,11 +82,12 @@ async def start_server(
 ) -> RunningServer:
     """Bind and start an asyncio gRPC server; port 0 picks a free port (see RunningServer.port)."""
     server = grpc.aio.server(
+        interceptors=[RequestValidator()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     for service in services:
         service.add_to_server(server)

@@ -21,6 +21,7 @@ from gpuloom.domain.errors import (
     ResourceExhausted,
 )
 from gpuloom.domain.gpus import find_model
+from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
 from gpuloom.services.dispatcher.channel import ShimChannel
@@ -191,7 +192,7 @@ class DispatcherCore:
         """What the process holding `reservation` must run with."""
         environment = {
             "GPULOOM_DISPATCHER_SOCKET": self.socket_path,
-            "GPULOOM_ASSIGNMENT_TOKEN": reservation.token,
+            ASSIGNMENT_TOKEN_VARIABLE: reservation.token,
             "GPULOOM_ASSIGNMENT_ID": reservation.assignment_id,
         }
         # CUDA understands real GPU and MIG UUIDs; a simulated GPU has nothing to select.

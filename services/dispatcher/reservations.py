@@ -4,6 +4,7 @@ A reservation is what placement bought on this GPU for one process. The book ref
 over-commit: the memory caps together fit in the GPU's memory and the guaranteed time quotas
 (requests) together fit in the window. It is written to a JSON file on every change (atomic
 rename), so a restarted dispatcher still knows every reservation and which process holds it.
+The file holds every token, so it is 0600 in a 0700 directory.
 Both the gRPC side and the shim channel thread use the book, hence the lock.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -26,6 +26,7 @@ from gpuloom.domain.errors import (
     ResourceExhausted,
 )
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.services.common import private_files
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,
     Reservation,
@@ -50,7 +51,10 @@ class ReservationBook:
         self._lock = threading.Lock()
         self._by_id: dict[str, Reservation] = {}
         self._by_token: dict[str, str] = {}
+        if path is not None:
+            private_files.private_directory(path.parent)
         if path is not None and path.exists():
+            private_files.make_private(path)
             for reservation in _load(path):
                 self._by_id[reservation.assignment_id] = reservation
                 self._by_token[reservation.token] = reservation.assignment_id
@@ -177,12 +181,7 @@ class ReservationBook:
             "version": FILE_VERSION,
             "reservations": [_to_json(r) for r in self._by_id.values()],
         }
-        temporary = self._path.with_suffix(".tmp")
-        with open(temporary, "w") as file:
-            json.dump(document, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self._path)
+        private_files.write_private(self._path, json.dumps(document))
 
 
 def _to_json(reservation: Reservation) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gpuloom.services.common.database import ensure_reachable
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
 from gpuloom.services.placement.dispatchers import (
@@ -25,6 +26,8 @@ from gpuloom.services.placement.servicer import SERVICE, PlacementServicer
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.placement.storage import create_engine, migrate
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
+
+DATABASE_URL_VARIABLE = "GPULOOM_PLACEMENT_DATABASE_URL"
 
 log = structlog.get_logger("gpuloom.placement")
 
@@ -63,6 +66,7 @@ class PlacementApp:
         )
         core = None
         try:
+            await ensure_reachable(engine, DATABASE_URL_VARIABLE)
             if settings.auto_migrate:
                 await migrate(engine, settings.database_schema)
             config = CoreConfig(

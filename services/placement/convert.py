@@ -9,6 +9,7 @@ from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, gpu_info_to_p
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import (
+    ASSIGNMENT_TOKEN_VARIABLE,
     Assignment,
     JobSpec,
     JobState,
@@ -58,9 +59,10 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
     )
 
 
-def job_view(job: Job) -> JobView:
+def job_view(job: Job, with_token: bool = False) -> JobView:
     """What the service tells about a job: its binding as the assignment (a finished job still
-    says where it ran; only a live one carries its environment)."""
+    says where it ran; only a live one carries its environment, and its assignment token only
+    `with_token`: for the submitter, never in listings; see docs/security.md)."""
     binding = job.binding
     assignment = None
     if binding is not None and job.state is not JobState.PENDING:
@@ -80,7 +82,7 @@ def job_view(job: Job) -> JobView:
                 share=SpatioTemporalShare(job.spec.sm_percent, job.spec.quota),
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
-                environment=binding.environment if job.state.holds_capacity else {},
+                environment=_environment(job, with_token),
             )
     return JobView(
         job_id=job.job_id,
@@ -99,8 +101,20 @@ def job_view(job: Job) -> JobView:
     )
 
 
-def job_to_pb(job: Job) -> pb.Job:
-    return view_to_pb(job_view(job))
+def _environment(job: Job, with_token: bool) -> dict[str, str]:
+    binding = job.binding
+    if binding is None or not job.state.holds_capacity:
+        return {}
+    return {
+        name: value
+        for name, value in binding.environment.items()
+        if with_token or name != ASSIGNMENT_TOKEN_VARIABLE
+    }
+
+
+def job_to_pb(job: Job, with_token: bool = False) -> pb.Job:
+    """`with_token` only in answers to the job's submitter (SubmitJob, GetJob by its id)."""
+    return view_to_pb(job_view(job, with_token))
 
 
 def state_from_pb(code: int, field: str) -> JobState:
@@ -169,7 +183,7 @@ def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:
 
 def scaling_to_pb(result: ScalingResult) -> pb.SetFunctionLoadResponse:
     msg = pb.SetFunctionLoadResponse(
-        added=[job_to_pb(j) for j in result.added],
+        added=[job_to_pb(j, with_token=True) for j in result.added],
         removed=[job_to_pb(j) for j in result.removed],
         capacity_requests_per_s=result.capacity_rps,
     )

@@ -38,11 +38,13 @@ class PlacementServicer(pb_grpc.PlacementServicer):
     @rpc(SERVICE)
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.Job:
         job = await self._core.submit(request.request_id, convert.spec_from_pb(request.spec))
-        return convert.job_to_pb(job)
+        return convert.job_to_pb(job, with_token=True)
 
     @rpc(SERVICE)
     async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
-        return convert.job_to_pb(await self._core.get(_job_id(request.job_id)))
+        # Only the submitter knows the job id (ListJobs and WatchJob never carry the token).
+        job = await self._core.get(_job_id(request.job_id))
+        return convert.job_to_pb(job, with_token=True)
 
     @rpc(SERVICE)
     async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:

@@ -9,6 +9,7 @@ import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpuloom.convert.profiles import ProtobufCodec
+from gpuloom.services.common.database import ensure_reachable
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.profile_store.cache import InProcessCache, ProfileCache, RedisCache
 from gpuloom.services.profile_store.core import ProfileStore
@@ -17,6 +18,8 @@ from gpuloom.services.profile_store.servicer import SERVICE, ProfileStoreService
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profile_store.storage import create_engine, migrate
 from gpuloom.v1 import profile_store_pb2_grpc as pb_grpc
+
+DATABASE_URL_VARIABLE = "GPULOOM_PROFILE_STORE_DATABASE_URL"
 
 log = structlog.get_logger("gpuloom.profile_store")
 
@@ -51,6 +54,7 @@ class ProfileStoreApp:
         engine = create_engine(settings, data_dir)
         cache = build_cache(settings)
         try:
+            await ensure_reachable(engine, DATABASE_URL_VARIABLE)
             if settings.auto_migrate:
                 await migrate(engine, settings.database_schema)
             store = ProfileStore(ProfileRepository(engine), cache, ProtobufCodec())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,31 @@ def test_never_over_commits_memory_or_gpu_area(ops: list[tuple[str, int, int, fl
         assert book.memory_reserved_bytes() <= 40 * GIB
         area = sum(r.share.sm_percent * r.share.quota.request_percent for r in book.all())
         assert area <= 100 * 100 * (1 + 1e-6)
+
+
+def test_the_file_of_tokens_is_private_to_the_dispatcher_user(tmp_path: Path) -> None:
+    """Every token is in the file: 0600 in a 0700 directory, even where an older dispatcher
+    left a world-readable file and directory, and under a permissive umask."""
+    state_dir = tmp_path / "gpu-0"
+    state_dir.mkdir(mode=0o755)
+    path = state_dir / "reservations.json"
+    ReservationBook(16 * GIB, path).reserve(spec("old"))
+    path.chmod(0o644)
+    state_dir.chmod(0o755)
+    previous = os.umask(0)
+    try:
+        book = ReservationBook(16 * GIB, path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        book.reserve(spec("new"))
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+    assert {r.assignment_id for r in ReservationBook(16 * GIB, path).all()} == {"old", "new"}
+
+
+def test_a_new_state_directory_is_created_private(tmp_path: Path) -> None:
+    path = tmp_path / "dispatcher" / "gpu-0" / "reservations.json"
+    ReservationBook(16 * GIB, path).reserve(spec("a"))
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
