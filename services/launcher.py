@@ -11,7 +11,8 @@ import structlog
 
 from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
-from gpuloom.services.common.server import PortInUse, wait_for_shutdown_signal
+from gpuloom.services.common.ports import PortInUse
+from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings

@@ -7,7 +7,7 @@ import errno
 import prometheus_client
 import structlog
 
-from gpuloom.services.common.server import PortInUse
+from gpuloom.services.common.ports import PortInUse
 
 RPC_TOTAL = prometheus_client.Counter(
     "gpuloom_rpc_total",

@@ -15,6 +15,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpuloom.services.common.ports import PortInUse
 from gpuloom.services.common.validation import RequestValidator
 
 log = structlog.get_logger("gpuloom.server")
@@ -42,18 +43,6 @@ class RunningServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
-
-
-class PortInUse(OSError):
-    """The port a server was to listen on is taken, most often by another gpuloom. `variable`
-    names the setting that chooses the port, when the caller knows it."""
-
-    def __init__(self, host: str, port: int, variable: str = "") -> None:
-        self.host, self.port, self.variable = host, port, variable
-        message = f"port {port} on {host} is in use (another gpuloom running?)"
-        if variable:
-            message += f"; set {variable} to another port"
-        super().__init__(message)
 
 
 def _port_free(host: str, port: int) -> bool:

@@ -284,6 +284,12 @@ async def test_a_restarted_placement_gets_the_gpu_registered_again(
                 lambda: ["during-outage"] in restarted.heartbeat_ids(),
                 "registration and a heartbeat at the restarted placement",
             )
+            # The link logs its recovery once the heartbeat's answer is back, which can be a
+            # moment after the placement recorded it.
+            await eventually(
+                lambda: any(entry["event"] == "placement reachable again" for entry in logs),
+                "the recovery logged",
+            )
         assert restarted.not_found == 0  # it registered before sending heartbeats
         assert len(restarted.registrations) == 1
         events = [entry["event"] for entry in logs]
