@@ -347,7 +347,7 @@ def run(
     """Run COMMAND as a placed job: submit, wait for the assignment, run, report the end.
 
     \b
-        gpuloom run --sm 30 --quota 40 --memory-gib 8 -- python train.py
+        gpuloom run --sm 30 --quota 40 --memory-gib 8 -- python examples/serve.py
 
     Without --sm and --quota the job gets a whole GPU; with either, it gets an MPS share (SM
     percent and time quota, each 100 when not given) and needs --memory-gib. While the job is
