@@ -4,6 +4,7 @@ measured on the fake GPU's engine, dispatcher loss (open and closed), token reus
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -127,6 +128,7 @@ async def test_dispatcher_loss_mid_run(live: LiveDispatcher, run: Runner, policy
         run.run_async("module", "k_l_500us", "loop", "2.0", "k_l_500us", "1", env=env)
     )
     await asyncio.sleep(0.8)
+    stopped_ns = time.monotonic_ns()
     await asyncio.to_thread(live.dispatcher.channel.stop)
     started = asyncio.get_running_loop().time()
     result = await task
@@ -144,6 +146,10 @@ async def test_dispatcher_loss_mid_run(live: LiveDispatcher, run: Runner, policy
         assert f"rc={CUDA_ERROR_NOT_PERMITTED}" in result.line("loop")
         assert "CUDA_ERROR_NOT_PERMITTED" in result.stderr
         assert finished < 1.5  # it failed soon after the loss instead of running on
+        # The bound: no kernel of its started later than GPULOOM_SHIM_WAIT_MS after the loss
+        # (the closed socket is seen at once; the wait bound covers a hung dispatcher).
+        last_start = max(start for _pid, _name, start, _end in run.engine_runs())
+        assert (last_start - stopped_ns) / 1e6 < wait_ms, (last_start - stopped_ns) / 1e6
 
 
 @pytest.mark.parametrize("policy", ["open", "closed"])
