@@ -122,6 +122,7 @@ async def start_gpu_dispatcher(
         limits=ChannelLimits(
             max_frame_bytes=settings.max_frame_bytes,
             register_timeout_s=settings.register_timeout_s,
+            max_connections_per_uid=settings.max_connections_per_uid,
         ),
         window_s=config.window_s,
         choose_mode=None if link is None else link.choose_mode,

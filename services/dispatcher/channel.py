@@ -73,8 +73,12 @@ _MAX_REPORTED_SECONDS = 3600.0
 class ChannelLimits:
     max_frame_bytes: int = 1 << 20
     max_connections: int = 1024
-    # A connection must register within this long, or it is closed.
-    register_timeout_s: float = 5.0
+    # One local user cannot take every connection: at most this many per peer uid ...
+    max_connections_per_uid: int = 64
+    # ... and the last ones go only to users whose processes hold a reservation here.
+    reserved_connections: int = 64
+    # A connection must register within this long, or it is closed (a shim registers at once).
+    register_timeout_s: float = 1.0
     # A client that does not read its socket gets this much buffered before it is dropped.
     max_unsent_bytes: int = 256 * 1024
     max_records_per_batch: int = 100_000
@@ -152,6 +156,7 @@ class ShimChannel:
         self._commands: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]]
         self._commands = collections.deque()
         self._connections: dict[int, _Connection] = {}
+        self._per_uid: dict[int, int] = {}  # open connections by peer uid
         self._by_assignment: dict[str, _Connection] = {}
         self._running = False
         self._thread: threading.Thread | None = None
@@ -329,15 +334,32 @@ class ShimChannel:
             peer = _PEERCRED.unpack(
                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
             )
-            if len(self._connections) >= self._limits.max_connections:
-                log.warning("connection refused: too many", gpu=self._gpu, pid=peer[0])
+            refusal = self._admission_refusal(peer[1])
+            if refusal is not None:
+                log.warning("connection refused", gpu=self._gpu, pid=peer[0], uid=peer[1],
+                            reason=refusal)  # fmt: skip
                 sock.close()
-                metrics.CONNECTIONS_CLOSED.labels(self._gpu, "too many connections").inc()
+                metrics.CONNECTIONS_REFUSED.labels(self._gpu, refusal).inc()
                 continue
+            self._per_uid[peer[1]] = self._per_uid.get(peer[1], 0) + 1
             connection = _Connection(sock, peer, FrameReader(self._limits.max_frame_bytes))
             connection.deadline = time.monotonic() + self._limits.register_timeout_s
             self._connections[sock.fileno()] = connection
             self._epoll.register(sock.fileno(), select.EPOLLIN)
+
+    def _admission_refusal(self, uid: int) -> str | None:
+        """Why a new connection of `uid` is refused (a bounded metric label), or None."""
+        limits = self._limits
+        if self._per_uid.get(uid, 0) >= limits.max_connections_per_uid:
+            return "per-uid limit"
+        total = len(self._connections)
+        if total >= limits.max_connections:
+            return "connection limit"
+        if total >= limits.max_connections - limits.reserved_connections:
+            holders = {r.bound.uid for r in self._book.all() if r.bound is not None}
+            if uid not in holders:
+                return "kept for reservation holders"
+        return None
 
     def _read(self, connection: _Connection) -> None:
         try:
@@ -688,7 +710,11 @@ class ShimChannel:
         if flush and connection.out:
             with contextlib.suppress(OSError):  # best effort: tell the peer why, then hang up
                 sock.send(connection.out)
-        self._connections.pop(sock.fileno(), None)
+        if self._connections.pop(sock.fileno(), None) is not None:
+            uid = connection.peer[1]
+            self._per_uid[uid] -= 1
+            if not self._per_uid[uid]:
+                del self._per_uid[uid]
         self._epoll.unregister(sock.fileno())
         sock.close()
         assignment_id = connection.assignment_id

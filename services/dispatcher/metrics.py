@@ -48,3 +48,9 @@ FIKIT_EVENTS = prometheus_client.Counter(
 FIKIT_WAITING = prometheus_client.Gauge(
     "gpuloom_dispatcher_fikit_waiting", "FIKIT processes waiting for a kernel grant", ["gpu"]
 )
+CONNECTIONS_REFUSED = prometheus_client.Counter(
+    "gpuloom_dispatcher_connections_refused_total",
+    "Shim channel connections refused at accept: per-uid limit, connection limit, or the last "
+    "connections kept for users holding a reservation",
+    ["gpu", "reason"],
+)

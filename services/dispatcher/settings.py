@@ -52,7 +52,8 @@ class DispatcherSettings(BaseSettings):
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
-    register_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    register_timeout_s: float = Field(default=1.0, gt=0, le=300)
+    max_connections_per_uid: int = Field(default=64, ge=1, le=65536)
     max_message_bytes: int = Field(default=DEFAULT_MAX_MESSAGE_BYTES, ge=64 * 1024, le=1 << 30)
     # The profiler that measurement sessions come from; empty: none (measure-mode records are
     # then kept in a bounded buffer and not forwarded).
