@@ -223,12 +223,18 @@ def _plot_fleet(runs: list[FleetRun], names: tuple[str, ...], out: Path) -> None
     by_name: dict[str, list[FleetRun]] = {}
     for name, run in zip(_labels(runs, names), runs, strict=True):
         by_name.setdefault(name, []).append(run)
+    finals = []
     for name, group in by_name.items():
         length = min(len(r.curve) for r in group)
         x = [group[0].curve[i][0] for i in range(length)]
         y = [sum(r.curve[i][1] for r in group) / len(group) for i in range(length)]
         axes.plot(x, y, label=f"{name} ({y[-1]:.2f}%)" if y else name)
+        finals.extend(y[-1:])
     axes.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
+    # Where the policies part: from a little below the lowest final allocation.
+    low = max(0.0, min(finals, default=0.0) - 10)
+    axes.set_xlim(left=low)
+    axes.set_ylim(bottom=low)
     axes.set_xlabel("arrived GPU demand, % of GPU capacity")
     axes.set_ylabel("GPU allocated, % of capacity")
     axes.set_title(f"mean over {len(next(iter(by_name.values())))} seed(s)")
