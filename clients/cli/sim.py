@@ -1,5 +1,7 @@
 """`gpuloom sim`: offline simulators. `gpuloom sim kernels SCENARIO.json` runs the kernel-level
-model of one GPU under exclusive, sharing, token and FIKIT admission (docs/fikit.md)."""
+model of one GPU under exclusive, sharing, token and FIKIT admission (docs/fikit.md); `gpuloom
+sim fleet` places a node/pod list such as the Alibaba GPU trace with fleet policies
+(docs/placement.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,11 @@ import click
 
 from gpuloom.clients.cli.table import render_table
 from gpuloom.policies.fikit.core import FikitLibraryMissingError
+from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
+from gpuloom.policies.fleet.registry import get_policy as get_fleet_policy
+from gpuloom.policies.registry import UnknownPolicyError
+from gpuloom.sim.fleet import FleetInputError, FleetRun, Workload, parse_nodes, parse_pods
+from gpuloom.sim.fleet import simulate as simulate_fleet
 from gpuloom.sim.kernels import MODES, ModeResult, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
 
@@ -110,4 +117,129 @@ def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: P
     axes.legend(handles, names, loc="upper right", fontsize="small", ncol=len(names))
     figure.tight_layout()
     figure.savefig(out, dpi=80)
+    plt.close(figure)
+
+
+@sim.command("fleet")
+@click.option(
+    "--nodes", "nodes_csv", required=True, type=click.Path(dir_okay=False, path_type=Path)
+)
+@click.option("--pods", "pods_csv", required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    default=("best",),
+    show_default=True,
+    help=f"Fleet policy (repeatable): {FLEET_POLICIES.known}.",
+)
+@click.option("--seed", default=0, show_default=True, help="First seed.")
+@click.option("--repeat", default=1, show_default=True, help="Seeds seed..seed+K-1.")
+@click.option(
+    "--inflate",
+    default=1.3,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Arrivals until GPU requests reach this x the GPU capacity.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (policy, seed).")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw allocation against arrived demand per policy into this PNG.",
+)
+def fleet(
+    nodes_csv: Path,
+    pods_csv: Path,
+    policies: tuple[str, ...],
+    seed: int,
+    repeat: int,
+    inflate: float,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Place the pods of POD list on the NODES list, one at a time, none leaving (the FGD
+    paper's protocol: shuffled list, then clones up to INFLATE x GPU capacity)."""
+    try:
+        chosen = [get_fleet_policy(name) for name in policies]
+        nodes = parse_nodes(_read(nodes_csv), str(nodes_csv))
+        pods = parse_pods(_read(pods_csv), str(pods_csv), {n.model for n in nodes})
+    except (FleetInputError, UnknownPolicyError) as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(2)
+    workload = Workload.of(pods)
+    runs = []
+    for name, policy in zip(policies, chosen, strict=True):
+        for s in range(seed, seed + max(repeat, 1)):
+            run = simulate_fleet(nodes, workload, policy, s, inflate)
+            runs.append(run)
+            if as_json:
+                click.echo(json.dumps({**run.summary(), "policy": name}))
+    if not as_json:
+        _print_fleet(runs, policies)
+    if plot is not None:
+        _plot_fleet(runs, policies, plot)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as error:
+        raise FleetInputError(f"{path}, line 0, column -: {error.strerror}") from None
+
+
+def _print_fleet(runs: list[FleetRun], names: tuple[str, ...]) -> None:
+    rows = []
+    for name, run in zip(_labels(runs, names), runs, strict=True):
+        rows.append(
+            [
+                name,
+                str(run.seed),
+                _fmt(run.alloc_pct_at_100),
+                _fmt(run.alloc_pct_at_130),
+                _fmt(run.frag_pct_at_130),
+                str(run.failed_pods),
+                f"{run.wall_s:.2f}",
+                f"{run.decisions_per_s:.0f}",
+            ]
+        )
+    header = ["POLICY", "SEED", "ALLOC% @100", "ALLOC% @130", "FRAG% @130", "FAILED", "WALL s"]
+    click.echo(render_table([*header, "DECISIONS/s"], rows))
+
+
+def _labels(runs: list[FleetRun], names: tuple[str, ...]) -> list[str]:
+    """The name each run was asked by (an alias such as "best" shows as given)."""
+    per_policy = len(runs) // max(len(names), 1)
+    return [names[i // per_policy] for i in range(len(runs))]
+
+
+def _plot_fleet(runs: list[FleetRun], names: tuple[str, ...], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    by_name: dict[str, list[FleetRun]] = {}
+    for name, run in zip(_labels(runs, names), runs, strict=True):
+        by_name.setdefault(name, []).append(run)
+    finals = []
+    for name, group in by_name.items():
+        length = min(len(r.curve) for r in group)
+        x = [group[0].curve[i][0] for i in range(length)]
+        y = [sum(r.curve[i][1] for r in group) / len(group) for i in range(length)]
+        axes.plot(x, y, label=f"{name} ({y[-1]:.2f}%)" if y else name)
+        finals.extend(y[-1:])
+    axes.plot([0, 100], [0, 100], color="grey", linewidth=0.6, linestyle=":")
+    # Where the policies part: from a little below the lowest final allocation.
+    low = max(0.0, min(finals, default=0.0) - 10)
+    axes.set_xlim(left=low)
+    axes.set_ylim(bottom=low)
+    axes.set_xlabel("arrived GPU demand, % of GPU capacity")
+    axes.set_ylabel("GPU allocated, % of capacity")
+    axes.set_title(f"mean over {len(next(iter(by_name.values())))} seed(s)")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out, dpi=90)
     plt.close(figure)

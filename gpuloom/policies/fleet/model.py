@@ -1,0 +1,157 @@
+"""The fleet model of the trace simulator: nodes with CPU (milli), memory (MiB) and whole GPUs
+of one model, pods that ask for CPU, memory and either N whole GPUs on one node or a share
+(gpu_milli < 1000) of one GPU, optionally restricted to some GPU models.
+
+`FleetState` holds the free resources of every node in numpy arrays so that a policy scores all
+nodes at once; it is plain data plus `fits` and `commit`, no I/O. Pod shapes are interned: every
+distinct (cpu, memory, num_gpu, gpu_milli, models) is one index `q`, which lets policies cache
+per-shape work (FGD does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+WHOLE_GPU = 1000  # milli of one GPU
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str
+    cpu_milli: int
+    memory_mib: int
+    gpus: int
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class PodShape:
+    """What one pod asks for. `gpu_milli` is per GPU: 1000 for whole GPUs (num_gpu >= 1), less
+    for a share of one GPU (num_gpu == 1), 0 for a CPU-only pod (num_gpu == 0). `models` is
+    None when any GPU model will do."""
+
+    cpu_milli: int
+    memory_mib: int
+    num_gpu: int
+    gpu_milli: int
+    models: frozenset[str] | None = None
+
+    @property
+    def gpu_request(self) -> int:
+        """GPU milli the pod takes in all."""
+        return self.num_gpu * self.gpu_milli
+
+
+class FleetState:
+    """Free resources of every node, updated by `commit`. Node arrays are indexed by node, shape
+    arrays by shape index; `version[n]` grows whenever node n changes (for policy caches)."""
+
+    def __init__(
+        self, nodes: Sequence[NodeSpec], shapes: Sequence[PodShape], weights: Sequence[float]
+    ) -> None:
+        """`weights[q]`: how often shape q occurs in the workload (the distribution policies
+        may know in advance; normalised here)."""
+        self.nodes = tuple(nodes)
+        self.shapes = tuple(shapes)
+        w = np.asarray(weights, dtype=np.float64)
+        self.s_weight = w / w.sum() if w.sum() > 0 else w
+        self.models = tuple(sorted({n.model for n in self.nodes}))
+        model_index = {m: i for i, m in enumerate(self.models)}
+        n_nodes = len(self.nodes)
+        width = max((n.gpus for n in self.nodes), default=0)
+        self.cpu_cap = np.array([n.cpu_milli for n in self.nodes], dtype=np.int64)
+        self.mem_cap = np.array([n.memory_mib for n in self.nodes], dtype=np.int64)
+        self.gpu_count = np.array([n.gpus for n in self.nodes], dtype=np.int64)
+        self.model_idx = np.array([model_index[n.model] for n in self.nodes], dtype=np.int64)
+        self.cpu_free = self.cpu_cap.copy()
+        self.mem_free = self.mem_cap.copy()
+        # GPU slots a node lacks stay at 0 free: to every rule that is a fully used GPU.
+        self.gpu_free = np.zeros((n_nodes, width), dtype=np.int64)
+        for i, node in enumerate(self.nodes):
+            self.gpu_free[i, : node.gpus] = WHOLE_GPU
+        self.version = np.zeros(n_nodes, dtype=np.int64)
+        self.s_cpu = np.array([s.cpu_milli for s in self.shapes], dtype=np.int64)
+        self.s_mem = np.array([s.memory_mib for s in self.shapes], dtype=np.int64)
+        self.s_k = np.array([s.num_gpu for s in self.shapes], dtype=np.int64)
+        self.s_d = np.array([s.gpu_milli for s in self.shapes], dtype=np.int64)
+        # model_allows[m, q]: shape q may run on GPU model m.
+        self.model_allows = np.array(
+            [[s.models is None or m in s.models for s in self.shapes] for m in self.models],
+            dtype=bool,
+        ).reshape(len(self.models), len(self.shapes))
+        # Distinct per-GPU demands, for policies that group pods by them (GPU clustering).
+        self.demands = np.unique(self.s_d)
+        self.s_demand_idx = np.searchsorted(self.demands, self.s_d)
+        self.hosted = np.zeros((n_nodes, len(self.demands)), dtype=np.int64)
+        # Derived data policies keep for this state (by the policy's key), such as FGD's cache.
+        self.memo: dict[str, object] = {}
+
+    @property
+    def gpu_capacity(self) -> int:
+        return int(self.gpu_count.sum()) * WHOLE_GPU
+
+    @property
+    def gpu_allocated(self) -> int:
+        return self.gpu_capacity - int(self.gpu_free.sum())
+
+    def fits(self, q: int) -> np.ndarray:
+        """Boolean mask of the nodes where a pod of shape q fits now."""
+        ok = (
+            (self.cpu_free >= self.s_cpu[q])
+            & (self.mem_free >= self.s_mem[q])
+            & self.model_allows[self.model_idx, q]
+        )
+        k = self.s_k[q]
+        if k:
+            ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
+        return ok
+
+    def bestfit_gpus(self, n: int, q: int) -> tuple[int, ...]:
+        """The GPUs of node n a pod of shape q takes by default: k fully free GPUs, or for a
+        share the GPU with the least free milli that still fits (packs shares tightly)."""
+        k, d = int(self.s_k[q]), int(self.s_d[q])
+        if k == 0:
+            return ()
+        free = self.gpu_free[n]
+        if d == WHOLE_GPU:
+            return tuple(int(j) for j in np.flatnonzero(free == WHOLE_GPU)[:k])
+        slack = np.where(free >= d, free - d, WHOLE_GPU + 1)
+        return (int(np.argmin(slack)),)
+
+    def commit(self, n: int, q: int, gpus: tuple[int, ...]) -> None:
+        self.cpu_free[n] -= self.s_cpu[q]
+        self.mem_free[n] -= self.s_mem[q]
+        for j in gpus:
+            self.gpu_free[n, j] -= self.s_d[q]
+        self.hosted[n, self.s_demand_idx[q]] += 1
+        self.version[n] += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    node: int
+    gpus: tuple[int, ...]
+
+
+class FleetPolicy(Protocol):
+    """Chooses a node (and its GPUs) for one pod of shape q, or None when it fits nowhere.
+    Decides only: the caller commits. `rng` breaks ties (as kube-scheduler picks at random
+    among the best-scored nodes)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None: ...
+
+
+def pick_lowest(scores: np.ndarray, rng: np.random.Generator) -> int | None:
+    """Index of the lowest finite score, ties broken at random; None when none is finite."""
+    best = scores.min(initial=np.inf)
+    if not np.isfinite(best):
+        return None
+    tied = np.flatnonzero(scores <= best + 1e-9 * max(1.0, abs(best)))
+    return int(tied[0]) if len(tied) == 1 else int(rng.choice(tied))
