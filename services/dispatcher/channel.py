@@ -336,10 +336,10 @@ class ShimChannel:
             )
             refusal = self._admission_refusal(peer[1])
             if refusal is not None:
+                metrics.CONNECTIONS_REFUSED.labels(self._gpu, refusal).inc()
                 log.warning("connection refused", gpu=self._gpu, pid=peer[0], uid=peer[1],
                             reason=refusal)  # fmt: skip
                 sock.close()
-                metrics.CONNECTIONS_REFUSED.labels(self._gpu, refusal).inc()
                 continue
             self._per_uid[peer[1]] = self._per_uid.get(peer[1], 0) + 1
             connection = _Connection(sock, peer, FrameReader(self._limits.max_frame_bytes))
