@@ -228,8 +228,15 @@ class Decisions:
         if page_size > MAX_PAGE_JOBS:
             raise InvalidArgument("page_size", f"must be at most {MAX_PAGE_JOBS}, got {page_size}")
         after = decode_seq(page_token)
-        jobs, last = await self._repo.list_jobs(where, page_size or 100, after)
+        stored = where
+        if JobState.ASSIGNED in where.states and JobState.BINDING not in where.states:
+            # ASSIGNED is written behind the answer: a job bound a moment ago is still BINDING
+            # in the database. Read those too and filter on the live state below.
+            stored = replace(where, states=(*where.states, JobState.BINDING))
+        jobs, last = await self._repo.list_jobs(stored, page_size or 100, after)
         jobs = [self._live.get(job.job_id, job) for job in jobs]
+        if where.states:  # the live state decides, not the stored one
+            jobs = [job for job in jobs if job.state in where.states]
         return jobs, "" if last is None else encode_token(str(last))
 
     async def cancel(self, job_id: str, reason: str = "") -> Job:

@@ -16,6 +16,7 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.policies.placement import GRID_H, GRID_W
+from gpuloom.services.placement.repository import JobFilter
 from tests.placement.harness import CoreHarness
 
 GIB = 1 << 30
@@ -224,3 +225,31 @@ async def test_list_gpus_pages_through_the_fleet_by_node_then_uuid(harness: Core
     assert [v.record.info.gpu_uuid for v in rest] == ["GPU-3"] and not token
     with pytest.raises(InvalidArgument, match="page_token"):
         core.gpus("", 2, "bm90LWEtdG9rZW4=")  # base64, but not ours
+
+
+async def test_listing_by_state_follows_the_live_state_not_the_stored_one(
+    harness: CoreHarness,
+) -> None:
+    """ASSIGNED is written behind the answer: a job the core holds as ASSIGNED may still be
+    BINDING in the database for a moment. A state filter answers by the live state."""
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.1:50060")
+    job = await core.submit("r1", spec())
+    await _eventually_assigned(core, job.job_id)
+    # The database a moment behind: the row still says BINDING.
+    assigned = await core.get(job.job_id)
+    await core.repository.update_jobs([replace(assigned, state=JobState.BINDING)])
+    listed, _ = await core.list(JobFilter(states=(JobState.ASSIGNED,)), 10, "")
+    assert [j.job_id for j in listed] == [job.job_id]
+    assert listed[0].state is JobState.ASSIGNED
+    binding, _ = await core.list(JobFilter(states=(JobState.BINDING,)), 10, "")
+    assert binding == []
+
+
+async def _eventually_assigned(core, job_id: str) -> None:
+    for _ in range(200):
+        if (await core.get(job_id)).state is JobState.ASSIGNED:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{job_id} was not assigned")
