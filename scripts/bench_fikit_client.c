@@ -6,7 +6,8 @@
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
  *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
  *       requests KERNEL_ID, and once granted "runs" it for KERNEL_US (sleeps), reports it done
- *       and asks again; OUT gets the time at which each grant was seen (u64 ns)
+ *       and asks again; OUT gets, per grant, the time the request was posted and the time the
+ *       grant was seen (two u64 ns)
  *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
  *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
  *       which records how long the wake-up took (u64 ns)
@@ -165,9 +166,10 @@ int main(int argc, char **argv) {
             times[count++] = t;
         }
     } else {
-        while (now_ns() < stop && count < CAPACITY) {
+        while (now_ns() < stop && count + 2 <= CAPACITY) {
+            uint64_t posted = now_ns();
             store64(r, GL_OFF_FK_KERNEL, kernel);
-            store64(r, GL_OFF_FK_POST_NS, now_ns());
+            store64(r, GL_OFF_FK_POST_NS, posted);
             store32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             ring(doorbell);
@@ -179,6 +181,7 @@ int main(int argc, char **argv) {
             }
             if (granted != seq) break;
             uint64_t granted_at = now_ns();
+            times[count++] = posted;
             times[count++] = granted_at;
             store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
             sleep_until(granted_at + kernel_ns); /* the kernel runs */
