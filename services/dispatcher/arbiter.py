@@ -15,19 +15,14 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.policies.fikit.core import FikitConfig, library_path
-
-GL_FK_UNKNOWN = (1 << 64) - 1
-MAX_TASKS = 64
-
-
-class _Config(ctypes.Structure):
-    _fields_ = [
-        ("gap_threshold_ns", ctypes.c_uint64),
-        ("idle_margin_ns", ctypes.c_uint64),
-        ("idle_backlog_ns", ctypes.c_uint64),
-        ("max_wait_ns", ctypes.c_uint64),
-    ]
+from gpuloom.policies.fikit.core import (
+    MAX_TASKS,
+    UNKNOWN,
+    FikitConfig,
+    FikitConfigStruct,
+    config_struct,
+    library_path,
+)
 
 
 class _Stats(ctypes.Structure):
@@ -81,7 +76,7 @@ def _library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(library_path()), use_errno=True)
             lib.gl_arbiter_start.restype = ctypes.c_void_p
             lib.gl_arbiter_start.argtypes = [
-                ctypes.POINTER(_Config),
+                ctypes.POINTER(FikitConfigStruct),
                 ctypes.c_int,
                 ctypes.c_uint64,
                 ctypes.c_uint64,
@@ -121,14 +116,11 @@ class Arbiter:
     def __init__(self, config: FikitConfig, beat_s: float = 0.02, spin_s: float = 0.0) -> None:
         self._lib = _library()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        raw = _Config(
-            config.gap_threshold_ns,
-            config.idle_margin_ns,
-            config.idle_backlog_ns,
-            config.max_wait_ns,
-        )
         handle = self._lib.gl_arbiter_start(
-            ctypes.byref(raw), self.doorbell_fd, int(beat_s * 1e9), int(spin_s * 1e9)
+            ctypes.byref(config_struct(config)),
+            self.doorbell_fd,
+            int(beat_s * 1e9),
+            int(spin_s * 1e9),
         )
         if not handle:
             error = ctypes.get_errno()
@@ -183,6 +175,6 @@ def _arrays(
     ids = (ctypes.c_uint64 * n)(*(k.kernel_id for k in kernels))
     durations = (ctypes.c_uint64 * n)(*(k.duration_ns for k in kernels))
     gaps = (ctypes.c_uint64 * n)(
-        *(GL_FK_UNKNOWN if k.gap_after_ns is None else k.gap_after_ns for k in kernels)
+        *(UNKNOWN if k.gap_after_ns is None else k.gap_after_ns for k in kernels)
     )
     return ids, durations, gaps, n

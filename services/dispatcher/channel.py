@@ -487,7 +487,6 @@ class ShimChannel:
                 self._epoll.modify(connection.sock.fileno(), select.EPOLLIN | select.EPOLLOUT)
         except OSError as error:
             region.close()
-            connection.region = None
             self._close(connection, f"cannot send registration: {error}")
             return False
         finally:

@@ -109,8 +109,7 @@ static void track(gl_arbiter *a, uint32_t task, uint32_t seq) {
 
 static void grant(gl_arbiter *a, uint32_t task) {
     slot_state *s = &a->slots[task];
-    if (!s->used) return;
-    if (!s->queued) return;
+    if (!s->used || !s->queued) return;
     s->queued = 0;
     track(a, task, s->queued_seq);
     store32(s->region, GL_OFF_FK_GRANT, s->queued_seq);
@@ -205,14 +204,14 @@ static void round_locked(gl_arbiter *a) {
     int n = gl_fk_decide(a->core, now, out, GL_FK_MAX_TASKS, &wake_at);
     for (int i = 0; i < n; i++)
         if (out[i] < GL_FK_MAX_TASKS) grant(a, out[i]);
-    /* Roles: the best priority holds. Holders post every launch only while somebody waits or
-     * fill work is outstanding: alone, a holder's launch costs a few stores. */
-    uint32_t best = GL_FK_PRIORITIES, waiting = 0, outstanding = 0, tasks = 0;
+    /* Roles: the core's holder priority holds. Holders post every launch only while somebody
+     * waits or fill work is outstanding: alone, a holder's launch costs a few stores. */
+    int best = gl_fk_holder_priority(a->core);
+    uint32_t waiting = 0, outstanding = 0, tasks = 0;
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
         if (!s->used) continue;
         tasks++;
-        if (s->priority < best) best = s->priority;
         waiting += (uint32_t)s->queued;
         outstanding += s->granted_count;
     }
@@ -222,7 +221,7 @@ static void round_locked(gl_arbiter *a) {
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
         if (!s->used) continue;
-        uint32_t role = s->priority == best ? GL_ROLE_HOLDER : GL_ROLE_FILL;
+        uint32_t role = (int)s->priority == best ? GL_ROLE_HOLDER : GL_ROLE_FILL;
         if (role != s->role) {
             s->role = role;
             store32(s->region, GL_OFF_FK_ROLE, role);

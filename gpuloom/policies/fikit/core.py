@@ -50,7 +50,9 @@ class FikitCounters:
     launched_unadmitted: int
 
 
-class _Config(ctypes.Structure):
+class FikitConfigStruct(ctypes.Structure):
+    """gl_fk_config as C lays it out (the arbiter's binding passes it too)."""
+
     _fields_ = [(f.name, ctypes.c_uint64) for f in fields(FikitConfig)]
 
 
@@ -74,9 +76,9 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(library_path(path)))
     u32, u64, core_p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
     signatures = {
-        "gl_fk_default_config": (None, [ctypes.POINTER(_Config)]),
+        "gl_fk_default_config": (None, [ctypes.POINTER(FikitConfigStruct)]),
         "gl_fk_core_size": (ctypes.c_size_t, []),
-        "gl_fk_init": (ctypes.c_int, [core_p, ctypes.POINTER(_Config)]),
+        "gl_fk_init": (ctypes.c_int, [core_p, ctypes.POINTER(FikitConfigStruct)]),
         "gl_fk_add_task": (ctypes.c_int, [core_p, u32, u32, u64]),
         "gl_fk_remove_task": (None, [core_p, u32, u64]),
         "gl_fk_request": (ctypes.c_int, [core_p, u32, u64, u64, u64]),
@@ -100,9 +102,13 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
     return lib
 
 
+def config_struct(config: FikitConfig) -> FikitConfigStruct:
+    return FikitConfigStruct(*(getattr(config, f.name) for f in fields(FikitConfig)))
+
+
 def default_config(library: str | None = None) -> FikitConfig:
     """The C core's own defaults."""
-    raw = _Config()
+    raw = FikitConfigStruct()
     load_library(library).gl_fk_default_config(ctypes.byref(raw))
     return FikitConfig(*(getattr(raw, f.name) for f in fields(FikitConfig)))
 
@@ -116,7 +122,7 @@ class FikitCore:
         self._memory = ctypes.create_string_buffer(self._lib.gl_fk_core_size())
         self._core = ctypes.cast(self._memory, ctypes.c_void_p)
         config = config or FikitConfig()
-        raw = _Config(*(getattr(config, f.name) for f in fields(FikitConfig)))
+        raw = config_struct(config)
         if self._lib.gl_fk_init(self._core, ctypes.byref(raw)) != 0:
             raise ValueError(f"the FIKIT core refused the configuration {config}")
         self.config = config
