@@ -75,7 +75,9 @@ def _decoded(deserializer: Deserializer | None, data: bytes) -> Any:
         raise InvalidArgument(
             "request", "cannot be decoded (malformed protobuf, or a text field not UTF-8)"
         ) from None
-    if isinstance(request, Message):
+    # No zero byte anywhere in the encoding, no NUL in any text field: that skips the walk over
+    # the fields (for a 100,000-record measurement batch, 0.5 s against 10 ms to decode).
+    if isinstance(request, Message) and b"\x00" in data:
         check_text_fields(request)
     return request
 
