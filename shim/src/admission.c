@@ -30,14 +30,6 @@ static void futex_wait(const uint8_t *r, uint32_t seen, uint64_t timeout_ns) {
     syscall(SYS_futex, (const uint32_t *)(r + GL_OFF_EPOCH), FUTEX_WAIT, seen, &t, NULL, 0);
 }
 
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* Called with g_wait_lock held. */
 static CUresult wait_for_lease(const uint8_t *r) {
     uint64_t start = now_ns();

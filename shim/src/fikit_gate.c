@@ -2,11 +2,11 @@
  *
  * A holder launches at once: it bumps its sequence number and stamps the time, and only while
  * the arbiter sets `notify` (somebody waits, or fill kernels are in flight) also writes the
- * kernel ID, rings the GPU's doorbell and watches the kernel with an event like a grant. A filler posts a request (kernel ID, time, waiting
- * flag, then the sequence number), rings, and sleeps on its grant word until the arbiter
- * writes its sequence number there. After a granted launch it records an event; the sequence
- * number of the latest granted kernel known done goes back to the arbiter, which bounds the
- * fill work queued on the GPU with it.
+ * kernel ID, rings the GPU's doorbell and watches the kernel with an event like a grant. A
+ * filler posts a request (kernel ID, time, waiting flag, then the sequence number), rings, and
+ * sleeps on its grant word until the arbiter writes its sequence number there. After a granted
+ * launch it records an event; the sequence number of the latest granted kernel known done goes
+ * back to the arbiter, which bounds the fill work queued on the GPU with it.
  * Owns: g_fk_doorbell, g_fk_seq, the ring of granted kernels in flight and its event pool. */
 #define _GNU_SOURCE
 #include <linux/futex.h>
@@ -32,13 +32,6 @@ static unsigned g_fk_head, g_fk_count;
 static uint32_t g_fk_done; /* the last `done` written */
 static CUevent g_fk_pool[FK_TRACKED];
 static int g_fk_pool_count;
-
-static inline void w_u32(uint8_t *r, int offset, uint32_t value) {
-    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
-static inline void w_u64(uint8_t *r, int offset, uint64_t value) {
-    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
 
 static void ring_doorbell(void) {
     int fd = __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE);
@@ -117,14 +110,6 @@ static uint64_t launch_kernel_id(const gl_launch *launch) {
     return kernel_id(name, launch->dims);
 }
 
-static inline void cpu_pause(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-}
-
 /* A filler's wait, under the caller's lock: bounded by the arbiter's liveness (its heartbeat,
  * and the connection the background thread watches), not by the holder: waiting behind a
  * busy holder is the policy. */
@@ -164,7 +149,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
             break;
         }
         if (spins < 256) { /* a grant into an open gap comes within microseconds */
-            cpu_pause();
+            cpu_relax();
             continue;
         }
         /* Sleep; while own kernels are in flight, wake often to report their completion. */

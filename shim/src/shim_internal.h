@@ -153,6 +153,21 @@ static inline uint64_t r_u64(const uint8_t *r, int offset) {
 static inline uint32_t r_u32(const uint8_t *r, int offset) {
     return __atomic_load_n((const uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
 }
+/* The FIKIT request words are the only ones a shim writes in its region. */
+static inline void w_u32(uint8_t *r, int offset, uint32_t value) {
+    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+static inline void w_u64(uint8_t *r, int offset, uint64_t value) {
+    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
+}
+/* A spin-wait's pause. */
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
 
 void register_once(void);
 /* Register with the dispatcher at first use (cuInit, the first launch or allocation). */
