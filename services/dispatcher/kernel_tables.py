@@ -24,7 +24,8 @@ from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 log = structlog.get_logger("gpuloom.dispatcher.kernel_tables")
 
 KernelTable = tuple[KernelTiming, ...]
-# Predictions beyond this are garbage, not profiles (kernels last microseconds to seconds).
+# Predictions beyond this are garbage, not profiles (kernels last microseconds to seconds);
+# the core clamps at the same 60 s (GL_FK_MAX_NS), and this keeps them within its u64 fields.
 _MAX_PREDICTION_NS = 60 * 10**9
 
 
