@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, gpu_info_to_pb
+from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB
+from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import (
     ASSIGNMENT_TOKEN_VARIABLE,
     Assignment,
+    GpuEntry,
     JobSpec,
     JobState,
     JobView,
@@ -165,19 +167,22 @@ def direct_reservations_from_pb(
 
 
 def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:
+    """The inventory's view of a GPU as its clients see it, in the one shared converter."""
     record = view.record
-    return pb.GpuEntry(
-        gpu=gpu_info_to_pb(record.info),
-        dispatcher_address=record.dispatcher_address,
-        schedulable=view.schedulable,
-        lost=record.lost,
-        last_heartbeat_unix_s=record.last_heartbeat,
-        utilization_percent=record.utilization_percent,
-        memory_used_bytes=record.memory_used_bytes,
-        memory_reserved_bytes=view.memory_reserved_bytes,
-        area_reserved_percent=view.area_reserved_percent,
-        jobs=view.jobs,
-        direct_reservations=view.direct_reservations,
+    return entry_to_pb(
+        GpuEntry(
+            gpu=record.info,
+            dispatcher_address=record.dispatcher_address,
+            schedulable=view.schedulable,
+            lost=record.lost,
+            last_heartbeat=record.last_heartbeat,
+            utilization_percent=record.utilization_percent,
+            memory_used_bytes=record.memory_used_bytes,
+            memory_reserved_bytes=view.memory_reserved_bytes,
+            area_reserved_percent=view.area_reserved_percent,
+            jobs=view.jobs,
+            direct_reservations=view.direct_reservations,
+        )
     )
 
 
