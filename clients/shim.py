@@ -31,6 +31,7 @@ from gpuloom.shimwire import (
     PROTOCOL_VERSION,
     AdmissionRegion,
     AdmissionState,
+    DeskPort,
     FrameReader,
     ShimMode,
     encode_frame,
@@ -66,10 +67,18 @@ class LeaseView:
 
 
 class ShimClient:
-    def __init__(self, sock: socket.socket, registration: Registration, region: AdmissionRegion):
+    def __init__(
+        self,
+        sock: socket.socket,
+        registration: Registration,
+        region: AdmissionRegion,
+        desk: DeskPort | None = None,
+    ):
         self._sock = sock
         self.registration = registration
         self.region = region
+        # The dispatcher's lease desk, when it runs one: requests go through shared memory.
+        self.desk = desk
         self._reader = FrameReader()
         self._used_s = 0.0
         self._burst_s = 0.0
@@ -86,9 +95,12 @@ class ShimClient:
         process_name: str = "python",
         timeout_s: float = 5.0,
         argv: Sequence[str] | None = None,
+        use_desk: bool = True,
     ) -> ShimClient:
         """Register with the dispatcher. `argv` (default: this process's sys.argv) is sent so
-        that a reservation without a task key gets one derived from the command line."""
+        that a reservation without a task key gets one derived from the command line. With
+        `use_desk` (as the C shim does), lease requests go through the dispatcher's lease desk
+        when it offers one; otherwise as LeaseRequest frames on the socket."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -112,7 +124,7 @@ class ShimClient:
             sock.close()
             raise
         kind = message.WhichOneof("body")
-        if kind != "registered" or len(fds) != 1:
+        if kind != "registered" or len(fds) not in (1, 2):
             for fd in fds:
                 os.close(fd)
             sock.close()
@@ -123,6 +135,12 @@ class ShimClient:
             region = AdmissionRegion.open(fds[0])
         finally:
             os.close(fds[0])
+        desk = None
+        if len(fds) == 2:
+            if use_desk and message.registered.mode == ShimMode.SHARE:
+                desk = DeskPort(region.mapping, fds[1])
+            else:
+                os.close(fds[1])
         registered = message.registered
         registration = Registration(
             assignment_id=registered.assignment_id,
@@ -133,7 +151,7 @@ class ShimClient:
             window_s=registered.window_ns / 1e9,
         )
         sock.settimeout(timeout_s)
-        return cls(sock, registration, region)
+        return cls(sock, registration, region, desk)
 
     # ---- leases ----
 
@@ -157,7 +175,7 @@ class ShimClient:
         deadline = time.monotonic() + timeout_s
         epoch = region.epoch
         seen_lease = region.lease_id
-        self._send(shim_pb2.ShimMessage(lease_request=self._lease_request()))
+        self._ask()
         while True:
             lease = self.current_lease()
             if lease is not None:
@@ -170,7 +188,7 @@ class ShimClient:
                 # wake): report it unused and ask again.
                 self._flush_usage(release=False)
                 self._usage_lease, seen_lease = missed, missed
-                self._send(shim_pb2.ShimMessage(lease_request=self._lease_request()))
+                self._ask()
             left = deadline - time.monotonic()
             if left <= 0:
                 self._check_socket()
@@ -210,6 +228,8 @@ class ShimClient:
             with contextlib.suppress(ShimChannelError):
                 self._send(shim_pb2.ShimMessage(goodbye=shim_pb2.Goodbye()))
             self._sock.close()
+        if self.desk is not None:
+            self.desk.close()
         self.region.close()
 
     def __enter__(self) -> ShimClient:
@@ -225,11 +245,18 @@ class ShimClient:
 
     # ---- internals ----
 
-    def _lease_request(self) -> shim_pb2.LeaseRequest:
-        request = shim_pb2.LeaseRequest()
-        if self._usage_lease:
-            request.report.CopyFrom(self._take_report(release=False))
-        return request
+    def _ask(self) -> None:
+        """Ask for a lease, with the usage report of the lease that ended."""
+        report = self._take_report(release=False) if self._usage_lease else None
+        if self.desk is None:
+            request = shim_pb2.LeaseRequest()
+            if report is not None:
+                request.report.CopyFrom(report)
+            self._send(shim_pb2.ShimMessage(lease_request=request))
+        elif report is None:
+            self.desk.post()
+        else:
+            self.desk.post(report.lease_id, report.gpu_time_ns, report.longest_burst_ns)
 
     def _take_report(self, release: bool) -> shim_pb2.UsageReport:
         report = shim_pb2.UsageReport(

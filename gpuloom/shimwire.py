@@ -78,6 +78,9 @@ _OFF_SM_PERCENT, _OFF_MODE = 40, 44
 OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
 # ... and the shim these (own cache line).
 OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128, 132, 136, 144, 152
+# Lease request words, written by a SHARE shim for the dispatcher's lease desk (own cache line).
+OFF_LR_SEQ, OFF_LR_FLAGS, OFF_LR_LEASE, OFF_LR_GPU_NS = 192, 196, 200, 208
+OFF_LR_BURST_NS, OFF_LR_POST_NS = 216, 224
 
 
 class AdmissionState(enum.IntEnum):
@@ -105,6 +108,14 @@ class FikitPost(enum.IntEnum):
     LAUNCHED = 0
     REQUEST = 1
     TRACKED = 2
+
+
+class LeaseRequestFlag(enum.IntFlag):
+    """What a lease request posted for the lease desk carries: a usage report (the LR_LEASE..
+    words are set), and whether that lease is released."""
+
+    REPORT = 1
+    RELEASE = 2
 
 
 class FikitRole(enum.IntEnum):
@@ -189,6 +200,10 @@ class AdmissionRegion:
             mapping.close()
             raise ValueError(f"not a gpuloom admission region (magic {magic:#x} v{version})")
         return cls(mapping)
+
+    @property
+    def mapping(self) -> mmap.mmap:
+        return self._mapping
 
     def close(self) -> None:
         # The ctypes views pin the buffer; drop them before closing the mapping.
@@ -314,3 +329,39 @@ class FikitPort:
 
     def close(self) -> None:
         del self._grant
+
+
+class DeskPort:
+    """The shim's side of a region's lease request words (the Python reference of
+    gl_post_lease_request in shim/src/wire.c): post a request, with the usage report of the
+    lease that ended, and ring the GPU's doorbell; the lease arrives in the lease words."""
+
+    def __init__(self, mapping: mmap.mmap, doorbell_fd: int) -> None:
+        self._mapping = mapping
+        self._doorbell = doorbell_fd
+
+    def post(
+        self,
+        report_lease_id: int = 0,
+        gpu_time_ns: int = 0,
+        longest_burst_ns: int = 0,
+        release: bool = False,
+        flags: int | None = None,
+    ) -> int:
+        """Post a request (a report when `report_lease_id` is set); returns its sequence
+        number. `flags` overrides the flags word (tests write garbage with it)."""
+        if flags is None:
+            flags = 0
+            if report_lease_id:
+                flags = LeaseRequestFlag.REPORT | (LeaseRequestFlag.RELEASE if release else 0)
+        struct.pack_into(
+            "<IQQQQ", self._mapping, OFF_LR_FLAGS, int(flags), report_lease_id, gpu_time_ns,
+            longest_burst_ns, time.monotonic_ns(),
+        )  # fmt: skip
+        seq = (struct.unpack_from("<I", self._mapping, OFF_LR_SEQ)[0] + 1) & 0xFFFFFFFF
+        struct.pack_into("<I", self._mapping, OFF_LR_SEQ, seq)
+        os.eventfd_write(self._doorbell, 1)
+        return seq
+
+    def close(self) -> None:
+        os.close(self._doorbell)

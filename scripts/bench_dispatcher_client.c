@@ -3,9 +3,12 @@
  * It speaks the protocol with the shim's own wire code (shim/src/wire.c), so that
  * scripts/bench_dispatcher measures the dispatcher and not a Python client's own overhead.
  *
- *   bench_dispatcher_client SOCKET TOKEN SECONDS PAUSE_US SPIN_US OUT
+ *   bench_dispatcher_client SOCKET TOKEN SECONDS PAUSE_US SPIN_US desk|socket OUT
  *   bench_dispatcher_client --pingpong SECONDS PAUSE_US OUT
- * writes one int64 latency in nanoseconds per round trip to OUT.
+ *   bench_dispatcher_client --pingpong-futex SECONDS PAUSE_US OUT
+ * writes one int64 latency in nanoseconds per round trip to OUT. `desk` asks as the shim does
+ * when the dispatcher runs its lease desk (request words in the region, the doorbell rung);
+ * `socket` sends LeaseRequest frames to the Python channel thread.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -14,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -45,6 +49,12 @@ static uint64_t load_u64(volatile uint8_t *region, size_t offset) {
 static void wait_change(volatile uint8_t *region, uint32_t seen) {
     struct timespec timeout = {.tv_sec = 1, .tv_nsec = 0};
     syscall(SYS_futex, (uint32_t *)(region + GL_OFF_EPOCH), FUTEX_WAIT, seen, &timeout, NULL, 0);
+}
+
+static int ask(int use_desk, int sock, volatile uint8_t *region, int doorbell,
+               const gl_usage *report) {
+    if (use_desk) return gl_post_lease_request(region, doorbell, report, now_ns());
+    return gl_send_lease_request(sock, report);
 }
 
 /* The floor: the same round trip between two C processes over a socketpair, blocking
@@ -86,11 +96,58 @@ static int pingpong(double seconds, long pause_us, const char *out_path) {
     return 0;
 }
 
+/* The floor of the desk's own mechanism: ring an eventfd that another process sleeps on, which
+ * bumps a shared word and FUTEX_WAKEs us asleep on it. No dispatcher, same pauses. */
+static int pingpong_futex(double seconds, long pause_us, const char *out_path) {
+    uint32_t *word = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    int bell = eventfd(0, EFD_CLOEXEC);
+    if (word == MAP_FAILED || bell < 0) die("futex floor setup");
+    pid_t child = fork();
+    if (child < 0) die("fork");
+    if (child == 0) {
+        uint64_t count;
+        while (read(bell, &count, sizeof count) == (ssize_t)sizeof count) {
+            if (__atomic_load_n(word + 1, __ATOMIC_ACQUIRE)) break;
+            __atomic_add_fetch(word, 1, __ATOMIC_RELEASE);
+            syscall(SYS_futex, word, FUTEX_WAKE, 1, NULL, NULL, 0);
+        }
+        _exit(0);
+    }
+    size_t capacity = 1 << 20, count = 0;
+    int64_t *latencies = malloc(capacity * sizeof *latencies);
+    if (latencies == NULL) die("malloc");
+    uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9), one = 1;
+    while (now_ns() < stop && count < capacity) {
+        uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
+        uint64_t started = now_ns();
+        if (write(bell, &one, sizeof one) != (ssize_t)sizeof one) die("eventfd");
+        while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen)
+            syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
+        latencies[count++] = (int64_t)(now_ns() - started);
+        if (pause_us > 0) {
+            struct timespec pause = {.tv_sec = pause_us / 1000000,
+                                     .tv_nsec = (pause_us % 1000000) * 1000};
+            nanosleep(&pause, NULL);
+        }
+    }
+    __atomic_store_n(word + 1, 1, __ATOMIC_RELEASE);
+    if (write(bell, &one, sizeof one) != (ssize_t)sizeof one) die("eventfd");
+    waitpid(child, NULL, 0);
+    FILE *out = fopen(out_path, "wb");
+    if (out == NULL) die("open output");
+    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
+    fclose(out);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--pingpong") == 0)
         return pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
-    if (argc != 7) {
-        fprintf(stderr, "usage: %s SOCKET TOKEN SECONDS PAUSE_US SPIN_US OUT\n", argv[0]);
+    if (argc == 5 && strcmp(argv[1], "--pingpong-futex") == 0)
+        return pingpong_futex(atof(argv[2]), atol(argv[3]), argv[4]);
+    if (argc != 8 || (strcmp(argv[6], "desk") != 0 && strcmp(argv[6], "socket") != 0)) {
+        fprintf(stderr, "usage: %s SOCKET TOKEN SECONDS PAUSE_US SPIN_US desk|socket OUT\n",
+                argv[0]);
         return 2;
     }
     double seconds = atof(argv[3]);
@@ -105,6 +162,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "bench_dispatcher_client: %s\n", why);
         return 1;
     }
+    int use_desk = strcmp(argv[6], "desk") == 0;
+    if (use_desk && doorbell < 0) {
+        fprintf(stderr, "bench_dispatcher_client: the dispatcher runs no lease desk\n");
+        return 1;
+    }
 
     size_t capacity = 1 << 20, count = 0;
     int64_t *latencies = malloc(capacity * sizeof *latencies);
@@ -116,7 +178,7 @@ int main(int argc, char **argv) {
         gl_usage report = {.lease_id = previous, .gpu_time_ns = 1000, .release = 1};
         uint64_t started = now_ns();
         uint32_t epoch = load_epoch(region);
-        if (gl_send_lease_request(sock, first ? NULL : &report) != 0) die("send");
+        if (ask(use_desk, sock, region, doorbell, first ? NULL : &report) != 0) die("send");
         for (;;) {
             uint64_t lease = load_u64(region, GL_OFF_LEASE_ID);
             if (lease != previous && lease != 0) {
@@ -124,7 +186,7 @@ int main(int argc, char **argv) {
                 /* Granted and expired before we looked (we were descheduled): ask again. */
                 previous = lease;
                 gl_usage unused = {.lease_id = lease};
-                if (gl_send_lease_request(sock, &unused) != 0) die("send");
+                if (ask(use_desk, sock, region, doorbell, &unused) != 0) die("send");
             }
             /* Optionally spin before sleeping: waking a sleeping process costs the dispatcher
              * a system call several times dearer than a FUTEX_WAKE nobody waits on, but a
@@ -144,7 +206,7 @@ int main(int argc, char **argv) {
             nanosleep(&pause, NULL);
         }
     }
-    FILE *out = fopen(argv[6], "wb");
+    FILE *out = fopen(argv[7], "wb");
     if (out == NULL) die("open output");
     if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
     fclose(out);

@@ -128,6 +128,7 @@ async def start_gpu_dispatcher(
         choose_mode=None if link is None else link.choose_mode,
         arbiter=arbiter,
         kernel_tables=kernel_tables,
+        lease_desk=settings.lease_desk,
     )
     core = DispatcherCore(
         gpu=gpu,

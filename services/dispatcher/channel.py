@@ -1,9 +1,15 @@
 """The shim channel of one GPU: a Unix-socket server on a dedicated thread.
 
-The thread owns the token scheduler, every connection and every admission region, so the hot
-path (a LeaseRequest frame in, a lease written to shared memory) takes no lock and never waits
-for the asyncio loop that serves gRPC. The control plane reaches the thread through `call`,
-which queues a function and wakes the thread with an eventfd.
+The thread owns the token scheduler, every connection and every admission region, so a lease
+request it answers (a LeaseRequest frame in, a lease written to shared memory) takes no lock and
+never waits for the asyncio loop that serves gRPC. The control plane reaches the thread through
+`submit`, which queues a function and wakes the thread with an eventfd.
+
+With the lease desk (the default for token policies), a shim's lease request does not come here
+at all while the token policy has given it standing terms: the desk's native thread renews the
+lease from them, and this thread takes the desk's journal into the scheduler's books afterwards.
+Requests without terms are forwarded here and answered as before; then every term is withdrawn
+(so only this thread writes lease words) until the decision is made and new terms are given.
 """
 
 from __future__ import annotations
@@ -46,6 +52,14 @@ from gpuloom.services.dispatcher.domain import (
     derive_task_key,
 )
 from gpuloom.services.dispatcher.kernel_tables import KernelTable, KernelTables
+from gpuloom.services.dispatcher.leasedesk import (
+    FOREVER,
+    DeskEvent,
+    DeskEventKind,
+    DeskFull,
+    DeskStats,
+    LeaseDesk,
+)
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
 from gpuloom.shimwire import (
@@ -95,6 +109,7 @@ class _Connection:
     __slots__ = (
         "assignment_id",
         "deadline",
+        "desk_slot",
         "fikit_slot",
         "mode",
         "out",
@@ -116,6 +131,7 @@ class _Connection:
         self.deadline = 0.0
         self.requested_at: float | None = None
         self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
+        self.desk_slot: int | None = None  # the lease desk's slot (mode SHARE)
 
 
 class ShimChannel:
@@ -132,6 +148,7 @@ class ShimChannel:
         choose_mode: Callable[[Reservation, str], ShimMode] | None = None,
         arbiter: Arbiter | None = None,
         kernel_tables: KernelTables | None = None,
+        lease_desk: bool = False,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -148,6 +165,13 @@ class ShimChannel:
         self._arbiter = arbiter
         self._kernel_tables = kernel_tables
         self._fikit_seen = ArbiterStats(0, 0, 0, 0, 0, 0, 0, 0)
+        # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
+        self._desk = LeaseDesk() if lease_desk and arbiter is None else None
+        self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._by_desk_slot: dict[int, _Connection] = {}
+        # Every term withdrawn (so this thread may write lease words); new ones are due.
+        self._desk_revoked = True
+        self._terms_until: float | None = None  # when the terms given last expire
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
         self._special: dict[int, str] = {}
@@ -192,6 +216,8 @@ class ShimChannel:
             self._wake_fd: "wake",
             self._timer.fd: "timer",
         }
+        if self._desk is not None:
+            self._special[self._desk.notify_fd] = "desk"
         for fd in self._special:
             self._epoll.register(fd, select.EPOLLIN)
         now = time.monotonic()
@@ -221,6 +247,8 @@ class ShimChannel:
         self._epoll.close()
         os.close(self._wake_fd)
         self._timer.close()
+        if self._desk is not None:
+            self._desk.stop()
 
     def submit(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `function` on the channel thread; the future holds its result or exception."""
@@ -251,6 +279,7 @@ class ShimChannel:
             self._send(connection, evicted)
             self._close(connection, "evicted", quiet=True, flush=True)
         if mode is ShimMode.SHARE and self._arbiter is None:
+            self._quiesce()
             self._apply(self._scheduler.remove_client(assignment_id, now))
             with contextlib.suppress(KeyError):  # never reported yet
                 metrics.CLIENT_USED.remove(self._gpu, assignment_id)
@@ -264,6 +293,7 @@ class ShimChannel:
         }
 
     def scheduler_snapshot(self) -> SchedulerSnapshot:
+        self._take_desk_events()
         return self._scheduler.snapshot(time.monotonic())
 
     # ---- the thread ----
@@ -272,7 +302,7 @@ class ShimChannel:
         housekeeping_at = 0.0
         scheduler, timer, poll = self._scheduler, self._timer, self._epoll.poll
         while self._running:
-            timer.arm(scheduler.next_deadline())
+            timer.arm(self._next_wakeup())
             try:
                 ready = poll(0.5)
             except InterruptedError:
@@ -289,10 +319,15 @@ class ShimChannel:
             now = time.monotonic()
             deadline = scheduler.next_deadline()
             if deadline is not None and deadline <= now:
+                if scheduler.has_waiting:  # a grant may follow: lease words are written here
+                    self._quiesce()
                 self._apply(scheduler.advance(now))
+            if self._terms_until is not None and now >= self._terms_until:
+                self._quiesce()  # a new window: new budgets
             if now >= housekeeping_at:
                 housekeeping_at = now + 0.5
                 self._housekeeping(now)
+            self._give_terms()
 
     def _handle(self, fd: int, mask: int) -> None:
         connection = self._connections.get(fd)
@@ -310,6 +345,10 @@ class ShimChannel:
             self._accept()
         elif kind == "wake":
             self._run_commands()
+        elif kind == "desk":
+            assert self._desk is not None
+            self._desk.clear_notification()
+            self._take_desk_events()
 
     def _run_commands(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -459,10 +498,20 @@ class ShimChannel:
             assert self._arbiter is not None
             fds.append(self._arbiter.doorbell_fd)
         elif mode is ShimMode.SHARE:
-            snapshot = self._scheduler.snapshot(time.monotonic())
+            snapshot = self.scheduler_snapshot()
             lease = snapshot.clients[assignment_id].lease
             if lease is not None:  # the same process reconnected while holding a lease
                 region.publish_lease(lease.lease_id, _deadline_ns(lease))
+            if self._desk is not None:
+                try:
+                    connection.desk_slot = self._desk.add(fd)
+                except (DeskFull, OSError) as error:
+                    # Served all the same: without the doorbell it asks over the socket.
+                    log.warning("lease desk refused a process", gpu=self._gpu, error=str(error))
+                else:
+                    self._by_desk_slot[connection.desk_slot] = connection
+                    fds.append(self._desk.doorbell_fd)
+                    self._quiesce()  # its terms come with everyone's
         else:
             region.publish_open()
         reply = shim_pb2.DispatcherMessage(
@@ -513,10 +562,15 @@ class ShimChannel:
         assert assignment_id is not None
         if connection.mode is not ShimMode.SHARE:
             return  # admitted open; nothing to queue for
+        self._quiesce()
         now = time.monotonic()
         ended = None
-        if request.HasField("report") and request.report.lease_id:
-            ended = self._charge(assignment_id, request.report, now, ending=True)
+        report = request.report
+        if request.HasField("report") and report.lease_id:
+            ended = self._charge(
+                assignment_id, report.lease_id, report.gpu_time_ns, report.longest_burst_ns,
+                now, ending=True,
+            )  # fmt: skip
         if connection.requested_at is None:
             connection.requested_at = now
         self._apply(ended, self._scheduler.request(assignment_id, now))
@@ -525,22 +579,37 @@ class ShimChannel:
         assert connection.assignment_id is not None
         if connection.mode is not ShimMode.SHARE:
             return
+        self._quiesce()
+        assignment_id, now = connection.assignment_id, time.monotonic()
         self._apply(
-            self._charge(connection.assignment_id, report, time.monotonic(), report.release)
+            self._charge(
+                assignment_id,
+                report.lease_id,
+                report.gpu_time_ns,
+                report.longest_burst_ns,
+                now,
+                report.release,
+            )
         )
 
     def _charge(
-        self, assignment_id: str, report: shim_pb2.UsageReport, now: float, ending: bool
+        self,
+        assignment_id: str,
+        lease_id: int,
+        gpu_time_ns: int,
+        longest_burst_ns: int,
+        now: float,
+        ending: bool,
     ) -> Decision | None:
-        used_s = report.gpu_time_ns / 1e9
-        burst_s = report.longest_burst_ns / 1e9 if report.longest_burst_ns else None
+        used_s = gpu_time_ns / 1e9
+        burst_s = longest_burst_ns / 1e9 if longest_burst_ns else None
         if used_s > _MAX_REPORTED_SECONDS or (burst_s or 0.0) > _MAX_REPORTED_SECONDS:
             raise ProtocolViolation(
                 f"usage report of {used_s:.3g} s GPU time in one lease is not plausible"
             )
         if ending:
-            return self._scheduler.release(assignment_id, report.lease_id, used_s, burst_s, now)
-        self._scheduler.report_usage(assignment_id, report.lease_id, used_s, burst_s, now)
+            return self._scheduler.release(assignment_id, lease_id, used_s, burst_s, now)
+        self._scheduler.report_usage(assignment_id, lease_id, used_s, burst_s, now)
         return None
 
     def _measurement_batch(self, connection: _Connection, batch: shim_pb2.MeasurementBatch) -> None:
@@ -596,6 +665,131 @@ class ShimChannel:
                 metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)
         metrics.FIKIT_WAITING.labels(self._gpu).set(stats.waiting)
         self._fikit_seen = stats
+
+    # ---- the lease desk ----
+
+    def _next_wakeup(self) -> float | None:
+        scheduler = self._scheduler
+        if self._desk is not None and not scheduler.has_waiting:
+            # Nobody waits, so leases that expire free nothing anyone needs now; they are ended
+            # at the next call. The window's end brings new budgets.
+            return self._terms_until
+        return scheduler.next_deadline()
+
+    def _quiesce(self) -> None:
+        """Before this thread writes lease words or the scheduler may grant: withdraw every
+        term (after this the desk writes nothing) and take the desk's journal into the books."""
+        if self._desk is None:
+            return
+        if not self._desk_revoked:
+            self._desk.revoke_all()
+            self._desk_revoked = True
+        self._take_desk_events()
+
+    def _take_desk_events(self) -> None:
+        desk = self._desk
+        if desk is None:
+            return
+        events = desk.take()
+        if not events:
+            return
+        forwarded = [e for e in events if e.kind is DeskEventKind.FORWARDED]
+        if forwarded and not self._desk_revoked:
+            desk.revoke_all()
+            self._desk_revoked = True
+            later = desk.take()
+            events += later
+            forwarded += [e for e in later if e.kind is DeskEventKind.FORWARDED]
+        # Renewals first: each was granted while nobody waited, before the forwarded requests
+        # reached the scheduler (a forwarded request never precedes a renewal it could block).
+        for event in events:
+            if event.kind is DeskEventKind.RENEWED:
+                self._import_renewal(event)
+        for event in forwarded:
+            connection = self._by_desk_slot.get(event.slot)
+            if connection is None or connection.assignment_id is None:
+                continue
+            try:
+                self._forwarded_request(connection, event)
+            except ProtocolViolation as error:
+                self._refuse(connection, str(error))
+
+    def _import_renewal(self, event: DeskEvent) -> None:
+        connection = self._by_desk_slot.get(event.slot)
+        if connection is None or connection.assignment_id is None:
+            return
+        report = None
+        if event.report is not None and event.report[0]:
+            lease_id, gpu_ns, burst_ns, _release = event.report
+            report = (lease_id, gpu_ns / 1e9, burst_ns / 1e9 if burst_ns else None)
+        expires = math.inf if event.until_ns == FOREVER else event.until_ns / 1e9
+        try:
+            decision = self._scheduler.renewed(
+                connection.assignment_id, event.lease_id, expires, event.at_ns / 1e9, report
+            )
+        except (KeyError, ValueError) as error:  # a client removed meanwhile; a bad report
+            log.warning("lease desk renewal not taken", gpu=self._gpu, error=str(error))
+            return
+        self._granted_since_flush += 1
+        self._waits.append(max(event.at_ns - event.posted_ns, 0) / 1e9)
+        connection.requested_at = None
+        if self.lease_events_wanted:
+            for lease in decision.granted:
+                length_ms = (lease.expires_at - lease.granted_at) * 1e3
+                self._emit(
+                    EventKind.LEASE_GRANTED,
+                    lease.client_id,
+                    lease_id=lease.lease_id,
+                    lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
+                )
+            for lease in decision.ended:
+                self._emit(EventKind.LEASE_ENDED, lease.client_id, lease_id=lease.lease_id)
+
+    def _forwarded_request(self, connection: _Connection, event: DeskEvent) -> None:
+        """A request the desk had no terms for: answered as a LeaseRequest frame is."""
+        assignment_id = connection.assignment_id
+        assert assignment_id is not None
+        if event.invalid:
+            raise ProtocolViolation("lease request words in the region are not plausible")
+        now = time.monotonic()
+        ended = given_up = None
+        if event.report is not None and event.report[0]:
+            lease_id, gpu_ns, burst_ns, _release = event.report
+            ended = self._charge(assignment_id, lease_id, gpu_ns, burst_ns, now, ending=True)
+        if self._scheduler.lease_of(assignment_id) is not None:
+            # A shim posts only without a usable lease: the one it held is over (given back
+            # early; its report may still be on the way over the socket, which is slower).
+            given_up = self._scheduler.withdraw(assignment_id, now)
+        if connection.requested_at is None:
+            connection.requested_at = min(event.posted_ns / 1e9, now)
+        self._apply(ended, given_up, self._scheduler.request(assignment_id, now))
+
+    def _give_terms(self) -> None:
+        """After this thread's decisions: the policy's standing terms to every desk client."""
+        desk = self._desk
+        if desk is None or not self._desk_revoked:
+            return
+        terms = self._scheduler.standing_terms(time.monotonic())
+        min_lease_s = self._scheduler.config.lease_min_s
+        until = None
+        for slot, connection in self._by_desk_slot.items():
+            given = terms.get(connection.assignment_id or "")
+            if given is None:
+                continue
+            desk.set_terms(slot, given.lease_s, given.budget_s, min_lease_s, given.valid_until)
+            until = given.valid_until
+        self._terms_until = until
+        self._desk_revoked = False
+
+    def _desk_metrics(self) -> None:
+        if self._desk is None:
+            return
+        stats, seen = self._desk.stats(), self._desk_seen
+        for event in ("renewed", "forwarded", "invalid_writes", "throttled"):
+            delta = getattr(stats, event) - getattr(seen, event)
+            if delta:
+                metrics.DESK_EVENTS.labels(self._gpu, event).inc(delta)
+        self._desk_seen = stats
 
     # ---- decisions -> shared memory ----
 
@@ -716,11 +910,18 @@ class ShimChannel:
                 del self._per_uid[uid]
         self._epoll.unregister(sock.fileno())
         sock.close()
+        if connection.desk_slot is not None and self._desk is not None:
+            # Its journaled renewals go into the books before the desk forgets them.
+            self._take_desk_events()
+            self._desk.remove(connection.desk_slot)
+            del self._by_desk_slot[connection.desk_slot]
+            connection.desk_slot = None
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
             del self._by_assignment[assignment_id]
             if connection.mode is ShimMode.SHARE:
                 # A dead client's lease ends now; it is charged the time it held it.
+                self._quiesce()
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))
             self._emit(EventKind.DISCONNECTED, assignment_id, reason)
         if connection.fikit_slot is not None and self._arbiter is not None:
@@ -741,6 +942,8 @@ class ShimChannel:
             if connection.assignment_id is None and now > connection.deadline:
                 self._refuse(connection, "no registration within the time limit")
         self._fikit_metrics()
+        self._take_desk_events()
+        self._desk_metrics()
         self._leases_granted.inc(self._granted_since_flush)
         self._granted_since_flush = 0
         waits, self._waits = self._waits, []

@@ -45,6 +45,13 @@ FIKIT_EVENTS = prometheus_client.Counter(
     "gap filling for them), invalid_writes (shim-written words rejected), role_races",
     ["gpu", "event"],
 )
+DESK_EVENTS = prometheus_client.Counter(
+    "gpuloom_dispatcher_lease_desk_events_total",
+    "Lease desk events: renewed (leases renewed natively from standing terms), forwarded "
+    "(requests left to the token scheduler), invalid_writes (request words rejected), "
+    "throttled (requests left unread while their process had too many untaken events)",
+    ["gpu", "event"],
+)
 FIKIT_WAITING = prometheus_client.Gauge(
     "gpuloom_dispatcher_fikit_waiting", "FIKIT processes waiting for a kernel grant", ["gpu"]
 )

@@ -38,6 +38,9 @@ class DispatcherSettings(BaseSettings):
     lease_max_ms: float = Field(default=100.0, gt=0)
     lease_initial_ms: float = Field(default=20.0, gt=0)
     fifo_slice_ms: float = Field(default=50.0, gt=0)
+    # Token policies: renew leases natively from the policy's standing terms (the lease desk,
+    # docs/dispatcher.md); off: every lease request goes through the Python channel thread.
+    lease_desk: bool = True
     # Policy fikit (docs/fikit.md): holder gaps shorter than this are not filled ...
     fikit_gap_threshold_us: float = Field(default=100.0, ge=0, le=1e6)
     # ... a holder with no launch for its predicted gap + this counts as idle ...

@@ -1,5 +1,5 @@
-/* Admission in share mode: asking the dispatcher for a lease (LeaseRequest, carrying the
- * usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
+/* Admission in share mode: asking the dispatcher for a lease (through the lease desk's words
+ * in the region, or a LeaseRequest frame; either carries the usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
  * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c; what a
  * refused, lost or evicted process's launches get. The inline fast check is admission.h's gate().
  * Owns: g_wait_lock, g_stall_epoch, g_stalled, g_last_request_ns. */
@@ -17,10 +17,16 @@ static uint32_t g_stall_epoch;
 static int g_stalled;
 static uint64_t g_last_request_ns;
 
+/* Through the lease desk when the dispatcher runs one (request words in the region and the
+ * doorbell: no socket, no Python on the way), else a LeaseRequest frame on the socket. */
 static int send_request(const uint8_t *r) {
     gl_usage usage;
     int has = take_report(r_u64(r, GL_OFF_LEASE_ID), 0, &usage);
     g_last_request_ns = now_ns();
+    int doorbell = gpu_doorbell();
+    if (doorbell >= 0)
+        return gl_post_lease_request((uint8_t *)r, doorbell, has ? &usage : NULL,
+                                     g_last_request_ns);
     return send_locked(gl_send_lease_request, has ? &usage : NULL);
 }
 

@@ -43,8 +43,11 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
 void fikit_track(CUstream key, uint32_t seq);
 /* Report granted kernels that completed; returns how many are still in flight. */
 unsigned fikit_harvest(void);
-/* A (re)registration: its region and the GPU's doorbell (-1 outside mode FIKIT). */
+/* A (re)registration: its region and the GPU's doorbell (-1 when the dispatcher gave none). */
 void fikit_adopt(uint8_t *r, int doorbell);
+/* The GPU's doorbell: the FIKIT arbiter's, or in mode SHARE the lease desk's; -1 if none (a
+ * SHARE shim then asks for leases over the socket). */
+int gpu_doorbell(void);
 
 #pragma GCC visibility pop
 

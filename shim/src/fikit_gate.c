@@ -59,6 +59,8 @@ void fikit_adopt(uint8_t *r, int doorbell) {
     pthread_mutex_unlock(&g_fk_lock);
 }
 
+int gpu_doorbell(void) { return __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE); }
+
 unsigned fikit_harvest(void) {
     uint8_t *r = region();
     if (g_mode != GL_MODE_FIKIT || r == NULL || g_aux.event_query == NULL) return 0;

@@ -123,6 +123,29 @@ int gl_send_goodbye(int sock) {
     return send_frame(sock, message, m);
 }
 
+/* ---- the lease desk's request words ---- */
+
+int gl_post_lease_request(volatile uint8_t *region, int doorbell, const gl_usage *report,
+                          uint64_t now_ns) {
+    uint8_t *r = (uint8_t *)region;
+    uint32_t flags = 0;
+    if (report != NULL) {
+        flags = GL_LR_REPORT | (report->release ? GL_LR_RELEASE : 0u);
+        __atomic_store_n((uint64_t *)(r + GL_OFF_LR_LEASE), report->lease_id, __ATOMIC_RELAXED);
+        __atomic_store_n((uint64_t *)(r + GL_OFF_LR_GPU_NS), report->gpu_time_ns,
+                         __ATOMIC_RELAXED);
+        __atomic_store_n((uint64_t *)(r + GL_OFF_LR_BURST_NS), report->longest_burst_ns,
+                         __ATOMIC_RELAXED);
+    }
+    __atomic_store_n((uint32_t *)(r + GL_OFF_LR_FLAGS), flags, __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(r + GL_OFF_LR_POST_NS), now_ns, __ATOMIC_RELAXED);
+    /* Only this process writes the sequence number: its own last value, plus one. */
+    uint32_t seq = __atomic_load_n((uint32_t *)(r + GL_OFF_LR_SEQ), __ATOMIC_RELAXED) + 1;
+    __atomic_store_n((uint32_t *)(r + GL_OFF_LR_SEQ), seq, __ATOMIC_RELEASE);
+    uint64_t one = 1;
+    return write(doorbell, &one, sizeof one) == (ssize_t)sizeof one ? 0 : -1;
+}
+
 /* ---- decoding ---- */
 
 static int get_varint(const uint8_t *data, size_t length, size_t *pos, uint64_t *out) {

@@ -32,6 +32,14 @@
 #define GL_OFF_FK_KERNEL 136  /* u64 kernel ID of that launch or request (0: not computed) */
 #define GL_OFF_FK_POST_NS 144 /* u64 when it was posted (CLOCK_MONOTONIC ns) */
 #define GL_OFF_FK_WAITING 152 /* u32 what REQ_SEQ is: a GL_POST_* */
+/* Lease request words written by the shim in mode SHARE when the dispatcher runs its native
+ * lease desk (docs/dispatcher.md); the desk validates every read. On their own cache line. */
+#define GL_OFF_LR_SEQ 192      /* u32 sequence number of the latest request (stored last) */
+#define GL_OFF_LR_FLAGS 196    /* u32 GL_LR_* */
+#define GL_OFF_LR_LEASE 200    /* u64 the lease the report is for */
+#define GL_OFF_LR_GPU_NS 208   /* u64 GPU time measured under that lease */
+#define GL_OFF_LR_BURST_NS 216 /* u64 the longest burst under it (0: none measured) */
+#define GL_OFF_LR_POST_NS 224  /* u64 when the request was posted (CLOCK_MONOTONIC ns) */
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };
@@ -39,6 +47,9 @@ enum { GL_ROLE_NONE = 0, GL_ROLE_HOLDER = 1, GL_ROLE_FILL = 2 };
 /* A post: a holder's launch (untracked: the arbiter takes it as done at once; tracked: `done`
  * will report it), or a filler's request waiting for its grant. */
 enum { GL_POST_LAUNCHED = 0, GL_POST_REQUEST = 1, GL_POST_TRACKED = 2 };
+/* What a lease request carries: a usage report (the LR_LEASE.. words are set), and whether
+ * that lease is released. */
+enum { GL_LR_REPORT = 1, GL_LR_RELEASE = 2 };
 
 typedef struct {
     uint32_t mode;
@@ -79,6 +90,11 @@ typedef struct {
 int gl_send_lease_request(int sock, const gl_usage *report); /* report may be NULL */
 int gl_send_usage(int sock, const gl_usage *report);
 int gl_send_goodbye(int sock);
+/* A lease request through shared memory (the native lease desk): writes the request words of
+ * `region` (report may be NULL), the sequence number last, and rings `doorbell`. Returns 0 or
+ * -1 (errno set by the doorbell write). */
+int gl_post_lease_request(volatile uint8_t *region, int doorbell, const gl_usage *report,
+                          uint64_t now_ns);
 
 /* Appends `r` to `out` as one `records` field of a MeasurementBatch (so concatenated records
  * are a MeasurementBatch's bytes); returns the bytes written (at most GL_KERNEL_RECORD_MAX). */

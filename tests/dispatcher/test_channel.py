@@ -113,7 +113,8 @@ async def test_two_half_gpu_clients_run_together_and_a_third_waits(live: LiveDis
         c = await waiting
         ended_first = min(a.until_ns, b.until_ns)
         assert time.monotonic_ns() >= ended_first - 1_000_000
-        assert c.lease_id > max(a.lease_id, b.lease_id)
+        # A new lease (the desk's ids and the scheduler's come from different ranges).
+        assert c.lease_id not in (0, a.lease_id, b.lease_id)
     finally:
         for shim in (first, second, third):
             shim.close()
@@ -311,3 +312,95 @@ async def test_metrics_count_leases_waits_and_usage(live: LiveDispatcher) -> Non
         assert _sample("gpuloom_dispatcher_client_quota_ratio", bound="limit", **labels) == 0.8
     await live.stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id))
     assert _sample("gpuloom_dispatcher_client_quota_ratio", bound="limit", **labels) == 0
+
+
+# ---- the lease desk ----
+
+
+def _desk_sample(event: str) -> float:
+    return _sample("gpuloom_dispatcher_lease_desk_events_total", gpu="0", event=event)
+
+
+@pytest.mark.parametrize("live", [{"window_ms": 10_000}], indirect=True)
+async def test_the_desk_renews_leases_natively_and_the_books_follow(live: LiveDispatcher) -> None:
+    """After the first lease, renewals come from the standing terms without Python; the
+    scheduler's books (leases granted, GPU time charged from the reports) still add up."""
+    renewed_before = _desk_sample("renewed")
+    assignment = await live.reserve(sm=50, request=40, limit=80)
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        assert shim.desk is not None  # the dispatcher offered its doorbell
+        ids = []
+        for _ in range(20):
+            # Ask only once the lease is over, as the C shim does: the request goes to the desk.
+            lease = shim.acquire(timeout_s=2)
+            ids.append(lease.lease_id)
+            shim.record_usage(0.002)
+            while shim.current_lease() is not None:
+                time.sleep(0.001)
+        assert len(set(ids)) == 20
+        native = [i for i in ids if i >= 1 << 62]
+        assert len(native) >= 18, ids  # the first (and one per new terms) may be Python's
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        (client,) = status.clients
+        assert client.leases_granted == 20
+        # 19 reports of 2 ms each replaced the leases' provisional charges; the 20th lease is
+        # still charged provisionally (10 ms).
+        assert client.gpu_time_s == pytest.approx(19 * 0.002 + 0.010, abs=1e-6)
+        await asyncio.sleep(0.6)  # desk metrics are flushed with the housekeeping
+        assert _desk_sample("renewed") - renewed_before == len(native)
+
+
+async def test_a_request_the_desk_cannot_grant_waits_in_the_policy_order(
+    live: LiveDispatcher,
+) -> None:
+    """Two 60% clients cannot run together: the second's request is forwarded, waits, and gets
+    the GPU when the first's lease ends; the first then gets no more native renewals."""
+    first_token, second_token = [
+        (await live.reserve(sm=60, request=30, limit=100)).assignment_token for _ in range(2)
+    ]
+    with (
+        ShimClient.connect(live.socket_path, first_token) as first,
+        ShimClient.connect(live.socket_path, second_token) as second,
+    ):
+        a = first.acquire(timeout_s=2)
+        waiting = asyncio.create_task(asyncio.to_thread(second.acquire, 2.0))
+        await asyncio.sleep(0.003)
+        assert not waiting.done()
+        b = await waiting
+        assert time.monotonic_ns() >= a.until_ns - 1_000_000  # only after a's lease ended
+        assert b.lease_id < 1 << 62  # granted by the scheduler, in the policy's order
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        assert status.running_sm_percent == 60
+
+
+async def test_garbage_in_the_request_words_costs_only_its_writer(live: LiveDispatcher) -> None:
+    bad_token, good_token = [
+        (await live.reserve(sm=50, request=30)).assignment_token for _ in range(2)
+    ]
+    with (
+        ShimClient.connect(live.socket_path, bad_token) as bad,
+        ShimClient.connect(live.socket_path, good_token) as good,
+    ):
+        assert bad.desk is not None
+        good.acquire(timeout_s=2)
+        bad.desk.post(report_lease_id=1, gpu_time_ns=10**19)  # ~317 years in one lease
+        with pytest.raises(ShimChannelError, match="not plausible"):
+            for _ in range(2000):  # the dispatcher says why and hangs up
+                bad._check_socket()
+                time.sleep(0.001)
+        for _ in range(5):
+            while good.current_lease() is not None:
+                time.sleep(0.001)
+            assert good.acquire(timeout_s=2) is not None
+
+
+@pytest.mark.parametrize("live", [{"lease_desk": False}], indirect=True)
+async def test_without_the_desk_leases_go_over_the_socket(live: LiveDispatcher) -> None:
+    assignment = await live.reserve(sm=50, request=30)
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        assert shim.desk is None
+        ids = set()
+        for _ in range(5):
+            ids.add(shim.acquire(timeout_s=2).lease_id)
+            shim.release()
+        assert len(ids) == 5 and max(ids) < 1 << 62

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import prometheus_client
 import pytest
 
 from gpuloom.services.dispatcher.domain import derive_task_key
@@ -115,6 +116,40 @@ async def test_two_processes_share_the_gpu_by_their_requests(
         truth_s = sum(end - begin for p, _, begin, end in runs if p == pid) / 1e9
         charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
         assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
+
+
+@pytest.mark.parametrize("live", [SHARING], indirect=True)
+async def test_a_lone_process_takes_its_leases_from_the_desk(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    """Alone on the GPU, the shim's lease requests are answered by the lease desk from its
+    standing terms (no socket, no Python), and what it is charged is still what it ran."""
+    renewed_before = _desk_events("renewed")
+    assignment = await live.reserve(sm=50, request=50, limit=100)
+    result = await run.run_async(
+        "module", KERNEL, "loop", "1.5", KERNEL, SYNC_EVERY,
+        env=_env(live, assignment.assignment_token),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "UNTHROTTLED" not in result.stderr, result.stderr
+    channel = live.dispatcher.channel
+    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
+    client = snapshot.clients[assignment.assignment_id]
+    await asyncio.sleep(0.6)  # desk metrics are flushed with the housekeeping
+    renewed = _desk_events("renewed") - renewed_before
+    # Python answers the first request and one per window (new terms); the desk the rest.
+    assert client.leases_granted >= 20
+    assert renewed >= client.leases_granted - 6, (renewed, client.leases_granted)
+    pid = int(result.value("init", "pid"))
+    truth_s = sum(end - begin for p, _, begin, end in run.engine_runs() if p == pid) / 1e9
+    assert client.total_gpu_s == pytest.approx(truth_s, rel=0.1), (client.total_gpu_s, truth_s)
+
+
+def _desk_events(event: str) -> float:
+    sample = prometheus_client.REGISTRY.get_sample_value(
+        "gpuloom_dispatcher_lease_desk_events_total", {"gpu": "0", "event": event}
+    )
+    return sample or 0.0
 
 
 @pytest.mark.parametrize("policy", ["open", "closed"])

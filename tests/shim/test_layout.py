@@ -1,6 +1,6 @@
 """The shared-memory layout is the same in C and in Python: the admission region's magic,
-version, size and every field offset (the lease words and the FIKIT words), and the values of
-the mode, state and FIKIT role enums.
+version, size and every field offset (the lease words, the FIKIT words and the lease request
+words), and the values of the mode, state, FIKIT role and lease request flag enums.
 
 The C values come from the compiler, not from reading the header: a small program that includes
 `shim/src/wire.h` prints each constant. The names to compare are every region constant
@@ -20,13 +20,13 @@ from pathlib import Path
 import pytest
 
 from gpuloom import shimwire
-from gpuloom.shimwire import AdmissionState, FikitPost, FikitRole, ShimMode
+from gpuloom.shimwire import AdmissionState, FikitPost, FikitRole, LeaseRequestFlag, ShimMode
 from gpuloom.v1 import shim_pb2
 
 WIRE_H = Path(__file__).resolve().parents[2] / "shim" / "src" / "wire.h"
 # A region constant in wire.h: the region's own constants, field offsets, modes, states, and the
 # FIKIT roles and post kinds.
-C_NAME = r"GL_(?:REGION|OFF|MODE|STATE|ROLE|POST)_[A-Z0-9_]+"
+C_NAME = r"GL_(?:REGION|OFF|MODE|STATE|ROLE|POST|LR)_[A-Z0-9_]+"
 
 
 def c_names(header: str) -> list[str]:
@@ -76,6 +76,7 @@ def python_layout() -> dict[str, int]:
     )
     values.update({f"GL_ROLE_{role.name}": role.value for role in FikitRole})
     values.update({f"GL_POST_{post.name}": post.value for post in FikitPost})
+    values.update({f"GL_LR_{flag.name}": flag.value for flag in LeaseRequestFlag})
     values.update({f"GL_MODE_{mode.name}": mode.value for mode in ShimMode})
     values.update({f"GL_STATE_{state.name}": state.value for state in AdmissionState})
     return values

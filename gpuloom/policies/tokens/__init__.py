@@ -18,7 +18,12 @@ from gpuloom.policies.tokens.model import (
     TokenPolicy,
 )
 from gpuloom.policies.tokens.registry import DEFAULT_POLICY, POLICIES, get_policy
-from gpuloom.policies.tokens.scheduler import ClientSnapshot, SchedulerSnapshot, TokenScheduler
+from gpuloom.policies.tokens.scheduler import (
+    ClientSnapshot,
+    SchedulerSnapshot,
+    StandingTerms,
+    TokenScheduler,
+)
 
 __all__ = [
     "DEFAULT_POLICY",
@@ -32,6 +37,7 @@ __all__ = [
     "Lease",
     "SchedulerSnapshot",
     "SchedulerView",
+    "StandingTerms",
     "TokenConfig",
     "TokenPolicy",
     "TokenScheduler",

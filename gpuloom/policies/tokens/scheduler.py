@@ -49,6 +49,7 @@ __all__ = [
     "Decision",
     "Lease",
     "SchedulerSnapshot",
+    "StandingTerms",
     "TokenConfig",
     "TokenScheduler",
 ]
@@ -74,6 +75,17 @@ class SchedulerSnapshot:
     running_sm_percent: int
     clients: Mapping[str, ClientSnapshot] = field(hash=False)
     waiting: tuple[str, ...]  # the clients the policy would serve next, in its order
+
+
+@dataclass(frozen=True, slots=True)
+class StandingTerms:
+    """What a client would be granted if it asked now, decided ahead of its request: a lease
+    of min(lease_s, what is left of budget_s), while now < valid_until. The live dispatcher's
+    lease desk renews leases natively from these (docs/dispatcher.md)."""
+
+    lease_s: float  # math.inf: open-ended
+    budget_s: float  # lease time it may be granted in all (math.inf: no bound)
+    valid_until: float  # the window's end: budgets are per window
 
 
 @dataclass(slots=True, eq=False)
@@ -130,6 +142,22 @@ class _View:
     @property
     def waiting(self) -> Collection[ClientView]:
         return self._s._waiting.values()
+
+
+class _AloneView:
+    """A SchedulerView in which one client asks alone, with the given SMs and holders running:
+    what the policy would grant it now."""
+
+    __slots__ = ("config", "holders", "now", "running_sm", "waiting")
+
+    def __init__(
+        self, scheduler: TokenScheduler, client: _Client, running_sm: int, holders: int
+    ) -> None:
+        self.config = scheduler._config
+        self.now = scheduler._now
+        self.running_sm = running_sm
+        self.holders = holders
+        self.waiting = (client,)
 
 
 def _check_report(used_gpu_s: float, burst_s: float | None) -> None:
@@ -265,6 +293,82 @@ class TokenScheduler:
         if self._now >= self._next_expiry:
             self._expire(ended)
         return self._decide(ended)
+
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def lease_of(self, client_id: str) -> Lease | None:
+        """The lease the client holds (one due but not yet ended by advance() included)."""
+        charge = self._client(client_id).charge
+        return None if charge is None else charge.lease
+
+    def standing_terms(self, now: float) -> dict[str, StandingTerms]:
+        """For each client, the lease the policy would grant it if it alone asked now, with the
+        leases held and the terms already given counted as running: so that any of them may
+        take its lease without asking, together, within every limit. Nothing while somebody
+        waits: then every lease goes through request() and the policy's order. A holder's
+        terms renew its own lease (its SMs stay counted once). Valid until the window ends."""
+        self._tick(now)
+        if self._waiting:
+            return {}
+        terms: dict[str, StandingTerms] = {}
+        running, holders = self._running_sm, len(self._holders)
+        for client_id, charge in self._holders.items():
+            client = charge.client
+            view = _AloneView(self, client, running - client.sm_percent, holders - 1)
+            granted = self._alone_terms(client, view)
+            if granted is not None:
+                terms[client_id] = granted
+        for client_id, client in self._clients.items():
+            if client.charge is not None:
+                continue
+            granted = self._alone_terms(client, _AloneView(self, client, running, holders))
+            if granted is not None:
+                terms[client_id] = granted
+                running += client.sm_percent
+                holders += 1
+        return terms
+
+    def _alone_terms(self, client: _Client, view: _AloneView) -> StandingTerms | None:
+        picks = self._policy.select(view)  # type: ignore[arg-type]
+        if len(picks) != 1 or picks[0][0] != client.client_id or not picks[0][1] > 0.0:
+            return None
+        length = picks[0][1]
+        budget = math.inf if length == math.inf else max(client.limit_s - client.used_s, 0.0)
+        return StandingTerms(length, budget, self._window_end)
+
+    def renewed(
+        self,
+        client_id: str,
+        lease_id: int,
+        expires_at: float,
+        now: float,
+        report: tuple[int, float, float | None] | None = None,
+    ) -> Decision:
+        """A lease granted outside this scheduler from the client's standing terms (the live
+        dispatcher's lease desk), taken into the books as if granted here at `now`: the report
+        (lease id, used GPU s, burst s) of the lease it replaces first, as release() takes it;
+        a lease the client still held ends. `lease_id` must be one this scheduler never
+        issued (the desk's ids have bit 62 set)."""
+        if lease_id in self._charges or lease_id < self._next_lease_id:
+            raise ValueError(f"lease id {lease_id} collides with this scheduler's own")
+        if report is not None:
+            _check_report(report[1], report[2])
+        client, ended = self._begin(client_id, now)
+        if report is not None:
+            charge = client.charge
+            if charge is not None and charge.lease.lease_id == report[0]:
+                ended.append(self._end(charge, self._now))
+            self._report(client, *report)
+        if client.charge is not None:
+            ended.append(self._end(client.charge, self._now))
+        if self._waiting.pop(client_id, None) is not None:
+            self._dirty = True
+        length = math.inf if expires_at == math.inf else max(expires_at - self._now, 0.0)
+        lease = self._install(client, lease_id, expires_at, length)
+        decided = self._decide(ended)
+        return Decision((lease, *decided.granted), decided.ended)
 
     def next_deadline(self) -> float | None:
         now = self._now
@@ -447,18 +551,22 @@ class TokenScheduler:
                 )
             lease_id = self._next_lease_id
             self._next_lease_id = lease_id + 1
-            lease = Lease(lease_id, client_id, now, expires, client.used_s >= client.request_s)
-            provisional = 0.0 if expires == math.inf else length
-            charge = _Charge(lease, client, provisional)
-            self._charges[lease_id] = charge
-            self._charge_order.append(charge)
-            client.charge = charge
-            client.leases_granted += 1
-            if provisional:
-                self._bill(client, provisional)
-            self._holders[client_id] = charge
-            self._running_sm += client.sm_percent
-            if expires < self._next_expiry:
-                self._next_expiry = expires
-            leases.append(lease)
+            leases.append(self._install(client, lease_id, expires, length))
         return tuple(leases)
+
+    def _install(self, client: _Client, lease_id: int, expires: float, length: float) -> Lease:
+        now = self._now
+        lease = Lease(lease_id, client.client_id, now, expires, client.used_s >= client.request_s)
+        provisional = 0.0 if expires == math.inf else length
+        charge = _Charge(lease, client, provisional)
+        self._charges[lease_id] = charge
+        self._charge_order.append(charge)
+        client.charge = charge
+        client.leases_granted += 1
+        if provisional:
+            self._bill(client, provisional)
+        self._holders[client.client_id] = charge
+        self._running_sm += client.sm_percent
+        if expires < self._next_expiry:
+            self._next_expiry = expires
+        return lease

@@ -1,0 +1,257 @@
+"""The native lease desk driven through regions, as shims drive it (gpuloom.shimwire's DeskPort is
+the Python reference of the C shim's gl_post_lease_request): renewals from standing terms, what
+is forwarded, the budget, and what garbage and floods get."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from gpuloom.services.dispatcher.leasedesk import (
+    FOREVER,
+    DeskEvent,
+    DeskEventKind,
+    LeaseDesk,
+)
+from gpuloom.shimwire import (
+    OFF_LR_SEQ,
+    REGION_BYTES,
+    AdmissionRegion,
+    AdmissionState,
+    DeskPort,
+    ShimMode,
+)
+
+MS = 1e-3
+NATIVE_BIT = 1 << 62
+
+
+class Process:
+    """One shim's region, registered with the desk."""
+
+    def __init__(self, desk: LeaseDesk) -> None:
+        self.region, self.fd = AdmissionRegion.create("p", 0, 50, ShimMode.SHARE)
+        self.slot = desk.add(self.fd)
+        self.mapping = mmap.mmap(self.fd, REGION_BYTES)
+        self.port = DeskPort(self.mapping, desk.doorbell_fd)
+
+    def close(self) -> None:
+        self.mapping.close()
+        self.region.close()
+        os.close(self.fd)
+
+
+@pytest.fixture
+def desk() -> Iterator[LeaseDesk]:
+    desk = LeaseDesk()
+    yield desk
+    desk.stop()
+
+
+def wait_for(condition, timeout_s: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.0002)
+    return condition()
+
+
+def taken(desk: LeaseDesk, count: int) -> list[DeskEvent]:
+    """Events until `count` have come (the thread answers asynchronously)."""
+    events: list[DeskEvent] = []
+    assert wait_for(lambda: events.extend(desk.take()) or len(events) >= count), events
+    return events
+
+
+def give(desk: LeaseDesk, process: Process, lease_s=10 * MS, budget_s=1.0, min_s=2 * MS) -> None:
+    desk.set_terms(process.slot, lease_s, budget_s, min_s, time.monotonic() + 60)
+
+
+def test_without_terms_a_request_is_forwarded_with_its_report_and_nothing_is_written(
+    desk: LeaseDesk,
+) -> None:
+    process = Process(desk)
+    try:
+        epoch = process.region.epoch
+        process.port.post(report_lease_id=7, gpu_time_ns=3000, longest_burst_ns=2000)
+        (event,) = taken(desk, 1)
+        assert event.kind is DeskEventKind.FORWARDED and event.slot == process.slot
+        assert event.report == (7, 3000, 2000, False) and not event.invalid
+        assert process.region.epoch == epoch and process.region.lease_id == 0
+        assert desk.stats().forwarded == 1
+    finally:
+        process.close()
+
+
+def test_with_terms_the_desk_renews_at_once_and_journals_it(desk: LeaseDesk) -> None:
+    process = Process(desk)
+    try:
+        give(desk, process, lease_s=10 * MS)
+        epoch = process.region.epoch
+        before = time.monotonic_ns()
+        process.port.post()
+        assert wait_for(lambda: process.region.epoch != epoch)
+        lease_id = process.region.lease_id
+        assert lease_id & NATIVE_BIT and process.region.state is AdmissionState.LEASED
+        assert process.region.admitted()
+        (event,) = taken(desk, 1)
+        assert event.kind is DeskEventKind.RENEWED and event.lease_id == lease_id
+        assert event.until_ns == process.region.admit_until_ns
+        assert before + 10_000_000 <= event.until_ns <= time.monotonic_ns() + 10_000_000
+    finally:
+        process.close()
+
+
+def test_the_budget_bounds_the_leases_and_a_report_gives_back_what_was_not_used(
+    desk: LeaseDesk,
+) -> None:
+    process = Process(desk)
+    try:
+        # 25 ms of budget, 10 ms leases, 2 ms at least: 10, 10, 5, then Python decides.
+        give(desk, process, lease_s=10 * MS, budget_s=25 * MS)
+        lengths = []
+        for _ in range(4):
+            process.port.post()
+            (event,) = taken(desk, 1)
+            lengths.append(event.until_ns - event.at_ns if event.lease_id else 0)
+        assert [round(n / 1e6) for n in lengths] == [10, 10, 5, 0]
+        # New terms; a lease that used 1 ms of its 10 gives 9 back: 10 + 10 + 9 + 1 used.
+        give(desk, process, lease_s=10 * MS, budget_s=20 * MS)
+        process.port.post()
+        (first,) = taken(desk, 1)
+        process.port.post(report_lease_id=first.lease_id, gpu_time_ns=1_000_000)
+        (second,) = taken(desk, 1)
+        assert second.kind is DeskEventKind.RENEWED
+        assert round((second.until_ns - second.at_ns) / 1e6) == 10
+        process.port.post(report_lease_id=second.lease_id, gpu_time_ns=10_000_000)
+        (third,) = taken(desk, 1)
+        # 20 - 10 (first) + 9 (its unused part) - 10 (second) = 9 ms left
+        assert round((third.until_ns - third.at_ns) / 1e6) == 9
+    finally:
+        process.close()
+
+
+def test_open_ended_terms_and_expired_terms(desk: LeaseDesk) -> None:
+    process = Process(desk)
+    try:
+        desk.set_terms(process.slot, float("inf"), float("inf"), 0.002, time.monotonic() + 60)
+        process.port.post()
+        (event,) = taken(desk, 1)
+        assert event.until_ns == FOREVER and process.region.admit_until_ns == FOREVER
+        desk.set_terms(process.slot, 0.01, 1.0, 0.002, time.monotonic() - 1)  # window over
+        process.port.post()
+        (event,) = taken(desk, 1)
+        assert event.kind is DeskEventKind.FORWARDED
+    finally:
+        process.close()
+
+
+def test_after_revoke_all_the_desk_writes_nothing(desk: LeaseDesk) -> None:
+    a, b = Process(desk), Process(desk)
+    try:
+        give(desk, a)
+        give(desk, b)
+        desk.revoke_all()
+        epochs = (a.region.epoch, b.region.epoch)
+        a.port.post()
+        b.port.post()
+        events = taken(desk, 2)
+        assert {e.kind for e in events} == {DeskEventKind.FORWARDED}
+        assert (a.region.epoch, b.region.epoch) == epochs
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        {"flags": 0xFFFF_FFFF},
+        {"report_lease_id": 3, "gpu_time_ns": 10**19},
+        {"report_lease_id": 3, "longest_burst_ns": 2 * 3600 * 10**9},
+    ],
+    ids=["flags", "gpu-time", "burst"],
+)
+def test_garbage_request_words_are_forwarded_as_invalid_and_spend_nothing(
+    desk: LeaseDesk, garbage: dict
+) -> None:
+    bad, good = Process(desk), Process(desk)
+    try:
+        give(desk, bad)
+        give(desk, good)
+        epoch = bad.region.epoch
+        bad.port.post(**garbage)
+        (event,) = taken(desk, 1)
+        assert event.kind is DeskEventKind.FORWARDED and event.invalid
+        assert bad.region.epoch == epoch  # no lease for garbage
+        assert desk.stats().invalid_writes == 1
+        good.port.post()
+        (event,) = taken(desk, 1)
+        assert event.kind is DeskEventKind.RENEWED and event.slot == good.slot
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_random_bytes_over_the_request_words_never_stop_the_desk(desk: LeaseDesk) -> None:
+    bad, good = Process(desk), Process(desk)
+    try:
+        give(desk, good)
+        for _ in range(200):
+            bad.mapping[OFF_LR_SEQ : OFF_LR_SEQ + 40] = os.urandom(40)
+            os.eventfd_write(desk.doorbell_fd, 1)
+        good.port.post()
+        assert wait_for(lambda: good.region.lease_id & NATIVE_BIT)
+        assert desk.stats().slots == 2
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_a_flooding_process_is_throttled_alone(desk: LeaseDesk) -> None:
+    """Python takes no events meanwhile: the flooder's are capped, the other's still come."""
+    flood, other = Process(desk), Process(desk)
+    try:
+        give(desk, flood, budget_s=float("inf"))
+        give(desk, other)
+        for _ in range(600):
+            seen = desk.stats().requests
+            flood.port.post()
+            assert wait_for(
+                lambda seen=seen: desk.stats().requests > seen or desk.stats().throttled
+            )
+        assert desk.stats().throttled > 0
+        other.port.post()
+        assert wait_for(lambda: other.region.lease_id & NATIVE_BIT)
+        assert desk.stats().pending == 512 + 1  # the flooder's cap, and the other's renewal
+        events = desk.take()
+        assert any(e.slot == other.slot for e in events)
+    finally:
+        flood.close()
+        other.close()
+
+
+def test_a_removed_process_takes_its_events_and_its_region_with_it(desk: LeaseDesk) -> None:
+    gone, stays = Process(desk), Process(desk)
+    try:
+        give(desk, gone)
+        give(desk, stays)
+        gone.port.post()
+        stays.port.post()
+        assert wait_for(lambda: desk.stats().requests == 2)
+        desk.remove(gone.slot)
+        events = desk.take()
+        assert [e.slot for e in events] == [stays.slot]
+        assert desk.stats().slots == 1
+        # Its words no longer reach the desk.
+        gone.port.post()
+        stays.port.post()
+        assert [e.slot for e in taken(desk, 1)] == [stays.slot]
+    finally:
+        gone.close()
+        stays.close()
