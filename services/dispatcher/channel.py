@@ -40,6 +40,7 @@ from gpuloom.policies.tokens.scheduler import (
     Decision,
     Lease,
     SchedulerSnapshot,
+    StandingTerms,
     TokenScheduler,
 )
 from gpuloom.services.dispatcher import metrics
@@ -171,7 +172,7 @@ class ShimChannel:
         self._by_desk_slot: dict[int, _Connection] = {}
         # Every term withdrawn (so this thread may write lease words); new ones are due.
         self._desk_revoked = True
-        self._terms_until: float | None = None  # when the terms given last expire
+        self._termed: set[str] = set()  # the clients whose terms the desk holds
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
         self._special: dict[int, str] = {}
@@ -279,7 +280,7 @@ class ShimChannel:
             self._send(connection, evicted)
             self._close(connection, "evicted", quiet=True, flush=True)
         if mode is ShimMode.SHARE and self._arbiter is None:
-            self._quiesce()
+            self._before_departure()
             self._apply(self._scheduler.remove_client(assignment_id, now))
             with contextlib.suppress(KeyError):  # never reported yet
                 metrics.CLIENT_USED.remove(self._gpu, assignment_id)
@@ -322,8 +323,6 @@ class ShimChannel:
                 if scheduler.has_waiting:  # a grant may follow: lease words are written here
                     self._quiesce()
                 self._apply(scheduler.advance(now))
-            if self._terms_until is not None and now >= self._terms_until:
-                self._quiesce()  # a new window: new budgets
             if now >= housekeeping_at:
                 housekeeping_at = now + 0.5
                 self._housekeeping(now)
@@ -511,7 +510,8 @@ class ShimChannel:
                 else:
                     self._by_desk_slot[connection.desk_slot] = connection
                     fds.append(self._desk.doorbell_fd)
-                    self._quiesce()  # its terms come with everyone's
+                    # No terms yet: its first request is forwarded, and granted beside the
+                    # others' terms when they leave room for it.
         else:
             region.publish_open()
         reply = shim_pb2.DispatcherMessage(
@@ -579,7 +579,10 @@ class ShimChannel:
         assert connection.assignment_id is not None
         if connection.mode is not ShimMode.SHARE:
             return
-        self._quiesce()
+        if report.release:  # ends its lease: its lease words are written here
+            self._quiesce()
+        else:  # a charge only; the lease it is for may be in the desk's journal
+            self._take_desk_events()
         assignment_id, now = connection.assignment_id, time.monotonic()
         self._apply(
             self._charge(
@@ -671,9 +674,9 @@ class ShimChannel:
     def _next_wakeup(self) -> float | None:
         scheduler = self._scheduler
         if self._desk is not None and not scheduler.has_waiting:
-            # Nobody waits, so leases that expire free nothing anyone needs now; they are ended
-            # at the next call. The window's end brings new budgets.
-            return self._terms_until
+            # Nobody waits, so leases that expire free nothing anyone needs now: they are ended
+            # at the next call. Windows need nobody either: the desk rolls budgets itself.
+            return None
         return scheduler.next_deadline()
 
     def _quiesce(self) -> None:
@@ -690,29 +693,64 @@ class ShimChannel:
         desk = self._desk
         if desk is None:
             return
-        events = desk.take()
-        if not events:
-            return
-        forwarded = [e for e in events if e.kind is DeskEventKind.FORWARDED]
-        if forwarded and not self._desk_revoked:
-            desk.revoke_all()
-            self._desk_revoked = True
-            later = desk.take()
-            events += later
-            forwarded += [e for e in later if e.kind is DeskEventKind.FORWARDED]
-        # Renewals first: each was granted while nobody waited, before the forwarded requests
-        # reached the scheduler (a forwarded request never precedes a renewal it could block).
-        for event in events:
-            if event.kind is DeskEventKind.RENEWED:
-                self._import_renewal(event)
-        for event in forwarded:
+        forwarded: collections.deque[DeskEvent] = collections.deque()
+        self._import(desk.take(), forwarded)
+        while forwarded:
+            event = forwarded.popleft()
             connection = self._by_desk_slot.get(event.slot)
             if connection is None or connection.assignment_id is None:
                 continue
             try:
+                if not self._desk_revoked and self._grant_beside_terms(connection, event):
+                    continue
+                if not self._desk_revoked:
+                    # It may have to wait, or displace terms: withdraw them all first, and take
+                    # the renewals made meanwhile into the books before deciding.
+                    desk.revoke_all()
+                    self._desk_revoked = True
+                    self._import(desk.take(), forwarded)
                 self._forwarded_request(connection, event)
             except ProtocolViolation as error:
                 self._refuse(connection, str(error))
+
+    def _before_departure(self) -> None:
+        """A client's lease ends for good (it left, or its reservation did): the others keep
+        their terms, since fewer leases only leave more room, unless somebody waits, who may
+        now be granted."""
+        if self._scheduler.has_waiting:
+            self._quiesce()
+        else:
+            self._take_desk_events()
+
+    def _import(self, events: list[DeskEvent], forwarded: collections.deque[DeskEvent]) -> None:
+        """Renewals into the books at once: each was granted while nobody waited, before any
+        forwarded request reached the scheduler (a forwarded request never precedes a renewal
+        it could block). Forwarded requests are queued for the caller."""
+        for event in events:
+            if event.kind is DeskEventKind.RENEWED:
+                self._import_renewal(event)
+            else:
+                forwarded.append(event)
+
+    def _grant_beside_terms(self, connection: _Connection, event: DeskEvent) -> bool:
+        """A forwarded request the standing terms already leave room for (a client that had
+        none yet, with everyone's terms and leases counted as running) is granted without
+        withdrawing anyone's terms; then it gets terms too. False: not such a request."""
+        scheduler, client_id = self._scheduler, connection.assignment_id
+        assert client_id is not None
+        if event.invalid or scheduler.has_waiting or scheduler.lease_of(client_id) is not None:
+            return False
+        now = time.monotonic()
+        terms = scheduler.standing_terms(now)
+        if client_id not in terms or not self._termed <= terms.keys():
+            return False
+        self._forwarded_request(connection, event)  # writes only this client's region
+        terms = scheduler.standing_terms(now)
+        if terms.keys() == self._termed | {client_id}:
+            self._set_terms(terms)
+        else:
+            self._quiesce()  # new terms for all after this round
+        return True
 
     def _import_renewal(self, event: DeskEvent) -> None:
         connection = self._by_desk_slot.get(event.slot)
@@ -766,20 +804,39 @@ class ShimChannel:
 
     def _give_terms(self) -> None:
         """After this thread's decisions: the policy's standing terms to every desk client."""
-        desk = self._desk
-        if desk is None or not self._desk_revoked:
+        if self._desk is None or not self._desk_revoked:
+            return
+        self._set_terms(self._scheduler.standing_terms(time.monotonic()))
+        self._desk_revoked = False
+
+    def _refresh_terms(self) -> None:
+        """New lease lengths (q follows the reported bursts) and budgets for the clients that
+        hold terms. In place, without withdrawing them, when the same clients get terms (their
+        SMs fit together as before); otherwise through a full withdrawal."""
+        if self._desk is None or self._desk_revoked:
+            return
+        self._take_desk_events()
+        if self._desk_revoked:  # a forwarded request came: new terms follow its decision
             return
         terms = self._scheduler.standing_terms(time.monotonic())
-        min_lease_s = self._scheduler.config.lease_min_s
-        until = None
+        if set(terms) == self._termed:
+            self._set_terms(terms)
+        else:
+            self._quiesce()
+
+    def _set_terms(self, terms: dict[str, StandingTerms]) -> None:
+        desk, config = self._desk, self._scheduler.config
+        assert desk is not None
+        self._termed = set()
         for slot, connection in self._by_desk_slot.items():
             given = terms.get(connection.assignment_id or "")
             if given is None:
                 continue
-            desk.set_terms(slot, given.lease_s, given.budget_s, min_lease_s, given.valid_until)
-            until = given.valid_until
-        self._terms_until = until
-        self._desk_revoked = False
+            desk.set_terms(
+                slot, given.lease_s, given.budget_s, config.lease_min_s, given.limit_s,
+                config.window_s, given.window_end,
+            )  # fmt: skip
+            self._termed.add(connection.assignment_id or "")
 
     def _desk_metrics(self) -> None:
         if self._desk is None:
@@ -915,13 +972,14 @@ class ShimChannel:
             self._take_desk_events()
             self._desk.remove(connection.desk_slot)
             del self._by_desk_slot[connection.desk_slot]
+            self._termed.discard(connection.assignment_id or "")
             connection.desk_slot = None
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
             del self._by_assignment[assignment_id]
             if connection.mode is ShimMode.SHARE:
                 # A dead client's lease ends now; it is charged the time it held it.
-                self._quiesce()
+                self._before_departure()
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))
             self._emit(EventKind.DISCONNECTED, assignment_id, reason)
         if connection.fikit_slot is not None and self._arbiter is not None:
@@ -942,7 +1000,7 @@ class ShimChannel:
             if connection.assignment_id is None and now > connection.deadline:
                 self._refuse(connection, "no registration within the time limit")
         self._fikit_metrics()
-        self._take_desk_events()
+        self._refresh_terms()
         self._desk_metrics()
         self._leases_granted.inc(self._granted_since_flush)
         self._granted_since_flush = 0

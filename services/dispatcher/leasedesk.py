@@ -36,7 +36,9 @@ class _Terms(ctypes.Structure):
         ("lease_ns", ctypes.c_uint64),
         ("budget_ns", ctypes.c_uint64),
         ("min_lease_ns", ctypes.c_uint64),
-        ("valid_until_ns", ctypes.c_uint64),
+        ("limit_ns", ctypes.c_uint64),
+        ("window_ns", ctypes.c_uint64),
+        ("window_end_ns", ctypes.c_uint64),
     ]
 
 
@@ -53,6 +55,7 @@ class _Event(ctypes.Structure):
         ("at_ns", ctypes.c_uint64),
         ("lease_id", ctypes.c_uint64),
         ("until_ns", ctypes.c_uint64),
+        ("charge_ns", ctypes.c_int64),
     ]
 
 
@@ -166,10 +169,21 @@ class LeaseDesk:
         self._lib.gl_desk_remove(self._require(), slot)
 
     def set_terms(
-        self, slot: int, lease_s: float, budget_s: float, min_lease_s: float, valid_until_s: float
+        self,
+        slot: int,
+        lease_s: float,
+        budget_s: float,
+        min_lease_s: float,
+        limit_s: float,
+        window_s: float,
+        window_end_s: float,
     ) -> None:
-        """Standing terms for a process (times in seconds of the monotonic clock)."""
-        terms = _Terms(_ns(lease_s), _ns(budget_s), _ns(min_lease_s), _ns(valid_until_s))
+        """Standing terms for a process (seconds; window_end_s on the monotonic clock). The
+        budget is taken as computed from the events taken so far."""
+        terms = _Terms(
+            _ns(lease_s), min(_ns(budget_s), _ns(limit_s)) if budget_s != math.inf else FOREVER,
+            _ns(min_lease_s), _ns(limit_s), _ns(window_s), _ns(window_end_s),
+        )  # fmt: skip
         self._call_terms(slot, ctypes.byref(terms))
 
     def withdraw_terms(self, slot: int) -> None:

@@ -35,9 +35,10 @@ typedef struct {
     uint32_t untaken; /* events of this slot in the journal */
     int has_terms;
     gl_desk_terms terms;
-    uint64_t budget_ns;      /* what is left of terms.budget_ns */
+    uint64_t budget_ns;      /* what is left of the limit this window */
     uint64_t native_lease;   /* the last lease the desk granted it ... */
     uint64_t native_charge;  /* ... and what that lease took from the budget */
+    int64_t untaken_charge;  /* the net charges of its events Python has not taken */
 } desk_slot;
 
 struct gl_desk {
@@ -100,27 +101,49 @@ static void record(gl_desk *d, uint32_t slot, const gl_desk_event *event) {
     d->journal[(d->head + d->count) % GL_DESK_JOURNAL] = *event;
     d->count++;
     d->slots[slot].untaken++;
+    d->slots[slot].untaken_charge += event->charge_ns;
     if (d->count >= GL_DESK_JOURNAL / 4 || d->slots[slot].untaken >= GL_DESK_SLOT_EVENTS / 2)
         notify_python(d);
 }
 
+static uint64_t add_capped(uint64_t a, uint64_t b, uint64_t cap) {
+    return a >= cap || b >= cap - a ? cap : a + b;
+}
+
+/* A window ended: the scheduler lowers what the client used by its limit per window passed,
+ * not below 0, so what is left of the limit grows by as much, to at most the limit. */
+static void roll(desk_slot *s, uint64_t now) {
+    gl_desk_terms *t = &s->terms;
+    if (now < t->window_end_ns) return;
+    uint64_t passed = (now - t->window_end_ns) / t->window_ns + 1;
+    t->window_end_ns += passed * t->window_ns;
+    if (s->budget_ns == GL_DESK_FOREVER) return;
+    uint64_t grow = passed > GL_DESK_FOREVER / (t->limit_ns | 1) ? GL_DESK_FOREVER
+                                                                  : passed * t->limit_ns;
+    s->budget_ns = add_capped(s->budget_ns, grow, t->limit_ns);
+}
+
 /* The usage report of the lease that ended gives back what that lease took from the budget
- * beyond what it used (or takes what it used beyond it), as the scheduler's charging does. */
-static void settle(desk_slot *s, const gl_desk_event *e) {
+ * beyond what it used (or takes what it used beyond it), as the scheduler's charging does.
+ * Returns the net change to the budget (positive: given back). */
+static int64_t settle(desk_slot *s, const gl_desk_event *e) {
     if (!(e->flags & GL_LR_REPORT) || e->report_lease == 0 ||
         e->report_lease != s->native_lease || s->budget_ns == GL_DESK_FOREVER)
-        return;
-    uint64_t charged = s->native_charge;
-    if (e->gpu_ns < charged)
-        s->budget_ns += charged - e->gpu_ns;
-    else
-        s->budget_ns -= e->gpu_ns - charged < s->budget_ns ? e->gpu_ns - charged : s->budget_ns;
+        return 0;
+    uint64_t charged = s->native_charge, before = s->budget_ns;
     s->native_lease = 0;
+    if (e->gpu_ns < charged) {
+        s->budget_ns = add_capped(s->budget_ns, charged - e->gpu_ns, s->terms.limit_ns);
+        return (int64_t)(s->budget_ns - before);
+    }
+    uint64_t more = e->gpu_ns - charged;
+    s->budget_ns -= more < s->budget_ns ? more : s->budget_ns;
+    return -(int64_t)(before - s->budget_ns);
 }
 
 /* The lease length the terms give now, or 0: leave it to Python. */
-static uint64_t renewal_length(const desk_slot *s, uint64_t now) {
-    if (!s->has_terms || now >= s->terms.valid_until_ns) return 0;
+static uint64_t renewal_length(const desk_slot *s) {
+    if (!s->has_terms) return 0;
     uint64_t length = s->terms.lease_ns;
     if (length == GL_DESK_FOREVER) return length;
     if (s->budget_ns != GL_DESK_FOREVER && length > s->budget_ns) length = s->budget_ns;
@@ -159,10 +182,13 @@ static void take_request(gl_desk *d, uint32_t slot, uint64_t now) {
         }
     }
     uint64_t length = 0;
-    if (!(e.flags & GL_DESK_INVALID)) {
-        settle(s, &e);
-        length = renewal_length(s, now);
+    int64_t given_back = 0;
+    if (!(e.flags & GL_DESK_INVALID) && s->has_terms) {
+        roll(s, now);
+        given_back = settle(s, &e);
+        length = renewal_length(s);
     }
+    e.charge_ns = -given_back;
     if (length == 0) {
         e.kind = GL_DESK_FORWARDED;
         d->stats.forwarded++;
@@ -173,7 +199,10 @@ static void take_request(gl_desk *d, uint32_t slot, uint64_t now) {
     e.kind = GL_DESK_RENEWED;
     e.lease_id = GL_DESK_LEASE_BASE | d->next_lease++;
     e.until_ns = length == GL_DESK_FOREVER ? GL_DESK_FOREVER : now + length;
-    if (length != GL_DESK_FOREVER && s->budget_ns != GL_DESK_FOREVER) s->budget_ns -= length;
+    if (length != GL_DESK_FOREVER && s->budget_ns != GL_DESK_FOREVER) {
+        s->budget_ns -= length;
+        e.charge_ns += (int64_t)length;
+    }
     s->native_lease = e.lease_id;
     s->native_charge = length == GL_DESK_FOREVER ? 0 : length;
     publish_lease(r, e.lease_id, e.until_ns);
@@ -296,7 +325,9 @@ API void gl_desk_remove(gl_desk *d, int slot) {
 
 API int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
     if (d == NULL || slot < 0 || slot >= (int)GL_DESK_MAX_SLOTS ||
-        (terms != NULL && terms->lease_ns == 0)) {
+        (terms != NULL && (terms->lease_ns == 0 || terms->window_ns == 0 ||
+                           (terms->budget_ns != GL_DESK_FOREVER &&
+                            terms->budget_ns > terms->limit_ns)))) {
         errno = EINVAL;
         return -1;
     }
@@ -311,7 +342,14 @@ API int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
     if (terms != NULL) {
         s->terms = *terms;
         s->budget_ns = terms->budget_ns;
-        s->native_lease = 0; /* the budget was computed with every lease so far charged */
+        if (s->budget_ns != GL_DESK_FOREVER) {
+            /* Python's books hold the events it took; the others' charges come off here. */
+            int64_t pending = s->untaken_charge;
+            if (pending > 0)
+                s->budget_ns -= (uint64_t)pending < s->budget_ns ? (uint64_t)pending : s->budget_ns;
+            else
+                s->budget_ns = add_capped(s->budget_ns, (uint64_t)(-pending), terms->limit_ns);
+        }
     }
     pthread_mutex_unlock(&d->lock);
     /* A request that came while it had no terms was forwarded already; none is lost. */
@@ -332,6 +370,7 @@ API uint32_t gl_desk_take(gl_desk *d, gl_desk_event *out, uint32_t max) {
         d->head = (d->head + 1) % GL_DESK_JOURNAL;
         desk_slot *s = &d->slots[out[i].slot];
         if (s->untaken > 0) s->untaken--;
+        s->untaken_charge -= out[i].charge_ns;
     }
     d->count -= n;
     d->notified = 0;

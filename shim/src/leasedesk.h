@@ -28,14 +28,19 @@
 
 typedef struct gl_desk gl_desk;
 
-/* What a process with standing terms gets on request: a lease of min(lease_ns, what is left
- * of budget_ns), unless that is shorter than min_lease_ns or the request comes at or after
- * valid_until_ns (then the request goes to Python). lease_ns GL_DESK_FOREVER: open-ended. */
+/* What a process with standing terms gets on request: a lease of min(lease_ns, what is left of
+ * budget_ns), unless that is shorter than min_lease_ns (then the request goes to Python).
+ * lease_ns GL_DESK_FOREVER: open-ended, budget_ns GL_DESK_FOREVER: no bound. The budget is
+ * what is left of the quota limit in the window ending at window_end_ns; at each window's end
+ * it grows as the scheduler's does (by limit_ns per window passed, to at most limit_ns), so
+ * terms stay good across windows. */
 typedef struct {
     uint64_t lease_ns;
     uint64_t budget_ns;
     uint64_t min_lease_ns;
-    uint64_t valid_until_ns;
+    uint64_t limit_ns;
+    uint64_t window_ns;
+    uint64_t window_end_ns;
 } gl_desk_terms;
 
 enum { GL_DESK_RENEWED = 1, GL_DESK_FORWARDED = 2 };
@@ -52,6 +57,7 @@ typedef struct {
     uint64_t report_lease, gpu_ns, burst_ns; /* the usage report (flags & GL_LR_REPORT) */
     uint64_t posted_ns, at_ns;               /* when the shim posted; when the desk took it */
     uint64_t lease_id, until_ns;             /* RENEWED: the lease written into the region */
+    int64_t charge_ns; /* what it took from the budget, net of what its report gave back */
 } gl_desk_event;
 
 typedef struct {
@@ -79,8 +85,9 @@ int gl_desk_add(gl_desk *desk, int region_fd);
 /* Forgets a process and unmaps its region; its untaken events are dropped. */
 void gl_desk_remove(gl_desk *desk, int slot);
 
-/* Gives (terms != NULL) or withdraws (NULL) a process's standing terms. -1 with errno EINVAL
- * (bad slot or terms) or ENOENT (no such process). */
+/* Gives (terms != NULL) or withdraws (NULL) a process's standing terms. The budget given is
+ * taken as computed from the events taken so far: what the untaken ones charged comes off it.
+ * -1 with errno EINVAL (bad slot or terms) or ENOENT (no such process). */
 int gl_desk_set_terms(gl_desk *desk, int slot, const gl_desk_terms *terms);
 /* Withdraws every process's terms: when it returns, the desk writes no lease word until new
  * terms are given. */

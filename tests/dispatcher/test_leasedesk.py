@@ -69,7 +69,9 @@ def taken(desk: LeaseDesk, count: int) -> list[DeskEvent]:
 
 
 def give(desk: LeaseDesk, process: Process, lease_s=10 * MS, budget_s=1.0, min_s=2 * MS) -> None:
-    desk.set_terms(process.slot, lease_s, budget_s, min_s, time.monotonic() + 60)
+    """Terms in a 60 s window (limit 1 s, or the budget if larger)."""
+    limit = max(budget_s, 1.0)
+    desk.set_terms(process.slot, lease_s, budget_s, min_s, limit, 60.0, time.monotonic() + 60)
 
 
 def test_without_terms_a_request_is_forwarded_with_its_report_and_nothing_is_written(
@@ -136,17 +138,58 @@ def test_the_budget_bounds_the_leases_and_a_report_gives_back_what_was_not_used(
         process.close()
 
 
-def test_open_ended_terms_and_expired_terms(desk: LeaseDesk) -> None:
+def test_open_ended_terms(desk: LeaseDesk) -> None:
     process = Process(desk)
     try:
-        desk.set_terms(process.slot, float("inf"), float("inf"), 0.002, time.monotonic() + 60)
+        inf = float("inf")
+        desk.set_terms(process.slot, inf, inf, 2 * MS, 1.0, 1.0, time.monotonic() + 1)
         process.port.post()
         (event,) = taken(desk, 1)
         assert event.until_ns == FOREVER and process.region.admit_until_ns == FOREVER
-        desk.set_terms(process.slot, 0.01, 1.0, 0.002, time.monotonic() - 1)  # window over
+    finally:
+        process.close()
+
+
+def test_a_window_end_gives_the_budget_back_as_the_scheduler_does(desk: LeaseDesk) -> None:
+    """Limit 20 ms per 100 ms window, 3 ms left: one 3 ms lease, then nothing until the window
+    ends; then the limit is back (used falls by the limit, not below 0)."""
+    process = Process(desk)
+    try:
+        window_end = time.monotonic() + 0.1
+        desk.set_terms(process.slot, 10 * MS, 3 * MS, 2 * MS, 20 * MS, 0.1, window_end)
         process.port.post()
-        (event,) = taken(desk, 1)
-        assert event.kind is DeskEventKind.FORWARDED
+        process_lengths = [taken(desk, 1)[0]]
+        process.port.post()
+        process_lengths += taken(desk, 1)
+        assert [e.kind for e in process_lengths] == [DeskEventKind.RENEWED, DeskEventKind.FORWARDED]
+        assert round((process_lengths[0].until_ns - process_lengths[0].at_ns) / 1e6) == 3
+        time.sleep(max(window_end - time.monotonic(), 0) + 0.005)
+        for _ in range(2):  # 10 + 10 of the 20 ms limit
+            process.port.post()
+            (event,) = taken(desk, 1)
+            assert event.kind is DeskEventKind.RENEWED
+            assert round((event.until_ns - event.at_ns) / 1e6) == 10
+        process.port.post()
+        assert taken(desk, 1)[0].kind is DeskEventKind.FORWARDED
+    finally:
+        process.close()
+
+
+def test_terms_given_while_events_are_untaken_count_what_those_charged(desk: LeaseDesk) -> None:
+    """Python computed the budget from the events it took: a renewal it has not taken yet
+    comes off the new budget, or the client would be granted that lease twice."""
+    process = Process(desk)
+    try:
+        give(desk, process, lease_s=10 * MS, budget_s=30 * MS)
+        process.port.post()
+        assert wait_for(lambda: desk.stats().renewed == 1)
+        give(desk, process, lease_s=10 * MS, budget_s=30 * MS)  # as if that lease were unknown
+        lengths = []
+        for _ in range(3):
+            process.port.post()
+            (event,) = taken(desk, 2 if not lengths else 1)[-1:]
+            lengths.append(round((event.until_ns - event.at_ns) / 1e6) if event.lease_id else 0)
+        assert lengths == [10, 10, 0]  # 30 - 10 untaken: two more leases, not three
     finally:
         process.close()
 

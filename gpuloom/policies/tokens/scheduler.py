@@ -80,12 +80,15 @@ class SchedulerSnapshot:
 @dataclass(frozen=True, slots=True)
 class StandingTerms:
     """What a client would be granted if it asked now, decided ahead of its request: a lease
-    of min(lease_s, what is left of budget_s), while now < valid_until. The live dispatcher's
-    lease desk renews leases natively from these (docs/dispatcher.md)."""
+    of min(lease_s, what is left of budget_s). The budget is what is left of its limit in the
+    window ending at window_end; at each window's end it grows as used_s falls (by limit_s per
+    window, to at most limit_s). The live dispatcher's lease desk renews leases natively from
+    these (docs/dispatcher.md)."""
 
     lease_s: float  # math.inf: open-ended
-    budget_s: float  # lease time it may be granted in all (math.inf: no bound)
-    valid_until: float  # the window's end: budgets are per window
+    budget_s: float  # lease time it may still be granted this window (math.inf: no bound)
+    limit_s: float  # its quota limit per window
+    window_end: float
 
 
 @dataclass(slots=True, eq=False)
@@ -308,7 +311,8 @@ class TokenScheduler:
         leases held and the terms already given counted as running: so that any of them may
         take its lease without asking, together, within every limit. Nothing while somebody
         waits: then every lease goes through request() and the policy's order. A holder's
-        terms renew its own lease (its SMs stay counted once). Valid until the window ends."""
+        terms renew its own lease (its SMs stay counted once). A window's end only makes a
+        policy more willing (quota comes back), so terms stay good across windows."""
         self._tick(now)
         if self._waiting:
             return {}
@@ -336,7 +340,7 @@ class TokenScheduler:
             return None
         length = picks[0][1]
         budget = math.inf if length == math.inf else max(client.limit_s - client.used_s, 0.0)
-        return StandingTerms(length, budget, self._window_end)
+        return StandingTerms(length, budget, client.limit_s, self._window_end)
 
     def renewed(
         self,

@@ -41,7 +41,8 @@ def test_spatiotemporal_terms_fit_together_within_the_sm_limit() -> None:
     assert terms["a"].lease_s == pytest.approx(0.02)
     assert terms["a"].budget_s == pytest.approx(0.5 - lease.length_s)
     assert terms["b"].budget_s == pytest.approx(0.5)
-    assert terms["a"].valid_until == pytest.approx(1.0)
+    assert terms["a"].limit_s == pytest.approx(0.5)
+    assert terms["a"].window_end == pytest.approx(1.0)
 
 
 def test_a_client_without_quota_left_gets_no_terms() -> None:
@@ -105,9 +106,10 @@ def test_native_renewals_from_standing_terms_never_over_commit(
     policy: str, sms: list[int], steps: list
 ) -> None:
     """The desk's model: terms are computed after every call the channel makes; a renewal uses
-    them (min(lease, budget left) >= lease_min, before valid_until) and is then taken into the
-    books. Whatever the interleaving, the SMs held stay within the limit, one-at-a-time
-    policies have one holder at most, and nobody is renewed past its quota limit."""
+    them (min(lease, budget left) >= lease_min; at a window's end the budget grows by the limit,
+    to at most the limit) and is then taken into the books. Whatever the interleaving, the SMs
+    held stay within the limit, one-at-a-time policies have one holder at most, and nobody is
+    charged past its quota limit by more than a lease."""
     config = TokenConfig(window_s=0.2, lease_initial_s=0.01, fifo_slice_s=0.02)
     s = TokenScheduler(policy, config, 0.0)
     for client_id, sm in zip(IDS, sms, strict=True):
@@ -116,14 +118,21 @@ def test_native_renewals_from_standing_terms_never_over_commit(
     now, native = 0.0, 0
     terms = s.standing_terms(now)
     budget = {cid: t.budget_s for cid, t in terms.items()}
+    window_end = {cid: t.window_end for cid, t in terms.items()}
     for operation, step in steps:
         now += step
         kind = operation[0]
         if kind == "renew":
             client_id = operation[1]
             given_terms = terms.get(client_id)
-            if given_terms is None or now >= given_terms.valid_until:
+            if given_terms is None:
                 continue
+            while now >= window_end[client_id]:
+                window_end[client_id] += config.window_s
+                if budget[client_id] != math.inf:
+                    budget[client_id] = min(
+                        budget[client_id] + given_terms.limit_s, given_terms.limit_s
+                    )
             length = min(given_terms.lease_s, budget[client_id])
             if length < config.lease_min_s:
                 continue
@@ -148,6 +157,7 @@ def test_native_renewals_from_standing_terms_never_over_commit(
                 s.remove_client(operation[1], now)
             terms = s.standing_terms(now)  # the channel gives new terms after each call
             budget = {cid: t.budget_s for cid, t in terms.items()}
+            window_end = {cid: t.window_end for cid, t in terms.items()}
         snapshot = s.snapshot(now)
         holding = [c for c in snapshot.clients.values() if c.state == "holding"]
         assert snapshot.running_sm_percent <= config.sm_global_limit
