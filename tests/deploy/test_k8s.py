@@ -169,3 +169,26 @@ def test_every_address_names_a_service_and_its_port() -> None:
                     assert int(port) in services.get(host, set()), value
                     checked += 1
     assert checked >= 8
+
+
+def test_the_databases_answer_only_the_services_that_use_them() -> None:
+    policies = by_kind("NetworkPolicy")
+    allowed = {}
+    for policy in policies.values():
+        (target,) = policy["spec"]["podSelector"]["matchLabels"].values()
+        (rule,) = policy["spec"]["ingress"]
+        (source,) = rule["from"]
+        selector = source["podSelector"]
+        names = set(selector.get("matchLabels", {}).values())
+        for expression in selector.get("matchExpressions", []):
+            assert expression["operator"] == "In"
+            names |= set(expression["values"])
+        allowed[target] = names
+    assert allowed == {"postgres": {"profile-store", "placement"}, "redis": {"profile-store"}}
+    # ... and those are the pods whose containers hold the database and cache addresses.
+    for name, workload in workloads().items():
+        pod = workload["spec"]["template"]["spec"]
+        values = str([env_of(c) for c in pod.get("initContainers", []) + pod["containers"]])
+        assert ("@postgres:5432" in values) == (name in allowed["postgres"]), name
+        assert ("redis:6379" in values) == (name in allowed["redis"]), name
+        assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == name
