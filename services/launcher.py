@@ -1,5 +1,6 @@
 """Start gpuloom services in this process: one named service (`gpuloom serve`) or the whole
-control plane on the embedded default (`gpuloom up`)."""
+control plane on the embedded default (`gpuloom up`); or only migrate the databases of the
+services that keep state in one (`gpuloom migrate`, the one-shot job of compose and Kubernetes)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gpuloom.services.common.database import ensure_reachable, head_revision
 from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
 from gpuloom.services.common.ports import PortInUse
@@ -16,8 +18,12 @@ from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.placement import storage as placement_storage
+from gpuloom.services.placement.app import DATABASE_URL_VARIABLE as PLACEMENT_DATABASE_URL
 from gpuloom.services.placement.app import PlacementApp
 from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.profile_store import storage as store_storage
+from gpuloom.services.profile_store.app import DATABASE_URL_VARIABLE as STORE_DATABASE_URL
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.app import ProfilerApp
@@ -26,6 +32,8 @@ from gpuloom.services.profiler.settings import ProfilerSettings
 log = structlog.get_logger("gpuloom.launcher")
 
 SERVICES = ("profile-store", "profiler", "placement", "dispatcher")
+# The services with a database (and alembic migrations), in the order `gpuloom migrate` runs them.
+DATABASE_SERVICES = ("profile-store", "placement")
 
 
 @dataclass(frozen=True)
@@ -121,3 +129,43 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
         for app in reversed(started):
             await app.stop()
     log.info("stopped")
+
+
+@dataclass(frozen=True)
+class Migrated:
+    service: str
+    database: str  # its URL, password hidden
+    revision: str  # the newest revision, which the database now has
+
+
+async def migrate(services: tuple[str, ...]) -> list[Migrated]:
+    """Bring the database of each named service (of DATABASE_SERVICES) to its newest alembic
+    revision, with the settings the service itself would use (its DATABASE_URL and
+    DATABASE_SCHEMA), and return what was migrated. Idempotent; safe beside running services
+    (the migrations serialise on an advisory lock on PostgreSQL)."""
+    common = load(CommonSettings)
+    configure_logging(common.log_level, common.log_format)
+    done: list[Migrated] = []
+    for service in DATABASE_SERVICES:
+        if service not in services:
+            continue
+        if service == "profile-store":
+            store_settings = load(ProfileStoreSettings)
+            engine = store_storage.create_engine(store_settings, common.data_dir)
+            schema, variable = store_settings.database_schema, STORE_DATABASE_URL
+            upgrade, migrations = store_storage.migrate, store_storage.MIGRATIONS
+        else:
+            placement_settings = load(PlacementSettings)
+            engine = placement_storage.create_engine(placement_settings, common.data_dir)
+            schema, variable = placement_settings.database_schema, PLACEMENT_DATABASE_URL
+            upgrade, migrations = placement_storage.migrate, placement_storage.MIGRATIONS
+        try:
+            await ensure_reachable(engine, variable)
+            await upgrade(engine, schema)
+        finally:
+            await engine.dispose()
+        database = engine.url.render_as_string(hide_password=True)
+        revision = head_revision(migrations)
+        log.info("migrated", service=service, database=database, revision=revision)
+        done.append(Migrated(service, database, revision))
+    return done

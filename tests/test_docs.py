@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -29,9 +30,13 @@ def test_every_script_the_docs_name_exists() -> None:
 def test_the_readme_layout_names_every_compose_service() -> None:
     services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
     layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1]
-    compose_line = " ".join(layout[layout.index("docker/ compose.yaml") :].split("\n")[:2])
+    first, *rest = layout[layout.index("docker/ compose.yaml") :].split("\n")
+    # The entry: its first line and the indented lines that continue it.
+    entry = [first, *itertools.takewhile(lambda line: line.startswith(" " * 21), rest)]
+    compose_line = " ".join(" ".join(entry).split())
     for name in services:
-        said = {"postgres": "PostgreSQL", "redis": "Redis"}.get(name, name.replace("-", " "))
+        base = re.sub(r"-gpu\d+$", "", name)  # dispatcher-gpu0 .. 7: "a dispatcher per GPU"
+        said = {"postgres": "PostgreSQL", "redis": "Redis"}.get(base, base.replace("-", " "))
         assert said in compose_line, name
 
 

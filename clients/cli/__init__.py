@@ -9,7 +9,7 @@ from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, sub
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
-from gpuloom.clients.cli.serve import serve, up
+from gpuloom.clients.cli.serve import migrate, serve, up
 from gpuloom.clients.cli.sim import sim
 
 
@@ -21,6 +21,7 @@ def cli() -> None:
 
 cli.add_command(up)
 cli.add_command(serve)
+cli.add_command(migrate)
 cli.add_command(profiles)
 cli.add_command(mig)
 cli.add_command(profile)

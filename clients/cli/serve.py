@@ -1,4 +1,5 @@
-"""`gpuloom up` and `gpuloom serve`: run the control plane in the foreground."""
+"""`gpuloom up` and `gpuloom serve`: run the control plane in the foreground; `gpuloom migrate`:
+bring the services' databases to their newest schema and exit."""
 
 from __future__ import annotations
 
@@ -43,3 +44,26 @@ def up() -> None:
 def serve(service: str) -> None:
     """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
     _run((service,))
+
+
+@click.command()
+@click.argument("services", nargs=-1, type=click.Choice(["profile-store", "placement"]))
+def migrate(services: tuple[str, ...]) -> None:
+    """Apply the database migrations of the profile store and placement (or of the SERVICES
+    named), configured by the same GPULOOM_* variables as the services, then exit.
+
+    The one-shot job of compose.yaml and deploy/k8s/ runs it before the services start (they
+    run with GPULOOM_*_AUTO_MIGRATE=false there). Idempotent."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from gpuloom.services import launcher
+    from gpuloom.services.common.settings import SettingsError
+
+    try:
+        done = asyncio.run(launcher.migrate(services or launcher.DATABASE_SERVICES))
+    except SettingsError as error:
+        raise click.ClickException(str(error)) from None
+    except (OSError, DomainError, SQLAlchemyError) as error:
+        raise click.ClickException(f"cannot migrate: {error}") from None
+    for migrated in done:
+        click.echo(f"{migrated.service}: {migrated.database} at revision {migrated.revision}")

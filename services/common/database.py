@@ -9,6 +9,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
@@ -89,6 +90,11 @@ def alembic_config(migrations: Path) -> Config:
     config = Config()
     config.set_main_option("script_location", str(migrations))
     return config
+
+
+def head_revision(migrations: Path) -> str:
+    """The newest revision of the alembic migrations in `migrations`."""
+    return ScriptDirectory.from_config(alembic_config(migrations)).get_current_head() or ""
 
 
 async def migrate(engine: AsyncEngine, migrations: Path, schema: str = "") -> None:

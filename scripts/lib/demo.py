@@ -1,0 +1,396 @@
+"""The body of scripts/demo: a scripted day on the embedded control plane.
+
+It starts `gpuloom up` on free ports with two simulated A100s (GPU 0 in MIG mode), then, each
+step printed with the command a user would type:
+
+1. the fleet (`gpuloom gpus`);
+2. a kernel profile written and read back with grpcurl (the profile store has reflection);
+3. a high-priority inference service and a low-priority batch job sharing GPU 1, each through
+   `gpuloom run` and the launch shim (examples/serve.py on the fake driver), both assigned to
+   the same GPU at the same time;
+4. a MIG batch planned (FAR) and run on GPU 0 by its dispatcher (`RunMigBatch`, grpcurl);
+
+and stops the plane. Every step checks what it shows; the first that fails ends the demo with
+exit code 1 and says why. The plane's state and log stay in the state directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+GPULOOM = str(BIN / "gpuloom")
+SIM_GPUS = "A100-80GB:mig,A100-80GB"
+START_TIMEOUT_S = 60.0
+STEP_TIMEOUT_S = 120.0
+
+KERNEL_PROFILE = {
+    "profile": {
+        "meta": {"key": "resnet50-infer", "gpu_model": "A100-80GB"},
+        "measured_runs": 20,
+        "kernels": [
+            {
+                "kernel_id": "42",
+                "name": "sgemm",
+                "grid": {"x": 128, "y": 1, "z": 1},
+                "block": {"x": 256, "y": 1, "z": 1},
+                "sample_count": 19,
+                "mean_duration_ns": 500000,
+                "p50_duration_ns": 480000,
+                "p95_duration_ns": 610000,
+                "mean_gap_after_ns": 2000000,
+            }
+        ],
+    }
+}
+# Rodinia-like tasks: seconds by instance size (slices) for the planner, and a short command each.
+MIG_TASKS = [
+    ("bfs", {"1": 2.0, "2": 1.2, "3": 0.9, "4": 0.8, "7": 0.6}),
+    ("srad", {"1": 3.0, "2": 1.7, "3": 1.3, "4": 1.1, "7": 0.8}),
+    ("lud", {"1": 1.0, "2": 0.6, "3": 0.5, "4": 0.45, "7": 0.4}),
+    ("nw", {"1": 0.8, "2": 0.6, "3": 0.55, "4": 0.5, "7": 0.5}),
+]
+
+
+class DemoFailed(Exception):
+    """A step did not do what it shows; the message says what."""
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip("\n").splitlines())
+
+
+class Plane:
+    """`gpuloom up` in a child process, its banner parsed into endpoints."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.log = state / "plane.log"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
+        self.env.update(
+            GPULOOM_DATA_DIR=str(state),
+            GPULOOM_LOG_FORMAT="console",
+            GPULOOM_PROFILE_STORE_PORT="0",
+            GPULOOM_PROFILER_PORT="0",
+            GPULOOM_PLACEMENT_PORT="0",
+            GPULOOM_DISPATCHER_PORT="0",
+            GPULOOM_METRICS_PORT="0",
+            GPULOOM_DISPATCHER_BACKEND="simulated",
+            GPULOOM_DISPATCHER_SIM_GPUS=SIM_GPUS,
+            GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.5",
+        )
+        self.process: subprocess.Popen[str] | None = None
+        self.endpoints: dict[str, str] = {}
+
+    def start(self) -> None:
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(
+                [GPULOOM, "up"],
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
+        assert self.process.stdout is not None
+        header = self.process.stdout.readline()
+        if not header.startswith("gpuloom is running"):
+            self.process.wait(timeout=30)
+            raise DemoFailed(f"gpuloom up did not start; its log: {self.log}")
+        while len(self.endpoints) < 5:  # store, profiler, placement, two dispatchers
+            line = self.process.stdout.readline()
+            if not line:
+                raise DemoFailed(f"gpuloom up stopped while starting; its log: {self.log}")
+            name, _, address = line.strip().rpartition("  ")
+            self.endpoints[name.strip()] = address.strip()
+        say(header.rstrip())
+        for name, address in self.endpoints.items():
+            say(f"  {name:<34} {address}")
+
+    def address(self, starting: str) -> str:
+        (address,) = [a for n, a in self.endpoints.items() if n.startswith(starting)]
+        return address
+
+    def stop(self) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+            raise DemoFailed("gpuloom up did not stop within 30 s of SIGTERM") from None
+
+
+class Day:
+    def __init__(self, plane: Plane, grpcurl: str) -> None:
+        self.plane = plane
+        self.grpcurl_path = grpcurl
+        self.placement = plane.address("placement")
+        self.store = plane.address("profile-store")
+        self.mig_dispatcher = plane.address("dispatcher GPU 0")
+        self.env = {**plane.env, "GPULOOM_PLACEMENT_ADDRESS": self.placement}
+        del self.env["GPULOOM_DATA_DIR"]
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def gpuloom(self, *args: str) -> str:
+        say(f"$ gpuloom {shlex.join(args)}")
+        result = subprocess.run(
+            [GPULOOM, *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
+        if result.returncode != 0:
+            raise DemoFailed(f"gpuloom {args[0]} exited {result.returncode}: {result.stderr}")
+        say(indent(result.stdout))
+        return result.stdout
+
+    def grpcurl(self, address: str, method: str, body: dict[str, Any] | None = None) -> list[Any]:
+        """Call `method` at `address`; every message of the answer, parsed."""
+        args = ["-plaintext", *(["-d", json.dumps(body)] if body is not None else [])]
+        shown = ["-plaintext", *(["-d", "'...'"] if body is not None else [])]
+        say(f"$ grpcurl {' '.join(shown)} {address} {method}")
+        result = subprocess.run(
+            [self.grpcurl_path, *args, address, method],
+            capture_output=True,
+            text=True,
+            timeout=STEP_TIMEOUT_S,
+        )
+        if result.returncode != 0:
+            raise DemoFailed(f"grpcurl {method} failed: {result.stderr.strip()}")
+        messages, decoder, text = [], json.JSONDecoder(), result.stdout.strip()
+        while text:
+            message, end = decoder.raw_decode(text)
+            messages.append(message)
+            text = text[end:].lstrip()
+        return messages
+
+    def jobs(self, *states: str) -> list[dict[str, Any]]:
+        body = {"states": list(states)} if states else {}
+        result = subprocess.run(
+            [
+                self.grpcurl_path,
+                "-plaintext",
+                "-d",
+                json.dumps(body),
+                self.placement,
+                "gpuloom.v1.Placement/ListJobs",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if result.returncode != 0:
+            raise DemoFailed(f"ListJobs failed: {result.stderr.strip()}")
+        return json.loads(result.stdout or "{}").get("jobs", [])
+
+    # -- the day ---------------------------------------------------------------------------
+
+    def fleet(self) -> None:
+        say("\n== 1. The fleet: two simulated A100s, GPU 0 in MIG mode (for batches)")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            listed = self.grpcurl_quiet(self.placement, "gpuloom.v1.Placement/ListGpus")
+            if len(listed.get("gpus", [])) == 2:
+                break
+            if time.monotonic() > deadline:
+                raise DemoFailed("the two GPUs did not register with placement")
+            time.sleep(0.2)
+        self.gpuloom("gpus")
+
+    def grpcurl_quiet(self, address: str, method: str) -> dict[str, Any]:
+        result = subprocess.run(
+            [self.grpcurl_path, "-plaintext", address, method],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return json.loads(result.stdout) if result.returncode == 0 and result.stdout else {}
+
+    def profiles(self) -> None:
+        say("\n== 2. A kernel profile into the profile store and back, with grpcurl")
+        (put,) = self.grpcurl(
+            self.store, "gpuloom.v1.ProfileStore/PutKernelProfile", KERNEL_PROFILE
+        )
+        meta = put.get("meta", {})
+        key, model, version = meta.get("key"), meta.get("gpu_model"), meta.get("version")
+        say(indent(f"stored {key} on {model}, version {version}"))
+        (listed,) = self.grpcurl(
+            self.store, "gpuloom.v1.ProfileStore/ListProfiles", {"kind": "PROFILE_KIND_KERNEL"}
+        )
+        summaries = listed.get("profiles", [])
+        for summary in summaries:
+            say(indent(json.dumps(summary)))
+        wanted = KERNEL_PROFILE["profile"]["meta"]
+        (got,) = self.grpcurl(self.store, "gpuloom.v1.ProfileStore/GetKernelProfile", wanted)
+        kernels = got.get("kernels", [])
+        say(indent(f"{len(kernels)} kernel(s): " + ", ".join(k["name"] for k in kernels)))
+        if not summaries or [k["name"] for k in kernels] != ["sgemm"]:
+            raise DemoFailed("the profile written is not the profile read back")
+
+    def sharing(self) -> None:
+        say(
+            "\n== 3. An inference service (priority 1) and a batch job (priority 8) sharing"
+            " GPU 1\n   through the shim (examples/serve.py; the fake driver where there is no GPU)"
+        )
+        common = ["--policy", "binpack", "--timeout", "60", "--"]
+        inference = [
+            "run", "--kind", "inference", "--priority", "1", "--name", "infer-svc",
+            "--sm", "50", "--quota", "60", "--memory-gib", "8", *common,
+            sys.executable, "examples/serve.py",
+        ]  # fmt: skip
+        batch = [
+            "run", "--kind", "batch", "--priority", "8", "--name", "nightly-batch",
+            "--sm", "30", "--quota", "30", "--memory-gib", "4", *common,
+            sys.executable, "examples/serve.py",
+        ]  # fmt: skip
+        started = []
+        for args, requests in ((inference, "600"), (batch, "300")):
+            shown = shlex.join(args).replace(shlex.quote(sys.executable), "python")
+            say(f"$ SERVE_REQUESTS={requests} gpuloom {shown} &")
+            started.append(
+                subprocess.Popen(
+                    [GPULOOM, *args],
+                    env={**self.env, "SERVE_REQUESTS": requests},
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+            if requests == "600":  # the service first: the batch job joins it
+                self._wait_assigned({"infer-svc"})
+        together = self._wait_assigned({"infer-svc", "nightly-batch"})
+        gpus = {job["assignment"]["gpu"]["gpu_uuid"] for job in together}
+        say(f"    both assigned at once, on {', '.join(sorted(gpus))}")
+        self.gpuloom("jobs", "--state", "assigned")
+        outputs = []
+        for process in started:
+            out, _ = process.communicate(timeout=STEP_TIMEOUT_S)
+            outputs.append(out)
+            say(indent(out))
+            if process.returncode != 0:
+                raise DemoFailed(f"a gpuloom run exited {process.returncode}")
+        if len(gpus) != 1:
+            raise DemoFailed(f"the two jobs did not share a GPU: {sorted(gpus)}")
+        self.gpuloom("jobs")
+
+    def _wait_assigned(self, names: set[str]) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while True:
+            assigned = [j for j in self.jobs("JOB_STATE_ASSIGNED") if j["spec"]["name"] in names]
+            if {j["spec"]["name"] for j in assigned} == names:
+                return assigned
+            if time.monotonic() > deadline:
+                raise DemoFailed(f"not all of {sorted(names)} were assigned at once")
+            time.sleep(0.05)
+
+    def mig_batch(self) -> None:
+        say("\n== 4. A MIG batch planned (FAR) and run on GPU 0 by its dispatcher")
+        tasks = [
+            {
+                "name": name,
+                "seconds_by_size": seconds,
+                "argv": ["sh", "-c", 'echo "$0 on $CUDA_VISIBLE_DEVICES"; sleep 0.3', name],
+            }
+            for name, seconds in MIG_TASKS
+        ]
+        messages = self.grpcurl(
+            self.mig_dispatcher, "gpuloom.v1.Dispatcher/RunMigBatch", {"tasks": tasks}
+        )
+        planned = next(m["planned"] for m in messages if "planned" in m)
+        report = next(m["report"] for m in messages if "report" in m)
+        planned_s = planned["planned_makespan_s"]
+        say(indent(f"planned with {planned['policy']}: makespan {planned_s:.2f} s"))
+        for task in report["tasks"]:
+            say(
+                indent(
+                    f"{task['task']:<5} on {task['instance_uuid']}: "
+                    f"planned {task['planned_start_s']:.2f}-{task['planned_end_s']:.2f} s, "
+                    f"ran {task['start_s']:.2f}-{task['end_s']:.2f} s, "
+                    f"exit code {task.get('exit_code', 0)}"
+                )
+            )
+        changes = report.get("reconfigurations", [])
+        say(
+            indent(
+                f"{len(changes)} reconfigurations "
+                f"({sum(c['action'] == 'create' for c in changes)} creations); "
+                f"makespan {report['makespan_s']:.2f} s"
+            )
+        )
+        log = self.plane.state / "dispatcher" / "gpu-0" / "mig-logs" / "bfs.log"
+        if log.exists():
+            say(indent(f"{log.name}: {log.read_text().strip()}"))
+        done = {t["task"] for t in report["tasks"] if t.get("exit_code", 0) == 0}
+        missing = sorted({name for name, _ in MIG_TASKS} - done)
+        if missing:
+            raise DemoFailed(f"MIG tasks that did not succeed: {', '.join(missing)}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="scripts/demo", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=ROOT / ".gpuloom" / "demo",
+        help="directory for the plane's state and log, emptied first (default: .gpuloom/demo)",
+    )
+    options = parser.parse_args(argv)
+    grpcurl = str(BIN / "grpcurl") if (BIN / "grpcurl").exists() else shutil.which("grpcurl")
+    if grpcurl is None:
+        say("scripts/demo: grpcurl not found (the test extra installs it into .venv)")
+        return 1
+    state = options.state.resolve()
+    shutil.rmtree(state, ignore_errors=True)
+    state.mkdir(parents=True)
+    plane = Plane(state)
+    failure = None
+    try:
+        plane.start()
+        day = Day(plane, grpcurl)
+        say(f"(the CLI below runs with GPULOOM_PLACEMENT_ADDRESS={day.placement})")
+        day.fleet()
+        day.profiles()
+        day.sharing()
+        day.mig_batch()
+    except (DemoFailed, subprocess.TimeoutExpired) as error:
+        failure = str(error)
+    finally:
+        try:
+            code = plane.stop()
+        except DemoFailed as error:
+            failure, code = failure or str(error), 1
+    if failure is None and code != 0:
+        failure = f"gpuloom up exited {code} when stopped"
+    say("\n== Where to look")
+    say(f"  the plane's log:        {plane.log}")
+    say(f"  MIG task output:        {state}/dispatcher/gpu-0/mig-logs/")
+    say("  more: docs/jobs.md (gpuloom run, jobs, gpus), docs/mig.md (RunMigBatch),")
+    say("        docs/profile-store.md, docs/deploy.md (compose and Kubernetes)")
+    if failure is not None:
+        say(f"\ndemo failed: {failure}")
+        return 1
+    say("\ndemo done: every step did what it showed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
