@@ -376,21 +376,54 @@ static CUresult sync_all(void) {
 
 /* ---- memory ---- */
 
+/* An allocation: a device pointer, or (kind ALLOC_HANDLE) a cuMemCreate handle whose bytes are
+ * freed once it is released and unmapped (`refs`: 1 until released, +1 per mapping), or (kind
+ * ALLOC_IPC) memory opened from another process's IPC handle (its bytes are the exporter's). */
+enum { ALLOC_POINTER, ALLOC_HANDLE, ALLOC_IPC };
+
 typedef struct fk_alloc {
     uint64_t address;
     uint64_t size;
+    int kind;
+    int refs;
     struct fk_alloc *next;
 } fk_alloc;
 
+typedef struct fk_map {
+    uint64_t address;
+    uint64_t size;
+    fk_alloc *handle;
+    struct fk_map *next;
+} fk_map;
+
 static fk_alloc *g_allocs;
+static fk_map *g_maps;
 static uint64_t g_next_address = 0x7f0000000000ull;
 
-static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
+/* The device memory this process holds (the fake NVML reads it). */
+EXPORT uint64_t gl_fake_cuda_mem_used(void) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t used = g_mem_used;
+    pthread_mutex_unlock(&g_lock);
+    return used;
+}
+
+EXPORT uint64_t gl_fake_cuda_mem_total(void) { return g_mem_total; }
+
+/* Called with g_lock held: a range of fake addresses, 1 MiB granules. */
+static uint64_t take_addresses(uint64_t size) {
+    uint64_t address = g_next_address;
+    g_next_address += (size + 0xfffffu) & ~0xfffffull;
+    return address;
+}
+
+static CUresult mem_alloc_kind(const char *entry, uint64_t *out, uint64_t size, int kind) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
-    if (g_mem_used + size > g_mem_total) {
+    uint64_t counted = kind == ALLOC_IPC ? 0 : size;
+    if (g_mem_used + counted > g_mem_total) {
         pthread_mutex_unlock(&g_lock);
         trace("fake %s %llu out_of_memory", entry, (unsigned long long)size);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -400,35 +433,59 @@ static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    a->address = g_next_address;
+    a->address = take_addresses(size);
     a->size = size;
+    a->kind = kind;
+    a->refs = 1;
     a->next = g_allocs;
     g_allocs = a;
-    g_next_address += (size + 0xfffffu) & ~0xfffffull; /* 1 MiB granules */
-    g_mem_used += size;
+    g_mem_used += counted;
     pthread_mutex_unlock(&g_lock);
     *out = a->address;
     trace("fake %s %llu ok", entry, (unsigned long long)size);
     return CUDA_SUCCESS;
 }
 
-static CUresult mem_free(const char *entry, uint64_t address) {
-    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
-    if (address == 0) return CUDA_SUCCESS;
-    pthread_mutex_lock(&g_lock);
-    for (fk_alloc **p = &g_allocs; *p; p = &(*p)->next) {
-        if ((*p)->address == address) {
-            fk_alloc *a = *p;
+static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
+    return mem_alloc_kind(entry, out, size, ALLOC_POINTER);
+}
+
+/* Called with g_lock held. */
+static fk_alloc *find_alloc(uint64_t address, int kind) {
+    for (fk_alloc *a = g_allocs; a; a = a->next)
+        if (a->address == address && a->kind == kind) return a;
+    return NULL;
+}
+
+/* Called with g_lock held: drop a reference; the last one frees the bytes. */
+static void alloc_unref(const char *entry, fk_alloc *a) {
+    if (--a->refs > 0) return;
+    for (fk_alloc **p = &g_allocs; *p; p = &(*p)->next)
+        if (*p == a) {
             *p = a->next;
-            g_mem_used -= a->size;
-            pthread_mutex_unlock(&g_lock);
-            trace("fake %s %llu", entry, (unsigned long long)a->size);
-            free(a);
-            return CUDA_SUCCESS;
+            break;
         }
+    if (a->kind != ALLOC_IPC) g_mem_used -= a->size;
+    trace("fake %s %llu", entry, (unsigned long long)a->size);
+    free(a);
+}
+
+static CUresult mem_free_kind(const char *entry, uint64_t address, int kind) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (address == 0 && kind == ALLOC_POINTER) return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(address, kind);
+    if (a == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
     }
+    alloc_unref(entry, a);
     pthread_mutex_unlock(&g_lock);
-    return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_free(const char *entry, uint64_t address) {
+    return mem_free_kind(entry, address, ALLOC_POINTER);
 }
 
 /* ======== the driver API ======== */
@@ -909,14 +966,167 @@ EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CU
     return mem_alloc("cuMemAllocAsync_ptsz", (uint64_t *)dptr, bytes);
 }
 
+/* -- stream-ordered pools: a pool is a tag (the fake keeps nothing reserved after a free) -- */
+
+typedef struct fk_pool {
+    int device;
+} fk_pool;
+
+EXPORT CUresult CUDAAPI cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (pool == NULL || props == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE || props->location.id != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    fk_pool *p = calloc(1, sizeof *p);
+    if (p == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    *pool = (CUmemoryPool)p;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolDestroy(CUmemoryPool pool) {
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    free(pool);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    (void)keep;
+    return pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult alloc_from_pool(const char *entry, CUdeviceptr *dptr, size_t bytes,
+                                CUmemoryPool pool) {
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return mem_alloc(entry, (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
+                                                CUstream stream) {
+    (void)stream;
+    return alloc_from_pool("cuMemAllocFromPoolAsync", dptr, bytes, pool);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes,
+                                                     CUmemoryPool pool, CUstream stream) {
+    (void)stream;
+    return alloc_from_pool("cuMemAllocFromPoolAsync_ptsz", dptr, bytes, pool);
+}
+
+/* -- virtual memory management: the bytes of a handle are freed when it is released and no
+ * mapping of it is left, as the driver does -- */
+
 EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
                                     const CUmemAllocationProp *prop, unsigned long long flags) {
     (void)prop, (void)flags;
-    return mem_alloc("cuMemCreate", (uint64_t *)handle, bytes);
+    return mem_alloc_kind("cuMemCreate", (uint64_t *)handle, bytes, ALLOC_HANDLE);
 }
 
 EXPORT CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
-    return mem_free("cuMemRelease", handle);
+    return mem_free_kind("cuMemRelease", handle, ALLOC_HANDLE);
+}
+
+EXPORT CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                            CUdeviceptr addr, unsigned long long flags) {
+    (void)alignment, (void)addr, (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == NULL || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    *ptr = take_addresses(size);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    return ptr && size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                                 CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == 0 || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(handle, ALLOC_HANDLE);
+    fk_map *m = a && offset + size <= a->size ? malloc(sizeof *m) : NULL;
+    if (m == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return a ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+    }
+    *m = (fk_map){ptr, size, a, g_maps};
+    g_maps = m;
+    a->refs++;
+    pthread_mutex_unlock(&g_lock);
+    trace("fake cuMemMap %llu", (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+/* Unmaps every mapping that starts within [ptr, ptr + size). */
+EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_lock);
+    int found = 0;
+    for (fk_map **p = &g_maps; *p;) {
+        fk_map *m = *p;
+        if (m->address >= ptr && m->address < ptr + size) {
+            *p = m->next;
+            alloc_unref("cuMemUnmap", m->handle);
+            free(m);
+            found = 1;
+        } else {
+            p = &m->next;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                                       size_t count) {
+    return ptr && size && desc && count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* -- IPC: the handle carries the exporter's pid, address and size; opening it in another
+ * process gives that process an address for the same allocation, which is the exporter's
+ * memory (not counted again) -- */
+
+#define FAKE_IPC_MAGIC "glfkipc"
+
+typedef struct {
+    char magic[8];
+    uint64_t pid;
+    uint64_t address;
+    uint64_t size;
+} fake_ipc;
+
+EXPORT CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (handle == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(dptr, ALLOC_POINTER);
+    fake_ipc ipc = {FAKE_IPC_MAGIC, (uint64_t)getpid(), dptr, a ? a->size : 0};
+    pthread_mutex_unlock(&g_lock);
+    if (a == NULL) return CUDA_ERROR_INVALID_VALUE;
+    _Static_assert(sizeof ipc <= sizeof handle->reserved, "the fake IPC handle fits");
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, &ipc, sizeof ipc);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle,
+                                              unsigned int flags) {
+    (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fake_ipc ipc;
+    memcpy(&ipc, handle.reserved, sizeof ipc);
+    if (memcmp(ipc.magic, FAKE_IPC_MAGIC, sizeof ipc.magic) != 0 || ipc.size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Like the driver: a process cannot open its own handles. */
+    if (ipc.pid == (uint64_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+    return mem_alloc_kind("cuIpcOpenMemHandle_v2", (uint64_t *)dptr, ipc.size, ALLOC_IPC);
+}
+
+EXPORT CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    return mem_free_kind("cuIpcCloseMemHandle", dptr, ALLOC_IPC);
 }
 
 EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) { return mem_free("cuMemFree_v2", dptr); }
@@ -1026,8 +1236,21 @@ static const proc_entry g_procs[] = {
     PROC("cuMemAllocManaged", 6000, cuMemAllocManaged, NULL),
     PROC("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz),
     PROC("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz),
+    PROC("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync,
+         cuMemAllocFromPoolAsync_ptsz),
+    PROC("cuMemPoolCreate", 11020, cuMemPoolCreate, NULL),
+    PROC("cuMemPoolDestroy", 11020, cuMemPoolDestroy, NULL),
+    PROC("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo, NULL),
     PROC("cuMemCreate", 10020, cuMemCreate, NULL),
     PROC("cuMemRelease", 10020, cuMemRelease, NULL),
+    PROC("cuMemAddressReserve", 10020, cuMemAddressReserve, NULL),
+    PROC("cuMemAddressFree", 10020, cuMemAddressFree, NULL),
+    PROC("cuMemMap", 10020, cuMemMap, NULL),
+    PROC("cuMemUnmap", 10020, cuMemUnmap, NULL),
+    PROC("cuMemSetAccess", 10020, cuMemSetAccess, NULL),
+    PROC("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle, NULL),
+    PROC("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2, NULL),
+    PROC("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle, NULL),
     PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
     PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
     PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),

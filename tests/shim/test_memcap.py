@@ -1,0 +1,157 @@
+"""The memory cap on every allocation path, against a live dispatcher (real socket, the fake
+driver and the fake NVML): over the cap -> exactly CUDA_ERROR_OUT_OF_MEMORY without reaching
+the driver, under it -> success, and cuMemGetInfo and NVML's nvmlDeviceGetMemoryInfo(_v2)
+answering the same capped view. Policy per path: docs/dispatcher.md, "The memory cap"."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dispatcher.conftest import GIB, LiveDispatcher
+from tests.shim.conftest import CUDA_ERROR_OUT_OF_MEMORY, Run, Runner
+
+MIB = 1 << 20
+FAKE_GPU_MIB = 8192  # the fake GPU's memory (GPULOOM_FAKE_CUDA_MEM_MIB)
+
+
+def _env(live: LiveDispatcher, token: str) -> dict[str, str]:
+    return {
+        "GPULOOM_DISPATCHER_SOCKET": live.socket_path,
+        "GPULOOM_ASSIGNMENT_TOKEN": token,
+        "GPULOOM_FAKE_CUDA_MEM_MIB": str(FAKE_GPU_MIB),
+    }
+
+
+def _views(result: Run) -> list[dict[str, dict[str, int]]]:
+    """Each view printed after a `meminfo nvml` pair: {"cuda"|"nvml"|"nvml_v2": fields}."""
+    views: list[dict[str, dict[str, int]]] = []
+    for line in result.stdout.splitlines():
+        head, _, rest = line.partition(" ")
+        if head not in ("meminfo", "nvml", "nvml_v2"):
+            continue
+        fields = dict(part.split("=", 1) for part in rest.split())
+        assert fields.pop("rc") == "0", line
+        if head == "meminfo":
+            views.append({})
+        views[-1][{"meminfo": "cuda"}.get(head, head)] = {k: int(v) for k, v in fields.items()}
+    return views
+
+
+def _assert_capped(view: dict[str, dict[str, int]], cap: int, counted: int) -> None:
+    """cuMemGetInfo and both NVML queries agree: total = cap, free = cap - counted."""
+    assert view["cuda"] == {"free": cap - counted, "total": cap}
+    for nvml in ("nvml", "nvml_v2"):
+        assert view[nvml]["total"] == cap, view
+        assert view[nvml]["free"] == cap - counted, view
+        assert view[nvml]["used"] == counted, view
+    assert view["nvml_v2"]["reserved"] == 0
+
+
+PATHS = ["alloc", "pitch", "managed", "async", "pool", "create", "vmm"]
+
+
+@pytest.mark.parametrize("flavour", [[], ["--proc", "--ptds"]], ids=["direct", "cudart-ptds"])
+@pytest.mark.parametrize("kind", PATHS)
+async def test_each_allocation_path_is_capped_and_both_views_agree(
+    live: LiveDispatcher, run: Runner, kind: str, flavour: list[str]
+) -> None:
+    assignment = await live.reserve(memory_gib=1.0)
+    ops = [*flavour, "meminfo", "nvml"]
+    ops += ["alloc", kind, str(600 * MIB), "meminfo", "nvml"]
+    ops += ["alloc", kind, str(500 * MIB)]  # 1,100 MiB: over the 1 GiB cap
+    ops += ["alloc", kind, str(400 * MIB), "meminfo", "nvml"]  # 1,000 MiB: fits
+    ops += ["freeall", "meminfo", "nvml"]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"alloc {kind} {600 * MIB} rc=0" in lines
+    assert f"alloc {kind} {500 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
+    assert f"alloc {kind} {400 * MIB} rc=0" in lines
+    assert "freeall rc=0" in lines
+    assert not any(line.startswith("vmm map") for line in lines), lines
+    views = _views(result)
+    assert len(views) == 4
+    for view, counted in zip(views, [0, 600 * MIB, 1000 * MIB, 0], strict=True):
+        _assert_capped(view, GIB, counted)
+    # The refused request never reached the driver; the others did.
+    reached = [line for line in result.fake_trace if f" {500 * MIB} " in f"{line} "]
+    assert not reached, reached
+    assert any(f" {400 * MIB} ok" in line for line in result.fake_trace)
+
+
+async def test_a_vmm_allocation_counts_until_released_and_unmapped(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    """cuMemRelease of a mapped handle frees nothing (the driver keeps it for the mapping):
+    the bytes stay counted until the unmap."""
+    assignment = await live.reserve(memory_gib=1.0)
+    ops = ["alloc", "vmm", str(700 * MIB), "vmmrelease", "meminfo", "nvml"]
+    ops += ["alloc", "alloc", str(400 * MIB)]  # still over: the mapping holds 700 MiB
+    ops += ["freeall", "meminfo", "nvml", "alloc", "alloc", str(400 * MIB)]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "vmmrelease rc=0" in lines
+    assert lines.count(f"alloc alloc {400 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}") == 1
+    assert lines[-1] == f"alloc alloc {400 * MIB} rc=0"
+    released, unmapped = _views(result)
+    _assert_capped(released, GIB, 700 * MIB)
+    _assert_capped(unmapped, GIB, 0)
+
+
+async def test_ipc_memory_is_counted_once_by_the_process_that_allocated_it(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    exporter = await live.reserve(memory_gib=1.0)
+    opener = await live.reserve(memory_gib=1.0)
+    handle = run.work / "ipc.handle"
+    exported = await run.run_async(
+        "alloc",
+        "alloc",
+        str(800 * MIB),
+        "ipcget",
+        str(handle),
+        "meminfo",
+        "nvml",
+        "alloc",
+        "alloc",
+        str(300 * MIB),  # the exporter is charged: over its cap
+        env=_env(live, exporter.assignment_token),
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "ipcget rc=0" in exported.stdout.splitlines()
+    assert exported.stdout.splitlines()[-1] == f"alloc alloc {300 * MIB} rc=2"
+    _assert_capped(_views(exported)[0], GIB, 800 * MIB)
+    # The opener maps the 800 MiB without being charged: 900 MiB of its own still fit.
+    opened = await run.run_async(
+        "alloc",
+        "alloc",
+        str(100 * MIB),
+        "ipcopen",
+        str(handle),
+        "meminfo",
+        "nvml",
+        "alloc",
+        "alloc",
+        str(800 * MIB),
+        "ipcclose",
+        env=_env(live, opener.assignment_token),
+    )
+    assert opened.returncode == 0, opened.stderr
+    lines = opened.stdout.splitlines()
+    assert "ipcopen rc=0" in lines and "ipcclose rc=0" in lines
+    assert f"alloc alloc {800 * MIB} rc=0" in lines
+    _assert_capped(_views(opened)[0], GIB, 100 * MIB)
+
+
+def test_without_a_dispatcher_nvml_and_cuda_pass_through(run: Runner) -> None:
+    """No assignment: no cap, both views are the device's (the fake's own bookkeeping)."""
+    result = run(
+        "alloc", "vmm", str(300 * MIB), "meminfo", "nvml", env={"GPULOOM_FAKE_CUDA_MEM_MIB": "4096"}
+    )
+    assert result.returncode == 0, result.stderr
+    (view,) = _views(result)
+    total = 4096 * MIB
+    assert view["cuda"] == {"free": total - 300 * MIB, "total": total}
+    assert view["nvml"] == {"free": total - 300 * MIB, "total": total, "used": 300 * MIB}
+    assert any("dlsym nvmlDeviceGetMemoryInfo hooked" in line for line in result.shim_trace)
