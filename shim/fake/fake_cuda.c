@@ -10,9 +10,16 @@
  * or the time they were recorded on an idle stream, so cuEventElapsedTime measures real time
  * and cuEventQuery answers CUDA_ERROR_NOT_READY until then.
  *
- * Kernel durations come from the module image: a text list of "name duration_us" lines; a name
- * listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N microseconds;
- * otherwise 100 us.
+ * Kernel durations come from the module image: a text list of "name duration_us [sm_need]"
+ * lines; a name listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N
+ * microseconds; otherwise 100 us.
+ *
+ * The MPS timing model: `sm_need` (1..100, default 100) is the percentage of the GPU's SMs the
+ * kernel can keep busy. A process whose CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1..100; unset or
+ * invalid: 100) is below a kernel's need runs it need/share times longer (a kernel that fills
+ * the GPU takes twice as long on half of it); at or above its need it takes its duration.
+ * Kernels of different processes still take turns on the one engine (the fake does not run
+ * partitions side by side).
  *
  * Environment:
  *   GPULOOM_FAKE_CUDA_DIR    directory of the engine lock and runs.log (default
@@ -21,6 +28,7 @@
  *   GPULOOM_FAKE_CUDA_TRACE  file that gets one line per driver entry point reached
  *                            ("fake ENTRY NAME GX GY GZ BX BY BZ" for launches).
  *   GPULOOM_FAKE_CUDA_MEM_MIB device memory (default 81920).
+ *   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE  the SM share of the timing model above.
  *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
  * an older driver.
@@ -59,6 +67,7 @@ static int g_runs_fd = -1;
 static int g_engine_fd = -1;
 static uint64_t g_mem_total;
 static uint64_t g_mem_used;
+static unsigned g_sm_share = 100; /* CUDA_MPS_ACTIVE_THREAD_PERCENTAGE */
 
 static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace(const char *fmt, ...) {
@@ -92,6 +101,12 @@ __attribute__((constructor)) static void fake_setup(void) {
     g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
     g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+    const char *share = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+    if (share && *share) {
+        char *end = NULL;
+        unsigned long value = strtoul(share, &end, 10);
+        if (end && *end == 0 && value >= 1 && value <= 100) g_sm_share = (unsigned)value;
+    }
 }
 
 static void sleep_until(uint64_t deadline) {
@@ -138,8 +153,15 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
 
 typedef struct fk_func {
     char name[128];
-    uint64_t duration_us;
+    uint64_t duration_us; /* on the whole GPU */
+    unsigned sm_need;     /* percent of the SMs it can use */
 } fk_func;
+
+/* Its duration under this process's SM share (the MPS timing model). */
+static uint64_t run_us(const fk_func *f) {
+    if (g_sm_share >= f->sm_need) return f->duration_us;
+    return (f->duration_us * f->sm_need + g_sm_share - 1) / g_sm_share;
+}
 
 typedef struct fk_module {
     int count;
@@ -173,7 +195,8 @@ static CUresult load_module(fk_module **out, const void *image) {
         text += length + (line_end ? 1 : 0);
         char name[128];
         unsigned long long duration = 0;
-        int fields = sscanf(line, "%127s %llu", name, &duration);
+        unsigned need = 100;
+        int fields = sscanf(line, "%127s %llu %u", name, &duration, &need);
         if (fields < 1) continue;
         if (module->count == capacity) {
             capacity = capacity ? capacity * 2 : 8;
@@ -183,7 +206,8 @@ static CUresult load_module(fk_module **out, const void *image) {
         }
         fk_func *f = &module->funcs[module->count++];
         snprintf(f->name, sizeof f->name, "%s", name);
-        f->duration_us = fields == 2 ? duration : duration_from_name(name);
+        f->duration_us = fields >= 2 ? duration : duration_from_name(name);
+        f->sm_need = need >= 1 && need <= 100 ? need : 100;
     }
     if (module->count == 0) {
         free(module);
@@ -253,7 +277,7 @@ static void *stream_worker(void *arg) {
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
-            uint64_t end = engine_run(op->func->name, op->func->duration_us, ready);
+            uint64_t end = engine_run(op->func->name, run_us(op->func), ready);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
         } else {

@@ -9,7 +9,8 @@
  *         CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM flag (--proc).
  *
  * OPs (results go to stdout as "key value..." lines):
- *   module NAME:US[,NAME:US...]     load a module (cuModuleLoadData/cuModuleGetFunction)
+ *   module NAME:US[:SM][,...]       load a module (cuModuleLoadData/cuModuleGetFunction); SM:
+ *                                   the percent of the SMs the kernel can use (fake driver)
  *   library NAME:US[,...]           load a library (cuLibraryLoadData/GetKernel/KernelGetFunction)
  *   unload                          unload the last module
  *   stream                          create a stream and use it from now on
@@ -19,7 +20,9 @@
  *   infer N PAUSE_US GAP_US NAME[,NAME...]   N requests: each launches the NAMEs (1x1) in
  *                                   order, stream-syncing after each and sleeping GAP_US between
  *                                   them (the host's work); PAUSE_US between requests. Prints
- *                                   the request latencies' mean, p50, p99 (ms) and the failures
+ *                                   the request latencies' mean, p50, p99 (ms) and the failures,
+ *                                   then the same as the JSON line `gpuloom profile sweep` reads
+ *                                   ({"requests_per_s": ..., "p50_latency_ms": ..., ...})
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -321,6 +324,7 @@ static int infer(long requests, long pause_us, long gap_us, char *names) {
     unsigned d[6] = {1, 1, 1, 1, 1, 1};
     long failures = 0;
     double total = 0;
+    uint64_t began = now_ns();
     for (long r = 0; r < requests; r++) {
         uint64_t t0 = now_ns();
         for (int k = 0; k < count; k++) {
@@ -336,6 +340,9 @@ static int infer(long requests, long pause_us, long gap_us, char *names) {
     long p99 = (long)(0.99 * (double)(requests - 1) + 0.5);
     printf("infer requests=%ld failures=%ld mean_ms=%.4f p50_ms=%.4f p99_ms=%.4f\n", requests,
            failures, total / (double)requests / 1e6, latency[(requests - 1) / 2] / 1e6,
+           latency[p99] / 1e6);
+    printf("{\"requests_per_s\": %.3f, \"p50_latency_ms\": %.4f, \"p99_latency_ms\": %.4f}\n",
+           (double)requests / ((double)(now_ns() - began) / 1e9), latency[(requests - 1) / 2] / 1e6,
            latency[p99] / 1e6);
     free(latency);
     return failures ? 1 : 0;
