@@ -35,6 +35,8 @@ log = structlog.get_logger("gpuloom.dispatcher.mps")
 MIB = 1 << 20
 # A Unix socket path has 108 bytes; MPS puts its sockets inside the pipe directory.
 MAX_PIPE_DIR_CHARS = 80
+# A daemon that ran this long before dying is restarted after the initial back-off again.
+STABLE_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,17 +234,21 @@ class MpsSupervisor:
             with self._lock:
                 process, running = self._process, self._running
             if running and process is not None:
+                began = time.monotonic()
                 code = process.wait()
                 if self._stopping.is_set():
                     return
                 self.restarts += 1
                 self._fail(f"the MPS control daemon died (exit code {code}); restarting")
-                backoff = self.config.restart_backoff_s
+                # One that keeps dying soon after starting is restarted ever more slowly.
+                lived_s = time.monotonic() - began
+                if lived_s >= STABLE_S:
+                    backoff = self.config.restart_backoff_s
+                else:
+                    backoff = min(backoff * 2, self.config.restart_backoff_max_s)
             if self._stopping.wait(backoff):
                 return
-            if self._start_once():
-                backoff = self.config.restart_backoff_s
-            else:
+            if not self._start_once():
                 backoff = min(backoff * 2, self.config.restart_backoff_max_s)
 
     def _output_tail(self) -> str:
