@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -410,6 +411,8 @@ typedef struct fk_alloc {
     uint64_t size;
     int kind;
     int refs;
+    int fd;      /* the memfd backing its bytes (-1: bookkeeping only) */
+    void *bytes; /* its bytes, mapped shared (NULL: bookkeeping only) */
     struct fk_alloc *next;
 } fk_alloc;
 
@@ -441,6 +444,29 @@ static uint64_t take_addresses(uint64_t size) {
     return address;
 }
 
+/* Device pointers are backed by a memfd mapped shared (sparse: only what is written takes
+ * memory), so copies keep their bytes and another process can map the same bytes through an
+ * IPC handle. Without a memfd (or past the address space) the allocation is bookkeeping only
+ * and reads as zeros. */
+static void back(fk_alloc *a) {
+    int fd = memfd_create("gpuloom-fake-device", MFD_CLOEXEC);
+    if (fd < 0) return;
+    void *bytes = MAP_FAILED;
+    if (ftruncate(fd, (off_t)a->size) == 0)
+        bytes = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+    if (bytes == MAP_FAILED) {
+        close(fd);
+        return;
+    }
+    a->fd = fd;
+    a->bytes = bytes;
+}
+
+static void unback(fk_alloc *a) {
+    if (a->bytes) munmap(a->bytes, a->size);
+    if (a->fd >= 0) close(a->fd);
+}
+
 static CUresult mem_alloc_kind(const char *entry, uint64_t *out, uint64_t size, int kind) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
@@ -461,6 +487,9 @@ static CUresult mem_alloc_kind(const char *entry, uint64_t *out, uint64_t size, 
     a->size = size;
     a->kind = kind;
     a->refs = 1;
+    a->fd = -1;
+    a->bytes = NULL;
+    if (kind == ALLOC_POINTER) back(a);
     a->next = g_allocs;
     g_allocs = a;
     g_mem_used += counted;
@@ -491,6 +520,7 @@ static void alloc_unref(const char *entry, fk_alloc *a) {
         }
     if (a->kind != ALLOC_IPC) g_mem_used -= a->size;
     trace("fake %s %llu", entry, (unsigned long long)a->size);
+    unback(a);
     free(a);
 }
 
@@ -1119,6 +1149,7 @@ typedef struct {
     uint64_t pid;
     uint64_t address;
     uint64_t size;
+    int64_t fd; /* the exporter's memfd: the opener maps /proc/PID/fd/FD (-1: none) */
 } fake_ipc;
 
 EXPORT CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
@@ -1126,7 +1157,7 @@ EXPORT CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dp
     if (handle == NULL) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
     fk_alloc *a = find_alloc(dptr, ALLOC_POINTER);
-    fake_ipc ipc = {FAKE_IPC_MAGIC, (uint64_t)getpid(), dptr, a ? a->size : 0};
+    fake_ipc ipc = {FAKE_IPC_MAGIC, (uint64_t)getpid(), dptr, a ? a->size : 0, a ? a->fd : -1};
     pthread_mutex_unlock(&g_lock);
     if (a == NULL) return CUDA_ERROR_INVALID_VALUE;
     _Static_assert(sizeof ipc <= sizeof handle->reserved, "the fake IPC handle fits");
@@ -1146,7 +1177,37 @@ EXPORT CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle 
         return CUDA_ERROR_INVALID_VALUE;
     /* Like the driver: a process cannot open its own handles. */
     if (ipc.pid == (uint64_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT;
-    return mem_alloc_kind("cuIpcOpenMemHandle_v2", (uint64_t *)dptr, ipc.size, ALLOC_IPC);
+    /* The exporter's bytes: gone with the exporter (its memfd), as the fake cannot keep them. */
+    void *bytes = NULL;
+    int fd = -1;
+    if (ipc.fd >= 0) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%llu/fd/%lld", (unsigned long long)ipc.pid,
+                 (long long)ipc.fd);
+        fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd < 0) {
+            trace("fake cuIpcOpenMemHandle_v2 exporter gone");
+            return CUDA_ERROR_INVALID_HANDLE;
+        }
+        bytes = mmap(NULL, ipc.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+        if (bytes == MAP_FAILED) {
+            close(fd);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    CUresult result =
+        mem_alloc_kind("cuIpcOpenMemHandle_v2", (uint64_t *)dptr, ipc.size, ALLOC_IPC);
+    if (result != CUDA_SUCCESS) {
+        if (bytes) munmap(bytes, ipc.size);
+        if (fd >= 0) close(fd);
+        return result;
+    }
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(*dptr, ALLOC_IPC);
+    a->fd = fd;
+    a->bytes = bytes;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
 }
 
 EXPORT CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
@@ -1175,13 +1236,42 @@ EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
     return CUDA_SUCCESS;
 }
 
-/* The copy waits for all work (legacy default stream semantics); the data is zeros. */
+/* Called with g_lock held: the backed bytes at [address, address + bytes), or NULL (not in
+ * one backed allocation). */
+static unsigned char *device_bytes(CUdeviceptr address, size_t bytes) {
+    for (fk_alloc *a = g_allocs; a; a = a->next)
+        if (a->bytes && address >= a->address && address - a->address <= a->size &&
+            bytes <= a->size - (address - a->address))
+            return (unsigned char *)a->bytes + (address - a->address);
+    return NULL;
+}
+
+/* The copy waits for all work (legacy default stream semantics); memory without bytes (VMM
+ * mappings, or no memfd) reads as zeros. */
 static CUresult copy_dtoh(const char *entry, void *dst, CUdeviceptr src, size_t bytes) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (dst == NULL || src == 0) return CUDA_ERROR_INVALID_VALUE;
     trace("fake %s", entry);
     sync_all();
-    memset(dst, 0, bytes);
+    pthread_mutex_lock(&g_lock);
+    const unsigned char *from = device_bytes(src, bytes);
+    if (from)
+        memcpy(dst, from, bytes);
+    else
+        memset(dst, 0, bytes);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+/* Waits for all work too; bytes sent to memory without bytes are dropped. */
+EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dst == 0 || src == NULL) return CUDA_ERROR_INVALID_VALUE;
+    sync_all();
+    pthread_mutex_lock(&g_lock);
+    unsigned char *to = device_bytes(dst, bytes);
+    if (to) memcpy(to, src, bytes);
+    pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
 }
 
@@ -1278,6 +1368,7 @@ static const proc_entry g_procs[] = {
     PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
     PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
     PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
+    PROC("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, NULL),
     PROC("cuGetExportTable", 3000, cuGetExportTable, NULL),
     PROC("cuGetProcAddress", 12000, cuGetProcAddress_v2, NULL),
     PROC("cuGetProcAddress", 11030, cuGetProcAddress, NULL),

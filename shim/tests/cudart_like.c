@@ -41,6 +41,10 @@
  *   ipcget FILE                     cuIpcGetMemHandle of the last allocation, written to FILE
  *   ipcopen FILE                    cuIpcOpenMemHandle of the handle in FILE
  *   ipcclose                        cuIpcCloseMemHandle of every opened handle
+ *   fill BYTE | peek                cuMemcpyHtoD BYTE into the first 4 KiB of the last
+ *                                   allocation | cuMemcpyDtoH of them: prints the bytes seen
+ *   ipcfill BYTE | ipcpeek          the same on the last IPC-opened memory
+ *   waitfile PATH                   wait (up to 60 s) until PATH exists
  *   capture NAME N                  capture N launches into a graph, then cuGraphLaunch it
  *   timed NAME N                    events around N launches: prints the elapsed ms
  * Exit status: 0, or 3 when a launch failed (the code is printed), 2 on a usage error.
@@ -68,7 +72,7 @@
     X(cuMemAllocAsync) X(cuMemCreate) X(cuMemRelease) X(cuMemFree) X(cuMemGetInfo)             \
     X(cuMemcpyDtoH) X(cuMemFreeAsync) X(cuMemAllocFromPoolAsync) X(cuMemPoolCreate)            \
     X(cuMemAddressReserve) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuIpcGetMemHandle)    \
-    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle)
+    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemcpyHtoD)
 
 static struct {
 #define FIELD(name) __typeof__(&name) name;
@@ -299,6 +303,25 @@ static void nvml_query(void) {
            m2.used, m2.reserved);
 }
 
+#define PEEK_BYTES 4096
+
+static void fill(const char *op, CUdeviceptr p, int value) {
+    unsigned char buffer[PEEK_BYTES];
+    memset(buffer, value, sizeof buffer);
+    CUresult r = p ? D.cuMemcpyHtoD(p, buffer, sizeof buffer) : CUDA_ERROR_INVALID_VALUE;
+    printf("%s rc=%d\n", op, (int)r);
+}
+
+/* Prints the first byte and whether all 4 KiB are equal to it. */
+static void peek(const char *op, CUdeviceptr p) {
+    unsigned char buffer[PEEK_BYTES];
+    CUresult r = p ? D.cuMemcpyDtoH(buffer, p, sizeof buffer) : CUDA_ERROR_INVALID_VALUE;
+    int same = 1;
+    for (size_t k = 1; k < sizeof buffer; k++) same &= buffer[k] == buffer[0];
+    printf("%s rc=%d first=%d uniform=%d\n", op, (int)r, r == CUDA_SUCCESS ? buffer[0] : -1,
+           same);
+}
+
 static int compare_u64(const void *a, const void *b) {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
     return (x > y) - (x < y);
@@ -522,6 +545,23 @@ int main(int argc, char **argv) {
                          : CUDA_ERROR_INVALID_VALUE;
             if (r == CUDA_SUCCESS && g_opened_count < 64) g_opened[g_opened_count++] = p;
             printf("ipcopen rc=%d\n", (int)r);
+        } else if (strcmp(op, "fill") == 0 || strcmp(op, "ipcfill") == 0) {
+            NEED(1);
+            int ipc = op[0] == 'i';
+            CUdeviceptr p = ipc ? (g_opened_count ? g_opened[g_opened_count - 1] : 0)
+                                : (g_alloc_count ? g_allocs[g_alloc_count - 1].value : 0);
+            fill(op, p, atoi(argv[++i]));
+        } else if (strcmp(op, "peek") == 0 || strcmp(op, "ipcpeek") == 0) {
+            int ipc = op[0] == 'i';
+            CUdeviceptr p = ipc ? (g_opened_count ? g_opened[g_opened_count - 1] : 0)
+                                : (g_alloc_count ? g_allocs[g_alloc_count - 1].value : 0);
+            peek(op, p);
+        } else if (strcmp(op, "waitfile") == 0) {
+            NEED(1);
+            const char *path = argv[++i];
+            int waited = 0;
+            while (access(path, F_OK) != 0 && waited++ < 6000) sleep_us(10000);
+            printf("waitfile rc=%d\n", access(path, F_OK) == 0 ? 0 : 1);
         } else if (strcmp(op, "ipcclose") == 0) {
             int bad = 0;
             for (int k = 0; k < g_opened_count; k++)

@@ -5,6 +5,9 @@ answering the same capped view. Policy per path: docs/dispatcher.md, "The memory
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
 import pytest
 
 from tests.dispatcher.conftest import GIB, LiveDispatcher
@@ -99,49 +102,91 @@ async def test_a_vmm_allocation_counts_until_released_and_unmapped(
     _assert_capped(unmapped, GIB, 0)
 
 
+async def _exporting(
+    run: Runner,
+    env: dict[str, str],
+    handle: Path,
+    go: Path,
+    ops: list[str],
+    after: tuple[str, ...] = (),
+) -> asyncio.Task[Run]:
+    """Starts a process that runs `ops` (which write `handle`), then stays alive, holding its
+    memory, until `go` exists, then runs `after`; returns once the handle is there."""
+    command = [*ops, "waitfile", str(go), *after]
+    task = asyncio.create_task(run.run_async(*command, env=env, timeout=60))
+    for _ in range(600):
+        if handle.exists() or task.done():
+            break
+        await asyncio.sleep(0.02)
+    assert handle.exists(), (await task).stderr if task.done() else "no handle"
+    return task
+
+
 async def test_ipc_memory_is_counted_once_by_the_process_that_allocated_it(
     live: LiveDispatcher, run: Runner
 ) -> None:
     exporter = await live.reserve(memory_gib=1.0)
     opener = await live.reserve(memory_gib=1.0)
-    handle = run.work / "ipc.handle"
-    exported = await run.run_async(
-        "alloc",
-        "alloc",
-        str(800 * MIB),
-        "ipcget",
-        str(handle),
-        "meminfo",
-        "nvml",
-        "alloc",
-        "alloc",
-        str(300 * MIB),  # the exporter is charged: over its cap
-        env=_env(live, exporter.assignment_token),
-    )
+    handle, go = run.work / "ipc.handle", run.work / "go"
+    ops = ["alloc", "alloc", str(800 * MIB), "ipcget", str(handle), "meminfo", "nvml"]
+    ops += ["alloc", "alloc", str(300 * MIB)]  # the exporter is charged: over its cap
+    exporting = await _exporting(run, _env(live, exporter.assignment_token), handle, go, ops)
+    try:
+        # The opener maps the 800 MiB without being charged: 900 MiB of its own still fit.
+        opened = await run.run_async(
+            "alloc",
+            "alloc",
+            str(100 * MIB),
+            "ipcopen",
+            str(handle),
+            "meminfo",
+            "nvml",
+            "alloc",
+            "alloc",
+            str(800 * MIB),
+            "ipcclose",
+            env=_env(live, opener.assignment_token),
+        )
+    finally:
+        go.touch()
+        exported = await exporting
     assert exported.returncode == 0, exported.stderr
-    assert "ipcget rc=0" in exported.stdout.splitlines()
-    assert exported.stdout.splitlines()[-1] == f"alloc alloc {300 * MIB} rc=2"
+    lines = exported.stdout.splitlines()
+    assert "ipcget rc=0" in lines
+    assert f"alloc alloc {300 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
     _assert_capped(_views(exported)[0], GIB, 800 * MIB)
-    # The opener maps the 800 MiB without being charged: 900 MiB of its own still fit.
-    opened = await run.run_async(
-        "alloc",
-        "alloc",
-        str(100 * MIB),
-        "ipcopen",
-        str(handle),
-        "meminfo",
-        "nvml",
-        "alloc",
-        "alloc",
-        str(800 * MIB),
-        "ipcclose",
-        env=_env(live, opener.assignment_token),
-    )
     assert opened.returncode == 0, opened.stderr
     lines = opened.stdout.splitlines()
     assert "ipcopen rc=0" in lines and "ipcclose rc=0" in lines
     assert f"alloc alloc {800 * MIB} rc=0" in lines
     _assert_capped(_views(opened)[0], GIB, 100 * MIB)
+
+
+CUDA_ERROR_INVALID_HANDLE = 400
+
+
+async def test_ipc_opened_memory_is_the_exporters_bytes_and_is_writable(run: Runner) -> None:
+    """The fake driver backs device memory with shared memory: an opener reads the exporter's
+    bytes. CUDA IPC memory cannot be opened read-only, so an opener's writes reach every other
+    process (the limit docs/dispatcher.md states); once the exporter is gone, opening its
+    handle fails and maps nothing."""
+    handle, go = run.work / "ipc.handle", run.work / "go"
+    env = {"GPULOOM_FAKE_CUDA_MEM_MIB": "4096"}
+    ops = ["alloc", "alloc", str(8 * MIB), "fill", "90", "ipcget", str(handle)]
+    exporting = await _exporting(run, env, handle, go, ops, after=("peek",))
+    try:
+        reader = await run.run_async("ipcopen", str(handle), "ipcpeek", "ipcclose", env=env)
+        writer = await run.run_async("ipcopen", str(handle), "ipcfill", "17", env=env)
+    finally:
+        go.touch()
+        exported = await exporting
+    assert "ipcpeek rc=0 first=90 uniform=1" in reader.stdout.splitlines(), reader.stdout
+    assert "ipcfill rc=0" in writer.stdout.splitlines(), writer.stdout
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.splitlines()[-1] == "peek rc=0 first=17 uniform=1"  # overwritten
+    late = await run.run_async("ipcopen", str(handle), "ipcpeek", env=env)
+    assert f"ipcopen rc={CUDA_ERROR_INVALID_HANDLE}" in late.stdout.splitlines(), late.stdout
+    assert not any(line.startswith("ipcpeek rc=0") for line in late.stdout.splitlines())
 
 
 def test_without_a_dispatcher_nvml_and_cuda_pass_through(run: Runner) -> None:
