@@ -1,18 +1,21 @@
-/* A fake libnvidia-ml.so.1 for testing the shim's NVML hooks without a GPU: one device whose
- * memory is the fake driver's (GPULOOM_FAKE_CUDA_MEM_MIB total, the bytes this process holds
- * through the fake libcuda used), looked up in the process at run time; without the fake
- * libcuda loaded, nothing is used. Only what the tests call: nvmlInit(_v2), nvmlShutdown,
- * nvmlDeviceGetCount(_v2), nvmlDeviceGetHandleByIndex(_v2), nvmlDeviceGetMemoryInfo(_v2). */
+/* A fake libnvidia-ml.so.1 for testing the shim's NVML hooks without a GPU: two devices of
+ * GPULOOM_FAKE_CUDA_MEM_MIB each. Device 0 (UUID GPU-fa4e0000-...) is the fake driver's: the
+ * bytes this process holds through the fake libcuda are its used memory (looked up in the
+ * process at run time; without the fake libcuda loaded, nothing is used). Device 1 (UUID
+ * GPU-fa4e0001-...) is a GPU of the same node the process was not given: nothing used. Only
+ * what the tests call: nvmlInit(_v2), nvmlShutdown, nvmlDeviceGetCount_v2,
+ * nvmlDeviceGetHandleByIndex_v2, nvmlDeviceGetUUID, nvmlDeviceGetMemoryInfo(_v2). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include "gl_nvml.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
-static int g_device_token;
+static int g_device_tokens[2];
 static int g_inited;
 
 EXPORT nvmlReturn_t nvmlInit_v2(void) {
@@ -30,24 +33,40 @@ EXPORT nvmlReturn_t nvmlShutdown(void) {
 EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
     if (!g_inited) return NVML_ERROR_UNINITIALIZED;
     if (count == NULL) return NVML_ERROR_INVALID_ARGUMENT;
-    *count = 1;
+    *count = 2;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
     if (!g_inited) return NVML_ERROR_UNINITIALIZED;
-    if (device == NULL || index != 0) return NVML_ERROR_INVALID_ARGUMENT;
-    *device = (nvmlDevice_t)&g_device_token;
+    if (device == NULL || index > 1) return NVML_ERROR_INVALID_ARGUMENT;
+    *device = (nvmlDevice_t)&g_device_tokens[index];
+    return NVML_SUCCESS;
+}
+
+/* 0 or 1; -1 for anything else. */
+static int device_index(nvmlDevice_t device) {
+    for (int i = 0; i < 2; i++)
+        if (device == (nvmlDevice_t)&g_device_tokens[i]) return i;
+    return -1;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+    if (!g_inited) return NVML_ERROR_UNINITIALIZED;
+    int index = device_index(device);
+    if (index < 0 || uuid == NULL || length < 41) return NVML_ERROR_INVALID_ARGUMENT;
+    snprintf(uuid, length, "GPU-fa4e000%d-0000-0000-0000-000000000000", index);
     return NVML_SUCCESS;
 }
 
 static nvmlReturn_t memory(nvmlDevice_t device, uint64_t *total, uint64_t *used) {
     if (!g_inited) return NVML_ERROR_UNINITIALIZED;
-    if (device != (nvmlDevice_t)&g_device_token) return NVML_ERROR_INVALID_ARGUMENT;
+    int index = device_index(device);
+    if (index < 0) return NVML_ERROR_INVALID_ARGUMENT;
     uint64_t (*used_fn)(void) = (uint64_t (*)(void))dlsym(RTLD_DEFAULT, "gl_fake_cuda_mem_used");
     const char *mib = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
     *total = (uint64_t)(mib && *mib ? strtoull(mib, NULL, 10) : 81920) << 20;
-    *used = used_fn ? used_fn() : 0;
+    *used = index == 0 && used_fn ? used_fn() : 0;
     return NVML_SUCCESS;
 }
 

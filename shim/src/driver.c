@@ -4,6 +4,7 @@
  * Owns: g_hooks, g_real, g_aux, g_real_dlsym, g_init_once, g_nvml_once. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,6 +22,8 @@ struct gl_aux g_aux;
 dlsym_fn g_real_dlsym;
 pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
 static pthread_once_t g_nvml_once = PTHREAD_ONCE_INIT;
+char g_nvml_assigned[96];
+nvml_uuid_fn g_nvml_uuid;
 
 int is_nvml_hook(int i) { return strncmp(g_hooks[i].symbol, "nvml", 4) == 0; }
 
@@ -84,6 +87,14 @@ static void nvml_resolve_once(void) {
         void *p = g_real_dlsym(lib, g_hooks[i].symbol);
         g_real[i] = p == g_hooks[i].hook ? NULL : p;
     }
+    g_nvml_uuid = (nvml_uuid_fn)g_real_dlsym(lib, "nvmlDeviceGetUUID");
+    /* The GPU the process was given, when CUDA_VISIBLE_DEVICES names exactly one by UUID (as
+     * the dispatcher's Reserve answer does on real GPUs): only that device gets the capped
+     * view. Otherwise the shim cannot tell which NVML device is the process's. */
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES");
+    if (visible && (strncmp(visible, "GPU-", 4) == 0 || strncmp(visible, "MIG-", 4) == 0) &&
+        strchr(visible, ',') == NULL && strlen(visible) < sizeof g_nvml_assigned)
+        snprintf(g_nvml_assigned, sizeof g_nvml_assigned, "%s", visible);
 }
 
 void nvml_resolve(void) {

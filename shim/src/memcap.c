@@ -15,6 +15,7 @@
  * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_mem_lock. */
 #define _GNU_SOURCE
 #include <stdlib.h>
+#include <string.h>
 
 #include "shim_internal.h"
 
@@ -299,15 +300,23 @@ EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
     return result;
 }
 
-/* NVML: the same view as cuMemGetInfo_v2, with used = total - free (so the three add up). The
- * process is assigned one GPU; every NVML device it queries gets the view (see
- * docs/dispatcher.md). */
+/* Whether `device` is the process's GPU: the one CUDA_VISIBLE_DEVICES names by UUID, else (no
+ * way to tell) every device. */
+static int nvml_is_assigned(nvmlDevice_t device) {
+    if (!g_nvml_assigned[0] || !g_nvml_uuid) return 1;
+    char uuid[96];
+    if (g_nvml_uuid(device, uuid, sizeof uuid) != NVML_SUCCESS) return 1;
+    return strncmp(uuid, g_nvml_assigned, strlen(g_nvml_assigned)) == 0;
+}
+
+/* NVML: the same view as cuMemGetInfo_v2, with used = total - free (so the three add up), for
+ * the process's GPU (see nvml_is_assigned); other devices are answered as they are. */
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
     nvml_resolve();
     if (!REAL(nvmlDeviceGetMemoryInfo)) return NVML_ERROR_FUNCTION_NOT_FOUND;
     ensure_registered();
     nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo)(device, memory);
-    if (result == NVML_SUCCESS && memory) {
+    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
         uint64_t free64 = memory->free, total64 = memory->total;
         mem_capped_view(&free64, &total64);
         memory->free = free64;
@@ -322,7 +331,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
     if (!REAL(nvmlDeviceGetMemoryInfo_v2)) return NVML_ERROR_FUNCTION_NOT_FOUND;
     ensure_registered();
     nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo_v2)(device, memory);
-    if (result == NVML_SUCCESS && memory) {
+    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
         uint64_t free64 = memory->free, total64 = memory->total;
         mem_capped_view(&free64, &total64);
         if (free64 != memory->free || total64 != memory->total) {

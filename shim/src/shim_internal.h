@@ -78,6 +78,11 @@ static inline void init(void) { pthread_once(&g_init_once, init_once); }
 int is_nvml_hook(int i);
 /* Resolve the real NVML's hooked functions, once (every NVML hook starts here). */
 void nvml_resolve(void);
+/* After nvml_resolve: the real nvmlDeviceGetUUID (NULL when missing) and the UUID (prefix)
+ * CUDA_VISIBLE_DEVICES gives the process ("" when it names no single GPU by UUID). */
+typedef nvmlReturn_t (*nvml_uuid_fn)(nvmlDevice_t, char *, unsigned int);
+extern nvml_uuid_fn g_nvml_uuid;
+extern char g_nvml_assigned[96];
 
 /* 1 when `key` is capturing into a graph (a driver without graphs: 0). */
 int is_capturing(CUstream key);

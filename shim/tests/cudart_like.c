@@ -37,7 +37,8 @@
  *                                   ones unmapped and released)
  *   meminfo                         cuMemGetInfo
  *   nvml                            dlopen libnvidia-ml.so.1 and dlsym its functions (as pynvml
- *                                   does): nvmlDeviceGetMemoryInfo and _v2 of device 0
+ *                                   does): nvmlDeviceGetMemoryInfo and _v2 of device 0, then
+ *                                   nvmlDeviceGetMemoryInfo of device 1 ("nvml_other"), if any
  *   ipcget FILE                     cuIpcGetMemHandle of the last allocation, written to FILE
  *   ipcopen FILE                    cuIpcOpenMemHandle of the handle in FILE
  *   ipcclose                        cuIpcCloseMemHandle of every opened handle
@@ -301,6 +302,12 @@ static void nvml_query(void) {
     r = info2(device, &m2);
     printf("nvml_v2 rc=%d free=%llu total=%llu used=%llu reserved=%llu\n", r, m2.free, m2.total,
            m2.used, m2.reserved);
+    nvmlDevice_t other = NULL;
+    if (get(1, &other) == 0) {
+        nvmlMemory_t o = {0};
+        r = info(other, &o);
+        printf("nvml_other rc=%d free=%llu total=%llu used=%llu\n", r, o.free, o.total, o.used);
+    }
 }
 
 #define PEEK_BYTES 4096

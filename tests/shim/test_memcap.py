@@ -30,7 +30,7 @@ def _views(result: Run) -> list[dict[str, dict[str, int]]]:
     views: list[dict[str, dict[str, int]]] = []
     for line in result.stdout.splitlines():
         head, _, rest = line.partition(" ")
-        if head not in ("meminfo", "nvml", "nvml_v2"):
+        if head not in ("meminfo", "nvml", "nvml_v2", "nvml_other"):
             continue
         fields = dict(part.split("=", 1) for part in rest.split())
         assert fields.pop("rc") == "0", line
@@ -187,6 +187,33 @@ async def test_ipc_opened_memory_is_the_exporters_bytes_and_is_writable(run: Run
     late = await run.run_async("ipcopen", str(handle), "ipcpeek", env=env)
     assert f"ipcopen rc={CUDA_ERROR_INVALID_HANDLE}" in late.stdout.splitlines(), late.stdout
     assert not any(line.startswith("ipcpeek rc=0") for line in late.stdout.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("visible", "other_capped"),
+    [("GPU-fa4e0000", False), ("", True)],
+    ids=["visible-by-uuid", "no-visible-devices"],
+)
+async def test_nvml_caps_the_processs_own_gpu(
+    live: LiveDispatcher, run: Runner, visible: str, other_capped: bool
+) -> None:
+    """With CUDA_VISIBLE_DEVICES naming the process's GPU by UUID (prefix), as Reserve's answer
+    does on real GPUs, only that NVML device gets the capped view; another GPU of the node is
+    answered as it is. Without it the shim cannot tell, and every device gets the view."""
+    assignment = await live.reserve(memory_gib=1.0)
+    env = _env(live, assignment.assignment_token)
+    if visible:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+    result = await run.run_async("alloc", "alloc", str(300 * MIB), "meminfo", "nvml", env=env)
+    assert result.returncode == 0, result.stderr
+    (view,) = _views(result)
+    _assert_capped(view, GIB, 300 * MIB)
+    other = view["nvml_other"]
+    if other_capped:  # the process's own counted bytes, as on its GPU
+        assert other == {"free": GIB - 300 * MIB, "total": GIB, "used": 300 * MIB}
+    else:
+        whole = FAKE_GPU_MIB * MIB
+        assert other == {"free": whole, "total": whole, "used": 0}
 
 
 def test_without_a_dispatcher_nvml_and_cuda_pass_through(run: Runner) -> None:
