@@ -169,10 +169,12 @@ class Sweep:
         )
         assignment = self._call(self._dispatcher.Reserve, request)
         try:
+            # A dispatcher that runs MPS answers with the MPS client environment itself; the
+            # SM percent is set here too for one that does not (an MPS server started by hand).
             environment = {
                 **os.environ,
-                **assignment.environment,
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(sm),
+                **assignment.environment,
                 "GPULOOM_SWEEP_SM_PERCENT": str(sm),
                 "GPULOOM_SWEEP_QUOTA_PERCENT": f"{quota:g}",
             }

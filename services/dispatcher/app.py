@@ -22,6 +22,7 @@ from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
@@ -45,6 +46,8 @@ class GpuDispatcher:
     # Policy fikit: the native kernel arbiter and where its kernel tables come from.
     arbiter: Arbiter | None = None
     kernel_tables: KernelTables | None = None
+    # SM-partition policies with MPS on: the GPU's supervised MPS control daemon.
+    mps: MpsSupervisor | None = None
 
     @property
     def port(self) -> int:
@@ -58,6 +61,18 @@ def fikit_config(settings: DispatcherSettings) -> FikitConfig:
         idle_backlog_ns=int(settings.fikit_idle_backlog_us * 1e3),
         max_wait_ns=int(settings.fikit_max_wait_ms * 1e6),
     )
+
+
+def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -> MpsSupervisor:
+    base = (settings.mps_dir or data_dir / "dispatcher" / "mps") / f"gpu-{gpu.index}"
+    config = MpsConfig(
+        control=parse_control(settings.mps_control),
+        pipe_dir=base.absolute() / "pipe",
+        log_dir=base.absolute() / "log",
+        visible_device=gpu.uuid if gpu.uuid.startswith(("GPU-", "MIG-")) else None,
+        start_timeout_s=settings.mps_start_timeout_s,
+    )
+    return MpsSupervisor(config, str(gpu.index))
 
 
 def token_config(settings: DispatcherSettings) -> TokenConfig:
@@ -107,6 +122,12 @@ async def start_gpu_dispatcher(
         measurements = MeasurementBuffer()
         sink = measurements
     loop = asyncio.get_running_loop()
+    mps = None
+    if settings.runs_mps(gpu.uuid):
+        # A daemon that does not start is reported and retried; the GPU is served anyway
+        # (SM-partition reservations are refused until it runs).
+        mps = mps_supervisor(settings, gpu, data_dir)
+        await asyncio.to_thread(mps.start)
     core: DispatcherCore
 
     def on_event(event: DispatcherEvent) -> None:
@@ -142,6 +163,7 @@ async def start_gpu_dispatcher(
         loop=loop,
         state_dir=state_dir,
         profiler_link=link,
+        mps=mps,
     )
     channel.start()
     if link is not None:
@@ -157,6 +179,8 @@ async def start_gpu_dispatcher(
         if link is not None:
             await link.stop()
         await _stop_fikit(arbiter, kernel_tables)
+        if mps is not None:
+            await asyncio.to_thread(mps.stop)
         raise
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
@@ -177,9 +201,10 @@ async def start_gpu_dispatcher(
         socket=str(socket_path),
         reservations=len(book.all()),
         placement=settings.placement_address or None,
+        mps=None if mps is None else ("running" if mps.available()[0] else "not running"),
     )
     return GpuDispatcher(
-        core, channel, server, measurements, link, placement_link, arbiter, kernel_tables
+        core, channel, server, measurements, link, placement_link, arbiter, kernel_tables, mps
     )
 
 
@@ -225,6 +250,8 @@ async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     if dispatcher.profiler_link is not None:
         await dispatcher.profiler_link.stop()
     await _stop_fikit(dispatcher.arbiter, dispatcher.kernel_tables)
+    if dispatcher.mps is not None:  # last: its clients were the processes stopped above
+        await asyncio.to_thread(dispatcher.mps.stop)
 
 
 async def _stop_fikit(arbiter: Arbiter | None, kernel_tables: KernelTables | None) -> None:

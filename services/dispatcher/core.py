@@ -44,6 +44,7 @@ from gpuloom.services.dispatcher.mig_executor import (
     subprocess_runner,
     validate_batch,
 )
+from gpuloom.services.dispatcher.mps import MpsSupervisor
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 
@@ -78,6 +79,7 @@ class DispatcherCore:
         loop: asyncio.AbstractEventLoop,
         state_dir: Path,
         profiler_link: ProfilerLink | None = None,
+        mps: MpsSupervisor | None = None,
     ) -> None:
         self.gpu = gpu
         self.node = node
@@ -92,11 +94,13 @@ class DispatcherCore:
         self._state_dir = state_dir
         self._profiler_link = profiler_link
         self._mig_running = False
+        self.mps = mps
 
     # ---- commands ----
 
     async def reserve(self, spec: ReserveSpec) -> Reservation:
         spec.validate()
+        self._check_mps(spec)
         reservation, created = await asyncio.to_thread(self.book.reserve, spec)
         if created:
             try:
@@ -115,6 +119,19 @@ class DispatcherCore:
                 memory_cap=reservation.memory_cap_bytes,
             )
         return reservation
+
+    def _check_mps(self, spec: ReserveSpec) -> None:
+        """An SM partition (below 100%) needs the GPU's MPS daemon when this GPU runs one; the
+        whole GPU (100%, token shares) is served without it. A repeated Reserve of a held
+        assignment is answered as before (the book checks it is the same)."""
+        if self.mps is None or spec.share.sm_percent >= 100:
+            return
+        running, cause = self.mps.available()
+        if not running and self.book.get(spec.assignment_id) is None:
+            raise FailedPrecondition(
+                f"an SM partition ({spec.share.sm_percent}% SM) needs MPS on GPU "
+                f"{self.gpu.index}, and its control daemon is not running: {cause}"
+            )
 
     async def release(self, assignment_id: str) -> bool:
         return await self._end(assignment_id, "assignment released", EventKind.RELEASED)
@@ -198,6 +215,14 @@ class DispatcherCore:
         # CUDA understands real GPU and MIG UUIDs; a simulated GPU has nothing to select.
         if self.gpu.uuid.startswith(("GPU-", "MIG-")):
             environment["CUDA_VISIBLE_DEVICES"] = self.gpu.uuid
+        # With the daemon running, every process of this GPU is its client: the SM percent
+        # and the memory cap become MPS limits. Without it, processes run as plain contexts.
+        if self.mps is not None and self.mps.available()[0]:
+            environment.update(
+                self.mps.client_environment(
+                    reservation.share.sm_percent, reservation.memory_cap_bytes
+                )
+            )
         return environment
 
     # ---- MIG ----

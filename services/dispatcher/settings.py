@@ -12,10 +12,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpuloom.policies.tokens.registry import POLICIES
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
+from gpuloom.services.dispatcher.mps import parse_control
 from gpuloom.services.dispatcher.placement_link import check_advertise_host
 
 # Not a token policy: kernels are admitted one by one by the native FIKIT arbiter.
 FIKIT_POLICY = "fikit"
+# The policies whose shares are SM partitions (FaST-GShare's spatio-temporal rectangles): their
+# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on.
+SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
 
 
 class DispatcherSettings(BaseSettings):
@@ -68,6 +72,16 @@ class DispatcherSettings(BaseSettings):
     # The host placement dials to reach this dispatcher (its port is added); empty: the bind
     # host, or this machine's host name when the bind host is 0.0.0.0 or ::.
     advertise_host: str = ""
+    # MPS for SM-partition policies: "auto" runs the control daemon on real GPUs (not on
+    # simulated ones), "on" on every GPU (tests: with a fake control program), "off" never
+    # (SM percents are then bookkeeping only).
+    mps: Literal["auto", "on", "off"] = "auto"
+    # The MPS control program (split like a shell command line).
+    mps_control: str = "nvidia-cuda-mps-control"
+    # Where each GPU's MPS pipe and log directories go (DIR/gpu-N/pipe, DIR/gpu-N/log); empty:
+    # GPULOOM_DATA_DIR/dispatcher/mps. The pipe directory must stay under 80 characters.
+    mps_dir: Path | None = None
+    mps_start_timeout_s: float = Field(default=5.0, gt=0, le=300)
 
     @field_validator("policy")
     @classmethod
@@ -81,6 +95,12 @@ class DispatcherSettings(BaseSettings):
     @classmethod
     def _advertise_host(cls, host: str) -> str:
         return check_advertise_host(host)
+
+    @field_validator("mps_control")
+    @classmethod
+    def _mps_control(cls, command: str) -> str:
+        parse_control(command)  # raises ValueError saying what is wrong
+        return command
 
     @field_validator("sim_gpus")
     @classmethod
@@ -98,6 +118,12 @@ class DispatcherSettings(BaseSettings):
         if self.lease_max_ms > self.window_ms:
             raise ValueError("lease_max_ms must not exceed window_ms")
         return self
+
+    def runs_mps(self, gpu_uuid: str) -> bool:
+        """Whether the dispatcher of this GPU supervises an MPS control daemon."""
+        if self.policy not in SM_PARTITION_POLICIES or self.mps == "off":
+            return False
+        return self.mps == "on" or gpu_uuid.startswith(("GPU-", "MIG-"))
 
     def gpu_indexes(self, available: int) -> list[int]:
         """The GPU indexes to serve out of `available`; ValueError names a missing one."""

@@ -10,9 +10,16 @@
  * or the time they were recorded on an idle stream, so cuEventElapsedTime measures real time
  * and cuEventQuery answers CUDA_ERROR_NOT_READY until then.
  *
- * Kernel durations come from the module image: a text list of "name duration_us" lines; a name
- * listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N microseconds;
- * otherwise 100 us.
+ * Kernel durations come from the module image: a text list of "name duration_us [sm_need]"
+ * lines; a name listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N
+ * microseconds; otherwise 100 us.
+ *
+ * The MPS timing model: `sm_need` (1..100, default 100) is the percentage of the GPU's SMs the
+ * kernel can keep busy. A process whose CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1..100; unset or
+ * invalid: 100) is below a kernel's need runs it need/share times longer (a kernel that fills
+ * the GPU takes twice as long on half of it); at or above its need it takes its duration.
+ * Kernels of different processes still take turns on the one engine (the fake does not run
+ * partitions side by side).
  *
  * Environment:
  *   GPULOOM_FAKE_CUDA_DIR    directory of the engine lock and runs.log (default
@@ -21,6 +28,7 @@
  *   GPULOOM_FAKE_CUDA_TRACE  file that gets one line per driver entry point reached
  *                            ("fake ENTRY NAME GX GY GZ BX BY BZ" for launches).
  *   GPULOOM_FAKE_CUDA_MEM_MIB device memory (default 81920).
+ *   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE  the SM share of the timing model above.
  *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
  * an older driver.
@@ -35,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -59,6 +68,7 @@ static int g_runs_fd = -1;
 static int g_engine_fd = -1;
 static uint64_t g_mem_total;
 static uint64_t g_mem_used;
+static unsigned g_sm_share = 100; /* CUDA_MPS_ACTIVE_THREAD_PERCENTAGE */
 
 static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace(const char *fmt, ...) {
@@ -92,6 +102,12 @@ __attribute__((constructor)) static void fake_setup(void) {
     g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
     g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+    const char *share = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
+    if (share && *share) {
+        char *end = NULL;
+        unsigned long value = strtoul(share, &end, 10);
+        if (end && *end == 0 && value >= 1 && value <= 100) g_sm_share = (unsigned)value;
+    }
 }
 
 static void sleep_until(uint64_t deadline) {
@@ -138,8 +154,15 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
 
 typedef struct fk_func {
     char name[128];
-    uint64_t duration_us;
+    uint64_t duration_us; /* on the whole GPU */
+    unsigned sm_need;     /* percent of the SMs it can use */
 } fk_func;
+
+/* Its duration under this process's SM share (the MPS timing model). */
+static uint64_t run_us(const fk_func *f) {
+    if (g_sm_share >= f->sm_need) return f->duration_us;
+    return (f->duration_us * f->sm_need + g_sm_share - 1) / g_sm_share;
+}
 
 typedef struct fk_module {
     int count;
@@ -173,7 +196,8 @@ static CUresult load_module(fk_module **out, const void *image) {
         text += length + (line_end ? 1 : 0);
         char name[128];
         unsigned long long duration = 0;
-        int fields = sscanf(line, "%127s %llu", name, &duration);
+        unsigned need = 100;
+        int fields = sscanf(line, "%127s %llu %u", name, &duration, &need);
         if (fields < 1) continue;
         if (module->count == capacity) {
             capacity = capacity ? capacity * 2 : 8;
@@ -183,7 +207,8 @@ static CUresult load_module(fk_module **out, const void *image) {
         }
         fk_func *f = &module->funcs[module->count++];
         snprintf(f->name, sizeof f->name, "%s", name);
-        f->duration_us = fields == 2 ? duration : duration_from_name(name);
+        f->duration_us = fields >= 2 ? duration : duration_from_name(name);
+        f->sm_need = need >= 1 && need <= 100 ? need : 100;
     }
     if (module->count == 0) {
         free(module);
@@ -253,7 +278,7 @@ static void *stream_worker(void *arg) {
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
-            uint64_t end = engine_run(op->func->name, op->func->duration_us, ready);
+            uint64_t end = engine_run(op->func->name, run_us(op->func), ready);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
         } else {
@@ -376,21 +401,79 @@ static CUresult sync_all(void) {
 
 /* ---- memory ---- */
 
+/* An allocation: a device pointer, or (kind ALLOC_HANDLE) a cuMemCreate handle whose bytes are
+ * freed once it is released and unmapped (`refs`: 1 until released, +1 per mapping), or (kind
+ * ALLOC_IPC) memory opened from another process's IPC handle (its bytes are the exporter's). */
+enum { ALLOC_POINTER, ALLOC_HANDLE, ALLOC_IPC };
+
 typedef struct fk_alloc {
     uint64_t address;
     uint64_t size;
+    int kind;
+    int refs;
+    int fd;      /* the memfd backing its bytes (-1: bookkeeping only) */
+    void *bytes; /* its bytes, mapped shared (NULL: bookkeeping only) */
     struct fk_alloc *next;
 } fk_alloc;
 
+typedef struct fk_map {
+    uint64_t address;
+    uint64_t size;
+    fk_alloc *handle;
+    struct fk_map *next;
+} fk_map;
+
 static fk_alloc *g_allocs;
+static fk_map *g_maps;
 static uint64_t g_next_address = 0x7f0000000000ull;
 
-static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
+/* The device memory this process holds (the fake NVML reads it). */
+EXPORT uint64_t gl_fake_cuda_mem_used(void) {
+    pthread_mutex_lock(&g_lock);
+    uint64_t used = g_mem_used;
+    pthread_mutex_unlock(&g_lock);
+    return used;
+}
+
+EXPORT uint64_t gl_fake_cuda_mem_total(void) { return g_mem_total; }
+
+/* Called with g_lock held: a range of fake addresses, 1 MiB granules. */
+static uint64_t take_addresses(uint64_t size) {
+    uint64_t address = g_next_address;
+    g_next_address += (size + 0xfffffu) & ~0xfffffull;
+    return address;
+}
+
+/* Device pointers are backed by a memfd mapped shared (sparse: only what is written takes
+ * memory), so copies keep their bytes and another process can map the same bytes through an
+ * IPC handle. Without a memfd (or past the address space) the allocation is bookkeeping only
+ * and reads as zeros. */
+static void back(fk_alloc *a) {
+    int fd = memfd_create("gpuloom-fake-device", MFD_CLOEXEC);
+    if (fd < 0) return;
+    void *bytes = MAP_FAILED;
+    if (ftruncate(fd, (off_t)a->size) == 0)
+        bytes = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+    if (bytes == MAP_FAILED) {
+        close(fd);
+        return;
+    }
+    a->fd = fd;
+    a->bytes = bytes;
+}
+
+static void unback(fk_alloc *a) {
+    if (a->bytes) munmap(a->bytes, a->size);
+    if (a->fd >= 0) close(a->fd);
+}
+
+static CUresult mem_alloc_kind(const char *entry, uint64_t *out, uint64_t size, int kind) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
-    if (g_mem_used + size > g_mem_total) {
+    uint64_t counted = kind == ALLOC_IPC ? 0 : size;
+    if (g_mem_used + counted > g_mem_total) {
         pthread_mutex_unlock(&g_lock);
         trace("fake %s %llu out_of_memory", entry, (unsigned long long)size);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -400,35 +483,63 @@ static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    a->address = g_next_address;
+    a->address = take_addresses(size);
     a->size = size;
+    a->kind = kind;
+    a->refs = 1;
+    a->fd = -1;
+    a->bytes = NULL;
+    if (kind == ALLOC_POINTER) back(a);
     a->next = g_allocs;
     g_allocs = a;
-    g_next_address += (size + 0xfffffu) & ~0xfffffull; /* 1 MiB granules */
-    g_mem_used += size;
+    g_mem_used += counted;
     pthread_mutex_unlock(&g_lock);
     *out = a->address;
     trace("fake %s %llu ok", entry, (unsigned long long)size);
     return CUDA_SUCCESS;
 }
 
-static CUresult mem_free(const char *entry, uint64_t address) {
-    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
-    if (address == 0) return CUDA_SUCCESS;
-    pthread_mutex_lock(&g_lock);
-    for (fk_alloc **p = &g_allocs; *p; p = &(*p)->next) {
-        if ((*p)->address == address) {
-            fk_alloc *a = *p;
+static CUresult mem_alloc(const char *entry, uint64_t *out, uint64_t size) {
+    return mem_alloc_kind(entry, out, size, ALLOC_POINTER);
+}
+
+/* Called with g_lock held. */
+static fk_alloc *find_alloc(uint64_t address, int kind) {
+    for (fk_alloc *a = g_allocs; a; a = a->next)
+        if (a->address == address && a->kind == kind) return a;
+    return NULL;
+}
+
+/* Called with g_lock held: drop a reference; the last one frees the bytes. */
+static void alloc_unref(const char *entry, fk_alloc *a) {
+    if (--a->refs > 0) return;
+    for (fk_alloc **p = &g_allocs; *p; p = &(*p)->next)
+        if (*p == a) {
             *p = a->next;
-            g_mem_used -= a->size;
-            pthread_mutex_unlock(&g_lock);
-            trace("fake %s %llu", entry, (unsigned long long)a->size);
-            free(a);
-            return CUDA_SUCCESS;
+            break;
         }
+    if (a->kind != ALLOC_IPC) g_mem_used -= a->size;
+    trace("fake %s %llu", entry, (unsigned long long)a->size);
+    unback(a);
+    free(a);
+}
+
+static CUresult mem_free_kind(const char *entry, uint64_t address, int kind) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (address == 0 && kind == ALLOC_POINTER) return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(address, kind);
+    if (a == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
     }
+    alloc_unref(entry, a);
     pthread_mutex_unlock(&g_lock);
-    return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+static CUresult mem_free(const char *entry, uint64_t address) {
+    return mem_free_kind(entry, address, ALLOC_POINTER);
 }
 
 /* ======== the driver API ======== */
@@ -909,14 +1020,198 @@ EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CU
     return mem_alloc("cuMemAllocAsync_ptsz", (uint64_t *)dptr, bytes);
 }
 
+/* -- stream-ordered pools: a pool is a tag (the fake keeps nothing reserved after a free) -- */
+
+typedef struct fk_pool {
+    int device;
+} fk_pool;
+
+EXPORT CUresult CUDAAPI cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (pool == NULL || props == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE || props->location.id != 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    fk_pool *p = calloc(1, sizeof *p);
+    if (p == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    *pool = (CUmemoryPool)p;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolDestroy(CUmemoryPool pool) {
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    free(pool);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    (void)keep;
+    return pool ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult alloc_from_pool(const char *entry, CUdeviceptr *dptr, size_t bytes,
+                                CUmemoryPool pool) {
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return mem_alloc(entry, (uint64_t *)dptr, bytes);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
+                                                CUstream stream) {
+    (void)stream;
+    return alloc_from_pool("cuMemAllocFromPoolAsync", dptr, bytes, pool);
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes,
+                                                     CUmemoryPool pool, CUstream stream) {
+    (void)stream;
+    return alloc_from_pool("cuMemAllocFromPoolAsync_ptsz", dptr, bytes, pool);
+}
+
+/* -- virtual memory management: the bytes of a handle are freed when it is released and no
+ * mapping of it is left, as the driver does -- */
+
 EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
                                     const CUmemAllocationProp *prop, unsigned long long flags) {
     (void)prop, (void)flags;
-    return mem_alloc("cuMemCreate", (uint64_t *)handle, bytes);
+    return mem_alloc_kind("cuMemCreate", (uint64_t *)handle, bytes, ALLOC_HANDLE);
 }
 
 EXPORT CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
-    return mem_free("cuMemRelease", handle);
+    return mem_free_kind("cuMemRelease", handle, ALLOC_HANDLE);
+}
+
+EXPORT CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment,
+                                            CUdeviceptr addr, unsigned long long flags) {
+    (void)alignment, (void)addr, (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == NULL || size == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    *ptr = take_addresses(size);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    return ptr && size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                                 CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (ptr == 0 || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(handle, ALLOC_HANDLE);
+    fk_map *m = a && offset + size <= a->size ? malloc(sizeof *m) : NULL;
+    if (m == NULL) {
+        pthread_mutex_unlock(&g_lock);
+        return a ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_INVALID_HANDLE;
+    }
+    *m = (fk_map){ptr, size, a, g_maps};
+    g_maps = m;
+    a->refs++;
+    pthread_mutex_unlock(&g_lock);
+    trace("fake cuMemMap %llu", (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+/* Unmaps every mapping that starts within [ptr, ptr + size). */
+EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    pthread_mutex_lock(&g_lock);
+    int found = 0;
+    for (fk_map **p = &g_maps; *p;) {
+        fk_map *m = *p;
+        if (m->address >= ptr && m->address < ptr + size) {
+            *p = m->next;
+            alloc_unref("cuMemUnmap", m->handle);
+            free(m);
+            found = 1;
+        } else {
+            p = &m->next;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc,
+                                       size_t count) {
+    return ptr && size && desc && count ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* -- IPC: the handle carries the exporter's pid, address and size; opening it in another
+ * process gives that process an address for the same allocation, which is the exporter's
+ * memory (not counted again) -- */
+
+#define FAKE_IPC_MAGIC "glfkipc"
+
+typedef struct {
+    char magic[8];
+    uint64_t pid;
+    uint64_t address;
+    uint64_t size;
+    int64_t fd; /* the exporter's memfd: the opener maps /proc/PID/fd/FD (-1: none) */
+} fake_ipc;
+
+EXPORT CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle *handle, CUdeviceptr dptr) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (handle == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(dptr, ALLOC_POINTER);
+    fake_ipc ipc = {FAKE_IPC_MAGIC, (uint64_t)getpid(), dptr, a ? a->size : 0, a ? a->fd : -1};
+    pthread_mutex_unlock(&g_lock);
+    if (a == NULL) return CUDA_ERROR_INVALID_VALUE;
+    _Static_assert(sizeof ipc <= sizeof handle->reserved, "the fake IPC handle fits");
+    memset(handle, 0, sizeof *handle);
+    memcpy(handle->reserved, &ipc, sizeof ipc);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuIpcOpenMemHandle_v2(CUdeviceptr *dptr, CUipcMemHandle handle,
+                                              unsigned int flags) {
+    (void)flags;
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fake_ipc ipc;
+    memcpy(&ipc, handle.reserved, sizeof ipc);
+    if (memcmp(ipc.magic, FAKE_IPC_MAGIC, sizeof ipc.magic) != 0 || ipc.size == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Like the driver: a process cannot open its own handles. */
+    if (ipc.pid == (uint64_t)getpid()) return CUDA_ERROR_INVALID_CONTEXT;
+    /* The exporter's bytes: gone with the exporter (its memfd), as the fake cannot keep them. */
+    void *bytes = NULL;
+    int fd = -1;
+    if (ipc.fd >= 0) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%llu/fd/%lld", (unsigned long long)ipc.pid,
+                 (long long)ipc.fd);
+        fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd < 0) {
+            trace("fake cuIpcOpenMemHandle_v2 exporter gone");
+            return CUDA_ERROR_INVALID_HANDLE;
+        }
+        bytes = mmap(NULL, ipc.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+        if (bytes == MAP_FAILED) {
+            close(fd);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    CUresult result =
+        mem_alloc_kind("cuIpcOpenMemHandle_v2", (uint64_t *)dptr, ipc.size, ALLOC_IPC);
+    if (result != CUDA_SUCCESS) {
+        if (bytes) munmap(bytes, ipc.size);
+        if (fd >= 0) close(fd);
+        return result;
+    }
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(*dptr, ALLOC_IPC);
+    a->fd = fd;
+    a->bytes = bytes;
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+    return mem_free_kind("cuIpcCloseMemHandle", dptr, ALLOC_IPC);
 }
 
 EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) { return mem_free("cuMemFree_v2", dptr); }
@@ -941,13 +1236,42 @@ EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
     return CUDA_SUCCESS;
 }
 
-/* The copy waits for all work (legacy default stream semantics); the data is zeros. */
+/* Called with g_lock held: the backed bytes at [address, address + bytes), or NULL (not in
+ * one backed allocation). */
+static unsigned char *device_bytes(CUdeviceptr address, size_t bytes) {
+    for (fk_alloc *a = g_allocs; a; a = a->next)
+        if (a->bytes && address >= a->address && address - a->address <= a->size &&
+            bytes <= a->size - (address - a->address))
+            return (unsigned char *)a->bytes + (address - a->address);
+    return NULL;
+}
+
+/* The copy waits for all work (legacy default stream semantics); memory without bytes (VMM
+ * mappings, or no memfd) reads as zeros. */
 static CUresult copy_dtoh(const char *entry, void *dst, CUdeviceptr src, size_t bytes) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (dst == NULL || src == 0) return CUDA_ERROR_INVALID_VALUE;
     trace("fake %s", entry);
     sync_all();
-    memset(dst, 0, bytes);
+    pthread_mutex_lock(&g_lock);
+    const unsigned char *from = device_bytes(src, bytes);
+    if (from)
+        memcpy(dst, from, bytes);
+    else
+        memset(dst, 0, bytes);
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+/* Waits for all work too; bytes sent to memory without bytes are dropped. */
+EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (dst == 0 || src == NULL) return CUDA_ERROR_INVALID_VALUE;
+    sync_all();
+    pthread_mutex_lock(&g_lock);
+    unsigned char *to = device_bytes(dst, bytes);
+    if (to) memcpy(to, src, bytes);
+    pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
 }
 
@@ -1026,11 +1350,25 @@ static const proc_entry g_procs[] = {
     PROC("cuMemAllocManaged", 6000, cuMemAllocManaged, NULL),
     PROC("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz),
     PROC("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz),
+    PROC("cuMemAllocFromPoolAsync", 11020, cuMemAllocFromPoolAsync,
+         cuMemAllocFromPoolAsync_ptsz),
+    PROC("cuMemPoolCreate", 11020, cuMemPoolCreate, NULL),
+    PROC("cuMemPoolDestroy", 11020, cuMemPoolDestroy, NULL),
+    PROC("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo, NULL),
     PROC("cuMemCreate", 10020, cuMemCreate, NULL),
     PROC("cuMemRelease", 10020, cuMemRelease, NULL),
+    PROC("cuMemAddressReserve", 10020, cuMemAddressReserve, NULL),
+    PROC("cuMemAddressFree", 10020, cuMemAddressFree, NULL),
+    PROC("cuMemMap", 10020, cuMemMap, NULL),
+    PROC("cuMemUnmap", 10020, cuMemUnmap, NULL),
+    PROC("cuMemSetAccess", 10020, cuMemSetAccess, NULL),
+    PROC("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle, NULL),
+    PROC("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2, NULL),
+    PROC("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle, NULL),
     PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
     PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
     PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
+    PROC("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, NULL),
     PROC("cuGetExportTable", 3000, cuGetExportTable, NULL),
     PROC("cuGetProcAddress", 12000, cuGetProcAddress_v2, NULL),
     PROC("cuGetProcAddress", 11030, cuGetProcAddress, NULL),

@@ -1,9 +1,12 @@
 /* The real driver: the hook table built from hooks.h, loading the real libcuda and resolving
- * its functions (hooked and auxiliary), the real dlsym, initialisation, cuInit.
- * Owns: g_hooks, g_real, g_aux, g_real_dlsym, g_init_once. */
+ * its functions (hooked and auxiliary), the real NVML's hooked functions (when first used), the
+ * real dlsym, initialisation, cuInit.
+ * Owns: g_hooks, g_real, g_aux, g_real_dlsym, g_init_once, g_nvml_once. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "shim_internal.h"
 
@@ -18,6 +21,11 @@ void *g_real[H_COUNT];
 struct gl_aux g_aux;
 dlsym_fn g_real_dlsym;
 pthread_once_t g_init_once = PTHREAD_ONCE_INIT;
+static pthread_once_t g_nvml_once = PTHREAD_ONCE_INIT;
+char g_nvml_assigned[96];
+nvml_uuid_fn g_nvml_uuid;
+
+int is_nvml_hook(int i) { return strncmp(g_hooks[i].symbol, "nvml", 4) == 0; }
 
 void resolve_real_dlsym(void) {
     static const char *const versions[] = {"GLIBC_2.34", "GLIBC_2.2.5", "GLIBC_2.17"};
@@ -38,6 +46,7 @@ void init_once(void) {
         return;
     }
     for (int i = 0; i < H_COUNT; i++) {
+        if (is_nvml_hook(i)) continue; /* NVML's: nvml_resolve() */
         void *p = g_real_dlsym(lib, g_hooks[i].symbol);
         g_real[i] = p == g_hooks[i].hook ? NULL : p; /* never call ourselves */
     }
@@ -57,6 +66,40 @@ void init_once(void) {
         (__typeof__(g_aux.ctx_set_current))g_real_dlsym(lib, "cuCtxSetCurrent");
     g_aux.exchange_capture_mode = (__typeof__(g_aux.exchange_capture_mode))g_real_dlsym(
         lib, "cuThreadExchangeStreamCaptureMode");
+}
+
+/* NVML is loaded by the application, usually after cuInit (pynvml dlopens it when first used),
+ * so its functions are resolved when an NVML hook is first called: the library already loaded
+ * (RTLD_NOLOAD), else loaded by name (GPULOOM_REAL_LIBNVML, default libnvidia-ml.so.1). */
+static void nvml_resolve_once(void) {
+    if (!g_real_dlsym) return;
+    const char *path = getenv("GPULOOM_REAL_LIBNVML");
+    if (path == NULL || *path == 0) path = "libnvidia-ml.so.1";
+    void *lib = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib == NULL) lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (lib == NULL) {
+        say(LOG_ERROR, "cannot load the real NVML %s: %s; NVML memory queries fail", path,
+            dlerror());
+        return;
+    }
+    for (int i = 0; i < H_COUNT; i++) {
+        if (!is_nvml_hook(i)) continue;
+        void *p = g_real_dlsym(lib, g_hooks[i].symbol);
+        g_real[i] = p == g_hooks[i].hook ? NULL : p;
+    }
+    g_nvml_uuid = (nvml_uuid_fn)g_real_dlsym(lib, "nvmlDeviceGetUUID");
+    /* The GPU the process was given, when CUDA_VISIBLE_DEVICES names exactly one by UUID (as
+     * the dispatcher's Reserve answer does on real GPUs): only that device gets the capped
+     * view. Otherwise the shim cannot tell which NVML device is the process's. */
+    const char *visible = getenv("CUDA_VISIBLE_DEVICES");
+    if (visible && (strncmp(visible, "GPU-", 4) == 0 || strncmp(visible, "MIG-", 4) == 0) &&
+        strchr(visible, ',') == NULL && strlen(visible) < sizeof g_nvml_assigned)
+        snprintf(g_nvml_assigned, sizeof g_nvml_assigned, "%s", visible);
+}
+
+void nvml_resolve(void) {
+    init();
+    pthread_once(&g_nvml_once, nvml_resolve_once);
 }
 
 int is_capturing(CUstream key) {

@@ -7,6 +7,9 @@
  * min_version the cudaVersion from which cuGetProcAddress answers `query` with this symbol;
  * per_thread  1 for the per-thread-default-stream (_ptsz/_ptds) variant.
  *
+ * Symbols starting with "nvml" are NVML's (libnvidia-ml.so.1, resolved when first called, see
+ * driver.c); cuGetProcAddress never answers them (their query is no driver name).
+ *
  * The linker version script (generated from this list) exports exactly these plus dlsym. */
 #define GL_HOOKS(HOOK)                                                  \
     HOOK(cuInit, "cuInit", 2000, 0)                                     \
@@ -35,9 +38,15 @@
     HOOK(cuMemAllocManaged, "cuMemAllocManaged", 6000, 0)               \
     HOOK(cuMemAllocAsync, "cuMemAllocAsync", 11020, 0)                  \
     HOOK(cuMemAllocAsync_ptsz, "cuMemAllocAsync", 11020, 1)             \
+    HOOK(cuMemAllocFromPoolAsync, "cuMemAllocFromPoolAsync", 11020, 0)  \
+    HOOK(cuMemAllocFromPoolAsync_ptsz, "cuMemAllocFromPoolAsync", 11020, 1) \
     HOOK(cuMemCreate, "cuMemCreate", 10020, 0)                          \
     HOOK(cuMemRelease, "cuMemRelease", 10020, 0)                        \
+    HOOK(cuMemMap, "cuMemMap", 10020, 0)                                \
+    HOOK(cuMemUnmap, "cuMemUnmap", 10020, 0)                            \
     HOOK(cuMemFree_v2, "cuMemFree", 3020, 0)                            \
     HOOK(cuMemFreeAsync, "cuMemFreeAsync", 11020, 0)                    \
     HOOK(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1)               \
-    HOOK(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)
+    HOOK(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)                      \
+    HOOK(nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, 0)      \
+    HOOK(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, 0)

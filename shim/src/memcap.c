@@ -1,20 +1,39 @@
 /* The memory cap (Registered.memory_cap_bytes): allocations are reserved against it before
- * the driver is called (past it the answer is CUDA_ERROR_OUT_OF_MEMORY), tracked until freed,
- * and cuMemGetInfo_v2 answers within it; the allocation and free hooks.
- * Owns: g_cap, g_allocated, g_mem, g_mem_lock. */
+ * the driver is called (past it the answer is CUDA_ERROR_OUT_OF_MEMORY and the driver is not
+ * called), counted until freed, and cuMemGetInfo_v2 and NVML's nvmlDeviceGetMemoryInfo(_v2)
+ * answer the same view within it; the allocation, free, mapping and query hooks.
+ *
+ * What is counted (docs/dispatcher.md, "The memory cap"):
+ *   cuMemAlloc_v2, cuMemAllocPitch_v2 (the pitched size), cuMemAllocManaged (the full size, at
+ *   allocation: managed memory may all become resident on the GPU), cuMemAllocAsync and
+ *   cuMemAllocFromPoolAsync (+_ptsz; the bytes live from allocation to cuMemFreeAsync, not what
+ *   a pool keeps reserved after frees), cuMemCreate (the physical allocation: counted until it
+ *   is both released and unmapped everywhere in the process, as the driver frees it).
+ *   Not counted here: IPC-opened memory (cuIpcOpenMemHandle) and mappings of handles this
+ *   process did not create (imported shareable handles): they are counted once, by the process
+ *   that allocated them.
+ * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_mem_lock. */
 #define _GNU_SOURCE
 #include <stdlib.h>
+#include <string.h>
 
 #include "shim_internal.h"
 
 typedef struct mem_entry {
     uint64_t key;
     uint64_t size;
+    uint64_t extra; /* g_vmm: references (1 until released, +1 per mapping); g_maps: handle */
     struct mem_entry *next;
 } mem_entry;
 
 #define MEM_BUCKETS 4096
-static mem_entry *g_mem[MEM_BUCKETS];
+typedef struct {
+    mem_entry *bucket[MEM_BUCKETS];
+} mem_table;
+
+static mem_table g_mem;  /* device pointers -> bytes counted */
+static mem_table g_vmm;  /* cuMemCreate handles -> bytes counted, references */
+static mem_table g_maps; /* cuMemMap'd addresses (of counted handles) -> size, handle */
 static pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_cap;       /* memory cap in bytes; 0 = none (atomic) */
 static uint64_t g_allocated; /* atomic */
@@ -43,30 +62,68 @@ static void mem_unreserve(uint64_t size) {
     __atomic_fetch_sub(&g_allocated, size, __ATOMIC_ACQ_REL);
 }
 
-static void mem_track(uint64_t key, uint64_t size) {
+/* Table operations: called with g_mem_lock held. */
+static int table_put(mem_table *t, uint64_t key, uint64_t size, uint64_t extra) {
     mem_entry *e = malloc(sizeof *e);
-    if (e == NULL) return; /* untracked: its free will not be counted */
-    e->key = key;
-    e->size = size;
+    if (e == NULL) return 0;
+    *e = (mem_entry){key, size, extra, t->bucket[mem_bucket(key)]};
+    t->bucket[mem_bucket(key)] = e;
+    return 1;
+}
+
+static mem_entry *table_find(mem_table *t, uint64_t key) {
+    for (mem_entry *e = t->bucket[mem_bucket(key)]; e; e = e->next)
+        if (e->key == key) return e;
+    return NULL;
+}
+
+/* Unlinks the entry of `key` and returns it (the caller frees it), or NULL. */
+static mem_entry *table_take(mem_table *t, uint64_t key) {
+    for (mem_entry **p = &t->bucket[mem_bucket(key)]; *p; p = &(*p)->next)
+        if ((*p)->key == key) {
+            mem_entry *e = *p;
+            *p = e->next;
+            return e;
+        }
+    return NULL;
+}
+
+/* Counted bytes that could not be tracked (no memory for an entry) stay counted: the cap errs
+ * on the side of refusing. */
+static void mem_track(mem_table *t, uint64_t key, uint64_t size, uint64_t extra) {
     pthread_mutex_lock(&g_mem_lock);
-    e->next = g_mem[mem_bucket(key)];
-    g_mem[mem_bucket(key)] = e;
+    table_put(t, key, size, extra);
     pthread_mutex_unlock(&g_mem_lock);
 }
 
 static void mem_untrack(uint64_t key) {
     pthread_mutex_lock(&g_mem_lock);
-    for (mem_entry **p = &g_mem[mem_bucket(key)]; *p; p = &(*p)->next) {
-        if ((*p)->key == key) {
-            mem_entry *e = *p;
-            *p = e->next;
-            pthread_mutex_unlock(&g_mem_lock);
-            mem_unreserve(e->size);
-            free(e);
-            return;
-        }
-    }
+    mem_entry *e = table_take(&g_mem, key);
     pthread_mutex_unlock(&g_mem_lock);
+    if (e) {
+        mem_unreserve(e->size);
+        free(e);
+    }
+}
+
+/* Drops one reference of a cuMemCreate handle; the last one gives its bytes back. Called with
+ * g_mem_lock held; returns the bytes to unreserve. */
+static uint64_t vmm_unref(uint64_t handle) {
+    mem_entry *e = table_find(&g_vmm, handle);
+    if (e == NULL || --e->extra > 0) return 0;
+    e = table_take(&g_vmm, handle);
+    uint64_t size = e->size;
+    free(e);
+    return size;
+}
+
+void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes) {
+    uint64_t cap = __atomic_load_n(&g_cap, __ATOMIC_ACQUIRE);
+    if (!cap) return;
+    uint64_t used = __atomic_load_n(&g_allocated, __ATOMIC_ACQUIRE);
+    uint64_t left = used < cap ? cap - used : 0;
+    if (cap < *total_bytes) *total_bytes = cap;
+    if (left < *free_bytes) *free_bytes = left;
 }
 
 static CUresult over_cap(const char *hook, uint64_t size) {
@@ -76,8 +133,9 @@ static CUresult over_cap(const char *hook, uint64_t size) {
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-/* The common shape of an allocation hook (`hook`: its index in the list). */
-#define ALLOC_HOOK(hook, size, out_key, call)                                           \
+/* The common shape of an allocation hook (`hook`: its index in the list; the new allocation
+ * goes into `table` under `out_key`, with `extra`). */
+#define ALLOC_HOOK(hook, size, table, out_key, extra, call)                             \
     do {                                                                                \
         init();                                                                         \
         if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                                 \
@@ -86,7 +144,7 @@ static CUresult over_cap(const char *hook, uint64_t size) {
         if (!mem_reserve(size_)) return over_cap(g_hooks[hook].symbol, size_);          \
         CUresult result_ = (call);                                                      \
         if (result_ == CUDA_SUCCESS) {                                                  \
-            mem_track((uint64_t)(out_key), size_);                                      \
+            mem_track((table), (uint64_t)(out_key), size_, (extra));                    \
             trace("alloc %s %llu ok", g_hooks[hook].symbol, (unsigned long long)size_); \
         } else {                                                                        \
             mem_unreserve(size_);                                                       \
@@ -95,25 +153,41 @@ static CUresult over_cap(const char *hook, uint64_t size) {
     } while (0)
 
 EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
-    ALLOC_HOOK(H_cuMemAlloc_v2, bytes, *dptr, REAL(cuMemAlloc_v2)(dptr, bytes));
+    ALLOC_HOOK(H_cuMemAlloc_v2, bytes, &g_mem, *dptr, 0, REAL(cuMemAlloc_v2)(dptr, bytes));
 }
 
 EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags) {
-    ALLOC_HOOK(H_cuMemAllocManaged, bytes, *dptr, REAL(cuMemAllocManaged)(dptr, bytes, flags));
+    ALLOC_HOOK(H_cuMemAllocManaged, bytes, &g_mem, *dptr, 0,
+               REAL(cuMemAllocManaged)(dptr, bytes, flags));
 }
 
 static ALWAYS_INLINE CUresult cuMemAllocAsync_body(int hook, int per_thread, CUdeviceptr *dptr,
                                                    size_t bytes, CUstream stream) {
     (void)per_thread; /* the cap is per process, whichever stream */
-    ALLOC_HOOK(hook, bytes, *dptr, REAL_AT(cuMemAllocAsync, hook)(dptr, bytes, stream));
+    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0,
+               REAL_AT(cuMemAllocAsync, hook)(dptr, bytes, stream));
 }
 
 GL_TWIN_HOOKS(cuMemAllocAsync, _ptsz, (CUdeviceptr *dptr, size_t bytes, CUstream stream),
               (dptr, bytes, stream))
 
+static ALWAYS_INLINE CUresult cuMemAllocFromPoolAsync_body(int hook, int per_thread,
+                                                           CUdeviceptr *dptr, size_t bytes,
+                                                           CUmemoryPool pool, CUstream stream) {
+    (void)per_thread;
+    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0,
+               REAL_AT(cuMemAllocFromPoolAsync, hook)(dptr, bytes, pool, stream));
+}
+
+GL_TWIN_HOOKS(cuMemAllocFromPoolAsync, _ptsz,
+              (CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream stream),
+              (dptr, bytes, pool, stream))
+
+/* One reference for the handle itself (until cuMemRelease), one per mapping (cuMemMap). */
 EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
                                     const CUmemAllocationProp *prop, unsigned long long flags) {
-    ALLOC_HOOK(H_cuMemCreate, bytes, *handle, REAL(cuMemCreate)(handle, bytes, prop, flags));
+    ALLOC_HOOK(H_cuMemCreate, bytes, &g_vmm, *handle, 1,
+               REAL(cuMemCreate)(handle, bytes, prop, flags));
 }
 
 /* The pitch (and so the size) is known only after the call: reserve the unpadded size first,
@@ -136,7 +210,7 @@ EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, siz
         if (REAL(cuMemFree_v2)) REAL(cuMemFree_v2)(*dptr);
         return over_cap("cuMemAllocPitch_v2", size);
     }
-    mem_track(*dptr, size > minimum ? size : minimum);
+    mem_track(&g_mem, *dptr, size > minimum ? size : minimum, 0);
     trace("alloc cuMemAllocPitch_v2 %llu ok", (unsigned long long)size);
     return CUDA_SUCCESS;
 }
@@ -161,11 +235,54 @@ static ALWAYS_INLINE CUresult cuMemFreeAsync_body(int hook, int per_thread, CUde
 
 GL_TWIN_HOOKS(cuMemFreeAsync, _ptsz, (CUdeviceptr dptr, CUstream stream), (dptr, stream))
 
+/* The driver frees a cuMemCreate allocation when it is released and no mapping is left. */
 EXPORT CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
     init();
     if (!REAL(cuMemRelease)) return CUDA_ERROR_NOT_FOUND;
     CUresult result = REAL(cuMemRelease)(handle);
-    if (result == CUDA_SUCCESS) mem_untrack(handle);
+    if (result == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mem_lock);
+        uint64_t freed = vmm_unref(handle);
+        pthread_mutex_unlock(&g_mem_lock);
+        if (freed) mem_unreserve(freed);
+    }
+    return result;
+}
+
+/* Mapping costs no new memory (the handle was counted when created); it holds the allocation
+ * alive until unmapped. A handle this process did not create (imported) is not followed. */
+EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                                 CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    init();
+    if (!REAL(cuMemMap)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemMap)(ptr, size, offset, handle, flags);
+    if (result == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mem_lock);
+        mem_entry *e = table_find(&g_vmm, handle);
+        if (e && table_put(&g_maps, ptr, size, handle)) e->extra++;
+        pthread_mutex_unlock(&g_mem_lock);
+    }
+    return result;
+}
+
+/* The range may cover several mappings laid end to end (each mapped whole, as the driver
+ * requires): each drops its handle's reference. */
+EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    init();
+    if (!REAL(cuMemUnmap)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemUnmap)(ptr, size);
+    if (result != CUDA_SUCCESS) return result;
+    uint64_t freed = 0, at = ptr, end = (uint64_t)ptr + size;
+    pthread_mutex_lock(&g_mem_lock);
+    while (at < end) {
+        mem_entry *m = table_take(&g_maps, at);
+        if (m == NULL) break; /* not a mapping of a counted handle */
+        freed += vmm_unref(m->extra);
+        at += m->size ? m->size : end - at;
+        free(m);
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    if (freed) mem_unreserve(freed);
     return result;
 }
 
@@ -174,12 +291,55 @@ EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
     if (!REAL(cuMemGetInfo_v2)) return CUDA_ERROR_NOT_FOUND;
     ensure_registered();
     CUresult result = REAL(cuMemGetInfo_v2)(free_bytes, total_bytes);
-    uint64_t cap = __atomic_load_n(&g_cap, __ATOMIC_ACQUIRE);
-    if (result == CUDA_SUCCESS && cap && free_bytes && total_bytes) {
-        uint64_t used = __atomic_load_n(&g_allocated, __ATOMIC_ACQUIRE);
-        uint64_t left = used < cap ? cap - used : 0;
-        *total_bytes = cap < *total_bytes ? cap : *total_bytes;
-        if (left < *free_bytes) *free_bytes = left;
+    if (result == CUDA_SUCCESS && free_bytes && total_bytes) {
+        uint64_t free64 = *free_bytes, total64 = *total_bytes;
+        mem_capped_view(&free64, &total64);
+        *free_bytes = (size_t)free64;
+        *total_bytes = (size_t)total64;
+    }
+    return result;
+}
+
+/* Whether `device` is the process's GPU: the one CUDA_VISIBLE_DEVICES names by UUID, else (no
+ * way to tell) every device. */
+static int nvml_is_assigned(nvmlDevice_t device) {
+    if (!g_nvml_assigned[0] || !g_nvml_uuid) return 1;
+    char uuid[96];
+    if (g_nvml_uuid(device, uuid, sizeof uuid) != NVML_SUCCESS) return 1;
+    return strncmp(uuid, g_nvml_assigned, strlen(g_nvml_assigned)) == 0;
+}
+
+/* NVML: the same view as cuMemGetInfo_v2, with used = total - free (so the three add up), for
+ * the process's GPU (see nvml_is_assigned); other devices are answered as they are. */
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    nvml_resolve();
+    if (!REAL(nvmlDeviceGetMemoryInfo)) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    ensure_registered();
+    nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo)(device, memory);
+    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
+        uint64_t free64 = memory->free, total64 = memory->total;
+        mem_capped_view(&free64, &total64);
+        memory->free = free64;
+        memory->total = total64;
+        memory->used = total64 - free64;
+    }
+    return result;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+    nvml_resolve();
+    if (!REAL(nvmlDeviceGetMemoryInfo_v2)) return NVML_ERROR_FUNCTION_NOT_FOUND;
+    ensure_registered();
+    nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo_v2)(device, memory);
+    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
+        uint64_t free64 = memory->free, total64 = memory->total;
+        mem_capped_view(&free64, &total64);
+        if (free64 != memory->free || total64 != memory->total) {
+            memory->free = free64;
+            memory->total = total64;
+            memory->reserved = 0; /* the driver's own reserve is outside the process's view */
+            memory->used = total64 - free64;
+        }
     }
     return result;
 }

@@ -1,4 +1,4 @@
-/* Symbol resolution: the interposed dlsym (a hooked cu* name gets its hook) and
+/* Symbol resolution: the interposed dlsym (a hooked cu* or nvml* name gets its hook) and
  * cuGetProcAddress/cuGetProcAddress_v2 (the pointer the driver answers is mapped to the hook of
  * the same real function, else by queried name, cudaVersion and the per-thread flag), so that
  * cudart-style resolution lands in the hooks. Owns no state. */
@@ -72,7 +72,7 @@ EXPORT void *dlsym(void *handle, const char *name) {
     if (!g_real_dlsym) resolve_real_dlsym();
     if (!g_real_dlsym) return NULL;
     void *found = g_real_dlsym(handle, name);
-    if (found && name[0] == 'c' && name[1] == 'u') {
+    if (found && ((name[0] == 'c' && name[1] == 'u') || strncmp(name, "nvml", 4) == 0)) {
         int i = hook_index(name);
         if (i >= 0) {
             init();

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gl_cuda.h"
+#include "gl_nvml.h"
 #include "hooks.h"
 #include "wire.h"
 
@@ -72,6 +73,16 @@ extern pthread_once_t g_init_once;
 void init_once(void);
 /* Every hook starts here: read the configuration and load the real driver, once. */
 static inline void init(void) { pthread_once(&g_init_once, init_once); }
+
+/* 1 when list entry `i` is an NVML function (resolved by nvml_resolve, not from libcuda). */
+int is_nvml_hook(int i);
+/* Resolve the real NVML's hooked functions, once (every NVML hook starts here). */
+void nvml_resolve(void);
+/* After nvml_resolve: the real nvmlDeviceGetUUID (NULL when missing) and the UUID (prefix)
+ * CUDA_VISIBLE_DEVICES gives the process ("" when it names no single GPU by UUID). */
+typedef nvmlReturn_t (*nvml_uuid_fn)(nvmlDevice_t, char *, unsigned int);
+extern nvml_uuid_fn g_nvml_uuid;
+extern char g_nvml_assigned[96];
 
 /* 1 when `key` is capturing into a graph (a driver without graphs: 0). */
 int is_capturing(CUstream key);
@@ -229,6 +240,10 @@ int measure_ready(void);
 
 void mem_set_cap(uint64_t cap_bytes); /* 0: keep the cap there is */
 uint64_t mem_allocated(void);
+/* The process's view of the GPU's memory under the cap (cuMemGetInfo and NVML both answer
+ * it): total = min(cap, real total), free = min(real free, cap - counted). Unchanged when
+ * there is no cap. */
+void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes);
 
 #pragma GCC visibility pop
 

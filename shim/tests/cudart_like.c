@@ -9,7 +9,8 @@
  *         CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM flag (--proc).
  *
  * OPs (results go to stdout as "key value..." lines):
- *   module NAME:US[,NAME:US...]     load a module (cuModuleLoadData/cuModuleGetFunction)
+ *   module NAME:US[:SM][,...]       load a module (cuModuleLoadData/cuModuleGetFunction); SM:
+ *                                   the percent of the SMs the kernel can use (fake driver)
  *   library NAME:US[,...]           load a library (cuLibraryLoadData/GetKernel/KernelGetFunction)
  *   unload                          unload the last module
  *   stream                          create a stream and use it from now on
@@ -19,15 +20,32 @@
  *   infer N PAUSE_US GAP_US NAME[,NAME...]   N requests: each launches the NAMEs (1x1) in
  *                                   order, stream-syncing after each and sleeping GAP_US between
  *                                   them (the host's work); PAUSE_US between requests. Prints
- *                                   the request latencies' mean, p50, p99 (ms) and the failures
+ *                                   the request latencies' mean, p50, p99 (ms) and the failures,
+ *                                   then the same as the JSON line `gpuloom profile sweep` reads
+ *                                   ({"requests_per_s": ..., "p50_latency_ms": ..., ...})
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
  *   sync | ssync | esync | dtoh     cuCtxSynchronize | cuStreamSynchronize | event record +
  *                                   cuEventSynchronize | cuMemcpyDtoH
- *   alloc KIND BYTES                KIND: alloc | pitch | managed | async | create
- *   freeall                         free every allocation
+ *   alloc KIND BYTES                KIND: alloc | pitch | managed | async | create | pool
+ *                                   (cuMemAllocFromPoolAsync from a pool made at first use) |
+ *                                   vmm (cuMemCreate, cuMemAddressReserve, cuMemMap,
+ *                                   cuMemSetAccess)
+ *   vmmrelease                      cuMemRelease every vmm handle (their mappings stay)
+ *   freeall                         free every allocation (async ones with cuMemFreeAsync, vmm
+ *                                   ones unmapped and released)
  *   meminfo                         cuMemGetInfo
+ *   nvml                            dlopen libnvidia-ml.so.1 and dlsym its functions (as pynvml
+ *                                   does): nvmlDeviceGetMemoryInfo and _v2 of device 0, then
+ *                                   nvmlDeviceGetMemoryInfo of device 1 ("nvml_other"), if any
+ *   ipcget FILE                     cuIpcGetMemHandle of the last allocation, written to FILE
+ *   ipcopen FILE                    cuIpcOpenMemHandle of the handle in FILE
+ *   ipcclose                        cuIpcCloseMemHandle of every opened handle
+ *   fill BYTE | peek                cuMemcpyHtoD BYTE into the first 4 KiB of the last
+ *                                   allocation | cuMemcpyDtoH of them: prints the bytes seen
+ *   ipcfill BYTE | ipcpeek          the same on the last IPC-opened memory
+ *   waitfile PATH                   wait (up to 60 s) until PATH exists
  *   capture NAME N                  capture N launches into a graph, then cuGraphLaunch it
  *   timed NAME N                    events around N launches: prints the elapsed ms
  * Exit status: 0, or 3 when a launch failed (the code is printed), 2 on a usage error.
@@ -42,6 +60,7 @@
 #include <unistd.h>
 
 #include "gl_cuda.h"
+#include "gl_nvml.h"
 
 #define API(X)                                                                                  \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) X(cuCtxCreate)              \
@@ -52,7 +71,9 @@
     X(cuGraphInstantiate) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)              \
     X(cuEventElapsedTime) X(cuMemAlloc) X(cuMemAllocPitch) X(cuMemAllocManaged)                \
     X(cuMemAllocAsync) X(cuMemCreate) X(cuMemRelease) X(cuMemFree) X(cuMemGetInfo)             \
-    X(cuMemcpyDtoH)
+    X(cuMemcpyDtoH) X(cuMemFreeAsync) X(cuMemAllocFromPoolAsync) X(cuMemPoolCreate)            \
+    X(cuMemAddressReserve) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuIpcGetMemHandle)    \
+    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemcpyHtoD)
 
 static struct {
 #define FIELD(name) __typeof__(&name) name;
@@ -86,6 +107,8 @@ static void resolve_direct(int ptds) {
         D.cuStreamEndCapture = cuStreamEndCapture_ptsz;
         D.cuEventRecord = cuEventRecord_ptsz;
         D.cuMemAllocAsync = cuMemAllocAsync_ptsz;
+        D.cuMemAllocFromPoolAsync = cuMemAllocFromPoolAsync_ptsz;
+        D.cuMemFreeAsync = cuMemFreeAsync_ptsz;
         D.cuMemcpyDtoH = cuMemcpyDtoH_v2_ptds;
     }
 }
@@ -135,10 +158,18 @@ static int g_func_count;
 static CUmodule g_module;
 static CUstream g_stream;
 
+enum { A_POINTER, A_HANDLE, A_ASYNC, A_VMM };
+
 typedef struct {
-    int kind; /* 0 device pointer, 1 handle */
-    uint64_t value;
+    int kind;
+    uint64_t value;   /* device pointer, or handle */
+    uint64_t address; /* A_VMM: where it is mapped */
+    uint64_t size;    /* A_VMM: the mapping's size */
+    int released;     /* A_VMM: the handle was released */
 } allocation;
+static CUmemoryPool g_pool;
+static CUdeviceptr g_opened[64];
+static int g_opened_count;
 static allocation g_allocs[256];
 static int g_alloc_count;
 
@@ -200,9 +231,9 @@ static CUresult launch_one(const char *kind, CUfunction f, unsigned d[6]) {
 }
 
 static CUresult alloc(const char *kind, size_t bytes) {
-    CUdeviceptr p = 0;
+    CUdeviceptr p = 0, address = 0;
     CUresult r;
-    int handle = 0;
+    int handle = A_POINTER;
     if (strcmp(kind, "pitch") == 0) {
         size_t pitch = 0;
         r = D.cuMemAllocPitch(&p, &pitch, bytes / 64, 64, 4);
@@ -210,19 +241,92 @@ static CUresult alloc(const char *kind, size_t bytes) {
         r = D.cuMemAllocManaged(&p, bytes, CU_MEM_ATTACH_GLOBAL);
     } else if (strcmp(kind, "async") == 0) {
         r = D.cuMemAllocAsync(&p, bytes, g_stream);
+        handle = A_ASYNC;
+    } else if (strcmp(kind, "pool") == 0) {
+        CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+        r = g_pool ? CUDA_SUCCESS : D.cuMemPoolCreate(&g_pool, &props);
+        if (r == CUDA_SUCCESS) r = D.cuMemAllocFromPoolAsync(&p, bytes, g_pool, g_stream);
+        handle = A_ASYNC;
+    } else if (strcmp(kind, "vmm") == 0) {
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+        CUmemAccessDesc access = {.location = prop.location,
+                                  .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+        CUmemGenericAllocationHandle h = 0;
+        r = D.cuMemCreate(&h, bytes, &prop, 0);
+        if (r == CUDA_SUCCESS) {
+            CUresult m = D.cuMemAddressReserve(&address, bytes, 0, 0, 0);
+            if (m == CUDA_SUCCESS) m = D.cuMemMap(address, bytes, 0, h, 0);
+            if (m == CUDA_SUCCESS) m = D.cuMemSetAccess(address, bytes, &access, 1);
+            if (m != CUDA_SUCCESS) printf("vmm map rc=%d\n", (int)m);
+        }
+        p = h;
+        handle = A_VMM;
     } else if (strcmp(kind, "create") == 0) {
         CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                     .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
         CUmemGenericAllocationHandle h = 0;
         r = D.cuMemCreate(&h, bytes, &prop, 0);
         p = h;
-        handle = 1;
+        handle = A_HANDLE;
     } else {
         r = D.cuMemAlloc(&p, bytes);
     }
     if (r == CUDA_SUCCESS && g_alloc_count < 256)
-        g_allocs[g_alloc_count++] = (allocation){handle, p};
+        g_allocs[g_alloc_count++] = (allocation){handle, p, address, bytes, 0};
     return r;
+}
+
+/* NVML as pynvml reaches it: dlopen, then dlsym of each function. */
+static void nvml_query(void) {
+    void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    if (lib == NULL) {
+        printf("nvml error dlopen %s\n", dlerror());
+        return;
+    }
+    int (*init)(void) = (int (*)(void))dlsym(lib, "nvmlInit_v2");
+    int (*get)(unsigned, nvmlDevice_t *) =
+        (int (*)(unsigned, nvmlDevice_t *))dlsym(lib, "nvmlDeviceGetHandleByIndex_v2");
+    __typeof__(&nvmlDeviceGetMemoryInfo) info = dlsym(lib, "nvmlDeviceGetMemoryInfo");
+    __typeof__(&nvmlDeviceGetMemoryInfo_v2) info2 = dlsym(lib, "nvmlDeviceGetMemoryInfo_v2");
+    nvmlDevice_t device = NULL;
+    if (!init || !get || !info || !info2 || init() != 0 || get(0, &device) != 0) {
+        printf("nvml error setup\n");
+        return;
+    }
+    nvmlMemory_t m = {0};
+    int r = info(device, &m);
+    printf("nvml rc=%d free=%llu total=%llu used=%llu\n", r, m.free, m.total, m.used);
+    nvmlMemory_v2_t m2 = {.version = nvmlMemory_v2};
+    r = info2(device, &m2);
+    printf("nvml_v2 rc=%d free=%llu total=%llu used=%llu reserved=%llu\n", r, m2.free, m2.total,
+           m2.used, m2.reserved);
+    nvmlDevice_t other = NULL;
+    if (get(1, &other) == 0) {
+        nvmlMemory_t o = {0};
+        r = info(other, &o);
+        printf("nvml_other rc=%d free=%llu total=%llu used=%llu\n", r, o.free, o.total, o.used);
+    }
+}
+
+#define PEEK_BYTES 4096
+
+static void fill(const char *op, CUdeviceptr p, int value) {
+    unsigned char buffer[PEEK_BYTES];
+    memset(buffer, value, sizeof buffer);
+    CUresult r = p ? D.cuMemcpyHtoD(p, buffer, sizeof buffer) : CUDA_ERROR_INVALID_VALUE;
+    printf("%s rc=%d\n", op, (int)r);
+}
+
+/* Prints the first byte and whether all 4 KiB are equal to it. */
+static void peek(const char *op, CUdeviceptr p) {
+    unsigned char buffer[PEEK_BYTES];
+    CUresult r = p ? D.cuMemcpyDtoH(buffer, p, sizeof buffer) : CUDA_ERROR_INVALID_VALUE;
+    int same = 1;
+    for (size_t k = 1; k < sizeof buffer; k++) same &= buffer[k] == buffer[0];
+    printf("%s rc=%d first=%d uniform=%d\n", op, (int)r, r == CUDA_SUCCESS ? buffer[0] : -1,
+           same);
 }
 
 static int compare_u64(const void *a, const void *b) {
@@ -250,6 +354,7 @@ static int infer(long requests, long pause_us, long gap_us, char *names) {
     unsigned d[6] = {1, 1, 1, 1, 1, 1};
     long failures = 0;
     double total = 0;
+    uint64_t began = now_ns();
     for (long r = 0; r < requests; r++) {
         uint64_t t0 = now_ns();
         for (int k = 0; k < count; k++) {
@@ -265,6 +370,9 @@ static int infer(long requests, long pause_us, long gap_us, char *names) {
     long p99 = (long)(0.99 * (double)(requests - 1) + 0.5);
     printf("infer requests=%ld failures=%ld mean_ms=%.4f p50_ms=%.4f p99_ms=%.4f\n", requests,
            failures, total / (double)requests / 1e6, latency[(requests - 1) / 2] / 1e6,
+           latency[p99] / 1e6);
+    printf("{\"requests_per_s\": %.3f, \"p50_latency_ms\": %.4f, \"p99_latency_ms\": %.4f}\n",
+           (double)requests / ((double)(now_ns() - began) / 1e9), latency[(requests - 1) / 2] / 1e6,
            latency[p99] / 1e6);
     free(latency);
     return failures ? 1 : 0;
@@ -386,7 +494,7 @@ int main(int argc, char **argv) {
             char buffer[16];
             CUdeviceptr p = 0;
             if (D.cuMemAlloc(&p, sizeof buffer) == CUDA_SUCCESS)
-                g_allocs[g_alloc_count++] = (allocation){0, p};
+                g_allocs[g_alloc_count++] = (allocation){A_POINTER, p, 0, 0, 0};
             printf("dtoh rc=%d\n", (int)D.cuMemcpyDtoH(buffer, p, sizeof buffer));
         } else if (strcmp(op, "alloc") == 0) {
             NEED(2);
@@ -396,11 +504,77 @@ int main(int argc, char **argv) {
             printf("alloc %s %llu rc=%d\n", kind, bytes, (int)alloc(kind, bytes));
         } else if (strcmp(op, "freeall") == 0) {
             int bad = 0;
-            for (int k = 0; k < g_alloc_count; k++)
-                bad |= (g_allocs[k].kind ? D.cuMemRelease(g_allocs[k].value)
-                                         : D.cuMemFree(g_allocs[k].value)) != CUDA_SUCCESS;
+            for (int k = 0; k < g_alloc_count; k++) {
+                allocation *a = &g_allocs[k];
+                if (a->kind == A_VMM) {
+                    bad |= D.cuMemUnmap(a->address, a->size) != CUDA_SUCCESS;
+                    if (!a->released) bad |= D.cuMemRelease(a->value) != CUDA_SUCCESS;
+                } else if (a->kind == A_HANDLE) {
+                    bad |= D.cuMemRelease(a->value) != CUDA_SUCCESS;
+                } else if (a->kind == A_ASYNC) {
+                    bad |= D.cuMemFreeAsync(a->value, g_stream) != CUDA_SUCCESS;
+                } else {
+                    bad |= D.cuMemFree(a->value) != CUDA_SUCCESS;
+                }
+            }
             g_alloc_count = 0;
             printf("freeall rc=%d\n", bad);
+        } else if (strcmp(op, "vmmrelease") == 0) {
+            int bad = 0;
+            for (int k = 0; k < g_alloc_count; k++)
+                if (g_allocs[k].kind == A_VMM && !g_allocs[k].released) {
+                    bad |= D.cuMemRelease(g_allocs[k].value) != CUDA_SUCCESS;
+                    g_allocs[k].released = 1;
+                }
+            printf("vmmrelease rc=%d\n", bad);
+        } else if (strcmp(op, "nvml") == 0) {
+            nvml_query();
+        } else if (strcmp(op, "ipcget") == 0) {
+            NEED(1);
+            const char *path = argv[++i];
+            CUipcMemHandle handle;
+            r = g_alloc_count ? D.cuIpcGetMemHandle(&handle, g_allocs[g_alloc_count - 1].value)
+                              : CUDA_ERROR_INVALID_VALUE;
+            FILE *f = r == CUDA_SUCCESS ? fopen(path, "wb") : NULL;
+            if (f) {
+                fwrite(&handle, sizeof handle, 1, f);
+                fclose(f);
+            }
+            printf("ipcget rc=%d\n", (int)r);
+        } else if (strcmp(op, "ipcopen") == 0) {
+            NEED(1);
+            CUipcMemHandle handle;
+            FILE *f = fopen(argv[++i], "rb");
+            size_t got = f ? fread(&handle, sizeof handle, 1, f) : 0;
+            if (f) fclose(f);
+            CUdeviceptr p = 0;
+            r = got == 1 ? D.cuIpcOpenMemHandle(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+                         : CUDA_ERROR_INVALID_VALUE;
+            if (r == CUDA_SUCCESS && g_opened_count < 64) g_opened[g_opened_count++] = p;
+            printf("ipcopen rc=%d\n", (int)r);
+        } else if (strcmp(op, "fill") == 0 || strcmp(op, "ipcfill") == 0) {
+            NEED(1);
+            int ipc = op[0] == 'i';
+            CUdeviceptr p = ipc ? (g_opened_count ? g_opened[g_opened_count - 1] : 0)
+                                : (g_alloc_count ? g_allocs[g_alloc_count - 1].value : 0);
+            fill(op, p, atoi(argv[++i]));
+        } else if (strcmp(op, "peek") == 0 || strcmp(op, "ipcpeek") == 0) {
+            int ipc = op[0] == 'i';
+            CUdeviceptr p = ipc ? (g_opened_count ? g_opened[g_opened_count - 1] : 0)
+                                : (g_alloc_count ? g_allocs[g_alloc_count - 1].value : 0);
+            peek(op, p);
+        } else if (strcmp(op, "waitfile") == 0) {
+            NEED(1);
+            const char *path = argv[++i];
+            int waited = 0;
+            while (access(path, F_OK) != 0 && waited++ < 6000) sleep_us(10000);
+            printf("waitfile rc=%d\n", access(path, F_OK) == 0 ? 0 : 1);
+        } else if (strcmp(op, "ipcclose") == 0) {
+            int bad = 0;
+            for (int k = 0; k < g_opened_count; k++)
+                bad |= D.cuIpcCloseMemHandle(g_opened[k]) != CUDA_SUCCESS;
+            g_opened_count = 0;
+            printf("ipcclose rc=%d\n", bad);
         } else if (strcmp(op, "meminfo") == 0) {
             size_t free_bytes = 0, total = 0;
             r = D.cuMemGetInfo(&free_bytes, &total);

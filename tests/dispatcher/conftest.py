@@ -114,3 +114,5 @@ async def stop_live(dispatcher: GpuDispatcher) -> None:
         await dispatcher.kernel_tables.close()
     if dispatcher.arbiter is not None:
         dispatcher.arbiter.stop()
+    if dispatcher.mps is not None:
+        dispatcher.mps.stop()

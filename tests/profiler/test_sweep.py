@@ -4,6 +4,8 @@ through a live dispatcher, the profiler stores the points, and a rerun resumes."
 from __future__ import annotations
 
 import asyncio
+import os
+import shlex
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,10 +16,12 @@ import pytest
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profiler.app import ProfilerApp
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
-from tests.dispatcher.conftest import start_live
+from tests.dispatcher.conftest import start_live, stop_live
+from tests.shim.conftest import shim_build  # noqa: F401  (fixture)
 
 GPULOOM = str(Path(sys.executable).parent / "gpuloom")
 LOADGEN = str(Path(__file__).with_name("loadgen.py"))
+FAKE_MPS = Path(__file__).parents[1] / "dispatcher" / "fake_mps_control.py"
 
 
 @pytest.fixture
@@ -99,3 +103,49 @@ async def test_bad_grids_are_refused_before_anything_runs(
         await stub.GetThroughputProfile(
             profile_store_pb2.GetProfileRequest(key="toy-infer", gpu_model="A100-80GB")
         )
+
+
+async def test_the_sm_axis_is_real_with_mps_on_the_fake_driver(
+    short_dir: Path,
+    profiler_app: ProfilerApp,
+    store_app: ProfileStoreApp,
+    stub: profile_store_pb2_grpc.ProfileStoreStub,
+    shim_build: Path,  # noqa: F811
+) -> None:
+    """The dispatcher runs (a fake) MPS and answers with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE; the
+    fake driver slows a kernel that needs the whole GPU on a smaller SM share; so the sweep's
+    throughput grows with the SM percent."""
+    dispatcher, channel = await start_live(
+        short_dir, mps="on", mps_control=shlex.join([sys.executable, str(FAKE_MPS)])
+    )
+    try:
+        assert dispatcher.mps is not None and dispatcher.mps.available()[0]
+        process = await asyncio.create_subprocess_exec(
+            GPULOOM, "profile", "sweep", "--function", "fake-infer",
+            "--shim", str(shim_build / "libgpuloom.so"),
+            "--dispatcher", f"127.0.0.1:{dispatcher.port}",
+            "--profiler", f"127.0.0.1:{profiler_app.port}",
+            "--profile-store", f"127.0.0.1:{store_app.port}",
+            "--sm", "25,50,100", "--quotas", "100",
+            "--", str(shim_build / "cudart_like"), "module", "k_full:2000:100",
+            "infer", "40", "0", "0", "k_full",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={
+                **os.environ,
+                "LD_LIBRARY_PATH": str(shim_build / "fake"),
+                "GPULOOM_FAKE_CUDA_DIR": str(short_dir / "fake-gpu"),
+            },
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(process.communicate(), timeout=120)
+        assert process.returncode == 0, err.decode()
+    finally:
+        await channel.close()
+        await stop_live(dispatcher)
+    profile = await stub.GetThroughputProfile(
+        profile_store_pb2.GetProfileRequest(key="fake-infer", gpu_model="A100-80GB")
+    )
+    by_sm = {p.sm_percent: p.requests_per_s for p in profile.points}
+    assert sorted(by_sm) == [25, 50, 100]
+    assert by_sm[25] < by_sm[50] < by_sm[100], by_sm
+    # 8 ms, 4 ms and 2 ms of GPU work per request (plus the host's share of each request).
+    assert by_sm[100] / by_sm[25] > 2.5, by_sm

@@ -205,3 +205,47 @@ def test_unreachable_dispatcher_fails_open_without_waiting(run: Runner) -> None:
     assert "UNTHROTTLED" in result.stderr
     assert float(result.value("loop", "max_launch_ms")) < 100
     assert int(result.value("loop", "launches")) > 10
+
+
+def test_the_fake_driver_slows_kernels_below_their_sm_need(run: Runner) -> None:
+    """The fake's MPS timing model: a kernel that can use 50% of the SMs takes its duration
+    at a share of 50% or more, and need/share times longer below; one that needs 10% never
+    slows down in this range. Kernel time is monotonic (non-increasing) in the share."""
+    durations: dict[int, dict[str, float]] = {}
+    for share in (10, 25, 50, 100):
+        result = run(
+            "module",
+            "k_half:20000:50,k_small:5000:10",
+            "launch",
+            "kernel",
+            "k_half",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "launch",
+            "kernel",
+            "k_small",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "1",
+            "sync",
+            env={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)},
+            preload=False,
+        )
+        assert result.returncode == 0, result.stderr
+        runs = [r for r in run.engine_runs() if r[0] == int(result.value("init", "pid"))]
+        durations[share] = {name: (end - start) / 1e6 for _, name, start, end in runs}
+    # A kernel never ends early; the host's scheduler may wake it late (a loaded machine).
+    for share, expected in ((10, 100.0), (25, 40.0), (50, 20.0), (100, 20.0)):
+        assert expected <= durations[share]["k_half"] < expected * 1.25 + 5, durations
+        assert 5.0 <= durations[share]["k_small"] < 5.0 * 1.25 + 5, durations
+    half = {share: times["k_half"] for share, times in durations.items()}
+    assert half[10] > half[25] > half[50] and half[25] > half[100]
