@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,21 +21,8 @@ from gpuloom.policies.fikit.core import (
     FikitConfig,
     FikitConfigStruct,
     config_struct,
-    library_path,
 )
-
-
-class _Stats(ctypes.Structure):
-    _fields_ = [
-        ("rounds", ctypes.c_uint64),
-        ("requests", ctypes.c_uint64),
-        ("grants", ctypes.c_uint64),
-        ("unknown_kernels", ctypes.c_uint64),
-        ("invalid_writes", ctypes.c_uint64),
-        ("role_races", ctypes.c_uint64),
-        ("tasks", ctypes.c_uint32),
-        ("waiting", ctypes.c_uint32),
-    ]
+from gpuloom.services.dispatcher.native import counters_struct, native_library, read_counters
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,50 +51,45 @@ class ArbiterFull(Exception):
 
 
 _U64_ARRAY = ctypes.POINTER(ctypes.c_uint64)
-_bound: ctypes.CDLL | None = None
-_bind_lock = threading.Lock()
+_Stats = counters_struct(ArbiterStats, u32=("tasks", "waiting"))
 
 
+@functools.cache
 def _library() -> ctypes.CDLL:
-    global _bound
-    with _bind_lock:
-        if _bound is None:
-            # Its own handle on the library: errno must be kept for these calls.
-            lib = ctypes.CDLL(str(library_path()), use_errno=True)
-            lib.gl_arbiter_start.restype = ctypes.c_void_p
-            lib.gl_arbiter_start.argtypes = [
-                ctypes.POINTER(FikitConfigStruct),
-                ctypes.c_int,
-                ctypes.c_uint64,
-                ctypes.c_uint64,
-            ]
-            lib.gl_arbiter_stop.restype = None
-            lib.gl_arbiter_stop.argtypes = [ctypes.c_void_p]
-            lib.gl_arbiter_add_task.restype = ctypes.c_int
-            lib.gl_arbiter_add_task.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_int,
-                ctypes.c_uint32,
-                _U64_ARRAY,
-                _U64_ARRAY,
-                _U64_ARRAY,
-                ctypes.c_uint32,
-            ]
-            lib.gl_arbiter_set_kernels.restype = ctypes.c_int
-            lib.gl_arbiter_set_kernels.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_int,
-                _U64_ARRAY,
-                _U64_ARRAY,
-                _U64_ARRAY,
-                ctypes.c_uint32,
-            ]
-            lib.gl_arbiter_remove_task.restype = None
-            lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
-            lib.gl_arbiter_get_stats.restype = None
-            lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
-            _bound = lib
-        return _bound
+    lib = native_library()
+    lib.gl_arbiter_start.restype = ctypes.c_void_p
+    lib.gl_arbiter_start.argtypes = [
+        ctypes.POINTER(FikitConfigStruct),
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.c_uint64,
+    ]
+    lib.gl_arbiter_stop.restype = None
+    lib.gl_arbiter_stop.argtypes = [ctypes.c_void_p]
+    lib.gl_arbiter_add_task.restype = ctypes.c_int
+    lib.gl_arbiter_add_task.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_uint32,
+        _U64_ARRAY,
+        _U64_ARRAY,
+        _U64_ARRAY,
+        ctypes.c_uint32,
+    ]
+    lib.gl_arbiter_set_kernels.restype = ctypes.c_int
+    lib.gl_arbiter_set_kernels.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int,
+        _U64_ARRAY,
+        _U64_ARRAY,
+        _U64_ARRAY,
+        ctypes.c_uint32,
+    ]
+    lib.gl_arbiter_remove_task.restype = None
+    lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_arbiter_get_stats.restype = None
+    lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
+    return lib
 
 
 class Arbiter:
@@ -153,7 +135,7 @@ class Arbiter:
     def stats(self) -> ArbiterStats:
         raw = _Stats()
         self._lib.gl_arbiter_get_stats(self._require(), ctypes.byref(raw))
-        return ArbiterStats(*(getattr(raw, name) for name, _ in _Stats._fields_))
+        return read_counters(ArbiterStats, raw)
 
     def stop(self) -> None:
         if self._handle is None:

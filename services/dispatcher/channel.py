@@ -773,13 +773,7 @@ class ShimChannel:
         connection.requested_at = None
         if self.lease_events_wanted:
             for lease in decision.granted:
-                length_ms = (lease.expires_at - lease.granted_at) * 1e3
-                self._emit(
-                    EventKind.LEASE_GRANTED,
-                    lease.client_id,
-                    lease_id=lease.lease_id,
-                    lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
-                )
+                self._emit_granted(lease)
             for lease in decision.ended:
                 self._emit(EventKind.LEASE_ENDED, lease.client_id, lease_id=lease.lease_id)
 
@@ -887,13 +881,7 @@ class ShimChannel:
                     self._waits.append(lease.granted_at - connection.requested_at)
                     connection.requested_at = None
                 if self.lease_events_wanted:
-                    length_ms = (lease.expires_at - lease.granted_at) * 1e3
-                    self._emit(
-                        EventKind.LEASE_GRANTED,
-                        lease.client_id,
-                        lease_id=lease.lease_id,
-                        lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
-                    )
+                    self._emit_granted(lease)
         for decision in decisions:
             if not decision:
                 continue
@@ -1016,6 +1004,15 @@ class ShimChannel:
             quota = metrics.CLIENT_QUOTA
             quota.labels(self._gpu, client_id, "request").set(client.share.quota_request)
             quota.labels(self._gpu, client_id, "limit").set(client.share.quota_limit)
+
+    def _emit_granted(self, lease: Lease) -> None:
+        length_ms = (lease.expires_at - lease.granted_at) * 1e3
+        self._emit(
+            EventKind.LEASE_GRANTED,
+            lease.client_id,
+            lease_id=lease.lease_id,
+            lease_ms=length_ms if math.isfinite(length_ms) else 0.0,
+        )
 
     def _emit(
         self,

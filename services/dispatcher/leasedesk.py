@@ -13,12 +13,12 @@ import contextlib
 import ctypes
 import enum
 import errno
+import functools
 import math
 import os
-import threading
 from dataclasses import dataclass
 
-from gpuloom.policies.fikit.core import library_path
+from gpuloom.services.dispatcher.native import counters_struct, native_library, read_counters
 
 MAX_SLOTS = 256
 FOREVER = (1 << 64) - 1
@@ -59,19 +59,6 @@ class _Event(ctypes.Structure):
     ]
 
 
-class _Stats(ctypes.Structure):
-    _fields_ = [
-        ("rounds", ctypes.c_uint64),
-        ("requests", ctypes.c_uint64),
-        ("renewed", ctypes.c_uint64),
-        ("forwarded", ctypes.c_uint64),
-        ("invalid_writes", ctypes.c_uint64),
-        ("throttled", ctypes.c_uint64),
-        ("slots", ctypes.c_uint32),
-        ("pending", ctypes.c_uint32),
-    ]
-
-
 @dataclass(frozen=True, slots=True)
 class DeskStats:
     rounds: int
@@ -102,33 +89,29 @@ class DeskFull(Exception):
     """All MAX_SLOTS slots of this GPU's lease desk are taken."""
 
 
-_bound: ctypes.CDLL | None = None
-_bind_lock = threading.Lock()
+_Stats = counters_struct(DeskStats, u32=("slots", "pending"))
 
 
+@functools.cache
 def _library() -> ctypes.CDLL:
-    global _bound
-    with _bind_lock:
-        if _bound is None:
-            lib = ctypes.CDLL(str(library_path()), use_errno=True)
-            lib.gl_desk_start.restype = ctypes.c_void_p
-            lib.gl_desk_start.argtypes = [ctypes.c_int, ctypes.c_int]
-            lib.gl_desk_stop.restype = None
-            lib.gl_desk_stop.argtypes = [ctypes.c_void_p]
-            lib.gl_desk_add.restype = ctypes.c_int
-            lib.gl_desk_add.argtypes = [ctypes.c_void_p, ctypes.c_int]
-            lib.gl_desk_remove.restype = None
-            lib.gl_desk_remove.argtypes = [ctypes.c_void_p, ctypes.c_int]
-            lib.gl_desk_set_terms.restype = ctypes.c_int
-            lib.gl_desk_set_terms.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            lib.gl_desk_revoke_all.restype = None
-            lib.gl_desk_revoke_all.argtypes = [ctypes.c_void_p]
-            lib.gl_desk_take.restype = ctypes.c_uint32
-            lib.gl_desk_take.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
-            lib.gl_desk_get_stats.restype = None
-            lib.gl_desk_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
-            _bound = lib
-        return _bound
+    lib = native_library()
+    lib.gl_desk_start.restype = ctypes.c_void_p
+    lib.gl_desk_start.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.gl_desk_stop.restype = None
+    lib.gl_desk_stop.argtypes = [ctypes.c_void_p]
+    lib.gl_desk_add.restype = ctypes.c_int
+    lib.gl_desk_add.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_desk_remove.restype = None
+    lib.gl_desk_remove.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_desk_set_terms.restype = ctypes.c_int
+    lib.gl_desk_set_terms.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.gl_desk_revoke_all.restype = None
+    lib.gl_desk_revoke_all.argtypes = [ctypes.c_void_p]
+    lib.gl_desk_take.restype = ctypes.c_uint32
+    lib.gl_desk_take.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32]
+    lib.gl_desk_get_stats.restype = None
+    lib.gl_desk_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
+    return lib
 
 
 def _ns(seconds: float) -> int:
@@ -231,7 +214,7 @@ class LeaseDesk:
     def stats(self) -> DeskStats:
         raw = _Stats()
         self._lib.gl_desk_get_stats(self._require(), ctypes.byref(raw))
-        return DeskStats(*(getattr(raw, name) for name, _ in _Stats._fields_))
+        return read_counters(DeskStats, raw)
 
     def stop(self) -> None:
         if self._handle is None:

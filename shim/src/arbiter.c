@@ -22,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "native.h"
 #include "wire.h"
 
 #define API __attribute__((visibility("default")))
@@ -59,29 +60,6 @@ struct gl_arbiter {
     gl_fk_core *core; /* gl_fk_core_size() bytes */
 };
 
-static uint64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-static inline uint32_t load32(const uint8_t *r, int offset) {
-    return __atomic_load_n((const uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
-}
-static inline uint64_t load64(const uint8_t *r, int offset) {
-    return __atomic_load_n((const uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
-}
-static inline void store32(uint8_t *r, int offset, uint32_t value) {
-    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
-static inline void store64(uint8_t *r, int offset, uint64_t value) {
-    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
-
-static void wake(uint8_t *r, int offset) {
-    syscall(SYS_futex, (uint32_t *)(r + offset), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-}
-
 static inline uint64_t mix(uint64_t id) { return id * 0x9E3779B97F4A7C15ull; }
 
 static const kernel_entry *lookup(const slot_state *s, uint64_t id) {
@@ -113,7 +91,7 @@ static void grant(gl_arbiter *a, uint32_t task) {
     s->queued = 0;
     track(a, task, s->queued_seq);
     store32(s->region, GL_OFF_FK_GRANT, s->queued_seq);
-    wake(s->region, GL_OFF_FK_GRANT);
+    wake_word(s->region, GL_OFF_FK_GRANT);
     a->stats.grants++;
 }
 
@@ -292,11 +270,7 @@ static void *run(void *arg) {
     }
 }
 
-static void ring(gl_arbiter *a) {
-    uint64_t one = 1;
-    if (write(a->doorbell, &one, sizeof one) < 0) { /* full counter: a wake-up is pending */
-    }
-}
+static void ring(gl_arbiter *a) { ring_eventfd(a->doorbell); }
 
 API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
                                  uint64_t spin_ns) {

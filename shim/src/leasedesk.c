@@ -21,6 +21,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "native.h"
 #include "wire.h"
 
 #define API __attribute__((visibility("default")))
@@ -56,35 +57,10 @@ struct gl_desk {
     desk_slot slots[GL_DESK_MAX_SLOTS];
 };
 
-static uint64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-static inline uint32_t load32(const uint8_t *r, int offset) {
-    return __atomic_load_n((const uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
-}
-static inline uint64_t load64(const uint8_t *r, int offset) {
-    return __atomic_load_n((const uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
-}
-static inline void store32(uint8_t *r, int offset, uint32_t value) {
-    __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
-static inline void store64(uint8_t *r, int offset, uint64_t value) {
-    __atomic_store_n((uint64_t *)(r + offset), value, __ATOMIC_RELEASE);
-}
-
-static void write_eventfd(int fd) {
-    uint64_t one = 1;
-    if (write(fd, &one, sizeof one) < 0) { /* full counter: a wake-up is pending anyway */
-    }
-}
-
 static void notify_python(gl_desk *d) {
     if (d->notified) return;
     d->notified = 1;
-    write_eventfd(d->notify);
+    ring_eventfd(d->notify);
 }
 
 /* The same stores, in the same order, as AdmissionRegion.publish_lease: the epoch last, so a
@@ -94,7 +70,7 @@ static void publish_lease(uint8_t *r, uint64_t lease_id, uint64_t until_ns) {
     store64(r, GL_OFF_ADMIT_UNTIL, until_ns);
     store32(r, GL_OFF_STATE, GL_STATE_LEASED);
     store32(r, GL_OFF_EPOCH, load32(r, GL_OFF_EPOCH) + 1);
-    syscall(SYS_futex, (uint32_t *)(r + GL_OFF_EPOCH), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    wake_word(r, GL_OFF_EPOCH);
 }
 
 static void record(gl_desk *d, uint32_t slot, const gl_desk_event *event) {
@@ -269,7 +245,7 @@ API void gl_desk_stop(gl_desk *d) {
     pthread_mutex_lock(&d->lock);
     d->stop = 1;
     pthread_mutex_unlock(&d->lock);
-    write_eventfd(d->doorbell);
+    ring_eventfd(d->doorbell);
     pthread_join(d->thread, NULL);
     for (uint32_t t = 0; t < GL_DESK_MAX_SLOTS; t++) release_slot(d, t);
     pthread_mutex_destroy(&d->lock);
@@ -377,7 +353,7 @@ API uint32_t gl_desk_take(gl_desk *d, gl_desk_event *out, uint32_t max) {
     int rescan = d->throttled;
     d->throttled = 0;
     pthread_mutex_unlock(&d->lock);
-    if (rescan) write_eventfd(d->doorbell); /* the requests left unread are read now */
+    if (rescan) ring_eventfd(d->doorbell); /* the requests left unread are read now */
     return n;
 }
 
