@@ -392,8 +392,8 @@ class _Cluster:
             run.group = self.next_gid
             self.next_gid += 1
             self.used |= set(slots)
-            if run.first_s is None:
-                run.first_s = now
+            if run.first_s is None or run.first_s > now:
+                run.first_s = now  # alone (a job moved before its first turn: now too)
         elif isinstance(action, Slice):
             group = self._group(action.group, action)
             if group.packed or len(group.slots) != run.spec.gpus or i in group.jobs:
@@ -421,8 +421,8 @@ class _Cluster:
                 self._move(i, now)
                 group.jobs.append(i)
                 run.group = action.group
-                if run.first_s is None:
-                    run.first_s = now
+            if run.first_s is None or run.first_s > now:
+                run.first_s = now  # packed, it runs at once (no turn to wait for)
             group.packed, group.packed_since, group.gain = True, now, None
             heapq.heappush(self.trials, (now + PACK_TRIAL_S, action.group, now))
             self.counts["packings"] += 1
