@@ -108,6 +108,7 @@ class Throughputs:
                     other_type, other_scale = _job_key(other, source, gpu)
                     if scale == other_scale == 1 and _pair(both) and min(both) > 0:
                         self.pair[(gpu, job_type, other_type)] = (float(both[0]), float(both[1]))
+        self._utilisation: dict[tuple[str, str], float] = {}
         self.gpu_types = tuple(sorted({g for g, _, _ in self.solo}))
         self.job_types = frozenset(t for _, t, _ in self.solo)
 
@@ -125,12 +126,17 @@ class Throughputs:
     def utilisation(self, gpu: str, job_type: str) -> float:
         """Stand-in for the GPU utilisation the profiler would measure: the mean share of its
         throughput a partner loses when co-located with this job (1 when none can be)."""
+        known = self._utilisation.get((gpu, job_type))
+        if known is not None:
+            return known
         losses = [
             1 - both[1] / self.solo[(gpu, other, 1)]
             for (g, t, other), both in self.pair.items()
             if g == gpu and t == job_type and self.solo.get((gpu, other, 1))
         ]
-        return min(1.0, max(0.0, sum(losses) / len(losses))) if losses else 1.0
+        value = min(1.0, max(0.0, sum(losses) / len(losses))) if losses else 1.0
+        self._utilisation[(gpu, job_type)] = value
+        return value
 
 
 def find_throughputs(trace: Path) -> Path:

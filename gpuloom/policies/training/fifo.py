@@ -11,7 +11,7 @@ from gpuloom.policies.training.model import Action, ClusterView, FreeMap, Place,
 def best_fit(free: FreeMap, k: int) -> tuple[Slot, ...] | None:
     """k GPUs on one server (fewest free first, then server order), or whole servers for a job
     wider than any server; None when nothing holds it now. Taken from `free` when found."""
-    if k > max(server.gpus for server in free.servers):
+    if k > free.widest:
         return free.whole(k)
     fitting = [n for n in range(len(free.servers)) if free.count(n) >= k]
     if not fitting:

@@ -153,7 +153,7 @@ class GandivaPolicy:
         return False
 
     def _exclusive(self, free: FreeMap, scratch: _Scratch, k: int) -> tuple[Slot, ...] | None:
-        if k > max(server.gpus for server in free.servers):
+        if k > free.widest:
             return free.whole(k)
         fitting = [n for n in range(len(free.servers)) if free.count(n) >= k]
         if not fitting:
@@ -234,11 +234,13 @@ class GandivaPolicy:
             (gid for gid, jobs in scratch.jobs.items() if len(jobs) > 1),
             key=lambda gid: (-len(scratch.jobs[gid]), gid),
         )
+        full: set[int] = set()  # GPU counts no server has room for any more
         for gid in crowded:
-            while len(scratch.jobs[gid]) > 1:
+            while len(scratch.jobs[gid]) > 1 and len(scratch.slots[gid]) not in full:
                 k = len(scratch.slots[gid])
                 slots = self._exclusive(free, scratch, k)
                 if slots is None:
+                    full.add(k)
                     break
                 job = scratch.jobs[gid][-1]
                 scratch.remove(job, free)
@@ -259,22 +261,32 @@ class GandivaPolicy:
             ),
             key=lambda j: (util(j), j),
         )
+        # One-GPU jobs alone, per GPU type, lowest utilisation first: the packing targets.
+        alone: dict[str, list[int]] = {}
+        for gid in sorted(
+            (
+                g
+                for g, jobs in scratch.jobs.items()
+                if g >= 0
+                and len(jobs) == 1
+                and len(scratch.slots[g]) == 1
+                and not scratch.packed[g]
+            ),
+            key=lambda g: (util(scratch.jobs[g][0]), g),
+        ):
+            alone.setdefault(view.servers[scratch.slots[gid][0][0]].gpu_type, []).append(gid)
         for job in candidates:
             own = scratch.of_job[job]
             if len(scratch.jobs[own]) < 2 or scratch.packed[own]:
                 continue  # its group changed since (packed, or down to one job)
             gpu_type = view.servers[scratch.slots[own][0][0]].gpu_type
-            targets = [
-                gid
-                for gid, jobs in scratch.jobs.items()
-                if gid >= 0
-                and len(scratch.slots[gid]) == 1
-                and not scratch.packed[gid]
-                and (len(jobs) == 1 or (gid == own and len(jobs) == 2))
-                and view.servers[scratch.slots[gid][0][0]].gpu_type == gpu_type
-            ]
+            targets = alone.get(gpu_type, [])
+            if own >= 0 and len(scratch.jobs[own]) == 2:
+                targets = sorted(
+                    [*targets, own], key=lambda g: (util(_partner(scratch, g, job)), g)
+                )
             kind = view.jobs[job].job_type
-            for gid in sorted(targets, key=lambda g: (util(_partner(scratch, g, job)), g)):
+            for gid in targets:
                 other = view.jobs[_partner(scratch, gid, job)].job_type
                 key = (gpu_type, kind, other)
                 if view.can_pack(*key) and key not in self.bad_pairs:
@@ -282,6 +294,7 @@ class GandivaPolicy:
                         scratch.jobs[own].remove(job)
                         scratch.jobs[gid].append(job)
                         scratch.of_job[job] = gid
+                        alone[gpu_type].remove(gid)
                     scratch.packed[gid] = True
                     actions.append(Pack(job, gid))
                     break

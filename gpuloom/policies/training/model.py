@@ -121,6 +121,7 @@ class FreeMap:
 
     def __init__(self, servers: Sequence[Server], groups: Sequence[Group]) -> None:
         self.servers = tuple(servers)
+        self.widest = max((server.gpus for server in self.servers), default=0)
         used: set[Slot] = {s for g in groups for s in g.slots}
         self.free: list[list[int]] = [
             [i for i in range(server.gpus) if (n, i) not in used]
