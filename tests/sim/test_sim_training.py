@@ -13,12 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.clients.cli import cli
+from gpuloom.policies.training.gandiva import MAX_HEIGHT
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.sim.training import (
     MIGRATION_S,
     PACK_TRIAL_S,
     QUANTUM_S,
+    SERVER_GPUS,
     SLICE_EFFICIENCY,
+    SWITCH_S,
     Throughputs,
     TraceJob,
     TrainingInputError,
@@ -263,7 +266,15 @@ def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -
     assert gandiva.undone <= gandiva.packings
 
 
-def test_migration_cost_is_what_the_docs_say() -> None:
+def test_the_docs_give_the_constants_the_code_uses() -> None:
     doc = (ROOT / "docs" / "training.md").read_text()
-    for name, value in [("QUANTUM_S", QUANTUM_S), ("MIGRATION_S", MIGRATION_S)]:
-        assert f"`{name}` = {value:g} s" in doc
+    for name, value, unit in [
+        ("QUANTUM_S", QUANTUM_S, "s"),
+        ("SWITCH_S", SWITCH_S, "s"),
+        ("MIGRATION_S", MIGRATION_S, "s"),
+        ("PACK_TRIAL_S", PACK_TRIAL_S, "s"),
+        ("SERVER_GPUS", SERVER_GPUS, "GPUs"),
+        ("MAX_HEIGHT", MAX_HEIGHT, "jobs"),
+    ]:
+        assert f"| `{name}` | {value:g} {unit} |" in doc
+    assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)
