@@ -108,10 +108,26 @@ def test_cluster_specs() -> None:
 def test_bad_traces_exit_2_naming_file_and_line_and_run_nothing(
     tmp_path: Path, trace: str, said: str
 ) -> None:
-    result = run_cli(tmp_path, trace, "--cluster", "v100:4", "--json")
+    # A good trace before it is not run either, and no plot is drawn.
+    (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
+    (tmp_path / "good.trace").write_text(line("A", 10, 0))
+    (tmp_path / "x.trace").write_text(trace)
+    plot = tmp_path / "p.png"
+    argv = ["sim", "training", "--trace", str(tmp_path / "good.trace")]
+    argv += ["--trace", str(tmp_path / "x.trace"), "--plot", str(plot), "--cluster", "v100:4"]
+    result = CliRunner().invoke(cli, [*argv, "--json"])
     assert result.exit_code == 2
     assert said in result.output
     assert "avg_jct_h" not in result.output
+    assert not plot.exists()
+
+
+def test_a_missing_trace_file_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
+    argv = ["sim", "training", "--trace", str(tmp_path / "nope.trace"), "--cluster", "v100:4"]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2
+    assert "nope.trace, line 0: No such file or directory" in result.output
 
 
 def test_a_missing_throughput_entry_and_an_unknown_gpu_type_exit_2(tmp_path: Path) -> None:
