@@ -357,14 +357,16 @@ class _Cluster:
             del self.groups[gid]
 
     def _move(self, i: int, now: float) -> None:
-        """Take job i off its GPUs (a running job migrates: it stalls) or out of the queue."""
+        """Take job i off its GPUs or out of the queue. A job that has run migrates: it stalls
+        MIGRATION_S; one still waiting for its first turn has no state to move."""
         run = self.runs[i]
-        if run.group is not None:
-            self._leave(i)
+        if run.group is None:
+            self.waiting.pop(i)
+            return
+        self._leave(i)
+        if run.first_s is not None and run.first_s < now:
             run.stalled_until = now + MIGRATION_S
             self.counts["migrations"] += 1
-        else:
-            self.waiting.pop(i)
 
     def apply(self, action: Action, now: float) -> None:
         if isinstance(action, Unpack):
