@@ -209,6 +209,18 @@ def test_gandiva_time_slices_then_spreads_onto_a_freed_gpu() -> None:
     assert (run.packings, run.migrations) == (0, 1)
 
 
+def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
+    # C1 (long) and C2 (30 s) start alone on a 2-GPU server; C3 arrives at 10 s and joins
+    # C1's round-robin, its turn due at 70 s; C2 ends at 30.5 s and C3 takes its GPU at once:
+    # no state to move, no stall (a 30 s stall would show in its JCT).
+    jobs = jobs_of(line("C", 36_000, 0), line("C", 150, 0.5), line("C", 3_000, 10))
+    run = simulate(jobs, parse_cluster("v100:2/2", ["v100"]), table(), get_policy("gandiva"))
+    assert run.migrations == 0
+    assert run.avg_first_feedback_h == round((30.5 - 10) / 3 / 3600, 3)
+    c3_left = 3_000 - 5 * SLICE_EFFICIENCY / 2 * (30.5 - 10)
+    assert run.jct_h[2] == pytest.approx((30.5 + c3_left / 5 - 10) / 3600)
+
+
 def test_jobs_wider_than_the_cluster_are_counted_not_run(tmp_path: Path) -> None:
     trace = line("A", 100, 0) + "\n" + line("A", 100, 0, scale=8) + "\n"
     result = run_cli(tmp_path, trace, "--cluster", "v100:4", "--json")
