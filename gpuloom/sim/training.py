@@ -222,11 +222,6 @@ def parse_trace(
         job_type = fields[0].strip()
         if job_type not in table.job_types:
             raise TrainingInputError(f"{where}: unknown job type {job_type!r}")
-        for gpu in gpu_types:
-            if (gpu, job_type, 1) not in table.solo:
-                raise TrainingInputError(
-                    f"{where}: missing throughput entry for {job_type!r} on one {gpu}"
-                )
         steps = _number(fields[4], int, where, "steps")
         arrival = _number(fields[5], float, where, "arrival")
         scale = _number(fields[6], int, where, "scale")
@@ -234,6 +229,16 @@ def parse_trace(
             raise TrainingInputError(
                 f"{where}: steps and scale must be at least 1, arrival a time >= 0"
             )
+        for gpu in gpu_types:
+            if (gpu, job_type, 1) not in table.solo:
+                raise TrainingInputError(
+                    f"{where}: missing throughput entry for {job_type!r} on one {gpu}"
+                )
+            if not table.solo_rate(gpu, job_type, scale):
+                raise TrainingInputError(
+                    f"{where}: {job_type!r} on {scale} {gpu}: the table's throughput is 0"
+                    " (it does not run there)"
+                )
         jobs.append(TraceJob(number, job_type, scale, steps, arrival))
     if not jobs:
         raise TrainingInputError(f"{source}, line 1: the trace has no jobs")
@@ -520,8 +525,9 @@ def simulate(
         t_trial = cluster.trials[0][0] if cluster.trials else math.inf
         t = min(t_finish, t_arrive, t_trial)
         if t == math.inf:
-            if cluster.waiting:
-                raise PolicyError(f"{policy.name} left {len(cluster.waiting)} jobs waiting")
+            stuck = len(cluster.views)
+            if stuck:
+                raise PolicyError(f"{policy.name} left {stuck} job(s) unfinished with no event")
             break
         dt = t - now
         busy_gpu_s += len(cluster.used) * dt

@@ -43,7 +43,7 @@ TABLE = {
         "('C', 1)": {"null": 5.0, "('A', 1)": [2.0, 4.0]},
         "('A', 2)": {"null": 18.0},
     },
-    "k80": {"('A', 1)": {"null": 2.0}},
+    "k80": {"('A', 1)": {"null": 2.0}, "('A', 2)": {"null": 0.0}},
     "v100_unconsolidated": {"('A', 1)": {"null": 1.0}},
 }
 
@@ -137,6 +137,11 @@ def test_a_missing_throughput_entry_and_an_unknown_gpu_type_exit_2(tmp_path: Pat
     result = run_cli(tmp_path, trace, "--cluster", "v100:4,k80:4")
     assert result.exit_code == 2
     assert "x.trace, line 2: missing throughput entry for 'B' on one k80" in result.output
+    # A on 2 k80s has throughput 0 in the table (and 4 k80s derive from it): refused.
+    wide = line("A", 10, 0) + "\n" + line("A", 10, 5, scale=4) + "\n"
+    result = run_cli(tmp_path, wide, "--cluster", "v100:4,k80:4")
+    assert result.exit_code == 2
+    assert "x.trace, line 2: 'A' on 4 k80: the table's throughput is 0" in result.output
     result = run_cli(tmp_path, trace, "--cluster", "h100:8")
     assert result.exit_code == 2
     assert "unknown GPU type 'h100'" in result.output
