@@ -334,8 +334,9 @@ def training(
                 click.echo(json.dumps(run.summary()))
         if runs and runs[-1].unschedulable:
             click.echo(
-                f"note: {path}: {runs[-1].unschedulable} job(s) need more GPUs of one type"
-                f" than {cluster} has; not run",
+                f"note: {path}: {runs[-1].unschedulable} job(s) fit no GPU type of {cluster}"
+                " (wider than its GPUs of a type where the table's throughput is above 0);"
+                " not run",
                 err=True,
             )
     if not as_json:

@@ -13,8 +13,9 @@ Inputs, checked before anything runs (TrainingInputError names the file and line
 The model (docs/training.md): a job progresses at its throughput in steps/s until its steps
 are done. Alone: the table's solo throughput (a scale the table lacks: the largest measured
 scale below it, scaled linearly). Time-sliced h ways: solo x SLICE_EFFICIENCY / h. Packed: the
-table's co-located pair throughput. A migration stalls the job MIGRATION_S. Jobs wider than
-every GPU type's total are not run and are counted as `unschedulable`.
+table's co-located pair throughput. A migration stalls the job MIGRATION_S. A job runs only
+on GPU types where the table gives it a throughput above 0; jobs that fit none (wider than
+every such type's total) are not run and are counted as `unschedulable`.
 """
 
 from __future__ import annotations
@@ -234,11 +235,6 @@ def parse_trace(
                 raise TrainingInputError(
                     f"{where}: missing throughput entry for {job_type!r} on one {gpu}"
                 )
-            if not table.solo_rate(gpu, job_type, scale):
-                raise TrainingInputError(
-                    f"{where}: {job_type!r} on {scale} {gpu}: the table's throughput is 0"
-                    " (it does not run there)"
-                )
         jobs.append(TraceJob(number, job_type, scale, steps, arrival))
     if not jobs:
         raise TrainingInputError(f"{source}, line 1: the trace has no jobs")
@@ -329,8 +325,12 @@ class _Cluster:
 
     def arrive(self, i: int, now: float) -> None:
         spec = self.runs[i].spec
-        util = min(self.table.utilisation(g, spec.job_type) for g in self.table.gpu_types)
-        self.views[i] = Job(i, spec.job_type, spec.gpus, spec.arrival_s, util)
+        kinds = runs_on(spec, self.servers, self.table)
+        util = min(self.table.utilisation(g, spec.job_type) for g in kinds)
+        every = kinds == {s.gpu_type for s in self.servers}
+        self.views[i] = Job(
+            i, spec.job_type, spec.gpus, spec.arrival_s, util, None if every else kinds
+        )
         self.waiting[i] = None
 
     def view(self, now: float) -> ClusterView:
@@ -396,8 +396,9 @@ class _Cluster:
                 or len(set(slots)) != run.spec.gpus
                 or len(slots) != run.spec.gpus
                 or len(types) != 1
+                or not self.views[i].allows(next(iter(types)))
             ):
-                raise PolicyError(f"{action}: not {run.spec.gpus} GPUs of one type")
+                raise PolicyError(f"{action}: not {run.spec.gpus} GPUs of one type it runs on")
             self._move(i, now)
             if self.used & set(slots):
                 raise PolicyError(f"{action}: GPUs in use")
@@ -409,7 +410,12 @@ class _Cluster:
                 run.first_s = now  # alone (a job moved before its first turn: now too)
         elif isinstance(action, Slice):
             group = self._group(action.group, action)
-            if group.packed or len(group.slots) != run.spec.gpus or i in group.jobs:
+            if (
+                group.packed
+                or len(group.slots) != run.spec.gpus
+                or i in group.jobs
+                or not self.views[i].allows(self.servers[group.slots[0][0]].gpu_type)
+            ):
                 raise PolicyError(f"{action}: cannot time-slice there")
             self._move(i, now)
             group.jobs.append(i)
@@ -484,12 +490,21 @@ class _Cluster:
         del self.views[i]
 
 
-def schedulable(job: TraceJob, servers: Sequence[Server]) -> bool:
-    """Some GPU type has the job's GPUs in all (a job never spans GPU types)."""
+def runs_on(job: TraceJob, servers: Sequence[Server], table: Throughputs) -> frozenset[str]:
+    """The cluster's GPU types where the table gives the job a throughput above 0."""
+    return frozenset(
+        t for t in {s.gpu_type for s in servers} if table.solo_rate(t, job.job_type, job.gpus)
+    )
+
+
+def schedulable(job: TraceJob, servers: Sequence[Server], table: Throughputs) -> bool:
+    """Some GPU type the job runs on has its GPUs in all (a job never spans GPU types)."""
+    kinds = runs_on(job, servers, table)
     totals = Counter[str]()
     for server in servers:
-        totals[server.gpu_type] += server.gpus
-    return max(totals.values()) >= job.gpus
+        if server.gpu_type in kinds:
+            totals[server.gpu_type] += server.gpus
+    return max(totals.values(), default=0) >= job.gpus
 
 
 def simulate(
@@ -507,7 +522,7 @@ def simulate(
     runnable = [
         job
         for _, job in sorted(((j.arrival_s, draw[n]), j) for n, j in enumerate(jobs))
-        if schedulable(job, servers)
+        if schedulable(job, servers, table)
     ]
     cluster = _Cluster(servers, table, runnable)
     total_gpus = sum(s.gpus for s in servers)

@@ -137,11 +137,6 @@ def test_a_missing_throughput_entry_and_an_unknown_gpu_type_exit_2(tmp_path: Pat
     result = run_cli(tmp_path, trace, "--cluster", "v100:4,k80:4")
     assert result.exit_code == 2
     assert "x.trace, line 2: missing throughput entry for 'B' on one k80" in result.output
-    # A on 2 k80s has throughput 0 in the table (and 4 k80s derive from it): refused.
-    wide = line("A", 10, 0) + "\n" + line("A", 10, 5, scale=4) + "\n"
-    result = run_cli(tmp_path, wide, "--cluster", "v100:4,k80:4")
-    assert result.exit_code == 2
-    assert "x.trace, line 2: 'A' on 4 k80: the table's throughput is 0" in result.output
     result = run_cli(tmp_path, trace, "--cluster", "h100:8")
     assert result.exit_code == 2
     assert "unknown GPU type 'h100'" in result.output
@@ -235,7 +230,19 @@ def test_jobs_wider_than_the_cluster_are_counted_not_run(tmp_path: Path) -> None
         ("fifo", 1, 1),
         ("gandiva", 1, 1),
     ]
-    assert "1 job(s) need more GPUs of one type than v100:4 has" in result.output
+    assert "1 job(s) fit no GPU type of v100:4" in result.output
+
+
+def test_a_job_runs_only_where_its_throughput_is_above_0() -> None:
+    # A on 2 k80s is 0 in the table (4 derive from it): on k80s alone it cannot run; beside
+    # a V100 server listed second it runs there, at 2 x the 2-GPU V100 throughput.
+    jobs = jobs_of(line("A", 3_600, 0, scale=4))
+    k80 = parse_cluster("k80:4", ["k80", "v100"])
+    assert simulate(jobs, k80, table(), get_policy("fifo")).unschedulable == 1
+    both = parse_cluster("k80:4,v100:4", ["k80", "v100"])
+    for policy in ("fifo", "gandiva"):
+        run = simulate(jobs, both, table(), get_policy(policy))
+        assert run.jct_h == pytest.approx((3_600 / 36 / 3600,))
 
 
 def test_json_has_the_promised_fields_and_plot_writes_a_png(tmp_path: Path) -> None:

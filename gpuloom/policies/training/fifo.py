@@ -5,15 +5,17 @@ servers of one GPU type."""
 
 from __future__ import annotations
 
-from gpuloom.policies.training.model import Action, ClusterView, FreeMap, Place, Slot
+from gpuloom.policies.training.model import Action, ClusterView, FreeMap, Job, Place, Slot
 
 
-def best_fit(free: FreeMap, k: int) -> tuple[Slot, ...] | None:
-    """k GPUs on one server (fewest free first, then server order), or whole servers for a job
-    wider than any server; None when nothing holds it now. Taken from `free` when found."""
-    if k > free.widest:
-        return free.whole(k)
-    fitting = [n for n in range(len(free.servers)) if free.count(n) >= k]
+def best_fit(free: FreeMap, job: Job) -> tuple[Slot, ...] | None:
+    """The job's GPUs on one server of a type it runs on (fewest free first, then server
+    order), or whole servers for a job wider than any such server; None when nothing holds it
+    now. Taken from `free` when found."""
+    k = job.gpus
+    if free.wider_than_servers(k, job):
+        return free.whole(k, job)
+    fitting = free.fitting(k, job)
     if not fitting:
         return None
     return free.take(min(fitting, key=free.count), k)
@@ -26,7 +28,7 @@ class FifoPolicy:
         free = FreeMap(view.servers, view.groups)
         actions: list[Action] = []
         for job_id in view.waiting:
-            slots = best_fit(free, view.jobs[job_id].gpus)
+            slots = best_fit(free, view.jobs[job_id])
             if slots is None:
                 break  # the head blocks the queue
             actions.append(Place(job_id, slots))

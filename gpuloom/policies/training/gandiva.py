@@ -37,6 +37,7 @@ from gpuloom.policies.training.model import (
     Action,
     ClusterView,
     FreeMap,
+    Job,
     Pack,
     Place,
     Slice,
@@ -97,13 +98,14 @@ class GandivaPolicy:
         scratch = _Scratch(view)
         actions: list[Action] = []
         self._undo(view, scratch, actions)
-        # A job that finds no GPUs leaves its GPU count blocked for the rest of the call:
-        # placing others only takes GPUs and raises heights.
-        blocked: set[int] = set()
+        # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
+        # rest of the call: placing others only takes GPUs and raises heights.
+        blocked: set[tuple[int, frozenset[str] | None]] = set()
         for job_id in view.waiting:
-            k = view.jobs[job_id].gpus
-            if k not in blocked and not self._arrive(view, job_id, free, scratch, actions):
-                blocked.add(k)
+            job = view.jobs[job_id]
+            shape = (job.gpus, job.runs_on)
+            if shape not in blocked and not self._arrive(view, job, free, scratch, actions):
+                blocked.add(shape)
         self._spread(view, free, scratch, actions)
         self._pack(view, scratch, actions)
         return actions
@@ -122,16 +124,16 @@ class GandivaPolicy:
     def _arrive(
         self,
         view: ClusterView,
-        job_id: int,
+        job: Job,
         free: FreeMap,
         scratch: _Scratch,
         actions: list[Action],
     ) -> bool:
         """Place, de-fragment for, or time-slice one waiting job; False if it must wait."""
-        k = view.jobs[job_id].gpus
-        slots = self._exclusive(free, scratch, k)
-        if slots is None and self._defragment(view, k, free, scratch, actions):
-            slots = self._exclusive(free, scratch, k)
+        k, job_id = job.gpus, job.id
+        slots = self._exclusive(free, scratch, job)
+        if slots is None and self._defragment(view, job, free, scratch, actions):
+            slots = self._exclusive(free, scratch, job)
         if slots is not None:
             scratch.place(job_id, slots)
             actions.append(Place(job_id, slots))
@@ -143,6 +145,7 @@ class GandivaPolicy:
             and len(scratch.slots[gid]) == k
             and not scratch.packed[gid]
             and len(jobs) < self.max_height
+            and job.allows(view.servers[scratch.slots[gid][0][0]].gpu_type)
         ]
         if shared:
             gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
@@ -152,10 +155,11 @@ class GandivaPolicy:
             return True
         return False
 
-    def _exclusive(self, free: FreeMap, scratch: _Scratch, k: int) -> tuple[Slot, ...] | None:
-        if k > free.widest:
-            return free.whole(k)
-        fitting = [n for n in range(len(free.servers)) if free.count(n) >= k]
+    def _exclusive(self, free: FreeMap, scratch: _Scratch, job: Job) -> tuple[Slot, ...] | None:
+        k = job.gpus
+        if free.wider_than_servers(k, job):
+            return free.whole(k, job)
+        fitting = free.fitting(k, job)
         if not fitting:
             return None
         sizes = scratch.sizes
@@ -171,13 +175,14 @@ class GandivaPolicy:
     def _defragment(
         self,
         view: ClusterView,
-        k: int,
+        job: Job,
         free: FreeMap,
         scratch: _Scratch,
         actions: list[Action],
     ) -> bool:
-        """Migrate single jobs off one server until it holds k free GPUs; False (and nothing
-        planned) when no server can be emptied that far."""
+        """Migrate single jobs off one server of a type `job` runs on until it holds the job's
+        GPUs; False (and nothing planned) when no server can be emptied that far."""
+        k = job.gpus
         servers = view.servers
         by_type = Counter[str]()
         for n, server in enumerate(servers):
@@ -185,7 +190,10 @@ class GandivaPolicy:
         targets = [
             n
             for n, server in enumerate(servers)
-            if server.gpus >= k and by_type[server.gpu_type] >= k and free.count(n) < k
+            if server.gpus >= k
+            and by_type[server.gpu_type] >= k
+            and free.count(n) < k
+            and job.allows(server.gpu_type)
         ]
         for target in sorted(targets, key=lambda n: (-free.count(n), n)):
             trial = copy.deepcopy(free)
@@ -203,7 +211,7 @@ class GandivaPolicy:
             for gid in movable:
                 if trial.count(target) >= k:
                     break
-                size = len(scratch.slots[gid])
+                size = len(scratch.slots[gid])  # it stays on its GPU type: it runs there
                 homes = [
                     n
                     for n, server in enumerate(servers)
@@ -218,11 +226,11 @@ class GandivaPolicy:
                 trial.give(scratch.slots[gid])
                 moves.append((scratch.jobs[gid][0], slots))
             if trial.count(target) >= k:
-                for job, slots in moves:
-                    scratch.remove(job, free)
+                for moved, slots in moves:
+                    scratch.remove(moved, free)
                     free.take_exact(slots)
-                    scratch.place(job, slots)
-                    actions.append(Place(job, slots, reason="defrag"))
+                    scratch.place(moved, slots)
+                    actions.append(Place(moved, slots, reason="defrag"))
                 return True
         return False
 
@@ -234,15 +242,17 @@ class GandivaPolicy:
             (gid for gid, jobs in scratch.jobs.items() if len(jobs) > 1),
             key=lambda gid: (-len(scratch.jobs[gid]), gid),
         )
-        full: set[int] = set()  # GPU counts no server has room for any more
+        full: set[tuple[int, frozenset[str] | None]] = set()  # shapes no server has room for
         for gid in crowded:
-            while len(scratch.jobs[gid]) > 1 and len(scratch.slots[gid]) not in full:
-                k = len(scratch.slots[gid])
-                slots = self._exclusive(free, scratch, k)
-                if slots is None:
-                    full.add(k)
-                    break
+            while len(scratch.jobs[gid]) > 1:
                 job = scratch.jobs[gid][-1]
+                shape = (view.jobs[job].gpus, view.jobs[job].runs_on)
+                if shape in full:
+                    break
+                slots = self._exclusive(free, scratch, view.jobs[job])
+                if slots is None:
+                    full.add(shape)
+                    break
                 scratch.remove(job, free)
                 scratch.place(job, slots)
                 actions.append(Place(job, slots, reason="spread"))

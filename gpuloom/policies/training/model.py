@@ -35,6 +35,10 @@ class Job:
     gpus: int
     arrival_s: float
     utilisation: float  # estimated GPU utilisation alone, 0..1 (profiling's answer)
+    runs_on: frozenset[str] | None = None  # the GPU types it can run on; None: any
+
+    def allows(self, gpu_type: str) -> bool:
+        return self.runs_on is None or gpu_type in self.runs_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +125,6 @@ class FreeMap:
 
     def __init__(self, servers: Sequence[Server], groups: Sequence[Group]) -> None:
         self.servers = tuple(servers)
-        self.widest = max((server.gpus for server in self.servers), default=0)
         used: set[Slot] = {s for g in groups for s in g.slots}
         self.free: list[list[int]] = [
             [i for i in range(server.gpus) if (n, i) not in used]
@@ -145,12 +148,25 @@ class FreeMap:
             self.free[server].append(i)
             self.free[server].sort()
 
-    def whole(self, k: int) -> tuple[Slot, ...] | None:
-        """Slots for a job wider than a server: fully free servers of one GPU type, in server
-        order, enough of them for k GPUs; None when there are too few. Taken when found."""
+    def fitting(self, k: int, job: Job) -> list[int]:
+        """Servers of a GPU type the job runs on with at least k free GPUs."""
+        return [
+            n
+            for n, server in enumerate(self.servers)
+            if len(self.free[n]) >= k and job.allows(server.gpu_type)
+        ]
+
+    def wider_than_servers(self, k: int, job: Job) -> bool:
+        """Whether k GPUs exceed every server of a GPU type the job runs on."""
+        return all(k > s.gpus for s in self.servers if job.allows(s.gpu_type))
+
+    def whole(self, k: int, job: Job) -> tuple[Slot, ...] | None:
+        """Slots for a job wider than a server: fully free servers of one GPU type it runs
+        on, in server order, enough of them for k GPUs; None when there are too few. Taken
+        when found."""
         by_type: dict[str, list[int]] = {}
         for n, server in enumerate(self.servers):
-            if self.count(n) == server.gpus:
+            if self.count(n) == server.gpus and job.allows(server.gpu_type):
                 by_type.setdefault(server.gpu_type, []).append(n)
         for servers in by_type.values():
             chosen, total = [], 0
@@ -165,7 +181,3 @@ class FreeMap:
                     slots.extend(self.take(n, min(self.servers[n].gpus, k - len(slots))))
                 return tuple(slots)
         return None
-
-
-def fits_one_server(servers: Sequence[Server], k: int) -> bool:
-    return any(server.gpus >= k for server in servers)

@@ -77,6 +77,22 @@ def test_fifo_gives_a_job_wider_than_a_server_whole_servers() -> None:
     assert place == Place(1, ((0, 0), (0, 1), (0, 2), (0, 3), (2, 0), (2, 1)))
 
 
+def test_a_job_goes_only_to_gpu_types_it_runs_on() -> None:
+    servers = (Server("k80", 4), Server("v100", 4))
+    picky = Job(1, "A", 2, 0.0, 0.5, frozenset({"v100"}))
+    state = ClusterView(
+        0.0, servers, MappingProxyType({1: picky}), (), (1,), EFFICIENCY, frozenset()
+    )
+    assert FifoPolicy().decide(state) == [Place(1, ((1, 0), (1, 1)))]
+    assert GandivaPolicy().decide(state) == [Place(1, ((1, 0), (1, 1)))]
+    # With the V100 server taken by a 2-GPU job it time-slices there, never on the free k80s.
+    busy = (Group(0, ((1, 0), (1, 1)), (7,)), Group(1, ((1, 2), (1, 3)), (8,)))
+    jobs = MappingProxyType({1: picky, 7: job(7, 2), 8: job(8, 2)})
+    state = ClusterView(0.0, servers, jobs, busy, (1,), EFFICIENCY, frozenset())
+    assert FifoPolicy().decide(state) == []
+    assert GandivaPolicy().decide(state) == [Slice(1, 0)]
+
+
 def test_gandiva_places_by_affinity_then_empty_server() -> None:
     # Server 0 runs a 2-GPU job, server 1 a 1-GPU job, server 2 is empty.
     groups = [Group(0, ((0, 0), (0, 1)), (7,)), Group(1, ((1, 0),), (8,))]
