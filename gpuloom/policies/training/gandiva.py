@@ -13,7 +13,7 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    least-high group of jobs of its GPU count, up to `max_height` jobs per group; only if
    there is none it waits (no head-of-line blocking: later jobs may go ahead).
 
-Introspective mode, in the same call:
+Introspective mode, in the same call (the undo before the placements, the rest after):
 
 4. undo: a packing whose trial measured a gain below time-slicing's (`packed_gain` <
    `slice_efficiency`) goes back to time-slicing, and that pair of job types on that GPU type
