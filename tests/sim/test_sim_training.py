@@ -292,6 +292,33 @@ def test_every_job_ends_and_no_gpu_is_used_twice(
         assert run.migrations == 0 and run.packings == 0
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
+        min_size=1,
+        max_size=20,
+    ),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 2),
+    st.sampled_from(["fifo", "gandiva"]),
+)
+def test_mixed_gpu_types_keep_two_gpu_jobs_off_the_k80s(
+    rows: list[tuple[int, int, int]], k80: int, v100: int, per_server: int, policy: str
+) -> None:
+    # A on 2 k80s is 0 in the table: 2-GPU jobs run on V100s only (the simulator raises
+    # PolicyError on a placement on a GPU type the job does not run on).
+    jobs = jobs_of(*(line("A", n, t, s) for n, t, s in rows))
+    servers = parse_cluster(f"k80:{k80}/{per_server},v100:{v100}/{per_server}", ["k80", "v100"])
+    run = simulate(jobs, servers, table(), get_policy(policy))
+    wide = sum(1 for j in jobs if j.gpus > v100)
+    assert (run.jobs, run.unschedulable) == (len(jobs) - wide, wide)
+    assert all(n <= k80 + v100 for _, n in run.in_use)
+    fastest = sum(j.steps / table().solo_rate("v100", "A", j.gpus) for j in jobs if j.gpus <= v100)
+    assert sum(run.jct_h) * 3600 >= fastest - 1e-6 * len(jobs)
+
+
 @needs_traces
 @pytest.mark.parametrize("name", ["103959", "e13805", "2869ce"])
 @pytest.mark.parametrize("cluster", ["v100:32", "v100:16,p100:16"])
