@@ -46,6 +46,7 @@ from gpuloom.policies.training.model import (
 )
 
 MAX_HEIGHT = 8  # jobs time-sliced on one set of GPUs at most (then new jobs wait)
+MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
 
 
 class _Scratch:
@@ -87,10 +88,9 @@ class _Scratch:
 
 
 class GandivaPolicy:
-    name = "gandiva"
-
     def __init__(self, max_height: int = MAX_HEIGHT) -> None:
         self.max_height = max_height
+        self.name = "gandiva" if max_height == MAX_HEIGHT else f"gandiva:{max_height}"
         self.bad_pairs: set[tuple[str, str, str]] = set()  # (GPU type, job type, job type)
 
     def decide(self, view: ClusterView) -> list[Action]:

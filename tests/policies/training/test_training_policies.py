@@ -57,8 +57,12 @@ def test_the_registry_knows_fifo_and_gandiva() -> None:
     assert list(POLICIES) == ["fifo", "gandiva"]
     assert get_policy("gandiva").name == "gandiva"
     assert get_policy("fifo") is not get_policy("fifo")  # one object per run
-    with pytest.raises(UnknownPolicyError, match="known: fifo, gandiva"):
+    with pytest.raises(UnknownPolicyError, match=r"known: fifo, gandiva \(gandiva:HEIGHT\)"):
         get_policy("tiresias")
+    assert get_policy("gandiva:2").name == "gandiva:2"
+    for bad in ("gandiva:0", "gandiva:x", "gandiva:65", "fifo:2"):
+        with pytest.raises(UnknownPolicyError, match=f"policy '{bad}'"):
+            get_policy(bad)
 
 
 def test_fifo_starts_in_arrival_order_and_the_head_blocks_the_rest() -> None:
