@@ -1,7 +1,8 @@
 """`gpuloom sim`: offline simulators. `gpuloom sim kernels SCENARIO.json` runs the kernel-level
 model of one GPU under exclusive, sharing, token and FIKIT admission (docs/fikit.md); `gpuloom
 sim fleet` places a node/pod list such as the Alibaba GPU trace with fleet policies
-(docs/placement.md)."""
+(docs/placement.md); `gpuloom sim training` runs Gavel's Philly-derived training traces under
+FIFO and Gandiva (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,22 @@ from gpuloom.policies.fikit.core import FikitLibraryMissingError
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.fleet.registry import get_policy as get_fleet_policy
 from gpuloom.policies.registry import UnknownPolicyError
+from gpuloom.policies.training.registry import POLICIES as TRAINING_POLICIES
+from gpuloom.policies.training.registry import get_policy as get_training_policy
 from gpuloom.sim.fleet import FleetInputError, FleetRun, Workload, parse_nodes, parse_pods
 from gpuloom.sim.fleet import simulate as simulate_fleet
 from gpuloom.sim.kernels import MODES, ModeResult, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
+from gpuloom.sim.training import (
+    THROUGHPUTS_NAME,
+    Throughputs,
+    TrainingInputError,
+    TrainingRun,
+    find_throughputs,
+    parse_cluster,
+    parse_trace,
+)
+from gpuloom.sim.training import simulate as simulate_training
 
 TIMELINE_SPAN_NS = 20_000_000  # 20 ms of the run, from its middle
 
@@ -240,6 +253,152 @@ def _plot_fleet(runs: list[FleetRun], names: tuple[str, ...], out: Path) -> None
     axes.set_title(f"mean over {len(next(iter(by_name.values())))} seed(s)")
     axes.grid(alpha=0.3)
     axes.legend(loc="lower right", fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+
+
+@sim.command("training")
+@click.option(
+    "--trace",
+    "traces",
+    required=True,
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Gavel job trace (repeatable).",
+)
+@click.option(
+    "--cluster",
+    required=True,
+    help="GPUs: TYPE:COUNT[/PER_SERVER],... such as v100:32 or v100:16,p100:16"
+    " (4 GPUs per server unless /N).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    default=("fifo", "gandiva"),
+    show_default=True,
+    help=f"Training policy (repeatable): {TRAINING_POLICIES.known}.",
+)
+@click.option(
+    "--throughputs",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help=f"Gavel's throughput table [default: {THROUGHPUTS_NAME} in the trace's folder or"
+    " the one above it].",
+)
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    help="Orders the jobs that arrive at the same time.",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per (trace, policy).")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Draw GPUs in use over time and the JCT distribution per run into this PNG.",
+)
+def training(
+    traces: tuple[Path, ...],
+    cluster: str,
+    policies: tuple[str, ...],
+    throughputs: Path | None,
+    seed: int,
+    as_json: bool,
+    plot: Path | None,
+) -> None:
+    """Run training-job TRACEs on a cluster under each policy (discrete-event; every input is
+    checked before anything runs)."""
+    try:
+        for name in policies:
+            get_training_policy(name)
+        table_path = throughputs or find_throughputs(traces[0])
+        table = Throughputs(_read_training(table_path), str(table_path))
+        servers = parse_cluster(cluster, table.gpu_types)
+        types = sorted({s.gpu_type for s in servers})
+        loaded = [
+            (path, parse_trace(_read_training(path), str(path), table, types)) for path in traces
+        ]
+    except (TrainingInputError, UnknownPolicyError) as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(2)
+    runs = []
+    for path, jobs in loaded:
+        for name in policies:
+            run = simulate_training(
+                jobs, servers, table, get_training_policy(name), path.name, seed=seed
+            )
+            runs.append(run)
+            if as_json:
+                click.echo(json.dumps(run.summary()))
+        if runs and runs[-1].unschedulable:
+            click.echo(
+                f"note: {path}: {runs[-1].unschedulable} job(s) fit no GPU type of {cluster}"
+                " (wider than its GPUs of a type where the table's throughput is above 0);"
+                " not run",
+                err=True,
+            )
+    if not as_json:
+        _print_training(runs)
+    if plot is not None:
+        _plot_training(runs, plot)
+
+
+def _read_training(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise TrainingInputError(f"{path}, line 0: {reason}") from None
+
+
+def _print_training(runs: list[TrainingRun]) -> None:
+    rows = [
+        [
+            run.trace,
+            run.policy,
+            str(run.jobs),
+            _fmt(run.avg_jct_h),
+            _fmt(run.p95_jct_h),
+            _fmt(run.avg_first_feedback_h),
+            _fmt(run.makespan_h),
+            _fmt(run.gpu_util),
+            str(run.packings),
+            str(run.undone),
+            str(run.migrations),
+        ]
+        for run in runs
+    ]
+    header = ["TRACE", "POLICY", "JOBS", "AVG JCT h", "P95 JCT h", "1ST FEEDBACK h", "MAKESPAN h"]
+    click.echo(render_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED"], rows))
+
+
+def _plot_training(runs: list[TrainingRun], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (used, cdf) = plt.subplots(1, 2, figsize=(12, 4.5))
+    traces = {run.trace for run in runs}
+    for run in runs:
+        label = run.policy if len(traces) == 1 else f"{run.trace} {run.policy}"
+        if run.in_use:
+            hours, gpus = zip(*run.in_use, strict=True)
+            used.step(hours, gpus, where="post", label=label, linewidth=0.8)
+        jct = sorted(run.jct_h)
+        if jct:
+            share = [(i + 1) / len(jct) for i in range(len(jct))]
+            cdf.step(jct, share, where="post", label=f"{label} (mean {run.avg_jct_h:g} h)")
+    used.set_xlabel("hours since the first arrival")
+    used.set_ylabel("GPUs in use")
+    cdf.set_xscale("log")
+    cdf.set_xlabel("job completion time, h")
+    cdf.set_ylabel("share of jobs")
+    for axes in (used, cdf):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=90)
     plt.close(figure)

@@ -1,0 +1,314 @@
+"""Gandiva (Xiao et al., OSDI 2018), its scheduling policy over the cluster model of model.py.
+
+Reactive mode, on every arrival and departure, jobs that wait are taken in arrival order:
+
+1. exclusive placement with server affinity (the paper's Algorithm 1): a job that fits one
+   server goes first to a server whose jobs all ask for its GPU count, then to an empty
+   server, then to any server with room (best fit, fewest free GPUs first); a wider job takes
+   whole free servers of one GPU type;
+2. de-fragmentation: when enough GPUs are free on servers of one type but no single server
+   holds the job, the server with the most free GPUs is emptied enough by migrating its
+   single jobs to the servers with the fewest free GPUs that hold them;
+3. over-subscription: the job joins the round-robin (suspend/resume time-slicing) of the
+   least-high group of jobs of its GPU count, up to `max_height` jobs per group; only if
+   there is none it waits (no head-of-line blocking: later jobs may go ahead).
+
+Introspective mode, in the same call (the undo before the placements, the rest after):
+
+4. undo: a packing whose trial measured a gain below time-slicing's (`packed_gain` <
+   `slice_efficiency`) goes back to time-slicing, and that pair of job types on that GPU type
+   is not packed again;
+5. spread: jobs time-sliced or packed while GPUs of their count are free migrate there
+   (highest groups first);
+6. packing: the time-sliced one-GPU job with the lowest utilisation is packed with the
+   one-GPU job of lowest utilisation that runs alone (or, in a group of two, with its
+   partner in place), if the two fit one GPU's memory and were not undone before; then the
+   next lowest job, and so on. The trial that decides success is the caller's measurement.
+
+Grow-shrink is not built. Priorities are not modelled (every job has the same).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+from gpuloom.policies.training.model import (
+    Action,
+    ClusterView,
+    FreeMap,
+    Job,
+    Pack,
+    Place,
+    Slice,
+    Slot,
+    Unpack,
+)
+
+MAX_HEIGHT = 8  # jobs time-sliced on one set of GPUs at most (then new jobs wait)
+MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
+
+
+class _Scratch:
+    """The groups as the actions planned so far leave them."""
+
+    def __init__(self, view: ClusterView) -> None:
+        self.jobs = {g.id: list(g.jobs) for g in view.groups}
+        self.slots = {g.id: g.slots for g in view.groups}
+        self.packed = {g.id: g.packed for g in view.groups}
+        self.of_job = {j: g.id for g in view.groups for j in g.jobs}
+        self.sizes = [Counter[int]() for _ in view.servers]
+        for g in view.groups:
+            for server in {s for s, _ in g.slots}:
+                self.sizes[server][len(g.slots)] += 1
+
+    def remove(self, job: int, free: FreeMap) -> None:
+        """`job` leaves its group; an emptied group frees its GPUs."""
+        gid = self.of_job.pop(job, None)
+        if gid is None:
+            return
+        self.jobs[gid].remove(job)
+        if len(self.jobs[gid]) < 2:
+            self.packed[gid] = False
+        if not self.jobs[gid]:
+            slots = self.slots.pop(gid)
+            free.give(slots)
+            for server in {s for s, _ in slots}:
+                self.sizes[server][len(slots)] -= 1
+            del self.jobs[gid], self.packed[gid]
+
+    def place(self, job: int, slots: tuple[Slot, ...]) -> None:
+        gid = -1 - len(self.of_job) - len(self.slots)  # a stand-in id (the caller gives one)
+        while gid in self.slots:
+            gid -= 1
+        self.jobs[gid], self.slots[gid], self.packed[gid] = [job], slots, False
+        self.of_job[job] = gid
+        for server in {s for s, _ in slots}:
+            self.sizes[server][len(slots)] += 1
+
+
+class GandivaPolicy:
+    def __init__(self, max_height: int = MAX_HEIGHT) -> None:
+        self.max_height = max_height
+        self.name = "gandiva" if max_height == MAX_HEIGHT else f"gandiva:{max_height}"
+        self.bad_pairs: set[tuple[str, str, str]] = set()  # (GPU type, job type, job type)
+
+    def decide(self, view: ClusterView) -> list[Action]:
+        free = FreeMap(view.servers, view.groups)
+        scratch = _Scratch(view)
+        actions: list[Action] = []
+        self._undo(view, scratch, actions)
+        # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
+        # rest of the call: placing others only takes GPUs and raises heights.
+        blocked: set[tuple[int, frozenset[str] | None]] = set()
+        for job_id in view.waiting:
+            job = view.jobs[job_id]
+            shape = (job.gpus, job.runs_on)
+            if shape not in blocked and not self._arrive(view, job, free, scratch, actions):
+                blocked.add(shape)
+        self._spread(view, free, scratch, actions)
+        self._pack(view, scratch, actions)
+        return actions
+
+    # 4. undo
+    def _undo(self, view: ClusterView, scratch: _Scratch, actions: list[Action]) -> None:
+        for g in view.groups:
+            if g.packed and g.packed_gain is not None and g.packed_gain < view.slice_efficiency:
+                a, b = (view.jobs[j].job_type for j in g.jobs)
+                gpu_type = view.servers[g.server].gpu_type
+                self.bad_pairs |= {(gpu_type, a, b), (gpu_type, b, a)}
+                scratch.packed[g.id] = False
+                actions.append(Unpack(g.id))
+
+    # 1-3. reactive placement
+    def _arrive(
+        self,
+        view: ClusterView,
+        job: Job,
+        free: FreeMap,
+        scratch: _Scratch,
+        actions: list[Action],
+    ) -> bool:
+        """Place, de-fragment for, or time-slice one waiting job; False if it must wait."""
+        k, job_id = job.gpus, job.id
+        slots = self._exclusive(free, scratch, job)
+        if slots is None and self._defragment(view, job, free, scratch, actions):
+            slots = self._exclusive(free, scratch, job)
+        if slots is not None:
+            scratch.place(job_id, slots)
+            actions.append(Place(job_id, slots))
+            return True
+        shared = [
+            gid
+            for gid, jobs in scratch.jobs.items()
+            if gid >= 0  # not one planned in this call (the caller numbers those)
+            and len(scratch.slots[gid]) == k
+            and not scratch.packed[gid]
+            and len(jobs) < self.max_height
+            and job.allows(view.servers[scratch.slots[gid][0][0]].gpu_type)
+        ]
+        if shared:
+            gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
+            scratch.jobs[gid].append(job_id)
+            scratch.of_job[job_id] = gid
+            actions.append(Slice(job_id, gid))
+            return True
+        return False
+
+    def _exclusive(self, free: FreeMap, scratch: _Scratch, job: Job) -> tuple[Slot, ...] | None:
+        k = job.gpus
+        if free.wider_than_servers(k, job):
+            return free.whole(k, job)
+        fitting = free.fitting(k, job)
+        if not fitting:
+            return None
+        sizes = scratch.sizes
+        affine = [n for n in fitting if +sizes[n] and set(+sizes[n]) == {k}]
+        if affine:
+            return free.take(min(affine, key=free.count), k)
+        empty = [n for n in fitting if not +sizes[n]]
+        if empty:
+            return free.take(empty[0], k)
+        return free.take(min(fitting, key=free.count), k)
+
+    # 2. de-fragmentation
+    def _defragment(
+        self,
+        view: ClusterView,
+        job: Job,
+        free: FreeMap,
+        scratch: _Scratch,
+        actions: list[Action],
+    ) -> bool:
+        """Migrate single jobs off one server of a type `job` runs on until it holds the job's
+        GPUs; False (and nothing planned) when no server can be emptied that far."""
+        k = job.gpus
+        servers = view.servers
+        by_type = Counter[str]()
+        for n, server in enumerate(servers):
+            by_type[server.gpu_type] += free.count(n)
+        targets = [
+            n
+            for n, server in enumerate(servers)
+            if server.gpus >= k
+            and by_type[server.gpu_type] >= k
+            and free.count(n) < k
+            and job.allows(server.gpu_type)
+        ]
+        for target in sorted(targets, key=lambda n: (-free.count(n), n)):
+            trial = copy.deepcopy(free)
+            moves: list[tuple[int, tuple[Slot, ...]]] = []
+            movable = sorted(
+                (
+                    gid
+                    for gid, jobs in scratch.jobs.items()
+                    if len(jobs) == 1
+                    and not scratch.packed[gid]
+                    and {s for s, _ in scratch.slots[gid]} == {target}
+                ),
+                key=lambda gid: (len(scratch.slots[gid]), gid),
+            )
+            for gid in movable:
+                if trial.count(target) >= k:
+                    break
+                size = len(scratch.slots[gid])  # it stays on its GPU type: it runs there
+                homes = [
+                    n
+                    for n, server in enumerate(servers)
+                    if n != target
+                    and server.gpu_type == servers[target].gpu_type
+                    and trial.count(n) >= size
+                ]
+                if not homes:
+                    continue
+                home = min(homes, key=lambda n: (trial.count(n), n))
+                slots = trial.take(home, size)
+                trial.give(scratch.slots[gid])
+                moves.append((scratch.jobs[gid][0], slots))
+            if trial.count(target) >= k:
+                for moved, slots in moves:
+                    scratch.remove(moved, free)
+                    free.take_exact(slots)
+                    scratch.place(moved, slots)
+                    actions.append(Place(moved, slots, reason="defrag"))
+                return True
+        return False
+
+    # 5. spread
+    def _spread(
+        self, view: ClusterView, free: FreeMap, scratch: _Scratch, actions: list[Action]
+    ) -> None:
+        crowded = sorted(
+            (gid for gid, jobs in scratch.jobs.items() if len(jobs) > 1),
+            key=lambda gid: (-len(scratch.jobs[gid]), gid),
+        )
+        full: set[tuple[int, frozenset[str] | None]] = set()  # shapes no server has room for
+        for gid in crowded:
+            while len(scratch.jobs[gid]) > 1:
+                job = scratch.jobs[gid][-1]
+                shape = (view.jobs[job].gpus, view.jobs[job].runs_on)
+                if shape in full:
+                    break
+                slots = self._exclusive(free, scratch, view.jobs[job])
+                if slots is None:
+                    full.add(shape)
+                    break
+                scratch.remove(job, free)
+                scratch.place(job, slots)
+                actions.append(Place(job, slots, reason="spread"))
+
+    # 6. packing
+    def _pack(self, view: ClusterView, scratch: _Scratch, actions: list[Action]) -> None:
+        def util(job: int) -> float:
+            return view.jobs[job].utilisation
+
+        candidates = sorted(
+            (
+                j
+                for gid, jobs in scratch.jobs.items()
+                if len(jobs) > 1 and not scratch.packed[gid] and len(scratch.slots[gid]) == 1
+                for j in jobs
+            ),
+            key=lambda j: (util(j), j),
+        )
+        # One-GPU jobs alone, per GPU type, lowest utilisation first: the packing targets.
+        alone: dict[str, list[int]] = {}
+        for gid in sorted(
+            (
+                g
+                for g, jobs in scratch.jobs.items()
+                if g >= 0
+                and len(jobs) == 1
+                and len(scratch.slots[g]) == 1
+                and not scratch.packed[g]
+            ),
+            key=lambda g: (util(scratch.jobs[g][0]), g),
+        ):
+            alone.setdefault(view.servers[scratch.slots[gid][0][0]].gpu_type, []).append(gid)
+        for job in candidates:
+            own = scratch.of_job[job]
+            if len(scratch.jobs[own]) < 2 or scratch.packed[own]:
+                continue  # its group changed since (packed, or down to one job)
+            gpu_type = view.servers[scratch.slots[own][0][0]].gpu_type
+            targets = alone.get(gpu_type, [])
+            if own >= 0 and len(scratch.jobs[own]) == 2:
+                targets = sorted(
+                    [*targets, own], key=lambda g: (util(_partner(scratch, g, job)), g)
+                )
+            kind = view.jobs[job].job_type
+            for gid in targets:
+                other = view.jobs[_partner(scratch, gid, job)].job_type
+                key = (gpu_type, kind, other)
+                if view.can_pack(*key) and key not in self.bad_pairs:
+                    if gid != own:
+                        scratch.jobs[own].remove(job)
+                        scratch.jobs[gid].append(job)
+                        scratch.of_job[job] = gid
+                        alone[gpu_type].remove(gid)
+                    scratch.packed[gid] = True
+                    actions.append(Pack(job, gid))
+                    break
+
+
+def _partner(scratch: _Scratch, gid: int, job: int) -> int:
+    return next(j for j in scratch.jobs[gid] if j != job)

@@ -1,0 +1,183 @@
+"""The cluster model of the training schedulers: servers of one GPU type, jobs that ask for a
+number of GPUs (a gang), and groups, the jobs that share one set of GPUs:
+
+- one job alone (exclusive);
+- several jobs time-sliced round-robin by suspend/resume (Gandiva's "height" above one), each
+  getting 1/height of the GPUs' time less the switching overhead (`slice_efficiency`);
+- two one-GPU jobs packed, running at once on one GPU. `packed_gain` is what the trial
+  measured: the sum over both jobs of packed / solo throughput (2 would be perfect sharing,
+  `slice_efficiency` is what time-slicing them gives), None until the trial window has passed.
+
+A policy reads a `ClusterView` and answers actions; the caller (the simulator, later the live
+dispatcher) applies them in order, so later actions see the effect of earlier ones. Plain data,
+no I/O, no clock but `now_s`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+Slot = tuple[int, int]  # (server index, GPU index on that server)
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    gpu_type: str
+    gpus: int
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    job_type: str
+    gpus: int
+    arrival_s: float
+    utilisation: float  # estimated GPU utilisation alone, 0..1 (profiling's answer)
+    runs_on: frozenset[str] | None = None  # the GPU types it can run on; None: any
+
+    def allows(self, gpu_type: str) -> bool:
+        return self.runs_on is None or gpu_type in self.runs_on
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    id: int
+    slots: tuple[Slot, ...]
+    jobs: tuple[int, ...]  # in round-robin order
+    packed: bool = False
+    packed_gain: float | None = None
+
+    @property
+    def height(self) -> int:
+        return len(self.jobs)
+
+    @property
+    def server(self) -> int:
+        return self.slots[0][0]
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    now_s: float
+    servers: tuple[Server, ...]
+    jobs: Mapping[int, Job]  # every job that has arrived and not finished
+    groups: tuple[Group, ...]
+    waiting: tuple[int, ...]  # jobs on no GPU, in arrival order
+    slice_efficiency: float  # share of GPU time time-slicing leaves to the jobs (0..1]
+    packable: frozenset[tuple[str, str, str]]  # (GPU type, job type, job type) fitting one GPU
+
+    def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
+        return (gpu_type, a, b) in self.packable
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Run `job` alone on `slots` (free GPUs); a job that was running elsewhere migrates."""
+
+    job: int
+    slots: tuple[Slot, ...]
+    reason: str = "place"
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """Add `job` to the round-robin of `group` (not a packed one)."""
+
+    job: int
+    group: int
+    reason: str = "slice"
+
+
+@dataclass(frozen=True, slots=True)
+class Pack:
+    """Run `job` (one GPU) at once with the single one-GPU job of `group`; when `job` already
+    time-slices with it in that group, the group turns packed in place."""
+
+    job: int
+    group: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unpack:
+    """Undo a packing: `group` goes back to time-slicing its two jobs."""
+
+    group: int
+
+
+Action = Place | Slice | Pack | Unpack
+
+
+class TrainingPolicy(Protocol):
+    """Decides what to run where; called on every arrival, departure and end of a packing
+    trial. A policy object serves one run (it may remember what it learned, such as pairs that
+    packed badly)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def decide(self, view: ClusterView) -> list[Action]: ...
+
+
+class FreeMap:
+    """Free GPUs per server, updated as a policy plans its actions (scratch state)."""
+
+    def __init__(self, servers: Sequence[Server], groups: Sequence[Group]) -> None:
+        self.servers = tuple(servers)
+        used: set[Slot] = {s for g in groups for s in g.slots}
+        self.free: list[list[int]] = [
+            [i for i in range(server.gpus) if (n, i) not in used]
+            for n, server in enumerate(self.servers)
+        ]
+
+    def count(self, server: int) -> int:
+        return len(self.free[server])
+
+    def take(self, server: int, k: int) -> tuple[Slot, ...]:
+        gpus, self.free[server] = self.free[server][:k], self.free[server][k:]
+        return tuple((server, i) for i in gpus)
+
+    def take_exact(self, slots: Sequence[Slot]) -> None:
+        """Mark these free slots used."""
+        for server, i in slots:
+            self.free[server].remove(i)
+
+    def give(self, slots: Sequence[Slot]) -> None:
+        for server, i in slots:
+            self.free[server].append(i)
+            self.free[server].sort()
+
+    def fitting(self, k: int, job: Job) -> list[int]:
+        """Servers of a GPU type the job runs on with at least k free GPUs."""
+        return [
+            n
+            for n, server in enumerate(self.servers)
+            if len(self.free[n]) >= k and job.allows(server.gpu_type)
+        ]
+
+    def wider_than_servers(self, k: int, job: Job) -> bool:
+        """Whether k GPUs exceed every server of a GPU type the job runs on."""
+        return all(k > s.gpus for s in self.servers if job.allows(s.gpu_type))
+
+    def whole(self, k: int, job: Job) -> tuple[Slot, ...] | None:
+        """Slots for a job wider than a server: fully free servers of one GPU type it runs
+        on, in server order, enough of them for k GPUs; None when there are too few. Taken
+        when found."""
+        by_type: dict[str, list[int]] = {}
+        for n, server in enumerate(self.servers):
+            if self.count(n) == server.gpus and job.allows(server.gpu_type):
+                by_type.setdefault(server.gpu_type, []).append(n)
+        for servers in by_type.values():
+            chosen, total = [], 0
+            for n in servers:
+                if total >= k:
+                    break
+                chosen.append(n)
+                total += self.servers[n].gpus
+            if total >= k:
+                slots: list[Slot] = []
+                for n in chosen:
+                    slots.extend(self.take(n, min(self.servers[n].gpus, k - len(slots))))
+                return tuple(slots)
+        return None

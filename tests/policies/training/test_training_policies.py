@@ -1,0 +1,207 @@
+"""The training schedulers as pure functions of a cluster view: FIFO's head-of-line order,
+Gandiva's affinity, over-subscription, de-fragmentation, spreading, packing and its undo."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+
+from gpuloom.policies.registry import UnknownPolicyError
+from gpuloom.policies.training.fifo import FifoPolicy
+from gpuloom.policies.training.gandiva import GandivaPolicy
+from gpuloom.policies.training.model import (
+    Action,
+    ClusterView,
+    FreeMap,
+    Group,
+    Job,
+    Pack,
+    Place,
+    Server,
+    Slice,
+    Unpack,
+)
+from gpuloom.policies.training.registry import POLICIES, get_policy
+
+EFFICIENCY = 60 / 61
+
+
+def view(
+    servers: list[int],
+    groups: list[Group],
+    jobs: list[Job],
+    waiting: list[int] = (),  # type: ignore[assignment]
+    packable: set[tuple[str, str, str]] = frozenset(),  # type: ignore[assignment]
+) -> ClusterView:
+    return ClusterView(
+        now_s=0.0,
+        servers=tuple(Server("v100", n) for n in servers),
+        jobs=MappingProxyType({j.id: j for j in jobs}),
+        groups=tuple(groups),
+        waiting=tuple(waiting),
+        slice_efficiency=EFFICIENCY,
+        packable=frozenset(packable),
+    )
+
+
+def job(i: int, gpus: int = 1, kind: str = "A", util: float = 0.5) -> Job:
+    return Job(i, kind, gpus, float(i), util)
+
+
+def both_ways(a: str, b: str) -> set[tuple[str, str, str]]:
+    return {("v100", a, b), ("v100", b, a)}
+
+
+def test_the_registry_knows_fifo_and_gandiva() -> None:
+    assert list(POLICIES) == ["fifo", "gandiva"]
+    assert get_policy("gandiva").name == "gandiva"
+    assert get_policy("fifo") is not get_policy("fifo")  # one object per run
+    with pytest.raises(UnknownPolicyError, match=r"known: fifo, gandiva \(gandiva:HEIGHT\)"):
+        get_policy("tiresias")
+    assert get_policy("gandiva:2").name == "gandiva:2"
+    for bad in ("gandiva:0", "gandiva:x", "gandiva:65", "fifo:2"):
+        with pytest.raises(UnknownPolicyError, match=f"policy '{bad}'"):
+            get_policy(bad)
+
+
+def test_fifo_starts_in_arrival_order_and_the_head_blocks_the_rest() -> None:
+    # One 4-GPU server, 2 GPUs in use: the 4-GPU head waits and the 1-GPU job behind it too.
+    busy = Group(0, ((0, 0), (0, 1)), (9,))
+    state = view([4], [busy], [job(9, 2), job(1, 4), job(2, 1)], waiting=[1, 2])
+    assert FifoPolicy().decide(state) == []
+    # Without the head, the 1-GPU job takes a GPU, best fit: the fuller of two servers.
+    state = view([4, 4], [busy], [job(9, 2), job(2, 1), job(3, 1)], waiting=[2, 3])
+    assert FifoPolicy().decide(state) == [Place(2, ((0, 2),)), Place(3, ((0, 3),))]
+
+
+def test_fifo_gives_a_job_wider_than_a_server_whole_servers() -> None:
+    state = view([4, 4, 4], [Group(0, ((1, 0),), (9,))], [job(9), job(1, 6)], waiting=[1])
+    (place,) = FifoPolicy().decide(state)
+    assert place == Place(1, ((0, 0), (0, 1), (0, 2), (0, 3), (2, 0), (2, 1)))
+
+
+def test_a_job_goes_only_to_gpu_types_it_runs_on() -> None:
+    servers = (Server("k80", 4), Server("v100", 4))
+    picky = Job(1, "A", 2, 0.0, 0.5, frozenset({"v100"}))
+    state = ClusterView(
+        0.0, servers, MappingProxyType({1: picky}), (), (1,), EFFICIENCY, frozenset()
+    )
+    assert FifoPolicy().decide(state) == [Place(1, ((1, 0), (1, 1)))]
+    assert GandivaPolicy().decide(state) == [Place(1, ((1, 0), (1, 1)))]
+    # With the V100 server taken by a 2-GPU job it time-slices there, never on the free k80s.
+    busy = (Group(0, ((1, 0), (1, 1)), (7,)), Group(1, ((1, 2), (1, 3)), (8,)))
+    jobs = MappingProxyType({1: picky, 7: job(7, 2), 8: job(8, 2)})
+    state = ClusterView(0.0, servers, jobs, busy, (1,), EFFICIENCY, frozenset())
+    assert FifoPolicy().decide(state) == []
+    assert GandivaPolicy().decide(state) == [Slice(1, 0)]
+
+
+def test_gandiva_places_by_affinity_then_empty_server() -> None:
+    # Server 0 runs a 2-GPU job, server 1 a 1-GPU job, server 2 is empty.
+    groups = [Group(0, ((0, 0), (0, 1)), (7,)), Group(1, ((1, 0),), (8,))]
+    jobs = [job(7, 2), job(8, 1), job(1, 2), job(2, 2), job(3, 4)]
+    actions = GandivaPolicy().decide(view([4, 4, 4], groups, jobs, waiting=[1, 2, 3]))
+    # The first 2-GPU job joins its kind on server 0; the next finds server 0 full and takes
+    # the empty server 2 (not server 1 of the 1-GPU jobs); the 4-GPU job finds no server with
+    # 4 free GPUs, 5 free in all: the 1-GPU job moves off server 1 (to server 2, the fullest
+    # that holds it) and the 4-GPU job takes server 1.
+    assert actions == [
+        Place(1, ((0, 2), (0, 3))),
+        Place(2, ((2, 0), (2, 1))),
+        Place(8, ((2, 2),), reason="defrag"),
+        Place(3, ((1, 0), (1, 1), (1, 2), (1, 3))),
+    ]
+
+
+def test_gandiva_over_subscribes_the_least_high_group_up_to_the_cap() -> None:
+    groups = [Group(0, ((0, 0),), (7, 8)), Group(1, ((0, 1),), (9,))]
+    jobs = [job(7), job(8), job(9), job(1), job(2), job(3, 2)]
+    actions = GandivaPolicy(max_height=2).decide(view([2], groups, jobs, waiting=[1, 2, 3]))
+    # Job 1 slices with the single job 9; then every group is at the cap: job 2 waits, and
+    # the 2-GPU job 3 has no group of its size.
+    assert actions == [Slice(1, 1)]
+
+
+def test_gandiva_defragments_a_server_for_a_job_that_fits_nowhere_whole() -> None:
+    # Two 4-GPU servers, two 1-GPU jobs on each (2 + 2 free): a 4-GPU job needs one server.
+    groups = [
+        Group(0, ((0, 0),), (5,)),
+        Group(1, ((0, 1),), (6,)),
+        Group(2, ((1, 0),), (7,)),
+        Group(3, ((1, 2),), (8,)),
+    ]
+    jobs = [job(5), job(6), job(7), job(8), job(1, 4)]
+    actions = GandivaPolicy().decide(view([4, 4], groups, jobs, waiting=[1]))
+    moves = [a for a in actions if isinstance(a, Place) and a.reason == "defrag"]
+    assert len(moves) == 2
+    emptied = {s for a in actions if a.job == 1 for s, _ in a.slots}  # type: ignore[union-attr]
+    assert len(emptied) == 1 and actions[-1].job == 1  # type: ignore[union-attr]
+    assert {s for m in moves for s, _ in m.slots}.isdisjoint(emptied)
+    _assert_consistent(view([4, 4], groups, jobs, waiting=[1]), actions)
+
+
+def test_gandiva_spreads_a_time_sliced_job_onto_a_free_gpu() -> None:
+    state = view([2], [Group(0, ((0, 0),), (7, 8))], [job(7), job(8)])
+    assert GandivaPolicy().decide(state) == [Place(8, ((0, 1),), reason="spread")]
+
+
+def test_gandiva_packs_the_lowest_utilisation_job_onto_the_lowest_utilisation_gpu() -> None:
+    # GPU 0 time-slices jobs 1 (util 0.2) and 2 (0.9); GPUs 1 and 2 run jobs 3 (0.6), 4 (0.3).
+    groups = [
+        Group(0, ((0, 0),), (1, 2)),
+        Group(1, ((0, 1),), (3,)),
+        Group(2, ((0, 2),), (4,)),
+    ]
+    jobs = [job(1, util=0.2), job(2, util=0.9), job(3, util=0.6), job(4, util=0.3)]
+    actions = GandivaPolicy().decide(view([3], groups, jobs, packable=both_ways("A", "A")))
+    assert actions == [Pack(1, 2)]  # job 1 onto job 4's GPU
+    # A pair that does not fit one GPU's memory is never tried.
+    assert GandivaPolicy().decide(view([3], groups, jobs)) == []
+
+
+def test_gandiva_packs_a_time_sliced_pair_in_place() -> None:
+    state = view(
+        [1],
+        [Group(0, ((0, 0),), (1, 2))],
+        [job(1, kind="A", util=0.4), job(2, kind="B", util=0.3)],
+        packable=both_ways("A", "B"),
+    )
+    assert GandivaPolicy().decide(state) == [Pack(2, 0)]
+
+
+def test_gandiva_undoes_a_packing_worse_than_time_slicing_and_does_not_retry_it() -> None:
+    jobs = [job(1, kind="A"), job(2, kind="B")]
+    packable = both_ways("A", "B")
+    policy = GandivaPolicy()
+    good = Group(0, ((0, 0),), (1, 2), packed=True, packed_gain=1.3)
+    assert policy.decide(view([1], [good], jobs, packable=packable)) == []
+    bad = Group(0, ((0, 0),), (1, 2), packed=True, packed_gain=0.9)
+    # 0.9 of the pair's solo throughput packed, time-slicing gives 60/61: undo.
+    assert policy.decide(view([1], [bad], jobs, packable=packable)) == [Unpack(0)]
+    sliced = Group(0, ((0, 0),), (1, 2))
+    assert policy.decide(view([1], [sliced], jobs, packable=packable)) == []
+    # A new policy (another run) has not learned it: it packs the pair.
+    assert GandivaPolicy().decide(view([1], [sliced], jobs, packable=packable)) == [Pack(1, 0)]
+
+
+def test_gandiva_waits_a_packing_out_until_its_trial_is_measured() -> None:
+    trial = Group(0, ((0, 0),), (1, 2), packed=True, packed_gain=None)
+    state = view([1], [trial], [job(1, kind="A"), job(2, kind="B")], packable=both_ways("A", "B"))
+    assert GandivaPolicy().decide(state) == []
+
+
+def _assert_consistent(state: ClusterView, actions: list[Action]) -> None:
+    """Applying the actions in order never puts two groups on one GPU."""
+    free = FreeMap(state.servers, state.groups)
+    where = {j: g.id for g in state.groups for j in g.jobs}
+    members = {g.id: list(g.jobs) for g in state.groups}
+    slots = {g.id: g.slots for g in state.groups}
+    for action in actions:
+        assert isinstance(action, Place)
+        old = where.pop(action.job, None)
+        if old is not None:
+            members[old].remove(action.job)
+            if not members[old]:
+                free.give(slots[old])
+        free.take_exact(action.slots)  # raises when a slot is not free

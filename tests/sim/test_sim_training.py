@@ -1,0 +1,347 @@
+"""The training simulator (`gpuloom sim training`): bad input refused before anything runs, a
+tiny trace followed to the second, invariants on random traces, and the targets on some of
+Gavel's Philly-derived traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuloom.clients.cli import cli
+from gpuloom.policies.training.gandiva import MAX_HEIGHT
+from gpuloom.policies.training.registry import get_policy
+from gpuloom.sim.training import (
+    MIGRATION_S,
+    PACK_TRIAL_S,
+    QUANTUM_S,
+    SERVER_GPUS,
+    SLICE_EFFICIENCY,
+    SWITCH_S,
+    Throughputs,
+    TraceJob,
+    TrainingInputError,
+    parse_cluster,
+    parse_trace,
+    simulate,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GAVEL = ROOT.parent / "shared" / "traces" / "gavel"
+needs_traces = pytest.mark.skipif(not GAVEL.is_dir(), reason="no ../shared/traces beside")
+
+# Solo steps/s: A 10, B 5, C 5 (and A 18 on 2 GPUs). Packed, A with B: 6 and 3 (gain
+# 0.6 + 0.6 = 1.2, better than time-slicing); A with C: 4 and 2 (gain 0.8, worse).
+TABLE = {
+    "v100": {
+        "('A', 1)": {"null": 10.0, "('B', 1)": [6.0, 3.0], "('C', 1)": [4.0, 2.0]},
+        "('B', 1)": {"null": 5.0, "('A', 1)": [3.0, 6.0]},
+        "('C', 1)": {"null": 5.0, "('A', 1)": [2.0, 4.0]},
+        "('A', 2)": {"null": 18.0},
+    },
+    "k80": {"('A', 1)": {"null": 2.0}, "('A', 2)": {"null": 0.0}},
+    "v100_unconsolidated": {"('A', 1)": {"null": 1.0}},
+}
+
+
+def line(kind: str, steps: int, arrival: float, scale: int = 1) -> str:
+    return f"{kind}\tpython3 train.py\t--steps\t1\t{steps}\t{arrival:f}\t{scale}"
+
+
+def table() -> Throughputs:
+    return Throughputs(json.dumps(TABLE), "t.json")
+
+
+def jobs_of(*lines: str) -> list[TraceJob]:
+    return parse_trace("\n".join(lines) + "\n", "x.trace", table(), ["v100"])
+
+
+def run_cli(tmp_path: Path, trace: str, *args: str):
+    (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
+    (tmp_path / "x.trace").write_text(trace)
+    argv = ["sim", "training", "--trace", str(tmp_path / "x.trace"), *args]
+    return CliRunner().invoke(cli, argv)
+
+
+def test_the_table_reads_solo_pairs_and_derives_unmeasured_scales() -> None:
+    t = table()
+    assert t.gpu_types == ("k80", "v100")  # the _unconsolidated variants are not used
+    assert t.solo_rate("v100", "A", 2) == 18.0
+    assert t.solo_rate("v100", "A", 8) == 18.0 * 4  # the largest measured scale below, linear
+    assert t.solo_rate("v100", "B", 4) == 5.0 * 4
+    assert t.solo_rate("k80", "B", 1) is None
+    assert t.pair[("v100", "A", "B")] == (6.0, 3.0)
+    assert t.utilisation("v100", "A") == pytest.approx(
+        ((1 - 3 / 5) + (1 - 2 / 5)) / 2
+    )  # B, C lose 0.4, 0.6
+
+
+def test_cluster_specs() -> None:
+    servers = parse_cluster("v100:10, k80:2/1", ("k80", "v100"))
+    assert [(s.gpu_type, s.gpus) for s in servers] == [("v100", 4)] * 2 + [("v100", 2)] + [
+        ("k80", 1)
+    ] * 2
+    for bad, said in [
+        ("a100:4", "unknown GPU type 'a100' (known: k80, v100)"),
+        ("v100", "is not TYPE:COUNT"),
+        ("v100:x", "integers"),
+        ("v100:0", "below 1"),
+    ]:
+        with pytest.raises(TrainingInputError, match=said.replace("(", r"\(").replace(")", r"\)")):
+            parse_cluster(bad, ("k80", "v100"))
+
+
+@pytest.mark.parametrize(
+    ("trace", "said"),
+    [
+        (line("A", 10, 0) + "\n" + line("Z", 10, 5), "x.trace, line 2: unknown job type 'Z'"),
+        (line("A", 10, 0) + "\nA\t1\t2\n", "x.trace, line 2: 3 tab-separated fields"),
+        (line("A", 10, 0).replace("\t10\t", "\tten\t"), "x.trace, line 1: steps is not a number"),
+        (line("A", 10, -1), "x.trace, line 1: steps and scale must be at least 1"),
+        ("\n", "x.trace, line 1: the trace has no jobs"),
+    ],
+)
+def test_bad_traces_exit_2_naming_file_and_line_and_run_nothing(
+    tmp_path: Path, trace: str, said: str
+) -> None:
+    # A good trace before it is not run either, and no plot is drawn.
+    (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
+    (tmp_path / "good.trace").write_text(line("A", 10, 0))
+    (tmp_path / "x.trace").write_text(trace)
+    plot = tmp_path / "p.png"
+    argv = ["sim", "training", "--trace", str(tmp_path / "good.trace")]
+    argv += ["--trace", str(tmp_path / "x.trace"), "--plot", str(plot), "--cluster", "v100:4"]
+    result = CliRunner().invoke(cli, [*argv, "--json"])
+    assert result.exit_code == 2
+    assert said in result.output
+    assert "avg_jct_h" not in result.output
+    assert not plot.exists()
+
+
+def test_a_missing_trace_file_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
+    argv = ["sim", "training", "--trace", str(tmp_path / "nope.trace"), "--cluster", "v100:4"]
+    result = CliRunner().invoke(cli, argv)
+    assert result.exit_code == 2
+    assert "nope.trace, line 0: No such file or directory" in result.output
+
+
+def test_a_missing_throughput_entry_and_an_unknown_gpu_type_exit_2(tmp_path: Path) -> None:
+    # B has no k80 throughput: fine on v100, refused on a cluster with k80s.
+    trace = line("A", 10, 0) + "\n" + line("B", 10, 5) + "\n"
+    assert run_cli(tmp_path, trace, "--cluster", "v100:4").exit_code == 0
+    result = run_cli(tmp_path, trace, "--cluster", "v100:4,k80:4")
+    assert result.exit_code == 2
+    assert "x.trace, line 2: missing throughput entry for 'B' on one k80" in result.output
+    result = run_cli(tmp_path, trace, "--cluster", "h100:8")
+    assert result.exit_code == 2
+    assert "unknown GPU type 'h100'" in result.output
+    result = run_cli(tmp_path, trace, "--cluster", "v100:4", "--policy", "srtf")
+    assert result.exit_code == 2
+    assert "known: fifo, gandiva" in result.output
+
+
+def test_a_bad_throughput_table_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "t.json").write_text('{"v100": {"A": {"null": 1}}}')
+    (tmp_path / "x.trace").write_text(line("A", 10, 0))
+    argv = ["sim", "training", "--trace", str(tmp_path / "x.trace"), "--cluster", "v100:1"]
+    result = CliRunner().invoke(cli, [*argv, "--throughputs", str(tmp_path / "t.json")])
+    assert result.exit_code == 2
+    assert "t.json, line 1: v100: bad job key 'A'" in result.output
+
+
+def test_fifo_on_one_gpu_runs_the_second_job_after_the_first() -> None:
+    # A: 36,000 steps at 10/s (1 h); B: 18,000 at 5/s (1 h), arriving 1 s later.
+    jobs = jobs_of(line("A", 36_000, 0), line("B", 18_000, 1))
+    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), get_policy("fifo"))
+    assert run.jct_h == pytest.approx((1.0, (7200 - 1) / 3600))
+    assert run.avg_first_feedback_h == round((3600 - 1) / 2 / 3600, 3)
+    assert run.makespan_h == 2.0 and run.gpu_util == 1.0
+    assert (run.packings, run.undone, run.migrations) == (0, 0, 0)
+
+
+def test_gandiva_packs_a_pair_the_table_supports_and_keeps_it() -> None:
+    jobs = jobs_of(line("A", 36_000, 0), line("B", 18_000, 1))
+    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), get_policy("gandiva"))
+    # B arrives to a full cluster, time-slices with A and is packed with it at once: A at
+    # 6/s, B at 3/s, the trial (gain 1.2 > 60/61) keeps it. A ends first, at
+    # 1 + 35,990 / 6 s; B's last 5 steps run alone at 5/s.
+    a_end = 1 + 35_990 / 6
+    b_end = a_end + (18_000 - 3 * (a_end - 1)) / 5
+    assert run.jct_h == pytest.approx((a_end / 3600, (b_end - 1) / 3600))
+    assert run.avg_first_feedback_h == 0.0
+    assert (run.packings, run.undone) == (1, 0)
+
+
+def test_gandiva_undoes_a_packing_worse_than_time_slicing_and_time_slices() -> None:
+    jobs = jobs_of(line("A", 36_000, 0), line("C", 18_000, 1))
+    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), get_policy("gandiva"))
+    # Packed at 4/s and 2/s for the trial, then time-sliced: 10 and 5 x 60/61 / 2; A ends
+    # first, then C runs alone at 5/s.
+    trial_end = 1 + PACK_TRIAL_S
+    left_a = 36_000 - 10 - 4 * PACK_TRIAL_S
+    left_c = 18_000 - 2 * PACK_TRIAL_S
+    rate_a, rate_c = 10 * SLICE_EFFICIENCY / 2, 5 * SLICE_EFFICIENCY / 2
+    a_end = trial_end + left_a / rate_a
+    c_end = a_end + (left_c - rate_c * (a_end - trial_end)) / 5
+    assert run.jct_h == pytest.approx((a_end / 3600, (c_end - 1) / 3600))
+    assert (run.packings, run.undone) == (1, 1)
+
+
+def test_gandiva_time_slices_then_spreads_onto_a_freed_gpu() -> None:
+    # One server of two GPUs; C1 (1 h alone) and C2 (2 h) start alone; C3 (2 h) arrives at
+    # 10 s and time-slices with the least-high group, C1's (C with C does not pack). When C2
+    # ends, C3 migrates onto its GPU (stalled MIGRATION_S) and C1 runs on alone.
+    jobs = jobs_of(line("C", 18_000, 0), line("C", 36_000, 1), line("C", 36_000, 10))
+    run = simulate(jobs, parse_cluster("v100:2/2", ["v100"]), table(), get_policy("gandiva"))
+    shared = 5 * SLICE_EFFICIENCY / 2
+    c2_end = 1 + 36_000 / 5
+    c1_left = 18_000 - 5 * 10 - shared * (c2_end - 10)
+    c3_left = 36_000 - shared * (c2_end - 10)
+    c1_end = c2_end + c1_left / 5
+    c3_end = c2_end + MIGRATION_S + c3_left / 5
+    assert run.jct_h == pytest.approx((c1_end / 3600, (c2_end - 1) / 3600, (c3_end - 10) / 3600))
+    assert run.avg_first_feedback_h == round(QUANTUM_S / 3 / 3600, 3)  # C3 waits one slice
+    assert (run.packings, run.migrations) == (0, 1)
+
+
+def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
+    # C1 (long) and C2 (30 s) start alone on a 2-GPU server; C3 arrives at 10 s and joins
+    # C1's round-robin, its turn due at 70 s; C2 ends at 30.5 s and C3 takes its GPU at once:
+    # no state to move, no stall (a 30 s stall would show in its JCT).
+    jobs = jobs_of(line("C", 36_000, 0), line("C", 150, 0.5), line("C", 3_000, 10))
+    run = simulate(jobs, parse_cluster("v100:2/2", ["v100"]), table(), get_policy("gandiva"))
+    assert run.migrations == 0
+    assert run.avg_first_feedback_h == round((30.5 - 10) / 3 / 3600, 3)
+    c3_left = 3_000 - 5 * SLICE_EFFICIENCY / 2 * (30.5 - 10)
+    assert run.jct_h[2] == pytest.approx((30.5 + c3_left / 5 - 10) / 3600)
+
+
+def test_jobs_wider_than_the_cluster_are_counted_not_run(tmp_path: Path) -> None:
+    trace = line("A", 100, 0) + "\n" + line("A", 100, 0, scale=8) + "\n"
+    result = run_cli(tmp_path, trace, "--cluster", "v100:4", "--json")
+    assert result.exit_code == 0
+    rows = [json.loads(x) for x in result.output.splitlines() if x.startswith("{")]
+    assert [(r["policy"], r["jobs"], r["unschedulable"]) for r in rows] == [
+        ("fifo", 1, 1),
+        ("gandiva", 1, 1),
+    ]
+    assert "1 job(s) fit no GPU type of v100:4" in result.output
+
+
+def test_a_job_runs_only_where_its_throughput_is_above_0() -> None:
+    # A on 2 k80s is 0 in the table (4 derive from it): on k80s alone it cannot run; beside
+    # a V100 server listed second it runs there, at 2 x the 2-GPU V100 throughput.
+    jobs = jobs_of(line("A", 3_600, 0, scale=4))
+    k80 = parse_cluster("k80:4", ["k80", "v100"])
+    assert simulate(jobs, k80, table(), get_policy("fifo")).unschedulable == 1
+    both = parse_cluster("k80:4,v100:4", ["k80", "v100"])
+    for policy in ("fifo", "gandiva"):
+        run = simulate(jobs, both, table(), get_policy(policy))
+        assert run.jct_h == pytest.approx((3_600 / 36 / 3600,))
+
+
+def test_json_has_the_promised_fields_and_plot_writes_a_png(tmp_path: Path) -> None:
+    trace = "\n".join(line(k, 3600, 60 * i) for i, k in enumerate("ABCABC")) + "\n"
+    out = tmp_path / "p.png"
+    result = run_cli(tmp_path, trace, "--cluster", "v100:2", "--json", "--plot", str(out))
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(x) for x in result.output.splitlines()]
+    promised = {"policy", "trace", "jobs", "avg_jct_h", "p95_jct_h", "avg_first_feedback_h"}
+    assert all(promised | {"makespan_h", "gpu_util", "packings", "undone"} <= set(r) for r in rows)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    text = run_cli(tmp_path, trace, "--cluster", "v100:2")
+    assert "AVG JCT h" in text.output and "gandiva" in text.output
+
+
+kinds = st.sampled_from("ABC")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(kinds, st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(1, 6),
+    st.integers(1, 3),
+    st.sampled_from(["fifo", "gandiva"]),
+)
+def test_every_job_ends_and_no_gpu_is_used_twice(
+    rows: list[tuple[str, int, int, int]], gpus: int, per_server: int, policy: str
+) -> None:
+    lines = [line("A" if s == 2 else k, n, t, s) for k, n, t, s in rows]
+    jobs = jobs_of(*lines)
+    servers = parse_cluster(f"v100:{gpus}/{per_server}", ["v100"])
+    run = simulate(jobs, servers, table(), get_policy(policy), seed=gpus)
+    assert run.jobs + run.unschedulable == len(jobs)
+    assert len(run.jct_h) == run.jobs
+    assert all(n <= gpus for _, n in run.in_use)
+    # No job ends sooner than alone at its solo speed (packing partners here run slower).
+    alone = sorted(
+        j.steps / table().solo_rate("v100", j.job_type, j.gpus) for j in jobs if j.gpus <= gpus
+    )
+    assert sum(run.jct_h) * 3600 >= sum(alone) - 1e-6 * len(alone)
+    assert 0 <= run.gpu_util <= 1 + 1e-9
+    if policy == "fifo":
+        assert run.migrations == 0 and run.packings == 0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
+        min_size=1,
+        max_size=20,
+    ),
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 2),
+    st.sampled_from(["fifo", "gandiva"]),
+)
+def test_mixed_gpu_types_keep_two_gpu_jobs_off_the_k80s(
+    rows: list[tuple[int, int, int]], k80: int, v100: int, per_server: int, policy: str
+) -> None:
+    # A on 2 k80s is 0 in the table: 2-GPU jobs run on V100s only (the simulator raises
+    # PolicyError on a placement on a GPU type the job does not run on).
+    jobs = jobs_of(*(line("A", n, t, s) for n, t, s in rows))
+    servers = parse_cluster(f"k80:{k80}/{per_server},v100:{v100}/{per_server}", ["k80", "v100"])
+    run = simulate(jobs, servers, table(), get_policy(policy))
+    wide = sum(1 for j in jobs if j.gpus > v100)
+    assert (run.jobs, run.unschedulable) == (len(jobs) - wide, wide)
+    assert all(n <= k80 + v100 for _, n in run.in_use)
+    fastest = sum(j.steps / table().solo_rate("v100", "A", j.gpus) for j in jobs if j.gpus <= v100)
+    assert sum(run.jct_h) * 3600 >= fastest - 1e-6 * len(jobs)
+
+
+@needs_traces
+@pytest.mark.parametrize("name", ["103959", "e13805", "2869ce"])
+@pytest.mark.parametrize("cluster", ["v100:32", "v100:16,p100:16"])
+def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -> None:
+    t = Throughputs((GAVEL / "simulation_throughputs.json").read_text(), "t")
+    servers = parse_cluster(cluster, t.gpu_types)
+    path = GAVEL / "msr-philly-derived-seed0" / f"{name}.trace"
+    jobs = parse_trace(path.read_text(), str(path), t, sorted({s.gpu_type for s in servers}))
+    fifo, gandiva = (simulate(jobs, servers, t, get_policy(p)) for p in ("fifo", "gandiva"))
+    assert gandiva.avg_jct_h < fifo.avg_jct_h
+    assert gandiva.avg_first_feedback_h < fifo.avg_first_feedback_h
+    assert gandiva.undone <= gandiva.packings
+
+
+def test_the_docs_give_the_constants_the_code_uses() -> None:
+    doc = (ROOT / "docs" / "training.md").read_text()
+    for name, value, unit in [
+        ("QUANTUM_S", QUANTUM_S, "s"),
+        ("SWITCH_S", SWITCH_S, "s"),
+        ("MIGRATION_S", MIGRATION_S, "s"),
+        ("PACK_TRIAL_S", PACK_TRIAL_S, "s"),
+        ("SERVER_GPUS", SERVER_GPUS, "GPUs"),
+        ("MAX_HEIGHT", MAX_HEIGHT, "jobs"),
+    ]:
+        assert f"| `{name}` | {value:g} {unit} |" in doc
+    assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)
