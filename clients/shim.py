@@ -74,6 +74,8 @@ class ShimClient:
         self._used_s = 0.0
         self._burst_s = 0.0
         self._usage_lease = 0
+        # Device memory this process holds, sent with every usage report (as the C shim does).
+        self.allocated_bytes = 0
         # A lease we gave back stays in the region until the dispatcher has read our release;
         # it must not be used meanwhile.
         self._released_lease = 0
@@ -237,6 +239,7 @@ class ShimClient:
             gpu_time_ns=int(self._used_s * 1e9),
             longest_burst_ns=int(self._burst_s * 1e9),
             release=release,
+            allocated_bytes=self.allocated_bytes,
         )
         self._usage_lease, self._used_s, self._burst_s = 0, 0.0, 0.0
         return report

@@ -11,6 +11,7 @@ from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import serve, up
 from gpuloom.clients.cli.sim import sim
+from gpuloom.clients.cli.top import top
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -25,6 +26,7 @@ cli.add_command(profiles)
 cli.add_command(mig)
 cli.add_command(profile)
 cli.add_command(sim)
+cli.add_command(top)
 for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
     cli.add_command(command)
 

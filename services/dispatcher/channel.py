@@ -84,6 +84,15 @@ class ChannelLimits:
     max_records_per_batch: int = 100_000
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectedProcess:
+    """A registered process, as GetGpuStatus shows it."""
+
+    pid: int
+    asked_at: float | None  # monotonic time of the lease request it waits on; None: not waiting
+    allocated_bytes: int  # device memory, as its shim's last usage report said
+
+
 class ProtocolViolation(Exception):
     """The peer broke the shim protocol; its connection is closed, nobody else notices."""
 
@@ -93,6 +102,7 @@ MeasurementSink = Callable[[str, Sequence[shim_pb2.KernelRecord]], None]
 
 class _Connection:
     __slots__ = (
+        "allocated_bytes",
         "assignment_id",
         "deadline",
         "fikit_slot",
@@ -116,6 +126,7 @@ class _Connection:
         self.deadline = 0.0
         self.requested_at: float | None = None
         self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
+        self.allocated_bytes = 0  # device memory, as the shim's last usage report said
 
 
 class ShimChannel:
@@ -257,10 +268,13 @@ class ShimChannel:
                 for bound in ("request", "limit"):
                     metrics.CLIENT_QUOTA.remove(self._gpu, assignment_id, bound)
 
-    def connected(self) -> dict[str, int]:
-        """assignment id -> pid of every registered connection."""
+    def connected(self) -> dict[str, ConnectedProcess]:
+        """assignment id -> the process of every registered connection."""
         return {
-            assignment: connection.peer[0] for assignment, connection in self._by_assignment.items()
+            assignment: ConnectedProcess(
+                connection.peer[0], connection.requested_at, connection.allocated_bytes
+            )
+            for assignment, connection in self._by_assignment.items()
         }
 
     def scheduler_snapshot(self) -> SchedulerSnapshot:
@@ -516,6 +530,7 @@ class ShimChannel:
         now = time.monotonic()
         ended = None
         if request.HasField("report") and request.report.lease_id:
+            connection.allocated_bytes = request.report.allocated_bytes
             ended = self._charge(assignment_id, request.report, now, ending=True)
         if connection.requested_at is None:
             connection.requested_at = now
@@ -525,6 +540,7 @@ class ShimChannel:
         assert connection.assignment_id is not None
         if connection.mode is not ShimMode.SHARE:
             return
+        connection.allocated_bytes = report.allocated_bytes
         self._apply(
             self._charge(connection.assignment_id, report, time.monotonic(), report.release)
         )
@@ -749,12 +765,17 @@ class ShimChannel:
         snapshot = self._scheduler.snapshot(now)
         metrics.QUEUE_DEPTH.labels(self._gpu).set(len(snapshot.waiting))
         metrics.CONNECTIONS.labels(self._gpu).set(len(self._connections))
+        used_total = 0.0
         for client_id, client in snapshot.clients.items():
             used = client.used_s / self._scheduler.config.window_s
+            used_total += used
             metrics.CLIENT_USED.labels(self._gpu, client_id).set(used)
             quota = metrics.CLIENT_QUOTA
             quota.labels(self._gpu, client_id, "request").set(client.share.quota_request)
             quota.labels(self._gpu, client_id, "limit").set(client.share.quota_limit)
+        metrics.QUOTA_USED.labels(self._gpu).set(used_total)
+        metrics.QUOTA_RESERVED.labels(self._gpu).set(self._book.quota_reserved_percent() / 100)
+        metrics.MEMORY_RESERVED.labels(self._gpu).set(self._book.memory_reserved_bytes())
 
     def _emit(
         self,

@@ -24,7 +24,7 @@ from gpuloom.domain.gpus import find_model
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
-from gpuloom.services.dispatcher.channel import ShimChannel
+from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel
 from gpuloom.services.dispatcher.domain import (
     LEASE_EVENTS,
     ClientStatus,
@@ -162,30 +162,38 @@ class DispatcherCore:
         self,
         reservation: Reservation,
         snapshot: SchedulerSnapshot,
-        connected: dict[str, int],
+        connected: dict[str, ConnectedProcess],
         now: float,
     ) -> ClientStatus:
-        pid = connected.get(reservation.assignment_id, 0)
+        process = connected.get(reservation.assignment_id)
+        pid = 0 if process is None else process.pid
         if pid == 0 and reservation.bound is not None:
             pid = reservation.bound.pid
+        allocated = 0 if process is None else process.allocated_bytes
         client = snapshot.clients.get(reservation.assignment_id)
         if client is None:  # not time-shared (measure/off modes)
             return ClientStatus(
-                reservation, reservation.assignment_id in connected, pid, LeaseState.IDLE,
-                0.0, 0.0, 0.0, 0, 0.0,
+                reservation, process is not None, pid, LeaseState.IDLE,
+                0.0, 0.0, 0.0, 0, 0.0, 0.0, allocated,
             )  # fmt: skip
         lease = client.lease
         remaining = 0.0 if lease is None else max(0.0, lease.expires_at - now)
+        state = LeaseState(client.state)
+        waiting_s = 0.0
+        if process is not None and process.asked_at is not None and state.asking:
+            waiting_s = max(0.0, now - process.asked_at)
         return ClientStatus(
             reservation=reservation,
-            connected=reservation.assignment_id in connected,
+            connected=process is not None,
             pid=pid,
-            state=LeaseState(client.state),
+            state=state,
             used_fraction=client.used_s / self.window_s,
             lease_remaining_s=remaining if math.isfinite(remaining) else math.inf,
             lease_length_s=client.q_s,
             leases_granted=client.leases_granted,
             gpu_time_s=client.total_gpu_s,
+            waiting_s=waiting_s,
+            allocated_bytes=allocated,
         )
 
     def environment(self, reservation: Reservation) -> dict[str, str]:
