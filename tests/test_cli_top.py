@@ -5,6 +5,7 @@ placement is one line; and the gauges of the metrics endpoint match."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pty
@@ -19,11 +20,14 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
+from rich.console import Console
 
+from gpuloom.clients.cli.top import render
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.shim import ShimClient
+from gpuloom.clients.top import FleetView
 from gpuloom.convert.dispatcher import status_from_pb, status_to_pb
-from gpuloom.domain.placement import JobKind, JobSpec, JobView
+from gpuloom.domain.placement import GpuEntry, GpuInfo, JobKind, JobSpec, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for
@@ -253,3 +257,55 @@ def test_the_metrics_endpoint_has_the_same_figures(day: Day) -> None:
     # The blocked batch job was charged far past its quota in this window or carries it over.
     assert samples['gpuloom_dispatcher_quota_used_ratio{gpu="0"}'] > 0.1
     assert samples['gpuloom_dispatcher_quota_used_ratio{gpu="1"}'] == 0.0
+
+
+class FakePlacement:
+    """What FleetView asks placement: its GPUs and live jobs."""
+
+    address = "fake:1"
+
+    def __init__(self, entries: list[GpuEntry]) -> None:
+        self.entries = entries
+
+    def gpus(self) -> Iterator[GpuEntry]:
+        return iter(self.entries)
+
+    def list(self, states: object, page_size: int) -> Iterator[JobView]:
+        return iter(())
+
+
+def entry(uuid: str, dispatcher: str) -> GpuEntry:
+    return GpuEntry(
+        gpu=GpuInfo(uuid, "n1", "A100-80GB", 80 * GIB),
+        dispatcher_address=dispatcher,
+        schedulable=True,
+        lost=False,
+        last_heartbeat=0.0,
+        utilization_percent=0.0,
+        memory_used_bytes=0,
+        memory_reserved_bytes=0,
+        area_reserved_percent=0.0,
+        jobs=0,
+    )
+
+
+def test_a_dispatcher_that_does_not_answer_is_named_and_the_rest_shown(day: Day) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    entries = [
+        entry("GPU-dead", dead),
+        entry("GPU-moved", day.plane.dispatchers[0]),  # that dispatcher serves GPU0
+        entry(GPU1, day.plane.dispatchers[1]),
+    ]
+    placement = FakePlacement(entries)
+    with FleetView(placement, dispatcher_timeout_s=2.0) as view:  # type: ignore[arg-type]
+        snapshot = view.snapshot()
+    dead_gpu, moved, alive = snapshot.gpus
+    assert dead_gpu.status is None and dead_gpu.error.startswith(f"dispatcher at {dead}: ")
+    assert moved.status is None and f"now serves GPU {GPU0}, not this one" in moved.error
+    assert alive.status is not None and alive.error == ""
+    frame = Console(width=200, file=io.StringIO())
+    frame.print(render(snapshot))
+    text = frame.file.getvalue()  # type: ignore[attr-defined]
+    dead_line = next(line for line in text.splitlines() if "GPU-dead" in line)
+    assert "no status" in dead_line
+    assert f"n1/?: dispatcher at {dead}: " in text

@@ -57,8 +57,8 @@ def top(once: bool, as_json: bool, interval: float, address: str) -> None:
     time used in the current window, how long it has waited for its lease).
 
     On a terminal the view refreshes in place until Ctrl-C; with --once, or when stdout is not
-    a terminal, it prints one frame. Placement must be reachable (exit 1 otherwise); a
-    dispatcher that does not answer is named on its GPU's line.
+    a terminal, it prints one frame. Placement must be reachable (exit 1 otherwise); the GPU
+    of a dispatcher that does not answer says "no status", and why is printed below.
     """
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:
