@@ -215,12 +215,6 @@ def test_an_unreachable_placement_is_one_line_naming_address_and_variable(
     assert "GPULOOM_PLACEMENT_ADDRESS" in lines[0] and "--placement" in lines[0]
 
 
-def test_bad_interval_names_the_option(day: Day) -> None:
-    result = top(day, "--interval", "0.01")
-    assert result.returncode == 2
-    assert "--interval" in result.stderr.splitlines()[-1]
-
-
 def scrape(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
