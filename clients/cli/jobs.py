@@ -187,8 +187,10 @@ def cancel(job_id: str, reason: str, address: str, as_json: bool) -> None:
 @json_option
 def watch(job_id: str, address: str, as_json: bool) -> None:
     """Print the job's state now, then a line for each change (of state, or of the reason it is
-    pending) until it finishes. --json prints each revision as a JSON line."""
+    pending) until it finishes. --json prints each revision as a JSON line. Exits 0 if the job
+    succeeded, 1 if it failed, was cancelled or was lost."""
     last: tuple[JobState, str] | None = None
+    job: JobView | None = None
     with _placement(address) as client:
         for job in client.watch(job_id):
             if as_json:
@@ -198,6 +200,9 @@ def watch(job_id: str, address: str, as_json: bool) -> None:
             if seen != last:
                 last = seen
                 click.echo(f"{_clock(job.updated_at)}  {_summary(job)}")
+    if job is not None and job.state is not JobState.SUCCEEDED:
+        detail = f": {job.message}" if job.message else ""
+        raise click.ClickException(f"job {job.job_id} ended {job.state.value}{detail}")
 
 
 # ---- gpus ----
@@ -388,6 +393,7 @@ def run(
         except KeyboardInterrupt:
             _say(f"interrupted; cancelled job {job.job_id}")
             sys.exit(130)
+        _say(_summary(job))  # where it landed
         code = runner.run_assigned(job, command).exit_code
     sys.exit(code)
 

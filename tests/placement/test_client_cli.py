@@ -297,7 +297,18 @@ async def test_watch_prints_the_final_state_of_a_finished_job(
     assert len(lines) == 1 and lines[0].endswith(f"job {job.job_id} succeeded (exit code 0): ok")
 
     as_json = await invoke("watch", job.job_id, address(placement), "--json")
+    assert as_json.exit_code == 0, as_json.output
     assert json.loads(stdout_of(as_json))["state"] == "JOB_STATE_SUCCEEDED"
+
+    # A job that failed: the same line, and exit status 1 with the end on stderr.
+    failed = await submit(placement.stub, mps_spec("crashed"))
+    await placement.stub.ReportJobDone(
+        pb.ReportJobDoneRequest(job_id=failed.job_id, succeeded=False, exit_code=3, message="oom")
+    )
+    watched = await invoke("watch", failed.job_id, address(placement))
+    assert watched.exit_code == 1
+    assert stdout_lines(watched)[-1].endswith(f"job {failed.job_id} failed (exit code 3): oom")
+    assert watched.stderr.splitlines() == [f"Error: job {failed.job_id} ended failed: oom"]
 
 
 async def test_watch_follows_a_job_through_its_changes(
@@ -309,10 +320,11 @@ async def test_watch_follows_a_job_through_its_changes(
     await eventually(lambda: bool(placement.app.core.jobs._watchers.get(job.job_id)))
     await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="bye"))
     watched = await watching
-    assert watched.exit_code == 0, watched.output
+    assert watched.exit_code == 1, watched.output  # cancelled: not what the watcher hoped for
     lines = stdout_lines(watched)
     assert "assigned on GPU" in lines[0]
     assert lines[-1].endswith(f"job {job.job_id} cancelled: bye")
+    assert f"Error: job {job.job_id} ended cancelled: bye" in watched.stderr
 
 
 async def test_gpus_lists_the_four_simulated_gpus(
@@ -399,6 +411,12 @@ async def test_run_with_a_share_passes_the_share_and_preloads_the_shim(
     assert result.exit_code == 0, result.output
     assert stdout_lines(result) == [f"{shim}:/opt/other.so", "25"]
     (job,) = await all_jobs(placement)
+    # Where it landed, before the command started.
+    where = (
+        f"gpuloom run: job {job.job_id} assigned on GPU {job.assignment.gpu.gpu_uuid} on node "
+        f"{job.assignment.gpu.node}: SM 25%, quota 40%, memory 2.00 GiB"
+    )
+    assert where in result.stderr.splitlines()
     assert job.state == pb.JOB_STATE_SUCCEEDED and job.exit_code == 0
     assert (job.spec.name, job.spec.priority.level) == ("shared-run", 1)
     mps = job.spec.resources.mps
