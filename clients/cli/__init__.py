@@ -8,6 +8,7 @@ import click
 from click.exceptions import NoArgsIsHelpError
 
 from gpuloom import __version__
+from gpuloom.clients.cli.dispatcher import dispatcher
 from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, submit, watch
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.profile import profile
@@ -70,6 +71,7 @@ cli.add_command(mig)
 cli.add_command(profile)
 cli.add_command(sim)
 cli.add_command(top)
+cli.add_command(dispatcher)
 for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
     cli.add_command(command)
 

@@ -25,7 +25,7 @@ from gpuloom.clients.top import (
     one_line,
     rfc3339,
 )
-from gpuloom.domain.dispatcher import LeaseState, ProcessStatus
+from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
 from gpuloom.domain.errors import DomainError, Unavailable
 
 # Width of a frame printed to a pipe or file (a terminal's own width is used otherwise).
@@ -105,15 +105,11 @@ def _unreachable(error: DomainError, address: str) -> click.ClickException:
 
 def render(snapshot: FleetSnapshot) -> RenderableType:
     parts: list[RenderableType] = [_header(snapshot), _gpu_table(snapshot)]
-    # By GPU, then priority (0 first), then age of the reservation.
     processes = [
-        (gpu, p)
-        for gpu in snapshot.gpus
-        if gpu.status
-        for p in sorted(gpu.status.processes, key=lambda p: (p.priority, p.reserved_at))
+        (_gpu_label(gpu), p) for gpu in snapshot.gpus if gpu.status for p in by_priority(gpu.status)
     ]
     if processes:
-        parts.append(_process_table(processes))
+        parts.append(process_table(processes))
     else:
         parts.append(Text("no processes hold a share"))
     for gpu in snapshot.gpus:
@@ -170,8 +166,8 @@ def _gpu_table(snapshot: FleetSnapshot) -> Table:
             f"{entry.area_reserved_percent:.1f}",
             "-" if status is None else f"{status.quota_reserved_percent:.1f}",
             "-" if status is None else f"{status.quota_used_percent:.1f}",
-            f"{_gib(entry.memory_reserved_bytes)}/{_gib(entry.gpu.memory_bytes)} GiB",
-            _gib_or_dash(entry.memory_used_bytes if status is None else status.memory_used_bytes),
+            f"{gib(entry.memory_reserved_bytes)}/{gib(entry.gpu.memory_bytes)} GiB",
+            gib_or_dash(entry.memory_used_bytes if status is None else status.memory_used_bytes),
             f"{entry.utilization_percent if status is None else status.utilization_percent:.0f}",
         )
     return table
@@ -187,7 +183,13 @@ def _gpu_state(gpu: GpuTop) -> tuple[str, str]:
     return ("schedulable", "green") if gpu.entry.schedulable else ("unschedulable", "yellow")
 
 
-def _process_table(processes: list[tuple[GpuTop, ProcessStatus]]) -> Table:
+def by_priority(status: DispatcherStatus) -> list[ProcessStatus]:
+    """The GPU's processes by priority (0 first), then age of the reservation."""
+    return sorted(status.processes, key=lambda p: (p.priority, p.reserved_at))
+
+
+def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
+    """One line per (GPU label, process)."""
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, right in (
         ("GPU", False),
@@ -205,11 +207,11 @@ def _process_table(processes: list[tuple[GpuTop, ProcessStatus]]) -> Table:
         ("WAITING", True),
     ):
         table.add_column(name, justify="right" if right else "left", no_wrap=True)
-    for gpu, p in processes:
+    for label, p in processes:
         state = Text(p.state.value, style=STATE_STYLES[p.state]) if p.connected else "-"
         quota = p.share.quota
         table.add_row(
-            _gpu_label(gpu),
+            label,
             str(p.pid) if p.pid else "-",
             p.assignment_id,
             p.client_name or "-",
@@ -220,18 +222,18 @@ def _process_table(processes: list[tuple[GpuTop, ProcessStatus]]) -> Table:
             f"{quota.request_percent:g}"
             + (f"-{quota.limit_percent:g}" if quota.limit_percent > quota.request_percent else ""),
             f"{p.used_percent:.1f}",
-            _gib_or_dash(p.memory_cap_bytes),
-            _gib_or_dash(p.memory_allocated_bytes),
+            gib_or_dash(p.memory_cap_bytes),
+            gib_or_dash(p.memory_allocated_bytes),
             _duration(p.waiting_s) if p.state.asking and p.connected else "-",
         )
     return table
 
 
-def _gib(size: int) -> str:
+def gib(size: int) -> str:
     return f"{size / GIB:.1f}"
 
 
-def _gib_or_dash(size: int) -> str:
+def gib_or_dash(size: int) -> str:
     return f"{size / GIB:.2f} GiB" if size else "-"
 
 
