@@ -43,3 +43,49 @@ def test_a_group_without_a_command_still_shows_its_help() -> None:
     result = CliRunner().invoke(cli, ["mig"], prog_name="gpuloom")
     assert result.exit_code == 2
     assert "Usage: gpuloom mig" in result.output and "Commands:" in result.output
+
+
+def closed(port: int) -> str:
+    return f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "asked"),
+    [
+        # The group's option, for any command ...
+        (["--placement", closed(9), "jobs"], {}, closed(9)),
+        (["--placement", closed(9), "top", "--once"], {}, closed(9)),
+        # ... over the variable ...
+        (["--placement", closed(9), "gpus"], {"GPULOOM_PLACEMENT_ADDRESS": closed(8)}, closed(9)),
+        (["gpus"], {"GPULOOM_PLACEMENT_ADDRESS": closed(8)}, closed(8)),
+        # ... and the command's own option over both.
+        (
+            ["--placement", closed(9), "job", "j-1", "--placement", closed(7)],
+            {"GPULOOM_PLACEMENT_ADDRESS": closed(8)},
+            closed(7),
+        ),
+    ],
+)
+def test_where_placement_is_group_option_then_variable(
+    args: list[str], env: dict[str, str], asked: str
+) -> None:
+    result = CliRunner(env=env).invoke(cli, args, prog_name="gpuloom")
+    assert result.exit_code == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        f"Error: cannot reach placement at {asked} (set with --placement or "
+        "GPULOOM_PLACEMENT_ADDRESS): "
+    )
+
+
+def test_where_the_profile_store_is() -> None:
+    env = {"GPULOOM_PROFILE_STORE_ADDRESS": closed(8)}
+    for args, asked in (
+        (["--store", closed(9), "profiles", "list"], closed(9)),
+        (["profiles", "list"], closed(8)),
+        (["--store", closed(9), "profiles", "list", "--store", closed(7)], closed(7)),
+    ):
+        result = CliRunner(env=env).invoke(cli, args, prog_name="gpuloom")
+        assert result.exit_code == 1
+        (line,) = result.stderr.splitlines()
+        assert line.startswith(f"Error: cannot reach profile store at {asked} (set with --store")

@@ -8,6 +8,7 @@ import click
 from click.exceptions import NoArgsIsHelpError
 
 from gpuloom import __version__
+from gpuloom.clients.cli.addresses import group_options
 from gpuloom.clients.cli.dispatcher import dispatcher
 from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, submit, watch
 from gpuloom.clients.cli.mig import mig
@@ -60,6 +61,7 @@ class Cli(click.Group):
 
 @click.group(cls=Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="gpuloom")
+@group_options
 def cli() -> None:
     """gpuloom: share GPUs between many jobs while keeping the important ones fast."""
 

@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from gpuloom.clients.cli.jobs import placement_option
+from gpuloom.clients.cli.addresses import placement_option, service_error
 from gpuloom.clients.cli.top import PIPE_WIDTH, by_priority, gib_or_dash, process_table
 from gpuloom.clients.dispatcher import DispatcherClient
-from gpuloom.clients.placement import ADDRESS_ENV, PlacementClient
+from gpuloom.clients.placement import PlacementClient
 from gpuloom.convert.dispatcher import status_json
 from gpuloom.domain.dispatcher import DispatcherStatus
-from gpuloom.domain.errors import DomainError, Unavailable
+from gpuloom.domain.errors import DomainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,20 +114,15 @@ def _dispatcher(
         assert gpu_uuid is not None
         dispatcher_address = _find(gpu_uuid, placement_address)
     with DispatcherClient(dispatcher_address) as client:
-        yield client, f"dispatcher at {dispatcher_address}"
+        yield client, dispatcher_address
 
 
 def _find(gpu_uuid: str, placement_address: str) -> str:
     try:
         with PlacementClient(placement_address) as placement:
             entry = next((g for g in placement.gpus() if g.gpu.gpu_uuid == gpu_uuid), None)
-    except Unavailable as error:
-        raise click.ClickException(
-            f"cannot reach placement at {placement_address} (set with --placement or "
-            f"{ADDRESS_ENV}): {' '.join(error.message.split())}"
-        ) from None
     except DomainError as error:
-        raise click.ClickException(f"{error.message} (placement at {placement_address})") from None
+        raise service_error(error, "placement", placement_address) from None
     if entry is None:
         raise click.ClickException(f"no GPU {gpu_uuid} registered with placement")
     if not entry.dispatcher_address:
@@ -141,12 +136,8 @@ T = TypeVar("T")
 def _call(function: Callable[[], T], where: str) -> T:
     try:
         return function()
-    except Unavailable as error:
-        message = " ".join(error.message.split())
-        raise click.ClickException(f"cannot reach {where}: {message}") from None
     except DomainError as error:
-        message = " ".join(error.message.split())
-        raise click.ClickException(f"{message} ({where})") from None
+        raise service_error(error, "dispatcher", where) from None
 
 
 def _summary(found: DispatcherStatus) -> list[str]:

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 import click
 
+from gpuloom.clients.cli.addresses import placement_option, service_error
 from gpuloom.clients.cli.table import render_table
 from gpuloom.clients.placement import (
-    DEFAULT_ADDRESS,
     DEFAULT_PRIORITY,
     GIB,
     JobFileError,
@@ -34,14 +34,6 @@ from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 
-placement_option = click.option(
-    "--placement",
-    "address",
-    envvar="GPULOOM_PLACEMENT_ADDRESS",
-    default=DEFAULT_ADDRESS,
-    show_default=True,
-    help="Placement service address (env GPULOOM_PLACEMENT_ADDRESS).",
-)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,7 +51,7 @@ def _placement(address: str) -> Iterator[PlacementClient]:
 
 
 def _fail(error: DomainError, address: str) -> click.ClickException:
-    return click.ClickException(f"{error.message} (placement at {address})")
+    return service_error(error, "placement", address)
 
 
 # ---- submit ----

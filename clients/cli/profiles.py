@@ -10,19 +10,12 @@ from typing import Any
 
 import click
 
+from gpuloom.clients.cli.addresses import service_error, store_option
 from gpuloom.clients.cli.table import render_table
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import DomainError
 
 KINDS = [k.value for k in d.ProfileKind]
-store_option = click.option(
-    "--store",
-    "address",
-    envvar="GPULOOM_PROFILE_STORE_ADDRESS",
-    default="localhost:50052",
-    show_default=True,
-    help="Profile store address (env GPULOOM_PROFILE_STORE_ADDRESS).",
-)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
@@ -38,7 +31,7 @@ def _client(address: str) -> Any:
 
 
 def _fail(error: DomainError, address: str) -> click.ClickException:
-    return click.ClickException(f"{error.message} (profile store at {address})")
+    return service_error(error, "profile store", address)
 
 
 @profiles.command("list")

@@ -14,8 +14,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from gpuloom.clients.cli.jobs import placement_option
-from gpuloom.clients.placement import ADDRESS_ENV, GIB, PlacementClient
+from gpuloom.clients.cli.addresses import placement_option, service_error
+from gpuloom.clients.placement import GIB, PlacementClient
 from gpuloom.clients.top import (
     LIVE_STATES,
     FleetSnapshot,
@@ -26,7 +26,7 @@ from gpuloom.clients.top import (
     rfc3339,
 )
 from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
-from gpuloom.domain.errors import DomainError, Unavailable
+from gpuloom.domain.errors import DomainError
 
 # Width of a frame printed to a pipe or file (a terminal's own width is used otherwise).
 PIPE_WIDTH = 200
@@ -67,7 +67,7 @@ def top(once: bool, as_json: bool, interval: float, address: str) -> None:
         try:
             snapshot = view.snapshot()
         except DomainError as error:
-            raise _unreachable(error, address) from None
+            raise service_error(error, "placement", address) from None
         if as_json:
             click.echo(json.dumps(snapshot.to_json(), indent=2))
             return
@@ -89,15 +89,6 @@ def top(once: bool, as_json: bool, interval: float, address: str) -> None:
                     live.update(frame, refresh=True)
         except KeyboardInterrupt:
             return
-
-
-def _unreachable(error: DomainError, address: str) -> click.ClickException:
-    if isinstance(error, Unavailable):
-        return click.ClickException(
-            f"cannot reach placement at {address} (set with --placement or {ADDRESS_ENV}): "
-            f"{one_line(error.message)}"
-        )
-    return click.ClickException(f"{one_line(error.message)} (placement at {address})")
 
 
 # ---- rendering ----
