@@ -18,6 +18,7 @@ from typing import Any, Self
 
 from gpuloom.clients.dispatcher import DispatcherClient
 from gpuloom.clients.placement import PlacementClient
+from gpuloom.clients.times import rfc3339
 from gpuloom.convert.dispatcher import status_json
 from gpuloom.convert.placement import gpu_entry_json
 from gpuloom.domain.dispatcher import DispatcherStatus
@@ -47,7 +48,7 @@ class FleetSnapshot:
         """One object: the protos' JSON mapping for each GPU's entry and status."""
         return {
             "placement": self.placement,
-            "taken_at": rfc3339(self.taken_at),
+            "taken_at": rfc3339(self.taken_at, millis=True),
             "jobs": {state.value: self.jobs[state] for state in LIVE_STATES},
             "gpus": [
                 {
@@ -122,13 +123,6 @@ class FleetView:
                 f"dispatcher at {address} now serves GPU {status.gpu_uuid}, not this one",
             )
         return GpuTop(entry, status)
-
-
-def rfc3339(unix_s: float) -> str:
-    """UTC, to the millisecond: 2026-11-25T21:04:05.123Z."""
-    seconds = int(unix_s)
-    text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-    return f"{text}.{int((unix_s - seconds) * 1000):03d}Z"
 
 
 def one_line(text: str) -> str:

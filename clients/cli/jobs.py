@@ -29,6 +29,7 @@ from gpuloom.clients.placement import (
 )
 from gpuloom.clients.run import JobRunner
 from gpuloom.clients.shim_path import default_shim_path
+from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
@@ -128,12 +129,17 @@ def list_jobs(
     address: str,
     as_json: bool,
 ) -> None:
-    """List jobs, oldest first: one table row (or one JSON object per line with --json)."""
+    """List jobs, oldest first: one table row (or one JSON object per line with --json).
+
+    SUBMITTED is when placement took the job (RFC 3339, UTC), AGE how long ago that was,
+    RUNTIME how long it has run: since it was assigned, until it ended."""
     with _placement(address) as client:
         found = list(client.list(states, task_key, function, gpu_uuid, limit=limit))
     if _echo_json_or_nothing(found, _json, as_json, "no jobs match"):
         return
     headers = ["ID", "NAME", "STATE", "PRIO", "GPU", "SM %", "QUOTA %", "MEMORY"]
+    headers += ["SUBMITTED", "AGE", "RUNTIME"]
+    now = time.time()
     rows = [
         (
             job.job_id,
@@ -143,6 +149,9 @@ def list_jobs(
             (job.assignment.gpu_uuid if job.assignment else "") or "-",
             *_sm_quota(job.spec),
             _memory(job.spec.memory_bytes),
+            rfc3339(job.submitted_at),
+            duration(now - job.submitted_at),
+            _runtime(job, now),
             _short(job.pending_reason if job.state is JobState.PENDING else job.message),
         )
         for job in found
@@ -488,6 +497,14 @@ def _sm_quota(spec: JobSpec) -> tuple[object, object]:
     return 100, 100.0
 
 
+def _runtime(job: JobView, now: float) -> str:
+    """Since it was assigned; until it ended, for a finished job. '-': it never ran."""
+    if not job.started_at:
+        return "-"
+    end = job.updated_at if job.state.finished else now
+    return duration(end - job.started_at)
+
+
 def _memory(size: int) -> str:
     return f"{size / GIB:.2f} GiB" if size else "-"
 
@@ -568,14 +585,10 @@ def _details(job: JobView) -> str:
         rows.append(("message", job.message))
     rows += [
         ("request id", job.request_id),
-        ("submitted", _timestamp(job.submitted_at)),
-        ("updated", f"{_timestamp(job.updated_at)} (revision {job.revision})"),
+        ("submitted", rfc3339(job.submitted_at)),
+        ("started", rfc3339(job.started_at)),
+        ("runtime", _runtime(job, time.time())),
+        ("updated", f"{rfc3339(job.updated_at)} (revision {job.revision})"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
-
-
-def _timestamp(unix_s: float) -> str:
-    if not unix_s:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_s))

@@ -16,6 +16,7 @@ from rich.text import Text
 
 from gpuloom.clients.cli.addresses import placement_option, service_error
 from gpuloom.clients.placement import GIB, PlacementClient
+from gpuloom.clients.times import rfc3339
 from gpuloom.clients.top import (
     LIVE_STATES,
     FleetSnapshot,
@@ -23,7 +24,6 @@ from gpuloom.clients.top import (
     GpuTop,
     mig_layout,
     one_line,
-    rfc3339,
 )
 from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
 from gpuloom.domain.errors import DomainError
@@ -82,7 +82,7 @@ def top(once: bool, as_json: bool, interval: float, address: str) -> None:
                         frame = render(view.snapshot())
                     except DomainError as error:
                         frame = Text(
-                            f"{rfc3339(time.time())}  placement at {address}: "
+                            f"{rfc3339(time.time(), millis=True)}  placement at {address}: "
                             f"{one_line(error.message)} (retrying)",
                             style="red",
                         )
@@ -113,7 +113,7 @@ def _header(snapshot: FleetSnapshot) -> Text:
     jobs = ", ".join(f"{snapshot.jobs[state]} {state.value}" for state in LIVE_STATES)
     return Text.assemble(
         ("gpuloom top", "bold"),
-        f"  {rfc3339(snapshot.taken_at)}  placement {snapshot.placement}  "
+        f"  {rfc3339(snapshot.taken_at, millis=True)}  placement {snapshot.placement}  "
         f"{len(snapshot.gpus)} GPUs  jobs: {jobs}",
     )
 

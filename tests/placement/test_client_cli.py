@@ -22,6 +22,7 @@ from gpuloom.clients.placement import (
     load_job_file,
     spec_from_document,
 )
+from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert.placement import job_from_pb
 from gpuloom.domain.placement import JobState
 from gpuloom.domain.shares import DEFAULT_PRIORITY
@@ -257,6 +258,42 @@ async def test_jobs_lists_filters_and_prints_json(
     assert [json.loads(line)["job_id"] for line in stdout_lines(only)] == [whole.job_id]
     none = await invoke("jobs", address(placement), "--state", "pending")
     assert stdout_of(none).strip() == "no jobs match"
+
+
+async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it_ran(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    ran = await submit(placement.stub, mps_spec("ran"))
+    assert ran.started_at_unix_s >= ran.submitted_at_unix_s > 0
+    await asyncio.sleep(1.2)
+    done = await placement.stub.ReportJobDone(
+        pb.ReportJobDoneRequest(job_id=ran.job_id, succeeded=True, exit_code=0)
+    )
+    assert done.started_at_unix_s == ran.started_at_unix_s  # kept once it ended
+    ran_for = done.updated_at_unix_s - done.started_at_unix_s
+    assert ran_for >= 1.2
+    waiting_spec = mps_spec("waiting")
+    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting = await submit(placement.stub, waiting_spec)
+    assert waiting.state == pb.JOB_STATE_PENDING and waiting.started_at_unix_s == 0
+
+    table = await invoke("jobs", address(placement))
+    lines = stdout_lines(table)
+    assert re.search(r"\bMEMORY\s+SUBMITTED\s+AGE\s+RUNTIME\b", lines[0])
+    times = r"\s(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\s+(\S+)\s+(\S+)"
+    row = re.search(times, next(line for line in lines if line.startswith(ran.job_id)))
+    assert row is not None
+    submitted, age, runtime = row.groups()
+    assert submitted == rfc3339(ran.submitted_at_unix_s)
+    assert re.fullmatch(r"\d+s", age)  # seconds old
+    assert runtime == duration(ran_for)  # from assigned to its end, not growing
+    pending = re.search(times, next(line for line in lines if line.startswith(waiting.job_id)))
+    assert pending is not None and pending.group(3) == "-"  # never ran
+
+    shown = stdout_lines(await invoke("job", ran.job_id, address(placement)))
+    assert f"started     {rfc3339(ran.started_at_unix_s)}" in shown
+    assert f"runtime     {duration(ran_for)}" in shown
 
 
 async def test_job_shows_one_job_and_cancel_cancels_it(
