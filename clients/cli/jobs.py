@@ -200,7 +200,7 @@ def watch(job_id: str, address: str, as_json: bool) -> None:
             seen = (job.state, job.pending_reason)
             if seen != last:
                 last = seen
-                click.echo(f"{_clock(job.updated_at)}  {_summary(job)}")
+                click.echo(f"{rfc3339(job.updated_at)}  {_summary(job)}")
     if job is not None and job.state is not JobState.SUCCEEDED:
         detail = f": {job.message}" if job.message else ""
         raise click.ClickException(f"job {job.job_id} ended {job.state.value}{detail}")
@@ -514,10 +514,6 @@ def _short(text: str, width: int = MAX_REASON) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _clock(unix_s: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(unix_s)) if unix_s else "--:--:--"
-
-
 def _where(job: JobView) -> str:
     assignment = job.assignment
     if assignment is None or not assignment.gpu_uuid:
@@ -527,7 +523,7 @@ def _where(job: JobView) -> str:
     if slot is not None:
         where += (
             f", MIG {slot.size} slices at slice {slot.first_slice}, planned "
-            f"{_clock(slot.planned_start)}-{_clock(slot.planned_end)}"
+            f"{rfc3339(slot.planned_start)} to {rfc3339(slot.planned_end)}"
         )
     return where
 

@@ -12,6 +12,7 @@ import click
 
 from gpuloom.clients.cli.addresses import service_error, store_option
 from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.times import rfc3339
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import DomainError
 
@@ -143,7 +144,7 @@ def _short(name: str, width: int = 48) -> str:
 
 
 def _when(moment: datetime | None) -> str:
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "-"
+    return rfc3339(moment.timestamp()) if moment else "-"
 
 
 def _jsonable(value: Any) -> Any:
