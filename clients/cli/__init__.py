@@ -10,7 +10,16 @@ from click.exceptions import NoArgsIsHelpError
 from gpuloom import __version__
 from gpuloom.clients.cli.addresses import group_options
 from gpuloom.clients.cli.dispatcher import dispatcher
-from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, submit, watch
+from gpuloom.clients.cli.jobs import (
+    cancel,
+    gpus,
+    list_jobs,
+    run,
+    scale,
+    show_job,
+    submit,
+    watch,
+)
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
@@ -74,7 +83,7 @@ cli.add_command(profile)
 cli.add_command(sim)
 cli.add_command(top)
 cli.add_command(dispatcher)
-for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
+for command in (submit, list_jobs, show_job, cancel, watch, gpus, run, scale):
     cli.add_command(command)
 
 

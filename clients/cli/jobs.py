@@ -206,6 +206,62 @@ def watch(job_id: str, address: str, as_json: bool) -> None:
         raise click.ClickException(f"job {job.job_id} ended {job.state.value}{detail}")
 
 
+# ---- scale ----
+
+
+@click.command("scale")
+@click.argument("function")
+@click.argument("requests_per_s", metavar="REQUESTS_PER_S", type=click.FloatRange(min=0))
+@click.option(
+    "--template",
+    "template_file",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="Job file of the replicas (YAML, or JSON for *.json): name, kind, priority, memory, "
+    "policy, GPU model; `resources` may be left out (the share is the scaler's).",
+)
+@placement_option
+@json_option
+def scale(
+    function: str, requests_per_s: float, template_file: str, address: str, as_json: bool
+) -> None:
+    """Auto-scale FUNCTION to serve REQUESTS_PER_S (FaST-GShare, SetFunctionLoad): placement
+    adds or cancels replicas, each at the most efficient share of the function's throughput
+    profile. Prints the replicas added and removed and what they serve together."""
+    try:
+        document = load_job_file(template_file)
+        spec_from_document(document, template_file, require_resources=False)
+    except JobFileError as error:
+        raise click.UsageError(str(error)) from None
+    with _placement(address) as client:
+        try:
+            scaling = client.set_function_load(function, requests_per_s, document)
+        except InvalidArgument as error:
+            key = file_key_for(error.field.replace("template.", "spec.", 1), document)
+            if key is None:
+                raise
+            raise click.ClickException(
+                f"{template_file}: key {key!r}: refused by placement: {error.message}"
+            ) from None
+    if as_json:
+        click.echo(json.dumps(convert.scaling_json(scaling), indent=2))
+        return
+    best = scaling.most_efficient
+    line = (
+        f"function {function}: {len(scaling.added)} replicas added, {len(scaling.removed)} "
+        f"removed; they serve {scaling.capacity_requests_per_s:g} requests/s"
+    )
+    if best is not None:
+        line += (
+            f" (most efficient: SM {best.sm_percent}%, quota {best.quota_percent:g}%, "
+            f"{best.requests_per_s:g} requests/s each)"
+        )
+    click.echo(line)
+    for label, jobs in (("added", scaling.added), ("removed", scaling.removed)):
+        for job in jobs:
+            click.echo(f"{label:<8} {_summary(job)}")
+
+
 # ---- gpus ----
 
 

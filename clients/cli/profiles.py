@@ -93,6 +93,29 @@ def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: boo
     click.echo(render_table(headers, rows))
 
 
+@profiles.command("delete")
+@click.argument("kind", type=click.Choice(KINDS))
+@click.argument("key")
+@click.argument("gpu_model")
+@click.option(
+    "--expected-version",
+    type=click.IntRange(min=0),
+    help="Delete only if the stored version is this one (exit 1 otherwise).",
+)
+@store_option
+def delete_profile(
+    kind: str, key: str, gpu_model: str, expected_version: int | None, address: str
+) -> None:
+    """Delete one profile: KIND KEY GPU_MODEL. Its version still counts on: a profile put
+    again later gets the next version."""
+    try:
+        with _client(address) as client:
+            version = client.delete(d.ProfileKind(kind), key, gpu_model, expected_version)
+    except DomainError as error:
+        raise _fail(error, address) from None
+    click.echo(f"deleted {kind} profile {key!r} on {gpu_model!r} (version {version})")
+
+
 def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
     match p:
         case d.KernelProfile():

@@ -57,3 +57,22 @@ async def test_cli_errors_are_clear(store_app: ProfileStoreApp) -> None:
 
     dead = await invoke("profiles", "list", f"--store=127.0.0.1:{free_port()}")
     assert dead.exit_code == 1 and "failed to connect" in dead.output
+
+
+async def test_delete_removes_a_profile_and_checks_its_version(store_app: ProfileStoreApp) -> None:
+    store = f"--store=127.0.0.1:{store_app.port}"
+    stored = await store_app.store.put(samples.kernel_profile())
+    stale = await invoke(
+        "profiles", "delete", "kernel", "resnet50-train", "A100", store,
+        "--expected-version", str(stored.version + 1),
+    )  # fmt: skip
+    assert stale.exit_code == 1 and "stale version" in stale.stderr
+    deleted = await invoke("profiles", "delete", "kernel", "resnet50-train", "A100", store)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout == (
+        f"deleted kernel profile 'resnet50-train' on 'A100' (version {stored.version + 1})\n"
+    )
+    gone = await invoke("profiles", "show", "kernel", "resnet50-train", "A100", store)
+    assert gone.exit_code == 1
+    again = await invoke("profiles", "delete", "kernel", "resnet50-train", "A100", store)
+    assert again.exit_code == 1 and "resnet50-train" in again.stderr
