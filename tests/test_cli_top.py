@@ -60,7 +60,7 @@ def day(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Day]:
             )
             batch = placement.submit(
                 JobSpec(
-                    name="batch",
+                    name="batch[red]",  # shown as written, not as rich markup
                     kind=JobKind.BATCH,
                     memory_bytes=8 * GIB,
                     share=share(60, TimeQuota(10, 10)),
@@ -165,7 +165,7 @@ def test_once_prints_one_frame_without_colour(day: Day) -> None:
     ), serve
     assert re.search(r"4\.00 GiB\s+3\.00 GiB\s+-$", serve), serve
     batch = next(line for line in lines if day.batch.job_id in line)
-    assert re.search(r"batch\s+7\s+share\s+blocked\s+60\s+10\s", batch), batch
+    assert re.search(r"batch\[red\]\s+7\s+share\s+blocked\s+60\s+10\s", batch), batch
     assert re.search(r"8\.00 GiB\s+-\s+\d+(\.\d)? (ms|s)$", batch), batch
     # By priority: the serving job's line comes first.
     assert lines.index(serve) < lines.index(batch)

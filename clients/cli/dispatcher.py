@@ -61,12 +61,12 @@ def status(
     if not console.is_terminal and "COLUMNS" not in os.environ:
         console.width = PIPE_WIDTH
     for line in _summary(found):
-        console.print(line, highlight=False)
+        console.print(line, highlight=False, markup=False)
     processes = [(f"{found.node}/{found.index}", p) for p in by_priority(found)]
     if processes:
         console.print(process_table(processes))
     else:
-        console.print("no reservations")
+        console.print("no reservations", highlight=False)
 
 
 @dispatcher.command("release")

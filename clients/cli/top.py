@@ -145,7 +145,8 @@ def _gpu_table(snapshot: FleetSnapshot) -> Table:
     for gpu in snapshot.gpus:
         entry, status = gpu.entry, gpu.status
         state, style = _gpu_state(gpu)
-        table.add_row(
+        _add_row(
+            table,
             _gpu_label(gpu),
             entry.gpu.gpu_uuid,
             entry.gpu.model,
@@ -201,7 +202,8 @@ def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
     for label, p in processes:
         state = Text(p.state.value, style=STATE_STYLES[p.state]) if p.connected else "-"
         quota = p.share.quota
-        table.add_row(
+        _add_row(
+            table,
             label,
             str(p.pid) if p.pid else "-",
             p.assignment_id,
@@ -218,6 +220,11 @@ def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
             _duration(p.waiting_s) if p.state.asking and p.connected else "-",
         )
     return table
+
+
+def _add_row(table: Table, *cells: str | Text) -> None:
+    """Cells as plain text: names come from users, and must not be read as rich markup."""
+    table.add_row(*(Text(c) if isinstance(c, str) else c for c in cells))
 
 
 def gib(size: int) -> str:
