@@ -12,20 +12,32 @@ import click
 
 from gpuloom.clients import placement as placement_client
 from gpuloom.clients import profile_store as store_client
+from gpuloom.clients import profiler as profiler_client
 from gpuloom.domain.errors import DomainError, Unavailable
 
 PLACEMENT_ENV = placement_client.ADDRESS_ENV
 STORE_ENV = "GPULOOM_PROFILE_STORE_ADDRESS"
+PROFILER_ENV = profiler_client.ADDRESS_ENV
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def group_options(command: F) -> F:
-    """The group's --placement and --store, kept in the root context's obj (a dict)."""
+    """The group's --placement, --store and --profiler, kept in the root context's obj (a
+    dict)."""
 
     def keep(ctx: click.Context, param: click.Parameter, value: str) -> str:
         ctx.ensure_object(dict)[param.name] = value
         return value
 
+    command = click.option(
+        "--profiler",
+        envvar=PROFILER_ENV,
+        default=profiler_client.DEFAULT_ADDRESS,
+        show_default=True,
+        expose_value=False,
+        callback=keep,
+        help=f"Profiler address for every command (env {PROFILER_ENV}).",
+    )(command)
     command = click.option(
         "--store",
         envvar=STORE_ENV,
@@ -46,7 +58,7 @@ def group_options(command: F) -> F:
     )(command)
 
 
-def _from_group(name: str, env: str, default: str) -> Callable[..., str]:
+def from_group(name: str, env: str, default: str) -> Callable[..., str]:
     def resolve(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
         if value is not None:
             return value
@@ -62,15 +74,23 @@ placement_option = click.option(
     "--placement",
     "address",
     metavar="HOST:PORT",
-    callback=_from_group("placement", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS),
+    callback=from_group("placement", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS),
     help=f"Placement service address (default: gpuloom --placement, else {PLACEMENT_ENV}, "
     f"else {placement_client.DEFAULT_ADDRESS}).",
+)
+profiler_option = click.option(
+    "--profiler",
+    "address",
+    metavar="HOST:PORT",
+    callback=from_group("profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS),
+    help=f"Profiler address (default: gpuloom --profiler, else {PROFILER_ENV}, else "
+    f"{profiler_client.DEFAULT_ADDRESS}).",
 )
 store_option = click.option(
     "--store",
     "address",
     metavar="HOST:PORT",
-    callback=_from_group("store", STORE_ENV, store_client.DEFAULT_ADDRESS),
+    callback=from_group("store", STORE_ENV, store_client.DEFAULT_ADDRESS),
     help=f"Profile store address (default: gpuloom --store, else {STORE_ENV}, else "
     f"{store_client.DEFAULT_ADDRESS}).",
 )
@@ -87,4 +107,8 @@ def service_error(error: DomainError, service: str, address: str) -> click.Click
     return click.ClickException(f"{message} ({service} at {address})")
 
 
-_HOW_TO_SET = {"placement": ("--placement", PLACEMENT_ENV), "profile store": ("--store", STORE_ENV)}
+_HOW_TO_SET = {
+    "placement": ("--placement", PLACEMENT_ENV),
+    "profile store": ("--store", STORE_ENV),
+    "profiler": ("--profiler", PROFILER_ENV),
+}
