@@ -27,6 +27,11 @@ class DispatcherClient(BlockingClient):
         answer = self._call("Release", pb.ReleaseRequest(assignment_id=assignment_id))
         return bool(answer.released)
 
+    def set_mig_mode(self, enabled: bool) -> bool:
+        """Turn the GPU's MIG mode on or off; whether it is on now."""
+        answer = self._call("SetMigMode", pb.SetMigModeRequest(enabled=enabled))
+        return bool(answer.mig_enabled)
+
     def evict(self, assignment_id: str, reason: str = "") -> None:
         """Disconnect the process holding the reservation and release it (NotFound: none)."""
         self._call("EvictClient", pb.EvictClientRequest(assignment_id=assignment_id, reason=reason))

@@ -13,7 +13,7 @@ import pytest
 
 from gpuloom.clients.shim import Evicted, ShimClient
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from tests.plane import GPULOOM, Plane, free_port, running_plane
+from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for
 
 GIB = 1 << 30
 GPU0 = "SIM-A100-80GB-0"
@@ -135,3 +135,40 @@ def test_an_unreachable_dispatcher_or_placement_is_one_line(plane: Plane) -> Non
     (line,) = through.stderr.splitlines()
     assert line.startswith(f"Error: cannot reach placement at {dead} ")
     assert "GPULOOM_PLACEMENT_ADDRESS" in line
+
+
+def placement_sees_mig(plane: Plane) -> bool:
+    listed = gpuloom_json(plane, "gpus", "--json")
+    return bool(listed["gpu"]["mig_enabled"])
+
+
+def gpuloom_json(plane: Plane, *args: str) -> dict:
+    result = subprocess.run(
+        [GPULOOM, *args], env=plane.env, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_mig_mode_on_and_off_reaches_placement(plane: Plane) -> None:
+    held = reserve(plane, "by-hand-4")
+    refused = gpuloom(plane, "mig", "on", "--gpu", GPU0)
+    assert refused.returncode == 1
+    assert refused.stderr.splitlines() == [
+        "Error: GPU 0 holds 1 reservation(s); release them before turning MIG on "
+        f"(dispatcher at {plane.dispatchers[0]})"
+    ]
+    assert gpuloom(plane, "release", held.assignment_id, "--gpu", GPU0).returncode == 0
+
+    on = gpuloom(plane, "mig", "on", "--gpu", GPU0)
+    assert on.returncode == 0, on.stderr
+    assert on.stdout == f"MIG on (dispatcher at {plane.dispatchers[0]})\n"
+    status = gpuloom_json(plane, "dispatcher", "status", "--gpu", GPU0, "--json")
+    assert status["gpu"]["mig_enabled"] is True
+    wait_for(lambda: placement_sees_mig(plane), "placement to see MIG on")
+    again = gpuloom(plane, "mig", "on", "--dispatcher", plane.dispatchers[0])
+    assert again.returncode == 0  # idempotent
+
+    off = gpuloom(plane, "mig", "off", "--gpu", GPU0)
+    assert off.returncode == 0, off.stderr
+    wait_for(lambda: not placement_sees_mig(plane), "placement to see MIG off")

@@ -41,7 +41,8 @@ def _target_options(command: F) -> F:
 
 @click.group("dispatcher")
 def dispatcher() -> None:
-    """One GPU's dispatcher: its status, and releasing or evicting a reservation there."""
+    """One GPU's dispatcher: its status, releasing or evicting a reservation there, its MIG
+    mode."""
 
 
 @dispatcher.command("status")
@@ -102,6 +103,19 @@ def evict(
     with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
         _call(lambda: client.evict(assignment_id, reason), where)
     click.echo(f"evicted {assignment_id}")
+
+
+@dispatcher.command("mig")
+@click.argument("mode", type=click.Choice(["on", "off"]))
+@_target_options
+def mig(mode: str, gpu_uuid: str | None, dispatcher_address: str | None, address: str) -> None:
+    """Turn the GPU's MIG mode on or off (for MIG batches, docs/mig.md). The dispatcher tells
+    placement, which then gives the GPU MIG batch tasks and no shares (or shares again). Refused
+    (exit 1) on a GPU that is not MIG-capable, when turning MIG on while reservations are held
+    there, and when turning it off while MIG instances exist or a batch runs."""
+    with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
+        enabled = _call(lambda: client.set_mig_mode(mode == "on"), where)
+    click.echo(f"MIG {'on' if enabled else 'off'} (dispatcher at {where})")
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -92,6 +92,9 @@ class DispatcherCore:
         self._state_dir = state_dir
         self._profiler_link = profiler_link
         self._mig_running = False
+        # Told when the GPU's description changes (MIG mode): the placement link registers
+        # the GPU again.
+        self.on_gpu_changed: Callable[[], None] | None = None
 
     # ---- commands ----
 
@@ -209,6 +212,24 @@ class DispatcherCore:
         return environment
 
     # ---- MIG ----
+
+    async def set_mig_mode(self, enabled: bool) -> GpuInfo:
+        """Turn MIG mode on or off (idempotent); the GPU as it is now."""
+        if self._mig_running:
+            raise FailedPrecondition("a MIG batch is running on this GPU")
+        held = self.book.all()
+        if enabled and held and not self.gpu.mig_enabled:
+            raise FailedPrecondition(
+                f"GPU {self.gpu.index} holds {len(held)} reservation(s); release them before "
+                "turning MIG on"
+            )
+        await asyncio.to_thread(self.backend.set_mig_mode, self.gpu.index, enabled)
+        if self.gpu.mig_enabled != enabled:
+            self.gpu = replace(self.gpu, mig_enabled=enabled)
+            log.info("MIG mode set", gpu=self.gpu.index, enabled=enabled)
+            if self.on_gpu_changed is not None:
+                self.on_gpu_changed()
+        return self.gpu
 
     async def run_mig_batch(
         self,
