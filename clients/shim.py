@@ -83,6 +83,8 @@ class ShimClient:
         self._used_s = 0.0
         self._burst_s = 0.0
         self._usage_lease = 0
+        # Device memory this process holds, sent with every usage report (as the C shim does).
+        self.allocated_bytes = 0
         # A lease we gave back stays in the region until the dispatcher has read our release;
         # it must not be used meanwhile.
         self._released_lease = 0
@@ -256,7 +258,12 @@ class ShimClient:
         elif report is None:
             self.desk.post()
         else:
-            self.desk.post(report.lease_id, report.gpu_time_ns, report.longest_burst_ns)
+            self.desk.post(
+                report.lease_id,
+                report.gpu_time_ns,
+                report.longest_burst_ns,
+                allocated_bytes=report.allocated_bytes,
+            )
 
     def _take_report(self, release: bool) -> shim_pb2.UsageReport:
         report = shim_pb2.UsageReport(
@@ -264,6 +271,7 @@ class ShimClient:
             gpu_time_ns=int(self._used_s * 1e9),
             longest_burst_ns=int(self._burst_s * 1e9),
             release=release,
+            allocated_bytes=self.allocated_bytes,
         )
         self._usage_lease, self._used_s, self._burst_s = 0, 0.0, 0.0
         return report

@@ -2,12 +2,13 @@
 
     .venv/bin/gpuloom run --sm 24 --quota 40 --memory-gib 4 -- python examples/serve.py
 
-It serves REQUESTS requests, each launching a few kernels and waiting for them, and prints the
-latencies. The GPU work is done by the checkout's `shim/build/cudart_like` (built by
-`scripts/up` and `scripts/test`), a small C program that calls the CUDA driver API as a CUDA
-application does, so the launch shim `gpuloom run` preloads sees every launch and holds it to
-the job's share. On a machine without a CUDA driver it runs on the fake libcuda the shim is
-tested with (`shim/build/fake`), whose kernels take the time their names say.
+It loads its "weights" (1 GiB of device memory, within the 4 GiB cap above), then serves
+REQUESTS requests, each launching a few kernels and waiting for them, and prints the latencies.
+The GPU work is done by the checkout's `shim/build/cudart_like` (built by `scripts/up` and
+`scripts/test`), a small C program that calls the CUDA driver API as a CUDA application does,
+so the launch shim `gpuloom run` preloads sees every launch and holds it to the job's share.
+On a machine without a CUDA driver it runs on the fake libcuda the shim is tested with
+(`shim/build/fake`), whose kernels take the time their names say.
 
 Environment: SERVE_REQUESTS (default 20), SERVE_FAKE_DRIVER=1 to use the fake driver even
 where a real one is installed.
@@ -28,6 +29,7 @@ PROGRAM = BUILD / "cudart_like"
 KERNELS = ("k_preprocess_200us", "k_gemm_500us", "k_softmax_200us")
 PAUSE_US = 2000  # between requests: the host waits for the next one
 GAP_US = 50  # between a request's kernels: the host's own work
+WEIGHTS_BYTES = 1 << 30  # device memory held for the whole run (`gpuloom top` shows it)
 
 
 def driver_environment() -> dict[str, str]:
@@ -54,6 +56,9 @@ def main() -> int:
         str(PROGRAM),
         "module",
         ",".join(KERNELS),
+        "alloc",
+        "alloc",
+        str(WEIGHTS_BYTES),
         "infer",
         str(requests),
         str(PAUSE_US),

@@ -80,7 +80,7 @@ OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
 OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128, 132, 136, 144, 152
 # Lease request words, written by a SHARE shim for the dispatcher's lease desk (own cache line).
 OFF_LR_SEQ, OFF_LR_FLAGS, OFF_LR_LEASE, OFF_LR_GPU_NS = 192, 196, 200, 208
-OFF_LR_BURST_NS, OFF_LR_POST_NS = 216, 224
+OFF_LR_BURST_NS, OFF_LR_POST_NS, OFF_LR_ALLOCATED = 216, 224, 232
 
 
 class AdmissionState(enum.IntEnum):
@@ -347,6 +347,7 @@ class DeskPort:
         longest_burst_ns: int = 0,
         release: bool = False,
         flags: int | None = None,
+        allocated_bytes: int = 0,
     ) -> int:
         """Post a request (a report when `report_lease_id` is set); returns its sequence
         number. `flags` overrides the flags word (tests write garbage with it)."""
@@ -355,8 +356,8 @@ class DeskPort:
             if report_lease_id:
                 flags = LeaseRequestFlag.REPORT | (LeaseRequestFlag.RELEASE if release else 0)
         struct.pack_into(
-            "<IQQQQ", self._mapping, OFF_LR_FLAGS, int(flags), report_lease_id, gpu_time_ns,
-            longest_burst_ns, time.monotonic_ns(),
+            "<IQQQQQ", self._mapping, OFF_LR_FLAGS, int(flags), report_lease_id, gpu_time_ns,
+            longest_burst_ns, time.monotonic_ns(), allocated_bytes,
         )  # fmt: skip
         seq = (struct.unpack_from("<I", self._mapping, OFF_LR_SEQ)[0] + 1) & 0xFFFFFFFF
         struct.pack_into("<I", self._mapping, OFF_LR_SEQ, seq)

@@ -4,15 +4,10 @@ must count."""
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -20,63 +15,16 @@ import pytest
 
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2_grpc
 from gpuloom.v1 import placement_pb2 as pb
+from tests.plane import GPULOOM, Plane, running_plane, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-GPULOOM = str(Path(sys.executable).parent / "gpuloom")
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Plane:
-    placement: str
-    dispatchers: list[str]
-    env: dict[str, str]
 
 
 @pytest.fixture(scope="module")
 def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    state = tmp_path_factory.mktemp("plane")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-    env.update(
-        GPULOOM_DATA_DIR=str(state),
-        GPULOOM_PROFILE_STORE_PORT="0",
-        GPULOOM_PROFILER_PORT="0",
-        GPULOOM_PLACEMENT_PORT="0",
-        GPULOOM_DISPATCHER_PORT="0",
-        GPULOOM_METRICS_PORT="0",
-        GPULOOM_DISPATCHER_BACKEND="simulated",
-        GPULOOM_DISPATCHER_SIM_GPUS="2xA100-80GB",
-        GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.2",
-    )
-    process = subprocess.Popen(
-        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(6)]
-        placement = banner[3].split()[-1]
-        dispatchers = [line.split()[-1] for line in banner[4:6]]
-        assert "placement" in banner[3] and all("dispatcher GPU" in b for b in banner[4:6])
-        with grpc.insecure_channel(placement) as channel:
-            stub = placement_pb2_grpc.PlacementStub(channel)
-            wait_for(lambda: len(stub.ListGpus(pb.ListGpusRequest()).gpus) == 2, "2 GPUs")
-        client_env = {k: v for k, v in env.items() if k != "GPULOOM_DATA_DIR"}
-        yield Plane(placement, dispatchers, {**client_env, "GPULOOM_PLACEMENT_ADDRESS": placement})
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def wait_for(condition: object, what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    with running_plane(tmp_path_factory.mktemp("plane"), "2xA100-80GB", 2) as plane:
+        yield plane
 
 
 def readme_run_line() -> list[str]:

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 import click
 
+from gpuloom.clients.cli.addresses import placement_option, service_error
 from gpuloom.clients.cli.table import render_table
 from gpuloom.clients.placement import (
-    DEFAULT_ADDRESS,
     DEFAULT_PRIORITY,
     GIB,
     JobFileError,
@@ -29,19 +29,12 @@ from gpuloom.clients.placement import (
 )
 from gpuloom.clients.run import JobRunner
 from gpuloom.clients.shim_path import default_shim_path
+from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 
-placement_option = click.option(
-    "--placement",
-    "address",
-    envvar="GPULOOM_PLACEMENT_ADDRESS",
-    default=DEFAULT_ADDRESS,
-    show_default=True,
-    help="Placement service address (env GPULOOM_PLACEMENT_ADDRESS).",
-)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
 F = TypeVar("F", bound=Callable[..., Any])
@@ -59,7 +52,7 @@ def _placement(address: str) -> Iterator[PlacementClient]:
 
 
 def _fail(error: DomainError, address: str) -> click.ClickException:
-    return click.ClickException(f"{error.message} (placement at {address})")
+    return service_error(error, "placement", address)
 
 
 # ---- submit ----
@@ -136,12 +129,17 @@ def list_jobs(
     address: str,
     as_json: bool,
 ) -> None:
-    """List jobs, oldest first: one table row (or one JSON object per line with --json)."""
+    """List jobs, oldest first: one table row (or one JSON object per line with --json).
+
+    SUBMITTED is when placement took the job (RFC 3339, UTC), AGE how long ago that was,
+    RUNTIME how long it has run: since it was assigned, until it ended."""
     with _placement(address) as client:
         found = list(client.list(states, task_key, function, gpu_uuid, limit=limit))
     if _echo_json_or_nothing(found, _json, as_json, "no jobs match"):
         return
     headers = ["ID", "NAME", "STATE", "PRIO", "GPU", "SM %", "QUOTA %", "MEMORY"]
+    headers += ["SUBMITTED", "AGE", "RUNTIME"]
+    now = time.time()
     rows = [
         (
             job.job_id,
@@ -151,6 +149,9 @@ def list_jobs(
             (job.assignment.gpu_uuid if job.assignment else "") or "-",
             *_sm_quota(job.spec),
             _memory(job.spec.memory_bytes),
+            rfc3339(job.submitted_at),
+            duration(now - job.submitted_at),
+            _runtime(job, now),
             _short(job.pending_reason if job.state is JobState.PENDING else job.message),
         )
         for job in found
@@ -187,8 +188,10 @@ def cancel(job_id: str, reason: str, address: str, as_json: bool) -> None:
 @json_option
 def watch(job_id: str, address: str, as_json: bool) -> None:
     """Print the job's state now, then a line for each change (of state, or of the reason it is
-    pending) until it finishes. --json prints each revision as a JSON line."""
+    pending) until it finishes. --json prints each revision as a JSON line. Exits 0 if the job
+    succeeded, 1 if it failed, was cancelled or was lost."""
     last: tuple[JobState, str] | None = None
+    job: JobView | None = None
     with _placement(address) as client:
         for job in client.watch(job_id):
             if as_json:
@@ -197,7 +200,66 @@ def watch(job_id: str, address: str, as_json: bool) -> None:
             seen = (job.state, job.pending_reason)
             if seen != last:
                 last = seen
-                click.echo(f"{_clock(job.updated_at)}  {_summary(job)}")
+                click.echo(f"{rfc3339(job.updated_at)}  {_summary(job)}")
+    if job is not None and job.state is not JobState.SUCCEEDED:
+        detail = f": {job.message}" if job.message else ""
+        raise click.ClickException(f"job {job.job_id} ended {job.state.value}{detail}")
+
+
+# ---- scale ----
+
+
+@click.command("scale")
+@click.argument("function")
+@click.argument("requests_per_s", metavar="REQUESTS_PER_S", type=click.FloatRange(min=0))
+@click.option(
+    "--template",
+    "template_file",
+    type=click.Path(dir_okay=False),
+    required=True,
+    help="Job file of the replicas (YAML, or JSON for *.json): name, kind, priority, memory, "
+    "policy, GPU model; `resources` may be left out (the share is the scaler's).",
+)
+@placement_option
+@json_option
+def scale(
+    function: str, requests_per_s: float, template_file: str, address: str, as_json: bool
+) -> None:
+    """Auto-scale FUNCTION to serve REQUESTS_PER_S (FaST-GShare, SetFunctionLoad): placement
+    adds or cancels replicas, each at the most efficient share of the function's throughput
+    profile. Prints the replicas added and removed and what they serve together."""
+    try:
+        document = load_job_file(template_file)
+        spec_from_document(document, template_file, require_resources=False)
+    except JobFileError as error:
+        raise click.UsageError(str(error)) from None
+    with _placement(address) as client:
+        try:
+            scaling = client.set_function_load(function, requests_per_s, document)
+        except InvalidArgument as error:
+            key = file_key_for(error.field.replace("template.", "spec.", 1), document)
+            if key is None:
+                raise
+            raise click.ClickException(
+                f"{template_file}: key {key!r}: refused by placement: {error.message}"
+            ) from None
+    if as_json:
+        click.echo(json.dumps(convert.scaling_json(scaling), indent=2))
+        return
+    best = scaling.most_efficient
+    line = (
+        f"function {function}: {len(scaling.added)} replicas added, {len(scaling.removed)} "
+        f"removed; they serve {scaling.capacity_requests_per_s:g} requests/s"
+    )
+    if best is not None:
+        line += (
+            f" (most efficient: SM {best.sm_percent}%, quota {best.quota_percent:g}%, "
+            f"{best.requests_per_s:g} requests/s each)"
+        )
+    click.echo(line)
+    for label, jobs in (("added", scaling.added), ("removed", scaling.removed)):
+        for job in jobs:
+            click.echo(f"{label:<8} {_summary(job)}")
 
 
 # ---- gpus ----
@@ -388,6 +450,7 @@ def run(
         except KeyboardInterrupt:
             _say(f"interrupted; cancelled job {job.job_id}")
             sys.exit(130)
+        _say(_summary(job))  # where it landed
         code = runner.run_assigned(job, command).exit_code
     sys.exit(code)
 
@@ -490,6 +553,14 @@ def _sm_quota(spec: JobSpec) -> tuple[object, object]:
     return 100, 100.0
 
 
+def _runtime(job: JobView, now: float) -> str:
+    """Since it was assigned; until it ended, for a finished job. '-': it never ran."""
+    if not job.started_at:
+        return "-"
+    end = job.updated_at if job.state.finished else now
+    return duration(end - job.started_at)
+
+
 def _memory(size: int) -> str:
     return f"{size / GIB:.2f} GiB" if size else "-"
 
@@ -497,10 +568,6 @@ def _memory(size: int) -> str:
 def _short(text: str, width: int = MAX_REASON) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def _clock(unix_s: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(unix_s)) if unix_s else "--:--:--"
 
 
 def _where(job: JobView) -> str:
@@ -512,7 +579,7 @@ def _where(job: JobView) -> str:
     if slot is not None:
         where += (
             f", MIG {slot.size} slices at slice {slot.first_slice}, planned "
-            f"{_clock(slot.planned_start)}-{_clock(slot.planned_end)}"
+            f"{rfc3339(slot.planned_start)} to {rfc3339(slot.planned_end)}"
         )
     return where
 
@@ -570,14 +637,10 @@ def _details(job: JobView) -> str:
         rows.append(("message", job.message))
     rows += [
         ("request id", job.request_id),
-        ("submitted", _timestamp(job.submitted_at)),
-        ("updated", f"{_timestamp(job.updated_at)} (revision {job.revision})"),
+        ("submitted", rfc3339(job.submitted_at)),
+        ("started", rfc3339(job.started_at)),
+        ("runtime", _runtime(job, time.time())),
+        ("updated", f"{rfc3339(job.updated_at)} (revision {job.revision})"),
     ]
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
-
-
-def _timestamp(unix_s: float) -> str:
-    if not unix_s:
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(unix_s))

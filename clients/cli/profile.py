@@ -3,11 +3,28 @@ grid through a dispatcher, recording each point with the profiler (FaST-Profiler
 
 from __future__ import annotations
 
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
 import click
 
+from gpuloom.clients.cli.addresses import (
+    PROFILER_ENV,
+    STORE_ENV,
+    from_group,
+    profiler_option,
+    service_error,
+)
+from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.profiler import ProfilerClient
 from gpuloom.clients.shim_path import default_shim_path
 from gpuloom.clients.sweep import DEFAULT_QUOTAS, DEFAULT_SM, Sweep, SweepError
+from gpuloom.clients.times import duration, rfc3339
+from gpuloom.convert.profiler import session_json
 from gpuloom.domain.errors import DomainError
+from gpuloom.domain.profiler import SessionState, SessionView
 
 
 def _numbers(kind: type, text: str, option: str) -> list:
@@ -21,7 +38,7 @@ def _numbers(kind: type, text: str, option: str) -> list:
 
 @click.group()
 def profile() -> None:
-    """Measure jobs and functions (throughput sweeps)."""
+    """Measure jobs and functions: kernel measurement sessions, throughput sweeps."""
 
 
 @profile.command("sweep", context_settings={"ignore_unknown_options": True})
@@ -41,8 +58,20 @@ def profile() -> None:
     help="Time quotas in percent of the window, comma-separated.",
 )
 @click.option("--dispatcher", default="localhost:50060", show_default=True)
-@click.option("--profiler", default="localhost:50053", show_default=True)
-@click.option("--profile-store", default="localhost:50052", show_default=True)
+@click.option(
+    "--profiler",
+    metavar="HOST:PORT",
+    callback=from_group("profiler", PROFILER_ENV, "localhost:50053"),
+    help=f"Profiler address (default: gpuloom --profiler, else {PROFILER_ENV}, else "
+    "localhost:50053).",
+)
+@click.option(
+    "--profile-store",
+    metavar="HOST:PORT",
+    callback=from_group("store", STORE_ENV, "localhost:50052"),
+    help=f"Profile store address (default: gpuloom --store, else {STORE_ENV}, else "
+    "localhost:50052).",
+)
 @click.option(
     "--shim",
     "shim_path",
@@ -103,3 +132,114 @@ def sweep(
             f"{error} (points measured so far are stored; rerun to resume)"
         ) from None
     click.echo(f"sweep of {function!r} complete: {measured} points measured", err=True)
+
+
+# ---- measurement sessions (kernel profiles, FIKIT) ----
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the Session as JSON.")
+
+
+@profile.command("open")
+@click.argument("task_key")
+@click.argument("gpu_model")
+@click.option(
+    "--runs",
+    type=click.IntRange(10, 1000),
+    help="Runs to measure (T; default: the profiler's, 20).",
+)
+@profiler_option
+@json_option
+def open_session(
+    task_key: str, gpu_model: str, runs: int | None, address: str, as_json: bool
+) -> None:
+    """Open a measurement session: the next runs of TASK_KEY on GPU_MODEL's dispatchers are
+    measured, and after the last one its kernel profile goes into the profile store."""
+    with _profiler(address) as client:
+        session = client.open(task_key, gpu_model, runs or 0)
+    _show(session, as_json)
+
+
+@profile.command("sessions")
+@click.option("--state", type=click.Choice([s.value for s in SessionState]))
+@click.option("--task-key", default="", help="Only this task key.")
+@click.option("--gpu-model", default="", help="Only this GPU model.")
+@profiler_option
+@click.option("--json", "as_json", is_flag=True, help="One Session as JSON per line.")
+def list_sessions(
+    state: str | None, task_key: str, gpu_model: str, address: str, as_json: bool
+) -> None:
+    """List measurement sessions: id, task, GPU model, state, runs received of T, records,
+    when opened, how long it took."""
+    with _profiler(address) as client:
+        found = client.list(SessionState(state) if state else None, task_key, gpu_model)
+    if as_json:
+        for session in found:
+            click.echo(json.dumps(session_json(session)))
+        return
+    if not found:
+        click.echo("no sessions match")
+        return
+    now = time.time()
+    rows = [
+        (
+            s.session_id,
+            s.task_key,
+            s.gpu_model,
+            s.state.value,
+            f"{s.runs_received}/{s.runs}",
+            s.records,
+            rfc3339(s.opened_at),
+            duration((s.closed_at or now) - s.opened_at),
+            s.error or s.predictor or "-",
+        )
+        for s in found
+    ]
+    headers = ["ID", "TASK KEY", "GPU MODEL", "STATE", "RUNS", "RECORDS", "OPENED", "FOR"]
+    click.echo(render_table([*headers, "PREDICTOR / ERROR"], rows))
+
+
+@profile.command("session")
+@click.argument("session_id", metavar="SESSION")
+@profiler_option
+@json_option
+def show_session(session_id: str, address: str, as_json: bool) -> None:
+    """One measurement session."""
+    with _profiler(address) as client:
+        session = client.get(session_id)
+    _show(session, as_json)
+
+
+@profile.command("cancel")
+@click.argument("session_id", metavar="SESSION")
+@profiler_option
+@json_option
+def cancel_session(session_id: str, address: str, as_json: bool) -> None:
+    """Cancel an open measurement session (its records are dropped)."""
+    with _profiler(address) as client:
+        session = client.cancel(session_id)
+    _show(session, as_json)
+
+
+@contextlib.contextmanager
+def _profiler(address: str) -> Iterator[ProfilerClient]:
+    try:
+        with ProfilerClient(address) as client:
+            yield client
+    except DomainError as error:
+        raise service_error(error, "profiler", address) from None
+
+
+def _show(session: SessionView, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(session_json(session), indent=2))
+        return
+    line = (
+        f"session {session.session_id} {session.state.value}: task {session.task_key!r} on "
+        f"{session.gpu_model!r}, {session.runs_received} of {session.runs} runs, "
+        f"{session.records} records, opened {rfc3339(session.opened_at)}"
+    )
+    if session.kernels:
+        line += f"; {session.kernels} kernels, gap predictor {session.predictor!r}"
+    if session.error:
+        line += f"; {session.error}"
+    click.echo(line)

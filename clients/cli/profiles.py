@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from datetime import datetime
 from itertools import islice
@@ -10,19 +9,14 @@ from typing import Any
 
 import click
 
+from gpuloom.clients.cli.addresses import service_error, store_option
 from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.times import rfc3339
+from gpuloom.convert import profiles as convert
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import DomainError
 
 KINDS = [k.value for k in d.ProfileKind]
-store_option = click.option(
-    "--store",
-    "address",
-    envvar="GPULOOM_PROFILE_STORE_ADDRESS",
-    default="localhost:50052",
-    show_default=True,
-    help="Profile store address (env GPULOOM_PROFILE_STORE_ADDRESS).",
-)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 
 
@@ -38,7 +32,7 @@ def _client(address: str) -> Any:
 
 
 def _fail(error: DomainError, address: str) -> click.ClickException:
-    return click.ClickException(f"{error.message} (profile store at {address})")
+    return service_error(error, "profile store", address)
 
 
 @profiles.command("list")
@@ -61,7 +55,7 @@ def list_profiles(
         raise _fail(error, address) from None
     if as_json:
         for s in found:
-            click.echo(json.dumps(_jsonable(s)))
+            click.echo(json.dumps(convert.summary_json(s)))
         return
     if not found:
         click.echo("no profiles match")
@@ -87,7 +81,7 @@ def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: boo
     except DomainError as error:
         raise _fail(error, address) from None
     if as_json:
-        click.echo(json.dumps(_jsonable(profile), indent=2))
+        click.echo(json.dumps(convert.profile_json(profile), indent=2))
         return
     click.echo(
         f"{profile.KIND.value} profile {profile.key!r} on {profile.gpu_model!r}, "
@@ -97,6 +91,61 @@ def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: boo
     if extra:
         click.echo(extra)
     click.echo(render_table(headers, rows))
+
+
+@profiles.command("put")
+@click.argument("kind", type=click.Choice(KINDS))
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option(
+    "--expected-version",
+    type=click.IntRange(min=0),
+    help="Write only if the stored version is this one (0: only if there is none yet).",
+)
+@store_option
+def put_profile(kind: str, file: str, expected_version: int | None, address: str) -> None:
+    """Store the profile of KIND in FILE: its message in JSON, as `profiles show KIND ... --json`
+    prints it (meta.version and meta.updated_at, if there, are ignored: the store sets them).
+    For instance a MIG profile (FAR): {"meta": {"key": "lud", "gpu_model": "A100-80GB"},
+    "times": [{"slices": 1, "exec_time_s": 40}, {"slices": 7, "exec_time_s": 9}]}."""
+    try:
+        with open(file, encoding="utf-8") as handle:
+            text = handle.read()
+        profile = convert.profile_from_json(d.ProfileKind(kind), text)
+    except (OSError, UnicodeDecodeError) as error:
+        raise click.UsageError(f"{file}: cannot read it: {error}") from None
+    except ValueError as error:
+        raise click.UsageError(f"{file}: not a {kind} profile: {error}") from None
+    try:
+        with _client(address) as client:
+            stored = client.put(profile, expected_version)
+    except DomainError as error:
+        raise _fail(error, address) from None
+    click.echo(
+        f"stored {kind} profile {stored.key!r} on {stored.gpu_model!r} (version {stored.version})"
+    )
+
+
+@profiles.command("delete")
+@click.argument("kind", type=click.Choice(KINDS))
+@click.argument("key")
+@click.argument("gpu_model")
+@click.option(
+    "--expected-version",
+    type=click.IntRange(min=0),
+    help="Delete only if the stored version is this one (exit 1 otherwise).",
+)
+@store_option
+def delete_profile(
+    kind: str, key: str, gpu_model: str, expected_version: int | None, address: str
+) -> None:
+    """Delete one profile: KIND KEY GPU_MODEL. Its version still counts on: a profile put
+    again later gets the next version."""
+    try:
+        with _client(address) as client:
+            version = client.delete(d.ProfileKind(kind), key, gpu_model, expected_version)
+    except DomainError as error:
+        raise _fail(error, address) from None
+    click.echo(f"deleted {kind} profile {key!r} on {gpu_model!r} (version {version})")
 
 
 def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
@@ -150,19 +199,4 @@ def _short(name: str, width: int = 48) -> str:
 
 
 def _when(moment: datetime | None) -> str:
-    return moment.strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "-"
-
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        out = {f.name: _jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-        if hasattr(value, "KIND"):
-            out = {"kind": value.KIND.value, **out}
-        return out
-    if isinstance(value, tuple | list):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, d.ProfileKind):
-        return value.value
-    return value
+    return rfc3339(moment.timestamp()) if moment else "-"

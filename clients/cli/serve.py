@@ -31,7 +31,10 @@ def _run(services: tuple[str, ...]) -> None:
 
 @click.command()
 def up() -> None:
-    """Run the whole control plane on the embedded default (SQLite, in-process cache)."""
+    """Run the whole control plane on the embedded default (SQLite, in-process cache).
+
+    Configured by GPULOOM_* environment variables (ports, data directory, simulated GPUs,
+    policies, ...): every one is in docs/configuration.md."""
     from gpuloom.services.launcher import SERVICES
 
     _run(SERVICES)
@@ -42,7 +45,10 @@ def up() -> None:
     "service", type=click.Choice(["profile-store", "profiler", "placement", "dispatcher"])
 )
 def serve(service: str) -> None:
-    """Run one service, configured by GPULOOM_* environment variables (as in containers)."""
+    """Run one service, configured by GPULOOM_* environment variables (as in containers):
+    GPULOOM_* for every process and GPULOOM_<SERVICE>_* for SERVICE (GPULOOM_PROFILE_STORE_*,
+    GPULOOM_PROFILER_*, GPULOOM_PLACEMENT_*, GPULOOM_DISPATCHER_*); every one is in
+    docs/configuration.md."""
     _run((service,))
 
 

@@ -114,6 +114,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         policy=msg.policy,
         exit_code=msg.exit_code,
         function=msg.function,
+        started_at=msg.started_at_unix_s,
     )
 
 
@@ -131,6 +132,7 @@ def job_to_pb(job: JobView) -> pb.Job:
         exit_code=job.exit_code,
         revision=job.revision,
         function=job.function,
+        started_at_unix_s=job.started_at,
     )
     if job.assignment is not None:
         msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))
@@ -263,6 +265,24 @@ def scaling_from_pb(msg: pb.SetFunctionLoadResponse) -> FunctionScaling:
     )
 
 
+def scaling_to_pb(scaling: FunctionScaling) -> pb.SetFunctionLoadResponse:
+    msg = pb.SetFunctionLoadResponse(
+        added=[job_to_pb(j) for j in scaling.added],
+        removed=[job_to_pb(j) for j in scaling.removed],
+        capacity_requests_per_s=scaling.capacity_requests_per_s,
+    )
+    best = scaling.most_efficient
+    if best is not None:
+        msg.most_efficient.CopyFrom(
+            pb.ThroughputConfig(
+                sm_percent=best.sm_percent,
+                quota_percent=best.quota_percent,
+                requests_per_s=best.requests_per_s,
+            )
+        )
+    return msg
+
+
 # ---- JSON ----
 
 
@@ -272,6 +292,10 @@ def job_json(job: JobView) -> dict[str, Any]:
 
 def gpu_entry_json(entry: GpuEntry) -> dict[str, Any]:
     return _json(gpu_entry_to_pb(entry))
+
+
+def scaling_json(scaling: FunctionScaling) -> dict[str, Any]:
+    return _json(scaling_to_pb(scaling))
 
 
 def _json(msg: Message) -> dict[str, Any]:

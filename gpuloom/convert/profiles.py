@@ -9,6 +9,7 @@ from dataclasses import replace
 from datetime import UTC
 from typing import Any
 
+from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from gpuloom.domain import profiles as d
@@ -235,6 +236,40 @@ def stamped_from_pb(kind: d.ProfileKind, message: Any) -> d.Profile:
         FROM_PB[kind][1](message),
         version=meta.version,
         updated_at=meta.updated_at.ToDatetime(tzinfo=UTC),
+    )
+
+
+# ---- JSON: the protos' JSON mapping (`gpuloom profiles ... --json` prints it, `put` reads it) ----
+
+
+def profile_json(profile: d.Profile) -> dict[str, Any]:
+    return _json(TO_PB[type(profile)](profile))
+
+
+def summary_json(summary: d.ProfileSummary) -> dict[str, Any]:
+    return _json(summary_to_pb(summary))
+
+
+def profile_from_json(kind: d.ProfileKind, text: str) -> d.Profile:
+    """A profile of `kind` from its message in JSON (version and time, if any, are left out:
+    the store sets them). Raises ValueError naming what does not parse."""
+    message_type, from_pb = FROM_PB[kind]
+    message = message_type()
+    try:
+        json_format.Parse(text, message)
+    except json_format.ParseError as error:
+        raise ValueError(str(error)) from None
+    meta = message.meta  # type: ignore[attr-defined]
+    if meta.kind not in (pb.PROFILE_KIND_UNSPECIFIED, KIND_TO_PB[kind]):
+        raise ValueError(
+            f"meta.kind is {pb.ProfileKind.Name(meta.kind)}, not a {kind.value} profile"
+        )
+    return from_pb(message)
+
+
+def _json(message: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
     )
 
 

@@ -280,6 +280,7 @@ class JobView:
     policy: str = ""  # the policy that placed it
     exit_code: int = 0
     function: str = ""  # set on replicas created by auto-scaling
+    started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,6 +189,7 @@ async def start_gpu_dispatcher(
             core,
             advertised_address(settings.advertise_host, host, server.port),
         )
+        core.on_gpu_changed = placement_link.register_again
         await placement_link.start()
     log.info(
         "dispatcher ready",

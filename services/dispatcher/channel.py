@@ -99,6 +99,15 @@ class ChannelLimits:
     max_records_per_batch: int = 100_000
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectedProcess:
+    """A registered process, as GetGpuStatus shows it."""
+
+    pid: int
+    asked_at: float | None  # monotonic time of the lease request it waits on; None: not waiting
+    allocated_bytes: int  # device memory, as its shim's last usage report said
+
+
 class ProtocolViolation(Exception):
     """The peer broke the shim protocol; its connection is closed, nobody else notices."""
 
@@ -108,6 +117,7 @@ MeasurementSink = Callable[[str, Sequence[shim_pb2.KernelRecord]], None]
 
 class _Connection:
     __slots__ = (
+        "allocated_bytes",
         "assignment_id",
         "deadline",
         "desk_slot",
@@ -133,6 +143,7 @@ class _Connection:
         self.requested_at: float | None = None
         self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
         self.desk_slot: int | None = None  # the lease desk's slot (mode SHARE)
+        self.allocated_bytes = 0  # device memory, as the shim's last usage report said
 
 
 class ShimChannel:
@@ -287,10 +298,13 @@ class ShimChannel:
                 for bound in ("request", "limit"):
                     metrics.CLIENT_QUOTA.remove(self._gpu, assignment_id, bound)
 
-    def connected(self) -> dict[str, int]:
-        """assignment id -> pid of every registered connection."""
+    def connected(self) -> dict[str, ConnectedProcess]:
+        """assignment id -> the process of every registered connection."""
         return {
-            assignment: connection.peer[0] for assignment, connection in self._by_assignment.items()
+            assignment: ConnectedProcess(
+                connection.peer[0], connection.requested_at, connection.allocated_bytes
+            )
+            for assignment, connection in self._by_assignment.items()
         }
 
     def scheduler_snapshot(self) -> SchedulerSnapshot:
@@ -567,6 +581,7 @@ class ShimChannel:
         ended = None
         report = request.report
         if request.HasField("report") and report.lease_id:
+            connection.allocated_bytes = report.allocated_bytes
             ended = self._charge(
                 assignment_id, report.lease_id, report.gpu_time_ns, report.longest_burst_ns,
                 now, ending=True,
@@ -583,6 +598,7 @@ class ShimChannel:
             self._quiesce()
         else:  # a charge only; the lease it is for may be in the desk's journal
             self._take_desk_events()
+        connection.allocated_bytes = report.allocated_bytes
         assignment_id, now = connection.assignment_id, time.monotonic()
         self._apply(
             self._charge(
@@ -760,6 +776,7 @@ class ShimChannel:
         if event.report is not None and event.report[0]:
             lease_id, gpu_ns, burst_ns, _release = event.report
             report = (lease_id, gpu_ns / 1e9, burst_ns / 1e9 if burst_ns else None)
+            connection.allocated_bytes = event.allocated_bytes
         expires = math.inf if event.until_ns == FOREVER else event.until_ns / 1e9
         try:
             decision = self._scheduler.renewed(
@@ -787,6 +804,7 @@ class ShimChannel:
         ended = given_up = None
         if event.report is not None and event.report[0]:
             lease_id, gpu_ns, burst_ns, _release = event.report
+            connection.allocated_bytes = event.allocated_bytes
             ended = self._charge(assignment_id, lease_id, gpu_ns, burst_ns, now, ending=True)
         if self._scheduler.lease_of(assignment_id) is not None:
             # A shim posts only without a usable lease: the one it held is over (given back
@@ -998,12 +1016,17 @@ class ShimChannel:
         snapshot = self._scheduler.snapshot(now)
         metrics.QUEUE_DEPTH.labels(self._gpu).set(len(snapshot.waiting))
         metrics.CONNECTIONS.labels(self._gpu).set(len(self._connections))
+        used_total = 0.0
         for client_id, client in snapshot.clients.items():
             used = client.used_s / self._scheduler.config.window_s
+            used_total += used
             metrics.CLIENT_USED.labels(self._gpu, client_id).set(used)
             quota = metrics.CLIENT_QUOTA
             quota.labels(self._gpu, client_id, "request").set(client.share.quota_request)
             quota.labels(self._gpu, client_id, "limit").set(client.share.quota_limit)
+        metrics.QUOTA_USED.labels(self._gpu).set(used_total)
+        metrics.QUOTA_RESERVED.labels(self._gpu).set(self._book.quota_reserved_percent() / 100)
+        metrics.MEMORY_RESERVED.labels(self._gpu).set(self._book.memory_reserved_bytes())
 
     def _emit_granted(self, lease: Lease) -> None:
         length_ms = (lease.expires_at - lease.granted_at) * 1e3

@@ -109,6 +109,8 @@ def client_status_to_pb(
         lease_length_ms=status.lease_length_s * 1e3,
         leases_granted=status.leases_granted,
         gpu_time_s=status.gpu_time_s,
+        waiting_ms=status.waiting_s * 1e3,
+        memory_allocated_bytes=status.allocated_bytes,
     )
 
 

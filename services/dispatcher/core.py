@@ -8,7 +8,7 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -24,7 +24,7 @@ from gpuloom.domain.gpus import find_model
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
-from gpuloom.services.dispatcher.channel import ShimChannel
+from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel
 from gpuloom.services.dispatcher.domain import (
     LEASE_EVENTS,
     ClientStatus,
@@ -95,6 +95,9 @@ class DispatcherCore:
         self._profiler_link = profiler_link
         self._mig_running = False
         self.mps = mps
+        # Told when the GPU's description changes (MIG mode): the placement link registers
+        # the GPU again.
+        self.on_gpu_changed: Callable[[], None] | None = None
 
     # ---- commands ----
 
@@ -179,30 +182,38 @@ class DispatcherCore:
         self,
         reservation: Reservation,
         snapshot: SchedulerSnapshot,
-        connected: dict[str, int],
+        connected: dict[str, ConnectedProcess],
         now: float,
     ) -> ClientStatus:
-        pid = connected.get(reservation.assignment_id, 0)
+        process = connected.get(reservation.assignment_id)
+        pid = 0 if process is None else process.pid
         if pid == 0 and reservation.bound is not None:
             pid = reservation.bound.pid
+        allocated = 0 if process is None else process.allocated_bytes
         client = snapshot.clients.get(reservation.assignment_id)
         if client is None:  # not time-shared (measure/off modes)
             return ClientStatus(
-                reservation, reservation.assignment_id in connected, pid, LeaseState.IDLE,
-                0.0, 0.0, 0.0, 0, 0.0,
+                reservation, process is not None, pid, LeaseState.IDLE,
+                0.0, 0.0, 0.0, 0, 0.0, 0.0, allocated,
             )  # fmt: skip
         lease = client.lease
         remaining = 0.0 if lease is None else max(0.0, lease.expires_at - now)
+        state = LeaseState(client.state)
+        waiting_s = 0.0
+        if process is not None and process.asked_at is not None and state.asking:
+            waiting_s = max(0.0, now - process.asked_at)
         return ClientStatus(
             reservation=reservation,
-            connected=reservation.assignment_id in connected,
+            connected=process is not None,
             pid=pid,
-            state=LeaseState(client.state),
+            state=state,
             used_fraction=client.used_s / self.window_s,
             lease_remaining_s=remaining if math.isfinite(remaining) else math.inf,
             lease_length_s=client.q_s,
             leases_granted=client.leases_granted,
             gpu_time_s=client.total_gpu_s,
+            waiting_s=waiting_s,
+            allocated_bytes=allocated,
         )
 
     def environment(self, reservation: Reservation) -> dict[str, str]:
@@ -226,6 +237,24 @@ class DispatcherCore:
         return environment
 
     # ---- MIG ----
+
+    async def set_mig_mode(self, enabled: bool) -> GpuInfo:
+        """Turn MIG mode on or off (idempotent); the GPU as it is now."""
+        if self._mig_running:
+            raise FailedPrecondition("a MIG batch is running on this GPU")
+        held = self.book.all()
+        if enabled and held and not self.gpu.mig_enabled:
+            raise FailedPrecondition(
+                f"GPU {self.gpu.index} holds {len(held)} reservation(s); release them before "
+                "turning MIG on"
+            )
+        await asyncio.to_thread(self.backend.set_mig_mode, self.gpu.index, enabled)
+        if self.gpu.mig_enabled != enabled:
+            self.gpu = replace(self.gpu, mig_enabled=enabled)
+            log.info("MIG mode set", gpu=self.gpu.index, enabled=enabled)
+            if self.on_gpu_changed is not None:
+                self.on_gpu_changed()
+        return self.gpu
 
     async def run_mig_batch(
         self,

@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gpuloom.domain.dispatcher import LeaseState
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.shares import SpatioTemporalShare, validate_priority
 from gpuloom.domain.validation import MAX_KEY_CHARS, check_name
@@ -119,13 +120,6 @@ class DispatcherEvent:
     lease_ms: float = 0.0
 
 
-class LeaseState(enum.Enum):
-    IDLE = "idle"
-    WAITING = "waiting"
-    HOLDING = "holding"
-    BLOCKED = "blocked"
-
-
 @dataclass(frozen=True, slots=True)
 class ClientStatus:
     reservation: Reservation
@@ -137,6 +131,8 @@ class ClientStatus:
     lease_length_s: float
     leases_granted: int
     gpu_time_s: float
+    waiting_s: float = 0.0  # since the lease request it waits on (WAITING/BLOCKED)
+    allocated_bytes: int = 0  # device memory, as the shim's last usage report said
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,7 @@ class _Event(ctypes.Structure):
         ("report_lease", ctypes.c_uint64),
         ("gpu_ns", ctypes.c_uint64),
         ("burst_ns", ctypes.c_uint64),
+        ("allocated_bytes", ctypes.c_uint64),
         ("posted_ns", ctypes.c_uint64),
         ("at_ns", ctypes.c_uint64),
         ("lease_id", ctypes.c_uint64),
@@ -78,6 +79,7 @@ class DeskEvent:
     kind: DeskEventKind
     slot: int
     report: tuple[int, int, int, bool] | None  # lease id, GPU ns, burst ns, release
+    allocated_bytes: int  # device memory the process holds, with a report
     invalid: bool  # the request words failed validation
     posted_ns: int
     at_ns: int
@@ -197,6 +199,7 @@ class LeaseDesk:
                         DeskEventKind(raw.kind),
                         raw.slot,
                         report,
+                        raw.allocated_bytes,
                         bool(raw.flags & INVALID_FLAG),
                         raw.posted_ns,
                         raw.at_ns,

@@ -26,6 +26,21 @@ CLIENT_QUOTA = prometheus_client.Gauge(
     "A client's time quota as a fraction of the window",
     ["gpu", "assignment", "bound"],
 )
+QUOTA_RESERVED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_quota_reserved_ratio",
+    "Sum of the time-quota requests of the GPU's reservations, as a fraction of the window",
+    ["gpu"],
+)
+QUOTA_USED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_quota_used_ratio",
+    "GPU time charged to all clients in the current window, as a fraction of the window",
+    ["gpu"],
+)
+MEMORY_RESERVED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_memory_reserved_bytes",
+    "Sum of the memory caps of the GPU's reservations",
+    ["gpu"],
+)
 CONNECTIONS = prometheus_client.Gauge(
     "gpuloom_dispatcher_connections", "Open shim channel connections", ["gpu"]
 )

@@ -114,6 +114,7 @@ class PlacementLink:
         self._registered = False
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
         self.failures = 0  # rounds that did not complete (placement away, a read failed)
 
     @property
@@ -124,6 +125,11 @@ class PlacementLink:
     @property
     def interval_s(self) -> float:
         return self._interval_s
+
+    def register_again(self) -> None:
+        """The GPU's description changed (MIG mode): register it again now (on the loop)."""
+        self._registered = False
+        self._wake.set()
 
     # ---- life cycle (asyncio) ----
 
@@ -181,7 +187,9 @@ class PlacementLink:
                         error=repr(error),
                     )
                 healthy = False
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+            self._wake.clear()
 
     async def _cycle(self, stub: placement_pb2_grpc.PlacementStub) -> None:
         """Register if needed, then one heartbeat; a GPU placement lost is registered again."""

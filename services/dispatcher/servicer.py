@@ -73,6 +73,14 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
         async for event in self._core.events(request.include_leases):
             yield convert.event_to_pb(event)
 
+    @rpc(SERVICE)
+    async def SetMigMode(
+        self, request: pb.SetMigModeRequest, context: Context
+    ) -> pb.GpuDescription:
+        core = self._core
+        gpu = await core.set_mig_mode(request.enabled)
+        return convert.gpu_description_to_pb(gpu, core.node, core.backend.name)
+
     @stream_rpc(SERVICE)
     async def RunMigBatch(
         self, request: pb.RunMigBatchRequest, context: Context

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +36,8 @@ from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 from gpuloom.services.placement.scaling import AutoScaler, ScalingResult
 
 log = structlog.get_logger("gpuloom.placement")
+# The states of the jobs the service keeps in memory (the gauges of jobs by state).
+LIVE_STATES = (JobState.PENDING, JobState.BINDING, JobState.ASSIGNED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,7 @@ class PlacementCore:
             live_jobs=len(self.jobs.live),
             rebinding=rebinding,
         )
+        self.update_gauges()
         self._heartbeats = asyncio.create_task(
             self._heartbeat_monitor(), name="placement-heartbeats"
         )
@@ -197,6 +200,18 @@ class PlacementCore:
                 await self.check_heartbeats()
             except Exception:
                 log.exception("heartbeat check failed")
+            self.update_gauges()
+
+    def update_gauges(self) -> None:
+        """Set the gauges of live jobs by state and of what is reserved on each GPU."""
+        states = Counter(job.state for job in self.jobs.live.values())
+        for state in LIVE_STATES:
+            metrics.JOBS.labels(state.value).set(states[state])
+        for view in self.inventory.views():
+            info = view.record.info
+            labels = (info.node, info.gpu_uuid)
+            metrics.GPU_AREA_RESERVED.labels(*labels).set(view.area_reserved_percent / 100)
+            metrics.GPU_MEMORY_RESERVED.labels(*labels).set(view.memory_reserved_bytes)
 
     async def check_heartbeats(self) -> list[str]:
         """Mark GPUs silent for longer than the timeout as lost, and their jobs LOST."""

@@ -499,6 +499,7 @@ class Decisions:
                             now,
                             state=JobState.ASSIGNED,
                             binding=replace(job.binding, environment=result),
+                            started_at=now,
                         )
                     )
             # Recorded behind, with the next decision batch: the BINDING row already holds the

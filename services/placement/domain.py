@@ -45,6 +45,7 @@ class Job:
     binding: Binding | None = None
     exit_code: int = 0
     function: str = ""
+    started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
 
     def advance(self, now: float, **changes: object) -> Job:
         """The next revision of this job."""

@@ -244,22 +244,25 @@ class Inventory:
                 more = True
                 break
             page.append(key)
-        views = []
-        for _, gpu_uuid in page:
-            slot = self.fleet.slot(gpu_uuid)
-            direct = sum(1 for a_id in self._direct.get(gpu_uuid, ()) if a_id in slot.allocations)
-            views.append(
-                GpuView(
-                    record=self._gpus[gpu_uuid],
-                    schedulable=slot.schedulable,
-                    memory_reserved_bytes=slot.memory_used,
-                    area_reserved_percent=100.0 * slot.area_used / GRID_AREA,
-                    jobs=len(slot.allocations) - direct,
-                    direct_reservations=direct,
-                )
-            )
+        views = [self._view(gpu_uuid) for _, gpu_uuid in page]
         token = encode_token("\x1f".join(page[-1])) if more else ""
         return views, token
+
+    def views(self) -> list[GpuView]:
+        """Every registered GPU, in no particular order."""
+        return [self._view(gpu_uuid) for gpu_uuid in self._gpus]
+
+    def _view(self, gpu_uuid: str) -> GpuView:
+        slot = self.fleet.slot(gpu_uuid)
+        direct = sum(1 for a_id in self._direct.get(gpu_uuid, ()) if a_id in slot.allocations)
+        return GpuView(
+            record=self._gpus[gpu_uuid],
+            schedulable=slot.schedulable,
+            memory_reserved_bytes=slot.memory_used,
+            area_reserved_percent=100.0 * slot.area_used / GRID_AREA,
+            jobs=len(slot.allocations) - direct,
+            direct_reservations=direct,
+        )
 
     def _note_memory(self, info: GpuInfo) -> None:
         for model in ("", info.model):

@@ -43,3 +43,22 @@ MIG_RUNS_FAILED = prometheus_client.Counter(
     "gpuloom_placement_mig_runs_failed_total",
     "MIG runs a dispatcher refused, or whose stream broke",
 )
+
+# Refreshed by the core every heartbeat check (a second or two), not at each change.
+JOBS = prometheus_client.Gauge(
+    "gpuloom_placement_jobs",
+    "Live jobs by state: pending (waiting for capacity; MIG batch tasks included), binding, "
+    "assigned",
+    ["state"],
+)
+GPU_AREA_RESERVED = prometheus_client.Gauge(
+    "gpuloom_placement_gpu_area_reserved_ratio",
+    "Reserved part of a GPU's (time quota x SM) rectangle: placement's jobs and the shares "
+    "reserved on its dispatcher directly",
+    ["node", "gpu"],
+)
+GPU_MEMORY_RESERVED = prometheus_client.Gauge(
+    "gpuloom_placement_gpu_memory_reserved_bytes",
+    "Memory reserved on a GPU: placement's jobs and the shares reserved on its dispatcher directly",
+    ["node", "gpu"],
+)

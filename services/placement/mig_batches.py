@@ -379,6 +379,7 @@ class MigBatches:
                         binding=binding,
                         policy="far",
                         pending_reason="",
+                        started_at=now,
                     )
                 )
         return assigned

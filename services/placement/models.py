@@ -63,6 +63,8 @@ class JobRow(Base):
     submitted_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     exit_code: Mapped[int] = mapped_column(Integer)
+    # When it became ASSIGNED; 0: never (yet).
+    started_at: Mapped[float] = mapped_column(Float, server_default="0")
     gpu_uuid: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # The Binding (rectangle, token, environment) as JSON; NULL while the job holds nothing.
     binding: Mapped[str | None] = mapped_column(Text, nullable=True)

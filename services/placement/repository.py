@@ -106,6 +106,7 @@ def _job_values(job: Job) -> dict[str, object]:
         "policy": job.policy,
         "submitted_at": job.submitted_at,
         "updated_at": job.updated_at,
+        "started_at": job.started_at,
         "exit_code": job.exit_code,
         "gpu_uuid": job.binding.gpu_uuid if job.binding else None,
         "binding": _binding_to_json(job.binding),
@@ -128,6 +129,7 @@ def _job_from_row(row: object) -> Job:
         binding=_binding_from_json(r["binding"]),
         exit_code=r["exit_code"],
         function=r["function"],
+        started_at=r["started_at"],
     )
 
 
@@ -157,6 +159,7 @@ class PlacementRepository:
                         "message",
                         "policy",
                         "updated_at",
+                        "started_at",
                         "exit_code",
                         "gpu_uuid",
                         "binding",

@@ -151,6 +151,7 @@ static void take_request(gl_desk *d, uint32_t slot, uint64_t now) {
         e.report_lease = load64(r, GL_OFF_LR_LEASE);
         e.gpu_ns = load64(r, GL_OFF_LR_GPU_NS);
         e.burst_ns = load64(r, GL_OFF_LR_BURST_NS);
+        e.allocated_bytes = load64(r, GL_OFF_LR_ALLOCATED);
         e.flags = flags;
         if (e.gpu_ns > MAX_REPORTED_NS || e.burst_ns > MAX_REPORTED_NS) {
             d->stats.invalid_writes++;

@@ -55,6 +55,7 @@ typedef struct {
     uint32_t flags;  /* the request's GL_LR_* (validated: a report's words are sane) */
     uint32_t seq;
     uint64_t report_lease, gpu_ns, burst_ns; /* the usage report (flags & GL_LR_REPORT) */
+    uint64_t allocated_bytes;                /* ... and the device memory it holds */
     uint64_t posted_ns, at_ns;               /* when the shim posted; when the desk took it */
     uint64_t lease_id, until_ns;             /* RENEWED: the lease written into the region */
     int64_t charge_ns; /* what it took from the budget, net of what its report gave back */

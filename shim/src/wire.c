@@ -136,6 +136,8 @@ int gl_post_lease_request(volatile uint8_t *region, int doorbell, const gl_usage
                          __ATOMIC_RELAXED);
         __atomic_store_n((uint64_t *)(r + GL_OFF_LR_BURST_NS), report->longest_burst_ns,
                          __ATOMIC_RELAXED);
+        __atomic_store_n((uint64_t *)(r + GL_OFF_LR_ALLOCATED), report->allocated_bytes,
+                         __ATOMIC_RELAXED);
     }
     __atomic_store_n((uint32_t *)(r + GL_OFF_LR_FLAGS), flags, __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(r + GL_OFF_LR_POST_NS), now_ns, __ATOMIC_RELAXED);

@@ -40,6 +40,7 @@
 #define GL_OFF_LR_GPU_NS 208   /* u64 GPU time measured under that lease */
 #define GL_OFF_LR_BURST_NS 216 /* u64 the longest burst under it (0: none measured) */
 #define GL_OFF_LR_POST_NS 224  /* u64 when the request was posted (CLOCK_MONOTONIC ns) */
+#define GL_OFF_LR_ALLOCATED 232 /* u64 device memory the process holds (with a report) */
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };

@@ -22,6 +22,7 @@ from gpuloom.clients.placement import (
     load_job_file,
     spec_from_document,
 )
+from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert.placement import job_from_pb
 from gpuloom.domain.placement import JobState
 from gpuloom.domain.shares import DEFAULT_PRIORITY
@@ -259,6 +260,42 @@ async def test_jobs_lists_filters_and_prints_json(
     assert stdout_of(none).strip() == "no jobs match"
 
 
+async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it_ran(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    ran = await submit(placement.stub, mps_spec("ran"))
+    assert ran.started_at_unix_s >= ran.submitted_at_unix_s > 0
+    await asyncio.sleep(1.2)
+    done = await placement.stub.ReportJobDone(
+        pb.ReportJobDoneRequest(job_id=ran.job_id, succeeded=True, exit_code=0)
+    )
+    assert done.started_at_unix_s == ran.started_at_unix_s  # kept once it ended
+    ran_for = done.updated_at_unix_s - done.started_at_unix_s
+    assert ran_for >= 1.2
+    waiting_spec = mps_spec("waiting")
+    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting = await submit(placement.stub, waiting_spec)
+    assert waiting.state == pb.JOB_STATE_PENDING and waiting.started_at_unix_s == 0
+
+    table = await invoke("jobs", address(placement))
+    lines = stdout_lines(table)
+    assert re.search(r"\bMEMORY\s+SUBMITTED\s+AGE\s+RUNTIME\b", lines[0])
+    times = r"\s(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ)\s+(\S+)\s+(\S+)"
+    row = re.search(times, next(line for line in lines if line.startswith(ran.job_id)))
+    assert row is not None
+    submitted, age, runtime = row.groups()
+    assert submitted == rfc3339(ran.submitted_at_unix_s)
+    assert re.fullmatch(r"\d+s", age)  # seconds old
+    assert runtime == duration(ran_for)  # from assigned to its end, not growing
+    pending = re.search(times, next(line for line in lines if line.startswith(waiting.job_id)))
+    assert pending is not None and pending.group(3) == "-"  # never ran
+
+    shown = stdout_lines(await invoke("job", ran.job_id, address(placement)))
+    assert f"started     {rfc3339(ran.started_at_unix_s)}" in shown
+    assert f"runtime     {duration(ran_for)}" in shown
+
+
 async def test_job_shows_one_job_and_cancel_cancels_it(
     placement: Live, dispatchers: DispatcherApp
 ) -> None:
@@ -297,7 +334,18 @@ async def test_watch_prints_the_final_state_of_a_finished_job(
     assert len(lines) == 1 and lines[0].endswith(f"job {job.job_id} succeeded (exit code 0): ok")
 
     as_json = await invoke("watch", job.job_id, address(placement), "--json")
+    assert as_json.exit_code == 0, as_json.output
     assert json.loads(stdout_of(as_json))["state"] == "JOB_STATE_SUCCEEDED"
+
+    # A job that failed: the same line, and exit status 1 with the end on stderr.
+    failed = await submit(placement.stub, mps_spec("crashed"))
+    await placement.stub.ReportJobDone(
+        pb.ReportJobDoneRequest(job_id=failed.job_id, succeeded=False, exit_code=3, message="oom")
+    )
+    watched = await invoke("watch", failed.job_id, address(placement))
+    assert watched.exit_code == 1
+    assert stdout_lines(watched)[-1].endswith(f"job {failed.job_id} failed (exit code 3): oom")
+    assert watched.stderr.splitlines() == [f"Error: job {failed.job_id} ended failed: oom"]
 
 
 async def test_watch_follows_a_job_through_its_changes(
@@ -309,10 +357,11 @@ async def test_watch_follows_a_job_through_its_changes(
     await eventually(lambda: bool(placement.app.core.jobs._watchers.get(job.job_id)))
     await placement.stub.CancelJob(pb.CancelJobRequest(job_id=job.job_id, reason="bye"))
     watched = await watching
-    assert watched.exit_code == 0, watched.output
+    assert watched.exit_code == 1, watched.output  # cancelled: not what the watcher hoped for
     lines = stdout_lines(watched)
     assert "assigned on GPU" in lines[0]
     assert lines[-1].endswith(f"job {job.job_id} cancelled: bye")
+    assert f"Error: job {job.job_id} ended cancelled: bye" in watched.stderr
 
 
 async def test_gpus_lists_the_four_simulated_gpus(
@@ -399,6 +448,12 @@ async def test_run_with_a_share_passes_the_share_and_preloads_the_shim(
     assert result.exit_code == 0, result.output
     assert stdout_lines(result) == [f"{shim}:/opt/other.so", "25"]
     (job,) = await all_jobs(placement)
+    # Where it landed, before the command started.
+    where = (
+        f"gpuloom run: job {job.job_id} assigned on GPU {job.assignment.gpu.gpu_uuid} on node "
+        f"{job.assignment.gpu.node}: SM 25%, quota 40%, memory 2.00 GiB"
+    )
+    assert where in result.stderr.splitlines()
     assert job.state == pb.JOB_STATE_SUCCEEDED and job.exit_code == 0
     assert (job.spec.name, job.spec.priority.level) == ("shared-run", 1)
     mps = job.spec.resources.mps

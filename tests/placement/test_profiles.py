@@ -3,12 +3,16 @@ throughput profile, and gap-aware pairing from kernel profiles."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
+from click.testing import CliRunner, Result
 
+from gpuloom.clients.cli import cli
 from gpuloom.domain import profiles as d
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.placement.settings import PlacementSettings
@@ -16,6 +20,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import placement_pb2
 from tests.placement.conftest import Live, mps_spec, register_all, start_placement, submit
+from tests.placement.test_client_cli import SERVICE_LOG
 
 MODEL = "A100-80GB"
 
@@ -163,3 +168,54 @@ async def test_gap_aware_puts_a_low_priority_job_beside_the_holder_with_the_most
     assert filler.state == placement_pb2.JOB_STATE_ASSIGNED
     assert filler.policy == "gap-aware"
     assert filler.assignment.gpu.gpu_uuid == holders["gappy"]
+
+
+TEMPLATE = """\
+name: resnet-replica
+kind: inference
+priority: 1
+gpu_model: A100-80GB
+resources: {memory_gib: 2}
+"""
+
+
+async def test_gpuloom_scale_sets_the_load_from_a_template_file(
+    placement: Live, store: ProfileStoreApp, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    await store.store.put(throughput("resnet"), None)
+    template = tmp_path / "replica.yaml"
+    template.write_text(TEMPLATE)
+    where = f"--placement=127.0.0.1:{placement.app.port}"
+
+    def scale(*args: str) -> Result:
+        return CliRunner().invoke(cli, ["scale", *args, where], prog_name="gpuloom")
+
+    up = await asyncio.to_thread(scale, "resnet", "350", "--template", str(template))
+    assert up.exit_code == 0, up.output
+    lines = [line for line in up.stdout.splitlines() if not SERVICE_LOG.match(line)]
+    assert lines[0] == (
+        "function resnet: 4 replicas added, 0 removed; they serve 400 requests/s "
+        "(most efficient: SM 12%, quota 40%, 100 requests/s each)"
+    )
+    assert len([line for line in lines if line.startswith("added    job j-")]) == 4
+    replicas = await placement.stub.ListJobs(placement_pb2.ListJobsRequest(function="resnet"))
+    assert len(replicas.jobs) == 4
+    assert all(
+        j.spec.priority.level == 1 and j.spec.name == "resnet-replica" for j in replicas.jobs
+    )
+
+    down = await asyncio.to_thread(scale, "resnet", "150", "--template", str(template), "--json")
+    assert down.exit_code == 0, down.output
+    printed = [line for line in down.stdout.splitlines() if not SERVICE_LOG.match(line)]
+    answer = json.loads("\n".join(printed))
+    assert len(answer["removed"]) == 2 and answer["added"] == []
+    assert answer["capacity_requests_per_s"] == pytest.approx(200)
+    assert answer["most_efficient"]["sm_percent"] == 12
+
+    template.write_text(TEMPLATE.replace("priority: 1", "priority: high"))
+    bad = await asyncio.to_thread(scale, "resnet", "150", "--template", str(template))
+    assert bad.exit_code == 2 and "priority" in bad.stderr and len(bad.stderr.splitlines()) == 1
+    template.write_text(TEMPLATE)
+    unprofiled = await asyncio.to_thread(scale, "nobody", "10", "--template", str(template))
+    assert unprofiled.exit_code == 1 and "no throughput profile" in unprofiled.stderr

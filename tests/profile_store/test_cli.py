@@ -8,6 +8,7 @@ import json
 from click.testing import CliRunner, Result
 
 from gpuloom.clients.cli import cli
+from gpuloom.domain import profiles as d
 from gpuloom.services.profile_store.app import ProfileStoreApp
 from tests.conftest import free_port
 from tests.profile_store import samples
@@ -39,8 +40,14 @@ async def test_list_and_show_print_readable_tables(store_app: ProfileStoreApp) -
     as_json = await invoke(
         "profiles", "show", "throughput", "resnet-infer", "A100", store, "--json"
     )
-    document = json.loads(as_json.output)
-    assert document["kind"] == "throughput" and len(document["points"]) == 3
+    document = json.loads(as_json.output)  # the protos' JSON mapping, as grpcurl shows it
+    assert document["meta"]["kind"] == "PROFILE_KIND_THROUGHPUT"
+    assert document["meta"]["key"] == "resnet-infer" and len(document["points"]) == 3
+    assert document["meta"]["updated_at"].endswith("Z")
+
+    summaries = await invoke("profiles", "list", store, "--json")
+    kinds = {json.loads(line)["meta"]["kind"] for line in summaries.stdout.splitlines()}
+    assert kinds == {"PROFILE_KIND_KERNEL", "PROFILE_KIND_THROUGHPUT"}
 
     filtered = await invoke("profiles", "list", store, "--kind", "mig")
     assert filtered.output.strip() == "no profiles match"
@@ -57,3 +64,63 @@ async def test_cli_errors_are_clear(store_app: ProfileStoreApp) -> None:
 
     dead = await invoke("profiles", "list", f"--store=127.0.0.1:{free_port()}")
     assert dead.exit_code == 1 and "failed to connect" in dead.output
+
+
+async def test_delete_removes_a_profile_and_checks_its_version(store_app: ProfileStoreApp) -> None:
+    store = f"--store=127.0.0.1:{store_app.port}"
+    stored = await store_app.store.put(samples.kernel_profile())
+    stale = await invoke(
+        "profiles", "delete", "kernel", "resnet50-train", "A100", store,
+        "--expected-version", str(stored.version + 1),
+    )  # fmt: skip
+    assert stale.exit_code == 1 and "stale version" in stale.stderr
+    deleted = await invoke("profiles", "delete", "kernel", "resnet50-train", "A100", store)
+    assert deleted.exit_code == 0, deleted.output
+    assert deleted.stdout == (
+        f"deleted kernel profile 'resnet50-train' on 'A100' (version {stored.version + 1})\n"
+    )
+    gone = await invoke("profiles", "show", "kernel", "resnet50-train", "A100", store)
+    assert gone.exit_code == 1
+    again = await invoke("profiles", "delete", "kernel", "resnet50-train", "A100", store)
+    assert again.exit_code == 1 and "resnet50-train" in again.stderr
+
+
+async def test_put_stores_what_show_json_prints(store_app: ProfileStoreApp, tmp_path) -> None:
+    store = f"--store=127.0.0.1:{store_app.port}"
+    mig = tmp_path / "lud.json"
+    mig.write_text(
+        json.dumps(
+            {
+                "meta": {"key": "lud", "gpu_model": "A100-80GB"},
+                "times": [{"slices": 1, "exec_time_s": 40}, {"slices": 7, "exec_time_s": 9}],
+            }
+        )
+    )
+    put = await invoke("profiles", "put", "mig", str(mig), store)
+    assert put.exit_code == 0, put.output
+    assert put.stdout == "stored mig profile 'lud' on 'A100-80GB' (version 1)\n"
+    stored = await store_app.store.get(d.ProfileId(d.ProfileKind.MIG, "lud", "A100-80GB"))
+    assert [(t.slices, t.exec_time_s) for t in stored.times] == [(1, 40.0), (7, 9.0)]
+
+    # A round trip: what show --json prints, put takes back (a new version).
+    shown = await invoke("profiles", "show", "mig", "lud", "A100-80GB", store, "--json")
+    mig.write_text(shown.stdout)
+    again = await invoke("profiles", "put", "mig", str(mig), store, "--expected-version", "1")
+    assert again.exit_code == 0 and "(version 2)" in again.stdout
+    stale = await invoke("profiles", "put", "mig", str(mig), store, "--expected-version", "1")
+    assert stale.exit_code == 1 and "stale version" in stale.stderr
+
+    for content, problem in (
+        ("{not json", "not a mig profile"),
+        ('{"meta": {"kind": "PROFILE_KIND_JOB", "key": "lud"}}', "not a mig profile"),
+        ('{"colour": 1}', "colour"),
+    ):
+        mig.write_text(content)
+        bad = await invoke("profiles", "put", "mig", str(mig), store)
+        assert bad.exit_code == 2, bad.output
+        (line,) = bad.stderr.splitlines()
+        assert line.startswith("Error: ") and str(mig) in line and problem in line
+    refused = tmp_path / "empty.json"
+    refused.write_text('{"meta": {"key": "lud", "gpu_model": "A100-80GB"}, "times": []}')
+    no_times = await invoke("profiles", "put", "mig", str(refused), store)
+    assert no_times.exit_code == 1 and "times" in no_times.stderr

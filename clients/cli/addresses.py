@@ -1,0 +1,114 @@
+"""Where the services are, for every command: `gpuloom --placement ADDR --store ADDR COMMAND`
+(or GPULOOM_PLACEMENT_ADDRESS / GPULOOM_PROFILE_STORE_ADDRESS), which a command's own
+`--placement` / `--store` overrides."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from gpuloom.clients import placement as placement_client
+from gpuloom.clients import profile_store as store_client
+from gpuloom.clients import profiler as profiler_client
+from gpuloom.domain.errors import DomainError, Unavailable
+
+PLACEMENT_ENV = placement_client.ADDRESS_ENV
+STORE_ENV = "GPULOOM_PROFILE_STORE_ADDRESS"
+PROFILER_ENV = profiler_client.ADDRESS_ENV
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def group_options(command: F) -> F:
+    """The group's --placement, --store and --profiler, kept in the root context's obj (a
+    dict)."""
+
+    def keep(ctx: click.Context, param: click.Parameter, value: str) -> str:
+        ctx.ensure_object(dict)[param.name] = value
+        return value
+
+    command = click.option(
+        "--profiler",
+        envvar=PROFILER_ENV,
+        default=profiler_client.DEFAULT_ADDRESS,
+        show_default=True,
+        expose_value=False,
+        callback=keep,
+        help=f"Profiler address for every command (env {PROFILER_ENV}).",
+    )(command)
+    command = click.option(
+        "--store",
+        envvar=STORE_ENV,
+        default=store_client.DEFAULT_ADDRESS,
+        show_default=True,
+        expose_value=False,
+        callback=keep,
+        help=f"Profile store address for every command (env {STORE_ENV}).",
+    )(command)
+    return click.option(
+        "--placement",
+        envvar=PLACEMENT_ENV,
+        default=placement_client.DEFAULT_ADDRESS,
+        show_default=True,
+        expose_value=False,
+        callback=keep,
+        help=f"Placement service address for every command (env {PLACEMENT_ENV}).",
+    )(command)
+
+
+def from_group(name: str, env: str, default: str) -> Callable[..., str]:
+    def resolve(ctx: click.Context, param: click.Parameter, value: str | None) -> str:
+        if value is not None:
+            return value
+        chosen = ctx.find_root().obj
+        if isinstance(chosen, dict) and chosen.get(name):
+            return str(chosen[name])
+        return os.environ.get(env, default)
+
+    return resolve
+
+
+placement_option = click.option(
+    "--placement",
+    "address",
+    metavar="HOST:PORT",
+    callback=from_group("placement", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS),
+    help=f"Placement service address (default: gpuloom --placement, else {PLACEMENT_ENV}, "
+    f"else {placement_client.DEFAULT_ADDRESS}).",
+)
+profiler_option = click.option(
+    "--profiler",
+    "address",
+    metavar="HOST:PORT",
+    callback=from_group("profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS),
+    help=f"Profiler address (default: gpuloom --profiler, else {PROFILER_ENV}, else "
+    f"{profiler_client.DEFAULT_ADDRESS}).",
+)
+store_option = click.option(
+    "--store",
+    "address",
+    metavar="HOST:PORT",
+    callback=from_group("store", STORE_ENV, store_client.DEFAULT_ADDRESS),
+    help=f"Profile store address (default: gpuloom --store, else {STORE_ENV}, else "
+    f"{store_client.DEFAULT_ADDRESS}).",
+)
+
+
+def service_error(error: DomainError, service: str, address: str) -> click.ClickException:
+    """One line for a failed call: an unreachable service names its address and how to set it;
+    any other refusal gives the service's message and where it came from."""
+    message = " ".join(error.message.split())
+    if isinstance(error, Unavailable):
+        option, env = _HOW_TO_SET.get(service, ("", ""))
+        how = f" (set with {option} or {env})" if option else ""
+        return click.ClickException(f"cannot reach {service} at {address}{how}: {message}")
+    return click.ClickException(f"{message} ({service} at {address})")
+
+
+_HOW_TO_SET = {
+    "placement": ("--placement", PLACEMENT_ENV),
+    "profile store": ("--store", STORE_ENV),
+    "profiler": ("--profiler", PROFILER_ENV),
+}

@@ -1,0 +1,132 @@
+"""A dispatcher's GetGpuStatus answer to and from the domain's `DispatcherStatus`, and its JSON
+(the protos' JSON mapping), for the clients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
+from gpuloom.v1 import common_pb2, shim_pb2
+from gpuloom.v1 import dispatcher_pb2 as pb
+
+LEASE_STATE_TO_PB = {
+    state: pb.LeaseState.Value("LEASE_STATE_" + state.name) for state in LeaseState
+}
+_LEASE_STATE_FROM_PB = {code: state for state, code in LEASE_STATE_TO_PB.items()}
+_MODES = ("share", "measure", "off", "fikit")
+_MODE_TO_PB = {mode: shim_pb2.ShimMode.Value("SHIM_MODE_" + mode.upper()) for mode in _MODES}
+_MODE_FROM_PB = {code: mode for mode, code in _MODE_TO_PB.items()}
+
+
+def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:
+    gpu = msg.gpu
+    return DispatcherStatus(
+        gpu_uuid=gpu.ref.gpu_uuid,
+        node=gpu.ref.node,
+        index=gpu.index,
+        model=gpu.model,
+        memory_bytes=gpu.memory_bytes,
+        sm_count=gpu.sm_count,
+        mig_capable=gpu.mig_capable,
+        mig_enabled=gpu.mig_enabled,
+        backend=gpu.backend,
+        policy=msg.policy,
+        window_ms=msg.window_ms,
+        processes=tuple(_process_from_pb(c) for c in msg.clients),
+        waiting=tuple(msg.waiting),
+        running_sm_percent=msg.running_sm_percent,
+        utilization_percent=msg.utilization_percent,
+        memory_used_bytes=msg.memory_used_bytes,
+        memory_reserved_bytes=msg.memory_reserved_bytes,
+        quota_reserved_percent=msg.quota_reserved_percent,
+        window_elapsed_ms=msg.window_elapsed_ms,
+    )
+
+
+def status_to_pb(status: DispatcherStatus) -> pb.GpuStatus:
+    ref = common_pb2.GpuRef(node=status.node, gpu_uuid=status.gpu_uuid)
+    return pb.GpuStatus(
+        gpu=pb.GpuDescription(
+            ref=ref,
+            index=status.index,
+            model=status.model,
+            memory_bytes=status.memory_bytes,
+            sm_count=status.sm_count,
+            mig_capable=status.mig_capable,
+            mig_enabled=status.mig_enabled,
+            backend=status.backend,
+        ),
+        policy=status.policy,
+        window_ms=status.window_ms,
+        clients=[_process_to_pb(p, ref) for p in status.processes],
+        waiting=status.waiting,
+        running_sm_percent=status.running_sm_percent,
+        utilization_percent=status.utilization_percent,
+        memory_used_bytes=status.memory_used_bytes,
+        memory_reserved_bytes=status.memory_reserved_bytes,
+        quota_reserved_percent=status.quota_reserved_percent,
+        window_elapsed_ms=status.window_elapsed_ms,
+    )
+
+
+def status_json(status: DispatcherStatus) -> dict[str, Any]:
+    return MessageToDict(
+        status_to_pb(status),
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+    )
+
+
+def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
+    a = msg.assignment
+    return ProcessStatus(
+        assignment_id=a.assignment_id,
+        client_name=a.client_name,
+        priority=a.priority.level,
+        task_key=a.task_key,
+        mode=_MODE_FROM_PB.get(a.mode, "share"),
+        share=share_from_pb(a.share),
+        memory_cap_bytes=a.memory_cap_bytes,
+        reserved_at=a.reserved_at_unix_s,
+        socket_path=a.socket_path,
+        connected=msg.connected,
+        pid=msg.pid,
+        state=_LEASE_STATE_FROM_PB.get(msg.state, LeaseState.IDLE),
+        used_percent=msg.used_percent,
+        lease_remaining_ms=msg.lease_remaining_ms,
+        waiting_s=msg.waiting_ms / 1e3,
+        memory_allocated_bytes=msg.memory_allocated_bytes,
+        lease_length_ms=msg.lease_length_ms,
+        leases_granted=msg.leases_granted,
+        gpu_time_s=msg.gpu_time_s,
+    )
+
+
+def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientStatus:
+    return pb.ClientStatus(
+        assignment=pb.Assignment(
+            assignment_id=process.assignment_id,
+            client_name=process.client_name,
+            priority=common_pb2.Priority(level=process.priority),
+            memory_cap_bytes=process.memory_cap_bytes,
+            share=share_to_pb(process.share),
+            mode=_MODE_TO_PB[process.mode],
+            socket_path=process.socket_path,
+            gpu=gpu,
+            reserved_at_unix_s=process.reserved_at,
+            task_key=process.task_key,
+        ),
+        connected=process.connected,
+        pid=process.pid,
+        state=LEASE_STATE_TO_PB[process.state],
+        used_percent=process.used_percent,
+        lease_remaining_ms=process.lease_remaining_ms,
+        waiting_ms=process.waiting_s * 1e3,
+        memory_allocated_bytes=process.memory_allocated_bytes,
+        lease_length_ms=process.lease_length_ms,
+        leases_granted=process.leases_granted,
+        gpu_time_s=process.gpu_time_s,
+    )

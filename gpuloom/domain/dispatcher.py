@@ -1,0 +1,74 @@
+"""A dispatcher's GPU as its clients see it (GetGpuStatus): the GPU, its scheduling window and
+each process holding a reservation there. What `gpuloom top` and `gpuloom dispatcher` show."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from gpuloom.domain.shares import SpatioTemporalShare
+
+
+class LeaseState(enum.Enum):
+    IDLE = "idle"  # connected (or not), asking for nothing
+    WAITING = "waiting"  # queued for a lease
+    HOLDING = "holding"  # holds a lease
+    BLOCKED = "blocked"  # reached its quota limit; waits for the next window
+
+    @property
+    def asking(self) -> bool:
+        """The process asked for a lease it does not hold yet."""
+        return self in (LeaseState.WAITING, LeaseState.BLOCKED)
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessStatus:
+    """One reservation on the GPU and the process bound to it (pid 0: none registered yet)."""
+
+    assignment_id: str  # a placement job's id ("j-...") or a direct Reserve's own id
+    client_name: str
+    priority: int
+    task_key: str
+    mode: str  # the shim mode: "share", "measure", "off" or "fikit"
+    share: SpatioTemporalShare
+    memory_cap_bytes: int
+    reserved_at: float  # unix seconds
+    socket_path: str  # the GPU's shim channel
+    connected: bool
+    pid: int
+    state: LeaseState
+    used_percent: float  # GPU time charged in the current window, % of the window
+    lease_remaining_ms: float  # -1: an open-ended lease
+    waiting_s: float  # since the lease request it waits on; 0 unless WAITING or BLOCKED
+    memory_allocated_bytes: int  # as the process's shim last reported
+    lease_length_ms: float
+    leases_granted: int
+    gpu_time_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherStatus:
+    gpu_uuid: str
+    node: str
+    index: int
+    model: str
+    memory_bytes: int
+    sm_count: int
+    mig_capable: bool
+    mig_enabled: bool
+    backend: str  # "nvml" or "simulated"
+    policy: str
+    window_ms: float
+    processes: tuple[ProcessStatus, ...]
+    waiting: tuple[str, ...]  # assignment ids in the order they will be served
+    running_sm_percent: int
+    utilization_percent: float
+    memory_used_bytes: int
+    memory_reserved_bytes: int
+    quota_reserved_percent: float  # sum of the time-quota requests handed out
+    window_elapsed_ms: float
+
+    @property
+    def quota_used_percent(self) -> float:
+        """GPU time charged to every process in the current window, % of the window."""
+        return sum(p.used_percent for p in self.processes)

@@ -1,0 +1,97 @@
+"""A real `gpuloom up` in a child process (the embedded plane on simulated GPUs), for tests
+that use the CLI and the services as a user does."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuloom.v1 import placement_pb2 as pb
+from gpuloom.v1 import placement_pb2_grpc
+
+GPULOOM = str(Path(sys.executable).parent / "gpuloom")
+
+
+@dataclass(frozen=True)
+class Plane:
+    placement: str
+    dispatchers: list[str]
+    env: dict[str, str]  # for clients: GPULOOM_PLACEMENT_ADDRESS set, no GPULOOM_DATA_DIR
+    metrics_url: str  # "" without a metrics endpoint
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_plane(
+    state: Path, sim_gpus: str, gpu_count: int, metrics: bool = False
+) -> Iterator[Plane]:
+    """`gpuloom up` on `sim_gpus` (GPULOOM_DISPATCHER_SIM_GPUS, `gpu_count` GPUs), until every
+    GPU is registered with placement; stopped with SIGTERM afterwards."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
+    env.update(
+        GPULOOM_DATA_DIR=str(state),
+        GPULOOM_PROFILE_STORE_PORT="0",
+        GPULOOM_PROFILER_PORT="0",
+        GPULOOM_PLACEMENT_PORT="0",
+        GPULOOM_DISPATCHER_PORT="0",
+        GPULOOM_METRICS_PORT=str(free_port()) if metrics else "0",
+        GPULOOM_DISPATCHER_BACKEND="simulated",
+        GPULOOM_DISPATCHER_SIM_GPUS=sim_gpus,
+        GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.2",
+    )
+    process = subprocess.Popen(
+        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert process.stdout is not None
+        banner = [process.stdout.readline() for _ in range(4 + gpu_count + int(metrics))]
+        placement = banner[3].split()[-1]
+        dispatchers = [line.split()[-1] for line in banner[4 : 4 + gpu_count]]
+        assert "placement" in banner[3], banner
+        assert all("dispatcher GPU" in b for b in banner[4 : 4 + gpu_count]), banner
+        metrics_url = banner[-1].split()[-1] if metrics else ""
+        assert metrics_url.startswith("http://") or not metrics, banner
+        with grpc.insecure_channel(placement) as channel:
+            stub = placement_pb2_grpc.PlacementStub(channel)
+            wait_for(
+                lambda: len(stub.ListGpus(pb.ListGpusRequest()).gpus) == gpu_count,
+                f"{gpu_count} GPUs",
+            )
+        client_env = {k: v for k, v in env.items() if k != "GPULOOM_DATA_DIR"}
+        yield Plane(
+            placement,
+            dispatchers,
+            {**client_env, "GPULOOM_PLACEMENT_ADDRESS": placement},
+            metrics_url,
+        )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
