@@ -219,7 +219,15 @@ class ShimClient:
             self._flush_usage(release=False)
             self._usage_lease = lease.lease_id
         self._released_lease = lease.lease_id
+        epoch = self.region.epoch
         self._flush_usage(release=True)
+        if self.desk is not None:
+            # The release travels on the socket, a request through shared memory, which is
+            # faster: wait until the dispatcher has taken the release (it revokes the lease),
+            # so that the next request is decided with this lease's usage charged.
+            deadline = min(lease.until_ns / 1e9, time.monotonic() + 1.0) + 0.001
+            while self.region.epoch == epoch and (left := deadline - time.monotonic()) > 0:
+                self.region.wait_for_change(epoch, left)
 
     def send_measurements(self, records: Iterable[shim_pb2.KernelRecord]) -> None:
         batch = shim_pb2.MeasurementBatch(records=list(records))

@@ -610,6 +610,7 @@ class ShimChannel:
                 report.release,
             )
         )
+        self._refresh_terms()  # the desk's budgets count this usage from now on
 
     def _charge(
         self,

@@ -88,12 +88,26 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
     try:
         assert wait_for(lambda: low.port.role is FikitRole.FILL)
         # The holder launches back to back (a gap of 2 ms follows each kernel): a 5 ms fill
-        # never fits; keep the holder busy so it never counts as idle.
-        high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
-        seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
-        for _ in range(40):
-            time.sleep(0.0005)
+        # never fits; keep the holder busy so it never counts as idle. A loaded machine may
+        # pause this process past the idle margin (the holder is then idle, and the filler
+        # rightly runs): such a try does not count, a fresh filler tries again.
+        for _ in range(10):
             high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
+            seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
+            last, longest = time.monotonic(), 0.0
+            for _ in range(40):
+                time.sleep(0.0005)
+                high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
+                now = time.monotonic()
+                last, longest = now, max(longest, now - last)
+            if longest < 0.0015:
+                break
+            arbiter.remove_task(low.slot)
+            low.close()
+            low = fresh = Task(arbiter, 5, FILL_TABLE)
+            assert wait_for(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+        else:
+            pytest.fail("the machine never let the holder launch every 1.5 ms")
         assert low.port.granted != seq
         # A 200 us fill fits the 2 ms gap: granted at the holder's next launch.
         arbiter.remove_task(low.slot)
