@@ -53,11 +53,11 @@ static int send_all(int sock, const uint8_t *data, size_t length) {
 /* Frame = u32 little-endian length + payload (x86-64 and aarch64 Linux are little-endian). */
 static int send_frame(int sock, const uint8_t *payload, size_t length) {
     uint8_t frame[1024];
-    if (length + 4 > sizeof frame) {
-        errno = EMSGSIZE;
-        return -1;
-    }
     uint32_t n = (uint32_t)length;
+    if (length + 4 > sizeof frame) { /* a Register with a long command line: two sends */
+        return send_all(sock, (const uint8_t *)&n, 4) == 0 ? send_all(sock, payload, length)
+                                                           : -1;
+    }
     memcpy(frame, &n, 4);
     memcpy(frame + 4, payload, length);
     return send_all(sock, frame, length + 4);
