@@ -241,8 +241,8 @@ async def test_a_long_command_line_still_registers(live: LiveDispatcher, run: Ru
     """The Register frame carries the command line (up to 16 KiB): one longer than a small
     frame must register all the same, or the process would run uncapped."""
     assignment = await live.reserve(memory_gib=1.0)
-    ops = ["sync"] * 400 + ["meminfo"]  # 2 KiB of command line
+    ops = ["alloc", "alloc", "0" * 2000 + "4096", "meminfo"]  # a 2 KiB way to write 4096
     result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
     assert result.returncode == 0, result.stderr
     assert "UNTHROTTLED" not in result.stderr, result.stderr
-    assert f"meminfo rc=0 free={GIB} total={GIB}" in result.stdout.splitlines()
+    assert f"meminfo rc=0 free={GIB - 4096} total={GIB}" in result.stdout.splitlines()
