@@ -22,6 +22,7 @@ from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.model_store import ModelStore, StoreConfig
 from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
@@ -48,6 +49,8 @@ class GpuDispatcher:
     kernel_tables: KernelTables | None = None
     # SM-partition policies with MPS on: the GPU's supervised MPS control daemon.
     mps: MpsSupervisor | None = None
+    # The GPU's model store (its process starts on the first LoadModel).
+    models: ModelStore | None = None
 
     @property
     def port(self) -> int:
@@ -165,11 +168,16 @@ async def start_gpu_dispatcher(
         profiler_link=link,
         mps=mps,
     )
+    models = ModelStore(
+        gpu,
+        book,
+        StoreConfig(settings.models_dir, settings.cuda_library, state_dir / "model-store.log"),
+    )
     channel.start()
     if link is not None:
         await link.start()
     try:
-        servicer = DispatcherServicer(core)
+        servicer = DispatcherServicer(core, models)
         registration = ServiceRegistration(
             SERVICE, lambda server: pb_grpc.add_DispatcherServicer_to_server(servicer, server)
         )
@@ -179,6 +187,7 @@ async def start_gpu_dispatcher(
         if link is not None:
             await link.stop()
         await _stop_fikit(arbiter, kernel_tables)
+        await models.close()
         if mps is not None:
             await asyncio.to_thread(mps.stop)
         raise
@@ -204,7 +213,16 @@ async def start_gpu_dispatcher(
         mps=None if mps is None else ("running" if mps.available()[0] else "not running"),
     )
     return GpuDispatcher(
-        core, channel, server, measurements, link, placement_link, arbiter, kernel_tables, mps
+        core,
+        channel,
+        server,
+        measurements,
+        link,
+        placement_link,
+        arbiter,
+        kernel_tables,
+        mps,
+        models,
     )
 
 
@@ -250,6 +268,8 @@ async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     if dispatcher.profiler_link is not None:
         await dispatcher.profiler_link.stop()
     await _stop_fikit(dispatcher.arbiter, dispatcher.kernel_tables)
+    if dispatcher.models is not None:  # after the server: no load can start a new process
+        await dispatcher.models.close()
     if dispatcher.mps is not None:  # last: its clients were the processes stopped above
         await asyncio.to_thread(dispatcher.mps.stop)
 
