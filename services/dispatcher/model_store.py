@@ -17,6 +17,7 @@ cap), and keeps which replicas attached. The device work is done by a child proc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -142,7 +143,9 @@ class _Worker:
 
     def close(self) -> None:
         if self.process.stdin is not None:
-            self.process.stdin.close()
+            # A dead worker: what was left unwritten does not matter.
+            with contextlib.suppress(OSError):
+                self.process.stdin.close()
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
