@@ -255,7 +255,7 @@ def save_weights(path: str | Path, arrays: dict[str, np.ndarray]) -> int:
     specs: dict[str, tuple[str, tuple[int, ...], int]] = {}
     blobs = []
     for name, array in arrays.items():
-        contiguous = np.ascontiguousarray(array)
+        contiguous = np.ascontiguousarray(array).reshape(np.shape(array))  # keeps 0-d
         dtype = _FROM_NUMPY.get(contiguous.dtype.newbyteorder("<").str)
         if dtype is None:
             raise ValueError(f"{name}: dtype {array.dtype} has no weights-file type")

@@ -7,6 +7,7 @@ import click
 from gpuloom import __version__
 from gpuloom.clients.cli.jobs import cancel, gpus, list_jobs, run, show_job, submit, watch
 from gpuloom.clients.cli.mig import mig
+from gpuloom.clients.cli.models import models
 from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import migrate, serve, up
@@ -26,6 +27,7 @@ cli.add_command(profiles)
 cli.add_command(mig)
 cli.add_command(profile)
 cli.add_command(sim)
+cli.add_command(models)
 for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
     cli.add_command(command)
 

@@ -4,7 +4,10 @@ the field or cause named and nothing loaded, charged or attached."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +15,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from click.testing import CliRunner, Result
 
+from gpuloom.clients.cli import cli
 from gpuloom.clients.models import save_weights
 from gpuloom.domain.models import device_layout, header_length, parse_header
 from gpuloom.v1 import dispatcher_pb2 as pb
@@ -250,3 +255,42 @@ async def test_a_store_process_that_dies_loses_its_models_and_their_charge(
     listed = await listing(store)
     assert not listed.models and listed.store_bytes == 0
     assert (await load(store)).loaded  # a new store process
+
+
+SERVICE_LOG = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \[")
+
+
+async def invoke(*args: str) -> Result:
+    # The dispatcher serves on this event loop: the blocking CLI runs in a worker thread.
+    result = await asyncio.to_thread(CliRunner().invoke, cli, list(args))
+    result.lines = [  # type: ignore[attr-defined]
+        line for line in result.output.splitlines() if not SERVICE_LOG.match(line)
+    ]
+    return result
+
+
+async def test_the_models_command_shows_what_the_store_holds(store: LiveDispatcher) -> None:
+    address = f"127.0.0.1:{store.dispatcher.port}"
+    loaded = await invoke("models", "load", "net", "net.safetensors", "--dispatcher", address)
+    assert loaded.exit_code == 0, loaded.output
+    nbytes = (await listing(store)).store_bytes
+    assert loaded.lines == [f"net@1 loaded: {nbytes:,} bytes"]
+    await store.stub.AttachModel(pb.AttachModelRequest(name="net", replica="r1"))
+    await store.stub.AttachModel(pb.AttachModelRequest(name="net", replica="r2"))
+    shown = await invoke("models", "--dispatcher", address)
+    assert shown.exit_code == 0, shown.output
+    header, _rule, row = shown.lines[1:]
+    assert header.split() == ["NAME", "ID", "MIB", "TENSORS", "REPLICAS", "FILE"]
+    assert row.split()[:2] == ["net", "net@1"] and row.split()[3:5] == ["3", "2"]
+    as_json = await invoke("models", "list", "--dispatcher", address, "--json")
+    document = json.loads("\n".join(as_json.lines))
+    assert document["store_bytes"] == nbytes
+    assert [(m["name"], m["bytes"], m["replicas"]) for m in document["models"]] == [
+        ("net", nbytes, ["r1", "r2"])
+    ]
+    refused = await invoke("models", "unload", "net", "--dispatcher", address)
+    assert refused.exit_code == 1 and "2 attached replicas" in refused.output
+    missing = await invoke("models", "unload", "absent", "--dispatcher", address)
+    assert missing.exit_code == 1 and "'absent' is not in the store" in missing.output
+    forced = await invoke("models", "unload", "net", "--force", "--dispatcher", address)
+    assert forced.exit_code == 0 and forced.lines == [f"net@1 unloaded: {nbytes:,} bytes freed"]
