@@ -204,9 +204,11 @@ async def test_bad_load_requests_are_refused_and_load_nothing(store: LiveDispatc
     (models / "garbage.bin").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     (models / "short.bin").write_bytes(b"\x01\x02")
     (store.data_dir / "outside.safetensors").write_bytes((models / "net.safetensors").read_bytes())
+    (models / "link.safetensors").symlink_to(store.data_dir / "outside.safetensors")
     cases = [
         (("net", "../outside.safetensors"), grpc.StatusCode.INVALID_ARGUMENT, "path", "inside"),
         (("net", "/etc/passwd"), grpc.StatusCode.INVALID_ARGUMENT, "path", "inside"),
+        (("net", "link.safetensors"), grpc.StatusCode.INVALID_ARGUMENT, "path", "inside"),
         (("net", "missing.safetensors"), grpc.StatusCode.INVALID_ARGUMENT, "path", "no file"),
         (("net", "garbage.bin"), grpc.StatusCode.INVALID_ARGUMENT, "path", "JSON"),
         (("net", "short.bin"), grpc.StatusCode.INVALID_ARGUMENT, "path", "weights file"),
