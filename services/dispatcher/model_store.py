@@ -82,7 +82,9 @@ class _Model:
     tensors: tuple[DeviceTensor, ...]
     ipc_handle: bytes
     loaded_at_unix_s: float
-    replicas: set[str] = field(default_factory=set)
+    # replica id -> whether it is the id of a reservation of this GPU (the default of
+    # `attach`: GPULOOM_ASSIGNMENT_ID); such a replica is detached when its reservation ends.
+    replicas: dict[str, bool] = field(default_factory=dict)
 
     def view(self) -> ModelView:
         return ModelView(
@@ -186,7 +188,21 @@ class ModelStore:
     # -- queries --
 
     def list(self) -> list[ModelView]:
+        self._prune()
         return [m.view() for m in sorted(self._models.values(), key=lambda m: m.name)]
+
+    def _prune(self) -> None:
+        """Detach the replicas whose reservation was released (or evicted) since they attached:
+        a job that ended without detaching does not stay counted."""
+        for model in self._models.values():
+            for replica in [r for r, tied in model.replicas.items() if tied]:
+                if self._book.get(replica) is None:
+                    del model.replicas[replica]
+                    log.info(
+                        "replica detached: its reservation ended",
+                        model=model.model_id,
+                        replica=replica,
+                    )
 
     def _held(self, name: str, field_name: str = "name") -> _Model:
         check_model_name(field_name, name)
@@ -266,9 +282,10 @@ class ModelStore:
         model = self._held(name)
         check_replica_id("replica", replica)
         self._check_handle(model, gpu_uuid, model_id)
+        self._prune()
         if replica not in model.replicas and len(model.replicas) >= MAX_REPLICAS:
             raise ResourceExhausted(f"model {name!r} has the maximum of {MAX_REPLICAS} replicas")
-        model.replicas.add(replica)
+        model.replicas[replica] = self._book.get(replica) is not None
         return model.view()
 
     async def detach(self, name: str, replica: str, model_id: str) -> bool:
@@ -277,12 +294,13 @@ class ModelStore:
         self._check_handle(model, "", model_id)
         if replica not in model.replicas:
             return False
-        model.replicas.discard(replica)
+        del model.replicas[replica]
         return True
 
     async def unload(self, name: str, force: bool) -> ModelView:
         async with self._lock:
             model = self._held(name)
+            self._prune()
             if model.replicas and not force:
                 raise FailedPrecondition(
                     f"model {name!r} has {len(model.replicas)} attached replicas "

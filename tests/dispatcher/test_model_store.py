@@ -296,3 +296,20 @@ async def test_the_models_command_shows_what_the_store_holds(store: LiveDispatch
     assert missing.exit_code == 1 and "'absent' is not in the store" in missing.output
     forced = await invoke("models", "unload", "net", "--force", "--dispatcher", address)
     assert forced.exit_code == 0 and forced.lines == [f"net@1 unloaded: {nbytes:,} bytes freed"]
+
+
+async def test_a_replica_named_by_its_reservation_is_detached_when_the_reservation_ends(
+    store: LiveDispatcher,
+) -> None:
+    await load(store)
+    await store.reserve(memory_gib=0.5, assignment_id="job-a")
+    await store.reserve(memory_gib=0.5, assignment_id="job-b")
+    for replica in ("job-a", "job-b", "by-hand"):
+        await store.stub.AttachModel(pb.AttachModelRequest(name="net", replica=replica))
+    assert list((await listing(store)).models[0].replicas) == ["by-hand", "job-a", "job-b"]
+    await store.stub.Release(pb.ReleaseRequest(assignment_id="job-a"))
+    await store.stub.EvictClient(pb.EvictClientRequest(assignment_id="job-b", reason="test"))
+    # An id that is no reservation's stays until it detaches.
+    assert list((await listing(store)).models[0].replicas) == ["by-hand"]
+    await store.stub.DetachModel(pb.DetachModelRequest(name="net", replica="by-hand"))
+    assert (await store.stub.UnloadModel(pb.UnloadModelRequest(name="net"))).model.name == "net"
