@@ -18,10 +18,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 from gpuloom.clients.cli import cli
-from gpuloom.clients.models import save_weights
+from gpuloom.clients.models import ModelHandleError, attach, check_handle, save_weights
+from gpuloom.domain.errors import InvalidArgument, NotFound
 from gpuloom.domain.models import device_layout, header_length, parse_header
+from gpuloom.v1 import common_pb2, dispatcher_pb2_grpc
 from gpuloom.v1 import dispatcher_pb2 as pb
-from gpuloom.v1 import dispatcher_pb2_grpc
 from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request, start_live, stop_live
 from tests.shim.conftest import shim_build  # noqa: F401  (fixture: builds the fake driver)
 
@@ -313,3 +314,46 @@ async def test_a_replica_named_by_its_reservation_is_detached_when_the_reservati
     assert list((await listing(store)).models[0].replicas) == ["by-hand"]
     await store.stub.DetachModel(pb.DetachModelRequest(name="net", replica="by-hand"))
     assert (await store.stub.UnloadModel(pb.UnloadModelRequest(name="net"))).model.name == "net"
+
+
+def handle_of(name: str = "net", gpu: str = "GPU-1", offset: int = 0) -> pb.ModelHandle:
+    return pb.ModelHandle(
+        name=name,
+        model_id=f"{name}@1",
+        gpu=common_pb2.GpuRef(gpu_uuid=gpu),
+        ipc_handle=bytes(64),
+        bytes=512,
+        tensors=[pb.ModelTensor(name="w", dtype="F32", shape=[4], offset=offset, nbytes=16)],
+    )
+
+
+@pytest.mark.parametrize(
+    ("handle", "words"),
+    [
+        (handle_of(name="other"), "name: the handle is model 'other'"),
+        (handle_of(gpu="GPU-2"), "gpu_uuid: the handle is of GPU GPU-2"),
+        (handle_of(offset=500), "tensors: 'w' lies outside"),
+    ],
+)
+def test_attach_refuses_a_handle_of_another_model_or_gpu_before_mapping(
+    handle: pb.ModelHandle, words: str
+) -> None:
+    check_handle(handle_of(), "net", "GPU-1")  # the right one passes
+    with pytest.raises(ModelHandleError, match=re.escape(words)):
+        check_handle(handle, "net", "GPU-1")
+
+
+async def test_attach_from_a_process_on_another_gpu_is_refused_and_maps_nothing(
+    store: LiveDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await load(store)
+    address = f"127.0.0.1:{store.dispatcher.port}"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-not-this-one")
+    # The driver library does not exist: an attach that got as far as mapping would fail with
+    # OSError, so these errors show the refusal came first.
+    with pytest.raises(InvalidArgument) as caught:
+        await asyncio.to_thread(attach, "net", address, "r1", "no-such-libcuda.so")
+    assert caught.value.field == "gpu_uuid"
+    with pytest.raises(NotFound, match="'absent' is not in the store"):
+        await asyncio.to_thread(attach, "absent", address, "r1", "no-such-libcuda.so")
+    assert not (await listing(store)).models[0].replicas
