@@ -131,7 +131,15 @@ class _Worker:
         if not line:
             code = self.process.wait()
             raise _WorkerGone(f"the model store process exited with code {code}")
-        return json.loads(line)
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            self.process.kill()
+            self.process.wait()
+            raise _WorkerGone(f"the model store process wrote {line[:80]!r}, not an answer")
+        return answer
 
     def ask(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -357,7 +365,11 @@ class ModelStore:
     async def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         """Called with the lock held."""
         if self._worker is None:
-            self._worker = await asyncio.to_thread(_Worker, self._config, self.gpu)
+            try:
+                self._worker = await asyncio.to_thread(_Worker, self._config, self.gpu)
+            except _WorkerGone as error:
+                where = self._config.log_path or "its stderr (not kept)"
+                raise FailedPrecondition(f"{error} while starting; see {where}") from None
             log.info(
                 "model store process started", gpu=self.gpu.index, pid=self._worker.process.pid
             )

@@ -357,3 +357,27 @@ async def test_attach_from_a_process_on_another_gpu_is_refused_and_maps_nothing(
     with pytest.raises(NotFound, match="'absent' is not in the store"):
         await asyncio.to_thread(attach, "absent", address, "r1", "no-such-libcuda.so")
     assert not (await listing(store)).models[0].replicas
+
+
+async def test_without_a_usable_driver_loading_says_why_and_charges_nothing(
+    short_dir: Path,
+) -> None:
+    models = short_dir / "models"
+    models.mkdir()
+    save_weights(models / "net.safetensors", weights(0))
+    dispatcher, channel = await start_live(
+        short_dir, models_dir=models, cuda_library=str(short_dir / "no-libcuda.so.1")
+    )
+    try:
+        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "cannot load the CUDA driver" in caught.value.details()
+        listed = await stub.ListModels(pb.ListModelsRequest())
+        assert not listed.models and listed.store_bytes == 0
+        status = await stub.GetGpuStatus(pb.GetGpuStatusRequest())
+        assert status.memory_reserved_bytes == 0
+    finally:
+        await channel.close()
+        await stop_live(dispatcher)
