@@ -168,10 +168,22 @@ async def start_gpu_dispatcher(
         profiler_link=link,
         mps=mps,
     )
+
+    def store_environment() -> dict[str, str]:
+        # With the GPU's MPS daemon running, the store process is one of its clients (whole GPU).
+        if mps is None or not mps.available()[0]:
+            return {}
+        return mps.client_environment(100, gpu.memory_bytes)
+
     models = ModelStore(
         gpu,
         book,
-        StoreConfig(settings.models_dir, settings.cuda_library, state_dir / "model-store.log"),
+        StoreConfig(
+            settings.models_dir,
+            settings.cuda_library,
+            state_dir / "model-store.log",
+            store_environment,
+        ),
     )
     channel.start()
     if link is not None:

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -59,6 +60,10 @@ class StoreConfig:
     models_dir: Path | None  # None: LoadModel is refused (nothing may be read)
     cuda_library: str = "libcuda.so.1"
     log_path: Path | None = None  # the worker's stderr
+    # Extra environment of the worker, asked when it starts: on a GPU whose MPS daemon runs,
+    # the MPS client environment (a process outside the MPS server could not share memory
+    # with the replicas, which are its clients).
+    environment: Callable[[], dict[str, str]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +115,8 @@ class _Worker:
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         if gpu.uuid.startswith(("GPU-", "MIG-")):
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+        if config.environment is not None:
+            env.update(config.environment())
         self._log: IO[bytes] | None = None
         if config.log_path is not None:
             self._log = open(config.log_path, "ab")  # noqa: SIM115 (lives with the process)

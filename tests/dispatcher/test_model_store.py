@@ -8,7 +8,9 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request, star
 from tests.shim.conftest import shim_build  # noqa: F401  (fixture: builds the fake driver)
 
 MIB = 1 << 20
+FAKE_MPS_CONTROL = Path(__file__).with_name("fake_mps_control.py")
 
 
 def weights(seed: int = 0) -> dict[str, np.ndarray]:
@@ -378,6 +381,37 @@ async def test_without_a_usable_driver_loading_says_why_and_charges_nothing(
         assert not listed.models and listed.store_bytes == 0
         status = await stub.GetGpuStatus(pb.GetGpuStatusRequest())
         assert status.memory_reserved_bytes == 0
+    finally:
+        await channel.close()
+        await stop_live(dispatcher)
+
+
+async def test_on_a_gpu_running_mps_the_store_process_is_an_mps_client(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811  (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    models = short_dir / "models"
+    models.mkdir()
+    save_weights(models / "net.safetensors", weights(0))
+    monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(short_dir / "fake"))
+    dispatcher, channel = await start_live(
+        short_dir,
+        models_dir=models,
+        cuda_library=str(shim_build / "fake" / "libcuda.so.1"),
+        mps="on",
+        mps_control=shlex.join([sys.executable, str(FAKE_MPS_CONTROL)]),
+    )
+    try:
+        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
+        await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
+        assert dispatcher.models is not None and dispatcher.models._worker is not None
+        environ = Path(f"/proc/{dispatcher.models._worker.process.pid}/environ").read_bytes()
+        variables = dict(item.split("=", 1) for item in environ.decode().split("\0") if item)
+        assert dispatcher.mps is not None
+        assert variables["CUDA_MPS_PIPE_DIRECTORY"] == str(dispatcher.mps.config.pipe_dir)
+        assert variables["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+        assert "LD_PRELOAD" not in variables
     finally:
         await channel.close()
         await stop_live(dispatcher)
