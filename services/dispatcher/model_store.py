@@ -53,6 +53,7 @@ log = structlog.get_logger("gpuloom.dispatcher.models")
 MAX_MODELS = 256
 MAX_REPLICAS = 1024
 MAX_PATH_CHARS = 4096
+CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +279,10 @@ class ModelStore:
                 raise
             if not answer.get("ok"):
                 self._book.uncharge_store(total)
-                raise FailedPrecondition(f"loading {name!r} failed: {answer.get('error')}")
+                problem = f"loading {name!r} failed: {answer.get('error')}"
+                if answer.get("code") == CUDA_ERROR_OUT_OF_MEMORY:  # the GPU, not the book
+                    raise ResourceExhausted(problem)
+                raise FailedPrecondition(problem)
             self._generation += 1
             model = _Model(
                 name,

@@ -415,3 +415,18 @@ async def test_on_a_gpu_running_mps_the_store_process_is_an_mps_client(
     finally:
         await channel.close()
         await stop_live(dispatcher)
+
+
+async def test_a_model_the_device_has_no_room_for_is_resource_exhausted(
+    store: LiveDispatcher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The book admits it (a simulated 80 GB GPU) but the fake device has 1 MiB: the driver's
+    CUDA_ERROR_OUT_OF_MEMORY is RESOURCE_EXHAUSTED, and nothing stays charged."""
+    save_weights(store.data_dir / "models" / "big.safetensors", {"w": np.zeros(MIB, np.float32)})
+    monkeypatch.setenv("GPULOOM_FAKE_CUDA_MEM_MIB", "1")  # read by the store process it starts
+    await assert_refused(
+        load(store, "big", "big.safetensors"), grpc.StatusCode.RESOURCE_EXHAUSTED, "CUresult 2"
+    )
+    listed = await listing(store)
+    assert not listed.models and listed.store_bytes == 0
+    assert (await load(store)).loaded  # a model that fits still loads
