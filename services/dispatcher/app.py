@@ -203,13 +203,10 @@ async def start_gpu_dispatcher(
         if mps is not None:
             await asyncio.to_thread(mps.stop)
         raise
+    core.grpc_address = advertised_address(settings.advertise_host, host, server.port)
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
-        placement_link = PlacementLink(
-            settings.placement_address,
-            core,
-            advertised_address(settings.advertise_host, host, server.port),
-        )
+        placement_link = PlacementLink(settings.placement_address, core, core.grpc_address)
         await placement_link.start()
     log.info(
         "dispatcher ready",

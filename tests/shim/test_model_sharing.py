@@ -33,8 +33,8 @@ import numpy as np
 from gpuloom.clients.models import attach
 from gpuloom.cudadrv import CudaError
 
-address, model_bytes, scratch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-model = attach("net", address=address, use_torch=False)
+model_bytes, scratch = int(sys.argv[1]), int(sys.argv[2])
+model = attach("net", use_torch=False)  # GPULOOM_DISPATCHER_ADDRESS: from Reserve's answer
 driver = model._driver
 report = {"replica": model.replica, "model_id": model.model_id,
           "digests": {n: hashlib.sha256(model.read(n).tobytes()).hexdigest() for n in model.raw}}
@@ -131,10 +131,11 @@ async def test_two_replicas_share_one_copy_and_their_caps_are_not_charged(
     replicas = []
     for _ in range(2):
         assignment = await live.reserve(memory_gib=CAP / GIB)
+        address = assignment.environment["GPULOOM_DISPATCHER_ADDRESS"]
+        assert address == f"127.0.0.1:{live.dispatcher.port}"
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             str(script),
-            f"127.0.0.1:{live.dispatcher.port}",
             str(model_bytes),
             str(SCRATCH),
             env=replica_env(live, shim_build, fake_dir, assignment),
