@@ -21,6 +21,7 @@ from gpuloom.clients.cli.jobs import (
     watch,
 )
 from gpuloom.clients.cli.mig import mig
+from gpuloom.clients.cli.models import models
 from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import migrate, serve, up
@@ -84,6 +85,7 @@ cli.add_command(profile)
 cli.add_command(sim)
 cli.add_command(top)
 cli.add_command(dispatcher)
+cli.add_command(models)
 for command in (submit, list_jobs, show_job, cancel, watch, gpus, run, scale):
     cli.add_command(command)
 

@@ -22,6 +22,7 @@ from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
+from gpuloom.services.dispatcher.model_store import ModelStore, StoreConfig
 from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
@@ -48,6 +49,8 @@ class GpuDispatcher:
     kernel_tables: KernelTables | None = None
     # SM-partition policies with MPS on: the GPU's supervised MPS control daemon.
     mps: MpsSupervisor | None = None
+    # The GPU's model store (its process starts on the first LoadModel).
+    models: ModelStore | None = None
 
     @property
     def port(self) -> int:
@@ -165,11 +168,28 @@ async def start_gpu_dispatcher(
         profiler_link=link,
         mps=mps,
     )
+
+    def store_environment() -> dict[str, str]:
+        # With the GPU's MPS daemon running, the store process is one of its clients (whole GPU).
+        if mps is None or not mps.available()[0]:
+            return {}
+        return mps.client_environment(100, gpu.memory_bytes)
+
+    models = ModelStore(
+        gpu,
+        book,
+        StoreConfig(
+            settings.models_dir,
+            settings.cuda_library,
+            state_dir / "model-store.log",
+            store_environment,
+        ),
+    )
     channel.start()
     if link is not None:
         await link.start()
     try:
-        servicer = DispatcherServicer(core)
+        servicer = DispatcherServicer(core, models)
         registration = ServiceRegistration(
             SERVICE, lambda server: pb_grpc.add_DispatcherServicer_to_server(servicer, server)
         )
@@ -179,16 +199,14 @@ async def start_gpu_dispatcher(
         if link is not None:
             await link.stop()
         await _stop_fikit(arbiter, kernel_tables)
+        await models.close()
         if mps is not None:
             await asyncio.to_thread(mps.stop)
         raise
+    core.grpc_address = advertised_address(settings.advertise_host, host, server.port)
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
-        placement_link = PlacementLink(
-            settings.placement_address,
-            core,
-            advertised_address(settings.advertise_host, host, server.port),
-        )
+        placement_link = PlacementLink(settings.placement_address, core, core.grpc_address)
         core.on_gpu_changed = placement_link.register_again
         await placement_link.start()
     log.info(
@@ -205,7 +223,16 @@ async def start_gpu_dispatcher(
         mps=None if mps is None else ("running" if mps.available()[0] else "not running"),
     )
     return GpuDispatcher(
-        core, channel, server, measurements, link, placement_link, arbiter, kernel_tables, mps
+        core,
+        channel,
+        server,
+        measurements,
+        link,
+        placement_link,
+        arbiter,
+        kernel_tables,
+        mps,
+        models,
     )
 
 
@@ -251,6 +278,8 @@ async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     if dispatcher.profiler_link is not None:
         await dispatcher.profiler_link.stop()
     await _stop_fikit(dispatcher.arbiter, dispatcher.kernel_tables)
+    if dispatcher.models is not None:  # after the server: no load can start a new process
+        await dispatcher.models.close()
     if dispatcher.mps is not None:  # last: its clients were the processes stopped above
         await asyncio.to_thread(dispatcher.mps.stop)
 

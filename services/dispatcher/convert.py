@@ -22,6 +22,7 @@ from gpuloom.services.dispatcher.domain import (
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
 from gpuloom.services.dispatcher.mig_executor import MigBatchTask
+from gpuloom.services.dispatcher.model_store import ModelView
 from gpuloom.shimwire import ShimMode
 from gpuloom.v1 import common_pb2, dispatcher_pb2, shim_pb2
 
@@ -181,3 +182,31 @@ def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.Mi
         makespan_s=update.makespan_s,
     )
     return dispatcher_pb2.MigRunUpdate(report=report)
+
+
+def model_info_to_pb(view: ModelView) -> dispatcher_pb2.ModelInfo:
+    return dispatcher_pb2.ModelInfo(
+        name=view.name,
+        model_id=view.model_id,
+        path=view.path,
+        bytes=view.nbytes,
+        tensor_count=len(view.tensors),
+        replicas=list(view.replicas),
+        loaded_at_unix_s=view.loaded_at_unix_s,
+    )
+
+
+def model_handle_to_pb(view: ModelView, gpu: GpuInfo, node: str) -> dispatcher_pb2.ModelHandle:
+    return dispatcher_pb2.ModelHandle(
+        name=view.name,
+        model_id=view.model_id,
+        gpu=gpu_ref(gpu, node),
+        ipc_handle=view.ipc_handle,
+        bytes=view.nbytes,
+        tensors=[
+            dispatcher_pb2.ModelTensor(
+                name=t.name, dtype=t.dtype, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes
+            )
+            for t in view.tensors
+        ],
+    )

@@ -98,6 +98,9 @@ class DispatcherCore:
         # Told when the GPU's description changes (MIG mode): the placement link registers
         # the GPU again.
         self.on_gpu_changed: Callable[[], None] | None = None
+        # This dispatcher's gRPC address as others reach it (set once the server listens): in
+        # a process's environment, where `gpuloom.clients.models.attach` finds its GPU's store.
+        self.grpc_address = ""
 
     # ---- commands ----
 
@@ -223,6 +226,8 @@ class DispatcherCore:
             ASSIGNMENT_TOKEN_VARIABLE: reservation.token,
             "GPULOOM_ASSIGNMENT_ID": reservation.assignment_id,
         }
+        if self.grpc_address:
+            environment["GPULOOM_DISPATCHER_ADDRESS"] = self.grpc_address
         # CUDA understands real GPU and MIG UUIDs; a simulated GPU has nothing to select.
         if self.gpu.uuid.startswith(("GPU-", "MIG-")):
             environment["CUDA_VISIBLE_DEVICES"] = self.gpu.uuid

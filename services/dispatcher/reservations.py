@@ -51,6 +51,9 @@ class ReservationBook:
         self._lock = threading.Lock()
         self._by_id: dict[str, Reservation] = {}
         self._by_token: dict[str, str] = {}
+        # Device memory the GPU's model store holds (shared weights): charged once, here, and
+        # not persisted (the store's process and its memory do not outlive the dispatcher).
+        self._store_bytes = 0
         if path is not None:
             private_files.private_directory(path.parent)
         if path is not None and path.exists():
@@ -76,8 +79,13 @@ class ReservationBook:
             return None if assignment_id is None else self._by_id[assignment_id]
 
     def memory_reserved_bytes(self) -> int:
+        """The memory caps handed out plus what the model store holds."""
         with self._lock:
-            return sum(r.memory_cap_bytes for r in self._by_id.values())
+            return self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
+
+    def store_bytes(self) -> int:
+        with self._lock:
+            return self._store_bytes
 
     def quota_reserved_percent(self) -> float:
         with self._lock:
@@ -108,7 +116,7 @@ class ReservationBook:
                 raise ResourceExhausted(
                     f"memory_cap_bytes {memory} exceeds the GPU's {self._gpu_memory_bytes} bytes"
                 )
-            used_memory = sum(r.memory_cap_bytes for r in self._by_id.values())
+            used_memory = self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
             if used_memory + memory > self._gpu_memory_bytes:
                 raise ResourceExhausted(
                     f"not enough GPU memory: {self._gpu_memory_bytes - used_memory} bytes free, "
@@ -145,6 +153,22 @@ class ReservationBook:
             self._by_token[reservation.token] = reservation.assignment_id
             self._save_locked()
             return reservation, True
+
+    def charge_store(self, nbytes: int) -> None:
+        """Charge the model store for `nbytes` of shared weights, if they fit beside the
+        reservations (ResourceExhausted otherwise, nothing charged)."""
+        with self._lock:
+            used = self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
+            if used + nbytes > self._gpu_memory_bytes:
+                raise ResourceExhausted(
+                    f"not enough GPU memory for the model: {self._gpu_memory_bytes - used} "
+                    f"bytes free, {nbytes} needed"
+                )
+            self._store_bytes += nbytes
+
+    def uncharge_store(self, nbytes: int) -> None:
+        with self._lock:
+            self._store_bytes = max(0, self._store_bytes - nbytes)
 
     def release(self, assignment_id: str) -> Reservation | None:
         with self._lock:

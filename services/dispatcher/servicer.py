@@ -11,6 +11,7 @@ from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.dispatcher import convert
 from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import check_assignment_id
+from gpuloom.services.dispatcher.model_store import ModelStore
 from gpuloom.v1 import dispatcher_pb2 as pb
 from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
 
@@ -20,8 +21,9 @@ MAX_REASON_CHARS = 1024
 
 
 class DispatcherServicer(pb_grpc.DispatcherServicer):
-    def __init__(self, core: DispatcherCore) -> None:
+    def __init__(self, core: DispatcherCore, models: ModelStore) -> None:
         self._core = core
+        self._models = models
 
     @rpc(SERVICE)
     async def Reserve(self, request: pb.ReserveRequest, context: Context) -> pb.Assignment:
@@ -93,3 +95,44 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
         )
         async for update in updates:
             yield convert.mig_update_to_pb(update)
+
+    # -- the model store --
+
+    @rpc(SERVICE)
+    async def LoadModel(
+        self, request: pb.LoadModelRequest, context: Context
+    ) -> pb.LoadModelResponse:
+        view, loaded = await self._models.load(request.name, request.path)
+        return pb.LoadModelResponse(model=convert.model_info_to_pb(view), loaded=loaded)
+
+    @rpc(SERVICE)
+    async def AttachModel(self, request: pb.AttachModelRequest, context: Context) -> pb.ModelHandle:
+        view = await self._models.attach(
+            request.name, request.replica, request.gpu_uuid, request.model_id
+        )
+        return convert.model_handle_to_pb(view, self._core.gpu, self._core.node)
+
+    @rpc(SERVICE)
+    async def DetachModel(
+        self, request: pb.DetachModelRequest, context: Context
+    ) -> pb.DetachModelResponse:
+        detached = await self._models.detach(request.name, request.replica, request.model_id)
+        return pb.DetachModelResponse(detached=detached)
+
+    @rpc(SERVICE)
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: Context
+    ) -> pb.ListModelsResponse:
+        core = self._core
+        return pb.ListModelsResponse(
+            models=[convert.model_info_to_pb(view) for view in self._models.list()],
+            gpu=convert.gpu_ref(core.gpu, core.node),
+            store_bytes=core.book.store_bytes(),
+        )
+
+    @rpc(SERVICE)
+    async def UnloadModel(
+        self, request: pb.UnloadModelRequest, context: Context
+    ) -> pb.UnloadModelResponse:
+        view = await self._models.unload(request.name, request.force)
+        return pb.UnloadModelResponse(model=convert.model_info_to_pb(view))

@@ -82,6 +82,11 @@ class DispatcherSettings(BaseSettings):
     # GPULOOM_DATA_DIR/dispatcher/mps. The pipe directory must stay under 80 characters.
     mps_dir: Path | None = None
     mps_start_timeout_s: float = Field(default=5.0, gt=0, le=300)
+    # The model store (docs/dispatcher.md, "Model sharing"): LoadModel reads weights files only
+    # from inside this directory; empty: LoadModel is refused (FAILED_PRECONDITION).
+    models_dir: Path | None = None
+    # The CUDA driver library the store's process opens (a name or a path).
+    cuda_library: str = Field(default="libcuda.so.1", min_length=1, max_length=4096)
 
     @field_validator("policy")
     @classmethod

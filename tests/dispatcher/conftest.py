@@ -114,5 +114,7 @@ async def stop_live(dispatcher: GpuDispatcher) -> None:
         await dispatcher.kernel_tables.close()
     if dispatcher.arbiter is not None:
         dispatcher.arbiter.stop()
+    if dispatcher.models is not None:
+        await dispatcher.models.close()
     if dispatcher.mps is not None:
         dispatcher.mps.stop()
