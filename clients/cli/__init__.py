@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from gpuloom import __version__
@@ -11,6 +13,7 @@ from gpuloom.clients.cli.profile import profile
 from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import serve, up
 from gpuloom.clients.cli.sim import sim
+from gpuloom.transport import TransportConfigError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,4 +33,8 @@ for command in (submit, list_jobs, show_job, cancel, watch, gpus, run):
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except TransportConfigError as error:  # GPULOOM_TLS_* / GPULOOM_AUTH_* of the client
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(2)

@@ -45,6 +45,8 @@ class Job:
     binding: Binding | None = None
     exit_code: int = 0
     function: str = ""
+    # Who submitted it: the name of the caller's bearer token ("" when placement takes none).
+    owner: str = ""
 
     def advance(self, now: float, **changes: object) -> Job:
         """The next revision of this job."""
