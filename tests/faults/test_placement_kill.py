@@ -191,8 +191,9 @@ async def test_kill_9_of_placement_mid_stream_loses_nothing_and_leaks_nothing(
         for _ in range(KILLS):
             answered = ledger.calls
             assert not stream.done(), f"the stream ended before kill {len(kills) + 1}"
-            while ledger.calls == answered:  # placement serves again: the stream flows
-                await asyncio.sleep(0.02)
+            async with asyncio.timeout(60):
+                while ledger.calls == answered:  # placement serves again: the stream flows
+                    await asyncio.sleep(0.02)
             await asyncio.sleep(rng.uniform(0.0, 0.8))
             kills.append((round(time.monotonic() - started, 2), ledger.calls))
             placement.kill()
