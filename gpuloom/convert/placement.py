@@ -114,6 +114,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         policy=msg.policy,
         exit_code=msg.exit_code,
         function=msg.function,
+        owner=msg.owner,
     )
 
 
@@ -131,6 +132,7 @@ def job_to_pb(job: JobView) -> pb.Job:
         exit_code=job.exit_code,
         revision=job.revision,
         function=job.function,
+        owner=job.owner,
     )
     if job.assignment is not None:
         msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))

@@ -280,6 +280,7 @@ class JobView:
     policy: str = ""  # the policy that placed it
     exit_code: int = 0
     function: str = ""  # set on replicas created by auto-scaling
+    owner: str = ""  # who submitted it: its bearer token's name ("" without tokens)
 
 
 @dataclass(frozen=True, slots=True)

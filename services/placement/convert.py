@@ -100,6 +100,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
         policy=job.policy,
         exit_code=job.exit_code,
         function=job.function,
+        owner=job.owner,
     )
 
 

@@ -83,8 +83,8 @@ async def test_submitters_see_and_end_only_their_own_jobs(
         assert again.state == job.state and again.revision == job.revision
         assert [j.job_id for j in (await bob.ListJobs(pb.ListJobsRequest())).jobs] == [bobs.job_id]
         assert [j.job_id for j in (await alice.ListJobs(pb.ListJobsRequest())).jobs] == [job_id]
-        everyone = {j.job_id for j in (await admin.ListJobs(pb.ListJobsRequest())).jobs}
-        assert everyone == {job_id, bobs.job_id}
+        everyone = {j.job_id: j.owner for j in (await admin.ListJobs(pb.ListJobsRequest())).jobs}
+        assert everyone == {job_id: "alice", bobs.job_id: "bob"}
 
         # The admin may end anyone's job; the owner its own.
         cancelled = await admin.CancelJob(pb.CancelJobRequest(job_id=job_id, reason="ops"))
@@ -236,3 +236,28 @@ async def test_wrong_tls_settings_stop_a_service_naming_the_variable(
     monkeypatch.setenv("GPULOOM_TLS_CA_FILE", str(files.ca))
     with pytest.raises(SettingsError, match="not a certificate and its key"):
         await ProfileStoreApp.start(settings, HOST, tmp_path)
+
+
+async def test_placement_without_client_certificates_still_asks_for_tokens(
+    deployment: Deployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPULOOM_TLS_CLIENT_AUTH=false: submitters need the CA and a token, no certificate."""
+    monkeypatch.setenv("GPULOOM_TLS_CLIENT_AUTH", "false")
+    settings = PlacementSettings(port=0, database_url=f"sqlite:///{tmp_path / 'placement.db'}")
+    app = await PlacementApp.start(settings, HOST, tmp_path)
+    address = f"{HOST}:{app.port}"
+    no_certificate = {"tls_cert_file": "", "tls_key_file": ""}
+    try:
+        async with deployment.channel(address, "alice", **no_certificate) as a:
+            stub = placement_pb2_grpc.PlacementStub(a)
+            assert list((await stub.ListJobs(pb.ListJobsRequest())).jobs) == []
+        async with deployment.channel(address, None, **no_certificate) as bare:
+            stub = placement_pb2_grpc.PlacementStub(bare)
+            code, _ = await _code(stub.ListJobs(pb.ListJobsRequest()))
+            assert code is grpc.StatusCode.UNAUTHENTICATED
+        async with deployment.channel(address, "alice", tls_ca_file="") as plaintext:
+            stub = placement_pb2_grpc.PlacementStub(plaintext)
+            code, _ = await _code(stub.ListJobs(pb.ListJobsRequest(), timeout=5))
+            assert code is grpc.StatusCode.UNAVAILABLE  # TLS all the same
+    finally:
+        await app.stop(0)

@@ -110,6 +110,7 @@ def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
         assert cli("bob", "jobs", "--json").stdout == ""
         everyone = cli("admin", "jobs", "--json").stdout.splitlines()
         assert [json.loads(line)["job_id"] for line in everyone] == [job["job_id"]]
+        assert json.loads(everyone[0])["owner"] == "alice"
 
         # A client setting that is wrong is a usage error, named.
         bad = subprocess.run(
