@@ -1,7 +1,7 @@
 """kill -9 of placement at random moments of a stream of submissions, cancellations and
-reports (not only right after an answer), then a restart on the same PostgreSQL database, a few
-times over. Submitters behave well: each call is retried, with the same request id, until it is
-answered. Afterwards:
+reports (not only right after an answer), then a restart on the same database (PostgreSQL, and
+the embedded default's SQLite), a few times over. Submitters behave well: each call is retried,
+with the same request id, until it is answered. Afterwards:
 
 - no acknowledged job is lost, and no acknowledged end is undone;
 - no job is placed twice: each request id made one job, and each live job is held by exactly one
@@ -28,7 +28,7 @@ from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
-from tests.conftest import free_port
+from tests.conftest import POSTGRES_URL, free_port
 from tests.placement.conftest import PostgresSchema, mps_spec
 from tests.placement.test_restart import PlacementProcess
 
@@ -43,10 +43,17 @@ RETRYABLE = (
 CANCELLED, SUCCEEDED = pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SUCCEEDED
 
 
-@pytest.fixture
-async def schema() -> AsyncIterator[str]:
+@pytest.fixture(params=["postgres", "sqlite"])
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[dict[str, str]]:
+    """The placement process's database settings."""
+    if request.param == "sqlite":
+        yield {"GPULOOM_PLACEMENT_DATABASE_URL": f"sqlite:///{tmp_path / 'placement.db'}"}
+        return
     created = PostgresSchema()
-    yield created.name
+    yield {
+        "GPULOOM_PLACEMENT_DATABASE_URL": POSTGRES_URL,
+        "GPULOOM_PLACEMENT_DATABASE_SCHEMA": created.name,
+    }
     await created.drop()
 
 
@@ -151,12 +158,14 @@ async def _eventually(check: object, timeout_s: float, what: str) -> None:
 
 
 async def test_kill_9_of_placement_mid_stream_loses_nothing_and_leaks_nothing(
-    schema: str, tmp_path: Path, short_dir: Path
+    database: dict[str, str], tmp_path: Path, short_dir: Path
 ) -> None:
     seed = int(os.environ.get("GPULOOM_FAULT_SEED", random.randrange(1 << 32)))
     rng = random.Random(seed)
     port = free_port()
-    placement = PlacementProcess(port, schema, tmp_path)
+    placement = PlacementProcess(port, "", tmp_path)
+    placement.env.pop("GPULOOM_PLACEMENT_DATABASE_SCHEMA")
+    placement.env.update(database)
     placement.start()
     dispatchers = await DispatcherApp.start(
         DispatcherSettings(
