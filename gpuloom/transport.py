@@ -86,14 +86,17 @@ class TransportSettings(BaseSettings):
         """The bearer token outgoing calls send ("" for none)."""
         if not self.auth_token_file:
             return self.auth_token
-        with open(self.auth_token_file, encoding="utf-8", errors="replace") as file:
-            token = file.readline().strip()
+        where = f"GPULOOM_AUTH_TOKEN_FILE ({self.auth_token_file})"
         try:
+            with open(self.auth_token_file, encoding="utf-8", errors="replace") as file:
+                token = file.readline().strip()
+            if not token:
+                raise ValueError("its first line is empty")
             check_token_text(token)
+        except OSError as error:
+            raise TransportConfigError(f"{where}: cannot read: {error.strerror}") from None
         except ValueError as error:
-            raise TransportConfigError(
-                f"GPULOOM_AUTH_TOKEN_FILE ({self.auth_token_file}): {error}"
-            ) from None
+            raise TransportConfigError(f"{where}: {error}") from None
         return token
 
 
