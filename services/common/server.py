@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import signal
 import socket
 from collections.abc import Callable, Sequence
@@ -119,7 +120,20 @@ async def start_server(
             "(set GPULOOM_AUTH_TOKENS_FILE and GPULOOM_TLS_*; see docs/security.md)",
             address=f"{host}:{bound}",
         )
+    elif security.credentials is None and not _loopback(host):
+        log.warning(
+            "bearer tokens WITHOUT TLS: they cross the network in plaintext "
+            "(set GPULOOM_TLS_*; see docs/security.md)",
+            address=f"{host}:{bound}",
+        )
     return RunningServer(server, health_servicer, bound, names)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def wait_for_shutdown_signal() -> signal.Signals:

@@ -261,3 +261,18 @@ async def test_placement_without_client_certificates_still_asks_for_tokens(
             assert code is grpc.StatusCode.UNAVAILABLE  # TLS all the same
     finally:
         await app.stop(0)
+
+
+async def test_tokens_on_a_plaintext_port_beyond_loopback_are_warned_about(
+    deployment: Deployment, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("GPULOOM_TLS_CERT_FILE", "GPULOOM_TLS_KEY_FILE", "GPULOOM_TLS_CA_FILE"):
+        monkeypatch.delenv(name)
+    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'p.db'}")
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        with structlog.testing.capture_logs() as logs:
+            store = await ProfileStoreApp.start(settings, host, tmp_path)
+            await store.stop(0)
+        said = [e["event"] for e in logs if e["log_level"] == "warning"]
+        assert any("tokens WITHOUT TLS" in event for event in said) is warned, (host, said)
+        assert not any("WITHOUT AUTHENTICATION" in event for event in said)
