@@ -8,8 +8,9 @@ with the same request id, until it is answered. Afterwards:
   dispatcher, the one placement says;
 - no reservation leaks: once every job has ended, the dispatchers hold nothing.
 
-The kill moments come from a seeded generator: GPULOOM_FAULT_SEED replays a run (the seed is in
-the failure message).
+The kill delays and each worker's choices come from a seeded generator: GPULOOM_FAULT_SEED
+fixes them (the seed is in the failure message); the interleaving with the service still
+varies from run to run.
 """
 
 from __future__ import annotations
