@@ -48,7 +48,9 @@ class TransportSettings(BaseSettings):
     # Servers: the table of accepted tokens (ROLE NAME TOKEN per line); empty: no tokens.
     auth_tokens_file: str = ""
 
-    @field_validator("tls_cert_file", "tls_key_file", "tls_ca_file", "auth_token_file")
+    @field_validator(
+        "tls_cert_file", "tls_key_file", "tls_ca_file", "auth_token_file", "auth_tokens_file"
+    )
     @classmethod
     def _readable(cls, path: str) -> str:
         if path:
