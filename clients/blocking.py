@@ -10,6 +10,7 @@ from typing import Any, Self
 import grpc
 
 from gpuloom.convert.status import error_from_rpc
+from gpuloom.transport import open_channel
 
 
 class BlockingClient:
@@ -17,7 +18,7 @@ class BlockingClient:
         self, address: str, make_stub: Callable[[grpc.Channel], Any], timeout_s: float
     ) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = open_channel(address)
         self._stub = make_stub(self._channel)
         self._timeout_s = timeout_s
 

@@ -28,6 +28,7 @@ import grpc
 
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import InvalidArgument, NotFound
+from gpuloom.transport import open_channel
 from gpuloom.v1 import (
     common_pb2,
     dispatcher_pb2,
@@ -107,9 +108,9 @@ class Sweep:
     ) -> None:
         self._function = function
         self._command = list(command)
-        self._dispatcher = dispatcher_pb2_grpc.DispatcherStub(grpc.insecure_channel(dispatcher))
-        self._profiler = profiler_pb2_grpc.ProfilerStub(grpc.insecure_channel(profiler))
-        self._store = profile_store_pb2_grpc.ProfileStoreStub(grpc.insecure_channel(profile_store))
+        self._dispatcher = dispatcher_pb2_grpc.DispatcherStub(open_channel(dispatcher))
+        self._profiler = profiler_pb2_grpc.ProfilerStub(open_channel(profiler))
+        self._store = profile_store_pb2_grpc.ProfileStoreStub(open_channel(profile_store))
         self._shim_path = shim_path
         self._memory_bytes = memory_bytes
         self._timeout_s = point_timeout_s

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gpuloom.services.common.auth import ServerSecurity
 from gpuloom.services.common.database import ensure_reachable, head_revision
 from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
@@ -46,6 +47,7 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
+    ServerSecurity.from_environment()  # TLS and token settings checked before anything starts
     started: list[ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp] = []
     endpoints: list[Endpoint] = []
     port_variable = ""  # the setting of the port being bound

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 import gpuloom.v1
 from tests.control_plane import control_plane
 
-# Bounded for CI (about 15 s in all); GPULOOM_FUZZ_EXAMPLES=500 for a longer hunt.
+# Bounded for CI (about 15 s in all); scripts/fuzz runs it longer (GPULOOM_FUZZ_EXAMPLES=500).
 EXAMPLES_PER_RPC = int(os.environ.get("GPULOOM_FUZZ_EXAMPLES", "12"))
 MAX_DEPTH = 3
 CALL_TIMEOUT_S = 10.0

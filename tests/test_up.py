@@ -100,6 +100,9 @@ def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> Non
         ("dispatcher", "GPULOOM_DISPATCHER_SIM_GPUS", "3xB9000", "B9000"),
         ("profile-store", "GPULOOM_PROFILE_STORE_DATABASE_URL", "mysql://x", "postgresql://"),
         ("placement", "GPULOOM_PLACEMENT_DEFAULT_POLICY", "best-guess", "mra"),
+        ("placement", "GPULOOM_TLS_CA_FILE", "/nonexistent/ca.crt", "cannot read"),
+        ("dispatcher", "GPULOOM_AUTH_TOKEN", "not one token", "printable ASCII"),
+        ("up", "GPULOOM_AUTH_TOKENS_FILE", "/nonexistent/tokens", "cannot read"),
     ],
 )
 def test_bad_configuration_fails_fast_naming_the_variable(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import click
@@ -27,6 +28,7 @@ from gpuloom.clients.cli.profiles import profiles
 from gpuloom.clients.cli.serve import migrate, serve, up
 from gpuloom.clients.cli.sim import sim
 from gpuloom.clients.cli.top import top
+from gpuloom.transport import TransportConfigError
 
 
 class UsageFailure(click.ClickException):
@@ -91,4 +93,8 @@ for command in (submit, list_jobs, show_job, cancel, watch, gpus, run, scale):
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except TransportConfigError as error:  # GPULOOM_TLS_* / GPULOOM_AUTH_* of the client
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(2)

@@ -8,6 +8,7 @@ import asyncio
 import click
 
 from gpuloom.domain.errors import DomainError
+from gpuloom.transport import TransportConfigError
 
 
 def _run(services: tuple[str, ...]) -> None:
@@ -23,7 +24,7 @@ def _run(services: tuple[str, ...]) -> None:
 
     try:
         asyncio.run(launcher.run(services, announce))
-    except SettingsError as error:
+    except (SettingsError, TransportConfigError) as error:
         raise click.ClickException(str(error)) from None
     except (OSError, DomainError) as error:
         raise click.ClickException(f"cannot start: {error}") from None

@@ -115,6 +115,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         exit_code=msg.exit_code,
         function=msg.function,
         started_at=msg.started_at_unix_s,
+        owner=msg.owner,
     )
 
 
@@ -133,6 +134,7 @@ def job_to_pb(job: JobView) -> pb.Job:
         revision=job.revision,
         function=job.function,
         started_at_unix_s=job.started_at,
+        owner=job.owner,
     )
     if job.assignment is not None:
         msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))

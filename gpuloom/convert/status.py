@@ -15,6 +15,8 @@ STATUS_BY_ERROR: dict[type[errors.DomainError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Aborted: grpc.StatusCode.ABORTED,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 

@@ -38,6 +38,14 @@ class Aborted(DomainError):
     """A concurrency conflict, such as a stale version on a write: read again, then retry."""
 
 
+class Unauthenticated(DomainError):
+    """The caller did not prove who it is (no bearer token, or one nobody issued)."""
+
+
+class PermissionDenied(DomainError):
+    """The caller is known but may not do this (another submitter's job, an admin's RPC)."""
+
+
 class ResourceExhausted(DomainError):
     pass
 

@@ -281,6 +281,7 @@ class JobView:
     exit_code: int = 0
     function: str = ""  # set on replicas created by auto-scaling
     started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
+    owner: str = ""  # who submitted it: its bearer token's name ("" without tokens)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,12 @@
-"""gRPC server factory: every gpuloom server gets reflection, the standard health service and
+"""gRPC server factory: every gpuloom server gets reflection, the standard health service, the
+callers' check of auth.py (TLS and bearer tokens, as GPULOOM_TLS_* and GPULOOM_AUTH_* say) and
 the request check of validation.py (INVALID_ARGUMENT for undecodable bytes and NUL bytes)."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 import signal
 import socket
 from collections.abc import Callable, Sequence
@@ -15,6 +17,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from gpuloom.services.common.auth import ServerSecurity
 from gpuloom.services.common.ports import PortInUse
 from gpuloom.services.common.validation import RequestValidator
 
@@ -69,9 +72,12 @@ async def start_server(
     port: int,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
 ) -> RunningServer:
-    """Bind and start an asyncio gRPC server; port 0 picks a free port (see RunningServer.port)."""
+    """Bind and start an asyncio gRPC server; port 0 picks a free port (see RunningServer.port).
+    TLS and tokens come from the environment (SettingsError naming the variable if wrong)."""
+    security = ServerSecurity.from_environment()
     server = grpc.aio.server(
-        interceptors=[RequestValidator()],
+        # The caller first: a call without a valid token is refused before its bytes are read.
+        interceptors=[security.authenticator, RequestValidator()],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -89,7 +95,10 @@ async def start_server(
     if port and not _port_free(host, port):
         raise PortInUse(host, port)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if security.credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", security.credentials)
     except RuntimeError:  # how grpc says the port is taken
         bound = 0
     if bound == 0:
@@ -97,8 +106,34 @@ async def start_server(
     await server.start()
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("grpc server listening", address=f"{host}:{bound}", services=list(names))
+    log.info(
+        "grpc server listening",
+        address=f"{host}:{bound}",
+        services=list(names),
+        tls=security.credentials is not None,
+        client_certificates=security.credentials is not None and security.client_auth,
+        tokens=security.authenticator.takes_tokens,
+    )
+    if security.open:
+        log.warning(
+            "gRPC WITHOUT AUTHENTICATION: anyone who reaches this address may call every RPC "
+            "(set GPULOOM_AUTH_TOKENS_FILE and GPULOOM_TLS_*; see docs/security.md)",
+            address=f"{host}:{bound}",
+        )
+    elif security.credentials is None and not _loopback(host):
+        log.warning(
+            "bearer tokens WITHOUT TLS: they cross the network in plaintext "
+            "(set GPULOOM_TLS_*; see docs/security.md)",
+            address=f"{host}:{bound}",
+        )
     return RunningServer(server, health_servicer, bound, names)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 async def wait_for_shutdown_signal() -> signal.Signals:

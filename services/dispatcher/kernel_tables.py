@@ -19,6 +19,7 @@ import grpc
 import structlog
 
 from gpuloom.services.dispatcher.arbiter import KernelTiming
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
 log = structlog.get_logger("gpuloom.dispatcher.kernel_tables")
@@ -113,7 +114,7 @@ class KernelTables:
 
     async def _fetch(self, task_key: str) -> KernelTable | None:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self._address)
+            self._channel = open_aio_channel(self._address)
         stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
         request = profile_store_pb2.GetProfileRequest(key=task_key, gpu_model=self._gpu_model)
         try:

@@ -30,6 +30,7 @@ import structlog
 from gpuloom.convert.shares import share_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class PlacementLink:
     # ---- life cycle (asyncio) ----
 
     async def start(self) -> None:
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = open_aio_channel(
             self._address,
             options=[
                 # A restarted placement is found again within seconds, not minutes.

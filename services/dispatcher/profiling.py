@@ -24,6 +24,7 @@ import structlog
 
 from gpuloom.services.dispatcher.domain import DispatcherEvent, EventKind, Reservation
 from gpuloom.shimwire import ShimMode
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, profiler_pb2, profiler_pb2_grpc, shim_pb2
 
 log = structlog.get_logger("gpuloom.dispatcher.profiling")
@@ -57,7 +58,7 @@ class ProfilerLink:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._channel = grpc.aio.insecure_channel(
+        self._channel = open_aio_channel(
             self._address, options=[("grpc.max_send_message_length", 64 << 20)]
         )
         stub = profiler_pb2_grpc.ProfilerStub(self._channel)

@@ -101,6 +101,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
         exit_code=job.exit_code,
         function=job.function,
         started_at=job.started_at,
+        owner=job.owner,
     )
 
 

@@ -117,25 +117,32 @@ class PlacementCore:
 
     # ---- submitters ----
 
-    async def submit(self, request_id: str, spec: JobSpec, function: str = "") -> Job:
-        return await self.jobs.submit(request_id, spec, function)
+    # `owner` names the submitter; where it is optional, None means any submitter's job (an
+    # admin, or placement without tokens) and a name restricts to that submitter's jobs.
 
-    async def get(self, job_id: str) -> Job:
-        return await self.jobs.get(job_id)
+    async def submit(
+        self, request_id: str, spec: JobSpec, function: str = "", owner: str = ""
+    ) -> Job:
+        return await self.jobs.submit(request_id, spec, function, owner)
+
+    async def get(self, job_id: str, owner: str | None = None) -> Job:
+        return await self.jobs.get(job_id, owner)
 
     async def list(
         self, where: JobFilter, page_size: int, page_token: str
     ) -> tuple[list[Job], str]:
         return await self.jobs.list(where, page_size, page_token)
 
-    async def cancel(self, job_id: str, reason: str = "") -> Job:
-        return await self.jobs.cancel(job_id, reason)
+    async def cancel(self, job_id: str, reason: str = "", owner: str | None = None) -> Job:
+        return await self.jobs.cancel(job_id, reason, owner)
 
-    async def report_done(self, job_id: str, succeeded: bool, exit_code: int, message: str) -> Job:
-        return await self.jobs.report_done(job_id, succeeded, exit_code, message)
+    async def report_done(
+        self, job_id: str, succeeded: bool, exit_code: int, message: str, owner: str | None = None
+    ) -> Job:
+        return await self.jobs.report_done(job_id, succeeded, exit_code, message, owner)
 
-    def watch(self, job_id: str) -> AsyncIterator[Job]:
-        return self.jobs.watch(job_id)
+    def watch(self, job_id: str, owner: str | None = None) -> AsyncIterator[Job]:
+        return self.jobs.watch(job_id, owner)
 
     async def set_function_load(
         self, function: str, requests_per_s: float, template: JobSpec

@@ -27,6 +27,7 @@ from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     Unavailable,
 )
 from gpuloom.domain.placement import JobSpec, JobState
@@ -59,6 +60,7 @@ class _Submission:
     request_id: str
     spec: JobSpec
     function: str
+    owner: str
     done: asyncio.Future[Job]
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -200,8 +202,11 @@ class Decisions:
 
     # ---- submitters ----
 
-    async def submit(self, request_id: str, spec: JobSpec, function: str = "") -> Job:
-        """Queue a job for the next decision batch; answers once it is bound or pending."""
+    async def submit(
+        self, request_id: str, spec: JobSpec, function: str = "", owner: str = ""
+    ) -> Job:
+        """Queue a job for the next decision batch; answers once it is bound or pending.
+        `owner` names the submitter (services/common/auth.py)."""
         validate_request_id(request_id)
         spec.validate(POLICIES)
         self._inventory.check_memory(spec)
@@ -212,14 +217,17 @@ class Decisions:
         else:
             await self._kernel_times.prefetch(spec.task_key, spec.gpu_model)
         done: asyncio.Future[Job] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Submission(request_id, spec, function, done))
+        self._queue.append(_Submission(request_id, spec, function, owner, done))
         self._wake.set()
         return await done
 
-    async def get(self, job_id: str) -> Job:
+    async def get(self, job_id: str, owner: str | None = None) -> Job:
+        """The job; with `owner`, only if that submitter submitted it (PermissionDenied)."""
         job = self._live.get(job_id) or await self._repo.get_job(job_id)
         if job is None:
             raise NotFound(f"no job {job_id!r}")
+        if owner is not None and job.owner != owner:
+            raise PermissionDenied(f"job {job_id} belongs to another submitter, not {owner!r}")
         return job
 
     async def list(
@@ -239,19 +247,25 @@ class Decisions:
             jobs = [job for job in jobs if job.state in where.states]
         return jobs, "" if last is None else encode_token(str(last))
 
-    async def cancel(self, job_id: str, reason: str = "") -> Job:
+    async def cancel(self, job_id: str, reason: str = "", owner: str | None = None) -> Job:
+        if owner is not None:
+            await self.get(job_id, owner)
         return await self._end(job_id, JobState.CANCELLED, reason or "cancelled", 0)
 
-    async def report_done(self, job_id: str, succeeded: bool, exit_code: int, message: str) -> Job:
+    async def report_done(
+        self, job_id: str, succeeded: bool, exit_code: int, message: str, owner: str | None = None
+    ) -> Job:
+        if owner is not None:
+            await self.get(job_id, owner)
         state = JobState.SUCCEEDED if succeeded else JobState.FAILED
         return await self._end(job_id, state, message, exit_code, require_assigned=True)
 
-    async def watch(self, job_id: str) -> AsyncIterator[Job]:
+    async def watch(self, job_id: str, owner: str | None = None) -> AsyncIterator[Job]:
         """The job now, then each new revision, until it finishes."""
         queue: asyncio.Queue[Job] = asyncio.Queue()
         self._watchers[job_id].add(queue)  # before reading, so no change slips through
         try:
-            job = await self.get(job_id)
+            job = await self.get(job_id, owner)
             yield job
             revision = job.revision
             while not job.state.finished:
@@ -348,6 +362,7 @@ class Decisions:
                         submitted_at=now,
                         updated_at=now,
                         function=submission.function,
+                        owner=submission.owner,
                     )
                     job = fresh[submission.request_id] = self._place(job, now)
                 waiting.append((submission, job))
@@ -386,7 +401,13 @@ class Decisions:
         answers: list[tuple[_Submission, str]] = []
         for submission, job in waiting:
             job = prior.get(submission.request_id, job)
-            if job.spec != submission.spec or job.function != submission.function:
+            if job.owner != submission.owner:
+                submission.done.set_exception(
+                    PermissionDenied(
+                        f"request_id {submission.request_id!r} names another submitter's job"
+                    )
+                )
+            elif job.spec != submission.spec or job.function != submission.function:
                 submission.done.set_exception(
                     AlreadyExists(
                         f"request_id {submission.request_id!r} was used for a different job "

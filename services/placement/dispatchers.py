@@ -16,6 +16,7 @@ from gpuloom.convert.mig import task_run_from_pb
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, Unavailable
 from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 
@@ -53,7 +54,7 @@ class DispatcherChannels:
     def stub(self, address: str) -> dispatcher_pb2_grpc.DispatcherStub:
         entry = self._stubs.get(address)
         if entry is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = open_aio_channel(address)
             entry = self._stubs[address] = (channel, dispatcher_pb2_grpc.DispatcherStub(channel))
         return entry[1]
 

@@ -46,6 +46,8 @@ class Job:
     exit_code: int = 0
     function: str = ""
     started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
+    # Who submitted it: the name of the caller's bearer token ("" when placement takes none).
+    owner: str = ""
 
     def advance(self, now: float, **changes: object) -> Job:
         """The next revision of this job."""

@@ -46,6 +46,7 @@ class JobRow(Base):
         Index("ix_placement_jobs_task_key", "task_key"),
         Index("ix_placement_jobs_function", "function"),
         Index("ix_placement_jobs_gpu_uuid", "gpu_uuid"),
+        Index("ix_placement_jobs_owner", "owner"),
     )
 
     seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -68,3 +69,5 @@ class JobRow(Base):
     gpu_uuid: Mapped[str | None] = mapped_column(String(128), nullable=True)
     # The Binding (rectangle, token, environment) as JSON; NULL while the job holds nothing.
     binding: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # The submitter's name (services/common/auth.py); "" when placement takes no tokens.
+    owner: Mapped[str] = mapped_column(String(128), server_default="")

@@ -20,6 +20,7 @@ from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, NotFound
 from gpuloom.domain.profiles import KernelProfile, MigProfile, ThroughputProfile
 from gpuloom.policies.placement import KernelProfiles, KernelTimes, ThroughputPoint
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
 log = structlog.get_logger("gpuloom.placement")
@@ -105,7 +106,7 @@ def mig_times_from_profile(profile: MigProfile) -> dict[int, float]:
 
 class GrpcProfileSource:
     def __init__(self, address: str, timeout_s: float = 5.0) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_aio_channel(address)
         self._stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
         self._timeout_s = timeout_s
 

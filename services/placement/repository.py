@@ -110,6 +110,7 @@ def _job_values(job: Job) -> dict[str, object]:
         "exit_code": job.exit_code,
         "gpu_uuid": job.binding.gpu_uuid if job.binding else None,
         "binding": _binding_to_json(job.binding),
+        "owner": job.owner,
     }
 
 
@@ -130,6 +131,7 @@ def _job_from_row(row: object) -> Job:
         exit_code=r["exit_code"],
         function=r["function"],
         started_at=r["started_at"],
+        owner=r["owner"],
     )
 
 
@@ -139,6 +141,7 @@ class JobFilter:
     task_key: str = ""
     gpu_uuid: str = ""
     function: str = ""
+    owner: str | None = None  # None: every submitter's jobs
 
 
 class PlacementRepository:
@@ -200,7 +203,7 @@ class PlacementRepository:
             values = _job_values(job)
             values["b_job_id"] = values.pop("job_id")
             values["b_revision"] = values["revision"]
-            for fixed in ("request_id", "spec", "task_key", "function", "submitted_at"):
+            for fixed in ("request_id", "spec", "task_key", "function", "submitted_at", "owner"):
                 del values[fixed]
             rows.append(values)
         return rows
@@ -235,6 +238,8 @@ class PlacementRepository:
         query = select(JOBS).where(JOBS.c.seq > after_seq)
         if where.states:
             query = query.where(JOBS.c.state.in_([s.value for s in where.states]))
+        if where.owner is not None:
+            query = query.where(JOBS.c.owner == where.owner)
         for column, value in (
             (JOBS.c.task_key, where.task_key),
             (JOBS.c.gpu_uuid, where.gpu_uuid),

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
 from gpuloom.convert.placement import gpu_info_from_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.services.common.auth import current_caller
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.placement import convert
 from gpuloom.services.placement.core import PlacementCore
@@ -31,38 +33,54 @@ def _text(field: str, value: str) -> str:
     return value
 
 
+def _owner() -> str:
+    """Who submits: the name of the caller's token ("" when placement takes no tokens)."""
+    caller = current_caller()
+    return "" if caller is None else caller.name
+
+
+def _only() -> str | None:
+    """Whose jobs the caller may see and end: a submitter its own, anyone else every job."""
+    caller = current_caller()
+    return None if caller is None or caller.sees_every_job else caller.name
+
+
 class PlacementServicer(pb_grpc.PlacementServicer):
     def __init__(self, core: PlacementCore) -> None:
         self._core = core
 
     @rpc(SERVICE)
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.Job:
-        job = await self._core.submit(request.request_id, convert.spec_from_pb(request.spec))
+        job = await self._core.submit(
+            request.request_id, convert.spec_from_pb(request.spec), owner=_owner()
+        )
         return convert.job_to_pb(job, with_token=True)
 
     @rpc(SERVICE)
     async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
-        # Only the submitter knows the job id (ListJobs and WatchJob never carry the token).
-        job = await self._core.get(_job_id(request.job_id))
+        # Only its submitter (or an admin) gets the job, the only answer besides SubmitJob's
+        # that carries the token (ListJobs and WatchJob never do).
+        job = await self._core.get(_job_id(request.job_id), _only())
         return convert.job_to_pb(job, with_token=True)
 
     @rpc(SERVICE)
     async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
-        jobs, token = await self._core.list(
-            convert.filter_from_pb(request), request.page_size, request.page_token
-        )
+        where = replace(convert.filter_from_pb(request), owner=_only())
+        jobs, token = await self._core.list(where, request.page_size, request.page_token)
         return pb.ListJobsResponse(jobs=[convert.job_to_pb(j) for j in jobs], next_page_token=token)
 
     @rpc(SERVICE)
     async def CancelJob(self, request: pb.CancelJobRequest, context: Context) -> pb.Job:
-        job = await self._core.cancel(_job_id(request.job_id), _text("reason", request.reason))
+        job = await self._core.cancel(
+            _job_id(request.job_id), _text("reason", request.reason), _only()
+        )
         return convert.job_to_pb(job)
 
     @stream_rpc(SERVICE)
     async def WatchJob(
         self, request: pb.WatchJobRequest, context: Context
     ) -> AsyncIterator[pb.Job]:
-        async for job in self._core.watch(_job_id(request.job_id)):
+        async for job in self._core.watch(_job_id(request.job_id), _only()):
             yield convert.job_to_pb(job)
 
     @rpc(SERVICE)
@@ -72,6 +90,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             request.succeeded,
             request.exit_code,
             _text("message", request.message),
+            _only(),
         )
         return convert.job_to_pb(job)
 

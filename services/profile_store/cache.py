@@ -6,7 +6,10 @@ versioned tombstone (payload None).
 When Redis is unreachable the store keeps serving from the database: the cache reports misses,
 logs the outage once, counts it, and retries after a pause. Writes made while it was unreachable
 could leave stale entries behind, so the first successful contact afterwards flushes the cache.
-(With several store replicas sharing one Redis, the TTL bounds how long such an entry can live.)
+A store just started cannot know what writes an earlier process made while Redis was unreachable
+(a store that ran with Redis down, or pointed at a wrong address, then restarted): so its first
+contact flushes the cache too. (With several store replicas sharing one Redis, a write one
+replica could not invalidate stays visible to the others for at most the TTL.)
 """
 
 from __future__ import annotations
@@ -124,7 +127,9 @@ class RedisCache:
         self._down_since: float | None = None
         self._retry_at = 0.0
         # Set when a write could not reach the cache: it may hold a stale entry until flushed.
-        self._needs_flush = False
+        # Set at start: writes of an earlier process may have missed it just the same.
+        self._needs_flush = True
+        self._flush_reason = "store started: writes of an earlier process may have missed it"
 
     def key(self, pid: ProfileId) -> str:
         # The key's length goes first so that ':' inside keys or models cannot make two ids alike.
@@ -151,6 +156,8 @@ class RedisCache:
             )
         except _Bypassed:
             self._needs_flush = True
+            self._flush_reason = "missed invalidations"
+        self._flush_reason = "store started: writes of an earlier process may have missed it"
 
     async def ping(self) -> bool:
         try:
@@ -183,7 +190,7 @@ class RedisCache:
             if self._needs_flush:
                 removed = await self.flush()
                 self._needs_flush = False
-                log.warning("cache flushed after missed invalidations", entries=removed)
+                log.warning("cache flushed", reason=self._flush_reason, entries=removed)
             result = await command()
         except (RedisError, OSError) as error:
             CACHE_ERRORS.inc()

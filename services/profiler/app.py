@@ -26,6 +26,7 @@ from gpuloom.services.common.server import RunningServer, ServiceRegistration, s
 from gpuloom.services.profiler.core import ProfilerCore
 from gpuloom.services.profiler.servicer import SERVICE, ProfilerServicer
 from gpuloom.services.profiler.settings import ProfilerSettings
+from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 from gpuloom.v1 import profiler_pb2_grpc as pb_grpc
 
@@ -36,7 +37,7 @@ class ProfileStoreClient:
     """The profile store over gRPC, as the profiler core needs it."""
 
     def __init__(self, address: str) -> None:
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = open_aio_channel(address)
         self._stub = profile_store_pb2_grpc.ProfileStoreStub(self._channel)
 
     async def put_kernel_profile(self, profile: KernelProfile) -> object:

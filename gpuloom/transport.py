@@ -1,0 +1,272 @@
+"""How a gpuloom process calls a gRPC service: over TLS when GPULOOM_TLS_CA_FILE is set
+(mutual TLS when it also holds a certificate), with the bearer token of GPULOOM_AUTH_TOKEN or
+GPULOOM_AUTH_TOKEN_FILE in each call's `authorization` header. The services' outgoing channels
+and the clients (CLI included) open their channels here, so both follow the same settings.
+
+What a service accepts (its certificate, the table of tokens, who may call what) is the server
+side, services/common/auth.py; docs/security.md tells how to deploy them together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import grpc
+from pydantic import ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+AUTHORIZATION = "authorization"  # the metadata key of the bearer token (lower case in gRPC)
+MAX_TOKEN_CHARS = 512
+ChannelOptions = Sequence[tuple[str, Any]]
+
+
+class TransportConfigError(ValueError):
+    """A GPULOOM_TLS_* or GPULOOM_AUTH_* setting is wrong; the message names the variable."""
+
+
+class TransportSettings(BaseSettings):
+    """GPULOOM_TLS_* and GPULOOM_AUTH_*: read by every process, server and client alike."""
+
+    model_config = SettingsConfigDict(env_prefix="GPULOOM_", extra="ignore")
+
+    # This process's certificate chain and private key (PEM): a service's server certificate,
+    # and the client certificate its outgoing calls present (mutual TLS).
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # The CA bundle (PEM) that verifies the other side: servers verify client certificates
+    # with it, clients verify servers. Setting it turns TLS on for outgoing calls.
+    tls_ca_file: str = ""
+    # Servers with a certificate: require and verify a client certificate (mutual TLS).
+    tls_client_auth: bool = True
+    # Outgoing calls: check the server's certificate for this name instead of the address's
+    # host (e.g. when calling by IP a certificate that names hosts).
+    tls_server_name: str = ""
+    # The bearer token outgoing calls send (or the file holding it, first line).
+    auth_token: str = ""
+    auth_token_file: str = ""
+    # Servers: the table of accepted tokens (ROLE NAME TOKEN per line); empty: no tokens.
+    auth_tokens_file: str = ""
+
+    @field_validator(
+        "tls_cert_file", "tls_key_file", "tls_ca_file", "auth_token_file", "auth_tokens_file"
+    )
+    @classmethod
+    def _readable(cls, path: str) -> str:
+        if path:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as error:
+                raise ValueError(f"cannot read {path}: {error.strerror}") from None
+        return path
+
+    @field_validator("auth_token")
+    @classmethod
+    def _token_chars(cls, token: str) -> str:
+        check_token_text(token)
+        return token
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TransportSettings:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("GPULOOM_TLS_CERT_FILE and GPULOOM_TLS_KEY_FILE go together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError(
+                "GPULOOM_TLS_CA_FILE is needed with GPULOOM_TLS_CERT_FILE (it verifies peers)"
+            )
+        if self.auth_token and self.auth_token_file:
+            raise ValueError("set GPULOOM_AUTH_TOKEN or GPULOOM_AUTH_TOKEN_FILE, not both")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether outgoing calls use TLS."""
+        return bool(self.tls_ca_file)
+
+    def token(self) -> str:
+        """The bearer token outgoing calls send ("" for none)."""
+        if not self.auth_token_file:
+            return self.auth_token
+        where = f"GPULOOM_AUTH_TOKEN_FILE ({self.auth_token_file})"
+        try:
+            with open(self.auth_token_file, encoding="utf-8", errors="replace") as file:
+                token = file.readline().strip()
+            if not token:
+                raise ValueError("its first line is empty")
+            check_token_text(token)
+        except OSError as error:
+            raise TransportConfigError(f"{where}: cannot read: {error.strerror}") from None
+        except ValueError as error:
+            raise TransportConfigError(f"{where}: {error}") from None
+        return token
+
+
+def check_token_text(token: str) -> None:
+    """A token is printable ASCII without spaces (it travels in a header)."""
+    if len(token) > MAX_TOKEN_CHARS:
+        raise ValueError(f"a token has at most {MAX_TOKEN_CHARS} characters")
+    if not all("!" <= c <= "~" for c in token):
+        raise ValueError("a token is printable ASCII without spaces")
+
+
+def load_settings() -> TransportSettings:
+    """The settings from the environment; TransportConfigError naming each wrong variable."""
+    try:
+        return TransportSettings()
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            where = "_".join(str(part) for part in item["loc"]).upper()
+            message = item["msg"].removeprefix("Value error, ")
+            problems.append(f"GPULOOM_{where}: {message}" if where else message)
+        raise TransportConfigError("invalid configuration: " + "; ".join(problems)) from None
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+def channel_credentials(settings: TransportSettings) -> grpc.ChannelCredentials:
+    key = read_bytes(settings.tls_key_file) if settings.tls_key_file else None
+    chain = read_bytes(settings.tls_cert_file) if settings.tls_cert_file else None
+    return grpc.ssl_channel_credentials(read_bytes(settings.tls_ca_file), key, chain)
+
+
+def _options(settings: TransportSettings, options: ChannelOptions) -> list[tuple[str, Any]]:
+    result = list(options)
+    if settings.tls and settings.tls_server_name:
+        result.append(("grpc.ssl_target_name_override", settings.tls_server_name))
+    return result
+
+
+class _Details(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+def _with_token(metadata: Any, token: str) -> list[tuple[str, str]]:
+    return [*(metadata or ()), (AUTHORIZATION, f"Bearer {token}")]
+
+
+class _SyncToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the bearer token to every call of a blocking channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, details: Any) -> _Details:
+        return _Details(
+            details.method,
+            details.timeout,
+            _with_token(details.metadata, self._token),
+            details.credentials,
+            getattr(details, "wait_for_ready", None),
+            getattr(details, "compression", None),
+        )
+
+    def intercept_unary_unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Callable, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation: Callable, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+def _aio_details(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    return grpc.aio.ClientCallDetails(
+        details.method,
+        details.timeout,
+        _with_token(details.metadata, token),
+        details.credentials,
+        details.wait_for_ready,
+    )
+
+
+class _AioUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_aio_details(details, self._token), request)
+
+
+class _AioUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(_aio_details(details, self._token), request)
+
+
+class _AioStreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_aio_details(details, self._token), requests)
+
+
+class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return await continuation(_aio_details(details, self._token), requests)
+
+
+_AIO_INTERCEPTORS = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+
+
+def open_channel(
+    address: str, options: ChannelOptions = (), settings: TransportSettings | None = None
+) -> grpc.Channel:
+    """A blocking channel to `address`, with TLS and the token as the settings (by default
+    the environment's) say."""
+    settings = settings or load_settings()
+    opts = _options(settings, options)
+    if settings.tls:
+        channel = grpc.secure_channel(address, channel_credentials(settings), options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    token = settings.token()
+    return grpc.intercept_channel(channel, _SyncToken(token)) if token else channel
+
+
+def open_aio_channel(
+    address: str, options: ChannelOptions = (), settings: TransportSettings | None = None
+) -> grpc.aio.Channel:
+    """An asyncio channel to `address`, as `open_channel`."""
+    settings = settings or load_settings()
+    opts = _options(settings, options)
+    token = settings.token()
+    interceptors: list[grpc.aio.ClientInterceptor] = (
+        [
+            _AioUnaryUnary(token),
+            _AioUnaryStream(token),
+            _AioStreamUnary(token),
+            _AioStreamStream(token),
+        ]
+        if token
+        else []
+    )
+    if settings.tls:
+        return grpc.aio.secure_channel(
+            address, channel_credentials(settings), options=opts, interceptors=interceptors
+        )
+    return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
