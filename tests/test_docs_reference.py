@@ -20,6 +20,7 @@ from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.settings import ProfilerSettings
+from gpuloom.transport import TransportSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGURATION = ROOT / "docs" / "configuration.md"
@@ -29,6 +30,7 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     ProfilerSettings,
     PlacementSettings,
     DispatcherSettings,
+    TransportSettings,
 )
 PYTHON_CODE = ("clients", "gpuloom", "services")
 SOURCES = (*PYTHON_CODE, "shim/src", "shim/fake", "examples", "scripts")
