@@ -157,6 +157,13 @@ def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: P
     help="Replay the pods' creation and deletion times instead (pods leave; pods that do not "
     "fit wait): allocation over time and queueing delay.",
 )
+@click.option(
+    "--compress",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --replay: divide the creation times by this (arrivals this many times faster, "
+    "lifetimes kept).  [default: 1]",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per (policy, seed).")
 @click.option(
     "--plot",
@@ -172,6 +179,7 @@ def fleet(
     repeat: int,
     inflate: float | None,
     replay_times: bool,
+    compress: float | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -180,6 +188,9 @@ def fleet(
     at the list's own creation times, each leaving after its lifetime."""
     if replay_times and inflate is not None:
         click.echo("error: --inflate is for the FGD protocol; --replay takes no clones", err=True)
+        sys.exit(2)
+    if compress is not None and not replay_times:
+        click.echo("error: --compress is for --replay", err=True)
         sys.exit(2)
     try:
         chosen = [get_fleet_policy(name) for name in policies]
@@ -195,7 +206,7 @@ def fleet(
         replays = []
         for name, policy in zip(policies, chosen, strict=True):
             for s in range(seed, seed + max(repeat, 1)):
-                run = replay(nodes, workload, lifetimes, policy, s)
+                run = replay(nodes, workload, lifetimes, policy, s, compress or 1.0)
                 replays.append(run)
                 if as_json:
                     click.echo(json.dumps({**run.summary(), "policy": name}))
@@ -319,7 +330,7 @@ def _plot_replays(runs: list[ReplayRun], names: tuple[str, ...], out: Path) -> N
         y = [sum(r.curve[i][1] for r in group) / len(group) for i in range(len(x))]
         mean = sum(r.alloc_pct_mean for r in group) / len(group)
         axes.plot(x, y, label=f"{name} (mean {mean:.2f}%)")
-    axes.set_xlabel("trace time, days")
+    axes.set_xlabel("time, days (creation times divided by --compress)")
     axes.set_ylabel("GPU allocated, % of capacity")
     axes.set_title(f"replay, mean over {len(next(iter(by_name.values())))} seed(s)")
     axes.grid(alpha=0.3)

@@ -258,6 +258,7 @@ class ReplayRun:
 
     policy: str
     seed: int
+    compress: float
     pods: int
     placed_pods: int
     failed_pods: int  # fit on no node even when the fleet is empty (every other pod is placed)
@@ -285,10 +286,13 @@ def replay(
     lifetimes: list[tuple[int, int]],
     policy: FleetPolicy,
     seed: int,
+    compress: float = 1.0,
 ) -> ReplayRun:
     """Replay the pod list's own times on a fresh fleet: each pod arrives at its creation time
     and, once placed, holds its resources for its lifetime in the trace (deletion - creation):
     a pod placed on arrival leaves at its deletion time, one that waited leaves that much later.
+    `compress` > 1 divides the creation times (arrivals come that many times faster, lifetimes
+    stay): the load grows by that factor.
     A pod that does not fit waits; whenever pods leave, the waiting pods that may fit on the
     nodes they freed are tried again, oldest first. Waiting pods are kept by shape: a pod is
     tried only if the freed nodes could hold its shape, and a shape whose oldest waiting pod
@@ -297,19 +301,22 @@ def replay(
     the end (the fleet is empty once the last pod leaves). The seed breaks ties."""
     if len(lifetimes) != len(workload.pods):
         raise ValueError("one lifetime per pod of the workload")
+    if not compress > 0:
+        raise ValueError(f"compress must be > 0, got {compress}")
+    arrive_at = [created / compress for created, _ in lifetimes]
     rng = np.random.default_rng(seed)
     state = FleetState(nodes, workload.shapes, workload.weights)
     capacity = max(state.gpu_capacity, 1)
     possible = [bool(state.fits(q).any()) for q in range(len(workload.shapes))]
-    order = sorted(range(len(lifetimes)), key=lambda i: (lifetimes[i][0], i))
+    order = sorted(range(len(lifetimes)), key=lambda i: (arrive_at[i], i))
     waiting: dict[int, deque[int]] = {}  # shape -> pods waiting, oldest first
-    leaving: list[tuple[int, int, int, int, tuple[int, ...]]] = []  # (time, pod, node, q, gpus)
-    delays: list[int] = []
-    steps: list[tuple[int, int]] = []  # (time, GPU milli allocated from then on)
+    leaving: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (time, pod, node, q, gpus)
+    delays: list[float] = []
+    steps: list[tuple[float, int]] = []  # (time, GPU milli allocated from then on)
     failed = tried = 0
     start = time.perf_counter()
 
-    def place(pod: int, q: int, now: int) -> bool:
+    def place(pod: int, q: int, now: float) -> bool:
         nonlocal tried
         tried += 1
         choice = policy.choose(state, q, rng)
@@ -318,10 +325,10 @@ def replay(
         state.commit(choice.node, q, choice.gpus)
         created, deleted = lifetimes[pod]
         heapq.heappush(leaving, (now + deleted - created, pod, choice.node, q, choice.gpus))
-        delays.append(now - created)
+        delays.append(now - arrive_at[pod])
         return True
 
-    def retry(freed: set[int], now: int) -> None:
+    def retry(freed: set[int], now: float) -> None:
         heads = [
             (queue[0], q)
             for q, queue in waiting.items()
@@ -342,7 +349,7 @@ def replay(
     arrival = 0
     while arrival < len(order) or leaving:
         now = min(
-            lifetimes[order[arrival]][0] if arrival < len(order) else math.inf,
+            arrive_at[order[arrival]] if arrival < len(order) else math.inf,
             leaving[0][0] if leaving else math.inf,
         )
         freed: set[int] = set()
@@ -352,7 +359,7 @@ def replay(
             freed.add(n)
         if freed and waiting:
             retry(freed, now)
-        while arrival < len(order) and lifetimes[order[arrival]][0] == now:
+        while arrival < len(order) and arrive_at[order[arrival]] == now:
             pod = order[arrival]
             arrival += 1
             q = workload.pods[pod]
@@ -368,8 +375,8 @@ def replay(
     assert not waiting, "the last pod to leave emptied the fleet: every pod that fits waits no more"
     times = np.array([t for t, _ in steps], dtype=np.float64)
     allocated = np.array([a for _, a in steps], dtype=np.float64) / capacity * 100
-    first = lifetimes[order[0]][0] if order else 0
-    last = lifetimes[order[-1]][0] if order else 0
+    first = arrive_at[order[0]] if order else 0.0
+    last = arrive_at[order[-1]] if order else 0.0
     mean = _time_mean(times, allocated, first, last)
     samples = np.linspace(first, times[-1], REPLAY_SAMPLES) if len(times) else np.array([])
     at = np.maximum(np.searchsorted(times, samples, side="right") - 1, 0)
@@ -377,6 +384,7 @@ def replay(
     return ReplayRun(
         policy=policy.name,
         seed=seed,
+        compress=compress,
         pods=len(lifetimes),
         placed_pods=len(delays),
         failed_pods=failed,

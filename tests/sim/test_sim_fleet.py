@@ -318,3 +318,24 @@ def test_replay_bad_input_exits_2(
 ) -> None:
     result = run_cli(tmp_path, REPLAY_NODES, pods, "--replay", *args)
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_replay_compress_brings_arrivals_closer_and_pods_wait() -> None:
+    nodes = [node("n0", 1)]
+    pods = [PodShape(1000, 1024, 1, 1000)] * 2
+    lifetimes = [(0, 60), (100, 160)]  # 60 s each, 100 s apart: never together
+    workload = Workload.of(pods)
+    policy = get_policy("bestfit")
+    own = replay(nodes, workload, lifetimes, policy, seed=0)
+    assert own.queued_pods == 0 and own.alloc_pct_peak == 100
+    assert own.alloc_pct_mean == pytest.approx(60.0)  # busy 60 of the 100 s of arrivals
+    faster = replay(nodes, workload, lifetimes, policy, seed=0, compress=2)
+    # The second pod now arrives at 50 while the first holds the GPU until 60.
+    assert faster.queued_pods == 1 and faster.delay_max_s == 10
+    assert faster.curve[-1] == (120.0, 0.0)  # it leaves 60 s after it started, at 120
+    with pytest.raises(ValueError, match="compress"):
+        replay(nodes, workload, lifetimes, policy, seed=0, compress=0)
+    result = CliRunner().invoke(
+        cli, ["sim", "fleet", "--nodes", "x", "--pods", "y", "--compress", "2"]
+    )
+    assert result.exit_code == 2 and "--compress is for --replay" in result.output

@@ -313,6 +313,8 @@ class Scheduler:
 
     def _freed(self, gpu_id: str) -> None:
         """Mark dirty the buckets whose request the GPU can hold now."""
+        if not self._buckets:
+            return
         slot = self.fleet.slot(gpu_id)
         if not slot.schedulable:
             return
