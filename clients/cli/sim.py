@@ -325,12 +325,16 @@ def _plot_replays(runs: list[ReplayRun], names: tuple[str, ...], out: Path) -> N
     by_name: dict[str, list[ReplayRun]] = {}
     for name, run in zip(_labels(runs, names), runs, strict=True):
         by_name.setdefault(name, []).append(run)
+    span = max((r.curve[-1][0] - r.curve[0][0] for r in runs if r.curve), default=0.0)
+    unit, seconds = next(
+        (u, s) for u, s in (("days", 86400), ("hours", 3600), ("s", 1)) if span >= 2 * s or s == 1
+    )
     for name, group in by_name.items():
-        x = [t / 86400 for t, _ in group[0].curve]
+        x = [t / seconds for t, _ in group[0].curve]
         y = [sum(r.curve[i][1] for r in group) / len(group) for i in range(len(x))]
         mean = sum(r.alloc_pct_mean for r in group) / len(group)
         axes.plot(x, y, label=f"{name} (mean {mean:.2f}%)")
-    axes.set_xlabel("time, days (creation times divided by --compress)")
+    axes.set_xlabel(f"time, {unit} (creation times divided by --compress)")
     axes.set_ylabel("GPU allocated, % of capacity")
     axes.set_title(f"replay, mean over {len(next(iter(by_name.values())))} seed(s)")
     axes.grid(alpha=0.3)

@@ -271,7 +271,8 @@ class ReplayRun:
     alloc_pct_peak: float
     wall_s: float
     decisions_per_s: float
-    curve: tuple[tuple[float, float], ...]  # (time s, allocated % of GPU capacity)
+    # (time s, allocated % of GPU capacity) from the first arrival to the last
+    curve: tuple[tuple[float, float], ...]
 
     def summary(self) -> dict[str, object]:
         """The fields of `--json` (all but the curve)."""
@@ -378,7 +379,8 @@ def replay(
     first = arrive_at[order[0]] if order else 0.0
     last = arrive_at[order[-1]] if order else 0.0
     mean = _time_mean(times, allocated, first, last)
-    samples = np.linspace(first, times[-1], REPLAY_SAMPLES) if len(times) else np.array([])
+    # The curve covers the arrivals, as the mean does (what follows is the fleet draining).
+    samples = np.linspace(first, last, REPLAY_SAMPLES) if len(times) else np.array([])
     at = np.maximum(np.searchsorted(times, samples, side="right") - 1, 0)
     d = np.array(delays, dtype=np.float64)
     return ReplayRun(

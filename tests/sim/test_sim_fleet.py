@@ -270,8 +270,8 @@ def test_replay_pods_leave_and_waiting_pods_get_freed_capacity_oldest_first() ->
     # 50% from 0, 100% from 10 until after the last arrival (30): time-weighted 83.33%.
     assert run.alloc_pct_mean == pytest.approx((10 * 50 + 20 * 100) / 30, abs=1e-3)
     assert run.alloc_pct_peak == 100
-    curve = dict(run.curve)
-    assert curve[0.0] == 50 and run.curve[-1] == (110.0, 0.0)  # empty once d left at 110
+    # The curve spans the arrivals: 50% at 0, full at the last arrival (30).
+    assert run.curve[0] == (0.0, 50.0) and run.curve[-1] == (30.0, 100.0)
 
 
 def test_replay_tries_only_the_shapes_a_departure_can_take() -> None:
@@ -332,7 +332,8 @@ def test_replay_compress_brings_arrivals_closer_and_pods_wait() -> None:
     faster = replay(nodes, workload, lifetimes, policy, seed=0, compress=2)
     # The second pod now arrives at 50 while the first holds the GPU until 60.
     assert faster.queued_pods == 1 and faster.delay_max_s == 10
-    assert faster.curve[-1] == (120.0, 0.0)  # it leaves 60 s after it started, at 120
+    assert faster.curve[-1] == (50.0, 100.0)  # at the second arrival the first still runs
+    assert faster.delay_mean_s == 5  # 0 and 10
     with pytest.raises(ValueError, match="compress"):
         replay(nodes, workload, lifetimes, policy, seed=0, compress=0)
     result = CliRunner().invoke(
