@@ -146,7 +146,10 @@ class Scheduler:
         return bool(self._dirty)
 
     def reason(self, job_id: str) -> str | None:
-        """Why a waiting job waits; None if it is not waiting."""
+        """Why a waiting job waits: the reason last given for its request (every job of one
+        bucket shares it; a job enqueued with its own reason, as by `bind_failed`, sets it until
+        the bucket is tried, and a try that changes it lists every job of the bucket in the
+        `Round`). None if the job is not waiting."""
         entry = self._waiting.get(job_id)
         return None if entry is None else self._buckets[entry[1]].reason
 
