@@ -19,7 +19,16 @@ from gpuloom.policies.fleet.registry import get_policy as get_fleet_policy
 from gpuloom.policies.registry import UnknownPolicyError
 from gpuloom.policies.training.registry import POLICIES as TRAINING_POLICIES
 from gpuloom.policies.training.registry import get_policy as get_training_policy
-from gpuloom.sim.fleet import FleetInputError, FleetRun, Workload, parse_nodes, parse_pods
+from gpuloom.sim.fleet import (
+    FleetInputError,
+    FleetRun,
+    ReplayRun,
+    Workload,
+    parse_lifetimes,
+    parse_nodes,
+    parse_pods,
+    replay,
+)
 from gpuloom.sim.fleet import simulate as simulate_fleet
 from gpuloom.sim.kernels import MODES, ModeResult, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
@@ -150,16 +159,30 @@ def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: P
 @click.option("--repeat", default=1, show_default=True, help="Seeds seed..seed+K-1.")
 @click.option(
     "--inflate",
-    default=1.3,
-    show_default=True,
+    default=None,
     type=click.FloatRange(min=0, min_open=True),
-    help="Arrivals until GPU requests reach this x the GPU capacity.",
+    help="Arrivals until GPU requests reach this x the GPU capacity.  [default: 1.3]",
+)
+@click.option(
+    "--replay",
+    "replay_times",
+    is_flag=True,
+    help="Replay the pods' creation and deletion times instead (pods leave; pods that do not "
+    "fit wait): allocation over time and queueing delay.",
+)
+@click.option(
+    "--compress",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="With --replay: divide the creation times by this (arrivals this many times faster, "
+    "lifetimes kept).  [default: 1]",
 )
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per (policy, seed).")
 @click.option(
     "--plot",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Draw allocation against arrived demand per policy into this PNG.",
+    help="Draw allocation against arrived demand (with --replay: against time) per policy "
+    "into this PNG.",
 )
 def fleet(
     nodes_csv: Path,
@@ -167,20 +190,45 @@ def fleet(
     policies: tuple[str, ...],
     seed: int,
     repeat: int,
-    inflate: float,
+    inflate: float | None,
+    replay_times: bool,
+    compress: float | None,
     as_json: bool,
     plot: Path | None,
 ) -> None:
     """Place the pods of POD list on the NODES list, one at a time, none leaving (the FGD
-    paper's protocol: shuffled list, then clones up to INFLATE x GPU capacity)."""
+    paper's protocol: shuffled list, then clones up to INFLATE x GPU capacity); with --replay,
+    at the list's own creation times, each leaving after its lifetime."""
+    if replay_times and inflate is not None:
+        click.echo("error: --inflate is for the FGD protocol; --replay takes no clones", err=True)
+        sys.exit(2)
+    if compress is not None and not replay_times:
+        click.echo("error: --compress is for --replay", err=True)
+        sys.exit(2)
     try:
         chosen = [get_fleet_policy(name) for name in policies]
         nodes = parse_nodes(_read(nodes_csv), str(nodes_csv))
-        pods = parse_pods(_read(pods_csv), str(pods_csv), {n.model for n in nodes})
+        pods_text = _read(pods_csv)
+        pods = parse_pods(pods_text, str(pods_csv), {n.model for n in nodes})
+        lifetimes = parse_lifetimes(pods_text, str(pods_csv)) if replay_times else []
     except (FleetInputError, UnknownPolicyError) as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(2)
     workload = Workload.of(pods)
+    if replay_times:
+        replays = []
+        for name, policy in zip(policies, chosen, strict=True):
+            for s in range(seed, seed + max(repeat, 1)):
+                run = replay(nodes, workload, lifetimes, policy, s, compress or 1.0)
+                replays.append(run)
+                if as_json:
+                    click.echo(json.dumps({**run.summary(), "policy": name}))
+        if not as_json:
+            _print_replays(replays, policies)
+        if plot is not None:
+            _plot_replays(replays, policies, plot)
+        return
+    inflate = 1.3 if inflate is None else inflate
     runs = []
     for name, policy in zip(policies, chosen, strict=True):
         for s in range(seed, seed + max(repeat, 1)):
@@ -399,6 +447,57 @@ def _plot_training(runs: list[TrainingRun], out: Path) -> None:
     for axes in (used, cdf):
         axes.grid(alpha=0.3)
         axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(out, dpi=90)
+    plt.close(figure)
+
+
+def _print_replays(runs: list[ReplayRun], names: tuple[str, ...]) -> None:
+    rows = []
+    for name, run in zip(_labels(runs, names), runs, strict=True):
+        rows.append(
+            [
+                name,
+                str(run.seed),
+                f"{run.alloc_pct_mean:.2f}",
+                f"{run.alloc_pct_peak:.2f}",
+                f"{run.queued_pods}",
+                f"{run.delay_mean_s:g}",
+                f"{run.delay_p99_s:g}",
+                f"{run.delay_max_s:g}",
+                str(run.failed_pods),
+                f"{run.wall_s:.2f}",
+            ]
+        )
+    header = ["POLICY", "SEED", "ALLOC% MEAN", "ALLOC% PEAK", "QUEUED", "DELAY MEAN s"]
+    header += ["DELAY P99 s", "DELAY MAX s", "FAILED", "WALL s"]
+    click.echo(render_table(header, rows))
+
+
+def _plot_replays(runs: list[ReplayRun], names: tuple[str, ...], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    by_name: dict[str, list[ReplayRun]] = {}
+    for name, run in zip(_labels(runs, names), runs, strict=True):
+        by_name.setdefault(name, []).append(run)
+    span = max((r.curve[-1][0] - r.curve[0][0] for r in runs if r.curve), default=0.0)
+    unit, seconds = next(
+        (u, s) for u, s in (("days", 86400), ("hours", 3600), ("s", 1)) if span >= 2 * s or s == 1
+    )
+    for name, group in by_name.items():
+        x = [t / seconds for t, _ in group[0].curve]
+        y = [sum(r.curve[i][1] for r in group) / len(group) for i in range(len(x))]
+        mean = sum(r.alloc_pct_mean for r in group) / len(group)
+        axes.plot(x, y, label=f"{name} (mean {mean:.2f}%)")
+    axes.set_xlabel(f"time, {unit} (creation times divided by --compress)")
+    axes.set_ylabel("GPU allocated, % of capacity")
+    axes.set_title(f"replay, mean over {len(next(iter(by_name.values())))} seed(s)")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right", fontsize="small")
     figure.tight_layout()
     figure.savefig(out, dpi=90)
     plt.close(figure)

@@ -15,9 +15,11 @@ the file, the line and the column. Everything else is plain computation.
 from __future__ import annotations
 
 import csv
+import heapq
 import io
+import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -227,3 +229,189 @@ def simulate(
             for s, j in zip(steps, at, strict=True)
         ),
     )
+
+
+# ---- replay: the trace's own arrival and departure times ----
+
+TIME_COLUMNS = ("creation_time", "deletion_time")
+REPLAY_SAMPLES = 100  # points of the allocation-over-time curve
+
+
+def parse_lifetimes(text: str, source: str) -> list[tuple[int, int]]:
+    """(creation_time, deletion_time) of every pod of a pod list, in its order, for replay."""
+    lifetimes = []
+    for line, row in _rows(text, source, TIME_COLUMNS):
+        created = _int(row, "creation_time", source, line)
+        deleted = _int(row, "deletion_time", source, line)
+        if deleted < created:
+            raise FleetInputError(
+                f"{source}, line {line}, column deletion_time: {deleted} is before its "
+                f"creation_time {created}"
+            )
+        lifetimes.append((created, deleted))
+    return lifetimes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayRun:
+    """One replay of a pod list's own times. Times are the trace's (seconds)."""
+
+    policy: str
+    seed: int
+    compress: float
+    pods: int
+    placed_pods: int
+    failed_pods: int  # fit on no node even when the fleet is empty (every other pod is placed)
+    queued_pods: int  # placed, after waiting
+    delay_mean_s: float  # over the placed pods (those placed on arrival count 0)
+    delay_p50_s: float
+    delay_p99_s: float
+    delay_max_s: float
+    alloc_pct_mean: float  # time-weighted, from the first arrival to the last
+    alloc_pct_peak: float
+    wall_s: float
+    decisions_per_s: float
+    # (time s, allocated % of GPU capacity) from the first arrival to the last
+    curve: tuple[tuple[float, float], ...]
+
+    def summary(self) -> dict[str, object]:
+        """The fields of `--json` (all but the curve)."""
+        fields = asdict(self)
+        del fields["curve"]
+        return fields
+
+
+def replay(
+    nodes: list[NodeSpec],
+    workload: Workload,
+    lifetimes: list[tuple[int, int]],
+    policy: FleetPolicy,
+    seed: int,
+    compress: float = 1.0,
+) -> ReplayRun:
+    """Replay the pod list's own times on a fresh fleet: each pod arrives at its creation time
+    and, once placed, holds its resources for its lifetime in the trace (deletion - creation):
+    a pod placed on arrival leaves at its deletion time, one that waited leaves that much later.
+    `compress` > 1 divides the creation times (arrivals come that many times faster, lifetimes
+    stay): the load grows by that factor.
+    A pod that does not fit waits; whenever pods leave, the waiting pods that may fit on the
+    nodes they freed are tried again, oldest first. Waiting pods are kept by shape: a pod is
+    tried only if the freed nodes could hold its shape, and a shape whose oldest waiting pod
+    does not fit is not tried further in that round (the others ask exactly the same). A pod
+    whose shape fits no node of an empty fleet fails on arrival; every other pod is placed in
+    the end (the fleet is empty once the last pod leaves). The seed breaks ties."""
+    if len(lifetimes) != len(workload.pods):
+        raise ValueError("one lifetime per pod of the workload")
+    if not compress > 0:
+        raise ValueError(f"compress must be > 0, got {compress}")
+    arrive_at = [created / compress for created, _ in lifetimes]
+    rng = np.random.default_rng(seed)
+    state = FleetState(nodes, workload.shapes, workload.weights)
+    capacity = max(state.gpu_capacity, 1)
+    possible = [bool(state.fits(q).any()) for q in range(len(workload.shapes))]
+    order = sorted(range(len(lifetimes)), key=lambda i: (arrive_at[i], i))
+    waiting: dict[int, deque[int]] = {}  # shape -> pods waiting, oldest first
+    leaving: list[tuple[float, int, int, int, tuple[int, ...]]] = []  # (time, pod, node, q, gpus)
+    delays: list[float] = []
+    steps: list[tuple[float, int]] = []  # (time, GPU milli allocated from then on)
+    failed = tried = 0
+    start = time.perf_counter()
+
+    def place(pod: int, q: int, now: float) -> bool:
+        nonlocal tried
+        tried += 1
+        choice = policy.choose(state, q, rng)
+        if choice is None:
+            return False
+        state.commit(choice.node, q, choice.gpus)
+        created, deleted = lifetimes[pod]
+        heapq.heappush(leaving, (now + deleted - created, pod, choice.node, q, choice.gpus))
+        delays.append(now - arrive_at[pod])
+        return True
+
+    def retry(freed: set[int], now: float) -> None:
+        heads = [
+            (queue[0], q)
+            for q, queue in waiting.items()
+            if any(state.fits_node(n, q) for n in freed)
+        ]
+        heapq.heapify(heads)
+        while heads:
+            _, q = heapq.heappop(heads)
+            queue = waiting[q]
+            if not place(queue[0], q, now):
+                continue  # the rest of this shape cannot fit either
+            queue.popleft()
+            if queue:
+                heapq.heappush(heads, (queue[0], q))
+            else:
+                del waiting[q]
+
+    arrival = 0
+    while arrival < len(order) or leaving:
+        now = min(
+            arrive_at[order[arrival]] if arrival < len(order) else math.inf,
+            leaving[0][0] if leaving else math.inf,
+        )
+        freed: set[int] = set()
+        while leaving and leaving[0][0] == now:
+            _, _, n, q, gpus = heapq.heappop(leaving)
+            state.release(n, q, gpus)
+            freed.add(n)
+        if freed and waiting:
+            retry(freed, now)
+        while arrival < len(order) and arrive_at[order[arrival]] == now:
+            pod = order[arrival]
+            arrival += 1
+            q = workload.pods[pod]
+            if not possible[q]:
+                failed += 1
+            elif q in waiting:  # its elders of the same shape wait: so does it
+                waiting[q].append(pod)
+            elif not place(pod, q, now):
+                waiting[q] = deque([pod])
+        steps.append((now, state.gpu_allocated))
+    wall = time.perf_counter() - start
+
+    assert not waiting, "the last pod to leave emptied the fleet: every pod that fits waits no more"
+    times = np.array([t for t, _ in steps], dtype=np.float64)
+    allocated = np.array([a for _, a in steps], dtype=np.float64) / capacity * 100
+    first = arrive_at[order[0]] if order else 0.0
+    last = arrive_at[order[-1]] if order else 0.0
+    mean = _time_mean(times, allocated, first, last)
+    # The curve covers the arrivals, as the mean does (what follows is the fleet draining).
+    samples = np.linspace(first, last, REPLAY_SAMPLES) if len(times) else np.array([])
+    at = np.maximum(np.searchsorted(times, samples, side="right") - 1, 0)
+    d = np.array(delays, dtype=np.float64)
+    return ReplayRun(
+        policy=policy.name,
+        seed=seed,
+        compress=compress,
+        pods=len(lifetimes),
+        placed_pods=len(delays),
+        failed_pods=failed,
+        queued_pods=int((d > 0).sum()),
+        delay_mean_s=round(float(d.mean()), 1) if len(d) else 0.0,
+        delay_p50_s=round(float(np.percentile(d, 50)), 1) if len(d) else 0.0,
+        delay_p99_s=round(float(np.percentile(d, 99)), 1) if len(d) else 0.0,
+        delay_max_s=round(float(d.max()), 1) if len(d) else 0.0,
+        alloc_pct_mean=round(mean, 3),
+        alloc_pct_peak=round(float(allocated.max()), 3) if len(allocated) else 0.0,
+        wall_s=round(wall, 3),
+        decisions_per_s=round(tried / wall, 1) if wall > 0 else 0.0,
+        curve=tuple(
+            (round(float(t), 1), round(float(allocated[j]), 3))
+            for t, j in zip(samples, at, strict=True)
+        ),
+    )
+
+
+def _time_mean(times: np.ndarray, values: np.ndarray, first: float, last: float) -> float:
+    """The time-weighted mean over [first, last] of a step function that takes values[i] from
+    times[i] on; the value at `first` when the span is empty."""
+    if not len(times):
+        return 0.0
+    if last <= first:
+        return float(values[max(int(np.searchsorted(times, first, side="right")) - 1, 0)])
+    edges = np.clip(np.append(times, last), first, last)
+    return float((values * np.diff(edges)).sum() / (last - first))

@@ -159,7 +159,7 @@ class PlacementCore:
         async with self.jobs.lock:
             again = await self.inventory.register(info, dispatcher_address, self._clock())
             self.inventory.set_direct(info.gpu_uuid, direct)
-            self.jobs.capacity_changed()
+            self.jobs.capacity_changed(info.gpu_uuid)
         self.jobs.wake()
         log.info(
             "GPU registered",
@@ -190,7 +190,7 @@ class PlacementCore:
                 if down:
                     await self.inventory.revive(record)
                 self.inventory.set_direct(gpu_uuid, direct)
-                self.jobs.capacity_changed()
+                self.jobs.capacity_changed(gpu_uuid)
             self.jobs.wake()
         return self.jobs.stale(gpu_uuid, assignment_ids)
 

@@ -1,7 +1,12 @@
 """Placement's jobs and its decisions: submissions and ends are queued, decided in batches by
-one task against the inventory's `Fleet`, written in one transaction, and only then bound on
-the dispatchers (reserve-then-bind). A bind that fails gives the capacity back and leaves the
-job pending with the reason; the GPU takes no new job until its next heartbeat.
+one task, written in one transaction, and only then bound on the dispatchers (reserve-then-bind).
+A bind that fails gives the capacity back and leaves the job pending with the reason; the GPU
+takes no new job until its next heartbeat.
+
+Which job goes where, and which waits, is the pure `Scheduler`'s
+(gpuloom/policies/placement/scheduler.py) on the inventory's `Fleet`: this module turns jobs
+into its asks and its answers into job revisions, and keeps what is not pure around it (the
+database, the dispatchers, the watchers, the submitters waiting for their answer).
 
 `Decisions` is also the `JobLedger` its MIG batches work through (mig_batches.py): MIG batch
 tasks are written PENDING by the same decision batches, then collected into MIG batches.
@@ -31,18 +36,12 @@ from gpuloom.domain.errors import (
     Unavailable,
 )
 from gpuloom.domain.placement import JobSpec, JobState
-from gpuloom.policies.placement import (
-    POLICIES,
-    JobRequest,
-    PlacementPolicy,
-    Unplaceable,
-    get_policy,
-)
+from gpuloom.policies.placement import POLICIES, JobRequest, get_policy
+from gpuloom.policies.placement.scheduler import Ask, Placed, Round, Scheduler
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
 from gpuloom.services.placement.domain import JOB_ID_PREFIX, Binding, Job, validate_request_id
 from gpuloom.services.placement.inventory import Inventory
-from gpuloom.services.placement.ledger import LiveJobs
 from gpuloom.services.placement.mig_batches import WAITING, MigBatchConfig, MigBatches
 from gpuloom.services.placement.paging import decode_seq, encode_token
 from gpuloom.services.placement.profiles import KernelTimesCache, ProfileSource
@@ -97,20 +96,22 @@ class Decisions:
         self._repo = repository
         self._dispatchers = dispatchers
         self._inventory = inventory
-        self._fleet = inventory.fleet
-        self._default_policy = default_policy
         self._max_batch = max_batch
         self._clock = clock
-        self._live = LiveJobs()
-        self._policies: dict[str, PlacementPolicy] = {name: get_policy(name) for name in POLICIES}
+        self._live: dict[str, Job] = {}
         self._kernel_times = KernelTimesCache(profiles, clock)
+        self.scheduler = Scheduler(
+            {name: get_policy(name) for name in POLICIES},
+            default_policy,
+            fleet=inventory.fleet,
+            context=self._kernel_times.context,
+        )
         self._watchers: dict[str, set[asyncio.Queue[Job]]] = defaultdict(set)
         self._lock = asyncio.Lock()  # one writer of fleet + database at a time
         self._queue: list[_Submission] = []
         self._ends: list[_Ending] = []
         self._unsaved: dict[str, Job] = {}  # bindings not yet written (see _bind)
         self._wake = asyncio.Event()
-        self._retry_pending = False
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
@@ -127,7 +128,9 @@ class Decisions:
         if orphans:  # a GPU row vanished under its jobs: say so rather than forget them
             await self.finish(orphans, JobState.LOST, "its GPU is no longer registered")
         await self.mig.restore(list(self._live.values()))
-        self._retry_pending = True
+        for job in self._live.values():
+            if job.state is JobState.PENDING and not job.spec.is_mig_batch:
+                self.scheduler.restore(ask_of(job), job.pending_reason)
         rebind = [j for j in self._live.values() if j.state is JobState.BINDING]
         self._tasks = [
             asyncio.create_task(self._decide_loop(), name="placement-decide"),
@@ -170,9 +173,10 @@ class Decisions:
         """The jobs still pending or holding capacity, by id (read-only)."""
         return MappingProxyType(self._live)
 
-    def capacity_changed(self) -> None:
-        """GPUs came or came back (under the lock): try the pending jobs again."""
-        self._retry_pending = True
+    def capacity_changed(self, gpu_uuid: str | None = None) -> None:
+        """A GPU came, came back or changed (under the lock): try the pending jobs it may
+        take now."""
+        self.scheduler.capacity_changed(gpu_uuid)
 
     def wake(self) -> None:
         self._wake.set()
@@ -319,14 +323,14 @@ class Decisions:
 
     async def _decide_loop(self) -> None:
         while True:
-            if not (self._queue or self._ends or self._retry_pending):
+            if not (self._queue or self._ends or self.scheduler.wants_decide):
                 # Bindings are written with the next batch, or after a short quiet spell.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(
                         self._wake.wait(), RECORD_DELAY_S if self._unsaved else None
                     )
                 self._wake.clear()
-            if not (self._queue or self._ends or self._retry_pending or self._unsaved):
+            if not (self._queue or self._ends or self.scheduler.wants_decide or self._unsaved):
                 continue
             batch = self._queue[: self._max_batch]
             del self._queue[: len(batch)]
@@ -347,8 +351,7 @@ class Decisions:
             now = self._clock()
             endings = await self._take_ends(list(ends), now)
             ending = {before.job_id for _, before, _ in endings}
-            retried = self._place_pending(now, ending) if self._retry_pending else []
-            self._retry_pending = False
+            retried = self._retry(now, ending)
             fresh: dict[str, Job] = {}  # request id -> the job this batch makes of it
             waiting: list[tuple[_Submission, Job]] = []
             for submission in batch:
@@ -373,10 +376,10 @@ class Decisions:
             try:
                 taken = await self._repo.write(list(fresh.values()), [*changed, *unsaved, *ended])
             except BaseException:  # a failed write, or the service stopping in the middle
-                for job in (*fresh.values(), *changed):
-                    if job.state is JobState.BINDING:
-                        self._fleet.release(job.job_id)
+                for job in fresh.values():
+                    self.scheduler.take_back(job.job_id)
                 for job, before in retried:
+                    self.scheduler.take_back(job.job_id, ask_of(before), before.pending_reason)
                     self._live[job.job_id] = before
                 for job in unsaved:
                     self._unsaved.setdefault(job.job_id, job)
@@ -387,9 +390,7 @@ class Decisions:
                 self._retire(before, after)
                 end.done.set_result(after)
             for request_id in taken:  # submitted before: that job stands, this one never was
-                job = fresh.pop(request_id)
-                if job.state is JobState.BINDING:
-                    self._fleet.release(job.job_id)
+                self.scheduler.end(fresh.pop(request_id).job_id)
             prior = await self._repo.jobs_by_request_id(list(taken)) if taken else {}
             for job in (*fresh.values(), *changed):
                 self._live[job.job_id] = job
@@ -423,59 +424,50 @@ class Decisions:
             await self._answer(answers)
 
     def _place(self, job: Job, now: float) -> Job:
-        """Ask the job's policy for a place. A placed job is BINDING (its capacity is now
-        taken in the fleet); an unplaceable one stays PENDING with the reason. A MIG batch task
-        stays PENDING: the MIG batches take it from there."""
+        """A new job to the scheduler. A placed job is BINDING (its capacity is now taken in
+        the fleet); an unplaceable one stays PENDING with the reason. A MIG batch task stays
+        PENDING: the MIG batches take it from there."""
         if job.spec.is_mig_batch:
             return replace(job, pending_reason=WAITING)
-        if not len(self._fleet):
-            return replace(job, pending_reason="no GPU is registered yet")
-        spec = job.spec
-        request = JobRequest(
-            job_id=job.job_id,
-            sm_percent=spec.sm_percent,
-            quota_request_percent=spec.quota.request_percent,
-            memory_bytes=spec.memory_bytes,
-            quota_limit_percent=spec.quota.limit_percent,
-            priority=spec.priority,
-            gpu_model=spec.gpu_model,
-            task_key=spec.task_key,
-        )
-        decision = self._fleet.place(
-            request,
-            self._policies[spec.policy or self._default_policy],
-            self._kernel_times.context,
-        )
-        if isinstance(decision, Unplaceable):
-            return replace(job, pending_reason=decision.reason)
-        gpu = self._inventory.record(decision.gpu_id)
-        rect = decision.rect
+        decision = self.scheduler.submit(ask_of(job))
+        if isinstance(decision, Placed):
+            return self._binding(job, decision, now)
+        return replace(job, pending_reason=decision.reason)
+
+    def _binding(self, job: Job, placed: Placed, now: float) -> Job:
+        """The BINDING revision of a job the scheduler placed."""
+        placement = placed.placement
+        gpu = self._inventory.record(placement.gpu_id)
+        rect = placement.rect
         binding = Binding(
-            gpu_uuid=decision.gpu_id,
-            node=decision.node,
+            gpu_uuid=placement.gpu_id,
+            node=placement.node,
             dispatcher_address=gpu.dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=spec.memory_bytes,
+            memory_cap_bytes=job.spec.memory_bytes,
             token=secrets.token_urlsafe(32),
         )
         return job.advance(
-            now, state=JobState.BINDING, binding=binding, policy=decision.policy, pending_reason=""
+            now,
+            state=JobState.BINDING,
+            binding=binding,
+            policy=placement.policy,
+            pending_reason="",
         )
 
-    def _place_pending(self, now: float, ending: set[str]) -> list[tuple[Job, Job]]:
-        """Try every pending job again, highest priority and oldest first; returns
-        (placed job, job before) for those that found a place."""
+    def _retry(self, now: float, ending: set[str]) -> list[tuple[Job, Job]]:
+        """The pending jobs that may fit now, tried by the scheduler (not those ending);
+        returns (placed job, job before) for those that found a place."""
+        decided: Round = self.scheduler.decide(ending)
+        metrics.PENDING_TRIES.inc(decided.tried)
+        for waiting in decided.reasons:  # fresher reasons, kept in memory only
+            job = self._live.get(waiting.ask.job_id)
+            if job is not None and job.state is JobState.PENDING:
+                self._live[job.job_id] = replace(job, pending_reason=waiting.reason)
         placed = []
-        pending = sorted(
-            (self._live[job_id] for job_id in self._live.pending if job_id not in ending),
-            key=lambda j: (j.spec.priority, j.submitted_at),
-        )
-        for job in pending:
-            decided = self._place(job, now)
-            if decided.state is JobState.BINDING:
-                placed.append((decided, job))
-            elif decided.pending_reason != job.pending_reason:
-                self._live[job.job_id] = decided  # a fresher reason, kept in memory only
+        for decision in decided.placed:
+            before = self._live[decision.ask.job_id]
+            placed.append((self._binding(before, decision, now), before))
         return placed
 
     async def _bind(self, jobs: list[Job], waiting: list[tuple[_Submission, str]]) -> None:
@@ -497,8 +489,12 @@ class Decisions:
                     continue
                 if isinstance(result, BaseException):
                     message = result.message if isinstance(result, DomainError) else repr(result)
-                    self._fleet.release(job.job_id)
+                    reason = (
+                        f"binding on GPU {job.binding.gpu_uuid} failed ({message}); will try again"
+                    )
+                    # Suspended first: the capacity given back is not offered on that GPU.
                     self._inventory.suspend(job.binding.gpu_uuid)
+                    self.scheduler.bind_failed(ask_of(current), reason)
                     self._release_on_dispatcher(job.binding, job.job_id)
                     metrics.BIND_FAILURES.inc()
                     log.warning(
@@ -510,8 +506,7 @@ class Decisions:
                             state=JobState.PENDING,
                             binding=None,
                             policy="",
-                            pending_reason=f"binding on GPU {job.binding.gpu_uuid} failed "
-                            f"({message}); will try again",
+                            pending_reason=reason,
                         )
                     )
                 else:
@@ -530,7 +525,6 @@ class Decisions:
                 self._unsaved[job.job_id] = job
                 self._publish(job)
             if any(job.state is JobState.PENDING for job in changed):
-                self._retry_pending = True
                 self._wake.set()
         await self._answer(waiting)
 
@@ -631,17 +625,28 @@ class Decisions:
         self._live.pop(before.job_id, None)
         if before.spec.is_mig_batch:
             self.mig.forget(before.job_id)
-        # A MIG task holds no rectangle and no reservation: its run is the dispatcher's.
-        if (
-            before.state.holds_capacity
-            and before.binding is not None
-            and before.binding.mig is None
-        ):
-            self._fleet.release(before.job_id)
+        # The scheduler forgets it: a pending job stops waiting, a placed one gives its capacity
+        # back (a MIG task holds no rectangle and no reservation: its run is the dispatcher's).
+        if self.scheduler.end(before.job_id) and before.binding is not None:
             self._release_on_dispatcher(before.binding, before.job_id)
-            self._retry_pending = True
         self._publish(after)
 
     def _publish(self, job: Job) -> None:
         for queue in self._watchers.get(job.job_id, ()):
             queue.put_nowait(job)
+
+
+def ask_of(job: Job) -> Ask:
+    """What an MPS or whole-GPU job asks of the scheduler."""
+    spec = job.spec
+    request = JobRequest(
+        job_id=job.job_id,
+        sm_percent=spec.sm_percent,
+        quota_request_percent=spec.quota.request_percent,
+        memory_bytes=spec.memory_bytes,
+        quota_limit_percent=spec.quota.limit_percent,
+        priority=spec.priority,
+        gpu_model=spec.gpu_model,
+        task_key=spec.task_key,
+    )
+    return Ask(request, policy=spec.policy, submitted_at=job.submitted_at)

@@ -1,4 +1,4 @@
-"""Placement's live jobs, and the narrow interface through which MIG batches work on them.
+"""The narrow interface through which MIG batches work on placement's live jobs.
 
 `JobLedger` is all `MigBatches` may do with the jobs: read one, note a fresher pending reason,
 record new revisions (written, then published to watchers), finish a few, and end one its run
@@ -13,26 +13,6 @@ from typing import Protocol
 
 from gpuloom.domain.placement import JobState
 from gpuloom.services.placement.domain import Job
-
-
-class LiveJobs(dict[str, Job]):
-    """The jobs still pending or holding capacity, by id, with the pending ones (MIG batch
-    tasks aside: they wait for their batch) indexed, so that retrying them scans only them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[str, None] = {}
-
-    def __setitem__(self, job_id: str, job: Job) -> None:
-        super().__setitem__(job_id, job)
-        if job.state is JobState.PENDING and not job.spec.is_mig_batch:
-            self.pending[job_id] = None
-        else:
-            self.pending.pop(job_id, None)
-
-    def pop(self, job_id: str, default: Job | None = None) -> Job | None:  # type: ignore[override]
-        self.pending.pop(job_id, None)
-        return super().pop(job_id, default)
 
 
 class JobLedger(Protocol):

@@ -27,6 +27,10 @@ DECISION_LATENCY = prometheus_client.Histogram(
         1.0,
     ),
 )
+PENDING_TRIES = prometheus_client.Counter(
+    "gpuloom_placement_pending_tries_total",
+    "Placements tried for pending jobs when capacity freed (only those the freed GPU may take)",
+)
 BIND_FAILURES = prometheus_client.Counter(
     "gpuloom_placement_bind_failures_total", "Reservations a dispatcher refused or never answered"
 )

@@ -19,8 +19,10 @@ from gpuloom.sim.fleet import (
     FleetInputError,
     Workload,
     arrivals,
+    parse_lifetimes,
     parse_nodes,
     parse_pods,
+    replay,
     simulate,
 )
 
@@ -215,3 +217,126 @@ def test_default_list_loads_and_bestfit_completes() -> None:
 def test_errors_are_value_errors() -> None:
     with pytest.raises(FleetInputError):
         parse_nodes("sn\n", "x.csv")
+
+
+# ---- replay (--replay): the list's own creation and deletion times ----
+
+REPLAY_NODES = """sn,cpu_milli,memory_mib,gpu,model
+n0,64000,262144,2,V100M16
+"""
+# Two GPUs. a and b take both; c (1 GPU), g (1 GPU, behind c), d (2 GPUs) and e (half a GPU)
+# wait; f needs 3 GPUs and fails. b leaves at 50: c gets its GPU (g and e are tried, refused;
+# d is not tried: the freed node cannot hold 2 GPUs). c leaves at 60: g, then e refused; g
+# leaves at 61: e. a leaves at 100: d.
+REPLAY_PODS = """name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,creation_time,deletion_time
+a,1000,1024,1,1000,,0,100
+b,1000,1024,1,1000,,10,50
+f,1000,1024,3,1000,,5,6
+c,1000,1024,1,1000,,20,30
+g,1000,1024,1,1000,,22,23
+d,1000,1024,2,1000,,25,35
+e,1000,1024,1,500,,30,40
+"""
+
+
+class CountingPolicy:
+    """bestfit, counting the placements it is asked for (a fake that counts)."""
+
+    def __init__(self) -> None:
+        self.inner = get_policy("bestfit")
+        self.name = self.inner.name
+        self.asked = 0
+
+    def choose(self, state, q, rng):  # the FleetPolicy protocol
+        self.asked += 1
+        return self.inner.choose(state, q, rng)
+
+
+def replayed(policy: object = None):
+    nodes = parse_nodes(REPLAY_NODES, "n.csv")
+    pods = parse_pods(REPLAY_PODS, "p.csv", {n.model for n in nodes})
+    lifetimes = parse_lifetimes(REPLAY_PODS, "p.csv")
+    chosen = policy if policy is not None else get_policy("bestfit")
+    return replay(nodes, Workload.of(pods), lifetimes, chosen, seed=0)
+
+
+def test_replay_pods_leave_and_waiting_pods_get_freed_capacity_oldest_first() -> None:
+    run = replayed()
+    assert (run.pods, run.placed_pods, run.failed_pods) == (7, 6, 1)
+    # Delays: c 50-20, g 60-22, e 61-30, d 100-25; a and b none.
+    assert run.queued_pods == 4
+    assert run.delay_max_s == 75
+    assert run.delay_mean_s == pytest.approx((30 + 38 + 31 + 75) / 6, abs=0.05)
+    # 50% from 0, 100% from 10 until after the last arrival (30): time-weighted 83.33%.
+    assert run.alloc_pct_mean == pytest.approx((10 * 50 + 20 * 100) / 30, abs=1e-3)
+    assert run.alloc_pct_peak == 100
+    # The curve spans the arrivals: 50% at 0, full at the last arrival (30).
+    assert run.curve[0] == (0.0, 50.0) and run.curve[-1] == (30.0, 100.0)
+
+
+def test_replay_tries_only_the_shapes_a_departure_can_take() -> None:
+    policy = CountingPolicy()
+    replayed(policy)
+    # On arrival: a, b, c, d, e (g waits behind c untried, f fits nowhere). At 50: c placed,
+    # g and e refused (d not tried). At 60: g placed, e refused. At 61: e. At 100: d.
+    assert policy.asked == 5 + 3 + 2 + 1 + 1
+
+
+def test_replay_cli_json_and_table(tmp_path: Path) -> None:
+    result = run_cli(tmp_path, REPLAY_NODES, REPLAY_PODS, "--replay", "--json", "--repeat", "2")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines()]
+    assert [(line["policy"], line["seed"]) for line in lines] == [("best", 0), ("best", 1)]
+    assert lines[0]["queued_pods"] == 4 and lines[0]["failed_pods"] == 1
+    assert "curve" not in lines[0] and "delay_p99_s" in lines[0]
+    table = run_cli(
+        tmp_path, REPLAY_NODES, REPLAY_PODS, "--replay", "--plot", str(tmp_path / "r.png")
+    )
+    assert table.exit_code == 0, table.output
+    assert "DELAY MEAN s" in table.output and (tmp_path / "r.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("pods", "args", "message"),
+    [
+        (
+            REPLAY_PODS.replace("creation_time,", "created,"),
+            (),
+            "p.csv, line 1, column creation_time: missing column",
+        ),
+        (
+            REPLAY_PODS.replace(",10,50", ",10,5"),
+            (),
+            "line 3, column deletion_time: 5 is before its creation_time 10",
+        ),
+        (REPLAY_PODS.replace(",20,30", ",twenty,30"), (), "line 5, column creation_time"),
+        (REPLAY_PODS, ("--inflate", "1.3"), "--inflate is for the FGD protocol"),
+    ],
+)
+def test_replay_bad_input_exits_2(
+    tmp_path: Path, pods: str, args: tuple[str, ...], message: str
+) -> None:
+    result = run_cli(tmp_path, REPLAY_NODES, pods, "--replay", *args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_replay_compress_brings_arrivals_closer_and_pods_wait() -> None:
+    nodes = [node("n0", 1)]
+    pods = [PodShape(1000, 1024, 1, 1000)] * 2
+    lifetimes = [(0, 60), (100, 160)]  # 60 s each, 100 s apart: never together
+    workload = Workload.of(pods)
+    policy = get_policy("bestfit")
+    own = replay(nodes, workload, lifetimes, policy, seed=0)
+    assert own.queued_pods == 0 and own.alloc_pct_peak == 100
+    assert own.alloc_pct_mean == pytest.approx(60.0)  # busy 60 of the 100 s of arrivals
+    faster = replay(nodes, workload, lifetimes, policy, seed=0, compress=2)
+    # The second pod now arrives at 50 while the first holds the GPU until 60.
+    assert faster.queued_pods == 1 and faster.delay_max_s == 10
+    assert faster.curve[-1] == (50.0, 100.0)  # at the second arrival the first still runs
+    assert faster.delay_mean_s == 5  # 0 and 10
+    with pytest.raises(ValueError, match="compress"):
+        replay(nodes, workload, lifetimes, policy, seed=0, compress=0)
+    result = CliRunner().invoke(
+        cli, ["sim", "fleet", "--nodes", "x", "--pods", "y", "--compress", "2"]
+    )
+    assert result.exit_code == 2 and "--compress is for --replay" in result.output

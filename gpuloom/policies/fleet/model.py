@@ -130,6 +130,25 @@ class FleetState:
         self.hosted[n, self.s_demand_idx[q]] += 1
         self.version[n] += 1
 
+    def release(self, n: int, q: int, gpus: tuple[int, ...]) -> None:
+        """Give back what `commit(n, q, gpus)` took (a pod leaving, in trace replay)."""
+        self.cpu_free[n] += self.s_cpu[q]
+        self.mem_free[n] += self.s_mem[q]
+        for j in gpus:
+            self.gpu_free[n, j] += self.s_d[q]
+        self.hosted[n, self.s_demand_idx[q]] -= 1
+        self.version[n] += 1
+
+    def fits_node(self, n: int, q: int) -> bool:
+        """Whether a pod of shape q fits node n now (`fits` for one node, without numpy's
+        per-call cost)."""
+        if self.cpu_free[n] < self.s_cpu[q] or self.mem_free[n] < self.s_mem[q]:
+            return False
+        if not self.model_allows[self.model_idx[n], q]:
+            return False
+        k = int(self.s_k[q])
+        return not k or int((self.gpu_free[n] >= self.s_d[q]).sum()) >= k
+
 
 @dataclass(frozen=True, slots=True)
 class Choice:

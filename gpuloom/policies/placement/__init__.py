@@ -27,6 +27,7 @@ from gpuloom.policies.placement.fleet import (
     InvalidPlacementError,
     InvalidStateError,
     ModelIndex,
+    PlacementPolicy,
 )
 from gpuloom.policies.placement.gap_aware import (
     MIN_GAP_NS,
@@ -44,7 +45,6 @@ from gpuloom.policies.placement.model import (
     InvalidRequestError,
     JobRequest,
     Placement,
-    PlacementPolicy,
     Rect,
     Unplaceable,
     quota_steps,

@@ -20,6 +20,7 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
 from gpuloom.policies.placement.maxrects import (
@@ -41,7 +42,6 @@ from gpuloom.policies.placement.model import (
     InvalidRequestError,
     JobRequest,
     Placement,
-    PlacementPolicy,
     Rect,
     Unplaceable,
     describe_gib,
@@ -104,6 +104,22 @@ class GpuSlot:
             self.schedulable,
             tuple(self.allocations.values()),
         )
+
+
+class PlacementPolicy(Protocol):
+    """Chooses a GPU and a rectangle for one job. The fleet holds the free space of every GPU
+    (incrementally, shared by all policies), so a policy keeps no per-GPU state and needs no
+    release hook; `Fleet.place` commits what it returns. Whatever else a policy may know
+    (kernel profiles) comes through `context`, the same lookups offered to every policy."""
+
+    @property
+    def name(self) -> str: ...
+
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        """Decide only: nothing changes until the fleet commits the placement."""
+        ...
 
 
 def _remove(items: list, key: object) -> None:

@@ -28,11 +28,10 @@ from bisect import bisect_right
 from itertools import accumulate
 
 from gpuloom.policies.placement.context import KernelTimes, PlacementContext
-from gpuloom.policies.placement.fleet import Fleet
+from gpuloom.policies.placement.fleet import Fleet, PlacementPolicy
 from gpuloom.policies.placement.model import (
     JobRequest,
     Placement,
-    PlacementPolicy,
     Rect,
     Unplaceable,
 )

@@ -1,5 +1,6 @@
 """The data placement works on: GPUs with their allocations, job requests, the rectangles they
-take, decisions, and the policy protocol.
+take, and decisions. Plain data: it imports nothing of the rest of placement (the policy
+protocol, which takes a `Fleet`, lives beside the fleet in fleet.py).
 
 A GPU's compute capacity is FaST-GShare's rectangle (Gu et al., section 3.4.2): width = time
 quota, height = SM percent, 100 % x 100 %. An allocation takes a quota x SM rectangle of it and
@@ -11,11 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from gpuloom.policies.placement.context import PlacementContext
-    from gpuloom.policies.placement.fleet import Fleet
 
 QUOTA_STEPS_PER_PERCENT = 100
 GRID_W = 100 * QUOTA_STEPS_PER_PERCENT  # the whole time window
@@ -250,19 +246,3 @@ class Unplaceable:
 
     job_id: str
     reason: str
-
-
-class PlacementPolicy(Protocol):
-    """Chooses a GPU and a rectangle for one job. The fleet holds the free space of every GPU
-    (incrementally, shared by all policies), so a policy keeps no per-GPU state and needs no
-    release hook; `Fleet.place` commits what it returns. Whatever else a policy may know
-    (kernel profiles) comes through `context`, the same lookups offered to every policy."""
-
-    @property
-    def name(self) -> str: ...
-
-    def place(
-        self, job: JobRequest, fleet: Fleet, context: PlacementContext
-    ) -> Placement | Unplaceable:
-        """Decide only: nothing changes until the fleet commits the placement."""
-        ...

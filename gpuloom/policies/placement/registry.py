@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from gpuloom.policies.placement.binpack import BinPackPolicy
+from gpuloom.policies.placement.fleet import PlacementPolicy
 from gpuloom.policies.placement.gap_aware import GapAwarePolicy
-from gpuloom.policies.placement.model import PlacementPolicy
 from gpuloom.policies.placement.mra import MraPolicy
 from gpuloom.policies.placement.spread import SpreadPolicy
 from gpuloom.policies.placement.timeshare import TimeSharePolicy
