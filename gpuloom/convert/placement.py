@@ -7,7 +7,7 @@ names as in the proto, enums by name, 64-bit integers as strings)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
@@ -273,16 +273,28 @@ def scaling_to_pb(scaling: FunctionScaling) -> pb.SetFunctionLoadResponse:
         removed=[job_to_pb(j) for j in scaling.removed],
         capacity_requests_per_s=scaling.capacity_requests_per_s,
     )
-    best = scaling.most_efficient
-    if best is not None:
-        msg.most_efficient.CopyFrom(
-            pb.ThroughputConfig(
-                sm_percent=best.sm_percent,
-                quota_percent=best.quota_percent,
-                requests_per_s=best.requests_per_s,
-            )
-        )
+    if scaling.most_efficient is not None:
+        msg.most_efficient.CopyFrom(throughput_config_to_pb(scaling.most_efficient))
     return msg
+
+
+class ThroughputLike(Protocol):
+    """A point of a throughput profile: the client's ThroughputConfig, the policy's point."""
+
+    @property
+    def sm_percent(self) -> int: ...
+    @property
+    def quota_percent(self) -> float: ...
+    @property
+    def requests_per_s(self) -> float: ...
+
+
+def throughput_config_to_pb(point: ThroughputLike) -> pb.ThroughputConfig:
+    return pb.ThroughputConfig(
+        sm_percent=point.sm_percent,
+        quota_percent=point.quota_percent,
+        requests_per_s=point.requests_per_s,
+    )
 
 
 # ---- JSON ----

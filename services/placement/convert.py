@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB
+from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, throughput_config_to_pb
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
@@ -194,13 +194,6 @@ def scaling_to_pb(result: ScalingResult) -> pb.SetFunctionLoadResponse:
         removed=[job_to_pb(j) for j in result.removed],
         capacity_requests_per_s=result.capacity_rps,
     )
-    best = result.most_efficient
-    if best is not None:
-        msg.most_efficient.CopyFrom(
-            pb.ThroughputConfig(
-                sm_percent=best.sm_percent,
-                quota_percent=best.quota_percent,
-                requests_per_s=best.requests_per_s,
-            )
-        )
+    if result.most_efficient is not None:
+        msg.most_efficient.CopyFrom(throughput_config_to_pb(result.most_efficient))
     return msg
