@@ -157,7 +157,6 @@ class RedisCache:
         except _Bypassed:
             self._needs_flush = True
             self._flush_reason = "missed invalidations"
-        self._flush_reason = "store started: writes of an earlier process may have missed it"
 
     async def ping(self) -> bool:
         try:
@@ -190,7 +189,11 @@ class RedisCache:
             if self._needs_flush:
                 removed = await self.flush()
                 self._needs_flush = False
-                log.warning("cache flushed", reason=self._flush_reason, entries=removed)
+                # At start a routine precaution; after missed writes, worth a look.
+                routine = self._flush_reason.startswith("store started")
+                (log.debug if routine else log.warning)(
+                    "cache flushed", reason=self._flush_reason, entries=removed
+                )
             result = await command()
         except (RedisError, OSError) as error:
             CACHE_ERRORS.inc()

@@ -34,7 +34,7 @@ from tests.placement.conftest import PostgresSchema, mps_spec
 from tests.placement.test_restart import PlacementProcess
 
 WORKERS = 8
-MAX_JOBS_PER_WORKER = 40  # the stream runs until the kills are over, at most this long
+MAX_JOBS_PER_WORKER = 200  # the stream runs until the kills are over, at most this long
 KILLS = 3
 RETRYABLE = (
     grpc.StatusCode.UNAVAILABLE,
