@@ -70,30 +70,24 @@ def from_group(name: str, env: str, default: str) -> Callable[..., str]:
     return resolve
 
 
-placement_option = click.option(
-    "--placement",
-    "address",
-    metavar="HOST:PORT",
-    callback=from_group("placement", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS),
-    help=f"Placement service address (default: gpuloom --placement, else {PLACEMENT_ENV}, "
-    f"else {placement_client.DEFAULT_ADDRESS}).",
+def address_option(flag: str, service: str, env: str, default: str) -> Callable[[F], F]:
+    """`--FLAG HOST:PORT` of one service: the command's own, else the group's, else env."""
+    return click.option(
+        f"--{flag}",
+        "address",
+        metavar="HOST:PORT",
+        callback=from_group(flag, env, default),
+        help=f"{service} address (default: gpuloom --{flag}, else {env}, else {default}).",
+    )
+
+
+placement_option = address_option(
+    "placement", "Placement service", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS
 )
-profiler_option = click.option(
-    "--profiler",
-    "address",
-    metavar="HOST:PORT",
-    callback=from_group("profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS),
-    help=f"Profiler address (default: gpuloom --profiler, else {PROFILER_ENV}, else "
-    f"{profiler_client.DEFAULT_ADDRESS}).",
+profiler_option = address_option(
+    "profiler", "Profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS
 )
-store_option = click.option(
-    "--store",
-    "address",
-    metavar="HOST:PORT",
-    callback=from_group("store", STORE_ENV, store_client.DEFAULT_ADDRESS),
-    help=f"Profile store address (default: gpuloom --store, else {STORE_ENV}, else "
-    f"{store_client.DEFAULT_ADDRESS}).",
-)
+store_option = address_option("store", "Profile store", STORE_ENV, store_client.DEFAULT_ADDRESS)
 
 
 def service_error(error: DomainError, service: str, address: str) -> click.ClickException:
