@@ -2,5 +2,6 @@
 time (the whole folder runs in about a minute)."""
 
 from tests.placement.conftest import short_dir
+from tests.shim.conftest import run, shim_build
 
-__all__ = ["short_dir"]
+__all__ = ["run", "shim_build", "short_dir"]

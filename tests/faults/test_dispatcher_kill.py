@@ -1,0 +1,93 @@
+"""kill -9 of `gpuloom serve dispatcher` while shims run on its GPU, asking for leases through
+its lease desk: no shim waits past its bound (GPULOOM_SHIM_WAIT_MS), each does what its loss
+policy says, and the restarted dispatcher still holds every reservation, and no more, until
+they are released."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpuloom.v1 import dispatcher_pb2
+from tests.dispatcher.conftest import reserve_request
+from tests.dispatcher.test_restart import DispatcherProcess
+from tests.shim.conftest import CUDA_ERROR_NOT_PERMITTED, Runner
+
+WAIT_MS = 300
+KERNEL = "k_l_500us"
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+async def test_kill_9_of_the_dispatcher_mid_lease_keeps_every_shim_to_its_bound(
+    short_dir: Path, run: Runner, policy: str
+) -> None:
+    dispatcher = DispatcherProcess(short_dir)
+    # Windows short enough that a share out of quota waits well within the bound for the next.
+    dispatcher.env.update(
+        GPULOOM_DISPATCHER_WINDOW_MS="200",
+        GPULOOM_DISPATCHER_LEASE_INITIAL_MS="10",
+        GPULOOM_DISPATCHER_LEASE_MAX_MS="20",
+    )
+    dispatcher.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{dispatcher.port}") as channel:
+            stub = dispatcher.stub(channel)
+            # Two small shares that fit together: leases come from the desk, and each process
+            # waits for one most of the time, so the kill likely finds them waiting.
+            assignments = [
+                stub.Reserve(reserve_request(sm=50, request=20.0, limit=20.0)) for _ in range(2)
+            ]
+            runs = [
+                asyncio.create_task(
+                    run.run_async(
+                        "module",
+                        KERNEL,
+                        "loop",
+                        "3.0",
+                        KERNEL,
+                        "1",
+                        env={
+                            "GPULOOM_DISPATCHER_SOCKET": dispatcher.socket_path,
+                            "GPULOOM_ASSIGNMENT_TOKEN": a.assignment_token,
+                            "GPULOOM_SHIM_WAIT_MS": str(WAIT_MS),
+                            "GPULOOM_ON_DISPATCHER_LOSS": policy,
+                        },
+                    )
+                )
+                for a in assignments
+            ]
+            await asyncio.sleep(1.0)
+            killed_ns = time.monotonic_ns()
+            dispatcher.kill()
+            results = await asyncio.gather(*runs)
+        for result in results:
+            assert "lost the dispatcher" in result.stderr, result.stderr
+            # No launch of either waited longer than the bound, before or after the kill.
+            assert float(result.value("loop", "max_launch_ms")) < WAIT_MS + 100, result.stdout
+            if policy == "open":
+                assert result.returncode == 0, result.stderr
+                assert "UNTHROTTLED" in result.stderr
+            else:
+                assert result.returncode == 3, result.stderr
+                assert f"rc={CUDA_ERROR_NOT_PERMITTED}" in result.line("loop")
+                pid = int(result.value("init", "pid"))
+                last_start = max(s for p, _, s, _ in run.engine_runs() if p == pid)
+                assert (last_start - killed_ns) / 1e6 < WAIT_MS, (last_start - killed_ns) / 1e6
+        # Started again, it holds the two reservations, and once released, nothing.
+        dispatcher.start()
+        with grpc.insecure_channel(f"127.0.0.1:{dispatcher.port}") as channel:
+            stub = dispatcher.stub(channel)
+            status = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest(), timeout=10)
+            held = sorted(c.assignment.assignment_id for c in status.clients)
+            assert held == sorted(a.assignment_id for a in assignments)
+            for a in assignments:
+                stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=a.assignment_id))
+            status = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest(), timeout=10)
+            assert list(status.clients) == []
+    finally:
+        if dispatcher.process is not None and dispatcher.process.poll() is None:
+            dispatcher.kill()
