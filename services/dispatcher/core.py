@@ -42,6 +42,7 @@ from gpuloom.services.dispatcher.mig_executor import (
     MigRunReport,
     TaskRun,
     subprocess_runner,
+    task_launcher,
     validate_batch,
 )
 from gpuloom.services.dispatcher.mps import MpsSupervisor
@@ -283,7 +284,7 @@ class DispatcherCore:
         except UnknownPolicyError as error:
             raise InvalidArgument("policy", str(error)) from None
         commands = {task.name: task.argv for task in tasks}
-        runner = subprocess_runner(commands, self._state_dir / "mig-logs")
+        runner = subprocess_runner(commands, self._state_dir / "mig-logs", task_launcher())
         executor = MigExecutor(self.backend, self.gpu.index, geometry, runner)
         if self._mig_running:
             raise FailedPrecondition("a MIG batch is already running on this GPU")

@@ -26,6 +26,7 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.mig_geometry import MigGeometry, Placement
 from gpuloom.domain.mig_runs import MigRunReport, ReconfigRun, TaskRun
 from gpuloom.domain.validation import check_name
+from gpuloom.policies.fikit.core import FikitLibraryMissingError, library_path
 from gpuloom.policies.mig.plan import (
     Assignment,
     InvalidTaskError,
@@ -258,16 +259,36 @@ def validate_batch(tasks: Sequence[MigBatchTask], geometry: MigGeometry) -> list
     return planned
 
 
-def subprocess_runner(commands: Mapping[str, Sequence[str]], log_dir: Path) -> TaskRunner:
-    """Run each task's command, its output in log_dir/<task>.log; 127 if it cannot start."""
+def task_launcher() -> Path | None:
+    """gl_task_exec beside the native library (shim/build, or the image's lib folder); None,
+    with a warning, when it is not built: tasks then outlive a killed dispatcher."""
+    try:
+        where = library_path().parent / "gl_task_exec"
+    except FikitLibraryMissingError:
+        where = None
+    if where is not None and where.is_file() and os.access(where, os.X_OK):
+        return where
+    log.warning(
+        "gl_task_exec not found (run `make -C shim`): MIG tasks will outlive a killed dispatcher"
+    )
+    return None
+
+
+def subprocess_runner(
+    commands: Mapping[str, Sequence[str]], log_dir: Path, launcher: Path | None = None
+) -> TaskRunner:
+    """Run each task's command, its output in log_dir/<task>.log; 127 if it cannot start.
+    With `launcher` (shim/build/gl_task_exec), a task dies with the dispatcher: one killed
+    mid-batch leaves nothing running in the instances its successor will reconfigure."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    prefix = [] if launcher is None else [str(launcher)]
 
     def run(task: str, environment: Mapping[str, str]) -> int:
         safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in task)
         with open(log_dir / f"{safe}.log", "wb") as output:
             try:
                 return subprocess.run(
-                    list(commands[task]),
+                    [*prefix, *commands[task]],
                     env={**os.environ, **environment},
                     stdin=subprocess.DEVNULL,
                     stdout=output,

@@ -1,11 +1,13 @@
-"""kill -9 of `gpuloom serve dispatcher` while shims run on its GPU, asking for leases through
-its lease desk: no shim waits past its bound (GPULOOM_SHIM_WAIT_MS), each does what its loss
-policy says, and the restarted dispatcher still holds every reservation, and no more, until
-they are released."""
+"""kill -9 of `gpuloom serve dispatcher`: while shims take leases from its lease desk (no shim
+waits past its bound, GPULOOM_SHIM_WAIT_MS; each does what its loss policy says; restarted, it
+holds every reservation and no more), and in the middle of a MIG batch (no task outlives it;
+restarted, it runs the next batch)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +88,75 @@ async def test_kill_9_of_the_dispatcher_mid_lease_keeps_every_shim_to_its_bound(
             assert held == sorted(a.assignment_id for a in assignments)
             for a in assignments:
                 stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=a.assignment_id))
+            status = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest(), timeout=10)
+            assert list(status.clients) == []
+    finally:
+        if dispatcher.process is not None and dispatcher.process.poll() is None:
+            dispatcher.kill()
+
+
+# A MIG task that writes down its pid, then runs far longer than the test.
+LONG_TASK = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie of ours is gone for this purpose (the tasks are not our children, but be sure).
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+def test_kill_9_of_the_dispatcher_mid_mig_batch_leaves_no_task_behind(short_dir: Path) -> None:
+    """Its tasks die with it (they run through gl_task_exec), so the restarted dispatcher finds
+    its GPU free: nothing holds the instances, and a new batch runs."""
+    dispatcher = DispatcherProcess(short_dir)
+    dispatcher.env.update(GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB:mig")
+    dispatcher.start()
+    pids = [short_dir / f"task-{i}.pid" for i in range(2)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{dispatcher.port}") as channel:
+            stub = dispatcher.stub(channel)
+            tasks = [
+                dispatcher_pb2.MigTaskSpec(
+                    name=f"long-{i}",
+                    seconds_by_size={3: 60.0, 4: 60.0},
+                    argv=[sys.executable, "-S", "-c", LONG_TASK, str(pid)],
+                )
+                for i, pid in enumerate(pids)
+            ]
+            stream = stub.RunMigBatch(
+                dispatcher_pb2.RunMigBatchRequest(
+                    tasks=tasks, create_seconds={3: 0.0, 4: 0.0}, destroy_seconds={3: 0.0, 4: 0.0}
+                ),
+                timeout=120,
+            )
+            deadline = time.monotonic() + 30
+            while not all(p.exists() and p.read_text() for p in pids):
+                assert time.monotonic() < deadline, "the batch's tasks did not start"
+                time.sleep(0.05)
+            running = [int(p.read_text()) for p in pids]
+            assert all(_alive(pid) for pid in running)
+            dispatcher.kill()
+            with pytest.raises(grpc.RpcError):
+                for _ in stream:
+                    pass
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in running):
+            assert time.monotonic() < deadline, "a task outlived its dispatcher"
+            time.sleep(0.05)
+        dispatcher.start()
+        with grpc.insecure_channel(f"127.0.0.1:{dispatcher.port}") as channel:
+            stub = dispatcher.stub(channel)
+            quick = dispatcher_pb2.MigTaskSpec(
+                name="quick", seconds_by_size={7: 0.1}, argv=[sys.executable, "-S", "-c", "pass"]
+            )
+            updates = list(
+                stub.RunMigBatch(dispatcher_pb2.RunMigBatchRequest(tasks=[quick]), timeout=60)
+            )
+            assert updates, "the restarted dispatcher ran no batch"
             status = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest(), timeout=10)
             assert list(status.clients) == []
     finally:
