@@ -9,6 +9,9 @@ side, services/common/auth.py; docs/security.md tells how to deploy them togethe
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -251,8 +254,18 @@ def open_channel(
 def open_aio_channel(
     address: str, options: ChannelOptions = (), settings: TransportSettings | None = None
 ) -> grpc.aio.Channel:
-    """An asyncio channel to `address`, as `open_channel`."""
+    """An asyncio channel to `address`, as `open_channel`. With TLS it watches this process's
+    certificate files: after they change, calls go through a channel opened with the new ones
+    (a service's channels live as long as the service; its certificates do not)."""
     settings = settings or load_settings()
+    if settings.tls:
+        return _ReloadingAioChannel(address, options, settings)  # type: ignore[return-value]
+    return _open_aio(address, options, settings)
+
+
+def _open_aio(
+    address: str, options: ChannelOptions, settings: TransportSettings
+) -> grpc.aio.Channel:
     opts = _options(settings, options)
     token = settings.token()
     interceptors: list[grpc.aio.ClientInterceptor] = (
@@ -270,3 +283,100 @@ def open_aio_channel(
             address, channel_credentials(settings), options=opts, interceptors=interceptors
         )
     return grpc.aio.insecure_channel(address, options=opts, interceptors=interceptors)
+
+
+# How often a reloading channel looks at its files, and how long a replaced channel has to
+# finish the calls it carries.
+_RELOAD_CHECK_S = 1.0
+_REPLACED_GRACE_S = 30.0
+
+
+def _files_stamp(settings: TransportSettings) -> tuple[tuple[str, int, int], ...]:
+    stamp = []
+    for path in (settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file):
+        try:
+            st = os.stat(path) if path else None
+        except OSError:
+            st = None
+        stamp.append((path, st.st_mtime_ns if st else 0, st.st_size if st else -1))
+    return tuple(stamp)
+
+
+class _ReloadingAioChannel:
+    """The asyncio channel interface over a channel that is opened again, at most once a
+    second, when the certificate, key or CA file changed. A stub's method resolves the current
+    channel at each call; calls in flight finish on the channel they started on. Files that do
+    not load (a pair half written) keep the current channel until they do."""
+
+    def __init__(self, address: str, options: ChannelOptions, settings: TransportSettings) -> None:
+        self._address, self._options, self._settings = address, options, settings
+        self._stamp = _files_stamp(settings)
+        self._inner = _open_aio(address, options, settings)
+        self._checked = time.monotonic()
+
+    def current(self) -> grpc.aio.Channel:
+        now = time.monotonic()
+        if now - self._checked < _RELOAD_CHECK_S:
+            return self._inner
+        self._checked = now
+        stamp = _files_stamp(self._settings)
+        if stamp == self._stamp:
+            return self._inner
+        try:
+            fresh = _open_aio(self._address, self._options, self._settings)
+        except (OSError, ValueError, grpc.RpcError):
+            return self._inner  # read again at the next check
+        replaced, self._inner, self._stamp = self._inner, fresh, stamp
+        asyncio.get_running_loop().create_task(replaced.close(_REPLACED_GRACE_S))
+        return fresh
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Deferred(self, "unary_unary", method, args, kwargs)
+
+    def unary_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Deferred(self, "unary_stream", method, args, kwargs)
+
+    def stream_unary(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Deferred(self, "stream_unary", method, args, kwargs)
+
+    def stream_stream(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _Deferred(self, "stream_stream", method, args, kwargs)
+
+    async def channel_ready(self) -> None:
+        await self.current().channel_ready()
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self.current().get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self.current().wait_for_state_change(last_observed_state)
+
+    async def close(self, grace: float | None = None) -> None:
+        await self._inner.close(grace)
+
+    async def __aenter__(self) -> _ReloadingAioChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class _Deferred:
+    """A stub's multi-callable that takes the reloading channel's current channel per call."""
+
+    __slots__ = ("_args", "_kind", "_kwargs", "_made", "_method", "_owner")
+
+    def __init__(
+        self, owner: _ReloadingAioChannel, kind: str, method: str, args: tuple, kwargs: dict
+    ) -> None:
+        self._owner, self._kind, self._method = owner, kind, method
+        self._args, self._kwargs = args, kwargs
+        self._made: tuple[grpc.aio.Channel, Any] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        channel = self._owner.current()
+        made = self._made
+        if made is None or made[0] is not channel:
+            factory = getattr(channel, self._kind)
+            made = self._made = (channel, factory(self._method, *self._args, **self._kwargs))
+        return made[1](*args, **kwargs)

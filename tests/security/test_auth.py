@@ -21,6 +21,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc, profile_store_pb2, profile_store_pb2_grpc
+from tests.conftest import free_port
 from tests.placement.conftest import mps_spec
 from tests.security.conftest import Deployment
 from tests.security.pki import Authority, write
@@ -276,3 +277,28 @@ async def test_tokens_on_a_plaintext_port_beyond_loopback_are_warned_about(
         said = [e["event"] for e in logs if e["log_level"] == "warning"]
         assert any("tokens WITHOUT TLS" in event for event in said) is warned, (host, said)
         assert not any("WITHOUT AUTHENTICATION" in event for event in said)
+
+
+async def test_a_long_lived_channel_takes_renewed_certificates(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    """A service's channels outlive its certificates: after a renewal (new CA, new server and
+    client certificates) and a server restart, the same channel calls on with the new files."""
+    port = free_port()
+    settings = PlacementSettings(port=port, database_url=f"sqlite:///{tmp_path / 'p.db'}")
+    app = await PlacementApp.start(settings, HOST, tmp_path)
+    request = pb.ListJobsRequest()
+    channel = deployment.channel(f"{HOST}:{port}", "admin")
+    try:
+        stub = placement_pb2_grpc.PlacementStub(channel)
+        await stub.ListJobs(request, timeout=5)
+        await app.stop(0)
+        renewed = Authority.create("renewed CA")
+        write(deployment.directory, "service", renewed, "gpuloom-service")
+        write(deployment.directory, "client", renewed, "alice-laptop")
+        app = await PlacementApp.start(settings, HOST, tmp_path)
+        await asyncio.sleep(1.1)  # the channel looks at its files at most once a second
+        assert list((await stub.ListJobs(request, timeout=5)).jobs) == []
+    finally:
+        await channel.close()
+        await app.stop(0)
