@@ -7,7 +7,7 @@ step printed with the command a user would type:
 2. a kernel profile written and read back with grpcurl (the profile store has reflection);
 3. a high-priority inference service and a low-priority batch job sharing GPU 1, each through
    `gpuloom run` and the launch shim (examples/serve.py on the fake driver), both assigned to
-   the same GPU at the same time;
+   the same GPU at the same time, seen in `gpuloom top --once`;
 4. a MIG batch planned (FAR) and run on GPU 0 by its dispatcher (`RunMigBatch`, grpcurl);
 
 and stops the plane. Every step checks what it shows; the first that fails ends the demo with
@@ -150,10 +150,11 @@ class Day:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def gpuloom(self, *args: str) -> str:
+    def gpuloom(self, *args: str, columns: int | None = None) -> str:
         say(f"$ gpuloom {shlex.join(args)}")
+        env = self.env if columns is None else {**self.env, "COLUMNS": str(columns)}
         result = subprocess.run(
-            [GPULOOM, *args], env=self.env, capture_output=True, text=True, timeout=60
+            [GPULOOM, *args], env=env, capture_output=True, text=True, timeout=60
         )
         if result.returncode != 0:
             raise DemoFailed(f"gpuloom {args[0]} exited {result.returncode}: {result.stderr}")
@@ -279,6 +280,11 @@ class Day:
         gpus = {job["assignment"]["gpu"]["gpu_uuid"] for job in together}
         say(f"    both assigned at once, on {', '.join(sorted(gpus))}")
         self.gpuloom("jobs", "--state", "assigned")
+        # The fleet at a glance, while both run (wide enough that no name is cut).
+        frame = self.gpuloom("top", "--once", columns=200)
+        missing = [job["spec"]["name"] for job in together if job["job_id"] not in frame]
+        if missing:
+            raise DemoFailed(f"gpuloom top --once does not show {missing}")
         outputs = []
         for process in started:
             out, _ = process.communicate(timeout=STEP_TIMEOUT_S)
