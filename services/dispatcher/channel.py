@@ -758,11 +758,11 @@ class ShimChannel:
         if event.invalid or scheduler.has_waiting or scheduler.lease_of(client_id) is not None:
             return False
         now = time.monotonic()
-        terms = scheduler.standing_terms(now)
+        terms = scheduler.standing_terms(now, self._desk_clients())
         if client_id not in terms or not self._termed <= terms.keys():
             return False
         self._forwarded_request(connection, event)  # writes only this client's region
-        terms = scheduler.standing_terms(now)
+        terms = scheduler.standing_terms(now, self._desk_clients())
         if terms.keys() == self._termed | {client_id}:
             self._set_terms(terms)
         else:
@@ -819,7 +819,7 @@ class ShimChannel:
         """After this thread's decisions: the policy's standing terms to every desk client."""
         if self._desk is None or not self._desk_revoked:
             return
-        self._set_terms(self._scheduler.standing_terms(time.monotonic()))
+        self._set_terms(self._scheduler.standing_terms(time.monotonic(), self._desk_clients()))
         self._desk_revoked = False
 
     def _refresh_terms(self) -> None:
@@ -831,11 +831,15 @@ class ShimChannel:
         self._take_desk_events()
         if self._desk_revoked:  # a forwarded request came: new terms follow its decision
             return
-        terms = self._scheduler.standing_terms(time.monotonic())
+        terms = self._scheduler.standing_terms(time.monotonic(), self._desk_clients())
         if set(terms) == self._termed:
             self._set_terms(terms)
         else:
             self._quiesce()
+
+    def _desk_clients(self) -> set[str]:
+        """The clients the desk serves (a process asking over the socket gets no terms)."""
+        return {c.assignment_id for c in self._by_desk_slot.values() if c.assignment_id}
 
     def _set_terms(self, terms: dict[str, StandingTerms]) -> None:
         desk, config = self._desk, self._scheduler.config

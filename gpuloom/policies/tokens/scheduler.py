@@ -306,26 +306,33 @@ class TokenScheduler:
         charge = self._client(client_id).charge
         return None if charge is None else charge.lease
 
-    def standing_terms(self, now: float) -> dict[str, StandingTerms]:
+    def standing_terms(
+        self, now: float, candidates: Collection[str] | None = None
+    ) -> dict[str, StandingTerms]:
         """For each client, the lease the policy would grant it if it alone asked now, with the
         leases held and the terms already given counted as running: so that any of them may
         take its lease without asking, together, within every limit. Nothing while somebody
         waits: then every lease goes through request() and the policy's order. A holder's
         terms renew its own lease (its SMs stay counted once). A window's end only makes a
-        policy more willing (quota comes back), so terms stay good across windows."""
+        policy more willing (quota comes back), so terms stay good across windows. Only
+        `candidates` (default: every client) get terms; the others' leases count all the same."""
         self._tick(now)
         if self._waiting:
             return {}
         terms: dict[str, StandingTerms] = {}
         running, holders = self._running_sm, len(self._holders)
         for client_id, charge in self._holders.items():
+            if candidates is not None and client_id not in candidates:
+                continue
             client = charge.client
             view = _AloneView(self, client, running - client.sm_percent, holders - 1)
             granted = self._alone_terms(client, view)
             if granted is not None:
                 terms[client_id] = granted
         for client_id, client in self._clients.items():
-            if client.charge is not None:
+            if client.charge is not None or (
+                candidates is not None and client_id not in candidates
+            ):
                 continue
             granted = self._alone_terms(client, _AloneView(self, client, running, holders))
             if granted is not None:

@@ -167,3 +167,12 @@ def test_native_renewals_from_standing_terms_never_over_commit(
         for client in snapshot.clients.values():
             # Charged at grant in full: over the limit only by a report larger than its lease.
             assert client.used_s <= client.share.quota_limit * config.window_s + 0.05 + 1e-9
+
+
+def test_only_candidates_get_terms_and_the_others_leases_still_count() -> None:
+    """The desk serves some clients only (others ask over the socket): an idle non-candidate
+    takes no room from the candidates; a non-candidate's lease still does."""
+    s = scheduler("spatiotemporal", share("a", sm=60), share("b", sm=60), share("c", sm=30))
+    assert set(s.standing_terms(0.0, candidates={"b"})) == {"b"}  # idle a takes no room
+    s.request("a", 0.0)  # a (60) holds, over the socket
+    assert set(s.standing_terms(0.001, candidates={"b", "c"})) == {"c"}  # b (60) cannot fit
