@@ -19,6 +19,12 @@ PLACEMENT_ENV = placement_client.ADDRESS_ENV
 STORE_ENV = "GPULOOM_PROFILE_STORE_ADDRESS"
 PROFILER_ENV = profiler_client.ADDRESS_ENV
 F = TypeVar("F", bound=Callable[..., Any])
+# (flag, service, variable, default) of the group's address options, in --help order.
+_GROUP_ADDRESSES = (
+    ("placement", "Placement service", PLACEMENT_ENV, placement_client.DEFAULT_ADDRESS),
+    ("store", "Profile store", STORE_ENV, store_client.DEFAULT_ADDRESS),
+    ("profiler", "Profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS),
+)
 
 
 def group_options(command: F) -> F:
@@ -29,33 +35,17 @@ def group_options(command: F) -> F:
         ctx.ensure_object(dict)[param.name] = value
         return value
 
-    command = click.option(
-        "--profiler",
-        envvar=PROFILER_ENV,
-        default=profiler_client.DEFAULT_ADDRESS,
-        show_default=True,
-        expose_value=False,
-        callback=keep,
-        help=f"Profiler address for every command (env {PROFILER_ENV}).",
-    )(command)
-    command = click.option(
-        "--store",
-        envvar=STORE_ENV,
-        default=store_client.DEFAULT_ADDRESS,
-        show_default=True,
-        expose_value=False,
-        callback=keep,
-        help=f"Profile store address for every command (env {STORE_ENV}).",
-    )(command)
-    return click.option(
-        "--placement",
-        envvar=PLACEMENT_ENV,
-        default=placement_client.DEFAULT_ADDRESS,
-        show_default=True,
-        expose_value=False,
-        callback=keep,
-        help=f"Placement service address for every command (env {PLACEMENT_ENV}).",
-    )(command)
+    for flag, service, env, default in reversed(_GROUP_ADDRESSES):
+        command = click.option(
+            f"--{flag}",
+            envvar=env,
+            default=default,
+            show_default=True,
+            expose_value=False,
+            callback=keep,
+            help=f"{service} address for every command (env {env}).",
+        )(command)
+    return command
 
 
 def from_group(name: str, env: str, default: str) -> Callable[..., str]:
@@ -70,14 +60,18 @@ def from_group(name: str, env: str, default: str) -> Callable[..., str]:
     return resolve
 
 
-def address_option(flag: str, service: str, env: str, default: str) -> Callable[[F], F]:
-    """`--FLAG HOST:PORT` of one service: the command's own, else the group's, else env."""
+def address_option(
+    flag: str, service: str, env: str, default: str, group_flag: str = "", dest: str = "address"
+) -> Callable[[F], F]:
+    """`--FLAG HOST:PORT` of one service: the command's own, else the group's `--GROUP_FLAG`
+    (default: the same flag), else env, else `default`; the value goes to `dest`."""
+    group_flag = group_flag or flag
     return click.option(
         f"--{flag}",
-        "address",
+        dest,
         metavar="HOST:PORT",
-        callback=from_group(flag, env, default),
-        help=f"{service} address (default: gpuloom --{flag}, else {env}, else {default}).",
+        callback=from_group(group_flag, env, default),
+        help=f"{service} address (default: gpuloom --{group_flag}, else {env}, else {default}).",
     )
 
 

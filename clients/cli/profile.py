@@ -10,10 +10,12 @@ from collections.abc import Iterator
 
 import click
 
+from gpuloom.clients import profile_store as store_client
+from gpuloom.clients import profiler as profiler_client
 from gpuloom.clients.cli.addresses import (
     PROFILER_ENV,
     STORE_ENV,
-    from_group,
+    address_option,
     profiler_option,
     service_error,
 )
@@ -58,20 +60,13 @@ def profile() -> None:
     help="Time quotas in percent of the window, comma-separated.",
 )
 @click.option("--dispatcher", default="localhost:50060", show_default=True)
-@click.option(
-    "--profiler",
-    metavar="HOST:PORT",
-    callback=from_group("profiler", PROFILER_ENV, "localhost:50053"),
-    help=f"Profiler address (default: gpuloom --profiler, else {PROFILER_ENV}, else "
-    "localhost:50053).",
+@address_option(
+    "profiler", "Profiler", PROFILER_ENV, profiler_client.DEFAULT_ADDRESS, dest="profiler"
 )
-@click.option(
-    "--profile-store",
-    metavar="HOST:PORT",
-    callback=from_group("store", STORE_ENV, "localhost:50052"),
-    help=f"Profile store address (default: gpuloom --store, else {STORE_ENV}, else "
-    "localhost:50052).",
-)
+@address_option(
+    "profile-store", "Profile store", STORE_ENV, store_client.DEFAULT_ADDRESS, "store",
+    dest="profile_store",
+)  # fmt: skip
 @click.option(
     "--shim",
     "shim_path",
