@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import click
 
@@ -268,10 +270,21 @@ def _print_fleet(runs: list[FleetRun], names: tuple[str, ...]) -> None:
     click.echo(render_table([*header, "DECISIONS/s"], rows))
 
 
-def _labels(runs: list[FleetRun], names: tuple[str, ...]) -> list[str]:
+R = TypeVar("R")
+
+
+def _labels(runs: Sequence[object], names: tuple[str, ...]) -> list[str]:
     """The name each run was asked by (an alias such as "best" shows as given)."""
     per_policy = len(runs) // max(len(names), 1)
     return [names[i // per_policy] for i in range(len(runs))]
+
+
+def _by_name(runs: list[R], names: tuple[str, ...]) -> dict[str, list[R]]:
+    """The runs of each policy, under the name it was asked by."""
+    grouped: dict[str, list[R]] = {}
+    for name, run in zip(_labels(runs, names), runs, strict=True):
+        grouped.setdefault(name, []).append(run)
+    return grouped
 
 
 def _plot_fleet(runs: list[FleetRun], names: tuple[str, ...], out: Path) -> None:
@@ -281,9 +294,7 @@ def _plot_fleet(runs: list[FleetRun], names: tuple[str, ...], out: Path) -> None
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    by_name: dict[str, list[FleetRun]] = {}
-    for name, run in zip(_labels(runs, names), runs, strict=True):
-        by_name.setdefault(name, []).append(run)
+    by_name = _by_name(runs, names)
     finals = []
     for name, group in by_name.items():
         length = min(len(r.curve) for r in group)
@@ -481,9 +492,7 @@ def _plot_replays(runs: list[ReplayRun], names: tuple[str, ...], out: Path) -> N
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(7, 4.5))
-    by_name: dict[str, list[ReplayRun]] = {}
-    for name, run in zip(_labels(runs, names), runs, strict=True):
-        by_name.setdefault(name, []).append(run)
+    by_name = _by_name(runs, names)
     span = max((r.curve[-1][0] - r.curve[0][0] for r in runs if r.curve), default=0.0)
     unit, seconds = next(
         (u, s) for u, s in (("days", 86400), ("hours", 3600), ("s", 1)) if span >= 2 * s or s == 1
