@@ -343,7 +343,10 @@ class TokenScheduler:
 
     def _alone_terms(self, client: _Client, view: _AloneView) -> StandingTerms | None:
         picks = self._policy.select(view)  # type: ignore[arg-type]
-        if len(picks) != 1 or picks[0][0] != client.client_id or not picks[0][1] > 0.0:
+        # A lease shorter than lease_min_s is never renewed natively: no terms for it.
+        if len(picks) != 1 or picks[0][0] != client.client_id:
+            return None
+        if not picks[0][1] >= self._config.lease_min_s:
             return None
         length = picks[0][1]
         budget = math.inf if length == math.inf else max(client.limit_s - client.used_s, 0.0)

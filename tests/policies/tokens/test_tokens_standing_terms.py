@@ -176,3 +176,13 @@ def test_only_candidates_get_terms_and_the_others_leases_still_count() -> None:
     assert set(s.standing_terms(0.0, candidates={"b"})) == {"b"}  # idle a takes no room
     s.request("a", 0.0)  # a (60) holds, over the socket
     assert set(s.standing_terms(0.001, candidates={"b", "c"})) == {"c"}  # b (60) cannot fit
+
+
+def test_a_lease_shorter_than_the_minimum_gets_no_terms() -> None:
+    """1 ms of quota left, leases of at least 2 ms: the desk could never grant it natively."""
+    s = scheduler(
+        "spatiotemporal", share("a", sm=50, request=0.011, limit=0.011), window_s=1.0,
+        lease_initial_s=0.01, lease_min_s=0.002,
+    )  # fmt: skip
+    s.request("a", 0.0)  # a 10 ms lease: 1 ms of the 11 ms limit left
+    assert "a" not in s.standing_terms(0.001)
