@@ -39,6 +39,7 @@ from gpuloom.policies.placement.model import (
     GRID_AREA,
     GRID_H,
     GRID_W,
+    MIN_REPLICA_BYTES,
     QUOTA_STEPS_PER_PERCENT,
     Allocation,
     GpuState,
@@ -48,6 +49,7 @@ from gpuloom.policies.placement.model import (
     Rect,
     Unplaceable,
     quota_steps,
+    replica_memory,
 )
 from gpuloom.policies.placement.mra import MraPolicy
 from gpuloom.policies.placement.registry import DEFAULT_POLICY, POLICIES, get_policy
@@ -61,6 +63,7 @@ __all__ = [
     "GRID_H",
     "GRID_W",
     "MIN_GAP_NS",
+    "MIN_REPLICA_BYTES",
     "NO_PROFILES",
     "POLICIES",
     "QUOTA_STEPS_PER_PERCENT",
@@ -94,4 +97,5 @@ __all__ = [
     "get_policy",
     "plan_scaling",
     "quota_steps",
+    "replica_memory",
 ]

@@ -13,13 +13,20 @@ its schedulable GPUs only:
 
 A decision touches one GPU, so it updates a handful of entries (bisect, not a rebuild). A GPU
 marked unschedulable keeps its allocations and leaves the indexes.
+
+**Shared models** (FaST-GShare's model sharing). A GPU's model store may hold models
+(`set_models`): their bytes are used memory of the GPU, once. A job that is a replica of one
+(`JobRequest.shared_model`) is placed first among the GPUs where its model is resident, charged
+its memory less the weights there (`replica_memory`); only if none of them has room does the
+policy look at the whole fleet, where the job is charged its whole footprint. The policy decides
+in both rounds: in the first it sees a view of the fleet holding only those GPUs.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
@@ -44,9 +51,11 @@ from gpuloom.policies.placement.model import (
     Placement,
     Rect,
     Unplaceable,
+    check_models,
     describe_gib,
     describe_shape,
     quota_steps,
+    replica_memory,
 )
 
 # FaST-GShare rebuilds a GPU's list once it grows past a threshold; here past
@@ -85,6 +94,8 @@ class GpuSlot:
     memory_free: int = 0  # set from memory_bytes when loaded
     area_free: int = GRID_AREA  # stored, not computed: the searches read them in their loops
     holder: HolderGroup | None = None
+    models: dict[str, int] = field(default_factory=dict)  # resident in its store: name -> bytes
+    store_bytes: int = 0  # their sum, part of the used memory
 
     @property
     def memory_used(self) -> int:
@@ -103,7 +114,15 @@ class GpuSlot:
             self.sm_count,
             self.schedulable,
             tuple(self.allocations.values()),
+            tuple(sorted(self.models.items())),
         )
+
+    def memory_need(self, job: JobRequest) -> int:
+        """The memory `job` is charged here: less its shared model's weights where the model
+        is resident (replica_memory), else what it asks."""
+        if not job.shared_model:
+            return job.memory_bytes
+        return replica_memory(job.memory_bytes, self.models.get(job.shared_model, 0))
 
 
 class PlacementPolicy(Protocol):
@@ -157,6 +176,7 @@ class Fleet:
         self._models: dict[str, ModelIndex] = {}
         self._where: dict[str, str] = {}  # allocation id -> gpu id
         self._holders: dict[HolderGroup, list[str]] = {}
+        self._resident: dict[str, set[str]] = {}  # shared model -> GPUs whose store holds it
 
     # --- building -------------------------------------------------------------------------
 
@@ -183,6 +203,7 @@ class Fleet:
             gpu.gpu_id, gpu.node, gpu.model, gpu.memory_bytes, gpu.sm_count, gpu.schedulable
         )
         placed = _load_allocations(slot, gpu.allocations, self._where)
+        _load_models(slot, gpu.models)
         slot.free = FreeRects.build(slot.boxes.values())
         for allocation in placed:
             self._where[allocation.allocation_id] = slot.gpu_id
@@ -194,6 +215,8 @@ class Fleet:
         if slot.schedulable:
             self._index(slot)
         self._update_holder(slot)
+        for name in slot.models:
+            self._resident.setdefault(name, set()).add(slot.gpu_id)
 
     def remove_gpu(self, gpu_id: str) -> tuple[Allocation, ...]:
         """Forget a GPU; returns the allocations it held (now gone)."""
@@ -207,8 +230,34 @@ class Fleet:
             del self._models[slot.model]
         for allocation_id in slot.allocations:
             del self._where[allocation_id]
+        self._unresident(gpu_id, slot.models)
         del self._gpus[gpu_id]
         return tuple(slot.allocations.values())
+
+    def set_models(self, gpu_id: str, models: Iterable[tuple[str, int]]) -> None:
+        """The models the GPU's store holds now, as (name, device bytes): their bytes are used
+        memory, once, and replicas of them are charged less here. InvalidRequestError for a bad
+        name or size, InvalidStateError when they do not fit beside the allocations; either
+        way nothing changes."""
+        slot = self._slot(gpu_id)
+        new = check_models(models)
+        store = sum(new.values())
+        allocated = slot.memory_used - slot.store_bytes
+        if allocated + store > slot.memory_bytes:
+            raise InvalidStateError(
+                f"GPU {gpu_id}: its store's {describe_gib(store)} of models do not fit beside "
+                f"the {describe_gib(allocated)} allocated of {describe_gib(slot.memory_bytes)}"
+            )
+        if new == slot.models:
+            return
+        before = self._before(slot)
+        self._unresident(gpu_id, slot.models.keys() - new.keys())
+        for name in new.keys() - slot.models.keys():
+            self._resident.setdefault(name, set()).add(gpu_id)
+        slot.memory_free += slot.store_bytes - store
+        slot.models = new
+        slot.store_bytes = store
+        self._after(slot, before)
 
     def set_schedulable(self, gpu_id: str, schedulable: bool) -> None:
         """An unschedulable GPU keeps its allocations (they can be released) but takes no job."""
@@ -237,11 +286,21 @@ class Fleet:
             raise InvalidRequestError(
                 f"job {job.job_id} already holds an allocation on GPU {self._where[job.job_id]}"
             )
-        decision = policy.place(job, self, context)
+        decision = self._place_beside_model(job, policy, context) if job.shared_model else None
+        if decision is None:
+            decision = policy.place(job, self, context)
         if isinstance(decision, Unplaceable):
             return decision
         self._commit(job, decision)
         return decision
+
+    def memory_need(self, job: JobRequest, gpu_id: str) -> int:
+        """The memory `job` would be charged on the GPU (see GpuSlot.memory_need)."""
+        return self._slot(gpu_id).memory_need(job)
+
+    def resident(self, model: str) -> list[str]:
+        """The GPUs whose store holds `model`, sorted (schedulable or not)."""
+        return sorted(self._resident.get(model, ()))
 
     def release(self, allocation_id: str) -> Allocation | None:
         """Give an allocation's space back; None when there is no such allocation (already
@@ -362,7 +421,9 @@ class Fleet:
                 for b_id, b in boxes[i + 1 :]:
                     if overlaps(a, b):
                         raise InvalidStateError(f"{slot.gpu_id}: {a_id} overlaps {b_id}")
-            memory = sum(a.memory_bytes for a in slot.allocations.values())
+            if slot.store_bytes != sum(slot.models.values()):
+                raise InvalidStateError(f"{slot.gpu_id}: store bytes miscounted")
+            memory = sum(a.memory_bytes for a in slot.allocations.values()) + slot.store_bytes
             if memory != slot.memory_used or memory > slot.memory_bytes:
                 raise InvalidStateError(f"{slot.gpu_id}: memory over-committed or miscounted")
             if sum(box_area(b) for _, b in boxes) != slot.area_used:
@@ -396,6 +457,12 @@ class Fleet:
             raise InvalidStateError("holder groups drifted")
         if {a: s.gpu_id for s in self._gpus.values() for a in s.allocations} != self._where:
             raise InvalidStateError("allocation ids drifted")
+        resident: dict[str, set[str]] = {}
+        for slot in self._gpus.values():
+            for name in slot.models:
+                resident.setdefault(name, set()).add(slot.gpu_id)
+        if resident != self._resident:
+            raise InvalidStateError("resident models drifted")
 
     # --- bookkeeping ----------------------------------------------------------------------
 
@@ -405,9 +472,52 @@ class Fleet:
             raise KeyError(f"unknown GPU {gpu_id!r}")
         return slot
 
+    def _place_beside_model(
+        self, job: JobRequest, policy: PlacementPolicy, context: PlacementContext
+    ) -> Placement | None:
+        """The job on a GPU where its shared model is resident, charged the reduced memory:
+        the policy chooses among those GPUs (the smallest charge first, when copies of the
+        model differ in size); None when none of them has room."""
+        groups: dict[int, list[str]] = {}
+        for gpu_id in self._resident.get(job.shared_model, ()):
+            slot = self._gpus[gpu_id]
+            if slot.schedulable and (not job.gpu_model or slot.model == job.gpu_model):
+                groups.setdefault(slot.memory_need(job), []).append(gpu_id)
+        for need in sorted(groups):
+            view = self._view(groups[need])
+            # The view's GPUs all charge `need`: the policy sees a plain job of that memory.
+            decision = policy.place(replace(job, memory_bytes=need, shared_model=""), view, context)
+            if isinstance(decision, Placement):
+                return decision
+        return None
+
+    def _view(self, gpu_ids: Iterable[str]) -> Fleet:
+        """A fleet of only these (schedulable) GPUs, for a policy to read: their live records,
+        indexed anew. Never changed: decisions are committed to this fleet."""
+        view = Fleet(self.rebuild_factor, self.rebuild_slack)
+        for gpu_id in sorted(gpu_ids):
+            slot = self._gpus[gpu_id]
+            view._gpus[gpu_id] = slot
+            index = view._models.get(slot.model)
+            if index is None:
+                index = view._models[slot.model] = ModelIndex(slot.model)
+            index.gpu_ids.add(gpu_id)
+            view._index(slot)
+            if slot.holder is not None:
+                insort(view._holders.setdefault(slot.holder, []), gpu_id)
+        return view
+
+    def _unresident(self, gpu_id: str, names: Iterable[str]) -> None:
+        for name in names:
+            gpus = self._resident[name]
+            gpus.discard(gpu_id)
+            if not gpus:
+                del self._resident[name]
+
     def _commit(self, job: JobRequest, placement: Placement) -> None:
         slot = self._gpus.get(placement.gpu_id)
         rect = placement.rect
+        need = 0 if slot is None else slot.memory_need(job)
         problem = ""
         if slot is None:
             problem = "an unknown GPU"
@@ -415,7 +525,7 @@ class Fleet:
             problem = "an unschedulable GPU"
         elif job.gpu_model and slot.model != job.gpu_model:
             problem = f"a {slot.model}, not a {job.gpu_model}"
-        elif job.memory_bytes > slot.memory_free:
+        elif need > slot.memory_free:
             problem = "a GPU without that much free memory"
         elif placement.allocation_id != job.job_id:
             problem = f"the allocation id {placement.allocation_id!r}"
@@ -438,7 +548,7 @@ class Fleet:
             job.job_id,
             job.sm_percent,
             job.quota_request_percent,
-            job.memory_bytes,
+            need,
             job.priority,
             job.task_key,
             rect,
@@ -447,7 +557,7 @@ class Fleet:
         slot.free.occupy(box)
         slot.allocations[job.job_id] = allocation
         slot.boxes[job.job_id] = box
-        slot.memory_free -= job.memory_bytes
+        slot.memory_free -= need
         slot.area_free -= box_area(box)
         self._where[job.job_id] = slot.gpu_id
         self._after(slot, before)
@@ -545,6 +655,19 @@ def _has_shape(rects: list[tuple[int, str, Box]], w: int, h: int) -> bool:
         if box[2] - box[0] >= w and box[3] - box[1] >= h:
             return True
     return False
+
+
+def _load_models(slot: GpuSlot, models: Iterable[tuple[str, int]]) -> None:
+    """Put the store's models on a slot its allocations are loaded on (InvalidStateError if
+    they do not fit beside them)."""
+    slot.models = check_models(models)
+    slot.store_bytes = sum(slot.models.values())
+    if slot.store_bytes > slot.memory_free:
+        raise InvalidStateError(
+            f"GPU {slot.gpu_id}: its store's {describe_gib(slot.store_bytes)} of models do not "
+            f"fit beside its allocations"
+        )
+    slot.memory_free -= slot.store_bytes
 
 
 def _load_allocations(

@@ -11,6 +11,8 @@ the quota axis has GRID_W steps of 0.01 % of the window, the SM axis GRID_H step
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 QUOTA_STEPS_PER_PERCENT = 100
@@ -19,6 +21,12 @@ GRID_H = 100  # all SMs
 GRID_AREA = GRID_W * GRID_H
 MAX_PRIORITY = 9  # 0 is the highest
 GIB = 1 << 30
+# A replica of a model resident on its GPU is charged its memory less the model's weights,
+# but never less than this: it still needs room of its own (activations, buffers), and a
+# memory cap of 0 would mean "the whole GPU" to the dispatcher.
+MIN_REPLICA_BYTES = 1 << 20
+MAX_MODEL_NAME = 128
+_MODEL_NAME = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class InvalidRequestError(ValueError):
@@ -65,6 +73,38 @@ def _check_priority(value: object) -> None:
         raise InvalidRequestError(
             f"priority must be an integer in 0..{MAX_PRIORITY} (0 highest), got {value!r}"
         )
+
+
+def check_model_name(name: str, value: object) -> None:
+    """A shared model's name as the model store takes it: [A-Za-z0-9._:-]{1,128}."""
+    if not isinstance(value, str) or not _MODEL_NAME.fullmatch(value):
+        raise InvalidRequestError(
+            f"{name} must match [A-Za-z0-9._:-]{{1,{MAX_MODEL_NAME}}}, got {str(value)[:140]!r}"
+        )
+
+
+def check_models(models: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """The models a GPU's store holds, as (name, device bytes) pairs: names valid and each once,
+    sizes positive integers no larger than a GPU could hold (2**63 - 1)."""
+    checked: dict[str, int] = {}
+    for name, nbytes in models:
+        check_model_name("model name", name)
+        if not _is_int(nbytes) or not 0 < nbytes < 1 << 63:
+            raise InvalidRequestError(f"model {name}: bytes must be a positive integer")
+        if name in checked:
+            raise InvalidRequestError(f"model {name} is listed twice")
+        checked[name] = nbytes
+    return checked
+
+
+def replica_memory(memory_bytes: int, shared_bytes: int) -> int:
+    """What a replica that asks `memory_bytes` (its whole footprint, weights included) is
+    charged on a GPU whose model store holds its model's `shared_bytes` (0: not there): the
+    footprint less the weights, never below MIN_REPLICA_BYTES and never above what it asked.
+    The weights are charged once, to the store."""
+    if shared_bytes <= 0:
+        return memory_bytes
+    return min(memory_bytes, max(memory_bytes - shared_bytes, MIN_REPLICA_BYTES))
 
 
 def describe_gib(n_bytes: int) -> str:
@@ -169,6 +209,9 @@ class GpuState:
     sm_count: int = 0  # informative: shapes are in percent of the SMs
     schedulable: bool = True
     allocations: tuple[Allocation, ...] = ()
+    # The models its store holds, (name, device bytes): used memory, charged once (see
+    # replica_memory).
+    models: tuple[tuple[str, int], ...] = ()
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that makes no sense."""
@@ -186,6 +229,7 @@ class GpuState:
             raise InvalidRequestError(f"schedulable must be a bool, got {self.schedulable!r}")
         for allocation in self.allocations:
             allocation.validate()
+        check_models(self.models)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +245,9 @@ class JobRequest:
     priority: int = 0
     gpu_model: str = ""  # "" = any model
     task_key: str = ""
+    # A replica of this model: where the model is resident (a GPU's store holds it) the job is
+    # placed first, charged memory_bytes less the weights (replica_memory). "" = none.
+    shared_model: str = ""
 
     @property
     def quota_limit(self) -> float:
@@ -227,6 +274,8 @@ class JobRequest:
         _check_priority(self.priority)
         if not isinstance(self.gpu_model, str) or not isinstance(self.task_key, str):
             raise InvalidRequestError("gpu_model and task_key must be strings")
+        if self.shared_model != "":
+            check_model_name("shared_model", self.shared_model)
 
 
 @dataclass(frozen=True, slots=True)

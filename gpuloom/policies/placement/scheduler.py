@@ -20,9 +20,10 @@ Events:
   returns the placed ones and the fresher reasons of those still waiting.
 
 **The pending index.** Waiting jobs are kept in buckets of identical requests: the same policy,
-GPU model, quota x SM shape, memory, priority and task key (everything a policy looks at but the
-id). A release marks dirty only the buckets whose request the freed GPU can now hold (its model,
-a free rectangle of the shape, the memory); `decide` tries dirty buckets only, and a bucket whose
+GPU model, quota x SM shape, memory, priority, task key and shared model (everything a policy
+looks at but the id). A release marks dirty only the buckets whose request the freed GPU can now
+hold (its model, a free rectangle of the shape, the memory it would be charged there); `decide`
+tries dirty buckets only, and a bucket whose
 head does not fit stops there: its other jobs ask exactly the same and can fit no better, since
 within one `decide` the fleet only fills. So a release costs a look at the buckets of the GPU's
 model, and the jobs tried are those that can now be placed, plus at most one per dirty bucket.
@@ -40,7 +41,13 @@ from dataclasses import dataclass, field
 
 from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
 from gpuloom.policies.placement.fleet import Fleet, PlacementPolicy
-from gpuloom.policies.placement.model import JobRequest, Placement, Unplaceable, quota_steps
+from gpuloom.policies.placement.model import (
+    JobRequest,
+    Placement,
+    Unplaceable,
+    quota_steps,
+    replica_memory,
+)
 
 NO_GPU_YET = "no GPU is registered yet"
 
@@ -90,8 +97,9 @@ class Round:
 
 
 # Everything a policy looks at in a request but its id: jobs with the same key get the same
-# answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key)
-BucketKey = tuple[str, str, int, int, int, int, str]
+# answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key,
+# shared model)
+BucketKey = tuple[str, str, int, int, int, int, str, str]
 
 
 @dataclass(slots=True, eq=False)
@@ -271,6 +279,7 @@ class Scheduler:
             r.memory_bytes,
             r.priority,
             r.task_key,
+            r.shared_model,
         )
 
     def _try(self, ask: Ask) -> Placed | Waiting:
@@ -324,7 +333,10 @@ class Scheduler:
         boxes = [(b[2] - b[0], b[3] - b[1]) for b in slot.free.boxes()]
         for model in ("", slot.model):
             for key in self._by_model.get(model, ()):
-                if key in self._dirty or key[4] > slot.memory_free:
+                if key in self._dirty:
+                    continue
+                need = replica_memory(key[4], slot.models.get(key[7], 0)) if key[7] else key[4]
+                if need > slot.memory_free:
                     continue
                 w, h = key[2], key[3]
                 if any(bw >= w and bh >= h for bw, bh in boxes):
