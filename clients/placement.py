@@ -290,6 +290,7 @@ _TOP_KEYS = (
     "priority",
     "policy",
     "gpu_model",
+    "shared_model",
     "resources",
     "slo",
     "request_id",
@@ -378,6 +379,7 @@ def spec_from_document(
     spec.task_key = top.text("task_key")
     spec.policy = top.text("policy")
     spec.gpu_model = top.text("gpu_model")
+    spec.shared_model = top.text("shared_model")
     top.text("request_id")  # a string if given; the caller sends it with the spec
     priority = top.integer("priority")
     if priority is None:

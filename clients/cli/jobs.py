@@ -359,6 +359,15 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
     ),
     ("spec.gpu_model", ("--gpu-model",), {"default": "", "help": "Only GPUs of this model."}),
     (
+        "spec.shared_model",
+        ("--shared-model",),
+        {
+            "default": "",
+            "help": "A replica of this model: placed first where a model store holds it, with "
+            "--memory-gib less the weights as its cap there.",
+        },
+    ),
+    (
         None,
         ("--kind",),
         {
@@ -472,6 +481,7 @@ def _run_spec(
     whole_gpu: bool,
     policy: str,
     gpu_model: str,
+    shared_model: str,
     kind: str,
 ) -> JobSpec:
     shared = sm is not None or quota is not None
@@ -497,6 +507,7 @@ def _run_spec(
         priority=priority,
         policy=policy,
         gpu_model=gpu_model,
+        shared_model=shared_model,
     )
 
 

@@ -62,6 +62,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         policy=msg.policy,
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
+        shared_model=msg.shared_model,
     )
 
 
@@ -86,6 +87,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         policy=spec.policy,
         gpu_model=spec.gpu_model,
         command=spec.command,
+        shared_model=spec.shared_model,
     )
 
 

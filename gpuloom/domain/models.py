@@ -48,13 +48,13 @@ DTYPE_BYTES: dict[str, int] = {
 
 
 def check_model_name(field: str, value: str) -> str:
-    if not MODEL_NAME.match(value):
+    if not isinstance(value, str) or not MODEL_NAME.fullmatch(value):
         raise InvalidArgument(field, "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
     return value
 
 
 def check_replica_id(field: str, value: str) -> str:
-    if not REPLICA_ID.match(value):
+    if not isinstance(value, str) or not REPLICA_ID.fullmatch(value):
         raise InvalidArgument(field, "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
     return value
 

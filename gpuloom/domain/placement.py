@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.models import check_model_name
 from gpuloom.domain.shares import (
     DEFAULT_PRIORITY,
     SpatioTemporalShare,
@@ -83,6 +84,9 @@ class JobSpec:
     gpu_model: str = ""
     command: tuple[str, ...] = ()
     mig_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+    # A replica of this model: placed first where a model store holds it, charged its memory
+    # less the weights there (docs/placement.md, "Replicas of a shared model"). "" = none.
+    shared_model: str = ""
 
     @property
     def is_mig_batch(self) -> bool:
@@ -115,6 +119,8 @@ class JobSpec:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
+        if self.shared_model:
+            check_model_name("spec.shared_model", self.shared_model)
         self._validate_resources()
 
     def validate_as(self, name: str, policies: Collection[str]) -> None:
@@ -127,6 +133,10 @@ class JobSpec:
 
     def _validate_resources(self) -> None:
         if self.mig_slices:
+            if self.shared_model:
+                raise InvalidArgument(
+                    "spec.shared_model", "a MIG batch task holds no share a model store serves"
+                )
             self._validate_mig()
             return
         if self.command:

@@ -206,8 +206,14 @@ async def start_gpu_dispatcher(
     core.grpc_address = advertised_address(settings.advertise_host, host, server.port)
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
-        placement_link = PlacementLink(settings.placement_address, core, core.grpc_address)
+        placement_link = PlacementLink(
+            settings.placement_address,
+            core,
+            core.grpc_address,
+            models=lambda: [(m.name, m.nbytes) for m in models.list()],
+        )
         core.on_gpu_changed = placement_link.register_again
+        models.on_change = placement_link.report_now
         await placement_link.start()
     log.info(
         "dispatcher ready",

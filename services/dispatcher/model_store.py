@@ -200,6 +200,12 @@ class ModelStore:
         self._worker: _Worker | None = None
         self._lock = asyncio.Lock()
         self._generation = 0
+        # Called (on the loop) when the models held change: the placement link reports them.
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- queries --
 
@@ -295,6 +301,7 @@ class ModelStore:
             )
             self._models[name] = model
             log.info("model loaded", gpu=self.gpu.index, model=model.model_id, bytes=total)
+            self._changed()
             return model.view(), True
 
     async def attach(self, name: str, replica: str, gpu_uuid: str, model_id: str) -> ModelView:
@@ -331,6 +338,7 @@ class ModelStore:
             del self._models[name]
             self._book.uncharge_store(model.nbytes)
             log.info("model unloaded", gpu=self.gpu.index, model=model.model_id, force=force)
+            self._changed()
             return model.view()
 
     async def read(self, name: str, offset: int, nbytes: int) -> bytes:
@@ -391,6 +399,7 @@ class ModelStore:
             for model in self._models.values():
                 self._book.uncharge_store(model.nbytes)
             self._models.clear()
+            self._changed()
             worker, self._worker = self._worker, None
             await asyncio.to_thread(worker.close)
             log.error("model store process gone", gpu=self.gpu.index, error=str(error), lost=lost)

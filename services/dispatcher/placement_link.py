@@ -4,7 +4,10 @@ Registration (RegisterGpu) describes the GPU (model, memory, SMs, MIG, whether M
 spatial sharing is on) and the address placement should dial to reserve on it; placement
 answers with the heartbeat interval. Registration and each heartbeat carry the reservations
 the book holds (id, priority, memory cap, share): placement counts the ones it did not make
-(reserved here directly) as occupied space on this GPU. Each heartbeat also carries the GPU's
+(reserved here directly) as occupied space on this GPU. Both also carry the models the GPU's
+model store holds (name, bytes): placement counts their bytes once and places replicas of them
+here first, charged less (a load or unload sends a heartbeat at once). Each heartbeat also
+carries the GPU's
 utilisation and the memory in use; placement answers with the ids of its own jobs it no longer
 knows as live, which are released here.
 
@@ -21,7 +24,7 @@ import contextlib
 import ipaddress
 import math
 import socket
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
@@ -106,8 +109,12 @@ class PlacementLink:
         core: DispatcherCore,
         dispatcher_address: str,
         timeout_s: float = 5.0,
+        models: Callable[[], Sequence[tuple[str, int]]] | None = None,
     ) -> None:
+        """`models` tells what the GPU's model store holds now, as (name, device bytes); it is
+        called on the event loop."""
         self._address = address
+        self._models = models
         self._core = core
         self._dispatcher_address = dispatcher_address
         self._timeout_s = timeout_s
@@ -130,6 +137,10 @@ class PlacementLink:
     def register_again(self) -> None:
         """The GPU's description changed (MIG mode): register it again now (on the loop)."""
         self._registered = False
+        self._wake.set()
+
+    def report_now(self) -> None:
+        """What the model store holds changed: send a heartbeat now (on the loop)."""
         self._wake.set()
 
     # ---- life cycle (asyncio) ----
@@ -216,6 +227,7 @@ class PlacementLink:
             ),
             dispatcher_address=self._dispatcher_address,
             reservations=[_reservation_to_pb(r) for r in self._reservations()],
+            models=self._store_models(),
         )
         response = await stub.RegisterGpu(request, timeout=self._timeout_s)
         self._interval_s = clamp_interval(response.heartbeat_interval_s)
@@ -236,6 +248,7 @@ class PlacementLink:
             memory_used_bytes=usage.memory_used_bytes,
             assignment_ids=[r.assignment_id for r in reservations],
             reservations=[_reservation_to_pb(r) for r in reservations],
+            models=self._store_models(),
         )
         response = await stub.Heartbeat(request, timeout=self._timeout_s)
         for assignment_id in response.release_assignment_ids:
@@ -273,6 +286,11 @@ class PlacementLink:
 
     def _read_status(self) -> tuple[GpuUsage, list[Reservation]]:
         return self._core.backend.usage(self._core.gpu.index), self._reservations()
+
+    def _store_models(self) -> list[placement_pb2.ResidentModel]:
+        if self._models is None:
+            return []
+        return [placement_pb2.ResidentModel(name=n, bytes=b) for n, b in self._models()]
 
     def _reservations(self) -> list[Reservation]:
         return sorted(self._core.book.all(), key=lambda r: r.assignment_id)

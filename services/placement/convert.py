@@ -9,6 +9,7 @@ from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, throughput_co
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.models import check_model_name
 from gpuloom.domain.placement import (
     ASSIGNMENT_TOKEN_VARIABLE,
     Assignment,
@@ -26,7 +27,7 @@ from gpuloom.domain.shares import (
 )
 from gpuloom.policies.placement import Allocation
 from gpuloom.services.placement.domain import JOB_ID_PREFIX, Job
-from gpuloom.services.placement.inventory import GpuView, direct_id
+from gpuloom.services.placement.inventory import GpuView, StoreModels, direct_id
 from gpuloom.services.placement.repository import JobFilter
 from gpuloom.services.placement.scaling import ScalingResult
 from gpuloom.v1 import placement_pb2 as pb
@@ -58,6 +59,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         policy=msg.policy.strip(),
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
+        shared_model=msg.shared_model,
     )
 
 
@@ -166,6 +168,21 @@ def direct_reservations_from_pb(
             )
         )
     return direct
+
+
+def store_models_from_pb(models: Iterable[pb.ResidentModel]) -> StoreModels:
+    """The models a dispatcher's store holds, sorted by name; a name the store could not hold,
+    a size of 0 or a name listed twice is refused, naming the field."""
+    seen: dict[str, int] = {}
+    for index, model in enumerate(models):
+        field = f"models[{index}]"
+        check_model_name(f"{field}.name", model.name)
+        if model.bytes <= 0 or model.bytes >= 1 << 63:
+            raise InvalidArgument(f"{field}.bytes", f"must be within 1..2**63-1, got {model.bytes}")
+        if model.name in seen:
+            raise InvalidArgument(f"{field}.name", f"model {model.name!r} is listed twice")
+        seen[model.name] = model.bytes
+    return tuple(sorted(seen.items()))
 
 
 def gpu_entry_to_pb(view: GpuView) -> pb.GpuEntry:

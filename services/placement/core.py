@@ -29,7 +29,13 @@ from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
 from gpuloom.services.placement.dispatchers import Dispatchers, MigRunner
 from gpuloom.services.placement.domain import GpuRecord, Job
-from gpuloom.services.placement.inventory import GpuView, Inventory, allocation
+from gpuloom.services.placement.inventory import (
+    GpuView,
+    Inventory,
+    StoreModels,
+    allocation,
+    check_store,
+)
 from gpuloom.services.placement.mig_batches import MigBatchConfig, MigBatches
 from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
@@ -152,13 +158,20 @@ class PlacementCore:
     # ---- dispatchers ----
 
     async def register_gpu(
-        self, info: GpuInfo, dispatcher_address: str, direct: Sequence[Allocation] = ()
+        self,
+        info: GpuInfo,
+        dispatcher_address: str,
+        direct: Sequence[Allocation] = (),
+        models: StoreModels = (),
     ) -> float:
-        """Add or refresh a GPU with the shares reserved on its dispatcher directly; returns
-        the heartbeat interval the dispatcher must keep."""
+        """Add or refresh a GPU with the shares reserved on its dispatcher directly and the
+        models its store holds; returns the heartbeat interval the dispatcher must keep."""
+        info.validate()  # before the store's size is checked against its memory
+        check_store(models, info.memory_bytes)
         async with self.jobs.lock:
             again = await self.inventory.register(info, dispatcher_address, self._clock())
             self.inventory.set_direct(info.gpu_uuid, direct)
+            self.inventory.set_models(info.gpu_uuid, models)
             self.jobs.capacity_changed(info.gpu_uuid)
         self.jobs.wake()
         log.info(
@@ -178,18 +191,26 @@ class PlacementCore:
         memory_used_bytes: int,
         assignment_ids: Sequence[str],
         direct: Sequence[Allocation] = (),
+        models: StoreModels = (),
     ) -> list[str]:
-        """Refresh a GPU and the shares reserved on its dispatcher directly; returns the
-        assignments its dispatcher holds that no live job owns."""
+        """Refresh a GPU, the shares reserved on its dispatcher directly and the models its
+        store holds; returns the assignments its dispatcher holds that no live job owns."""
+        if gpu_uuid in self.inventory:  # an unknown GPU is refused by refresh
+            check_store(models, self.inventory.record(gpu_uuid).info.memory_bytes)
         record = self.inventory.refresh(
             gpu_uuid, utilization_percent, memory_used_bytes, self._clock()
         )
         down = self.inventory.is_down(record)
-        if down or self.inventory.direct_changed(gpu_uuid, direct):
+        if (
+            down
+            or self.inventory.direct_changed(gpu_uuid, direct)
+            or self.inventory.models_changed(gpu_uuid, models)
+        ):
             async with self.jobs.lock:
                 if down:
                     await self.inventory.revive(record)
                 self.inventory.set_direct(gpu_uuid, direct)
+                self.inventory.set_models(gpu_uuid, models)
                 self.jobs.capacity_changed(gpu_uuid)
             self.jobs.wake()
         return self.jobs.stale(gpu_uuid, assignment_ids)

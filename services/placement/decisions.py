@@ -439,12 +439,15 @@ class Decisions:
         placement = placed.placement
         gpu = self._inventory.record(placement.gpu_id)
         rect = placement.rect
+        # What the fleet charged: less than asked for a replica placed beside its model (the
+        # weights are the model store's), and the cap the dispatcher enforces.
+        held = self._inventory.fleet.allocation(job.job_id)
         binding = Binding(
             gpu_uuid=placement.gpu_id,
             node=placement.node,
             dispatcher_address=gpu.dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=job.spec.memory_bytes,
+            memory_cap_bytes=job.spec.memory_bytes if held is None else held.memory_bytes,
             token=secrets.token_urlsafe(32),
         )
         return job.advance(
@@ -648,5 +651,6 @@ def ask_of(job: Job) -> Ask:
         priority=spec.priority,
         gpu_model=spec.gpu_model,
         task_key=spec.task_key,
+        shared_model=spec.shared_model,
     )
     return Ask(request, policy=spec.policy, submitted_at=job.submitted_at)

@@ -4,8 +4,10 @@ registration and heartbeats as they change it, and the ListGpus view.
 It knows no jobs: the core ends the jobs of a GPU it marks lost, and decides again when it
 reports capacity back. Shares reserved on a dispatcher directly (not by placement), as its
 registration and heartbeats report them, sit in the fleet as allocations no job owns
-(`direct_id`), so that jobs are not placed into space that is taken. Every change is made
-under the core's lock (one writer of fleet and database at a time); reads are lock-free.
+(`direct_id`), so that jobs are not placed into space that is taken. The models a GPU's model
+store holds, as its dispatcher reports them, sit in the fleet as the GPU's store (their bytes
+used once; replicas of them charged less there). Every change is made under the core's lock (one
+writer of fleet and database at a time); reads are lock-free.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from gpuloom.services.placement.repository import PlacementRepository
 log = structlog.get_logger("gpuloom.placement")
 
 MAX_PAGE_GPUS = 10_000
+MAX_STORE_MODELS = 256  # what one dispatcher's model store holds at most
+
+# The models a GPU's store holds: (name, device bytes), sorted by name.
+StoreModels = tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +60,8 @@ class Inventory:
         self.suspended: set[str] = set()
         # GPU -> the fleet ids of the direct reservations its dispatcher reported last.
         self._direct: dict[str, frozenset[str]] = {}
+        # GPU -> the models its store holds, as its dispatcher reported them last.
+        self._stores: dict[str, StoreModels] = {}
 
     def load(
         self, records: Sequence[GpuRecord], holding: Mapping[str, Sequence[Allocation]], now: float
@@ -118,11 +126,12 @@ class Inventory:
     def _replace_gpu(self, old: GpuRecord, new: GpuRecord) -> None:
         """The same GPU registered with another node, model or memory: its jobs stay on it
         if they still fit, otherwise the registration is refused and nothing changes."""
+        models = self._counted(old.info.gpu_uuid)
         held = self.fleet.remove_gpu(old.info.gpu_uuid)
         try:
-            self.fleet.add_gpu(gpu_state(new, list(held)))
+            self.fleet.add_gpu(gpu_state(new, list(held), models))
         except ValueError as error:
-            self.fleet.add_gpu(gpu_state(old, list(held)))
+            self.fleet.add_gpu(gpu_state(old, list(held), models))
             raise FailedPrecondition(
                 f"GPU {new.info.gpu_uuid} holds jobs that would not fit it as registered now "
                 f"({error}); end them first"
@@ -191,10 +200,11 @@ class Inventory:
         if added:
             record = self._gpus[gpu_uuid]
             schedulable = self.fleet.slot(gpu_uuid).schedulable
+            models = self._counted(gpu_uuid)
             held = list(self.fleet.remove_gpu(gpu_uuid))
             for candidate in added:
                 try:  # the fleet takes a GPU whole: try it with the candidate, then take it back
-                    self.fleet.add_gpu(gpu_state(record, [*held, candidate]))
+                    self.fleet.add_gpu(gpu_state(record, [*held, candidate], models))
                 except (InvalidStateError, ValueError) as error:
                     log.warning(
                         "a direct reservation does not fit beside the rest: not counted",
@@ -204,9 +214,44 @@ class Inventory:
                     )
                     continue
                 held = list(self.fleet.remove_gpu(gpu_uuid))
-            self.fleet.add_gpu(gpu_state(record, held))
+            self.fleet.add_gpu(gpu_state(record, held, models))
             self.fleet.set_schedulable(gpu_uuid, schedulable)
         self._direct[gpu_uuid] = frozenset(new)
+
+    def models_changed(self, gpu_uuid: str, models: StoreModels) -> bool:
+        """Whether the store's models differ from what its dispatcher reported last, or some of
+        them are not counted yet (they did not fit beside placement's jobs then)."""
+        return models != self._stores.get(gpu_uuid, ()) or models != self._counted(gpu_uuid)
+
+    def set_models(self, gpu_uuid: str, models: StoreModels) -> None:
+        """Make the GPU's store in the fleet the models its dispatcher reports (checked with
+        `check_store`). Those that do not fit beside the jobs placement bound there (bound
+        but not yet reserved: their Reserve will fail) are left out, with a warning, and
+        counted once they fit, at a later heartbeat."""
+        self._stores[gpu_uuid] = models
+        try:
+            self.fleet.set_models(gpu_uuid, models)
+            return
+        except InvalidStateError:
+            pass
+        counted: list[tuple[str, int]] = []
+        for model in models:
+            try:
+                self.fleet.set_models(gpu_uuid, [*counted, model])
+            except InvalidStateError as error:
+                log.warning(
+                    "a model the GPU's store holds does not fit beside placement's jobs: "
+                    "not counted yet",
+                    gpu=gpu_uuid,
+                    model=model[0],
+                    error=str(error),
+                )
+                continue
+            counted.append(model)
+        self.fleet.set_models(gpu_uuid, counted)
+
+    def _counted(self, gpu_uuid: str) -> StoreModels:
+        return tuple(sorted(self.fleet.slot(gpu_uuid).models.items()))
 
     # ---- questions ----
 
@@ -270,14 +315,15 @@ class Inventory:
 
 
 def allocation(job: Job) -> Allocation:
-    """The rectangle and memory a placed MPS or whole-GPU job holds, for the fleet."""
+    """The rectangle and memory a placed MPS or whole-GPU job holds, for the fleet: the memory
+    it was charged (its cap; less than it asked for a replica placed beside its model)."""
     assert job.binding is not None
     spec = job.spec
     return Allocation(
         allocation_id=job.job_id,
         sm_percent=spec.sm_percent,
         quota_percent=spec.quota.request_percent,
-        memory_bytes=spec.memory_bytes,
+        memory_bytes=job.binding.memory_cap_bytes,
         priority=spec.priority,
         task_key=spec.task_key,
         rect=Rect(*job.binding.rect),
@@ -295,7 +341,9 @@ def takes_shares(record: GpuRecord) -> bool:
     return not record.lost and not record.info.mig_enabled
 
 
-def gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState:
+def gpu_state(
+    record: GpuRecord, allocations: Sequence[Allocation], models: StoreModels = ()
+) -> GpuState:
     info = record.info
     return GpuState(
         gpu_id=info.gpu_uuid,
@@ -305,4 +353,21 @@ def gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState:
         sm_count=info.sm_count,
         schedulable=takes_shares(record),
         allocations=tuple(allocations),
+        models=models,
     )
+
+
+def check_store(models: StoreModels, memory_bytes: int) -> None:
+    """A dispatcher's report of its store: at most MAX_STORE_MODELS models, together no larger
+    than the GPU (the dispatcher charges them to its memory); InvalidArgument on `models`.
+    Each name and size is checked where the report is read (services/placement/convert.py)."""
+    if len(models) > MAX_STORE_MODELS:
+        raise InvalidArgument(
+            "models", f"at most {MAX_STORE_MODELS} models per GPU, got {len(models)}"
+        )
+    total = sum(nbytes for _, nbytes in models)
+    if total > memory_bytes:
+        raise InvalidArgument(
+            "models",
+            f"they hold {total} bytes, more than the GPU's {memory_bytes} bytes of memory",
+        )

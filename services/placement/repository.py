@@ -37,6 +37,8 @@ def spec_to_json(spec: JobSpec) -> str:
         "policy": spec.policy,
         "gpu_model": spec.gpu_model,
     }
+    if spec.shared_model:  # replicas only: other rows stay as they were
+        document["shared_model"] = spec.shared_model
     if spec.mig_slices:  # MIG batch tasks only: other rows stay as they were
         document["mig_slices"] = spec.mig_slices
         document["command"] = list(spec.command)
@@ -62,6 +64,7 @@ def spec_from_json(text: str) -> JobSpec:
         mig_slices=d.get("mig_slices", 0),
         command=tuple(d.get("command", ())),
         mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
+        shared_model=d.get("shared_model", ""),
     )
 
 

@@ -113,6 +113,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             info,
             request.dispatcher_address,
             convert.direct_reservations_from_pb(info.gpu_uuid, request.reservations),
+            convert.store_models_from_pb(request.models),
         )
         return pb.RegisterGpuResponse(heartbeat_interval_s=interval)
 
@@ -126,6 +127,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             request.memory_used_bytes,
             request.assignment_ids,
             convert.direct_reservations_from_pb(request.gpu_uuid, request.reservations),
+            convert.store_models_from_pb(request.models),
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 
