@@ -223,6 +223,40 @@ async def test_heartbeats_carry_usage_and_the_assignments_held(
         assert first.share.quota.limit_percent == 40
 
 
+async def test_registration_and_heartbeats_carry_the_models_the_store_holds(
+    short_dir: Path, placement: PlacementServer
+) -> None:
+    held: list[tuple[str, int]] = [("bert", 3 * GIB)]
+    async with linked_dispatcher(short_dir, placement.address) as linked:
+        # A link of its own (the dispatcher's has an empty store), slow, woken by report_now.
+        link = PlacementLink(
+            placement.address, linked.dispatcher.core, "127.0.0.1:1", models=lambda: list(held)
+        )
+        await link.start()
+        try:
+
+            def mine() -> list[placement_pb2.RegisterGpuRequest]:
+                return [
+                    r for r in placement.fake.registrations if r.dispatcher_address == "127.0.0.1:1"
+                ]
+
+            def models_sent() -> list[list[tuple[str, int]]]:
+                # The dispatcher's own link heartbeats too, with its empty store.
+                return [[(m.name, m.bytes) for m in h.models] for h in placement.fake.heartbeats]
+
+            await eventually(mine, "the link's registration")
+            assert [(m.name, m.bytes) for m in mine()[0].models] == [("bert", 3 * GIB)]
+            await eventually(lambda: [("bert", 3 * GIB)] in models_sent(), "a heartbeat")
+            held.append(("vit", GIB))
+            link.report_now()
+            await eventually(
+                lambda: [("bert", 3 * GIB), ("vit", GIB)] in models_sent(),
+                "a heartbeat with both models",
+            )
+        finally:
+            await link.stop()
+
+
 async def test_assignments_placement_no_longer_knows_are_released(
     short_dir: Path, placement: PlacementServer
 ) -> None:
