@@ -522,6 +522,46 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
     assert await all_jobs(placement) == []
 
 
+async def test_run_and_job_files_name_the_shared_model_and_a_bad_name_is_refused(
+    placement: Live, dispatchers: DispatcherApp, tmp_path: Path
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    bad = await invoke("run", address(placement), "--shared-model", "no spaces", "--", "true")
+    assert bad.exit_code == 1 and "Usage:" not in bad.output
+    lines = output_lines(bad)
+    assert len(lines) == 1 and lines[0].startswith(
+        "Error: --shared-model: refused by placement: spec.shared_model:"
+    )
+    assert await all_jobs(placement) == []
+    ran = await invoke(
+        "run",
+        address(placement),
+        "--no-shim",
+        "--shared-model",
+        "vit_huge",
+        "--sm",
+        "10",
+        "--memory-gib",
+        "2",
+        "--",
+        sys.executable,
+        "-c",
+        "pass",
+    )
+    assert ran.exit_code == 0, ran.output
+    path = tmp_path / "replica.yaml"
+    path.write_text(
+        "name: r\nkind: inference\nshared_model: vit_huge\nresources:\n  memory_gib: 2\n"
+        "  mps: {sm_percent: 10, quota_request_percent: 10}\n"
+    )
+    submitted = await invoke("submit", str(path), address(placement))
+    assert submitted.exit_code == 0, submitted.output
+    jobs = await all_jobs(placement)
+    assert len(jobs) == 2 and all(j.spec.shared_model == "vit_huge" for j in jobs)
+    # No store holds the model here: charged in full.
+    assert all(j.assignment.memory_cap_bytes == 2 * GIB for j in jobs)
+
+
 # ---- the client ----
 
 
