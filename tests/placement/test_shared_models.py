@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from gpuloom.clients.models import save_weights
+from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.app import (
     DispatcherApp,
     GpuDispatcher,
@@ -35,6 +37,7 @@ from tests.placement.conftest import (
     start_placement,
     submit,
 )
+from tests.placement.harness import CoreHarness
 from tests.shim.conftest import shim_build  # noqa: F401  (fixture: builds the fake driver)
 
 
@@ -247,3 +250,36 @@ async def test_a_store_report_that_makes_no_sense_is_refused_naming_the_field(
         assert caught.value.details().startswith(field) and words in caught.value.details()
     after = (await placement.stub.ListGpus(pb.ListGpusRequest())).gpus[0]
     assert after == before  # nothing changed, not even the heartbeat's time
+
+
+async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_heartbeat(
+    tmp_path: Path,
+) -> None:
+    harness = CoreHarness(tmp_path)
+    core = await harness.start()
+    await core.register_gpu(
+        GpuInfo("GPU-0", "node-0", "A100-80GB", 16 * GIB), "10.0.0.1:50060", (), (("net", 6 * GIB),)
+    )
+    spec = JobSpec(
+        name="r",
+        kind=JobKind.INFERENCE,
+        memory_bytes=8 * GIB,
+        share=SpatioTemporalShare(10, TimeQuota(10, 10)),
+        shared_model="net",
+    )
+    job = await core.submit("req-1", spec)
+    assert job.binding is not None and job.binding.memory_cap_bytes == 2 * GIB
+    async with asyncio.timeout(10):
+        while (await core.get(job.job_id)).state is not JobState.ASSIGNED:
+            await asyncio.sleep(0.01)
+    assert harness.dispatchers.held["10.0.0.1:50060"][job.job_id].memory_cap_bytes == 2 * GIB
+    await harness.stop()
+
+    core = await harness.start()  # the fleet from the stored bindings: the reduced charge
+    fleet = core.inventory.fleet
+    assert fleet.allocation(job.job_id).memory_bytes == 2 * GIB
+    assert fleet.slot("GPU-0").memory_free == 14 * GIB  # the store is not stored
+    await core.heartbeat("GPU-0", 0.0, 0, [job.job_id], (), (("net", 6 * GIB),))
+    assert fleet.slot("GPU-0").memory_free == 8 * GIB and fleet.resident("net") == ["GPU-0"]
+    fleet.verify()
+    await harness.stop()
