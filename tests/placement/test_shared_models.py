@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from gpuloom.clients.models import save_weights
+from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.services.dispatcher.app import (
@@ -283,3 +284,36 @@ async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_h
     assert fleet.slot("GPU-0").memory_free == 8 * GIB and fleet.resident("net") == ["GPU-0"]
     fleet.verify()
     await harness.stop()
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"shared_model": "net\n"}, "1..128 characters"),
+        ({"shared_model": "x" * 129}, "1..128 characters"),
+        (
+            {
+                "shared_model": "net",
+                "share": None,
+                "mig_slices": 1,
+                "kind": JobKind.BATCH,
+                "task_key": "t",
+                "command": ("true",),
+            },
+            "MIG batch task",
+        ),
+    ],
+)
+def test_a_shared_model_the_store_could_not_hold_or_on_a_mig_task_is_refused(
+    changes: dict, words: str
+) -> None:
+    spec = JobSpec(
+        name="r",
+        kind=JobKind.INFERENCE,
+        memory_bytes=GIB,
+        share=SpatioTemporalShare(10, TimeQuota(10, 10)),
+    )
+    spec.validate(["mra"])
+    with pytest.raises(InvalidArgument) as caught:
+        replace(spec, **changes).validate(["mra"])
+    assert caught.value.field == "spec.shared_model" and words in caught.value.message
