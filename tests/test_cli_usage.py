@@ -23,7 +23,7 @@ NOWHERE = "--placement=127.0.0.1:9"
         (["run", "--sm", "200", NOWHERE, "--", "true"], "gpuloom run", "'--sm'"),
         (["run", "--priority", "x", NOWHERE, "--", "true"], "gpuloom run", "'--priority'"),
         (["run", "--sm", "20", NOWHERE, "--", "true"], "gpuloom run", "--memory-gib"),
-        (["profiles", "list", "--kind", "nope"], "gpuloom profiles list", "'--kind'"),
+        (["profile", "list", "--kind", "nope"], "gpuloom profile list", "'--kind'"),
         (["submit", "/nonexistent/job.yaml", NOWHERE], "gpuloom submit", "/nonexistent/job.yaml"),
         (["nope"], "gpuloom", "'nope'"),
     ],
@@ -81,9 +81,9 @@ def test_where_placement_is_group_option_then_variable(
 def test_where_the_profile_store_is() -> None:
     env = {"GPULOOM_PROFILE_STORE_ADDRESS": closed(8)}
     for args, asked in (
-        (["--store", closed(9), "profiles", "list"], closed(9)),
-        (["profiles", "list"], closed(8)),
-        (["--store", closed(9), "profiles", "list", "--store", closed(7)], closed(7)),
+        (["--store", closed(9), "profile", "list"], closed(9)),
+        (["profile", "list"], closed(8)),
+        (["--store", closed(9), "profile", "list", "--store", closed(7)], closed(7)),
     ):
         result = CliRunner(env=env).invoke(cli, args, prog_name="gpuloom")
         assert result.exit_code == 1

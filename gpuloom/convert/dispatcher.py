@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
 from gpuloom.v1 import common_pb2, shim_pb2
@@ -73,11 +72,7 @@ def status_to_pb(status: DispatcherStatus) -> pb.GpuStatus:
 
 
 def status_json(status: DispatcherStatus) -> dict[str, Any]:
-    return MessageToDict(
-        status_to_pb(status),
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
+    return message_json(status_to_pb(status))
 
 
 def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:

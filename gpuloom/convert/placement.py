@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.placement import (
     Assignment,
@@ -313,6 +313,4 @@ def scaling_json(scaling: FunctionScaling) -> dict[str, Any]:
 
 
 def _json(msg: Message) -> dict[str, Any]:
-    return MessageToDict(
-        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    return message_json(msg)

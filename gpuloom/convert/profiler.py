@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.domain.profiler import SessionState, SessionView
 from gpuloom.v1 import profiler_pb2 as pb
 
@@ -55,8 +54,4 @@ def session_to_pb(session: SessionView) -> pb.Session:
 
 
 def session_json(session: SessionView) -> dict[str, Any]:
-    return MessageToDict(
-        session_to_pb(session),
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
+    return message_json(session_to_pb(session))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from google.protobuf import json_format
 
 from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import (
@@ -258,6 +259,40 @@ async def test_jobs_lists_filters_and_prints_json(
     assert [json.loads(line)["job_id"] for line in stdout_lines(only)] == [whole.job_id]
     none = await invoke("jobs", address(placement), "--state", "pending")
     assert stdout_of(none).strip() == "no jobs match"
+
+
+async def test_jobs_json_is_the_job_message_and_tables_have_colour_on_a_terminal_only(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    running = await submit(placement.stub, mps_spec("running"))
+    waiting_spec = mps_spec("waiting")
+    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting = await submit(placement.stub, waiting_spec)
+
+    # --json: each line parses back into the Job message the service returns (the protos'
+    # JSON mapping, as grpcurl prints it).
+    listed = await invoke("jobs", address(placement), "--json")
+    parsed = [json_format.Parse(line, pb.Job()) for line in stdout_lines(listed)]
+    assert parsed == await all_jobs(placement)
+    one = await invoke("job", running.job_id, address(placement), "--json")
+    assert json_format.Parse(stdout_of(one), pb.Job()) == await get_job(placement, running.job_id)
+
+    def rows(result: Result) -> list[str]:
+        return [line for line in result.stdout.splitlines() if line.startswith("j-")]
+
+    # Piped (CliRunner's stdout is no terminal): plain text, no escape codes.
+    plain = await asyncio.to_thread(CliRunner().invoke, cli, ["jobs", address(placement)])
+    assert len(rows(plain)) == 2 and not any("\x1b" in line for line in rows(plain))
+    assert "\x1b" not in plain.stdout.splitlines()[0]  # the header neither
+    # A terminal (rich takes FORCE_COLOR as one): the state in colour, green and yellow.
+    coloured = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["jobs", address(placement)], env={"FORCE_COLOR": "1"}
+    )
+    assert coloured.exit_code == 0, coloured.output
+    lines = rows(coloured)
+    assert "\x1b[32massigned" in next(x for x in lines if x.startswith(running.job_id))
+    assert "\x1b[33mpending" in next(x for x in lines if x.startswith(waiting.job_id))
 
 
 async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it_ran(
