@@ -276,6 +276,12 @@ async def test_jobs_json_is_the_job_message_and_tables_have_colour_on_a_terminal
     listed = await invoke("jobs", address(placement), "--json")
     parsed = [json_format.Parse(line, pb.Job()) for line in stdout_lines(listed)]
     assert parsed == await all_jobs(placement)
+    # Times in RFC 3339; a job that never started has no started_at.
+    documents = [json.loads(line) for line in stdout_lines(listed)]
+    rfc3339_text = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z"
+    assert all(re.fullmatch(rfc3339_text, d["submitted_at"]) for d in documents)
+    assert re.fullmatch(rfc3339_text, documents[0]["started_at"])
+    assert "started_at" not in documents[1]
     one = await invoke("job", running.job_id, address(placement), "--json")
     assert json_format.Parse(stdout_of(one), pb.Job()) == await get_job(placement, running.job_id)
 
