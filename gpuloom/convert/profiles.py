@@ -240,7 +240,7 @@ def stamped_from_pb(kind: d.ProfileKind, message: Any) -> d.Profile:
     )
 
 
-# ---- JSON: the protos' JSON mapping (`gpuloom profiles ... --json` prints it, `put` reads it) ----
+# ---- JSON: the protos' JSON mapping (`gpuloom profile ... --json` prints it, `put` reads it) ----
 
 
 def profile_json(profile: d.Profile) -> dict[str, Any]:
