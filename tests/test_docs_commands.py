@@ -65,7 +65,7 @@ class Skip:
 # entries), and the list stays short: a command that can run, runs.
 SKIPS = (
     Skip("README.md", r"^scripts/up\b", "runs until Ctrl-C on fixed ports; the plane here is "
-         "its `gpuloom up` on free ports (tests/test_up.py covers the script)"),
+         "its `gpuloom up` on free ports (tests/test_up.py tests `gpuloom up`)"),
     Skip("README.md", r"^scripts/test\b", "the whole test suite, this test among it"),
     Skip("README.md", r"^scripts/fuzz\b", "minutes of fuzzing; tests/test_fuzz_script.py runs "
          "a short one"),
@@ -82,7 +82,7 @@ SKIPS = (
          "placeholders; tests/test_cli_dispatcher.py runs both, docs/mig.md has `mig on|off` "
          "as commands"),
     Skip("mig.md", r"gpuloom mig (plan|synth) --gpu \{", "a synopsis with placeholders; "
-         "tests/policies/mig/test_mig_cli.py and test_mig_synth.py run both"),
+         "tests/policies/mig/test_mig_cli.py runs both"),
     Skip("profile-store.md", r"alembic .* revision", "writes a new migration into the checkout"),
     Skip("profiler.md", r"gpuloom profile (session|cancel) SESSION", "a synopsis with a "
          "placeholder; tests/profiler/test_cli_sessions.py runs both"),
