@@ -133,3 +133,22 @@ async def test_put_stores_what_show_json_prints(store_app: ProfileStoreApp, tmp_
     refused.write_text('{"meta": {"key": "lud", "gpu_model": "A100-80GB"}, "times": []}')
     no_times = await invoke("profile", "put", "mig", str(refused), store)
     assert no_times.exit_code == 1 and "times" in no_times.stderr
+
+
+async def test_kernel_ids_as_printed_are_taken_back(store_app: ProfileStoreApp, tmp_path) -> None:
+    """The kernel IDs the table shows are the JSON's (decimal), and `put` reads that JSON: the
+    same kernels, IDs above 2^63 included, come back."""
+    store = f"--store=127.0.0.1:{store_app.port}"
+    original = await store_app.store.put(samples.kernel_profile())
+    shown = await invoke("profile", "show", "kernel", "resnet50-train", "A100", store, "--json")
+    document = json.loads(shown.stdout)
+    assert all(isinstance(k["kernel_id"], str) for k in document["kernels"])
+    document["measured_runs"] = 21  # a change, so that the new version is visibly this file
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(document))
+    put = await invoke("profile", "put", "kernel", str(path), store)
+    assert put.exit_code == 0, put.output
+    stored = await store_app.store.get(d.ProfileId(d.ProfileKind.KERNEL, "resnet50-train", "A100"))
+    assert stored.measured_runs == 21
+    assert [k.kernel_id for k in stored.kernels] == [k.kernel_id for k in original.kernels]
+    assert max(k.kernel_id for k in stored.kernels) >= 2**63
