@@ -29,6 +29,8 @@ class Plane:
     dispatchers: list[str]
     env: dict[str, str]  # for clients: GPULOOM_PLACEMENT_ADDRESS set, no GPULOOM_DATA_DIR
     metrics_url: str  # "" without a metrics endpoint
+    store: str = ""  # the profile store's address
+    profiler: str = ""  # the profiler's address
 
 
 def free_port() -> int:
@@ -73,12 +75,21 @@ def running_plane(
                 lambda: len(stub.ListGpus(pb.ListGpusRequest()).gpus) == gpu_count,
                 f"{gpu_count} GPUs",
             )
+        store, profiler = banner[1].split()[-1], banner[2].split()[-1]
+        assert "profile-store" in banner[1] and "profiler" in banner[2], banner
         client_env = {k: v for k, v in env.items() if k != "GPULOOM_DATA_DIR"}
         yield Plane(
             placement,
             dispatchers,
-            {**client_env, "GPULOOM_PLACEMENT_ADDRESS": placement},
+            {
+                **client_env,
+                "GPULOOM_PLACEMENT_ADDRESS": placement,
+                "GPULOOM_PROFILE_STORE_ADDRESS": store,
+                "GPULOOM_PROFILER_ADDRESS": profiler,
+            },
             metrics_url,
+            store,
+            profiler,
         )
     finally:
         process.send_signal(signal.SIGTERM)

@@ -7,15 +7,26 @@ import json
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf import json_format
 
 from gpuloom.clients.shim import Evicted, ShimClient
-from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from gpuloom.v1 import (
+    common_pb2,
+    dispatcher_pb2,
+    dispatcher_pb2_grpc,
+    placement_pb2,
+    placement_pb2_grpc,
+    profile_store_pb2,
+    profiler_pb2,
+)
 from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for
 
 GIB = 1 << 30
+ROOT = Path(__file__).resolve().parents[1]
 GPU0 = "SIM-A100-80GB-0"
 
 
@@ -172,3 +183,56 @@ def test_mig_mode_on_and_off_reaches_placement(plane: Plane) -> None:
     off = gpuloom(plane, "mig", "off", "--gpu", GPU0)
     assert off.returncode == 0, off.stderr
     wait_for(lambda: not placement_sees_mig(plane), "placement to see MIG off")
+
+
+def test_json_is_the_protos_mapping_and_parses_back_into_the_message(plane: Plane) -> None:
+    """`--json` of commands of four services: each parses back (json_format.Parse) into the
+    message the service itself answers."""
+    held = reserve(plane, "by-hand-json")
+    try:
+        with grpc.insecure_channel(plane.dispatchers[0]) as channel:
+            served = dispatcher_pb2_grpc.DispatcherStub(channel).GetGpuStatus(
+                dispatcher_pb2.GetGpuStatusRequest()
+            )
+        printed = gpuloom(plane, "status", "--gpu", GPU0, "--json").stdout
+        status = json_format.Parse(printed, dispatcher_pb2.GpuStatus())
+        assert status.gpu == served.gpu and [c.assignment for c in status.clients] == [
+            c.assignment for c in served.clients
+        ]
+        reserved_at = json.loads(printed)["clients"][0]["assignment"]["reserved_at"]
+        assert reserved_at.endswith("Z") and "T" in reserved_at  # RFC 3339
+    finally:
+        gpuloom(plane, "release", held.assignment_id, "--gpu", GPU0)
+
+    with grpc.insecure_channel(plane.placement) as channel:
+        entries = placement_pb2_grpc.PlacementStub(channel).ListGpus(
+            placement_pb2.ListGpusRequest()
+        )
+    listed = run_json_lines(plane, "gpus", "--json")
+    assert [json_format.Parse(line, placement_pb2.GpuEntry()).gpu for line in listed] == [
+        e.gpu for e in entries.gpus
+    ]
+
+    opened = json_format.Parse(
+        "\n".join(run_json_lines(plane, "profile", "open", "json-task", "A100-80GB", "--json")),
+        profiler_pb2.Session(),
+    )
+    assert opened.state == profiler_pb2.SESSION_STATE_OPEN and opened.HasField("opened_at")
+    sessions = run_json_lines(plane, "profile", "sessions", "--task-key", "json-task", "--json")
+    assert [json_format.Parse(line, profiler_pb2.Session()) for line in sessions] == [opened]
+
+    stored = run_json_lines(
+        plane, "profile", "put", "mig", str(ROOT / "examples" / "lud-mig-profile.json")
+    )
+    assert stored and "stored mig profile 'lud'" in stored[0]
+    shown = run_json_lines(plane, "profile", "show", "mig", "lud", "A100-80GB", "--json")
+    profile = json_format.Parse("\n".join(shown), profile_store_pb2.MigProfileRecord())
+    assert [(t.slices, t.exec_time_s) for t in profile.times] == [(1, 40.0), (7, 9.0)]
+
+
+def run_json_lines(plane: Plane, *args: str) -> list[str]:
+    result = subprocess.run(
+        [GPULOOM, *args], env=plane.env, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()

@@ -4,6 +4,8 @@ placement address given is closed: a command that tried to reach it would exit 1
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from click.testing import CliRunner
 
@@ -23,7 +25,7 @@ NOWHERE = "--placement=127.0.0.1:9"
         (["run", "--sm", "200", NOWHERE, "--", "true"], "gpuloom run", "'--sm'"),
         (["run", "--priority", "x", NOWHERE, "--", "true"], "gpuloom run", "'--priority'"),
         (["run", "--sm", "20", NOWHERE, "--", "true"], "gpuloom run", "--memory-gib"),
-        (["profiles", "list", "--kind", "nope"], "gpuloom profiles list", "'--kind'"),
+        (["profile", "list", "--kind", "nope"], "gpuloom profile list", "'--kind'"),
         (["submit", "/nonexistent/job.yaml", NOWHERE], "gpuloom submit", "/nonexistent/job.yaml"),
         (["nope"], "gpuloom", "'nope'"),
     ],
@@ -81,11 +83,33 @@ def test_where_placement_is_group_option_then_variable(
 def test_where_the_profile_store_is() -> None:
     env = {"GPULOOM_PROFILE_STORE_ADDRESS": closed(8)}
     for args, asked in (
-        (["--store", closed(9), "profiles", "list"], closed(9)),
-        (["profiles", "list"], closed(8)),
-        (["--store", closed(9), "profiles", "list", "--store", closed(7)], closed(7)),
+        (["--store", closed(9), "profile", "list"], closed(9)),
+        (["profile", "list"], closed(8)),
+        (["--store", closed(9), "profile", "list", "--store", closed(7)], closed(7)),
     ):
         result = CliRunner(env=env).invoke(cli, args, prog_name="gpuloom")
         assert result.exit_code == 1
         (line,) = result.stderr.splitlines()
         assert line.startswith(f"Error: cannot reach profile store at {asked} (set with --store")
+
+
+def test_profile_is_one_group_and_profiles_a_hidden_deprecated_alias() -> None:
+    shown = CliRunner().invoke(cli, ["--help"], prog_name="gpuloom").output
+    assert re.search(r"^\s+profile\s", shown, re.M) and not re.search(
+        r"^\s+profiles\s", shown, re.M
+    )
+    commands = CliRunner().invoke(cli, ["profile", "--help"], prog_name="gpuloom").output
+    for name in ("list", "show", "put", "delete", "open", "sessions", "session", "cancel"):
+        assert re.search(rf"^\s+{name}\s", commands, re.M), name
+    old = CliRunner(env={"GPULOOM_PROFILE_STORE_ADDRESS": closed(9)}).invoke(
+        cli, ["profiles", "list"], prog_name="gpuloom"
+    )
+    assert old.exit_code == 1  # the same command: it tried the store
+    assert "deprecated" in old.stderr and f"cannot reach profile store at {closed(9)}" in old.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "serve"])
+def test_up_and_serve_help_point_to_the_settings(command: str) -> None:
+    shown = CliRunner().invoke(cli, [command, "--help"], prog_name="gpuloom")
+    assert shown.exit_code == 0
+    assert "GPULOOM_" in shown.output and "docs/configuration.md" in shown.output

@@ -23,8 +23,7 @@ from gpuloom.clients.cli.jobs import (
 )
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.models import models
-from gpuloom.clients.cli.profile import profile
-from gpuloom.clients.cli.profiles import profiles
+from gpuloom.clients.cli.profile import profile, profiles_alias
 from gpuloom.clients.cli.serve import migrate, serve, up
 from gpuloom.clients.cli.sim import sim
 from gpuloom.clients.cli.top import top
@@ -81,7 +80,7 @@ def cli() -> None:
 cli.add_command(up)
 cli.add_command(serve)
 cli.add_command(migrate)
-cli.add_command(profiles)
+cli.add_command(profiles_alias)
 cli.add_command(mig)
 cli.add_command(profile)
 cli.add_command(sim)

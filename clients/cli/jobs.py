@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from gpuloom.clients.cli.addresses import placement_option, service_error
-from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.placement import (
     DEFAULT_PRIORITY,
     GIB,
@@ -156,7 +156,7 @@ def list_jobs(
         )
         for job in found
     ]
-    click.echo(render_table([*headers, "REASON / MESSAGE"], rows))
+    echo_table([*headers, "REASON / MESSAGE"], rows)
 
 
 @click.command("job")
@@ -301,7 +301,7 @@ def gpus(node: str, address: str, as_json: bool) -> None:
         )
         for g in found
     ]
-    click.echo(render_table([*headers, "UTIL %"], rows))
+    echo_table([*headers, "UTIL %"], rows)
 
 
 # ---- run ----

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import click
 
-from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.models import ADDRESS_VARIABLE, DEFAULT_ADDRESS, ModelsClient
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.domain.errors import DomainError
 from gpuloom.v1 import dispatcher_pb2 as pb
 
@@ -34,37 +35,16 @@ def _client(address: str) -> Iterator[ModelsClient]:
         raise click.ClickException(f"{error.message} (dispatcher at {address})") from None
 
 
-def _document(model: pb.ModelInfo) -> dict[str, object]:
-    return {
-        "name": model.name,
-        "model_id": model.model_id,
-        "bytes": model.bytes,
-        "tensors": model.tensor_count,
-        "replicas": list(model.replicas),
-        "path": model.path,
-        "loaded_at_unix_s": model.loaded_at_unix_s,
-    }
-
-
 def _show(listing: pb.ListModelsResponse, as_json: bool) -> None:
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "gpu_uuid": listing.gpu.gpu_uuid,
-                    "store_bytes": listing.store_bytes,
-                    "models": [_document(m) for m in listing.models],
-                },
-                indent=2,
-            )
-        )
+    if as_json:  # the ListModelsResponse message
+        click.echo(json.dumps(message_json(listing), indent=2))
         return
     click.echo(f"GPU {listing.gpu.gpu_uuid} on {listing.gpu.node}: {listing.store_bytes:,} bytes")
     rows = [
         (m.name, m.model_id, m.bytes / (1 << 20), m.tensor_count, len(m.replicas), m.path)
         for m in listing.models
     ]
-    click.echo(render_table(["NAME", "ID", "MIB", "TENSORS", "REPLICAS", "FILE"], rows))
+    echo_table(["NAME", "ID", "MIB", "TENSORS", "REPLICAS", "FILE"], rows)
 
 
 @click.group(invoke_without_command=True)
@@ -97,7 +77,7 @@ def load(name: str, path: str, address: str, as_json: bool) -> None:
     with _client(address) as client:
         answer = client.load(name, path)
     if as_json:
-        click.echo(json.dumps({"loaded": answer.loaded, **_document(answer.model)}, indent=2))
+        click.echo(json.dumps(message_json(answer), indent=2))  # the LoadModelResponse
     else:
         verb = "loaded" if answer.loaded else "already loaded"
         click.echo(f"{answer.model.model_id} {verb}: {answer.model.bytes:,} bytes")

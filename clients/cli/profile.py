@@ -1,5 +1,7 @@
-"""`gpuloom profile sweep`: measure a function's throughput over an (SM percent, time quota)
-grid through a dispatcher, recording each point with the profiler (FaST-Profiler)."""
+"""`gpuloom profile`: the profile store's profiles (`list|show|put|delete`, in profiles.py),
+kernel measurement sessions (`open|sessions|session|cancel`) and throughput sweeps (`sweep`: a
+function's throughput over an (SM percent, time quota) grid through a dispatcher, recording each
+point with the profiler, FaST-Profiler)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from gpuloom.clients.cli.addresses import (
     profiler_option,
     service_error,
 )
-from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.cli.profiles import delete_profile, list_profiles, put_profile, show_profile
+from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.profiler import ProfilerClient
 from gpuloom.clients.shim_path import default_shim_path
 from gpuloom.clients.sweep import DEFAULT_QUOTAS, DEFAULT_SM, Sweep, SweepError
@@ -40,7 +43,23 @@ def _numbers(kind: type, text: str, option: str) -> list:
 
 @click.group()
 def profile() -> None:
-    """Measure jobs and functions: kernel measurement sessions, throughput sweeps."""
+    """Profiles: those in the profile store (list, show, put, delete), kernel measurement
+    sessions (open, sessions, session, cancel) and throughput sweeps (sweep)."""
+
+
+_STORE_COMMANDS = (list_profiles, show_profile, put_profile, delete_profile)
+for _command in _STORE_COMMANDS:
+    profile.add_command(_command)
+
+# `gpuloom profiles list|show|put|delete`: the old name of the store's commands, kept working
+# (hidden from --help; click prints a deprecation warning to stderr).
+profiles_alias = click.Group(
+    "profiles",
+    commands={c.name: c for c in _STORE_COMMANDS if c.name},
+    help="Deprecated: use `gpuloom profile`.",
+    hidden=True,
+    deprecated=True,
+)
 
 
 @profile.command("sweep", context_settings={"ignore_unknown_options": True})
@@ -190,7 +209,7 @@ def list_sessions(
         for s in found
     ]
     headers = ["ID", "TASK KEY", "GPU MODEL", "STATE", "RUNS", "RECORDS", "OPENED", "FOR"]
-    click.echo(render_table([*headers, "PREDICTOR / ERROR"], rows))
+    echo_table([*headers, "PREDICTOR / ERROR"], rows)
 
 
 @profile.command("session")

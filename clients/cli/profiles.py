@@ -1,4 +1,5 @@
-"""`gpuloom profiles list|show`: read the profile store."""
+"""`gpuloom profile list|show|put|delete`: the profile store's profiles (the `profile` group is
+in profile.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import click
 
 from gpuloom.clients.cli.addresses import service_error, store_option
-from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.times import rfc3339
 from gpuloom.convert import profiles as convert
 from gpuloom.domain import profiles as d
@@ -18,11 +19,6 @@ from gpuloom.domain.errors import DomainError
 
 KINDS = [k.value for k in d.ProfileKind]
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-
-
-@click.group()
-def profiles() -> None:
-    """Inspect the profiles of jobs and kernels in the profile store."""
 
 
 def _client(address: str) -> Any:
@@ -35,7 +31,7 @@ def _fail(error: DomainError, address: str) -> click.ClickException:
     return service_error(error, "profile store", address)
 
 
-@profiles.command("list")
+@click.command("list")
 @click.option("--kind", type=click.Choice(KINDS), help="Only profiles of this kind.")
 @click.option("--key", default="", help="Only this task key (function name for throughput).")
 @click.option("--gpu-model", default="", help="Only this GPU model.")
@@ -64,10 +60,10 @@ def list_profiles(
         (s.id.kind.value, s.id.key, s.id.gpu_model, s.version, s.entries, _when(s.updated_at))
         for s in found
     ]
-    click.echo(render_table(["KIND", "KEY", "GPU MODEL", "VERSION", "ENTRIES", "UPDATED"], rows))
+    echo_table(["KIND", "KEY", "GPU MODEL", "VERSION", "ENTRIES", "UPDATED"], rows)
 
 
-@profiles.command("show")
+@click.command("show")
 @click.argument("kind", type=click.Choice(KINDS))
 @click.argument("key")
 @click.argument("gpu_model")
@@ -90,10 +86,10 @@ def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: boo
     headers, rows, extra = _details(profile)
     if extra:
         click.echo(extra)
-    click.echo(render_table(headers, rows))
+    echo_table(headers, rows)
 
 
-@profiles.command("put")
+@click.command("put")
 @click.argument("kind", type=click.Choice(KINDS))
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option(
@@ -103,7 +99,7 @@ def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: boo
 )
 @store_option
 def put_profile(kind: str, file: str, expected_version: int | None, address: str) -> None:
-    """Store the profile of KIND in FILE: its message in JSON, as `profiles show KIND ... --json`
+    """Store the profile of KIND in FILE: its message in JSON, as `profile show KIND ... --json`
     prints it (meta.version and meta.updated_at, if there, are ignored: the store sets them).
     For instance a MIG profile (FAR): {"meta": {"key": "lud", "gpu_model": "A100-80GB"},
     "times": [{"slices": 1, "exec_time_s": 40}, {"slices": 7, "exec_time_s": 9}]}."""
@@ -125,7 +121,7 @@ def put_profile(kind: str, file: str, expected_version: int | None, address: str
     )
 
 
-@profiles.command("delete")
+@click.command("delete")
 @click.argument("kind", type=click.Choice(KINDS))
 @click.argument("key")
 @click.argument("gpu_model")
@@ -155,7 +151,7 @@ def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
             headers += ["MEAN us", "P50 us", "P95 us", "GAP AFTER us"]
             rows = [
                 (
-                    f"{k.kernel_id:016x}",
+                    str(k.kernel_id),  # as the protos' JSON mapping writes a uint64
                     _short(k.name),
                     f"{k.grid.x}x{k.grid.y}x{k.grid.z}",
                     f"{k.block.x}x{k.block.y}x{k.block.z}",

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import click
 
-from gpuloom.clients.cli.table import render_table
+from gpuloom.clients.cli.table import echo_table
 from gpuloom.policies.fikit.core import FikitLibraryMissingError
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.fleet.registry import get_policy as get_fleet_policy
@@ -113,7 +113,7 @@ def _print(results: list[ModeResult]) -> None:
                 ]
             )
     header = ["MODE", "TASK", "PRIO", "DONE", "JCT MEAN ms", "P50 ms", "P99 ms", "CV"]
-    click.echo(render_table([*header, "GPU BUSY", "FILL"], rows))
+    echo_table([*header, "GPU BUSY", "FILL"], rows)
 
 
 def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: Path) -> None:
@@ -267,7 +267,7 @@ def _print_fleet(runs: list[FleetRun], names: tuple[str, ...]) -> None:
             ]
         )
     header = ["POLICY", "SEED", "ALLOC% @100", "ALLOC% @130", "FRAG% @130", "FAILED", "WALL s"]
-    click.echo(render_table([*header, "DECISIONS/s"], rows))
+    echo_table([*header, "DECISIONS/s"], rows)
 
 
 R = TypeVar("R")
@@ -430,7 +430,7 @@ def _print_training(runs: list[TrainingRun]) -> None:
         for run in runs
     ]
     header = ["TRACE", "POLICY", "JOBS", "AVG JCT h", "P95 JCT h", "1ST FEEDBACK h", "MAKESPAN h"]
-    click.echo(render_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED"], rows))
+    echo_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED"], rows)
 
 
 def _plot_training(runs: list[TrainingRun], out: Path) -> None:
@@ -482,7 +482,7 @@ def _print_replays(runs: list[ReplayRun], names: tuple[str, ...]) -> None:
         )
     header = ["POLICY", "SEED", "ALLOC% MEAN", "ALLOC% PEAK", "QUEUED", "DELAY MEAN s"]
     header += ["DELAY P99 s", "DELAY MAX s", "FAILED", "WALL s"]
-    click.echo(render_table(header, rows))
+    echo_table(header, rows)
 
 
 def _plot_replays(runs: list[ReplayRun], names: tuple[str, ...], out: Path) -> None:

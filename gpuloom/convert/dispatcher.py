@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
 from gpuloom.v1 import common_pb2, shim_pb2
 from gpuloom.v1 import dispatcher_pb2 as pb
@@ -73,11 +73,7 @@ def status_to_pb(status: DispatcherStatus) -> pb.GpuStatus:
 
 
 def status_json(status: DispatcherStatus) -> dict[str, Any]:
-    return MessageToDict(
-        status_to_pb(status),
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
+    return message_json(status_to_pb(status))
 
 
 def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
@@ -90,7 +86,7 @@ def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
         mode=_MODE_FROM_PB.get(a.mode, "share"),
         share=share_from_pb(a.share),
         memory_cap_bytes=a.memory_cap_bytes,
-        reserved_at=a.reserved_at_unix_s,
+        reserved_at=unix_s(a, "reserved_at"),
         socket_path=a.socket_path,
         connected=msg.connected,
         pid=msg.pid,
@@ -116,7 +112,7 @@ def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientS
             mode=_MODE_TO_PB[process.mode],
             socket_path=process.socket_path,
             gpu=gpu,
-            reserved_at_unix_s=process.reserved_at,
+            reserved_at=timestamp(process.reserved_at),
             task_key=process.task_key,
         ),
         connected=process.connected,

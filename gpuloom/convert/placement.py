@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.domain.placement import (
     Assignment,
     FunctionScaling,
@@ -107,8 +108,8 @@ def job_from_pb(msg: pb.Job) -> JobView:
         request_id=msg.request_id,
         spec=spec_from_pb(msg.spec),
         state=state_from_pb(msg.state),
-        submitted_at=msg.submitted_at_unix_s,
-        updated_at=msg.updated_at_unix_s,
+        submitted_at=unix_s(msg, "submitted_at"),
+        updated_at=unix_s(msg, "updated_at"),
         revision=msg.revision,
         pending_reason=msg.pending_reason,
         message=msg.message,
@@ -116,7 +117,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         policy=msg.policy,
         exit_code=msg.exit_code,
         function=msg.function,
-        started_at=msg.started_at_unix_s,
+        started_at=unix_s(msg, "started_at"),
         owner=msg.owner,
     )
 
@@ -130,12 +131,12 @@ def job_to_pb(job: JobView) -> pb.Job:
         pending_reason=job.pending_reason,
         message=job.message,
         policy=job.policy,
-        submitted_at_unix_s=job.submitted_at,
-        updated_at_unix_s=job.updated_at,
+        submitted_at=timestamp(job.submitted_at),
+        updated_at=timestamp(job.updated_at),
         exit_code=job.exit_code,
         revision=job.revision,
         function=job.function,
-        started_at_unix_s=job.started_at,
+        started_at=timestamp(job.started_at),
         owner=job.owner,
     )
     if job.assignment is not None:
@@ -156,7 +157,12 @@ def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
         sm_offset_percent=msg.sm_offset_percent,
         environment=dict(msg.environment),
         mig=(
-            MigSlot(slot.size, slot.first_slice, slot.planned_start_unix_s, slot.planned_end_unix_s)
+            MigSlot(
+                slot.size,
+                slot.first_slice,
+                unix_s(slot, "planned_start"),
+                unix_s(slot, "planned_end"),
+            )
             if msg.HasField("mig")
             else None
         ),
@@ -181,8 +187,8 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
             pb.MigSlot(
                 size=slot.size,
                 first_slice=slot.first_slice,
-                planned_start_unix_s=slot.planned_start,
-                planned_end_unix_s=slot.planned_end,
+                planned_start=timestamp(slot.planned_start),
+                planned_end=timestamp(slot.planned_end),
             )
         )
     return msg
@@ -229,7 +235,7 @@ def gpu_entry_from_pb(msg: pb.GpuEntry) -> GpuEntry:
         dispatcher_address=msg.dispatcher_address,
         schedulable=msg.schedulable,
         lost=msg.lost,
-        last_heartbeat=msg.last_heartbeat_unix_s,
+        last_heartbeat=unix_s(msg, "last_heartbeat"),
         utilization_percent=msg.utilization_percent,
         memory_used_bytes=msg.memory_used_bytes,
         memory_reserved_bytes=msg.memory_reserved_bytes,
@@ -245,7 +251,7 @@ def gpu_entry_to_pb(entry: GpuEntry) -> pb.GpuEntry:
         dispatcher_address=entry.dispatcher_address,
         schedulable=entry.schedulable,
         lost=entry.lost,
-        last_heartbeat_unix_s=entry.last_heartbeat,
+        last_heartbeat=timestamp(entry.last_heartbeat),
         utilization_percent=entry.utilization_percent,
         memory_used_bytes=entry.memory_used_bytes,
         memory_reserved_bytes=entry.memory_reserved_bytes,
@@ -315,6 +321,4 @@ def scaling_json(scaling: FunctionScaling) -> dict[str, Any]:
 
 
 def _json(msg: Message) -> dict[str, Any]:
-    return MessageToDict(
-        msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    return message_json(msg)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from google.protobuf.json_format import MessageToDict
-
+from gpuloom.convert.json_mapping import message_json
+from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.domain.profiler import SessionState, SessionView
 from gpuloom.v1 import profiler_pb2 as pb
 
@@ -25,8 +25,8 @@ def session_from_pb(msg: pb.Session) -> SessionView:
         runs_received=msg.runs_received,
         records=msg.records,
         state=_STATE_FROM_PB.get(msg.state, SessionState.OPEN),
-        opened_at=msg.opened_at_unix_s,
-        closed_at=msg.closed_at_unix_s,
+        opened_at=unix_s(msg, "opened_at"),
+        closed_at=unix_s(msg, "closed_at"),
         error=msg.error,
         predictor=msg.predictor.chosen,
         predictor_mae_ns=dict(msg.predictor.mae_ns),
@@ -44,8 +44,8 @@ def session_to_pb(session: SessionView) -> pb.Session:
         records=session.records,
         state=STATE_TO_PB[session.state],
         error=session.error,
-        opened_at_unix_s=session.opened_at,
-        closed_at_unix_s=session.closed_at,
+        opened_at=timestamp(session.opened_at),
+        closed_at=timestamp(session.closed_at),
         kernels=session.kernels,
     )
     if session.predictor or session.predictor_mae_ns:
@@ -55,8 +55,4 @@ def session_to_pb(session: SessionView) -> pb.Session:
 
 
 def session_json(session: SessionView) -> dict[str, Any]:
-    return MessageToDict(
-        session_to_pb(session),
-        preserving_proto_field_name=True,
-        always_print_fields_with_no_presence=True,
-    )
+    return message_json(session_to_pb(session))

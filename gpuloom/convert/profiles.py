@@ -12,6 +12,7 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from gpuloom.convert.json_mapping import message_json
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.v1 import common_pb2 as common
@@ -239,7 +240,7 @@ def stamped_from_pb(kind: d.ProfileKind, message: Any) -> d.Profile:
     )
 
 
-# ---- JSON: the protos' JSON mapping (`gpuloom profiles ... --json` prints it, `put` reads it) ----
+# ---- JSON: the protos' JSON mapping (`gpuloom profile ... --json` prints it, `put` reads it) ----
 
 
 def profile_json(profile: d.Profile) -> dict[str, Any]:
@@ -268,9 +269,7 @@ def profile_from_json(kind: d.ProfileKind, text: str) -> d.Profile:
 
 
 def _json(message: Message) -> dict[str, Any]:
-    return json_format.MessageToDict(
-        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
-    )
+    return message_json(message)
 
 
 class ProtobufCodec:

@@ -7,6 +7,7 @@ import math
 
 from gpuloom.convert.mig import task_run_to_pb
 from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.times import timestamp
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
 from gpuloom.domain.shares import DEFAULT_PRIORITY
@@ -76,7 +77,7 @@ def assignment_to_pb(
         assignment_token=reservation.token if environment is not None else "",
         socket_path=socket_path,
         gpu=gpu_ref(gpu, node),
-        reserved_at_unix_s=reservation.reserved_at_unix_s,
+        reserved_at=timestamp(reservation.reserved_at_unix_s),
         environment=environment or {},
         task_key=reservation.task_key,
     )
@@ -141,7 +142,7 @@ def gpu_status_to_pb(
 def event_to_pb(event: DispatcherEvent) -> dispatcher_pb2.DispatcherEvent:
     return dispatcher_pb2.DispatcherEvent(
         kind=_EVENT_KIND_TO_PB[event.kind],
-        time_unix_s=event.time_unix_s,
+        time=timestamp(event.time_unix_s),
         assignment_id=event.assignment_id,
         detail=event.detail,
         lease_id=event.lease_id,
@@ -192,7 +193,7 @@ def model_info_to_pb(view: ModelView) -> dispatcher_pb2.ModelInfo:
         bytes=view.nbytes,
         tensor_count=len(view.tensors),
         replicas=list(view.replicas),
-        loaded_at_unix_s=view.loaded_at_unix_s,
+        loaded_at=timestamp(view.loaded_at_unix_s),
     )
 
 

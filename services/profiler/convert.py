@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpuloom.convert.times import timestamp
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.profiles import Dim3
 from gpuloom.services.profiler.domain import (
@@ -33,8 +34,8 @@ def session_to_pb(session: Session) -> pb.Session:
         records=session.records,
         state=_STATE_TO_PB[session.state],
         error=session.error,
-        opened_at_unix_s=session.opened_at_unix_s,
-        closed_at_unix_s=session.closed_at_unix_s,
+        opened_at=timestamp(session.opened_at_unix_s),
+        closed_at=timestamp(session.closed_at_unix_s),
         kernels=session.kernels,
     )
     if session.predictor is not None:

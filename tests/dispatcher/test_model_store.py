@@ -18,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
+from google.protobuf import json_format
 
 from gpuloom.clients.cli import cli
 from gpuloom.clients.models import ModelHandleError, attach, check_handle, save_weights
@@ -289,9 +290,11 @@ async def test_the_models_command_shows_what_the_store_holds(store: LiveDispatch
     assert header.split() == ["NAME", "ID", "MIB", "TENSORS", "REPLICAS", "FILE"]
     assert row.split()[:2] == ["net", "net@1"] and row.split()[3:5] == ["3", "2"]
     as_json = await invoke("models", "list", "--dispatcher", address, "--json")
+    # The ListModelsResponse in the protos' JSON mapping (uint64 as strings), as grpcurl shows it.
     document = json.loads("\n".join(as_json.lines))
-    assert document["store_bytes"] == nbytes
-    assert [(m["name"], m["bytes"], m["replicas"]) for m in document["models"]] == [
+    parsed = json_format.Parse(json.dumps(document), pb.ListModelsResponse())
+    assert document["store_bytes"] == str(nbytes) and parsed.store_bytes == nbytes
+    assert [(m.name, m.bytes, list(m.replicas)) for m in parsed.models] == [
         ("net", nbytes, ["r1", "r2"])
     ]
     refused = await invoke("models", "unload", "net", "--dispatcher", address)

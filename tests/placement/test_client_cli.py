@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from google.protobuf import json_format
 
 from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import (
@@ -24,6 +25,7 @@ from gpuloom.clients.placement import (
 )
 from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert.placement import job_from_pb
+from gpuloom.convert.times import unix_s
 from gpuloom.domain.placement import JobState
 from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.services.dispatcher.app import DispatcherApp
@@ -260,23 +262,63 @@ async def test_jobs_lists_filters_and_prints_json(
     assert stdout_of(none).strip() == "no jobs match"
 
 
+async def test_jobs_json_is_the_job_message_and_tables_have_colour_on_a_terminal_only(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_all(placement.stub, dispatchers)
+    running = await submit(placement.stub, mps_spec("running"))
+    waiting_spec = mps_spec("waiting")
+    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting = await submit(placement.stub, waiting_spec)
+
+    # --json: each line parses back into the Job message the service returns (the protos'
+    # JSON mapping, as grpcurl prints it).
+    listed = await invoke("jobs", address(placement), "--json")
+    parsed = [json_format.Parse(line, pb.Job()) for line in stdout_lines(listed)]
+    assert parsed == await all_jobs(placement)
+    # Times in RFC 3339; a job that never started has no started_at.
+    documents = [json.loads(line) for line in stdout_lines(listed)]
+    rfc3339_text = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z"
+    assert all(re.fullmatch(rfc3339_text, d["submitted_at"]) for d in documents)
+    assert re.fullmatch(rfc3339_text, documents[0]["started_at"])
+    assert "started_at" not in documents[1]
+    one = await invoke("job", running.job_id, address(placement), "--json")
+    assert json_format.Parse(stdout_of(one), pb.Job()) == await get_job(placement, running.job_id)
+
+    def rows(result: Result) -> list[str]:
+        return [line for line in result.stdout.splitlines() if line.startswith("j-")]
+
+    # Piped (CliRunner's stdout is no terminal): plain text, no escape codes.
+    plain = await asyncio.to_thread(CliRunner().invoke, cli, ["jobs", address(placement)])
+    assert len(rows(plain)) == 2 and not any("\x1b" in line for line in rows(plain))
+    assert "\x1b" not in plain.stdout.splitlines()[0]  # the header neither
+    # A terminal (rich takes FORCE_COLOR as one): the state in colour, green and yellow.
+    coloured = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["jobs", address(placement)], env={"FORCE_COLOR": "1"}
+    )
+    assert coloured.exit_code == 0, coloured.output
+    lines = rows(coloured)
+    assert "\x1b[32massigned" in next(x for x in lines if x.startswith(running.job_id))
+    assert "\x1b[33mpending" in next(x for x in lines if x.startswith(waiting.job_id))
+
+
 async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it_ran(
     placement: Live, dispatchers: DispatcherApp
 ) -> None:
     await register_all(placement.stub, dispatchers)
     ran = await submit(placement.stub, mps_spec("ran"))
-    assert ran.started_at_unix_s >= ran.submitted_at_unix_s > 0
+    assert unix_s(ran, "started_at") >= unix_s(ran, "submitted_at") > 0
     await asyncio.sleep(1.2)
     done = await placement.stub.ReportJobDone(
         pb.ReportJobDoneRequest(job_id=ran.job_id, succeeded=True, exit_code=0)
     )
-    assert done.started_at_unix_s == ran.started_at_unix_s  # kept once it ended
-    ran_for = done.updated_at_unix_s - done.started_at_unix_s
+    assert unix_s(done, "started_at") == unix_s(ran, "started_at")  # kept once it ended
+    ran_for = unix_s(done, "updated_at") - unix_s(done, "started_at")
     assert ran_for >= 1.2
     waiting_spec = mps_spec("waiting")
     waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
     waiting = await submit(placement.stub, waiting_spec)
-    assert waiting.state == pb.JOB_STATE_PENDING and waiting.started_at_unix_s == 0
+    assert waiting.state == pb.JOB_STATE_PENDING and not waiting.HasField("started_at")
 
     table = await invoke("jobs", address(placement))
     lines = stdout_lines(table)
@@ -285,14 +327,14 @@ async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it
     row = re.search(times, next(line for line in lines if line.startswith(ran.job_id)))
     assert row is not None
     submitted, age, runtime = row.groups()
-    assert submitted == rfc3339(ran.submitted_at_unix_s)
+    assert submitted == rfc3339(unix_s(ran, "submitted_at"))
     assert re.fullmatch(r"\d+s", age)  # seconds old
     assert runtime == duration(ran_for)  # from assigned to its end, not growing
     pending = re.search(times, next(line for line in lines if line.startswith(waiting.job_id)))
     assert pending is not None and pending.group(3) == "-"  # never ran
 
     shown = stdout_lines(await invoke("job", ran.job_id, address(placement)))
-    assert f"started     {rfc3339(ran.started_at_unix_s)}" in shown
+    assert f"started     {rfc3339(unix_s(ran, 'started_at'))}" in shown
     assert f"runtime     {duration(ran_for)}" in shown
 
 

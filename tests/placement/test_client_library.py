@@ -14,6 +14,7 @@ import pytest
 from gpuloom.clients.placement import PlacementClient, WaitTimedOut
 from gpuloom.clients.run import JobRunner
 from gpuloom.convert import placement as convert
+from gpuloom.convert.times import timestamp
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.placement import (
     Assignment,
@@ -113,7 +114,7 @@ def test_a_mig_task_converts_with_its_slot() -> None:
     message.spec.resources.mig.slices = 1
     message.spec.command.extend(["./lud", "-s", "8"])
     message.assignment.gpu.gpu_uuid = "GPU-7"
-    message.assignment.mig.CopyFrom(pb.MigSlot(size=3, first_slice=4, planned_end_unix_s=9.5))
+    message.assignment.mig.CopyFrom(pb.MigSlot(size=3, first_slice=4, planned_end=timestamp(9.5)))
     job = convert.job_from_pb(message)
     assert job.spec.is_mig_batch and job.spec.command == ("./lud", "-s", "8")
     assert job.assignment is not None and job.assignment.share is None

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpuloom.convert.times import unix_s
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.gpus import find_model
@@ -576,7 +577,8 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
         seen = [job async for job in watch]  # until it finishes
         assigned = next(j for j in seen if j.state == placement_pb2.JOB_STATE_ASSIGNED)
         slot = assigned.assignment.mig
-        assert slot.size in (1, 2, 3, 7) and slot.planned_end_unix_s > slot.planned_start_unix_s
+        assert slot.size in (1, 2, 3, 7)
+        assert unix_s(slot, "planned_end") > unix_s(slot, "planned_start")
         assert assigned.assignment.dispatcher_address.startswith("127.0.0.1:")
         assert seen[-1].state == placement_pb2.JOB_STATE_SUCCEEDED
         # The GPU was idle: the dispatcher's FAR plan of its share is placement's, so the task
