@@ -13,6 +13,7 @@ from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
 
 from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.training import hook_from_pb, hook_to_pb, training_from_pb, training_to_pb
 from gpuloom.domain.placement import (
     Assignment,
     FunctionScaling,
@@ -62,6 +63,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         policy=msg.policy,
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
+        checkpoint=hook_from_pb(msg),
     )
 
 
@@ -73,7 +75,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         resources.whole_gpus = spec.whole_gpus
     elif spec.mig_slices:
         resources.mig.slices = spec.mig_slices
-    return pb.JobSpec(
+    msg = pb.JobSpec(
         name=spec.name,
         task_key=spec.task_key,
         kind=KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
@@ -87,6 +89,9 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         gpu_model=spec.gpu_model,
         command=spec.command,
     )
+    if spec.checkpoint is not None:
+        msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))
+    return msg
 
 
 # ---- jobs ----
@@ -116,6 +121,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         function=msg.function,
         started_at=msg.started_at_unix_s,
         owner=msg.owner,
+        training=training_from_pb(msg.training) if msg.HasField("training") else None,
     )
 
 
@@ -138,6 +144,8 @@ def job_to_pb(job: JobView) -> pb.Job:
     )
     if job.assignment is not None:
         msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))
+    if job.training is not None:
+        msg.training.CopyFrom(training_to_pb(job.training))
     return msg
 
 

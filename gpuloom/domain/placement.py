@@ -20,6 +20,7 @@ from gpuloom.domain.shares import (
     TimeQuota,
     validate_priority,
 )
+from gpuloom.domain.training import CheckpointHook, TrainingState
 
 MAX_NAME = 128
 MAX_KEY = 256
@@ -83,6 +84,8 @@ class JobSpec:
     gpu_model: str = ""
     command: tuple[str, ...] = ()
     mig_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+    # Training jobs: how the job saves its state before a migration (None: never migrated).
+    checkpoint: CheckpointHook | None = None
 
     @property
     def is_mig_batch(self) -> bool:
@@ -116,6 +119,12 @@ class JobSpec:
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
         self._validate_resources()
+        if self.checkpoint is not None:
+            if self.kind is not JobKind.TRAINING:
+                raise InvalidArgument(
+                    "spec.checkpoint", "only training jobs (kind training) take a checkpoint hook"
+                )
+            self.checkpoint.validate()
 
     def validate_as(self, name: str, policies: Collection[str]) -> None:
         """validate(), naming fields under `name` (a template) instead of `spec`."""
@@ -282,6 +291,7 @@ class JobView:
     function: str = ""  # set on replicas created by auto-scaling
     started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
     owner: str = ""  # who submitted it: its bearer token's name ("" without tokens)
+    training: TrainingState | None = None  # training jobs: Gandiva's view (docs/training.md)
 
 
 @dataclass(frozen=True, slots=True)

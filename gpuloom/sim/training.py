@@ -47,12 +47,14 @@ from gpuloom.policies.training.model import (
     Slot,
     TrainingPolicy,
     Unpack,
+    packed_gain,
+    slice_efficiency,
 )
 
 # Mechanism costs (docs/training.md says where they come from).
 QUANTUM_S = 60.0  # a time slice: each job of a round-robin runs this long in turn
 SWITCH_S = 1.0  # one suspend + resume at a low-memory point of the mini-batch cycle
-SLICE_EFFICIENCY = QUANTUM_S / (QUANTUM_S + SWITCH_S)
+SLICE_EFFICIENCY = slice_efficiency(QUANTUM_S, SWITCH_S)
 MIGRATION_S = 30.0  # checkpoint, stop, restart on new GPUs: progress lost per migration
 PACK_TRIAL_S = 600.0  # packed this long before the packed mini-batch times are compared
 SERVER_GPUS = 4  # GPUs per server unless the cluster spec says /N
@@ -461,7 +463,8 @@ class _Cluster:
         gpu = self.servers[group.slots[0][0]].gpu_type
         a, b = (self.runs[j].spec.job_type for j in group.jobs)
         both = self.table.pair[(gpu, a, b)]
-        group.gain = both[0] / self.table.solo[(gpu, a, 1)] + both[1] / self.table.solo[(gpu, b, 1)]
+        solo = (self.table.solo[(gpu, a, 1)], self.table.solo[(gpu, b, 1)])
+        group.gain = packed_gain([1 / r for r in solo], [1 / r for r in both])
         return True
 
     def rerate(self) -> None:

@@ -109,6 +109,34 @@ class Unpack:
 Action = Place | Slice | Pack | Unpack
 
 
+def slice_efficiency(quantum_s: float, switch_s: float) -> float:
+    """The share of GPU time a round-robin of `quantum_s` turns leaves to its jobs when each
+    switch (a suspend and a resume) costs `switch_s`."""
+    return quantum_s / (quantum_s + switch_s)
+
+
+def packed_gain(solo_s: Sequence[float], packed_s: Sequence[float]) -> float:
+    """A packing trial's result: the sum over the packed jobs of their mini-batch time alone
+    over their mini-batch time packed (the same as packed / solo throughput). 2 is perfect
+    sharing; a gain below time-slicing's `slice_efficiency` means the packing loses. The
+    simulator feeds it the table's throughputs (as times, 1 / rate), the live driver the
+    mini-batch times the dispatchers measure."""
+    if len(solo_s) != len(packed_s) or not solo_s:
+        raise ValueError("one solo and one packed time per job")
+    if min(*solo_s, *packed_s) <= 0:
+        raise ValueError("mini-batch times must be > 0")
+    return sum(s / p for s, p in zip(solo_s, packed_s, strict=True))
+
+
+def round_robin_turn(jobs: Sequence[int], priorities: Mapping[int, int], turn: int) -> int:
+    """Which job of a time-sliced group runs in round `turn`: the round-robin goes over the
+    jobs of the highest priority present (the lowest level) only, in group order, so a job is
+    never suspended to run one of lower priority."""
+    top = min(priorities[j] for j in jobs)
+    eligible = [j for j in jobs if priorities[j] == top]
+    return eligible[turn % len(eligible)]
+
+
 class TrainingPolicy(Protocol):
     """Decides what to run where; called on every arrival, departure and end of a packing
     trial. A policy object serves one run (it may remember what it learned, such as pairs that
