@@ -77,6 +77,7 @@ log = structlog.get_logger("gpuloom.placement")
 
 OFF = "off"
 SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/training.md)
+RETRY_QUANTA = 5  # a job whose migration failed is not moved again for this many quanta
 MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
 
 
@@ -165,6 +166,7 @@ class _Track:
     last_hook_error: str = ""
     last_hook_error_at: float = 0.0
     move: _Move | None = None
+    retry_at: float = 0.0  # after a failed migration: not moved again before
     published: TrainingState | None = None  # as its last revision showed it
     call_failed: bool = False  # the last suspend/resume call failed (logged once)
 
@@ -352,6 +354,9 @@ class TrainingDriver:
                 submitted_at=j.submitted_at,
                 utilisation=self._tracks.get(j.job_id, _Track()).utilisation,
                 gpu_model=j.spec.gpu_model,
+                measured=self._tracks.get(j.job_id, _Track()).solo_minibatch_s > 0,
+                movable=j.spec.checkpoint is not None
+                and now >= self._tracks.get(j.job_id, _Track()).retry_at,
             )
             for j in managed
         ]
@@ -500,7 +505,7 @@ class TrainingDriver:
         if job is None or job.binding is None or job.spec.checkpoint is None:
             return None
         track = self._tracks.setdefault(job_id, _Track())
-        if track.move is not None or target_uuid not in self._inventory:
+        if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
             return None
         record = self._inventory.record(target_uuid)
         held = self._fleet_add(
@@ -631,6 +636,7 @@ class TrainingDriver:
         track.failed_migrations += 1
         track.last_hook_error = error[:4096]
         track.last_hook_error_at = self._clock()
+        track.retry_at = track.last_hook_error_at + RETRY_QUANTA * self.config.quantum_s
         metrics.TRAINING_MIGRATIONS.labels("hook_failed").inc()
         log.warning(
             "checkpoint hook failed: the job stays where it is",

@@ -6,8 +6,11 @@ object and decision code as `gpuloom sim training`; placement's driver
 How the live cluster maps onto the model:
 
 - a server is a node's GPUs of one model, in GPU uuid order; its GPU type is the model;
-- a group is a GPU holding training jobs (in submission order: the round-robin order),
-  packed when the driver runs them at once, with the packing trial's measured gain;
+- a group is a GPU holding training jobs (those without a checkpoint hook first, then in
+  submission order: the policy moves a group's last jobs), packed when the driver runs them
+  at once, with the packing trial's measured gain; a job whose mini-batch time alone is not
+  measured yet has a type of its own that packs with nothing (packing is decided on
+  measurements);
 - a GPU that holds no training job but other work (inference, batch, direct reservations, a
   GPU that takes no shares) is a group of one stand-in job that nothing packs with or moves;
 - nothing waits in the view: placement's scheduler places arriving jobs (they share a GPU when
@@ -37,6 +40,7 @@ from gpuloom.policies.training.model import (
 )
 
 OTHER_WORK = "\0other"  # the job type of a stand-in for work that is not a training job
+UNMEASURED = "\0unmeasured:"  # + job id: the type of a job not measured alone yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,8 @@ class LiveJob:
     submitted_at: float
     utilisation: float = 1.0  # 0..1: measured while it ran alone; 1 until then
     gpu_model: str = ""  # "" = any model
+    measured: bool = True  # its mini-batch time alone is known (else it is packed with none)
+    movable: bool = True  # it can migrate (it has a checkpoint hook)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +106,8 @@ def live_view(
             slot_of[gpu.gpu_uuid] = (n, i)
             memory[model] = max(memory.get(model, 0), gpu.memory_bytes)
     on_gpu: dict[str, list[LiveJob]] = {}
-    for job in sorted(jobs, key=lambda j: (j.submitted_at, j.job_id)):
+    # Jobs that cannot move first: the policy moves a group's last jobs.
+    for job in sorted(jobs, key=lambda j: (j.movable, j.submitted_at, j.job_id)):
         if job.gpu_uuid in slot_of:
             on_gpu.setdefault(job.gpu_uuid, []).append(job)
     view_jobs: dict[int, Job] = {}
@@ -117,15 +124,17 @@ def live_view(
         for job in members_on or ():
             number = len(job_ids)
             job_ids[number] = job.job_id
+            job_type = job.job_type if job.measured else UNMEASURED + job.job_id
             view_jobs[number] = Job(
                 number,
-                job.job_type,
+                job_type,
                 1,
                 job.submitted_at,
                 job.utilisation,
                 frozenset({job.gpu_model}) if job.gpu_model else None,
             )
-            type_memory[job.job_type] = max(type_memory.get(job.job_type, 0), job.memory_bytes)
+            if job.measured:
+                type_memory[job_type] = max(type_memory.get(job_type, 0), job.memory_bytes)
             numbers.append(number)
         if not numbers:  # busy with other work: a stand-in nothing packs with
             number = len(job_ids)
