@@ -325,7 +325,23 @@ class TrainingDriver:
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
     def _training_on(self, gpu_uuid: str) -> list[Job]:
-        return [j for j in self._managed() if j.binding and j.binding.gpu_uuid == gpu_uuid]
+        """The assigned training jobs on a GPU, in submission order (read from the fleet's
+        allocations there: no scan of every job)."""
+        fleet = self._inventory.fleet
+        if gpu_uuid not in fleet:
+            return []
+        jobs = []
+        for allocation_id in fleet.slot(gpu_uuid).allocations:
+            job = self._decisions.job(allocation_id)
+            if (
+                job is not None
+                and job.state is JobState.ASSIGNED
+                and job.spec.kind is JobKind.TRAINING
+                and job.binding is not None
+                and job.binding.gpu_uuid == gpu_uuid
+            ):
+                jobs.append(job)
+        return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
     def _view(self, managed: Sequence[Job], now: float):  # type: ignore[no-untyped-def]
         fleet = self._inventory.fleet
