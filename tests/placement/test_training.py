@@ -10,18 +10,27 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
+from click.testing import CliRunner
 
-from gpuloom.convert.training import reports_from_pb
+from gpuloom.clients.cli import cli
+from gpuloom.clients.placement import JobFileError, spec_from_document
+from gpuloom.convert.placement import job_from_pb, job_to_pb
+from gpuloom.convert.training import reports_from_pb, training_from_pb, training_to_pb
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.domain.training import (
     CheckpointHook,
+    MigrationRequest,
+    PackingTrial,
     TrainingCycle,
     TrainingPhase,
     TrainingReport,
+    TrainingState,
 )
+from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
+from gpuloom.services.placement.domain import Job
 from gpuloom.services.placement.training import TrainingConfig
 from gpuloom.v1 import placement_pb2 as pb
 from tests.placement.conftest import eventually
@@ -458,3 +467,70 @@ async def migrating(core: PlacementCore, job_id: str) -> str:
             return job.training.migration.migration_id
         await asyncio.sleep(0.01)
     raise AssertionError(f"job {job_id} was never asked to migrate")
+
+
+# ---- the messages, job files and `gpuloom run` ----
+
+
+def test_training_state_and_hooks_convert_exactly_both_ways() -> None:
+    state = TrainingState(
+        phase=TrainingPhase.MIGRATING,
+        packed_with="",
+        minibatch_s=0.5,
+        solo_minibatch_s=0.4,
+        height=3,
+        minibatches=12,
+        packings=(PackingTrial("j-b", 10.0, 0.4, 0.9, 0.95, True),),
+        migrations=2,
+        failed_migrations=1,
+        last_hook_error="timed out",
+        last_hook_error_at=20.0,
+        migration=MigrationRequest("m1", "GPU-1", "node-0", "spread", 30.0, 110.0),
+    )
+    assert training_from_pb(training_to_pb(state)) == state
+    view = job_view(
+        Job(
+            "j-a",
+            "r",
+            training("t", hook=CheckpointHook(("save", "--all"), "", 5)),
+            JobState.PENDING,
+            1.0,
+            1.0,
+            training=state,
+        )
+    )
+    assert job_from_pb(job_to_pb(view)) == view
+    message = job_to_pb(view)
+    assert message.spec.checkpoint.command == ["save", "--all"]
+    assert message.training.migration.target.gpu_uuid == "GPU-1"
+
+
+def test_a_job_file_declares_a_checkpoint_hook_and_bad_ones_name_the_key() -> None:
+    doc = {
+        "name": "train",
+        "kind": "training",
+        "resources": {"whole_gpus": 1},
+        "checkpoint": {"signal": "SIGUSR1", "timeout_s": 30},
+    }
+    spec = spec_from_document(doc, "t.yaml")
+    assert spec.checkpoint.signal == "SIGUSR1" and spec.checkpoint.timeout_s == 30
+    for hook, key in (
+        ({"command": "save.sh"}, "checkpoint.command"),
+        ({"signal": 10}, "checkpoint.signal"),
+        ({"when": "now"}, "checkpoint.when"),
+        ("SIGUSR1", "checkpoint"),
+    ):
+        with pytest.raises(JobFileError) as refused:
+            spec_from_document({**doc, "checkpoint": hook}, "t.yaml")
+        assert refused.value.key == key
+
+
+def test_gpuloom_run_takes_one_hook_and_refuses_two() -> None:
+    runner = CliRunner()
+    both = runner.invoke(
+        cli,
+        ["run", "--checkpoint-signal", "SIGUSR1", "--checkpoint-command", "save", "--", "true"],
+    )
+    assert both.exit_code == 2 and "not both" in both.output
+    alone = runner.invoke(cli, ["run", "--checkpoint-timeout", "5", "--", "true"])
+    assert alone.exit_code == 2 and "--checkpoint-timeout needs" in alone.output
