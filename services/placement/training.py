@@ -146,6 +146,7 @@ class _Move:
     reason: str
     requested_at: float
     deadline: float
+    reserved: bool = False  # the target's dispatcher holds it: the runner has been asked
 
 
 @dataclass(slots=True)
@@ -168,7 +169,7 @@ class _Track:
     move: _Move | None = None
     retry_at: float = 0.0  # after a failed migration: not moved again before
     published: TrainingState | None = None  # as its last revision showed it
-    call_failed: bool = False  # the last suspend/resume call failed (logged once)
+    call_failed_at: float | None = None  # the last suspend/resume call failed (logged once)
 
 
 @dataclass(slots=True)
@@ -468,6 +469,9 @@ class TrainingDriver:
                 suspend = job.job_id not in running and track.move is None
                 if track.commanded_suspended is None and not suspend:
                     continue  # never suspended by us: nothing to resume
+                failed_at = track.call_failed_at
+                if failed_at is not None and now - failed_at < self.config.quantum_s:
+                    continue  # its dispatcher failed the last call: again next quantum
                 if track.commanded_suspended != suspend:
                     calls.append((job, suspend))
         # Suspensions first, so that two jobs of a round-robin never run at once.
@@ -492,16 +496,16 @@ class TrainingDriver:
                         binding.dispatcher_address, job.job_id
                     )
             except DomainError as error:
-                if not track.call_failed:
+                if track.call_failed_at is None:
                     log.warning(
-                        "training switch failed",
+                        "training switch failed; tried again each quantum",
                         job=job.job_id,
                         call="suspend" if suspend else "resume",
                         error=error.message,
                     )
-                track.call_failed = True
+                track.call_failed_at = self._clock()
                 continue
-            track.call_failed = False
+            track.call_failed_at = None
             metrics.TRAINING_SWITCHES.labels("suspend" if suspend else "resume").inc()
             track.commanded_suspended = now_suspended
             track.observed_suspended = now_suspended
@@ -584,6 +588,7 @@ class TrainingDriver:
                 metrics.TRAINING_MIGRATIONS.labels("abandoned").inc()
                 return
             move.target = replace(target, environment=environment)
+            move.reserved = True
             log.info(
                 "migration asked for",
                 job=job.job_id,
@@ -605,7 +610,7 @@ class TrainingDriver:
                 raise NotFound(f"no live job {job_id!r}")
             track = self._tracks.get(job_id)
             move = None if track is None else track.move
-            if move is None or move.migration_id != migration_id or not move.target.environment:
+            if move is None or move.migration_id != migration_id or not move.reserved:
                 raise FailedPrecondition(
                     f"job {job_id} has no migration {migration_id!r} in progress"
                 )
@@ -712,7 +717,7 @@ class TrainingDriver:
         if gpu is not None and gpu.packed and len(on) == 2:
             packed_with = next(j.job_id for j in on if j.job_id != job_id)
         move = track.move
-        if move is not None and move.target.environment:
+        if move is not None and move.reserved:
             phase = TrainingPhase.MIGRATING
         elif packed_with:
             phase = TrainingPhase.PACKED

@@ -264,6 +264,31 @@ async def test_a_higher_priority_job_is_never_suspended_for_a_lower_one(
     assert low not in control.suspended
 
 
+async def test_a_dispatcher_that_fails_the_switch_is_tried_again_each_quantum(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    tries = {"n": 0}
+    real_suspend = control.suspend
+
+    async def failing(*args: object, **kwargs: object) -> bool:
+        tries["n"] += 1
+        raise FailedPrecondition("SuspendClient is not implemented")
+
+    control.suspend = failing  # type: ignore[method-assign]
+    a, b = await two_on_one_gpu(gandiva, training("a"), training("b"))
+    for _ in range(3):
+        await core.training.tick()
+    assert tries["n"] == 1  # once, not once per tick
+    assert await phase(core, a) is TrainingPhase.RUNNING  # nothing was suspended
+    gandiva.clock.now += QUANTUM
+    control.suspend = real_suspend  # type: ignore[method-assign]
+    await core.training.tick()
+    assert len(control.suspended & {a, b}) == 1
+
+
 # ---- packing ----
 
 
