@@ -51,6 +51,7 @@ from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
     LiveJob,
+    LiveView,
     live_plan,
     live_view,
 )
@@ -344,7 +345,7 @@ class TrainingDriver:
                 jobs.append(job)
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
-    def _view(self, managed: Sequence[Job], now: float):  # type: ignore[no-untyped-def]
+    def _view(self, managed: Sequence[Job], now: float) -> LiveView:
         fleet = self._inventory.fleet
         on: dict[str, list[Job]] = {}
         for job in managed:
