@@ -10,6 +10,8 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
+import structlog
+import structlog.testing
 from click.testing import CliRunner
 
 from gpuloom.clients.cli import cli
@@ -427,7 +429,11 @@ async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
     )
     failed_before = metric("gpuloom_placement_training_migrations_total", outcome="hook_failed")
     migration = await migrating(core, mover)
-    stayed = await core.report_checkpoint(mover, migration, False, "the job exited with code 3")
+    with structlog.testing.capture_logs() as logs:
+        stayed = await core.report_checkpoint(mover, migration, False, "the job exited with code 3")
+    (line,) = [e for e in logs if e["event"].startswith("checkpoint hook failed")]
+    assert line["log_level"] == "warning" and line["job"] == mover
+    assert line["error"] == "the job exited with code 3" and line["target"] == "GPU-1"
     assert stayed.binding is not None and stayed.binding.gpu_uuid == "GPU-0"
     assert stayed.state is JobState.ASSIGNED
     assert stayed.training is not None

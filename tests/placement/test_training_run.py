@@ -31,7 +31,7 @@ from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 from tests.placement.conftest import GIB, eventually
-from tests.placement.training_fakes import FakeDispatcherServer
+from tests.placement.training_fakes import FakeDispatcherServer, cycle
 
 WORKER = Path(__file__).with_name("training_worker.py")
 STEPS = 300
@@ -191,3 +191,37 @@ async def test_a_failing_hook_leaves_the_job_running_where_it_is_and_says_so(
     done = await plane.stub.GetJob(pb.GetJobRequest(job_id=mover))
     assert done.state == pb.JOB_STATE_SUCCEEDED and done.assignment.gpu.gpu_uuid == "GPU-0"
     assert any("checkpoint hook failed" in line for line in said)
+
+
+async def test_heartbeats_carry_training_reports_checked_by_the_servicer(
+    plane: Plane,
+) -> None:
+    await plane.register(0)
+    job = await plane.stub.SubmitJob(
+        pb.SubmitJobRequest(
+            request_id="t",
+            spec=pb.JobSpec(
+                name="t",
+                kind=pb.JOB_KIND_TRAINING,
+                resources=common_pb2.Resources(memory_bytes=GIB, whole_gpus=1),
+            ),
+        )
+    )
+    bad = pb.HeartbeatRequest(
+        gpu_uuid="GPU-0",
+        assignment_ids=[job.job_id],
+        training=[pb.TrainingReport(assignment_id=job.job_id, cycle=cycle(-2.0))],
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await plane.stub.Heartbeat(bad)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "training[0].cycle.minibatch_s" in (refused.value.details() or "")
+    good = pb.HeartbeatRequest(
+        gpu_uuid="GPU-0",
+        assignment_ids=[job.job_id],
+        training=[pb.TrainingReport(assignment_id=job.job_id, cycle=cycle(0.75))],
+    )
+    await plane.stub.Heartbeat(good)
+    got = await plane.stub.GetJob(pb.GetJobRequest(job_id=job.job_id))
+    assert got.training.minibatch_s == 0.75
+    assert got.training.phase == pb.TRAINING_PHASE_RUNNING and got.training.height == 1
