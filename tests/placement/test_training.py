@@ -565,3 +565,23 @@ def test_gpuloom_run_takes_one_hook_and_refuses_two() -> None:
     assert both.exit_code == 2 and "not both" in both.output
     alone = runner.invoke(cli, ["run", "--checkpoint-timeout", "5", "--", "true"])
     assert alone.exit_code == 2 and "--checkpoint-timeout needs" in alone.output
+
+
+async def test_a_migration_is_durable_across_a_restart(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    plain, mover = await crowded_then_free(
+        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    migration = await migrating(core, mover)
+    await core.report_checkpoint(mover, migration, True, "")
+    await gandiva.stop()
+    core = await gandiva.start()
+    job = await core.get(mover)
+    assert job.state is JobState.ASSIGNED
+    assert job.binding is not None and job.binding.gpu_uuid == "GPU-1"
+    assert job.binding.environment["GPULOOM_DISPATCHER"] == "10.0.0.1:50060"
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert fleet.gpu_of(mover) == "GPU-1" and fleet.gpu_of(plain) == "GPU-0"
+    assert job.training is None  # kept in memory only: the next heartbeats bring it back
