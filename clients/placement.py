@@ -155,6 +155,16 @@ class PlacementClient(BlockingClient):
         )
         return convert.job_from_pb(self._call("ReportJobDone", request))
 
+    def report_checkpoint(
+        self, job_id: str, migration_id: str, succeeded: bool, message: str = ""
+    ) -> JobView:
+        """Tell placement how the checkpoint hook of a migration went (ReportCheckpoint): the
+        answer carries the job's new assignment (with its token) when it succeeded."""
+        request = pb.ReportCheckpointRequest(
+            job_id=job_id, migration_id=migration_id, succeeded=succeeded, message=message
+        )
+        return convert.job_from_pb(self._call("ReportCheckpoint", request))
+
     def watch(self, job_id: str, timeout_s: float | None = None) -> Iterator[JobView]:
         """The job now, then every change, until it finishes. Closing the iterator early hangs
         up. With `timeout_s`, the whole stream is bounded (it ends with Unavailable)."""
@@ -295,7 +305,9 @@ _TOP_KEYS = (
     "slo",
     "request_id",
     "command",
+    "checkpoint",
 )
+_CHECKPOINT_KEYS = ("command", "signal", "timeout_s")
 _RESOURCE_KEYS = ("memory_gib", "memory_bytes", "mps", "whole_gpus", "mig")
 _MPS_KEYS = ("sm_percent", "quota_request_percent", "quota_limit_percent")
 _SLO_KEYS = ("p99_latency_ms", "target_requests_per_s")
@@ -393,6 +405,18 @@ def spec_from_document(
         if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
             raise top.fail("command", f"must be a list of strings, got {command!r}")
         spec.command.extend(command)
+    checkpoint = top.section("checkpoint")
+    if checkpoint is not None:
+        checkpoint.only(_CHECKPOINT_KEYS)
+        hook = checkpoint.mapping.get("command")
+        if hook is not None and (
+            not isinstance(hook, list) or not all(isinstance(a, str) for a in hook)
+        ):
+            raise checkpoint.fail("command", f"must be a list of strings, got {hook!r}")
+        spec.checkpoint.SetInParent()
+        spec.checkpoint.command.extend(hook or ())
+        spec.checkpoint.signal = checkpoint.text("signal")
+        spec.checkpoint.timeout_s = checkpoint.number("timeout_s") or 0.0
     slo = top.section("slo")
     if slo is not None:
         slo.only(_SLO_KEYS)

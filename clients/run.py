@@ -20,10 +20,14 @@ from typing import IO, Any
 from gpuloom.clients.placement import PlacementClient, SpecLike, WaitTimedOut
 from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobState, JobView
+from gpuloom.domain.training import CheckpointHook, MigrationRequest
 
 # Exit codes a shell gives for a command it cannot run.
 NOT_FOUND = 127
 NOT_STARTED = 126
+# What a checkpoint hook's command is told: the process id of the job's command.
+PID_VARIABLE = "GPULOOM_JOB_PID"
+STOP_GRACE_S = 10.0  # after a command hook: SIGTERM, then SIGKILL after this long
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,22 @@ class JobRunner:
 
         The child gets the assignment's environment, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for a
         share and the shim; SIGINT and SIGTERM sent to this process (when called from the main
-        thread) are passed on to it, and it gets SIGTERM if the job is cancelled or lost."""
+        thread) are passed on to it, and it gets SIGTERM if the job is cancelled or lost.
+
+        A training job with a checkpoint hook may be migrated (docs/training.md): when placement
+        asks for it, the hook runs (its command, or its signal sent to the child, which must
+        save its state and exit 0), placement is told how it went (ReportCheckpoint), and on
+        success the command starts again with the new assignment's environment. A hook that
+        fails or times out leaves the child running where it is (a child that exited non-zero
+        after the signal is started again where it was)."""
+        while True:
+            ran = self._run_once(job, command)
+            if isinstance(ran, RunOutcome):
+                return ran
+            job = ran
+
+    def _run_once(self, job: JobView, command: Sequence[str]) -> RunOutcome | JobView:
+        """One run of the child: how the job ended, or the job to run it again in."""
         stdin = sys.stdin if _has_fd(sys.stdin) else subprocess.DEVNULL
         out = None if _has_fd(sys.stdout) else subprocess.PIPE
         err = None if _has_fd(sys.stderr) else subprocess.PIPE
@@ -113,15 +132,17 @@ class JobRunner:
             for pipe, stream in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))
             if pipe is not None
         ]
-        finished = threading.Event()
-        threading.Thread(
-            target=self._stop_if_job_ends, args=(job.job_id, child, finished), daemon=True
-        ).start()
+        run = _Run(job, child)
+        threading.Thread(target=self._follow, args=(run,), daemon=True).start()
         with _forwarding_signals(child):
             returncode = child.wait()
-        finished.set()
+        if run.checkpointing.is_set():
+            run.decided.wait()  # the watcher decides: run it again, here or elsewhere
+        run.finished.set()
         for relay in relays:
             relay.join()
+        if run.next_job is not None:
+            return run.next_job
         if returncode < 0:
             code = 128 - returncode
             message = f"{command[0]} was killed by {_signal_name(-returncode)}"
@@ -161,22 +182,141 @@ class JobRunner:
             self._say(f"could not report job {job_id} done: {error.message}")
             return None
 
-    def _stop_if_job_ends(
-        self, job_id: str, child: subprocess.Popen, finished: threading.Event
-    ) -> None:
-        """SIGTERM the child if the job is cancelled or lost while it runs."""
+    def _follow(self, run: _Run) -> None:
+        """Watch the job while its child runs: SIGTERM the child if the job is cancelled or
+        lost; run the checkpoint hook when placement asks for a migration."""
+        job_id = run.job.job_id
+        handled: set[str] = set()
         try:
             for job in self.client.watch(job_id):
-                if finished.is_set():
+                if run.finished.is_set():
                     return
                 if job.state.finished:
                     detail = f": {job.message}" if job.message else ""
                     self._say(f"job {job_id} was {job.state.value}{detail}; stopping the command")
                     with contextlib.suppress(ProcessLookupError):
-                        child.terminate()
+                        run.child.terminate()
                     return
+                migration = job.training.migration if job.training else None
+                hook = run.job.spec.checkpoint
+                if (
+                    migration is not None
+                    and hook is not None
+                    and migration.migration_id not in handled
+                ):
+                    handled.add(migration.migration_id)
+                    if self._checkpoint(run, hook, migration.migration_id, migration):
+                        return
         except (DomainError, ValueError):
             return  # the channel closed, or placement went away: the child runs on
+
+    def _checkpoint(
+        self, run: _Run, hook: CheckpointHook, migration_id: str, migration: MigrationRequest
+    ) -> bool:
+        """Run the hook and report it; True when the child was stopped (to run again)."""
+        job_id = run.job.job_id
+        self._say(
+            f"job {job_id}: checkpointing to move to GPU {migration.target_gpu_uuid} "
+            f"({migration.reason})"
+        )
+        timeout_s = hook.effective_timeout_s
+        if hook.signal:
+            run.checkpointing.set()
+            with contextlib.suppress(ProcessLookupError):
+                run.child.send_signal(hook.signal_number)
+            try:
+                code = run.child.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                run.checkpointing.clear()
+                self._hook_failed(
+                    run,
+                    migration_id,
+                    f"the job did not exit within {timeout_s:g} s of {hook.signal}",
+                )
+                return False
+            if code != 0:
+                # It stopped without a usable checkpoint: it starts again where it was.
+                self._hook_failed(
+                    run, migration_id, f"the job exited with {_exit_text(code)} after {hook.signal}"
+                )
+                run.next_job = run.job
+                run.decided.set()
+                return True
+            moved = self._moved(run, migration_id)
+            run.next_job = moved or run.job
+            run.decided.set()
+            return True
+        environment = {**self.environment(run.job), PID_VARIABLE: str(run.child.pid)}
+        try:
+            done = subprocess.run(
+                hook.command,
+                env=environment,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout_s,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            self._hook_failed(run, migration_id, f"the hook did not finish within {timeout_s:g} s")
+            return False
+        except OSError as error:
+            self._hook_failed(
+                run, migration_id, f"cannot start {hook.command[0]!r}: {error.strerror or error}"
+            )
+            return False
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            detail = f": {tail[0][:200]}" if tail[0] else ""
+            self._hook_failed(
+                run, migration_id, f"the hook exited with {_exit_text(done.returncode)}{detail}"
+            )
+            return False
+        moved = self._moved(run, migration_id)
+        if moved is None:
+            return False  # placement kept it where it is: it runs on
+        run.checkpointing.set()
+        run.next_job = moved
+        with contextlib.suppress(ProcessLookupError):
+            run.child.terminate()
+        try:
+            run.child.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            run.child.kill()
+        run.decided.set()
+        return True
+
+    def _moved(self, run: _Run, migration_id: str) -> JobView | None:
+        """Report a checkpoint that succeeded: the job on its new assignment, or None when
+        placement refused (the migration was given up meanwhile)."""
+        try:
+            moved = self.client.report_checkpoint(run.job.job_id, migration_id, True)
+        except DomainError as error:
+            self._say(f"job {run.job.job_id}: the migration was not done: {error.message}")
+            return None
+        where = moved.assignment.gpu_uuid if moved.assignment else "?"
+        self._say(f"job {run.job.job_id}: moved to GPU {where}; starting the command again")
+        return moved
+
+    def _hook_failed(self, run: _Run, migration_id: str, message: str) -> None:
+        self._say(f"job {run.job.job_id}: checkpoint hook failed ({message}); it stays where it is")
+        with contextlib.suppress(DomainError):
+            self.client.report_checkpoint(run.job.job_id, migration_id, False, message)
+
+
+class _Run:
+    """One run of a job's child, shared by the thread that waits for it and its watcher."""
+
+    def __init__(self, job: JobView, child: subprocess.Popen) -> None:
+        self.job = job
+        self.child = child
+        self.finished = threading.Event()  # the run is over: the watcher stops
+        self.checkpointing = threading.Event()  # the child exits for a checkpoint
+        self.decided = threading.Event()  # ... and the watcher has decided what follows
+        self.next_job: JobView | None = None  # run the command again in this job
+
+
+def _exit_text(code: int) -> str:
+    return f"signal {_signal_name(-code)}" if code < 0 else f"code {code}"
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 import time
 import uuid
@@ -34,6 +35,7 @@ from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.training import CheckpointHook, TrainingState
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
@@ -138,7 +140,7 @@ def list_jobs(
     if _echo_json_or_nothing(found, _json, as_json, "no jobs match"):
         return
     headers = ["ID", "NAME", "STATE", "PRIO", "GPU", "SM %", "QUOTA %", "MEMORY"]
-    headers += ["SUBMITTED", "AGE", "RUNTIME"]
+    headers += ["SUBMITTED", "AGE", "RUNTIME", "TRAINING"]
     now = time.time()
     rows = [
         (
@@ -152,6 +154,7 @@ def list_jobs(
             rfc3339(job.submitted_at),
             duration(now - job.submitted_at),
             _runtime(job, now),
+            _training_cell(job.training),
             _short(job.pending_reason if job.state is JobState.PENDING else job.message),
         )
         for job in found
@@ -368,6 +371,32 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
         },
     ),
     (
+        "spec.checkpoint.signal",
+        ("--checkpoint-signal",),
+        {
+            "default": "",
+            "help": "Training jobs: the signal COMMAND answers by saving its state and exiting 0 "
+            "(e.g. SIGUSR1); it may then be migrated (docs/training.md).",
+        },
+    ),
+    (
+        "spec.checkpoint.command",
+        ("--checkpoint-command",),
+        {
+            "default": "",
+            "help": "Training jobs: a command (split like a shell line) that saves COMMAND's "
+            "state; GPULOOM_JOB_PID names COMMAND's process.",
+        },
+    ),
+    (
+        "spec.checkpoint.timeout_s",
+        ("--checkpoint-timeout",),
+        {
+            "type": click.FloatRange(0, 3600, min_open=True),
+            "help": "Seconds the checkpoint hook may take (default 60).",
+        },
+    ),
+    (
         None,
         ("--kind",),
         {
@@ -483,6 +512,9 @@ def _run_spec(
     gpu_model: str,
     shared_model: str,
     kind: str,
+    checkpoint_signal: str,
+    checkpoint_command: str,
+    checkpoint_timeout: float | None,
 ) -> JobSpec:
     shared = sm is not None or quota is not None
     if whole_gpu and shared:
@@ -508,7 +540,24 @@ def _run_spec(
         policy=policy,
         gpu_model=gpu_model,
         shared_model=shared_model,
+        checkpoint=_hook(checkpoint_signal, checkpoint_command, checkpoint_timeout),
     )
+
+
+def _hook(signal_name: str, command: str, timeout_s: float | None) -> CheckpointHook | None:
+    if signal_name and command:
+        raise click.UsageError("give --checkpoint-signal or --checkpoint-command, not both")
+    if not (signal_name or command):
+        if timeout_s is not None:
+            raise click.UsageError(
+                "--checkpoint-timeout needs --checkpoint-signal or --checkpoint-command"
+            )
+        return None
+    try:
+        argv = tuple(shlex.split(command))
+    except ValueError as error:
+        raise click.UsageError(f"--checkpoint-command: {error}") from None
+    return CheckpointHook(argv, signal_name.upper(), timeout_s or 0.0)
 
 
 # ---- formatting ----
@@ -608,6 +657,54 @@ def _summary(job: JobView) -> str:
     return line + (f": {job.message}" if job.message else "")
 
 
+def _training_cell(state: TrainingState | None) -> str:
+    """The TRAINING column: its phase and mini-batch time ("-" for other jobs)."""
+    if state is None:
+        return "-"
+    minibatch = f" {state.minibatch_s:.3g} s/mb" if state.minibatch_s else ""
+    return f"{state.describe()}{minibatch}"
+
+
+def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
+    rows: list[tuple[str, object]] = [
+        ("training", state.describe()),
+        (
+            "mini-batch",
+            f"{state.minibatch_s:.4g} s now, {state.solo_minibatch_s:.4g} s not packed "
+            f"({state.minibatches} seen)"
+            if state.minibatch_s
+            else "not measured yet",
+        ),
+        ("height", f"{state.height} training job(s) on its GPU"),
+    ]
+    for trial in state.packings:
+        result = (
+            f"gain {trial.gain:.3f} ({trial.solo_minibatch_s:.4g} s alone, "
+            f"{trial.packed_minibatch_s:.4g} s packed)"
+            if trial.gain
+            else "trial running"
+        )
+        undone = ", undone" if trial.undone else ""
+        rows.append(
+            ("packing", f"with {trial.partner} at {rfc3339(trial.started_at)}: {result}{undone}")
+        )
+    if state.migration is not None:
+        m = state.migration
+        rows.append(
+            (
+                "migrating",
+                f"to {m.target_gpu_uuid} on {m.target_node} ({m.reason}), "
+                f"hook due by {rfc3339(m.deadline)}",
+            )
+        )
+    rows.append(("migrations", f"{state.migrations} done, {state.failed_migrations} failed"))
+    if state.last_hook_error:
+        rows.append(
+            ("hook error", f"{state.last_hook_error} ({rfc3339(state.last_hook_error_at)})")
+        )
+    return rows
+
+
 def _details(job: JobView) -> str:
     spec = job.spec
     rows: list[tuple[str, object]] = [
@@ -642,6 +739,12 @@ def _details(job: JobView) -> str:
         for key in sorted(a.environment):
             value = "(hidden)" if key.endswith("TOKEN") else a.environment[key]
             rows.append(("env", f"{key}={value}"))
+    if spec.checkpoint is not None:
+        hook = spec.checkpoint
+        how = " ".join(hook.command) if hook.command else f"signal {hook.signal}"
+        rows.append(("checkpoint", f"{how} (within {hook.effective_timeout_s:g} s)"))
+    if job.training is not None:
+        rows += _training_rows(job.training)
     if job.state in (JobState.SUCCEEDED, JobState.FAILED):
         rows.append(("exit code", job.exit_code))
     if job.message:

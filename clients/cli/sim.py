@@ -426,11 +426,12 @@ def _print_training(runs: list[TrainingRun]) -> None:
             str(run.packings),
             str(run.undone),
             str(run.migrations),
+            str(run.resizes),
         ]
         for run in runs
     ]
     header = ["TRACE", "POLICY", "JOBS", "AVG JCT h", "P95 JCT h", "1ST FEEDBACK h", "MAKESPAN h"]
-    echo_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED"], rows)
+    echo_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED", "RESIZED"], rows)
 
 
 def _plot_training(runs: list[TrainingRun], out: Path) -> None:

@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
+from gpuloom.convert.training import hook_from_pb, hook_to_pb, training_from_pb, training_to_pb
 from gpuloom.domain.placement import (
     Assignment,
     FunctionScaling,
@@ -64,6 +65,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
         shared_model=msg.shared_model,
+        checkpoint=hook_from_pb(msg),
     )
 
 
@@ -75,7 +77,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         resources.whole_gpus = spec.whole_gpus
     elif spec.mig_slices:
         resources.mig.slices = spec.mig_slices
-    return pb.JobSpec(
+    msg = pb.JobSpec(
         name=spec.name,
         task_key=spec.task_key,
         kind=KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
@@ -90,6 +92,9 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         command=spec.command,
         shared_model=spec.shared_model,
     )
+    if spec.checkpoint is not None:
+        msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))
+    return msg
 
 
 # ---- jobs ----
@@ -119,6 +124,7 @@ def job_from_pb(msg: pb.Job) -> JobView:
         function=msg.function,
         started_at=unix_s(msg, "started_at"),
         owner=msg.owner,
+        training=training_from_pb(msg.training) if msg.HasField("training") else None,
     )
 
 
@@ -141,6 +147,8 @@ def job_to_pb(job: JobView) -> pb.Job:
     )
     if job.assignment is not None:
         msg.assignment.CopyFrom(_assignment_to_pb(job.assignment))
+    if job.training is not None:
+        msg.training.CopyFrom(training_to_pb(job.training))
     return msg
 
 

@@ -21,6 +21,7 @@ from gpuloom.domain.shares import (
     TimeQuota,
     validate_priority,
 )
+from gpuloom.domain.training import CheckpointHook, TrainingState
 
 MAX_NAME = 128
 MAX_KEY = 256
@@ -87,6 +88,8 @@ class JobSpec:
     # A replica of this model: placed first where a model store holds it, charged its memory
     # less the weights there (docs/placement.md, "Replicas of a shared model"). "" = none.
     shared_model: str = ""
+    # Training jobs: how the job saves its state before a migration (None: never migrated).
+    checkpoint: CheckpointHook | None = None
 
     @property
     def is_mig_batch(self) -> bool:
@@ -122,6 +125,12 @@ class JobSpec:
         if self.shared_model:
             check_model_name("spec.shared_model", self.shared_model)
         self._validate_resources()
+        if self.checkpoint is not None:
+            if self.kind is not JobKind.TRAINING:
+                raise InvalidArgument(
+                    "spec.checkpoint", "only training jobs (kind training) take a checkpoint hook"
+                )
+            self.checkpoint.validate()
 
     def validate_as(self, name: str, policies: Collection[str]) -> None:
         """validate(), naming fields under `name` (a template) instead of `spec`."""
@@ -292,6 +301,7 @@ class JobView:
     function: str = ""  # set on replicas created by auto-scaling
     started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
     owner: str = ""  # who submitted it: its bearer token's name ("" without tokens)
+    training: TrainingState | None = None  # training jobs: Gandiva's view (docs/training.md)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,20 +42,25 @@ from gpuloom.policies.training.model import (
     Job,
     Pack,
     Place,
+    Resize,
     Server,
     Slice,
     Slot,
     TrainingPolicy,
     Unpack,
+    packed_gain,
+    slice_efficiency,
 )
 
 # Mechanism costs (docs/training.md says where they come from).
 QUANTUM_S = 60.0  # a time slice: each job of a round-robin runs this long in turn
 SWITCH_S = 1.0  # one suspend + resume at a low-memory point of the mini-batch cycle
-SLICE_EFFICIENCY = QUANTUM_S / (QUANTUM_S + SWITCH_S)
+SLICE_EFFICIENCY = slice_efficiency(QUANTUM_S, SWITCH_S)
 MIGRATION_S = 30.0  # checkpoint, stop, restart on new GPUs: progress lost per migration
 PACK_TRIAL_S = 600.0  # packed this long before the packed mini-batch times are compared
 SERVER_GPUS = 4  # GPUs per server unless the cluster spec says /N
+GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
+ELASTIC_FACTOR = 2  # grow-shrink: a job may grow to this many times its GPUs (measured scales)
 THROUGHPUTS_NAME = "simulation_throughputs.json"
 TRACE_FIELDS = 7
 N = TypeVar("N", int, float)
@@ -283,8 +288,9 @@ class TrainingRun:
     undone: int
     migrations: int
     wall_s: float
-    jct_h: tuple[float, ...] = field(repr=False)
-    in_use: tuple[tuple[float, int], ...] = field(repr=False)  # (hours, GPUs in use)
+    resizes: int = 0  # grow-shrink: jobs grown or shrunk (each a restart from its checkpoint)
+    jct_h: tuple[float, ...] = field(default=(), repr=False)
+    in_use: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (hours, in use)
 
     def summary(self) -> dict[str, object]:
         """The fields of `--json`."""
@@ -301,6 +307,7 @@ class TrainingRun:
             "packings": self.packings,
             "undone": self.undone,
             "migrations": self.migrations,
+            "resizes": self.resizes,
             "wall_s": self.wall_s,
         }
 
@@ -322,6 +329,7 @@ class _Cluster:
         self.trials: list[tuple[float, int, float]] = []
         self.counts: Counter[str] = Counter()
         self.packable = frozenset(table.pair)
+        self.idle_since: dict[Slot, float] = {}  # free GPUs: since when (grow-shrink)
 
     def arrive(self, i: int, now: float) -> None:
         spec = self.runs[i].spec
@@ -329,7 +337,13 @@ class _Cluster:
         util = min(self.table.utilisation(g, spec.job_type) for g in kinds)
         every = kinds == {s.gpu_type for s in self.servers}
         self.views[i] = Job(
-            i, spec.job_type, spec.gpus, spec.arrival_s, util, None if every else kinds
+            i,
+            spec.job_type,
+            spec.gpus,
+            spec.arrival_s,
+            util,
+            None if every else kinds,
+            elastic_range(spec, kinds, self.table),
         )
         self.waiting[i] = None
 
@@ -345,9 +359,21 @@ class _Cluster:
             waiting=tuple(self.waiting),
             slice_efficiency=SLICE_EFFICIENCY,
             packable=self.packable,
+            idle_since=MappingProxyType(self.idle_since),
+            grow_idle_s=GROW_IDLE_S,
         )
 
-    def _leave(self, i: int) -> None:
+    def _take(self, slots: Sequence[Slot]) -> None:
+        self.used |= set(slots)
+        for slot in slots:
+            self.idle_since.pop(slot, None)
+
+    def _free(self, slots: Sequence[Slot], now: float) -> None:
+        self.used -= set(slots)
+        for slot in slots:
+            self.idle_since[slot] = now
+
+    def _leave(self, i: int, now: float) -> None:
         run = self.runs[i]
         gid = run.group
         if gid is None:
@@ -358,7 +384,7 @@ class _Cluster:
         if len(group.jobs) < 2:
             group.packed, group.gain = False, None
         if not group.jobs:
-            self.used -= set(group.slots)
+            self._free(group.slots, now)
             del self.groups[gid]
 
     def _move(self, i: int, now: float) -> None:
@@ -368,12 +394,54 @@ class _Cluster:
         if run.group is None:
             self.waiting.pop(i)
             return
-        self._leave(i)
+        self._leave(i, now)
         if run.first_s is not None and run.first_s < now:
             run.stalled_until = now + MIGRATION_S
             self.counts["migrations"] += 1
 
+    def _sizes(self, i: int) -> tuple[int, ...]:
+        """The GPU counts job i may run on: what it asked for, and its elastic range."""
+        return (self.runs[i].spec.gpus, *self.views[i].grow_to)
+
+    def _resize(self, action: Resize, now: float) -> None:
+        group = self._group(action.group, action)
+        slots = action.slots
+        if len(group.jobs) != 1:
+            raise PolicyError(f"{action}: only a job running alone is resized")
+        i = group.jobs[0]
+        run = self.runs[i]
+        types = {self.servers[s].gpu_type for s, _ in slots if 0 <= s < len(self.servers)}
+        gained = set(slots) - set(group.slots)
+        if (
+            not all(0 <= s < len(self.servers) and 0 <= g < self.servers[s].gpus for s, g in slots)
+            or len(set(slots)) != len(slots)
+            or len(slots) not in self._sizes(i)
+            or types != {self.servers[group.slots[0][0]].gpu_type}
+            or self.used & gained
+        ):
+            raise PolicyError(f"{action}: not free GPUs of its type in its elastic range")
+        self._free([s for s in group.slots if s not in slots], now)
+        self._take(sorted(gained))
+        group.slots = tuple(slots)
+        if run.first_s is not None and run.first_s < now:
+            run.stalled_until = now + MIGRATION_S  # through its checkpoint, as a migration
+        self.counts["resizes"] += 1
+
+    def grow_at(self, now: float) -> float:
+        """When a free GPU will have been idle long enough for a job alone below its elastic
+        range to grow onto it (inf: no such job, or a job waits)."""
+        if self.waiting or not any(
+            len(g.jobs) == 1 and len(g.slots) < max(self._sizes(g.jobs[0])) and not g.packed
+            for g in self.groups.values()
+        ):
+            return math.inf
+        later = [t + GROW_IDLE_S for t in self.idle_since.values() if t + GROW_IDLE_S > now]
+        return min(later, default=math.inf)
+
     def apply(self, action: Action, now: float) -> None:
+        if isinstance(action, Resize):
+            self._resize(action, now)
+            return
         if isinstance(action, Unpack):
             group = self._group(action.group, action)
             if not group.packed:
@@ -393,8 +461,8 @@ class _Cluster:
             )
             if (
                 not valid
-                or len(set(slots)) != run.spec.gpus
-                or len(slots) != run.spec.gpus
+                or len(set(slots)) != len(slots)
+                or len(slots) not in self._sizes(i)
                 or len(types) != 1
                 or not self.views[i].allows(next(iter(types)))
             ):
@@ -405,7 +473,7 @@ class _Cluster:
             self.groups[self.next_gid] = _Group(tuple(slots), [i])
             run.group = self.next_gid
             self.next_gid += 1
-            self.used |= set(slots)
+            self._take(slots)
             if run.first_s is None or run.first_s > now:
                 run.first_s = now  # alone (a job moved before its first turn: now too)
         elif isinstance(action, Slice):
@@ -461,7 +529,8 @@ class _Cluster:
         gpu = self.servers[group.slots[0][0]].gpu_type
         a, b = (self.runs[j].spec.job_type for j in group.jobs)
         both = self.table.pair[(gpu, a, b)]
-        group.gain = both[0] / self.table.solo[(gpu, a, 1)] + both[1] / self.table.solo[(gpu, b, 1)]
+        solo = (self.table.solo[(gpu, a, 1)], self.table.solo[(gpu, b, 1)])
+        group.gain = packed_gain([1 / r for r in solo], [1 / r for r in both])
         return True
 
     def rerate(self) -> None:
@@ -475,7 +544,9 @@ class _Cluster:
                 continue
             share = 1.0 if len(jobs) == 1 else SLICE_EFFICIENCY / len(jobs)
             for run in jobs:
-                solo = self.table.solo_rate(gpu, run.spec.job_type, run.spec.gpus)
+                # Alone, on as many GPUs as its group has (more when grown).
+                gpus = len(group.slots) if len(jobs) == 1 else run.spec.gpus
+                solo = self.table.solo_rate(gpu, run.spec.job_type, gpus)
                 run.rate = (solo or 0.0) * share
 
     def finish_time(self, run: _Running, now: float) -> float:
@@ -484,10 +555,22 @@ class _Cluster:
         return max(now, run.stalled_until) + run.remaining / run.rate
 
     def finish(self, i: int, now: float) -> None:
-        self._leave(i)
+        self._leave(i, now)
         run = self.runs[i]
         run.end_s, run.remaining, run.rate = now, 0.0, 0.0
         del self.views[i]
+
+
+def elastic_range(job: TraceJob, kinds: frozenset[str], table: Throughputs) -> tuple[int, ...]:
+    """Grow-shrink: the GPU counts above its own a job may grow to, up to ELASTIC_FACTOR
+    times its own: those the table measures above 0 on every GPU type it runs on (no
+    extrapolation: a job grows only where its speed-up is known)."""
+    counts = {
+        n
+        for n in range(job.gpus + 1, ELASTIC_FACTOR * job.gpus + 1)
+        if all(table.solo.get((kind, job.job_type, n), 0.0) > 0 for kind in kinds)
+    }
+    return tuple(sorted(counts))
 
 
 def runs_on(job: TraceJob, servers: Sequence[Server], table: Throughputs) -> frozenset[str]:
@@ -528,6 +611,9 @@ def simulate(
     total_gpus = sum(s.gpus for s in servers)
     start = time.perf_counter()
     now = runnable[0].arrival_s if runnable else 0.0
+    cluster.idle_since = {(n, g): now for n, s in enumerate(servers) for g in range(s.gpus)}
+    grows = bool(getattr(policy, "grow_shrink", False))
+    t_grow = math.inf
     first_arrival = now
     next_arrival = 0
     running: set[int] = set()
@@ -538,7 +624,7 @@ def simulate(
         t_finish = min(finish_at.values(), default=math.inf)
         t_arrive = runnable[next_arrival].arrival_s if next_arrival < len(runnable) else math.inf
         t_trial = cluster.trials[0][0] if cluster.trials else math.inf
-        t = min(t_finish, t_arrive, t_trial)
+        t = min(t_finish, t_arrive, t_trial, t_grow)
         if t == math.inf:
             stuck = len(cluster.views)
             if stuck:
@@ -564,6 +650,7 @@ def simulate(
             cluster.apply(action, now)
         running = {j for g in cluster.groups.values() for j in g.jobs}
         cluster.rerate()
+        t_grow = cluster.grow_at(now) if grows else math.inf
         in_use.append((now, len(cluster.used)))
     wall = time.perf_counter() - start
     ends = [r.end_s for r in cluster.runs if r.end_s is not None]
@@ -584,6 +671,7 @@ def simulate(
         undone=cluster.counts["undone"],
         migrations=cluster.counts["migrations"],
         wall_s=round(wall, 3),
+        resizes=cluster.counts["resizes"],
         jct_h=tuple(float(x) for x in jct),
         in_use=tuple((round((t - first_arrival) / 3600, 4), n) for t, n in in_use),
     )

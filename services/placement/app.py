@@ -25,6 +25,11 @@ from gpuloom.services.placement.repository import PlacementRepository
 from gpuloom.services.placement.servicer import SERVICE, PlacementServicer
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.placement.storage import create_engine, migrate
+from gpuloom.services.placement.training import (
+    GrpcTrainingControl,
+    TrainingConfig,
+    TrainingControl,
+)
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 
 DATABASE_URL_VARIABLE = "GPULOOM_PLACEMENT_DATABASE_URL"
@@ -52,6 +57,7 @@ class PlacementApp:
         data_dir: Path,
         dispatchers: Dispatchers | None = None,
         mig_runner: MigRunner | None = None,
+        training_control: TrainingControl | None = None,
     ) -> PlacementApp:
         """`dispatchers` and `mig_runner` replace the gRPC clients (the benchmark stands in its
         own dispatchers); the caller closes what it passes."""
@@ -80,6 +86,12 @@ class PlacementApp:
                     create_seconds=settings.mig_create_seconds,
                     destroy_seconds=settings.mig_destroy_seconds,
                 ),
+                training=TrainingConfig(
+                    policy=settings.training_policy,
+                    quantum_s=settings.training_quantum_s,
+                    pack_trial_s=settings.training_pack_trial_s,
+                    suspend_wait_ms=settings.training_suspend_wait_ms,
+                ),
             )
             core = PlacementCore(
                 PlacementRepository(engine),
@@ -87,6 +99,8 @@ class PlacementApp:
                 profiles,
                 config,
                 mig_runner=mig_runner,
+                training_control=training_control
+                or GrpcTrainingControl(channels, settings.dispatcher_timeout_s),
             )
             await core.start()
             servicer = PlacementServicer(core)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, throughput_config_to_pb
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
+from gpuloom.convert.training import hook_from_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.models import check_model_name
 from gpuloom.domain.placement import (
@@ -60,6 +61,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
         shared_model=msg.shared_model,
+        checkpoint=hook_from_pb(msg),
     )
 
 
@@ -104,6 +106,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
         function=job.function,
         started_at=job.started_at,
         owner=job.owner,
+        training=job.training,
     )
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gpuloom.domain.placement import GpuInfo, JobSpec, JobState
+from gpuloom.domain.training import TrainingReport
 from gpuloom.policies.placement import Allocation
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
@@ -40,6 +41,7 @@ from gpuloom.services.placement.mig_batches import MigBatchConfig, MigBatches
 from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 from gpuloom.services.placement.scaling import AutoScaler, ScalingResult
+from gpuloom.services.placement.training import TrainingConfig, TrainingControl, TrainingDriver
 
 log = structlog.get_logger("gpuloom.placement")
 # The states of the jobs the service keeps in memory (the gauges of jobs by state).
@@ -53,6 +55,7 @@ class CoreConfig:
     heartbeat_timeout_s: float = 10.0
     max_batch: int = 256
     mig: MigBatchConfig = field(default_factory=MigBatchConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
 class PlacementCore:
@@ -65,9 +68,11 @@ class PlacementCore:
         clock: Callable[[], float] = time.time,
         *,
         mig_runner: MigRunner | None = None,
+        training_control: TrainingControl | None = None,
     ) -> None:
         """`mig_runner` runs MIG batches on the dispatchers; None: MIG batch tasks are
-        refused."""
+        refused. `training_control` suspends and resumes training jobs on the dispatchers;
+        None: the training policy only shows their state."""
         self.repository = repository
         self.config = config
         self._clock = clock
@@ -84,6 +89,9 @@ class PlacementCore:
             clock=clock,
         )
         self.scaler = AutoScaler(self.jobs, profiles)
+        self.training = TrainingDriver(
+            self.jobs, self.inventory, dispatchers, training_control, config.training, clock
+        )
         self._heartbeats: asyncio.Task[None] | None = None
 
     @property
@@ -114,11 +122,13 @@ class PlacementCore:
         self._heartbeats = asyncio.create_task(
             self._heartbeat_monitor(), name="placement-heartbeats"
         )
+        self.training.start()
 
     async def stop(self) -> None:
         if self._heartbeats is not None:
             self._heartbeats.cancel()
             await asyncio.gather(self._heartbeats, return_exceptions=True)
+        await self.training.stop()
         await self.jobs.stop()
 
     # ---- submitters ----
@@ -192,14 +202,18 @@ class PlacementCore:
         assignment_ids: Sequence[str],
         direct: Sequence[Allocation] = (),
         models: StoreModels = (),
+        training: Sequence[TrainingReport] = (),
     ) -> list[str]:
-        """Refresh a GPU, the shares reserved on its dispatcher directly and the models its
-        store holds; returns the assignments its dispatcher holds that no live job owns."""
+        """Refresh a GPU, the shares reserved on its dispatcher directly, the models its store
+        holds and its training processes' cycles; returns the assignments its dispatcher holds
+        that no live job owns."""
         if gpu_uuid in self.inventory:  # an unknown GPU is refused by refresh
             check_store(models, self.inventory.record(gpu_uuid).info.memory_bytes)
         record = self.inventory.refresh(
             gpu_uuid, utilization_percent, memory_used_bytes, self._clock()
         )
+        if training:
+            self.training.ingest(gpu_uuid, training)
         down = self.inventory.is_down(record)
         if (
             down
@@ -214,6 +228,19 @@ class PlacementCore:
                 self.jobs.capacity_changed(gpu_uuid)
             self.jobs.wake()
         return self.jobs.stale(gpu_uuid, assignment_ids)
+
+    async def report_checkpoint(
+        self,
+        job_id: str,
+        migration_id: str,
+        succeeded: bool,
+        message: str,
+        owner: str | None = None,
+    ) -> Job:
+        """A runner's answer to a migration (services/placement/training.py)."""
+        if owner is not None:
+            await self.jobs.get(job_id, owner)
+        return await self.training.report_checkpoint(job_id, migration_id, succeeded, message)
 
     def gpus(self, node: str, page_size: int, page_token: str) -> tuple[list[GpuView], str]:
         return self.inventory.page(node, page_size, page_token)

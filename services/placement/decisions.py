@@ -36,6 +36,7 @@ from gpuloom.domain.errors import (
     Unavailable,
 )
 from gpuloom.domain.placement import JobSpec, JobState
+from gpuloom.domain.training import TrainingState
 from gpuloom.policies.placement import POLICIES, JobRequest, get_policy
 from gpuloom.policies.placement.scheduler import Ask, Placed, Round, Scheduler
 from gpuloom.services.placement import metrics
@@ -116,6 +117,9 @@ class Decisions:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.mig = MigBatches(self, inventory, profiles, mig_runner, mig)
+        # Training jobs migrating: job id -> the GPU whose dispatcher holds their next
+        # reservation too (services/placement/training.py); not stale there.
+        self.moving: dict[str, str] = {}
 
     # ---- life cycle ----
 
@@ -196,6 +200,8 @@ class Decisions:
             if not assignment_id.startswith(JOB_ID_PREFIX):
                 continue  # reserved on the dispatcher by someone else: not ours to judge
             job = self._live.get(assignment_id)
+            if self.moving.get(assignment_id) == gpu_uuid:
+                continue
             if job is None or job.binding is None or job.binding.gpu_uuid != gpu_uuid:
                 stale.append(assignment_id)
         return stale
@@ -300,6 +306,25 @@ class Decisions:
         job = self._live.get(job_id)
         if job is not None and job.state is JobState.PENDING and job.pending_reason != reason:
             self._live[job_id] = replace(job, pending_reason=reason)
+
+    def set_training(self, job_id: str, training: TrainingState, *, publish: bool) -> None:
+        """Put an assigned job's training state on it: in place, or (`publish`, under the
+        lock) as a new revision that watchers see, written with the next batch."""
+        job = self._live.get(job_id)
+        if job is None or job.state is not JobState.ASSIGNED:
+            return
+        if publish:
+            self.update_live(job.advance(self._clock(), training=training))
+        else:
+            self._live[job_id] = replace(job, training=training)
+
+    def update_live(self, job: Job) -> None:
+        """A new revision of an assigned job (under the lock): live now, seen by its watchers,
+        written with the next decision batch (or after a short quiet spell)."""
+        self._live[job.job_id] = job
+        self._unsaved[job.job_id] = job
+        self._publish(job)
+        self._wake.set()
 
     async def record(self, jobs: Sequence[Job]) -> None:
         await self._repo.update_jobs(list(jobs))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobSpec, JobState, MigSlot
+from gpuloom.domain.training import TrainingState
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ADDRESS = re.compile(r"[A-Za-z0-9.\-_\[\]:]{1,253}:\d{1,5}")
@@ -48,6 +49,8 @@ class Job:
     started_at: float = 0.0  # when it became ASSIGNED; 0: never (yet)
     # Who submitted it: the name of the caller's bearer token ("" when placement takes none).
     owner: str = ""
+    # Training jobs: Gandiva's state of it (services/placement/training.py), in memory only.
+    training: TrainingState | None = None
 
     def advance(self, now: float, **changes: object) -> Job:
         """The next revision of this job."""

@@ -66,3 +66,21 @@ GPU_MEMORY_RESERVED = prometheus_client.Gauge(
     "Memory reserved on a GPU: placement's jobs and the shares reserved on its dispatcher directly",
     ["node", "gpu"],
 )
+
+# Gandiva's live mechanisms for training jobs (services/placement/training.py).
+TRAINING_SWITCHES = prometheus_client.Counter(
+    "gpuloom_placement_training_switches_total",
+    "SuspendClient / ResumeClient calls placement made for time-slicing, by call",
+    ["call"],
+)
+TRAINING_PACKINGS = prometheus_client.Counter(
+    "gpuloom_placement_training_packings_total",
+    "Packing trials started, and those undone (their measured gain was below time-slicing's)",
+    ["outcome"],
+)
+TRAINING_MIGRATIONS = prometheus_client.Counter(
+    "gpuloom_placement_training_migrations_total",
+    "Training-job migrations by outcome: moved, hook_failed (the checkpoint hook failed or timed "
+    "out: the job stays where it is), abandoned (the job ended, or the target refused)",
+    ["outcome"],
+)

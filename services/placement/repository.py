@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigInstance, MigSlot, Slo
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.training import CheckpointHook
 from gpuloom.services.placement.domain import Binding, GpuRecord, Job
 from gpuloom.services.placement.models import GpuRow, JobRow
 
@@ -43,6 +44,9 @@ def spec_to_json(spec: JobSpec) -> str:
         document["mig_slices"] = spec.mig_slices
         document["command"] = list(spec.command)
         document["mig_times"] = [list(pair) for pair in spec.mig_times]
+    if spec.checkpoint is not None:  # training jobs with a hook only: other rows stay as they were
+        hook = spec.checkpoint
+        document["checkpoint"] = [list(hook.command), hook.signal, hook.timeout_s]
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
@@ -65,7 +69,15 @@ def spec_from_json(text: str) -> JobSpec:
         command=tuple(d.get("command", ())),
         mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
         shared_model=d.get("shared_model", ""),
+        checkpoint=_hook_from_json(d.get("checkpoint")),
     )
+
+
+def _hook_from_json(value: list | None) -> CheckpointHook | None:
+    if value is None:  # absent from rows written before checkpoint hooks
+        return None
+    command, signal_name, timeout_s = value
+    return CheckpointHook(tuple(command), signal_name, float(timeout_s))
 
 
 def _binding_to_json(binding: Binding | None) -> str | None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import grpc
 
 from gpuloom.convert.placement import gpu_info_from_pb
+from gpuloom.convert.training import reports_from_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.services.common.auth import current_caller
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
@@ -95,6 +96,19 @@ class PlacementServicer(pb_grpc.PlacementServicer):
         return convert.job_to_pb(job)
 
     @rpc(SERVICE)
+    async def ReportCheckpoint(
+        self, request: pb.ReportCheckpointRequest, context: Context
+    ) -> pb.Job:
+        job = await self._core.report_checkpoint(
+            _job_id(request.job_id),
+            _text("migration_id", request.migration_id),
+            request.succeeded,
+            _text("message", request.message),
+            _only(),
+        )
+        return convert.job_to_pb(job, with_token=True)
+
+    @rpc(SERVICE)
     async def SetFunctionLoad(
         self, request: pb.SetFunctionLoadRequest, context: Context
     ) -> pb.SetFunctionLoadResponse:
@@ -128,6 +142,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             request.assignment_ids,
             convert.direct_reservations_from_pb(request.gpu_uuid, request.reservations),
             convert.store_models_from_pb(request.models),
+            reports_from_pb(request.training),
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
 from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
+from gpuloom.services.placement.training import validate_training_policy
 
 
 class PlacementSettings(BaseSettings):
@@ -42,6 +43,12 @@ class PlacementSettings(BaseSettings):
     # keep the paper's Table 1 times of the GPU's model.
     mig_create_seconds: dict[int, float] = Field(default_factory=dict)
     mig_destroy_seconds: dict[int, float] = Field(default_factory=dict)
+    # Gandiva's live mechanisms for training jobs (docs/training.md): "off" (their state is
+    # shown, nothing is suspended, packed or migrated), "gandiva" or "gandiva:HEIGHT", "fifo".
+    training_policy: str = "off"
+    training_quantum_s: float = Field(default=60.0, ge=1, le=86_400)
+    training_pack_trial_s: float = Field(default=120.0, ge=1, le=86_400)
+    training_suspend_wait_ms: float = Field(default=2000.0, ge=0, le=600_000)
 
     @field_validator("database_url")
     @classmethod
@@ -54,6 +61,11 @@ class PlacementSettings(BaseSettings):
         if name not in POLICIES:
             raise ValueError(f"unknown placement policy; known: {', '.join(sorted(POLICIES))}")
         return name
+
+    @field_validator("training_policy")
+    @classmethod
+    def _known_training_policy(cls, name: str) -> str:
+        return validate_training_policy(name.strip())
 
     @field_validator("mig_create_seconds", "mig_destroy_seconds")
     @classmethod

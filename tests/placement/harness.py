@@ -11,6 +11,7 @@ from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import PlacementRepository
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.placement.storage import create_engine, migrate
+from gpuloom.services.placement.training import TrainingConfig, TrainingControl
 from tests.placement.fakes import FakeDispatchers, FakeMigRunner
 
 
@@ -29,12 +30,16 @@ class CoreHarness:
         profiles: ProfileSource | None = None,
         runner: FakeMigRunner | None = None,
         mig: MigBatchConfig | None = None,
+        training: TrainingConfig | None = None,
+        training_control: TrainingControl | None = None,
     ) -> None:
         self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
         self.dispatchers = FakeDispatchers()
         self.profiles = profiles
         self.runner = runner
         self.mig = mig or MigBatchConfig(timer=False)
+        self.training = training or TrainingConfig()
+        self.training_control = training_control
         self.clock = Clock()
         self.core: PlacementCore | None = None
         self.engine = None
@@ -42,7 +47,9 @@ class CoreHarness:
     async def start(self) -> PlacementCore:
         self.engine = create_engine(self.settings)
         await migrate(self.engine)
-        config = CoreConfig(heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig)
+        config = CoreConfig(
+            heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig, training=self.training
+        )
         self.core = PlacementCore(
             PlacementRepository(self.engine),
             self.dispatchers,
@@ -50,6 +57,7 @@ class CoreHarness:
             config,
             self.clock,
             mig_runner=self.runner,
+            training_control=self.training_control,
         )
         await self.core.start()
         return self.core

@@ -16,6 +16,7 @@ from gpuloom.clients.cli import cli
 from gpuloom.policies.training.gandiva import MAX_HEIGHT
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.sim.training import (
+    GROW_IDLE_S,
     MIGRATION_S,
     PACK_TRIAL_S,
     QUANTUM_S,
@@ -25,6 +26,7 @@ from gpuloom.sim.training import (
     Throughputs,
     TraceJob,
     TrainingInputError,
+    elastic_range,
     parse_cluster,
     parse_trace,
     simulate,
@@ -221,6 +223,34 @@ def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
     assert run.jct_h[2] == pytest.approx((30.5 + c3_left / 5 - 10) / 3600)
 
 
+def test_gandiva_gs_grows_onto_an_idle_gpu_and_shrinks_at_once_for_a_new_job() -> None:
+    # One server of two GPUs. A (1 GPU, 10/s; 18/s on 2, its elastic range) starts alone;
+    # the other GPU idles GROW_IDLE_S, so A grows onto it (a restart: stalled MIGRATION_S).
+    # B arrives at 1,000 s: A shrinks back at once (stalled again) and B runs on the freed
+    # GPU with no wait. B (no measured scale 2) never grows.
+    jobs = jobs_of(line("A", 36_000, 0), line("B", 18_000, 1_000))
+    servers = parse_cluster("v100:2/2", ["v100"])
+    run = simulate(jobs, servers, table(), get_policy("gandiva-gs"))
+    grown_at = GROW_IDLE_S
+    done = 10 * grown_at + 18 * (1_000 - grown_at - MIGRATION_S)
+    a_end = 1_000 + MIGRATION_S + (36_000 - done) / 10
+    assert run.jct_h == pytest.approx((a_end / 3600, 18_000 / 5 / 3600))
+    assert run.resizes == 2 and run.avg_first_feedback_h == 0.0
+    assert (run.packings, run.migrations) == (0, 0)
+    # Without grow-shrink A stays on one GPU.
+    plain = simulate(jobs, servers, table(), get_policy("gandiva"))
+    assert plain.jct_h[0] == pytest.approx(1.0) and plain.resizes == 0
+    assert run.jct_h[0] < plain.jct_h[0]
+
+
+def test_the_elastic_range_holds_only_measured_scales_above_zero() -> None:
+    t = table()
+    a, b = jobs_of(line("A", 10, 0), line("B", 10, 0))
+    assert elastic_range(a, frozenset({"v100"}), t) == (2,)
+    assert elastic_range(b, frozenset({"v100"}), t) == ()  # B on 2 is not measured
+    assert elastic_range(a, frozenset({"v100", "k80"}), t) == ()  # A on 2 k80s is 0
+
+
 def test_jobs_wider_than_the_cluster_are_counted_not_run(tmp_path: Path) -> None:
     trace = line("A", 100, 0) + "\n" + line("A", 100, 0, scale=8) + "\n"
     result = run_cli(tmp_path, trace, "--cluster", "v100:4", "--json")
@@ -270,7 +300,7 @@ kinds = st.sampled_from("ABC")
     ),
     st.integers(1, 6),
     st.integers(1, 3),
-    st.sampled_from(["fifo", "gandiva"]),
+    st.sampled_from(["fifo", "gandiva", "gandiva-gs"]),
 )
 def test_every_job_ends_and_no_gpu_is_used_twice(
     rows: list[tuple[str, int, int, int]], gpus: int, per_server: int, policy: str
@@ -282,14 +312,24 @@ def test_every_job_ends_and_no_gpu_is_used_twice(
     assert run.jobs + run.unschedulable == len(jobs)
     assert len(run.jct_h) == run.jobs
     assert all(n <= gpus for _, n in run.in_use)
-    # No job ends sooner than alone at its solo speed (packing partners here run slower).
+    # No job ends sooner than alone at its solo speed (packing partners here run slower),
+    # or, grown, at its speed on the most GPUs of its elastic range.
+    t = table()
     alone = sorted(
-        j.steps / table().solo_rate("v100", j.job_type, j.gpus) for j in jobs if j.gpus <= gpus
+        j.steps / max(t.solo_rate("v100", j.job_type, n) or 0 for n in sizes(j, t))
+        for j in jobs
+        if j.gpus <= gpus
     )
     assert sum(run.jct_h) * 3600 >= sum(alone) - 1e-6 * len(alone)
     assert 0 <= run.gpu_util <= 1 + 1e-9
     if policy == "fifo":
         assert run.migrations == 0 and run.packings == 0
+    if policy != "gandiva-gs":
+        assert run.resizes == 0
+
+
+def sizes(job: TraceJob, t: Throughputs) -> tuple[int, ...]:
+    return (job.gpus, *elastic_range(job, frozenset({"v100"}), t))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -302,7 +342,7 @@ def test_every_job_ends_and_no_gpu_is_used_twice(
     st.integers(1, 4),
     st.integers(1, 4),
     st.integers(1, 2),
-    st.sampled_from(["fifo", "gandiva"]),
+    st.sampled_from(["fifo", "gandiva", "gandiva-gs"]),
 )
 def test_mixed_gpu_types_keep_two_gpu_jobs_off_the_k80s(
     rows: list[tuple[int, int, int]], k80: int, v100: int, per_server: int, policy: str
@@ -315,7 +355,7 @@ def test_mixed_gpu_types_keep_two_gpu_jobs_off_the_k80s(
     wide = sum(1 for j in jobs if j.gpus > v100)
     assert (run.jobs, run.unschedulable) == (len(jobs) - wide, wide)
     assert all(n <= k80 + v100 for _, n in run.in_use)
-    fastest = sum(j.steps / table().solo_rate("v100", "A", j.gpus) for j in jobs if j.gpus <= v100)
+    fastest = sum(j.steps / table().solo_rate("v100", "A", 2) for j in jobs if j.gpus <= v100)
     assert sum(run.jct_h) * 3600 >= fastest - 1e-6 * len(jobs)
 
 

@@ -25,7 +25,15 @@ Introspective mode, in the same call (the undo before the placements, the rest a
    partner in place), if the two fit one GPU's memory and were not undone before; then the
    next lowest job, and so on. The trial that decides success is the caller's measurement.
 
-Grow-shrink is not built. Priorities are not modelled (every job has the same).
+Grow-shrink (`gandiva-gs`, off in `gandiva`), in the same call:
+
+0. shrink, first: when a job waits, every job grown beyond the GPUs it asked for goes back to
+   them at once (the waiting jobs then find the cluster as without grow-shrink);
+7. grow, last, when no job is left waiting: a job running alone on one server, with larger
+   GPU counts in its elastic range (`Job.grow_to`), takes that server's GPUs that have been
+   free for `grow_idle_s` (the largest count of its range they allow; smallest jobs first).
+
+Priorities are not modelled (every job has the same).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from gpuloom.policies.training.model import (
     Job,
     Pack,
     Place,
+    Resize,
     Slice,
     Slot,
     Unpack,
@@ -77,6 +86,17 @@ class _Scratch:
                 self.sizes[server][len(slots)] -= 1
             del self.jobs[gid], self.packed[gid]
 
+    def resize(self, gid: int, slots: tuple[Slot, ...], free: FreeMap) -> None:
+        """A group runs on `slots` now: the slots it leaves go back to `free` (the caller took
+        the ones it gains)."""
+        old = self.slots[gid]
+        for server in {s for s, _ in old}:
+            self.sizes[server][len(old)] -= 1
+        free.give([slot for slot in old if slot not in slots])
+        self.slots[gid] = slots
+        for server in {s for s, _ in slots}:
+            self.sizes[server][len(slots)] += 1
+
     def place(self, job: int, slots: tuple[Slot, ...]) -> None:
         gid = -1 - len(self.of_job) - len(self.slots)  # a stand-in id (the caller gives one)
         while gid in self.slots:
@@ -88,9 +108,11 @@ class _Scratch:
 
 
 class GandivaPolicy:
-    def __init__(self, max_height: int = MAX_HEIGHT) -> None:
+    def __init__(self, max_height: int = MAX_HEIGHT, grow_shrink: bool = False) -> None:
         self.max_height = max_height
-        self.name = "gandiva" if max_height == MAX_HEIGHT else f"gandiva:{max_height}"
+        self.grow_shrink = grow_shrink
+        name = "gandiva-gs" if grow_shrink else "gandiva"
+        self.name = name if max_height == MAX_HEIGHT else f"{name}:{max_height}"
         self.bad_pairs: set[tuple[str, str, str]] = set()  # (GPU type, job type, job type)
 
     def decide(self, view: ClusterView) -> list[Action]:
@@ -98,17 +120,71 @@ class GandivaPolicy:
         scratch = _Scratch(view)
         actions: list[Action] = []
         self._undo(view, scratch, actions)
+        if self.grow_shrink and view.waiting:
+            self._shrink(view, free, scratch, actions)
         # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
         # rest of the call: placing others only takes GPUs and raises heights.
         blocked: set[tuple[int, frozenset[str] | None]] = set()
+        left_waiting = False
         for job_id in view.waiting:
             job = view.jobs[job_id]
             shape = (job.gpus, job.runs_on)
-            if shape not in blocked and not self._arrive(view, job, free, scratch, actions):
+            if shape in blocked or not self._arrive(view, job, free, scratch, actions):
                 blocked.add(shape)
+                left_waiting = True
         self._spread(view, free, scratch, actions)
         self._pack(view, scratch, actions)
+        if self.grow_shrink and not left_waiting:
+            self._grow(view, free, scratch, actions)
         return actions
+
+    # 0. shrink
+    def _shrink(
+        self, view: ClusterView, free: FreeMap, scratch: _Scratch, actions: list[Action]
+    ) -> None:
+        grown = [
+            gid
+            for gid, jobs in scratch.jobs.items()
+            if len(jobs) == 1 and len(scratch.slots[gid]) > view.jobs[jobs[0]].gpus
+        ]
+        for gid in sorted(grown):
+            keep = scratch.slots[gid][: view.jobs[scratch.jobs[gid][0]].gpus]
+            scratch.resize(gid, keep, free)
+            actions.append(Resize(gid, keep, reason="shrink"))
+
+    # 7. grow
+    def _grow(
+        self, view: ClusterView, free: FreeMap, scratch: _Scratch, actions: list[Action]
+    ) -> None:
+        elastic = sorted(
+            (
+                gid
+                for gid, jobs in scratch.jobs.items()
+                if gid >= 0
+                and len(jobs) == 1
+                and not scratch.packed[gid]
+                and view.jobs[jobs[0]].grow_to
+                and len({s for s, _ in scratch.slots[gid]}) == 1
+            ),
+            key=lambda g: (len(scratch.slots[g]), g),
+        )
+        for gid in elastic:
+            job = view.jobs[scratch.jobs[gid][0]]
+            slots = scratch.slots[gid]
+            server = slots[0][0]
+            idle = [
+                (server, i)
+                for i in free.free[server]
+                if view.now_s - view.idle_since.get((server, i), view.now_s) >= view.grow_idle_s
+            ]
+            counts = [n for n in job.grow_to if len(slots) < n <= len(slots) + len(idle)]
+            if not counts:
+                continue
+            extra = idle[: max(counts) - len(slots)]
+            free.take_exact(extra)
+            grown = (*slots, *extra)
+            scratch.resize(gid, grown, free)
+            actions.append(Resize(gid, grown, reason="grow"))
 
     # 4. undo
     def _undo(self, view: ClusterView, scratch: _Scratch, actions: list[Action]) -> None:
@@ -143,6 +219,7 @@ class GandivaPolicy:
             for gid, jobs in scratch.jobs.items()
             if gid >= 0  # not one planned in this call (the caller numbers those)
             and len(scratch.slots[gid]) == k
+            and all(view.jobs[j].gpus == k for j in jobs)  # not a grown job's GPUs
             and not scratch.packed[gid]
             and len(jobs) < self.max_height
             and job.allows(view.servers[scratch.slots[gid][0][0]].gpu_type)

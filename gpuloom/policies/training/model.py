@@ -15,8 +15,9 @@ no I/O, no clock but `now_s`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 Slot = tuple[int, int]  # (server index, GPU index on that server)
@@ -36,6 +37,9 @@ class Job:
     arrival_s: float
     utilisation: float  # estimated GPU utilisation alone, 0..1 (profiling's answer)
     runs_on: frozenset[str] | None = None  # the GPU types it can run on; None: any
+    # Grow-shrink: the larger GPU counts it may also run on (its elastic range, only counts
+    # it is known to run well at); empty: it runs on `gpus` only.
+    grow_to: tuple[int, ...] = ()
 
     def allows(self, gpu_type: str) -> bool:
         return self.runs_on is None or gpu_type in self.runs_on
@@ -67,6 +71,10 @@ class ClusterView:
     waiting: tuple[int, ...]  # jobs on no GPU, in arrival order
     slice_efficiency: float  # share of GPU time time-slicing leaves to the jobs (0..1]
     packable: frozenset[tuple[str, str, str]]  # (GPU type, job type, job type) fitting one GPU
+    # Grow-shrink: since when each free GPU has been free, and how long before it may be
+    # given to a job that grows (inf: never).
+    idle_since: Mapping[Slot, float] = field(default_factory=dict)
+    grow_idle_s: float = math.inf
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
         return (gpu_type, a, b) in self.packable
@@ -106,7 +114,46 @@ class Unpack:
     group: int
 
 
-Action = Place | Slice | Pack | Unpack
+@dataclass(frozen=True, slots=True)
+class Resize:
+    """Grow-shrink: the job running alone in `group` runs on `slots` from now on (more GPUs
+    than it asked for, idle ones, or back to what it asked for when others need them); it
+    restarts through its checkpoint, as a migration."""
+
+    group: int
+    slots: tuple[Slot, ...]
+    reason: str = "grow"
+
+
+Action = Place | Slice | Pack | Unpack | Resize
+
+
+def slice_efficiency(quantum_s: float, switch_s: float) -> float:
+    """The share of GPU time a round-robin of `quantum_s` turns leaves to its jobs when each
+    switch (a suspend and a resume) costs `switch_s`."""
+    return quantum_s / (quantum_s + switch_s)
+
+
+def packed_gain(solo_s: Sequence[float], packed_s: Sequence[float]) -> float:
+    """A packing trial's result: the sum over the packed jobs of their mini-batch time alone
+    over their mini-batch time packed (the same as packed / solo throughput). 2 is perfect
+    sharing; a gain below time-slicing's `slice_efficiency` means the packing loses. The
+    simulator feeds it the table's throughputs (as times, 1 / rate), the live driver the
+    mini-batch times the dispatchers measure."""
+    if len(solo_s) != len(packed_s) or not solo_s:
+        raise ValueError("one solo and one packed time per job")
+    if min(*solo_s, *packed_s) <= 0:
+        raise ValueError("mini-batch times must be > 0")
+    return sum(s / p for s, p in zip(solo_s, packed_s, strict=True))
+
+
+def round_robin_turn(jobs: Sequence[int], priorities: Mapping[int, int], turn: int) -> int:
+    """Which job of a time-sliced group runs in round `turn`: the round-robin goes over the
+    jobs of the highest priority present (the lowest level) only, in group order, so a job is
+    never suspended to run one of lower priority."""
+    top = min(priorities[j] for j in jobs)
+    eligible = [j for j in jobs if priorities[j] == top]
+    return eligible[turn % len(eligible)]
 
 
 class TrainingPolicy(Protocol):

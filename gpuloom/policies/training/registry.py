@@ -1,5 +1,6 @@
-"""Training-job schedulers by name: "fifo" (exclusive GPUs, arrival order) and "gandiva"
-("gandiva:HEIGHT": at most HEIGHT jobs time-sliced on one set of GPUs, default 8)."""
+"""Training-job schedulers by name: "fifo" (exclusive GPUs, arrival order), "gandiva"
+("gandiva:HEIGHT": at most HEIGHT jobs time-sliced on one set of GPUs, default 8) and
+"gandiva-gs" (gandiva with grow-shrink)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _gandiva(argument: str | None) -> TrainingPolicy:
 
 POLICIES: Registry[TrainingPolicy] = Registry(
     "training",
-    {"fifo": FifoPolicy},
+    {"fifo": FifoPolicy, "gandiva-gs": lambda: GandivaPolicy(grow_shrink=True)},
     with_argument={"gandiva": _gandiva},
     arguments={"gandiva": "HEIGHT"},
 )

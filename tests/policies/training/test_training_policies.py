@@ -3,6 +3,7 @@ Gandiva's affinity, over-subscription, de-fragmentation, spreading, packing and 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 import pytest
@@ -10,6 +11,14 @@ import pytest
 from gpuloom.policies.registry import UnknownPolicyError
 from gpuloom.policies.training.fifo import FifoPolicy
 from gpuloom.policies.training.gandiva import GandivaPolicy
+from gpuloom.policies.training.live import (
+    OTHER_WORK,
+    LiveGpu,
+    LiveGroupState,
+    LiveJob,
+    live_plan,
+    live_view,
+)
 from gpuloom.policies.training.model import (
     Action,
     ClusterView,
@@ -18,13 +27,16 @@ from gpuloom.policies.training.model import (
     Job,
     Pack,
     Place,
+    Resize,
     Server,
     Slice,
     Unpack,
+    round_robin_turn,
 )
 from gpuloom.policies.training.registry import POLICIES, get_policy
 
 EFFICIENCY = 60 / 61
+GIB_ = 1 << 30
 
 
 def view(
@@ -54,10 +66,13 @@ def both_ways(a: str, b: str) -> set[tuple[str, str, str]]:
 
 
 def test_the_registry_knows_fifo_and_gandiva() -> None:
-    assert list(POLICIES) == ["fifo", "gandiva"]
+    assert list(POLICIES) == ["fifo", "gandiva", "gandiva-gs"]
     assert get_policy("gandiva").name == "gandiva"
+    assert get_policy("gandiva-gs").name == "gandiva-gs"
     assert get_policy("fifo") is not get_policy("fifo")  # one object per run
-    with pytest.raises(UnknownPolicyError, match=r"known: fifo, gandiva \(gandiva:HEIGHT\)"):
+    with pytest.raises(
+        UnknownPolicyError, match=r"known: fifo, gandiva, gandiva-gs \(gandiva:HEIGHT\)"
+    ):
         get_policy("tiresias")
     assert get_policy("gandiva:2").name == "gandiva:2"
     for bad in ("gandiva:0", "gandiva:x", "gandiva:65", "fifo:2"):
@@ -205,3 +220,124 @@ def _assert_consistent(state: ClusterView, actions: list[Action]) -> None:
             if not members[old]:
                 free.give(slots[old])
         free.take_exact(action.slots)  # raises when a slot is not free
+
+
+# ---- grow-shrink (gandiva-gs) ----
+
+
+def elastic(i: int, gpus: int = 1, grow_to: tuple[int, ...] = (2, 4)) -> Job:
+    return Job(i, "A", gpus, float(i), 0.5, None, grow_to)
+
+
+def idle_view(
+    groups: list[Group], jobs: list[Job], idle_since: dict, now: float, waiting: list[int] = ()
+) -> ClusterView:
+    base = view([4], groups, jobs, waiting)
+    return ClusterView(
+        now_s=now,
+        servers=base.servers,
+        jobs=base.jobs,
+        groups=base.groups,
+        waiting=base.waiting,
+        slice_efficiency=EFFICIENCY,
+        packable=base.packable,
+        idle_since=MappingProxyType(idle_since),
+        grow_idle_s=600.0,
+    )
+
+
+def test_gandiva_gs_grows_a_lone_job_onto_gpus_idle_long_enough_within_its_range() -> None:
+    groups = [Group(0, ((0, 0),), (0,))]
+    idle = {(0, 1): 0.0, (0, 2): 0.0, (0, 3): 500.0}
+    policy = GandivaPolicy(grow_shrink=True)
+    # At 700 s two GPUs have idled 600 s, the third only 200 s: 1 + 2 = 3 is not in its
+    # range (2, 4), so it grows to 2.
+    actions = policy.decide(idle_view(groups, [elastic(0)], idle, now=700.0))
+    assert actions == [Resize(0, ((0, 0), (0, 1)), reason="grow")]
+    # At 1,100 s all three have: it grows to 4.
+    actions = policy.decide(idle_view(groups, [elastic(0)], idle, now=1_100.0))
+    assert actions == [Resize(0, ((0, 0), (0, 1), (0, 2), (0, 3)), reason="grow")]
+    # Too early, no range, or plain gandiva: nothing.
+    assert policy.decide(idle_view(groups, [elastic(0)], idle, now=500.0)) == []
+    assert policy.decide(idle_view(groups, [elastic(0, grow_to=())], idle, now=2e3)) == []
+    assert GandivaPolicy().decide(idle_view(groups, [elastic(0)], idle, now=2e3)) == []
+
+
+def test_gandiva_gs_shrinks_grown_jobs_at_once_when_a_job_waits() -> None:
+    grown = [Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (0,))]
+    jobs = [elastic(0), job(1)]
+    idle: dict = {}
+    actions = GandivaPolicy(grow_shrink=True).decide(
+        idle_view(grown, jobs, idle, now=5_000.0, waiting=[1])
+    )
+    assert actions[0] == Resize(0, ((0, 0),), reason="shrink")
+    assert isinstance(actions[1], Place) and actions[1].job == 1
+    assert actions[1].slots[0] in {(0, 1), (0, 2), (0, 3)}
+    # Nothing grows back while the job waits or in the same call.
+    assert not any(isinstance(a, Resize) and a.reason == "grow" for a in actions)
+
+
+def test_a_waiting_job_finds_the_grown_jobs_shrunk_not_a_grown_round_robin() -> None:
+    # Two GPUs, both held by a one-GPU job grown to 2. A two-GPU job arrives: the grown job
+    # goes back to one GPU at once; the new job does not time-slice with it on the grown
+    # job's two GPUs (it asked for one), and waits for two free GPUs.
+    grown = [Group(0, ((0, 0), (0, 1)), (0,))]
+    jobs = [elastic(0, grow_to=(2,)), job(1, gpus=2)]
+    actions = GandivaPolicy(grow_shrink=True).decide(view([2], grown, jobs, [1]))
+    assert actions == [Resize(0, ((0, 0),), reason="shrink")]
+
+
+def test_the_round_robin_runs_only_the_highest_priority_present() -> None:
+    jobs = [0, 1, 2, 3]
+    priorities = {0: 5, 1: 2, 2: 2, 3: 9}
+    assert [round_robin_turn(jobs, priorities, t) for t in range(4)] == [1, 2, 1, 2]
+    assert [round_robin_turn([0, 3], priorities, t) for t in range(3)] == [0, 0, 0]
+
+
+# ---- the live cluster as the policies see it (live.py) ----
+
+
+def test_the_live_view_maps_nodes_gpus_and_jobs_and_the_plan_keeps_what_runs_live() -> None:
+    gpus = [
+        LiveGpu("g0", "n1", "A100", 80 * GIB_, False),
+        LiveGpu("g1", "n1", "A100", 80 * GIB_, False),  # free
+        LiveGpu("g2", "n1", "A100", 80 * GIB_, True),  # an inference job holds it
+        LiveGpu("g3", "n2", "V100", 16 * GIB_, False),  # free, another server
+    ]
+    jobs = [
+        LiveJob("j-hooked", "g0", "resnet", 8 * GIB_, 2.0, movable=True),
+        LiveJob("j-plain", "g0", "resnet", 8 * GIB_, 1.0, movable=False),
+    ]
+    live = live_view(gpus, jobs, {}, 0.0, EFFICIENCY)
+    v = live.view
+    assert [(s.gpu_type, s.gpus) for s in v.servers] == [("A100", 3), ("V100", 1)]
+    (shared, busy) = v.groups
+    # The job that cannot move comes first, so the policy's spread takes the other.
+    assert [live.job_ids[j] for j in shared.jobs] == ["j-plain", "j-hooked"]
+    assert [v.jobs[j].job_type for j in busy.jobs] == [OTHER_WORK]
+    assert live.gpu_of_group[busy.id] == "g2"
+    assert ("A100", "resnet", "resnet") in v.packable
+    plan = live_plan(live, GandivaPolicy())
+    # Spread onto the free A100 (the policy prefers the server it knows); then the two
+    # remaining jobs are alone: nothing to pack.
+    assert plan.moves == (("j-hooked", "g1", "spread"),)
+    assert plan.pack == () and plan.unpack == ()
+
+
+def test_unmeasured_jobs_are_not_packed_and_measured_ones_pack_in_place() -> None:
+    gpus = [LiveGpu("g0", "n1", "A100", 80 * GIB_, False)]
+    unmeasured = [
+        LiveJob("a", "g0", "t1", 8 * GIB_, 1.0, measured=False, movable=False),
+        LiveJob("b", "g0", "t2", 8 * GIB_, 2.0, movable=False),
+    ]
+    live = live_view(gpus, unmeasured, {}, 0.0, EFFICIENCY)
+    assert live_plan(live, GandivaPolicy()).pack == ()
+    measured = [replace(j, measured=True) for j in unmeasured]
+    live = live_view(gpus, measured, {}, 0.0, EFFICIENCY)
+    assert live_plan(live, GandivaPolicy()).pack == ("g0",)
+    # Packed with a gain below time-slicing's: undone.
+    live = live_view(gpus, measured, {"g0": LiveGroupState(True, 0.5)}, 0.0, EFFICIENCY)
+    assert live_plan(live, GandivaPolicy()).unpack == ("g0",)
+    # Too big together for the GPU: never packed.
+    big = [replace(j, memory_bytes=50 * GIB_) for j in measured]
+    assert live_plan(live_view(gpus, big, {}, 0.0, EFFICIENCY), GandivaPolicy()).pack == ()

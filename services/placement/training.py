@@ -1,0 +1,785 @@
+"""Gandiva's live mechanisms for training jobs (docs/training.md, "Live"): placement's side.
+
+- **Training state**: every heartbeat's `training` reports (a dispatcher's view of each training
+  process's mini-batch cycle and suspension) update the training state of the job that holds
+  the assignment (`Job.training`: phase, mini-batch times, packing trials, migrations, the last
+  hook error). Kept in memory; a restarted placement starts it again from the next heartbeats.
+- **The driver** (opt-in, GPULOOM_PLACEMENT_TRAINING_POLICY): every tick it shows the training
+  policy (gpuloom/policies/training, the same objects as `gpuloom sim training`) the training
+  jobs and GPUs as a cluster (gpuloom/policies/training/live.py), and turns its decisions into
+  dispatcher calls: time-slicing a GPU shared by several training jobs round-robin
+  (SuspendClient / ResumeClient, one quantum each, over the highest priority present only),
+  packing two of them (both resumed) with a trial that compares their mini-batch times alone
+  and packed and an undo when packing loses to time-slicing, and migrations.
+- **Migration**: placement reserves the target GPU (fleet and dispatcher), then asks the job's
+  runner to checkpoint (`Job.training.migration`, seen through WatchJob); the runner answers
+  with ReportCheckpoint. On success the job's binding moves to the target (the old reservation
+  is released) and the runner restarts the job there; on failure or without an answer by the
+  deadline the target is given back and the job stays where it is, running, with the error in
+  its training state, a metric and a log line. Jobs without a checkpoint hook never migrate.
+
+This module holds what is not pure around the policy: the per-job bookkeeping, the calls to
+dispatchers, the fleet and job changes (under the decisions' lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import grpc
+import structlog
+
+from gpuloom.domain.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
+from gpuloom.domain.placement import JobKind, JobState
+from gpuloom.domain.training import (
+    MAX_PACKINGS_SHOWN,
+    MigrationRequest,
+    PackingTrial,
+    TrainingPhase,
+    TrainingReport,
+    TrainingState,
+)
+from gpuloom.policies.placement import Allocation, Rect
+from gpuloom.policies.placement.fleet import InvalidStateError
+from gpuloom.policies.training.live import (
+    LiveGpu,
+    LiveGroupState,
+    LiveJob,
+    LiveView,
+    live_plan,
+    live_view,
+)
+from gpuloom.policies.training.model import (
+    TrainingPolicy,
+    packed_gain,
+    round_robin_turn,
+    slice_efficiency,
+)
+from gpuloom.policies.training.registry import get_policy
+from gpuloom.services.placement import metrics
+from gpuloom.services.placement.decisions import Decisions
+from gpuloom.services.placement.dispatchers import (
+    BindRequest,
+    DispatcherChannels,
+    Dispatchers,
+    _domain_error,
+)
+from gpuloom.services.placement.domain import Binding, Job
+from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
+from gpuloom.v1 import dispatcher_pb2
+
+log = structlog.get_logger("gpuloom.placement")
+
+OFF = "off"
+SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/training.md)
+RETRY_QUANTA = 5  # a job whose migration failed is not moved again for this many quanta
+MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
+
+
+class TrainingControl(Protocol):
+    """Gandiva's suspend/resume on the dispatchers (SuspendClient / ResumeClient)."""
+
+    async def suspend(
+        self, address: str, assignment_id: str, max_wait_ms: float, reason: str
+    ) -> bool:
+        """Suspend the client; returns whether it is suspended now. Raises a DomainError."""
+        ...
+
+    async def resume(self, address: str, assignment_id: str) -> bool:
+        """Resume the client; returns whether it is still suspended. Raises a DomainError."""
+        ...
+
+
+class GrpcTrainingControl:
+    def __init__(self, channels: DispatcherChannels, timeout_s: float) -> None:
+        self._channels = channels
+        self._timeout_s = timeout_s
+
+    async def suspend(
+        self, address: str, assignment_id: str, max_wait_ms: float, reason: str
+    ) -> bool:
+        request = dispatcher_pb2.SuspendClientRequest(
+            assignment_id=assignment_id, max_wait_ms=max_wait_ms, reason=reason
+        )
+        try:
+            status = await self._channels.stub(address).SuspendClient(
+                request, timeout=self._timeout_s + max_wait_ms / 1000
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _domain_error(address, error) from None
+        return status.suspended
+
+    async def resume(self, address: str, assignment_id: str) -> bool:
+        request = dispatcher_pb2.ResumeClientRequest(assignment_id=assignment_id)
+        try:
+            status = await self._channels.stub(address).ResumeClient(
+                request, timeout=self._timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _domain_error(address, error) from None
+        return status.suspended
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingConfig:
+    policy: str = OFF  # "off", "gandiva", "gandiva:HEIGHT", "fifo"
+    quantum_s: float = 60.0  # a time slice of the round-robin
+    pack_trial_s: float = 120.0  # packed this long before the mini-batch times are compared
+    suspend_wait_ms: float = 2000.0  # how long a suspension may wait for a low-memory point
+    hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
+    tick_s: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != OFF
+
+
+@dataclass(slots=True)
+class _Move:
+    migration_id: str
+    target: Binding
+    reason: str
+    requested_at: float
+    deadline: float
+    reserved: bool = False  # the target's dispatcher holds it: the runner has been asked
+
+
+@dataclass(slots=True)
+class _Track:
+    """The driver's bookkeeping of one training job."""
+
+    minibatch_s: float = 0.0
+    minibatches: int = 0
+    reported_at: float = 0.0
+    observed_suspended: bool = False
+    commanded_suspended: bool | None = None  # None: never commanded
+    solo_minibatch_s: float = 0.0
+    packed_minibatch_s: float = 0.0
+    utilisation: float = 1.0
+    packings: list[PackingTrial] = field(default_factory=list)
+    migrations: int = 0
+    failed_migrations: int = 0
+    last_hook_error: str = ""
+    last_hook_error_at: float = 0.0
+    move: _Move | None = None
+    retry_at: float = 0.0  # after a failed migration: not moved again before
+    published: TrainingState | None = None  # as its last revision showed it
+    call_failed_at: float | None = None  # the last suspend/resume call failed (logged once)
+
+
+@dataclass(slots=True)
+class _GpuState:
+    packed: bool = False
+    trial_started: float = 0.0
+    gain: float | None = None
+    turn: int = 0
+    turn_started: float = 0.0
+
+
+class TrainingDriver:
+    def __init__(
+        self,
+        decisions: Decisions,
+        inventory: Inventory,
+        dispatchers: Dispatchers,
+        control: TrainingControl | None,
+        config: TrainingConfig = TrainingConfig(),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._decisions = decisions
+        self._inventory = inventory
+        self._dispatchers = dispatchers
+        self._control = control
+        self.config = config
+        self._clock = clock
+        self.policy: TrainingPolicy | None = get_policy(config.policy) if config.enabled else None
+        self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
+        self._tracks: dict[str, _Track] = {}
+        self._gpus: dict[str, _GpuState] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- life cycle ----
+
+    def start(self) -> None:
+        if self.config.enabled and self._control is not None:
+            self._task = asyncio.create_task(self._loop(), name="placement-training")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._background:
+            await asyncio.wait(self._background, timeout=5)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            try:
+                await self.tick()
+            except Exception:
+                log.exception("training tick failed")
+
+    # ---- heartbeats ----
+
+    def ingest(self, gpu_uuid: str, reports: Sequence[TrainingReport]) -> None:
+        """A heartbeat's training reports (validated by the caller): the jobs on that GPU get
+        their mini-batch times; reports of other assignments are ignored."""
+        now = self._clock()
+        record = self._inventory.record(gpu_uuid)
+        for report in reports:
+            job = self._decisions.job(report.assignment_id)
+            if (
+                job is None
+                or job.state is not JobState.ASSIGNED
+                or job.spec.kind is not JobKind.TRAINING
+                or job.binding is None
+                or job.binding.gpu_uuid != gpu_uuid
+            ):
+                continue
+            track = self._tracks.setdefault(job.job_id, _Track())
+            cycle = report.cycle
+            track.observed_suspended = report.suspended
+            track.minibatches = cycle.minibatches
+            track.reported_at = now
+            if cycle.minibatch_s > 0:
+                track.minibatch_s = cycle.minibatch_s
+                gpu = self._gpus.get(gpu_uuid)
+                if gpu is not None and gpu.packed:
+                    settled = gpu.trial_started + self.config.pack_trial_s / 2
+                    if now >= settled:
+                        track.packed_minibatch_s = cycle.minibatch_s
+                elif not report.suspended:
+                    track.solo_minibatch_s = cycle.minibatch_s
+            if not report.suspended and self._runs_alone(job.job_id, gpu_uuid):
+                util = record.utilization_percent
+                if util == util:  # not NaN
+                    track.utilisation = min(1.0, max(0.0, util / 100))
+            self._show(job.job_id, publish=False)
+
+    def _runs_alone(self, job_id: str, gpu_uuid: str) -> bool:
+        others = [j for j in self._training_on(gpu_uuid) if j.job_id != job_id]
+        return all(self._tracks.get(j.job_id, _Track()).observed_suspended for j in others)
+
+    # ---- the tick ----
+
+    async def tick(self) -> None:
+        """One round: expire migrations, ask the policy, pack / unpack / migrate, then
+        time-slice."""
+        calls: list[tuple[Job, bool]] = []
+        starts: list[tuple[Job, _Move]] = []
+        async with self._decisions.lock:
+            now = self._clock()
+            self._forget_ended()
+            for job_id, track in list(self._tracks.items()):
+                move = track.move
+                if move is not None and now > move.deadline:
+                    waited = move.deadline - move.requested_at
+                    self._fail_move(job_id, track, f"no checkpoint report within {waited:g} s")
+            managed = self._managed()
+            self._measure(now)
+            if self.policy is not None:
+                plan = live_plan(self._view(managed, now), self.policy)
+                for gpu_uuid in plan.unpack:
+                    self._unpack(gpu_uuid)
+                for gpu_uuid in plan.pack:
+                    self._pack(gpu_uuid, now)
+                for job_id, target, reason in plan.moves:
+                    start = self._begin_move(job_id, target, reason, now)
+                    if start is not None:
+                        starts.append(start)
+                calls = self._switches(now)
+            for job in self._managed():
+                self._show(job.job_id, publish=True)
+        for job, move in starts:
+            self._spawn(self._reserve_target(job, move))
+        await self._switch(calls)
+
+    def _forget_ended(self) -> None:
+        for job_id in list(self._tracks):
+            job = self._decisions.job(job_id)
+            if job is None or job.state is not JobState.ASSIGNED:
+                track = self._tracks.pop(job_id)
+                if track.move is not None:
+                    self._give_back(job_id, track.move)
+                    metrics.TRAINING_MIGRATIONS.labels("abandoned").inc()
+        held = {j.binding.gpu_uuid for j in self._managed() if j.binding is not None}
+        for gpu_uuid in list(self._gpus):
+            if gpu_uuid not in held:
+                del self._gpus[gpu_uuid]
+
+    def _managed(self) -> list[Job]:
+        """The assigned training jobs (not MIG batch tasks), in submission order."""
+        jobs = [
+            j
+            for j in self._decisions.live.values()
+            if j.state is JobState.ASSIGNED
+            and j.spec.kind is JobKind.TRAINING
+            and j.binding is not None
+            and j.binding.mig is None
+        ]
+        return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
+
+    def _training_on(self, gpu_uuid: str) -> list[Job]:
+        """The assigned training jobs on a GPU, in submission order (read from the fleet's
+        allocations there: no scan of every job)."""
+        fleet = self._inventory.fleet
+        if gpu_uuid not in fleet:
+            return []
+        jobs = []
+        for allocation_id in fleet.slot(gpu_uuid).allocations:
+            job = self._decisions.job(allocation_id)
+            if (
+                job is not None
+                and job.state is JobState.ASSIGNED
+                and job.spec.kind is JobKind.TRAINING
+                and job.binding is not None
+                and job.binding.gpu_uuid == gpu_uuid
+            ):
+                jobs.append(job)
+        return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
+
+    def _view(self, managed: Sequence[Job], now: float) -> LiveView:
+        fleet = self._inventory.fleet
+        on: dict[str, list[Job]] = {}
+        for job in managed:
+            assert job.binding is not None
+            on.setdefault(job.binding.gpu_uuid, []).append(job)
+        gpus = []
+        for record in self._inventory.records():
+            uuid_ = record.info.gpu_uuid
+            if uuid_ not in fleet:
+                continue
+            slot = fleet.slot(uuid_)
+            mine = {j.job_id for j in on.get(uuid_, ())}
+            other = any(a_id not in mine for a_id in slot.allocations)
+            busy = other or not slot.schedulable or self._inventory.is_down(record)
+            gpus.append(
+                LiveGpu(uuid_, record.info.node, record.info.model, record.info.memory_bytes, busy)
+            )
+        jobs = [
+            LiveJob(
+                job_id=j.job_id,
+                gpu_uuid=j.binding.gpu_uuid,  # type: ignore[union-attr]
+                job_type=j.spec.task_key or j.spec.name,
+                memory_bytes=j.spec.memory_bytes,
+                submitted_at=j.submitted_at,
+                utilisation=self._tracks.get(j.job_id, _Track()).utilisation,
+                gpu_model=j.spec.gpu_model,
+                measured=self._tracks.get(j.job_id, _Track()).solo_minibatch_s > 0,
+                movable=j.spec.checkpoint is not None
+                and now >= self._tracks.get(j.job_id, _Track()).retry_at,
+            )
+            for j in managed
+        ]
+        groups = {
+            uuid_: LiveGroupState(state.packed, state.gain) for uuid_, state in self._gpus.items()
+        }
+        return live_view(gpus, jobs, groups, now, self._efficiency)
+
+    # ---- packing ----
+
+    def _pack(self, gpu_uuid: str, now: float) -> None:
+        jobs = self._training_on(gpu_uuid)
+        if len(jobs) != 2:
+            return
+        state = self._gpus.setdefault(gpu_uuid, _GpuState())
+        state.packed, state.trial_started, state.gain = True, now, None
+        for job, partner in ((jobs[0], jobs[1]), (jobs[1], jobs[0])):
+            track = self._tracks.setdefault(job.job_id, _Track())
+            track.packed_minibatch_s = 0.0
+            track.packings.append(PackingTrial(partner.job_id, now, track.solo_minibatch_s))
+            del track.packings[:-MAX_PACKINGS_SHOWN]
+        metrics.TRAINING_PACKINGS.labels("started").inc()
+        log.info("training jobs packed", gpu=gpu_uuid, jobs=[j.job_id for j in jobs])
+
+    def _unpack(self, gpu_uuid: str) -> None:
+        state = self._gpus.get(gpu_uuid)
+        if state is None or not state.packed:
+            return
+        state.packed, state.gain = False, None
+        state.turn_started = 0.0  # a fresh turn
+        for job in self._training_on(gpu_uuid):
+            track = self._tracks.get(job.job_id)
+            if track is not None and track.packings:
+                track.packings[-1] = replace(track.packings[-1], undone=True)
+        metrics.TRAINING_PACKINGS.labels("undone").inc()
+        log.info("packing undone: back to time-slicing", gpu=gpu_uuid)
+
+    def _measure(self, now: float) -> None:
+        """Close the packing trials whose window has passed and whose times are measured."""
+        for gpu_uuid, state in self._gpus.items():
+            if not state.packed or state.gain is not None:
+                continue
+            if now < state.trial_started + self.config.pack_trial_s:
+                continue
+            jobs = self._training_on(gpu_uuid)
+            tracks = [self._tracks.get(j.job_id) for j in jobs]
+            if len(jobs) != 2 or any(
+                t is None or t.solo_minibatch_s <= 0 or t.packed_minibatch_s <= 0 for t in tracks
+            ):
+                continue  # not measured (yet): it stays packed
+            solo = [t.solo_minibatch_s for t in tracks]  # type: ignore[union-attr]
+            packed = [t.packed_minibatch_s for t in tracks]  # type: ignore[union-attr]
+            state.gain = packed_gain(solo, packed)
+            for track in tracks:
+                assert track is not None
+                if track.packings:
+                    track.packings[-1] = replace(
+                        track.packings[-1],
+                        solo_minibatch_s=track.solo_minibatch_s,
+                        packed_minibatch_s=track.packed_minibatch_s,
+                        gain=state.gain,
+                    )
+            log.info("packing trial measured", gpu=gpu_uuid, gain=round(state.gain, 3))
+
+    # ---- time-slicing ----
+
+    def _switches(self, now: float) -> list[tuple[Job, bool]]:
+        """The suspend (True) / resume (False) calls that make each GPU's training jobs run
+        as decided: alone or packed, all resumed; time-sliced, one of the highest priority
+        present per quantum; a migrating job keeps running (it must checkpoint)."""
+        calls: list[tuple[Job, bool]] = []
+        by_gpu: dict[str, list[Job]] = {}
+        for job in self._managed():
+            assert job.binding is not None
+            by_gpu.setdefault(job.binding.gpu_uuid, []).append(job)
+        for gpu_uuid, jobs in by_gpu.items():
+            state = self._gpus.setdefault(gpu_uuid, _GpuState())
+            if len(jobs) < 2 or (state.packed and len(jobs) == 2):
+                running = {j.job_id for j in jobs}
+            else:
+                state.packed = False
+                if not state.turn_started or now - state.turn_started >= self.config.quantum_s:
+                    if state.turn_started:
+                        state.turn += 1
+                    state.turn_started = now
+                order = list(range(len(jobs)))
+                turn = round_robin_turn(
+                    order, {i: jobs[i].spec.priority for i in order}, state.turn
+                )
+                running = {jobs[turn].job_id}
+            for job in jobs:
+                track = self._tracks.setdefault(job.job_id, _Track())
+                suspend = job.job_id not in running and track.move is None
+                if track.commanded_suspended is None and not suspend:
+                    continue  # never suspended by us: nothing to resume
+                failed_at = track.call_failed_at
+                if failed_at is not None and now - failed_at < self.config.quantum_s:
+                    continue  # its dispatcher failed the last call: again next quantum
+                if track.commanded_suspended != suspend:
+                    calls.append((job, suspend))
+        # Suspensions first, so that two jobs of a round-robin never run at once.
+        return sorted(calls, key=lambda call: not call[1])
+
+    async def _switch(self, calls: Sequence[tuple[Job, bool]]) -> None:
+        assert self._control is not None or not calls
+        for job, suspend in calls:
+            binding = job.binding
+            assert binding is not None and self._control is not None
+            track = self._tracks.setdefault(job.job_id, _Track())
+            try:
+                if suspend:
+                    now_suspended = await self._control.suspend(
+                        binding.dispatcher_address,
+                        job.job_id,
+                        self.config.suspend_wait_ms,
+                        "gandiva: time-slicing",
+                    )
+                else:
+                    now_suspended = await self._control.resume(
+                        binding.dispatcher_address, job.job_id
+                    )
+            except DomainError as error:
+                if track.call_failed_at is None:
+                    log.warning(
+                        "training switch failed; tried again each quantum",
+                        job=job.job_id,
+                        call="suspend" if suspend else "resume",
+                        error=error.message,
+                    )
+                track.call_failed_at = self._clock()
+                continue
+            track.call_failed_at = None
+            metrics.TRAINING_SWITCHES.labels("suspend" if suspend else "resume").inc()
+            track.commanded_suspended = now_suspended
+            track.observed_suspended = now_suspended
+        if calls:
+            async with self._decisions.lock:
+                for job, _ in calls:
+                    self._show(job.job_id, publish=True)
+
+    # ---- migration ----
+
+    def _begin_move(
+        self, job_id: str, target_uuid: str, reason: str, now: float
+    ) -> tuple[Job, _Move] | None:
+        """Take the target's capacity in the fleet for a job with a checkpoint hook (under
+        the lock); None when the job cannot move now."""
+        job = self._decisions.job(job_id)
+        if job is None or job.binding is None or job.spec.checkpoint is None:
+            return None
+        track = self._tracks.setdefault(job_id, _Track())
+        if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
+            return None
+        record = self._inventory.record(target_uuid)
+        held = self._fleet_add(
+            target_uuid, replace(allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None)
+        )
+        if held is None or held.rect is None:
+            return None
+        rect = held.rect
+        move = _Move(
+            migration_id=uuid.uuid4().hex[:16],
+            target=Binding(
+                gpu_uuid=target_uuid,
+                node=record.info.node,
+                dispatcher_address=record.dispatcher_address,
+                rect=(rect.x, rect.y, rect.w, rect.h),
+                memory_cap_bytes=job.binding.memory_cap_bytes,
+                token=secrets.token_urlsafe(32),
+            ),
+            reason=reason,
+            requested_at=now,
+            deadline=now + job.spec.checkpoint.effective_timeout_s + self.config.hook_grace_s,
+        )
+        track.move = move
+        self._decisions.moving[job_id] = target_uuid
+        return job, move
+
+    async def _reserve_target(self, job: Job, move: _Move) -> None:
+        """Reserve the target on its dispatcher, then ask the runner to checkpoint (or give
+        the target back when the dispatcher refuses)."""
+        spec = job.spec
+        target = move.target
+        try:
+            environment = await self._dispatchers.reserve(
+                target.dispatcher_address,
+                BindRequest(
+                    assignment_id=job.job_id,
+                    client_name=spec.name,
+                    priority=spec.priority,
+                    memory_cap_bytes=target.memory_cap_bytes,
+                    sm_percent=spec.sm_percent,
+                    quota_request_percent=spec.quota.request_percent,
+                    quota_limit_percent=spec.quota.limit_percent,
+                    token=target.token,
+                    task_key=spec.task_key,
+                ),
+            )
+        except DomainError as error:
+            environment = None
+            message = error.message
+        async with self._decisions.lock:
+            track = self._tracks.get(job.job_id)
+            if track is None or track.move is not move:
+                if environment is not None:  # ended meanwhile: let the target go too
+                    self._release(target, job.job_id)
+                return
+            if environment is None:
+                log.warning("migration target refused", job=job.job_id, error=message)
+                self._give_back(job.job_id, move)
+                track.move = None
+                metrics.TRAINING_MIGRATIONS.labels("abandoned").inc()
+                return
+            move.target = replace(target, environment=environment)
+            move.reserved = True
+            log.info(
+                "migration asked for",
+                job=job.job_id,
+                target=target.gpu_uuid,
+                reason=move.reason,
+                migration=move.migration_id,
+            )
+            self._show(job.job_id, publish=True)
+
+    async def report_checkpoint(
+        self, job_id: str, migration_id: str, succeeded: bool, message: str
+    ) -> Job:
+        """The runner's answer to a migration: move the job, or keep it where it is."""
+        if not migration_id:
+            raise InvalidArgument("migration_id", "required")
+        async with self._decisions.lock:
+            job = self._decisions.job(job_id)
+            if job is None:
+                raise NotFound(f"no live job {job_id!r}")
+            track = self._tracks.get(job_id)
+            move = None if track is None else track.move
+            if move is None or move.migration_id != migration_id or not move.reserved:
+                raise FailedPrecondition(
+                    f"job {job_id} has no migration {migration_id!r} in progress"
+                )
+            assert track is not None and job.binding is not None
+            if not succeeded:
+                self._fail_move(job_id, track, message or "the checkpoint hook failed")
+                self._show(job_id, publish=True)
+                job = self._decisions.job(job_id)
+                assert job is not None
+                return job
+            old = job.binding
+            fleet = self._inventory.fleet
+            fleet.release(job_id + MOVE_SUFFIX)
+            fleet.release(job_id)
+            x, y, w, h = move.target.rect
+            self._fleet_add(move.target.gpu_uuid, replace(allocation(job), rect=Rect(x, y, w, h)))
+            self._decisions.capacity_changed(old.gpu_uuid)
+            self._decisions.moving.pop(job_id, None)
+            track.move = None
+            track.migrations += 1
+            track.commanded_suspended = None
+            track.observed_suspended = False
+            track.solo_minibatch_s = track.packed_minibatch_s = 0.0
+            moved = job.advance(self._clock(), binding=move.target)
+            self._decisions.update_live(moved)
+            self._show(job_id, publish=True)
+            self._release(old, job_id)
+            metrics.TRAINING_MIGRATIONS.labels("moved").inc()
+            log.info(
+                "training job migrated",
+                job=job_id,
+                source=old.gpu_uuid,
+                target=move.target.gpu_uuid,
+                reason=move.reason,
+            )
+        moved = self._decisions.job(job_id) or moved
+        return moved
+
+    def _fail_move(self, job_id: str, track: _Track, error: str) -> None:
+        move = track.move
+        assert move is not None
+        self._give_back(job_id, move)
+        track.move = None
+        track.failed_migrations += 1
+        track.last_hook_error = error[:4096]
+        track.last_hook_error_at = self._clock()
+        track.retry_at = track.last_hook_error_at + RETRY_QUANTA * self.config.quantum_s
+        metrics.TRAINING_MIGRATIONS.labels("hook_failed").inc()
+        log.warning(
+            "checkpoint hook failed: the job stays where it is",
+            job=job_id,
+            migration=move.migration_id,
+            target=move.target.gpu_uuid,
+            error=error[:200],
+        )
+
+    def _give_back(self, job_id: str, move: _Move) -> None:
+        """The target's capacity goes back, in the fleet and on its dispatcher."""
+        self._inventory.fleet.release(job_id + MOVE_SUFFIX)
+        self._decisions.moving.pop(job_id, None)
+        self._decisions.capacity_changed(move.target.gpu_uuid)
+        self._release(move.target, job_id)
+
+    def _release(self, binding: Binding, job_id: str) -> None:
+        async def release() -> None:
+            try:
+                await self._dispatchers.release(binding.dispatcher_address, job_id)
+            except DomainError as error:
+                log.info("release on dispatcher deferred", job=job_id, error=error.message)
+
+        self._spawn(release())
+
+    def _fleet_add(self, gpu_uuid: str, wanted: Allocation) -> Allocation | None:
+        """Add an allocation to a GPU of the fleet (first-fit without a rect); None when it
+        does not fit (nothing changes)."""
+        fleet = self._inventory.fleet
+        if gpu_uuid not in fleet:
+            return None
+        record = self._inventory.record(gpu_uuid)
+        schedulable = fleet.slot(gpu_uuid).schedulable
+        held = list(fleet.remove_gpu(gpu_uuid))
+        try:
+            fleet.add_gpu(gpu_state(record, [*held, wanted]))
+        except (InvalidStateError, ValueError):
+            fleet.add_gpu(gpu_state(record, held))
+            fleet.set_schedulable(gpu_uuid, schedulable)
+            return None
+        fleet.set_schedulable(gpu_uuid, schedulable)
+        return fleet.allocation(wanted.allocation_id)
+
+    def _spawn(self, coroutine: object) -> None:
+        task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- what jobs show ----
+
+    def _state(self, job_id: str, job: Job) -> TrainingState:
+        track = self._tracks.setdefault(job_id, _Track())
+        assert job.binding is not None
+        on = self._training_on(job.binding.gpu_uuid)
+        gpu = self._gpus.get(job.binding.gpu_uuid)
+        packed_with = ""
+        if gpu is not None and gpu.packed and len(on) == 2:
+            packed_with = next(j.job_id for j in on if j.job_id != job_id)
+        move = track.move
+        if move is not None and move.reserved:
+            phase = TrainingPhase.MIGRATING
+        elif packed_with:
+            phase = TrainingPhase.PACKED
+        elif track.observed_suspended or track.commanded_suspended:
+            phase = TrainingPhase.SUSPENDED
+        else:
+            phase = TrainingPhase.RUNNING
+        migration = None
+        if phase is TrainingPhase.MIGRATING:
+            assert move is not None
+            migration = MigrationRequest(
+                move.migration_id,
+                move.target.gpu_uuid,
+                move.target.node,
+                move.reason,
+                move.requested_at,
+                move.deadline,
+            )
+        return TrainingState(
+            phase=phase,
+            packed_with=packed_with,
+            minibatch_s=track.minibatch_s,
+            solo_minibatch_s=track.solo_minibatch_s,
+            height=max(1, len(on)),
+            minibatches=track.minibatches,
+            packings=tuple(track.packings),
+            migrations=track.migrations,
+            failed_migrations=track.failed_migrations,
+            last_hook_error=track.last_hook_error,
+            last_hook_error_at=track.last_hook_error_at,
+            migration=migration,
+        )
+
+    def _show(self, job_id: str, *, publish: bool) -> None:
+        """Put the job's training state on it. `publish` (under the lock only): a change
+        other than its mini-batch figures becomes a new revision, which watchers (its runner)
+        see; without it, or for new figures only, the job is updated in place."""
+        job = self._decisions.job(job_id)
+        if job is None or job.state is not JobState.ASSIGNED or job.binding is None:
+            return
+        track = self._tracks.setdefault(job_id, _Track())
+        state = self._state(job_id, job)
+        if publish and _without_figures(state) != _without_figures(track.published):
+            track.published = state
+            self._decisions.set_training(job_id, state, publish=True)
+        elif state != job.training:
+            self._decisions.set_training(job_id, state, publish=False)
+
+
+def _without_figures(state: TrainingState | None) -> TrainingState | None:
+    if state is None:
+        return None
+    return replace(state, minibatch_s=0.0, solo_minibatch_s=0.0, minibatches=0)
+
+
+def validate_training_policy(name: str) -> str:
+    """A setting's training policy: "off" or a name the training registry knows."""
+    if name == OFF:
+        return name
+    try:
+        get_policy(name)
+    except ValueError as error:
+        raise ValueError(f"{error} (or off)") from None
+    return name

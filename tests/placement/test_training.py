@@ -1,0 +1,587 @@
+"""Gandiva's live mechanisms on placement's core (in-memory dispatchers, a clock the test
+moves, the driver ticked by hand): training state from heartbeats, time-slicing round-robin
+with priorities, packing trials and their undo, migrations through checkpoint hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import prometheus_client
+import pytest
+import structlog
+import structlog.testing
+from click.testing import CliRunner
+
+from gpuloom.clients.cli import cli
+from gpuloom.clients.placement import JobFileError, spec_from_document
+from gpuloom.convert.placement import job_from_pb, job_to_pb
+from gpuloom.convert.training import reports_from_pb, training_from_pb, training_to_pb
+from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
+from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.training import (
+    CheckpointHook,
+    MigrationRequest,
+    PackingTrial,
+    TrainingCycle,
+    TrainingPhase,
+    TrainingReport,
+    TrainingState,
+)
+from gpuloom.services.placement.convert import job_view
+from gpuloom.services.placement.core import PlacementCore
+from gpuloom.services.placement.domain import Job
+from gpuloom.services.placement.training import TrainingConfig
+from gpuloom.v1 import placement_pb2 as pb
+from tests.placement.conftest import eventually
+from tests.placement.harness import CoreHarness
+from tests.placement.training_fakes import FakeTrainingControl, cycle
+
+GIB = 1 << 30
+QUANTUM = 60.0
+TRIAL = 100.0
+SIGNAL_HOOK = CheckpointHook(signal="SIGUSR1", timeout_s=20)
+
+
+def training(
+    name: str,
+    *,
+    priority: int = 5,
+    hook: CheckpointHook | None = None,
+    quota: float = 50,
+    memory_gib: float = 8,
+    task_key: str = "",
+) -> JobSpec:
+    return JobSpec(
+        name=name,
+        kind=JobKind.TRAINING,
+        memory_bytes=int(memory_gib * GIB),
+        share=SpatioTemporalShare(100, TimeQuota(quota, 100)),
+        priority=priority,
+        task_key=task_key,
+        checkpoint=hook,
+    )
+
+
+def gpu(i: int) -> GpuInfo:
+    return GpuInfo(f"GPU-{i}", "node-0", "A100-80GB", 80 * GIB, 108)
+
+
+def report(job_id: str, minibatch_s: float, suspended: bool = False) -> TrainingReport:
+    return TrainingReport(job_id, TrainingCycle(minibatch_s, True, 0, 0, 0.0, 40, 10), suspended)
+
+
+def metric(name: str, **labels: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+async def gandiva(tmp_path: Path):
+    control = FakeTrainingControl()
+    h = CoreHarness(
+        tmp_path,
+        training=TrainingConfig(
+            policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600
+        ),
+        training_control=control,
+    )
+    await h.start()
+    h.control = control  # type: ignore[attr-defined]
+    yield h
+    await h.stop()
+
+
+async def beat(core: PlacementCore, gpu_uuid: str, reports: list[TrainingReport]) -> None:
+    held = [j.job_id for j in core.jobs.holding(gpu_uuid)]
+    await core.heartbeat(gpu_uuid, 40.0, 0, held, (), reports)
+
+
+async def two_on_one_gpu(h: CoreHarness, *specs: JobSpec) -> list[str]:
+    core = h.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    jobs = [await core.submit(f"r-{s.name}", s) for s in specs]
+    assert all(j.state is JobState.ASSIGNED for j in jobs)
+    assert {j.binding.gpu_uuid for j in jobs if j.binding} == {"GPU-0"}
+    return [j.job_id for j in jobs]
+
+
+async def phase(core: PlacementCore, job_id: str) -> TrainingPhase:
+    job = await core.get(job_id)
+    assert job.training is not None
+    return job.training.phase
+
+
+# ---- training state ----
+
+
+async def test_heartbeats_give_training_jobs_their_minibatch_time_and_others_nothing(
+    tmp_path: Path,
+) -> None:
+    h = CoreHarness(tmp_path)  # the policy is off: state is shown, nothing is switched
+    core = await h.start()
+    try:
+        await core.register_gpu(gpu(0), "10.0.0.0:50060")
+        await core.register_gpu(gpu(1), "10.0.0.1:50060")
+        train = await core.submit("t", training("t", quota=100))
+        serve = await core.submit(
+            "s",
+            JobSpec("s", JobKind.INFERENCE, GIB, SpatioTemporalShare(50, TimeQuota(50, 50))),
+        )
+        assert train.binding is not None and serve.binding is not None
+        where = train.binding.gpu_uuid
+        await beat(core, where, [report(train.job_id, 0.25), report("j-unknown", 1.0)])
+        # A report for a job on another GPU, and for a job that is no training job: ignored.
+        await beat(core, serve.binding.gpu_uuid, [report(serve.job_id, 2.0)])
+        other = "GPU-1" if where == "GPU-0" else "GPU-0"
+        await beat(core, other, [report(train.job_id, 9.0)])
+        got = await core.get(train.job_id)
+        assert got.training is not None
+        assert got.training.minibatch_s == 0.25 and got.training.solo_minibatch_s == 0.25
+        assert got.training.phase is TrainingPhase.RUNNING and got.training.minibatches == 10
+        assert (await core.get(serve.job_id)).training is None
+        # A suspension the dispatcher reports shows.
+        await beat(core, where, [report(train.job_id, 0.25, suspended=True)])
+        assert await phase(core, train.job_id) is TrainingPhase.SUSPENDED
+    finally:
+        await h.stop()
+
+
+def test_training_reports_are_validated_naming_the_field() -> None:
+    good = pb.TrainingReport(assignment_id="j-1", cycle=cycle(0.5))
+    assert reports_from_pb([good])[0].cycle.minibatch_s == 0.5
+    bad_cases = {
+        "training[1].cycle.minibatch_s": pb.TrainingReport(assignment_id="j-2", cycle=cycle(-1.0)),
+        "training[1].assignment_id": pb.TrainingReport(cycle=cycle(1.0)),
+    }
+    for field, bad in bad_cases.items():
+        with pytest.raises(InvalidArgument) as refused:
+            reports_from_pb([good, bad])
+        assert refused.value.field == field
+    nan = pb.TrainingReport(assignment_id="j-3", cycle=cycle(math.nan))
+    with pytest.raises(InvalidArgument, match="finite"):
+        reports_from_pb([nan])
+    upside_down = pb.TrainingReport(assignment_id="j-4")
+    upside_down.cycle.low_memory_bytes, upside_down.cycle.high_memory_bytes = 10, 5
+    with pytest.raises(InvalidArgument, match="above high_memory_bytes"):
+        reports_from_pb([upside_down])
+
+
+def test_checkpoint_hooks_are_validated() -> None:
+    for hook, field in (
+        (CheckpointHook(), "spec.checkpoint"),
+        (CheckpointHook(("save",), "SIGUSR1"), "spec.checkpoint"),
+        (CheckpointHook(signal="SIGKILL"), "spec.checkpoint.signal"),
+        (CheckpointHook(signal="SIGUSR1", timeout_s=-1), "spec.checkpoint.timeout_s"),
+        (CheckpointHook(signal="SIGUSR1", timeout_s=math.inf), "spec.checkpoint.timeout_s"),
+        (CheckpointHook(("",)), "spec.checkpoint.command"),
+        (CheckpointHook(("save", "a\0b")), "spec.checkpoint.command[1]"),
+    ):
+        with pytest.raises(InvalidArgument) as refused:
+            training("t", hook=hook).validate(["mra"])
+        assert refused.value.field == field
+    serve = JobSpec(
+        "s",
+        JobKind.INFERENCE,
+        GIB,
+        SpatioTemporalShare(50, TimeQuota(50, 50)),
+        checkpoint=SIGNAL_HOOK,
+    )
+    with pytest.raises(InvalidArgument, match="only training jobs"):
+        serve.validate(["mra"])
+    training("t", hook=SIGNAL_HOOK).validate(["mra"])
+
+
+async def test_a_checkpoint_hook_survives_a_restart(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path)
+    core = await h.start()
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    hook = CheckpointHook(("save", "--now"), "", 12.5)
+    job = await core.submit("r", training("t", hook=hook))
+    await h.stop()
+    core = await h.start()
+    try:
+        assert (await core.get(job.job_id)).spec.checkpoint == hook
+    finally:
+        await h.stop()
+
+
+# ---- time-slicing ----
+
+
+async def test_two_training_jobs_on_one_gpu_take_turns_one_quantum_each(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    a, b = await two_on_one_gpu(gandiva, training("a"), training("b"))
+    running = []
+    for _ in range(4):
+        await core.training.tick()
+        assert control.suspended & {a, b} and len(control.suspended & {a, b}) == 1
+        (now_running,) = {a, b} - control.suspended
+        running.append(now_running)
+        assert await phase(core, now_running) is TrainingPhase.RUNNING
+        assert await phase(core, ({a, b} - {now_running}).pop()) is TrainingPhase.SUSPENDED
+        job = await core.get(a)
+        assert job.training is not None and job.training.height == 2
+        await core.training.tick()  # within the quantum: nothing changes
+        assert {a, b} - control.suspended == {now_running}
+        gandiva.clock.now += QUANTUM
+    first, second = running[:2]  # submitted at the same time: in job id order
+    assert {first, second} == {a, b} and running == [first, second, first, second]
+    # Never two of them running at once: every resume came after the other's suspension.
+    suspended: set[str] = set()
+    for call, _, job_id in control.calls:
+        (suspended.add if call == "suspend" else suspended.discard)(job_id)
+        assert len({a, b} - suspended) <= 1
+
+
+async def test_a_higher_priority_job_is_never_suspended_for_a_lower_one(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    low, high, high2 = await two_on_one_gpu(
+        gandiva,
+        training("low", priority=7, quota=30),
+        training("high", priority=1, quota=30),
+        training("high2", priority=1, quota=30),
+    )
+    for _ in range(6):
+        await core.training.tick()
+        assert low in control.suspended
+        assert len({high, high2} - control.suspended) == 1  # the two of priority 1 take turns
+        gandiva.clock.now += QUANTUM
+    assert ("suspend", "10.0.0.0:50060", low) in control.calls
+    assert not any(call == "resume" and job == low for call, _, job in control.calls)
+    # The high ones end: the low one runs.
+    for job_id in (high, high2):
+        await core.cancel(job_id)
+    await core.training.tick()
+    assert low not in control.suspended
+
+
+async def test_a_dispatcher_that_fails_the_switch_is_tried_again_each_quantum(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    tries = {"n": 0}
+    real_suspend = control.suspend
+
+    async def failing(*args: object, **kwargs: object) -> bool:
+        tries["n"] += 1
+        raise FailedPrecondition("SuspendClient is not implemented")
+
+    control.suspend = failing  # type: ignore[method-assign]
+    a, b = await two_on_one_gpu(gandiva, training("a"), training("b"))
+    for _ in range(3):
+        await core.training.tick()
+    assert tries["n"] == 1  # once, not once per tick
+    assert await phase(core, a) is TrainingPhase.RUNNING  # nothing was suspended
+    gandiva.clock.now += QUANTUM
+    control.suspend = real_suspend  # type: ignore[method-assign]
+    await core.training.tick()
+    assert len(control.suspended & {a, b}) == 1
+
+
+# ---- packing ----
+
+
+async def measured_alone(h: CoreHarness, jobs: list[str], seconds: dict[str, float]) -> None:
+    """Each job runs its turn, and its dispatcher measures its mini-batch time alone."""
+    core = h.core
+    assert core is not None
+    control: FakeTrainingControl = h.control  # type: ignore[attr-defined]
+    for _ in jobs:
+        await core.training.tick()
+        await beat(
+            core,
+            "GPU-0",
+            [report(j, seconds[j], suspended=j in control.suspended) for j in jobs],
+        )
+        h.clock.now += QUANTUM
+
+
+async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_again(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    a, b = await two_on_one_gpu(gandiva, training("a", task_key="ta"), training("b", task_key="tb"))
+    await core.training.tick()
+    assert await phase(core, a) is not TrainingPhase.PACKED  # not measured alone yet
+    await measured_alone(gandiva, [a, b], {a: 1.0, b: 2.0})
+    await core.training.tick()
+    assert await phase(core, a) is TrainingPhase.PACKED
+    job = await core.get(a)
+    assert job.training is not None and job.training.packed_with == b
+    assert not control.suspended & {a, b}  # both run
+    # Packed, each is three times slower: 1/3 + 1/3 < 60/61, packing loses.
+    gandiva.clock.now += TRIAL / 2
+    await beat(core, "GPU-0", [report(a, 3.0), report(b, 6.0)])
+    gandiva.clock.now += TRIAL / 2
+    undone = metric("gpuloom_placement_training_packings_total", outcome="undone")
+    await core.training.tick()  # the trial is measured
+    await core.training.tick()  # the policy undoes it
+    assert metric("gpuloom_placement_training_packings_total", outcome="undone") == undone + 1
+    job = await core.get(a)
+    assert job.training is not None and job.training.phase is not TrainingPhase.PACKED
+    (trial,) = job.training.packings
+    assert trial.partner == b and trial.undone
+    assert trial.solo_minibatch_s == 1.0 and trial.packed_minibatch_s == 3.0
+    assert trial.gain == pytest.approx(1 / 3 + 2 / 6)
+    assert len({a, b} - control.suspended) == 1  # time-sliced again
+    for _ in range(5):  # that pair is not packed again
+        gandiva.clock.now += QUANTUM
+        await core.training.tick()
+        assert await phase(core, a) is not TrainingPhase.PACKED
+
+
+async def test_a_packing_that_pays_off_stays(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    a, b = await two_on_one_gpu(gandiva, training("a", task_key="ta"), training("b", task_key="tb"))
+    await measured_alone(gandiva, [a, b], {a: 1.0, b: 1.0})
+    await core.training.tick()
+    assert await phase(core, a) is TrainingPhase.PACKED
+    gandiva.clock.now += TRIAL / 2
+    await beat(core, "GPU-0", [report(a, 1.25), report(b, 1.25)])
+    gandiva.clock.now += TRIAL
+    for _ in range(3):
+        await core.training.tick()
+    job = await core.get(b)
+    assert job.training is not None and job.training.phase is TrainingPhase.PACKED
+    assert job.training.packings[-1].gain == pytest.approx(1.6)
+    assert not job.training.packings[-1].undone
+
+
+# ---- migration ----
+
+
+async def crowded_then_free(h: CoreHarness, *specs: JobSpec) -> list[str]:
+    """The jobs share GPU-0 (the only one); then GPU-1 comes, free."""
+    ids = await two_on_one_gpu(h, *specs)
+    core = h.core
+    assert core is not None
+    await core.register_gpu(gpu(1), "10.0.0.1:50060")
+    return ids
+
+
+async def test_a_job_with_a_hook_migrates_to_a_free_gpu_once_its_runner_checkpointed(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    plain, mover = await crowded_then_free(
+        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    moved_before = metric("gpuloom_placement_training_migrations_total", outcome="moved")
+    await migrating(core, mover)  # the target's reservation is made in the background
+    job = await core.get(mover)
+    assert job.training is not None and job.training.migration is not None
+    migration = job.training.migration
+    assert migration.target_gpu_uuid == "GPU-1" and migration.reason == "spread"
+    assert job.binding is not None and job.binding.gpu_uuid == "GPU-0"  # not moved yet
+    held = gandiva.dispatchers.held
+    assert mover in held["10.0.0.1:50060"] and mover in held["10.0.0.0:50060"]
+    # The target's dispatcher holds it too: not stale there while the migration runs.
+    assert await core.heartbeat("GPU-1", 0.0, 0, [mover]) == []
+    with pytest.raises(FailedPrecondition, match="no migration"):
+        await core.report_checkpoint(mover, "not-this-one", True, "")
+    moved = await core.report_checkpoint(mover, migration.migration_id, True, "")
+    assert moved.binding is not None and moved.binding.gpu_uuid == "GPU-1"
+    assert moved.binding.environment["GPULOOM_DISPATCHER"] == "10.0.0.1:50060"
+    assert moved.training is not None and moved.training.migrations == 1
+    assert moved.training.migration is None
+    await eventually(lambda: mover not in held["10.0.0.0:50060"])
+    assert mover not in held["10.0.0.0:50060"] and plain in held["10.0.0.0:50060"]
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert fleet.gpu_of(mover) == "GPU-1" and fleet.gpu_of(plain) == "GPU-0"
+    assert (
+        metric("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
+    )
+    # Both run alone now: nobody is suspended.
+    await core.training.tick()
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    assert not control.suspended & {plain, mover}
+    # Ending it releases it where it is now.
+    await core.report_done(mover, True, 0, "")
+    await eventually(lambda: mover not in held["10.0.0.1:50060"])
+    assert mover not in held["10.0.0.1:50060"]
+
+
+async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    _, mover = await crowded_then_free(
+        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    failed_before = metric("gpuloom_placement_training_migrations_total", outcome="hook_failed")
+    migration = await migrating(core, mover)
+    with structlog.testing.capture_logs() as logs:
+        stayed = await core.report_checkpoint(mover, migration, False, "the job exited with code 3")
+    (line,) = [e for e in logs if e["event"].startswith("checkpoint hook failed")]
+    assert line["log_level"] == "warning" and line["job"] == mover
+    assert line["error"] == "the job exited with code 3" and line["target"] == "GPU-1"
+    assert stayed.binding is not None and stayed.binding.gpu_uuid == "GPU-0"
+    assert stayed.state is JobState.ASSIGNED
+    assert stayed.training is not None
+    assert stayed.training.last_hook_error == "the job exited with code 3"
+    assert stayed.training.failed_migrations == 1 and stayed.training.migration is None
+    assert stayed.training.phase is not TrainingPhase.MIGRATING
+    held = gandiva.dispatchers.held
+    await eventually(lambda: mover not in held["10.0.0.1:50060"])
+    assert mover not in held["10.0.0.1:50060"]  # the target was given back
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert not fleet.allocations("GPU-1") and fleet.gpu_of(mover) == "GPU-0"
+    assert (
+        metric("gpuloom_placement_training_migrations_total", outcome="hook_failed")
+        == failed_before + 1
+    )
+    # It is not asked again right away (back-off), and the answer to a stale report refuses.
+    await core.training.tick()
+    job = await core.get(mover)
+    assert job.training is not None and job.training.migration is None
+    with pytest.raises(FailedPrecondition):
+        await core.report_checkpoint(mover, migration, True, "")
+
+
+async def test_a_migration_without_an_answer_gives_up_at_its_deadline(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    _, mover = await crowded_then_free(
+        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    await migrating(core, mover)
+    gandiva.clock.now += SIGNAL_HOOK.timeout_s + 31
+    await core.training.tick()
+    job = await core.get(mover)
+    assert job.training is not None and job.training.migration is None
+    assert "no checkpoint report within 50 s" in job.training.last_hook_error
+    assert job.binding is not None and job.binding.gpu_uuid == "GPU-0"
+
+
+async def test_jobs_without_a_hook_are_never_migrated(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    a, b = await crowded_then_free(gandiva, training("a"), training("b"))
+    for _ in range(5):
+        await core.training.tick()
+        gandiva.clock.now += QUANTUM
+    for job_id in (a, b):
+        job = await core.get(job_id)
+        assert job.binding is not None and job.binding.gpu_uuid == "GPU-0"
+        assert job.training is not None and job.training.migrations == 0
+        assert job.training.migration is None
+    assert not core.inventory.fleet.allocations("GPU-1")
+
+
+async def migrating(core: PlacementCore, job_id: str) -> str:
+    for _ in range(200):
+        await core.training.tick()
+        job = await core.get(job_id)
+        if job.training and job.training.migration is not None:
+            return job.training.migration.migration_id
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"job {job_id} was never asked to migrate")
+
+
+# ---- the messages, job files and `gpuloom run` ----
+
+
+def test_training_state_and_hooks_convert_exactly_both_ways() -> None:
+    state = TrainingState(
+        phase=TrainingPhase.MIGRATING,
+        packed_with="",
+        minibatch_s=0.5,
+        solo_minibatch_s=0.4,
+        height=3,
+        minibatches=12,
+        packings=(PackingTrial("j-b", 10.0, 0.4, 0.9, 0.95, True),),
+        migrations=2,
+        failed_migrations=1,
+        last_hook_error="timed out",
+        last_hook_error_at=20.0,
+        migration=MigrationRequest("m1", "GPU-1", "node-0", "spread", 30.0, 110.0),
+    )
+    assert training_from_pb(training_to_pb(state)) == state
+    view = job_view(
+        Job(
+            "j-a",
+            "r",
+            training("t", hook=CheckpointHook(("save", "--all"), "", 5)),
+            JobState.PENDING,
+            1.0,
+            1.0,
+            training=state,
+        )
+    )
+    assert job_from_pb(job_to_pb(view)) == view
+    message = job_to_pb(view)
+    assert message.spec.checkpoint.command == ["save", "--all"]
+    assert message.training.migration.target.gpu_uuid == "GPU-1"
+
+
+def test_a_job_file_declares_a_checkpoint_hook_and_bad_ones_name_the_key() -> None:
+    doc = {
+        "name": "train",
+        "kind": "training",
+        "resources": {"whole_gpus": 1},
+        "checkpoint": {"signal": "SIGUSR1", "timeout_s": 30},
+    }
+    spec = spec_from_document(doc, "t.yaml")
+    assert spec.checkpoint.signal == "SIGUSR1" and spec.checkpoint.timeout_s == 30
+    for hook, key in (
+        ({"command": "save.sh"}, "checkpoint.command"),
+        ({"signal": 10}, "checkpoint.signal"),
+        ({"when": "now"}, "checkpoint.when"),
+        ("SIGUSR1", "checkpoint"),
+    ):
+        with pytest.raises(JobFileError) as refused:
+            spec_from_document({**doc, "checkpoint": hook}, "t.yaml")
+        assert refused.value.key == key
+
+
+def test_gpuloom_run_takes_one_hook_and_refuses_two() -> None:
+    runner = CliRunner()
+    both = runner.invoke(
+        cli,
+        ["run", "--checkpoint-signal", "SIGUSR1", "--checkpoint-command", "save", "--", "true"],
+    )
+    assert both.exit_code == 2 and "not both" in both.output
+    alone = runner.invoke(cli, ["run", "--checkpoint-timeout", "5", "--", "true"])
+    assert alone.exit_code == 2 and "--checkpoint-timeout needs" in alone.output
+
+
+async def test_a_migration_is_durable_across_a_restart(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    plain, mover = await crowded_then_free(
+        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    migration = await migrating(core, mover)
+    await core.report_checkpoint(mover, migration, True, "")
+    await gandiva.stop()
+    core = await gandiva.start()
+    job = await core.get(mover)
+    assert job.state is JobState.ASSIGNED
+    assert job.binding is not None and job.binding.gpu_uuid == "GPU-1"
+    assert job.binding.environment["GPULOOM_DISPATCHER"] == "10.0.0.1:50060"
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert fleet.gpu_of(mover) == "GPU-1" and fleet.gpu_of(plain) == "GPU-0"
+    assert job.training is None  # kept in memory only: the next heartbeats bring it back
