@@ -95,7 +95,7 @@ async def gandiva(tmp_path: Path):
 
 async def beat(core: PlacementCore, gpu_uuid: str, reports: list[TrainingReport]) -> None:
     held = [j.job_id for j in core.jobs.holding(gpu_uuid)]
-    await core.heartbeat(gpu_uuid, 40.0, 0, held, (), reports)
+    await core.heartbeat(gpu_uuid, 40.0, 0, held, (), training=reports)
 
 
 async def two_on_one_gpu(h: CoreHarness, *specs: JobSpec) -> list[str]:
