@@ -8,7 +8,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from gpuloom.convert.shares import share_from_pb, share_to_pb
-from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus
+from gpuloom.domain.dispatcher import DispatcherStatus, LeaseState, ProcessStatus, TrainingCycle
 from gpuloom.v1 import common_pb2, shim_pb2
 from gpuloom.v1 import dispatcher_pb2 as pb
 
@@ -19,6 +19,30 @@ _LEASE_STATE_FROM_PB = {code: state for state, code in LEASE_STATE_TO_PB.items()
 _MODES = ("share", "measure", "off", "fikit")
 _MODE_TO_PB = {mode: shim_pb2.ShimMode.Value("SHIM_MODE_" + mode.upper()) for mode in _MODES}
 _MODE_FROM_PB = {code: mode for mode, code in _MODE_TO_PB.items()}
+
+
+def training_cycle_to_pb(cycle: TrainingCycle) -> common_pb2.TrainingCycle:
+    return common_pb2.TrainingCycle(
+        minibatch_s=cycle.minibatch_s,
+        stable=cycle.stable,
+        low_memory_bytes=cycle.low_memory_bytes,
+        high_memory_bytes=cycle.high_memory_bytes,
+        next_low_point_unix_s=cycle.next_low_point_unix_s,
+        samples=cycle.samples,
+        minibatches=cycle.minibatches,
+    )
+
+
+def training_cycle_from_pb(msg: common_pb2.TrainingCycle) -> TrainingCycle:
+    return TrainingCycle(
+        minibatch_s=msg.minibatch_s,
+        stable=msg.stable,
+        low_memory_bytes=msg.low_memory_bytes,
+        high_memory_bytes=msg.high_memory_bytes,
+        next_low_point_unix_s=msg.next_low_point_unix_s,
+        samples=msg.samples,
+        minibatches=msg.minibatches,
+    )
 
 
 def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:

@@ -22,6 +22,20 @@ class LeaseState(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingCycle:
+    """A training process's mini-batch cycle, as its dispatcher detected it from the memory
+    samples its shim writes (Gandiva's introspection; gpuloom.v1.TrainingCycle)."""
+
+    minibatch_s: float  # 0: not detected (yet)
+    stable: bool  # the period held over the cycles seen (coefficient of variation <= 0.1)
+    low_memory_bytes: int  # device memory allocated at the cycle's low points
+    high_memory_bytes: int  # ... and at its peaks
+    next_low_point_unix_s: float  # predicted; 0 = unknown
+    samples: int  # memory samples the detection used
+    minibatches: int  # low points seen since the process registered
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One reservation on the GPU and the process bound to it (pid 0: none registered yet)."""
 
