@@ -36,6 +36,20 @@ class TrainingCycle:
 
 
 @dataclass(frozen=True, slots=True)
+class SuspendState:
+    """A client's suspension as SuspendClient/ResumeClient answer it."""
+
+    assignment_id: str
+    suspended: bool
+    reason: str
+    outcome: str  # low_point, timeout, no_cycle, not_running; "" when not suspended
+    wait_ms: float
+    memory_bytes: int  # held when suspended
+    minibatch_s: float  # the detected mini-batch time (0: none)
+    at_unix_s: float = 0.0  # when it was suspended
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One reservation on the GPU and the process bound to it (pid 0: none registered yet)."""
 
@@ -58,6 +72,8 @@ class ProcessStatus:
     lease_length_ms: float
     leases_granted: int
     gpu_time_s: float
+    training: TrainingCycle | None = None  # the detected mini-batch cycle, if any
+    suspension: SuspendState | None = None  # set while suspended
 
 
 @dataclass(frozen=True, slots=True)

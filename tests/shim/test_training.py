@@ -172,9 +172,12 @@ async def test_a_process_that_registers_while_suspended_waits_for_resume(
     started_ns = time.monotonic_ns()
     job = asyncio.ensure_future(
         run.run_async(
-            "module", KERNEL, *launch("kernel", KERNEL, 5), "sync",
+            "module",
+            KERNEL,
+            *launch("kernel", KERNEL, 5),
+            "sync",
             env=_env(live, assignment.assignment_token, GPULOOM_SHIM_WAIT_MS="100"),
-        )  # fmt: skip
+        )
     )
     await asyncio.sleep(1.0)
     assert not job.done()
@@ -200,9 +203,12 @@ async def test_the_dispatchers_death_frees_a_suspended_process(
     )
     job = asyncio.ensure_future(
         run.run_async(
-            "module", KERNEL, *launch("kernel", KERNEL, 3), "sync",
+            "module",
+            KERNEL,
+            *launch("kernel", KERNEL, 3),
+            "sync",
             env=_env(live, assignment.assignment_token, GPULOOM_SHIM_WAIT_MS="100"),
-        )  # fmt: skip
+        )
     )
     await asyncio.sleep(0.8)
     assert not job.done()
@@ -229,8 +235,12 @@ async def test_suspend_and_resume_answer_bad_requests(live: LiveDispatcher) -> N
         dispatcher_pb2.SuspendClientRequest(
             assignment_id=assignment.assignment_id, max_wait_ms=float("nan")
         ),
-        dispatcher_pb2.SuspendClientRequest(assignment_id=assignment.assignment_id, max_wait_ms=1e9),
-        dispatcher_pb2.SuspendClientRequest(assignment_id=assignment.assignment_id, reason="x" * 2000),
+        dispatcher_pb2.SuspendClientRequest(
+            assignment_id=assignment.assignment_id, max_wait_ms=1e9
+        ),
+        dispatcher_pb2.SuspendClientRequest(
+            assignment_id=assignment.assignment_id, reason="x" * 2000
+        ),
     ):
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await stub.SuspendClient(bad)
