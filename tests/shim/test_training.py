@@ -247,3 +247,44 @@ async def test_suspend_and_resume_answer_bad_requests(live: LiveDispatcher) -> N
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
     client = await _client(live, assignment.assignment_id)
     assert not client.suspended  # a refused request changed nothing
+
+
+@pytest.mark.parametrize(
+    ("live", "mode"),
+    [({}, 0), ({"policy": "fikit"}, 0), ({}, 3)],
+    indirect=["live"],
+    ids=["share", "fikit", "off"],
+)
+async def test_a_running_process_is_held_in_every_mode(
+    live: LiveDispatcher, run: Runner, mode: int
+) -> None:
+    """SHARE (its lease withdrawn), FIKIT (the arbiter is not told: the shim holds itself back)
+    and OFF (admitted until further notice, then not): a suspended process launches nothing."""
+    assignment = await live.reserve(mode=mode)
+    job = asyncio.ensure_future(
+        run.run_async(
+            *["module", KERNEL, "loop", "2.5", KERNEL, "1"],
+            env=_env(live, assignment.assignment_token, GPULOOM_SHIM_WAIT_MS="100"),
+        )
+    )
+    deadline = time.monotonic() + 10
+    while not run.engine_runs() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    suspended = await live.stub.SuspendClient(
+        dispatcher_pb2.SuspendClientRequest(assignment_id=assignment.assignment_id)
+    )
+    suspended_ns = time.monotonic_ns()
+    await asyncio.sleep(0.6)
+    resume_ns = time.monotonic_ns()
+    await live.stub.ResumeClient(
+        dispatcher_pb2.ResumeClientRequest(assignment_id=assignment.assignment_id)
+    )
+    result = await job
+    assert result.returncode == 0, result.stderr
+    assert "UNTHROTTLED" not in result.stderr, result.stderr
+    # It allocates nothing: no cycle, suspended at once.
+    assert suspended.suspended and suspended.suspend_outcome == "no_cycle", suspended
+    runs = run.engine_runs()
+    settle = int(0.02e9)
+    assert not [r for r in runs if suspended_ns + settle < r[2] < resume_ns]
+    assert [r for r in runs if r[2] < suspended_ns] and [r for r in runs if r[2] > resume_ns]
