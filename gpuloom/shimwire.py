@@ -177,6 +177,7 @@ class AdmissionRegion:
         self._suspend_until = ctypes.c_uint64.from_buffer(mapping, _OFF_SUSPEND_UNTIL)
         self._epoch_address = ctypes.addressof(self._epoch)
         self.sample_cursor: int | None = None  # the dispatcher's reading position in the ring
+        self.last_sample: tuple[int, int] | None = None  # the latest entry it read
 
     # -- creating and opening --
 

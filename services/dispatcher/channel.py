@@ -497,6 +497,10 @@ class ShimChannel:
         if region is None or assignment_id is None or self._introspector is None:
             return
         samples, lost = region.read_samples()
+        if not lost and len(samples) == 1 and samples[0] == region.last_sample:
+            return  # nothing new (the latest entry, read again, has not changed)
+        if samples:
+            region.last_sample = samples[-1]
         if samples or lost:
             self._introspector.feed(assignment_id, samples, lost)
             held = self._introspector.current_bytes(assignment_id)
