@@ -771,6 +771,8 @@ class ShimChannel:
         connection.mode = mode
         connection.region = region
         self._by_assignment[assignment_id] = connection
+        if self._introspector is not None:
+            self._introspector.set_frozen(assignment_id, suspended)
         log.info(
             "shim registered",
             gpu=self._gpu,
@@ -1207,6 +1209,10 @@ class ShimChannel:
                 del self._per_uid[uid]
         self._epoll.unregister(sock.fileno())
         sock.close()
+        self._collect_from(connection)  # its last memory samples, before the region goes
+        if connection.assignment_id is not None and self._introspector is not None:
+            # No process, no new samples: the last cycle stands (until one registers again).
+            self._introspector.set_frozen(connection.assignment_id, True)
         if connection.desk_slot is not None and self._desk is not None:
             # Its journaled renewals go into the books before the desk forgets them.
             self._take_desk_events()

@@ -28,9 +28,11 @@
  *                                   after a stall the schedule restarts). Each: forward (per
  *                                   layer cuMemAlloc BYTES of activations, launch NAME, stream
  *                                   sync), backward (per layer launch NAME, stream sync,
- *                                   cuMemFree its activations), then cuCtxSynchronize. Prints "train step I" after each, then
- *                                   "train minibatches=N done=D failed=F" (F: mini-batches with a
- *                                   failed allocation or launch: lost work) and exits 3 if F > 0
+ *                                   cuMemFree its activations), then cuCtxSynchronize. Prints
+ *                                   "train step I t=NS" after each (NS: when it began,
+ *                                   CLOCK_MONOTONIC), then "train minibatches=N done=D failed=F"
+ *                                   (F: mini-batches with a failed allocation or launch: lost
+ *                                   work) and exits 3 if F > 0
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -255,6 +257,7 @@ static long train(long steps, long period_us, int layers, size_t bytes, const ch
             next = now; /* stalled (suspended): start the schedule again */
         }
         next += period;
+        uint64_t began = now_ns();
         int ok = 1, held = 0;
         for (int l = 0; l < layers; l++) {
             if (D.cuMemAlloc(&act[l], bytes) != CUDA_SUCCESS) {
@@ -273,7 +276,7 @@ static long train(long steps, long period_us, int layers, size_t bytes, const ch
         if (D.cuCtxSynchronize() != CUDA_SUCCESS) ok = 0;
         if (ok) done++;
         else failed++;
-        printf("train step %ld\n", step);
+        printf("train step %ld t=%llu\n", step, (unsigned long long)began);
         fflush(stdout);
     }
     printf("train minibatches=%ld done=%ld failed=%ld\n", steps, done, failed);
