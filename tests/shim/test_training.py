@@ -112,11 +112,12 @@ async def test_the_mini_batch_time_and_low_memory_come_from_the_shims_samples(
     # The next low point predicted is at most a period and an analysis round away.
     assert seen_at - 1.0 < cycle.next_low_point_unix_s < seen_at + 2 * PERIOD_S
     assert gauge == pytest.approx(cycle.minibatch_s, rel=0.1)
-    # The process is gone: the cycle last detected while it ran stands.
+    # The process is gone: the cycle last detected while it ran stands (its flat tail is not
+    # analysed into "no cycle").
+    ended = await _client(live, assignment.assignment_id)
     await asyncio.sleep(3 * TRAINING["training_analyze_ms"] / 1e3)
-    after = await _client(live, assignment.assignment_id)
-    ran = (starts[-1] - starts[0]) / (len(starts) - 1) / 1e9
-    assert after.training.minibatch_s == pytest.approx(ran, rel=0.1), (after.training, ran)
+    later = await _client(live, assignment.assignment_id)
+    assert later.training == ended.training and later.training.minibatch_s > 0
     accepted = prometheus_client.REGISTRY.get_sample_value(
         "gpuloom_dispatcher_memory_samples_total", {"gpu": "0", "outcome": "accepted"}
     )
