@@ -50,7 +50,7 @@ class IntrospectionConfig:
     sample_period_s: float = (
         1e-3  # the shim's sample period (GPULOOM_DISPATCHER_TRAINING_SAMPLE_US)
     )
-    window_s: float = 20.0  # how far back the detection looks
+    window_s: float = 10.0  # how far back the detection looks
     analyze_s: float = 1.0  # how often it runs
     max_samples: int = 50_000  # per process (older ones go first)
     # The held series is resampled onto at most this many points (the sample period, or coarser

@@ -91,7 +91,7 @@ class DispatcherSettings(BaseSettings):
     # samples a shim writes (0: none, and no cycle is detected); how far back and how often the
     # dispatcher looks for each process's mini-batch cycle.
     training_sample_us: int = Field(default=1000, ge=0, le=1_000_000)
-    training_window_s: float = Field(default=20.0, gt=0, le=3600)
+    training_window_s: float = Field(default=10.0, gt=0, le=3600)
     training_analyze_ms: float = Field(default=1000.0, ge=10, le=3_600_000)
     # SuspendClient waits this long for a low-memory point when the request names no bound.
     suspend_max_wait_ms: float = Field(default=2000.0, gt=0, le=600_000)
