@@ -1210,9 +1210,10 @@ class ShimChannel:
         self._epoll.unregister(sock.fileno())
         sock.close()
         self._collect_from(connection)  # its last memory samples, before the region goes
-        if connection.assignment_id is not None and self._introspector is not None:
+        current = self._by_assignment.get(connection.assignment_id or "") is connection
+        if current and self._introspector is not None:
             # No process, no new samples: the last cycle stands (until one registers again).
-            self._introspector.set_frozen(connection.assignment_id, True)
+            self._introspector.set_frozen(connection.assignment_id or "", True)
         if connection.desk_slot is not None and self._desk is not None:
             # Its journaled renewals go into the books before the desk forgets them.
             self._take_desk_events()
