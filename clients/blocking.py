@@ -33,8 +33,11 @@ class BlockingClient:
     def close(self) -> None:
         self._channel.close()
 
-    def _call(self, method: str, request: object) -> Any:
+    def _call(self, method: str, request: object, timeout_s: float | None = None) -> Any:
+        """`timeout_s`: this call's deadline, when it may take longer than the client's."""
         try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+            return getattr(self._stub, method)(
+                request, timeout=self._timeout_s if timeout_s is None else timeout_s
+            )
         except grpc.RpcError as error:
             raise error_from_rpc(error) from None

@@ -166,8 +166,15 @@ class ShimClient:
                 return LeaseView(lease_id, until)
         return None
 
+    def suspended(self) -> bool:
+        """The dispatcher suspended this process (SuspendClient) and keeps renewing it."""
+        until = self.region.suspended_until_ns
+        return until != 0 and time.monotonic_ns() < until
+
     def acquire(self, timeout_s: float = 5.0) -> LeaseView:
-        """Return a lease in force, asking for one and waiting (at most `timeout_s`) if needed."""
+        """Return a lease in force, asking for one and waiting (at most `timeout_s`) if needed.
+        While the process is suspended it waits without that bound (as the C shim does), and
+        asks again once resumed."""
         region = self.region
         lease = self.current_lease()
         if lease is not None:
@@ -184,6 +191,14 @@ class ShimClient:
                 return lease
             if region.state is AdmissionState.EVICTED:
                 raise Evicted(self._reason_from_socket() or "assignment ended")
+            if self.suspended():
+                while self.suspended() and region.state is not AdmissionState.EVICTED:
+                    region.wait_for_change(region.epoch, 0.02)
+                    self._check_socket()
+                deadline = time.monotonic() + timeout_s  # a fresh bound once resumed
+                epoch, seen_lease = region.epoch, region.lease_id
+                self._ask()
+                continue
             missed = region.lease_id
             if missed not in (0, seen_lease):
                 # A lease came and expired before we looked (a short one, or we were slow to

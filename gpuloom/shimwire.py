@@ -2,10 +2,11 @@
 
 Two parts, both specified in protos/gpuloom/v1/shim.proto (the C shim follows the same text):
 - frames: a 4-byte little-endian length, then one serialized message;
-- the admission region: 256 bytes of shared memory per client. The lease words are written by
+- the admission region: 4 KiB of shared memory per client. The lease words are written by
   the dispatcher and read by the shim on every launch (a waiting shim sleeps on the epoch word
   with FUTEX_WAIT); the FIKIT words are split into a part the dispatcher's arbiter writes and
-  a part the shim writes (docs/fikit.md).
+  a part the shim writes (docs/fikit.md); the suspension word and the memory sample ring serve
+  training introspection and suspend/resume (docs/training.md).
 """
 
 from __future__ import annotations
@@ -67,13 +68,17 @@ class FrameReader:
 # ---- the admission region ----
 
 REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
-REGION_VERSION = 2
-REGION_BYTES = 256
+REGION_VERSION = 3
+REGION_BYTES = 4096
+REGION_SAMPLES = 236  # entries of the memory sample ring
 OPEN_ENDED_NS = (1 << 64) - 1
 
 _OFF_MAGIC, _OFF_VERSION, _OFF_EPOCH, _OFF_STATE = 0, 4, 8, 12
 _OFF_ADMIT_UNTIL, _OFF_LEASE_ID, _OFF_MEMORY_CAP = 16, 24, 32
 _OFF_SM_PERCENT, _OFF_MODE = 40, 44
+# Written by the dispatcher: the suspension's deadline (CLOCK_MONOTONIC ns, renewed while it
+# lasts; 0 = not suspended) and the memory sample period (us; 0 = the shim samples nothing).
+_OFF_SUSPEND_UNTIL, _OFF_SAMPLE_PERIOD = 48, 56
 # FIKIT words: the arbiter writes these ...
 OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
 # ... and the shim these (own cache line).
@@ -81,6 +86,10 @@ OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128
 # Lease request words, written by a SHARE shim for the dispatcher's lease desk (own cache line).
 OFF_LR_SEQ, OFF_LR_FLAGS, OFF_LR_LEASE, OFF_LR_GPU_NS = 192, 196, 200, 208
 OFF_LR_BURST_NS, OFF_LR_POST_NS, OFF_LR_ALLOCATED = 216, 224, 232
+# The memory sample ring, written by the shim in every mode: entries written so far (u32), then
+# REGION_SAMPLES entries of (u64 CLOCK_MONOTONIC ns, u64 allocated bytes).
+OFF_MS_HEAD, OFF_MS_RING = 256, 320
+_SAMPLE = struct.Struct("<QQ")
 
 
 class AdmissionState(enum.IntEnum):
@@ -165,13 +174,21 @@ class AdmissionRegion:
         self._state = ctypes.c_uint32.from_buffer(mapping, _OFF_STATE)
         self._admit_until = ctypes.c_uint64.from_buffer(mapping, _OFF_ADMIT_UNTIL)
         self._lease_id = ctypes.c_uint64.from_buffer(mapping, _OFF_LEASE_ID)
+        self._suspend_until = ctypes.c_uint64.from_buffer(mapping, _OFF_SUSPEND_UNTIL)
         self._epoch_address = ctypes.addressof(self._epoch)
+        self.sample_cursor: int | None = None  # the dispatcher's reading position in the ring
+        self.last_sample: tuple[int, int] | None = None  # the latest entry it read
 
     # -- creating and opening --
 
     @classmethod
     def create(
-        cls, name: str, memory_cap_bytes: int, sm_percent: int, mode: ShimMode
+        cls,
+        name: str,
+        memory_cap_bytes: int,
+        sm_percent: int,
+        mode: ShimMode,
+        sample_period_us: int = 0,
     ) -> tuple[AdmissionRegion, int]:
         """A fresh region in a memfd; returns the region and the fd to pass to the client."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -184,6 +201,7 @@ class AdmissionRegion:
         struct.pack_into("<II", mapping, _OFF_MAGIC, REGION_MAGIC, REGION_VERSION)
         struct.pack_into("<Q", mapping, _OFF_MEMORY_CAP, memory_cap_bytes)
         struct.pack_into("<II", mapping, _OFF_SM_PERCENT, sm_percent, int(mode))
+        struct.pack_into("<I", mapping, _OFF_SAMPLE_PERIOD, sample_period_us)
         region = cls(mapping)
         region._state.value = AdmissionState.WAITING
         return region, fd
@@ -207,7 +225,7 @@ class AdmissionRegion:
 
     def close(self) -> None:
         # The ctypes views pin the buffer; drop them before closing the mapping.
-        del self._epoch, self._state, self._admit_until, self._lease_id
+        del self._epoch, self._state, self._admit_until, self._lease_id, self._suspend_until
         self._mapping.close()
 
     # -- reading (shim side, and tests) --
@@ -231,6 +249,10 @@ class AdmissionRegion:
     @property
     def memory_cap_bytes(self) -> int:
         return struct.unpack_from("<Q", self._mapping, _OFF_MEMORY_CAP)[0]
+
+    @property
+    def suspended_until_ns(self) -> int:
+        return self._suspend_until.value
 
     def admitted(self, now_ns: int | None = None) -> bool:
         """The launch-path check: one load and a clock read."""
@@ -263,6 +285,86 @@ class AdmissionRegion:
 
     def publish_evicted(self) -> None:
         self._publish(AdmissionState.EVICTED, 0, 0, wake=True)
+
+    def publish_suspended(self, until_ns: int) -> None:
+        """Suspend: no lease, and the shim waits (unbounded) while `until_ns` is renewed."""
+        self._suspend_until.value = until_ns
+        self._publish(AdmissionState.WAITING, 0, 0, wake=True)
+
+    def renew_suspension(self, until_ns: int) -> None:
+        self._suspend_until.value = until_ns
+
+    def publish_resumed(self, open_ended: bool) -> None:
+        """Lift a suspension; `open_ended`: admitted until further notice again (modes without
+        leases), else the shim asks for a lease as usual."""
+        self._suspend_until.value = 0
+        if open_ended:
+            self.publish_open()
+        else:
+            self._publish(AdmissionState.WAITING, 0, 0, wake=True)
+
+    def read_samples(self) -> tuple[list[tuple[int, int]], int]:
+        """The memory samples written since the last call (the latest entry of the last call
+        again: the shim may have updated its bytes since), oldest first, and how many were
+        overwritten unread. Values are as found: the caller validates them."""
+        return read_sample_ring(self._mapping, self)
+
+
+def read_sample_ring(
+    mapping: mmap.mmap | bytearray, cursor_holder: AdmissionRegion | SampleCursor
+) -> tuple[list[tuple[int, int]], int]:
+    """Reads the ring of `mapping` from `cursor_holder.sample_cursor` (None: from the oldest
+    entry still there) up to its head, and moves the cursor."""
+    (head,) = struct.unpack_from("<I", mapping, OFF_MS_HEAD)
+    cursor = cursor_holder.sample_cursor
+    start = max(head - REGION_SAMPLES, 0) if cursor is None else cursor
+    ahead = (head - start) & 0xFFFFFFFF
+    lost = 0
+    if ahead > REGION_SAMPLES:  # the shim lapped the reader (or the head is garbage)
+        lost = ahead - REGION_SAMPLES if ahead < 1 << 31 else 0
+        start = (head - REGION_SAMPLES) & 0xFFFFFFFF if ahead < 1 << 31 else head
+        ahead = (head - start) & 0xFFFFFFFF
+    # The entry before the new ones again: its bytes may have been updated since.
+    again = cursor is not None and start != 0 and ahead < REGION_SAMPLES
+    first = (start - 1) & 0xFFFFFFFF if again else start
+    count = (head - first) & 0xFFFFFFFF
+    samples = []
+    for i in range(count):
+        index = (first + i) & 0xFFFFFFFF
+        samples.append(_SAMPLE.unpack_from(mapping, OFF_MS_RING + 16 * (index % REGION_SAMPLES)))
+    cursor_holder.sample_cursor = head
+    return samples, lost
+
+
+class SampleCursor:
+    """A reading position in a sample ring (tests, and readers of a mapping of their own)."""
+
+    def __init__(self) -> None:
+        self.sample_cursor: int | None = None
+
+
+class SamplePort:
+    """The shim's side of the memory sample ring (the Python reference of mem_sample in
+    shim/src/memcap.c): a new entry when the latest is at least `period_ns` old, else the
+    latest entry's bytes are overwritten."""
+
+    def __init__(self, mapping: mmap.mmap | bytearray, period_ns: int) -> None:
+        self._mapping = mapping
+        self._period_ns = period_ns
+        self.count = 0
+        self._started = 0
+
+    def sample(self, allocated: int, now_ns: int | None = None) -> None:
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        if self.count and now - self._started < self._period_ns:
+            offset = OFF_MS_RING + 16 * ((self.count - 1) % REGION_SAMPLES)
+            struct.pack_into("<Q", self._mapping, offset + 8, allocated)
+            return
+        offset = OFF_MS_RING + 16 * (self.count % REGION_SAMPLES)
+        _SAMPLE.pack_into(self._mapping, offset, now, allocated)
+        self.count = (self.count + 1) & 0xFFFFFFFF
+        struct.pack_into("<I", self._mapping, OFF_MS_HEAD, self.count)
+        self._started = now
 
 
 class FikitPort:

@@ -1,5 +1,6 @@
-"""`gpuloom dispatcher status|release|evict` against a real `gpuloom up` (one simulated GPU):
-what used to need grpcurl, by GPU UUID through placement or by the dispatcher's address."""
+"""`gpuloom dispatcher status|release|evict|suspend|resume` against a real `gpuloom up` (one
+simulated GPU): what used to need grpcurl, by GPU UUID through placement or by the dispatcher's
+address."""
 
 from __future__ import annotations
 
@@ -114,6 +115,31 @@ def test_evict_tells_the_process_and_an_unknown_one_exits_1(plane: Plane) -> Non
     assert unknown.stderr.splitlines() == [
         f"Error: no assignment 'by-hand-3' on this GPU (dispatcher at {plane.dispatchers[0]})"
     ]
+
+
+def test_suspend_and_resume_by_hand(plane: Plane) -> None:
+    reserve(plane, "by-hand-4")
+    suspended = gpuloom(plane, "suspend", "by-hand-4", "--gpu", GPU0, "--reason", "by hand")
+    assert suspended.returncode == 0, suspended.stderr
+    # No process holds it: suspended at once, nothing held.
+    assert suspended.stdout == "suspended by-hand-4 (not running, after 0 ms, holding -)\n"
+    shown = json.loads(gpuloom(plane, "status", "--gpu", GPU0, "--json").stdout)
+    (client,) = [c for c in shown["clients"] if c["assignment"]["assignment_id"] == "by-hand-4"]
+    assert client["suspended"] and client["suspended_reason"] == "by hand"
+    assert client["suspend_outcome"] == "not_running"
+    resumed = gpuloom(plane, "resume", "by-hand-4", "--dispatcher", plane.dispatchers[0])
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == "resumed by-hand-4\n"
+    assert gpuloom(plane, "resume", "by-hand-4", "--gpu", GPU0).returncode == 0  # idempotent
+    gpuloom(plane, "release", "by-hand-4", "--gpu", GPU0)
+    for verb in ("suspend", "resume"):
+        unknown = gpuloom(plane, verb, "by-hand-4", "--gpu", GPU0)
+        assert unknown.returncode == 1
+        assert unknown.stderr.splitlines() == [
+            f"Error: no assignment 'by-hand-4' on this GPU (dispatcher at {plane.dispatchers[0]})"
+        ]
+    bad = gpuloom(plane, "suspend", "x", "--gpu", GPU0, "--max-wait-ms", "-5")
+    assert bad.returncode == 2 and "--max-wait-ms" in bad.stderr
 
 
 @pytest.mark.parametrize(

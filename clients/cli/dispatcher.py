@@ -1,5 +1,5 @@
-"""`gpuloom dispatcher status|release|evict`: one GPU's dispatcher, found through placement by
-the GPU's UUID (`--gpu`) or reached directly (`--dispatcher HOST:PORT`)."""
+"""`gpuloom dispatcher status|release|evict|suspend|resume|mig`: one GPU's dispatcher, found
+through placement by the GPU's UUID (`--gpu`) or reached directly (`--dispatcher HOST:PORT`)."""
 
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def _target_options(command: F) -> F:
 
 @click.group("dispatcher")
 def dispatcher() -> None:
-    """One GPU's dispatcher: its status, releasing or evicting a reservation there, its MIG
-    mode."""
+    """One GPU's dispatcher: its status, releasing, evicting, suspending or resuming a
+    reservation there, its MIG mode."""
 
 
 @dispatcher.command("status")
@@ -103,6 +103,52 @@ def evict(
     with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
         _call(lambda: client.evict(assignment_id, reason), where)
     click.echo(f"evicted {assignment_id}")
+
+
+@dispatcher.command("suspend")
+@click.argument("assignment_id", metavar="ASSIGNMENT")
+@click.option(
+    "--max-wait-ms",
+    type=click.FloatRange(0, 600_000),
+    default=0.0,
+    help="How long to wait for the process's next low-memory point (0: the dispatcher's "
+    "GPULOOM_DISPATCHER_SUSPEND_MAX_WAIT_MS).",
+)
+@click.option("--reason", default="", help="Logged, and shown while suspended.")
+@_target_options
+def suspend(
+    assignment_id: str,
+    max_wait_ms: float,
+    reason: str,
+    gpu_uuid: str | None,
+    dispatcher_address: str | None,
+    address: str,
+) -> None:
+    """Stop admitting a reservation's kernels at its process's next low-memory point (a
+    training job's mini-batch boundary; at once when none is known); its GPU memory stays
+    resident. Idempotent; exit 1 if there is no such reservation."""
+    with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
+        state = _call(lambda: client.suspend(assignment_id, max_wait_ms, reason), where)
+    if not state.suspended:  # resumed or released while it waited for its low point
+        click.echo(f"{assignment_id} was resumed before it reached its suspension point")
+        return
+    click.echo(
+        f"suspended {assignment_id} ({state.outcome.replace('_', ' ')}, after "
+        f"{state.wait_ms:.0f} ms, holding {gib_or_dash(state.memory_bytes)})"
+    )
+
+
+@dispatcher.command("resume")
+@click.argument("assignment_id", metavar="ASSIGNMENT")
+@_target_options
+def resume(
+    assignment_id: str, gpu_uuid: str | None, dispatcher_address: str | None, address: str
+) -> None:
+    """Admit a suspended reservation's kernels again. Idempotent; exit 1 if there is no such
+    reservation."""
+    with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
+        _call(lambda: client.resume(assignment_id), where)
+    click.echo(f"resumed {assignment_id}")
 
 
 @dispatcher.command("mig")

@@ -201,6 +201,8 @@ def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
         table.add_column(name, justify="right" if right else "left", no_wrap=True)
     for label, p in processes:
         state = Text(p.state.value, style=STATE_STYLES[p.state]) if p.connected else "-"
+        if p.suspension is not None:  # SuspendClient: its kernels are held
+            state = Text("suspended", style="magenta")
         quota = p.share.quota
         _add_row(
             table,

@@ -22,6 +22,34 @@ class LeaseState(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingCycle:
+    """A training process's mini-batch cycle, as its dispatcher detected it from the memory
+    samples its shim writes (Gandiva's introspection; gpuloom.v1.TrainingCycle)."""
+
+    minibatch_s: float  # 0: not detected (yet)
+    stable: bool  # the period held over the cycles seen (coefficient of variation <= 0.1)
+    low_memory_bytes: int  # device memory allocated at the cycle's low points
+    high_memory_bytes: int  # ... and at its peaks
+    next_low_point_unix_s: float  # predicted; 0 = unknown
+    samples: int  # memory samples the detection used
+    minibatches: int  # low points seen since the process registered
+
+
+@dataclass(frozen=True, slots=True)
+class SuspendState:
+    """A client's suspension as SuspendClient/ResumeClient answer it."""
+
+    assignment_id: str
+    suspended: bool
+    reason: str
+    outcome: str  # low_point, timeout, no_cycle, not_running; "" when not suspended
+    wait_ms: float
+    memory_bytes: int  # held when suspended
+    minibatch_s: float  # the detected mini-batch time (0: none)
+    at_unix_s: float = 0.0  # when it was suspended
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessStatus:
     """One reservation on the GPU and the process bound to it (pid 0: none registered yet)."""
 
@@ -44,6 +72,8 @@ class ProcessStatus:
     lease_length_ms: float
     leases_granted: int
     gpu_time_s: float
+    training: TrainingCycle | None = None  # the detected mini-batch cycle, if any
+    suspension: SuspendState | None = None  # set while suspended
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
+from gpuloom.services.dispatcher.introspection import IntrospectionConfig, TrainingIntrospector
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
 from gpuloom.services.dispatcher.model_store import ModelStore, StoreConfig
@@ -136,6 +137,16 @@ async def start_gpu_dispatcher(
     def on_event(event: DispatcherEvent) -> None:
         core.publish_from_channel(event)  # the channel emits only once started, after `core`
 
+    introspector = None
+    if settings.training_sample_us:
+        introspector = TrainingIntrospector(
+            str(gpu.index),
+            IntrospectionConfig(
+                sample_period_s=settings.training_sample_us / 1e6,
+                window_s=settings.training_window_s,
+                analyze_s=settings.training_analyze_ms / 1e3,
+            ),
+        )
     channel = ShimChannel(
         gpu_label=str(gpu.index),
         socket_path=socket_path,
@@ -153,6 +164,7 @@ async def start_gpu_dispatcher(
         arbiter=arbiter,
         kernel_tables=kernel_tables,
         lease_desk=settings.lease_desk,
+        introspector=introspector,
     )
     core = DispatcherCore(
         gpu=gpu,
@@ -167,6 +179,8 @@ async def start_gpu_dispatcher(
         state_dir=state_dir,
         profiler_link=link,
         mps=mps,
+        introspector=introspector,
+        suspend_max_wait_s=settings.suspend_max_wait_ms / 1e3,
     )
 
     def store_environment() -> dict[str, str]:

@@ -10,6 +10,12 @@ at all while the token policy has given it standing terms: the desk's native thr
 lease from them, and this thread takes the desk's journal into the scheduler's books afterwards.
 Requests without terms are forwarded here and answered as before; then every term is withdrawn
 (so only this thread writes lease words) until the decision is made and new terms are given.
+
+The thread also reads every shim's memory sample ring (every SAMPLE_POLL_S) into the training
+introspector, and suspends and resumes clients (SuspendClient, ResumeClient): a suspension
+waits, bounded, for the client's memory to reach its cycle's low point, then withdraws its lease
+(a SHARE client gets no lease and no standing terms while suspended) and writes the suspension
+word of its region, which it renews while the suspension lasts (docs/training.md).
 """
 
 from __future__ import annotations
@@ -50,8 +56,11 @@ from gpuloom.services.dispatcher.domain import (
     DispatcherEvent,
     EventKind,
     Reservation,
+    SuspendOutcome,
+    Suspension,
     derive_task_key,
 )
+from gpuloom.services.dispatcher.introspection import TrainingIntrospector, low_point_threshold
 from gpuloom.services.dispatcher.kernel_tables import KernelTable, KernelTables
 from gpuloom.services.dispatcher.leasedesk import (
     FOREVER,
@@ -82,6 +91,23 @@ _PEERCRED = struct.Struct("3i")
 _RECV_BYTES = 256 * 1024
 # Usage numbers beyond this are garbage, not measurements (a lease lasts milliseconds).
 _MAX_REPORTED_SECONDS = 3600.0
+# How often the memory sample rings are read (a ring holds 236 entries: at the shortest sample
+# period of 1 ms, 236 ms of allocations).
+SAMPLE_POLL_S = 0.025
+# While a suspension waits for its low point, the process's memory is looked at this often.
+SUSPEND_POLL_S = 0.001
+# A suspension word holds this long unless renewed (every housekeeping round, 0.5 s): a hung
+# dispatcher frees its suspended processes after it.
+SUSPEND_HOLD_S = 5.0
+
+
+@dataclass(slots=True)
+class _PendingSuspend:
+    reason: str
+    asked_at: float  # monotonic
+    deadline: float  # monotonic
+    threshold: int  # suspend once the process holds at most this many bytes
+    future: concurrent.futures.Future[Suspension | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +187,7 @@ class ShimChannel:
         arbiter: Arbiter | None = None,
         kernel_tables: KernelTables | None = None,
         lease_desk: bool = False,
+        introspector: TrainingIntrospector | None = None,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -194,6 +221,14 @@ class ShimChannel:
         self._connections: dict[int, _Connection] = {}
         self._per_uid: dict[int, int] = {}  # open connections by peer uid
         self._by_assignment: dict[str, _Connection] = {}
+        # Training introspection: the memory sample rings are read into it.
+        self._introspector = introspector
+        self._sample_period_us = (
+            0 if introspector is None else max(1, round(introspector.config.sample_period_s * 1e6))
+        )
+        self._samples_at = 0.0
+        self._suspended: dict[str, Suspension] = {}
+        self._pending: dict[str, _PendingSuspend] = {}
         self._running = False
         self._thread: threading.Thread | None = None
         self._listener: socket.socket | None = None
@@ -240,15 +275,22 @@ class ShimChannel:
             target=self._run, name=f"shim-channel-{self._gpu}", daemon=True
         )
         self._thread.start()
+        if self._introspector is not None:
+            self._introspector.start()
         log.info("shim channel listening", gpu=self._gpu, socket=str(path))
 
     def stop(self) -> None:
         if self._thread is None:
             return
+        if self._introspector is not None:
+            self._introspector.stop()
         self._running = False
         os.eventfd_write(self._wake_fd, 1)
         self._thread.join(timeout=10)
         self._thread = None
+        for pending in self._pending.values():
+            pending.future.set_exception(RuntimeError("the dispatcher is stopping"))
+        self._pending.clear()
         for connection in list(self._connections.values()):
             self._close(connection, "dispatcher stopping", quiet=True)
         if self._listener is not None:
@@ -283,6 +325,13 @@ class ShimChannel:
     def remove_reservation(self, assignment_id: str, reason: str, mode: ShimMode) -> None:
         """Tell a connected process its assignment ended, disconnect it, forget its share."""
         now = time.monotonic()
+        pending = self._pending.pop(assignment_id, None)
+        if pending is not None:
+            pending.future.set_result(None)
+        if self._suspended.pop(assignment_id, None) is not None:
+            metrics.SUSPENDED.labels(self._gpu).set(len(self._suspended))
+        if self._introspector is not None:
+            self._introspector.forget(assignment_id)
         connection = self._by_assignment.get(assignment_id)
         if connection is not None:
             if connection.region is not None:
@@ -307,6 +356,157 @@ class ShimChannel:
             for assignment, connection in self._by_assignment.items()
         }
 
+    def suspensions(self) -> dict[str, Suspension]:
+        """assignment id -> its suspension, for every suspended client."""
+        return dict(self._suspended)
+
+    # ---- suspend and resume (run on the channel thread via submit) ----
+
+    def begin_suspend(
+        self, assignment_id: str, max_wait_s: float, reason: str
+    ) -> concurrent.futures.Future[Suspension | None]:
+        """Suspend the client at its next low-memory point, waiting at most `max_wait_s` for it
+        (at once without a detected cycle or a connected process). The future holds the
+        suspension, or None if the client was resumed or released before it was reached.
+        Idempotent: a suspended client's suspension, a pending one's future."""
+        future: concurrent.futures.Future[Suspension | None] = concurrent.futures.Future()
+        if assignment_id in self._suspended:
+            future.set_result(self._suspended[assignment_id])
+            return future
+        pending = self._pending.get(assignment_id)
+        if pending is not None:
+            return pending.future
+        now = time.monotonic()
+        connection = self._by_assignment.get(assignment_id)
+        cycle = None if self._introspector is None else self._introspector.cycle(assignment_id)
+        if connection is None or connection.region is None:
+            future.set_result(
+                self._suspend_now(assignment_id, reason, now, SuspendOutcome.NOT_RUNNING)
+            )
+        elif cycle is None or cycle.minibatch_s <= 0:
+            future.set_result(
+                self._suspend_now(assignment_id, reason, now, SuspendOutcome.NO_CYCLE)
+            )
+        else:
+            self._pending[assignment_id] = _PendingSuspend(
+                reason, now, now + max_wait_s, low_point_threshold(cycle), future
+            )
+            self._check_pending(now)
+        return future
+
+    def resume(self, assignment_id: str) -> bool:
+        """Admit the client's kernels again; False when it was not suspended. A suspension still
+        waiting for its low point is called off."""
+        pending = self._pending.pop(assignment_id, None)
+        if pending is not None:
+            pending.future.set_result(None)
+        suspension = self._suspended.pop(assignment_id, None)
+        if suspension is None:
+            return pending is not None
+        connection = self._by_assignment.get(assignment_id)
+        if connection is not None and connection.region is not None:
+            connection.region.publish_resumed(
+                open_ended=connection.mode not in (ShimMode.SHARE, ShimMode.FIKIT)
+            )
+        if self._introspector is not None:
+            self._introspector.set_frozen(assignment_id, False)
+        metrics.SUSPENDED.labels(self._gpu).set(len(self._suspended))
+        log.info(
+            "client resumed",
+            gpu=self._gpu,
+            assignment=assignment_id,
+            suspended_s=round(time.monotonic() - suspension.at_monotonic_s, 3),
+        )
+        return True
+
+    def _check_pending(self, now: float) -> None:
+        """Suspend the pending clients whose memory is at its low point, or whose wait is up."""
+        for assignment_id, pending in list(self._pending.items()):
+            connection = self._by_assignment.get(assignment_id)
+            if connection is None or connection.region is None:
+                outcome = SuspendOutcome.NOT_RUNNING
+            else:
+                self._collect_from(connection)
+                assert self._introspector is not None
+                held = self._introspector.current_bytes(assignment_id)
+                if held is not None and held <= pending.threshold:
+                    outcome = SuspendOutcome.LOW_POINT
+                elif now >= pending.deadline:
+                    outcome = SuspendOutcome.TIMEOUT
+                else:
+                    continue
+            del self._pending[assignment_id]
+            pending.future.set_result(
+                self._suspend_now(assignment_id, pending.reason, pending.asked_at, outcome)
+            )
+
+    def _suspend_now(
+        self, assignment_id: str, reason: str, asked_at: float, outcome: SuspendOutcome
+    ) -> Suspension:
+        now = time.monotonic()
+        connection = self._by_assignment.get(assignment_id)
+        if self._scheduler_serves(assignment_id):
+            # No lease and no standing terms while suspended: withdraw them all first (the
+            # others get theirs back at the end of this round), then its lease.
+            self._quiesce()
+            self._apply(self._scheduler.withdraw(assignment_id, now))
+        if connection is not None and connection.region is not None:
+            connection.region.publish_suspended(_suspend_deadline_ns())
+        held = (
+            None if self._introspector is None else self._introspector.current_bytes(assignment_id)
+        )
+        suspension = Suspension(
+            reason=reason,
+            at_unix_s=time.time(),
+            at_monotonic_s=now,
+            wait_s=now - asked_at,
+            outcome=outcome,
+            memory_bytes=held or 0,
+        )
+        self._suspended[assignment_id] = suspension
+        if self._introspector is not None:
+            self._introspector.set_frozen(assignment_id, True)
+        metrics.SUSPENSIONS.labels(self._gpu, outcome.value).inc()
+        metrics.SUSPENDED.labels(self._gpu).set(len(self._suspended))
+        log.info(
+            "client suspended",
+            gpu=self._gpu,
+            assignment=assignment_id,
+            outcome=outcome.value,
+            waited_ms=round(suspension.wait_s * 1e3, 3),
+            memory_bytes=suspension.memory_bytes,
+            reason=reason,
+        )
+        return suspension
+
+    def _scheduler_serves(self, assignment_id: str) -> bool:
+        """The token scheduler leases this client's GPU time (SHARE, not under FIKIT)."""
+        reservation = self._book.get(assignment_id)
+        return (
+            self._arbiter is None and reservation is not None and reservation.mode is ShimMode.SHARE
+        )
+
+    # ---- memory samples ----
+
+    def _collect_samples(self) -> None:
+        for connection in self._by_assignment.values():
+            self._collect_from(connection)
+
+    def _collect_from(self, connection: _Connection) -> None:
+        region, assignment_id = connection.region, connection.assignment_id
+        if region is None or assignment_id is None or self._introspector is None:
+            return
+        samples, lost = region.read_samples()
+        if not lost and len(samples) == 1 and samples[0] == region.last_sample:
+            return  # nothing new (the latest entry, read again, has not changed)
+        if samples:
+            region.last_sample = samples[-1]
+        if samples or lost:
+            self._introspector.feed(assignment_id, samples, lost)
+            held = self._introspector.current_bytes(assignment_id)
+            if held is not None:
+                connection.allocated_bytes = held
+
     def scheduler_snapshot(self) -> SchedulerSnapshot:
         self._take_desk_events()
         return self._scheduler.snapshot(time.monotonic())
@@ -318,6 +518,10 @@ class ShimChannel:
         scheduler, timer, poll = self._scheduler, self._timer, self._epoll.poll
         while self._running:
             timer.arm(self._next_wakeup())
+            if self._pending:
+                timer.arm(time.monotonic() + SUSPEND_POLL_S)
+            elif self._sample_period_us and self._by_assignment:
+                timer.arm(self._samples_at)
             try:
                 ready = poll(0.5)
             except InterruptedError:
@@ -337,6 +541,11 @@ class ShimChannel:
                 if scheduler.has_waiting:  # a grant may follow: lease words are written here
                     self._quiesce()
                 self._apply(scheduler.advance(now))
+            if self._sample_period_us and now >= self._samples_at:
+                self._samples_at = now + SAMPLE_POLL_S
+                self._collect_samples()
+            if self._pending:
+                self._check_pending(now)
             if now >= housekeeping_at:
                 housekeeping_at = now + 0.5
                 self._housekeeping(now)
@@ -493,7 +702,9 @@ class ShimChannel:
             reservation.memory_cap_bytes,
             reservation.share.sm_percent,
             mode,
+            self._sample_period_us,
         )
+        suspended = assignment_id in self._suspended
         fds = [fd]
         # The region is complete before the shim can see it.
         if mode is ShimMode.FIKIT:
@@ -513,7 +724,7 @@ class ShimChannel:
         elif mode is ShimMode.SHARE:
             snapshot = self.scheduler_snapshot()
             lease = snapshot.clients[assignment_id].lease
-            if lease is not None:  # the same process reconnected while holding a lease
+            if lease is not None and not suspended:  # reconnected while holding a lease
                 region.publish_lease(lease.lease_id, _deadline_ns(lease))
             if self._desk is not None:
                 try:
@@ -526,8 +737,10 @@ class ShimChannel:
                     fds.append(self._desk.doorbell_fd)
                     # No terms yet: its first request is forwarded, and granted beside the
                     # others' terms when they leave room for it.
-        else:
+        elif not suspended:
             region.publish_open()
+        if suspended:  # it stays suspended across a reconnection
+            region.publish_suspended(_suspend_deadline_ns())
         reply = shim_pb2.DispatcherMessage(
             registered=shim_pb2.Registered(
                 protocol_version=PROTOCOL_VERSION,
@@ -558,6 +771,8 @@ class ShimChannel:
         connection.mode = mode
         connection.region = region
         self._by_assignment[assignment_id] = connection
+        if self._introspector is not None:
+            self._introspector.set_frozen(assignment_id, suspended)
         log.info(
             "shim registered",
             gpu=self._gpu,
@@ -586,6 +801,9 @@ class ShimChannel:
                 assignment_id, report.lease_id, report.gpu_time_ns, report.longest_burst_ns,
                 now, ending=True,
             )  # fmt: skip
+        if assignment_id in self._suspended:  # it waits for ResumeClient, then asks again
+            self._apply(ended)
+            return
         if connection.requested_at is None:
             connection.requested_at = now
         self._apply(ended, self._scheduler.request(assignment_id, now))
@@ -755,7 +973,12 @@ class ShimChannel:
         withdrawing anyone's terms; then it gets terms too. False: not such a request."""
         scheduler, client_id = self._scheduler, connection.assignment_id
         assert client_id is not None
-        if event.invalid or scheduler.has_waiting or scheduler.lease_of(client_id) is not None:
+        if (
+            event.invalid
+            or scheduler.has_waiting
+            or scheduler.lease_of(client_id) is not None
+            or client_id in self._suspended
+        ):
             return False
         now = time.monotonic()
         terms = scheduler.standing_terms(now, self._desk_clients())
@@ -811,6 +1034,9 @@ class ShimChannel:
             # A shim posts only without a usable lease: the one it held is over (given back
             # early; its report may still be on the way over the socket, which is slower).
             given_up = self._scheduler.withdraw(assignment_id, now)
+        if assignment_id in self._suspended:  # it waits for ResumeClient, then asks again
+            self._apply(ended, given_up)
+            return
         if connection.requested_at is None:
             connection.requested_at = min(event.posted_ns / 1e9, now)
         self._apply(ended, given_up, self._scheduler.request(assignment_id, now))
@@ -838,8 +1064,13 @@ class ShimChannel:
             self._quiesce()
 
     def _desk_clients(self) -> set[str]:
-        """The clients the desk serves (a process asking over the socket gets no terms)."""
-        return {c.assignment_id for c in self._by_desk_slot.values() if c.assignment_id}
+        """The clients the desk serves (a process asking over the socket, or a suspended one,
+        gets no terms)."""
+        return {
+            c.assignment_id
+            for c in self._by_desk_slot.values()
+            if c.assignment_id and c.assignment_id not in self._suspended
+        }
 
     def _set_terms(self, terms: dict[str, StandingTerms]) -> None:
         desk, config = self._desk, self._scheduler.config
@@ -978,6 +1209,11 @@ class ShimChannel:
                 del self._per_uid[uid]
         self._epoll.unregister(sock.fileno())
         sock.close()
+        self._collect_from(connection)  # its last memory samples, before the region goes
+        current = self._by_assignment.get(connection.assignment_id or "") is connection
+        if current and self._introspector is not None:
+            # No process, no new samples: the last cycle stands (until one registers again).
+            self._introspector.set_frozen(connection.assignment_id or "", True)
         if connection.desk_slot is not None and self._desk is not None:
             # Its journaled renewals go into the books before the desk forgets them.
             self._take_desk_events()
@@ -1010,6 +1246,12 @@ class ShimChannel:
         for connection in list(self._connections.values()):
             if connection.assignment_id is None and now > connection.deadline:
                 self._refuse(connection, "no registration within the time limit")
+        if self._suspended:
+            until = _suspend_deadline_ns()
+            for assignment_id in self._suspended:
+                connection = self._by_assignment.get(assignment_id)
+                if connection is not None and connection.region is not None:
+                    connection.region.renew_suspension(until)
         self._fikit_metrics()
         self._refresh_terms()
         self._desk_metrics()
@@ -1053,6 +1295,10 @@ class ShimChannel:
         self._on_event(
             DispatcherEvent(kind, time.time(), assignment_id, detail, lease_id, lease_ms)
         )
+
+
+def _suspend_deadline_ns() -> int:
+    return time.monotonic_ns() + int(SUSPEND_HOLD_S * 1e9)
 
 
 def _deadline_ns(lease: Lease) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from gpuloom.convert.dispatcher import training_cycle_to_pb
 from gpuloom.convert.mig import task_run_to_pb
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp
@@ -100,6 +101,7 @@ def client_status_to_pb(
     status: ClientStatus, gpu: GpuInfo, node: str, socket_path: str
 ) -> dispatcher_pb2.ClientStatus:
     remaining_ms = status.lease_remaining_s * 1e3
+    suspension = status.suspension
     return dispatcher_pb2.ClientStatus(
         assignment=assignment_to_pb(status.reservation, gpu, node, socket_path, None),
         connected=status.connected,
@@ -113,6 +115,13 @@ def client_status_to_pb(
         gpu_time_s=status.gpu_time_s,
         waiting_ms=status.waiting_s * 1e3,
         memory_allocated_bytes=status.allocated_bytes,
+        training=None if status.training is None else training_cycle_to_pb(status.training),
+        suspended=suspension is not None,
+        suspended_reason="" if suspension is None else suspension.reason,
+        suspended_at_unix_s=0.0 if suspension is None else suspension.at_unix_s,
+        suspend_wait_ms=0.0 if suspension is None else suspension.wait_s * 1e3,
+        suspended_memory_bytes=0 if suspension is None else suspension.memory_bytes,
+        suspend_outcome="" if suspension is None else suspension.outcome.value,
     )
 
 

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import structlog
 
+from gpuloom.domain.dispatcher import TrainingCycle
 from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -36,6 +37,7 @@ from gpuloom.services.dispatcher.domain import (
     ReserveSpec,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.introspection import TrainingIntrospector
 from gpuloom.services.dispatcher.mig_executor import (
     MigBatchTask,
     MigExecutor,
@@ -54,6 +56,17 @@ log = structlog.get_logger("gpuloom.dispatcher")
 T = TypeVar("T")
 # A watcher that falls this far behind is cut off rather than slowing the dispatcher down.
 MAX_PENDING_EVENTS = 10_000
+# SuspendClient waits at most this long for a low-memory point, whatever it asks.
+MAX_SUSPEND_WAIT_S = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingReport:
+    """What this dispatcher knows of one training process (heartbeats to placement)."""
+
+    assignment_id: str
+    cycle: TrainingCycle | None
+    suspended: bool
 
 
 class EventStreamOverflow(ResourceExhausted):
@@ -81,6 +94,8 @@ class DispatcherCore:
         state_dir: Path,
         profiler_link: ProfilerLink | None = None,
         mps: MpsSupervisor | None = None,
+        introspector: TrainingIntrospector | None = None,
+        suspend_max_wait_s: float = 2.0,
     ) -> None:
         self.gpu = gpu
         self.node = node
@@ -96,6 +111,8 @@ class DispatcherCore:
         self._profiler_link = profiler_link
         self._mig_running = False
         self.mps = mps
+        self.introspector = introspector
+        self.suspend_max_wait_s = suspend_max_wait_s
         # Told when the GPU's description changes (MIG mode): the placement link registers
         # the GPU again.
         self.on_gpu_changed: Callable[[], None] | None = None
@@ -158,16 +175,73 @@ class DispatcherCore:
         log.info(kind.value, assignment=assignment_id, reason=reason)
         return True
 
+    # ---- suspend and resume (Gandiva) ----
+
+    async def suspend(self, assignment_id: str, max_wait_s: float, reason: str) -> ClientStatus:
+        """Stop admitting the client's kernels at its next low-memory point, waiting at most
+        max_wait_s (0: the default) for it; its memory stays resident. Idempotent."""
+        if self.book.get(assignment_id) is None:
+            raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        if not math.isfinite(max_wait_s) or not 0 <= max_wait_s <= MAX_SUSPEND_WAIT_S:
+            raise InvalidArgument(
+                "max_wait_ms", f"must be within 0..{MAX_SUSPEND_WAIT_S * 1e3:.0f} ms"
+            )
+        wait_s = max_wait_s or self.suspend_max_wait_s
+        pending = await self._on_channel(
+            lambda: self.channel.begin_suspend(assignment_id, wait_s, reason)
+        )
+        await asyncio.wrap_future(pending)
+        return await self.client_status(assignment_id)
+
+    async def resume(self, assignment_id: str) -> ClientStatus:
+        """Admit the client's kernels again. Idempotent."""
+        if self.book.get(assignment_id) is None:
+            raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        await self._on_channel(lambda: self.channel.resume(assignment_id))
+        return await self.client_status(assignment_id)
+
+    async def training_reports(self) -> list[TrainingReport]:
+        """Each reservation with a detected cycle or a suspension, by assignment id."""
+        suspended = await self._on_channel(self.channel.suspensions)
+        cycles = {} if self.introspector is None else self.introspector.cycles()
+        return [
+            TrainingReport(
+                r.assignment_id, cycles.get(r.assignment_id), r.assignment_id in suspended
+            )
+            for r in sorted(self.book.all(), key=lambda r: r.assignment_id)
+            if r.assignment_id in cycles or r.assignment_id in suspended
+        ]
+
     # ---- queries ----
 
-    async def status(self) -> tuple[GpuStatusView, GpuUsage]:
-        snapshot, connected = await self._on_channel(
-            lambda: (self.channel.scheduler_snapshot(), self.channel.connected())
+    async def client_status(self, assignment_id: str) -> ClientStatus:
+        view, _ = await self.status(with_usage=False)
+        for client in view.clients:
+            if client.reservation.assignment_id == assignment_id:
+                return client
+        raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+
+    async def status(self, with_usage: bool = True) -> tuple[GpuStatusView, GpuUsage]:
+        snapshot, connected, suspended = await self._on_channel(
+            lambda: (
+                self.channel.scheduler_snapshot(),
+                self.channel.connected(),
+                self.channel.suspensions(),
+            )
         )
-        usage = await asyncio.to_thread(self.backend.usage, self.gpu.index)
+        usage = (
+            await asyncio.to_thread(self.backend.usage, self.gpu.index)
+            if with_usage
+            else GpuUsage(0.0, 0)
+        )
+        cycles = {} if self.introspector is None else self.introspector.cycles()
         now = time.monotonic()
         clients = tuple(
-            self._client_status(reservation, snapshot, connected, now)
+            replace(
+                self._client_status(reservation, snapshot, connected, now),
+                training=cycles.get(reservation.assignment_id),
+                suspension=suspended.get(reservation.assignment_id),
+            )
             for reservation in sorted(self.book.all(), key=lambda r: r.reserved_at_unix_s)
         )
         view = GpuStatusView(

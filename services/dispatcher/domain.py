@@ -10,7 +10,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.domain.dispatcher import LeaseState
+from gpuloom.domain.dispatcher import LeaseState, TrainingCycle
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.shares import SpatioTemporalShare, validate_priority
 from gpuloom.domain.validation import MAX_KEY_CHARS, check_name
@@ -132,7 +132,30 @@ class ClientStatus:
     leases_granted: int
     gpu_time_s: float
     waiting_s: float = 0.0  # since the lease request it waits on (WAITING/BLOCKED)
-    allocated_bytes: int = 0  # device memory, as the shim's last usage report said
+    allocated_bytes: int = 0  # device memory, as the shim last reported or sampled it
+    training: TrainingCycle | None = None  # the detected mini-batch cycle
+    suspension: Suspension | None = None  # set while suspended (SuspendClient)
+
+
+class SuspendOutcome(enum.Enum):
+    """How a suspension point was reached."""
+
+    LOW_POINT = "low_point"  # the process's memory was at its cycle's low
+    TIMEOUT = "timeout"  # no low point within max_wait_ms: suspended where it was
+    NO_CYCLE = "no_cycle"  # no mini-batch cycle detected: suspended at once
+    NOT_RUNNING = "not_running"  # no process connected: suspended at once
+
+
+@dataclass(frozen=True, slots=True)
+class Suspension:
+    """A suspended client: its kernels are not admitted until ResumeClient."""
+
+    reason: str
+    at_unix_s: float
+    at_monotonic_s: float
+    wait_s: float  # how long it waited for the suspension point
+    outcome: SuspendOutcome
+    memory_bytes: int  # device memory it held when suspended (its last sample; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True)

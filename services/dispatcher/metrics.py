@@ -76,3 +76,30 @@ CONNECTIONS_REFUSED = prometheus_client.Counter(
     "connections kept for users holding a reservation",
     ["gpu", "reason"],
 )
+
+# ---- training introspection and suspend/resume (docs/training.md) ----
+MEMORY_SAMPLES = prometheus_client.Counter(
+    "gpuloom_dispatcher_memory_samples_total",
+    "Memory samples read from the shims' rings: accepted, rejected (implausible: counted and "
+    "dropped), overrun (overwritten before they were read)",
+    ["gpu", "outcome"],
+)
+TRAINING_MINIBATCH = prometheus_client.Gauge(
+    "gpuloom_dispatcher_training_minibatch_seconds",
+    "A training process's mini-batch time as detected from its memory samples (0: none)",
+    ["gpu", "assignment"],
+)
+TRAINING_LOW_MEMORY = prometheus_client.Gauge(
+    "gpuloom_dispatcher_training_low_memory_bytes",
+    "Device memory a training process holds at its mini-batch cycle's low points",
+    ["gpu", "assignment"],
+)
+SUSPENSIONS = prometheus_client.Counter(
+    "gpuloom_dispatcher_suspensions_total",
+    "Clients suspended, by how the suspension point was reached: low_point, timeout (no low "
+    "point within max_wait_ms), no_cycle (none detected), not_running (no process connected)",
+    ["gpu", "outcome"],
+)
+SUSPENDED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_suspended_clients", "Clients suspended now", ["gpu"]
+)

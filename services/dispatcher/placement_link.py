@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import structlog
 
+from gpuloom.convert.dispatcher import training_cycle_to_pb
 from gpuloom.convert.shares import share_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
@@ -249,6 +250,14 @@ class PlacementLink:
             assignment_ids=[r.assignment_id for r in reservations],
             reservations=[_reservation_to_pb(r) for r in reservations],
             models=self._store_models(),
+            training=[
+                placement_pb2.TrainingReport(
+                    assignment_id=report.assignment_id,
+                    cycle=None if report.cycle is None else training_cycle_to_pb(report.cycle),
+                    suspended=report.suspended,
+                )
+                for report in await self._bounded(self._core.training_reports())
+            ],
         )
         response = await stub.Heartbeat(request, timeout=self._timeout_s)
         for assignment_id in response.release_assignment_ids:

@@ -68,6 +68,26 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
         await self._core.evict(check_assignment_id(request.assignment_id), request.reason)
         return pb.EvictClientResponse()
 
+    @rpc(SERVICE)
+    async def SuspendClient(
+        self, request: pb.SuspendClientRequest, context: Context
+    ) -> pb.ClientStatus:
+        if len(request.reason) > MAX_REASON_CHARS:
+            raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
+        core = self._core
+        status = await core.suspend(
+            check_assignment_id(request.assignment_id), request.max_wait_ms / 1e3, request.reason
+        )
+        return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
+
+    @rpc(SERVICE)
+    async def ResumeClient(
+        self, request: pb.ResumeClientRequest, context: Context
+    ) -> pb.ClientStatus:
+        core = self._core
+        status = await core.resume(check_assignment_id(request.assignment_id))
+        return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
+
     @stream_rpc(SERVICE)
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: Context

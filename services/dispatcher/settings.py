@@ -87,6 +87,21 @@ class DispatcherSettings(BaseSettings):
     models_dir: Path | None = None
     # The CUDA driver library the store's process opens (a name or a path).
     cuda_library: str = Field(default="libcuda.so.1", min_length=1, max_length=4096)
+    # Training introspection (docs/training.md): the shortest interval between two memory
+    # samples a shim writes (0: none, and no cycle is detected); how far back and how often the
+    # dispatcher looks for each process's mini-batch cycle.
+    training_sample_us: int = Field(default=1000, ge=0, le=1_000_000)
+    training_window_s: float = Field(default=10.0, gt=0, le=3600)
+    training_analyze_ms: float = Field(default=1000.0, ge=10, le=3_600_000)
+    # SuspendClient waits this long for a low-memory point when the request names no bound.
+    suspend_max_wait_ms: float = Field(default=2000.0, gt=0, le=600_000)
+
+    @field_validator("training_sample_us")
+    @classmethod
+    def _sample_period(cls, period: int) -> int:
+        if 0 < period < 100:
+            raise ValueError("0 (no sampling) or at least 100 us (a ring holds 236 samples)")
+        return period
 
     @field_validator("policy")
     @classmethod

@@ -1,8 +1,11 @@
 /* Admission in share mode: asking the dispatcher for a lease (through the lease desk's words
  * in the region, or a LeaseRequest frame; either carries the usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
  * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c; what a
- * refused, lost or evicted process's launches get. The inline fast check is admission.h's gate().
- * Owns: g_wait_lock, g_stall_epoch, g_stalled, g_last_request_ns. */
+ * refused, lost or evicted process's launches get; and suspension (SuspendClient): a suspended
+ * process waits at its next launch (any mode) or allocation (memcap.c) until resumed, without
+ * the GPULOOM_SHIM_WAIT_MS bound, while the dispatcher keeps renewing the suspension. The inline
+ * fast check is admission.h's gate().
+ * Owns: g_wait_lock, g_stall_epoch, g_stalled, g_last_request_ns, g_suspend_logged. */
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <stdio.h>
@@ -16,6 +19,7 @@ static pthread_mutex_t g_wait_lock = PTHREAD_MUTEX_INITIALIZER; /* one waiter as
 static uint32_t g_stall_epoch;
 static int g_stalled;
 static uint64_t g_last_request_ns;
+static int g_suspend_logged; /* atomic: a lapsed suspension was announced (once per episode) */
 
 /* Through the lease desk when the dispatcher runs one (request words in the region and the
  * doorbell: no socket, no Python on the way), else a LeaseRequest frame on the socket. */
@@ -34,6 +38,35 @@ static void futex_wait(const uint8_t *r, uint32_t seen, uint64_t timeout_ns) {
     struct timespec t = {.tv_sec = (time_t)(timeout_ns / 1000000000u),
                          .tv_nsec = (long)(timeout_ns % 1000000000u)};
     syscall(SYS_futex, (const uint32_t *)(r + GL_OFF_EPOCH), FUTEX_WAIT, seen, &t, NULL, 0);
+}
+
+/* The suspension's deadline (0 = none) as of now: one that has lapsed (the dispatcher stopped
+ * renewing it) is announced once and no longer holds the process. */
+static uint64_t suspended_until(const uint8_t *r, uint64_t now) {
+    uint64_t until = r_u64(r, GL_OFF_SUSPEND_UNTIL);
+    if (until == 0) return 0;
+    if (now < until) return until;
+    if (!__atomic_exchange_n(&g_suspend_logged, 1, __ATOMIC_ACQ_REL))
+        say(LOG_WARN, "the dispatcher stopped renewing this process's suspension; running again");
+    return 0;
+}
+
+void suspend_wait(const uint8_t *r) {
+    if (suspended_until(r, now_ns()) == 0) return;
+    trace("suspended");
+    say(LOG_INFO, "suspended by the dispatcher; waiting to be resumed");
+    for (;;) {
+        /* Lost (the dispatcher died), evicted or re-registered: the usual paths decide. */
+        if (conn_state() != CONN_CONNECTED || region() != r) break;
+        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) break;
+        uint32_t epoch = r_u32(r, GL_OFF_EPOCH);
+        uint64_t now = now_ns(), until = suspended_until(r, now);
+        if (until == 0) break;
+        uint64_t left = until - now;
+        futex_wait(r, epoch, left < 20000000u ? left : 20000000u);
+    }
+    if (r_u64(r, GL_OFF_SUSPEND_UNTIL) == 0) __atomic_store_n(&g_suspend_logged, 0, __ATOMIC_RELEASE);
+    trace("resumed");
 }
 
 /* Called with g_wait_lock held. */
@@ -58,6 +91,19 @@ static CUresult wait_for_lease(const uint8_t *r) {
         }
         if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
         if (conn_state() != CONN_CONNECTED) return on_loss("lost the dispatcher");
+        if (UNLIKELY(r_u64(r, GL_OFF_SUSPEND_UNTIL) != 0) && suspended_until(r, now) != 0) {
+            /* Suspended while waiting: the dispatcher dropped the request. Wait unbounded, then
+             * ask again with a fresh bound. */
+            suspend_wait(r);
+            if (conn_state() != CONN_CONNECTED) return on_loss("lost the dispatcher");
+            start = now_ns();
+            deadline = start + (uint64_t)C.wait_ms * 1000000u;
+            seen = r_u64(r, GL_OFF_LEASE_ID);
+            epoch = r_u32(r, GL_OFF_EPOCH);
+            if (start < r_u64(r, GL_OFF_ADMIT_UNTIL)) continue;
+            if (send_request(r) != 0) return on_loss("lost the dispatcher");
+            continue;
+        }
         uint64_t lease = r_u64(r, GL_OFF_LEASE_ID);
         if (lease != 0 && lease != seen) {
             /* A lease came and went before we looked: report it (unused) and ask again. */
@@ -91,6 +137,14 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
      * this is never NULL (the fast check's copy may predate a first, late registration). */
     const uint8_t *r = region();
     if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+    /* Suspended: held here in every mode (not on a capturing stream: recorded, not run). */
+    if (UNLIKELY(r_u64(r, GL_OFF_SUSPEND_UNTIL) != 0) && !is_capturing(key)) {
+        suspend_wait(r);
+        state = conn_state();
+        if (state != CONN_CONNECTED) return on_loss("lost the dispatcher");
+        r = region();
+        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+    }
     if (g_mode == GL_MODE_FIKIT)
         return fikit_admit((uint8_t *)r, key, launch, granted_seq, &g_wait_lock);
     if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;

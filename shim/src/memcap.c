@@ -12,7 +12,11 @@
  *   Not counted here: IPC-opened memory (cuIpcOpenMemHandle) and mappings of handles this
  *   process did not create (imported shareable handles): they are counted once, by the process
  *   that allocated them.
- * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_mem_lock. */
+ * Every change of the count is also sampled into the region's memory ring (wire.h), at most one
+ * entry per sample period the dispatcher sets, for its training introspection (the mini-batch
+ * cycle); and a suspended process waits at its next allocation (suspend_point), so that it stops
+ * where the dispatcher suspended it, at a low-memory point.
+ * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_mem_lock, the g_sample_* state. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +48,38 @@ void mem_set_cap(uint64_t cap_bytes) {
 
 uint64_t mem_allocated(void) { return __atomic_load_n(&g_allocated, __ATOMIC_RELAXED); }
 
+static pthread_mutex_t g_sample_lock = PTHREAD_MUTEX_INITIALIZER;
+static const uint8_t *g_sample_region; /* the region the count below is for (guarded) */
+static uint32_t g_sample_count;        /* entries written into it */
+static uint64_t g_sample_at;           /* when the latest entry was started */
+
+/* The count now, into the region's memory ring (off when the dispatcher set no period). Read
+ * under the lock, so the last writer writes the latest total. */
+static void mem_sample(void) {
+    uint8_t *r = region();
+    if (r == NULL || conn_state() != CONN_CONNECTED) return;
+    uint64_t period = (uint64_t)r_u32(r, GL_OFF_SAMPLE_PERIOD) * 1000u;
+    if (period == 0) return;
+    uint64_t now = now_ns();
+    pthread_mutex_lock(&g_sample_lock);
+    if (r != g_sample_region) { /* a new registration: a fresh ring */
+        g_sample_region = r;
+        g_sample_count = 0;
+    }
+    uint64_t allocated = __atomic_load_n(&g_allocated, __ATOMIC_ACQUIRE);
+    if (g_sample_count > 0 && now - g_sample_at < period) {
+        int entry = GL_OFF_MS_RING + 16 * (int)((g_sample_count - 1) % GL_REGION_SAMPLES);
+        w_u64(r, entry + 8, allocated);
+    } else {
+        int entry = GL_OFF_MS_RING + 16 * (int)(g_sample_count % GL_REGION_SAMPLES);
+        w_u64(r, entry, now);
+        w_u64(r, entry + 8, allocated);
+        w_u32(r, GL_OFF_MS_HEAD, ++g_sample_count);
+        g_sample_at = now;
+    }
+    pthread_mutex_unlock(&g_sample_lock);
+}
+
 static size_t mem_bucket(uint64_t key) { return (size_t)((key * 0x9E3779B97F4A7C15ull) >> 52); }
 
 /* Reserve `size` against the cap; 0 when it does not fit. */
@@ -53,13 +89,16 @@ static int mem_reserve(uint64_t size) {
     for (;;) {
         if (cap && (size > cap || used > cap - size)) return 0;
         if (__atomic_compare_exchange_n(&g_allocated, &used, used + size, 1, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_RELAXED))
+                                        __ATOMIC_RELAXED)) {
+            if (size) mem_sample();
             return 1;
+        }
     }
 }
 
 static void mem_unreserve(uint64_t size) {
     __atomic_fetch_sub(&g_allocated, size, __ATOMIC_ACQ_REL);
+    if (size) mem_sample();
 }
 
 /* Table operations: called with g_mem_lock held. */
@@ -134,12 +173,16 @@ static CUresult over_cap(const char *hook, uint64_t size) {
 }
 
 /* The common shape of an allocation hook (`hook`: its index in the list; the new allocation
- * goes into `table` under `out_key`, with `extra`). */
-#define ALLOC_HOOK(hook, size, table, out_key, extra, call)                             \
+ * goes into `table` under `out_key`, with `extra`; `capturing`: recorded into a graph, not run,
+ * so never held by a suspension). */
+#define ALLOC_HOOK(hook, size, table, out_key, extra, capturing, call)                  \
     do {                                                                                \
         init();                                                                         \
         if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                                 \
         ensure_registered();                                                            \
+        uint8_t *r_ = region(); /* is_capturing is a driver call: only when suspended */  \
+        if (UNLIKELY(r_ != NULL && r_u64(r_, GL_OFF_SUSPEND_UNTIL) != 0) && !(capturing)) \
+            suspend_wait(r_);                                                           \
         uint64_t size_ = (size);                                                        \
         if (!mem_reserve(size_)) return over_cap(g_hooks[hook].symbol, size_);          \
         CUresult result_ = (call);                                                      \
@@ -153,18 +196,17 @@ static CUresult over_cap(const char *hook, uint64_t size) {
     } while (0)
 
 EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
-    ALLOC_HOOK(H_cuMemAlloc_v2, bytes, &g_mem, *dptr, 0, REAL(cuMemAlloc_v2)(dptr, bytes));
+    ALLOC_HOOK(H_cuMemAlloc_v2, bytes, &g_mem, *dptr, 0, 0, REAL(cuMemAlloc_v2)(dptr, bytes));
 }
 
 EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags) {
-    ALLOC_HOOK(H_cuMemAllocManaged, bytes, &g_mem, *dptr, 0,
+    ALLOC_HOOK(H_cuMemAllocManaged, bytes, &g_mem, *dptr, 0, 0,
                REAL(cuMemAllocManaged)(dptr, bytes, flags));
 }
 
 static ALWAYS_INLINE CUresult cuMemAllocAsync_body(int hook, int per_thread, CUdeviceptr *dptr,
                                                    size_t bytes, CUstream stream) {
-    (void)per_thread; /* the cap is per process, whichever stream */
-    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0,
+    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0, is_capturing(stream_key(stream, per_thread)),
                REAL_AT(cuMemAllocAsync, hook)(dptr, bytes, stream));
 }
 
@@ -174,8 +216,7 @@ GL_TWIN_HOOKS(cuMemAllocAsync, _ptsz, (CUdeviceptr *dptr, size_t bytes, CUstream
 static ALWAYS_INLINE CUresult cuMemAllocFromPoolAsync_body(int hook, int per_thread,
                                                            CUdeviceptr *dptr, size_t bytes,
                                                            CUmemoryPool pool, CUstream stream) {
-    (void)per_thread;
-    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0,
+    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0, is_capturing(stream_key(stream, per_thread)),
                REAL_AT(cuMemAllocFromPoolAsync, hook)(dptr, bytes, pool, stream));
 }
 
@@ -186,7 +227,7 @@ GL_TWIN_HOOKS(cuMemAllocFromPoolAsync, _ptsz,
 /* One reference for the handle itself (until cuMemRelease), one per mapping (cuMemMap). */
 EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes,
                                     const CUmemAllocationProp *prop, unsigned long long flags) {
-    ALLOC_HOOK(H_cuMemCreate, bytes, &g_vmm, *handle, 1,
+    ALLOC_HOOK(H_cuMemCreate, bytes, &g_vmm, *handle, 1, 0,
                REAL(cuMemCreate)(handle, bytes, prop, flags));
 }
 
@@ -197,6 +238,7 @@ EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, siz
     init();
     if (!REAL(cuMemAllocPitch_v2)) return CUDA_ERROR_NOT_FOUND;
     ensure_registered();
+    suspend_point();
     uint64_t minimum = (uint64_t)width * height;
     if (!mem_reserve(minimum)) return over_cap("cuMemAllocPitch_v2", minimum);
     CUresult result = REAL(cuMemAllocPitch_v2)(dptr, pitch, width, height, element_bytes);

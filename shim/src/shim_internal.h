@@ -164,7 +164,7 @@ static inline uint64_t r_u64(const uint8_t *r, int offset) {
 static inline uint32_t r_u32(const uint8_t *r, int offset) {
     return __atomic_load_n((const uint32_t *)(r + offset), __ATOMIC_ACQUIRE);
 }
-/* The FIKIT request words are the only ones a shim writes in its region. */
+/* A shim writes only its FIKIT request words, its lease request words and its memory samples. */
 static inline void w_u32(uint8_t *r, int offset, uint32_t value) {
     __atomic_store_n((uint32_t *)(r + offset), value, __ATOMIC_RELEASE);
 }
@@ -244,6 +244,17 @@ uint64_t mem_allocated(void);
  * it): total = min(cap, real total), free = min(real free, cap - counted). Unchanged when
  * there is no cap. */
 void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* ---- admission.c: suspension (SuspendClient) ---- */
+
+/* Wait while region `r` says the process is suspended (without the GPULOOM_SHIM_WAIT_MS bound):
+ * until the dispatcher clears the word, stops renewing it, evicts, or is lost. */
+void suspend_wait(const uint8_t *r);
+/* At an allocation or launch: one load when not suspended. */
+static inline void suspend_point(void) {
+    uint8_t *r = region();
+    if (UNLIKELY(r != NULL && r_u64(r, GL_OFF_SUSPEND_UNTIL) != 0)) suspend_wait(r);
+}
 
 #pragma GCC visibility pop
 

@@ -9,8 +9,8 @@
 /* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
  * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
-#define GL_REGION_VERSION 2u
-#define GL_REGION_BYTES 256u
+#define GL_REGION_VERSION 3u
+#define GL_REGION_BYTES 4096u
 #define GL_OFF_MAGIC 0
 #define GL_OFF_VERSION 4
 /* Lease words: written by the dispatcher. */
@@ -21,6 +21,14 @@
 #define GL_OFF_MEMORY_CAP 32
 #define GL_OFF_SM_PERCENT 40
 #define GL_OFF_MODE 44
+/* Suspension (SuspendClient; docs/dispatcher.md "Suspend and resume"): CLOCK_MONOTONIC ns
+ * until which the process is suspended, renewed by the dispatcher while it lasts; 0 = not
+ * suspended. A suspended shim waits at its next launch or allocation, without the
+ * GPULOOM_SHIM_WAIT_MS bound, until it is cleared, the deadline passes unrenewed (a hung
+ * dispatcher) or the connection is lost. */
+#define GL_OFF_SUSPEND_UNTIL 48
+/* u32: the shortest interval (us) between two memory samples the shim writes; 0 = none. */
+#define GL_OFF_SAMPLE_PERIOD 56
 /* FIKIT words written by the arbiter (docs/fikit.md). */
 #define GL_OFF_FK_GRANT 64   /* u32 futex word: the request sequence number granted last */
 #define GL_OFF_FK_ROLE 68    /* u32 GL_ROLE_* */
@@ -41,6 +49,15 @@
 #define GL_OFF_LR_BURST_NS 216 /* u64 the longest burst under it (0: none measured) */
 #define GL_OFF_LR_POST_NS 224  /* u64 when the request was posted (CLOCK_MONOTONIC ns) */
 #define GL_OFF_LR_ALLOCATED 232 /* u64 device memory the process holds (with a report) */
+/* Memory samples written by the shim in every mode (when GL_OFF_SAMPLE_PERIOD is set), for the
+ * dispatcher's training introspection; the dispatcher validates every read. A ring of
+ * GL_REGION_SAMPLES entries {u64 CLOCK_MONOTONIC ns, u64 device memory the process holds}; entry
+ * i lives at GL_OFF_MS_RING + 16 * (i % GL_REGION_SAMPLES). Each allocation or free writes the
+ * new total: into a new entry (head + 1 stored after it) when the latest entry is at least the
+ * sample period old, else over the latest entry's bytes (its time stays). */
+#define GL_OFF_MS_HEAD 256 /* u32 entries written so far (wraps) */
+#define GL_OFF_MS_RING 320
+#define GL_REGION_SAMPLES 236
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };

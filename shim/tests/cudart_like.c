@@ -23,6 +23,16 @@
  *                                   the request latencies' mean, p50, p99 (ms) and the failures,
  *                                   then the same as the JSON line `gpuloom profile sweep` reads
  *                                   ({"requests_per_s": ..., "p50_latency_ms": ..., ...})
+ *   train N PERIOD_US LAYERS BYTES NAME   a fake training loop: N mini-batches, one started
+ *                                   every PERIOD_US (the host sleeps in between: data loading;
+ *                                   after a stall the schedule restarts). Each: forward (per
+ *                                   layer cuMemAlloc BYTES of activations, launch NAME, stream
+ *                                   sync), backward (per layer launch NAME, stream sync,
+ *                                   cuMemFree its activations), then cuCtxSynchronize. Prints
+ *                                   "train step I t=NS" after each (NS: when it began,
+ *                                   CLOCK_MONOTONIC), then "train minibatches=N done=D failed=F"
+ *                                   (F: mini-batches with a failed allocation or launch: lost
+ *                                   work) and exits 3 if F > 0
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -228,6 +238,49 @@ static CUresult launch_one(const char *kind, CUfunction f, unsigned d[6]) {
         return D.cuLaunchCooperativeKernel(f, d[0], d[1], d[2], d[3], d[4], d[5], 0, g_stream,
                                            NULL);
     return D.cuLaunchKernel(f, d[0], d[1], d[2], d[3], d[4], d[5], 0, g_stream, NULL, NULL);
+}
+
+/* The `train` op: returns the number of failed mini-batches. */
+static long train(long steps, long period_us, int layers, size_t bytes, const char *name) {
+    CUfunction f = find(name);
+    unsigned d[6] = {1, 1, 1, 1, 1, 1};
+    CUdeviceptr act[64];
+    if (layers < 1 || layers > 64) layers = 64;
+    long done = 0, failed = 0;
+    uint64_t period = (uint64_t)period_us * 1000u, next = now_ns();
+    for (long step = 0; step < steps; step++) {
+        uint64_t now = now_ns();
+        if (now < next) {
+            struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
+            nanosleep(&t, NULL);
+        } else if (now - next > period) {
+            next = now; /* stalled (suspended): start the schedule again */
+        }
+        next += period;
+        uint64_t began = now_ns();
+        int ok = 1, held = 0;
+        for (int l = 0; l < layers; l++) {
+            if (D.cuMemAlloc(&act[l], bytes) != CUDA_SUCCESS) {
+                ok = 0;
+                break;
+            }
+            held++;
+            if (launch_one("kernel", f, d) != CUDA_SUCCESS) ok = 0;
+            if (D.cuStreamSynchronize(g_stream) != CUDA_SUCCESS) ok = 0;
+        }
+        for (int l = held - 1; l >= 0; l--) {
+            if (launch_one("kernel", f, d) != CUDA_SUCCESS) ok = 0;
+            if (D.cuStreamSynchronize(g_stream) != CUDA_SUCCESS) ok = 0;
+            if (D.cuMemFree(act[l]) != CUDA_SUCCESS) ok = 0;
+        }
+        if (D.cuCtxSynchronize() != CUDA_SUCCESS) ok = 0;
+        if (ok) done++;
+        else failed++;
+        printf("train step %ld t=%llu\n", step, (unsigned long long)began);
+        fflush(stdout);
+    }
+    printf("train minibatches=%ld done=%ld failed=%ld\n", steps, done, failed);
+    return failed;
 }
 
 static CUresult alloc(const char *kind, size_t bytes) {
@@ -453,6 +506,12 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "cudart_like: launch failed with CUresult %d\n", (int)last);
                 failed = 1;
             }
+        } else if (strcmp(op, "train") == 0) {
+            NEED(5);
+            if (train(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
+                      (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
+                failed = 1;
+            i += 5;
         } else if (strcmp(op, "infer") == 0) {
             NEED(4);
             if (infer(atol(argv[i + 1]), atol(argv[i + 2]), atol(argv[i + 3]), argv[i + 4]) != 0)

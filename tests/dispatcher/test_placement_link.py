@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -438,3 +439,38 @@ def test_the_advertised_address(advertise: str, bind: str, expected: str) -> Non
 )
 def test_the_heartbeat_interval_is_clamped(answered: float, used: float) -> None:
     assert clamp_interval(answered) == used
+
+
+async def test_heartbeats_carry_training_cycles_and_suspensions(
+    short_dir: Path, placement: PlacementServer
+) -> None:
+    async with linked_dispatcher(short_dir, placement.address) as linked:
+        for name in ("job-t", "job-s", "job-idle"):
+            await linked.stub.Reserve(reserve_request(request=20, assignment_id=name))
+        introspector = linked.dispatcher.core.introspector
+        assert introspector is not None
+        # Three seconds of a 100 ms training cycle, as the channel would have read them from the
+        # process's ring: 40 ms up and down between 64 and 192 MiB, 60 ms at the floor.
+        now = time.monotonic_ns()
+        samples = []
+        for cycle in range(30):
+            start = now - 3_000_000_000 + cycle * 100_000_000
+            for i in range(16):
+                level = i + 1 if i < 8 else 15 - i
+                samples.append((start + i * 2_500_000, (64 + 16 * level) << 20))
+        introspector.feed("job-t", samples)
+        introspector.analyze("job-t")
+        await linked.stub.SuspendClient(
+            dispatcher_pb2.SuspendClientRequest(assignment_id="job-s", reason="test")
+        )
+        # A heartbeat built before the suspension may still arrive: wait for one after it.
+        await eventually(
+            lambda: any(r.suspended for r in placement.fake.heartbeats[-1].training),
+            "a heartbeat with the suspension",
+        )
+        reports = {r.assignment_id: r for r in placement.fake.heartbeats[-1].training}
+        assert sorted(reports) == ["job-s", "job-t"]  # job-idle: nothing to report
+        assert reports["job-t"].cycle.minibatch_s == pytest.approx(0.1, rel=0.05)
+        assert reports["job-t"].cycle.low_memory_bytes == pytest.approx(64 << 20, rel=0.05)
+        assert not reports["job-t"].suspended
+        assert reports["job-s"].suspended and not reports["job-s"].HasField("cycle")

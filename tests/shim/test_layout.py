@@ -1,6 +1,7 @@
 """The shared-memory layout is the same in C and in Python: the admission region's magic,
-version, size and every field offset (the lease words, the FIKIT words and the lease request
-words), and the values of the mode, state, FIKIT role and lease request flag enums.
+version, size and every field offset (the lease words, the FIKIT words, the lease request words
+and the memory sample ring), and the values of the mode, state, FIKIT role and lease request
+flag enums.
 
 The C values come from the compiler, not from reading the header: a small program that includes
 `shim/src/wire.h` prints each constant. The names to compare are every region constant
@@ -66,6 +67,7 @@ def python_layout() -> dict[str, int]:
         "GL_REGION_MAGIC": shimwire.REGION_MAGIC,
         "GL_REGION_VERSION": shimwire.REGION_VERSION,
         "GL_REGION_BYTES": shimwire.REGION_BYTES,
+        "GL_REGION_SAMPLES": shimwire.REGION_SAMPLES,
     }
     values.update(
         {f"GL{name}": value for name, value in vars(shimwire).items() if name.startswith("_OFF_")}
