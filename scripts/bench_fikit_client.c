@@ -4,16 +4,19 @@
  *   bench_fikit_client holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT
  *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does); OUT gets the
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
+ *       (and fires the arm the arbiter gave it, as the shim's fire_arm does)
  *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
- *       requests KERNEL_ID, and once granted "runs" it for KERNEL_US (sleeps), reports it done
- *       and asks again; OUT gets, per grant, the time the request was posted and the time the
- *       grant was seen (two u64 ns)
+ *       requests KERNEL_ID, and once granted (or released by the holder's fire of its arm)
+ *       "runs" it for KERNEL_US (sleeps), reports it done and asks again; OUT gets, per
+ *       grant, the time the request was posted, the time the grant was seen, and 1 if the
+ *       holder's fire released it, 0 if the arbiter's grant did (three u64)
  *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
  *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
  *       which records how long the wake-up took (u64 ns)
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -53,6 +56,28 @@ static void store64(volatile uint8_t *r, int offset, uint64_t value) {
 static void futex_wait(volatile void *word, uint32_t seen, long timeout_ns) {
     struct timespec t = {.tv_sec = 0, .tv_nsec = timeout_ns};
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &t, NULL, 0);
+}
+
+static uint64_t load64(volatile uint8_t *r, int offset) {
+    return __atomic_load_n((uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
+}
+
+/* As shim/src/fikit_gate.c: sleep until the grant word, the arm word or the board moves. */
+static void wait_words(volatile uint8_t *r, uint32_t granted, uint32_t arm_wait,
+                       volatile uint8_t *board, uint32_t launch, long ns) {
+    struct futex_waitv w[3] = {
+        {.val = granted, .uaddr = (uintptr_t)(r + GL_OFF_FK_GRANT), .flags = FUTEX_32},
+        {.val = arm_wait, .uaddr = (uintptr_t)(r + GL_OFF_FK_ARM_WAIT), .flags = FUTEX_32},
+        {.val = launch, .uaddr = (uintptr_t)(board + GL_BOARD_LAUNCH), .flags = FUTEX_32},
+    };
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += ns;
+    while (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    syscall(SYS_futex_waitv, w, board ? 3u : 2u, 0u, &until, CLOCK_MONOTONIC);
 }
 
 static void ring(int doorbell) {
@@ -153,6 +178,7 @@ int main(int argc, char **argv) {
     size_t count = 0;
     uint32_t seq = load32(r, GL_OFF_FK_REQ_SEQ);
     uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
+    uint64_t fired = 0, released = 0;
     if (holder) {
         long period_us = atol(argv[5]);
         for (uint64_t next = now_ns(); next < stop && count < CAPACITY;) {
@@ -162,11 +188,24 @@ int main(int argc, char **argv) {
             store64(r, GL_OFF_FK_POST_NS, t);
             store64(r, GL_OFF_FK_KERNEL, kernel);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
+            uint64_t nonce = load64(r, GL_OFF_FK_ARM);
+            int match = 0;
+            for (int k = 0; k < GL_ARM_KERNELS; k++)
+                match |= load64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
+            if (nonce != 0 && nonce != fired && match && load64(r, GL_OFF_FK_ARM) == nonce &&
+                registration.board_count > 0) {
+                volatile uint8_t *board = registration.boards[registration.board_count - 1];
+                fired = nonce;
+                __atomic_store_n((uint64_t *)(board + GL_BOARD_FIRED), nonce, __ATOMIC_RELEASE);
+                __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
+                syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX,
+                        NULL, NULL, 0);
+            }
             if (load32(r, GL_OFF_FK_NOTIFY)) ring(doorbell);
             times[count++] = t;
         }
     } else {
-        while (now_ns() < stop && count + 2 <= CAPACITY) {
+        while (now_ns() < stop && count + 3 <= CAPACITY) {
             uint64_t posted = now_ns();
             store64(r, GL_OFF_FK_KERNEL, kernel);
             store64(r, GL_OFF_FK_POST_NS, posted);
@@ -175,14 +214,32 @@ int main(int argc, char **argv) {
             ring(doorbell);
             unsigned spins = 0;
             uint32_t granted;
+            uint64_t by_board = 0;
             while ((granted = load32(r, GL_OFF_FK_GRANT)) != seq && now_ns() < stop) {
+                uint32_t arm_wait = load32(r, GL_OFF_FK_ARM_WAIT);
+                uint64_t nonce = load64(r, GL_OFF_FK_ARMED);
+                uint32_t index = load32(r, GL_OFF_FK_ARM_BOARD);
+                volatile uint8_t *board = NULL;
+                uint32_t launch = 0;
+                if (nonce != 0 && nonce != released && index + 1 < registration.board_count) {
+                    board = registration.boards[index];
+                    launch = load32(board, GL_BOARD_LAUNCH);
+                    if (load64(board, GL_BOARD_FIRED) == nonce) {
+                        released = nonce;
+                        store64(r, GL_OFF_FK_RELEASED, nonce);
+                        by_board = 1;
+                        break;
+                    }
+                }
+                if (load32(r, GL_OFF_FK_GRANT) == seq) break;
                 if (++spins < 2000) continue; /* the shim spins briefly too */
-                futex_wait(r + GL_OFF_FK_GRANT, granted, 5000000);
+                wait_words(r, granted, arm_wait, board, launch, 5000000);
             }
-            if (granted != seq) break;
+            if (!by_board && load32(r, GL_OFF_FK_GRANT) != seq) break;
             uint64_t granted_at = now_ns();
             times[count++] = posted;
             times[count++] = granted_at;
+            times[count++] = by_board;
             store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
             sleep_until(granted_at + kernel_ns); /* the kernel runs */
             store32(r, GL_OFF_FK_DONE, seq);

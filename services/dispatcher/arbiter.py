@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gpuloom.policies.fikit.core import (
     MAX_TASKS,
+    PRIORITIES,
     UNKNOWN,
     FikitConfig,
     FikitConfigStruct,
@@ -33,6 +34,9 @@ class ArbiterStats:
     unknown_kernels: int
     invalid_writes: int
     role_races: int
+    arms: int
+    fired: int
+    late_releases: int
     tasks: int
     waiting: int
 
@@ -87,6 +91,8 @@ def _library() -> ctypes.CDLL:
     ]
     lib.gl_arbiter_remove_task.restype = None
     lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_arbiter_board_fd.restype = ctypes.c_int
+    lib.gl_arbiter_board_fd.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
     lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
     return lib
@@ -131,6 +137,18 @@ class Arbiter:
 
     def remove_task(self, slot: int) -> None:
         self._lib.gl_arbiter_remove_task(self._require(), slot)
+
+    def board_fds(self, priority: int) -> list[int]:
+        """The priority boards a process of `priority` gets on its Registered frame, after its
+        region and the doorbell: the better priorities' read-only, then its own read-write
+        (docs/fikit.md). The arbiter keeps these descriptors; the frame carries copies."""
+        handle = self._require()
+        if not 0 <= priority < PRIORITIES:
+            raise ValueError(f"priority {priority} is outside 0..{PRIORITIES - 1}")
+        return [
+            self._lib.gl_arbiter_board_fd(handle, p, int(p == priority))
+            for p in range(priority + 1)
+        ]
 
     def stats(self) -> ArbiterStats:
         raw = _Stats()

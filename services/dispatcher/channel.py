@@ -510,6 +510,7 @@ class ShimChannel:
                 return False
             assert self._arbiter is not None
             fds.append(self._arbiter.doorbell_fd)
+            fds.extend(self._arbiter.board_fds(reservation.priority))
         elif mode is ShimMode.SHARE:
             snapshot = self.scheduler_snapshot()
             lease = snapshot.clients[assignment_id].lease
