@@ -10,6 +10,10 @@
  *       "runs" it for KERNEL_US (sleeps), reports it done and asks again; OUT gets, per
  *       grant, the time the request was posted, the time the grant was seen, and 1 if the
  *       holder's fire released it, 0 if the arbiter's grant did (three u64)
+ *   bench_fikit_client filler-async SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
+ *       the same, but as an application that launches asynchronously (as training does): it
+ *       asks for the next kernel right after a release, while the ones released before it
+ *       still "run" one after another; each one's end is reported as it comes
  *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
  *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
  *       which records how long the wake-up took (u64 ns)
@@ -143,11 +147,12 @@ int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--futex-pingpong") == 0)
         return futex_pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
     int holder = argc == 8 && strcmp(argv[1], "holder") == 0;
-    int filler = argc == 8 && strcmp(argv[1], "filler") == 0;
+    int async = argc == 8 && strcmp(argv[1], "filler-async") == 0;
+    int filler = argc == 8 && (strcmp(argv[1], "filler") == 0 || async);
     if (!holder && !filler) {
         fprintf(stderr,
                 "usage: %s holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
-                "       %s filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
+                "       %s filler|filler-async SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
                 "       %s --futex-pingpong SECONDS PERIOD_US OUT\n",
                 argv[0], argv[0], argv[0]);
         return 2;
@@ -192,8 +197,9 @@ int main(int argc, char **argv) {
             int match = 0;
             for (int k = 0; k < GL_ARM_KERNELS; k++)
                 match |= load64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
-            if (nonce != 0 && nonce != fired && match && load64(r, GL_OFF_FK_ARM) == nonce &&
-                registration.board_count > 0) {
+            int fire = nonce != 0 && nonce != fired && match &&
+                       load64(r, GL_OFF_FK_ARM) == nonce && registration.board_count > 0;
+            if (fire) {
                 volatile uint8_t *board = registration.boards[registration.board_count - 1];
                 fired = nonce;
                 __atomic_store_n((uint64_t *)(board + GL_BOARD_FIRED), nonce, __ATOMIC_RELEASE);
@@ -201,10 +207,14 @@ int main(int argc, char **argv) {
                 syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX,
                         NULL, NULL, 0);
             }
-            if (load32(r, GL_OFF_FK_NOTIFY)) ring(doorbell);
+            if (load32(r, GL_OFF_FK_NOTIFY) && !fire) ring(doorbell); /* the filler rings */
             times[count++] = t;
         }
     } else {
+        /* Kernels "in flight" (async): their sequence numbers and when they end, FIFO. */
+        uint32_t flight_seq[64];
+        uint64_t flight_end[64], device_free = 0;
+        unsigned head = 0, in_flight = 0;
         while (now_ns() < stop && count + 3 <= CAPACITY) {
             uint64_t posted = now_ns();
             store64(r, GL_OFF_FK_KERNEL, kernel);
@@ -233,7 +243,20 @@ int main(int argc, char **argv) {
                 }
                 if (load32(r, GL_OFF_FK_GRANT) == seq) break;
                 if (++spins < 2000) continue; /* the shim spins briefly too */
-                wait_words(r, granted, arm_wait, board, launch, 5000000);
+                /* Report kernels that ended (as the shim's events do), then sleep. */
+                uint64_t now = now_ns();
+                long sleep_ns = 5000000;
+                int moved = 0;
+                while (in_flight > 0 && flight_end[head] <= now) {
+                    store32(r, GL_OFF_FK_DONE, flight_seq[head]);
+                    head = (head + 1) % 64;
+                    in_flight--;
+                    moved = 1;
+                }
+                if (moved) ring(doorbell);
+                if (in_flight > 0 && flight_end[head] - now < (uint64_t)sleep_ns)
+                    sleep_ns = (long)(flight_end[head] - now);
+                wait_words(r, granted, arm_wait, board, launch, sleep_ns);
             }
             if (!by_board && load32(r, GL_OFF_FK_GRANT) != seq) break;
             uint64_t granted_at = now_ns();
@@ -241,8 +264,24 @@ int main(int argc, char **argv) {
             times[count++] = granted_at;
             times[count++] = by_board;
             store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
-            sleep_until(granted_at + kernel_ns); /* the kernel runs */
-            store32(r, GL_OFF_FK_DONE, seq);
+            if (by_board) ring(doorbell); /* launched: now the arbiter may settle the fire */
+            if (!async) {
+                sleep_until(granted_at + kernel_ns); /* the kernel runs */
+                store32(r, GL_OFF_FK_DONE, seq);
+                continue;
+            }
+            /* Async: the kernel queues behind the ones in flight; ask for the next at once. */
+            while (in_flight == 64) {
+                sleep_until(flight_end[head]);
+                store32(r, GL_OFF_FK_DONE, flight_seq[head]);
+                head = (head + 1) % 64;
+                in_flight--;
+                ring(doorbell);
+            }
+            device_free = (device_free > granted_at ? device_free : granted_at) + kernel_ns;
+            flight_seq[(head + in_flight) % 64] = seq;
+            flight_end[(head + in_flight) % 64] = device_free;
+            in_flight++;
         }
     }
     write_out(argv[7], times, count);

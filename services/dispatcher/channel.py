@@ -15,6 +15,7 @@ Requests without terms are forwarded here and answered as before; then every ter
 from __future__ import annotations
 
 import array
+import dataclasses
 import collections
 import concurrent.futures
 import contextlib
@@ -176,7 +177,7 @@ class ShimChannel:
         # Policy fikit: shares are admitted kernel by kernel by the native arbiter, not leased.
         self._arbiter = arbiter
         self._kernel_tables = kernel_tables
-        self._fikit_seen = ArbiterStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
         self._desk = LeaseDesk() if lease_desk and arbiter is None else None
         self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -680,7 +681,16 @@ class ShimChannel:
         if self._arbiter is None:
             return
         stats, seen = self._arbiter.stats(), self._fikit_seen
-        for event in ("requests", "grants", "unknown_kernels", "invalid_writes", "role_races"):
+        for event in (
+            "requests",
+            "grants",
+            "unknown_kernels",
+            "invalid_writes",
+            "role_races",
+            "arms",
+            "fired",
+            "late_releases",
+        ):
             delta = getattr(stats, event) - getattr(seen, event)
             if delta:
                 metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)

@@ -48,6 +48,7 @@ static uint8_t *g_fk_boards[GL_BOARDS];
 static uint32_t g_fk_board_count;
 static uint64_t g_fk_fired;    /* atomic: the arm this holder fired last (never twice) */
 static uint64_t g_fk_released; /* under the wait lock: the arm this filler went by last */
+static int g_fk_ring_after;    /* atomic: a board release whose launch rings the doorbell */
 
 static void ring_doorbell(void) {
     int fd = __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE);
@@ -122,6 +123,12 @@ unsigned fikit_harvest(void) {
     return left;
 }
 
+void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
+    if (launched) fikit_track(key, seq);
+    /* Released by the holder's fire: the arbiter hears of it now, after the launch. */
+    if (__atomic_exchange_n(&g_fk_ring_after, 0, __ATOMIC_ACQ_REL)) ring_doorbell();
+}
+
 void fikit_track(CUstream key, uint32_t seq) {
     if (g_aux.event_create == NULL || g_aux.event_record == NULL) return;
     pthread_mutex_lock(&g_fk_lock);
@@ -145,23 +152,24 @@ void fikit_track(CUstream key, uint32_t seq) {
 /* The holder's side of an arm: a launch of one of the armed kernels writes the arm's nonce
  * into this priority's board and wakes the fillers asleep on it (one wake-up, no arbiter in
  * between). The arbiter learns of it from the board, after the fact. */
-static void fire_arm(uint8_t *r, uint64_t kernel) {
+static int fire_arm(uint8_t *r, uint64_t kernel) {
     uint64_t nonce = r_u64(r, GL_OFF_FK_ARM);
     uint32_t boards = __atomic_load_n(&g_fk_board_count, __ATOMIC_ACQUIRE);
     if (nonce == 0 || kernel == 0 || boards == 0 ||
         nonce == __atomic_load_n(&g_fk_fired, __ATOMIC_RELAXED))
-        return;
+        return 0;
     int match = 0;
     for (int k = 0; k < GL_ARM_KERNELS; k++)
         match |= r_u64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
     /* The kernels must be this nonce's: the arbiter writes them before it. */
-    if (!match || r_u64(r, GL_OFF_FK_ARM) != nonce) return;
-    if (__atomic_exchange_n(&g_fk_fired, nonce, __ATOMIC_ACQ_REL) == nonce) return;
+    if (!match || r_u64(r, GL_OFF_FK_ARM) != nonce) return 0;
+    if (__atomic_exchange_n(&g_fk_fired, nonce, __ATOMIC_ACQ_REL) == nonce) return 0;
     uint8_t *board = g_fk_boards[boards - 1];
     w_u64(board, GL_BOARD_FIRED, nonce);
     __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
     syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX, NULL, NULL,
             0);
+    return 1;
 }
 
 static uint64_t launch_kernel_id(const gl_launch *launch) {
@@ -235,6 +243,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
         if (board != NULL && r_u64(board, GL_BOARD_FIRED) == nonce) {
             g_fk_released = nonce; /* the holder's launch fired this request's arm */
             w_u64(r, GL_OFF_FK_RELEASED, nonce);
+            __atomic_store_n(&g_fk_ring_after, 1, __ATOMIC_RELEASE);
             *granted_seq = seq;
             loss_rearm();
             break;
@@ -291,8 +300,10 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
         w_u64(r, GL_OFF_FK_KERNEL, kernel);
         w_u32(r, GL_OFF_FK_WAITING, GL_POST_TRACKED);
         w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
-        fire_arm(r, kernel); /* after the post: the arbiter sees the launch before the fire */
-        ring_doorbell();
+        /* After the post: the arbiter sees the launch before the fire. A fired arm rings no
+         * doorbell here: the released filler rings it after its launch, so the arbiter does
+         * not compete with the filler for a CPU on the way to the release. */
+        if (!fire_arm(r, kernel)) ring_doorbell();
         *granted_seq = seq;
         return CUDA_SUCCESS;
     }
