@@ -2,7 +2,8 @@
  * wire code (shim/src/wire.c) and speaks the region protocol as the shim does (docs/fikit.md).
  *
  *   bench_fikit_client holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT
- *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does); OUT gets the
+ *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does: tracked while
+ *       somebody waits, its end reported at the next launch); OUT gets the
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
  *       (and fires the arm the arbiter gave it, as the shim's fire_arm does)
  *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
@@ -190,8 +191,13 @@ int main(int argc, char **argv) {
             next += (uint64_t)period_us * 1000u;
             sleep_until(next);
             uint64_t t = now_ns();
+            /* As the shim: while somebody waits (notify), the launch is tracked and its end
+             * reported (here at the next launch; the shim's events say it within a ms). */
+            uint32_t tracked = load32(r, GL_OFF_FK_NOTIFY);
+            store32(r, GL_OFF_FK_DONE, seq);
             store64(r, GL_OFF_FK_POST_NS, t);
             store64(r, GL_OFF_FK_KERNEL, kernel);
+            store32(r, GL_OFF_FK_WAITING, tracked ? GL_POST_TRACKED : GL_POST_LAUNCHED);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             uint64_t nonce = load64(r, GL_OFF_FK_ARM);
             int match = 0;

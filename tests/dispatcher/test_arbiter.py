@@ -51,9 +51,10 @@ class Task:
         self.slot = arbiter.add_task(self.fd, priority, kernels)
         self.mapping = mmap.mmap(self.fd, REGION_BYTES)
         fds = arbiter.board_fds(priority) if boards else []
+        # The own board (the last) read-write, the better priorities' read-only.
         self.boards = [
             mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ | (mmap.PROT_WRITE if own else 0))
-            for fd, own in zip(fds, [False] * (len(fds) - 1) + [True], strict=True)
+            for fd, own in ((fd, i == len(fds) - 1) for i, fd in enumerate(fds))
         ]
         doorbell = arbiter.doorbell_fd if doorbell_fd is None else doorbell_fd
         self.port = FikitPort(self.mapping, doorbell, self.boards)
