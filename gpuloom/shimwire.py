@@ -380,7 +380,9 @@ class FikitPort:
             if left <= 0:
                 return False
             # The board is polled at this step (the C shim sleeps on it with futex_waitv).
-            futex_wait(self._grant_address, granted, min(left, 0.005 if not self._boards else 0.0005))
+            futex_wait(
+                self._grant_address, granted, min(left, 0.005 if not self._boards else 0.0005)
+            )
         struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
         return True
 

@@ -6,6 +6,9 @@
  *       somebody waits, its end reported at the next launch); OUT gets the
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
  *       (and fires the arm the arbiter gave it, as the shim's fire_arm does)
+ *   bench_fikit_client holder-nofire ...
+ *       the same, but never fires an arm: every release takes the arbiter's grant (the two
+ *       wake-ups of the path before the arm, measured in the same run)
  *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
  *       requests KERNEL_ID, and once granted (or released by the holder's fire of its arm)
  *       "runs" it for KERNEL_US (sleeps), reports it done and asks again; OUT gets, per
@@ -147,12 +150,13 @@ static int futex_pingpong(double seconds, long period_us, const char *out_path) 
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--futex-pingpong") == 0)
         return futex_pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
-    int holder = argc == 8 && strcmp(argv[1], "holder") == 0;
+    int no_fire = argc == 8 && strcmp(argv[1], "holder-nofire") == 0;
+    int holder = argc == 8 && (strcmp(argv[1], "holder") == 0 || no_fire);
     int async = argc == 8 && strcmp(argv[1], "filler-async") == 0;
     int filler = argc == 8 && (strcmp(argv[1], "filler") == 0 || async);
     if (!holder && !filler) {
         fprintf(stderr,
-                "usage: %s holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
+                "usage: %s holder|holder-nofire SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
                 "       %s filler|filler-async SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
                 "       %s --futex-pingpong SECONDS PERIOD_US OUT\n",
                 argv[0], argv[0], argv[0]);
@@ -203,7 +207,7 @@ int main(int argc, char **argv) {
             int match = 0;
             for (int k = 0; k < GL_ARM_KERNELS; k++)
                 match |= load64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
-            int fire = nonce != 0 && nonce != fired && match &&
+            int fire = !no_fire && nonce != 0 && nonce != fired && match &&
                        load64(r, GL_OFF_FK_ARM) == nonce && registration.board_count > 0;
             if (fire) {
                 volatile uint8_t *board = registration.boards[registration.board_count - 1];
@@ -231,7 +235,12 @@ int main(int argc, char **argv) {
             unsigned spins = 0;
             uint32_t granted;
             uint64_t by_board = 0;
-            while ((granted = load32(r, GL_OFF_FK_GRANT)) != seq && now_ns() < stop) {
+            /* The board is checked before the grant word: when the holder's fire woke this
+             * filler but the arbiter settled it (and wrote the grant) before it ran, the
+             * release still counts as the fire's. */
+            for (;;) {
+                granted = load32(r, GL_OFF_FK_GRANT);
+                if (now_ns() >= stop) break;
                 uint32_t arm_wait = load32(r, GL_OFF_FK_ARM_WAIT);
                 uint64_t nonce = load64(r, GL_OFF_FK_ARMED);
                 uint32_t index = load32(r, GL_OFF_FK_ARM_BOARD);
@@ -247,7 +256,7 @@ int main(int argc, char **argv) {
                         break;
                     }
                 }
-                if (load32(r, GL_OFF_FK_GRANT) == seq) break;
+                if (granted == seq) break;
                 if (++spins < 2000) continue; /* the shim spins briefly too */
                 /* Report kernels that ended (as the shim's events do), then sleep. */
                 uint64_t now = now_ns();

@@ -15,10 +15,10 @@ Requests without terms are forwarded here and answered as before; then every ter
 from __future__ import annotations
 
 import array
-import dataclasses
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import select

@@ -119,14 +119,23 @@ static void grant(gl_arbiter *a, uint32_t task) {
     a->stats.grants++;
 }
 
+static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e);
+static void take_request(gl_arbiter *a, uint32_t task, uint64_t now);
+
 /* The shim says granted kernels up to `done` completed (a sequence number, so a kernel the
  * shim launched without a grant, after giving up, cannot keep work outstanding forever). */
 static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now) {
     slot_state *s = &a->slots[task];
     if (done == s->seen_done) return;
-    if ((int32_t)(done - s->seen_req) > 0) { /* done beyond anything requested: garbage */
-        a->stats.invalid_writes++;
-        return;
+    if ((int32_t)(done - s->seen_req) > 0) {
+        /* A launch this round has not read yet (a holder's that fired an arm rings no
+         * doorbell): read it first. Beyond anything posted: garbage. */
+        if ((int32_t)(done - load32(s->region, GL_OFF_FK_REQ_SEQ)) <= 0 && !s->queued)
+            take_request(a, task, now);
+        if ((int32_t)(done - s->seen_req) > 0) {
+            a->stats.invalid_writes++;
+            return;
+        }
     }
     s->seen_done = done;
     uint32_t count = 0;
@@ -138,7 +147,6 @@ static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now)
     if (count) gl_fk_completed(a->core, task, count, now);
 }
 
-static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e);
 
 static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
     slot_state *s = &a->slots[task];
