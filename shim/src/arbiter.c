@@ -76,6 +76,7 @@ struct gl_arbiter {
     uint64_t spin_ns; /* busy-poll budget around a predicted holder launch (0: never) */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
     uint64_t gap_threshold_ns;
+    int arming; /* publish arms (the one-wake-up path); 0: every release is a grant */
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
     uint8_t *board[GL_BOARDS];
     arm_state arm;
@@ -300,7 +301,7 @@ static int desired_arm(gl_arbiter *a, arm_state *want) {
  * withdraw it and publish the new one (filler's words first; a fire is kept in the board). */
 static void rearm(gl_arbiter *a, uint64_t now) {
     arm_state want;
-    int wanted = desired_arm(a, &want);
+    int wanted = a->arming && desired_arm(a, &want);
     if (wanted && a->arm.live && a->arm.holder == want.holder &&
         a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq &&
         memcmp(a->arm.kernels, want.kernels, sizeof want.kernels) == 0)
@@ -499,6 +500,7 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
         return NULL;
     }
     a->gap_threshold_ns = config->gap_threshold_ns;
+    a->arming = 1;
     if (open_boards(a) != 0) {
         int error = errno;
         close_boards(a);
@@ -662,6 +664,14 @@ API void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
     }
     pthread_mutex_unlock(&a->lock);
     ring(a); /* the others' roles may change */
+}
+
+API void gl_arbiter_set_arming(gl_arbiter *a, int on) {
+    pthread_mutex_lock(&a->lock);
+    a->arming = on != 0;
+    if (!a->arming) withdraw(a, now_ns());
+    pthread_mutex_unlock(&a->lock);
+    ring(a);
 }
 
 API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {

@@ -64,6 +64,10 @@ int gl_arbiter_set_kernels(gl_arbiter *arbiter, int slot, const uint64_t *kernel
 /* Forgets a task (its queued request and outstanding work included) and unmaps its region. */
 void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
 
+/* Arms on (the default) or off: off, no arm is published and every release is the arbiter's
+ * grant (two wake-ups); a live arm is withdrawn. */
+void gl_arbiter_set_arming(gl_arbiter *arbiter, int on);
+
 void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
 
 #endif

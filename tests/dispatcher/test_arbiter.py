@@ -322,3 +322,25 @@ def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbi
         high.close()
         low.close()
         os.close(silent)
+
+
+def test_with_arming_off_every_release_is_a_grant() -> None:
+    """GPULOOM_DISPATCHER_FIKIT_ARM=false: no arm is published; the holder's launch is heard
+    through the doorbell and the filler granted by the arbiter (two wake-ups)."""
+    arbiter = Arbiter(ARM_CONFIG, beat_s=1.0, arm=False)
+    high = Task(arbiter, 0, ARM_TABLE, boards=True)
+    low = Task(arbiter, 5, FILL_TABLE, boards=True)
+    try:
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        high.port.post(BUSY_KERNEL, FikitPost.TRACKED)
+        seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+        time.sleep(0.02)
+        assert low.port.armed[0] == 0 and high.port.arm[0] == 0
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        assert low.port.wait_grant(seq, 1.0)
+        assert low.port.early_releases == 0
+        assert arbiter.stats().arms == 0 and arbiter.stats().grants >= 1
+    finally:
+        high.close()
+        low.close()
+        arbiter.stop()
