@@ -85,7 +85,9 @@ OFF_LR_BURST_NS, OFF_LR_POST_NS, OFF_LR_ALLOCATED = 216, 224, 232
 OFF_FK_ARM, OFF_FK_ARM_KERNELS, OFF_FK_ARMED = 256, 264, 296
 OFF_FK_ARM_BOARD, OFF_FK_ARM_WAIT = 304, 308
 # ... a filler its release (own cache line).
-OFF_FK_RELEASED = 320
+OFF_FK_RELEASED, OFF_FK_RELEASED_KERNEL = 320, 328
+# ... and which request the filler's arm is for (the arbiter).
+OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
 ARM_KERNELS = 4  # kernel IDs an arm names
 # A priority board (one per priority per GPU), written by the holder shim of that priority.
 BOARD_BYTES, BOARD_LAUNCH, BOARD_FIRED, BOARDS = 64, 0, 8, 10
@@ -359,13 +361,17 @@ class FikitPort:
         futex_wake(ctypes.addressof(launch))
         del launch
 
-    def _released_by_board(self) -> bool:
+    def _released_by_board(self, seq: int, kernel_id: int) -> bool:
         nonce, index = self.armed
         if not nonce or nonce == self._released or index >= len(self._boards) - 1:
             return False
+        kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_ARMED_KERNELS)
+        if self._u32(OFF_FK_ARMED_SEQ) != seq or (any(kernels) and kernel_id not in kernels):
+            return False  # another request's arm, or one for a kernel this is not
         if struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] != nonce:
             return False
         self._released = nonce
+        struct.pack_into("<Q", self._mapping, OFF_FK_RELEASED_KERNEL, kernel_id)
         struct.pack_into("<Q", self._mapping, OFF_FK_RELEASED, nonce)
         self.early_releases += 1
         return True
@@ -373,8 +379,14 @@ class FikitPort:
     def wait_grant(self, seq: int, timeout_s: float) -> bool:
         """Sleep until request `seq` is granted, or its arm fired; False after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while (granted := self._grant.value) != seq:
-            if self._released_by_board():
+        kernel_id = self._u64(OFF_FK_KERNEL)
+        # The board first: a fire the arbiter already settled (and granted) still counts as
+        # the release it was.
+        while not self._released_by_board(seq, kernel_id):
+            if (granted := self._grant.value) == seq:
+                # Granted: the post is no longer a waiting request. (Released by the board it
+                # stays one: the arbiter may not have read it yet.)
+                struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
                 break
             left = deadline - time.monotonic()
             if left <= 0:
@@ -383,7 +395,6 @@ class FikitPort:
             futex_wait(
                 self._grant_address, granted, min(left, 0.005 if not self._boards else 0.0005)
             )
-        struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
         return True
 
     def report_done(self, seq: int) -> None:

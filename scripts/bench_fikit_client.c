@@ -246,11 +246,20 @@ int main(int argc, char **argv) {
                 uint32_t index = load32(r, GL_OFF_FK_ARM_BOARD);
                 volatile uint8_t *board = NULL;
                 uint32_t launch = 0;
-                if (nonce != 0 && nonce != released && index + 1 < registration.board_count) {
+                int any = 0, match = 0; /* an arm ahead names the kernels it holds for */
+                for (int k = 0; k < GL_ARM_KERNELS; k++) {
+                    uint64_t allowed = load64(r, GL_OFF_FK_ARMED_KERNELS + 8 * k);
+                    any |= allowed != 0;
+                    match |= allowed != 0 && allowed == kernel;
+                }
+                int mine = load32(r, GL_OFF_FK_ARMED_SEQ) == seq && (!any || match);
+                if (mine && nonce != 0 && nonce != released &&
+                    index + 1 < registration.board_count) {
                     board = registration.boards[index];
                     launch = load32(board, GL_BOARD_LAUNCH);
                     if (load64(board, GL_BOARD_FIRED) == nonce) {
                         released = nonce;
+                        store64(r, GL_OFF_FK_RELEASED_KERNEL, kernel);
                         store64(r, GL_OFF_FK_RELEASED, nonce);
                         by_board = 1;
                         break;
@@ -278,7 +287,7 @@ int main(int argc, char **argv) {
             times[count++] = posted;
             times[count++] = granted_at;
             times[count++] = by_board;
-            store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+            if (!by_board) store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
             if (by_board) ring(doorbell); /* launched: now the arbiter may settle the fire */
             if (!async) {
                 sleep_until(granted_at + kernel_ns); /* the kernel runs */

@@ -43,6 +43,7 @@ typedef struct {
     uint32_t seen_done;   /* DONE last read */
     int queued;           /* a request of this task waits in the core */
     uint32_t queued_seq;  /* ... with this sequence number */
+    uint64_t queued_kernel; /* ... and this kernel ID */
     uint32_t granted[GRANTS_TRACKED]; /* sequence numbers of granted kernels not known done */
     uint32_t granted_head, granted_count;
     kernel_entry *table; /* open addressing, id 0 = empty; capacity mask+1 (power of two) */
@@ -52,6 +53,8 @@ typedef struct {
      * there are at most GL_ARM_KERNELS (openers_all), else the latest it launched. */
     uint64_t openers[GL_ARM_KERNELS];
     int openers_all;
+    /* As a filler: the kernels it asked for last (known durations), for an arm ahead. */
+    uint64_t asked[GL_ARM_KERNELS];
     /* As a filler: the last arm it was given, for a release it reports after the arm died. */
     uint64_t armed_nonce;
     uint32_t armed_seq;
@@ -65,6 +68,8 @@ typedef struct {
     uint32_t holder, filler, filler_seq;
     uint64_t nonce;
     uint64_t kernels[GL_ARM_KERNELS];
+    /* An arm ahead (the filler's next request, not posted yet): the kernel IDs it may be. */
+    uint64_t filler_kernels[GL_ARM_KERNELS];
 } arm_state;
 
 struct gl_arbiter {
@@ -149,11 +154,29 @@ static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now)
 }
 
 
+/* A filler released by an arm for request `armed_seq` posted a later one before this thread
+ * read that one: its kernel (RELEASED_KERNEL) is on the GPU all the same, counted as fill
+ * work launched and watched until `done` passes it. */
+static void take_skipped_release(gl_arbiter *a, uint32_t task, uint32_t req, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    if (s->armed_nonce == 0 || s->queued || load64(s->region, GL_OFF_FK_RELEASED) != s->armed_nonce)
+        return;
+    if ((int32_t)(s->armed_seq - s->seen_req) <= 0 || (int32_t)(req - s->armed_seq) <= 0) return;
+    const kernel_entry *e = lookup(s, load64(s->region, GL_OFF_FK_RELEASED_KERNEL));
+    s->armed_nonce = 0;
+    if (gl_fk_launched(a->core, task, e ? e->duration_ns : GL_FK_UNKNOWN,
+                       e ? e->gap_ns : GL_FK_UNKNOWN, now) < 0)
+        return;
+    track(a, task, s->armed_seq);
+    a->stats.late_releases++;
+}
+
 static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
     slot_state *s = &a->slots[task];
     uint8_t *r = s->region;
     uint32_t req = load32(r, GL_OFF_FK_REQ_SEQ);
     if (req == s->seen_req) return;
+    take_skipped_release(a, task, req, now);
     if (s->queued) {
         /* One request at a time: a new sequence number while one is queued means the shim
          * gave up waiting (fail-open) or misbehaves. Its old request is answered on grant. */
@@ -179,6 +202,13 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         a->stats.unknown_kernels++;
     }
     a->stats.requests++;
+    if (waiting == GL_POST_REQUEST && e != NULL && e->duration_ns != GL_FK_UNKNOWN) {
+        int at = GL_ARM_KERNELS - 1; /* the kernels it asks for, latest first */
+        for (int k = 0; k < GL_ARM_KERNELS; k++)
+            if (s->asked[k] == e->id) at = k;
+        memmove(&s->asked[1], &s->asked[0], (size_t)at * sizeof s->asked[0]);
+        s->asked[0] = e->id;
+    }
     if (waiting == GL_POST_REQUEST) {
         int admitted = gl_fk_request(a->core, task, duration, gap, posted);
         if (admitted < 0) {
@@ -187,6 +217,7 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         }
         s->queued = 1;
         s->queued_seq = req;
+        s->queued_kernel = kernel;
         if (admitted == 1) grant(a, task);
         return;
     }
@@ -206,7 +237,11 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
 
 /* ---- the arm: one wake-up from the holder's launch to the filler's release ---- */
 
-static void set_armed(slot_state *s, uint32_t board, uint64_t nonce) {
+static void set_armed(slot_state *s, uint32_t board, uint64_t nonce, uint32_t seq,
+                      const uint64_t *kernels) {
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        store64(s->region, GL_OFF_FK_ARMED_KERNELS + 8 * k, kernels ? kernels[k] : 0);
+    store32(s->region, GL_OFF_FK_ARMED_SEQ, seq);
     store32(s->region, GL_OFF_FK_ARM_BOARD, board);
     store64(s->region, GL_OFF_FK_ARMED, nonce);
     store32(s->region, GL_OFF_FK_ARM_WAIT, ++s->arm_wait);
@@ -231,6 +266,17 @@ static void release(gl_arbiter *a, uint32_t task, uint64_t now) {
     grant(a, task);
 }
 
+/* An arm given ahead holds only for the kernels it names (an arm for a queued request names
+ * none: it holds for that request). */
+static int ahead_allows(const arm_state *arm, uint64_t kernel) {
+    int any = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++) {
+        any |= arm->filler_kernels[k] != 0;
+        if (arm->filler_kernels[k] != 0 && arm->filler_kernels[k] == kernel) return 1;
+    }
+    return !any;
+}
+
 /* Takes the live arm back (the holder can no longer fire it, the filler no longer take it),
  * then settles a fire that came first: the holder's launch reaches the core before the
  * filler's release, as they happened. */
@@ -238,13 +284,15 @@ static void withdraw(gl_arbiter *a, uint64_t now) {
     if (!a->arm.live) return;
     slot_state *h = &a->slots[a->arm.holder], *f = &a->slots[a->arm.filler];
     store64(h->region, GL_OFF_FK_ARM, 0);
-    set_armed(f, 0, 0);
+    set_armed(f, 0, 0, 0, NULL);
     a->arm.live = 0;
     if (!arm_fired(a)) return;
     a->stats.fired++;
     take_done(a, a->arm.holder, load32(h->region, GL_OFF_FK_DONE), now);
     take_request(a, a->arm.holder, now);
-    if (f->queued && f->queued_seq == a->arm.filler_seq) release(a, a->arm.filler, now);
+    take_request(a, a->arm.filler, now); /* an arm ahead: the request it released */
+    if (f->queued && f->queued_seq == a->arm.filler_seq && ahead_allows(&a->arm, f->queued_kernel))
+        release(a, a->arm.filler, now);
 }
 
 /* A filler that says it took the release of an arm already withdrawn (a holder that fired
@@ -268,20 +316,9 @@ static uint64_t fresh_nonce(void) {
     return n;
 }
 
-/* The arm the core's next decision calls for (gl_fk_next_fill): 0 when there is none. */
-static int desired_arm(gl_arbiter *a, arm_state *want) {
-    uint32_t filler;
-    uint64_t min_gap;
-    if (gl_fk_next_fill(a->core, &filler, &min_gap) != 1 || filler >= GL_FK_MAX_TASKS)
-        return 0;
-    int best = gl_fk_holder_priority(a->core), holder = -1;
-    for (uint32_t t = 0; t < GL_FK_MAX_TASKS && holder < 0; t++)
-        if (a->slots[t].used && (int)a->slots[t].priority == best) holder = (int)t;
-    const slot_state *h = holder >= 0 ? &a->slots[holder] : NULL, *f = &a->slots[filler];
-    if (h == NULL || !f->used || !f->queued || h->priority >= GL_BOARDS ||
-        h->priority >= f->priority)
-        return 0;
-    memset(want, 0, sizeof *want);
+/* Fills want->kernels with the holder's window-opening kernels whose gap is at least
+ * `min_gap`; returns how many. */
+static int holder_kernels(const slot_state *h, uint64_t min_gap, arm_state *want) {
     int n = 0;
     for (int k = 0; k < GL_ARM_KERNELS; k++) {
         const kernel_entry *e = lookup(h, h->openers[k]);
@@ -289,11 +326,46 @@ static int desired_arm(gl_arbiter *a, arm_state *want) {
             e->gap_ns >= min_gap)
             want->kernels[n++] = e->id;
     }
-    if (n == 0) return 0;
+    return n;
+}
+
+/* The arm the core's next decision calls for: 0 when there is none. For a queued request
+ * (gl_fk_next_fill), or else one request ahead (gl_fk_next_asker): the filler's next request,
+ * if it asks for one of the kernels it asked for last (durations known), whose longest fits
+ * the holder kernels named. */
+static int desired_arm(gl_arbiter *a, arm_state *want) {
+    uint32_t filler;
+    uint64_t min_gap;
+    memset(want, 0, sizeof *want);
+    int queued = gl_fk_next_fill(a->core, &filler, &min_gap) == 1;
+    if (!queued && gl_fk_next_asker(a->core, &filler) != 1) return 0;
+    if (filler >= GL_FK_MAX_TASKS) return 0;
+    int best = gl_fk_holder_priority(a->core), holder = -1;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS && holder < 0; t++)
+        if (a->slots[t].used && (int)a->slots[t].priority == best) holder = (int)t;
+    const slot_state *h = holder >= 0 ? &a->slots[holder] : NULL, *f = &a->slots[filler];
+    if (h == NULL || !f->used || h->priority >= GL_BOARDS || h->priority >= f->priority)
+        return 0;
+    if (queued) {
+        if (!f->queued || holder_kernels(h, min_gap, want) == 0) return 0;
+        want->filler_seq = f->queued_seq;
+    } else {
+        if (f->queued) return 0;
+        uint64_t longest = 0;
+        int n = 0;
+        for (int k = 0; k < GL_ARM_KERNELS; k++) {
+            const kernel_entry *e = lookup(f, f->asked[k]);
+            if (e == NULL || e->duration_ns == GL_FK_UNKNOWN) continue;
+            want->filler_kernels[n++] = e->id;
+            if (e->duration_ns > longest) longest = e->duration_ns;
+        }
+        min_gap = longest > a->gap_threshold_ns ? longest : a->gap_threshold_ns;
+        if (n == 0 || holder_kernels(h, min_gap > 0 ? min_gap : 1, want) == 0) return 0;
+        want->filler_seq = f->seen_req + 1;
+    }
     want->live = 1;
     want->holder = (uint32_t)holder;
     want->filler = filler;
-    want->filler_seq = f->queued_seq;
     return 1;
 }
 
@@ -304,7 +376,17 @@ static void rearm(gl_arbiter *a, uint64_t now) {
     int wanted = a->arming && desired_arm(a, &want);
     if (wanted && a->arm.live && a->arm.holder == want.holder &&
         a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq &&
-        memcmp(a->arm.kernels, want.kernels, sizeof want.kernels) == 0)
+        memcmp(a->arm.kernels, want.kernels, sizeof want.kernels) == 0 &&
+        memcmp(a->arm.filler_kernels, want.filler_kernels, sizeof want.filler_kernels) == 0)
+        return;
+    /* An arm given ahead for the request now queued, of a kernel it names, already is this
+     * arm: its holder kernels' gaps fit the longest kernel it names. Withdrawing it would
+     * leave a moment with no arm just before the launch it waits for. */
+    slot_state *f = &a->slots[want.filler];
+    if (wanted && a->arm.live && a->arm.holder == want.holder &&
+        a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq && f->queued &&
+        want.filler_kernels[0] == 0 && a->arm.filler_kernels[0] != 0 &&
+        ahead_allows(&a->arm, f->queued_kernel))
         return;
     if (a->arm.live) {
         withdraw(a, now);
@@ -313,10 +395,11 @@ static void rearm(gl_arbiter *a, uint64_t now) {
         return;
     }
     want.nonce = fresh_nonce();
-    slot_state *h = &a->slots[want.holder], *f = &a->slots[want.filler];
+    slot_state *h = &a->slots[want.holder];
+    f = &a->slots[want.filler];
     f->armed_nonce = want.nonce;
     f->armed_seq = want.filler_seq;
-    set_armed(f, h->priority, want.nonce);
+    set_armed(f, h->priority, want.nonce, want.filler_seq, want.filler_kernels);
     for (int k = 0; k < GL_ARM_KERNELS; k++)
         store64(h->region, GL_OFF_FK_ARM_KERNELS + 8 * k, want.kernels[k]);
     store64(h->region, GL_OFF_FK_ARM, want.nonce);

@@ -504,6 +504,32 @@ int gl_fk_next_fill(const gl_fk_core *core, uint32_t *task, uint64_t *min_gap_ns
     return 1;
 }
 
+int gl_fk_next_asker(const gl_fk_core *core, uint32_t *task) {
+    if (!valid(core) || task == NULL || core->holder_priority < 0)
+        return 0;
+    int holders = 0, pick = -1, tied = 0;
+    for (uint32_t i = 0; i < GL_FK_MAX_TASKS; i++) {
+        const gl_fk_task *t = &core->tasks[i];
+        if (!t->active)
+            continue;
+        if ((int32_t)t->priority == core->holder_priority) {
+            if (t->has_request || ++holders > 1)
+                return 0;
+            continue;
+        }
+        if (pick < 0 || t->priority < core->tasks[pick].priority) {
+            pick = (int)i;
+            tied = 0;
+        } else if (t->priority == core->tasks[pick].priority) {
+            tied = 1;
+        }
+    }
+    if (pick < 0 || tied || core->tasks[pick].has_request)
+        return 0;
+    *task = (uint32_t)pick;
+    return 1;
+}
+
 int gl_fk_release(gl_fk_core *core, uint32_t task, uint64_t now_ns) {
     if (!valid(core))
         return -1;

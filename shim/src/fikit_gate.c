@@ -179,14 +179,25 @@ static uint64_t launch_kernel_id(const gl_launch *launch) {
     return kernel_id(name, launch->dims);
 }
 
-/* The board the filler's arm names, if it is one of this registration's better priorities
- * (read-only to this process); NULL otherwise. */
-static uint8_t *armed_board(uint8_t *r, uint64_t *nonce) {
+/* The board the filler's arm names, if the arm is for this request (its sequence number, and
+ * for an arm given ahead its kernel) and the board one of this registration's better
+ * priorities (read-only to this process); NULL otherwise. */
+static uint8_t *armed_board(uint8_t *r, uint32_t seq, uint64_t kernel, uint64_t *nonce) {
     *nonce = r_u64(r, GL_OFF_FK_ARMED);
     uint32_t index = r_u32(r, GL_OFF_FK_ARM_BOARD);
     uint32_t boards = __atomic_load_n(&g_fk_board_count, __ATOMIC_ACQUIRE);
-    if (*nonce == 0 || *nonce == g_fk_released || boards == 0 || index >= boards - 1)
+    if (*nonce == 0 || *nonce == g_fk_released || boards == 0 || index >= boards - 1 ||
+        r_u32(r, GL_OFF_FK_ARMED_SEQ) != seq)
         return NULL;
+    int any = 0, match = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++) {
+        uint64_t allowed = r_u64(r, GL_OFF_FK_ARMED_KERNELS + 8 * k);
+        any |= allowed != 0;
+        match |= allowed != 0 && allowed == kernel;
+    }
+    if (any && !match) return NULL;
+    /* The arm's words are the nonce's: the arbiter writes them before it. */
+    if (r_u64(r, GL_OFF_FK_ARMED) != *nonce) return NULL;
     return g_fk_boards[index];
 }
 
@@ -228,12 +239,13 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     uint64_t bound = (uint64_t)C.wait_ms * 1000000u;
     CUresult result = CUDA_SUCCESS;
     unsigned spurious = 0;
+    int released = 0;
     for (unsigned spins = 0;; spins++) {
         /* Read the words before checking them, so a change after the check wakes the wait. */
         uint32_t granted = r_u32(r, GL_OFF_FK_GRANT);
         uint32_t arm_wait = r_u32(r, GL_OFF_FK_ARM_WAIT);
         uint64_t nonce = 0;
-        uint8_t *board = spurious < FK_SPURIOUS_MAX ? armed_board(r, &nonce) : NULL;
+        uint8_t *board = spurious < FK_SPURIOUS_MAX ? armed_board(r, seq, kernel, &nonce) : NULL;
         uint32_t launch = board ? r_u32(board, GL_BOARD_LAUNCH) : 0;
         if (granted == seq) {
             *granted_seq = seq;
@@ -242,7 +254,9 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
         }
         if (board != NULL && r_u64(board, GL_BOARD_FIRED) == nonce) {
             g_fk_released = nonce; /* the holder's launch fired this request's arm */
+            w_u64(r, GL_OFF_FK_RELEASED_KERNEL, kernel);
             w_u64(r, GL_OFF_FK_RELEASED, nonce);
+            released = 1;
             __atomic_store_n(&g_fk_ring_after, 1, __ATOMIC_RELEASE);
             *granted_seq = seq;
             loss_rearm();
@@ -279,7 +293,8 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
             r_u64(board, GL_BOARD_FIRED) != nonce)
             spurious++;
     }
-    w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+    /* Released by the board, the post stays a request: the arbiter may not have read it. */
+    if (!released) w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
     return result;
 }
 

@@ -50,6 +50,12 @@
 #define GL_OFF_FK_ARM_WAIT 308    /* u32 filler: futex word, moves whenever ARMED changes */
 /* Written by the filler shim, on their own cache line: */
 #define GL_OFF_FK_RELEASED 320 /* u64 nonce of the arm its latest request was released by */
+#define GL_OFF_FK_RELEASED_KERNEL 328 /* u64 that request's kernel ID */
+/* Written by the arbiter (filler): which request the arm is for. */
+#define GL_OFF_FK_ARMED_SEQ 384     /* u32 the request sequence number it releases */
+#define GL_OFF_FK_ARMED_KERNELS 392 /* u64 x GL_ARM_KERNELS: an arm for its next request (not
+                                       posted yet) holds only if that request's kernel ID is
+                                       one of these; all 0: the arm is for its queued one */
 #define GL_ARM_KERNELS 4
 
 /* A priority board: one per priority per GPU (a memfd the arbiter creates). A process gets its

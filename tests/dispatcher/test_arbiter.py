@@ -17,7 +17,8 @@ from gpuloom.shimwire import (
     BOARD_BYTES,
     BOARD_FIRED,
     BOARD_LAUNCH,
-    OFF_FK_ARMED,
+    OFF_FK_ARMED_KERNELS,
+    OFF_FK_ARMED_SEQ,
     OFF_FK_DONE,
     OFF_FK_RELEASED,
     OFF_FK_REQ_SEQ,
@@ -254,7 +255,14 @@ def test_the_holders_launch_releases_the_armed_filler_without_the_arbiter(
         assert wait_for(lambda: low.port.granted == seq)
         stats = quiet_arbiter.stats()
         assert stats.fired == 1 and stats.late_releases == 0 and stats.waiting == 0
-        assert struct.unpack_from("<Q", low.mapping, OFF_FK_ARMED)[0] == 0  # withdrawn
+        # That arm is spent; the next one is given ahead, for the filler's next request if it
+        # asks for the kernel it asked for last.
+        assert low.port.armed[0] not in (
+            0,
+            struct.unpack_from("<Q", low.mapping, OFF_FK_RELEASED)[0],
+        )
+        assert struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
+        assert struct.unpack_from("<Q", low.mapping, OFF_FK_ARMED_KERNELS)[0] == FILL_SHORT
     finally:
         high.close()
         low.close()
@@ -344,3 +352,52 @@ def test_with_arming_off_every_release_is_a_grant() -> None:
         high.close()
         low.close()
         arbiter.stop()
+
+
+def test_an_arm_given_ahead_releases_the_next_request_of_that_kernel_only(
+    quiet_arbiter: Arbiter,
+) -> None:
+    """The filler is running a fill and has nothing queued: the arm for its next request is
+    given ahead (gl_fk_next_asker). The holder's window-opening launch fires it before the
+    filler asks; the filler's next request of the kernel it named goes at once, one of another
+    kernel waits for the arbiter."""
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high, low, seq = armed_pair(quiet_arbiter, silent)
+    try:
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)  # fires the first arm
+        assert low.port.wait_grant(seq, 0.5) and low.port.early_releases == 1
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
+        )
+        # The fill completes; the holder's next window opens (fired, the arbiter not rung) ...
+        low.port.report_done(seq)
+        time.sleep(0.01)
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        # ... and the filler's next request of that kernel goes without waiting (its ring is
+        # held back here, so the arbiter cannot be the one that released it).
+        rounds = quiet_arbiter.stats().rounds
+        quiet = Task.__new__(Task)
+        quiet.port = FikitPort(low.mapping, silent, low.boards)
+        nxt = quiet.port.post(FILL_SHORT, FikitPost.REQUEST)
+        quiet.port._released = low.port._released
+        assert quiet.port.wait_grant(nxt, 0.5) and quiet.port.early_releases == 1
+        assert quiet_arbiter.stats().rounds == rounds
+        low.port.seq, low.port._released = quiet.port.seq, quiet.port._released
+        quiet.port.close()
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(lambda: low.port.granted == nxt)  # the core counts it granted
+        assert quiet_arbiter.stats().rounds > rounds and quiet_arbiter.stats().fired == 2
+        # An arm ahead for FILL_SHORT does not release a FILL_LONG request.
+        low.port.report_done(nxt)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == nxt + 1
+        )
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        long_seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
+        assert not low.port.wait_grant(long_seq, 0.05)  # 5 ms fits no 2 ms gap
+        assert low.port.early_releases == 1
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)

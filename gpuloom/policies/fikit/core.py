@@ -93,6 +93,7 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
             ctypes.c_int,
             [core_p, ctypes.POINTER(u32), ctypes.POINTER(u64)],
         ),
+        "gl_fk_next_asker": (ctypes.c_int, [core_p, ctypes.POINTER(u32)]),
         "gl_fk_release": (ctypes.c_int, [core_p, u32, u64]),
         "gl_fk_get_counters": (None, [core_p, ctypes.POINTER(_Counters)]),
         "gl_fk_holder_priority": (ctypes.c_int, [core_p]),
@@ -170,6 +171,14 @@ class FikitCore:
         if self._lib.gl_fk_next_fill(self._core, ctypes.byref(task), ctypes.byref(gap)) != 1:
             return None
         return task.value, gap.value
+
+    def next_asker(self) -> int | None:
+        """The task whose next request (not posted yet) the holder's next window grants first
+        if its duration fits the gap, or None."""
+        task = ctypes.c_uint32()
+        if self._lib.gl_fk_next_asker(self._core, ctypes.byref(task)) != 1:
+            return None
+        return task.value
 
     def release(self, task: int, now_ns: int) -> bool:
         """The task's queued request already went: admit it as fill work now."""

@@ -352,3 +352,19 @@ def test_next_fill_is_what_the_next_window_grants_first(
     assert core.request(0, holder_kernel, gap, 20 * US) == 1
     grants, _ = core.decide(20 * US)
     assert (bool(grants) and grants[0] == task) == (gap >= least)
+
+
+def test_next_asker_is_the_unique_best_filler_with_nothing_queued() -> None:
+    core = make()
+    assert core.next_asker() == LO  # the only filler, nothing queued
+    assert core.request(HI, 100 * US, 10 * US, 0) == 1
+    assert core.request(LO, 50 * US, 0, 0) == 0
+    assert core.next_asker() is None  # it has a request queued: next_fill's case
+    assert core.next_fill() == (LO, 100 * US)
+    assert core.add_task(MID, 3, 0)
+    assert core.next_asker() == MID  # better than anything queued or to come
+    assert core.add_task(3, 3, 0)
+    assert core.next_asker() is None  # a tie: the other one may ask first
+    core.remove_task(3, 0)
+    assert core.add_task(3, 0, 0)  # a second holder task
+    assert core.next_asker() is None
