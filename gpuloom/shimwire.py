@@ -296,6 +296,7 @@ class FikitPort:
         self._boards = boards or []
         self._fired = 0
         self._released = 0
+        self._stale = 0  # an arm fired before the request was posted
         self.early_releases = 0  # requests that went by the holder's fire, before a grant
 
     def _u32(self, offset: int) -> int:
@@ -344,6 +345,14 @@ class FikitPort:
         struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
         if kind is not FikitPost.REQUEST:
             self._fire(kernel_id)
+        else:  # an arm given ahead already fired now does not release this request
+            stale, index = self.armed
+            if (
+                stale
+                and index < len(self._boards) - 1
+                and struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] == stale
+            ):
+                self._stale = stale
         self.ring()
         return self.seq
 
@@ -363,7 +372,7 @@ class FikitPort:
 
     def _released_by_board(self, seq: int, kernel_id: int) -> bool:
         nonce, index = self.armed
-        if not nonce or nonce == self._released or index >= len(self._boards) - 1:
+        if not nonce or nonce in (self._released, self._stale) or index >= len(self._boards) - 1:
             return False
         kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_ARMED_KERNELS)
         if self._u32(OFF_FK_ARMED_SEQ) != seq or (any(kernels) and kernel_id not in kernels):

@@ -232,6 +232,14 @@ int main(int argc, char **argv) {
             store32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             ring(doorbell);
+            /* As the shim: an arm given ahead already fired when this request was posted does
+             * not release it. */
+            uint64_t stale = load64(r, GL_OFF_FK_ARMED);
+            uint32_t stale_board = load32(r, GL_OFF_FK_ARM_BOARD);
+            if (stale == 0 || load32(r, GL_OFF_FK_ARMED_SEQ) != seq ||
+                stale_board + 1 >= registration.board_count ||
+                load64(registration.boards[stale_board], GL_BOARD_FIRED) != stale)
+                stale = 0;
             unsigned spins = 0;
             uint32_t granted;
             uint64_t by_board = 0;
@@ -253,7 +261,7 @@ int main(int argc, char **argv) {
                     match |= allowed != 0 && allowed == kernel;
                 }
                 int mine = load32(r, GL_OFF_FK_ARMED_SEQ) == seq && (!any || match);
-                if (mine && nonce != 0 && nonce != released &&
+                if (mine && nonce != 0 && nonce != released && nonce != stale &&
                     index + 1 < registration.board_count) {
                     board = registration.boards[index];
                     launch = load32(board, GL_BOARD_LAUNCH);

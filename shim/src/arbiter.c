@@ -291,7 +291,12 @@ static void withdraw(gl_arbiter *a, uint64_t now) {
     take_done(a, a->arm.holder, load32(h->region, GL_OFF_FK_DONE), now);
     take_request(a, a->arm.holder, now);
     take_request(a, a->arm.filler, now); /* an arm ahead: the request it released */
-    if (f->queued && f->queued_seq == a->arm.filler_seq && ahead_allows(&a->arm, f->queued_kernel))
+    /* An arm ahead released the request only if the filler says so: one posted after the
+     * fire is not released by it (the window has been running since); the core decides. */
+    int ahead = a->arm.filler_kernels[0] != 0;
+    if (f->queued && f->queued_seq == a->arm.filler_seq &&
+        ahead_allows(&a->arm, f->queued_kernel) &&
+        (!ahead || load64(f->region, GL_OFF_FK_RELEASED) == a->arm.nonce))
         release(a, a->arm.filler, now);
 }
 

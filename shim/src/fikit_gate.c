@@ -236,6 +236,11 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     w_u32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
     w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
     ring_doorbell();
+    /* An arm given ahead that the holder fired before this request was posted does not
+     * release it: the window it was decided for has been running since (the arbiter decides). */
+    uint64_t stale = 0;
+    uint8_t *posted_board = armed_board(r, seq, kernel, &stale);
+    if (posted_board == NULL || r_u64(posted_board, GL_BOARD_FIRED) != stale) stale = 0;
     uint64_t bound = (uint64_t)C.wait_ms * 1000000u;
     CUresult result = CUDA_SUCCESS;
     unsigned spurious = 0;
@@ -252,7 +257,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
             loss_rearm();
             break;
         }
-        if (board != NULL && r_u64(board, GL_BOARD_FIRED) == nonce) {
+        if (board != NULL && nonce != stale && r_u64(board, GL_BOARD_FIRED) == nonce) {
             g_fk_released = nonce; /* the holder's launch fired this request's arm */
             w_u64(r, GL_OFF_FK_RELEASED_KERNEL, kernel);
             w_u64(r, GL_OFF_FK_RELEASED, nonce);

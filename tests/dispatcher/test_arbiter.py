@@ -354,13 +354,13 @@ def test_with_arming_off_every_release_is_a_grant() -> None:
         arbiter.stop()
 
 
-def test_an_arm_given_ahead_releases_the_next_request_of_that_kernel_only(
+def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
     quiet_arbiter: Arbiter,
 ) -> None:
     """The filler is running a fill and has nothing queued: the arm for its next request is
-    given ahead (gl_fk_next_asker). The holder's window-opening launch fires it before the
-    filler asks; the filler's next request of the kernel it named goes at once, one of another
-    kernel waits for the arbiter."""
+    given ahead (gl_fk_next_asker). Posted before the holder's window-opening launch (and not
+    yet read by the arbiter), that request goes with the fire; posted after the fire, or of a
+    kernel the arm does not name, it waits for the arbiter."""
     silent = os.eventfd(0, os.EFD_NONBLOCK)
     high, low, seq = armed_pair(quiet_arbiter, silent)
     try:
@@ -370,33 +370,45 @@ def test_an_arm_given_ahead_releases_the_next_request_of_that_kernel_only(
         assert wait_for(
             lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
         )
-        # The fill completes; the holder's next window opens (fired, the arbiter not rung) ...
         low.port.report_done(seq)
         time.sleep(0.01)
-        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
-        # ... and the filler's next request of that kernel goes without waiting (its ring is
-        # held back here, so the arbiter cannot be the one that released it).
+        # The next request, posted with its ring held back (the arbiter cannot read it) ...
         rounds = quiet_arbiter.stats().rounds
         quiet = Task.__new__(Task)
         quiet.port = FikitPort(low.mapping, silent, low.boards)
-        nxt = quiet.port.post(FILL_SHORT, FikitPost.REQUEST)
         quiet.port._released = low.port._released
+        nxt = quiet.port.post(FILL_SHORT, FikitPost.REQUEST)
+        assert not quiet.port.wait_grant(nxt, 0.02)
+        # ... goes with the holder's next window-opening launch, the arbiter never between.
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
         assert quiet.port.wait_grant(nxt, 0.5) and quiet.port.early_releases == 1
         assert quiet_arbiter.stats().rounds == rounds
         low.port.seq, low.port._released = quiet.port.seq, quiet.port._released
         quiet.port.close()
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         assert wait_for(lambda: low.port.granted == nxt)  # the core counts it granted
-        assert quiet_arbiter.stats().rounds > rounds and quiet_arbiter.stats().fired == 2
-        # An arm ahead for FILL_SHORT does not release a FILL_LONG request.
+        assert quiet_arbiter.stats().fired == 2
+        # Fired before the request was posted, an arm given ahead releases nothing.
         low.port.report_done(nxt)
         assert wait_for(
             lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == nxt + 1
         )
         high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
-        long_seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
-        assert not low.port.wait_grant(long_seq, 0.05)  # 5 ms fits no 2 ms gap
+        late = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+        assert low.port.wait_grant(late, 1.0)  # the arbiter's grant: it fits the window
         assert low.port.early_releases == 1
+        # Nor does it release a kernel it does not name.
+        low.port.report_done(late)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == late + 1
+        )
+        quiet = Task.__new__(Task)
+        quiet.port = FikitPort(low.mapping, silent, low.boards)
+        quiet.port._released = low.port._released
+        long_seq = quiet.port.post(FILL_LONG, FikitPost.REQUEST)
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        assert not quiet.port.wait_grant(long_seq, 0.05) and quiet.port.early_releases == 0
+        quiet.port.close()
     finally:
         high.close()
         low.close()
