@@ -68,9 +68,9 @@ class FrameReader:
 # ---- the admission region ----
 
 REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
-REGION_VERSION = 3
+REGION_VERSION = 4
 REGION_BYTES = 4096
-REGION_SAMPLES = 236  # entries of the memory sample ring
+REGION_SAMPLES = 224  # entries of the memory sample ring
 OPEN_ENDED_NS = (1 << 64) - 1
 
 _OFF_MAGIC, _OFF_VERSION, _OFF_EPOCH, _OFF_STATE = 0, 4, 8, 12
@@ -86,9 +86,19 @@ OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128
 # Lease request words, written by a SHARE shim for the dispatcher's lease desk (own cache line).
 OFF_LR_SEQ, OFF_LR_FLAGS, OFF_LR_LEASE, OFF_LR_GPU_NS = 192, 196, 200, 208
 OFF_LR_BURST_NS, OFF_LR_POST_NS, OFF_LR_ALLOCATED = 216, 224, 232
+# The one-wake-up path (docs/fikit.md): the arbiter writes the arm words (own cache line) ...
+OFF_FK_ARM, OFF_FK_ARM_KERNELS, OFF_FK_ARMED = 256, 264, 296
+OFF_FK_ARM_BOARD, OFF_FK_ARM_WAIT = 304, 308
+# ... a filler its release (own cache line).
+OFF_FK_RELEASED, OFF_FK_RELEASED_KERNEL = 320, 328
+# ... and which request the filler's arm is for (the arbiter).
+OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
+ARM_KERNELS = 4  # kernel IDs an arm names
+# A priority board (one per priority per GPU), written by the holder shim of that priority.
+BOARD_BYTES, BOARD_LAUNCH, BOARD_FIRED, BOARDS = 64, 0, 8, 10
 # The memory sample ring, written by the shim in every mode: entries written so far (u32), then
 # REGION_SAMPLES entries of (u64 CLOCK_MONOTONIC ns, u64 allocated bytes).
-OFF_MS_HEAD, OFF_MS_RING = 256, 320
+OFF_MS_HEAD, OFF_MS_RING = 448, 512
 _SAMPLE = struct.Struct("<QQ")
 
 
@@ -371,18 +381,31 @@ class FikitPort:
     """The shim's side of a region's FIKIT words (the Python reference of shim/src/fikit_gate.c).
 
     A holder posts a launch and goes; a filler posts a request, rings the doorbell and waits
-    until the arbiter writes the request's sequence number into the grant word.
+    until the arbiter writes the request's sequence number into the grant word. With `boards`
+    (the priority boards of the Registered frame, 0..own priority, the own one last and
+    writable), a holder's launch of an armed kernel fires the arm into its board, and a filler
+    armed with that nonce goes without waiting for the arbiter.
     """
 
-    def __init__(self, mapping: mmap.mmap, doorbell_fd: int) -> None:
+    def __init__(
+        self, mapping: mmap.mmap, doorbell_fd: int, boards: list[mmap.mmap] | None = None
+    ) -> None:
         self._mapping = mapping
         self._doorbell = doorbell_fd
         self._grant = ctypes.c_uint32.from_buffer(mapping, OFF_FK_GRANT)
         self._grant_address = ctypes.addressof(self._grant)
         self.seq = struct.unpack_from("<I", mapping, OFF_FK_REQ_SEQ)[0]
+        self._boards = boards or []
+        self._fired = 0
+        self._released = 0
+        self._stale = 0  # an arm fired before the request was posted
+        self.early_releases = 0  # requests that went by the holder's fire, before a grant
 
     def _u32(self, offset: int) -> int:
         return struct.unpack_from("<I", self._mapping, offset)[0]
+
+    def _u64(self, offset: int) -> int:
+        return struct.unpack_from("<Q", self._mapping, offset)[0]
 
     @property
     def role(self) -> FikitRole:
@@ -400,28 +423,89 @@ class FikitPort:
     def heartbeat_ns(self) -> int:
         return struct.unpack_from("<Q", self._mapping, OFF_FK_BEAT)[0]
 
+    @property
+    def arm(self) -> tuple[int, list[int]]:
+        """(nonce, kernel IDs) of the arm a holder's launch may fire; nonce 0: none."""
+        kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_ARM_KERNELS)
+        return self._u64(OFF_FK_ARM), [k for k in kernels if k]
+
+    @property
+    def armed(self) -> tuple[int, int]:
+        """(nonce, board) of the arm that releases a filler's queued request; nonce 0: none."""
+        return self._u64(OFF_FK_ARMED), self._u32(OFF_FK_ARM_BOARD)
+
     def ring(self) -> None:
         os.eventfd_write(self._doorbell, 1)
 
     def post(self, kernel_id: int, kind: FikitPost, now_ns: int | None = None) -> int:
         """Post a launch (holder) or a request (filler); returns its sequence number. The
-        sequence number is stored last, so the arbiter never sees it before the rest."""
+        sequence number is stored last, so the arbiter never sees it before the rest. A
+        holder's launch then fires its arm when it names this kernel."""
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         posted = time.monotonic_ns() if now_ns is None else now_ns
         struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(kind))
         struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
+        if kind is not FikitPost.REQUEST:
+            self._fire(kernel_id)
+        else:  # an arm given ahead already fired now does not release this request
+            stale, index = self.armed
+            if (
+                stale
+                and index < len(self._boards) - 1
+                and struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] == stale
+            ):
+                self._stale = stale
         self.ring()
         return self.seq
 
+    def _fire(self, kernel_id: int) -> None:
+        nonce, kernels = self.arm
+        if not self._boards or not nonce or nonce == self._fired or kernel_id not in kernels:
+            return
+        if self._u64(OFF_FK_ARM) != nonce:
+            return
+        self._fired = nonce
+        board = self._boards[-1]
+        struct.pack_into("<Q", board, BOARD_FIRED, nonce)
+        launch = ctypes.c_uint32.from_buffer(board, BOARD_LAUNCH)
+        launch.value = (launch.value + 1) & 0xFFFFFFFF
+        futex_wake(ctypes.addressof(launch))
+        del launch
+
+    def _released_by_board(self, seq: int, kernel_id: int) -> bool:
+        nonce, index = self.armed
+        if not nonce or nonce in (self._released, self._stale) or index >= len(self._boards) - 1:
+            return False
+        kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_ARMED_KERNELS)
+        if self._u32(OFF_FK_ARMED_SEQ) != seq or (any(kernels) and kernel_id not in kernels):
+            return False  # another request's arm, or one for a kernel this is not
+        if struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] != nonce:
+            return False
+        self._released = nonce
+        struct.pack_into("<Q", self._mapping, OFF_FK_RELEASED_KERNEL, kernel_id)
+        struct.pack_into("<Q", self._mapping, OFF_FK_RELEASED, nonce)
+        self.early_releases += 1
+        return True
+
     def wait_grant(self, seq: int, timeout_s: float) -> bool:
-        """Sleep until request `seq` is granted; False after `timeout_s`."""
+        """Sleep until request `seq` is granted, or its arm fired; False after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
-        while (granted := self._grant.value) != seq:
+        kernel_id = self._u64(OFF_FK_KERNEL)
+        # The board first: a fire the arbiter already settled (and granted) still counts as
+        # the release it was.
+        while not self._released_by_board(seq, kernel_id):
+            if (granted := self._grant.value) == seq:
+                # Granted: the post is no longer a waiting request. (Released by the board it
+                # stays one: the arbiter may not have read it yet.)
+                struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            futex_wait(self._grant_address, granted, min(left, 0.005))
-        struct.pack_into("<I", self._mapping, OFF_FK_WAITING, FikitPost.LAUNCHED)
+            # The board is polled at this step (the C shim sleeps on it with futex_waitv).
+            futex_wait(
+                self._grant_address, granted, min(left, 0.005 if not self._boards else 0.0005)
+            )
         return True
 
     def report_done(self, seq: int) -> None:

@@ -2,18 +2,29 @@
  * wire code (shim/src/wire.c) and speaks the region protocol as the shim does (docs/fikit.md).
  *
  *   bench_fikit_client holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT
- *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does); OUT gets the
+ *       launches KERNEL_ID every PERIOD_US (posts as the holder shim does: tracked while
+ *       somebody waits, its end reported at the next launch); OUT gets the
  *       CLOCK_MONOTONIC time of every launch (u64 ns)
+ *       (and fires the arm the arbiter gave it, as the shim's fire_arm does)
+ *   bench_fikit_client holder-nofire ...
+ *       the same, but never fires an arm: every release takes the arbiter's grant (the two
+ *       wake-ups of the path before the arm, measured in the same run)
  *   bench_fikit_client filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
- *       requests KERNEL_ID, and once granted "runs" it for KERNEL_US (sleeps), reports it done
- *       and asks again; OUT gets, per grant, the time the request was posted and the time the
- *       grant was seen (two u64 ns)
+ *       requests KERNEL_ID, and once granted (or released by the holder's fire of its arm)
+ *       "runs" it for KERNEL_US (sleeps), reports it done and asks again; OUT gets, per
+ *       grant, the time the request was posted, the time the grant was seen, and 1 if the
+ *       holder's fire released it, 0 if the arbiter's grant did (three u64)
+ *   bench_fikit_client filler-async SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT
+ *       the same, but as an application that launches asynchronously (as training does): it
+ *       asks for the next kernel right after a release, while the ones released before it
+ *       still "run" one after another; each one's end is reported as it comes
  *   bench_fikit_client --futex-pingpong SECONDS PERIOD_US OUT
  *       the floor: one process stamps the time and FUTEX_WAKEs another, asleep on FUTEX_WAIT,
  *       which records how long the wake-up took (u64 ns)
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <limits.h>
 #include <linux/futex.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -53,6 +64,28 @@ static void store64(volatile uint8_t *r, int offset, uint64_t value) {
 static void futex_wait(volatile void *word, uint32_t seen, long timeout_ns) {
     struct timespec t = {.tv_sec = 0, .tv_nsec = timeout_ns};
     syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &t, NULL, 0);
+}
+
+static uint64_t load64(volatile uint8_t *r, int offset) {
+    return __atomic_load_n((uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
+}
+
+/* As shim/src/fikit_gate.c: sleep until the grant word, the arm word or the board moves. */
+static void wait_words(volatile uint8_t *r, uint32_t granted, uint32_t arm_wait,
+                       volatile uint8_t *board, uint32_t launch, long ns) {
+    struct futex_waitv w[3] = {
+        {.val = granted, .uaddr = (uintptr_t)(r + GL_OFF_FK_GRANT), .flags = FUTEX_32},
+        {.val = arm_wait, .uaddr = (uintptr_t)(r + GL_OFF_FK_ARM_WAIT), .flags = FUTEX_32},
+        {.val = launch, .uaddr = (uintptr_t)(board + GL_BOARD_LAUNCH), .flags = FUTEX_32},
+    };
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += ns;
+    while (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    syscall(SYS_futex_waitv, w, board ? 3u : 2u, 0u, &until, CLOCK_MONOTONIC);
 }
 
 static void ring(int doorbell) {
@@ -117,12 +150,14 @@ static int futex_pingpong(double seconds, long period_us, const char *out_path) 
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--futex-pingpong") == 0)
         return futex_pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
-    int holder = argc == 8 && strcmp(argv[1], "holder") == 0;
-    int filler = argc == 8 && strcmp(argv[1], "filler") == 0;
+    int no_fire = argc == 8 && strcmp(argv[1], "holder-nofire") == 0;
+    int holder = argc == 8 && (strcmp(argv[1], "holder") == 0 || no_fire);
+    int async = argc == 8 && strcmp(argv[1], "filler-async") == 0;
+    int filler = argc == 8 && (strcmp(argv[1], "filler") == 0 || async);
     if (!holder && !filler) {
         fprintf(stderr,
-                "usage: %s holder SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
-                "       %s filler SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
+                "usage: %s holder|holder-nofire SOCKET TOKEN SECONDS PERIOD_US KERNEL_ID OUT\n"
+                "       %s filler|filler-async SOCKET TOKEN SECONDS KERNEL_ID KERNEL_US OUT\n"
                 "       %s --futex-pingpong SECONDS PERIOD_US OUT\n",
                 argv[0], argv[0], argv[0]);
         return 2;
@@ -153,39 +188,132 @@ int main(int argc, char **argv) {
     size_t count = 0;
     uint32_t seq = load32(r, GL_OFF_FK_REQ_SEQ);
     uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
+    uint64_t fired = 0, released = 0;
     if (holder) {
         long period_us = atol(argv[5]);
         for (uint64_t next = now_ns(); next < stop && count < CAPACITY;) {
             next += (uint64_t)period_us * 1000u;
             sleep_until(next);
             uint64_t t = now_ns();
+            /* As the shim: while somebody waits (notify), the launch is tracked and its end
+             * reported (here at the next launch; the shim's events say it within a ms). */
+            uint32_t tracked = load32(r, GL_OFF_FK_NOTIFY);
+            store32(r, GL_OFF_FK_DONE, seq);
             store64(r, GL_OFF_FK_POST_NS, t);
             store64(r, GL_OFF_FK_KERNEL, kernel);
+            store32(r, GL_OFF_FK_WAITING, tracked ? GL_POST_TRACKED : GL_POST_LAUNCHED);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
-            if (load32(r, GL_OFF_FK_NOTIFY)) ring(doorbell);
+            uint64_t nonce = load64(r, GL_OFF_FK_ARM);
+            int match = 0;
+            for (int k = 0; k < GL_ARM_KERNELS; k++)
+                match |= load64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
+            int fire = !no_fire && nonce != 0 && nonce != fired && match &&
+                       load64(r, GL_OFF_FK_ARM) == nonce && registration.board_count > 0;
+            if (fire) {
+                volatile uint8_t *board = registration.boards[registration.board_count - 1];
+                fired = nonce;
+                __atomic_store_n((uint64_t *)(board + GL_BOARD_FIRED), nonce, __ATOMIC_RELEASE);
+                __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
+                syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX,
+                        NULL, NULL, 0);
+            }
+            if (load32(r, GL_OFF_FK_NOTIFY) && !fire) ring(doorbell); /* the filler rings */
             times[count++] = t;
         }
     } else {
-        while (now_ns() < stop && count + 2 <= CAPACITY) {
+        /* Kernels "in flight" (async): their sequence numbers and when they end, FIFO. */
+        uint32_t flight_seq[64];
+        uint64_t flight_end[64], device_free = 0;
+        unsigned head = 0, in_flight = 0;
+        while (now_ns() < stop && count + 3 <= CAPACITY) {
             uint64_t posted = now_ns();
             store64(r, GL_OFF_FK_KERNEL, kernel);
             store64(r, GL_OFF_FK_POST_NS, posted);
             store32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             ring(doorbell);
+            /* As the shim: an arm given ahead already fired when this request was posted does
+             * not release it. */
+            uint64_t stale = load64(r, GL_OFF_FK_ARMED);
+            uint32_t stale_board = load32(r, GL_OFF_FK_ARM_BOARD);
+            if (stale == 0 || load32(r, GL_OFF_FK_ARMED_SEQ) != seq ||
+                stale_board + 1 >= registration.board_count ||
+                load64(registration.boards[stale_board], GL_BOARD_FIRED) != stale)
+                stale = 0;
             unsigned spins = 0;
             uint32_t granted;
-            while ((granted = load32(r, GL_OFF_FK_GRANT)) != seq && now_ns() < stop) {
+            uint64_t by_board = 0;
+            /* The board is checked before the grant word: when the holder's fire woke this
+             * filler but the arbiter settled it (and wrote the grant) before it ran, the
+             * release still counts as the fire's. */
+            for (;;) {
+                granted = load32(r, GL_OFF_FK_GRANT);
+                if (now_ns() >= stop) break;
+                uint32_t arm_wait = load32(r, GL_OFF_FK_ARM_WAIT);
+                uint64_t nonce = load64(r, GL_OFF_FK_ARMED);
+                uint32_t index = load32(r, GL_OFF_FK_ARM_BOARD);
+                volatile uint8_t *board = NULL;
+                uint32_t launch = 0;
+                int any = 0, match = 0; /* an arm ahead names the kernels it holds for */
+                for (int k = 0; k < GL_ARM_KERNELS; k++) {
+                    uint64_t allowed = load64(r, GL_OFF_FK_ARMED_KERNELS + 8 * k);
+                    any |= allowed != 0;
+                    match |= allowed != 0 && allowed == kernel;
+                }
+                int mine = load32(r, GL_OFF_FK_ARMED_SEQ) == seq && (!any || match);
+                if (mine && nonce != 0 && nonce != released && nonce != stale &&
+                    index + 1 < registration.board_count) {
+                    board = registration.boards[index];
+                    launch = load32(board, GL_BOARD_LAUNCH);
+                    if (load64(board, GL_BOARD_FIRED) == nonce) {
+                        released = nonce;
+                        store64(r, GL_OFF_FK_RELEASED_KERNEL, kernel);
+                        store64(r, GL_OFF_FK_RELEASED, nonce);
+                        by_board = 1;
+                        break;
+                    }
+                }
+                if (granted == seq) break;
                 if (++spins < 2000) continue; /* the shim spins briefly too */
-                futex_wait(r + GL_OFF_FK_GRANT, granted, 5000000);
+                /* Report kernels that ended (as the shim's events do), then sleep. */
+                uint64_t now = now_ns();
+                long sleep_ns = 5000000;
+                int moved = 0;
+                while (in_flight > 0 && flight_end[head] <= now) {
+                    store32(r, GL_OFF_FK_DONE, flight_seq[head]);
+                    head = (head + 1) % 64;
+                    in_flight--;
+                    moved = 1;
+                }
+                if (moved) ring(doorbell);
+                if (in_flight > 0 && flight_end[head] - now < (uint64_t)sleep_ns)
+                    sleep_ns = (long)(flight_end[head] - now);
+                wait_words(r, granted, arm_wait, board, launch, sleep_ns);
             }
-            if (granted != seq) break;
+            if (!by_board && load32(r, GL_OFF_FK_GRANT) != seq) break;
             uint64_t granted_at = now_ns();
             times[count++] = posted;
             times[count++] = granted_at;
-            store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
-            sleep_until(granted_at + kernel_ns); /* the kernel runs */
-            store32(r, GL_OFF_FK_DONE, seq);
+            times[count++] = by_board;
+            if (!by_board) store32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+            if (by_board) ring(doorbell); /* launched: now the arbiter may settle the fire */
+            if (!async) {
+                sleep_until(granted_at + kernel_ns); /* the kernel runs */
+                store32(r, GL_OFF_FK_DONE, seq);
+                continue;
+            }
+            /* Async: the kernel queues behind the ones in flight; ask for the next at once. */
+            while (in_flight == 64) {
+                sleep_until(flight_end[head]);
+                store32(r, GL_OFF_FK_DONE, flight_seq[head]);
+                head = (head + 1) % 64;
+                in_flight--;
+                ring(doorbell);
+            }
+            device_free = (device_free > granted_at ? device_free : granted_at) + kernel_ns;
+            flight_seq[(head + in_flight) % 64] = seq;
+            flight_end[(head + in_flight) % 64] = device_free;
+            in_flight++;
         }
     }
     write_out(argv[7], times, count);

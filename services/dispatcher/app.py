@@ -111,7 +111,11 @@ async def start_gpu_dispatcher(
     scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
     arbiter = None
     if fikit:
-        arbiter = Arbiter(fikit_config(settings), spin_s=settings.fikit_spin_us / 1e6)
+        arbiter = Arbiter(
+            fikit_config(settings),
+            spin_s=settings.fikit_spin_us / 1e6,
+            arm=settings.fikit_arm,
+        )
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from gpuloom.policies.fikit.core import (
     MAX_TASKS,
+    PRIORITIES,
     UNKNOWN,
     FikitConfig,
     FikitConfigStruct,
@@ -33,6 +34,9 @@ class ArbiterStats:
     unknown_kernels: int
     invalid_writes: int
     role_races: int
+    arms: int
+    fired: int
+    late_releases: int
     tasks: int
     waiting: int
 
@@ -87,6 +91,10 @@ def _library() -> ctypes.CDLL:
     ]
     lib.gl_arbiter_remove_task.restype = None
     lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_arbiter_board_fd.restype = ctypes.c_int
+    lib.gl_arbiter_board_fd.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
+    lib.gl_arbiter_set_arming.restype = None
+    lib.gl_arbiter_set_arming.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
     lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
     return lib
@@ -95,7 +103,11 @@ def _library() -> ctypes.CDLL:
 class Arbiter:
     """Owns the native thread and the doorbell; safe to call from any thread."""
 
-    def __init__(self, config: FikitConfig, beat_s: float = 0.02, spin_s: float = 0.0) -> None:
+    def __init__(
+        self, config: FikitConfig, beat_s: float = 0.02, spin_s: float = 0.0, arm: bool = True
+    ) -> None:
+        """`arm`: publish arms, so the holder's launch releases the best waiting filler itself
+        (one wake-up); off, every release is the arbiter's grant."""
         self._lib = _library()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         handle = self._lib.gl_arbiter_start(
@@ -109,6 +121,8 @@ class Arbiter:
             os.close(self.doorbell_fd)
             raise OSError(error, f"cannot start the FIKIT arbiter: {os.strerror(error)}")
         self._handle: int | None = handle
+        if not arm:
+            self._lib.gl_arbiter_set_arming(handle, 0)
 
     def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
         """Register a task; returns its slot. Raises ArbiterFull when no slot is free."""
@@ -131,6 +145,18 @@ class Arbiter:
 
     def remove_task(self, slot: int) -> None:
         self._lib.gl_arbiter_remove_task(self._require(), slot)
+
+    def board_fds(self, priority: int) -> list[int]:
+        """The priority boards a process of `priority` gets on its Registered frame, after its
+        region and the doorbell: the better priorities' read-only, then its own read-write
+        (docs/fikit.md). The arbiter keeps these descriptors; the frame carries copies."""
+        handle = self._require()
+        if not 0 <= priority < PRIORITIES:
+            raise ValueError(f"priority {priority} is outside 0..{PRIORITIES - 1}")
+        return [
+            self._lib.gl_arbiter_board_fd(handle, p, int(p == priority))
+            for p in range(priority + 1)
+        ]
 
     def stats(self) -> ArbiterStats:
         raw = _Stats()

@@ -24,6 +24,7 @@ import array
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import math
 import os
 import select
@@ -91,8 +92,8 @@ _PEERCRED = struct.Struct("3i")
 _RECV_BYTES = 256 * 1024
 # Usage numbers beyond this are garbage, not measurements (a lease lasts milliseconds).
 _MAX_REPORTED_SECONDS = 3600.0
-# How often the memory sample rings are read (a ring holds 236 entries: at the shortest sample
-# period of 1 ms, 236 ms of allocations).
+# How often the memory sample rings are read (a ring holds 224 entries: at the shortest sample
+# period of 1 ms, 224 ms of allocations).
 SAMPLE_POLL_S = 0.025
 # While a suspension waits for its low point, the process's memory is looked at this often.
 SUSPEND_POLL_S = 0.001
@@ -203,7 +204,7 @@ class ShimChannel:
         # Policy fikit: shares are admitted kernel by kernel by the native arbiter, not leased.
         self._arbiter = arbiter
         self._kernel_tables = kernel_tables
-        self._fikit_seen = ArbiterStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
         self._desk = LeaseDesk() if lease_desk and arbiter is None else None
         self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -721,6 +722,7 @@ class ShimChannel:
                 return False
             assert self._arbiter is not None
             fds.append(self._arbiter.doorbell_fd)
+            fds.extend(self._arbiter.board_fds(reservation.priority))
         elif mode is ShimMode.SHARE:
             snapshot = self.scheduler_snapshot()
             lease = snapshot.clients[assignment_id].lease
@@ -897,7 +899,16 @@ class ShimChannel:
         if self._arbiter is None:
             return
         stats, seen = self._arbiter.stats(), self._fikit_seen
-        for event in ("requests", "grants", "unknown_kernels", "invalid_writes", "role_races"):
+        for event in (
+            "requests",
+            "grants",
+            "unknown_kernels",
+            "invalid_writes",
+            "role_races",
+            "arms",
+            "fired",
+            "late_releases",
+        ):
             delta = getattr(stats, event) - getattr(seen, event)
             if delta:
                 metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)

@@ -57,7 +57,10 @@ MEASUREMENT_RECORDS = prometheus_client.Counter(
 FIKIT_EVENTS = prometheus_client.Counter(
     "gpuloom_dispatcher_fikit_events_total",
     "FIKIT arbiter events: requests, grants, unknown_kernels (not in the task's profile: no "
-    "gap filling for them), invalid_writes (shim-written words rejected), role_races",
+    "gap filling for them), invalid_writes (shim-written words rejected), role_races, arms "
+    "(fills decided in advance for the holder's next launch), fired (arms a holder's launch "
+    "fired: the filler released with one wake-up), late_releases (a filler released by an "
+    "arm already withdrawn)",
     ["gpu", "event"],
 )
 DESK_EVENTS = prometheus_client.Counter(

@@ -56,6 +56,8 @@ class DispatcherSettings(BaseSettings):
     # ... and around a holder launch predicted while a filler waits, the arbiter polls for this
     # long instead of sleeping (CPU for latency; 0: it always sleeps).
     fikit_spin_us: float = Field(default=0.0, ge=0, le=10_000)
+    # ... and the holder's launch releases the best waiting filler itself (arms; docs/fikit.md).
+    fikit_arm: bool = True
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
@@ -100,7 +102,7 @@ class DispatcherSettings(BaseSettings):
     @classmethod
     def _sample_period(cls, period: int) -> int:
         if 0 < period < 100:
-            raise ValueError("0 (no sampling) or at least 100 us (a ring holds 236 samples)")
+            raise ValueError("0 (no sampling) or at least 100 us (a ring holds 224 samples)")
         return period
 
     @field_validator("policy")

@@ -41,10 +41,14 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
                      pthread_mutex_t *wait_lock);
 /* After a granted launch on `key`: watch it with an event until it completes. */
 void fikit_track(CUstream key, uint32_t seq);
+/* After an admitted launch (launched: it succeeded): fikit_track, and the doorbell when the
+ * holder's fire released it (the arbiter then settles the fire). */
+void fikit_after_launch(CUstream key, uint32_t seq, int launched);
 /* Report granted kernels that completed; returns how many are still in flight. */
 unsigned fikit_harvest(void);
-/* A (re)registration: its region and the GPU's doorbell (-1 when the dispatcher gave none). */
-void fikit_adopt(uint8_t *r, int doorbell);
+/* A (re)registration: its region, the GPU's doorbell (-1 when the dispatcher gave none) and
+ * the priority boards mapped into `reg` (taken over: reg->board_count becomes 0). */
+void fikit_adopt(uint8_t *r, int doorbell, gl_registration *reg);
 /* The GPU's doorbell: the FIKIT arbiter's, or in mode SHARE the lease desk's; -1 if none (a
  * SHARE shim then asks for leases over the socket). */
 int gpu_doorbell(void);

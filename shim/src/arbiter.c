@@ -10,13 +10,16 @@
 #include "arbiter.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <stdio.h>
 #include <linux/futex.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -40,12 +43,34 @@ typedef struct {
     uint32_t seen_done;   /* DONE last read */
     int queued;           /* a request of this task waits in the core */
     uint32_t queued_seq;  /* ... with this sequence number */
+    uint64_t queued_kernel; /* ... and this kernel ID */
     uint32_t granted[GRANTS_TRACKED]; /* sequence numbers of granted kernels not known done */
     uint32_t granted_head, granted_count;
     kernel_entry *table; /* open addressing, id 0 = empty; capacity mask+1 (power of two) */
     uint64_t mask;
     uint32_t role;
+    /* Its window-opening kernels (known duration, gap >= the threshold): all of them when
+     * there are at most GL_ARM_KERNELS (openers_all), else the latest it launched. */
+    uint64_t openers[GL_ARM_KERNELS];
+    int openers_all;
+    /* As a filler: the kernels it asked for last (known durations), for an arm ahead. */
+    uint64_t asked[GL_ARM_KERNELS];
+    /* As a filler: the last arm it was given, for a release it reports after the arm died. */
+    uint64_t armed_nonce;
+    uint32_t armed_seq;
+    uint32_t arm_wait;
 } slot_state;
+
+/* The live arm: `holder`'s next launch of one of `kernels` releases `filler`'s request
+ * `filler_seq` (docs/fikit.md, "The holder's launch releases the filler"). */
+typedef struct {
+    int live;
+    uint32_t holder, filler, filler_seq;
+    uint64_t nonce;
+    uint64_t kernels[GL_ARM_KERNELS];
+    /* An arm ahead (the filler's next request, not posted yet): the kernel IDs it may be. */
+    uint64_t filler_kernels[GL_ARM_KERNELS];
+} arm_state;
 
 struct gl_arbiter {
     pthread_mutex_t lock;
@@ -55,6 +80,11 @@ struct gl_arbiter {
     uint64_t beat_ns, last_beat;
     uint64_t spin_ns; /* busy-poll budget around a predicted holder launch (0: never) */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
+    uint64_t gap_threshold_ns;
+    int arming; /* publish arms (the one-wake-up path); 0: every release is a grant */
+    int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
+    uint8_t *board[GL_BOARDS];
+    arm_state arm;
     gl_arbiter_stats stats;
     slot_state slots[GL_FK_MAX_TASKS];
     gl_fk_core *core; /* gl_fk_core_size() bytes */
@@ -95,14 +125,23 @@ static void grant(gl_arbiter *a, uint32_t task) {
     a->stats.grants++;
 }
 
+static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e);
+static void take_request(gl_arbiter *a, uint32_t task, uint64_t now);
+
 /* The shim says granted kernels up to `done` completed (a sequence number, so a kernel the
  * shim launched without a grant, after giving up, cannot keep work outstanding forever). */
 static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now) {
     slot_state *s = &a->slots[task];
     if (done == s->seen_done) return;
-    if ((int32_t)(done - s->seen_req) > 0) { /* done beyond anything requested: garbage */
-        a->stats.invalid_writes++;
-        return;
+    if ((int32_t)(done - s->seen_req) > 0) {
+        /* A launch this round has not read yet (a holder's that fired an arm rings no
+         * doorbell): read it first. Beyond anything posted: garbage. */
+        if ((int32_t)(done - load32(s->region, GL_OFF_FK_REQ_SEQ)) <= 0 && !s->queued)
+            take_request(a, task, now);
+        if ((int32_t)(done - s->seen_req) > 0) {
+            a->stats.invalid_writes++;
+            return;
+        }
     }
     s->seen_done = done;
     uint32_t count = 0;
@@ -114,11 +153,30 @@ static void take_done(gl_arbiter *a, uint32_t task, uint32_t done, uint64_t now)
     if (count) gl_fk_completed(a->core, task, count, now);
 }
 
+
+/* A filler released by an arm for request `armed_seq` posted a later one before this thread
+ * read that one: its kernel (RELEASED_KERNEL) is on the GPU all the same, counted as fill
+ * work launched and watched until `done` passes it. */
+static void take_skipped_release(gl_arbiter *a, uint32_t task, uint32_t req, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    if (s->armed_nonce == 0 || s->queued || load64(s->region, GL_OFF_FK_RELEASED) != s->armed_nonce)
+        return;
+    if ((int32_t)(s->armed_seq - s->seen_req) <= 0 || (int32_t)(req - s->armed_seq) <= 0) return;
+    const kernel_entry *e = lookup(s, load64(s->region, GL_OFF_FK_RELEASED_KERNEL));
+    s->armed_nonce = 0;
+    if (gl_fk_launched(a->core, task, e ? e->duration_ns : GL_FK_UNKNOWN,
+                       e ? e->gap_ns : GL_FK_UNKNOWN, now) < 0)
+        return;
+    track(a, task, s->armed_seq);
+    a->stats.late_releases++;
+}
+
 static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
     slot_state *s = &a->slots[task];
     uint8_t *r = s->region;
     uint32_t req = load32(r, GL_OFF_FK_REQ_SEQ);
     if (req == s->seen_req) return;
+    take_skipped_release(a, task, req, now);
     if (s->queued) {
         /* One request at a time: a new sequence number while one is queued means the shim
          * gave up waiting (fail-open) or misbehaves. Its old request is answered on grant. */
@@ -144,6 +202,13 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         a->stats.unknown_kernels++;
     }
     a->stats.requests++;
+    if (waiting == GL_POST_REQUEST && e != NULL && e->duration_ns != GL_FK_UNKNOWN) {
+        int at = GL_ARM_KERNELS - 1; /* the kernels it asks for, latest first */
+        for (int k = 0; k < GL_ARM_KERNELS; k++)
+            if (s->asked[k] == e->id) at = k;
+        memmove(&s->asked[1], &s->asked[0], (size_t)at * sizeof s->asked[0]);
+        s->asked[0] = e->id;
+    }
     if (waiting == GL_POST_REQUEST) {
         int admitted = gl_fk_request(a->core, task, duration, gap, posted);
         if (admitted < 0) {
@@ -152,10 +217,12 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         }
         s->queued = 1;
         s->queued_seq = req;
+        s->queued_kernel = kernel;
         if (admitted == 1) grant(a, task);
         return;
     }
     /* A holder's launch, reported after the fact. */
+    note_opener(a, s, e);
     int launched = gl_fk_launched(a->core, task, duration, gap, posted);
     if (launched < 0) {
         a->stats.invalid_writes++;
@@ -168,14 +235,206 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
         gl_fk_completed(a->core, task, 1, now); /* alone on the GPU: nobody needs to know */
 }
 
+/* ---- the arm: one wake-up from the holder's launch to the filler's release ---- */
+
+static void set_armed(slot_state *s, uint32_t board, uint64_t nonce, uint32_t seq,
+                      const uint64_t *kernels) {
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        store64(s->region, GL_OFF_FK_ARMED_KERNELS + 8 * k, kernels ? kernels[k] : 0);
+    store32(s->region, GL_OFF_FK_ARMED_SEQ, seq);
+    store32(s->region, GL_OFF_FK_ARM_BOARD, board);
+    store64(s->region, GL_OFF_FK_ARMED, nonce);
+    store32(s->region, GL_OFF_FK_ARM_WAIT, ++s->arm_wait);
+    wake_word(s->region, GL_OFF_FK_ARM_WAIT);
+}
+
+/* Did the live arm fire? The holder's shim writes its nonce into its priority board; the
+ * filler writes it into its own region when it takes the release. Either is enough: the
+ * filler's request then goes (through the board or, if it missed that, its grant word). */
+static int arm_fired(const gl_arbiter *a) {
+    const slot_state *h = &a->slots[a->arm.holder], *f = &a->slots[a->arm.filler];
+    return load64(a->board[h->priority], GL_BOARD_FIRED) == a->arm.nonce ||
+           load64(f->region, GL_OFF_FK_RELEASED) == a->arm.nonce;
+}
+
+/* The filler's request went: the core admits it as fill (gl_fk_release), and the grant word
+ * is written as for any grant (it wakes the filler if the board did not). */
+static void release(gl_arbiter *a, uint32_t task, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    s->armed_nonce = 0;
+    if (!s->used || !s->queued || gl_fk_release(a->core, task, now) != 0) return;
+    grant(a, task);
+}
+
+/* An arm given ahead holds only for the kernels it names (an arm for a queued request names
+ * none: it holds for that request). */
+static int ahead_allows(const arm_state *arm, uint64_t kernel) {
+    int any = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++) {
+        any |= arm->filler_kernels[k] != 0;
+        if (arm->filler_kernels[k] != 0 && arm->filler_kernels[k] == kernel) return 1;
+    }
+    return !any;
+}
+
+/* Takes the live arm back (the holder can no longer fire it, the filler no longer take it),
+ * then settles a fire that came first: the holder's launch reaches the core before the
+ * filler's release, as they happened. */
+static void withdraw(gl_arbiter *a, uint64_t now) {
+    if (!a->arm.live) return;
+    slot_state *h = &a->slots[a->arm.holder], *f = &a->slots[a->arm.filler];
+    store64(h->region, GL_OFF_FK_ARM, 0);
+    set_armed(f, 0, 0, 0, NULL);
+    a->arm.live = 0;
+    if (!arm_fired(a)) return;
+    a->stats.fired++;
+    take_done(a, a->arm.holder, load32(h->region, GL_OFF_FK_DONE), now);
+    take_request(a, a->arm.holder, now);
+    take_request(a, a->arm.filler, now); /* an arm ahead: the request it released */
+    /* An arm ahead released the request only if the filler says so: one posted after the
+     * fire is not released by it (the window has been running since); the core decides. */
+    int ahead = a->arm.filler_kernels[0] != 0;
+    if (f->queued && f->queued_seq == a->arm.filler_seq &&
+        ahead_allows(&a->arm, f->queued_kernel) &&
+        (!ahead || load64(f->region, GL_OFF_FK_RELEASED) == a->arm.nonce))
+        release(a, a->arm.filler, now);
+}
+
+/* A filler that says it took the release of an arm already withdrawn (a holder that fired
+ * after the arbiter took the arm back, or wrote its board by hand): its request went, so the
+ * core is told, once, and only for the request that arm was for. */
+static void take_late_release(gl_arbiter *a, uint32_t task, uint64_t now) {
+    slot_state *s = &a->slots[task];
+    if (s->armed_nonce == 0 || (a->arm.live && a->arm.filler == task)) return;
+    if (load64(s->region, GL_OFF_FK_RELEASED) != s->armed_nonce) return;
+    if (s->queued && s->queued_seq == s->armed_seq) {
+        a->stats.late_releases++;
+        release(a, task, now);
+    }
+    s->armed_nonce = 0;
+}
+
+static uint64_t fresh_nonce(void) {
+    uint64_t n = 0;
+    while (n == 0)
+        if (getrandom(&n, sizeof n, 0) != (ssize_t)sizeof n) n = now_ns() * 0x9E3779B97F4A7C15ull;
+    return n;
+}
+
+/* Fills want->kernels with the holder's window-opening kernels whose gap is at least
+ * `min_gap`; returns how many. */
+static int holder_kernels(const slot_state *h, uint64_t min_gap, arm_state *want) {
+    int n = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++) {
+        const kernel_entry *e = lookup(h, h->openers[k]);
+        if (e != NULL && e->duration_ns != GL_FK_UNKNOWN && e->gap_ns != GL_FK_UNKNOWN &&
+            e->gap_ns >= min_gap)
+            want->kernels[n++] = e->id;
+    }
+    return n;
+}
+
+/* The arm the core's next decision calls for: 0 when there is none. For a queued request
+ * (gl_fk_next_fill), or else one request ahead (gl_fk_next_asker): the filler's next request,
+ * if it asks for one of the kernels it asked for last (durations known), whose longest fits
+ * the holder kernels named. */
+static int desired_arm(gl_arbiter *a, arm_state *want) {
+    uint32_t filler;
+    uint64_t min_gap;
+    memset(want, 0, sizeof *want);
+    int queued = gl_fk_next_fill(a->core, &filler, &min_gap) == 1;
+    if (!queued && gl_fk_next_asker(a->core, &filler) != 1) return 0;
+    if (filler >= GL_FK_MAX_TASKS) return 0;
+    int best = gl_fk_holder_priority(a->core), holder = -1;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS && holder < 0; t++)
+        if (a->slots[t].used && (int)a->slots[t].priority == best) holder = (int)t;
+    const slot_state *h = holder >= 0 ? &a->slots[holder] : NULL, *f = &a->slots[filler];
+    if (h == NULL || !f->used || h->priority >= GL_BOARDS || h->priority >= f->priority)
+        return 0;
+    if (queued) {
+        if (!f->queued || holder_kernels(h, min_gap, want) == 0) return 0;
+        want->filler_seq = f->queued_seq;
+    } else {
+        if (f->queued) return 0;
+        uint64_t longest = 0;
+        int n = 0;
+        for (int k = 0; k < GL_ARM_KERNELS; k++) {
+            const kernel_entry *e = lookup(f, f->asked[k]);
+            if (e == NULL || e->duration_ns == GL_FK_UNKNOWN) continue;
+            want->filler_kernels[n++] = e->id;
+            if (e->duration_ns > longest) longest = e->duration_ns;
+        }
+        min_gap = longest > a->gap_threshold_ns ? longest : a->gap_threshold_ns;
+        if (n == 0 || holder_kernels(h, min_gap > 0 ? min_gap : 1, want) == 0) return 0;
+        want->filler_seq = f->seen_req + 1;
+    }
+    want->live = 1;
+    want->holder = (uint32_t)holder;
+    want->filler = filler;
+    return 1;
+}
+
+/* At the end of a round: keep the live arm if it is still what the core would decide, else
+ * withdraw it and publish the new one (filler's words first; a fire is kept in the board). */
+static void rearm(gl_arbiter *a, uint64_t now) {
+    arm_state want;
+    int wanted = a->arming && desired_arm(a, &want);
+    if (wanted && a->arm.live && a->arm.holder == want.holder &&
+        a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq &&
+        memcmp(a->arm.kernels, want.kernels, sizeof want.kernels) == 0 &&
+        memcmp(a->arm.filler_kernels, want.filler_kernels, sizeof want.filler_kernels) == 0)
+        return;
+    /* An arm given ahead for the request now queued, of a kernel it names, already is this
+     * arm: its holder kernels' gaps fit the longest kernel it names. Withdrawing it would
+     * leave a moment with no arm just before the launch it waits for. */
+    slot_state *f = &a->slots[want.filler];
+    if (wanted && a->arm.live && a->arm.holder == want.holder &&
+        a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq && f->queued &&
+        want.filler_kernels[0] == 0 && a->arm.filler_kernels[0] != 0 &&
+        ahead_allows(&a->arm, f->queued_kernel))
+        return;
+    if (a->arm.live) {
+        withdraw(a, now);
+        if (!desired_arm(a, &want)) return; /* a fire changed what is queued */
+    } else if (!wanted) {
+        return;
+    }
+    want.nonce = fresh_nonce();
+    slot_state *h = &a->slots[want.holder];
+    f = &a->slots[want.filler];
+    f->armed_nonce = want.nonce;
+    f->armed_seq = want.filler_seq;
+    set_armed(f, h->priority, want.nonce, want.filler_seq, want.filler_kernels);
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        store64(h->region, GL_OFF_FK_ARM_KERNELS + 8 * k, want.kernels[k]);
+    store64(h->region, GL_OFF_FK_ARM, want.nonce);
+    a->arm = want;
+    a->stats.arms++;
+}
+
+/* A holder launched a window-opening kernel: remember it as a likely next one (when its table
+ * has more of them than an arm can name). */
+static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e) {
+    if (s->openers_all || e == NULL || e->duration_ns == GL_FK_UNKNOWN ||
+        e->gap_ns == GL_FK_UNKNOWN || e->gap_ns < a->gap_threshold_ns || e->gap_ns == 0)
+        return;
+    int at = GL_ARM_KERNELS - 1;
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        if (s->openers[k] == e->id) at = k;
+    memmove(&s->openers[1], &s->openers[0], (size_t)at * sizeof s->openers[0]);
+    s->openers[0] = e->id;
+}
+
 static void round_locked(gl_arbiter *a) {
     uint64_t now = now_ns();
     a->stats.rounds++;
+    if (a->arm.live && arm_fired(a)) withdraw(a, now);
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
         if (!s->used) continue;
         take_done(a, t, load32(s->region, GL_OFF_FK_DONE), now);
         take_request(a, t, now);
+        take_late_release(a, t, now);
     }
     uint32_t out[GL_FK_MAX_TASKS];
     uint64_t wake_at;
@@ -211,6 +470,7 @@ static void round_locked(gl_arbiter *a) {
     a->stats.tasks = tasks;
     a->stats.waiting = waiting;
     a->next_wake = wake_at;
+    rearm(a, now);
 }
 
 /* ---- the thread ---- */
@@ -272,6 +532,45 @@ static void *run(void *arg) {
 
 static void ring(gl_arbiter *a) { ring_eventfd(a->doorbell); }
 
+static void close_boards(gl_arbiter *a) {
+    for (int p = 0; p < GL_BOARDS; p++) {
+        if (a->board[p] != NULL) munmap(a->board[p], GL_BOARD_BYTES);
+        if (a->board_fd[p] >= 0) close(a->board_fd[p]);
+        if (a->board_ro_fd[p] >= 0) close(a->board_ro_fd[p]);
+        a->board[p] = NULL;
+        a->board_fd[p] = a->board_ro_fd[p] = -1;
+    }
+}
+
+/* One board per priority: a memfd the arbiter maps read-write, a read-only descriptor of it
+ * for the processes of worse priorities, and the inode made read-only so that descriptor cannot
+ * be reopened for writing through /proc (by a process without CAP_DAC_OVERRIDE). */
+static int open_boards(gl_arbiter *a) {
+    for (int p = 0; p < GL_BOARDS; p++) a->board_fd[p] = a->board_ro_fd[p] = -1;
+    for (int p = 0; p < GL_BOARDS; p++) {
+        char path[64];
+        int fd = memfd_create("gpuloom-board", MFD_CLOEXEC);
+        if (fd < 0) return -1;
+        a->board_fd[p] = fd;
+        if (ftruncate(fd, GL_BOARD_BYTES) != 0) return -1;
+        void *mapped = mmap(NULL, GL_BOARD_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (mapped == MAP_FAILED) return -1;
+        a->board[p] = mapped;
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        a->board_ro_fd[p] = open(path, O_RDONLY | O_CLOEXEC);
+        if (a->board_ro_fd[p] < 0 || fchmod(fd, 0400) != 0) return -1;
+    }
+    return 0;
+}
+
+API int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
+    if (a == NULL || priority >= GL_BOARDS) {
+        errno = EINVAL;
+        return -1;
+    }
+    return writable ? a->board_fd[priority] : a->board_ro_fd[priority];
+}
+
 API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
                                  uint64_t spin_ns) {
     if (doorbell_fd < 0 || beat_ns == 0) {
@@ -288,6 +587,16 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
         errno = error;
         return NULL;
     }
+    a->gap_threshold_ns = config->gap_threshold_ns;
+    a->arming = 1;
+    if (open_boards(a) != 0) {
+        int error = errno;
+        close_boards(a);
+        free(a->core);
+        free(a);
+        errno = error;
+        return NULL;
+    }
     a->doorbell = doorbell_fd;
     a->beat_ns = beat_ns;
     a->spin_ns = spin_ns;
@@ -296,6 +605,7 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
     int error = pthread_create(&a->thread, NULL, run, a);
     if (error != 0) {
         pthread_mutex_destroy(&a->lock);
+        close_boards(a);
         free(a->core);
         free(a);
         errno = error;
@@ -318,13 +628,14 @@ API void gl_arbiter_stop(gl_arbiter *a) {
     ring(a);
     pthread_join(a->thread, NULL);
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) release_slot(&a->slots[t]);
+    close_boards(a);
     pthread_mutex_destroy(&a->lock);
     free(a->core);
     free(a);
 }
 
-static int fill_table(slot_state *s, const uint64_t *ids, const uint64_t *durations,
-                      const uint64_t *gaps, uint32_t n) {
+static int fill_table(slot_state *s, uint64_t threshold, const uint64_t *ids,
+                      const uint64_t *durations, const uint64_t *gaps, uint32_t n) {
     uint64_t capacity = 16;
     while (capacity < 2 * (uint64_t)n) capacity <<= 1;
     s->table = calloc(capacity, sizeof *s->table);
@@ -336,6 +647,19 @@ static int fill_table(slot_state *s, const uint64_t *ids, const uint64_t *durati
         while (s->table[i].id != 0 && s->table[i].id != ids[k]) i = (i + 1) & s->mask;
         s->table[i] = (kernel_entry){ids[k], durations[k], gaps[k]};
     }
+    /* Its window-opening kernels: all of them fit an arm, or the latest launched are kept. */
+    uint32_t openers = 0;
+    memset(s->openers, 0, sizeof s->openers);
+    for (uint64_t i = 0; i <= s->mask; i++) {
+        const kernel_entry *e = &s->table[i];
+        if (e->id == 0 || e->duration_ns == GL_FK_UNKNOWN || e->gap_ns == GL_FK_UNKNOWN ||
+            e->gap_ns < threshold || e->gap_ns == 0)
+            continue;
+        if (openers < GL_ARM_KERNELS) s->openers[openers] = e->id;
+        openers++;
+    }
+    s->openers_all = openers <= GL_ARM_KERNELS;
+    if (!s->openers_all) memset(s->openers, 0, sizeof s->openers);
     return 0;
 }
 
@@ -364,7 +688,8 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
         return -1;
     }
     slot_state *s = &a->slots[slot];
-    if (fill_table(s, kernel_ids, durations_ns, gaps_ns, kernels) != 0 ||
+    withdraw(a, now_ns()); /* the holder may change */
+    if (fill_table(s, a->gap_threshold_ns, kernel_ids, durations_ns, gaps_ns, kernels) != 0 ||
         gl_fk_add_task(a->core, (uint32_t)slot, priority, now_ns()) != 0) {
         release_slot(s);
         pthread_mutex_unlock(&a->lock);
@@ -393,7 +718,8 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
         return -1;
     }
     slot_state fresh = {0};
-    if (fill_table(&fresh, kernel_ids, durations_ns, gaps_ns, kernels) != 0) {
+    if (fill_table(&fresh, a->gap_threshold_ns, kernel_ids, durations_ns, gaps_ns, kernels) !=
+        0) {
         errno = ENOMEM;
         return -1;
     }
@@ -405,9 +731,12 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
         errno = ENOENT;
         return -1;
     }
+    withdraw(a, now_ns()); /* its kernels may name another arm */
     free(s->table);
     s->table = fresh.table;
     s->mask = fresh.mask;
+    memcpy(s->openers, fresh.openers, sizeof s->openers);
+    s->openers_all = fresh.openers_all;
     pthread_mutex_unlock(&a->lock);
     return 0;
 }
@@ -417,11 +746,20 @@ API void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
     pthread_mutex_lock(&a->lock);
     slot_state *s = &a->slots[slot];
     if (s->used) {
+        withdraw(a, now_ns());
         gl_fk_remove_task(a->core, (uint32_t)slot, now_ns());
         release_slot(s);
     }
     pthread_mutex_unlock(&a->lock);
     ring(a); /* the others' roles may change */
+}
+
+API void gl_arbiter_set_arming(gl_arbiter *a, int on) {
+    pthread_mutex_lock(&a->lock);
+    a->arming = on != 0;
+    if (!a->arming) withdraw(a, now_ns());
+    pthread_mutex_unlock(&a->lock);
+    ring(a);
 }
 
 API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {

@@ -23,6 +23,10 @@ typedef struct {
     uint64_t unknown_kernels;   /* requests whose kernel ID is not in the task's profile */
     uint64_t invalid_writes;    /* shim-written words rejected (out of range, going backwards) */
     uint64_t role_races;        /* holder launches the core had queued (task switching races) */
+    uint64_t arms;              /* arms published: a filler's request released by the holder's
+                                   next launch of a named kernel, decided in advance */
+    uint64_t fired;             /* arms the holder's launch fired (the filler released at once) */
+    uint64_t late_releases;     /* releases a filler reported for an arm already withdrawn */
     uint32_t tasks;             /* tasks now registered */
     uint32_t waiting;           /* tasks now blocked on a grant */
 } gl_arbiter_stats;
@@ -34,6 +38,11 @@ typedef struct {
  * Returns NULL (errno set) on a bad config or when the thread cannot start. */
 gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
                              uint64_t spin_ns);
+
+/* The priority board of `priority` (0..GL_BOARDS-1): the read-write descriptor (for the
+ * processes of that priority) or the read-only one (for worse priorities). The arbiter keeps
+ * both open for its life; send copies. -1 (EINVAL) for a bad priority. */
+int gl_arbiter_board_fd(gl_arbiter *arbiter, uint32_t priority, int writable);
 
 /* Stops and joins the thread, unmaps every region, frees the arbiter. */
 void gl_arbiter_stop(gl_arbiter *arbiter);
@@ -54,6 +63,10 @@ int gl_arbiter_set_kernels(gl_arbiter *arbiter, int slot, const uint64_t *kernel
 
 /* Forgets a task (its queued request and outstanding work included) and unmaps its region. */
 void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
+
+/* Arms on (the default) or off: off, no arm is published and every release is the arbiter's
+ * grant (two wake-ups); a live arm is withdrawn. */
+void gl_arbiter_set_arming(gl_arbiter *arbiter, int on);
 
 void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
 

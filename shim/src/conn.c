@@ -37,8 +37,8 @@ CUresult on_loss(const char *why) {
     return C.closed ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
 }
 
-static void adopt_registration(int sock, uint8_t *r, int doorbell, const gl_registration *reg) {
-    fikit_adopt(r, doorbell);
+static void adopt_registration(int sock, uint8_t *r, int doorbell, gl_registration *reg) {
+    fikit_adopt(r, doorbell, reg);
     pthread_mutex_lock(&g_send_lock);
     g_sock = sock;
     g_mode = reg->mode;

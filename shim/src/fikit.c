@@ -476,6 +476,73 @@ int gl_fk_decide(gl_fk_core *core, uint64_t now_ns, uint32_t *out, int max, uint
     return n;
 }
 
+int gl_fk_next_fill(const gl_fk_core *core, uint32_t *task, uint64_t *min_gap_ns) {
+    if (!valid(core) || task == NULL || min_gap_ns == NULL || core->holder_priority < 0)
+        return 0;
+    int holders = 0, pick = -1;
+    for (uint32_t i = 0; i < GL_FK_MAX_TASKS; i++) {
+        const gl_fk_task *t = &core->tasks[i];
+        if (!t->active)
+            continue;
+        if ((int32_t)t->priority == core->holder_priority) {
+            if (t->has_request || ++holders > 1)
+                return 0; /* decide grants holder requests first; co-holders interleave */
+            continue;
+        }
+        if (!t->has_request || t->req_duration_ns == GL_FK_UNKNOWN)
+            continue; /* unknown lengths never fill a window */
+        const gl_fk_task *b = pick >= 0 ? &core->tasks[pick] : NULL;
+        if (b == NULL || t->priority < b->priority ||
+            (t->priority == b->priority && t->req_seq < b->req_seq))
+            pick = (int)i;
+    }
+    if (pick < 0)
+        return 0;
+    uint64_t gap = max_u64(core->tasks[pick].req_duration_ns, core->config.gap_threshold_ns);
+    *task = (uint32_t)pick;
+    *min_gap_ns = gap > 0 ? gap : 1; /* a window needs a gap > 0 */
+    return 1;
+}
+
+int gl_fk_next_asker(const gl_fk_core *core, uint32_t *task) {
+    if (!valid(core) || task == NULL || core->holder_priority < 0)
+        return 0;
+    int holders = 0, pick = -1, tied = 0;
+    for (uint32_t i = 0; i < GL_FK_MAX_TASKS; i++) {
+        const gl_fk_task *t = &core->tasks[i];
+        if (!t->active)
+            continue;
+        if ((int32_t)t->priority == core->holder_priority) {
+            if (t->has_request || ++holders > 1)
+                return 0;
+            continue;
+        }
+        if (pick < 0 || t->priority < core->tasks[pick].priority) {
+            pick = (int)i;
+            tied = 0;
+        } else if (t->priority == core->tasks[pick].priority) {
+            tied = 1;
+        }
+    }
+    if (pick < 0 || tied || core->tasks[pick].has_request)
+        return 0;
+    *task = (uint32_t)pick;
+    return 1;
+}
+
+int gl_fk_release(gl_fk_core *core, uint32_t task, uint64_t now_ns) {
+    if (!valid(core))
+        return -1;
+    gl_fk_task *t = task_at(core, task);
+    if (t == NULL || !t->has_request || (int32_t)t->priority == core->holder_priority) {
+        core->counters.rejected_calls++;
+        return -1;
+    }
+    grant_fill(core, task, advance(core, now_ns));
+    core->counters.granted_released++;
+    return 0;
+}
+
 void gl_fk_get_counters(const gl_fk_core *core, gl_fk_counters *out) {
     if (out == NULL)
         return;

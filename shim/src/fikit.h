@@ -46,6 +46,8 @@ typedef struct {
     uint64_t overflowed;           /* admitted kernels beyond GL_FK_MAX_OUTSTANDING per task */
     uint64_t rejected_calls;       /* calls refused or ignored for bad arguments */
     uint64_t launched_unadmitted;  /* gl_fk_launched by a task no longer a holder */
+    uint64_t granted_released;     /* granted by gl_fk_release: the shim was already released
+                                      (by the holder's launch, before the arbiter decided) */
 } gl_fk_counters;
 
 /* One task's state. Outstanding kernels (admitted, not yet reported completed) are a FIFO of
@@ -126,6 +128,24 @@ GL_FK_API void gl_fk_completed(gl_fk_core *core, uint32_t task, uint32_t count,
  * change with no new event (UINT64_MAX: none). Call again when it returned `max`. */
 GL_FK_API int gl_fk_decide(gl_fk_core *core, uint64_t now_ns, uint32_t *out, int max,
                            uint64_t *wake_at_ns);
+
+/* The one-wake-up path (docs/fikit.md, "The holder's launch releases the filler"): the fill
+ * request the holder's next window would grant first, decided in advance. Writes its task and
+ * the least gap after a holder kernel (of known duration) for which that kernel's window
+ * grants it first: BestPrioFit's first pick in a window of gap g is the best (priority, then
+ * longest waiting) queued request of known duration d <= g, so the pick for every g >= d is
+ * that request. 1: there is one; 0: none (no request of known duration is queued, or the
+ * holder priority has more than one task or a queued request of its own, or no task). */
+GL_FK_API int gl_fk_next_fill(const gl_fk_core *core, uint32_t *task, uint64_t *min_gap_ns);
+/* The same one request ahead: a task whose NEXT request (not posted yet) the holder's next
+ * window grants first whatever its known duration d, if d <= the window's gap: the only task of
+ * the best priority below the holder's, with nothing queued (so no queued request, and no other
+ * task's request to come, can come before it). 1: *task is it; 0: none (or a holder request
+ * queued, or more than one holder task). The least gap is then max(d, gap_threshold_ns). */
+GL_FK_API int gl_fk_next_asker(const gl_fk_core *core, uint32_t *task);
+/* The task's queued request already went (its shim was released before the arbiter decided):
+ * it is admitted as fill work now. 0, or -1 when the task has no queued request or holds. */
+GL_FK_API int gl_fk_release(gl_fk_core *core, uint32_t task, uint64_t now_ns);
 
 /* Introspection for metrics and tests. */
 GL_FK_API void gl_fk_get_counters(const gl_fk_core *core, gl_fk_counters *out);

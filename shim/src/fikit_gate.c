@@ -7,10 +7,19 @@
  * sleeps on its grant word until the arbiter writes its sequence number there. After a granted
  * launch it records an event; the sequence number of the latest granted kernel known done goes
  * back to the arbiter, which bounds the fill work queued on the GPU with it.
- * Owns: g_fk_doorbell, g_fk_seq, the ring of granted kernels in flight and its event pool. */
+ * One wake-up (docs/fikit.md, "The holder's launch releases the filler"): when the arbiter has
+ * armed the holder (a nonce and the kernel IDs that fire it), the holder's launch of one of
+ * them writes the nonce into its priority board and wakes the board; a filler armed with that
+ * nonce, asleep on the board too, goes at once, and says so in its region.
+ * Owns: g_fk_doorbell, g_fk_seq, the boards, the ring of granted kernels in flight and its
+ * event pool. */
 #define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
 #include <linux/futex.h>
 #include <stdio.h>
+#include <sys/mman.h>
+#include <time.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -32,6 +41,14 @@ static unsigned g_fk_head, g_fk_count;
 static uint32_t g_fk_done; /* the last `done` written */
 static CUevent g_fk_pool[FK_TRACKED];
 static int g_fk_pool_count;
+/* The priority boards, at fixed addresses once mapped (a reconnection moves the new mappings
+ * onto them); g_fk_board_count (atomic) of them are this registration's, the last one its own
+ * (read-write). */
+static uint8_t *g_fk_boards[GL_BOARDS];
+static uint32_t g_fk_board_count;
+static uint64_t g_fk_fired;    /* atomic: the arm this holder fired last (never twice) */
+static uint64_t g_fk_released; /* under the wait lock: the arm this filler went by last */
+static int g_fk_ring_after;    /* atomic: a board release whose launch rings the doorbell */
 
 static void ring_doorbell(void) {
     int fd = __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE);
@@ -44,8 +61,29 @@ static void pool_return(CUevent e) {
     if (g_fk_pool_count < FK_TRACKED) g_fk_pool[g_fk_pool_count++] = e;
 }
 
-void fikit_adopt(uint8_t *r, int doorbell) {
+static void adopt_boards(gl_registration *reg) {
+    __atomic_store_n(&g_fk_board_count, 0, __ATOMIC_RELEASE);
+    uint32_t count = 0;
+    for (uint32_t i = 0; reg != NULL && i < reg->board_count && i < GL_BOARDS; i++) {
+        void *fresh = (void *)reg->boards[i];
+        reg->boards[i] = NULL;
+        if (g_fk_boards[i] == NULL) {
+            g_fk_boards[i] = fresh;
+        } else if (mremap(fresh, GL_BOARD_BYTES, GL_BOARD_BYTES, MREMAP_MAYMOVE | MREMAP_FIXED,
+                          g_fk_boards[i]) == MAP_FAILED) {
+            munmap(fresh, GL_BOARD_BYTES);
+            break;
+        }
+        count = i + 1;
+    }
+    if (reg != NULL) gl_unmap_boards(reg); /* any not taken */
+    if (reg != NULL && count == reg->priority + 1)
+        __atomic_store_n(&g_fk_board_count, count, __ATOMIC_RELEASE);
+}
+
+void fikit_adopt(uint8_t *r, int doorbell, gl_registration *reg) {
     pthread_mutex_lock(&g_fk_lock);
+    adopt_boards(reg);
     int old = __atomic_exchange_n(&g_fk_doorbell, doorbell, __ATOMIC_ACQ_REL);
     if (old >= 0) close(old);
     /* A fresh region: sequence numbers go on from what it holds; the old connection's
@@ -85,6 +123,12 @@ unsigned fikit_harvest(void) {
     return left;
 }
 
+void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
+    if (launched) fikit_track(key, seq);
+    /* Released by the holder's fire: the arbiter hears of it now, after the launch. */
+    if (__atomic_exchange_n(&g_fk_ring_after, 0, __ATOMIC_ACQ_REL)) ring_doorbell();
+}
+
 void fikit_track(CUstream key, uint32_t seq) {
     if (g_aux.event_create == NULL || g_aux.event_record == NULL) return;
     pthread_mutex_lock(&g_fk_lock);
@@ -105,6 +149,29 @@ void fikit_track(CUstream key, uint32_t seq) {
     pthread_mutex_unlock(&g_fk_lock);
 }
 
+/* The holder's side of an arm: a launch of one of the armed kernels writes the arm's nonce
+ * into this priority's board and wakes the fillers asleep on it (one wake-up, no arbiter in
+ * between). The arbiter learns of it from the board, after the fact. */
+static int fire_arm(uint8_t *r, uint64_t kernel) {
+    uint64_t nonce = r_u64(r, GL_OFF_FK_ARM);
+    uint32_t boards = __atomic_load_n(&g_fk_board_count, __ATOMIC_ACQUIRE);
+    if (nonce == 0 || kernel == 0 || boards == 0 ||
+        nonce == __atomic_load_n(&g_fk_fired, __ATOMIC_RELAXED))
+        return 0;
+    int match = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        match |= r_u64(r, GL_OFF_FK_ARM_KERNELS + 8 * k) == kernel;
+    /* The kernels must be this nonce's: the arbiter writes them before it. */
+    if (!match || r_u64(r, GL_OFF_FK_ARM) != nonce) return 0;
+    if (__atomic_exchange_n(&g_fk_fired, nonce, __ATOMIC_ACQ_REL) == nonce) return 0;
+    uint8_t *board = g_fk_boards[boards - 1];
+    w_u64(board, GL_BOARD_FIRED, nonce);
+    __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX, NULL, NULL,
+            0);
+    return 1;
+}
+
 static uint64_t launch_kernel_id(const gl_launch *launch) {
     if (launch == NULL) return 0; /* a graph: one unit, no kernel ID */
     char name[GL_NAME_MAX];
@@ -112,9 +179,55 @@ static uint64_t launch_kernel_id(const gl_launch *launch) {
     return kernel_id(name, launch->dims);
 }
 
+/* The board the filler's arm names, if the arm is for this request (its sequence number, and
+ * for an arm given ahead its kernel) and the board one of this registration's better
+ * priorities (read-only to this process); NULL otherwise. */
+static uint8_t *armed_board(uint8_t *r, uint32_t seq, uint64_t kernel, uint64_t *nonce) {
+    *nonce = r_u64(r, GL_OFF_FK_ARMED);
+    uint32_t index = r_u32(r, GL_OFF_FK_ARM_BOARD);
+    uint32_t boards = __atomic_load_n(&g_fk_board_count, __ATOMIC_ACQUIRE);
+    if (*nonce == 0 || *nonce == g_fk_released || boards == 0 || index >= boards - 1 ||
+        r_u32(r, GL_OFF_FK_ARMED_SEQ) != seq)
+        return NULL;
+    int any = 0, match = 0;
+    for (int k = 0; k < GL_ARM_KERNELS; k++) {
+        uint64_t allowed = r_u64(r, GL_OFF_FK_ARMED_KERNELS + 8 * k);
+        any |= allowed != 0;
+        match |= allowed != 0 && allowed == kernel;
+    }
+    if (any && !match) return NULL;
+    /* The arm's words are the nonce's: the arbiter writes them before it. */
+    if (r_u64(r, GL_OFF_FK_ARMED) != *nonce) return NULL;
+    return g_fk_boards[index];
+}
+
+#define FK_SPURIOUS_MAX 64 /* board wake-ups without a release before a wait stops watching it */
+
+/* Sleeps until the grant word, the arm word or the board's launch word moves, or `ns`. */
+static void wait_words(uint8_t *r, uint32_t granted, uint32_t arm_wait, uint8_t *board,
+                       uint32_t launch, long ns) {
+    struct futex_waitv w[3] = {
+        {.val = granted, .uaddr = (uintptr_t)(r + GL_OFF_FK_GRANT), .flags = FUTEX_32},
+        {.val = arm_wait, .uaddr = (uintptr_t)(r + GL_OFF_FK_ARM_WAIT), .flags = FUTEX_32},
+        {.val = launch, .uaddr = (uintptr_t)(board + GL_BOARD_LAUNCH), .flags = FUTEX_32},
+    };
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    until.tv_nsec += ns;
+    while (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    if (syscall(SYS_futex_waitv, w, board ? 3u : 2u, 0u, &until, CLOCK_MONOTONIC) < 0 &&
+        errno == ENOSYS) /* before Linux 5.16: the grant word alone (no early release) */
+        syscall(SYS_futex, (uint32_t *)(r + GL_OFF_FK_GRANT), FUTEX_WAIT, granted,
+                &(struct timespec){.tv_sec = 0, .tv_nsec = ns}, NULL, 0);
+}
+
 /* A filler's wait, under the caller's lock: bounded by the arbiter's liveness (its heartbeat,
  * and the connection the background thread watches), not by the holder: waiting behind a
- * busy holder is the policy. */
+ * busy holder is the policy. It ends with the grant, or earlier with the holder's launch that
+ * fires the arm the arbiter gave this request. */
 static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     fikit_harvest();
     uint32_t seq = __atomic_add_fetch(&g_fk_seq, 1, __ATOMIC_RELAXED);
@@ -123,11 +236,33 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     w_u32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
     w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
     ring_doorbell();
+    /* An arm given ahead that the holder fired before this request was posted does not
+     * release it: the window it was decided for has been running since (the arbiter decides). */
+    uint64_t stale = 0;
+    uint8_t *posted_board = armed_board(r, seq, kernel, &stale);
+    if (posted_board == NULL || r_u64(posted_board, GL_BOARD_FIRED) != stale) stale = 0;
     uint64_t bound = (uint64_t)C.wait_ms * 1000000u;
     CUresult result = CUDA_SUCCESS;
+    unsigned spurious = 0;
+    int released = 0;
     for (unsigned spins = 0;; spins++) {
+        /* Read the words before checking them, so a change after the check wakes the wait. */
         uint32_t granted = r_u32(r, GL_OFF_FK_GRANT);
+        uint32_t arm_wait = r_u32(r, GL_OFF_FK_ARM_WAIT);
+        uint64_t nonce = 0;
+        uint8_t *board = spurious < FK_SPURIOUS_MAX ? armed_board(r, seq, kernel, &nonce) : NULL;
+        uint32_t launch = board ? r_u32(board, GL_BOARD_LAUNCH) : 0;
         if (granted == seq) {
+            *granted_seq = seq;
+            loss_rearm();
+            break;
+        }
+        if (board != NULL && nonce != stale && r_u64(board, GL_BOARD_FIRED) == nonce) {
+            g_fk_released = nonce; /* the holder's launch fired this request's arm */
+            w_u64(r, GL_OFF_FK_RELEASED_KERNEL, kernel);
+            w_u64(r, GL_OFF_FK_RELEASED, nonce);
+            released = 1;
+            __atomic_store_n(&g_fk_ring_after, 1, __ATOMIC_RELEASE);
             *granted_seq = seq;
             loss_rearm();
             break;
@@ -156,10 +291,15 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
         }
         /* Sleep; while own kernels are in flight, wake often to report their completion. */
         unsigned in_flight = fikit_harvest();
-        struct timespec t = {.tv_sec = 0, .tv_nsec = in_flight ? 50000 : 5000000};
-        syscall(SYS_futex, (uint32_t *)(r + GL_OFF_FK_GRANT), FUTEX_WAIT, granted, &t, NULL, 0);
+        wait_words(r, granted, arm_wait, board, launch, in_flight ? 50000 : 5000000);
+        /* The board moved without firing this arm: a holder may wake it at will, so a wait
+         * watches it only so often (then the arbiter's grant alone). */
+        if (board != NULL && r_u32(board, GL_BOARD_LAUNCH) != launch &&
+            r_u64(board, GL_BOARD_FIRED) != nonce)
+            spurious++;
     }
-    w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
+    /* Released by the board, the post stays a request: the arbiter may not have read it. */
+    if (!released) w_u32(r, GL_OFF_FK_WAITING, GL_POST_LAUNCHED);
     return result;
 }
 
@@ -176,10 +316,14 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
             return CUDA_SUCCESS;
         }
         /* Shared: the arbiter predicts this kernel's gap and hears when it completes. */
-        w_u64(r, GL_OFF_FK_KERNEL, launch_kernel_id(launch));
+        uint64_t kernel = launch_kernel_id(launch);
+        w_u64(r, GL_OFF_FK_KERNEL, kernel);
         w_u32(r, GL_OFF_FK_WAITING, GL_POST_TRACKED);
         w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
-        ring_doorbell();
+        /* After the post: the arbiter sees the launch before the fire. A fired arm rings no
+         * doorbell here: the released filler rings it after its launch, so the arbiter does
+         * not compete with the filler for a CPU on the way to the release. */
+        if (!fire_arm(r, kernel)) ring_doorbell();
         *granted_seq = seq;
         return CUDA_SUCCESS;
     }

@@ -37,7 +37,7 @@ static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, 
 
 static inline CUresult after_launch(const launch_state *st, CUresult result) {
     if (st->measured) measure_end(st->measured, result);
-    if (UNLIKELY(st->granted != 0) && result == CUDA_SUCCESS) fikit_track(st->key, st->granted);
+    if (UNLIKELY(st->granted != 0)) fikit_after_launch(st->key, st->granted, result == CUDA_SUCCESS);
     return result;
 }
 

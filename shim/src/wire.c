@@ -237,6 +237,7 @@ int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *re
                 if (f == 3) reg->mode = (uint32_t)v;
                 if (f == 4) reg->memory_cap_bytes = v;
                 if (f == 5) reg->sm_percent = (uint32_t)v;
+                if (f == 6) reg->priority = (uint32_t)v;
                 if (f == 7) reg->window_ns = v;
             }
             if (s < 0) return -1;
@@ -361,13 +362,14 @@ int gl_register(const char *socket_path, const char *token, const char *process_
     /* The header and the memfd arrive together; read no further than the header. */
     uint8_t header[4];
     size_t have = 0;
-    int fd = -1, doorbell = -1;
+    int fd = -1, doorbell = -1, boards[GL_BOARDS];
+    size_t board_fds = 0;
     while (have < 4) {
         if (wait_readable(sock, timeout_ms) <= 0) {
             snprintf(why, why_size, "no answer to registration within %d ms", timeout_ms);
             goto fail;
         }
-        char control[CMSG_SPACE(4 * sizeof(int))];
+        char control[CMSG_SPACE((2 + GL_BOARDS + 2) * sizeof(int))];
         struct iovec iov = {.iov_base = header + have, .iov_len = 4 - have};
         struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control,
                              .msg_controllen = sizeof control};
@@ -387,6 +389,8 @@ int gl_register(const char *socket_path, const char *token, const char *process_
                     fd = received;
                 else if (doorbell < 0)
                     doorbell = received;
+                else if (board_fds < GL_BOARDS)
+                    boards[board_fds++] = received;
                 else
                     close(received);
             }
@@ -437,6 +441,24 @@ int gl_register(const char *socket_path, const char *token, const char *process_
         snprintf(why, why_size, "FIKIT registration without the GPU's doorbell");
         goto fail;
     }
+    /* Priority boards 0..priority, the own one last: with any other count (an older
+     * dispatcher, another mode) none is used and the filler waits for the arbiter's grant. */
+    if (reg->mode == GL_MODE_FIKIT && reg->priority < GL_BOARDS &&
+        board_fds == reg->priority + 1) {
+        for (size_t i = 0; i < board_fds; i++) {
+            int own = i + 1 == board_fds;
+            void *b = mmap(NULL, GL_BOARD_BYTES, own ? PROT_READ | PROT_WRITE : PROT_READ,
+                           MAP_SHARED, boards[i], 0);
+            if (b == MAP_FAILED) {
+                gl_unmap_boards(reg);
+                break;
+            }
+            reg->boards[i] = b;
+            reg->board_count = (uint32_t)i + 1;
+        }
+    }
+    for (size_t i = 0; i < board_fds; i++) close(boards[i]);
+    board_fds = 0;
     *sock_out = sock;
     *region_out = mapped;
     *doorbell_out = doorbell;
@@ -444,6 +466,14 @@ int gl_register(const char *socket_path, const char *token, const char *process_
 fail:
     if (fd >= 0) close(fd);
     if (doorbell >= 0) close(doorbell);
+    for (size_t i = 0; i < board_fds; i++) close(boards[i]);
     close(sock);
     return -1;
+}
+
+void gl_unmap_boards(gl_registration *reg) {
+    for (uint32_t i = 0; i < reg->board_count && i < GL_BOARDS; i++)
+        if (reg->boards[i] != NULL) munmap((void *)reg->boards[i], GL_BOARD_BYTES);
+    memset(reg->boards, 0, sizeof reg->boards);
+    reg->board_count = 0;
 }

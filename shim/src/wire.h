@@ -9,7 +9,7 @@
 /* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
  * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
-#define GL_REGION_VERSION 3u
+#define GL_REGION_VERSION 4u
 #define GL_REGION_BYTES 4096u
 #define GL_OFF_MAGIC 0
 #define GL_OFF_VERSION 4
@@ -49,15 +49,39 @@
 #define GL_OFF_LR_BURST_NS 216 /* u64 the longest burst under it (0: none measured) */
 #define GL_OFF_LR_POST_NS 224  /* u64 when the request was posted (CLOCK_MONOTONIC ns) */
 #define GL_OFF_LR_ALLOCATED 232 /* u64 device memory the process holds (with a report) */
+/* The one-wake-up path (docs/fikit.md, "The holder's launch releases the filler"). Written by
+ * the arbiter, on their own cache line: */
+#define GL_OFF_FK_ARM 256         /* u64 holder: nonce of the arm its launch may fire (0: none) */
+#define GL_OFF_FK_ARM_KERNELS 264 /* u64 x GL_ARM_KERNELS holder: kernel IDs that fire it */
+#define GL_OFF_FK_ARMED 296       /* u64 filler: nonce of the arm that releases its request */
+#define GL_OFF_FK_ARM_BOARD 304   /* u32 filler: the priority board it watches for that nonce */
+#define GL_OFF_FK_ARM_WAIT 308    /* u32 filler: futex word, moves whenever ARMED changes */
+/* Written by the filler shim, on their own cache line: */
+#define GL_OFF_FK_RELEASED 320 /* u64 nonce of the arm its latest request was released by */
+#define GL_OFF_FK_RELEASED_KERNEL 328 /* u64 that request's kernel ID */
+/* Written by the arbiter (filler): which request the arm is for. */
+#define GL_OFF_FK_ARMED_SEQ 384     /* u32 the request sequence number it releases */
+#define GL_OFF_FK_ARMED_KERNELS 392 /* u64 x GL_ARM_KERNELS: an arm for its next request (not
+                                       posted yet) holds only if that request's kernel ID is
+                                       one of these; all 0: the arm is for its queued one */
+#define GL_ARM_KERNELS 4
+
+/* A priority board: one per priority per GPU (a memfd the arbiter creates). A process gets its
+ * own priority's board read-write and the better priorities' read-only, after its region and
+ * the doorbell on the Registered frame. Written by the holder shim of that priority. */
+#define GL_BOARD_BYTES 64u
+#define GL_BOARD_LAUNCH 0 /* u32 futex word: +1 each time a holder launch fires an arm */
+#define GL_BOARD_FIRED 8  /* u64 the nonce it fired last */
+#define GL_BOARDS 10      /* one per priority */
 /* Memory samples written by the shim in every mode (when GL_OFF_SAMPLE_PERIOD is set), for the
  * dispatcher's training introspection; the dispatcher validates every read. A ring of
  * GL_REGION_SAMPLES entries {u64 CLOCK_MONOTONIC ns, u64 device memory the process holds}; entry
  * i lives at GL_OFF_MS_RING + 16 * (i % GL_REGION_SAMPLES). Each allocation or free writes the
  * new total: into a new entry (head + 1 stored after it) when the latest entry is at least the
  * sample period old, else over the latest entry's bytes (its time stays). */
-#define GL_OFF_MS_HEAD 256 /* u32 entries written so far (wraps) */
-#define GL_OFF_MS_RING 320
-#define GL_REGION_SAMPLES 236
+#define GL_OFF_MS_HEAD 448 /* u32 entries written so far (wraps) */
+#define GL_OFF_MS_RING 512
+#define GL_REGION_SAMPLES 224
 
 enum { GL_MODE_SHARE = 1, GL_MODE_MEASURE = 2, GL_MODE_OFF = 3, GL_MODE_FIKIT = 4 };
 enum { GL_STATE_WAITING = 1, GL_STATE_LEASED = 2, GL_STATE_OPEN = 3, GL_STATE_EVICTED = 4 };
@@ -74,6 +98,12 @@ typedef struct {
     uint64_t memory_cap_bytes;
     uint32_t sm_percent;
     uint64_t window_ns;
+    uint32_t priority;
+    /* Mode FIKIT: the priority boards that rode on the frame, mapped by gl_register (boards
+     * 0..board_count-1; the last is this process's own priority, mapped read-write, the others
+     * read-only); NULL/0 when the dispatcher sent none. */
+    volatile uint8_t *boards[GL_BOARDS];
+    uint32_t board_count;
 } gl_registration;
 
 typedef struct {
@@ -85,12 +115,15 @@ typedef struct {
 } gl_usage;
 
 /* Connect and register; on success *sock and *region are set (the region is mapped read-write
- * shared, GL_REGION_BYTES), and *doorbell to the GPU's doorbell eventfd in mode FIKIT (else
- * -1). On failure returns -1 and writes why into `why`; *refused is set when the dispatcher
+ * shared, GL_REGION_BYTES), *doorbell to the GPU's doorbell eventfd in mode FIKIT (else
+ * -1), and reg->boards as described there (gl_unmap_boards releases them). On failure returns -1 and writes why into `why`; *refused is set when the dispatcher
  * answered with a ProtocolError (as opposed to being unreachable). */
 int gl_register(const char *socket_path, const char *token, const char *process_name,
                 int timeout_ms, int *sock, volatile uint8_t **region, int *doorbell,
                 gl_registration *reg, int *refused, char *why, size_t why_size);
+
+/* Unmaps the priority boards gl_register mapped into `reg`. */
+void gl_unmap_boards(gl_registration *reg);
 
 /* One KernelRecord (measure mode); run_index is left 0 (the dispatcher assigns runs). */
 typedef struct {

@@ -14,7 +14,13 @@ import pytest
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.services.dispatcher.arbiter import Arbiter, ArbiterFull, KernelTiming
 from gpuloom.shimwire import (
+    BOARD_BYTES,
+    BOARD_FIRED,
+    BOARD_LAUNCH,
+    OFF_FK_ARMED_KERNELS,
+    OFF_FK_ARMED_SEQ,
     OFF_FK_DONE,
+    OFF_FK_RELEASED,
     OFF_FK_REQ_SEQ,
     REGION_BYTES,
     AdmissionRegion,
@@ -32,14 +38,32 @@ FILL_LONG = 0x3333  # 5 ms: fits no gap below
 
 
 class Task:
-    def __init__(self, arbiter: Arbiter, priority: int, kernels: list[KernelTiming]) -> None:
+    def __init__(
+        self,
+        arbiter: Arbiter,
+        priority: int,
+        kernels: list[KernelTiming],
+        boards: bool = False,
+        doorbell_fd: int | None = None,
+    ) -> None:
+        """With `boards`, the priority boards a Registered frame carries (the one-wake-up
+        path); `doorbell_fd` replaces the arbiter's doorbell (to launch without waking it)."""
         self.region, self.fd = AdmissionRegion.create("t", 0, 0, ShimMode.FIKIT)
         self.slot = arbiter.add_task(self.fd, priority, kernels)
         self.mapping = mmap.mmap(self.fd, REGION_BYTES)
-        self.port = FikitPort(self.mapping, arbiter.doorbell_fd)
+        fds = arbiter.board_fds(priority) if boards else []
+        # The own board (the last) read-write, the better priorities' read-only.
+        self.boards = [
+            mmap.mmap(fd, BOARD_BYTES, prot=mmap.PROT_READ | (mmap.PROT_WRITE if own else 0))
+            for fd, own in ((fd, i == len(fds) - 1) for i, fd in enumerate(fds))
+        ]
+        doorbell = arbiter.doorbell_fd if doorbell_fd is None else doorbell_fd
+        self.port = FikitPort(self.mapping, doorbell, self.boards)
 
     def close(self) -> None:
         self.port.close()
+        for board in self.boards:
+            board.close()
         self.mapping.close()
         self.region.close()
         os.close(self.fd)
@@ -177,3 +201,215 @@ def test_the_arbiter_refuses_a_65th_process_and_bad_priorities(arbiter: Arbiter)
     finally:
         for task in tasks:
             task.close()
+
+
+# ---- the one-wake-up path: the holder's launch releases an armed filler ----
+
+BUSY_KERNEL = 0x4444  # the holder's: 100 us, a gap too short to fill
+ARM_CONFIG = FikitConfig(gap_threshold_ns=100 * US, idle_margin_ns=10 * 1000 * MS)
+ARM_TABLE = [*HOLDER_TABLE, KernelTiming(BUSY_KERNEL, 100 * US, 10 * US)]
+
+
+@pytest.fixture
+def quiet_arbiter() -> Iterator[Arbiter]:
+    """Wakes only when rung (a 1 s heartbeat, a holder never idle): what the test does not
+    ring, the arbiter does not see."""
+    arbiter = Arbiter(ARM_CONFIG, beat_s=1.0)
+    yield arbiter
+    arbiter.stop()
+
+
+def armed_pair(arbiter: Arbiter, silent_fd: int) -> tuple[Task, Task, int]:
+    """A holder (launching without ringing the arbiter) and a filler whose 200 us request
+    waits, armed: returns them and the request's sequence number."""
+    high = Task(arbiter, 0, ARM_TABLE, boards=True, doorbell_fd=silent_fd)
+    low = Task(arbiter, 5, FILL_TABLE, boards=True)
+    assert wait_for(lambda: low.port.role is FikitRole.FILL)
+    high.port.post(BUSY_KERNEL, FikitPost.LAUNCHED)  # busy, no gap window
+    os.eventfd_write(arbiter.doorbell_fd, 1)
+    seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+    assert wait_for(lambda: low.port.armed[0] != 0)
+    nonce, kernels = high.port.arm
+    assert nonce == low.port.armed[0] and kernels == [HOLDER_KERNEL]
+    assert low.port.armed[1] == 0  # it watches priority 0's board
+    assert low.port.granted != seq
+    return high, low, seq
+
+
+def test_the_holders_launch_releases_the_armed_filler_without_the_arbiter(
+    quiet_arbiter: Arbiter,
+) -> None:
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high, low, seq = armed_pair(quiet_arbiter, silent)
+    try:
+        rounds = quiet_arbiter.stats().rounds
+        high.port.post(BUSY_KERNEL, FikitPost.LAUNCHED)  # not an armed kernel: nothing
+        assert not low.port.wait_grant(seq, 0.05)
+        high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)  # opens a 2 ms gap: fires
+        assert low.port.wait_grant(seq, 0.5)
+        assert low.port.early_releases == 1
+        # The arbiter never ran meanwhile: the release took one wake-up, holder to filler.
+        assert quiet_arbiter.stats().rounds == rounds and low.port.granted != seq
+        # Told afterwards, the core counts the fill as granted (and the grant word follows).
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(lambda: low.port.granted == seq)
+        stats = quiet_arbiter.stats()
+        assert stats.fired == 1 and stats.late_releases == 0 and stats.waiting == 0
+        # That arm is spent; the next one is given ahead, for the filler's next request if it
+        # asks for the kernel it asked for last.
+        assert low.port.armed[0] not in (
+            0,
+            struct.unpack_from("<Q", low.mapping, OFF_FK_RELEASED)[0],
+        )
+        assert struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
+        assert struct.unpack_from("<Q", low.mapping, OFF_FK_ARMED_KERNELS)[0] == FILL_SHORT
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)
+
+
+def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: Arbiter) -> None:
+    """A holder that fires after the arm was taken back (or writes its board by hand): the
+    filler that still went says so, and the core counts its request granted, once."""
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high, low, seq = armed_pair(quiet_arbiter, silent)
+    try:
+        # A better filler arrives (a registration takes the arm back; the next round gives
+        # the filler a fresh one); its request moves the arm to it.
+        mid = Task(quiet_arbiter, 3, FILL_TABLE, boards=True)
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(lambda: low.port.armed[0] != 0)
+        nonce = low.port.armed[0]
+        mid_seq = mid.port.post(FILL_SHORT, FikitPost.REQUEST)
+        assert wait_for(lambda: mid.port.armed[0] != 0)
+        assert low.port.armed[0] == 0
+        # The holder fires the stale nonce by hand, and the old filler takes it (a filler
+        # reading its arm just before the withdrawal would).
+        struct.pack_into("<Q", high.boards[0], BOARD_FIRED, nonce)
+        struct.pack_into("<Q", low.mapping, OFF_FK_RELEASED, nonce)
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(lambda: low.port.granted == seq)
+        assert quiet_arbiter.stats().late_releases == 1
+        # The same nonce again changes nothing; the better filler's arm still stands.
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        time.sleep(0.02)
+        assert quiet_arbiter.stats().late_releases == 1
+        assert mid.port.armed[0] != 0 and mid.port.granted != mid_seq
+        mid.close()
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)
+
+
+def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbiter) -> None:
+    """What a holder writes into its board, or a filler into its arm words, is checked against
+    the arbiter's random nonce: no guess releases anybody, and the arbiter counts nothing."""
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high, low, seq = armed_pair(quiet_arbiter, silent)
+    try:
+        nonce = low.port.armed[0]
+        for value in (1, nonce ^ 1, nonce + 1, (1 << 64) - 1):
+            struct.pack_into("<Q", high.boards[0], BOARD_FIRED, value)
+            struct.pack_into("<I", high.boards[0], BOARD_LAUNCH, value & 0xFFFFFFFF)
+            assert not low.port.wait_grant(seq, 0.002)
+        # A filler that claims a release it was not given is not believed.
+        struct.pack_into("<Q", low.mapping, OFF_FK_RELEASED, nonce ^ 0xFF)
+        # A holder that scribbles over its own arm words only loses its own fires.
+        struct.pack_into("<Q", high.mapping, 256, 12345)
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        time.sleep(0.02)
+        stats = quiet_arbiter.stats()
+        assert stats.fired == 0 and stats.late_releases == 0
+        assert low.port.granted != seq and low.port.early_releases == 0
+        # The board is read-only to worse priorities: the filler cannot write its holder's.
+        with pytest.raises(TypeError):
+            low.boards[0][0] = 1
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)
+
+
+def test_with_arming_off_every_release_is_a_grant() -> None:
+    """GPULOOM_DISPATCHER_FIKIT_ARM=false: no arm is published; the holder's launch is heard
+    through the doorbell and the filler granted by the arbiter (two wake-ups)."""
+    arbiter = Arbiter(ARM_CONFIG, beat_s=1.0, arm=False)
+    high = Task(arbiter, 0, ARM_TABLE, boards=True)
+    low = Task(arbiter, 5, FILL_TABLE, boards=True)
+    try:
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        high.port.post(BUSY_KERNEL, FikitPost.TRACKED)
+        seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+        time.sleep(0.02)
+        assert low.port.armed[0] == 0 and high.port.arm[0] == 0
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        assert low.port.wait_grant(seq, 1.0)
+        assert low.port.early_releases == 0
+        assert arbiter.stats().arms == 0 and arbiter.stats().grants >= 1
+    finally:
+        high.close()
+        low.close()
+        arbiter.stop()
+
+
+def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
+    quiet_arbiter: Arbiter,
+) -> None:
+    """The filler is running a fill and has nothing queued: the arm for its next request is
+    given ahead (gl_fk_next_asker). Posted before the holder's window-opening launch (and not
+    yet read by the arbiter), that request goes with the fire; posted after the fire, or of a
+    kernel the arm does not name, it waits for the arbiter."""
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high, low, seq = armed_pair(quiet_arbiter, silent)
+    try:
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)  # fires the first arm
+        assert low.port.wait_grant(seq, 0.5) and low.port.early_releases == 1
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
+        )
+        low.port.report_done(seq)
+        time.sleep(0.01)
+        # The next request, posted with its ring held back (the arbiter cannot read it) ...
+        rounds = quiet_arbiter.stats().rounds
+        quiet = Task.__new__(Task)
+        quiet.port = FikitPort(low.mapping, silent, low.boards)
+        quiet.port._released = low.port._released
+        nxt = quiet.port.post(FILL_SHORT, FikitPost.REQUEST)
+        assert not quiet.port.wait_grant(nxt, 0.02)
+        # ... goes with the holder's next window-opening launch, the arbiter never between.
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        assert quiet.port.wait_grant(nxt, 0.5) and quiet.port.early_releases == 1
+        assert quiet_arbiter.stats().rounds == rounds
+        low.port.seq, low.port._released = quiet.port.seq, quiet.port._released
+        quiet.port.close()
+        os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
+        assert wait_for(lambda: low.port.granted == nxt)  # the core counts it granted
+        assert quiet_arbiter.stats().fired == 2
+        # Fired before the request was posted, an arm given ahead releases nothing.
+        low.port.report_done(nxt)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == nxt + 1
+        )
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        late = low.port.post(FILL_SHORT, FikitPost.REQUEST)
+        assert low.port.wait_grant(late, 1.0)  # the arbiter's grant: it fits the window
+        assert low.port.early_releases == 1
+        # Nor does it release a kernel it does not name.
+        low.port.report_done(late)
+        assert wait_for(
+            lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == late + 1
+        )
+        quiet = Task.__new__(Task)
+        quiet.port = FikitPort(low.mapping, silent, low.boards)
+        quiet.port._released = low.port._released
+        long_seq = quiet.port.post(FILL_LONG, FikitPost.REQUEST)
+        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        assert not quiet.port.wait_grant(long_seq, 0.05) and quiet.port.early_releases == 0
+        quiet.port.close()
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)

@@ -4,7 +4,12 @@ drives it) gives the same decisions after every event.
 
 Times differ between the two paths (the arbiter stamps with its own clock), so the sequence
 uses windows and margins far longer than the test: every decision depends on the order of
-events, priorities and durations, which both paths share."""
+events, priorities and durations, which both paths share.
+
+The live path has the priority boards, so the holder's launches that open a window fire the
+arm the arbiter published (the fill decided in advance by gl_fk_next_fill, applied with
+gl_fk_release); the direct path only calls gl_fk_decide. Equal decisions after every event
+show the one-wake-up path decides what gl_fk_decide would."""
 
 from __future__ import annotations
 
@@ -14,7 +19,14 @@ import time
 
 from gpuloom.policies.fikit.core import UNKNOWN, FikitConfig, FikitCore
 from gpuloom.services.dispatcher.arbiter import Arbiter, KernelTiming
-from gpuloom.shimwire import REGION_BYTES, AdmissionRegion, FikitPort, FikitPost, ShimMode
+from gpuloom.shimwire import (
+    BOARD_BYTES,
+    REGION_BYTES,
+    AdmissionRegion,
+    FikitPort,
+    FikitPost,
+    ShimMode,
+)
 
 MS = 1_000_000
 S = 1_000_000_000
@@ -56,9 +68,8 @@ def core_decisions() -> list[frozenset[int]]:
         now += 1000
         duration, gap = KERNELS[kernel]
         slot = slots[name]
-        if name == "A":  # as the arbiter takes an untracked holder launch
+        if name == "A":  # a holder launch while others wait: tracked (never done here)
             core.launched(slot, duration, UNKNOWN if gap is None else gap, now)
-            core.completed(slot, 1, now)
         else:
             assert core.request(slot, duration, UNKNOWN, now) == 0
             pending[slot] = step
@@ -68,10 +79,12 @@ def core_decisions() -> list[frozenset[int]]:
     return after_each
 
 
-def arbiter_decisions() -> list[frozenset[int]]:
-    """Through shared memory and the native arbiter thread, as the C shim drives it."""
+def arbiter_decisions() -> tuple[list[frozenset[int]], int]:
+    """Through shared memory and the native arbiter thread, as the C shim drives it; also
+    returns how many releases the holder's launches fired."""
     arbiter = Arbiter(CONFIG, beat_s=0.01)
     opened = []
+    boards: list[mmap.mmap] = []
     ports: dict[str, FikitPort] = {}
     try:
         for name, priority in PRIORITIES.items():
@@ -79,24 +92,30 @@ def arbiter_decisions() -> list[frozenset[int]]:
             arbiter.add_task(fd, priority, TABLE)
             mapping = mmap.mmap(fd, REGION_BYTES)
             opened.append((region, fd, mapping))
-            ports[name] = FikitPort(mapping, arbiter.doorbell_fd)
+            fds = arbiter.board_fds(priority)
+            own = [mmap.mmap(fds[-1], BOARD_BYTES)]
+            mine = [mmap.mmap(f, BOARD_BYTES, prot=mmap.PROT_READ) for f in fds[:-1]] + own
+            boards += mine
+            ports[name] = FikitPort(mapping, arbiter.doorbell_fd, mine)
         requests: dict[int, tuple[str, int]] = {}  # step -> (task, sequence number)
         after_each = []
         for step, (name, kernel) in enumerate(EVENTS):
             rounds = arbiter.stats().rounds
-            if name == "A":
-                ports[name].post(kernel, FikitPost.LAUNCHED)
+            if name == "A":  # as the C shim posts while somebody waits
+                ports[name].post(kernel, FikitPost.TRACKED)
             else:
                 requests[step] = (name, ports[name].post(kernel, FikitPost.REQUEST))
             _settle(arbiter, rounds)
             after_each.append(
                 frozenset(s for s, (n, seq) in requests.items() if _granted(ports[n], seq))
             )
-        return after_each
+        return after_each, arbiter.stats().fired
     finally:
         arbiter.stop()
         for port in ports.values():
             port.close()
+        for board in boards:
+            board.close()
         for region, fd, mapping in opened:
             mapping.close()
             region.close()
@@ -117,10 +136,13 @@ def _settle(arbiter: Arbiter, rounds: int) -> None:
 
 def test_the_live_arbiter_and_the_core_decide_alike() -> None:
     direct = core_decisions()
-    live = arbiter_decisions()
+    live, fired = arbiter_decisions()
     assert live == direct
+    # Both window-opening launches released the best filler through the board (B, armed).
+    assert fired == 2
     # And the decisions are the FIKIT ones: both fillers fill the first gap, by priority ...
     assert direct[2] == {0, 1}
     # ... a request that no longer fits waits, one that does goes, early stop closes the gap.
-    assert 3 not in direct[-1] and 4 in direct[4]
-    assert 6 not in direct[-1]
+    assert 3 not in direct[4] and 4 in direct[4]
+    # ... and the next window takes B's 4 s, not C's 6 s.
+    assert 3 in direct[-1] and 6 not in direct[-1]

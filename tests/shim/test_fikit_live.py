@@ -191,6 +191,9 @@ async def test_fikit_keeps_the_high_priority_latency_while_the_low_one_works(
     assert kept, report
     stats = fikit.live.dispatcher.arbiter.stats()
     assert stats.grants > 0 and stats.unknown_kernels == 0, stats
+    # The C shims took the one-wake-up path: the holder's launches fired the training's arms.
+    assert stats.arms > 0 and stats.fired > 0 and stats.invalid_writes == 0, stats
+    print(f"arbiter: {stats}")
 
 
 UNPROFILED = "k_unprofiled_300us"  # not in the holder's profile: no gap is ever filled

@@ -6,8 +6,8 @@ flag enums.
 The C values come from the compiler, not from reading the header: a small program that includes
 `shim/src/wire.h` prints each constant. The names to compare are every region constant
 `wire.h` defines and every one `gpuloom/shimwire.py` has, so a field added, moved or renumbered
-on either side alone fails here. A new shared layout (such as an admission board) joins by
-adding its names to `C_NAME` and `python_layout`.
+on either side alone fails here. The FIKIT arm words and the priority boards (their size and
+word offsets) are compared the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gpuloom.v1 import shim_pb2
 WIRE_H = Path(__file__).resolve().parents[2] / "shim" / "src" / "wire.h"
 # A region constant in wire.h: the region's own constants, field offsets, modes, states, and the
 # FIKIT roles and post kinds.
-C_NAME = r"GL_(?:REGION|OFF|MODE|STATE|ROLE|POST|LR)_[A-Z0-9_]+"
+C_NAME = r"GL_(?:(?:REGION|OFF|MODE|STATE|ROLE|POST|LR|BOARD)_[A-Z0-9_]+|BOARDS|ARM_KERNELS)"
 
 
 def c_names(header: str) -> list[str]:
@@ -75,6 +75,13 @@ def python_layout() -> dict[str, int]:
     # The FIKIT words (public: the arbiter's tests and the reference client write them).
     values.update(
         {f"GL_{name}": value for name, value in vars(shimwire).items() if name.startswith("OFF_")}
+    )
+    # The arm's size and the priority boards (docs/fikit.md, the one-wake-up path).
+    values.update(
+        {
+            f"GL_{name}": getattr(shimwire, name)
+            for name in ("ARM_KERNELS", "BOARD_BYTES", "BOARD_LAUNCH", "BOARD_FIRED", "BOARDS")
+        }
     )
     values.update({f"GL_ROLE_{role.name}": role.value for role in FikitRole})
     values.update({f"GL_POST_{post.name}": post.value for post in FikitPost})

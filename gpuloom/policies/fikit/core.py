@@ -48,6 +48,7 @@ class FikitCounters:
     overflowed: int
     rejected_calls: int
     launched_unadmitted: int
+    granted_released: int
 
 
 class FikitConfigStruct(ctypes.Structure):
@@ -88,6 +89,12 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
             ctypes.c_int,
             [core_p, u64, ctypes.POINTER(u32), ctypes.c_int, ctypes.POINTER(u64)],
         ),
+        "gl_fk_next_fill": (
+            ctypes.c_int,
+            [core_p, ctypes.POINTER(u32), ctypes.POINTER(u64)],
+        ),
+        "gl_fk_next_asker": (ctypes.c_int, [core_p, ctypes.POINTER(u32)]),
+        "gl_fk_release": (ctypes.c_int, [core_p, u32, u64]),
         "gl_fk_get_counters": (None, [core_p, ctypes.POINTER(_Counters)]),
         "gl_fk_holder_priority": (ctypes.c_int, [core_p]),
         "gl_fk_window_end": (u64, [core_p]),
@@ -156,6 +163,26 @@ class FikitCore:
         )
         wake = self._wake.value
         return list(self._out[:n]), (None if wake == UNKNOWN else wake)
+
+    def next_fill(self) -> tuple[int, int] | None:
+        """(task, least gap) of the request the holder's next window grants first, decided
+        in advance (the one-wake-up path), or None."""
+        task, gap = ctypes.c_uint32(), ctypes.c_uint64()
+        if self._lib.gl_fk_next_fill(self._core, ctypes.byref(task), ctypes.byref(gap)) != 1:
+            return None
+        return task.value, gap.value
+
+    def next_asker(self) -> int | None:
+        """The task whose next request (not posted yet) the holder's next window grants first
+        if its duration fits the gap, or None."""
+        task = ctypes.c_uint32()
+        if self._lib.gl_fk_next_asker(self._core, ctypes.byref(task)) != 1:
+            return None
+        return task.value
+
+    def release(self, task: int, now_ns: int) -> bool:
+        """The task's queued request already went: admit it as fill work now."""
+        return self._lib.gl_fk_release(self._core, task, now_ns) == 0
 
     def counters(self) -> FikitCounters:
         raw = _Counters()

@@ -270,3 +270,101 @@ def test_a_launch_reported_after_the_fact_is_the_holders_or_fill_work() -> None:
     # A task with a queued request cannot also report a launch.
     assert core.request(LO, 50 * US, 0, 30) == 0
     assert core.launched(LO, 50 * US, 0, 30) == -1
+
+
+# ---- the one-wake-up path: the next window's first fill, decided in advance ----
+
+
+def test_next_fill_names_the_best_waiting_request_and_the_gap_it_needs() -> None:
+    core = make()
+    assert core.add_task(MID, 3, 0)
+    assert core.add_task(3, 3, 0)
+    assert core.next_fill() is None  # nobody waits
+    assert core.request(HI, 100 * US, 10 * US, 0) == 1  # a gap below the threshold: no window
+    assert core.request(LO, 50 * US, 0, 0) == 0
+    # Below the threshold a gap opens no window: the least gap is the threshold.
+    assert core.next_fill() == (LO, 100 * US)
+    assert core.request(3, UNKNOWN, 0, 0) == 0  # unknown lengths never fill a window
+    assert core.next_fill() == (LO, 100 * US)
+    assert core.request(MID, 300 * US, 0, 0) == 0  # a better priority
+    assert core.next_fill() == (MID, 300 * US)
+    assert core.decide(0)[0] == []
+    # The holder's next launch with that gap grants it first, as decided.
+    assert core.request(HI, 100 * US, 300 * US, 10 * US) == 1
+    assert core.decide(10 * US)[0][0] == MID
+
+
+def test_next_fill_is_none_with_two_holders() -> None:
+    core = make()
+    assert core.request(LO, 50 * US, 0, 0) == 0
+    assert core.next_fill() == (LO, 100 * US)
+    assert core.add_task(MID, 0, 0)  # a second task of the holder priority
+    assert core.next_fill() is None
+    core.remove_task(MID, 0)
+    assert core.next_fill() == (LO, 100 * US)
+
+
+def test_release_admits_a_queued_request_as_fill() -> None:
+    core = make()
+    assert core.request(HI, 100 * US, 10 * US, 0) == 1
+    assert core.request(LO, 50 * US, 0, 0) == 0
+    assert not core.release(HI, 0)  # the holder has nothing queued, and holds
+    assert core.release(LO, 5 * US)
+    assert not core.has_request(LO)
+    assert core.outstanding(LO) == 1
+    assert core.tail() == 150 * US  # after the holder's 100 us
+    assert not core.release(LO, 5 * US)  # nothing queued any more
+    counters = core.counters()
+    assert counters.granted_released == 1 and counters.rejected_calls == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 9),
+            st.sampled_from([UNKNOWN, 20 * US, 80 * US, 150 * US, 400 * US, 900 * US]),
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    gap=st.sampled_from([0, 50 * US, 100 * US, 150 * US, 399 * US, 400 * US, 2_000 * US]),
+    holder_kernel=st.sampled_from([1 * US, 60 * US, 500 * US]),
+)
+def test_next_fill_is_what_the_next_window_grants_first(
+    requests: list[tuple[int, int]], gap: int, holder_kernel: int
+) -> None:
+    """The arm's promise: after the holder's next launch (gap g), decide grants next_fill's
+    request first exactly when g >= its least gap."""
+    core = FikitCore(FikitConfig(gap_threshold_ns=100 * US))
+    assert core.add_task(0, 0, 0)
+    assert core.request(0, 300 * US, 10 * US, 0) == 1  # busy, no window
+    for task, (priority, duration) in enumerate(requests, start=1):
+        assert core.add_task(task, priority, 0)
+        assert core.request(task, duration, 0, task) == 0
+    assert core.decide(10)[0] == []
+    planned = core.next_fill()
+    if all(duration == UNKNOWN for _, duration in requests):
+        assert planned is None
+        return
+    assert planned is not None
+    task, least = planned
+    assert core.request(0, holder_kernel, gap, 20 * US) == 1
+    grants, _ = core.decide(20 * US)
+    assert (bool(grants) and grants[0] == task) == (gap >= least)
+
+
+def test_next_asker_is_the_unique_best_filler_with_nothing_queued() -> None:
+    core = make()
+    assert core.next_asker() == LO  # the only filler, nothing queued
+    assert core.request(HI, 100 * US, 10 * US, 0) == 1
+    assert core.request(LO, 50 * US, 0, 0) == 0
+    assert core.next_asker() is None  # it has a request queued: next_fill's case
+    assert core.next_fill() == (LO, 100 * US)
+    assert core.add_task(MID, 3, 0)
+    assert core.next_asker() == MID  # better than anything queued or to come
+    assert core.add_task(3, 3, 0)
+    assert core.next_asker() is None  # a tie: the other one may ask first
+    core.remove_task(3, 0)
+    assert core.add_task(3, 0, 0)  # a second holder task
+    assert core.next_asker() is None
