@@ -8,8 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuloom.policies.fleet.fgd import FgdPolicy, FragDeltas
-from gpuloom.policies.fleet.fgd_pack import TOLERANCE_MILLI, FgdPackPolicy
-from gpuloom.policies.fleet.model import FleetState, NodeSpec, PodShape
+from gpuloom.policies.fleet.fgd_pack import (
+    MULTI_GPU_SHARE,
+    TOLERANCE_MILLI,
+    FgdPackPolicy,
+    multi_gpu_share,
+)
+from gpuloom.policies.fleet.model import Choice, FleetState, NodeSpec, PodShape
+from gpuloom.sim.fleet import Workload
 
 MODELS = ("T4", "V100M16")
 
@@ -79,3 +85,35 @@ def test_whole_gpu_pods_go_exactly_where_fgd_puts_them(
     ours = FgdPackPolicy().choose(state, 3, np.random.default_rng(seed))
     theirs = FgdPolicy().choose(state, 3, np.random.default_rng(seed))
     assert ours == theirs
+
+
+def placements(
+    policy: FgdPolicy | FgdPackPolicy, nodes: list[NodeSpec], workload: Workload, seed: int
+) -> list[Choice | None]:
+    """Where `policy` puts the workload's pods (twice over), one at a time."""
+    state = FleetState(nodes, workload.shapes, workload.weights)
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for q in rng.permutation(workload.pods * 2).tolist():
+        choice = policy.choose(state, q, rng)
+        if choice is not None:
+            state.commit(choice.node, q, choice.gpus)
+        chosen.append(choice)
+    return chosen
+
+
+def test_a_workload_heavy_in_multi_gpu_pods_is_placed_exactly_as_fgd_places_it() -> None:
+    nodes = [node(f"n{i}", g, "T4" if i % 2 else "V100M16") for i, g in enumerate([8, 8, 4, 2, 2])]
+    small = [share(300), share(500), share(700), PodShape(2000, 4096, 0, 0)] * 3
+    whole = [PodShape(1000, 1024, 1, 1000)] * 8
+    light = Workload.of(small + whole + [PodShape(4000, 8192, 2, 1000)])
+    heavy = Workload.of(small + whole + [PodShape(4000, 8192, 4, 1000)] * 3)
+    share_of = [multi_gpu_share(FleetState(nodes, w.shapes, w.weights)) for w in (light, heavy)]
+    assert share_of[0] < MULTI_GPU_SHARE <= share_of[1]
+    differs = False
+    for seed in range(4):
+        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
+        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
+        ours = placements(FgdPackPolicy(), nodes, light, seed)
+        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
+    assert differs  # below the threshold, packing moves small pods
