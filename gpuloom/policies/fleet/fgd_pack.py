@@ -17,11 +17,10 @@ the first FGD-pack with 11). Three things were measured to hurt, and are kept ou
 
 - moving a pod to another GPU model than FGD chose. The model term is where FGD weighs the
   pods that may run only on some models (gpu_spec) and the node shapes of that model; packing
-  across models undid it (gpuspec05: -0.06 below FGD, +0.11 above with the model kept);
+  across models undid it (gpuspec05, seeds 0-2: -0.06 below FGD, +0.11 above with the model kept);
 - packing whole-GPU pods. On lists heavy in multi-GPU pods, whole GPUs are most of the demand
   and FGD's random spreading among equal nodes did better than packing them (multigpu50:
-  packing exact ties only, -0.18).
-
+  packing exact ties only, -0.18);
 - packing at all when multi-GPU pods carry MULTI_GPU_SHARE or more of the workload's GPU
   demand (known from the distribution, as FGD knows it): there the policy is FGD. With the two
   rules above and packing kept, `multigpu50` (50% of the demand in multi-GPU pods) was still
