@@ -1,0 +1,119 @@
+"""`fgd-pack` (`best`): FGD's growth is the primary key; shares and CPU-only pods pack among
+near-ties of FGD's own GPU model; whole-GPU pods go where FGD puts them."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpuloom.policies.fleet.fgd import FgdPolicy, FragDeltas
+from gpuloom.policies.fleet.fgd_pack import (
+    MULTI_GPU_SHARE,
+    TOLERANCE_MILLI,
+    FgdPackPolicy,
+    multi_gpu_share,
+)
+from gpuloom.policies.fleet.model import Choice, FleetState, NodeSpec, PodShape
+from gpuloom.sim.fleet import Workload
+
+MODELS = ("T4", "V100M16")
+
+
+def node(name: str, gpus: int, model: str = "T4", cpu: int = 64000) -> NodeSpec:
+    return NodeSpec(name, cpu, 262144, gpus, model)
+
+
+def share(milli: int, models: frozenset[str] | None = None) -> PodShape:
+    return PodShape(1000, 1024, 1, milli, models)
+
+
+def test_a_share_packs_among_exact_ties_where_fgd_picks_at_random() -> None:
+    # Only 500-milli shares in the workload: on a (one GPU taken whole) or on b (idle) the
+    # share leaves nothing unusable, an exact tie. FGD picks at random; fgd-pack takes a,
+    # the node left with the least free GPU.
+    shapes = [share(500), PodShape(1000, 1024, 1, 1000)]
+    picked_by_fgd = set()
+    for seed in range(20):
+        state = FleetState([node("a", 2), node("b", 2)], shapes, [1.0, 0.0])
+        state.commit(0, 1, (0,))
+        assert FragDeltas.of(state).column(0).tolist() == [0.0, 0.0]
+        choice = FgdPackPolicy().choose(state, 0, np.random.default_rng(seed))
+        assert choice is not None and choice.node == 0 and choice.gpus == (1,)
+        fgd = FgdPolicy().choose(state, 0, np.random.default_rng(seed))
+        assert fgd is not None
+        picked_by_fgd.add(fgd.node)
+    assert picked_by_fgd == {0, 1}
+
+
+def test_a_share_keeps_the_gpu_model_fgd_chose() -> None:
+    # Node a (T4, 300 of its one GPU taken) is within the tolerance of FGD's least growth and
+    # would be left fuller; but the least growth is on b, a V100M16 (the T4-only shape makes
+    # T4 capacity dearer), and no T4 node reaches it: the share stays on FGD's model.
+    shapes = [share(300), share(500), PodShape(1000, 1024, 1, 1000), share(300, frozenset({"T4"}))]
+    state = FleetState([node("a", 1, "T4"), node("b", 2, "V100M16")], shapes, [3, 3, 2, 3])
+    state.commit(0, 0, (0,))
+    growth = FragDeltas.of(state).column(0)
+    assert growth[1] < growth[0] <= growth[1] + TOLERANCE_MILLI  # a is a near-tie
+    gpu_left = (state.gpu_free.sum(axis=1) - 300) / (state.gpu_count * 1000)
+    assert gpu_left.tolist() == [0.4, 0.85]  # packing across models would take a
+    choice = FgdPackPolicy().choose(state, 0, np.random.default_rng(0))
+    assert choice is not None and choice.node == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gpus=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=5),
+    models=st.lists(st.sampled_from(MODELS), min_size=5, max_size=5),
+    used=st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0, 1, 2])), max_size=8),
+    k=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_whole_gpu_pods_go_exactly_where_fgd_puts_them(
+    gpus: list[int],
+    models: list[str],
+    used: list[tuple[int, int]],
+    k: int,
+    seed: int,
+) -> None:
+    nodes = [node(f"n{i}", g, models[i]) for i, g in enumerate(gpus)]
+    shapes = [share(300), share(700), PodShape(1000, 1024, 1, 1000), PodShape(2000, 2048, k, 1000)]
+    state = FleetState(nodes, shapes, [2, 1, 3, 1])
+    for n, q in used:  # some pods placed already, so nodes differ
+        if n < len(nodes) and state.fits_node(n, q):
+            state.commit(n, q, state.bestfit_gpus(n, q))
+    ours = FgdPackPolicy().choose(state, 3, np.random.default_rng(seed))
+    theirs = FgdPolicy().choose(state, 3, np.random.default_rng(seed))
+    assert ours == theirs
+
+
+def placements(
+    policy: FgdPolicy | FgdPackPolicy, nodes: list[NodeSpec], workload: Workload, seed: int
+) -> list[Choice | None]:
+    """Where `policy` puts the workload's pods (twice over), one at a time."""
+    state = FleetState(nodes, workload.shapes, workload.weights)
+    rng = np.random.default_rng(seed)
+    chosen = []
+    for q in rng.permutation(workload.pods * 2).tolist():
+        choice = policy.choose(state, q, rng)
+        if choice is not None:
+            state.commit(choice.node, q, choice.gpus)
+        chosen.append(choice)
+    return chosen
+
+
+def test_a_workload_heavy_in_multi_gpu_pods_is_placed_exactly_as_fgd_places_it() -> None:
+    nodes = [node(f"n{i}", g, "T4" if i % 2 else "V100M16") for i, g in enumerate([8, 8, 4, 2, 2])]
+    small = [share(300), share(500), share(700), PodShape(2000, 4096, 0, 0)] * 3
+    whole = [PodShape(1000, 1024, 1, 1000)] * 8
+    light = Workload.of(small + whole + [PodShape(4000, 8192, 2, 1000)])
+    heavy = Workload.of(small + whole + [PodShape(4000, 8192, 4, 1000)] * 3)
+    share_of = [multi_gpu_share(FleetState(nodes, w.shapes, w.weights)) for w in (light, heavy)]
+    assert share_of[0] < MULTI_GPU_SHARE <= share_of[1]
+    differs = False
+    for seed in range(4):
+        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
+        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
+        ours = placements(FgdPackPolicy(), nodes, light, seed)
+        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
+    assert differs  # below the threshold, packing moves small pods
