@@ -261,7 +261,7 @@ class Day:
             sys.executable, "examples/serve.py",
         ]  # fmt: skip
         started = []
-        for args, requests in ((inference, "600"), (batch, "300")):
+        for args, requests in ((inference, "3000"), (batch, "1500")):
             shown = shlex.join(args).replace(shlex.quote(sys.executable), "python")
             say(f"$ SERVE_REQUESTS={requests} gpuloom {shown} &")
             started.append(
@@ -274,7 +274,7 @@ class Day:
                     text=True,
                 )
             )
-            if requests == "600":  # the service first: the batch job joins it
+            if args is inference:  # the service first: the batch job joins it
                 self._wait_assigned({"infer-svc"})
         together = self._wait_assigned({"infer-svc", "nightly-batch"})
         gpus = {job["assignment"]["gpu"]["gpu_uuid"] for job in together}
