@@ -20,12 +20,14 @@ Events:
   returns the placed ones and the fresher reasons of those still waiting.
 
 **The pending index.** Waiting jobs are kept in buckets of identical requests: the same policy,
-GPU model, quota x SM shape, memory, priority and task key (everything a policy looks at but the
-id). A release marks dirty only the buckets whose request the freed GPU can now hold (its model,
-a free rectangle of the shape, the memory); `decide` tries dirty buckets only, and a bucket whose
-head does not fit stops there: its other jobs ask exactly the same and can fit no better, since
-within one `decide` the fleet only fills. So a release costs a look at the buckets of the GPU's
-model, and the jobs tried are those that can now be placed, plus at most one per dirty bucket.
+GPU model, quota x SM shape, memory, priority, task key, number of GPUs and node CPU and host
+memory (everything a policy looks at but the id). A release marks dirty only the buckets whose
+request the freed GPU can now hold (its model, a free rectangle of the shape, the memory; for a
+request of node resources or of several GPUs, what the GPU's whole node has free); `decide`
+tries dirty buckets only, and a bucket whose head does not fit stops there: its other jobs ask
+exactly the same and can fit no better, since within one `decide` the fleet only fills. So a
+release costs a look at the buckets of the GPU's model, and the jobs tried are those that can
+now be placed, plus at most one per dirty bucket.
 This relies on each policy being deterministic in the request (never in the job id) and
 complete for its shape: refusing only when no GPU it may use has the room, which holds for
 every registered policy (gap-aware falls back to MRA).
@@ -40,7 +42,13 @@ from dataclasses import dataclass, field
 
 from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
 from gpuloom.policies.placement.fleet import Fleet, PlacementPolicy
-from gpuloom.policies.placement.model import JobRequest, Placement, Unplaceable, quota_steps
+from gpuloom.policies.placement.model import (
+    JobRequest,
+    Placement,
+    Unplaceable,
+    model_alternatives,
+    quota_steps,
+)
 
 NO_GPU_YET = "no GPU is registered yet"
 
@@ -90,8 +98,9 @@ class Round:
 
 
 # Everything a policy looks at in a request but its id: jobs with the same key get the same
-# answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key)
-BucketKey = tuple[str, str, int, int, int, int, str]
+# answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key,
+# GPUs, node CPU milli, node host memory)
+BucketKey = tuple[str, str, int, int, int, int, str, int, int, int]
 
 
 @dataclass(slots=True, eq=False)
@@ -101,8 +110,9 @@ class _Bucket:
     reason: str = ""
 
     @property
-    def model(self) -> str:
-        return self.key[1]
+    def models(self) -> tuple[str, ...]:
+        """The GPU models whose releases may let it fit ("" = any model)."""
+        return model_alternatives(self.key[1]) or ("",)
 
 
 class Scheduler:
@@ -271,6 +281,9 @@ class Scheduler:
             r.memory_bytes,
             r.priority,
             r.task_key,
+            r.gpus,
+            r.cpu_milli,
+            r.host_memory_bytes,
         )
 
     def _try(self, ask: Ask) -> Placed | Waiting:
@@ -286,7 +299,8 @@ class Scheduler:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(key, reason=reason)
-            self._by_model.setdefault(bucket.model, set()).add(key)
+            for model in bucket.models:
+                self._by_model.setdefault(model, set()).add(key)
         bucket.reason = reason
         insort(bucket.queue, (ask.order, ask), key=lambda entry: entry[0])
         self._waiting[ask.job_id] = (ask, key)
@@ -300,18 +314,20 @@ class Scheduler:
 
     def _drop(self, bucket: _Bucket) -> None:
         del self._buckets[bucket.key]
-        keys = self._by_model[bucket.model]
-        keys.discard(bucket.key)
-        if not keys:
-            del self._by_model[bucket.model]
+        for model in bucket.models:
+            keys = self._by_model[model]
+            keys.discard(bucket.key)
+            if not keys:
+                del self._by_model[model]
         self._dirty.discard(bucket.key)
 
     def _release(self, job_id: str) -> bool:
-        gpu_id = self.fleet.gpu_of(job_id)
-        if gpu_id is None:
+        gpu_ids = self.fleet.gpus_of(job_id)
+        if not gpu_ids:
             return False
         self.fleet.release(job_id)
-        self._freed(gpu_id)
+        for gpu_id in gpu_ids:
+            self._freed(gpu_id)
         return True
 
     def _freed(self, gpu_id: str) -> None:
@@ -322,9 +338,29 @@ class Scheduler:
         if not slot.schedulable:
             return
         boxes = [(b[2] - b[0], b[3] - b[1]) for b in slot.free.boxes()]
+        node = self.fleet.node(slot.node)
+        whole: int | None = None  # the node's GPUs with nothing on them, counted once
         for model in ("", slot.model):
             for key in self._by_model.get(model, ()):
-                if key in self._dirty or key[4] > slot.memory_free:
+                if key in self._dirty:
+                    continue
+                gpus, cpu, host_memory = key[7], key[8], key[9]
+                if cpu > node.cpu_free or host_memory > node.memory_free:
+                    continue
+                if gpus > 1:
+                    if whole is None:
+                        whole = sum(
+                            1
+                            for g in node.gpu_ids
+                            if self.fleet.slot(g).schedulable and not self.fleet.slot(g).allocations
+                        )
+                    if whole >= gpus:
+                        self._dirty.add(key)
+                    continue
+                if cpu or host_memory:  # CPU freed here may let it onto another GPU of the node
+                    self._dirty.add(key)
+                    continue
+                if key[4] > slot.memory_free:
                     continue
                 w, h = key[2], key[3]
                 if any(bw >= w and bh >= h for bw, bh in boxes):
