@@ -340,11 +340,16 @@ class Scheduler:
         boxes = [(b[2] - b[0], b[3] - b[1]) for b in slot.free.boxes()]
         node = self.fleet.node(slot.node)
         whole: int | None = None  # the node's GPUs with nothing on them, counted once
-        for model in ("", slot.model):
+        # CPU and host memory freed here may let a job onto another GPU of the node, of
+        # another model: requests of node resources or whole GPUs look at every model there.
+        models = {slot.model} | {self.fleet.slot(g).model for g in node.gpu_ids}
+        for model in ("", *sorted(models)):
             for key in self._by_model.get(model, ()):
                 if key in self._dirty:
                     continue
                 gpus, cpu, host_memory = key[7], key[8], key[9]
+                if model and model != slot.model and gpus == 1 and not (cpu or host_memory):
+                    continue
                 if cpu > node.cpu_free or host_memory > node.memory_free:
                     continue
                 if gpus > 1:
