@@ -14,6 +14,7 @@ from google.protobuf.message import Message
 
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.domain.placement import (
+    AssignedGpu,
     Assignment,
     FunctionScaling,
     GpuEntry,
@@ -62,6 +63,8 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         policy=msg.policy,
         gpu_model=msg.gpu_model,
         command=tuple(msg.command),
+        cpu_milli=msg.cpu_milli,
+        host_memory_bytes=msg.host_memory_bytes,
     )
 
 
@@ -86,6 +89,8 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         policy=spec.policy,
         gpu_model=spec.gpu_model,
         command=spec.command,
+        cpu_milli=spec.cpu_milli,
+        host_memory_bytes=spec.host_memory_bytes,
     )
 
 
@@ -158,6 +163,10 @@ def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
             if msg.HasField("mig")
             else None
         ),
+        extra_gpus=tuple(
+            AssignedGpu(g.gpu.gpu_uuid, g.gpu.node, g.dispatcher_address, dict(g.environment))
+            for g in msg.extra_gpus
+        ),
     )
 
 
@@ -170,6 +179,14 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
         quota_offset_percent=assignment.quota_offset_percent,
         sm_offset_percent=assignment.sm_offset_percent,
         environment=assignment.environment,
+        extra_gpus=[
+            pb.AssignedGpu(
+                gpu=common_pb2.GpuRef(node=g.node, gpu_uuid=g.gpu_uuid),
+                dispatcher_address=g.dispatcher_address,
+                environment=g.environment,
+            )
+            for g in assignment.extra_gpus
+        ],
     )
     if assignment.share is not None:
         msg.share.CopyFrom(share_to_pb(assignment.share))
@@ -202,6 +219,8 @@ def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
             MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
         ),
         mps_enabled=msg.mps_enabled,
+        node_cpu_milli=msg.node_cpu_milli,
+        node_memory_bytes=msg.node_memory_bytes,
     )
 
 
@@ -218,6 +237,8 @@ def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
             for m in info.mig_instances
         ],
         mps_enabled=info.mps_enabled,
+        node_cpu_milli=info.node_cpu_milli,
+        node_memory_bytes=info.node_memory_bytes,
     )
 
 

@@ -29,7 +29,7 @@ from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
 from gpuloom.services.placement.dispatchers import Dispatchers, MigRunner
 from gpuloom.services.placement.domain import GpuRecord, Job
-from gpuloom.services.placement.inventory import GpuView, Inventory, allocation
+from gpuloom.services.placement.inventory import GpuView, Inventory, allocations
 from gpuloom.services.placement.mig_batches import MigBatchConfig, MigBatches
 from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
@@ -94,7 +94,8 @@ class PlacementCore:
         holding: dict[str, list[Allocation]] = defaultdict(list)
         for job in live:
             if job.state.holds_capacity and job.binding is not None and job.binding.mig is None:
-                holding[job.binding.gpu_uuid].append(allocation(job))
+                for gpu_uuid, held in allocations(job):
+                    holding[gpu_uuid].append(held)
         self.inventory.load(records, holding, now)
         unregistered = {gpu for gpu in holding if gpu not in self.inventory}
         rebinding = await self.jobs.start(live, unregistered)

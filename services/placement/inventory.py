@@ -22,6 +22,7 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.placement import GpuInfo, JobSpec
 from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
 from gpuloom.policies.placement.fleet import InvalidStateError
+from gpuloom.policies.placement.model import gang_member_id
 from gpuloom.services.placement.domain import GpuRecord, Job, validate_address
 from gpuloom.services.placement.paging import decode_text, encode_token
 from gpuloom.services.placement.repository import PlacementRepository
@@ -92,8 +93,20 @@ class Inventory:
             last_heartbeat=now,
         )
         reshaped = old is not None and (
-            (old.info.node, old.info.model, old.info.memory_bytes)
-            != (info.node, info.model, info.memory_bytes)
+            (
+                old.info.node,
+                old.info.model,
+                old.info.memory_bytes,
+                old.info.node_cpu_milli,
+                old.info.node_memory_bytes,
+            )
+            != (
+                info.node,
+                info.model,
+                info.memory_bytes,
+                info.node_cpu_milli,
+                info.node_memory_bytes,
+            )
         )
         if old is None:
             self.fleet.add_gpu(gpu_state(record, []))
@@ -210,9 +223,45 @@ class Inventory:
 
     # ---- questions ----
 
+    def check_spec(self, spec: JobSpec) -> None:
+        """Refuse an MPS or whole-GPU job the registered fleet can never run (nothing is known
+        before the first GPU registers): a GPU model no GPU has, more GPUs than any node has
+        (of its models), more memory than any GPU, more CPU or host memory than any node."""
+        if not self._gpus:
+            return
+        models = spec.gpu_models
+        known = {r.info.model for r in self._gpus.values()}
+        for model in models:
+            if model not in known:
+                raise InvalidArgument(
+                    "spec.gpu_model",
+                    f"unknown GPU model {model!r}; the fleet has {', '.join(sorted(known))}",
+                )
+        self.check_memory(spec)
+        fleet = self.fleet
+        if spec.whole_gpus > 1:
+            most = fleet.max_gpus_per_node(spec.gpu_model)
+            if spec.whole_gpus > most:
+                of_model = f" of model {spec.gpu_model}" if models else ""
+                raise InvalidArgument(
+                    "spec.resources.whole_gpus",
+                    f"{spec.whole_gpus} GPUs on one node: no node has that many GPUs{of_model} "
+                    f"(the most: {most})",
+                )
+        nodes = fleet.nodes.values()
+        for name, asked, has in (
+            ("spec.cpu_milli", spec.cpu_milli, max(n.cpu_milli for n in nodes)),
+            ("spec.host_memory_bytes", spec.host_memory_bytes, max(n.memory_bytes for n in nodes)),
+        ):
+            if asked > has:
+                raise InvalidArgument(
+                    name, f"{asked} is more than any node of the fleet has (the most: {has})"
+                )
+
     def check_memory(self, spec: JobSpec) -> None:
-        """A job asking for more memory than any registered GPU (of its model) can never run."""
-        largest = self._max_memory.get(spec.gpu_model)
+        """A job asking for more memory than any registered GPU (of its models) can never run."""
+        sizes = [self._max_memory.get(m) for m in spec.gpu_models or ("",)]
+        largest = max((size for size in sizes if size is not None), default=None)
         if largest is not None and spec.memory_bytes > largest:
             of_model = f" {spec.gpu_model}" if spec.gpu_model else ""
             raise InvalidArgument(
@@ -269,19 +318,33 @@ class Inventory:
             self._max_memory[model] = max(self._max_memory.get(model, 0), info.memory_bytes)
 
 
-def allocation(job: Job) -> Allocation:
-    """The rectangle and memory a placed MPS or whole-GPU job holds, for the fleet."""
-    assert job.binding is not None
+def allocations(job: Job) -> list[tuple[str, Allocation]]:
+    """The rectangle and memory a placed MPS or whole-GPU job holds on each of its GPUs, for
+    the fleet: (GPU, allocation); the node's CPU and host memory charged on the first."""
+    binding = job.binding
+    assert binding is not None
     spec = job.spec
-    return Allocation(
-        allocation_id=job.job_id,
-        sm_percent=spec.sm_percent,
-        quota_percent=spec.quota.request_percent,
-        memory_bytes=spec.memory_bytes,
-        priority=spec.priority,
-        task_key=spec.task_key,
-        rect=Rect(*job.binding.rect),
-    )
+    held = []
+    for i, gpu_uuid in enumerate(binding.gpu_uuids):
+        first = i == 0
+        held.append(
+            (
+                gpu_uuid,
+                Allocation(
+                    allocation_id=job.job_id if first else gang_member_id(job.job_id, i),
+                    sm_percent=spec.sm_percent,
+                    quota_percent=spec.quota.request_percent,
+                    memory_bytes=spec.memory_bytes,
+                    priority=spec.priority,
+                    task_key=spec.task_key,
+                    rect=Rect(*binding.rect),
+                    cpu_milli=spec.cpu_milli if first else 0,
+                    host_memory_bytes=spec.host_memory_bytes if first else 0,
+                    gang="" if first else job.job_id,
+                ),
+            )
+        )
+    return held
 
 
 def direct_id(gpu_uuid: str, assignment_id: str) -> str:
@@ -305,4 +368,6 @@ def gpu_state(record: GpuRecord, allocations: Sequence[Allocation]) -> GpuState:
         sm_count=info.sm_count,
         schedulable=takes_shares(record),
         allocations=tuple(allocations),
+        node_cpu_milli=info.node_cpu_milli,
+        node_memory_bytes=info.node_memory_bytes,
     )

@@ -273,8 +273,9 @@ async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it
     assert done.started_at_unix_s == ran.started_at_unix_s  # kept once it ended
     ran_for = done.updated_at_unix_s - done.started_at_unix_s
     assert ran_for >= 1.2
+    await submit(placement.stub, mps_spec("holder"))
     waiting_spec = mps_spec("waiting")
-    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting_spec.resources.whole_gpus = 4  # all four GPUs of n1, one in use: it stays pending
     waiting = await submit(placement.stub, waiting_spec)
     assert waiting.state == pb.JOB_STATE_PENDING and waiting.started_at_unix_s == 0
 

@@ -532,12 +532,12 @@ class Fleet:
         return self._where.get(allocation_id)
 
     def gpus_of(self, allocation_id: str) -> tuple[str, ...]:
-        """Every GPU a job holds: its first, then those of its further allocations."""
+        """Every GPU a job holds: its first, then those of its further allocations (those
+        still held when its first GPU is gone)."""
         first = self._where.get(allocation_id)
-        if first is None:
-            return ()
         members = sorted(self._gangs.get(allocation_id, ()), key=_member_order)
-        return (first, *(self._where[m] for m in members))
+        rest = tuple(self._where[m] for m in members)
+        return rest if first is None else (first, *rest)
 
     @property
     def nodes(self) -> Mapping[str, NodeSlot]:
