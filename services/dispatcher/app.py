@@ -24,6 +24,7 @@ from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
 from gpuloom.services.dispatcher.model_store import ModelStore, StoreConfig
 from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
+from gpuloom.services.dispatcher.node_resources import node_resources
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
@@ -206,7 +207,12 @@ async def start_gpu_dispatcher(
     core.grpc_address = advertised_address(settings.advertise_host, host, server.port)
     placement_link = None
     if settings.placement_address:  # after the server is up: placement dials its real port
-        placement_link = PlacementLink(settings.placement_address, core, core.grpc_address)
+        placement_link = PlacementLink(
+            settings.placement_address,
+            core,
+            core.grpc_address,
+            node=node_resources(settings.node_cpu_milli, settings.node_memory_bytes),
+        )
         core.on_gpu_changed = placement_link.register_again
         await placement_link.start()
     log.info(

@@ -30,6 +30,7 @@ import structlog
 from gpuloom.convert.shares import share_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.node_resources import NONE_REPORTED, NodeResources
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 
@@ -106,8 +107,10 @@ class PlacementLink:
         core: DispatcherCore,
         dispatcher_address: str,
         timeout_s: float = 5.0,
+        node: NodeResources = NONE_REPORTED,
     ) -> None:
         self._address = address
+        self._node = node
         self._core = core
         self._dispatcher_address = dispatcher_address
         self._timeout_s = timeout_s
@@ -212,7 +215,7 @@ class PlacementLink:
         gpu, instances = await self._bounded(asyncio.to_thread(self._describe_gpu))
         request = placement_pb2.RegisterGpuRequest(
             gpu=_gpu_info_to_pb(
-                gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY
+                gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY, self._node
             ),
             dispatcher_address=self._dispatcher_address,
             reservations=[_reservation_to_pb(r) for r in self._reservations()],
@@ -292,7 +295,11 @@ def _reservation_to_pb(reservation: Reservation) -> placement_pb2.DispatcherRese
 
 
 def _gpu_info_to_pb(
-    gpu: GpuInfo, node: str, instances: list[MigInstance], mps_enabled: bool
+    gpu: GpuInfo,
+    node: str,
+    instances: list[MigInstance],
+    mps_enabled: bool,
+    resources: NodeResources,
 ) -> placement_pb2.GpuInfo:
     return placement_pb2.GpuInfo(
         ref=common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid),
@@ -306,4 +313,6 @@ def _gpu_info_to_pb(
             for i in instances
         ],
         mps_enabled=mps_enabled,
+        node_cpu_milli=resources.cpu_milli,
+        node_memory_bytes=resources.memory_bytes,
     )
