@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from pathlib import Path
 
+import grpc
 import pytest
+from click.testing import CliRunner
 
+from gpuloom.clients.cli import cli
+from gpuloom.clients.placement import JobFileError, file_key_for, spec_from_document
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
@@ -22,6 +27,7 @@ from gpuloom.services.placement.decisions import GPU_UUIDS_VARIABLE
 from gpuloom.v1 import common_pb2, placement_pb2
 from tests.placement.conftest import Live, gpu_info, mps_spec, submit
 from tests.placement.harness import CoreHarness
+from tests.placement.test_client_cli import stdout_of
 
 GIB = 1 << 30
 
@@ -225,5 +231,57 @@ async def test_a_two_gpu_job_binds_on_two_real_dispatchers(
     assert {g.gpu.node_cpu_milli for g in listed.gpus} == {6000}
     too_many = mps_spec("five")
     too_many.resources.CopyFrom(common_pb2.Resources(whole_gpus=5))
-    with pytest.raises(Exception, match="spec.resources.whole_gpus"):
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
         await submit(placement.stub, too_many)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("spec.resources.whole_gpus: 5 GPUs on one node")
+
+
+PRINT_GPUS = "import os; print(os.environ['GPULOOM_GPU_UUIDS'])"
+
+
+async def test_gpuloom_run_gets_every_gpu_of_its_job(
+    placement: Live, dispatchers: DispatcherApp
+) -> None:
+    await register_with_node(placement, dispatchers, 8000)
+    target = f"--placement=127.0.0.1:{placement.app.port}"
+    args = ["run", target, "--no-shim", "--gpus", "2", "--cpu-milli", "1500"]
+    args += ["--host-memory-gib", "2", "--gpu-spec", "A100-80GB"]
+    result = await asyncio.to_thread(
+        CliRunner().invoke, cli, [*args, "--", sys.executable, "-c", PRINT_GPUS]
+    )
+    assert result.exit_code == 0, result.output
+    listed = await placement.stub.ListJobs(placement_pb2.ListJobsRequest())
+    (job,) = listed.jobs
+    uuids = [job.assignment.gpu.gpu_uuid, *(g.gpu.gpu_uuid for g in job.assignment.extra_gpus)]
+    assert stdout_of(result).strip() == ",".join(uuids) and len(set(uuids)) == 2
+    assert job.spec.resources.whole_gpus == 2 and job.spec.cpu_milli == 1500
+    assert job.spec.host_memory_bytes == 2 * GIB and job.spec.gpu_model == "A100-80GB"
+    assert f"on GPUs {', '.join(uuids)} on node n1: 2 GPUs" in result.stderr
+    # `--gpus` is for whole GPUs: with a share it is a usage error (exit 2), nothing submitted.
+    bad = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["run", target, "--gpus", "2", "--sm", "20", "--", "true"]
+    )
+    assert bad.exit_code == 2 and "--gpus excludes --sm" in bad.output
+    # Asking for more GPUs than the node has is refused by placement, naming the option.
+    many = await asyncio.to_thread(
+        CliRunner().invoke, cli, ["run", target, "--no-shim", "--gpus", "8", "--", "true"]
+    )
+    assert many.exit_code == 1 and "--gpus: refused by placement" in many.output
+
+
+def test_a_job_file_asks_for_gpus_cpu_host_memory_and_a_gpu_spec() -> None:
+    document = {
+        "name": "train",
+        "kind": "training",
+        "gpu_spec": "V100M16|V100M32",
+        "resources": {"whole_gpus": 4, "cpu_milli": 16000, "host_memory_gib": 32},
+    }
+    spec = spec_from_document(document, "job.yaml")
+    assert (spec.resources.whole_gpus, spec.cpu_milli) == (4, 16000)
+    assert spec.host_memory_bytes == 32 * GIB and spec.gpu_model == "V100M16|V100M32"
+    with pytest.raises(JobFileError, match="gpu_model or gpu_spec"):
+        spec_from_document({**document, "gpu_model": "T4"}, "job.yaml")
+    with pytest.raises(JobFileError, match=r"resources\.cpu_milli"):
+        spec_from_document({**document, "resources": {"cpu_milli": "lots"}}, "job.yaml")
+    assert file_key_for("spec.host_memory_bytes") == "resources.host_memory_gib"
