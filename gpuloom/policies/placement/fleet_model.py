@@ -12,7 +12,10 @@ live fleet, one model node per live node:
 - a GPU this job cannot use (unschedulable, another model than the job's `gpu_model`, too little
   free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
   job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
-  GPUs the job can really take; unschedulable GPUs count as full.
+  GPUs the job can really take; unschedulable GPUs count as full;
+- the pods each node hosts per per-GPU demand (what GPU clustering groups by): each allocation
+  of a share counts as a pod of its rectangle's area (filled for `gpuclustering` only, the one
+  policy that reads it).
 
 The job becomes a pod: N whole GPUs (`gpus` > 1, or a share of the whole rectangle) or a share
 of one GPU whose `gpu_milli` is its rectangle's area (sm_percent x quota, in milli of the GPU).
@@ -81,6 +84,7 @@ class FleetModelPolicy:
     def __init__(self, fleet_policy: str, seed: int = SEED) -> None:
         self._policy: FleetPolicy = FLEET_POLICIES.create(fleet_policy)
         self._name = fleet_policy
+        self._counts_hosted = fleet_policy == "gpuclustering"
         self._rng = np.random.default_rng(seed)
         self._recent: OrderedDict[str, PodShape] = OrderedDict()
         self._counts: Counter[PodShape] = Counter()
@@ -160,7 +164,14 @@ class FleetModelPolicy:
         state = FleetState(specs, common, weights)
         d = shape.gpu_milli
         w, h = (GRID_W, GRID_H) if d == WHOLE_GPU else (job.w, job.sm_percent)
+        allowed = set(job.models) or None
+        need = job.memory_bytes
         slots = fleet.slots
+        # Pods hosted per per-GPU demand: only GPU clustering reads them.
+        demand_index = (
+            {int(v): k for k, v in enumerate(state.demands)} if self._counts_hosted else None
+        )
+        gpu_free = state.gpu_free
         gpu_ids: list[tuple[str, ...]] = []
         for i, node in enumerate(nodes):
             state.cpu_free[i] = node.cpu_free
@@ -170,25 +181,24 @@ class FleetModelPolicy:
             for j, gpu_id in enumerate(ids):
                 slot = slots[gpu_id]
                 if not slot.schedulable:
-                    state.gpu_free[i, j] = 0
+                    gpu_free[i, j] = 0
                     continue
+                boxes = slot.boxes
                 free = (
-                    WHOLE_GPU
-                    if not slot.boxes
-                    else min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
+                    min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
+                    if boxes
+                    else WHOLE_GPU
                 )
                 usable = (
-                    job.allows(slot.model)
-                    and slot.memory_free >= job.memory_bytes
+                    (allowed is None or slot.model in allowed)
+                    and slot.memory_free >= need
                     and (free == WHOLE_GPU if d == WHOLE_GPU else slot.free.fits(w, h))
                 )
-                state.gpu_free[i, j] = free if usable else min(free, d - 1)
-                for a_id, box in slot.boxes.items():
-                    held = slot.allocations[a_id]
-                    if held.gang:
-                        continue
-                    milli = share_milli(box[2] - box[0], box[3] - box[1])
-                    k = int(np.searchsorted(state.demands, milli))
-                    if k < len(state.demands) and state.demands[k] == milli:
-                        state.hosted[i, k] += 1
+                gpu_free[i, j] = free if usable else min(free, d - 1)
+                if demand_index is not None:
+                    for a_id, box in boxes.items():
+                        if not slot.allocations[a_id].gang:
+                            k = demand_index.get(share_milli(box[2] - box[0], box[3] - box[1]))
+                            if k is not None:
+                                state.hosted[i, k] += 1
         return _View(state, common.index(shape), tuple(n.name for n in nodes), tuple(gpu_ids))
