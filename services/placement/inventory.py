@@ -230,7 +230,7 @@ class Inventory:
         if not self._gpus:
             return
         models = spec.gpu_models
-        known = {r.info.model for r in self._gpus.values()}
+        known = self.fleet.models()  # a few models, whatever the number of GPUs
         for model in models:
             if model not in known:
                 raise InvalidArgument(
@@ -249,10 +249,13 @@ class Inventory:
                     f"(the most: {most})",
                 )
         nodes = fleet.nodes.values()
-        for name, asked, has in (
-            ("spec.cpu_milli", spec.cpu_milli, max(n.cpu_milli for n in nodes)),
-            ("spec.host_memory_bytes", spec.host_memory_bytes, max(n.memory_bytes for n in nodes)),
+        for name, asked, figure in (
+            ("spec.cpu_milli", spec.cpu_milli, "cpu_milli"),
+            ("spec.host_memory_bytes", spec.host_memory_bytes, "memory_bytes"),
         ):
+            if not asked:  # the common case costs nothing per node
+                continue
+            has = max(getattr(n, figure) for n in nodes)
             if asked > has:
                 raise InvalidArgument(
                     name, f"{asked} is more than any node of the fleet has (the most: {has})"
