@@ -8,7 +8,8 @@ live fleet, one model node per live node:
 - CPU and host memory: the node's capacity and what its jobs hold (host memory in MiB, asks
   rounded up, free space down; a node that reported no CPU has none to give);
 - each GPU's free share in milli of a GPU: 1000 when nothing is on it, else its free area of the
-  (quota x SM) rectangle, rounded down and below 1000;
+  (quota x SM) rectangle, rounded down and below 1000 (but at least the job's share where the
+  job fits, since its share is rounded up);
 - a GPU this job cannot use (unschedulable, another model than the job's `gpu_model`, too little
   free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
   job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
@@ -194,7 +195,8 @@ class FleetModelPolicy:
                     and slot.memory_free >= need
                     and (free == WHOLE_GPU if d == WHOLE_GPU else slot.free.fits(w, h))
                 )
-                gpu_free[i, j] = free if usable else min(free, d - 1)
+                # Rounding must not hide room: a usable GPU shows at least the job's share.
+                gpu_free[i, j] = max(free, d) if usable else min(free, d - 1)
                 if demand_index is not None:
                     for a_id, box in boxes.items():
                         if not slot.allocations[a_id].gang:

@@ -174,6 +174,17 @@ def test_every_fleet_policy_places_shares_gangs_and_respects_constraints(name: s
     fleet.verify()
 
 
+@pytest.mark.parametrize("name", ["fgd", "best", "bestfit"])
+def test_rounding_to_milli_never_hides_room_that_fits_exactly(name: str) -> None:
+    fleet = fleet_of(node_gpu("a0", "n1"))
+    policy = get_policy(name)
+    placed(fleet.place(job("two-thirds", 100, 66.67), policy))
+    # 33.33% x 100% is 333.3 milli, asked as 334; the GPU has exactly that rectangle free.
+    last = placed(fleet.place(job("third", 100, 33.33), policy))
+    assert last.gpu_id == "a0"
+    fleet.verify()
+
+
 def test_fgd_keeps_a_whole_node_free_for_a_later_gang() -> None:
     """With the workload made of 1-GPU shares and 2-GPU jobs, FGD (through the adapter) puts a
     small share on the node already in use rather than breaking the idle 2-GPU node."""
