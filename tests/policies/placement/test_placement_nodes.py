@@ -242,7 +242,7 @@ events = st.lists(
     st.one_of(
         st.tuples(
             st.just("submit"),
-            st.sampled_from([(20, 50), (50, 50), (100, 100)]),
+            st.sampled_from([(20, 50), (50, 50), (33, 33.33), (100, 66.67), (100, 100)]),
             st.sampled_from([1, 1, 2, 3]),  # GPUs
             st.sampled_from([0, 1500, 4000]),  # CPU milli
             st.sampled_from([0, 8, 24]),  # host memory, GiB
