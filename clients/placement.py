@@ -301,6 +301,7 @@ _TOP_KEYS = (
     "policy",
     "gpu_model",
     "shared_model",
+    "gpu_spec",
     "resources",
     "slo",
     "request_id",
@@ -308,7 +309,15 @@ _TOP_KEYS = (
     "checkpoint",
 )
 _CHECKPOINT_KEYS = ("command", "signal", "timeout_s")
-_RESOURCE_KEYS = ("memory_gib", "memory_bytes", "mps", "whole_gpus", "mig")
+_RESOURCE_KEYS = (
+    "memory_gib",
+    "memory_bytes",
+    "mps",
+    "whole_gpus",
+    "mig",
+    "cpu_milli",
+    "host_memory_gib",
+)
 _MPS_KEYS = ("sm_percent", "quota_request_percent", "quota_limit_percent")
 _SLO_KEYS = ("p99_latency_ms", "target_requests_per_s")
 
@@ -392,6 +401,11 @@ def spec_from_document(
     spec.policy = top.text("policy")
     spec.gpu_model = top.text("gpu_model")
     spec.shared_model = top.text("shared_model")
+    gpu_spec = top.text("gpu_spec")  # the trace's name for it: "V100M16|V100M32"
+    if gpu_spec:
+        if spec.gpu_model:
+            raise top.fail("gpu_spec", "give gpu_model or gpu_spec, not both")
+        spec.gpu_model = gpu_spec
     top.text("request_id")  # a string if given; the caller sends it with the spec
     priority = top.integer("priority")
     if priority is None:
@@ -445,6 +459,16 @@ def _resources_into(
         if not 0 <= memory_bytes < 1 << 64:
             raise resources.fail("memory_bytes", f"must be >= 0, got {memory_bytes}")
         spec.resources.memory_bytes = memory_bytes
+    cpu_milli = resources.integer("cpu_milli")
+    if cpu_milli is not None:
+        if not 0 <= cpu_milli < 1 << 64:
+            raise resources.fail("cpu_milli", f"must be >= 0, got {cpu_milli}")
+        spec.cpu_milli = cpu_milli
+    host_gib = resources.number("host_memory_gib")
+    if host_gib is not None:
+        if not 0 <= host_gib < 1 << 33:
+            raise resources.fail("host_memory_gib", f"must be >= 0 (and sane), got {host_gib:g}")
+        spec.host_memory_bytes = round(host_gib * GIB)
     mps = resources.section("mps")
     whole = resources.integer("whole_gpus")
     mig = resources.mapping.get("mig")
@@ -457,7 +481,7 @@ def _resources_into(
         spec.resources.mig.SetInParent()
     elif whole is not None:
         if not 0 <= whole < 1 << 32:
-            raise resources.fail("whole_gpus", f"must be 1, got {whole}")
+            raise resources.fail("whole_gpus", f"must be within 1..64, got {whole}")
         spec.resources.whole_gpus = whole
     elif mps is not None:
         mps.only(_MPS_KEYS)
@@ -484,6 +508,8 @@ _FILE_KEYS = {
     "spec.resources.mps.quota.limit_percent": "resources.mps.quota_limit_percent",
     "spec.resources.memory_bytes": "resources.memory_gib",
     "spec.priority.level": "priority",
+    "spec.cpu_milli": "resources.cpu_milli",
+    "spec.host_memory_bytes": "resources.host_memory_gib",
 }
 
 

@@ -148,7 +148,7 @@ def list_jobs(
             job.spec.name,
             job.state.value,
             job.spec.priority,
-            (job.assignment.gpu_uuid if job.assignment else "") or "-",
+            (",".join(job.assignment.gpu_uuids) if job.assignment else "") or "-",
             *_sm_quota(job.spec),
             _memory(job.spec.memory_bytes),
             rfc3339(job.submitted_at),
@@ -288,6 +288,8 @@ def gpus(node: str, address: str, as_json: bool) -> None:
         "DIRECT",
         "AREA %",
         "MEM RESERVED",
+        "NODE CPU",
+        "NODE MEM",
     ]
     rows = [
         (
@@ -300,6 +302,8 @@ def gpus(node: str, address: str, as_json: bool) -> None:
             g.direct_reservations,
             g.area_reserved_percent,
             _memory(g.memory_reserved_bytes),
+            f"{g.gpu.node_cpu_milli / 1000:g}" if g.gpu.node_cpu_milli else "-",
+            _memory(g.gpu.node_memory_bytes),
             g.utilization_percent,
         )
         for g in found
@@ -356,11 +360,37 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
     ),
     (None, ("--whole-gpu",), {"is_flag": True, "help": "Ask for a whole GPU (the default)."}),
     (
+        "spec.resources.whole_gpus",
+        ("--gpus",),
+        {
+            "type": click.IntRange(1, 64),
+            "help": "Whole GPUs, all on one node (reserved all or none); excludes --sm/--quota.",
+        },
+    ),
+    (
+        "spec.cpu_milli",
+        ("--cpu-milli",),
+        {
+            "type": click.IntRange(min=0),
+            "default": 0,
+            "help": "CPU of the node, in thousandths of a core.",
+        },
+    ),
+    (
+        "spec.host_memory_bytes",
+        ("--host-memory-gib",),
+        {"type": click.FloatRange(min=0), "default": 0.0, "help": "Memory of the node in GiB."},
+    ),
+    (
         "spec.policy",
         ("--policy",),
         {"default": "", "help": "Placement policy (default: the service's)."},
     ),
-    ("spec.gpu_model", ("--gpu-model",), {"default": "", "help": "Only GPUs of this model."}),
+    (
+        "spec.gpu_model",
+        ("--gpu-model", "--gpu-spec"),
+        {"default": "", "help": "Only GPUs of this model; alternatives as A|B."},
+    ),
     (
         "spec.shared_model",
         ("--shared-model",),
@@ -508,6 +538,9 @@ def _run_spec(
     quota_limit: float | None,
     memory_gib: float | None,
     whole_gpu: bool,
+    gpus: int | None,
+    cpu_milli: int,
+    host_memory_gib: float,
     policy: str,
     gpu_model: str,
     shared_model: str,
@@ -519,6 +552,10 @@ def _run_spec(
     shared = sm is not None or quota is not None
     if whole_gpu and shared:
         raise click.UsageError("--whole-gpu excludes --sm and --quota")
+    if gpus is not None and shared:
+        raise click.UsageError("--gpus excludes --sm and --quota (a share is of one GPU)")
+    if gpus is not None and gpus > 1 and shared_model:
+        raise click.UsageError("--shared-model takes one GPU: not with --gpus above 1")
     if quota_limit is not None and not shared:
         raise click.UsageError("--quota-limit needs an MPS share (--sm and/or --quota)")
     if shared and memory_gib is None:
@@ -534,13 +571,15 @@ def _run_spec(
         kind=JobKind(kind),
         memory_bytes=0 if memory_gib is None else round(memory_gib * GIB),
         share=share,
-        whole_gpus=0 if shared else 1,
+        whole_gpus=0 if shared else gpus or 1,
         task_key=task_key,
         priority=priority,
         policy=policy,
         gpu_model=gpu_model,
         shared_model=shared_model,
         checkpoint=_hook(checkpoint_signal, checkpoint_command, checkpoint_timeout),
+        cpu_milli=cpu_milli,
+        host_memory_bytes=round(host_memory_gib * GIB),
     )
 
 
@@ -602,6 +641,10 @@ def _share(spec: JobSpec) -> str:
         text = "no share"
     if spec.memory_bytes:
         text += f", memory {_memory(spec.memory_bytes)}"
+    if spec.cpu_milli:
+        text += f", CPU {spec.cpu_milli} milli"
+    if spec.host_memory_bytes:
+        text += f", host memory {_memory(spec.host_memory_bytes)}"
     return text
 
 
@@ -634,7 +677,10 @@ def _where(job: JobView) -> str:
     assignment = job.assignment
     if assignment is None or not assignment.gpu_uuid:
         return "no GPU"
-    where = f"GPU {assignment.gpu_uuid} on node {assignment.node}"
+    if assignment.extra_gpus:
+        where = f"GPUs {', '.join(assignment.gpu_uuids)} on node {assignment.node}"
+    else:
+        where = f"GPU {assignment.gpu_uuid} on node {assignment.node}"
     slot = assignment.mig
     if slot is not None:
         where += (
@@ -739,6 +785,8 @@ def _details(job: JobView) -> str:
         for key in sorted(a.environment):
             value = "(hidden)" if key.endswith("TOKEN") else a.environment[key]
             rows.append(("env", f"{key}={value}"))
+        for extra in a.extra_gpus:
+            rows.append(("also", f"GPU {extra.gpu_uuid} via {extra.dispatcher_address}"))
     if spec.checkpoint is not None:
         hook = spec.checkpoint
         how = " ".join(hook.command) if hook.command else f"signal {hook.signal}"

@@ -16,6 +16,7 @@ from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.convert.training import hook_from_pb, hook_to_pb, training_from_pb, training_to_pb
 from gpuloom.domain.placement import (
+    AssignedGpu,
     Assignment,
     FunctionScaling,
     GpuEntry,
@@ -66,6 +67,8 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         command=tuple(msg.command),
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
+        cpu_milli=msg.cpu_milli,
+        host_memory_bytes=msg.host_memory_bytes,
     )
 
 
@@ -91,6 +94,8 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         gpu_model=spec.gpu_model,
         command=spec.command,
         shared_model=spec.shared_model,
+        cpu_milli=spec.cpu_milli,
+        host_memory_bytes=spec.host_memory_bytes,
     )
     if spec.checkpoint is not None:
         msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))
@@ -174,6 +179,10 @@ def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
             if msg.HasField("mig")
             else None
         ),
+        extra_gpus=tuple(
+            AssignedGpu(g.gpu.gpu_uuid, g.gpu.node, g.dispatcher_address, dict(g.environment))
+            for g in msg.extra_gpus
+        ),
     )
 
 
@@ -186,6 +195,14 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
         quota_offset_percent=assignment.quota_offset_percent,
         sm_offset_percent=assignment.sm_offset_percent,
         environment=assignment.environment,
+        extra_gpus=[
+            pb.AssignedGpu(
+                gpu=common_pb2.GpuRef(node=g.node, gpu_uuid=g.gpu_uuid),
+                dispatcher_address=g.dispatcher_address,
+                environment=g.environment,
+            )
+            for g in assignment.extra_gpus
+        ],
     )
     if assignment.share is not None:
         msg.share.CopyFrom(share_to_pb(assignment.share))
@@ -218,6 +235,8 @@ def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
             MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
         ),
         mps_enabled=msg.mps_enabled,
+        node_cpu_milli=msg.node_cpu_milli,
+        node_memory_bytes=msg.node_memory_bytes,
     )
 
 
@@ -234,6 +253,8 @@ def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
             for m in info.mig_instances
         ],
         mps_enabled=info.mps_enabled,
+        node_cpu_milli=info.node_cpu_milli,
+        node_memory_bytes=info.node_memory_bytes,
     )
 
 

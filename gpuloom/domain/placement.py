@@ -28,6 +28,12 @@ MAX_KEY = 256
 # A MIG batch task's command, as the dispatcher takes it (RunMigBatch's MigTaskSpec.argv).
 MAX_COMMAND_ARGS = 256
 MAX_COMMAND_ARG_CHARS = 4096
+# A job's whole GPUs (all on one node) and its gpu_model alternatives ("A|B"), at most.
+MAX_WHOLE_GPUS = 64
+MAX_MODEL_ALTERNATIVES = 16
+# Node resources a job may ask for, at most (far above any node: a typo, not a request).
+MAX_CPU_MILLI = 1 << 32
+MAX_HOST_MEMORY_BYTES = 1 << 50
 
 
 class JobKind(enum.Enum):
@@ -85,6 +91,9 @@ class JobSpec:
     gpu_model: str = ""
     command: tuple[str, ...] = ()
     mig_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+    # Of the node the job's GPUs are on: CPU in thousandths of a core, host memory in bytes.
+    cpu_milli: int = 0
+    host_memory_bytes: int = 0
     # A replica of this model: placed first where a model store holds it, charged its memory
     # less the weights there (docs/placement.md, "Replicas of a shared model"). "" = none.
     shared_model: str = ""
@@ -94,6 +103,11 @@ class JobSpec:
     @property
     def is_mig_batch(self) -> bool:
         return self.mig_slices > 0
+
+    @property
+    def gpu_models(self) -> tuple[str, ...]:
+        """The models `gpu_model` admits ("A|B" -> ("A", "B")); () = any."""
+        return tuple(m.strip() for m in self.gpu_model.split("|")) if self.gpu_model else ()
 
     def validate(self, policies: Collection[str]) -> None:
         """InvalidArgument naming the first field that makes no sense; `policies` are the
@@ -109,8 +123,13 @@ class JobSpec:
                 "spec.task_key", f"must be at most {MAX_KEY} printable characters"
             )
         validate_priority("spec.priority.level", self.priority)
-        if len(self.gpu_model) > MAX_NAME:
-            raise InvalidArgument("spec.gpu_model", f"must be at most {MAX_NAME} characters")
+        self._validate_gpu_model()
+        for name, value, most in (
+            ("spec.cpu_milli", self.cpu_milli, MAX_CPU_MILLI),
+            ("spec.host_memory_bytes", self.host_memory_bytes, MAX_HOST_MEMORY_BYTES),
+        ):
+            if not 0 <= value <= most:
+                raise InvalidArgument(name, f"must be within 0..{most}, got {value}")
         if self.policy and self.policy not in policies:
             known = ", ".join(sorted(policies))
             raise InvalidArgument(
@@ -131,6 +150,21 @@ class JobSpec:
                     "spec.checkpoint", "only training jobs (kind training) take a checkpoint hook"
                 )
             self.checkpoint.validate()
+
+    def _validate_gpu_model(self) -> None:
+        models = self.gpu_models
+        if len(models) > MAX_MODEL_ALTERNATIVES:
+            raise InvalidArgument(
+                "spec.gpu_model",
+                f"at most {MAX_MODEL_ALTERNATIVES} alternatives, got {len(models)}",
+            )
+        for model in models:
+            if not 1 <= len(model) <= MAX_NAME or not model.isprintable():
+                raise InvalidArgument(
+                    "spec.gpu_model",
+                    f"each model (alternatives separated by '|') must be 1..{MAX_NAME} printable "
+                    f"characters, got {self.gpu_model[:300]!r}",
+                )
 
     def validate_as(self, name: str, policies: Collection[str]) -> None:
         """validate(), naming fields under `name` (a template) instead of `spec`."""
@@ -156,11 +190,15 @@ class JobSpec:
             raise InvalidArgument(
                 "spec.resources", "set one of mps (SM percent and time quota) or whole_gpus"
             )
-        if self.whole_gpus and self.whole_gpus != 1:
+        if not 0 <= self.whole_gpus <= MAX_WHOLE_GPUS:
             raise InvalidArgument(
                 "spec.resources.whole_gpus",
-                f"only 1 is supported (jobs spanning GPUs are not built yet), got "
-                f"{self.whole_gpus}",
+                f"must be within 1..{MAX_WHOLE_GPUS} (all on one node), got {self.whole_gpus}",
+            )
+        if self.shared_model and self.whole_gpus > 1:
+            raise InvalidArgument(
+                "spec.shared_model",
+                f"a replica of a shared model takes one GPU, not {self.whole_gpus} whole GPUs",
             )
         if self.share is not None:
             self.share.validate("spec.resources.mps")
@@ -179,6 +217,14 @@ class JobSpec:
             raise InvalidArgument(
                 "spec.kind", "a MIG task (resources.mig) must be of kind batch (JOB_KIND_BATCH)"
             )
+        for name, value in (
+            ("spec.cpu_milli", self.cpu_milli),
+            ("spec.host_memory_bytes", self.host_memory_bytes),
+        ):
+            if value:
+                raise InvalidArgument(
+                    name, "a MIG task asks for no node resources (the batch planner places it)"
+                )
         if not self.task_key:
             raise InvalidArgument(
                 "spec.task_key",
@@ -240,6 +286,9 @@ class GpuInfo:
     mig_enabled: bool = False
     mig_instances: tuple[MigInstance, ...] = ()
     mps_enabled: bool = False
+    # The node's CPU (milli) and memory for jobs, as the dispatcher read them; 0: not reported.
+    node_cpu_milli: int = 0
+    node_memory_bytes: int = 0
 
     def validate(self) -> None:
         for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
@@ -249,6 +298,12 @@ class GpuInfo:
             raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
         if self.memory_bytes <= 0:
             raise InvalidArgument("gpu.memory_bytes", "must be > 0")
+        for name, value, most in (
+            ("gpu.node_cpu_milli", self.node_cpu_milli, MAX_CPU_MILLI),
+            ("gpu.node_memory_bytes", self.node_memory_bytes, MAX_HOST_MEMORY_BYTES),
+        ):
+            if not 0 <= value <= most:
+                raise InvalidArgument(name, f"must be within 0..{most}, got {value}")
         for i, instance in enumerate(self.mig_instances):
             if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
                 raise InvalidArgument(
@@ -260,6 +315,16 @@ class GpuInfo:
 # The assignment's secret: whoever presents it to the dispatcher first holds the reservation,
 # so placement tells it only to the job's submitter (see docs/security.md).
 ASSIGNMENT_TOKEN_VARIABLE = "GPULOOM_ASSIGNMENT_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class AssignedGpu:
+    """A further GPU of a job on several whole GPUs, reserved on its own dispatcher."""
+
+    gpu_uuid: str
+    node: str
+    dispatcher_address: str
+    environment: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +344,12 @@ class Assignment:
     # GPULOOM_DISPATCHER_SOCKET, GPULOOM_ASSIGNMENT_TOKEN, ...: only while the job holds it.
     environment: Mapping[str, str] = field(default_factory=dict, hash=False)
     mig: MigSlot | None = None
+    # A job on several whole GPUs: the GPUs after the first, all on the same node.
+    extra_gpus: tuple[AssignedGpu, ...] = ()
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        return (self.gpu_uuid, *(g.gpu_uuid for g in self.extra_gpus))
 
 
 @dataclass(frozen=True, slots=True)

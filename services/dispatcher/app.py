@@ -25,6 +25,7 @@ from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
 from gpuloom.services.dispatcher.model_store import ModelStore, StoreConfig
 from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
+from gpuloom.services.dispatcher.node_resources import node_resources
 from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised_address
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
@@ -229,6 +230,7 @@ async def start_gpu_dispatcher(
             core,
             core.grpc_address,
             models=lambda: [(m.name, m.nbytes) for m in models.list()],
+            node=node_resources(settings.node_cpu_milli, settings.node_memory_bytes),
         )
         core.on_gpu_changed = placement_link.register_again
         models.on_change = placement_link.report_now

@@ -34,6 +34,7 @@ from gpuloom.convert.dispatcher import training_cycle_to_pb
 from gpuloom.convert.shares import share_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.node_resources import NONE_REPORTED, NodeResources
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 
@@ -111,11 +112,14 @@ class PlacementLink:
         dispatcher_address: str,
         timeout_s: float = 5.0,
         models: Callable[[], Sequence[tuple[str, int]]] | None = None,
+        node: NodeResources = NONE_REPORTED,
     ) -> None:
         """`models` tells what the GPU's model store holds now, as (name, device bytes); it is
-        called on the event loop."""
+        called on the event loop. `node` is the node's CPU and memory for jobs, sent with
+        every registration."""
         self._address = address
         self._models = models
+        self._node = node
         self._core = core
         self._dispatcher_address = dispatcher_address
         self._timeout_s = timeout_s
@@ -224,7 +228,7 @@ class PlacementLink:
         gpu, instances = await self._bounded(asyncio.to_thread(self._describe_gpu))
         request = placement_pb2.RegisterGpuRequest(
             gpu=_gpu_info_to_pb(
-                gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY
+                gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY, self._node
             ),
             dispatcher_address=self._dispatcher_address,
             reservations=[_reservation_to_pb(r) for r in self._reservations()],
@@ -319,7 +323,11 @@ def _reservation_to_pb(reservation: Reservation) -> placement_pb2.DispatcherRese
 
 
 def _gpu_info_to_pb(
-    gpu: GpuInfo, node: str, instances: list[MigInstance], mps_enabled: bool
+    gpu: GpuInfo,
+    node: str,
+    instances: list[MigInstance],
+    mps_enabled: bool,
+    resources: NodeResources,
 ) -> placement_pb2.GpuInfo:
     return placement_pb2.GpuInfo(
         ref=common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid),
@@ -333,4 +341,6 @@ def _gpu_info_to_pb(
             for i in instances
         ],
         mps_enabled=mps_enabled,
+        node_cpu_milli=resources.cpu_milli,
+        node_memory_bytes=resources.memory_bytes,
     )

@@ -74,6 +74,11 @@ class DispatcherSettings(BaseSettings):
     # The host placement dials to reach this dispatcher (its port is added); empty: the bind
     # host, or this machine's host name when the bind host is 0.0.0.0 or ::.
     advertise_host: str = ""
+    # What the node offers jobs besides GPUs, told to placement at registration: CPU in
+    # thousandths of a core and memory in bytes; not set: read from the host (the CPUs this
+    # process may use, /proc/meminfo's MemTotal). 0 offers none (jobs asking for it go elsewhere).
+    node_cpu_milli: int | None = Field(default=None, ge=0, le=1 << 32)
+    node_memory_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
     # MPS for SM-partition policies: "auto" runs the control daemon on real GPUs (not on
     # simulated ones), "on" on every GPU (tests: with a fake control program), "off" never
     # (SM percents are then bookkeeping only).

@@ -3,7 +3,7 @@ which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, throughput_config_to_pb
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
@@ -13,6 +13,7 @@ from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.models import check_model_name
 from gpuloom.domain.placement import (
     ASSIGNMENT_TOKEN_VARIABLE,
+    AssignedGpu,
     Assignment,
     GpuEntry,
     JobSpec,
@@ -58,10 +59,12 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy.strip(),
-        gpu_model=msg.gpu_model,
+        gpu_model=msg.gpu_model.strip(),
         command=tuple(msg.command),
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
+        cpu_milli=msg.cpu_milli,
+        host_memory_bytes=msg.host_memory_bytes,
     )
 
 
@@ -88,7 +91,16 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
                 share=SpatioTemporalShare(job.spec.sm_percent, job.spec.quota),
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
-                environment=_environment(job, with_token),
+                environment=_environment(job, binding.environment, with_token),
+                extra_gpus=tuple(
+                    AssignedGpu(
+                        g.gpu_uuid,
+                        binding.node,
+                        g.dispatcher_address,
+                        _environment(job, g.environment, with_token),
+                    )
+                    for g in binding.extra
+                ),
             )
     return JobView(
         job_id=job.job_id,
@@ -110,13 +122,12 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
     )
 
 
-def _environment(job: Job, with_token: bool) -> dict[str, str]:
-    binding = job.binding
-    if binding is None or not job.state.holds_capacity:
+def _environment(job: Job, environment: Mapping[str, str], with_token: bool) -> dict[str, str]:
+    if not job.state.holds_capacity:
         return {}
     return {
         name: value
-        for name, value in binding.environment.items()
+        for name, value in environment.items()
         if with_token or name != ASSIGNMENT_TOKEN_VARIABLE
     }
 

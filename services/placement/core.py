@@ -34,7 +34,7 @@ from gpuloom.services.placement.inventory import (
     GpuView,
     Inventory,
     StoreModels,
-    allocation,
+    allocations,
     check_store,
 )
 from gpuloom.services.placement.mig_batches import MigBatchConfig, MigBatches
@@ -108,7 +108,8 @@ class PlacementCore:
         holding: dict[str, list[Allocation]] = defaultdict(list)
         for job in live:
             if job.state.holds_capacity and job.binding is not None and job.binding.mig is None:
-                holding[job.binding.gpu_uuid].append(allocation(job))
+                for gpu_uuid, held in allocations(job):
+                    holding[gpu_uuid].append(held)
         self.inventory.load(records, holding, now)
         unregistered = {gpu for gpu in holding if gpu not in self.inventory}
         rebinding = await self.jobs.start(live, unregistered)

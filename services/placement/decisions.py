@@ -38,10 +38,17 @@ from gpuloom.domain.errors import (
 from gpuloom.domain.placement import JobSpec, JobState
 from gpuloom.domain.training import TrainingState
 from gpuloom.policies.placement import POLICIES, JobRequest, get_policy
+from gpuloom.policies.placement.registry import FLEET_MODEL_POLICIES
 from gpuloom.policies.placement.scheduler import Ask, Placed, Round, Scheduler
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
-from gpuloom.services.placement.domain import JOB_ID_PREFIX, Binding, Job, validate_request_id
+from gpuloom.services.placement.domain import (
+    JOB_ID_PREFIX,
+    Binding,
+    ExtraGpu,
+    Job,
+    validate_request_id,
+)
 from gpuloom.services.placement.inventory import Inventory
 from gpuloom.services.placement.mig_batches import WAITING, MigBatchConfig, MigBatches
 from gpuloom.services.placement.paging import decode_seq, encode_token
@@ -76,6 +83,20 @@ class _Ending:
     from_mig_run: bool
     require_assigned: bool
     done: asyncio.Future[Job]
+
+
+class _BindFailed(Exception):
+    """A Reserve of one of a job's GPUs failed (the others it made are released)."""
+
+    def __init__(self, gpu_uuid: str, message: str) -> None:
+        super().__init__(message)
+        self.gpu_uuid = gpu_uuid
+        self.message = message
+
+
+# What the process of a job on several GPUs is told about all of them (docs/jobs.md).
+GPU_UUIDS_VARIABLE = "GPULOOM_GPU_UUIDS"
+DISPATCHER_ADDRESSES_VARIABLE = "GPULOOM_DISPATCHER_ADDRESSES"
 
 
 class Decisions:
@@ -128,7 +149,11 @@ class Decisions:
         deciding; returns how many are bound again."""
         for job in live:
             self._live[job.job_id] = job
-        orphans = [j for j in live if j.binding is not None and j.binding.gpu_uuid in unregistered]
+        orphans = [
+            j
+            for j in live
+            if j.binding is not None and any(g in unregistered for g in j.binding.gpu_uuids)
+        ]
         if orphans:  # a GPU row vanished under its jobs: say so rather than forget them
             await self.finish(orphans, JobState.LOST, "its GPU is no longer registered")
         await self.mig.restore(list(self._live.values()))
@@ -190,7 +215,7 @@ class Decisions:
         return [
             j
             for j in self._live.values()
-            if j.state.holds_capacity and j.binding is not None and j.binding.gpu_uuid == gpu_uuid
+            if j.state.holds_capacity and j.binding is not None and j.binding.on(gpu_uuid)
         ]
 
     def stale(self, gpu_uuid: str, assignment_ids: Sequence[str]) -> list[str]:
@@ -202,7 +227,7 @@ class Decisions:
             job = self._live.get(assignment_id)
             if self.moving.get(assignment_id) == gpu_uuid:
                 continue
-            if job is None or job.binding is None or job.binding.gpu_uuid != gpu_uuid:
+            if job is None or job.binding is None or not job.binding.on(gpu_uuid):
                 stale.append(assignment_id)
         return stale
 
@@ -219,7 +244,16 @@ class Decisions:
         `owner` names the submitter (services/common/auth.py)."""
         validate_request_id(request_id)
         spec.validate(POLICIES)
-        self._inventory.check_memory(spec)
+        if spec.is_mig_batch and spec.policy in FLEET_MODEL_POLICIES:
+            raise InvalidArgument(
+                "spec.policy",
+                f"{spec.policy} places MPS shares and whole GPUs, not MIG batch tasks "
+                "(their batches are planned by the MIG batch planner)",
+            )
+        if spec.is_mig_batch:
+            self._inventory.check_memory(spec)
+        else:
+            self._inventory.check_spec(spec)
         if self._stopping:
             raise Unavailable("placement is shutting down")
         if spec.is_mig_batch:
@@ -474,6 +508,10 @@ class Decisions:
             rect=(rect.x, rect.y, rect.w, rect.h),
             memory_cap_bytes=job.spec.memory_bytes if held is None else held.memory_bytes,
             token=secrets.token_urlsafe(32),
+            extra=tuple(
+                ExtraGpu(g, self._inventory.record(g).dispatcher_address)
+                for g in placement.extra_gpu_ids
+            ),
         )
         return job.advance(
             now,
@@ -516,18 +554,20 @@ class Decisions:
                         self._release_on_dispatcher(job.binding, job.job_id)
                     continue
                 if isinstance(result, BaseException):
-                    message = result.message if isinstance(result, DomainError) else repr(result)
-                    reason = (
-                        f"binding on GPU {job.binding.gpu_uuid} failed ({message}); will try again"
-                    )
+                    failed = job.binding.gpu_uuid
+                    if isinstance(result, _BindFailed):
+                        failed, message = result.gpu_uuid, result.message
+                    elif isinstance(result, DomainError):
+                        message = result.message
+                    else:
+                        message = repr(result)
+                    reason = f"binding on GPU {failed} failed ({message}); will try again"
                     # Suspended first: the capacity given back is not offered on that GPU.
-                    self._inventory.suspend(job.binding.gpu_uuid)
+                    self._inventory.suspend(failed)
                     self.scheduler.bind_failed(ask_of(current), reason)
                     self._release_on_dispatcher(job.binding, job.job_id)
                     metrics.BIND_FAILURES.inc()
-                    log.warning(
-                        "binding failed", job=job.job_id, gpu=job.binding.gpu_uuid, error=message
-                    )
+                    log.warning("binding failed", job=job.job_id, gpu=failed, error=message)
                     changed.append(
                         current.advance(
                             now,
@@ -542,7 +582,7 @@ class Decisions:
                         current.advance(
                             now,
                             state=JobState.ASSIGNED,
-                            binding=replace(job.binding, environment=result),
+                            binding=_bound(job.binding, result),
                             started_at=now,
                         )
                     )
@@ -556,12 +596,42 @@ class Decisions:
                 self._wake.set()
         await self._answer(waiting)
 
-    async def _reserve(self, job: Job) -> dict[str, str]:
+    async def _reserve(self, job: Job) -> list[dict[str, str]]:
+        """Reserve the job on the dispatcher of each of its GPUs: every environment, in the
+        binding's order, or none: a failure releases the reservations made and raises
+        _BindFailed naming the GPU (the first that failed)."""
+        binding = job.binding
+        assert binding is not None
+        if not binding.extra:
+            try:
+                return [await self._reserve_on(job, binding.dispatcher_address)]
+            except DomainError as error:
+                raise _BindFailed(binding.gpu_uuid, error.message) from None
+        addresses = [binding.dispatcher_address, *(g.dispatcher_address for g in binding.extra)]
+        results = await asyncio.gather(
+            *(self._reserve_on(job, address) for address in addresses), return_exceptions=True
+        )
+        environments: list[dict[str, str]] = []
+        failure: _BindFailed | None = None
+        for gpu_uuid, result in zip(binding.gpu_uuids, results, strict=True):
+            if isinstance(result, BaseException):
+                if failure is None:
+                    message = result.message if isinstance(result, DomainError) else repr(result)
+                    failure = _BindFailed(gpu_uuid, message)
+            else:
+                environments.append(result)
+        if failure is not None:
+            # The caller releases the job on every dispatcher of the binding (a release of
+            # what a dispatcher does not hold is harmless).
+            raise failure
+        return environments
+
+    async def _reserve_on(self, job: Job, address: str) -> dict[str, str]:
         binding = job.binding
         assert binding is not None
         spec = job.spec
         return await self._dispatchers.reserve(
-            binding.dispatcher_address,
+            address,
             BindRequest(
                 assignment_id=job.job_id,
                 client_name=spec.name,
@@ -589,14 +659,18 @@ class Decisions:
             submission.done.set_result(job)
 
     def _release_on_dispatcher(self, binding: Binding, job_id: str) -> None:
-        async def release() -> None:
+        """Release the job on the dispatcher of each of its GPUs."""
+
+        async def release(address: str) -> None:
             try:
-                await self._dispatchers.release(binding.dispatcher_address, job_id)
+                await self._dispatchers.release(address, job_id)
             except DomainError as error:
                 # The dispatcher's next heartbeat lists the id, and is told to release it.
                 log.info("release on dispatcher deferred", job=job_id, error=error.message)
 
-        self._spawn(release())
+        self._spawn(release(binding.dispatcher_address))
+        for gpu in binding.extra:
+            self._spawn(release(gpu.dispatcher_address))
 
     async def _end(
         self,
@@ -664,6 +738,28 @@ class Decisions:
             queue.put_nowait(job)
 
 
+def _bound(binding: Binding, environments: list[dict[str, str]]) -> Binding:
+    """The binding once every GPU is reserved: the process runs with the first GPU's
+    environment (the shim talks to one dispatcher); a job on several GPUs is also told all of
+    them (CUDA_VISIBLE_DEVICES with every UUID the dispatchers set, GPULOOM_GPU_UUIDS and
+    GPULOOM_DISPATCHER_ADDRESSES in GPU order)."""
+    first = dict(environments[0])
+    if not binding.extra:
+        return replace(binding, environment=first)
+    extra = tuple(
+        replace(gpu, environment=dict(env))
+        for gpu, env in zip(binding.extra, environments[1:], strict=True)
+    )
+    visible = [env["CUDA_VISIBLE_DEVICES"] for env in environments if "CUDA_VISIBLE_DEVICES" in env]
+    if visible:
+        first["CUDA_VISIBLE_DEVICES"] = ",".join(visible)
+    first[GPU_UUIDS_VARIABLE] = ",".join(binding.gpu_uuids)
+    first[DISPATCHER_ADDRESSES_VARIABLE] = ",".join(
+        [binding.dispatcher_address, *(g.dispatcher_address for g in binding.extra)]
+    )
+    return replace(binding, environment=first, extra=extra)
+
+
 def ask_of(job: Job) -> Ask:
     """What an MPS or whole-GPU job asks of the scheduler."""
     spec = job.spec
@@ -677,5 +773,8 @@ def ask_of(job: Job) -> Ask:
         gpu_model=spec.gpu_model,
         task_key=spec.task_key,
         shared_model=spec.shared_model,
+        gpus=max(spec.whole_gpus, 1),
+        cpu_milli=spec.cpu_milli,
+        host_memory_bytes=spec.host_memory_bytes,
     )
     return Ask(request, policy=spec.policy, submitted_at=job.submitted_at)

@@ -17,6 +17,16 @@ JOB_ID_PREFIX = "j-"  # the dispatcher's assignment id is the job id: ids with i
 
 
 @dataclass(frozen=True, slots=True)
+class ExtraGpu:
+    """A further GPU of a job on several whole GPUs (same node, same assignment id and token),
+    and once bound, what its dispatcher answered."""
+
+    gpu_uuid: str
+    dispatcher_address: str
+    environment: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass(frozen=True, slots=True)
 class Binding:
     """Where a job's capacity is reserved, and (once bound) what its process runs with."""
 
@@ -29,6 +39,15 @@ class Binding:
     token: str
     environment: dict[str, str] = field(default_factory=dict, hash=False)
     mig: MigSlot | None = None  # MIG batch tasks: the instance planned for it (rect unused)
+    extra: tuple[ExtraGpu, ...] = ()  # a job on several whole GPUs: the GPUs after the first
+
+    @property
+    def gpu_uuids(self) -> tuple[str, ...]:
+        return (self.gpu_uuid, *(g.gpu_uuid for g in self.extra))
+
+    def on(self, gpu_uuid: str) -> bool:
+        """Whether the job holds (part of) this GPU."""
+        return gpu_uuid == self.gpu_uuid or any(g.gpu_uuid == gpu_uuid for g in self.extra)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.placement import GpuInfo, JobSpec
 from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
 from gpuloom.policies.placement.fleet import InvalidStateError
+from gpuloom.policies.placement.model import gang_member_id
 from gpuloom.services.placement.domain import GpuRecord, Job, validate_address
 from gpuloom.services.placement.paging import decode_text, encode_token
 from gpuloom.services.placement.repository import PlacementRepository
@@ -100,8 +101,20 @@ class Inventory:
             last_heartbeat=now,
         )
         reshaped = old is not None and (
-            (old.info.node, old.info.model, old.info.memory_bytes)
-            != (info.node, info.model, info.memory_bytes)
+            (
+                old.info.node,
+                old.info.model,
+                old.info.memory_bytes,
+                old.info.node_cpu_milli,
+                old.info.node_memory_bytes,
+            )
+            != (
+                info.node,
+                info.model,
+                info.memory_bytes,
+                info.node_cpu_milli,
+                info.node_memory_bytes,
+            )
         )
         if old is None:
             self.fleet.add_gpu(gpu_state(record, []))
@@ -255,9 +268,48 @@ class Inventory:
 
     # ---- questions ----
 
+    def check_spec(self, spec: JobSpec) -> None:
+        """Refuse an MPS or whole-GPU job the registered fleet can never run (nothing is known
+        before the first GPU registers): a GPU model no GPU has, more GPUs than any node has
+        (of its models), more memory than any GPU, more CPU or host memory than any node."""
+        if not self._gpus:
+            return
+        models = spec.gpu_models
+        known = self.fleet.models()  # a few models, whatever the number of GPUs
+        for model in models:
+            if model not in known:
+                raise InvalidArgument(
+                    "spec.gpu_model",
+                    f"unknown GPU model {model!r}; the fleet has {', '.join(sorted(known))}",
+                )
+        self.check_memory(spec)
+        fleet = self.fleet
+        if spec.whole_gpus > 1:
+            most = fleet.max_gpus_per_node(spec.gpu_model)
+            if spec.whole_gpus > most:
+                of_model = f" of model {spec.gpu_model}" if models else ""
+                raise InvalidArgument(
+                    "spec.resources.whole_gpus",
+                    f"{spec.whole_gpus} GPUs on one node: no node has that many GPUs{of_model} "
+                    f"(the most: {most})",
+                )
+        nodes = fleet.nodes.values()
+        for name, asked, figure in (
+            ("spec.cpu_milli", spec.cpu_milli, "cpu_milli"),
+            ("spec.host_memory_bytes", spec.host_memory_bytes, "memory_bytes"),
+        ):
+            if not asked:  # the common case costs nothing per node
+                continue
+            has = max(getattr(n, figure) for n in nodes)
+            if asked > has:
+                raise InvalidArgument(
+                    name, f"{asked} is more than any node of the fleet has (the most: {has})"
+                )
+
     def check_memory(self, spec: JobSpec) -> None:
-        """A job asking for more memory than any registered GPU (of its model) can never run."""
-        largest = self._max_memory.get(spec.gpu_model)
+        """A job asking for more memory than any registered GPU (of its models) can never run."""
+        sizes = [self._max_memory.get(m) for m in spec.gpu_models or ("",)]
+        largest = max((size for size in sizes if size is not None), default=None)
         if largest is not None and spec.memory_bytes > largest:
             of_model = f" {spec.gpu_model}" if spec.gpu_model else ""
             raise InvalidArgument(
@@ -315,19 +367,39 @@ class Inventory:
 
 
 def allocation(job: Job) -> Allocation:
-    """The rectangle and memory a placed MPS or whole-GPU job holds, for the fleet: the memory
-    it was charged (its cap; less than it asked for a replica placed beside its model)."""
-    assert job.binding is not None
+    """The allocation a placed MPS or whole-GPU job holds on its first GPU (see allocations)."""
+    return allocations(job)[0][1]
+
+
+def allocations(job: Job) -> list[tuple[str, Allocation]]:
+    """The rectangle and memory a placed MPS or whole-GPU job holds on each of its GPUs, for
+    the fleet: (GPU, allocation). The memory is what it was charged (its cap; less than it
+    asked for a replica placed beside its model); the node's CPU and host memory are charged
+    on the first GPU."""
+    binding = job.binding
+    assert binding is not None
     spec = job.spec
-    return Allocation(
-        allocation_id=job.job_id,
-        sm_percent=spec.sm_percent,
-        quota_percent=spec.quota.request_percent,
-        memory_bytes=job.binding.memory_cap_bytes,
-        priority=spec.priority,
-        task_key=spec.task_key,
-        rect=Rect(*job.binding.rect),
-    )
+    held = []
+    for i, gpu_uuid in enumerate(binding.gpu_uuids):
+        first = i == 0
+        held.append(
+            (
+                gpu_uuid,
+                Allocation(
+                    allocation_id=job.job_id if first else gang_member_id(job.job_id, i),
+                    sm_percent=spec.sm_percent,
+                    quota_percent=spec.quota.request_percent,
+                    memory_bytes=binding.memory_cap_bytes,
+                    priority=spec.priority,
+                    task_key=spec.task_key,
+                    rect=Rect(*binding.rect),
+                    cpu_milli=spec.cpu_milli if first else 0,
+                    host_memory_bytes=spec.host_memory_bytes if first else 0,
+                    gang="" if first else job.job_id,
+                ),
+            )
+        )
+    return held
 
 
 def direct_id(gpu_uuid: str, assignment_id: str) -> str:
@@ -354,6 +426,8 @@ def gpu_state(
         schedulable=takes_shares(record),
         allocations=tuple(allocations),
         models=models,
+        node_cpu_milli=info.node_cpu_milli,
+        node_memory_bytes=info.node_memory_bytes,
     )
 
 

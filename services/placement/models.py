@@ -35,6 +35,9 @@ class GpuRow(Base):
     dispatcher_address: Mapped[str] = mapped_column(String(300))
     registered_at: Mapped[float] = mapped_column(Float)
     lost: Mapped[bool] = mapped_column(Boolean)
+    # The node's CPU (milli) and memory for jobs as registered with this GPU; 0: not reported.
+    node_cpu_milli: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    node_memory_bytes: Mapped[int] = mapped_column(BigInteger, server_default="0")
 
 
 class JobRow(Base):

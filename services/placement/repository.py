@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigInstance, MigSlot, Slo
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.domain.training import CheckpointHook
-from gpuloom.services.placement.domain import Binding, GpuRecord, Job
+from gpuloom.services.placement.domain import Binding, ExtraGpu, GpuRecord, Job
 from gpuloom.services.placement.models import GpuRow, JobRow
 
 JOBS: Table = JobRow.__table__  # type: ignore[assignment]
@@ -40,6 +40,11 @@ def spec_to_json(spec: JobSpec) -> str:
     }
     if spec.shared_model:  # replicas only: other rows stay as they were
         document["shared_model"] = spec.shared_model
+    # Node resources only when asked: rows of jobs that ask none stay as they were.
+    if spec.cpu_milli:
+        document["cpu_milli"] = spec.cpu_milli
+    if spec.host_memory_bytes:
+        document["host_memory_bytes"] = spec.host_memory_bytes
     if spec.mig_slices:  # MIG batch tasks only: other rows stay as they were
         document["mig_slices"] = spec.mig_slices
         document["command"] = list(spec.command)
@@ -70,6 +75,8 @@ def spec_from_json(text: str) -> JobSpec:
         mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
         shared_model=d.get("shared_model", ""),
         checkpoint=_hook_from_json(d.get("checkpoint")),
+        cpu_milli=d.get("cpu_milli", 0),
+        host_memory_bytes=d.get("host_memory_bytes", 0),
     )
 
 
@@ -95,6 +102,10 @@ def _binding_to_json(binding: Binding | None) -> str | None:
     mig = binding.mig
     if mig is not None:
         document["mig"] = [mig.size, mig.first_slice, mig.planned_start, mig.planned_end]
+    if binding.extra:  # a job on several GPUs: the rest of them
+        document["extra"] = [
+            [g.gpu_uuid, g.dispatcher_address, g.environment] for g in binding.extra
+        ]
     return json.dumps(document, separators=(",", ":"))
 
 
@@ -104,7 +115,8 @@ def _binding_from_json(text: str | None) -> Binding | None:
     d = json.loads(text)
     d["rect"] = tuple(d["rect"])
     mig = d.pop("mig", None)
-    return Binding(**d, mig=None if mig is None else MigSlot(*mig))
+    extra = tuple(ExtraGpu(*g) for g in d.pop("extra", ()))
+    return Binding(**d, mig=None if mig is None else MigSlot(*mig), extra=extra)
 
 
 def _job_values(job: Job) -> dict[str, object]:
@@ -289,6 +301,8 @@ class PlacementRepository:
             "dispatcher_address": record.dispatcher_address,
             "registered_at": record.registered_at,
             "lost": record.lost,
+            "node_cpu_milli": info.node_cpu_milli,
+            "node_memory_bytes": info.node_memory_bytes,
         }
         async with self._engine.begin() as connection:
             dialect = postgresql if connection.dialect.name == "postgresql" else sqlite
@@ -320,6 +334,8 @@ class PlacementRepository:
                     mig_enabled=r["mig_enabled"],
                     mig_instances=tuple(MigInstance(*m) for m in json.loads(r["mig_instances"])),
                     mps_enabled=r["mps_enabled"],
+                    node_cpu_milli=r["node_cpu_milli"],
+                    node_memory_bytes=r["node_memory_bytes"],
                 )
                 records.append(
                     GpuRecord(

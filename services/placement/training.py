@@ -323,6 +323,7 @@ class TrainingDriver:
             and j.spec.kind is JobKind.TRAINING
             and j.binding is not None
             and j.binding.mig is None
+            and not j.binding.extra  # a job on several GPUs: left alone (docs/training.md)
         ]
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
@@ -341,6 +342,7 @@ class TrainingDriver:
                 and job.spec.kind is JobKind.TRAINING
                 and job.binding is not None
                 and job.binding.gpu_uuid == gpu_uuid
+                and not job.binding.extra
             ):
                 jobs.append(job)
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
@@ -529,9 +531,10 @@ class TrainingDriver:
         if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
             return None
         record = self._inventory.record(target_uuid)
-        held = self._fleet_add(
-            target_uuid, replace(allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None)
-        )
+        wanted = replace(allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None)
+        if record.info.node == job.binding.node:  # its node's CPU and memory are held already
+            wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
+        held = self._fleet_add(target_uuid, wanted)
         if held is None or held.rect is None:
             return None
         rect = held.rect
@@ -686,17 +689,22 @@ class TrainingDriver:
 
     def _fleet_add(self, gpu_uuid: str, wanted: Allocation) -> Allocation | None:
         """Add an allocation to a GPU of the fleet (first-fit without a rect); None when it
-        does not fit (nothing changes)."""
+        does not fit, on the GPU or in its node's CPU and host memory (nothing changes)."""
         fleet = self._inventory.fleet
         if gpu_uuid not in fleet:
             return None
         record = self._inventory.record(gpu_uuid)
-        schedulable = fleet.slot(gpu_uuid).schedulable
+        slot = fleet.slot(gpu_uuid)
+        node = fleet.node(slot.node)
+        if wanted.cpu_milli > node.cpu_free or wanted.host_memory_bytes > node.memory_free:
+            return None
+        schedulable = slot.schedulable
+        models = tuple(slot.models.items())  # the store's models stay counted
         held = list(fleet.remove_gpu(gpu_uuid))
         try:
-            fleet.add_gpu(gpu_state(record, [*held, wanted]))
+            fleet.add_gpu(gpu_state(record, [*held, wanted], models))
         except (InvalidStateError, ValueError):
-            fleet.add_gpu(gpu_state(record, held))
+            fleet.add_gpu(gpu_state(record, held, models))
             fleet.set_schedulable(gpu_uuid, schedulable)
             return None
         fleet.set_schedulable(gpu_uuid, schedulable)

@@ -268,7 +268,7 @@ async def test_jobs_json_is_the_job_message_and_tables_have_colour_on_a_terminal
     await register_all(placement.stub, dispatchers)
     running = await submit(placement.stub, mps_spec("running"))
     waiting_spec = mps_spec("waiting")
-    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting_spec.resources.whole_gpus = 4  # all four GPUs of n1, one in use: it stays pending
     waiting = await submit(placement.stub, waiting_spec)
 
     # --json: each line parses back into the Job message the service returns (the protos'
@@ -315,8 +315,9 @@ async def test_jobs_and_job_say_when_a_job_was_submitted_started_and_how_long_it
     assert unix_s(done, "started_at") == unix_s(ran, "started_at")  # kept once it ended
     ran_for = unix_s(done, "updated_at") - unix_s(done, "started_at")
     assert ran_for >= 1.2
+    await submit(placement.stub, mps_spec("holder"))
     waiting_spec = mps_spec("waiting")
-    waiting_spec.gpu_model = "H100-80GB"  # none in the fleet: it stays pending
+    waiting_spec.resources.whole_gpus = 4  # all four GPUs of n1, one in use: it stays pending
     waiting = await submit(placement.stub, waiting_spec)
     assert waiting.state == pb.JOB_STATE_PENDING and not waiting.HasField("started_at")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import prometheus_client
@@ -585,3 +586,63 @@ async def test_a_migration_is_durable_across_a_restart(gandiva: CoreHarness) -> 
     fleet.verify()
     assert fleet.gpu_of(mover) == "GPU-1" and fleet.gpu_of(plain) == "GPU-0"
     assert job.training is None  # kept in memory only: the next heartbeats bring it back
+
+
+# ---- with node resources and jobs on several GPUs ----
+
+
+async def test_a_migration_never_over_commits_the_target_nodes_cpu(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    await core.register_gpu(replace(gpu(0), node_cpu_milli=4000), "10.0.0.0:50060")
+    specs = [
+        replace(training("plain"), cpu_milli=1000),
+        replace(training("mover", hook=SIGNAL_HOOK), cpu_milli=1000),
+    ]
+    jobs = [await core.submit(f"r-{s.name}", s) for s in specs]
+    assert {j.binding.gpu_uuid for j in jobs if j.binding} == {"GPU-0"}
+    # A free GPU, but on a node with less CPU free than either job asks.
+    await core.register_gpu(replace(gpu(1), node="node-1", node_cpu_milli=500), "10.0.0.1:50060")
+    fleet = core.inventory.fleet
+    for _ in range(5):  # each round: no move is begun (it would take GPU-1 at once)
+        await core.training.tick()
+        await asyncio.sleep(0.01)  # a target's reservation is made in the background
+        fleet.verify()
+        assert not fleet.allocations("GPU-1") and fleet.node("node-1").cpu_used == 0
+        for job in jobs:
+            now = await core.get(job.job_id)
+            assert now.binding is not None and now.binding.gpu_uuid == "GPU-0"
+            assert now.training is not None and now.training.migration is None
+        gandiva.clock.now += QUANTUM
+    assert (
+        "10.0.0.1:50060" not in gandiva.dispatchers.held
+        or not gandiva.dispatchers.held["10.0.0.1:50060"]
+    )
+
+
+async def test_a_training_job_on_several_gpus_is_left_alone(gandiva: CoreHarness) -> None:
+    core = gandiva.core
+    assert core is not None
+    for i in range(3):
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    spec = JobSpec(
+        name="wide",
+        kind=JobKind.TRAINING,
+        memory_bytes=8 * GIB,
+        whole_gpus=2,
+        checkpoint=SIGNAL_HOOK,
+    )
+    wide = await core.submit("r-wide", spec)
+    assert wide.binding is not None and len(wide.binding.gpu_uuids) == 2
+    narrow = await core.submit("r-narrow", training("narrow", hook=SIGNAL_HOOK))
+    assert narrow.binding is not None
+    for _ in range(5):
+        await core.training.tick()
+        gandiva.clock.now += QUANTUM
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    assert wide.job_id not in control.suspended
+    now = await core.get(wide.job_id)
+    # Not time-sliced, packed or migrated: no training state, the same GPUs.
+    assert now.training is None
+    assert now.binding is not None and now.binding.gpu_uuids == wide.binding.gpu_uuids
+    core.inventory.fleet.verify()

@@ -62,7 +62,7 @@ def test_a_family_without_arguments_reads_a_colon_as_part_of_the_name() -> None:
 @pytest.mark.parametrize(
     ("registry", "message"),
     [
-        (PLACEMENT, "unknown placement policy 'x'; known: binpack, gap-aware, mra, spread, "),
+        (PLACEMENT, "unknown placement policy 'x'; known: best, bestfit, binpack, dotprod, fgd, "),
         (TOKENS, "unknown token policy 'x'; known: exclusive, fifo, spatiotemporal$"),
         (PLANNERS, r"unknown MIG policy 'x'; known: far, .*, miso \(fixpart:SIZES\)$"),
     ],

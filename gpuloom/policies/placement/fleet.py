@@ -20,6 +20,19 @@ marked unschedulable keeps its allocations and leaves the indexes.
 its memory less the weights there (`replica_memory`); only if none of them has room does the
 policy look at the whole fleet, where the job is charged its whole footprint. The policy decides
 in both rounds: in the first it sees a view of the fleet holding only those GPUs.
+
+Nodes: every GPU belongs to a node, and the fleet keeps each node's CPU (milli) and host memory,
+as its GPUs were registered with them, and what jobs hold of them. A job asking for CPU or host
+memory is offered to its policy with the GPUs of the nodes short of them left out (for that
+decision only), so every policy respects node resources without knowing them; the commit
+checks them again. A job on several GPUs (`JobRequest.gpus > 1`) takes whole GPUs of one node,
+all or none: a policy may choose them (`GangPolicy.place_gang`); otherwise the fleet packs it on
+the node left with the fewest whole free GPUs (ties by node name).
+
+Both together: a replica asking for CPU or host memory is offered, in its first round, only the
+GPUs holding its model whose nodes have them free (the view carries those nodes' records), and
+in its second round the fleet without the nodes short of them. A job on several GPUs takes them
+whole and cannot be a replica (`JobRequest.validate` refuses the pair).
 """
 
 from __future__ import annotations
@@ -54,6 +67,8 @@ from gpuloom.policies.placement.model import (
     check_models,
     describe_gib,
     describe_shape,
+    gang_member_id,
+    model_alternatives,
     quota_steps,
     replica_memory,
 )
@@ -96,6 +111,9 @@ class GpuSlot:
     holder: HolderGroup | None = None
     models: dict[str, int] = field(default_factory=dict)  # resident in its store: name -> bytes
     store_bytes: int = 0  # their sum, part of the used memory
+    # The node's figures as this GPU was registered with them (NodeSlot holds the node's).
+    node_cpu_milli: int = 0
+    node_memory_bytes: int = 0
 
     @property
     def memory_used(self) -> int:
@@ -115,6 +133,8 @@ class GpuSlot:
             self.schedulable,
             tuple(self.allocations.values()),
             tuple(sorted(self.models.items())),
+            self.node_cpu_milli,
+            self.node_memory_bytes,
         )
 
     def memory_need(self, job: JobRequest) -> int:
@@ -123,6 +143,31 @@ class GpuSlot:
         if not job.shared_model:
             return job.memory_bytes
         return replica_memory(job.memory_bytes, self.models.get(job.shared_model, 0))
+
+
+@dataclass(slots=True, eq=False)
+class NodeSlot:
+    """The fleet's live record of one node: its CPU and host memory (the latest registration of
+    one of its GPUs sets them) and what the jobs on it hold. Read it, never change it."""
+
+    name: str
+    cpu_milli: int = 0
+    memory_bytes: int = 0
+    cpu_used: int = 0
+    memory_used: int = 0
+    gpu_ids: list[str] = field(default_factory=list)  # sorted
+
+    @property
+    def cpu_free(self) -> int:
+        return self.cpu_milli - self.cpu_used
+
+    @property
+    def memory_free(self) -> int:
+        return self.memory_bytes - self.memory_used
+
+    def takes(self, job: JobRequest) -> bool:
+        """Whether the node has the CPU and host memory the job asks for free."""
+        return job.cpu_milli <= self.cpu_free and job.host_memory_bytes <= self.memory_free
 
 
 class PlacementPolicy(Protocol):
@@ -139,6 +184,15 @@ class PlacementPolicy(Protocol):
     ) -> Placement | Unplaceable:
         """Decide only: nothing changes until the fleet commits the placement."""
         ...
+
+
+class GangPolicy(PlacementPolicy, Protocol):
+    """A policy that also chooses the GPUs of a job spanning several (`job.gpus > 1`): the
+    placement names them all (`extra_gpu_ids`), whole GPUs of one node."""
+
+    def place_gang(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable: ...
 
 
 def _remove(items: list, key: object) -> None:
@@ -177,6 +231,8 @@ class Fleet:
         self._where: dict[str, str] = {}  # allocation id -> gpu id
         self._holders: dict[HolderGroup, list[str]] = {}
         self._resident: dict[str, set[str]] = {}  # shared model -> GPUs whose store holds it
+        self._nodes: dict[str, NodeSlot] = {}
+        self._gangs: dict[str, set[str]] = {}  # job id -> its allocations on further GPUs
 
     # --- building -------------------------------------------------------------------------
 
@@ -200,13 +256,29 @@ class Fleet:
         if gpu.gpu_id in self._gpus:
             raise InvalidStateError(f"GPU {gpu.gpu_id} is already registered")
         slot = GpuSlot(
-            gpu.gpu_id, gpu.node, gpu.model, gpu.memory_bytes, gpu.sm_count, gpu.schedulable
+            gpu.gpu_id,
+            gpu.node,
+            gpu.model,
+            gpu.memory_bytes,
+            gpu.sm_count,
+            gpu.schedulable,
+            node_cpu_milli=gpu.node_cpu_milli,
+            node_memory_bytes=gpu.node_memory_bytes,
         )
         placed = _load_allocations(slot, gpu.allocations, self._where)
         _load_models(slot, gpu.models)
         slot.free = FreeRects.build(slot.boxes.values())
+        node = self._nodes.get(slot.node)
+        if node is None:
+            node = self._nodes[slot.node] = NodeSlot(slot.node)
+        node.cpu_milli, node.memory_bytes = gpu.node_cpu_milli, gpu.node_memory_bytes
+        insort(node.gpu_ids, slot.gpu_id)
         for allocation in placed:
             self._where[allocation.allocation_id] = slot.gpu_id
+            node.cpu_used += allocation.cpu_milli
+            node.memory_used += allocation.host_memory_bytes
+            if allocation.gang:
+                self._gangs.setdefault(allocation.gang, set()).add(allocation.allocation_id)
         self._gpus[slot.gpu_id] = slot
         index = self._models.get(slot.model)
         if index is None:
@@ -228,8 +300,19 @@ class Fleet:
         index.gpu_ids.discard(gpu_id)
         if not index.gpu_ids:
             del self._models[slot.model]
-        for allocation_id in slot.allocations:
+        node = self._nodes[slot.node]
+        _remove(node.gpu_ids, gpu_id)
+        for allocation_id, allocation in slot.allocations.items():
             del self._where[allocation_id]
+            node.cpu_used -= allocation.cpu_milli
+            node.memory_used -= allocation.host_memory_bytes
+            if allocation.gang:
+                members = self._gangs[allocation.gang]
+                members.discard(allocation_id)
+                if not members:
+                    del self._gangs[allocation.gang]
+        if not node.gpu_ids:
+            del self._nodes[slot.node]
         self._unresident(gpu_id, slot.models)
         del self._gpus[gpu_id]
         return tuple(slot.allocations.values())
@@ -286,8 +369,14 @@ class Fleet:
             raise InvalidRequestError(
                 f"job {job.job_id} already holds an allocation on GPU {self._where[job.job_id]}"
             )
-        decision = self._place_beside_model(job, policy, context) if job.shared_model else None
-        if decision is None:
+        decision: Placement | Unplaceable | None = None
+        if job.gpus > 1:  # whole GPUs (JobRequest.validate refuses a shared model with them)
+            decision = self._place_gang(job, policy, context)
+        elif job.shared_model:
+            decision = self._place_beside_model(job, policy, context)
+        if decision is None and job.needs_node:
+            decision = self._place_on_nodes(job, policy, context)
+        elif decision is None:
             decision = policy.place(job, self, context)
         if isinstance(decision, Unplaceable):
             return decision
@@ -302,14 +391,158 @@ class Fleet:
         """The GPUs whose store holds `model`, sorted (schedulable or not)."""
         return sorted(self._resident.get(model, ()))
 
+    def _place_on_nodes(
+        self, job: JobRequest, policy: PlacementPolicy, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        """Ask the policy with the GPUs of nodes short of the job's CPU or host memory left
+        out of the indexes for this one decision."""
+        short = [n for n in self._nodes.values() if not n.takes(job)]
+        hidden = [
+            g
+            for n in short
+            for g in n.gpu_ids
+            if self._gpus[g].schedulable and job.allows(self._gpus[g].model)
+        ]
+        for gpu_id in hidden:
+            self.set_schedulable(gpu_id, False)
+        try:
+            decision = policy.place(job, self, context)
+        finally:
+            for gpu_id in hidden:
+                self.set_schedulable(gpu_id, True)
+        if isinstance(decision, Unplaceable) and short:
+            return Unplaceable(job.job_id, self._node_reason(job, decision.reason))
+        return decision
+
+    def _node_reason(self, job: JobRequest, reason: str) -> str:
+        asks = self.describe_node_ask(job)
+        if all(not n.takes(job) for n in self._nodes.values()):
+            largest = max(
+                self._nodes.values(), key=lambda n: (n.cpu_free, n.memory_free), default=None
+            )
+            most = (
+                ""
+                if largest is None
+                else f" (the most free: {largest.cpu_free} milli CPU and "
+                f"{describe_gib(largest.memory_free)} on node {largest.name})"
+            )
+            return f"no node has {asks} free{most}"
+        return f"{reason}, on the nodes that have {asks} free"
+
+    @staticmethod
+    def describe_node_ask(job: JobRequest) -> str:
+        parts = []
+        if job.cpu_milli:
+            parts.append(f"{job.cpu_milli} milli CPU")
+        if job.host_memory_bytes:
+            parts.append(f"{describe_gib(job.host_memory_bytes)} of host memory")
+        return " and ".join(parts) or "no CPU or host memory"
+
+    def _place_gang(
+        self, job: JobRequest, policy: PlacementPolicy, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        place_gang = getattr(policy, "place_gang", None)
+        if place_gang is not None:
+            return place_gang(job, self, context)  # type: ignore[no-any-return]
+        return self.pack_gang(job, policy.name)
+
+    def whole_free_gpus(self, node: NodeSlot, job: JobRequest) -> list[str]:
+        """The node's GPUs a job may take whole now (schedulable, of its models, nothing on
+        them, its memory), by id."""
+        gpus = self._gpus
+        return [
+            g
+            for g in node.gpu_ids
+            if (slot := gpus[g]).schedulable
+            and not slot.allocations
+            and job.allows(slot.model)
+            and slot.memory_free >= job.memory_bytes
+        ]
+
+    def pack_gang(self, job: JobRequest, policy_name: str) -> Placement | Unplaceable:
+        """The default choice of `job.gpus` whole GPUs: the node left with the fewest whole
+        free GPUs (ties by node name), its GPUs with the lowest ids."""
+        best: tuple[int, str, list[str]] | None = None
+        for name in sorted(self._nodes):
+            node = self._nodes[name]
+            if not node.takes(job):
+                continue
+            free = self.whole_free_gpus(node, job)
+            if len(free) >= job.gpus and (best is None or len(free) < best[0]):
+                best = (len(free), name, free)
+        if best is None:
+            return self.gang_unplaceable(job)
+        chosen = best[2][: job.gpus]
+        return Placement(
+            job.job_id,
+            chosen[0],
+            best[1],
+            Rect(0, 0, GRID_W, GRID_H),
+            policy_name,
+            tuple(chosen[1:]),
+        )
+
+    def gang_unplaceable(self, job: JobRequest) -> Unplaceable:
+        """Why no node takes the job's whole GPUs now."""
+        of_model = f" of model {job.gpu_model}" if job.gpu_model else ""
+        most = max(
+            (sum(job.allows(self._gpus[g].model) for g in n.gpu_ids) for n in self._nodes.values()),
+            default=0,
+        )
+        if most < job.gpus:
+            return Unplaceable(
+                job.job_id,
+                f"needs {job.gpus} GPUs{of_model} on one node; the largest node has {most}",
+            )
+        fitting = [n for n in self._nodes.values() if n.takes(job)]
+        if not fitting:
+            return Unplaceable(job.job_id, self._node_reason(job, ""))
+        free = max(len(self.whole_free_gpus(n, job)) for n in fitting)
+        return Unplaceable(
+            job.job_id,
+            f"no node has {job.gpus} whole GPUs{of_model} free"
+            f"{' with ' + describe_gib(job.memory_bytes) if job.memory_bytes else ''} "
+            f"(the most: {free})",
+        )
+
+    def node_gpus(self, node: str) -> int:
+        """How many GPUs the node has registered."""
+        slot = self._nodes.get(node)
+        return 0 if slot is None else len(slot.gpu_ids)
+
+    def max_gpus_per_node(self, gpu_model: str = "") -> int:
+        """The most GPUs (of the models the constraint admits) any one node has."""
+        probe = JobRequest("probe", 100, 100, 0, gpu_model=gpu_model)
+        return max(
+            (
+                sum(probe.allows(self._gpus[g].model) for g in n.gpu_ids)
+                for n in self._nodes.values()
+            ),
+            default=0,
+        )
+
     def release(self, allocation_id: str) -> Allocation | None:
         """Give an allocation's space back; None when there is no such allocation (already
         released), so a retried release is harmless."""
+        for member in sorted(self._gangs.pop(allocation_id, ())):
+            self._release_one(member)
+        return self._release_one(allocation_id)
+
+    def _release_one(self, allocation_id: str) -> Allocation | None:
         gpu_id = self._where.pop(allocation_id, None)
         if gpu_id is None:
             return None
         slot = self._gpus[gpu_id]
         allocation = slot.allocations.pop(allocation_id)
+        node = self._nodes[slot.node]
+        node.cpu_used -= allocation.cpu_milli
+        node.memory_used -= allocation.host_memory_bytes
+        if allocation.gang:
+            members = self._gangs.get(allocation.gang)
+            if members is not None:
+                members.discard(allocation_id)
+                if not members:
+                    del self._gangs[allocation.gang]
         box = slot.boxes.pop(allocation_id)
         before = self._before(slot)
         slot.free.vacate(box, slot.boxes.values())
@@ -363,6 +596,22 @@ class Fleet:
     def gpu_of(self, allocation_id: str) -> str | None:
         return self._where.get(allocation_id)
 
+    def gpus_of(self, allocation_id: str) -> tuple[str, ...]:
+        """Every GPU a job holds: its first, then those of its further allocations (those
+        still held when its first GPU is gone)."""
+        first = self._where.get(allocation_id)
+        members = sorted(self._gangs.get(allocation_id, ()), key=_member_order)
+        rest = tuple(self._where[m] for m in members)
+        return rest if first is None else (first, *rest)
+
+    @property
+    def nodes(self) -> Mapping[str, NodeSlot]:
+        """Every node's live record by name; read, never change."""
+        return self._nodes
+
+    def node(self, name: str) -> NodeSlot:
+        return self._nodes[name]
+
     def free_rects(self, gpu_id: str) -> tuple[Rect, ...]:
         """The GPU's free-rectangle list (maximal, then kept), for display and tests."""
         return tuple(rect_of(b) for b in self._slot(gpu_id).free.boxes())
@@ -371,10 +620,13 @@ class Fleet:
         return sorted(self._models)
 
     def indexes_for(self, gpu_model: str) -> list[ModelIndex]:
-        """The indexes a job's model constraint admits ("" = every model)."""
+        """The indexes a job's model constraint admits ("" = every model, "A|B" either)."""
         if gpu_model:
-            index = self._models.get(gpu_model)
-            return [] if index is None else [index]
+            if "|" not in gpu_model:
+                index = self._models.get(gpu_model)
+                return [] if index is None else [index]
+            wanted = set(model_alternatives(gpu_model))
+            return [self._models[m] for m in sorted(wanted) if m in self._models]
         return [self._models[m] for m in sorted(self._models)]
 
     def holder_groups(self) -> dict[HolderGroup, list[str]]:
@@ -463,6 +715,23 @@ class Fleet:
                 resident.setdefault(name, set()).add(slot.gpu_id)
         if resident != self._resident:
             raise InvalidStateError("resident models drifted")
+        for name, node in self._nodes.items():
+            held = [a for g in node.gpu_ids for a in self._gpus[g].allocations.values()]
+            if node.gpu_ids != sorted(g for g, s in self._gpus.items() if s.node == name):
+                raise InvalidStateError(f"node {name}: GPU list drifted")
+            if node.cpu_used != sum(a.cpu_milli for a in held) or node.memory_used != sum(
+                a.host_memory_bytes for a in held
+            ):
+                raise InvalidStateError(f"node {name}: CPU or host memory miscounted")
+            if node.cpu_used > node.cpu_milli or node.memory_used > node.memory_bytes:
+                raise InvalidStateError(f"node {name}: CPU or host memory over-committed")
+        gangs: dict[str, set[str]] = {}
+        for s in self._gpus.values():
+            for a in s.allocations.values():
+                if a.gang:
+                    gangs.setdefault(a.gang, set()).add(a.allocation_id)
+        if gangs != self._gangs:
+            raise InvalidStateError("jobs spanning GPUs drifted")
 
     # --- bookkeeping ----------------------------------------------------------------------
 
@@ -481,7 +750,8 @@ class Fleet:
         groups: dict[int, list[str]] = {}
         for gpu_id in self._resident.get(job.shared_model, ()):
             slot = self._gpus[gpu_id]
-            if slot.schedulable and (not job.gpu_model or slot.model == job.gpu_model):
+            # Only GPUs of the job's models, on nodes with the CPU and host memory it asks free.
+            if slot.schedulable and job.allows(slot.model) and self._nodes[slot.node].takes(job):
                 groups.setdefault(slot.memory_need(job), []).append(gpu_id)
         for need in sorted(groups):
             view = self._view(groups[need])
@@ -493,7 +763,8 @@ class Fleet:
 
     def _view(self, gpu_ids: Iterable[str]) -> Fleet:
         """A fleet of only these (schedulable) GPUs, for a policy to read: their live records,
-        indexed anew. Never changed: decisions are committed to this fleet."""
+        indexed anew, and copies of their nodes' records listing only these GPUs. Never
+        changed: decisions are committed to this fleet."""
         view = Fleet(self.rebuild_factor, self.rebuild_slack)
         for gpu_id in sorted(gpu_ids):
             slot = self._gpus[gpu_id]
@@ -505,6 +776,12 @@ class Fleet:
             view._index(slot)
             if slot.holder is not None:
                 insort(view._holders.setdefault(slot.holder, []), gpu_id)
+            # The node's figures and use as they are, its GPUs only those of the view.
+            node = self._nodes[slot.node]
+            seen = view._nodes.get(node.name)
+            if seen is None:
+                seen = view._nodes[node.name] = replace(node, gpu_ids=[])
+            seen.gpu_ids.append(gpu_id)
         return view
 
     def _unresident(self, gpu_id: str, names: Iterable[str]) -> None:
@@ -515,6 +792,9 @@ class Fleet:
                 del self._resident[name]
 
     def _commit(self, job: JobRequest, placement: Placement) -> None:
+        if job.gpus > 1 or placement.extra_gpu_ids:
+            self._commit_gang(job, placement)
+            return
         slot = self._gpus.get(placement.gpu_id)
         rect = placement.rect
         need = 0 if slot is None else slot.memory_need(job)
@@ -523,8 +803,10 @@ class Fleet:
             problem = "an unknown GPU"
         elif not slot.schedulable:
             problem = "an unschedulable GPU"
-        elif job.gpu_model and slot.model != job.gpu_model:
+        elif not job.allows(slot.model):
             problem = f"a {slot.model}, not a {job.gpu_model}"
+        elif not self._nodes[slot.node].takes(job):
+            problem = f"node {slot.node} without {self.describe_node_ask(job)} free"
         elif need > slot.memory_free:
             problem = "a GPU without that much free memory"
         elif placement.allocation_id != job.job_id:
@@ -552,16 +834,74 @@ class Fleet:
             job.priority,
             job.task_key,
             rect,
+            job.cpu_milli,
+            job.host_memory_bytes,
         )
+        self._occupy(slot, allocation, box)
+
+    def _occupy(self, slot: GpuSlot, allocation: Allocation, box: Box) -> None:
         before = self._before(slot)
         slot.free.occupy(box)
-        slot.allocations[job.job_id] = allocation
-        slot.boxes[job.job_id] = box
-        slot.memory_free -= need
+        a_id = allocation.allocation_id
+        slot.allocations[a_id] = allocation
+        slot.boxes[a_id] = box
+        slot.memory_free -= allocation.memory_bytes
         slot.area_free -= box_area(box)
-        self._where[job.job_id] = slot.gpu_id
+        self._where[a_id] = slot.gpu_id
+        node = self._nodes[slot.node]
+        node.cpu_used += allocation.cpu_milli
+        node.memory_used += allocation.host_memory_bytes
+        if allocation.gang:
+            self._gangs.setdefault(allocation.gang, set()).add(a_id)
         self._after(slot, before)
         self._update_holder(slot)
+
+    def _commit_gang(self, job: JobRequest, placement: Placement) -> None:
+        """All of a job's whole GPUs, or none (checked before anything changes)."""
+        ids = placement.gpu_ids
+        problem = ""
+        if len(ids) != job.gpus or len(set(ids)) != len(ids):
+            problem = f"{len(set(ids))} distinct GPUs, not {job.gpus}"
+        elif placement.allocation_id != job.job_id:
+            problem = f"the allocation id {placement.allocation_id!r}"
+        elif placement.rect != Rect(0, 0, GRID_W, GRID_H):
+            problem = f"a part of a GPU ({placement.rect.label()})"
+        slots = [self._gpus.get(g) for g in ids]
+        for gpu_id, slot in zip(ids, slots, strict=True):
+            if problem:
+                break
+            if slot is None:
+                problem = f"an unknown GPU {gpu_id}"
+            elif not slot.schedulable or slot.allocations or not job.allows(slot.model):
+                problem = f"GPU {gpu_id}, not whole, free and of its model"
+            elif slot.memory_free < job.memory_bytes:
+                problem = f"GPU {gpu_id} without that much free memory"
+            elif slot.node != placement.node:
+                problem = f"GPU {gpu_id} of node {slot.node}, not {placement.node}"
+        if not problem and not self._nodes[placement.node].takes(job):
+            problem = f"node {placement.node} without {self.describe_node_ask(job)} free"
+        if problem:
+            raise InvalidPlacementError(f"policy {placement.policy} put {job.job_id} on {problem}")
+        box = box_of(placement.rect)
+        for i, slot in enumerate(slots):
+            assert slot is not None
+            first = i == 0
+            self._occupy(
+                slot,
+                Allocation(
+                    job.job_id if first else gang_member_id(job.job_id, i),
+                    job.sm_percent,
+                    job.quota_request_percent,
+                    job.memory_bytes,
+                    job.priority,
+                    job.task_key,
+                    placement.rect,
+                    job.cpu_milli if first else 0,
+                    job.host_memory_bytes if first else 0,
+                    "" if first else job.job_id,
+                ),
+                box,
+            )
 
     def _before(self, slot: GpuSlot) -> tuple[set[Box], tuple[int, str], int] | None:
         if not slot.schedulable:
@@ -624,6 +964,10 @@ class Fleet:
         if group is not None:
             insort(self._holders.setdefault(group, []), slot.gpu_id)
         slot.holder = group
+
+
+def _member_order(member_id: str) -> int:
+    return int(member_id.rsplit("#", 1)[1])
 
 
 def memory_class(memory_free: int) -> int:
@@ -706,15 +1050,7 @@ def _load_allocations(
             )
         box = (spot[0], spot[1], spot[0] + w, spot[1] + h)
         free.occupy(box)
-        allocation = Allocation(
-            allocation.allocation_id,
-            allocation.sm_percent,
-            allocation.quota_percent,
-            allocation.memory_bytes,
-            allocation.priority,
-            allocation.task_key,
-            rect_of(box),
-        )
+        allocation = replace(allocation, rect=rect_of(box))  # node figures and gang kept
         slot.boxes[allocation.allocation_id] = box
         slot.allocations[allocation.allocation_id] = allocation
         placed.append(allocation)

@@ -132,7 +132,7 @@ class GapAwarePolicy:
                     slot = fleet.slot(gpu_id)
                     if (
                         not slot.schedulable
-                        or (job.gpu_model and slot.model != job.gpu_model)
+                        or not job.allows(slot.model)
                         or slot.memory_free < job.memory_bytes
                     ):
                         continue

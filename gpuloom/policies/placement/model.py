@@ -33,6 +33,26 @@ class InvalidRequestError(ValueError):
     """A GPU, allocation or job field that makes no sense."""
 
 
+def model_alternatives(gpu_model: str) -> tuple[str, ...]:
+    """The GPU models a constraint admits: "V100M16|V100M32" -> ("V100M16", "V100M32");
+    "" (any model) -> ()."""
+    return tuple(part.strip() for part in gpu_model.split("|")) if gpu_model else ()
+
+
+def _check_gpu_model(value: object) -> None:
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"gpu_model must be a string, got {value!r}")
+    if value and not all(model_alternatives(value)):
+        raise InvalidRequestError(
+            f"gpu_model {value!r} has an empty alternative (write models as A|B)"
+        )
+
+
+def _check_count(name: str, value: object) -> None:
+    if not _is_int(value) or value < 0:  # type: ignore[operator]
+        raise InvalidRequestError(f"{name} must be an integer >= 0, got {value!r}")
+
+
 def quota_steps(percent: float) -> int:
     """Grid steps for a quota in percent, rounded up: a reservation is never smaller than asked.
     The inner round() keeps 33.33 (3332.9999... steps in binary) at 3333."""
@@ -178,10 +198,21 @@ class Allocation:
     priority: int = 0  # 0..9, 0 highest
     task_key: str = ""
     rect: Rect | None = None
+    # The node's CPU (milli) and host memory the job holds; a job spanning GPUs charges them
+    # on its first GPU's allocation only.
+    cpu_milli: int = 0
+    host_memory_bytes: int = 0
+    # A job on several GPUs: each further GPU holds an allocation `gang_member_id(job, i)`
+    # whose `gang` is the job id (the first GPU's allocation is the job id itself).
+    gang: str = ""
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that makes no sense."""
         _check_id("allocation_id", self.allocation_id)
+        _check_count("cpu_milli", self.cpu_milli)
+        _check_count("host_memory_bytes", self.host_memory_bytes)
+        if not isinstance(self.gang, str):
+            raise InvalidRequestError(f"gang must be a string, got {self.gang!r}")
         _check_sm(self.sm_percent)
         _check_quota("quota_percent", self.quota_percent)
         _check_memory(self.memory_bytes)
@@ -212,10 +243,17 @@ class GpuState:
     # The models its store holds, (name, device bytes): used memory, charged once (see
     # replica_memory).
     models: tuple[tuple[str, int], ...] = ()
+    # What the GPU's node has for jobs besides GPUs, as its dispatcher reported it (the latest
+    # registration of any GPU of the node sets the node's figures); 0: none (or not reported),
+    # so jobs asking for CPU or host memory do not go there.
+    node_cpu_milli: int = 0
+    node_memory_bytes: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that makes no sense."""
         _check_id("gpu_id", self.gpu_id)
+        _check_count("node_cpu_milli", self.node_cpu_milli)
+        _check_count("node_memory_bytes", self.node_memory_bytes)
         if not isinstance(self.node, str):
             raise InvalidRequestError(f"node must be a string, got {self.node!r}")
         _check_id("model", self.model)
@@ -243,11 +281,29 @@ class JobRequest:
     memory_bytes: int
     quota_limit_percent: float | None = None
     priority: int = 0
-    gpu_model: str = ""  # "" = any model
+    gpu_model: str = ""  # "" = any model; "A|B": either model
     task_key: str = ""
     # A replica of this model: where the model is resident (a GPU's store holds it) the job is
     # placed first, charged memory_bytes less the weights (replica_memory). "" = none.
     shared_model: str = ""
+    # Whole GPUs on one node (1: one GPU, whatever its share). More than 1 asks for whole GPUs:
+    # sm_percent 100 and quota 100 %, on `gpus` GPUs of one node, all or none.
+    gpus: int = 1
+    cpu_milli: int = 0  # of the node's CPU, in thousandths of a core
+    host_memory_bytes: int = 0  # of the node's memory
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """The GPU models the job may use; () = any."""
+        return model_alternatives(self.gpu_model)
+
+    def allows(self, model: str) -> bool:
+        return not self.gpu_model or model in self.models
+
+    @property
+    def needs_node(self) -> bool:
+        """Whether the job asks for node resources besides GPUs."""
+        return bool(self.cpu_milli or self.host_memory_bytes)
 
     @property
     def quota_limit(self) -> float:
@@ -272,21 +328,46 @@ class JobRequest:
                 )
         _check_memory(self.memory_bytes)
         _check_priority(self.priority)
-        if not isinstance(self.gpu_model, str) or not isinstance(self.task_key, str):
-            raise InvalidRequestError("gpu_model and task_key must be strings")
+        _check_gpu_model(self.gpu_model)
+        if not isinstance(self.task_key, str):
+            raise InvalidRequestError("task_key must be a string")
+        _check_count("cpu_milli", self.cpu_milli)
+        _check_count("host_memory_bytes", self.host_memory_bytes)
+        if not _is_int(self.gpus) or self.gpus < 1:
+            raise InvalidRequestError(f"gpus must be an integer >= 1, got {self.gpus!r}")
+        if self.gpus > 1 and (self.sm_percent != GRID_H or self.w != GRID_W):
+            raise InvalidRequestError(
+                f"a job on {self.gpus} GPUs takes them whole (sm_percent 100, quota 100 %)"
+            )
         if self.shared_model != "":
             check_model_name("shared_model", self.shared_model)
+            if self.gpus > 1:
+                raise InvalidRequestError(
+                    f"a job on {self.gpus} whole GPUs is not a shared model's replica "
+                    "(replicas take one GPU)"
+                )
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """Where a job goes: a GPU and the rectangle it takes there."""
+    """Where a job goes: a GPU and the rectangle it takes there; a job on several GPUs takes
+    `extra_gpu_ids` too, whole, on the same node."""
 
     allocation_id: str  # the job id
     gpu_id: str
     node: str
     rect: Rect
     policy: str
+    extra_gpu_ids: tuple[str, ...] = ()
+
+    @property
+    def gpu_ids(self) -> tuple[str, ...]:
+        return (self.gpu_id, *self.extra_gpu_ids)
+
+
+def gang_member_id(job_id: str, i: int) -> str:
+    """The fleet's id of the allocation a job spanning GPUs holds on its (i+1)-th GPU."""
+    return f"{job_id}#{i}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,13 +20,14 @@ Events:
   returns the placed ones and the fresher reasons of those still waiting.
 
 **The pending index.** Waiting jobs are kept in buckets of identical requests: the same policy,
-GPU model, quota x SM shape, memory, priority, task key and shared model (everything a policy
-looks at but the id). A release marks dirty only the buckets whose request the freed GPU can now
-hold (its model, a free rectangle of the shape, the memory it would be charged there); `decide`
-tries dirty buckets only, and a bucket whose
-head does not fit stops there: its other jobs ask exactly the same and can fit no better, since
-within one `decide` the fleet only fills. So a release costs a look at the buckets of the GPU's
-model, and the jobs tried are those that can now be placed, plus at most one per dirty bucket.
+GPU model, quota x SM shape, memory, priority, task key, number of GPUs, node CPU and host
+memory, and shared model (everything a policy looks at but the id). A release marks dirty only
+the buckets whose request the freed GPU can now hold (its model, a free rectangle of the shape,
+the memory it would be charged there; for a request of node resources or of several GPUs, what
+the GPU's whole node has free); `decide` tries dirty buckets only, and a bucket whose head does
+not fit stops there: its other jobs ask exactly the same and can fit no better, since within one
+`decide` the fleet only fills. So a release costs a look at the buckets of the GPU's model, and
+the jobs tried are those that can now be placed, plus at most one per dirty bucket.
 This relies on each policy being deterministic in the request (never in the job id) and
 complete for its shape: refusing only when no GPU it may use has the room, which holds for
 every registered policy (gap-aware falls back to MRA).
@@ -45,6 +46,7 @@ from gpuloom.policies.placement.model import (
     JobRequest,
     Placement,
     Unplaceable,
+    model_alternatives,
     quota_steps,
     replica_memory,
 )
@@ -98,8 +100,8 @@ class Round:
 
 # Everything a policy looks at in a request but its id: jobs with the same key get the same
 # answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key,
-# shared model)
-BucketKey = tuple[str, str, int, int, int, int, str, str]
+# GPUs, node CPU milli, node host memory, shared model)
+BucketKey = tuple[str, str, int, int, int, int, str, int, int, int, str]
 
 
 @dataclass(slots=True, eq=False)
@@ -109,8 +111,9 @@ class _Bucket:
     reason: str = ""
 
     @property
-    def model(self) -> str:
-        return self.key[1]
+    def models(self) -> tuple[str, ...]:
+        """The GPU models whose releases may let it fit ("" = any model)."""
+        return model_alternatives(self.key[1]) or ("",)
 
 
 class Scheduler:
@@ -279,6 +282,9 @@ class Scheduler:
             r.memory_bytes,
             r.priority,
             r.task_key,
+            r.gpus,
+            r.cpu_milli,
+            r.host_memory_bytes,
             r.shared_model,
         )
 
@@ -295,7 +301,8 @@ class Scheduler:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(key, reason=reason)
-            self._by_model.setdefault(bucket.model, set()).add(key)
+            for model in bucket.models:
+                self._by_model.setdefault(model, set()).add(key)
         bucket.reason = reason
         insort(bucket.queue, (ask.order, ask), key=lambda entry: entry[0])
         self._waiting[ask.job_id] = (ask, key)
@@ -309,18 +316,20 @@ class Scheduler:
 
     def _drop(self, bucket: _Bucket) -> None:
         del self._buckets[bucket.key]
-        keys = self._by_model[bucket.model]
-        keys.discard(bucket.key)
-        if not keys:
-            del self._by_model[bucket.model]
+        for model in bucket.models:
+            keys = self._by_model[model]
+            keys.discard(bucket.key)
+            if not keys:
+                del self._by_model[model]
         self._dirty.discard(bucket.key)
 
     def _release(self, job_id: str) -> bool:
-        gpu_id = self.fleet.gpu_of(job_id)
-        if gpu_id is None:
+        gpu_ids = self.fleet.gpus_of(job_id)
+        if not gpu_ids:
             return False
         self.fleet.release(job_id)
-        self._freed(gpu_id)
+        for gpu_id in gpu_ids:
+            self._freed(gpu_id)
         return True
 
     def _freed(self, gpu_id: str) -> None:
@@ -331,11 +340,35 @@ class Scheduler:
         if not slot.schedulable:
             return
         boxes = [(b[2] - b[0], b[3] - b[1]) for b in slot.free.boxes()]
-        for model in ("", slot.model):
+        node = self.fleet.node(slot.node)
+        whole: int | None = None  # the node's GPUs with nothing on them, counted once
+        # CPU and host memory freed here may let a job onto another GPU of the node, of
+        # another model: requests of node resources or whole GPUs look at every model there.
+        models = {slot.model} | {self.fleet.slot(g).model for g in node.gpu_ids}
+        for model in ("", *sorted(models)):
             for key in self._by_model.get(model, ()):
                 if key in self._dirty:
                     continue
-                need = replica_memory(key[4], slot.models.get(key[7], 0)) if key[7] else key[4]
+                gpus, cpu, host_memory, shared = key[7], key[8], key[9], key[10]
+                if model and model != slot.model and gpus == 1 and not (cpu or host_memory):
+                    continue
+                if cpu > node.cpu_free or host_memory > node.memory_free:
+                    continue
+                if gpus > 1:
+                    if whole is None:
+                        whole = sum(
+                            1
+                            for g in node.gpu_ids
+                            if self.fleet.slot(g).schedulable and not self.fleet.slot(g).allocations
+                        )
+                    if whole >= gpus:
+                        self._dirty.add(key)
+                    continue
+                if cpu or host_memory:  # CPU freed here may let it onto another GPU of the node
+                    self._dirty.add(key)
+                    continue
+                # A replica is charged less where its model is resident.
+                need = replica_memory(key[4], slot.models.get(shared, 0)) if shared else key[4]
                 if need > slot.memory_free:
                     continue
                 w, h = key[2], key[3]

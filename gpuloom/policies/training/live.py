@@ -60,7 +60,7 @@ class LiveJob:
     memory_bytes: int
     submitted_at: float
     utilisation: float = 1.0  # 0..1: measured while it ran alone; 1 until then
-    gpu_model: str = ""  # "" = any model
+    gpu_model: str = ""  # "" = any model; "A|B": either
     measured: bool = True  # its mini-batch time alone is known (else it is packed with none)
     movable: bool = True  # it can migrate (it has a checkpoint hook)
 
@@ -131,7 +131,7 @@ def live_view(
                 1,
                 job.submitted_at,
                 job.utilisation,
-                frozenset({job.gpu_model}) if job.gpu_model else None,
+                frozenset(m.strip() for m in job.gpu_model.split("|")) if job.gpu_model else None,
             )
             if job.measured:
                 type_memory[job_type] = max(type_memory.get(job_type, 0), job.memory_bytes)

@@ -1,0 +1,206 @@
+"""The trace simulator's fleet policies (gpuloom/policies/fleet/: random, bestfit, dotprod,
+gpupacking, gpuclustering, fgd, fgd-pack = best) placing live jobs: the same `choose` code,
+fed a node view of the live `Fleet`.
+
+One adapter serves them all. For each decision it builds the fleet model's `FleetState` from the
+live fleet, one model node per live node:
+
+- CPU and host memory: the node's capacity and what its jobs hold (host memory in MiB, asks
+  rounded up, free space down; a node that reported no CPU has none to give);
+- each GPU's free share in milli of a GPU: 1000 when nothing is on it, else its free area of the
+  (quota x SM) rectangle, rounded down and below 1000 (but at least the job's share where the
+  job fits, since its share is rounded up);
+- a GPU this job cannot use (unschedulable, another model than the job's `gpu_model`, too little
+  free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
+  job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
+  GPUs the job can really take; unschedulable GPUs count as full;
+- the pods each node hosts per per-GPU demand (what GPU clustering groups by): each allocation
+  of a share counts as a pod of its rectangle's area (filled for `gpuclustering` only, the one
+  policy that reads it).
+
+The job becomes a pod: N whole GPUs (`gpus` > 1, or a share of the whole rectangle) or a share
+of one GPU whose `gpu_milli` is its rectangle's area (sm_percent x quota, in milli of the GPU).
+The workload the policies weigh (FGD's distribution of pod shapes) is the shapes of the last
+WORKLOAD_WINDOW jobs this policy was asked to place, each job once, the current one included:
+online, it knows only the past. Ties are broken with a generator seeded once per policy (the
+same decisions for the same sequence of asks).
+
+What the fleet model cannot express: where in the GPU's rectangle a share goes (the adapter
+puts it at the bottom-left of the GPU's best-fitting free rectangle), and memory per GPU (the
+clamping above). MIG batch tasks never reach placement policies (mig_batches.py plans them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpuloom.policies.fleet.model import WHOLE_GPU, FleetPolicy, FleetState, NodeSpec, PodShape
+from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
+from gpuloom.policies.placement.context import PlacementContext
+from gpuloom.policies.placement.fleet import Fleet
+from gpuloom.policies.placement.model import (
+    GRID_AREA,
+    GRID_H,
+    GRID_W,
+    JobRequest,
+    Placement,
+    Rect,
+    Unplaceable,
+)
+
+MIB = 1 << 20
+WORKLOAD_WINDOW = 10_000  # jobs whose shapes make the workload distribution
+MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked one always)
+SEED = 0
+
+
+def share_milli(w: int, h: int) -> int:
+    """A w x h rectangle as milli of one GPU, rounded up (never less than it takes)."""
+    return min(WHOLE_GPU, max(1, math.ceil(w * h * WHOLE_GPU / GRID_AREA)))
+
+
+def pod_shape(job: JobRequest) -> PodShape:
+    """The fleet model's pod for a live job."""
+    memory_mib = -(-job.host_memory_bytes // MIB)
+    if job.gpus > 1:
+        return PodShape(job.cpu_milli, memory_mib, job.gpus, WHOLE_GPU)
+    return PodShape(job.cpu_milli, memory_mib, 1, share_milli(job.w, job.sm_percent))
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    state: FleetState
+    q: int
+    node_names: tuple[str, ...]
+    gpu_ids: tuple[tuple[str, ...], ...]  # per model node, its GPUs in column order
+
+
+class FleetModelPolicy:
+    """A fleet policy of the simulator as a live placement policy (and gang policy)."""
+
+    def __init__(self, fleet_policy: str, seed: int = SEED) -> None:
+        self._policy: FleetPolicy = FLEET_POLICIES.create(fleet_policy)
+        self._name = fleet_policy
+        self._counts_hosted = fleet_policy == "gpuclustering"
+        self._rng = np.random.default_rng(seed)
+        self._recent: OrderedDict[str, PodShape] = OrderedDict()
+        self._counts: Counter[PodShape] = Counter()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def place(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        return self._decide(job, fleet)
+
+    def place_gang(
+        self, job: JobRequest, fleet: Fleet, context: PlacementContext
+    ) -> Placement | Unplaceable:
+        return self._decide(job, fleet)
+
+    # ---- inside ----
+
+    def _note(self, job_id: str, shape: PodShape) -> None:
+        if job_id in self._recent:
+            return
+        self._recent[job_id] = shape
+        self._counts[shape] += 1
+        if len(self._recent) > WORKLOAD_WINDOW:
+            _, old = self._recent.popitem(last=False)
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
+
+    def _decide(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
+        shape = pod_shape(job)
+        self._note(job.job_id, shape)
+        view = self._view(job, shape, fleet)
+        choice = None if view is None else self._policy.choose(view.state, view.q, self._rng)
+        if view is None or choice is None:
+            return self._unplaceable(job, fleet)
+        node = view.node_names[choice.node]
+        gpus = [view.gpu_ids[choice.node][j] for j in choice.gpus]
+        whole = Rect(0, 0, GRID_W, GRID_H)
+        if shape.gpu_milli == WHOLE_GPU:
+            return Placement(job.job_id, gpus[0], node, whole, self.name, tuple(gpus[1:]))
+        slot = fleet.slot(gpus[0])
+        box = slot.free.best_fit(job.w, job.sm_percent)
+        if box is None:  # cannot be: the view counts such a GPU as too full
+            return self._unplaceable(job, fleet)
+        rect = Rect(box[0], box[1], job.w, job.sm_percent)
+        return Placement(job.job_id, gpus[0], node, rect, self.name)
+
+    def _unplaceable(self, job: JobRequest, fleet: Fleet) -> Unplaceable:
+        if job.gpus > 1:
+            return fleet.gang_unplaceable(job)
+        found = fleet.unplaceable(job, job.w, job.sm_percent)
+        if job.needs_node:
+            takers = [n for n in fleet.nodes.values() if n.takes(job)]
+            if not takers:
+                return Unplaceable(job.job_id, f"no node has {fleet.describe_node_ask(job)} free")
+            return Unplaceable(
+                job.job_id,
+                f"{found.reason}, on the nodes that have {fleet.describe_node_ask(job)} free",
+            )
+        return found
+
+    def _view(self, job: JobRequest, shape: PodShape, fleet: Fleet) -> _View | None:
+        nodes = [n for n in fleet.nodes.values() if n.gpu_ids]
+        if not nodes:
+            return None
+        common = [s for s, _ in self._counts.most_common(MAX_SHAPES)]
+        if shape not in common:
+            common.append(shape)
+        weights = [float(self._counts[s]) for s in common]
+        specs = [
+            NodeSpec(n.name, max(n.cpu_milli, 1), max(n.memory_bytes // MIB, 1), len(n.gpu_ids), "")
+            for n in nodes
+        ]
+        state = FleetState(specs, common, weights)
+        d = shape.gpu_milli
+        w, h = (GRID_W, GRID_H) if d == WHOLE_GPU else (job.w, job.sm_percent)
+        allowed = set(job.models) or None
+        need = job.memory_bytes
+        slots = fleet.slots
+        # Pods hosted per per-GPU demand: only GPU clustering reads them.
+        demand_index = (
+            {int(v): k for k, v in enumerate(state.demands)} if self._counts_hosted else None
+        )
+        gpu_free = state.gpu_free
+        gpu_ids: list[tuple[str, ...]] = []
+        for i, node in enumerate(nodes):
+            state.cpu_free[i] = node.cpu_free
+            state.mem_free[i] = node.memory_free // MIB
+            ids = tuple(node.gpu_ids)
+            gpu_ids.append(ids)
+            for j, gpu_id in enumerate(ids):
+                slot = slots[gpu_id]
+                if not slot.schedulable:
+                    gpu_free[i, j] = 0
+                    continue
+                boxes = slot.boxes
+                free = (
+                    min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
+                    if boxes
+                    else WHOLE_GPU
+                )
+                usable = (
+                    (allowed is None or slot.model in allowed)
+                    and slot.memory_free >= need
+                    and (free == WHOLE_GPU if d == WHOLE_GPU else slot.free.fits(w, h))
+                )
+                # Rounding must not hide room: a usable GPU shows at least the job's share.
+                gpu_free[i, j] = max(free, d) if usable else min(free, d - 1)
+                if demand_index is not None:
+                    for a_id, box in boxes.items():
+                        if not slot.allocations[a_id].gang:
+                            k = demand_index.get(share_milli(box[2] - box[0], box[3] - box[1]))
+                            if k is not None:
+                                state.hosted[i, k] += 1
+        return _View(state, common.index(shape), tuple(n.name for n in nodes), tuple(gpu_ids))
