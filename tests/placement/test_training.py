@@ -133,6 +133,11 @@ async def test_heartbeats_give_training_jobs_their_minibatch_time_and_others_not
         assert train.binding is not None and serve.binding is not None
         where = train.binding.gpu_uuid
         await beat(core, where, [report(train.job_id, 0.25), report("j-unknown", 1.0)])
+        got = await core.get(train.job_id)
+        assert got.training is not None and got.training.minibatch_s == 0.25
+        assert got.training.solo_minibatch_s == 0  # not alone for half a quantum yet
+        h.clock.now += 30  # half the default quantum
+        await beat(core, where, [report(train.job_id, 0.25)])
         # A report for a job on another GPU, and for a job that is no training job: ignored.
         await beat(core, serve.binding.gpu_uuid, [report(serve.job_id, 2.0)])
         other = "GPU-1" if where == "GPU-0" else "GPU-0"
@@ -301,12 +306,14 @@ async def measured_alone(h: CoreHarness, jobs: list[str], seconds: dict[str, flo
     control: FakeTrainingControl = h.control  # type: ignore[attr-defined]
     for _ in jobs:
         await core.training.tick()
-        await beat(
-            core,
-            "GPU-0",
-            [report(j, seconds[j], suspended=j in control.suspended) for j in jobs],
-        )
-        h.clock.now += QUANTUM
+        # Measured once it has run alone for half a quantum (the first report starts that).
+        for _ in range(2):
+            await beat(
+                core,
+                "GPU-0",
+                [report(j, seconds[j], suspended=j in control.suspended) for j in jobs],
+            )
+            h.clock.now += QUANTUM / 2
 
 
 async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_again(
@@ -316,8 +323,13 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_agai
     assert core is not None
     control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
     a, b = await two_on_one_gpu(gandiva, training("a", task_key="ta"), training("b", task_key="tb"))
+    # Both running at once (before the first turn): what they report is no time alone.
+    for _ in range(2):
+        await beat(core, "GPU-0", [report(a, 1.0), report(b, 2.0)])
+        gandiva.clock.now += QUANTUM
     await core.training.tick()
     assert await phase(core, a) is not TrainingPhase.PACKED  # not measured alone yet
+    assert (await core.get(a)).training.solo_minibatch_s == 0  # type: ignore[union-attr]
     await measured_alone(gandiva, [a, b], {a: 1.0, b: 2.0})
     await core.training.tick()
     assert await phase(core, a) is TrainingPhase.PACKED

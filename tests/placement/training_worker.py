@@ -21,7 +21,8 @@ def main() -> int:
     done = int(open(state).read()) if os.path.exists(state) else 0  # noqa: SIM115
     asked = []
     signal.signal(signal.SIGUSR1, lambda *_: asked.append(True))
-    where = os.environ.get("GPULOOM_DISPATCHER", "?")
+    # The fake dispatchers name themselves; a real one gives its socket.
+    where = os.environ.get("GPULOOM_DISPATCHER") or os.environ.get("GPULOOM_DISPATCHER_SOCKET", "?")
     with open(log, "a") as out:
         out.write(f"start {done} {where}\n")
         out.flush()
