@@ -8,15 +8,15 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
   SuspendClient / ResumeClient (their phases flip; in the engine log one runs at a time), their
   mini-batch times reach Job.training from the dispatcher's heartbeats, and once both are
   measured the policy packs them (a packing trial is recorded) and both run at once.
-- A job with a checkpoint hook (SIGUSR1) on a crowded GPU migrates to a second dispatcher's GPU
-  once that one registers, and its log shows every step exactly once."""
+- A training process with a checkpoint hook (SIGUSR1: it saves its next step and stops) on a
+  crowded GPU migrates to a second dispatcher's GPU once that one registers; started again
+  there from its checkpoint, every step runs exactly once (its output and the engine log)."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -39,7 +39,6 @@ from tests.placement.conftest import GIB, Live, start_placement
 from tests.shim.conftest import PROGRAM, shim_build  # noqa: F401  (fixture: builds the shim)
 
 MIB = 1 << 20
-WORKER = Path(__file__).with_name("training_worker.py")
 PERIOD_US = 100_000  # one mini-batch every 100 ms
 LAYERS = 8
 ACTIVATIONS = 16 * MIB
@@ -158,14 +157,17 @@ def spec(name: str, hook: CheckpointHook | None = None) -> JobSpec:
     )
 
 
-def train(steps: int, out: Path) -> list[str]:
-    """cudart_like's fake training loop, its output to `out` (exec: the job's process is the
-    loop itself, the one the shim registers)."""
+def train(steps: int, out: Path, state: Path | None = None) -> list[str]:
+    """cudart_like's fake training loop, its output appended to `out` after a line naming its
+    dispatcher's socket (exec: the job's process is the loop itself, the one the shim
+    registers); with `state`, it checkpoints there on SIGUSR1 and starts from it."""
     loop = [
         str(PROGRAM), "module", KERNEL, "alloc", "alloc", str(WEIGHTS),
         "train", str(steps), str(PERIOD_US), str(LAYERS), str(ACTIVATIONS), KERNEL,
     ]  # fmt: skip
-    return ["sh", "-c", f'exec "$@" > {out}', "sh", *loop]
+    saves = f"CUDART_LIKE_TRAIN_STATE={state} " if state else ""
+    script = f'echo "socket $GPULOOM_DISPATCHER_SOCKET" >> {out}; {saves}exec "$@" >> {out}'
+    return ["sh", "-c", script, "sh", *loop]
 
 
 def start(plane: Plane, job: JobSpec, command: list[str], said: list[str]) -> asyncio.Future:
@@ -279,24 +281,24 @@ async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Pl
 async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     plane: Plane,
 ) -> None:
-    """A plain training loop and a job that answers SIGUSR1 share GPU 0; a second dispatcher's
-    GPU registers; placement spreads the job with the hook there through `gpuloom run`'s
-    checkpoint, and its log shows every step once, the later ones on the new dispatcher."""
+    """A plain training loop and one that checkpoints on SIGUSR1 (cudart_like's `train` with
+    CUDART_LIKE_TRAIN_STATE) share GPU 0; a second dispatcher's GPU registers; placement
+    spreads the one with the hook there through `gpuloom run`'s checkpoint: it saves its next
+    step, stops, and starts again from it on the new dispatcher, and every step runs once."""
     first = await plane.add_gpu()
     moved_before = moved_count()
     said: list[str] = []
     plain_out = plane.work / "plain.out"
-    plain = start(plane, spec("plain"), train(120, plain_out), said)
-    steps = 400
-    log = plane.work / "steps.log"
-    worker = [sys.executable, str(WORKER), str(plane.work / "state"), str(log), str(steps)]
-    mover = start(
-        plane, spec("mover", CheckpointHook(signal="SIGUSR1", timeout_s=20)), worker, said
-    )
+    plain = start(plane, spec("plain"), train(100, plain_out), said)
+    steps = 60
+    out = plane.work / "mover.out"
+    checkpointing = train(steps, out, state=plane.work / "mover.state")
+    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
+    mover = start(plane, spec("mover", hook), checkpointing, said)
     try:
 
         async def running() -> bool:
-            return log.exists() and log.read_text().count("step ") >= 20
+            return out.exists() and out.read_text().count("train step") >= 5
 
         await until("the job with a hook running", running, 20)
         job = await plane.job_named("mover")
@@ -306,16 +308,26 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     finally:
         outcome = await asyncio.wait_for(plain, 120)
     assert outcome.exit_code == 0, said
-    assert result.exit_code == 0, said
-    lines = log.read_text().splitlines()
-    starts = [line for line in lines if line.startswith("start ")]
-    assert len(starts) == 2, lines
-    assert starts[0] == f"start 0 {first.core.socket_path}", starts
-    assert starts[1].endswith(second.core.socket_path), starts
-    resumed_at = int(starts[1].split()[1])
-    assert 0 < resumed_at < steps
-    done = [int(line.split()[1]) for line in lines if line.startswith("step ")]
-    assert done == list(range(1, steps + 1))  # every step once: none lost, none redone
+    assert result.exit_code == 0, (said, out.read_text())
+    lines = out.read_text().splitlines()
+    sockets = [line.split()[1] for line in lines if line.startswith("socket ")]
+    assert sockets == [first.core.socket_path, second.core.socket_path], lines
+    starts = [int(line.split("=")[1]) for line in lines if line.startswith("train start")]
+    (checkpoint,) = [int(line.split("=")[1]) for line in lines if line.startswith("train check")]
+    assert starts == [0, checkpoint] and 0 < checkpoint < steps, lines
+    done = [int(line.split()[2]) for line in lines if line.startswith("train step")]
+    assert done == list(range(steps)), lines  # every step once: none lost, none redone
+    summaries = [line for line in lines if line.startswith("train minibatches")]
+    assert summaries == [
+        f"train minibatches={steps} done={checkpoint} failed=0",
+        f"train minibatches={steps} done={steps - checkpoint} failed=0",
+    ]
+    # Two processes, one after the other; each ran its mini-batches' kernels on the GPU.
+    before, after = (int(line.split("pid=")[1]) for line in lines if line.startswith("init"))
+    engine = plane.engine_runs()
+    assert len([r for r in engine if r[0] == before]) == checkpoint * 2 * LAYERS
+    assert len([r for r in engine if r[0] == after]) == (steps - checkpoint) * 2 * LAYERS
+    assert max(r[2] for r in engine if r[0] == before) < min(r[1] for r in engine if r[0] == after)
     moved = await plane.job(job.job_id)
     assert moved.state == pb.JOB_STATE_SUCCEEDED
     assert moved.assignment.gpu.gpu_uuid == second.core.gpu.uuid

@@ -21,8 +21,7 @@ def main() -> int:
     done = int(open(state).read()) if os.path.exists(state) else 0  # noqa: SIM115
     asked = []
     signal.signal(signal.SIGUSR1, lambda *_: asked.append(True))
-    # The fake dispatchers name themselves; a real one gives its socket.
-    where = os.environ.get("GPULOOM_DISPATCHER") or os.environ.get("GPULOOM_DISPATCHER_SOCKET", "?")
+    where = os.environ.get("GPULOOM_DISPATCHER", "?")
     with open(log, "a") as out:
         out.write(f"start {done} {where}\n")
         out.flush()
