@@ -253,7 +253,7 @@ async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Pl
             assert trial.partner == other.job_id
             assert trial.solo_minibatch_s == job.training.solo_minibatch_s
         offset_ns = time.time_ns() - time.monotonic_ns()
-        packed_at_ns = int(a.training.packings[-1].started_unix_s * 1e9) - offset_ns
+        packed_at_ns = a.training.packings[-1].started_at.ToNanoseconds() - offset_ns
 
         # Packed, both run at once: the engine interleaves their kernels.
         await asyncio.sleep(1.5)
