@@ -65,10 +65,10 @@ from gpuloom.policies.training.registry import get_policy
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
 from gpuloom.services.placement.dispatchers import (
-    BindRequest,
     DispatcherChannels,
     Dispatchers,
     _domain_error,
+    bind_request,
 )
 from gpuloom.services.placement.domain import Binding, Job
 from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
@@ -572,22 +572,10 @@ class TrainingDriver:
     async def _reserve_target(self, job: Job, move: _Move) -> None:
         """Reserve the target on its dispatcher, then ask the runner to checkpoint (or give
         the target back when the dispatcher refuses)."""
-        spec = job.spec
         target = move.target
         try:
             environment = await self._dispatchers.reserve(
-                target.dispatcher_address,
-                BindRequest(
-                    assignment_id=job.job_id,
-                    client_name=spec.name,
-                    priority=spec.priority,
-                    memory_cap_bytes=target.memory_cap_bytes,
-                    sm_percent=spec.sm_percent,
-                    quota_request_percent=spec.quota.request_percent,
-                    quota_limit_percent=spec.quota.limit_percent,
-                    token=target.token,
-                    task_key=spec.task_key,
-                ),
+                target.dispatcher_address, bind_request(job, target)
             )
         except DomainError as error:
             environment = None

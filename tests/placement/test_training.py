@@ -387,14 +387,20 @@ async def crowded_then_free(h: CoreHarness, *specs: JobSpec) -> list[str]:
     return ids
 
 
+async def mover_beside_plain(h: CoreHarness) -> tuple[PlacementCore, str, str]:
+    """A job without a hook and one with a signal hook share GPU-0; then GPU-1 comes, free."""
+    core = h.core
+    assert core is not None
+    plain, mover = await crowded_then_free(
+        h, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    return core, plain, mover
+
+
 async def test_a_job_with_a_hook_migrates_to_a_free_gpu_once_its_runner_checkpointed(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    plain, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, plain, mover = await mover_beside_plain(gandiva)
     moved_before = metric("gpuloom_placement_training_migrations_total", outcome="moved")
     await migrating(core, mover)  # the target's reservation is made in the background
     job = await core.get(mover)
@@ -434,11 +440,7 @@ async def test_a_job_with_a_hook_migrates_to_a_free_gpu_once_its_runner_checkpoi
 async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    _, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, _, mover = await mover_beside_plain(gandiva)
     failed_before = metric("gpuloom_placement_training_migrations_total", outcome="hook_failed")
     migration = await migrating(core, mover)
     with structlog.testing.capture_logs() as logs:
@@ -473,11 +475,7 @@ async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
 async def test_a_migration_without_an_answer_gives_up_at_its_deadline(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    _, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, _, mover = await mover_beside_plain(gandiva)
     await migrating(core, mover)
     gandiva.clock.now += SIGNAL_HOOK.timeout_s + 31
     await core.training.tick()
@@ -580,11 +578,7 @@ def test_gpuloom_run_takes_one_hook_and_refuses_two() -> None:
 
 
 async def test_a_migration_is_durable_across_a_restart(gandiva: CoreHarness) -> None:
-    core = gandiva.core
-    assert core is not None
-    plain, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, plain, mover = await mover_beside_plain(gandiva)
     migration = await migrating(core, mover)
     await core.report_checkpoint(mover, migration, True, "")
     await gandiva.stop()

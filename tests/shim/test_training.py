@@ -197,6 +197,20 @@ async def test_a_job_is_suspended_at_a_low_point_and_resumed_with_no_lost_work(
     assert "suspended" in " ".join(results[0].shim_trace)
 
 
+def _launching(live: LiveDispatcher, run: Runner, token: str, kernels: int) -> asyncio.Future[Run]:
+    """A process that launches `kernels` kernels and synchronises (a shim wait bound of 300 ms,
+    which a suspended shim waits past)."""
+    return asyncio.ensure_future(
+        run.run_async(
+            "module",
+            KERNEL,
+            *launch("kernel", KERNEL, kernels),
+            "sync",
+            env=_env(live, token, GPULOOM_SHIM_WAIT_MS="300"),
+        )
+    )
+
+
 @pytest.mark.parametrize("live", [TRAINING], indirect=True)
 async def test_a_process_that_registers_while_suspended_waits_for_resume(
     live: LiveDispatcher, run: Runner
@@ -207,15 +221,7 @@ async def test_a_process_that_registers_while_suspended_waits_for_resume(
     )
     assert suspended.suspended and suspended.suspend_outcome == "not_running"
     started_ns = time.monotonic_ns()
-    job = asyncio.ensure_future(
-        run.run_async(
-            "module",
-            KERNEL,
-            *launch("kernel", KERNEL, 5),
-            "sync",
-            env=_env(live, assignment.assignment_token, GPULOOM_SHIM_WAIT_MS="300"),
-        )
-    )
+    job = _launching(live, run, assignment.assignment_token, 5)
     await asyncio.sleep(1.0)
     assert not job.done()
     resume_ns = time.monotonic_ns()
@@ -238,15 +244,7 @@ async def test_the_dispatchers_death_frees_a_suspended_process(
     await live.stub.SuspendClient(
         dispatcher_pb2.SuspendClientRequest(assignment_id=assignment.assignment_id)
     )
-    job = asyncio.ensure_future(
-        run.run_async(
-            "module",
-            KERNEL,
-            *launch("kernel", KERNEL, 3),
-            "sync",
-            env=_env(live, assignment.assignment_token, GPULOOM_SHIM_WAIT_MS="300"),
-        )
-    )
+    job = _launching(live, run, assignment.assignment_token, 3)
     await asyncio.sleep(0.8)
     assert not job.done()
     await asyncio.to_thread(live.dispatcher.channel.stop)
