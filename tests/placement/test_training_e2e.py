@@ -247,7 +247,8 @@ async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Pl
         packed_seen_ns = time.monotonic_ns()
         a, b = await plane.job(first), await plane.job(second)
         for job, other in ((a, b), (b, a)):
-            assert job.training.solo_minibatch_s == pytest.approx(PERIOD_US / 1e6, rel=0.5), job
+            # The loop's pace (100 ms; later, never sooner, on a loaded machine), as detected.
+            assert 0.08 <= job.training.solo_minibatch_s <= 0.2, job.training
             assert job.training.packed_with == other.job_id
             trial = job.training.packings[-1]
             assert trial.partner == other.job_id
