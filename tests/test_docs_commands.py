@@ -78,9 +78,9 @@ SKIPS = (
          "traces in ../shared/traces, outside the checkout; its figures are in the doc"),
     Skip("deploy.md", r"^(docker|cp \.env\.example|kubectl)\b", "needs a Docker daemon or a "
          "Kubernetes cluster; tests/deploy validates the files they use"),
-    Skip("dispatcher.md", r"dispatcher (evict ASSIGNMENT|mig on\|off)", "a synopsis with "
-         "placeholders; tests/test_cli_dispatcher.py runs both, docs/mig.md has `mig on|off` "
-         "as commands"),
+    Skip("dispatcher.md", r"dispatcher ((evict|suspend|resume) ASSIGNMENT|mig on\|off)", "a "
+         "synopsis with placeholders; tests/test_cli_dispatcher.py runs evict, suspend, resume "
+         "and mig on|off, docs/mig.md has `mig on|off` as commands"),
     Skip("mig.md", r"gpuloom mig (plan|synth) --gpu \{", "a synopsis with placeholders; "
          "tests/policies/mig/test_mig_cli.py runs both"),
     Skip("profile-store.md", r"alembic .* revision", "writes a new migration into the checkout"),

@@ -8,12 +8,12 @@ from typing import Any
 from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
+from gpuloom.convert.training import cycle_from_pb, cycle_to_pb
 from gpuloom.domain.dispatcher import (
     DispatcherStatus,
     LeaseState,
     ProcessStatus,
     SuspendState,
-    TrainingCycle,
 )
 from gpuloom.v1 import common_pb2, shim_pb2
 from gpuloom.v1 import dispatcher_pb2 as pb
@@ -25,30 +25,6 @@ _LEASE_STATE_FROM_PB = {code: state for state, code in LEASE_STATE_TO_PB.items()
 _MODES = ("share", "measure", "off", "fikit")
 _MODE_TO_PB = {mode: shim_pb2.ShimMode.Value("SHIM_MODE_" + mode.upper()) for mode in _MODES}
 _MODE_FROM_PB = {code: mode for mode, code in _MODE_TO_PB.items()}
-
-
-def training_cycle_to_pb(cycle: TrainingCycle) -> common_pb2.TrainingCycle:
-    return common_pb2.TrainingCycle(
-        minibatch_s=cycle.minibatch_s,
-        stable=cycle.stable,
-        low_memory_bytes=cycle.low_memory_bytes,
-        high_memory_bytes=cycle.high_memory_bytes,
-        next_low_point_unix_s=cycle.next_low_point_unix_s,
-        samples=cycle.samples,
-        minibatches=cycle.minibatches,
-    )
-
-
-def training_cycle_from_pb(msg: common_pb2.TrainingCycle) -> TrainingCycle:
-    return TrainingCycle(
-        minibatch_s=msg.minibatch_s,
-        stable=msg.stable,
-        low_memory_bytes=msg.low_memory_bytes,
-        high_memory_bytes=msg.high_memory_bytes,
-        next_low_point_unix_s=msg.next_low_point_unix_s,
-        samples=msg.samples,
-        minibatches=msg.minibatches,
-    )
 
 
 def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:
@@ -128,7 +104,7 @@ def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
         lease_length_ms=msg.lease_length_ms,
         leases_granted=msg.leases_granted,
         gpu_time_s=msg.gpu_time_s,
-        training=training_cycle_from_pb(msg.training) if msg.HasField("training") else None,
+        training=cycle_from_pb(msg.training) if msg.HasField("training") else None,
         suspension=suspend_state_from_pb(msg) if msg.suspended else None,
     )
 
@@ -142,7 +118,7 @@ def suspend_state_from_pb(msg: pb.ClientStatus) -> SuspendState:
         wait_ms=msg.suspend_wait_ms,
         memory_bytes=msg.suspended_memory_bytes,
         minibatch_s=msg.training.minibatch_s,
-        at_unix_s=msg.suspended_at_unix_s,
+        at_unix_s=unix_s(msg, "suspended_at"),
     )
 
 
@@ -171,10 +147,10 @@ def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientS
         lease_length_ms=process.lease_length_ms,
         leases_granted=process.leases_granted,
         gpu_time_s=process.gpu_time_s,
-        training=None if process.training is None else training_cycle_to_pb(process.training),
+        training=None if process.training is None else cycle_to_pb(process.training),
         suspended=suspension is not None,
         suspended_reason="" if suspension is None else suspension.reason,
-        suspended_at_unix_s=0.0 if suspension is None else suspension.at_unix_s,
+        suspended_at=None if suspension is None else timestamp(suspension.at_unix_s),
         suspend_wait_ms=0.0 if suspension is None else suspension.wait_ms,
         suspended_memory_bytes=0 if suspension is None else suspension.memory_bytes,
         suspend_outcome="" if suspension is None else suspension.outcome,

@@ -1,11 +1,13 @@
 """Gandiva's training messages (placement.proto's CheckpointHook, TrainingState, TrainingReport;
-common.proto's TrainingCycle) to and from gpuloom.domain.training. Exact both ways for what
-the service sends."""
+common.proto's TrainingCycle, which the dispatcher's GetGpuStatus and heartbeats carry too) to
+and from gpuloom.domain.training. Exact both ways for what the services send (instants to the
+microsecond, gpuloom/convert/times.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.domain.training import (
     CheckpointHook,
     MigrationRequest,
@@ -45,7 +47,7 @@ def cycle_from_pb(msg: common_pb2.TrainingCycle) -> TrainingCycle:
         stable=msg.stable,
         low_memory_bytes=msg.low_memory_bytes,
         high_memory_bytes=msg.high_memory_bytes,
-        next_low_point_unix_s=msg.next_low_point_unix_s,
+        next_low_point_unix_s=unix_s(msg, "next_low_point"),
         samples=msg.samples,
         minibatches=msg.minibatches,
     )
@@ -57,7 +59,7 @@ def cycle_to_pb(cycle: TrainingCycle) -> common_pb2.TrainingCycle:
         stable=cycle.stable,
         low_memory_bytes=cycle.low_memory_bytes,
         high_memory_bytes=cycle.high_memory_bytes,
-        next_low_point_unix_s=cycle.next_low_point_unix_s,
+        next_low_point=timestamp(cycle.next_low_point_unix_s),
         samples=cycle.samples,
         minibatches=cycle.minibatches,
     )
@@ -92,7 +94,7 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         packings=[
             pb.PackingTrial(
                 partner=t.partner,
-                started_unix_s=t.started_at,
+                started_at=timestamp(t.started_at),
                 solo_minibatch_s=t.solo_minibatch_s,
                 packed_minibatch_s=t.packed_minibatch_s,
                 gain=t.gain,
@@ -103,7 +105,7 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         migrations=state.migrations,
         failed_migrations=state.failed_migrations,
         last_hook_error=state.last_hook_error,
-        last_hook_error_unix_s=state.last_hook_error_at,
+        last_hook_error_at=timestamp(state.last_hook_error_at),
     )
     migration = state.migration
     if migration is not None:
@@ -114,8 +116,8 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
                     node=migration.target_node, gpu_uuid=migration.target_gpu_uuid
                 ),
                 reason=migration.reason,
-                requested_at_unix_s=migration.requested_at,
-                deadline_unix_s=migration.deadline,
+                requested_at=timestamp(migration.requested_at),
+                deadline=timestamp(migration.deadline),
             )
         )
     return msg
@@ -133,8 +135,8 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
             target_gpu_uuid=m.target.gpu_uuid,
             target_node=m.target.node,
             reason=m.reason,
-            requested_at=m.requested_at_unix_s,
-            deadline=m.deadline_unix_s,
+            requested_at=unix_s(m, "requested_at"),
+            deadline=unix_s(m, "deadline"),
         )
     return TrainingState(
         phase=phase,
@@ -146,7 +148,7 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         packings=tuple(
             PackingTrial(
                 partner=t.partner,
-                started_at=t.started_unix_s,
+                started_at=unix_s(t, "started_at"),
                 solo_minibatch_s=t.solo_minibatch_s,
                 packed_minibatch_s=t.packed_minibatch_s,
                 gain=t.gain,
@@ -157,6 +159,6 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         migrations=msg.migrations,
         failed_migrations=msg.failed_migrations,
         last_hook_error=msg.last_hook_error,
-        last_hook_error_at=msg.last_hook_error_unix_s,
+        last_hook_error_at=unix_s(msg, "last_hook_error_at"),
         migration=migration,
     )

@@ -7,6 +7,15 @@ import enum
 from dataclasses import dataclass
 
 from gpuloom.domain.shares import SpatioTemporalShare
+from gpuloom.domain.training import TrainingCycle
+
+__all__ = [
+    "DispatcherStatus",
+    "LeaseState",
+    "ProcessStatus",
+    "SuspendState",
+    "TrainingCycle",  # the training domain's, re-exported: a client's cycle in GetGpuStatus
+]
 
 
 class LeaseState(enum.Enum):
@@ -19,20 +28,6 @@ class LeaseState(enum.Enum):
     def asking(self) -> bool:
         """The process asked for a lease it does not hold yet."""
         return self in (LeaseState.WAITING, LeaseState.BLOCKED)
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingCycle:
-    """A training process's mini-batch cycle, as its dispatcher detected it from the memory
-    samples its shim writes (Gandiva's introspection; gpuloom.v1.TrainingCycle)."""
-
-    minibatch_s: float  # 0: not detected (yet)
-    stable: bool  # the period held over the cycles seen (coefficient of variation <= 0.1)
-    low_memory_bytes: int  # device memory allocated at the cycle's low points
-    high_memory_bytes: int  # ... and at its peaks
-    next_low_point_unix_s: float  # predicted; 0 = unknown
-    samples: int  # memory samples the detection used
-    minibatches: int  # low points seen since the process registered
 
 
 @dataclass(frozen=True, slots=True)

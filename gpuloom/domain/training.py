@@ -68,15 +68,17 @@ class CheckpointHook:
 
 @dataclass(frozen=True, slots=True)
 class TrainingCycle:
-    """A training process's mini-batch cycle as its dispatcher detected it."""
+    """A training process's mini-batch cycle, as its dispatcher detected it from the memory
+    samples its shim writes (Gandiva's introspection; gpuloom.v1.TrainingCycle): in the
+    dispatcher's GetGpuStatus and in its heartbeats' TrainingReports to placement."""
 
     minibatch_s: float = 0.0  # 0: not detected (yet)
-    stable: bool = False
-    low_memory_bytes: int = 0
-    high_memory_bytes: int = 0
-    next_low_point_unix_s: float = 0.0
-    samples: int = 0
-    minibatches: int = 0
+    stable: bool = False  # the period held over the cycles seen (coefficient of variation <= 0.1)
+    low_memory_bytes: int = 0  # device memory allocated at the cycle's low points
+    high_memory_bytes: int = 0  # ... and at its peaks
+    next_low_point_unix_s: float = 0.0  # predicted; 0 = unknown
+    samples: int = 0  # memory samples the detection used
+    minibatches: int = 0  # low points seen since the process registered
 
 
 @dataclass(frozen=True, slots=True)

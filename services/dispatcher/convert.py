@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import math
 
-from gpuloom.convert.dispatcher import training_cycle_to_pb
 from gpuloom.convert.mig import task_run_to_pb
 from gpuloom.convert.shares import share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp
+from gpuloom.convert.training import cycle_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
 from gpuloom.domain.shares import DEFAULT_PRIORITY
@@ -115,10 +115,10 @@ def client_status_to_pb(
         gpu_time_s=status.gpu_time_s,
         waiting_ms=status.waiting_s * 1e3,
         memory_allocated_bytes=status.allocated_bytes,
-        training=None if status.training is None else training_cycle_to_pb(status.training),
+        training=None if status.training is None else cycle_to_pb(status.training),
         suspended=suspension is not None,
         suspended_reason="" if suspension is None else suspension.reason,
-        suspended_at_unix_s=0.0 if suspension is None else suspension.at_unix_s,
+        suspended_at=None if suspension is None else timestamp(suspension.at_unix_s),
         suspend_wait_ms=0.0 if suspension is None else suspension.wait_s * 1e3,
         suspended_memory_bytes=0 if suspension is None else suspension.memory_bytes,
         suspend_outcome="" if suspension is None else suspension.outcome.value,

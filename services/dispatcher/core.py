@@ -14,7 +14,6 @@ from typing import TypeVar
 
 import structlog
 
-from gpuloom.domain.dispatcher import TrainingCycle
 from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -23,6 +22,7 @@ from gpuloom.domain.errors import (
 )
 from gpuloom.domain.gpus import find_model
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
+from gpuloom.domain.training import TrainingCycle
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
 from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel

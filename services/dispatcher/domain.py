@@ -10,9 +10,10 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpuloom.domain.dispatcher import LeaseState, TrainingCycle
+from gpuloom.domain.dispatcher import LeaseState
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.shares import SpatioTemporalShare, validate_priority
+from gpuloom.domain.training import TrainingCycle
 from gpuloom.domain.validation import MAX_KEY_CHARS, check_name
 from gpuloom.shimwire import ShimMode
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from gpuloom.domain.dispatcher import TrainingCycle
+from gpuloom.domain.training import TrainingCycle
 from gpuloom.policies.profiling.cycles import Cycle, detect_cycle
 from gpuloom.services.dispatcher import metrics
 

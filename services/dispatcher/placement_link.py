@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import structlog
 
-from gpuloom.convert.dispatcher import training_cycle_to_pb
 from gpuloom.convert.shares import share_to_pb
+from gpuloom.convert.training import cycle_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
 from gpuloom.services.dispatcher.node_resources import NONE_REPORTED, NodeResources
@@ -257,7 +257,7 @@ class PlacementLink:
             training=[
                 placement_pb2.TrainingReport(
                     assignment_id=report.assignment_id,
-                    cycle=None if report.cycle is None else training_cycle_to_pb(report.cycle),
+                    cycle=None if report.cycle is None else cycle_to_pb(report.cycle),
                     suspended=report.suspended,
                 )
                 for report in await self._bounded(self._core.training_reports())

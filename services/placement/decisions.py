@@ -41,7 +41,7 @@ from gpuloom.policies.placement import POLICIES, JobRequest, get_policy
 from gpuloom.policies.placement.registry import FLEET_MODEL_POLICIES
 from gpuloom.policies.placement.scheduler import Ask, Placed, Round, Scheduler
 from gpuloom.services.placement import metrics
-from gpuloom.services.placement.dispatchers import BindRequest, Dispatchers, MigRunner
+from gpuloom.services.placement.dispatchers import Dispatchers, MigRunner, bind_request
 from gpuloom.services.placement.domain import (
     JOB_ID_PREFIX,
     Binding,
@@ -629,21 +629,7 @@ class Decisions:
     async def _reserve_on(self, job: Job, address: str) -> dict[str, str]:
         binding = job.binding
         assert binding is not None
-        spec = job.spec
-        return await self._dispatchers.reserve(
-            address,
-            BindRequest(
-                assignment_id=job.job_id,
-                client_name=spec.name,
-                priority=spec.priority,
-                memory_cap_bytes=binding.memory_cap_bytes,
-                sm_percent=spec.sm_percent,
-                quota_request_percent=spec.quota.request_percent,
-                quota_limit_percent=spec.quota.limit_percent,
-                token=binding.token,
-                task_key=spec.task_key,
-            ),
-        )
+        return await self._dispatchers.reserve(address, bind_request(job, binding))
 
     async def _answer(self, waiting: list[tuple[_Submission, str]]) -> None:
         for submission, job_id in waiting:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -18,6 +18,9 @@ from gpuloom.domain.errors import DomainError, Unavailable
 from gpuloom.domain.mig_runs import TaskRun
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+
+if TYPE_CHECKING:
+    from gpuloom.services.placement.domain import Binding, Job
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,23 @@ class BindRequest:
     quota_limit_percent: float
     token: str
     task_key: str
+
+
+def bind_request(job: Job, binding: Binding) -> BindRequest:
+    """What reserving `job` where `binding` says (its GPU, or a migration's target) asks of
+    that GPU's dispatcher."""
+    spec = job.spec
+    return BindRequest(
+        assignment_id=job.job_id,
+        client_name=spec.name,
+        priority=spec.priority,
+        memory_cap_bytes=binding.memory_cap_bytes,
+        sm_percent=spec.sm_percent,
+        quota_request_percent=spec.quota.request_percent,
+        quota_limit_percent=spec.quota.limit_percent,
+        token=binding.token,
+        task_key=spec.task_key,
+    )
 
 
 class Dispatchers(Protocol):

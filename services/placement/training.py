@@ -65,10 +65,10 @@ from gpuloom.policies.training.registry import get_policy
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
 from gpuloom.services.placement.dispatchers import (
-    BindRequest,
     DispatcherChannels,
     Dispatchers,
     _domain_error,
+    bind_request,
 )
 from gpuloom.services.placement.domain import Binding, Job
 from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
@@ -171,6 +171,7 @@ class _Track:
     retry_at: float = 0.0  # after a failed migration: not moved again before
     published: TrainingState | None = None  # as its last revision showed it
     call_failed_at: float | None = None  # the last suspend/resume call failed (logged once)
+    alone_since: float | None = None  # running, the other training jobs of its GPU suspended
 
 
 @dataclass(slots=True)
@@ -233,6 +234,7 @@ class TrainingDriver:
         their mini-batch times; reports of other assignments are ignored."""
         now = self._clock()
         record = self._inventory.record(gpu_uuid)
+        mine: list[tuple[Job, TrainingReport]] = []
         for report in reports:
             job = self._decisions.job(report.assignment_id)
             if (
@@ -243,11 +245,19 @@ class TrainingDriver:
                 or job.binding.gpu_uuid != gpu_uuid
             ):
                 continue
-            track = self._tracks.setdefault(job.job_id, _Track())
+            # Every job's suspension first: whether one runs alone depends on the others'.
+            self._tracks.setdefault(job.job_id, _Track()).observed_suspended = report.suspended
+            mine.append((job, report))
+        for job, report in mine:
+            track = self._tracks[job.job_id]
             cycle = report.cycle
-            track.observed_suspended = report.suspended
             track.minibatches = cycle.minibatches
             track.reported_at = now
+            alone = not report.suspended and self._runs_alone(job.job_id, gpu_uuid)
+            if not alone:
+                track.alone_since = None
+            elif track.alone_since is None:
+                track.alone_since = now
             if cycle.minibatch_s > 0:
                 track.minibatch_s = cycle.minibatch_s
                 gpu = self._gpus.get(gpu_uuid)
@@ -255,9 +265,15 @@ class TrainingDriver:
                     settled = gpu.trial_started + self.config.pack_trial_s / 2
                     if now >= settled:
                         track.packed_minibatch_s = cycle.minibatch_s
-                elif not report.suspended:
+                elif (
+                    track.alone_since is not None
+                    and now >= track.alone_since + self.config.quantum_s / 2
+                ):
+                    # Its time alone: measured once it has run alone for half a quantum (the
+                    # cycle the dispatcher reports spans a window; right after the others'
+                    # suspension it still holds their company).
                     track.solo_minibatch_s = cycle.minibatch_s
-            if not report.suspended and self._runs_alone(job.job_id, gpu_uuid):
+            if alone:
                 util = record.utilization_percent
                 if util == util:  # not NaN
                     track.utilisation = min(1.0, max(0.0, util / 100))
@@ -559,22 +575,10 @@ class TrainingDriver:
     async def _reserve_target(self, job: Job, move: _Move) -> None:
         """Reserve the target on its dispatcher, then ask the runner to checkpoint (or give
         the target back when the dispatcher refuses)."""
-        spec = job.spec
         target = move.target
         try:
             environment = await self._dispatchers.reserve(
-                target.dispatcher_address,
-                BindRequest(
-                    assignment_id=job.job_id,
-                    client_name=spec.name,
-                    priority=spec.priority,
-                    memory_cap_bytes=target.memory_cap_bytes,
-                    sm_percent=spec.sm_percent,
-                    quota_request_percent=spec.quota.request_percent,
-                    quota_limit_percent=spec.quota.limit_percent,
-                    token=target.token,
-                    task_key=spec.task_key,
-                ),
+                target.dispatcher_address, bind_request(job, target)
             )
         except DomainError as error:
             environment = None

@@ -32,7 +32,11 @@
  *                                   "train step I t=NS" after each (NS: when it began,
  *                                   CLOCK_MONOTONIC), then "train minibatches=N done=D failed=F"
  *                                   (F: mini-batches with a failed allocation or launch: lost
- *                                   work) and exits 3 if F > 0
+ *                                   work) and exits 3 if F > 0. With CUDART_LIKE_TRAIN_STATE=FILE
+ *                                   it checkpoints: it starts at the step saved in FILE (if
+ *                                   any), and SIGUSR1 makes it save the next step to FILE at
+ *                                   the next mini-batch boundary, print "train checkpoint
+ *                                   step=I" and stop the loop (D: mini-batches of this run)
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -62,6 +66,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -240,15 +245,46 @@ static CUresult launch_one(const char *kind, CUfunction f, unsigned d[6]) {
     return D.cuLaunchKernel(f, d[0], d[1], d[2], d[3], d[4], d[5], 0, g_stream, NULL, NULL);
 }
 
+static volatile sig_atomic_t g_checkpoint_asked;
+
+static void ask_checkpoint(int sig) {
+    (void)sig;
+    g_checkpoint_asked = 1;
+}
+
 /* The `train` op: returns the number of failed mini-batches. */
 static long train(long steps, long period_us, int layers, size_t bytes, const char *name) {
     CUfunction f = find(name);
     unsigned d[6] = {1, 1, 1, 1, 1, 1};
     CUdeviceptr act[64];
     if (layers < 1 || layers > 64) layers = 64;
-    long done = 0, failed = 0;
+    long done = 0, failed = 0, first = 0;
+    const char *state = getenv("CUDART_LIKE_TRAIN_STATE");
+    if (state != NULL && state[0] != '\0') {
+        FILE *saved = fopen(state, "r");
+        if (saved != NULL) {
+            if (fscanf(saved, "%ld", &first) != 1 || first < 0) first = 0;
+            fclose(saved);
+        }
+        struct sigaction on_usr1;
+        memset(&on_usr1, 0, sizeof on_usr1);
+        on_usr1.sa_handler = ask_checkpoint;
+        sigemptyset(&on_usr1.sa_mask);
+        sigaction(SIGUSR1, &on_usr1, NULL);
+        printf("train start step=%ld\n", first);
+        fflush(stdout);
+    }
     uint64_t period = (uint64_t)period_us * 1000u, next = now_ns();
-    for (long step = 0; step < steps; step++) {
+    for (long step = first; step < steps; step++) {
+        if (g_checkpoint_asked) {
+            FILE *saved = fopen(state, "w");
+            if (saved == NULL || fprintf(saved, "%ld\n", step) < 0 || fclose(saved) != 0) {
+                fprintf(stderr, "cudart_like: cannot save the checkpoint to %s\n", state);
+                return failed + 1;
+            }
+            printf("train checkpoint step=%ld\n", step);
+            break;
+        }
         uint64_t now = now_ns();
         if (now < next) {
             struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpuloom.domain.dispatcher import TrainingCycle
+from gpuloom.domain.training import TrainingCycle
 from gpuloom.services.dispatcher.introspection import (
     MAX_SAMPLE_BYTES,
     IntrospectionConfig,

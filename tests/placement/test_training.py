@@ -134,6 +134,11 @@ async def test_heartbeats_give_training_jobs_their_minibatch_time_and_others_not
         assert train.binding is not None and serve.binding is not None
         where = train.binding.gpu_uuid
         await beat(core, where, [report(train.job_id, 0.25), report("j-unknown", 1.0)])
+        got = await core.get(train.job_id)
+        assert got.training is not None and got.training.minibatch_s == 0.25
+        assert got.training.solo_minibatch_s == 0  # not alone for half a quantum yet
+        h.clock.now += 30  # half the default quantum
+        await beat(core, where, [report(train.job_id, 0.25)])
         # A report for a job on another GPU, and for a job that is no training job: ignored.
         await beat(core, serve.binding.gpu_uuid, [report(serve.job_id, 2.0)])
         other = "GPU-1" if where == "GPU-0" else "GPU-0"
@@ -302,12 +307,14 @@ async def measured_alone(h: CoreHarness, jobs: list[str], seconds: dict[str, flo
     control: FakeTrainingControl = h.control  # type: ignore[attr-defined]
     for _ in jobs:
         await core.training.tick()
-        await beat(
-            core,
-            "GPU-0",
-            [report(j, seconds[j], suspended=j in control.suspended) for j in jobs],
-        )
-        h.clock.now += QUANTUM
+        # Measured once it has run alone for half a quantum (the first report starts that).
+        for _ in range(2):
+            await beat(
+                core,
+                "GPU-0",
+                [report(j, seconds[j], suspended=j in control.suspended) for j in jobs],
+            )
+            h.clock.now += QUANTUM / 2
 
 
 async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_again(
@@ -317,8 +324,13 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_agai
     assert core is not None
     control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
     a, b = await two_on_one_gpu(gandiva, training("a", task_key="ta"), training("b", task_key="tb"))
+    # Both running at once (before the first turn): what they report is no time alone.
+    for _ in range(2):
+        await beat(core, "GPU-0", [report(a, 1.0), report(b, 2.0)])
+        gandiva.clock.now += QUANTUM
     await core.training.tick()
     assert await phase(core, a) is not TrainingPhase.PACKED  # not measured alone yet
+    assert (await core.get(a)).training.solo_minibatch_s == 0  # type: ignore[union-attr]
     await measured_alone(gandiva, [a, b], {a: 1.0, b: 2.0})
     await core.training.tick()
     assert await phase(core, a) is TrainingPhase.PACKED
@@ -376,14 +388,20 @@ async def crowded_then_free(h: CoreHarness, *specs: JobSpec) -> list[str]:
     return ids
 
 
+async def mover_beside_plain(h: CoreHarness) -> tuple[PlacementCore, str, str]:
+    """A job without a hook and one with a signal hook share GPU-0; then GPU-1 comes, free."""
+    core = h.core
+    assert core is not None
+    plain, mover = await crowded_then_free(
+        h, training("plain"), training("mover", hook=SIGNAL_HOOK)
+    )
+    return core, plain, mover
+
+
 async def test_a_job_with_a_hook_migrates_to_a_free_gpu_once_its_runner_checkpointed(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    plain, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, plain, mover = await mover_beside_plain(gandiva)
     moved_before = metric("gpuloom_placement_training_migrations_total", outcome="moved")
     await migrating(core, mover)  # the target's reservation is made in the background
     job = await core.get(mover)
@@ -423,11 +441,7 @@ async def test_a_job_with_a_hook_migrates_to_a_free_gpu_once_its_runner_checkpoi
 async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    _, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, _, mover = await mover_beside_plain(gandiva)
     failed_before = metric("gpuloom_placement_training_migrations_total", outcome="hook_failed")
     migration = await migrating(core, mover)
     with structlog.testing.capture_logs() as logs:
@@ -462,11 +476,7 @@ async def test_a_failed_hook_leaves_the_job_where_it_is_with_the_error_shown(
 async def test_a_migration_without_an_answer_gives_up_at_its_deadline(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    _, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, _, mover = await mover_beside_plain(gandiva)
     await migrating(core, mover)
     gandiva.clock.now += SIGNAL_HOOK.timeout_s + 31
     await core.training.tick()
@@ -569,11 +579,7 @@ def test_gpuloom_run_takes_one_hook_and_refuses_two() -> None:
 
 
 async def test_a_migration_is_durable_across_a_restart(gandiva: CoreHarness) -> None:
-    core = gandiva.core
-    assert core is not None
-    plain, mover = await crowded_then_free(
-        gandiva, training("plain"), training("mover", hook=SIGNAL_HOOK)
-    )
+    core, plain, mover = await mover_beside_plain(gandiva)
     migration = await migrating(core, mover)
     await core.report_checkpoint(mover, migration, True, "")
     await gandiva.stop()

@@ -1,0 +1,354 @@
+"""Issue 16's two live halves together: placement's Gandiva driver
+(GPULOOM_PLACEMENT_TRAINING_POLICY=gandiva, a 2 s quantum) over REAL dispatchers on simulated
+GPUs, whose clients are real training processes (`cudart_like train`, the fake training loop)
+under the C shim on the fake driver, started by `gpuloom run`'s JobRunner from their
+assignments. The fake GPU's engine log is the ground truth of which kernels ran when.
+
+- Two training jobs share one GPU: placement time-slices them through the dispatcher's
+  SuspendClient / ResumeClient (their phases flip; in the engine log one runs at a time), their
+  mini-batch times reach Job.training from the dispatcher's heartbeats, and once both are
+  measured the policy packs them (a packing trial is recorded) and both run at once.
+- A training process with a checkpoint hook (SIGUSR1: it saves its next step and stops) on a
+  crowded GPU migrates to a second dispatcher's GPU once that one registers; started again
+  there from its checkpoint, every step runs exactly once (its output and the engine log)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import prometheus_client
+import pytest
+
+from gpuloom.clients.placement import PlacementClient
+from gpuloom.clients.run import JobRunner, RunOutcome
+from gpuloom.domain.placement import JobKind, JobSpec
+from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.training import CheckpointHook
+from gpuloom.services.dispatcher.app import GpuDispatcher, _stop, start_gpu_dispatcher
+from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
+from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.v1 import placement_pb2 as pb
+from tests.dispatcher.conftest import dispatcher_settings
+from tests.placement.conftest import GIB, Live, start_placement
+from tests.shim.conftest import PROGRAM, shim_build  # noqa: F401  (fixture: builds the shim)
+
+MIB = 1 << 20
+PERIOD_US = 100_000  # one mini-batch every 100 ms
+LAYERS = 8
+ACTIVATIONS = 16 * MIB
+WEIGHTS = 64 * MIB
+KERNEL = "k_layer_1250us"  # 20 ms of GPU time per mini-batch: packing two pays off
+QUANTUM_S = 2.0
+
+
+@dataclass
+class Plane:
+    live: Live
+    work: Path
+    build: Path
+    backend: SimulatedBackend = field(default_factory=lambda: SimulatedBackend("2xA100-80GB"))
+    dispatchers: list[GpuDispatcher] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.live.app.port}"
+
+    async def add_gpu(self) -> GpuDispatcher:
+        """A real dispatcher for the backend's next GPU, linked to placement; returns once
+        placement lists the GPU."""
+        index = len(self.dispatchers)
+        dispatcher = await start_gpu_dispatcher(
+            dispatcher_settings(
+                placement_address=self.address,
+                node="n1",
+                cuda_library=str(self.build / "fake" / "libcuda.so.1"),
+                training_analyze_ms=300.0,
+                training_window_s=2.0,
+            ),
+            self.backend,
+            self.backend.gpu(index),
+            "127.0.0.1",
+            0,
+            self.work / f"gpu{index}",
+        )
+        self.dispatchers.append(dispatcher)
+
+        async def listed() -> bool:
+            gpus = (await self.live.stub.ListGpus(pb.ListGpusRequest())).gpus
+            return len(gpus) == index + 1
+
+        await until(f"GPU {index} registered", listed, 15)
+        return dispatcher
+
+    async def job(self, job_id: str) -> pb.Job:
+        return await self.live.stub.GetJob(pb.GetJobRequest(job_id=job_id))
+
+    async def job_named(self, name: str) -> pb.Job:
+        jobs = (await self.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+        (job,) = [j for j in jobs if j.spec.name == name]
+        return job
+
+    def engine_runs(self) -> list[tuple[int, int, int]]:
+        """(pid, start_ns, end_ns) of every kernel the fake GPU ran (CLOCK_MONOTONIC)."""
+        log = self.work / "fake" / "runs.log"
+        runs = []
+        for line in log.read_text().splitlines() if log.exists() else []:
+            _, pid, _, start, end = line.split()
+            runs.append((int(pid), int(start), int(end)))
+        return runs
+
+
+async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
+    """Poll `check` until it holds; generous deadlines: the machine may be loaded."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+async def plane(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811  (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[Plane]:
+    # The jobs' processes inherit this environment through JobRunner: the fake driver, one
+    # fake GPU's engine log for the whole test.
+    (short_dir / "fake").mkdir()
+    for name in [n for n in os.environ if n.startswith("GPULOOM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(short_dir / "fake"))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(shim_build / "fake"))
+    settings = PlacementSettings(
+        port=0,
+        database_url=f"sqlite:///{short_dir / 'placement.db'}",
+        heartbeat_interval_s=0.2,
+        heartbeat_timeout_s=30,
+        training_policy="gandiva",
+        training_quantum_s=QUANTUM_S,
+        training_pack_trial_s=2.0,
+        training_suspend_wait_ms=500.0,
+    )
+    live = await start_placement(settings, short_dir)
+    plane = Plane(live, short_dir, shim_build)
+    try:
+        yield plane
+    finally:
+        for dispatcher in plane.dispatchers:
+            await _stop(dispatcher, 0)
+        await live.stop()
+
+
+def spec(name: str, hook: CheckpointHook | None = None) -> JobSpec:
+    """A training job two of which share one GPU (a time quota of 50%, up to 100%)."""
+    return JobSpec(
+        name=name,
+        kind=JobKind.TRAINING,
+        memory_bytes=GIB,
+        share=SpatioTemporalShare(100, TimeQuota(50, 100)),
+        checkpoint=hook,
+    )
+
+
+def train(steps: int, out: Path, state: Path | None = None) -> list[str]:
+    """cudart_like's fake training loop, its output appended to `out` after a line naming its
+    dispatcher's socket (exec: the job's process is the loop itself, the one the shim
+    registers); with `state`, it checkpoints there on SIGUSR1 and starts from it."""
+    loop = [
+        str(PROGRAM), "module", KERNEL, "alloc", "alloc", str(WEIGHTS),
+        "train", str(steps), str(PERIOD_US), str(LAYERS), str(ACTIVATIONS), KERNEL,
+    ]  # fmt: skip
+    saves = f"CUDART_LIKE_TRAIN_STATE={state} " if state else ""
+    script = f'echo "socket $GPULOOM_DISPATCHER_SOCKET" >> {out}; {saves}exec "$@" >> {out}'
+    return ["sh", "-c", script, "sh", *loop]
+
+
+def start(plane: Plane, job: JobSpec, command: list[str], said: list[str]) -> asyncio.Future:
+    def run() -> RunOutcome:
+        with PlacementClient(plane.address) as client:
+            runner = JobRunner(
+                client, shim_path=str(plane.build / "libgpuloom.so"), on_message=said.append
+            )
+            return runner.run(job, command)
+
+    return asyncio.ensure_future(asyncio.to_thread(run))
+
+
+def pid_of(out: Path) -> int:
+    for line in out.read_text().splitlines():
+        if line.startswith("init"):
+            return int(line.split("pid=")[1].split()[0])
+    raise AssertionError(f"no init line in {out}")
+
+
+def alternations(runs: list[tuple[int, int, int]], since_ns: int, until_ns: int) -> int:
+    """How often the fake GPU went from one process's kernels to the other's."""
+    pids = [
+        pid for pid, start, _ in sorted(runs, key=lambda r: r[1]) if since_ns < start < until_ns
+    ]
+    return sum(1 for a, b in itertools.pairwise(pids) if a != b)
+
+
+async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Plane) -> None:
+    await plane.add_gpu()
+    steps = 150
+    said: list[str] = []
+    outs = [plane.work / f"train-{i}.out" for i in range(2)]
+    runs = [start(plane, spec(f"t{i}"), train(steps, outs[i]), said) for i in range(2)]
+    try:
+
+        async def both_assigned() -> bool:
+            jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+            return len([j for j in jobs if j.state == pb.JOB_STATE_ASSIGNED]) == 2
+
+        await until("both jobs assigned", both_assigned, 20)
+        first, second = [(await plane.job_named(f"t{i}")).job_id for i in range(2)]
+        assert (await plane.job(first)).assignment.gpu.gpu_uuid == (
+            await plane.job(second)
+        ).assignment.gpu.gpu_uuid
+
+        # Time-slicing: each is seen suspended, and each running while the other is.
+        seen: dict[str, set[int]] = {first: set(), second: set()}
+        sliced_since_ns = 0
+
+        async def flipped() -> bool:
+            nonlocal sliced_since_ns
+            a, b = await plane.job(first), await plane.job(second)
+            for job in (a, b):
+                seen[job.job_id].add(job.training.phase)
+            if not sliced_since_ns and pb.TRAINING_PHASE_SUSPENDED in (
+                a.training.phase,
+                b.training.phase,
+            ):
+                sliced_since_ns = time.monotonic_ns()
+            return all(
+                {pb.TRAINING_PHASE_SUSPENDED, pb.TRAINING_PHASE_RUNNING} <= s for s in seen.values()
+            )
+
+        await until("both jobs suspended and resumed in turn", flipped, 20)
+        job = await plane.job(first)
+        assert job.training.height == 2
+
+        # Mini-batch times from the real heartbeats, then the policy packs them.
+        async def packed() -> bool:
+            a, b = await plane.job(first), await plane.job(second)
+            return bool(a.training.packings) and all(
+                j.training.phase == pb.TRAINING_PHASE_PACKED for j in (a, b)
+            )
+
+        await until("a packing trial", packed, 30)
+        packed_seen_ns = time.monotonic_ns()
+        a, b = await plane.job(first), await plane.job(second)
+        for job, other in ((a, b), (b, a)):
+            # The loop's pace (100 ms; later, never sooner, on a loaded machine), as detected.
+            assert 0.08 <= job.training.solo_minibatch_s <= 0.2, job.training
+            assert job.training.packed_with == other.job_id
+            trial = job.training.packings[-1]
+            assert trial.partner == other.job_id
+            assert trial.solo_minibatch_s == job.training.solo_minibatch_s
+        offset_ns = time.time_ns() - time.monotonic_ns()
+        packed_at_ns = a.training.packings[-1].started_at.ToNanoseconds() - offset_ns
+
+        # Packed, both run at once: the engine interleaves their kernels.
+        await asyncio.sleep(1.5)
+        interleaved_until_ns = time.monotonic_ns()
+    finally:
+        outcomes = await asyncio.wait_for(asyncio.gather(*runs), 120)
+
+    for outcome, out in zip(outcomes, outs, strict=True):
+        assert outcome.exit_code == 0, (said, out.read_text())
+        assert f"train minibatches={steps} done={steps} failed=0" in out.read_text()
+    engine = plane.engine_runs()
+    pids = {pid_of(out) for out in outs}
+    assert {pid for pid, _, _ in engine} == pids
+    # While time-sliced, one process runs at a time: the GPU goes from one's kernels to the
+    # other's about once a quantum (at most twice, allowing a kernel queued before a
+    # suspension), where running together they alternate every few kernels.
+    window_s = (packed_at_ns - sliced_since_ns) / 1e9 - 0.2
+    assert window_s > 1.5, "sliced too briefly to judge"
+    sliced = alternations(engine, sliced_since_ns + int(0.1e9), packed_at_ns - int(0.1e9))
+    assert sliced <= 2 * (window_s / QUANTUM_S + 2), (sliced, window_s)
+    together = alternations(engine, packed_seen_ns, interleaved_until_ns)
+    assert together > 4 * (interleaved_until_ns - packed_seen_ns) / 1e9, together
+
+
+async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
+    plane: Plane,
+) -> None:
+    """A plain training loop and one that checkpoints on SIGUSR1 (cudart_like's `train` with
+    CUDART_LIKE_TRAIN_STATE) share GPU 0; a second dispatcher's GPU registers; placement
+    spreads the one with the hook there through `gpuloom run`'s checkpoint: it saves its next
+    step, stops, and starts again from it on the new dispatcher, and every step runs once."""
+    first = await plane.add_gpu()
+    moved_before = moved_count()
+    said: list[str] = []
+    plain_out = plane.work / "plain.out"
+    plain = start(plane, spec("plain"), train(100, plain_out), said)
+    steps = 60
+    out = plane.work / "mover.out"
+    checkpointing = train(steps, out, state=plane.work / "mover.state")
+    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
+    mover = start(plane, spec("mover", hook), checkpointing, said)
+    try:
+
+        async def running() -> bool:
+            return out.exists() and out.read_text().count("train step") >= 5
+
+        await until("the job with a hook running", running, 20)
+        job = await plane.job_named("mover")
+        assert job.assignment.gpu.gpu_uuid == first.core.gpu.uuid
+        second = await plane.add_gpu()
+        result = await asyncio.wait_for(mover, 60)
+    finally:
+        outcome = await asyncio.wait_for(plain, 120)
+    assert outcome.exit_code == 0, said
+    assert result.exit_code == 0, (said, out.read_text())
+    lines = out.read_text().splitlines()
+    sockets = [line.split()[1] for line in lines if line.startswith("socket ")]
+    assert sockets == [first.core.socket_path, second.core.socket_path], lines
+    starts = [int(line.split("=")[1]) for line in lines if line.startswith("train start")]
+    (checkpoint,) = [int(line.split("=")[1]) for line in lines if line.startswith("train check")]
+    assert starts == [0, checkpoint] and 0 < checkpoint < steps, lines
+    done = [int(line.split()[2]) for line in lines if line.startswith("train step")]
+    assert done == list(range(steps)), lines  # every step once: none lost, none redone
+    summaries = [line for line in lines if line.startswith("train minibatches")]
+    assert summaries == [
+        f"train minibatches={steps} done={checkpoint} failed=0",
+        f"train minibatches={steps} done={steps - checkpoint} failed=0",
+    ]
+    # Two processes, one after the other; each ran its mini-batches' kernels on the GPU.
+    before, after = (int(line.split("pid=")[1]) for line in lines if line.startswith("init"))
+    engine = plane.engine_runs()
+    assert len([r for r in engine if r[0] == before]) == checkpoint * 2 * LAYERS
+    assert len([r for r in engine if r[0] == after]) == (steps - checkpoint) * 2 * LAYERS
+    assert max(r[2] for r in engine if r[0] == before) < min(r[1] for r in engine if r[0] == after)
+    moved = await plane.job(job.job_id)
+    assert moved.state == pb.JOB_STATE_SUCCEEDED
+    assert moved.assignment.gpu.gpu_uuid == second.core.gpu.uuid
+    assert moved_count() == moved_before + 1
+    assert any(f"moved to GPU {second.core.gpu.uuid}" in line for line in said), said
+    # The first dispatcher let the reservation go; the second released it at its end.
+    for dispatcher in (first, second):
+        await until(
+            "the reservations released",
+            lambda d=dispatcher: _holds_none(d, job.job_id),
+            10,
+        )
+
+
+def moved_count() -> float:
+    sample = prometheus_client.REGISTRY.get_sample_value(
+        "gpuloom_placement_training_migrations_total", {"outcome": "moved"}
+    )
+    return sample or 0.0
+
+
+async def _holds_none(dispatcher: GpuDispatcher, assignment_id: str) -> bool:
+    return dispatcher.core.book.get(assignment_id) is None
