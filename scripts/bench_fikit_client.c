@@ -36,6 +36,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "fill_wait.h"
 #include "wire.h"
 
 #define CAPACITY (1u << 20)
@@ -68,24 +69,6 @@ static void futex_wait(volatile void *word, uint32_t seen, long timeout_ns) {
 
 static uint64_t load64(volatile uint8_t *r, int offset) {
     return __atomic_load_n((uint64_t *)(r + offset), __ATOMIC_ACQUIRE);
-}
-
-/* As shim/src/fikit_gate.c: sleep until the grant word, the arm word or the board moves. */
-static void wait_words(volatile uint8_t *r, uint32_t granted, uint32_t arm_wait,
-                       volatile uint8_t *board, uint32_t launch, long ns) {
-    struct futex_waitv w[3] = {
-        {.val = granted, .uaddr = (uintptr_t)(r + GL_OFF_FK_GRANT), .flags = FUTEX_32},
-        {.val = arm_wait, .uaddr = (uintptr_t)(r + GL_OFF_FK_ARM_WAIT), .flags = FUTEX_32},
-        {.val = launch, .uaddr = (uintptr_t)(board + GL_BOARD_LAUNCH), .flags = FUTEX_32},
-    };
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_nsec += ns;
-    while (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    syscall(SYS_futex_waitv, w, board ? 3u : 2u, 0u, &until, CLOCK_MONOTONIC);
 }
 
 static void ring(int doorbell) {
@@ -288,7 +271,7 @@ int main(int argc, char **argv) {
                 if (moved) ring(doorbell);
                 if (in_flight > 0 && flight_end[head] - now < (uint64_t)sleep_ns)
                     sleep_ns = (long)(flight_end[head] - now);
-                wait_words(r, granted, arm_wait, board, launch, sleep_ns);
+                gl_wait_fill_words((uint8_t *)r, granted, arm_wait, (uint8_t *)board, launch, sleep_ns);
             }
             if (!by_board && load32(r, GL_OFF_FK_GRANT) != seq) break;
             uint64_t granted_at = now_ns();

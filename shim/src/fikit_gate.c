@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "admission.h"
+#include "fill_wait.h"
 
 #define FK_TRACKED 64 /* granted kernels in flight watched with events (more: not tracked) */
 
@@ -203,27 +204,6 @@ static uint8_t *armed_board(uint8_t *r, uint32_t seq, uint64_t kernel, uint64_t 
 
 #define FK_SPURIOUS_MAX 64 /* board wake-ups without a release before a wait stops watching it */
 
-/* Sleeps until the grant word, the arm word or the board's launch word moves, or `ns`. */
-static void wait_words(uint8_t *r, uint32_t granted, uint32_t arm_wait, uint8_t *board,
-                       uint32_t launch, long ns) {
-    struct futex_waitv w[3] = {
-        {.val = granted, .uaddr = (uintptr_t)(r + GL_OFF_FK_GRANT), .flags = FUTEX_32},
-        {.val = arm_wait, .uaddr = (uintptr_t)(r + GL_OFF_FK_ARM_WAIT), .flags = FUTEX_32},
-        {.val = launch, .uaddr = (uintptr_t)(board + GL_BOARD_LAUNCH), .flags = FUTEX_32},
-    };
-    struct timespec until;
-    clock_gettime(CLOCK_MONOTONIC, &until);
-    until.tv_nsec += ns;
-    while (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
-    if (syscall(SYS_futex_waitv, w, board ? 3u : 2u, 0u, &until, CLOCK_MONOTONIC) < 0 &&
-        errno == ENOSYS) /* before Linux 5.16: the grant word alone (no early release) */
-        syscall(SYS_futex, (uint32_t *)(r + GL_OFF_FK_GRANT), FUTEX_WAIT, granted,
-                &(struct timespec){.tv_sec = 0, .tv_nsec = ns}, NULL, 0);
-}
-
 /* A filler's wait, under the caller's lock: bounded by the arbiter's liveness (its heartbeat,
  * and the connection the background thread watches), not by the holder: waiting behind a
  * busy holder is the policy. It ends with the grant, or earlier with the holder's launch that
@@ -291,7 +271,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
         }
         /* Sleep; while own kernels are in flight, wake often to report their completion. */
         unsigned in_flight = fikit_harvest();
-        wait_words(r, granted, arm_wait, board, launch, in_flight ? 50000 : 5000000);
+        gl_wait_fill_words(r, granted, arm_wait, board, launch, in_flight ? 50000 : 5000000);
         /* The board moved without firing this arm: a holder may wake it at will, so a wait
          * watches it only so often (then the arbiter's grant alone). */
         if (board != NULL && r_u32(board, GL_BOARD_LAUNCH) != launch &&
