@@ -68,7 +68,7 @@ class FrameReader:
 # ---- the admission region ----
 
 REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
-REGION_VERSION = 4
+REGION_VERSION = 5
 REGION_BYTES = 4096
 REGION_SAMPLES = 224  # entries of the memory sample ring
 OPEN_ENDED_NS = (1 << 64) - 1
@@ -92,6 +92,8 @@ OFF_FK_ARM_BOARD, OFF_FK_ARM_WAIT = 304, 308
 # ... a filler its release (own cache line).
 OFF_FK_RELEASED, OFF_FK_RELEASED_KERNEL = 320, 328
 # ... and which request the filler's arm is for (the arbiter).
+# The holder's window-opening kernels; OPENERS_ALL = 1: no others (the rest post without a ring).
+OFF_FK_OPENERS, OFF_FK_OPENERS_ALL = 336, 368
 OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
 ARM_KERNELS = 4  # kernel IDs an arm names
 # A priority board (one per priority per GPU), written by the holder shim of that priority.
@@ -428,6 +430,20 @@ class FikitPort:
         """(nonce, kernel IDs) of the arm a holder's launch may fire; nonce 0: none."""
         kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_ARM_KERNELS)
         return self._u64(OFF_FK_ARM), [k for k in kernels if k]
+
+    @property
+    def openers(self) -> list[int] | None:
+        """The holder's window-opening kernel IDs as the arbiter published them, or None when
+        it did not list them all (then every launch must ring)."""
+        if self._u32(OFF_FK_OPENERS_ALL) != 1:
+            return None
+        kernels = struct.unpack_from(f"<{ARM_KERNELS}Q", self._mapping, OFF_FK_OPENERS)
+        return [k for k in kernels if k]
+
+    def opens_window(self, kernel_id: int) -> bool:
+        """Whether a holder's launch of `kernel_id` needs the doorbell (the C shim's rule)."""
+        openers = self.openers
+        return openers is None or kernel_id == 0 or kernel_id in openers
 
     @property
     def armed(self) -> tuple[int, int]:

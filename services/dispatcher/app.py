@@ -116,6 +116,7 @@ async def start_gpu_dispatcher(
             fikit_config(settings),
             spin_s=settings.fikit_spin_us / 1e6,
             arm=settings.fikit_arm,
+            quiet=settings.fikit_quiet,
         )
     kernel_tables = None
     if fikit and settings.profile_store_address:

@@ -95,6 +95,8 @@ def _library() -> ctypes.CDLL:
     lib.gl_arbiter_board_fd.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
     lib.gl_arbiter_set_arming.restype = None
     lib.gl_arbiter_set_arming.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_arbiter_set_quiet.restype = None
+    lib.gl_arbiter_set_quiet.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
     lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
     return lib
@@ -104,10 +106,17 @@ class Arbiter:
     """Owns the native thread and the doorbell; safe to call from any thread."""
 
     def __init__(
-        self, config: FikitConfig, beat_s: float = 0.02, spin_s: float = 0.0, arm: bool = True
+        self,
+        config: FikitConfig,
+        beat_s: float = 0.02,
+        spin_s: float = 0.0,
+        arm: bool = True,
+        quiet: bool = True,
     ) -> None:
         """`arm`: publish arms, so the holder's launch releases the best waiting filler itself
-        (one wake-up); off, every release is the arbiter's grant."""
+        (one wake-up); off, every release is the arbiter's grant. `quiet`: publish each task's
+        window-opening kernels, so a holder's other launches ring no doorbell; off, every
+        holder launch rings while somebody waits."""
         self._lib = _library()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         handle = self._lib.gl_arbiter_start(
@@ -123,6 +132,8 @@ class Arbiter:
         self._handle: int | None = handle
         if not arm:
             self._lib.gl_arbiter_set_arming(handle, 0)
+        if not quiet:
+            self._lib.gl_arbiter_set_quiet(handle, 0)
 
     def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
         """Register a task; returns its slot. Raises ArbiterFull when no slot is free."""

@@ -30,6 +30,9 @@ from gpuloom.v1 import common_pb2, profiler_pb2, profiler_pb2_grpc, shim_pb2
 log = structlog.get_logger("gpuloom.dispatcher.profiling")
 
 MAX_QUEUED_UPLOADS = 1000
+# Queued batches of one session travel merged, up to this many records a message: the shim
+# sends small batches, and one message each is more than the profiler keeps up with.
+MAX_MERGED_RECORDS = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +131,9 @@ class ProfilerLink:
 
     def _enqueue(self, upload: profiler_pb2.MeasurementUpload) -> None:
         assert self._queue is not None
-        if self._queue.qsize() >= MAX_QUEUED_UPLOADS:
+        # A run's end is never dropped (a session missing one would stay open for ever); its
+        # records may be, when the profiler falls behind.
+        if self._queue.qsize() >= MAX_QUEUED_UPLOADS and not upload.completed_runs:
             self.dropped_uploads += 1
             if self.dropped_uploads == 1:
                 log.warning("profiler not keeping up: dropping measurement batches")
@@ -166,8 +171,17 @@ class ProfilerLink:
         queue = self._queue
 
         async def stream() -> AsyncIterator[profiler_pb2.MeasurementUpload]:
+            held: profiler_pb2.MeasurementUpload | None = None
             while True:
-                yield await queue.get()
+                upload = held if held is not None else await queue.get()
+                held = None
+                while not queue.empty() and _record_count(upload) < MAX_MERGED_RECORDS:
+                    following = queue.get_nowait()
+                    if following.session_id != upload.session_id:
+                        held = following
+                        break
+                    upload = _merged(upload, following)
+                yield upload
 
         while True:
             try:
@@ -178,6 +192,28 @@ class ProfilerLink:
                 log.warning("measurement upload failed", code=error.code().name,
                             error=error.details())  # fmt: skip
                 await asyncio.sleep(0.2)
+
+
+def _record_count(upload: profiler_pb2.MeasurementUpload) -> int:
+    return len(upload.kernel_ids) // 8
+
+
+def _merged(
+    first: profiler_pb2.MeasurementUpload, then: profiler_pb2.MeasurementUpload
+) -> profiler_pb2.MeasurementUpload:
+    """Two uploads of one session as one: the columns concatenated (little-endian arrays), the
+    kernel names and completed runs together. The profiler takes a message's records before
+    its completed runs, so a run's records and its end may share a message."""
+    named = {kernel.kernel_id for kernel in first.kernels}
+    return profiler_pb2.MeasurementUpload(
+        session_id=first.session_id,
+        kernels=[*first.kernels, *(k for k in then.kernels if k.kernel_id not in named)],
+        kernel_ids=first.kernel_ids + then.kernel_ids,
+        start_ns=first.start_ns + then.start_ns,
+        end_ns=first.end_ns + then.end_ns,
+        run_index=first.run_index + then.run_index,
+        completed_runs=[*first.completed_runs, *then.completed_runs],
+    )
 
 
 def _columns(run: _Run, records: Sequence[shim_pb2.KernelRecord]) -> profiler_pb2.MeasurementUpload:

@@ -58,6 +58,8 @@ class DispatcherSettings(BaseSettings):
     fikit_spin_us: float = Field(default=0.0, ge=0, le=10_000)
     # ... and the holder's launch releases the best waiting filler itself (arms; docs/fikit.md).
     fikit_arm: bool = True
+    # ... and holders ring the arbiter only for launches that open a gap window (docs/fikit.md).
+    fikit_quiet: bool = True
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)

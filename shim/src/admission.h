@@ -40,7 +40,7 @@ static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *gra
 CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t *granted_seq,
                      pthread_mutex_t *wait_lock);
 /* After a granted launch on `key`: watch it with an event until it completes. */
-void fikit_track(CUstream key, uint32_t seq);
+void fikit_track(CUstream key, uint32_t seq, int quiet);
 /* After an admitted launch (launched: it succeeded): fikit_track, and the doorbell when the
  * holder's fire released it (the arbiter then settles the fire). */
 void fikit_after_launch(CUstream key, uint32_t seq, int launched);

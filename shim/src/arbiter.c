@@ -82,6 +82,7 @@ struct gl_arbiter {
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
     uint64_t gap_threshold_ns;
     int arming; /* publish arms (the one-wake-up path); 0: every release is a grant */
+    int quiet;  /* publish holders' window-opening kernels (their other launches ring not) */
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
     uint8_t *board[GL_BOARDS];
     arm_state arm;
@@ -589,6 +590,7 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
     }
     a->gap_threshold_ns = config->gap_threshold_ns;
     a->arming = 1;
+    a->quiet = 1;
     if (open_boards(a) != 0) {
         int error = errno;
         close_boards(a);
@@ -663,6 +665,18 @@ static int fill_table(slot_state *s, uint64_t threshold, const uint64_t *ids,
     return 0;
 }
 
+/* Tells the holder's shim which of its launches the arbiter needs at once: its window-opening
+ * kernels, when they all fit the list; the flag goes last, so a shim that reads it set reads
+ * the IDs of this table (on a swap, at worst one launch rings for nothing or goes unrung: the
+ * arbiter reads that post at its next round all the same). */
+static void publish_openers(const gl_arbiter *a, const slot_state *s) {
+    int all = a->quiet && s->openers_all;
+    store32(s->region, GL_OFF_FK_OPENERS_ALL, 0);
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        store64(s->region, GL_OFF_FK_OPENERS + 8 * k, all ? s->openers[k] : 0);
+    store32(s->region, GL_OFF_FK_OPENERS_ALL, (uint32_t)all);
+}
+
 API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
                             const uint64_t *kernel_ids, const uint64_t *durations_ns,
                             const uint64_t *gaps_ns, uint32_t kernels) {
@@ -703,6 +717,7 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     /* Whatever the region held before is history, not requests. */
     s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
     s->seen_done = load32(s->region, GL_OFF_FK_DONE);
+    publish_openers(a, s);
     store64(s->region, GL_OFF_FK_BEAT, now_ns());
     pthread_mutex_unlock(&a->lock);
     ring(a);
@@ -737,6 +752,7 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
     s->mask = fresh.mask;
     memcpy(s->openers, fresh.openers, sizeof s->openers);
     s->openers_all = fresh.openers_all;
+    publish_openers(a, s);
     pthread_mutex_unlock(&a->lock);
     return 0;
 }
@@ -760,6 +776,14 @@ API void gl_arbiter_set_arming(gl_arbiter *a, int on) {
     if (!a->arming) withdraw(a, now_ns());
     pthread_mutex_unlock(&a->lock);
     ring(a);
+}
+
+API void gl_arbiter_set_quiet(gl_arbiter *a, int on) {
+    pthread_mutex_lock(&a->lock);
+    a->quiet = on != 0;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++)
+        if (a->slots[t].used) publish_openers(a, &a->slots[t]);
+    pthread_mutex_unlock(&a->lock);
 }
 
 API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {

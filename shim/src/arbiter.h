@@ -68,6 +68,11 @@ void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
  * grant (two wake-ups); a live arm is withdrawn. */
 void gl_arbiter_set_arming(gl_arbiter *arbiter, int on);
 
+/* Quiet holders on (the default) or off: on, each task's region lists its window-opening
+ * kernels, and its shim, holding the GPU, rings the doorbell only for those (docs/fikit.md);
+ * off, every holder launch rings while somebody waits. */
+void gl_arbiter_set_quiet(gl_arbiter *arbiter, int on);
+
 void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
 
 #endif

@@ -31,6 +31,7 @@
 typedef struct {
     uint32_t seq;
     CUevent done;
+    int quiet; /* a holder's launch that opens no window: its end rings no doorbell */
 } fk_flight;
 
 static int g_fk_doorbell = -1; /* the GPU's eventfd; replaced on reconnection */
@@ -50,6 +51,7 @@ static uint32_t g_fk_board_count;
 static uint64_t g_fk_fired;    /* atomic: the arm this holder fired last (never twice) */
 static uint64_t g_fk_released; /* under the wait lock: the arm this filler went by last */
 static int g_fk_ring_after;    /* atomic: a board release whose launch rings the doorbell */
+static __thread uint32_t t_fk_quiet_seq; /* this thread's holder launch posted without a ring */
 
 static void ring_doorbell(void) {
     int fd = __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE);
@@ -105,10 +107,12 @@ unsigned fikit_harvest(void) {
     if (g_mode != GL_MODE_FIKIT || r == NULL || g_aux.event_query == NULL) return 0;
     pthread_mutex_lock(&g_fk_lock);
     uint32_t done = g_fk_done;
+    int loud = 0;
     while (g_fk_count > 0) {
         fk_flight *f = &g_fk_ring[g_fk_head];
         if (g_aux.event_query(f->done) == CUDA_ERROR_NOT_READY) break;
         done = f->seq; /* complete, or failed: either way it holds the GPU no longer */
+        loud |= !f->quiet;
         pool_return(f->done);
         g_fk_head = (g_fk_head + 1) % FK_TRACKED;
         g_fk_count--;
@@ -119,18 +123,19 @@ unsigned fikit_harvest(void) {
     pthread_mutex_unlock(&g_fk_lock);
     if (changed) {
         w_u32(r, GL_OFF_FK_DONE, done);
-        ring_doorbell();
+        /* Quiet kernels' ends wait for the arbiter's next round (no window hangs on them). */
+        if (loud) ring_doorbell();
     }
     return left;
 }
 
 void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
-    if (launched) fikit_track(key, seq);
+    if (launched) fikit_track(key, seq, seq == t_fk_quiet_seq);
     /* Released by the holder's fire: the arbiter hears of it now, after the launch. */
     if (__atomic_exchange_n(&g_fk_ring_after, 0, __ATOMIC_ACQ_REL)) ring_doorbell();
 }
 
-void fikit_track(CUstream key, uint32_t seq) {
+void fikit_track(CUstream key, uint32_t seq, int quiet) {
     if (g_aux.event_create == NULL || g_aux.event_record == NULL) return;
     pthread_mutex_lock(&g_fk_lock);
     if (g_fk_count < FK_TRACKED) {
@@ -140,7 +145,7 @@ void fikit_track(CUstream key, uint32_t seq) {
         else if (g_aux.event_create(&e, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS)
             e = NULL;
         if (e != NULL && g_aux.event_record(e, key) == CUDA_SUCCESS) {
-            g_fk_ring[(g_fk_head + g_fk_count) % FK_TRACKED] = (fk_flight){seq, e};
+            g_fk_ring[(g_fk_head + g_fk_count) % FK_TRACKED] = (fk_flight){seq, e, quiet};
             g_fk_count++;
         } else if (e != NULL) {
             pool_return(e);
@@ -171,6 +176,15 @@ static int fire_arm(uint8_t *r, uint64_t kernel) {
     syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX, NULL, NULL,
             0);
     return 1;
+}
+
+/* Whether the arbiter needs this holder launch at once: a kernel of the published
+ * window-opening list, a graph (no kernel ID), or any launch while the list is not complete. */
+static int opens_window(const uint8_t *r, uint64_t kernel) {
+    if (r_u32(r, GL_OFF_FK_OPENERS_ALL) != 1 || kernel == 0) return 1;
+    for (int k = 0; k < GL_ARM_KERNELS; k++)
+        if (r_u64(r, GL_OFF_FK_OPENERS + 8 * k) == kernel) return 1;
+    return 0;
 }
 
 static uint64_t launch_kernel_id(const gl_launch *launch) {
@@ -299,6 +313,15 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
         uint64_t kernel = launch_kernel_id(launch);
         w_u64(r, GL_OFF_FK_KERNEL, kernel);
         w_u32(r, GL_OFF_FK_WAITING, GL_POST_TRACKED);
+        if (!opens_window(r, kernel)) {
+            /* No window follows it: nothing the arbiter decides waits for this launch, which
+             * it reads at its next round (a filler's request or completion, its timer, another
+             * ring), so no doorbell now nor at its end; its event still tells the holder busy. */
+            t_fk_quiet_seq = seq;
+            w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
+            *granted_seq = seq;
+            return CUDA_SUCCESS;
+        }
         w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
         /* After the post: the arbiter sees the launch before the fire. A fired arm rings no
          * doorbell here: the released filler rings it after its launch, so the arbiter does

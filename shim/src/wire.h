@@ -9,7 +9,7 @@
 /* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
  * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
-#define GL_REGION_VERSION 4u
+#define GL_REGION_VERSION 5u
 #define GL_REGION_BYTES 4096u
 #define GL_OFF_MAGIC 0
 #define GL_OFF_VERSION 4
@@ -60,6 +60,12 @@
 #define GL_OFF_FK_RELEASED 320 /* u64 nonce of the arm its latest request was released by */
 #define GL_OFF_FK_RELEASED_KERNEL 328 /* u64 that request's kernel ID */
 /* Written by the arbiter (filler): which request the arm is for. */
+/* The holder's window-opening kernels (predicted gap at least the threshold), from its table.
+ * OPENERS_ALL = 1: these are all of them, so a launch of any other kernel is posted without a
+ * doorbell or an event (nothing the arbiter decides waits for it; it reads the post at its next
+ * round); else every launch rings. Written before the shim's first launch and on a table swap. */
+#define GL_OFF_FK_OPENERS 336     /* u64 x GL_ARM_KERNELS */
+#define GL_OFF_FK_OPENERS_ALL 368 /* u32, stored after the IDs */
 #define GL_OFF_FK_ARMED_SEQ 384     /* u32 the request sequence number it releases */
 #define GL_OFF_FK_ARMED_KERNELS 392 /* u64 x GL_ARM_KERNELS: an arm for its next request (not
                                        posted yet) holds only if that request's kernel ID is

@@ -413,3 +413,70 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         high.close()
         low.close()
         os.close(silent)
+
+
+QUIET_KERNEL = 0x4444  # 20 us, 10 us of host work after it: opens no window
+
+
+def test_the_holders_window_opening_kernels_are_published_for_its_shim(
+    arbiter: Arbiter,
+) -> None:
+    table = [*HOLDER_TABLE, KernelTiming(QUIET_KERNEL, 20 * US, 10 * US)]
+    many = [KernelTiming(0x5000 + k, 50 * US, 1 * MS) for k in range(5)]
+    few, crowded, fill = Task(arbiter, 0, table), Task(arbiter, 1, many), Task(arbiter, 5, [])
+    try:
+        assert few.port.openers == [HOLDER_KERNEL]
+        assert few.port.opens_window(HOLDER_KERNEL) and not few.port.opens_window(QUIET_KERNEL)
+        # More than a list holds, or no table: every launch rings, as before.
+        assert crowded.port.openers is None and crowded.port.opens_window(0x5000)
+        assert fill.port.openers == []
+        # A table swap publishes the new list.
+        arbiter.set_kernels(few.slot, [KernelTiming(QUIET_KERNEL, 20 * US, 3 * MS)])
+        assert few.port.openers == [QUIET_KERNEL]
+    finally:
+        for task in (few, crowded, fill):
+            task.close()
+
+
+def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
+    arbiter: Arbiter,
+) -> None:
+    """A holder's launches that open no window ring nothing, nor do their ends (the C shim's
+    rule): the arbiter reads them at its own wake-ups, so a busy holder is never taken for
+    idle, and a holder that stops launching is, once its last kernel is done."""
+    silent = os.eventfd(0)
+    table = [*HOLDER_TABLE, KernelTiming(QUIET_KERNEL, 20 * US, 10 * US)]
+    high = Task(arbiter, 0, table, doorbell_fd=silent)
+    low = Task(arbiter, 5, FILL_TABLE)
+    try:
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        for _ in range(10):  # a loaded machine may pause the holder past the margin: retry
+            launched = high.port.post(QUIET_KERNEL, FikitPost.TRACKED)
+            seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
+            last, longest = time.monotonic(), 0.0
+            for _ in range(100):
+                time.sleep(0.00005)
+                high.port.report_done(launched)  # the kernel ended, then the next launch
+                launched = high.port.post(QUIET_KERNEL, FikitPost.TRACKED)
+                now = time.monotonic()
+                last, longest = now, max(longest, now - last)
+            if longest < 0.00015 and low.port.granted != seq:
+                break
+            if longest < 0.00015:
+                pytest.fail("a busy holder's unrung launches were taken for idleness")
+            arbiter.remove_task(low.slot)
+            low.close()
+            low = fresh = Task(arbiter, 5, FILL_TABLE)
+            assert wait_for(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+        else:
+            pytest.skip("the machine never let the holder launch every 150 us")
+        # Its last kernel still runs: the filler waits; it ends (no ring), the filler goes.
+        time.sleep(0.03)
+        assert low.port.granted != seq
+        high.port.report_done(launched)
+        assert low.port.wait_grant(seq, 1.0)
+        assert os.eventfd_read(silent) > 0  # the holder rang only the silent doorbell
+    finally:
+        high.close()
+        low.close()
+        os.close(silent)

@@ -152,3 +152,36 @@ async def test_a_task_key_is_derived_from_the_command_line(
 
     assert await register(argv, 1) is ShimMode.MEASURE
     assert await register(["/usr/bin/python3", "serve.py"], 2) is ShimMode.SHARE
+
+
+async def test_a_profiler_falling_behind_loses_records_but_never_a_runs_end(
+    linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],
+    profiler: profiler_pb2_grpc.ProfilerStub,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shims send small batches; queued ones travel merged, and when the queue is full the
+    records are dropped, not the end of a run: the session still completes (it stayed open
+    for ever when a run's end was dropped: seen in a dry run of scripts/bench_fikit_torch)."""
+    from gpuloom.services.dispatcher import profiling
+
+    monkeypatch.setattr(profiling, "MAX_QUEUED_UPLOADS", 2)
+    dispatcher, socket_path = linked
+    session = await profiler.OpenSession(
+        profiler_pb2.OpenSessionRequest(task_key="toy-model", gpu_model="A100-80GB", runs=RUNS)
+    )
+    await asyncio.sleep(0.3)
+    for n in range(RUNS):
+        request = reserve_request(sm=50, request=10, assignment_id=f"burst-{n}")
+        request.task_key = "toy-model"
+        assignment = await dispatcher.Reserve(request)
+        with ShimClient.connect(socket_path, assignment.assignment_token) as shim:
+            assert shim.registration.mode is ShimMode.MEASURE
+            for record in _run_records():  # one record a frame: a burst of small batches
+                shim.send_measurements([record])
+        await dispatcher.Release(
+            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+        )
+    done = await session_when_closed(profiler, session.session_id)
+    assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
+    assert done.runs_received == RUNS
+    assert 0 < done.records <= RUNS * 12
