@@ -189,9 +189,7 @@ static int opens_window(const uint8_t *r, uint64_t kernel) {
 
 static uint64_t launch_kernel_id(const gl_launch *launch) {
     if (launch == NULL) return 0; /* a graph: one unit, no kernel ID */
-    char name[GL_NAME_MAX];
-    function_name(launch->f, name, sizeof name);
-    return kernel_id(name, launch->dims);
+    return function_kernel_id(launch->f, launch->dims);
 }
 
 /* The board the filler's arm names, if the arm is for this request (its sequence number, and

@@ -10,18 +10,52 @@
 
 /* Kernel ID: FNV-1a 64 over the name's bytes, then the six u32 dimensions (grid x y z, block
  * x y z) as little-endian bytes. */
-uint64_t kernel_id(const char *name, const unsigned dims[6]) {
+/* FNV-1a over the name, then over the six dimensions' bytes: split so that the name's part can
+ * be kept per function. */
+static uint64_t fnv_name(const char *name) {
     uint64_t h = 0xcbf29ce484222325ull;
     for (const unsigned char *p = (const unsigned char *)name; *p; p++) {
         h ^= *p;
         h *= 0x100000001b3ull;
     }
+    return h;
+}
+
+static uint64_t fnv_dims(uint64_t h, const unsigned dims[6]) {
     for (int i = 0; i < 6; i++)
         for (int b = 0; b < 4; b++) {
             h ^= (dims[i] >> (8 * b)) & 0xff;
             h *= 0x100000001b3ull;
         }
     return h;
+}
+
+uint64_t kernel_id(const char *name, const unsigned dims[6]) {
+    return fnv_dims(fnv_name(name), dims);
+}
+
+/* Per thread, per function: the hash state after its name. A launch then reads no name (a
+ * PyTorch kernel's runs to hundreds of characters) and hashes its 24 bytes of dimensions.
+ * A module unload moves the generation: a function address a later module reuses is named
+ * again. Entries start at generation 0, which never matches. */
+#define ID_CACHE 256
+typedef struct {
+    const void *f;
+    uint32_t generation;
+    uint64_t name_state;
+} id_cache_entry;
+static __thread id_cache_entry t_id_cache[ID_CACHE];
+static uint32_t g_names_generation = 1; /* atomic */
+
+uint64_t function_kernel_id(CUfunction f, const unsigned dims[6]) {
+    uint32_t generation = __atomic_load_n(&g_names_generation, __ATOMIC_ACQUIRE);
+    id_cache_entry *e = &t_id_cache[((uintptr_t)f >> 4) % ID_CACHE];
+    if (e->f != f || e->generation != generation) {
+        char name[GL_NAME_MAX];
+        function_name(f, name, sizeof name);
+        *e = (id_cache_entry){f, generation, fnv_name(name)};
+    }
+    return fnv_dims(e->name_state, dims);
 }
 
 typedef struct name_entry {
@@ -115,6 +149,7 @@ EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule module) {
     init();
     if (!REAL(cuModuleUnload)) return CUDA_ERROR_NOT_FOUND;
     names_evict_module(module);
+    __atomic_add_fetch(&g_names_generation, 1, __ATOMIC_RELEASE);
     return REAL(cuModuleUnload)(module);
 }
 

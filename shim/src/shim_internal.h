@@ -144,6 +144,8 @@ void read_config(void);
 /* ---- names.c: kernel names and IDs ---- */
 
 uint64_t kernel_id(const char *name, const unsigned dims[6]);
+/* kernel_id(function_name(f), dims), the name's part kept per thread and function. */
+uint64_t function_kernel_id(CUfunction f, const unsigned dims[6]);
 /* The name of `f` (cuFuncGetName, else the table the identity hooks fill, else "?"). */
 void function_name(CUfunction f, char *out, size_t size);
 
