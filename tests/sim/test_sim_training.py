@@ -13,7 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.clients.cli import cli
-from gpuloom.policies.training.gandiva import MAX_HEIGHT, GandivaPolicy
+from gpuloom.policies.training.gandiva import (
+    MAX_HEIGHT,
+    SHARE_AFTER_S,
+    SLICE_AFTER_S,
+    GandivaPolicy,
+)
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.sim.training import (
     GROW_IDLE_S,
@@ -415,6 +420,8 @@ def test_the_docs_give_the_constants_the_code_uses() -> None:
         ("PACK_TRIAL_S", PACK_TRIAL_S, "s"),
         ("SERVER_GPUS", SERVER_GPUS, "GPUs"),
         ("MAX_HEIGHT", MAX_HEIGHT, "jobs"),
+        ("SLICE_AFTER_S", SLICE_AFTER_S, "s"),
+        ("SHARE_AFTER_S", SHARE_AFTER_S, "s"),
     ]:
         assert f"| `{name}` | {value:g} {unit} |" in doc
     assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)

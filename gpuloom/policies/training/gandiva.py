@@ -15,8 +15,9 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    it). Only where it is expected to pay (an equal share moves GPU time from the group's
    jobs to the newcomer, less the switching and migration costs): the job has waited
    `slice_after_s` for free GPUs, every job of the group has had `share_after_s` of
-   service (least attained service first), and no job that arrived earlier waits for
-   the group's servers (time-slicing goes in arrival order).
+   service (least attained service first), and the group is not on a server held for an
+   earlier job that has no round-robin of its GPU count to join (it waits for the server
+   to drain instead of starving).
 
 Introspective mode, in the same call (the undo before the placements, the rest after):
 
@@ -143,11 +144,12 @@ class GandivaPolicy:
         if self.grow_shrink and view.waiting:
             self._shrink(view, free, scratch, actions)
         # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
-        # rest of the call: placing others only takes GPUs and raises heights. It also holds
-        # the servers it could run on against over-subscription by the jobs behind it
-        # (time-slicing goes in arrival order): they may take free GPUs there, but not add
-        # to the round-robins it waits to see drain (else a job of another GPU count could
-        # wait for ever behind groups that never empty).
+        # rest of the call: placing others only takes GPUs and raises heights. One with no
+        # round-robin of its GPU count to join also holds the fewest servers that would hold
+        # it (those with the fewest jobs) against over-subscription by the jobs behind it:
+        # they may take free GPUs there but not add to the round-robins it waits to see
+        # drain (else a job of a GPU count no group has could wait for ever behind groups
+        # that never empty, such as one-GPU jobs behind 4-GPU round-robins on every server).
         blocked: set[tuple[int, frozenset[str] | None]] = set()
         held: set[int] = set()
         left_waiting = False
@@ -158,7 +160,8 @@ class GandivaPolicy:
                 continue
             if not self._arrive(view, job, free, scratch, actions, held):
                 blocked.add(shape)
-                held |= _servers_for(view, job)
+                if not self._has_round_robin(view, job, scratch):
+                    held |= _drain_for(view, job, free, scratch, held)
                 left_waiting = True
                 if len(held) == len(view.servers) and not any(free.free):
                     break  # no free GPU and no group open to slicing: nothing more can start
@@ -270,6 +273,16 @@ class GandivaPolicy:
             actions.append(Slice(job_id, gid))
             return True
         return False
+
+    def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
+        """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may
+        be time-sliced into once its jobs have had their service or one of them ends."""
+        return any(
+            len(slots) == job.gpus
+            and job.allows(view.servers[slots[0][0]].gpu_type)
+            and all(view.jobs[j].gpus == job.gpus for j in scratch.jobs[gid])
+            for gid, slots in scratch.slots.items()
+        )
 
     def _exclusive(self, free: FreeMap, scratch: _Scratch, job: Job) -> tuple[Slot, ...] | None:
         k = job.gpus
@@ -432,6 +445,30 @@ def _servers_for(view: ClusterView, job: Job) -> set[int]:
     allowed = [n for n, server in enumerate(view.servers) if job.allows(server.gpu_type)]
     fitting = [n for n in allowed if view.servers[n].gpus >= job.gpus]
     return set(fitting or allowed)
+
+
+def _drain_for(
+    view: ClusterView, job: Job, free: FreeMap, scratch: _Scratch, held: set[int]
+) -> set[int]:
+    """The servers to let drain for `job`, which has no round-robin of its GPU count to join:
+    as few as hold it, those with the fewest jobs (then the most free GPUs) among those it
+    could run on, preferring ones already held."""
+    on_server = Counter[int]()
+    for gid, jobs in scratch.jobs.items():
+        for server in {s for s, _ in scratch.slots[gid]}:
+            on_server[server] += len(jobs)
+    candidates = sorted(
+        _servers_for(view, job),
+        key=lambda n: (n not in held, on_server[n], -free.count(n), n),
+    )
+    chosen: set[int] = set()
+    gpus = 0
+    for n in candidates:
+        if gpus >= job.gpus:
+            break
+        chosen.add(n)
+        gpus += view.servers[n].gpus
+    return chosen
 
 
 def _partner(scratch: _Scratch, gid: int, job: int) -> int:

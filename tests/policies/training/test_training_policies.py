@@ -162,7 +162,7 @@ def test_gandiva_waits_an_hour_for_free_gpus_then_slices_with_the_job_served_lon
     assert policy.decide(fresh) == []  # both jobs barely started: nobody to share with
 
 
-def test_gandiva_time_slices_in_arrival_order_so_no_gpu_count_starves() -> None:
+def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
     # One server of four GPUs held by a 4-GPU job that has run for hours. A 1-GPU job (1)
     # waits: no free GPU, no group of its count. The 4-GPU job 2 behind it may not slice
     # onto that server: the round-robin would never drain and job 1 never run.
@@ -173,6 +173,15 @@ def test_gandiva_time_slices_in_arrival_order_so_no_gpu_count_starves() -> None:
     assert policy.decide(state) == []
     alone = view([4], groups, jobs, waiting=[2], now=10_000.0, attained={7: 9000.0})
     assert policy.decide(alone) == [Slice(2, 0)]
+    # On two servers it holds only the one with fewer jobs; job 2 slices on the other.
+    groups = [
+        Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7, 9)),
+        Group(1, ((1, 0), (1, 1), (1, 2), (1, 3)), (8,)),
+    ]
+    jobs = [job(7, 4), job(8, 4), job(9, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
+    served = {7: 9000.0, 8: 9000.0, 9: 9000.0}
+    state = view([4, 4], groups, jobs, waiting=[1, 2], now=10_000.0, attained=served)
+    assert policy.decide(state) == [Slice(2, 0)]  # not the lower group 1: held for job 1
 
 
 def test_gandiva_defragments_a_server_for_a_job_that_fits_nowhere_whole() -> None:
