@@ -249,7 +249,7 @@ class GandivaPolicy:
             actions.append(Place(job_id, slots))
             return True
         if view.now_s - job.arrival_s < self.slice_after_s:
-            return False  # GPUs that free up within the hour are waited for, as FIFO would
+            return False  # GPUs that free up meanwhile are waited for, as FIFO would
         attained = view.attained_s
         shared = [
             gid
