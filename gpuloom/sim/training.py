@@ -27,7 +27,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -258,6 +258,8 @@ class _Running:
     spec: TraceJob
     remaining: float
     rate: float = 0.0
+    solo: float = 0.0  # steps/s alone on the GPUs it runs on now (0: on none)
+    served: float = 0.0  # the seconds alone its progress so far is worth (attained service)
     stalled_until: float = 0.0
     first_s: float | None = None
     end_s: float | None = None
@@ -361,6 +363,7 @@ class _Cluster:
             packable=self.packable,
             idle_since=MappingProxyType(self.idle_since),
             grow_idle_s=GROW_IDLE_S,
+            attained_s=_Attained(self.runs, self.views),
         )
 
     def _take(self, slots: Sequence[Slot]) -> None:
@@ -541,13 +544,16 @@ class _Cluster:
                 a, b = jobs
                 both = self.table.pair[(gpu, a.spec.job_type, b.spec.job_type)]
                 a.rate, b.rate = both
+                a.solo = self.table.solo[(gpu, a.spec.job_type, 1)]
+                b.solo = self.table.solo[(gpu, b.spec.job_type, 1)]
                 continue
             share = 1.0 if len(jobs) == 1 else SLICE_EFFICIENCY / len(jobs)
             for run in jobs:
                 # Alone, on as many GPUs as its group has (more when grown).
                 gpus = len(group.slots) if len(jobs) == 1 else run.spec.gpus
                 solo = self.table.solo_rate(gpu, run.spec.job_type, gpus)
-                run.rate = (solo or 0.0) * share
+                run.solo = solo or 0.0
+                run.rate = run.solo * share
 
     def finish_time(self, run: _Running, now: float) -> float:
         if run.rate <= 0:
@@ -559,6 +565,25 @@ class _Cluster:
         run = self.runs[i]
         run.end_s, run.remaining, run.rate = now, 0.0, 0.0
         del self.views[i]
+
+
+class _Attained(Mapping[int, float]):
+    """`ClusterView.attained_s` over the jobs present, read when the policy asks."""
+
+    def __init__(self, runs: Sequence[_Running], present: Mapping[int, Job]) -> None:
+        self._runs = runs
+        self._present = present
+
+    def __getitem__(self, job: int) -> float:
+        if job not in self._present:
+            raise KeyError(job)
+        return self._runs[job].served
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._present)
+
+    def __len__(self) -> int:
+        return len(self._present)
 
 
 def elastic_range(job: TraceJob, kinds: frozenset[str], table: Throughputs) -> tuple[int, ...]:
@@ -634,7 +659,10 @@ def simulate(
         busy_gpu_s += len(cluster.used) * dt
         for i in running:
             run = cluster.runs[i]
-            run.remaining -= run.rate * max(0.0, t - max(now, run.stalled_until))
+            steps = run.rate * max(0.0, t - max(now, run.stalled_until))
+            run.remaining -= steps
+            if run.solo > 0:
+                run.served += steps / run.solo
         now = t
         for i, at in finish_at.items():
             if at <= now + 1e-6:

@@ -11,7 +11,13 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    single jobs to the servers with the fewest free GPUs that hold them;
 3. over-subscription: the job joins the round-robin (suspend/resume time-slicing) of the
    least-high group of jobs of its GPU count, up to `max_height` jobs per group; only if
-   there is none it waits (no head-of-line blocking: later jobs may go ahead).
+   there is none it waits (no head-of-line blocking: later jobs may take free GPUs ahead of
+   it). Only where it is expected to pay (an equal share moves GPU time from the group's
+   jobs to the newcomer, less the switching and migration costs): the job has waited
+   `slice_after_s` for free GPUs, every job of the group has had `share_after_s` of
+   service (least attained service first), and the group is not on a server held for an
+   earlier job that has no round-robin of its GPU count to join (it waits for the server
+   to drain instead of starving).
 
 Introspective mode, in the same call (the undo before the placements, the rest after):
 
@@ -56,6 +62,13 @@ from gpuloom.policies.training.model import (
 
 MAX_HEIGHT = 8  # jobs time-sliced on one set of GPUs at most (then new jobs wait)
 MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
+# Over-subscription only where it is expected to pay (docs/training.md, "When gandiva
+# time-slices"). Time-slicing a waiting job into a group shares the group's GPUs equally: it
+# only moves GPU time from the group's jobs to the newcomer, less the switching overhead and
+# the migration that usually follows. That lowers the average JCT only when the newcomer is
+# the shorter one; lengths are unknown, so both rules use only what has been seen:
+SLICE_AFTER_S = 3600.0  # a job waits this long for free GPUs before it is time-sliced in
+SHARE_AFTER_S = 3600.0  # ... and only with jobs that have each had this much service
 
 
 class _Scratch:
@@ -108,9 +121,17 @@ class _Scratch:
 
 
 class GandivaPolicy:
-    def __init__(self, max_height: int = MAX_HEIGHT, grow_shrink: bool = False) -> None:
+    def __init__(
+        self,
+        max_height: int = MAX_HEIGHT,
+        grow_shrink: bool = False,
+        slice_after_s: float = SLICE_AFTER_S,
+        share_after_s: float = SHARE_AFTER_S,
+    ) -> None:
         self.max_height = max_height
         self.grow_shrink = grow_shrink
+        self.slice_after_s = slice_after_s
+        self.share_after_s = share_after_s
         name = "gandiva-gs" if grow_shrink else "gandiva"
         self.name = name if max_height == MAX_HEIGHT else f"{name}:{max_height}"
         self.bad_pairs: set[tuple[str, str, str]] = set()  # (GPU type, job type, job type)
@@ -123,15 +144,27 @@ class GandivaPolicy:
         if self.grow_shrink and view.waiting:
             self._shrink(view, free, scratch, actions)
         # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
-        # rest of the call: placing others only takes GPUs and raises heights.
+        # rest of the call: placing others only takes GPUs and raises heights. One with no
+        # round-robin of its GPU count to join also holds the fewest servers that would hold
+        # it (those with the fewest jobs) against over-subscription by the jobs behind it:
+        # they may take free GPUs there but not add to the round-robins it waits to see
+        # drain (else a job of a GPU count no group has could wait for ever behind groups
+        # that never empty, such as one-GPU jobs behind 4-GPU round-robins on every server).
         blocked: set[tuple[int, frozenset[str] | None]] = set()
+        held: set[int] = set()
         left_waiting = False
         for job_id in view.waiting:
             job = view.jobs[job_id]
             shape = (job.gpus, job.runs_on)
-            if shape in blocked or not self._arrive(view, job, free, scratch, actions):
+            if shape in blocked:
+                continue
+            if not self._arrive(view, job, free, scratch, actions, held):
                 blocked.add(shape)
+                if not self._has_round_robin(view, job, scratch):
+                    held |= _drain_for(view, job, free, scratch, held)
                 left_waiting = True
+                if len(held) == len(view.servers) and not any(free.free):
+                    break  # no free GPU and no group open to slicing: nothing more can start
         self._spread(view, free, scratch, actions)
         self._pack(view, scratch, actions)
         if self.grow_shrink and not left_waiting:
@@ -204,6 +237,7 @@ class GandivaPolicy:
         free: FreeMap,
         scratch: _Scratch,
         actions: list[Action],
+        held: set[int],
     ) -> bool:
         """Place, de-fragment for, or time-slice one waiting job; False if it must wait."""
         k, job_id = job.gpus, job.id
@@ -214,6 +248,9 @@ class GandivaPolicy:
             scratch.place(job_id, slots)
             actions.append(Place(job_id, slots))
             return True
+        if view.now_s - job.arrival_s < self.slice_after_s:
+            return False  # GPUs that free up meanwhile are waited for, as FIFO would
+        attained = view.attained_s
         shared = [
             gid
             for gid, jobs in scratch.jobs.items()
@@ -223,6 +260,11 @@ class GandivaPolicy:
             and not scratch.packed[gid]
             and len(jobs) < self.max_height
             and job.allows(view.servers[scratch.slots[gid][0][0]].gpu_type)
+            and not any(server in held for server, _ in scratch.slots[gid])
+            # Least attained service first: a job that has run long is expected to run long
+            # yet (heavy-tailed lengths), so a newcomer is likely the shorter one; a group
+            # whose jobs have had little service is waited for instead.
+            and all(attained.get(j, 0.0) >= self.share_after_s for j in jobs)
         ]
         if shared:
             gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
@@ -231,6 +273,16 @@ class GandivaPolicy:
             actions.append(Slice(job_id, gid))
             return True
         return False
+
+    def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
+        """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may
+        be time-sliced into once its jobs have had their service or one of them ends."""
+        return any(
+            len(slots) == job.gpus
+            and job.allows(view.servers[slots[0][0]].gpu_type)
+            and all(view.jobs[j].gpus == job.gpus for j in scratch.jobs[gid])
+            for gid, slots in scratch.slots.items()
+        )
 
     def _exclusive(self, free: FreeMap, scratch: _Scratch, job: Job) -> tuple[Slot, ...] | None:
         k = job.gpus
@@ -385,6 +437,38 @@ class GandivaPolicy:
                     scratch.packed[gid] = True
                     actions.append(Pack(job, gid))
                     break
+
+
+def _servers_for(view: ClusterView, job: Job) -> set[int]:
+    """The servers `job` could run on: of a GPU type it allows, big enough for it (all those
+    of its types for a job wider than every such server)."""
+    allowed = [n for n, server in enumerate(view.servers) if job.allows(server.gpu_type)]
+    fitting = [n for n in allowed if view.servers[n].gpus >= job.gpus]
+    return set(fitting or allowed)
+
+
+def _drain_for(
+    view: ClusterView, job: Job, free: FreeMap, scratch: _Scratch, held: set[int]
+) -> set[int]:
+    """The servers to let drain for `job`, which has no round-robin of its GPU count to join:
+    as few as hold it, those with the fewest jobs (then the most free GPUs) among those it
+    could run on, preferring ones already held."""
+    on_server = Counter[int]()
+    for gid, jobs in scratch.jobs.items():
+        for server in {s for s, _ in scratch.slots[gid]}:
+            on_server[server] += len(jobs)
+    candidates = sorted(
+        _servers_for(view, job),
+        key=lambda n: (n not in held, on_server[n], -free.count(n), n),
+    )
+    chosen: set[int] = set()
+    gpus = 0
+    for n in candidates:
+        if gpus >= job.gpus:
+            break
+        chosen.add(n)
+        gpus += view.servers[n].gpus
+    return chosen
 
 
 def _partner(scratch: _Scratch, gid: int, job: int) -> int:

@@ -75,6 +75,10 @@ class ClusterView:
     # given to a job that grows (inf: never).
     idle_since: Mapping[Slot, float] = field(default_factory=dict)
     grow_idle_s: float = math.inf
+    # Per job, the service it has had so far: the seconds alone on its GPUs its progress is
+    # worth (mini-batches done x mini-batch time alone; the past, not its length). A job not
+    # in it counts as 0 (the live driver, which places no waiting jobs, gives none).
+    attained_s: Mapping[int, float] = field(default_factory=dict)
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
         return (gpu_type, a, b) in self.packable

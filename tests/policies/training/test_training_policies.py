@@ -45,20 +45,29 @@ def view(
     jobs: list[Job],
     waiting: list[int] = (),  # type: ignore[assignment]
     packable: set[tuple[str, str, str]] = frozenset(),  # type: ignore[assignment]
+    now: float = 0.0,
+    attained: dict[int, float] | None = None,
 ) -> ClusterView:
     return ClusterView(
-        now_s=0.0,
+        now_s=now,
         servers=tuple(Server("v100", n) for n in servers),
         jobs=MappingProxyType({j.id: j for j in jobs}),
         groups=tuple(groups),
         waiting=tuple(waiting),
         slice_efficiency=EFFICIENCY,
         packable=frozenset(packable),
+        attained_s=MappingProxyType(attained or {}),
     )
 
 
 def job(i: int, gpus: int = 1, kind: str = "A", util: float = 0.5) -> Job:
     return Job(i, kind, gpus, float(i), util)
+
+
+def eager(**options: int) -> GandivaPolicy:
+    """Gandiva time-slicing at once, with any job (the paper's reactive mode): for the tests
+    of the mechanisms; the patience rules have tests of their own."""
+    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, **options)
 
 
 def both_ways(a: str, b: str) -> set[tuple[str, str, str]]:
@@ -109,7 +118,7 @@ def test_a_job_goes_only_to_gpu_types_it_runs_on() -> None:
     jobs = MappingProxyType({1: picky, 7: job(7, 2), 8: job(8, 2)})
     state = ClusterView(0.0, servers, jobs, busy, (1,), EFFICIENCY, frozenset())
     assert FifoPolicy().decide(state) == []
-    assert GandivaPolicy().decide(state) == [Slice(1, 0)]
+    assert eager().decide(state) == [Slice(1, 0)]
 
 
 def test_gandiva_places_by_affinity_then_empty_server() -> None:
@@ -132,10 +141,47 @@ def test_gandiva_places_by_affinity_then_empty_server() -> None:
 def test_gandiva_over_subscribes_the_least_high_group_up_to_the_cap() -> None:
     groups = [Group(0, ((0, 0),), (7, 8)), Group(1, ((0, 1),), (9,))]
     jobs = [job(7), job(8), job(9), job(1), job(2), job(3, 2)]
-    actions = GandivaPolicy(max_height=2).decide(view([2], groups, jobs, waiting=[1, 2, 3]))
+    actions = eager(max_height=2).decide(view([2], groups, jobs, waiting=[1, 2, 3], now=10))
     # Job 1 slices with the single job 9; then every group is at the cap: job 2 waits, and
     # the 2-GPU job 3 has no group of its size.
     assert actions == [Slice(1, 1)]
+
+
+def test_gandiva_waits_an_hour_for_free_gpus_then_slices_with_the_job_served_longest() -> None:
+    # One server of two GPUs: job 7 has run 10 min, job 8 two hours; job 1 arrived at 0.
+    groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8,))]
+    jobs = [job(7), job(8), Job(1, "A", 1, 0.0, 0.5)]
+    served = {7: 600.0, 8: 7200.0}
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0)
+    early = view([2], groups, jobs, waiting=[1], now=3599.0, attained=served)
+    assert policy.decide(early) == []  # GPUs may free within the hour: it waits, as FIFO
+    late = view([2], groups, jobs, waiting=[1], now=3600.0, attained=served)
+    # Group 0 is as high and comes first, but its job has had 10 minutes of service only.
+    assert policy.decide(late) == [Slice(1, 1)]
+    fresh = view([2], groups, jobs, waiting=[1], now=3600.0, attained={7: 600.0, 8: 60.0})
+    assert policy.decide(fresh) == []  # both jobs barely started: nobody to share with
+
+
+def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
+    # One server of four GPUs held by a 4-GPU job that has run for hours. A 1-GPU job (1)
+    # waits: no free GPU, no group of its count. The 4-GPU job 2 behind it may not slice
+    # onto that server: the round-robin would never drain and job 1 never run.
+    groups = [Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7,))]
+    jobs = [job(7, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0)
+    state = view([4], groups, jobs, waiting=[1, 2], now=10_000.0, attained={7: 9000.0})
+    assert policy.decide(state) == []
+    alone = view([4], groups, jobs, waiting=[2], now=10_000.0, attained={7: 9000.0})
+    assert policy.decide(alone) == [Slice(2, 0)]
+    # On two servers it holds only the one with fewer jobs; job 2 slices on the other.
+    groups = [
+        Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7, 9)),
+        Group(1, ((1, 0), (1, 1), (1, 2), (1, 3)), (8,)),
+    ]
+    jobs = [job(7, 4), job(8, 4), job(9, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
+    served = {7: 9000.0, 8: 9000.0, 9: 9000.0}
+    state = view([4, 4], groups, jobs, waiting=[1, 2], now=10_000.0, attained=served)
+    assert policy.decide(state) == [Slice(2, 0)]  # not the lower group 1: held for job 1
 
 
 def test_gandiva_defragments_a_server_for_a_job_that_fits_nowhere_whole() -> None:
