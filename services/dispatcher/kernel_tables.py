@@ -10,7 +10,6 @@ runs with an empty table: the arbiter admits its kernels conservatively (no gap 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 from collections.abc import Callable
@@ -19,6 +18,7 @@ import grpc
 import structlog
 
 from gpuloom.services.dispatcher.arbiter import KernelTiming
+from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc
 
@@ -86,10 +86,7 @@ class KernelTables:
         return table
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -35,6 +35,7 @@ from gpuloom.convert.training import cycle_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
 from gpuloom.services.dispatcher.node_resources import NONE_REPORTED, NodeResources
+from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 
@@ -164,9 +165,7 @@ class PlacementLink:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         if self._channel is not None:
             await self._channel.close()

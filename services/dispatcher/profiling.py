@@ -13,7 +13,6 @@ most the batches in flight; measurement data, unlike reservations, may be lost).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import structlog
 
 from gpuloom.services.dispatcher.domain import DispatcherEvent, EventKind, Reservation
 from gpuloom.shimwire import ShimMode
+from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import common_pb2, profiler_pb2, profiler_pb2_grpc, shim_pb2
 
@@ -71,11 +71,7 @@ class ProfilerLink:
         ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._channel is not None:
             await self._channel.close()
 

@@ -42,6 +42,7 @@ from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 from gpuloom.services.placement.scaling import AutoScaler, ScalingResult
 from gpuloom.services.placement.training import TrainingConfig, TrainingControl, TrainingDriver
+from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.placement")
 # The states of the jobs the service keeps in memory (the gauges of jobs by state).
@@ -127,8 +128,7 @@ class PlacementCore:
 
     async def stop(self) -> None:
         if self._heartbeats is not None:
-            self._heartbeats.cancel()
-            await asyncio.gather(self._heartbeats, return_exceptions=True)
+            await cancel_and_wait(self._heartbeats)
         await self.training.stop()
         await self.jobs.stop()
 

@@ -54,6 +54,7 @@ from gpuloom.services.placement.mig_batches import WAITING, MigBatchConfig, MigB
 from gpuloom.services.placement.paging import decode_seq, encode_token
 from gpuloom.services.placement.profiles import KernelTimesCache, ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
+from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.placement")
 
@@ -172,9 +173,7 @@ class Decisions:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
         await self.mig.stop()
         if self._background:
             await asyncio.wait(self._background, timeout=5)

@@ -41,6 +41,7 @@ from gpuloom.services.placement.domain import Binding, GpuRecord, Job
 from gpuloom.services.placement.inventory import Inventory
 from gpuloom.services.placement.ledger import JobLedger
 from gpuloom.services.placement.profiles import PROFILE_TTL_S, ProfileSource
+from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.placement.mig")
 
@@ -219,10 +220,7 @@ class MigBatches:
     async def stop(self) -> None:
         """Stop following the runs (the dispatchers go on with them; a restart marks their
         tasks LOST)."""
-        runs = list(self._runs.values())
-        for task in runs:
-            task.cancel()
-        await asyncio.gather(*runs, return_exceptions=True)
+        await cancel_and_wait(*self._runs.values())
 
     # ---- planning ----
 

@@ -72,6 +72,7 @@ from gpuloom.services.placement.dispatchers import (
 )
 from gpuloom.services.placement.domain import Binding, Job
 from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
+from gpuloom.tasks import cancel_and_wait
 from gpuloom.v1 import dispatcher_pb2
 
 log = structlog.get_logger("gpuloom.placement")
@@ -214,8 +215,7 @@ class TrainingDriver:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self._background:
             await asyncio.wait(self._background, timeout=5)
 
