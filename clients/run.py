@@ -215,10 +215,16 @@ class JobRunner:
     ) -> bool:
         """Run the hook and report it; True when the child was stopped (to run again)."""
         job_id = run.job.job_id
-        self._say(
-            f"job {job_id}: checkpointing to move to GPU {migration.target_gpu_uuid} "
-            f"({migration.reason})"
-        )
+        if migration.gpus:
+            self._say(
+                f"job {job_id}: checkpointing to {migration.reason} to {migration.gpus} GPUs "
+                f"(first GPU {migration.target_gpu_uuid})"
+            )
+        else:
+            self._say(
+                f"job {job_id}: checkpointing to move to GPU {migration.target_gpu_uuid} "
+                f"({migration.reason})"
+            )
         timeout_s = hook.effective_timeout_s
         if hook.signal:
             run.checkpointing.set()
@@ -293,8 +299,9 @@ class JobRunner:
         except DomainError as error:
             self._say(f"job {run.job.job_id}: the migration was not done: {error.message}")
             return None
-        where = moved.assignment.gpu_uuid if moved.assignment else "?"
-        self._say(f"job {run.job.job_id}: moved to GPU {where}; starting the command again")
+        gpus = moved.assignment.gpu_uuids if moved.assignment else ("?",)
+        where = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {','.join(gpus)}"
+        self._say(f"job {run.job.job_id}: moved to {where}; starting the command again")
         return moved
 
     def _hook_failed(self, run: _Run, migration_id: str, message: str) -> None:

@@ -56,6 +56,7 @@ from gpuloom.policies.training.model import (
 
 MAX_HEIGHT = 8  # jobs time-sliced on one set of GPUs at most (then new jobs wait)
 MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
+GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 
 
 class _Scratch:
