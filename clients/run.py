@@ -101,10 +101,12 @@ class JobRunner:
         share and the shim; SIGINT and SIGTERM sent to this process (when called from the main
         thread) are passed on to it, and it gets SIGTERM if the job is cancelled or lost.
 
-        A training job with a checkpoint hook may be migrated (docs/training.md): when placement
-        asks for it, the hook runs (its command, or its signal sent to the child, which must
-        save its state and exit 0), placement is told how it went (ReportCheckpoint), and on
-        success the command starts again with the new assignment's environment. A hook that
+        A training job with a checkpoint hook may be migrated, or resized (an elastic job under
+        grow-shrink: restarted on more or fewer GPUs of its node), the same way
+        (docs/training.md): when placement asks for it, the hook runs (its command, or its
+        signal sent to the child, which must save its state and exit 0), placement is told how
+        it went (ReportCheckpoint), and on success the command starts again with the new
+        assignment's environment. A hook that
         fails or times out leaves the child running where it is (a child that exited non-zero
         after the signal is started again where it was)."""
         while True:
