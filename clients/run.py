@@ -20,7 +20,7 @@ from typing import IO, Any
 from gpuloom.clients.placement import PlacementClient, SpecLike, WaitTimedOut
 from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobState, JobView
-from gpuloom.domain.training import CheckpointHook, MigrationRequest
+from gpuloom.domain.training import CheckpointHook, MigrationRequest, gpus_text
 
 # Exit codes a shell gives for a command it cannot run.
 NOT_FOUND = 127
@@ -219,7 +219,7 @@ class JobRunner:
         job_id = run.job.job_id
         if migration.gpus:
             self._say(
-                f"job {job_id}: checkpointing to {migration.reason} to {migration.gpus} GPUs "
+                f"job {job_id}: checkpointing to {migration.reason} to {gpus_text(migration.gpus)} "
                 f"(first GPU {migration.target_gpu_uuid})"
             )
         else:

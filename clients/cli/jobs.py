@@ -35,7 +35,7 @@ from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
-from gpuloom.domain.training import CheckpointHook, TrainingState
+from gpuloom.domain.training import CheckpointHook, TrainingState, gpus_text
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
@@ -776,7 +776,7 @@ def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
     if state.migration is not None:
         m = state.migration
         where = (
-            f"to {m.gpus} GPUs from {m.target_gpu_uuid}"
+            f"to {gpus_text(m.gpus)} from {m.target_gpu_uuid}"
             if m.gpus
             else f"to {m.target_gpu_uuid} on {m.target_node}"
         )

@@ -136,6 +136,11 @@ class MigrationRequest:
     gpus: int = 0  # a resize (grow-shrink): the whole GPUs it runs on next; 0: a migration
 
 
+def gpus_text(n: int) -> str:
+    """'1 GPU', '2 GPUs'."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
 @dataclass(frozen=True, slots=True)
 class TrainingState:
     """What placement shows of a training job (Job.training)."""
@@ -161,5 +166,5 @@ class TrainingState:
         migration = self.migration
         if self.phase is TrainingPhase.MIGRATING and migration is not None and migration.gpus:
             doing = {"grow": "growing", "shrink": "shrinking"}.get(migration.reason, "moving")
-            return f"{doing} to {migration.gpus} GPUs"
+            return f"{doing} to {gpus_text(migration.gpus)}"
         return self.phase.value

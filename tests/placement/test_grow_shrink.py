@@ -150,7 +150,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     assert newcomer.state is JobState.PENDING
     migration, gpus = await asked(core, grower, "shrink")
     assert gpus == 1
-    assert "shrinking to 1 GPUs" in _training_cell(job_view(await core.get(grower)))
+    assert "shrinking to 1 GPU" in _training_cell(job_view(await core.get(grower)))
     assert (await core.get(newcomer.job_id)).state is JobState.PENDING  # not before the hook
     done = await core.report_checkpoint(grower, migration, True, "")
     assert done.binding is not None and done.binding.gpu_uuids == (first,)

@@ -176,5 +176,5 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
     for pid, (low, high) in zip(pids, itertools.pairwise(bounds), strict=True):
         assert len([r for r in engine if r[0] == pid]) == (high - low) * 2 * LAYERS
     assert any("checkpointing to grow to 2 GPUs" in line for line in said), said
-    assert any("checkpointing to shrink to 1 GPUs" in line for line in said), said
+    assert any("checkpointing to shrink to 1 GPU" in line for line in said), said
     assert resizes("grow") == grown_before + 1 and resizes("shrink") == shrunk_before + 1
