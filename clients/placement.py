@@ -314,6 +314,7 @@ _RESOURCE_KEYS = (
     "memory_bytes",
     "mps",
     "whole_gpus",
+    "max_gpus",
     "mig",
     "cpu_milli",
     "host_memory_gib",
@@ -474,6 +475,15 @@ def _resources_into(
     mig = resources.mapping.get("mig")
     if sum(x is not None for x in (mps, whole, mig)) > 1:
         raise resources.fail("mps", "give one of mps, whole_gpus and mig")
+    max_gpus = resources.integer("max_gpus")
+    if max_gpus is not None:
+        if whole is None:
+            raise resources.fail(
+                "max_gpus", "an elastic range needs whole_gpus (its smallest GPU count)"
+            )
+        if not 0 <= max_gpus < 1 << 32:  # what the message can carry; the service checks more
+            raise resources.fail("max_gpus", f"must be within whole_gpus..64, got {max_gpus}")
+        spec.max_gpus = max_gpus
     if mig is not None:
         # A MIG batch task: the batch planner chooses the instance size.
         if mig is not True:
@@ -510,6 +520,7 @@ _FILE_KEYS = {
     "spec.priority.level": "priority",
     "spec.cpu_milli": "resources.cpu_milli",
     "spec.host_memory_bytes": "resources.host_memory_gib",
+    "spec.max_gpus": "resources.max_gpus",
 }
 
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 from gpuloom.clients.placement import PlacementClient, SpecLike, WaitTimedOut
 from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobState, JobView
-from gpuloom.domain.training import CheckpointHook, MigrationRequest
+from gpuloom.domain.training import CheckpointHook, MigrationRequest, gpus_text
 
 # Exit codes a shell gives for a command it cannot run.
 NOT_FOUND = 127
@@ -101,10 +101,12 @@ class JobRunner:
         share and the shim; SIGINT and SIGTERM sent to this process (when called from the main
         thread) are passed on to it, and it gets SIGTERM if the job is cancelled or lost.
 
-        A training job with a checkpoint hook may be migrated (docs/training.md): when placement
-        asks for it, the hook runs (its command, or its signal sent to the child, which must
-        save its state and exit 0), placement is told how it went (ReportCheckpoint), and on
-        success the command starts again with the new assignment's environment. A hook that
+        A training job with a checkpoint hook may be migrated, or resized (an elastic job under
+        grow-shrink: restarted on more or fewer GPUs of its node), the same way
+        (docs/training.md): when placement asks for it, the hook runs (its command, or its
+        signal sent to the child, which must save its state and exit 0), placement is told how
+        it went (ReportCheckpoint), and on success the command starts again with the new
+        assignment's environment. A hook that
         fails or times out leaves the child running where it is (a child that exited non-zero
         after the signal is started again where it was)."""
         while True:
@@ -215,10 +217,16 @@ class JobRunner:
     ) -> bool:
         """Run the hook and report it; True when the child was stopped (to run again)."""
         job_id = run.job.job_id
-        self._say(
-            f"job {job_id}: checkpointing to move to GPU {migration.target_gpu_uuid} "
-            f"({migration.reason})"
-        )
+        if migration.gpus:
+            self._say(
+                f"job {job_id}: checkpointing to {migration.reason} to {gpus_text(migration.gpus)} "
+                f"(first GPU {migration.target_gpu_uuid})"
+            )
+        else:
+            self._say(
+                f"job {job_id}: checkpointing to move to GPU {migration.target_gpu_uuid} "
+                f"({migration.reason})"
+            )
         timeout_s = hook.effective_timeout_s
         if hook.signal:
             run.checkpointing.set()
@@ -293,8 +301,9 @@ class JobRunner:
         except DomainError as error:
             self._say(f"job {run.job.job_id}: the migration was not done: {error.message}")
             return None
-        where = moved.assignment.gpu_uuid if moved.assignment else "?"
-        self._say(f"job {run.job.job_id}: moved to GPU {where}; starting the command again")
+        gpus = moved.assignment.gpu_uuids if moved.assignment else ("?",)
+        where = f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {','.join(gpus)}"
+        self._say(f"job {run.job.job_id}: moved to {where}; starting the command again")
         return moved
 
     def _hook_failed(self, run: _Run, migration_id: str, message: str) -> None:

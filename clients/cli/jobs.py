@@ -35,7 +35,7 @@ from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
-from gpuloom.domain.training import CheckpointHook, TrainingState
+from gpuloom.domain.training import CheckpointHook, TrainingState, gpus_text
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 MAX_REASON = 60
@@ -154,7 +154,7 @@ def list_jobs(
             rfc3339(job.submitted_at),
             duration(now - job.submitted_at),
             _runtime(job, now),
-            _training_cell(job.training),
+            _training_cell(job),
             _short(job.pending_reason if job.state is JobState.PENDING else job.message),
         )
         for job in found
@@ -368,6 +368,15 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
         },
     ),
     (
+        "spec.max_gpus",
+        ("--max-gpus",),
+        {
+            "type": click.IntRange(1, 64),
+            "help": "Training jobs with a checkpoint hook: an elastic range --gpus..M; the job may "
+            "grow onto idle GPUs of its node and shrink back (docs/training.md).",
+        },
+    ),
+    (
         "spec.cpu_milli",
         ("--cpu-milli",),
         {
@@ -539,6 +548,7 @@ def _run_spec(
     memory_gib: float | None,
     whole_gpu: bool,
     gpus: int | None,
+    max_gpus: int | None,
     cpu_milli: int,
     host_memory_gib: float,
     policy: str,
@@ -556,6 +566,10 @@ def _run_spec(
         raise click.UsageError("--gpus excludes --sm and --quota (a share is of one GPU)")
     if gpus is not None and gpus > 1 and shared_model:
         raise click.UsageError("--shared-model takes one GPU: not with --gpus above 1")
+    if max_gpus is not None and shared:
+        raise click.UsageError("--max-gpus needs whole GPUs: not with --sm or --quota")
+    if max_gpus is not None and max_gpus < (gpus or 1):
+        raise click.UsageError(f"--max-gpus {max_gpus} is below --gpus {gpus or 1}")
     if quota_limit is not None and not shared:
         raise click.UsageError("--quota-limit needs an MPS share (--sm and/or --quota)")
     if shared and memory_gib is None:
@@ -578,6 +592,7 @@ def _run_spec(
         gpu_model=gpu_model,
         shared_model=shared_model,
         checkpoint=_hook(checkpoint_signal, checkpoint_command, checkpoint_timeout),
+        max_gpus=max_gpus or 0,
         cpu_milli=cpu_milli,
         host_memory_bytes=round(host_memory_gib * GIB),
     )
@@ -633,6 +648,8 @@ def _share(spec: JobSpec) -> str:
             else ""
         )
         text = f"SM {spec.share.sm_percent}%, quota {quota.request_percent:g}%{limit}"
+    elif spec.max_gpus:
+        text = f"{spec.whole_gpus}..{spec.max_gpus} whole GPUs (elastic)"
     elif spec.whole_gpus:
         text = "whole GPU" if spec.whole_gpus == 1 else f"{spec.whole_gpus} GPUs"
     elif spec.is_mig_batch:
@@ -703,12 +720,34 @@ def _summary(job: JobView) -> str:
     return line + (f": {job.message}" if job.message else "")
 
 
-def _training_cell(state: TrainingState | None) -> str:
-    """The TRAINING column: its phase and mini-batch time ("-" for other jobs)."""
-    if state is None:
-        return "-"
-    minibatch = f" {state.minibatch_s:.3g} s/mb" if state.minibatch_s else ""
-    return f"{state.describe()}{minibatch}"
+def _training_cell(job: JobView) -> str:
+    """The TRAINING column: its phase and mini-batch time, and an elastic job's GPU count
+    ("-" for other jobs)."""
+    state = job.training
+    parts = []
+    if state is not None:
+        minibatch = f" {state.minibatch_s:.3g} s/mb" if state.minibatch_s else ""
+        parts.append(f"{state.describe()}{minibatch}")
+    elastic = _elastic(job)
+    if elastic:
+        parts.append(elastic)
+    return ", ".join(parts) or "-"
+
+
+def _elastic(job: JobView) -> str:
+    """An elastic job's GPUs now within its range: "grown to 2 of 1..4", "1 of 1..4 GPUs"
+    ("" for other jobs)."""
+    spec = job.spec
+    if not spec.max_gpus:
+        return ""
+    low = max(spec.whole_gpus, 1)
+    held = job.assignment is not None and job.state.holds_capacity
+    now = len(job.assignment.gpu_uuids) if held and job.assignment else 0
+    if not now:
+        return f"{low}..{spec.max_gpus} GPUs"
+    if now > low:
+        return f"grown to {now} of {low}..{spec.max_gpus}"
+    return f"{now} of {low}..{spec.max_gpus} GPUs"
 
 
 def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
@@ -736,14 +775,20 @@ def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
         )
     if state.migration is not None:
         m = state.migration
+        where = (
+            f"to {gpus_text(m.gpus)} from {m.target_gpu_uuid}"
+            if m.gpus
+            else f"to {m.target_gpu_uuid} on {m.target_node}"
+        )
         rows.append(
             (
-                "migrating",
-                f"to {m.target_gpu_uuid} on {m.target_node} ({m.reason}), "
-                f"hook due by {rfc3339(m.deadline)}",
+                "resizing" if m.gpus else "migrating",
+                f"{where} ({m.reason}), hook due by {rfc3339(m.deadline)}",
             )
         )
     rows.append(("migrations", f"{state.migrations} done, {state.failed_migrations} failed"))
+    if state.resizes:
+        rows.append(("resizes", f"{state.resizes} done (grow-shrink)"))
     if state.last_hook_error:
         rows.append(
             ("hook error", f"{state.last_hook_error} ({rfc3339(state.last_hook_error_at)})")
@@ -791,6 +836,8 @@ def _details(job: JobView) -> str:
         hook = spec.checkpoint
         how = " ".join(hook.command) if hook.command else f"signal {hook.signal}"
         rows.append(("checkpoint", f"{how} (within {hook.effective_timeout_s:g} s)"))
+    if spec.max_gpus:
+        rows.append(("elastic", _elastic(job)))
     if job.training is not None:
         rows += _training_rows(job.training)
     if job.state in (JobState.SUCCEEDED, JobState.FAILED):

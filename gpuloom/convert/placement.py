@@ -67,6 +67,7 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
         command=tuple(msg.command),
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
+        max_gpus=msg.max_gpus,
         cpu_milli=msg.cpu_milli,
         host_memory_bytes=msg.host_memory_bytes,
     )
@@ -96,6 +97,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         shared_model=spec.shared_model,
         cpu_milli=spec.cpu_milli,
         host_memory_bytes=spec.host_memory_bytes,
+        max_gpus=spec.max_gpus,
     )
     if spec.checkpoint is not None:
         msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))

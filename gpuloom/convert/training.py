@@ -106,6 +106,7 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         failed_migrations=state.failed_migrations,
         last_hook_error=state.last_hook_error,
         last_hook_error_at=timestamp(state.last_hook_error_at),
+        resizes=state.resizes,
     )
     migration = state.migration
     if migration is not None:
@@ -118,6 +119,7 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
                 reason=migration.reason,
                 requested_at=timestamp(migration.requested_at),
                 deadline=timestamp(migration.deadline),
+                gpus=migration.gpus,
             )
         )
     return msg
@@ -137,6 +139,7 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
             reason=m.reason,
             requested_at=unix_s(m, "requested_at"),
             deadline=unix_s(m, "deadline"),
+            gpus=m.gpus,
         )
     return TrainingState(
         phase=phase,
@@ -161,4 +164,5 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         last_hook_error=msg.last_hook_error,
         last_hook_error_at=unix_s(msg, "last_hook_error_at"),
         migration=migration,
+        resizes=msg.resizes,
     )

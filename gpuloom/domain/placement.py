@@ -99,6 +99,13 @@ class JobSpec:
     shared_model: str = ""
     # Training jobs: how the job saves its state before a migration (None: never migrated).
     checkpoint: CheckpointHook | None = None
+    # Grow-shrink: the most whole GPUs (of one node) the job may grow onto; its elastic range
+    # is whole_gpus..max_gpus. 0: not elastic.
+    max_gpus: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_gpus > max(self.whole_gpus, 1)
 
     @property
     def is_mig_batch(self) -> bool:
@@ -150,6 +157,31 @@ class JobSpec:
                     "spec.checkpoint", "only training jobs (kind training) take a checkpoint hook"
                 )
             self.checkpoint.validate()
+        if self.max_gpus:
+            self._validate_elastic()
+
+    def _validate_elastic(self) -> None:
+        """An elastic range (max_gpus): a training job on whole GPUs with a checkpoint hook
+        (a resize restarts it from its checkpoint), max_gpus within whole_gpus..64."""
+        field = "spec.max_gpus"
+        if self.kind is not JobKind.TRAINING:
+            raise InvalidArgument(field, "only training jobs (kind training) take an elastic range")
+        if not self.whole_gpus:
+            raise InvalidArgument(
+                field, "an elastic range needs whole GPUs (resources.whole_gpus), not a share"
+            )
+        if self.checkpoint is None:
+            raise InvalidArgument(
+                field,
+                "an elastic range needs a checkpoint hook (spec.checkpoint): growing or "
+                "shrinking restarts the job from its checkpoint",
+            )
+        if not self.whole_gpus <= self.max_gpus <= MAX_WHOLE_GPUS:
+            raise InvalidArgument(
+                field,
+                f"must be within whole_gpus..{MAX_WHOLE_GPUS} ({self.whole_gpus}.."
+                f"{MAX_WHOLE_GPUS}), got {self.max_gpus}",
+            )
 
     def _validate_gpu_model(self) -> None:
         models = self.gpu_models

@@ -133,6 +133,12 @@ class MigrationRequest:
     reason: str
     requested_at: float
     deadline: float
+    gpus: int = 0  # a resize (grow-shrink): the whole GPUs it runs on next; 0: a migration
+
+
+def gpus_text(n: int) -> str:
+    """'1 GPU', '2 GPUs'."""
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +157,14 @@ class TrainingState:
     last_hook_error: str = ""
     last_hook_error_at: float = 0.0
     migration: MigrationRequest | None = None
+    resizes: int = 0  # grow-shrink: grows and shrinks completed
 
     def describe(self) -> str:
         """One word or phrase for tables: running, suspended, packed with X, migrating."""
         if self.phase is TrainingPhase.PACKED and self.packed_with:
             return f"packed with {self.packed_with}"
+        migration = self.migration
+        if self.phase is TrainingPhase.MIGRATING and migration is not None and migration.gpus:
+            doing = {"grow": "growing", "shrink": "shrinking"}.get(migration.reason, "moving")
+            return f"{doing} to {gpus_text(migration.gpus)}"
         return self.phase.value

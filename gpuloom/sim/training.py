@@ -35,6 +35,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from gpuloom.policies.training.gandiva import GROW_IDLE_S  # grow-shrink: the idle period
 from gpuloom.policies.training.model import (
     Action,
     ClusterView,
@@ -59,7 +60,6 @@ SLICE_EFFICIENCY = slice_efficiency(QUANTUM_S, SWITCH_S)
 MIGRATION_S = 30.0  # checkpoint, stop, restart on new GPUs: progress lost per migration
 PACK_TRIAL_S = 600.0  # packed this long before the packed mini-batch times are compared
 SERVER_GPUS = 4  # GPUs per server unless the cluster spec says /N
-GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 ELASTIC_FACTOR = 2  # grow-shrink: a job may grow to this many times its GPUs (measured scales)
 THROUGHPUTS_NAME = "simulation_throughputs.json"
 TRACE_FIELDS = 7

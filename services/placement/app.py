@@ -91,6 +91,7 @@ class PlacementApp:
                     quantum_s=settings.training_quantum_s,
                     pack_trial_s=settings.training_pack_trial_s,
                     suspend_wait_ms=settings.training_suspend_wait_ms,
+                    grow_idle_s=settings.training_grow_idle_s,
                 ),
             )
             core = PlacementCore(

@@ -63,6 +63,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         command=tuple(msg.command),
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
+        max_gpus=msg.max_gpus,
         cpu_milli=msg.cpu_milli,
         host_memory_bytes=msg.host_memory_bytes,
     )

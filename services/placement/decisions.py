@@ -139,9 +139,9 @@ class Decisions:
         self._background: set[asyncio.Task[None]] = set()
         self._stopping = False
         self.mig = MigBatches(self, inventory, profiles, mig_runner, mig)
-        # Training jobs migrating: job id -> the GPU whose dispatcher holds their next
-        # reservation too (services/placement/training.py); not stale there.
-        self.moving: dict[str, str] = {}
+        # Training jobs migrating or growing: job id -> the GPUs whose dispatchers hold their
+        # next reservation too (services/placement/training.py); not stale there.
+        self.moving: dict[str, tuple[str, ...]] = {}
 
     # ---- life cycle ----
 
@@ -224,7 +224,7 @@ class Decisions:
             if not assignment_id.startswith(JOB_ID_PREFIX):
                 continue  # reserved on the dispatcher by someone else: not ours to judge
             job = self._live.get(assignment_id)
-            if self.moving.get(assignment_id) == gpu_uuid:
+            if gpu_uuid in self.moving.get(assignment_id, ()):
                 continue
             if job is None or job.binding is None or not job.binding.on(gpu_uuid):
                 stale.append(assignment_id)

@@ -271,7 +271,8 @@ class Inventory:
     def check_spec(self, spec: JobSpec) -> None:
         """Refuse an MPS or whole-GPU job the registered fleet can never run (nothing is known
         before the first GPU registers): a GPU model no GPU has, more GPUs than any node has
-        (of its models), more memory than any GPU, more CPU or host memory than any node."""
+        (of its models), an elastic range beyond the largest node, more memory than any GPU,
+        more CPU or host memory than any node."""
         if not self._gpus:
             return
         models = spec.gpu_models
@@ -292,6 +293,15 @@ class Inventory:
                     "spec.resources.whole_gpus",
                     f"{spec.whole_gpus} GPUs on one node: no node has that many GPUs{of_model} "
                     f"(the most: {most})",
+                )
+        if spec.max_gpus > max(spec.whole_gpus, 1):
+            most = fleet.max_gpus_per_node(spec.gpu_model)
+            if spec.max_gpus > most:
+                of_model = f" of model {spec.gpu_model}" if models else ""
+                raise InvalidArgument(
+                    "spec.max_gpus",
+                    f"an elastic range up to {spec.max_gpus} GPUs of one node: no node has that "
+                    f"many GPUs{of_model} (the most: {most})",
                 )
         nodes = fleet.nodes.values()
         for name, asked, figure in (

@@ -84,3 +84,9 @@ TRAINING_MIGRATIONS = prometheus_client.Counter(
     "out: the job stays where it is), abandoned (the job ended, or the target refused)",
     ["outcome"],
 )
+TRAINING_RESIZES = prometheus_client.Counter(
+    "gpuloom_placement_training_resizes_total",
+    "Grow-shrink: elastic training jobs restarted on more GPUs (grow) or fewer (shrink); a "
+    "failed one counts as a migration with outcome hook_failed",
+    ["reason"],
+)

@@ -52,6 +52,8 @@ def spec_to_json(spec: JobSpec) -> str:
     if spec.checkpoint is not None:  # training jobs with a hook only: other rows stay as they were
         hook = spec.checkpoint
         document["checkpoint"] = [list(hook.command), hook.signal, hook.timeout_s]
+    if spec.max_gpus:  # elastic training jobs only: other rows stay as they were
+        document["max_gpus"] = spec.max_gpus
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
@@ -75,6 +77,7 @@ def spec_from_json(text: str) -> JobSpec:
         mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
         shared_model=d.get("shared_model", ""),
         checkpoint=_hook_from_json(d.get("checkpoint")),
+        max_gpus=d.get("max_gpus", 0),
         cpu_milli=d.get("cpu_milli", 0),
         host_memory_bytes=d.get("host_memory_bytes", 0),
     )

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
+from gpuloom.policies.training.gandiva import GROW_IDLE_S
 from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.placement.training import validate_training_policy
@@ -44,11 +45,14 @@ class PlacementSettings(BaseSettings):
     mig_create_seconds: dict[int, float] = Field(default_factory=dict)
     mig_destroy_seconds: dict[int, float] = Field(default_factory=dict)
     # Gandiva's live mechanisms for training jobs (docs/training.md): "off" (their state is
-    # shown, nothing is suspended, packed or migrated), "gandiva" or "gandiva:HEIGHT", "fifo".
+    # shown, nothing is suspended, packed or migrated), "gandiva" or "gandiva:HEIGHT",
+    # "gandiva-gs" (with grow-shrink of elastic jobs), "fifo".
     training_policy: str = "off"
     training_quantum_s: float = Field(default=60.0, ge=1, le=86_400)
     training_pack_trial_s: float = Field(default=120.0, ge=1, le=86_400)
     training_suspend_wait_ms: float = Field(default=2000.0, ge=0, le=600_000)
+    # gandiva-gs: how long a GPU stays free before an elastic job may grow onto it.
+    training_grow_idle_s: float = Field(default=GROW_IDLE_S, ge=0, le=604_800)
 
     @field_validator("database_url")
     @classmethod

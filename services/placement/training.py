@@ -17,6 +17,12 @@
   is released) and the runner restarts the job there; on failure or without an answer by the
   deadline the target is given back and the job stays where it is, running, with the error in
   its training state, a metric and a log line. Jobs without a checkpoint hook never migrate.
+- **Grow-shrink** (`gandiva-gs`, elastic jobs: `JobSpec.max_gpus`): a resize is a migration
+  whose first GPU stays. A grow takes the idle GPUs in the fleet (as further GPUs of the job)
+  and reserves them on their dispatchers before the runner is asked; a shrink asks at once.
+  On the runner's success the first GPU's reservation is made again with a new token (the old
+  one is bound to the process that stopped), the GPUs a shrink drops are released, and the
+  runner restarts the job on the new set; a failure leaves it as it was, as for a migration.
 
 This module holds what is not pure around the policy: the per-job bookkeeping, the calls to
 dispatchers, the fleet and job changes (under the decisions' lock).
@@ -25,6 +31,7 @@ dispatchers, the fleet and job changes (under the decisions' lock).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import uuid
@@ -47,10 +54,13 @@ from gpuloom.domain.training import (
 )
 from gpuloom.policies.placement import Allocation, Rect
 from gpuloom.policies.placement.fleet import InvalidStateError
+from gpuloom.policies.placement.model import gang_member_id
+from gpuloom.policies.training.gandiva import GROW_IDLE_S
 from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
     LiveJob,
+    LivePending,
     LiveView,
     live_plan,
     live_view,
@@ -63,14 +73,14 @@ from gpuloom.policies.training.model import (
 )
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.services.placement import metrics
-from gpuloom.services.placement.decisions import Decisions
+from gpuloom.services.placement.decisions import Decisions, _bound
 from gpuloom.services.placement.dispatchers import (
     DispatcherChannels,
     Dispatchers,
     _domain_error,
     bind_request,
 )
-from gpuloom.services.placement.domain import Binding, Job
+from gpuloom.services.placement.domain import Binding, ExtraGpu, Job
 from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.v1 import dispatcher_pb2
@@ -135,6 +145,7 @@ class TrainingConfig:
     suspend_wait_ms: float = 2000.0  # how long a suspension may wait for a low-memory point
     hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
     tick_s: float = 1.0
+    grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
 
     @property
     def enabled(self) -> bool:
@@ -149,6 +160,15 @@ class _Move:
     requested_at: float
     deadline: float
     reserved: bool = False  # the target's dispatcher holds it: the runner has been asked
+    # A resize (grow-shrink): the job's GPUs from now on (its first GPU stays); the GPUs a grow
+    # adds are taken in the fleet as its further GPUs and reserved before the runner is asked.
+    gpus: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    committing: bool = False  # the runner reported success: the first GPU is re-reserved
+
+    @property
+    def resize(self) -> bool:
+        return bool(self.gpus)
 
 
 @dataclass(slots=True)
@@ -166,6 +186,7 @@ class _Track:
     packings: list[PackingTrial] = field(default_factory=list)
     migrations: int = 0
     failed_migrations: int = 0
+    resizes: int = 0
     last_hook_error: str = ""
     last_hook_error_at: float = 0.0
     move: _Move | None = None
@@ -204,6 +225,7 @@ class TrainingDriver:
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
+        self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -295,11 +317,12 @@ class TrainingDriver:
             self._forget_ended()
             for job_id, track in list(self._tracks.items()):
                 move = track.move
-                if move is not None and now > move.deadline:
+                if move is not None and not move.committing and now > move.deadline:
                     waited = move.deadline - move.requested_at
                     self._fail_move(job_id, track, f"no checkpoint report within {waited:g} s")
             managed = self._managed()
             self._measure(now)
+            self._note_idle(now)
             if self.policy is not None:
                 plan = live_plan(self._view(managed, now), self.policy)
                 for gpu_uuid in plan.unpack:
@@ -310,12 +333,33 @@ class TrainingDriver:
                     start = self._begin_move(job_id, target, reason, now)
                     if start is not None:
                         starts.append(start)
+                for job_id, gpus, reason in plan.resizes:
+                    start = self._begin_resize(job_id, gpus, reason, now)
+                    if start is not None:
+                        starts.append(start)
                 calls = self._switches(now)
             for job in self._managed():
                 self._show(job.job_id, publish=True)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
         await self._switch(calls)
+
+    def _note_idle(self, now: float) -> None:
+        """Since when each GPU that holds nothing and takes work has been free."""
+        fleet = self._inventory.fleet
+        free = set()
+        for record in self._inventory.records():
+            uuid_ = record.info.gpu_uuid
+            if (
+                uuid_ in fleet
+                and not fleet.slot(uuid_).allocations
+                and fleet.slot(uuid_).schedulable
+                and not self._inventory.is_down(record)
+            ):
+                free.add(uuid_)
+                self._idle_since.setdefault(uuid_, now)
+        for uuid_ in [u for u in self._idle_since if u not in free]:
+            del self._idle_since[uuid_]
 
     def _forget_ended(self) -> None:
         for job_id in list(self._tracks):
@@ -339,7 +383,8 @@ class TrainingDriver:
             and j.spec.kind is JobKind.TRAINING
             and j.binding is not None
             and j.binding.mig is None
-            and not j.binding.extra  # a job on several GPUs: left alone (docs/training.md)
+            # A job on several GPUs is left alone (docs/training.md), unless elastic.
+            and (not j.binding.extra or j.spec.elastic)
         ]
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
@@ -358,48 +403,93 @@ class TrainingDriver:
                 and job.spec.kind is JobKind.TRAINING
                 and job.binding is not None
                 and job.binding.gpu_uuid == gpu_uuid
-                and not job.binding.extra
+                and (not job.binding.extra or job.spec.elastic)
             ):
                 jobs.append(job)
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
     def _view(self, managed: Sequence[Job], now: float) -> LiveView:
         fleet = self._inventory.fleet
-        on: dict[str, list[Job]] = {}
+        mine: dict[str, set[str]] = {}  # GPU -> the allocations managed jobs hold there
         for job in managed:
             assert job.binding is not None
-            on.setdefault(job.binding.gpu_uuid, []).append(job)
+            for i, uuid_ in enumerate(job.binding.gpu_uuids):
+                held = job.job_id if i == 0 else gang_member_id(job.job_id, i)
+                mine.setdefault(uuid_, set()).add(held)
         gpus = []
         for record in self._inventory.records():
             uuid_ = record.info.gpu_uuid
             if uuid_ not in fleet:
                 continue
             slot = fleet.slot(uuid_)
-            mine = {j.job_id for j in on.get(uuid_, ())}
-            other = any(a_id not in mine for a_id in slot.allocations)
+            ours = mine.get(uuid_, set())
+            other = any(a_id not in ours for a_id in slot.allocations)
             busy = other or not slot.schedulable or self._inventory.is_down(record)
             gpus.append(
                 LiveGpu(uuid_, record.info.node, record.info.model, record.info.memory_bytes, busy)
             )
-        jobs = [
-            LiveJob(
-                job_id=j.job_id,
-                gpu_uuid=j.binding.gpu_uuid,  # type: ignore[union-attr]
-                job_type=j.spec.task_key or j.spec.name,
-                memory_bytes=j.spec.memory_bytes,
-                submitted_at=j.submitted_at,
-                utilisation=self._tracks.get(j.job_id, _Track()).utilisation,
-                gpu_model=j.spec.gpu_model,
-                measured=self._tracks.get(j.job_id, _Track()).solo_minibatch_s > 0,
-                movable=j.spec.checkpoint is not None
-                and now >= self._tracks.get(j.job_id, _Track()).retry_at,
+        jobs = []
+        for j in managed:
+            assert j.binding is not None
+            track = self._tracks.get(j.job_id, _Track())
+            jobs.append(
+                LiveJob(
+                    job_id=j.job_id,
+                    gpu_uuid=j.binding.gpu_uuid,
+                    job_type=j.spec.task_key or j.spec.name,
+                    memory_bytes=j.spec.memory_bytes,
+                    submitted_at=j.submitted_at,
+                    utilisation=track.utilisation,
+                    gpu_model=j.spec.gpu_model,
+                    measured=track.solo_minibatch_s > 0,
+                    movable=j.spec.checkpoint is not None and now >= track.retry_at,
+                    extra_gpus=tuple(g.gpu_uuid for g in j.binding.extra),
+                    gpus=max(j.spec.whole_gpus, 1),
+                    max_gpus=j.spec.max_gpus,
+                )
             )
-            for j in managed
-        ]
         groups = {
             uuid_: LiveGroupState(state.packed, state.gain) for uuid_, state in self._gpus.items()
         }
-        return live_view(gpus, jobs, groups, now, self._efficiency)
+        return live_view(
+            gpus,
+            jobs,
+            groups,
+            now,
+            self._efficiency,
+            idle_since=self._idle_since,
+            grow_idle_s=self.config.grow_idle_s,
+            pending=self._pending() if any(j.spec.elastic for j in managed) else (),
+        )
+
+    def _pending(self) -> list[LivePending]:
+        """The jobs placement's scheduler has not placed (MPS and whole-GPU ones), with the
+        nodes whose CPU and host memory they fit."""
+        nodes = self._inventory.fleet.nodes
+        pending = []
+        for job in self._decisions.live.values():
+            spec = job.spec
+            if job.state is not JobState.PENDING or spec.is_mig_batch:
+                continue
+            fitting = None
+            if spec.cpu_milli or spec.host_memory_bytes:
+                fitting = frozenset(
+                    name
+                    for name, node in nodes.items()
+                    if node.cpu_free >= spec.cpu_milli
+                    and node.memory_free >= spec.host_memory_bytes
+                )
+            pending.append(
+                LivePending(
+                    job.job_id,
+                    max(spec.whole_gpus, 1),
+                    spec.memory_bytes,
+                    job.submitted_at,
+                    spec.gpu_model,
+                    fitting,
+                )
+            )
+        return pending
 
     # ---- packing ----
 
@@ -569,17 +659,123 @@ class TrainingDriver:
             deadline=now + job.spec.checkpoint.effective_timeout_s + self.config.hook_grace_s,
         )
         track.move = move
-        self._decisions.moving[job_id] = target_uuid
+        self._decisions.moving[job_id] = (target_uuid,)
         return job, move
+
+    def _begin_resize(
+        self, job_id: str, gpus: tuple[str, ...], reason: str, now: float
+    ) -> tuple[Job, _Move] | None:
+        """Grow-shrink (under the lock): a grow takes its new GPUs in the fleet, as further GPUs
+        of the job (the caller reserves them on their dispatchers, then asks the runner); a
+        shrink asks the runner at once. None when the job cannot be resized now."""
+        job = self._decisions.job(job_id)
+        if job is None or job.binding is None or job.spec.checkpoint is None:
+            return None
+        binding = job.binding
+        spec = job.spec
+        if (
+            not spec.elastic
+            or not max(spec.whole_gpus, 1) <= len(gpus) <= spec.max_gpus
+            or gpus[0] != binding.gpu_uuid
+            or len(set(gpus)) != len(gpus)
+            or gpus == binding.gpu_uuids
+        ):
+            return None
+        track = self._tracks.setdefault(job_id, _Track())
+        if track.move is not None or now < track.retry_at:
+            return None
+        now_on = binding.gpu_uuids
+        shrink = len(gpus) < len(now_on)
+        if shrink and gpus != now_on[: len(gpus)]:
+            return None  # a shrink keeps a prefix of its GPUs (their fleet ids stay)
+        if not shrink and gpus[: len(now_on)] != now_on:
+            return None  # a grow keeps its GPUs and adds some
+        added = () if shrink else gpus[len(now_on) :]
+        taken: list[str] = []
+        for i, uuid_ in enumerate(added, start=len(now_on)):
+            if uuid_ not in self._inventory or self._inventory.record(uuid_).info.node != (
+                binding.node
+            ):
+                break
+            member = replace(
+                allocation(job),
+                allocation_id=gang_member_id(job_id, i),
+                rect=None,
+                cpu_milli=0,
+                host_memory_bytes=0,
+                gang=job_id,
+            )
+            if self._fleet_add(uuid_, member) is None:
+                break
+            taken.append(member.allocation_id)
+        if len(taken) != len(added):
+            for member_id in taken:
+                self._inventory.fleet.release(member_id)
+            return None
+        records = {u: self._inventory.record(u) for u in gpus}
+        kept = {g.gpu_uuid: g for g in binding.extra}
+        target = replace(
+            binding,
+            token=secrets.token_urlsafe(32),
+            environment={},
+            extra=tuple(
+                kept.get(u) or ExtraGpu(u, records[u].dispatcher_address) for u in gpus[1:]
+            ),
+        )
+        move = _Move(
+            migration_id=uuid.uuid4().hex[:16],
+            target=target,
+            reason=reason,
+            requested_at=now,
+            deadline=now + spec.checkpoint.effective_timeout_s + self.config.hook_grace_s,
+            reserved=shrink,  # nothing to reserve first: the runner is asked at once
+            gpus=gpus,
+            added=added,
+        )
+        track.move = move
+        if added:
+            self._decisions.moving[job_id] = added
+        log.info(
+            "resize begun" if added else "resize asked for",
+            job=job_id,
+            reason=reason,
+            gpus=len(gpus),
+            was=len(now_on),
+            migration=move.migration_id,
+        )
+        self._show(job_id, publish=True)
+        return (job, move) if added else None
 
     async def _reserve_target(self, job: Job, move: _Move) -> None:
         """Reserve the target on its dispatcher, then ask the runner to checkpoint (or give
         the target back when the dispatcher refuses)."""
         target = move.target
         try:
-            environment = await self._dispatchers.reserve(
-                target.dispatcher_address, bind_request(job, target)
-            )
+            if move.resize:
+                # A grow: its new GPUs, under the new token (the first GPU is reserved again
+                # with it once the runner has stopped the job).
+                addresses = {g.gpu_uuid: g.dispatcher_address for g in target.extra}
+                environments = await asyncio.gather(
+                    *(
+                        self._dispatchers.reserve(addresses[u], bind_request(job, target))
+                        for u in move.added
+                    )
+                )
+                fresh = dict(zip(move.added, environments, strict=True))
+                move.target = target = replace(
+                    target,
+                    extra=tuple(
+                        replace(g, environment=dict(fresh[g.gpu_uuid]))
+                        if g.gpu_uuid in fresh
+                        else g
+                        for g in target.extra
+                    ),
+                )
+                environment = dict(target.environment)
+            else:
+                environment = await self._dispatchers.reserve(
+                    target.dispatcher_address, bind_request(job, target)
+                )
         except DomainError as error:
             environment = None
             message = error.message
@@ -587,7 +783,7 @@ class TrainingDriver:
             track = self._tracks.get(job.job_id)
             if track is None or track.move is not move:
                 if environment is not None:  # ended meanwhile: let the target go too
-                    self._release(target, job.job_id)
+                    self._release_targets(job.job_id, move)
                 return
             if environment is None:
                 log.warning("migration target refused", job=job.job_id, error=message)
@@ -595,7 +791,8 @@ class TrainingDriver:
                 track.move = None
                 metrics.TRAINING_MIGRATIONS.labels("abandoned").inc()
                 return
-            move.target = replace(target, environment=environment)
+            if not move.resize:
+                move.target = replace(target, environment=environment)
             move.reserved = True
             log.info(
                 "migration asked for",
@@ -629,33 +826,105 @@ class TrainingDriver:
                 job = self._decisions.job(job_id)
                 assert job is not None
                 return job
-            old = job.binding
+            if move.resize:
+                if move.committing:
+                    raise FailedPrecondition(f"job {job_id}: resize {migration_id} is under way")
+                move.committing = True
+            else:
+                old = job.binding
+                fleet = self._inventory.fleet
+                fleet.release(job_id + MOVE_SUFFIX)
+                fleet.release(job_id)
+                x, y, w, h = move.target.rect
+                self._fleet_add(
+                    move.target.gpu_uuid, replace(allocation(job), rect=Rect(x, y, w, h))
+                )
+                self._decisions.capacity_changed(old.gpu_uuid)
+                self._decisions.moving.pop(job_id, None)
+                track.move = None
+                track.migrations += 1
+                track.commanded_suspended = None
+                track.observed_suspended = False
+                track.solo_minibatch_s = track.packed_minibatch_s = 0.0
+                moved = job.advance(self._clock(), binding=move.target)
+                self._decisions.update_live(moved)
+                self._show(job_id, publish=True)
+                self._release(old, job_id)
+                metrics.TRAINING_MIGRATIONS.labels("moved").inc()
+                log.info(
+                    "training job migrated",
+                    job=job_id,
+                    source=old.gpu_uuid,
+                    target=move.target.gpu_uuid,
+                    reason=move.reason,
+                )
+        if move.resize:
+            return await self._commit_resize(job, track, move)
+        moved = self._decisions.job(job_id) or moved
+        return moved
+
+    async def _commit_resize(self, job: Job, track: _Track, move: _Move) -> Job:
+        """The runner stopped the job for a resize: reserve its first GPU again under the new
+        token (released first: the old token is bound to the stopped process), then move the
+        binding to the new set of GPUs and let the dropped ones go. If the first GPU cannot be
+        reserved again, the old reservation is made again (its token unbound now, so the job
+        restarts where it was) and the resize fails like a hook."""
+        job_id = job.job_id
+        old = job.binding
+        assert old is not None
+        first = old.dispatcher_address
+        try:
+            await self._dispatchers.release(first, job_id)
+            environment = await self._dispatchers.reserve(first, bind_request(job, move.target))
+        except DomainError as error:
+            with contextlib.suppress(DomainError):
+                await self._dispatchers.reserve(first, bind_request(job, old))
+            async with self._decisions.lock:
+                if track.move is move:
+                    self._fail_move(
+                        job_id, track, f"reserving GPU {old.gpu_uuid} again failed: {error.message}"
+                    )
+                    self._show(job_id, publish=True)
+            raise FailedPrecondition(
+                f"job {job_id}: the {move.reason} was not done ({error.message}); it restarts "
+                "where it was"
+            ) from None
+        async with self._decisions.lock:
+            job_now = self._decisions.job(job_id)
+            if job_now is None or track.move is not move or job_now.binding is None:
+                # Ended meanwhile: the new reservation goes too.
+                self._release(replace(move.target, extra=()), job_id)
+                raise FailedPrecondition(f"job {job_id} ended during its {move.reason}")
+            environments = [environment, *(dict(g.environment) for g in move.target.extra)]
+            target = _bound(move.target, environments)
+            dropped = [
+                (i, g) for i, g in enumerate(old.extra, start=1) if g.gpu_uuid not in move.gpus
+            ]
             fleet = self._inventory.fleet
-            fleet.release(job_id + MOVE_SUFFIX)
-            fleet.release(job_id)
-            x, y, w, h = move.target.rect
-            self._fleet_add(move.target.gpu_uuid, replace(allocation(job), rect=Rect(x, y, w, h)))
-            self._decisions.capacity_changed(old.gpu_uuid)
+            for i, gpu in dropped:
+                fleet.release(gang_member_id(job_id, i))
+                self._decisions.capacity_changed(gpu.gpu_uuid)
             self._decisions.moving.pop(job_id, None)
             track.move = None
-            track.migrations += 1
+            track.resizes += 1
             track.commanded_suspended = None
             track.observed_suspended = False
             track.solo_minibatch_s = track.packed_minibatch_s = 0.0
-            moved = job.advance(self._clock(), binding=move.target)
-            self._decisions.update_live(moved)
+            resized = job_now.advance(self._clock(), binding=target)
+            self._decisions.update_live(resized)
             self._show(job_id, publish=True)
-            self._release(old, job_id)
-            metrics.TRAINING_MIGRATIONS.labels("moved").inc()
+            for _, gpu in dropped:
+                self._release_at(gpu.dispatcher_address, job_id)
+            if dropped:
+                self._decisions.wake()  # the pending job that needed them may be placed now
+            metrics.TRAINING_RESIZES.labels(move.reason).inc()
             log.info(
-                "training job migrated",
+                "training job resized",
                 job=job_id,
-                source=old.gpu_uuid,
-                target=move.target.gpu_uuid,
                 reason=move.reason,
+                gpus=list(target.gpu_uuids),
             )
-        moved = self._decisions.job(job_id) or moved
-        return moved
+        return self._decisions.job(job_id) or resized
 
     def _fail_move(self, job_id: str, track: _Track, error: str) -> None:
         move = track.move
@@ -676,16 +945,36 @@ class TrainingDriver:
         )
 
     def _give_back(self, job_id: str, move: _Move) -> None:
-        """The target's capacity goes back, in the fleet and on its dispatcher."""
-        self._inventory.fleet.release(job_id + MOVE_SUFFIX)
+        """The target's capacity goes back, in the fleet and on its dispatcher (a grow: the
+        GPUs it was adding)."""
+        fleet = self._inventory.fleet
         self._decisions.moving.pop(job_id, None)
-        self._decisions.capacity_changed(move.target.gpu_uuid)
-        self._release(move.target, job_id)
+        if move.resize:
+            start = len(move.gpus) - len(move.added)
+            for i, uuid_ in enumerate(move.added, start=start):
+                fleet.release(gang_member_id(job_id, i))
+                self._decisions.capacity_changed(uuid_)
+        else:
+            fleet.release(job_id + MOVE_SUFFIX)
+            self._decisions.capacity_changed(move.target.gpu_uuid)
+        self._release_targets(job_id, move)
+
+    def _release_targets(self, job_id: str, move: _Move) -> None:
+        """What a move reserved on dispatchers before the runner was asked is released."""
+        if not move.resize:
+            self._release(move.target, job_id)
+            return
+        addresses = {g.gpu_uuid: g.dispatcher_address for g in move.target.extra}
+        for uuid_ in move.added:
+            self._release_at(addresses[uuid_], job_id)
 
     def _release(self, binding: Binding, job_id: str) -> None:
+        self._release_at(binding.dispatcher_address, job_id)
+
+    def _release_at(self, address: str, job_id: str) -> None:
         async def release() -> None:
             try:
-                await self._dispatchers.release(binding.dispatcher_address, job_id)
+                await self._dispatchers.release(address, job_id)
             except DomainError as error:
                 log.info("release on dispatcher deferred", job=job_id, error=error.message)
 
@@ -748,6 +1037,7 @@ class TrainingDriver:
                 move.reason,
                 move.requested_at,
                 move.deadline,
+                len(move.gpus),
             )
         return TrainingState(
             phase=phase,
@@ -759,6 +1049,7 @@ class TrainingDriver:
             packings=tuple(track.packings),
             migrations=track.migrations,
             failed_migrations=track.failed_migrations,
+            resizes=track.resizes,
             last_hook_error=track.last_hook_error,
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,

@@ -69,6 +69,7 @@ MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
 # the shorter one; lengths are unknown, so both rules use only what has been seen:
 SLICE_AFTER_S = 3600.0  # a job waits this long for free GPUs before it is time-sliced in
 SHARE_AFTER_S = 3600.0  # ... and only with jobs that have each had this much service
+GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 
 
 class _Scratch:

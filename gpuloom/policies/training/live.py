@@ -13,17 +13,29 @@ How the live cluster maps onto the model:
   measurements);
 - a GPU that holds no training job but other work (inference, batch, direct reservations, a
   GPU that takes no shares) is a group of one stand-in job that nothing packs with or moves;
-- nothing waits in the view: placement's scheduler places arriving jobs (they share a GPU when
-  their shares fit together), the policy decides what they do there.
+- an elastic job (grow-shrink: a training job on whole GPUs with a range up to `max_gpus`) is a
+  group of its own over all its GPUs (its first GPU first), with the larger counts of its range
+  as `Job.grow_to`; its type packs with nothing (it holds whole GPUs); a free GPU carries the
+  time since when it has been free (`idle_since`), for the policy's grow;
+- placement's scheduler places arriving jobs (they share a GPU when their shares fit
+  together), the policy decides what they do there; the only jobs that wait in the view are
+  the pending ones that a shrink would make room for: those that would fit a server holding a
+  grown job if that job went back to the GPUs it asked for (GPU model, memory of one GPU, GPU
+  count, the node's CPU and host memory as the caller filtered them). So the policy shrinks
+  grown jobs when, and only when, a pending job needs their GPUs.
 
 Live decisions taken from the actions: `Unpack` (back to time-slicing), `Pack` of two jobs
-already on one GPU (in place), and `Place` of a job onto a free GPU (a migration: only for
-jobs with a checkpoint hook). A `Pack` across GPUs and a `Slice` are not taken live (there are
-no waiting jobs to slice, and a job is not moved onto a busy GPU).
+already on one GPU (in place), `Place` of a job onto a free GPU to spread it (a migration:
+only for jobs with a checkpoint hook), and `Resize` of an elastic job (grow onto idle GPUs of
+its server, or shrink back; its first GPU stays). A `Pack` across GPUs, a `Slice`, the
+`Place` of a waiting job (placement's scheduler places it) and a de-fragmenting `Place` are
+not taken live (a job is not moved onto a busy GPU, nor moved for a job the policy would place
+elsewhere than the scheduler).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -34,6 +46,7 @@ from gpuloom.policies.training.model import (
     Job,
     Pack,
     Place,
+    Resize,
     Server,
     TrainingPolicy,
     Unpack,
@@ -41,6 +54,8 @@ from gpuloom.policies.training.model import (
 
 OTHER_WORK = "\0other"  # the job type of a stand-in for work that is not a training job
 UNMEASURED = "\0unmeasured:"  # + job id: the type of a job not measured alone yet
+WHOLE = "\0whole:"  # + job id: the type of an elastic job (on whole GPUs: packs with nothing)
+WAITING = "\0waiting:"  # + job id: the type of a pending job a shrink would make room for
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +78,27 @@ class LiveJob:
     gpu_model: str = ""  # "" = any model; "A|B": either
     measured: bool = True  # its mini-batch time alone is known (else it is packed with none)
     movable: bool = True  # it can migrate (it has a checkpoint hook)
+    # Grow-shrink: the GPUs after its first (an elastic job on several GPUs), the GPU count it
+    # asked for (the bottom of its range) and the top of its range (0: not elastic).
+    extra_gpus: tuple[str, ...] = ()
+    gpus: int = 1
+    max_gpus: int = 0
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_gpus > self.gpus
+
+
+@dataclass(frozen=True, slots=True)
+class LivePending:
+    """A job placement's scheduler could not place yet (grow-shrink: it may need a shrink)."""
+
+    job_id: str
+    gpus: int
+    memory_bytes: int
+    submitted_at: float
+    gpu_model: str = ""  # "" = any model; "A|B": either
+    nodes: frozenset[str] | None = None  # the nodes with its CPU and host memory free; None: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +120,8 @@ class LivePlan:
     unpack: tuple[str, ...] = ()  # GPUs whose packed pair goes back to time-slicing
     pack: tuple[str, ...] = ()  # GPUs whose two time-sliced jobs now run packed
     moves: tuple[tuple[str, str, str], ...] = ()  # (job id, target GPU uuid, reason)
+    # Grow-shrink: (job id, every GPU it runs on next, first GPU first, "grow" or "shrink").
+    resizes: tuple[tuple[str, tuple[str, ...], str], ...] = ()
 
 
 def live_view(
@@ -92,16 +130,22 @@ def live_view(
     groups: Mapping[str, LiveGroupState],
     now: float,
     slice_efficiency: float,
+    *,
+    idle_since: Mapping[str, float] = MappingProxyType({}),
+    grow_idle_s: float = math.inf,
+    pending: Sequence[LivePending] = (),
 ) -> LiveView:
     """The cluster as the training policies see it (see the module's docstring)."""
     by_server: dict[tuple[str, str], list[LiveGpu]] = {}
     for gpu in sorted(gpus, key=lambda g: (g.node, g.model, g.gpu_uuid)):
         by_server.setdefault((gpu.node, gpu.model), []).append(gpu)
     servers: list[Server] = []
+    nodes: list[str] = []
     slot_of: dict[str, tuple[int, int]] = {}
     memory: dict[str, int] = {}
-    for n, ((_, model), members) in enumerate(by_server.items()):
+    for n, ((node, model), members) in enumerate(by_server.items()):
         servers.append(Server(model, len(members)))
+        nodes.append(node)
         for i, gpu in enumerate(members):
             slot_of[gpu.gpu_uuid] = (n, i)
             memory[model] = max(memory.get(model, 0), gpu.memory_bytes)
@@ -110,30 +154,45 @@ def live_view(
     for job in sorted(jobs, key=lambda j: (j.movable, j.submitted_at, j.job_id)):
         if job.gpu_uuid in slot_of:
             on_gpu.setdefault(job.gpu_uuid, []).append(job)
+    # The further GPUs of a job on several (all of them known): part of its group.
+    spans: dict[str, tuple[str, ...]] = {}
+    for first, members_on in on_gpu.items():
+        job = members_on[0]
+        if len(members_on) == 1 and job.extra_gpus and all(u in slot_of for u in job.extra_gpus):
+            spans[first] = (first, *job.extra_gpus)
+    spanned = {u for uuids in spans.values() for u in uuids[1:]}
     view_jobs: dict[int, Job] = {}
     job_ids: dict[int, str] = {}
     view_groups: list[Group] = []
     gpu_of_group: dict[int, str] = {}
     type_memory: dict[str, int] = {}
     for gpu in (g for members in by_server.values() for g in members):
+        if gpu.gpu_uuid in spanned:
+            continue  # in the group of the job on several GPUs that holds it
         members_on = on_gpu.get(gpu.gpu_uuid)
         if not members_on and not gpu.busy:
             continue  # free
         gid = len(view_groups)
         numbers = []
+        elastic = False
         for job in members_on or ():
             number = len(job_ids)
             job_ids[number] = job.job_id
-            job_type = job.job_type if job.measured else UNMEASURED + job.job_id
+            if job.elastic:
+                job_type = WHOLE + job.job_id
+                elastic = True
+            else:
+                job_type = job.job_type if job.measured else UNMEASURED + job.job_id
             view_jobs[number] = Job(
                 number,
                 job_type,
-                1,
+                job.gpus if job.elastic or job.extra_gpus else 1,
                 job.submitted_at,
                 job.utilisation,
-                frozenset(m.strip() for m in job.gpu_model.split("|")) if job.gpu_model else None,
+                _models(job.gpu_model),
+                tuple(range(job.gpus + 1, job.max_gpus + 1)) if job.elastic else (),
             )
-            if job.measured:
+            if job.measured and not job.elastic:
                 type_memory[job_type] = max(type_memory.get(job_type, 0), job.memory_bytes)
             numbers.append(number)
         if not numbers:  # busy with other work: a stand-in nothing packs with
@@ -145,12 +204,13 @@ def live_view(
         packed = state.packed and len(numbers) == 2
         # A GPU with one job is marked packed (full) so that the policy offers it to no
         # packing: a job is not moved onto a busy GPU live (only in-place packs are taken).
+        # An elastic job's group is not (it may grow; its type packs with nothing).
         view_groups.append(
             Group(
                 gid,
-                (slot_of[gpu.gpu_uuid],),
+                tuple(slot_of[u] for u in spans.get(gpu.gpu_uuid, (gpu.gpu_uuid,))),
                 tuple(numbers),
-                packed or len(numbers) == 1,
+                packed or (len(numbers) == 1 and not elastic),
                 state.gain if packed else None,
             )
         )
@@ -162,17 +222,63 @@ def live_view(
         for b, mem_b in type_memory.items()
         if mem_a + mem_b <= limit
     )
+    waiting = _needing_a_shrink(pending, servers, nodes, view_groups, view_jobs, job_ids, memory)
     view = ClusterView(
         now_s=now,
         servers=tuple(servers),
         jobs=MappingProxyType(view_jobs),
         groups=tuple(view_groups),
-        waiting=(),
+        waiting=waiting,
         slice_efficiency=slice_efficiency,
         packable=packable,
+        idle_since=MappingProxyType(
+            {slot_of[u]: since for u, since in idle_since.items() if u in slot_of}
+        ),
+        grow_idle_s=grow_idle_s,
     )
     gpu_of_slot = {slot: uuid for uuid, slot in slot_of.items()}
     return LiveView(view, MappingProxyType(job_ids), gpu_of_group, gpu_of_slot)
+
+
+def _models(gpu_model: str) -> frozenset[str] | None:
+    return frozenset(m.strip() for m in gpu_model.split("|")) if gpu_model else None
+
+
+def _needing_a_shrink(
+    pending: Sequence[LivePending],
+    servers: Sequence[Server],
+    nodes: Sequence[str],
+    groups: Sequence[Group],
+    jobs: dict[int, Job],
+    job_ids: dict[int, str],
+    memory: Mapping[str, int],
+) -> tuple[int, ...]:
+    """The pending jobs that would fit a server holding a grown job were it shrunk, added to
+    `jobs` and `job_ids` (an empty id: nothing to take live); their numbers, oldest first."""
+    used = [0] * len(servers)
+    grown = [0] * len(servers)  # GPUs a shrink would give back, per server
+    for g in groups:
+        for server, _ in g.slots:
+            used[server] += 1
+        if len(g.jobs) == 1 and len(g.slots) > jobs[g.jobs[0]].gpus:
+            grown[g.server] += len(g.slots) - jobs[g.jobs[0]].gpus
+    waiting = []
+    for p in sorted(pending, key=lambda p: (p.submitted_at, p.job_id)):
+        models = _models(p.gpu_model)
+        needs = any(
+            grown[n]
+            and (models is None or server.gpu_type in models)
+            and (p.nodes is None or nodes[n] in p.nodes)
+            and p.memory_bytes <= memory.get(server.gpu_type, 0)
+            and p.gpus <= server.gpus - used[n] + grown[n]
+            for n, server in enumerate(servers)
+        )
+        if needs:
+            number = len(job_ids)
+            job_ids[number] = ""
+            jobs[number] = Job(number, WAITING + p.job_id, p.gpus, p.submitted_at, 1.0, models)
+            waiting.append(number)
+    return tuple(waiting)
 
 
 def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
@@ -180,7 +286,9 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
     unpack: list[str] = []
     pack: list[str] = []
     moves: list[tuple[str, str, str]] = []
+    resizes: list[tuple[str, tuple[str, ...], str]] = []
     group_of: dict[int, int] = {j: g.id for g in live.view.groups for j in g.jobs}
+    groups = {g.id: g for g in live.view.groups}
     for action in policy.decide(live.view):
         if isinstance(action, Unpack):
             gpu = live.gpu_of_group.get(action.group)
@@ -191,6 +299,19 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
                 pack.append(live.gpu_of_group[action.group])
         elif isinstance(action, Place):
             job_id = live.job_ids.get(action.job)
-            if job_id and len(action.slots) == 1 and action.job in group_of:
+            if (
+                job_id
+                and action.reason != "defrag"
+                and len(action.slots) == 1
+                and action.job in group_of
+            ):
                 moves.append((job_id, live.gpu_of_slot[action.slots[0]], action.reason))
-    return LivePlan(tuple(unpack), tuple(pack), tuple(moves))
+        elif isinstance(action, Resize):
+            group = groups.get(action.group)
+            if group is None or len(group.jobs) != 1 or not action.slots:
+                continue
+            job_id = live.job_ids.get(group.jobs[0])
+            uuids = tuple(live.gpu_of_slot[slot] for slot in action.slots)
+            if job_id and uuids[0] == live.gpu_of_group[group.id]:  # its first GPU stays
+                resizes.append((job_id, uuids, action.reason))
+    return LivePlan(tuple(unpack), tuple(pack), tuple(moves), tuple(resizes))
