@@ -840,12 +840,8 @@ class TrainingDriver:
                     move.target.gpu_uuid, replace(allocation(job), rect=Rect(x, y, w, h))
                 )
                 self._decisions.capacity_changed(old.gpu_uuid)
-                self._decisions.moving.pop(job_id, None)
-                track.move = None
+                self._moved(job_id, track)
                 track.migrations += 1
-                track.commanded_suspended = None
-                track.observed_suspended = False
-                track.solo_minibatch_s = track.packed_minibatch_s = 0.0
                 moved = job.advance(self._clock(), binding=move.target)
                 self._decisions.update_live(moved)
                 self._show(job_id, publish=True)
@@ -904,12 +900,8 @@ class TrainingDriver:
             for i, gpu in dropped:
                 fleet.release(gang_member_id(job_id, i))
                 self._decisions.capacity_changed(gpu.gpu_uuid)
-            self._decisions.moving.pop(job_id, None)
-            track.move = None
+            self._moved(job_id, track)
             track.resizes += 1
-            track.commanded_suspended = None
-            track.observed_suspended = False
-            track.solo_minibatch_s = track.packed_minibatch_s = 0.0
             resized = job_now.advance(self._clock(), binding=target)
             self._decisions.update_live(resized)
             self._show(job_id, publish=True)
@@ -1054,6 +1046,15 @@ class TrainingDriver:
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,
         )
+
+    def _moved(self, job_id: str, track: _Track) -> None:
+        """A migration or resize is done: the job runs where it now is, unsuspended, to be
+        measured afresh (its mini-batch times were of its old GPUs)."""
+        self._decisions.moving.pop(job_id, None)
+        track.move = None
+        track.commanded_suspended = None
+        track.observed_suspended = False
+        track.solo_minibatch_s = track.packed_minibatch_s = 0.0
 
     def _show(self, job_id: str, *, publish: bool) -> None:
         """Put the job's training state on it. `publish` (under the lock only): a change
