@@ -285,23 +285,21 @@ class Inventory:
                 )
         self.check_memory(spec)
         fleet = self.fleet
-        if spec.whole_gpus > 1:
+        for count, field, asked in (
+            (spec.whole_gpus, "spec.resources.whole_gpus", f"{spec.whole_gpus} GPUs on one node"),
+            (
+                spec.max_gpus,
+                "spec.max_gpus",
+                f"an elastic range up to {spec.max_gpus} GPUs of one node",
+            ),
+        ):
+            if count <= 1:
+                continue
             most = fleet.max_gpus_per_node(spec.gpu_model)
-            if spec.whole_gpus > most:
+            if count > most:
                 of_model = f" of model {spec.gpu_model}" if models else ""
                 raise InvalidArgument(
-                    "spec.resources.whole_gpus",
-                    f"{spec.whole_gpus} GPUs on one node: no node has that many GPUs{of_model} "
-                    f"(the most: {most})",
-                )
-        if spec.max_gpus > max(spec.whole_gpus, 1):
-            most = fleet.max_gpus_per_node(spec.gpu_model)
-            if spec.max_gpus > most:
-                of_model = f" of model {spec.gpu_model}" if models else ""
-                raise InvalidArgument(
-                    "spec.max_gpus",
-                    f"an elastic range up to {spec.max_gpus} GPUs of one node: no node has that "
-                    f"many GPUs{of_model} (the most: {most})",
+                    field, f"{asked}: no node has that many GPUs{of_model} (the most: {most})"
                 )
         nodes = fleet.nodes.values()
         for name, asked, figure in (
