@@ -95,6 +95,8 @@ def _library() -> ctypes.CDLL:
     lib.gl_arbiter_board_fd.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
     lib.gl_arbiter_set_arming.restype = None
     lib.gl_arbiter_set_arming.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.gl_arbiter_set_suspended.restype = ctypes.c_int
+    lib.gl_arbiter_set_suspended.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.gl_arbiter_set_quiet.restype = None
     lib.gl_arbiter_set_quiet.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
@@ -156,6 +158,11 @@ class Arbiter:
 
     def remove_task(self, slot: int) -> None:
         self._lib.gl_arbiter_remove_task(self._require(), slot)
+
+    def set_suspended(self, slot: int, suspended: bool) -> None:
+        """Take a task out of the decisions while the dispatcher has it suspended (the next
+        priority then holds the GPU), or back in; a slot not in use is ignored."""
+        self._lib.gl_arbiter_set_suspended(self._require(), slot, int(suspended))
 
     def board_fds(self, priority: int) -> list[int]:
         """The priority boards a process of `priority` gets on its Registered frame, after its

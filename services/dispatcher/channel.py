@@ -405,6 +405,13 @@ class ShimChannel:
         if suspension is None:
             return pending is not None
         connection = self._by_assignment.get(assignment_id)
+        if (
+            connection is not None
+            and connection.fikit_slot is not None
+            and self._arbiter is not None
+        ):
+            # Before the region: its first launch after the resume is the core's again.
+            self._arbiter.set_suspended(connection.fikit_slot, False)
         if connection is not None and connection.region is not None:
             connection.region.publish_resumed(
                 open_ended=connection.mode not in (ShimMode.SHARE, ShimMode.FIKIT)
@@ -453,6 +460,13 @@ class ShimChannel:
             self._apply(self._scheduler.withdraw(assignment_id, now))
         if connection is not None and connection.region is not None:
             connection.region.publish_suspended(_suspend_deadline_ns())
+        if (
+            connection is not None
+            and connection.fikit_slot is not None
+            and self._arbiter is not None
+        ):
+            # After the region: the shim parks at its next launch; the others' roles follow.
+            self._arbiter.set_suspended(connection.fikit_slot, True)
         held = (
             None if self._introspector is None else self._introspector.current_bytes(assignment_id)
         )

@@ -59,6 +59,9 @@ typedef struct {
     uint64_t armed_nonce;
     uint32_t armed_seq;
     uint32_t arm_wait;
+    /* Suspended by the dispatcher (Gandiva): out of the core, so it neither holds the GPU nor
+     * waits for it; what its shim writes meanwhile is not read. */
+    int suspended;
 } slot_state;
 
 /* The live arm: `holder`'s next launch of one of `kernels` releases `filler`'s request
@@ -432,7 +435,7 @@ static void round_locked(gl_arbiter *a) {
     if (a->arm.live && arm_fired(a)) withdraw(a, now);
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
-        if (!s->used) continue;
+        if (!s->used || s->suspended) continue;
         take_done(a, t, load32(s->region, GL_OFF_FK_DONE), now);
         take_request(a, t, now);
         take_late_release(a, t, now);
@@ -768,6 +771,35 @@ API void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
     }
     pthread_mutex_unlock(&a->lock);
     ring(a); /* the others' roles may change */
+}
+
+API int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
+    if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS) return -1;
+    pthread_mutex_lock(&a->lock);
+    slot_state *s = &a->slots[slot];
+    int result = s->used ? 0 : -1;
+    if (s->used && s->suspended != (on != 0)) {
+        uint64_t now = now_ns();
+        withdraw(a, now); /* the holder may change */
+        if (on) {
+            /* Its queued request and the kernels it was granted go with it: it parks at a
+             * low-memory point of its mini-batch, its work done. */
+            gl_fk_remove_task(a->core, (uint32_t)slot, now);
+            s->queued = 0;
+            s->granted_head = s->granted_count = 0;
+            s->armed_nonce = 0;
+        } else if (gl_fk_add_task(a->core, (uint32_t)slot, s->priority, now) != 0) {
+            result = -1;
+        } else {
+            /* What it wrote while suspended is history, not requests. */
+            s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
+            s->seen_done = load32(s->region, GL_OFF_FK_DONE);
+        }
+        if (result == 0) s->suspended = on != 0;
+    }
+    pthread_mutex_unlock(&a->lock);
+    ring(a);
+    return result;
 }
 
 API void gl_arbiter_set_arming(gl_arbiter *a, int on) {

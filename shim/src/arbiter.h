@@ -64,6 +64,12 @@ int gl_arbiter_set_kernels(gl_arbiter *arbiter, int slot, const uint64_t *kernel
 /* Forgets a task (its queued request and outstanding work included) and unmaps its region. */
 void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
 
+/* A task suspended (on) or resumed (off) by the dispatcher: suspended, it is out of the
+ * decision core (better priorities' absence lets the next one hold the GPU at full speed) and
+ * its posts are not read; resumed, it competes again from its current words. 0, or -1 for a
+ * slot not in use. */
+int gl_arbiter_set_suspended(gl_arbiter *arbiter, int slot, int on);
+
 /* Arms on (the default) or off: off, no arm is published and every release is the arbiter's
  * grant (two wake-ups); a live arm is withdrawn. */
 void gl_arbiter_set_arming(gl_arbiter *arbiter, int on);

@@ -480,3 +480,30 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
         high.close()
         low.close()
         os.close(silent)
+
+
+def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
+    arbiter: Arbiter,
+) -> None:
+    high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
+    try:
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        arbiter.set_suspended(high.slot, True)
+        assert wait_for(lambda: low.port.role is FikitRole.HOLDER)
+        # What the suspended shim writes is not read: no request of its is ever granted.
+        seq = high.port.post(FILL_SHORT, FikitPost.REQUEST)
+        time.sleep(0.05)
+        assert high.port.granted != seq
+        arbiter.set_suspended(high.slot, True)  # again: no change
+        arbiter.set_suspended(high.slot, False)
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert high.port.role is FikitRole.HOLDER
+        # Back in the decisions from its current words: its stale request stays unanswered,
+        # its launches are a holder's again.
+        assert high.port.granted != seq
+        arbiter.remove_task(high.slot)
+        arbiter.set_suspended(high.slot, True)  # a slot not in use: ignored
+        assert wait_for(lambda: low.port.role is FikitRole.HOLDER)
+    finally:
+        high.close()
+        low.close()

@@ -293,7 +293,7 @@ async def test_suspend_and_resume_answer_bad_requests(live: LiveDispatcher) -> N
 async def test_a_running_process_is_held_in_every_mode(
     live: LiveDispatcher, run: Runner, mode: int
 ) -> None:
-    """SHARE (its lease withdrawn), FIKIT (the arbiter is not told: the shim holds itself back)
+    """SHARE (its lease withdrawn), FIKIT (out of the arbiter's decisions; the shim holds back)
     and OFF (admitted until further notice, then not): a suspended process launches nothing."""
     assignment = await live.reserve(mode=mode)
     job = asyncio.ensure_future(
@@ -323,3 +323,49 @@ async def test_a_running_process_is_held_in_every_mode(
     settle = int(0.02e9)
     assert not [r for r in runs if suspended_ns + settle < r[2] < resume_ns]
     assert [r for r in runs if r[2] < suspended_ns] and [r for r in runs if r[2] > resume_ns]
+
+
+@pytest.mark.parametrize("live", [{"policy": "fikit"}], indirect=True)
+async def test_a_suspended_fikit_holder_leaves_the_gpu_to_the_next_priority(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    """FIKIT's arbiter is told of a suspension: while the priority-0 process is suspended, the
+    priority-5 one holds the GPU and launches without asking (no grant per kernel, as it would
+    as a filler of an idle holder); resumed, the first holds it again."""
+    from tests.dispatcher.conftest import reserve_request
+
+    modules = ["module", f"{KERNEL},{SHORT_KERNEL}"]
+    tokens = {}
+    for name, level in (("low", 5), ("high", 0)):
+        request = reserve_request(assignment_id=f"fikit-{name}")
+        request.priority.level = level
+        tokens[name] = (await live.stub.Reserve(request)).assignment_token
+    wait = {"GPULOOM_SHIM_WAIT_MS": "5000"}
+    low = asyncio.ensure_future(
+        run.run_async(*modules, "loop", "4.0", SHORT_KERNEL, "1",
+                      env=_env(live, tokens["low"], **wait))
+    )  # fmt: skip
+    await asyncio.sleep(0.3)
+    high = asyncio.ensure_future(
+        run.run_async(*modules, "loop", "3.0", KERNEL, "1", env=_env(live, tokens["high"], **wait))
+    )
+    deadline = time.monotonic() + 10
+    while not [r for r in run.engine_runs() if r[1] == KERNEL] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    suspended = await live.stub.SuspendClient(
+        dispatcher_pb2.SuspendClientRequest(assignment_id="fikit-high")
+    )
+    assert suspended.suspended, suspended
+    arbiter = live.dispatcher.arbiter
+    assert arbiter is not None
+    await asyncio.sleep(0.1)  # the low one's role changes at the arbiter's next round
+    grants, began = arbiter.stats().grants, time.monotonic_ns()
+    await asyncio.sleep(0.8)
+    granted, ended = arbiter.stats().grants - grants, time.monotonic_ns()
+    await live.stub.ResumeClient(dispatcher_pb2.ResumeClientRequest(assignment_id="fikit-high"))
+    for result in (await high, await low):
+        assert result.returncode == 0, result.stderr
+    ran = [r for r in run.engine_runs() if r[1] == SHORT_KERNEL and began < r[2] < ended]
+    # 0.8 s of 1.25 ms kernels: a holder runs hundreds; a filler would need a grant for each.
+    assert len(ran) > 150, len(ran)
+    assert granted <= 2, granted
