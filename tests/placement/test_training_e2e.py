@@ -10,7 +10,9 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
   measured the policy packs them (a packing trial is recorded) and both run at once.
 - A training process with a checkpoint hook (SIGUSR1: it saves its next step and stops) on a
   crowded GPU migrates to a second dispatcher's GPU once that one registers; started again
-  there from its checkpoint, every step runs exactly once (its output and the engine log)."""
+  there from its checkpoint, every step runs exactly once (its output and the engine log).
+- Priorities: a priority-5 job waits, suspended, while a priority-0 job on its GPU runs; the
+  priority-0 job is never suspended."""
 
 from __future__ import annotations
 
@@ -146,7 +148,7 @@ async def plane(
         await live.stop()
 
 
-def spec(name: str, hook: CheckpointHook | None = None) -> JobSpec:
+def spec(name: str, hook: CheckpointHook | None = None, priority: int = 5) -> JobSpec:
     """A training job two of which share one GPU (a time quota of 50%, up to 100%)."""
     return JobSpec(
         name=name,
@@ -154,6 +156,7 @@ def spec(name: str, hook: CheckpointHook | None = None) -> JobSpec:
         memory_bytes=GIB,
         share=SpatioTemporalShare(100, TimeQuota(50, 100)),
         checkpoint=hook,
+        priority=priority,
     )
 
 
@@ -277,6 +280,56 @@ async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Pl
     assert sliced <= 2 * (window_s / QUANTUM_S + 2), (sliced, window_s)
     together = alternations(engine, packed_seen_ns, interleaved_until_ns)
     assert together > 4 * (interleaved_until_ns - packed_seen_ns) / 1e9, together
+
+
+async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
+    plane: Plane,
+) -> None:
+    """Two real training processes of priorities 0 and 5 on one GPU: the round-robin is over
+    the highest priority present only, so the priority-5 job is suspended while the other
+    runs, the priority-0 job never is, and the waiting one finishes every step after it."""
+    await plane.add_gpu()
+    said: list[str] = []
+    outs = {name: plane.work / f"{name}.out" for name in ("high", "low")}
+    steps = {"high": 50, "low": 20}
+    runs = [start(plane, spec("high", priority=0), train(steps["high"], outs["high"]), said)]
+
+    async def high_runs() -> bool:
+        return bool(plane.engine_runs())
+
+    await until("the high job's first kernels", high_runs, 20)
+    runs.append(start(plane, spec("low", priority=5), train(steps["low"], outs["low"]), said))
+    phases: dict[str, set[int]] = {"high": set(), "low": set()}
+    waited_since_ns = 0
+    try:
+
+        async def high_done() -> bool:
+            nonlocal waited_since_ns
+            jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+            by_name = {j.spec.name: j for j in jobs}
+            for name, job in by_name.items():
+                phases[name].add(job.training.phase)
+            low = by_name.get("low")
+            if not waited_since_ns and low and low.training.phase == pb.TRAINING_PHASE_SUSPENDED:
+                waited_since_ns = time.monotonic_ns()
+            return by_name["high"].state == pb.JOB_STATE_SUCCEEDED
+
+        await until("the high job done", high_done, 60)
+        high_ended_ns = time.monotonic_ns()
+    finally:
+        outcomes = await asyncio.wait_for(asyncio.gather(*runs), 120)
+    for outcome, name in zip(outcomes, ("high", "low"), strict=True):
+        text = outs[name].read_text()
+        assert outcome.exit_code == 0, (said, text)
+        assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+    assert pb.TRAINING_PHASE_SUSPENDED not in phases["high"], phases
+    assert waited_since_ns, f"the low job was never seen suspended: {phases}"
+    # From its suspension to the high job's end, the low one ran nothing (a kernel queued
+    # before the suspension aside).
+    low_pid = pid_of(outs["low"])
+    late = [r for r in plane.engine_runs() if r[0] == low_pid]
+    during = [r for r in late if waited_since_ns + int(0.3e9) < r[1] < high_ended_ns - int(0.5e9)]
+    assert not during, len(during)
 
 
 async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
