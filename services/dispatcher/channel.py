@@ -405,13 +405,8 @@ class ShimChannel:
         if suspension is None:
             return pending is not None
         connection = self._by_assignment.get(assignment_id)
-        if (
-            connection is not None
-            and connection.fikit_slot is not None
-            and self._arbiter is not None
-        ):
-            # Before the region: its first launch after the resume is the core's again.
-            self._arbiter.set_suspended(connection.fikit_slot, False)
+        # Before the region: its first launch after the resume is the arbiter's again.
+        self._set_fikit_suspended(connection, False)
         if connection is not None and connection.region is not None:
             connection.region.publish_resumed(
                 open_ended=connection.mode not in (ShimMode.SHARE, ShimMode.FIKIT)
@@ -426,6 +421,13 @@ class ShimChannel:
             suspended_s=round(time.monotonic() - suspension.at_monotonic_s, 3),
         )
         return True
+
+    def _set_fikit_suspended(self, connection: _Connection | None, suspended: bool) -> None:
+        """Take a FIKIT client out of the arbiter's decisions (the next priority then holds
+        the GPU) or back in; other clients have no slot."""
+        arbiter = self._arbiter
+        if arbiter is not None and connection is not None and connection.fikit_slot is not None:
+            arbiter.set_suspended(connection.fikit_slot, suspended)
 
     def _check_pending(self, now: float) -> None:
         """Suspend the pending clients whose memory is at its low point, or whose wait is up."""
@@ -460,13 +462,8 @@ class ShimChannel:
             self._apply(self._scheduler.withdraw(assignment_id, now))
         if connection is not None and connection.region is not None:
             connection.region.publish_suspended(_suspend_deadline_ns())
-        if (
-            connection is not None
-            and connection.fikit_slot is not None
-            and self._arbiter is not None
-        ):
-            # After the region: the shim parks at its next launch; the others' roles follow.
-            self._arbiter.set_suspended(connection.fikit_slot, True)
+        # After the region: the shim parks at its next launch; the others' roles follow.
+        self._set_fikit_suspended(connection, True)
         held = (
             None if self._introspector is None else self._introspector.current_bytes(assignment_id)
         )

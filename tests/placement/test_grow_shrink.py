@@ -24,6 +24,7 @@ from gpuloom.domain.training import CheckpointHook, TrainingPhase
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.decisions import GPU_UUIDS_VARIABLE
+from gpuloom.services.placement.domain import Job
 from gpuloom.services.placement.repository import spec_from_json, spec_to_json
 from gpuloom.services.placement.training import TrainingConfig
 from tests.placement.conftest import eventually
@@ -90,16 +91,23 @@ async def asked(core: PlacementCore, job_id: str, reason: str) -> tuple[str, int
     raise AssertionError(f"job {job_id} was never asked to {reason}")
 
 
+async def elastic_on_two_gpus(core: PlacementCore) -> Job:
+    """GPU-0 and GPU-1 on one node, free from now on, and the elastic job (1..2) on one."""
+    for i in range(2):
+        await core.register_gpu(gpu(i), address(i))
+    await core.training.tick()
+    job = await core.submit("r-grower", elastic())
+    assert job.state is JobState.ASSIGNED and job.binding is not None
+    return job
+
+
 async def grown(h: CoreHarness) -> tuple[PlacementCore, str]:
     """GPU-0 and GPU-1 on one node; the elastic job (1..2) on GPU-0 grows onto GPU-1 once it
     has been idle for the period."""
     core = h.core
     assert core is not None
-    for i in range(2):
-        await core.register_gpu(gpu(i), address(i))
-    await core.training.tick()  # GPU-1 (and GPU-0) free from now on
-    job = await core.submit("r-grower", elastic())
-    assert job.state is JobState.ASSIGNED and job.binding is not None
+    job = await elastic_on_two_gpus(core)
+    assert job.binding is not None
     first = job.binding.gpu_uuid
     h.clock.now += IDLE_S - 1
     await core.training.tick()
@@ -185,10 +193,7 @@ async def test_a_failed_hook_leaves_the_job_on_its_gpus_and_gives_the_new_one_ba
 ) -> None:
     core = gs.core
     assert core is not None
-    for i in range(2):
-        await core.register_gpu(gpu(i), address(i))
-    await core.training.tick()
-    job = await core.submit("r-grower", elastic())
+    job = await elastic_on_two_gpus(core)
     assert job.binding is not None
     gs.clock.now += IDLE_S
     migration, _ = await asked(core, job.job_id, "grow")
@@ -216,10 +221,7 @@ async def test_a_dispatcher_refusing_the_first_gpu_again_fails_the_resize_and_ke
 ) -> None:
     core = gs.core
     assert core is not None
-    for i in range(2):
-        await core.register_gpu(gpu(i), address(i))
-    await core.training.tick()
-    job = await core.submit("r-grower", elastic())
+    job = await elastic_on_two_gpus(core)
     assert job.binding is not None
     first = address(int(job.binding.gpu_uuid[-1]))
     gs.clock.now += IDLE_S
@@ -254,10 +256,7 @@ async def test_gandiva_without_grow_shrink_never_resizes(tmp_path: Path) -> None
     )
     core = await h.start()
     try:
-        for i in range(2):
-            await core.register_gpu(gpu(i), address(i))
-        await core.training.tick()
-        job = await core.submit("r-grower", elastic())
+        job = await elastic_on_two_gpus(core)
         for _ in range(3):
             h.clock.now += IDLE_S
             await core.training.tick()
