@@ -132,8 +132,10 @@ def main(argv: list[str]) -> int:
     training.add_argument("--model", default="resnet50")
     training.add_argument("--max-seconds", type=float, default=120.0)
     args = parser.parse_args(argv)
-    if args.mode == "infer" and args.requests < 1:
-        parser.error("--requests must be at least 1")
+    if args.mode == "infer" and (args.requests < 1 or args.rate < 0):
+        parser.error("--requests must be at least 1 and --rate at least 0")
+    if args.mode == "train" and (args.batch < 1 or args.iterations < 0 or args.max_seconds <= 0):
+        parser.error("--batch must be at least 1, --iterations at least 0, --max-seconds above 0")
     if args.mode == "train" and not (args.iterations > 0 or args.stop_file):
         parser.error("train needs --iterations N (N > 0) or --stop-file")
     result = infer(args) if args.mode == "infer" else train(args)
