@@ -165,9 +165,15 @@ static uint64_t run_us(const fk_func *f) {
 }
 
 typedef struct fk_module {
-    int count;
+    int count, capacity;
     fk_func *funcs;
+    struct fk_module *next_free;
 } fk_module;
+
+/* Unloaded modules, reused by the next loads: like a real driver, the fake hands a later
+ * module the function addresses of an unloaded one (what the shim's caches must survive). */
+static fk_module *g_free_modules;
+static pthread_mutex_t g_modules_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static uint64_t duration_from_name(const char *name) {
     size_t n = strlen(name);
@@ -183,9 +189,13 @@ static uint64_t duration_from_name(const char *name) {
 static CUresult load_module(fk_module **out, const void *image) {
     if (out == NULL || image == NULL) return CUDA_ERROR_INVALID_VALUE;
     const char *text = image;
-    fk_module *module = calloc(1, sizeof *module);
+    pthread_mutex_lock(&g_modules_lock);
+    fk_module *module = g_free_modules;
+    if (module) g_free_modules = module->next_free;
+    pthread_mutex_unlock(&g_modules_lock);
+    if (module == NULL) module = calloc(1, sizeof *module);
     if (module == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
-    int capacity = 0;
+    module->count = 0;
     while (*text) {
         const char *line_end = strchr(text, '\n');
         size_t length = line_end ? (size_t)(line_end - text) : strlen(text);
@@ -199,11 +209,12 @@ static CUresult load_module(fk_module **out, const void *image) {
         unsigned need = 100;
         int fields = sscanf(line, "%127s %llu %u", name, &duration, &need);
         if (fields < 1) continue;
-        if (module->count == capacity) {
-            capacity = capacity ? capacity * 2 : 8;
+        if (module->count == module->capacity) {
+            int capacity = module->capacity ? module->capacity * 2 : 8;
             fk_func *grown = realloc(module->funcs, (size_t)capacity * sizeof *grown);
             if (grown == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
             module->funcs = grown;
+            module->capacity = capacity;
         }
         fk_func *f = &module->funcs[module->count++];
         snprintf(f->name, sizeof f->name, "%s", name);
@@ -211,6 +222,7 @@ static CUresult load_module(fk_module **out, const void *image) {
         f->sm_need = need >= 1 && need <= 100 ? need : 100;
     }
     if (module->count == 0) {
+        free(module->funcs);
         free(module);
         return CUDA_ERROR_INVALID_IMAGE;
     }
@@ -637,11 +649,21 @@ EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *function, CUmodule modul
     return module_function((fk_func **)function, (fk_module *)module, name);
 }
 
-EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+/* Waits for queued work (a launch may still name its functions), then keeps the storage for
+ * the next load. */
+static CUresult unload_module(fk_module *module) {
     if (module == NULL) return CUDA_ERROR_INVALID_HANDLE;
-    /* Functions stay allocated: a launch may still be queued (a real driver would wait). */
-    trace("fake cuModuleUnload");
+    sync_all();
+    pthread_mutex_lock(&g_modules_lock);
+    module->next_free = g_free_modules;
+    g_free_modules = module;
+    pthread_mutex_unlock(&g_modules_lock);
     return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule module) {
+    trace("fake cuModuleUnload");
+    return unload_module((fk_module *)module);
 }
 
 EXPORT CUresult CUDAAPI cuLibraryLoadData(CUlibrary *library, const void *code,
@@ -667,7 +689,8 @@ EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *function, CUkernel kerne
 }
 
 EXPORT CUresult CUDAAPI cuLibraryUnload(CUlibrary library) {
-    return library ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    trace("fake cuLibraryUnload");
+    return unload_module((fk_module *)library);
 }
 
 #ifndef FAKE_MINIMAL

@@ -18,6 +18,7 @@
     HOOK(cuModuleGetFunction, "cuModuleGetFunction", 2000, 0)           \
     HOOK(cuModuleUnload, "cuModuleUnload", 2000, 0)                     \
     HOOK(cuLibraryGetKernel, "cuLibraryGetKernel", 12000, 0)            \
+    HOOK(cuLibraryUnload, "cuLibraryUnload", 12000, 0)                  \
     HOOK(cuKernelGetFunction, "cuKernelGetFunction", 12000, 0)          \
     HOOK(cuLaunchKernel, "cuLaunchKernel", 4000, 0)                     \
     HOOK(cuLaunchKernel_ptsz, "cuLaunchKernel", 7000, 1)                \

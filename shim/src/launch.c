@@ -25,7 +25,7 @@ static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, 
     if (UNLIKELY(C.trace_fd >= 0) || measure) {
         char name[GL_NAME_MAX];
         function_name(f, name, sizeof name);
-        uint64_t id = kernel_id(name, launch.dims);
+        uint64_t id = function_kernel_id(f, launch.dims); /* the ID admission looks up */
         trace("launch %s %016llx %s %u %u %u %u %u %u%s", g_hooks[hook].symbol,
               (unsigned long long)id, name, gx, gy, gz, bx, by, bz,
               result == CUDA_SUCCESS ? "" : " refused");

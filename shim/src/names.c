@@ -1,6 +1,6 @@
 /* Kernel identity: the kernel ID, and names for functions the driver cannot name itself (a
  * table filled by cuModuleGetFunction, cuLibraryGetKernel and cuKernelGetFunction, emptied
- * per module by cuModuleUnload), with those hooks. Owns: g_names, g_names_lock. */
+ * per module by cuModuleUnload and cuLibraryUnload), with those hooks. Owns: g_names, g_names_lock. */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -145,12 +145,25 @@ EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *f, CUmodule module, cons
     return result;
 }
 
+/* A module or library going away: its names go, and every thread's kernel-ID cache is
+ * invalidated, since the driver may hand its function addresses to the next one loaded. */
+static void forget_module(const void *module) {
+    names_evict_module(module);
+    __atomic_add_fetch(&g_names_generation, 1, __ATOMIC_RELEASE);
+}
+
 EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule module) {
     init();
     if (!REAL(cuModuleUnload)) return CUDA_ERROR_NOT_FOUND;
-    names_evict_module(module);
-    __atomic_add_fetch(&g_names_generation, 1, __ATOMIC_RELEASE);
+    forget_module(module);
     return REAL(cuModuleUnload)(module);
+}
+
+EXPORT CUresult CUDAAPI cuLibraryUnload(CUlibrary library) {
+    init();
+    if (!REAL(cuLibraryUnload)) return CUDA_ERROR_NOT_FOUND;
+    forget_module(library);
+    return REAL(cuLibraryUnload)(library);
 }
 
 EXPORT CUresult CUDAAPI cuLibraryGetKernel(CUkernel *kernel, CUlibrary library,
@@ -167,13 +180,15 @@ EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *f, CUkernel kernel) {
     if (!REAL(cuKernelGetFunction)) return CUDA_ERROR_NOT_FOUND;
     CUresult result = REAL(cuKernelGetFunction)(f, kernel);
     if (result == CUDA_SUCCESS && f) {
+        /* The function belongs to the kernel's library: its unload evicts both names. */
         char name[GL_NAME_MAX];
         const void *library = NULL;
         const char *real_name = NULL;
+        int known = names_get(kernel, name, sizeof name, &library);
         if (g_aux.kernel_get_name && g_aux.kernel_get_name(&real_name, kernel) == CUDA_SUCCESS &&
             real_name)
-            names_put(*f, NULL, real_name);
-        else if (names_get(kernel, name, sizeof name, &library))
+            names_put(*f, library, real_name);
+        else if (known)
             names_put(*f, library, name);
     }
     return result;

@@ -12,7 +12,9 @@
  *   module NAME:US[:SM][,...]       load a module (cuModuleLoadData/cuModuleGetFunction); SM:
  *                                   the percent of the SMs the kernel can use (fake driver)
  *   library NAME:US[,...]           load a library (cuLibraryLoadData/GetKernel/KernelGetFunction)
+ *                                   (both print "function NAME handle=ADDRESS" per function)
  *   unload                          unload the last module
+ *   unloadlib                       unload the last library
  *   stream                          create a stream and use it from now on
  *   launch KIND NAME N GX GY GZ BX BY BZ   KIND: kernel | ex | coop
  *   loop SECONDS NAME SYNC_EVERY    launch NAME (1x1) until SECONDS pass, stream-sync every
@@ -80,7 +82,8 @@
 #define API(X)                                                                                  \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetCount) X(cuDeviceGetName) X(cuCtxCreate)              \
     X(cuCtxSynchronize) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)           \
-    X(cuLibraryLoadData) X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuLaunchKernel)        \
+    X(cuLibraryLoadData) X(cuLibraryGetKernel) X(cuKernelGetFunction) X(cuLibraryUnload)       \
+    X(cuLaunchKernel)                                                                           \
     X(cuLaunchKernelEx) X(cuLaunchCooperativeKernel) X(cuGraphLaunch) X(cuStreamCreate)        \
     X(cuStreamSynchronize) X(cuStreamBeginCapture) X(cuStreamEndCapture)                       \
     X(cuGraphInstantiate) X(cuEventCreate) X(cuEventRecord) X(cuEventSynchronize)              \
@@ -171,6 +174,7 @@ static struct {
 } g_funcs[MAX_FUNCS];
 static int g_func_count;
 static CUmodule g_module;
+static CUlibrary g_library;
 static CUstream g_stream;
 
 enum { A_POINTER, A_HANDLE, A_ASYNC, A_VMM };
@@ -204,9 +208,8 @@ static char *image_from(const char *spec) {
 
 static void add_names(const char *spec, int library) {
     char *copy = strdup(spec), *save = NULL;
-    CUlibrary lib = NULL;
     char *image = image_from(spec);
-    CUresult r = library ? D.cuLibraryLoadData(&lib, image, NULL, NULL, 0, NULL, NULL, 0)
+    CUresult r = library ? D.cuLibraryLoadData(&g_library, image, NULL, NULL, 0, NULL, NULL, 0)
                          : D.cuModuleLoadData(&g_module, image);
     printf("%s rc=%d\n", library ? "library" : "module", (int)r);
     for (char *item = strtok_r(copy, ",", &save); item && r == CUDA_SUCCESS;
@@ -218,12 +221,13 @@ static void add_names(const char *spec, int library) {
         CUresult got;
         if (library) {
             CUkernel k = NULL;
-            got = D.cuLibraryGetKernel(&k, lib, item);
+            got = D.cuLibraryGetKernel(&k, g_library, item);
             if (got == CUDA_SUCCESS) got = D.cuKernelGetFunction(&f, k);
         } else {
             got = D.cuModuleGetFunction(&f, g_module, item);
         }
         if (got != CUDA_SUCCESS) printf("function %s rc=%d\n", item, (int)got);
+        else printf("function %s handle=%p\n", item, (void *)f);
         snprintf(g_funcs[g_func_count].name, sizeof g_funcs[0].name, "%s", item);
         g_funcs[g_func_count++].f = f;
     }
@@ -501,6 +505,8 @@ int main(int argc, char **argv) {
             add_names(argv[++i], op[0] == 'l');
         } else if (strcmp(op, "unload") == 0) {
             printf("unload rc=%d\n", (int)D.cuModuleUnload(g_module));
+        } else if (strcmp(op, "unloadlib") == 0) {
+            printf("unloadlib rc=%d\n", (int)D.cuLibraryUnload(g_library));
         } else if (strcmp(op, "stream") == 0) {
             printf("stream rc=%d\n", (int)D.cuStreamCreate(&g_stream, 0));
         } else if (strcmp(op, "launch") == 0) {

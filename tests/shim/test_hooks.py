@@ -132,6 +132,37 @@ def test_module_unload_evicts_names(run: Runner) -> None:
     assert names == ["k_gone_10us", "?"]
 
 
+@pytest.mark.parametrize(
+    ("load", "unload"), [("module", "unload"), ("library", "unloadlib")], ids=["module", "library"]
+)
+@pytest.mark.parametrize("fake", ["fake", "fake_min"])
+def test_a_function_address_reused_after_an_unload_gets_the_new_kernels_id(
+    run: Runner, load: str, unload: str, fake: str
+) -> None:
+    """The driver may give a later module the function addresses of an unloaded one; the
+    shim's per-thread kernel-ID cache (keyed by address) must then hash the new name."""
+    result = run(
+        load,
+        "k_first_10us",
+        *launch("kernel", "k_first_10us", 2),
+        "sync",
+        unload,
+        load,
+        "k_second_20us",
+        *launch("kernel", "k_second_20us", 2),
+        "sync",
+        fake=fake,
+    )
+    assert result.returncode == 0, result.stderr
+    handles = [line.split()[-1] for line in result.stdout.splitlines() if "handle=" in line]
+    assert len(handles) == 2 and handles[0] == handles[1], result.stdout  # the address reused
+    seen = [(kid, name) for _, kid, name, _, _ in _launches(result.shim_trace)]
+    dims = ((1, 1, 1), (1, 1, 1))
+    assert seen == [(kernel_id("k_first_10us", *dims), "k_first_10us")] * 2 + [
+        (kernel_id("k_second_20us", *dims), "k_second_20us")
+    ] * 2
+
+
 def test_events_measure_kernel_time_on_the_fake(run: Runner) -> None:
     result = run("module", "k_t_2000us", "stream", "timed", "k_t_2000us", "5")
     assert result.returncode == 0, result.stderr
