@@ -158,9 +158,11 @@ def test_a_function_address_reused_after_an_unload_gets_the_new_kernels_id(
     assert len(handles) == 2 and handles[0] == handles[1], result.stdout  # the address reused
     seen = [(kid, name) for _, kid, name, _, _ in _launches(result.shim_trace)]
     dims = ((1, 1, 1), (1, 1, 1))
-    assert seen == [(kernel_id("k_first_10us", *dims), "k_first_10us")] * 2 + [
-        (kernel_id("k_second_20us", *dims), "k_second_20us")
-    ] * 2
+    assert (
+        seen
+        == [(kernel_id("k_first_10us", *dims), "k_first_10us")] * 2
+        + [(kernel_id("k_second_20us", *dims), "k_second_20us")] * 2
+    )
 
 
 def test_events_measure_kernel_time_on_the_fake(run: Runner) -> None:
