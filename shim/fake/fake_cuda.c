@@ -29,6 +29,10 @@
  *                            ("fake ENTRY NAME GX GY GZ BX BY BZ" for launches).
  *   GPULOOM_FAKE_CUDA_MEM_MIB device memory (default 81920).
  *   CUDA_MPS_ACTIVE_THREAD_PERCENTAGE  the SM share of the timing model above.
+ *   GPULOOM_FAKE_CUDA_SWITCH_US  a context switch (default 0, at most 1000000): a kernel that
+ *                            follows another process's on the engine starts this much later,
+ *                            so processes whose kernels interleave lose time, as packed jobs
+ *                            that interfere on a real GPU do.
  *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
  * an older driver.
@@ -69,6 +73,7 @@ static int g_engine_fd = -1;
 static uint64_t g_mem_total;
 static uint64_t g_mem_used;
 static unsigned g_sm_share = 100; /* CUDA_MPS_ACTIVE_THREAD_PERCENTAGE */
+static uint64_t g_switch_us;       /* GPULOOM_FAKE_CUDA_SWITCH_US */
 
 static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace(const char *fmt, ...) {
@@ -102,6 +107,12 @@ __attribute__((constructor)) static void fake_setup(void) {
     g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
     g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+    const char *switch_us = getenv("GPULOOM_FAKE_CUDA_SWITCH_US");
+    if (switch_us && *switch_us) {
+        char *end = NULL;
+        unsigned long long value = strtoull(switch_us, &end, 10);
+        if (end && *end == 0 && value <= 1000000) g_switch_us = value;
+    }
     const char *share = getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
     if (share && *share) {
         char *end = NULL;
@@ -127,16 +138,22 @@ static void sleep_until(uint64_t deadline) {
  * host's scheduler runs late between two kernels does not show up as a gap that a GPU would
  * not have had (nor as a difference between the log and the events). */
 static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready) {
-    uint64_t last = 0;
+    /* The lock file holds the engine's last kernel: its end, and its process. */
+    uint64_t last[2] = {0, 0};
     if (g_engine_fd >= 0) {
         flock(g_engine_fd, LOCK_EX);
-        if (pread(g_engine_fd, &last, sizeof last, 0) != (ssize_t)sizeof last) last = 0;
+        if (pread(g_engine_fd, last, sizeof last, 0) != (ssize_t)sizeof last) {
+            last[0] = last[1] = 0;
+        }
     }
-    uint64_t start = ready > last ? ready : last;
+    uint64_t start = ready > last[0] ? ready : last[0];
+    uint64_t me = (uint64_t)getpid();
+    if (last[1] != 0 && last[1] != me) start += g_switch_us * 1000u; /* the other context out */
     sleep_until(start + duration_us * 1000u);
     uint64_t end = now_ns();
     if (g_engine_fd >= 0) {
-        if (pwrite(g_engine_fd, &end, sizeof end, 0) != (ssize_t)sizeof end) { /* best effort */
+        uint64_t mine[2] = {end, me};
+        if (pwrite(g_engine_fd, mine, sizeof mine, 0) != (ssize_t)sizeof mine) { /* best effort */
         }
         flock(g_engine_fd, LOCK_UN);
     }

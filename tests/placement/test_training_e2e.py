@@ -17,6 +17,7 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -32,9 +33,11 @@ from gpuloom.clients.run import JobRunner, RunOutcome
 from gpuloom.domain.placement import JobKind, JobSpec
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.domain.training import CheckpointHook
+from gpuloom.policies.training.model import slice_efficiency
 from gpuloom.services.dispatcher.app import GpuDispatcher, _stop, start_gpu_dispatcher
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
 from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.placement.training import SWITCH_S
 from gpuloom.v1 import placement_pb2 as pb
 from tests.dispatcher.conftest import dispatcher_settings
 from tests.placement.conftest import GIB, Live, start_placement
@@ -47,6 +50,7 @@ ACTIVATIONS = 16 * MIB
 WEIGHTS = 64 * MIB
 KERNEL = "k_layer_1250us"  # 20 ms of GPU time per mini-batch: packing two pays off
 QUANTUM_S = 2.0
+INTERFERENCE_SWITCH_US = 5000
 
 
 @dataclass
@@ -115,37 +119,63 @@ async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: floa
         await asyncio.sleep(0.05)
 
 
-@pytest.fixture
-async def plane(
-    short_dir: Path,
-    shim_build: Path,  # noqa: F811  (the fixture imported above)
+@contextlib.asynccontextmanager
+async def _plane(
+    work: Path,
+    build: Path,
     monkeypatch: pytest.MonkeyPatch,
+    pack_trial_s: float = 2.0,
+    switch_us: int = 0,
 ) -> AsyncIterator[Plane]:
     # The jobs' processes inherit this environment through JobRunner: the fake driver, one
-    # fake GPU's engine log for the whole test.
-    (short_dir / "fake").mkdir()
+    # fake GPU's engine log for the whole test, and its context-switch cost.
+    (work / "fake").mkdir()
     for name in [n for n in os.environ if n.startswith("GPULOOM_")]:
         monkeypatch.delenv(name)
-    monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(short_dir / "fake"))
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(shim_build / "fake"))
+    monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(work / "fake"))
+    monkeypatch.setenv("GPULOOM_FAKE_CUDA_SWITCH_US", str(switch_us))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(build / "fake"))
     settings = PlacementSettings(
         port=0,
-        database_url=f"sqlite:///{short_dir / 'placement.db'}",
+        database_url=f"sqlite:///{work / 'placement.db'}",
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=30,
         training_policy="gandiva",
         training_quantum_s=QUANTUM_S,
-        training_pack_trial_s=2.0,
+        training_pack_trial_s=pack_trial_s,
         training_suspend_wait_ms=500.0,
     )
-    live = await start_placement(settings, short_dir)
-    plane = Plane(live, short_dir, shim_build)
+    live = await start_placement(settings, work)
+    plane = Plane(live, work, build)
     try:
         yield plane
     finally:
         for dispatcher in plane.dispatchers:
             await _stop(dispatcher, 0)
         await live.stop()
+
+
+@pytest.fixture
+async def plane(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811  (the fixture imported above)
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[Plane]:
+    async with _plane(short_dir, shim_build, monkeypatch) as plane:
+        yield plane
+
+
+@pytest.fixture
+async def interfering_plane(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[Plane]:
+    """Packed jobs interfere here: the fake GPU charges 5 ms per switch between processes
+    (their kernels alternate when both run), and a packing trial lasts 5 s, so the packed
+    mini-batch time is measured over a detection window that holds only packed time."""
+    async with _plane(short_dir, shim_build, monkeypatch, 5.0, INTERFERENCE_SWITCH_US) as plane:
+        yield plane
 
 
 def spec(name: str, hook: CheckpointHook | None = None, priority: int = 5) -> JobSpec:
@@ -160,13 +190,15 @@ def spec(name: str, hook: CheckpointHook | None = None, priority: int = 5) -> Jo
     )
 
 
-def train(steps: int, out: Path, state: Path | None = None) -> list[str]:
+def train(
+    steps: int, out: Path, state: Path | None = None, period_us: int = PERIOD_US
+) -> list[str]:
     """cudart_like's fake training loop, its output appended to `out` after a line naming its
     dispatcher's socket (exec: the job's process is the loop itself, the one the shim
     registers); with `state`, it checkpoints there on SIGUSR1 and starts from it."""
     loop = [
         str(PROGRAM), "module", KERNEL, "alloc", "alloc", str(WEIGHTS),
-        "train", str(steps), str(PERIOD_US), str(LAYERS), str(ACTIVATIONS), KERNEL,
+        "train", str(steps), str(period_us), str(LAYERS), str(ACTIVATIONS), KERNEL,
     ]  # fmt: skip
     saves = f"CUDART_LIKE_TRAIN_STATE={state} " if state else ""
     script = f'echo "socket $GPULOOM_DISPATCHER_SOCKET" >> {out}; {saves}exec "$@" >> {out}'
@@ -280,6 +312,65 @@ async def test_two_real_training_processes_are_time_sliced_then_packed(plane: Pl
     assert sliced <= 2 * (window_s / QUANTUM_S + 2), (sliced, window_s)
     together = alternations(engine, packed_seen_ns, interleaved_until_ns)
     assert together > 4 * (interleaved_until_ns - packed_seen_ns) / 1e9, together
+
+
+async def test_a_packing_that_loses_to_time_slicing_is_undone(interfering_plane: Plane) -> None:
+    """Two real training loops (16 kernels of 1.25 ms per 40 ms mini-batch) on a fake GPU that
+    charges 5 ms per switch between processes: packed, their kernels alternate and each
+    mini-batch takes about five times as long, a gain of about 0.4 against time-slicing's
+    0.67 (2 s turns, 1 s per switch). The trial measures that from the dispatcher's mini-batch
+    times, undoes the packing, and the jobs go back to taking turns, never packed again."""
+    plane = interfering_plane
+    await plane.add_gpu()
+    undone_before = packings("undone")
+    steps = 240  # about 6 s alone: enough to be taking turns still when the trial is undone
+    said: list[str] = []
+    outs = [plane.work / f"train-{i}.out" for i in range(2)]
+    runs = [
+        start(plane, spec(f"t{i}"), train(steps, outs[i], period_us=40_000), said) for i in range(2)
+    ]
+    try:
+
+        async def trial_measured() -> bool:
+            jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+            return len(jobs) == 2 and all(
+                j.training.packings and j.training.packings[-1].gain > 0 for j in jobs
+            )
+
+        await until("a measured packing trial", trial_measured, 60)
+        ids = [(await plane.job_named(f"t{i}")).job_id for i in range(2)]
+        efficiency = slice_efficiency(QUANTUM_S, SWITCH_S)
+        for job_id in ids:
+            trial = (await plane.job(job_id)).training.packings[-1]
+            assert 0 < trial.gain < efficiency, trial
+            assert trial.packed_minibatch_s > 2 * trial.solo_minibatch_s, trial
+
+        async def sliced_again() -> bool:
+            a, b = [await plane.job(j) for j in ids]
+            undone = all(j.training.packings[-1].undone for j in (a, b))
+            phases = {a.training.phase, b.training.phase}
+            return undone and phases == {pb.TRAINING_PHASE_SUSPENDED, pb.TRAINING_PHASE_RUNNING}
+
+        await until("back to time-slicing", sliced_again, 15)
+        assert packings("undone") == undone_before + 1
+        # Not packed again: a quantum and a half later, still one packing trial each.
+        await asyncio.sleep(1.5 * QUANTUM_S)
+        for job_id in ids:
+            job = await plane.job(job_id)
+            assert len(job.training.packings) == 1, job.training
+            assert job.training.phase != pb.TRAINING_PHASE_PACKED
+    finally:
+        outcomes = await asyncio.wait_for(asyncio.gather(*runs), 120)
+    for outcome, out in zip(outcomes, outs, strict=True):
+        assert outcome.exit_code == 0, (said, out.read_text())
+        assert f"train minibatches={steps} done={steps} failed=0" in out.read_text()
+
+
+def packings(outcome: str) -> float:
+    sample = prometheus_client.REGISTRY.get_sample_value(
+        "gpuloom_placement_training_packings_total", {"outcome": outcome}
+    )
+    return sample or 0.0
 
 
 async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(

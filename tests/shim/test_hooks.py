@@ -5,6 +5,9 @@ and passed through."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+
 import pytest
 
 from tests.shim.conftest import CUDA_ERROR_NOT_FOUND, Runner, kernel_id, launch
@@ -163,6 +166,20 @@ def test_a_function_address_reused_after_an_unload_gets_the_new_kernels_id(
         == [(kernel_id("k_first_10us", *dims), "k_first_10us")] * 2
         + [(kernel_id("k_second_20us", *dims), "k_second_20us")] * 2
     )
+
+
+async def test_the_fake_engine_charges_a_context_switch_between_processes(run: Runner) -> None:
+    """GPULOOM_FAKE_CUDA_SWITCH_US: a kernel after another process's starts that much later
+    (how tests make packed jobs interfere); one after its own process's does not."""
+    switch_us = 3000
+    env = {"GPULOOM_FAKE_CUDA_SWITCH_US": str(switch_us)}
+    args = ("module", "k_sw_1000us", "loop", "0.3", "k_sw_1000us", "1")
+    results = await asyncio.gather(*(run.run_async(*args, env=env) for _ in range(2)))
+    assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
+    runs = sorted(run.engine_runs(), key=lambda r: r[2])
+    assert len({pid for pid, *_ in runs}) == 2
+    changes = [b[2] - a[3] for a, b in itertools.pairwise(runs) if a[0] != b[0]]
+    assert changes and min(changes) >= switch_us * 1000 - 50_000, changes
 
 
 def test_events_measure_kernel_time_on_the_fake(run: Runner) -> None:
