@@ -86,7 +86,7 @@ _TASK = {
     "launch_depth",
 }
 _KERNEL = {"name", "duration_us", "gap_after_us"}
-_FIKIT = {"gap_threshold_us", "idle_margin_us", "idle_backlog_us", "max_wait_us"}
+_FIKIT = {"gap_threshold_us", "idle_margin_us", "idle_backlog_us", "max_wait_us", "fill_guard_us"}
 
 
 class _Reader:

@@ -65,6 +65,7 @@ def fikit_config(settings: DispatcherSettings) -> FikitConfig:
         idle_margin_ns=int(settings.fikit_idle_margin_us * 1e3),
         idle_backlog_ns=int(settings.fikit_idle_backlog_us * 1e3),
         max_wait_ns=int(settings.fikit_max_wait_ms * 1e6),
+        fill_guard_ns=int(settings.fikit_fill_guard_us * 1e3),
     )
 
 

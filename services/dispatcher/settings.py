@@ -53,6 +53,9 @@ class DispatcherSettings(BaseSettings):
     fikit_idle_backlog_us: float = Field(default=0.0, ge=0, le=1e6)
     # ... and a kernel that waited this long is admitted anyway (0: never; strict priority).
     fikit_max_wait_ms: float = Field(default=0.0, ge=0, le=3.6e6)
+    # ... and a fill must be predicted to end this long before its gap window does: room for
+    # the filler's wake-up and launch after its grant, which the prediction does not see.
+    fikit_fill_guard_us: float = Field(default=50.0, ge=0, le=1e6)
     # ... and around a holder launch predicted while a filler waits, the arbiter polls for this
     # long instead of sleeping (CPU for latency; 0: it always sleeps).
     fikit_spin_us: float = Field(default=0.0, ge=0, le=10_000)

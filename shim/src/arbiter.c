@@ -83,7 +83,7 @@ struct gl_arbiter {
     uint64_t beat_ns, last_beat;
     uint64_t spin_ns; /* busy-poll budget around a predicted holder launch (0: never) */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
-    uint64_t gap_threshold_ns;
+    uint64_t gap_threshold_ns, fill_guard_ns;
     int arming; /* publish arms (the one-wake-up path); 0: every release is a grant */
     int quiet;  /* publish holders' window-opening kernels (their other launches ring not) */
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
@@ -368,6 +368,7 @@ static int desired_arm(gl_arbiter *a, arm_state *want) {
             want->filler_kernels[n++] = e->id;
             if (e->duration_ns > longest) longest = e->duration_ns;
         }
+        longest += a->fill_guard_ns; /* both at most an hour: no overflow */
         min_gap = longest > a->gap_threshold_ns ? longest : a->gap_threshold_ns;
         if (n == 0 || holder_kernels(h, min_gap > 0 ? min_gap : 1, want) == 0) return 0;
         want->filler_seq = f->seen_req + 1;
@@ -592,6 +593,7 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
         return NULL;
     }
     a->gap_threshold_ns = config->gap_threshold_ns;
+    a->fill_guard_ns = config->fill_guard_ns;
     a->arming = 1;
     a->quiet = 1;
     if (open_boards(a) != 0) {

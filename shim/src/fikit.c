@@ -220,7 +220,8 @@ static int fits(const gl_fk_core *core, const gl_fk_task *t, int mode, uint64_t 
     if (mode == MODE_WINDOW) {
         /* No fill for unknown kernels. */
         return d != GL_FK_UNKNOWN &&
-               sat_add(max_u64(now, core->tail_ns), d) <= core->window_end_ns;
+               sat_add(sat_add(max_u64(now, core->tail_ns), d), core->config.fill_guard_ns) <=
+                   core->window_end_ns;
     }
     if (core->fill_count == 0)
         return 1; /* one kernel always may go when no fill work is outstanding */
@@ -281,6 +282,7 @@ void gl_fk_default_config(gl_fk_config *out) {
     out->idle_margin_ns = 200000;
     out->idle_backlog_ns = 0;
     out->max_wait_ns = 0;
+    out->fill_guard_ns = 0;
 }
 
 size_t gl_fk_core_size(void) { return sizeof(gl_fk_core); }
@@ -290,7 +292,8 @@ int gl_fk_init(gl_fk_core *core, const gl_fk_config *config) {
         return -1;
     if (config->gap_threshold_ns > GL_FK_MAX_CONFIG_NS ||
         config->idle_margin_ns > GL_FK_MAX_CONFIG_NS ||
-        config->idle_backlog_ns > GL_FK_MAX_CONFIG_NS || config->max_wait_ns > GL_FK_MAX_CONFIG_NS)
+        config->idle_backlog_ns > GL_FK_MAX_CONFIG_NS ||
+        config->max_wait_ns > GL_FK_MAX_CONFIG_NS || config->fill_guard_ns > GL_FK_MAX_CONFIG_NS)
         return -1;
     memset(core, 0, sizeof(*core));
     core->config = *config;
@@ -498,7 +501,8 @@ int gl_fk_next_fill(const gl_fk_core *core, uint32_t *task, uint64_t *min_gap_ns
     }
     if (pick < 0)
         return 0;
-    uint64_t gap = max_u64(core->tasks[pick].req_duration_ns, core->config.gap_threshold_ns);
+    uint64_t gap = max_u64(sat_add(core->tasks[pick].req_duration_ns, core->config.fill_guard_ns),
+                           core->config.gap_threshold_ns);
     *task = (uint32_t)pick;
     *min_gap_ns = gap > 0 ? gap : 1; /* a window needs a gap > 0 */
     return 1;

@@ -52,6 +52,9 @@ static uint64_t g_fk_fired;    /* atomic: the arm this holder fired last (never 
 static uint64_t g_fk_released; /* under the wait lock: the arm this filler went by last */
 static int g_fk_ring_after;    /* atomic: a board release whose launch rings the doorbell */
 static __thread uint32_t t_fk_quiet_seq; /* this thread's holder launch posted without a ring */
+/* This thread's holder launch that opens a window: it fires or rings after the real launch. */
+static __thread uint32_t t_fk_open_seq;
+static __thread uint64_t t_fk_open_kernel;
 
 static void ring_doorbell(void) {
     int fd = __atomic_load_n(&g_fk_doorbell, __ATOMIC_ACQUIRE);
@@ -129,7 +132,16 @@ unsigned fikit_harvest(void) {
     return left;
 }
 
+static int fire_arm(uint8_t *r, uint64_t kernel);
+
 void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
+    if (seq == t_fk_open_seq) {
+        /* Only now may a filler go: its kernel must reach the GPU behind this one, not race
+         * it there (a fill launched first would run first, and the holder would wait). */
+        t_fk_open_seq = 0;
+        uint8_t *r = region();
+        if (r == NULL || !launched || !fire_arm(r, t_fk_open_kernel)) ring_doorbell();
+    }
     if (launched) fikit_track(key, seq, seq == t_fk_quiet_seq);
     /* Released by the holder's fire: the arbiter hears of it now, after the launch. */
     if (__atomic_exchange_n(&g_fk_ring_after, 0, __ATOMIC_ACQ_REL)) ring_doorbell();
@@ -175,6 +187,7 @@ static int fire_arm(uint8_t *r, uint64_t kernel) {
     __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
     syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX, NULL, NULL,
             0);
+    if (UNLIKELY(C.trace_fd >= 0)) trace("fikit fire %016llx", (unsigned long long)kernel);
     return 1;
 }
 
@@ -321,10 +334,12 @@ CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t
             return CUDA_SUCCESS;
         }
         w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
-        /* After the post: the arbiter sees the launch before the fire. A fired arm rings no
-         * doorbell here: the released filler rings it after its launch, so the arbiter does
-         * not compete with the filler for a CPU on the way to the release. */
-        if (!fire_arm(r, kernel)) ring_doorbell();
+        /* The fire (or the ring) waits for the real launch (fikit_after_launch): the arbiter
+         * sees the launch before the fire. A fired arm rings no doorbell: the released filler
+         * rings it after its launch, so the arbiter does not compete with the filler for a CPU
+         * on the way to the release. */
+        t_fk_open_seq = seq;
+        t_fk_open_kernel = kernel;
         *granted_seq = seq;
         return CUDA_SUCCESS;
     }

@@ -208,6 +208,32 @@ async def test_fikit_keeps_the_high_priority_latency_while_the_low_one_works(
     print(f"arbiter: {stats}")
 
 
+async def test_the_holder_fires_its_arm_only_after_its_real_launch(
+    fikit: Fikit, run: Runner, tmp_path: Path
+) -> None:
+    """A fill the holder's launch releases must reach the GPU behind the holder's kernel: the
+    fire comes after the real launch returned, never between the post and the launch (the
+    fill would run first and the holder would wait for it). The holder's shim and the fake
+    driver trace into one file, so its lines are in the process's own order."""
+    trace = tmp_path / "holder.trace"
+    high = fikit.env(await fikit.token("infer", 0))
+    high.update(GPULOOM_SHIM_TRACE=str(trace), GPULOOM_FAKE_CUDA_TRACE=str(trace))
+    low = fikit.env(await fikit.token("train", 5))
+    inference, _ = await _with_training(run, low, high, preload=True)
+    _jct_ms(inference)
+    lines = trace.read_text().splitlines()
+    fires = [i for i, line in enumerate(lines) if line.startswith("fikit fire")]
+    assert fires, "no arm was fired"
+    launch_lines = ("launch cuLaunchKernel", "fake cuLaunchKernel")
+    for i in fires:
+        shim_launch, driver_launch = (
+            max(j for j in range(i) if lines[j].startswith(prefix)) for prefix in launch_lines
+        )
+        assert shim_launch < driver_launch < i, lines[max(0, i - 4) : i + 1]
+        fired_id = lines[i].split()[2]
+        assert lines[shim_launch].split()[2] == fired_id  # the launch that fired it
+
+
 UNPROFILED = "k_unprofiled_300us"  # not in the holder's profile: no gap is ever filled
 
 

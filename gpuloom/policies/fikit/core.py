@@ -32,6 +32,7 @@ class FikitConfig:
     idle_margin_ns: int = 200_000
     idle_backlog_ns: int = 0
     max_wait_ns: int = 0  # 0: never
+    fill_guard_ns: int = 0  # a window fill must end this long before the window (gl_fk_config)
 
 
 @dataclass(frozen=True, slots=True)

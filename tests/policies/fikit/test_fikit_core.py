@@ -58,6 +58,20 @@ def test_a_fill_goes_only_into_a_gap_window_it_fits() -> None:
     assert core.counters().granted_window == 1
 
 
+def test_a_window_fill_leaves_the_guard_free_before_the_window_ends() -> None:
+    """fill_guard_ns: room for the filler's own delay between its grant and its launch."""
+    core = make(fill_guard_ns=50 * US)
+    assert core.request(HI, 100 * US, 500 * US, 0) == 1  # window ends at 600 us
+    assert core.request(LO, 451 * US, 0, 0) == 0  # ends at 551 us: within 50 us of the end
+    assert core.decide(0)[0] == []
+    assert core.next_fill() == (LO, 501 * US)  # the least gap that fits it with the guard
+    core.remove_task(LO, 0)
+    assert core.add_task(LO, 5, 0)
+    assert core.request(LO, 450 * US, 0, 0) == 0
+    assert core.decide(0)[0] == [LO]
+    assert core.tail() == 550 * US
+
+
 def test_short_gaps_and_unknown_kernels_open_no_fill() -> None:
     core = make()
     core.request(HI, 100 * US, 50 * US, 0)  # gap below the 100 us threshold
@@ -330,13 +344,14 @@ def test_release_admits_a_queued_request_as_fill() -> None:
     ),
     gap=st.sampled_from([0, 50 * US, 100 * US, 150 * US, 399 * US, 400 * US, 2_000 * US]),
     holder_kernel=st.sampled_from([1 * US, 60 * US, 500 * US]),
+    guard=st.sampled_from([0, 50 * US, 250 * US]),
 )
 def test_next_fill_is_what_the_next_window_grants_first(
-    requests: list[tuple[int, int]], gap: int, holder_kernel: int
+    requests: list[tuple[int, int]], gap: int, holder_kernel: int, guard: int
 ) -> None:
     """The arm's promise: after the holder's next launch (gap g), decide grants next_fill's
-    request first exactly when g >= its least gap."""
-    core = FikitCore(FikitConfig(gap_threshold_ns=100 * US))
+    request first exactly when g >= its least gap (the fill guard included)."""
+    core = FikitCore(FikitConfig(gap_threshold_ns=100 * US, fill_guard_ns=guard))
     assert core.add_task(0, 0, 0)
     assert core.request(0, 300 * US, 10 * US, 0) == 1  # busy, no window
     for task, (priority, duration) in enumerate(requests, start=1):
