@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,15 +22,13 @@ import pytest
 from gpuloom.convert.placement import spec_to_pb
 from gpuloom.domain.placement import JobKind, JobSpec
 from gpuloom.domain.training import CheckpointHook
-from gpuloom.services.dispatcher.app import _stop
-from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.v1 import placement_pb2 as pb
-from tests.placement.conftest import start_placement
 from tests.placement.test_training_e2e import (
     KERNEL,
     LAYERS,
     PERIOD_US,
     Plane,
+    live_plane,
     pid_of,
     start,
     until,
@@ -48,27 +45,9 @@ async def plane(
     shim_build: Path,  # noqa: F811  (the fixture imported above)
     monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[Plane]:
-    (short_dir / "fake").mkdir()
-    for name in [n for n in os.environ if n.startswith("GPULOOM_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(short_dir / "fake"))
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(shim_build / "fake"))
-    settings = PlacementSettings(
-        port=0,
-        database_url=f"sqlite:///{short_dir / 'placement.db'}",
-        heartbeat_interval_s=0.2,
-        heartbeat_timeout_s=30,
-        training_policy="gandiva-gs",
-        training_grow_idle_s=IDLE_S,
-    )
-    live = await start_placement(settings, short_dir)
-    plane = Plane(live, short_dir, shim_build)
-    try:
+    training = {"training_policy": "gandiva-gs", "training_grow_idle_s": IDLE_S}
+    async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
         yield plane
-    finally:
-        for dispatcher in plane.dispatchers:
-            await _stop(dispatcher, 0)
-        await live.stop()
 
 
 def elastic_train(steps: int, out: Path, state: Path) -> list[str]:

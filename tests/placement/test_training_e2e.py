@@ -50,6 +50,12 @@ ACTIVATIONS = 16 * MIB
 WEIGHTS = 64 * MIB
 KERNEL = "k_layer_1250us"  # 20 ms of GPU time per mini-batch: packing two pays off
 QUANTUM_S = 2.0
+GANDIVA = {  # placement's training settings in these tests
+    "training_policy": "gandiva",
+    "training_quantum_s": QUANTUM_S,
+    "training_pack_trial_s": 2.0,
+    "training_suspend_wait_ms": 500.0,
+}
 INTERFERENCE_SWITCH_US = 5000
 
 
@@ -120,13 +126,14 @@ async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: floa
 
 
 @contextlib.asynccontextmanager
-async def _plane(
+async def live_plane(
     work: Path,
     build: Path,
     monkeypatch: pytest.MonkeyPatch,
-    pack_trial_s: float = 2.0,
     switch_us: int = 0,
+    **training: object,
 ) -> AsyncIterator[Plane]:
+    """Placement with the `training` settings (training_policy, ...) and no dispatcher yet."""
     # The jobs' processes inherit this environment through JobRunner: the fake driver, one
     # fake GPU's engine log for the whole test, and its context-switch cost.
     (work / "fake").mkdir()
@@ -140,10 +147,7 @@ async def _plane(
         database_url=f"sqlite:///{work / 'placement.db'}",
         heartbeat_interval_s=0.2,
         heartbeat_timeout_s=30,
-        training_policy="gandiva",
-        training_quantum_s=QUANTUM_S,
-        training_pack_trial_s=pack_trial_s,
-        training_suspend_wait_ms=500.0,
+        **training,  # type: ignore[arg-type]
     )
     live = await start_placement(settings, work)
     plane = Plane(live, work, build)
@@ -161,7 +165,7 @@ async def plane(
     shim_build: Path,  # noqa: F811  (the fixture imported above)
     monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[Plane]:
-    async with _plane(short_dir, shim_build, monkeypatch) as plane:
+    async with live_plane(short_dir, shim_build, monkeypatch, **GANDIVA) as plane:
         yield plane
 
 
@@ -174,7 +178,10 @@ async def interfering_plane(
     """Packed jobs interfere here: the fake GPU charges 5 ms per switch between processes
     (their kernels alternate when both run), and a packing trial lasts 5 s, so the packed
     mini-batch time is measured over a detection window that holds only packed time."""
-    async with _plane(short_dir, shim_build, monkeypatch, 5.0, INTERFERENCE_SWITCH_US) as plane:
+    training = {**GANDIVA, "training_pack_trial_s": 5.0}
+    async with live_plane(
+        short_dir, shim_build, monkeypatch, INTERFERENCE_SWITCH_US, **training
+    ) as plane:
         yield plane
 
 

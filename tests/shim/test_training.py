@@ -172,7 +172,11 @@ async def test_a_job_is_suspended_at_a_low_point_and_resumed_with_no_lost_work(
     assert suspended.suspend_wait_ms <= 1000
     # Stopped at a mini-batch boundary: near the cycle's floor, and held there (resident).
     assert suspended.suspended_memory_bytes <= LOW + 0.1 * SWING, suspended
-    assert held.suspended and held.memory_allocated_bytes == suspended.suspended_memory_bytes
+    # Held resident: nothing freed, and at most the one allocation that raced the suspension
+    # (the dispatcher records the memory its samples show; under load the process may have
+    # taken its next layer before it read the suspension; its next allocation then waits).
+    assert held.suspended
+    assert 0 <= held.memory_allocated_bytes - suspended.suspended_memory_bytes <= ACTIVATIONS
     assert suspended.HasField("suspended_at")
     assert again.suspended_at == suspended.suspended_at
     assert not resumed.suspended and not resumed_again.suspended
