@@ -696,7 +696,7 @@ class ShimChannel:
             return False
         try:
             reservation = self._book.bind(
-                reservation.assignment_id, BoundProcess(pid, start_ticks, uid)
+                reservation.assignment_id, BoundProcess(pid, start_ticks, uid), _still_runs
             )
         except DomainError as error:
             self._refuse(connection, error.message, reservation.assignment_id)
@@ -704,7 +704,13 @@ class ShimChannel:
         assignment_id = reservation.assignment_id
         previous = self._by_assignment.get(assignment_id)
         if previous is not None:
-            self._close(previous, "replaced by a new connection of the same process")
+            same = previous.peer[0] == pid
+            self._close(
+                previous,
+                "replaced by a new connection of the same process"
+                if same
+                else f"replaced by pid {pid}: the process it was bound to has exited",
+            )
         task_key = reservation.task_key or derive_task_key(register.process_name, register.argv)
         mode = self._choose_mode(reservation, task_key)
         if mode is ShimMode.SHARE and self._arbiter is not None:
@@ -1325,6 +1331,11 @@ def _suspend_deadline_ns() -> int:
 
 def _deadline_ns(lease: Lease) -> int:
     return OPEN_ENDED_NS if math.isinf(lease.expires_at) else int(lease.expires_at * 1e9)
+
+
+def _still_runs(process: BoundProcess) -> bool:
+    """Whether the process a token is bound to still runs (not a later one with its pid)."""
+    return _process_start_ticks(process.pid) == process.start_ticks
 
 
 def _process_start_ticks(pid: int) -> int | None:

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -179,20 +180,30 @@ class ReservationBook:
             self._save_locked()
             return reservation
 
-    def bind(self, assignment_id: str, process: BoundProcess) -> Reservation:
+    def bind(
+        self,
+        assignment_id: str,
+        process: BoundProcess,
+        alive: Callable[[BoundProcess], bool] = lambda _: True,
+    ) -> Reservation:
         """Bind the token to its first process; the same process again is fine, any other is
-        refused (FailedPrecondition), so one process cannot spend another's quota."""
+        refused (FailedPrecondition), so one process cannot spend another's quota. Once the
+        bound process has exited (`alive` says whether it still runs), a process of the same
+        user may take the reservation over: the job started again where it was."""
         with self._lock:
             reservation = self._by_id.get(assignment_id)
             if reservation is None:
                 raise FailedPrecondition("the assignment was released")
             if reservation.bound is not None:
                 bound = reservation.bound
-                if (bound.pid, bound.start_ticks) != (process.pid, process.start_ticks):
+                if (bound.pid, bound.start_ticks) == (process.pid, process.start_ticks):
+                    return reservation
+                if bound.uid != process.uid or alive(bound):
                     raise FailedPrecondition(
                         f"assignment token already used by pid {bound.pid}; tokens are one-time"
+                        " (after that process exits, only a process of the same user may take"
+                        " it over)"
                     )
-                return reservation
             reservation = dataclasses.replace(reservation, bound=process)
             self._by_id[assignment_id] = reservation
             self._save_locked()

@@ -92,6 +92,32 @@ async def test_token_replayed_by_another_process_is_refused(live: LiveDispatcher
     assert f"already used by pid {os.getpid()}" in result.stdout
 
 
+async def test_once_its_process_exits_a_restart_takes_the_token_over(
+    live: LiveDispatcher,
+) -> None:
+    """A job started again on its assignment (gpuloom run after a failed checkpoint, a
+    crash-restart loop): the token's process has exited, so a process of the same user takes
+    the reservation over; while that one runs, nobody else can."""
+    token = (await live.reserve()).assignment_token
+
+    def replay() -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", REPLAY, live.socket_path, token],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    for _ in range(2):  # registers, exits; the next one takes over
+        result = await asyncio.to_thread(replay)
+        assert result.returncode == 0, result.stdout + result.stderr
+    with ShimClient.connect(live.socket_path, token) as holder:
+        assert holder.acquire(timeout_s=2) is not None
+        refused = await asyncio.to_thread(replay)
+        assert refused.returncode == 3
+        assert f"already used by pid {os.getpid()}" in refused.stdout
+
+
 # Leases long enough that the two outlast a status call on a loaded machine.
 @pytest.mark.parametrize(
     "live", [{"window_ms": 1000, "lease_initial_ms": 150, "lease_max_ms": 200}], indirect=True

@@ -74,6 +74,23 @@ def test_a_token_binds_to_its_first_process_only() -> None:
         book.bind(reservation.assignment_id, BoundProcess(pid=100, start_ticks=9, uid=1000))
 
 
+def test_a_token_of_an_exited_process_goes_to_a_restart_of_the_same_user_only() -> None:
+    book = ReservationBook(16 * GIB, None)
+    reservation, _ = book.reserve(spec())
+    first = BoundProcess(pid=100, start_ticks=5, uid=1000)
+    book.bind(reservation.assignment_id, first)
+    restart = BoundProcess(pid=200, start_ticks=8, uid=1000)
+    with pytest.raises(FailedPrecondition, match="already used by pid 100"):
+        book.bind(reservation.assignment_id, restart, alive=lambda p: True)  # still runs
+    stranger = BoundProcess(pid=300, start_ticks=9, uid=1001)
+    with pytest.raises(FailedPrecondition, match="same user"):
+        book.bind(reservation.assignment_id, stranger, alive=lambda p: False)
+    assert book.bind(reservation.assignment_id, restart, alive=lambda p: False).bound == restart
+    # The restart holds it now: the first process's pid back (recycled) is another process.
+    with pytest.raises(FailedPrecondition, match="already used by pid 200"):
+        book.bind(reservation.assignment_id, first, alive=lambda p: p == restart)
+
+
 def test_tokens_are_unique_across_assignments() -> None:
     book = ReservationBook(16 * GIB, None)
     first, _ = book.reserve(spec("a"))

@@ -494,6 +494,53 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
         )
 
 
+async def test_a_job_whose_hook_fails_starts_again_on_its_own_reservation(
+    plane: Plane,
+) -> None:
+    """The same set-up as the migration, but the job cannot save its checkpoint (its state
+    directory does not exist): it exits non-zero on SIGUSR1, `gpuloom run` reports the hook
+    failed and starts it again where it was, on the same assignment, and the dispatcher lets
+    the new process take over the token of the one that exited."""
+    first = await plane.add_gpu()
+    said: list[str] = []
+    plain_out = plane.work / "plain.out"
+    plain = start(plane, spec("plain"), train(100, plain_out), said)
+    steps = 40
+    out = plane.work / "broken.out"
+    broken = train(steps, out, state=plane.work / "missing" / "broken.state")
+    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
+    mover = start(plane, spec("broken", hook), broken, said)
+    try:
+
+        async def running() -> bool:
+            return out.exists() and out.read_text().count("train step") >= 5
+
+        await until("the job with a hook running", running, 20)
+        job = await plane.job_named("broken")
+        await plane.add_gpu()
+
+        async def restarted() -> bool:
+            return out.read_text().count("init ") >= 2
+
+        await until("the job started again", restarted, 30)
+        pids = [
+            int(line.split("pid=")[1]) for line in out.read_text().splitlines() if "pid=" in line
+        ]
+        reservation = first.core.book.get(job.assignment.assignment_id)
+        assert reservation is not None and reservation.bound is not None
+        assert reservation.bound.pid == pids[-1]  # the new process holds the token now
+        result = await asyncio.wait_for(mover, 60)
+    finally:
+        outcome = await asyncio.wait_for(plain, 120)
+    assert outcome.exit_code == 0, said
+    assert result.exit_code == 0, (said, out.read_text())
+    assert any("checkpoint hook failed" in line for line in said), said
+    lines = out.read_text().splitlines()
+    sockets = [line.split()[1] for line in lines if line.startswith("socket ")]
+    assert sockets == [first.core.socket_path] * 2, lines  # started again where it was
+    assert f"train minibatches={steps} done={steps} failed=0" in lines, lines
+
+
 def moved_count() -> float:
     sample = prometheus_client.REGISTRY.get_sample_value(
         "gpuloom_placement_training_migrations_total", {"outcome": "moved"}
