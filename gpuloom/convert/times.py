@@ -8,6 +8,8 @@ from __future__ import annotations
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from gpuloom.domain.errors import InvalidArgument
+
 MICROS = 1_000_000
 
 
@@ -21,8 +23,15 @@ def timestamp(unix_s: float) -> Timestamp | None:
 
 
 def unix_s(message: Message, field: str) -> float:
-    """`message.field` in unix seconds; 0.0 when it is unset."""
+    """`message.field` in unix seconds; 0.0 when it is unset. InvalidArgument (naming the
+    field) for a Timestamp out of its range: nanos outside 0..999,999,999, or seconds outside
+    years 1..9999."""
     if not message.HasField(field):
         return 0.0
     stamp: Timestamp = getattr(message, field)
-    return stamp.ToMicroseconds() / MICROS
+    try:
+        return stamp.ToMicroseconds() / MICROS
+    except ValueError:
+        raise InvalidArgument(
+            field, f"not a valid timestamp (seconds {stamp.seconds}, nanos {stamp.nanos})"
+        ) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuloom.convert.times import timestamp, unix_s
+from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.training import (
     CheckpointHook,
     MigrationRequest,
@@ -69,7 +70,12 @@ def reports_from_pb(reports: Iterable[pb.TrainingReport]) -> list[TrainingReport
     """A heartbeat's training reports, each validated (InvalidArgument names `training[i]`)."""
     out = []
     for index, msg in enumerate(reports):
-        report = TrainingReport(msg.assignment_id, cycle_from_pb(msg.cycle), msg.suspended)
+        try:
+            cycle = cycle_from_pb(msg.cycle)
+        except InvalidArgument as error:  # a Timestamp out of range: name it in full
+            problem = error.message.removeprefix(f"{error.field}: ")
+            raise InvalidArgument(f"training[{index}].cycle.{error.field}", problem) from None
+        report = TrainingReport(msg.assignment_id, cycle, msg.suspended)
         report.validate(f"training[{index}]")
         out.append(report)
     return out

@@ -169,6 +169,12 @@ def test_training_reports_are_validated_naming_the_field() -> None:
     nan = pb.TrainingReport(assignment_id="j-3", cycle=cycle(math.nan))
     with pytest.raises(InvalidArgument, match="finite"):
         reports_from_pb([nan])
+    # Found by the fuzzer: a Timestamp out of its range was an internal error.
+    bad_time = pb.TrainingReport(assignment_id="j-5", cycle=cycle(0.5))
+    bad_time.cycle.next_low_point.nanos = -(2**31)
+    with pytest.raises(InvalidArgument, match="not a valid timestamp") as refused:
+        reports_from_pb([good, bad_time])
+    assert refused.value.field == "training[1].cycle.next_low_point"
     upside_down = pb.TrainingReport(assignment_id="j-4")
     upside_down.cycle.low_memory_bytes, upside_down.cycle.high_memory_bytes = 10, 5
     with pytest.raises(InvalidArgument, match="above high_memory_bytes"):

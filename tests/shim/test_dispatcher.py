@@ -23,6 +23,16 @@ from tests.shim.conftest import (
 MIB = 1 << 20
 
 
+async def _until_registered(live: LiveDispatcher, clients: int) -> None:
+    """Until the dispatcher lists this many connected clients (at most 10 s)."""
+    for _ in range(200):
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        if sum(1 for c in status.clients if c.connected) >= clients:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{clients} client(s) never registered")
+
+
 def _env(live: LiveDispatcher, token: str, **extra: str) -> dict[str, str]:
     return {
         "GPULOOM_DISPATCHER_SOCKET": live.socket_path,
@@ -193,15 +203,12 @@ async def test_another_process_with_the_same_token_is_refused(
 ) -> None:
     token = (await live.reserve(sm=100, request=50.0)).assignment_token
     env = _env(live, token, GPULOOM_ON_DISPATCHER_LOSS=policy)
-    owner = await run.run_async(
-        "module",
-        "k_o_10us",
-        *launch("kernel", "k_o_10us", 3),
-        "sync",
-        env=env,
+    # The owner runs while the thief tries (after it exits, a process of the same user may
+    # take the reservation over: a restart, tests/dispatcher/test_channel.py).
+    owner_task = asyncio.create_task(
+        run.run_async("module", "k_o_10us", "loop", "3", "k_o_10us", "1", env=env)
     )
-    assert owner.returncode == 0 and owner.stderr == "", owner.stderr
-    assert any(line.startswith("registered mode 1") for line in owner.shim_trace)
+    await _until_registered(live, 1)
     thief = await run.run_async(
         "module",
         "k_o_10us",
@@ -209,6 +216,9 @@ async def test_another_process_with_the_same_token_is_refused(
         "sync",
         env=env,
     )
+    owner = await owner_task
+    assert owner.returncode == 0 and owner.stderr == "", owner.stderr
+    assert any(line.startswith("registered mode 1") for line in owner.shim_trace)
     assert "dispatcher refused registration" in thief.stderr, thief.stderr
     assert "refused" in thief.shim_trace
     if policy == "open":
