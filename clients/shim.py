@@ -88,6 +88,8 @@ class ShimClient:
         # A lease we gave back stays in the region until the dispatcher has read our release;
         # it must not be used meanwhile.
         self._released_lease = 0
+        # Leases that came and expired before this client looked (reported unused).
+        self.missed_leases = 0
 
     @classmethod
     def connect(
@@ -205,6 +207,7 @@ class ShimClient:
                 # wake): report it unused and ask again.
                 self._flush_usage(release=False)
                 self._usage_lease, seen_lease = missed, missed
+                self.missed_leases += 1
                 self._ask()
             left = deadline - time.monotonic()
             if left <= 0:

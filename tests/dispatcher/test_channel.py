@@ -372,12 +372,16 @@ async def test_the_desk_renews_leases_natively_and_the_books_follow(live: LiveDi
         assert len(native) >= 18, ids  # the first (and one per new terms) may be Python's
         status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
         (client,) = status.clients
-        assert client.leases_granted == 20
+        # On a loaded machine a lease may come and expire before the client looks: it is
+        # reported unused (0 s) and asked again.
+        missed = shim.missed_leases
+        assert client.leases_granted == 20 + missed
         # 19 reports of 2 ms each replaced the leases' provisional charges; the 20th lease is
         # still charged provisionally (10 ms).
         assert client.gpu_time_s == pytest.approx(19 * 0.002 + 0.010, abs=1e-6)
         await asyncio.sleep(0.6)  # desk metrics are flushed with the housekeeping
-        assert _desk_sample("renewed") - renewed_before == len(native)
+        renewed = _desk_sample("renewed") - renewed_before
+        assert len(native) <= renewed <= len(native) + missed
 
 
 async def test_a_request_the_desk_cannot_grant_waits_in_the_policy_order(
