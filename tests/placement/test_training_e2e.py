@@ -223,6 +223,25 @@ def start(plane: Plane, job: JobSpec, command: list[str], said: list[str]) -> as
     return asyncio.ensure_future(asyncio.to_thread(run))
 
 
+def start_pair(
+    plane: Plane, name: str, steps: int, state: Path, said: list[str]
+) -> tuple[asyncio.Future, asyncio.Future, Path]:
+    """A plain loop (100 steps) and job `name`, a loop of `steps` that checkpoints to `state`
+    on SIGUSR1 (its hook), both started; the latter's output file."""
+    plain = start(plane, spec("plain"), train(100, plane.work / "plain.out"), said)
+    out = plane.work / f"{name}.out"
+    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
+    hooked = start(plane, spec(name, hook), train(steps, out, state=state), said)
+    return plain, hooked, out
+
+
+async def five_steps(out: Path) -> None:
+    async def running() -> bool:
+        return out.exists() and out.read_text().count("train step") >= 5
+
+    await until("the job with a hook running", running, 20)
+
+
 def pid_of(out: Path) -> int:
     for line in out.read_text().splitlines():
         if line.startswith("init"):
@@ -440,19 +459,10 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     first = await plane.add_gpu()
     moved_before = moved_count()
     said: list[str] = []
-    plain_out = plane.work / "plain.out"
-    plain = start(plane, spec("plain"), train(100, plain_out), said)
     steps = 60
-    out = plane.work / "mover.out"
-    checkpointing = train(steps, out, state=plane.work / "mover.state")
-    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
-    mover = start(plane, spec("mover", hook), checkpointing, said)
+    plain, mover, out = start_pair(plane, "mover", steps, plane.work / "mover.state", said)
     try:
-
-        async def running() -> bool:
-            return out.exists() and out.read_text().count("train step") >= 5
-
-        await until("the job with a hook running", running, 20)
+        await five_steps(out)
         job = await plane.job_named("mover")
         assert job.assignment.gpu.gpu_uuid == first.core.gpu.uuid
         second = await plane.add_gpu()
@@ -503,19 +513,11 @@ async def test_a_job_whose_hook_fails_starts_again_on_its_own_reservation(
     the new process take over the token of the one that exited."""
     first = await plane.add_gpu()
     said: list[str] = []
-    plain_out = plane.work / "plain.out"
-    plain = start(plane, spec("plain"), train(100, plain_out), said)
     steps = 40
-    out = plane.work / "broken.out"
-    broken = train(steps, out, state=plane.work / "missing" / "broken.state")
-    hook = CheckpointHook(signal="SIGUSR1", timeout_s=20)
-    mover = start(plane, spec("broken", hook), broken, said)
+    state = plane.work / "missing" / "broken.state"
+    plain, mover, out = start_pair(plane, "broken", steps, state, said)
     try:
-
-        async def running() -> bool:
-            return out.exists() and out.read_text().count("train step") >= 5
-
-        await until("the job with a hook running", running, 20)
+        await five_steps(out)
         job = await plane.job_named("broken")
         await plane.add_gpu()
 
