@@ -171,6 +171,7 @@ class _Engine:
         # A profiling run ends after its requests, not at the scenario's end.
         self.end = round(scenario.duration_s * NS) if requests_limit is None else 2**62
         self.latency = scenario.launch_latency_ns
+        self.grant_latency = scenario.grant_latency_ns
         self.requests_limit = requests_limit
         self.events: list[tuple[int, int, int, int, object]] = []  # time, seq, kind, task, arg
         self.seq = 0
@@ -370,7 +371,8 @@ class _Engine:
             for index in granted:
                 task = self.tasks[index]
                 if task.waiting:
-                    self.launch(task, now)
+                    # The filler wakes for its grant and then launches (live: its futex wake).
+                    self.launch(task, now + self.grant_latency)
             if wake is None or wake > now:
                 break
         if wake is not None:

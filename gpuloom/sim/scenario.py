@@ -59,12 +59,14 @@ class Scenario:
     fikit: FikitConfig
     token_policy: str = "spatiotemporal"
     profile_requests: int = 20
+    grant_latency_ns: int = 0  # fikit: a granted filler launches this long after its grant
 
 
 _TOP = {
     "seed",
     "duration_s",
     "launch_latency_us",
+    "grant_latency_us",
     "tasks",
     "fikit",
     "token_policy",
@@ -288,6 +290,7 @@ def load_scenario(path: str | Path) -> Scenario:
     seed = reader.integer(data["seed"], "$.seed", 0, 2**63 - 1)
     duration = reader.number(data["duration_s"], "$.duration_s", 0.0, 86_400.0, low_open=True)
     latency = reader.number(data.get("launch_latency_us", 5.0), "$.launch_latency_us", 0, 1e6)
+    grant_latency = reader.number(data.get("grant_latency_us", 0.0), "$.grant_latency_us", 0, 1e6)
     tasks_raw = data["tasks"]
     if not isinstance(tasks_raw, list) or not tasks_raw:
         raise reader.fail("$.tasks", "must be a non-empty list")
@@ -306,6 +309,7 @@ def load_scenario(path: str | Path) -> Scenario:
         seed=seed,
         duration_s=duration,
         launch_latency_ns=round(latency * 1e3),
+        grant_latency_ns=round(grant_latency * 1e3),
         tasks=tasks,
         fikit=reader.fikit(data.get("fikit", {})),
         token_policy=token_policy,

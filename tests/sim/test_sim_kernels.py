@@ -146,3 +146,35 @@ def test_same_seed_same_result(tmp_path: Path) -> None:
     path.write_text(json.dumps(scenario))
     loaded = load_scenario(path)
     assert simulate(loaded, "fikit").to_dict() == simulate(loaded, "fikit").to_dict()
+
+
+def test_a_late_filler_overruns_the_window_and_the_fill_guard_keeps_it_clear(
+    tmp_path: Path,
+) -> None:
+    """grant_latency_us: a granted filler launches that long after its grant, as a live shim
+    wakes after its grant; its fill can then land on the holder's next kernel. The core's
+    fill_guard_us leaves that much of each window free."""
+    scenario = json.loads((ROOT / "benchmarks" / "fikit_fake_driver.json").read_text())
+    scenario["duration_s"] = 2
+
+    def holder_mean_ms(grant_latency_us: float, guard_us: float) -> float:
+        path = tmp_path / f"late-{grant_latency_us}-{guard_us}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    **scenario,
+                    "grant_latency_us": grant_latency_us,
+                    "fikit": {"fill_guard_us": guard_us},
+                }
+            )
+        )
+        stats = simulate(load_scenario(path), "fikit").to_dict()["tasks"]
+        assert stats["train"]["completed"] > 0
+        return stats["infer"]["jct_mean_ms"]
+
+    on_time = holder_mean_ms(0, 0)
+    late = holder_mean_ms(200, 0)
+    guarded = holder_mean_ms(200, 200)
+    assert late > on_time * 1.02  # late fills delay the holder ...
+    assert guarded < late  # ... and a guard as long as the lateness takes most of it back
+    assert guarded <= on_time * 1.02
