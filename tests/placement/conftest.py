@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import prometheus_client
 import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -152,3 +153,8 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def counter(name: str, **labels: str) -> float:
+    """A placement metric's value in this process (0 before it was first counted)."""
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0

@@ -16,13 +16,13 @@ import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import prometheus_client
 import pytest
 
 from gpuloom.convert.placement import spec_to_pb
 from gpuloom.domain.placement import JobKind, JobSpec
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.v1 import placement_pb2 as pb
+from tests.placement.conftest import counter
 from tests.placement.test_training_e2e import (
     KERNEL,
     LAYERS,
@@ -65,19 +65,15 @@ def elastic_train(steps: int, out: Path, state: Path) -> list[str]:
     return ["sh", "-c", script, "sh", *loop]
 
 
-def resizes(reason: str) -> float:
-    sample = prometheus_client.REGISTRY.get_sample_value(
-        "gpuloom_placement_training_resizes_total", {"reason": reason}
-    )
-    return sample or 0.0
-
-
 async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
     plane: Plane,
 ) -> None:
     first = await plane.add_gpu()
     second = await plane.add_gpu()
-    grown_before, shrunk_before = resizes("grow"), resizes("shrink")
+    grown_before, shrunk_before = (
+        counter("gpuloom_placement_training_resizes_total", reason="grow"),
+        counter("gpuloom_placement_training_resizes_total", reason="shrink"),
+    )
     steps = 90
     out = plane.work / "elastic.out"
     spec = JobSpec(
@@ -156,4 +152,8 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
         assert len([r for r in engine if r[0] == pid]) == (high - low) * 2 * LAYERS
     assert any("checkpointing to grow to 2 GPUs" in line for line in said), said
     assert any("checkpointing to shrink to 1 GPU" in line for line in said), said
-    assert resizes("grow") == grown_before + 1 and resizes("shrink") == shrunk_before + 1
+    assert (
+        counter("gpuloom_placement_training_resizes_total", reason="grow") == grown_before + 1
+        and counter("gpuloom_placement_training_resizes_total", reason="shrink")
+        == shrunk_before + 1
+    )

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import prometheus_client
 import pytest
 
 from gpuloom.clients.placement import PlacementClient
@@ -40,7 +39,7 @@ from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.placement.training import SWITCH_S
 from gpuloom.v1 import placement_pb2 as pb
 from tests.dispatcher.conftest import dispatcher_settings
-from tests.placement.conftest import GIB, Live, start_placement
+from tests.placement.conftest import GIB, Live, counter, start_placement
 from tests.shim.conftest import PROGRAM, shim_build  # noqa: F401  (fixture: builds the shim)
 
 MIB = 1 << 20
@@ -348,7 +347,7 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone(interfering_plane:
     times, undoes the packing, and the jobs go back to taking turns, never packed again."""
     plane = interfering_plane
     await plane.add_gpu()
-    undone_before = packings("undone")
+    undone_before = counter("gpuloom_placement_training_packings_total", outcome="undone")
     steps = 240  # about 6 s alone: enough to be taking turns still when the trial is undone
     said: list[str] = []
     outs = [plane.work / f"train-{i}.out" for i in range(2)]
@@ -378,7 +377,10 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone(interfering_plane:
             return undone and phases == {pb.TRAINING_PHASE_SUSPENDED, pb.TRAINING_PHASE_RUNNING}
 
         await until("back to time-slicing", sliced_again, 15)
-        assert packings("undone") == undone_before + 1
+        assert (
+            counter("gpuloom_placement_training_packings_total", outcome="undone")
+            == undone_before + 1
+        )
         # Not packed again: a quantum and a half later, still one packing trial each.
         await asyncio.sleep(1.5 * QUANTUM_S)
         for job_id in ids:
@@ -390,13 +392,6 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone(interfering_plane:
     for outcome, out in zip(outcomes, outs, strict=True):
         assert outcome.exit_code == 0, (said, out.read_text())
         assert f"train minibatches={steps} done={steps} failed=0" in out.read_text()
-
-
-def packings(outcome: str) -> float:
-    sample = prometheus_client.REGISTRY.get_sample_value(
-        "gpuloom_placement_training_packings_total", {"outcome": outcome}
-    )
-    return sample or 0.0
 
 
 async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
@@ -457,7 +452,7 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     spreads the one with the hook there through `gpuloom run`'s checkpoint: it saves its next
     step, stops, and starts again from it on the new dispatcher, and every step runs once."""
     first = await plane.add_gpu()
-    moved_before = moved_count()
+    moved_before = counter("gpuloom_placement_training_migrations_total", outcome="moved")
     said: list[str] = []
     steps = 60
     plain, mover, out = start_pair(plane, "mover", steps, plane.work / "mover.state", said)
@@ -493,7 +488,9 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     moved = await plane.job(job.job_id)
     assert moved.state == pb.JOB_STATE_SUCCEEDED
     assert moved.assignment.gpu.gpu_uuid == second.core.gpu.uuid
-    assert moved_count() == moved_before + 1
+    assert (
+        counter("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
+    )
     assert any(f"moved to GPU {second.core.gpu.uuid}" in line for line in said), said
     # The first dispatcher let the reservation go; the second released it at its end.
     for dispatcher in (first, second):
@@ -541,13 +538,6 @@ async def test_a_job_whose_hook_fails_starts_again_on_its_own_reservation(
     sockets = [line.split()[1] for line in lines if line.startswith("socket ")]
     assert sockets == [first.core.socket_path] * 2, lines  # started again where it was
     assert f"train minibatches={steps} done={steps} failed=0" in lines, lines
-
-
-def moved_count() -> float:
-    sample = prometheus_client.REGISTRY.get_sample_value(
-        "gpuloom_placement_training_migrations_total", {"outcome": "moved"}
-    )
-    return sample or 0.0
 
 
 async def _holds_none(dispatcher: GpuDispatcher, assignment_id: str) -> bool:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import prometheus_client
 import pytest
 from click.testing import CliRunner
 
@@ -30,7 +29,7 @@ from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
-from tests.placement.conftest import GIB, eventually
+from tests.placement.conftest import GIB, counter, eventually
 from tests.placement.training_fakes import FakeDispatcherServer, cycle
 
 WORKER = Path(__file__).with_name("training_worker.py")
@@ -85,13 +84,6 @@ async def plane(tmp_path: Path) -> AsyncIterator[Plane]:
         await server.stop()
 
 
-def moved_count() -> float:
-    sample = prometheus_client.REGISTRY.get_sample_value(
-        "gpuloom_placement_training_migrations_total", {"outcome": "moved"}
-    )
-    return sample or 0.0
-
-
 def training(name: str, hook: CheckpointHook | None) -> JobSpec:
     return JobSpec(
         name=name,
@@ -128,7 +120,7 @@ async def start_run(
 async def test_a_job_with_a_signal_hook_moves_to_a_free_gpu_without_losing_work(
     plane: Plane, tmp_path: Path
 ) -> None:
-    moved_before = moved_count()
+    moved_before = counter("gpuloom_placement_training_migrations_total", outcome="moved")
     outcome, said, log, mover = await start_run(
         plane, CheckpointHook(signal="SIGUSR1", timeout_s=20), tmp_path
     )
@@ -148,7 +140,9 @@ async def test_a_job_with_a_signal_hook_moves_to_a_free_gpu_without_losing_work(
     job = await plane.stub.GetJob(pb.GetJobRequest(job_id=mover))
     assert job.state == pb.JOB_STATE_SUCCEEDED
     assert job.assignment.gpu.gpu_uuid == "GPU-1"
-    assert moved_count() == moved_before + 1
+    assert (
+        counter("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
+    )
     assert any("moved to GPU GPU-1" in line for line in said)
     # The old GPU's dispatcher let it go; the new one released it at its end.
     await eventually(lambda: mover not in plane.gpus[1].servicer.reservations)
