@@ -137,14 +137,15 @@ GL_FK_API int gl_fk_decide(gl_fk_core *core, uint64_t now_ns, uint32_t *out, int
  * the least gap after a holder kernel (of known duration) for which that kernel's window
  * grants it first: BestPrioFit's first pick in a window of gap g is the best (priority, then
  * longest waiting) queued request of known duration d <= g - fill_guard_ns, so the pick for
- * every g >= d + fill_guard_ns is that request. 1: there is one; 0: none (no request of known duration is queued, or the
- * holder priority has more than one task or a queued request of its own, or no task). */
+ * every g >= d + fill_guard_ns is that request. 1: there is one; 0: none (no request of known
+ * duration is queued, or the holder priority has more than one task or a queued request of
+ * its own, or no task). */
 GL_FK_API int gl_fk_next_fill(const gl_fk_core *core, uint32_t *task, uint64_t *min_gap_ns);
 /* The same one request ahead: a task whose NEXT request (not posted yet) the holder's next
- * window grants first whatever its known duration d, if d <= the window's gap: the only task of
- * the best priority below the holder's, with nothing queued (so no queued request, and no other
- * task's request to come, can come before it). 1: *task is it; 0: none (or a holder request
- * queued, or more than one holder task). The least gap is then
+ * window grants first whatever its known duration d, if d + fill_guard_ns <= the window's
+ * gap: the only task of the best priority below the holder's, with nothing queued (so no
+ * queued request, and no other task's request to come, can come before it). 1: *task is it;
+ * 0: none (or a holder request queued, or more than one holder task). The least gap is then
  * max(d + fill_guard_ns, gap_threshold_ns). */
 GL_FK_API int gl_fk_next_asker(const gl_fk_core *core, uint32_t *task);
 /* The task's queued request already went (its shim was released before the arbiter decided):
