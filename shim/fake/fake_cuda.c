@@ -229,7 +229,11 @@ static CUresult load_module(fk_module **out, const void *image) {
         if (module->count == module->capacity) {
             int capacity = module->capacity ? module->capacity * 2 : 8;
             fk_func *grown = realloc(module->funcs, (size_t)capacity * sizeof *grown);
-            if (grown == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+            if (grown == NULL) {
+                free(module->funcs);
+                free(module);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
             module->funcs = grown;
             module->capacity = capacity;
         }
