@@ -21,7 +21,10 @@ from gpuloom.policies.fikit.core import (
     UNKNOWN,
     FikitConfig,
     FikitConfigStruct,
+    FikitCounters,
+    FikitCountersStruct,
     config_struct,
+    read_core_counters,
 )
 from gpuloom.services.dispatcher.native import counters_struct, native_library, read_counters
 
@@ -101,6 +104,11 @@ def _library() -> ctypes.CDLL:
     lib.gl_arbiter_set_quiet.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
     lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
+    lib.gl_arbiter_get_core_counters.restype = None
+    lib.gl_arbiter_get_core_counters.argtypes = [
+        ctypes.c_void_p,
+        ctypes.POINTER(FikitCountersStruct),
+    ]
     return lib
 
 
@@ -180,6 +188,12 @@ class Arbiter:
         raw = _Stats()
         self._lib.gl_arbiter_get_stats(self._require(), ctypes.byref(raw))
         return read_counters(ArbiterStats, raw)
+
+    def core_counters(self) -> FikitCounters:
+        """The decision core's counters: windows opened and closed early, fills granted."""
+        raw = FikitCountersStruct()
+        self._lib.gl_arbiter_get_core_counters(self._require(), ctypes.byref(raw))
+        return read_core_counters(raw)
 
     def stop(self) -> None:
         if self._handle is None:

@@ -42,6 +42,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from gpuloom.domain.errors import DomainError
+from gpuloom.policies.fikit.core import FikitCounters
 from gpuloom.policies.tokens.scheduler import (
     ClientShare,
     Decision,
@@ -97,6 +98,25 @@ _MAX_REPORTED_SECONDS = 3600.0
 SAMPLE_POLL_S = 0.025
 # While a suspension waits for its low point, the process's memory is looked at this often.
 SUSPEND_POLL_S = 0.001
+# FIKIT counters exported as gpuloom_dispatcher_fikit_events_total{event=...}: the arbiter's own,
+# then the decision core's (where the fill kernels went: windows or idle time).
+FIKIT_ARBITER_EVENTS = (
+    "requests",
+    "grants",
+    "unknown_kernels",
+    "invalid_writes",
+    "role_races",
+    "arms",
+    "fired",
+    "late_releases",
+)
+FIKIT_CORE_EVENTS = (
+    "granted_window",
+    "granted_idle",
+    "granted_starved",
+    "windows_opened",
+    "windows_closed_early",
+)
 # A suspension word holds this long unless renewed (every housekeeping round, 0.5 s): a hung
 # dispatcher frees its suspended processes after it.
 SUSPEND_HOLD_S = 5.0
@@ -205,6 +225,7 @@ class ShimChannel:
         self._arbiter = arbiter
         self._kernel_tables = kernel_tables
         self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
+        self._fikit_core_seen = FikitCounters(*[0] * len(dataclasses.fields(FikitCounters)))
         # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
         self._desk = LeaseDesk() if lease_desk and arbiter is None else None
         self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -915,22 +936,18 @@ class ShimChannel:
     def _fikit_metrics(self) -> None:
         if self._arbiter is None:
             return
-        stats, seen = self._arbiter.stats(), self._fikit_seen
-        for event in (
-            "requests",
-            "grants",
-            "unknown_kernels",
-            "invalid_writes",
-            "role_races",
-            "arms",
-            "fired",
-            "late_releases",
-        ):
+        stats, core = self._arbiter.stats(), self._arbiter.core_counters()
+        seen, core_seen = self._fikit_seen, self._fikit_core_seen
+        for event in FIKIT_ARBITER_EVENTS:
             delta = getattr(stats, event) - getattr(seen, event)
             if delta:
                 metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)
+        for event in FIKIT_CORE_EVENTS:
+            delta = getattr(core, event) - getattr(core_seen, event)
+            if delta:
+                metrics.FIKIT_EVENTS.labels(self._gpu, event).inc(delta)
         metrics.FIKIT_WAITING.labels(self._gpu).set(stats.waiting)
-        self._fikit_seen = stats
+        self._fikit_seen, self._fikit_core_seen = stats, core
 
     # ---- the lease desk ----
 

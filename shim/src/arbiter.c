@@ -825,3 +825,9 @@ API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {
     *out = a->stats;
     pthread_mutex_unlock(&a->lock);
 }
+
+API void gl_arbiter_get_core_counters(gl_arbiter *a, gl_fk_counters *out) {
+    pthread_mutex_lock(&a->lock);
+    gl_fk_get_counters(a->core, out);
+    pthread_mutex_unlock(&a->lock);
+}

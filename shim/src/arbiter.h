@@ -81,4 +81,7 @@ void gl_arbiter_set_quiet(gl_arbiter *arbiter, int on);
 
 void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
 
+/* The decision core's own counters (windows, fills granted in windows or while idle). */
+void gl_arbiter_get_core_counters(gl_arbiter *arbiter, gl_fk_counters *out);
+
 #endif

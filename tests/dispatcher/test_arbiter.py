@@ -138,9 +138,13 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
         low.close()
         low = Task(arbiter, 5, FILL_TABLE)
         assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        in_windows = arbiter.core_counters().granted_window
         seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
         high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
         assert low.port.wait_grant(seq, 1.0)
+        # The core's counters say where it went (the dispatcher exports them as metrics).
+        counters = arbiter.core_counters()
+        assert counters.granted_window == in_windows + 1 and counters.windows_opened >= 1
     finally:
         high.close()
         low.close()
@@ -157,6 +161,8 @@ def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) 
         assert low.port.granted == first  # the first is still in flight
         low.port.report_done(first)
         assert low.port.wait_grant(second, 1.0)
+        counters = arbiter.core_counters()
+        assert counters.granted_idle == 2 and counters.granted_window == 0
     finally:
         high.close()
         low.close()

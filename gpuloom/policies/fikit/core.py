@@ -58,8 +58,14 @@ class FikitConfigStruct(ctypes.Structure):
     _fields_ = [(f.name, ctypes.c_uint64) for f in fields(FikitConfig)]
 
 
-class _Counters(ctypes.Structure):
+class FikitCountersStruct(ctypes.Structure):
+    """gl_fk_counters as C lays it out (the arbiter's binding reads it too)."""
+
     _fields_ = [(f.name, ctypes.c_uint64) for f in fields(FikitCounters)]
+
+
+def read_core_counters(raw: FikitCountersStruct) -> FikitCounters:
+    return FikitCounters(*(getattr(raw, f.name) for f in fields(FikitCounters)))
 
 
 def library_path(path: str | None = None) -> Path:
@@ -96,7 +102,7 @@ def load_library(path: str | None = None) -> ctypes.CDLL:
         ),
         "gl_fk_next_asker": (ctypes.c_int, [core_p, ctypes.POINTER(u32)]),
         "gl_fk_release": (ctypes.c_int, [core_p, u32, u64]),
-        "gl_fk_get_counters": (None, [core_p, ctypes.POINTER(_Counters)]),
+        "gl_fk_get_counters": (None, [core_p, ctypes.POINTER(FikitCountersStruct)]),
         "gl_fk_holder_priority": (ctypes.c_int, [core_p]),
         "gl_fk_window_end": (u64, [core_p]),
         "gl_fk_tail": (u64, [core_p]),
@@ -186,9 +192,9 @@ class FikitCore:
         return self._lib.gl_fk_release(self._core, task, now_ns) == 0
 
     def counters(self) -> FikitCounters:
-        raw = _Counters()
+        raw = FikitCountersStruct()
         self._lib.gl_fk_get_counters(self._core, ctypes.byref(raw))
-        return FikitCounters(*(getattr(raw, f.name) for f in fields(FikitCounters)))
+        return read_core_counters(raw)
 
     def holder_priority(self) -> int | None:
         priority = self._lib.gl_fk_holder_priority(self._core)
