@@ -122,7 +122,10 @@ async def start_gpu_dispatcher(
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(
-            settings.profile_store_address, gpu.model, asyncio.get_running_loop()
+            settings.profile_store_address,
+            gpu.model,
+            asyncio.get_running_loop(),
+            gaps=settings.fikit_gap_statistic,
         )
     link = None
     measurements = None

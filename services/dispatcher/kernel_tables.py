@@ -1,5 +1,12 @@
 """Kernel tables for FIKIT: per task, kernel ID -> predicted duration and gap after it.
 
+The arbiter sees a launch's kernel ID, not its place in the task's sequence. So the gap it
+predicts after a kernel is, by default ("least"), the shortest gap the profiler's chosen gap
+predictor expects after that ID wherever it occurs: a kernel followed by a long gap once per
+request and by short ones elsewhere opens no window (with the mean of its gaps it would open
+one after every launch, and the holder's next kernel would find a fill ahead of it). "mean" is
+FIKIT's own per-kernel mean gap (Section 3.2).
+
 A FIKIT task's kernel profile lives in the profile store (written by the profiler after the
 task's measurement runs). The channel thread asks `lookup` at registration and must not wait:
 a table already fetched is answered at once; an unknown one is fetched on the event loop and
@@ -10,13 +17,16 @@ runs with an empty table: the arbiter admits its kernels conservatively (no gap 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import threading
 from collections.abc import Callable
+from typing import Literal
 
 import grpc
 import structlog
 
+from gpuloom.policies.profiling.gaps import InvalidPredictorError, load_predictor
 from gpuloom.services.dispatcher.arbiter import KernelTiming
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
@@ -30,12 +40,38 @@ KernelTable = tuple[KernelTiming, ...]
 _MAX_PREDICTION_NS = 60 * 10**9
 
 
-def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
-    """The arbiter's view of a kernel profile: mean duration and mean gap per kernel ID."""
+GapStatistic = Literal["least", "mean"]
+GAP_STATISTICS: tuple[GapStatistic, ...] = ("least", "mean")
+
+
+def least_gaps(profile: profile_store_pb2.KernelProfile) -> dict[int, float]:
+    """Per kernel ID, the least gap the profile's chosen predictor expects after it (empty
+    without a usable predictor: then the means stand)."""
+    model = profile.gap_predictor.model_json
+    if not model:
+        return {}
+    try:
+        ids, gaps = load_predictor(json.loads(model)).least_gaps()
+    except (InvalidPredictorError, ValueError, TypeError, KeyError) as error:
+        log.warning(
+            "unusable gap predictor in a kernel profile; using mean gaps",
+            task=profile.meta.key,
+            error=str(error),
+        )
+        return {}
+    return {int(kernel): float(gap) for kernel, gap in zip(ids, gaps, strict=True)}
+
+
+def table_from_profile(
+    profile: profile_store_pb2.KernelProfile, gaps: GapStatistic = "least"
+) -> KernelTable:
+    """The arbiter's view of a kernel profile: the mean duration per kernel ID, and the gap
+    after it by `gaps` (module docstring)."""
+    least = least_gaps(profile) if gaps == "least" else {}
     table = []
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
-        gap = kernel.mean_gap_after_ns
+        gap = min(kernel.mean_gap_after_ns, least.get(kernel.kernel_id, math.inf))
         if kernel.kernel_id == 0 or not (math.isfinite(duration) and duration >= 0):
             continue
         table.append(
@@ -55,8 +91,10 @@ class KernelTables:
         gpu_model: str,
         loop: asyncio.AbstractEventLoop,
         timeout_s: float = 5.0,
+        gaps: GapStatistic = "least",
     ) -> None:
         self._address = address
+        self._gaps = gaps
         self._gpu_model = gpu_model
         self._loop = loop
         self._timeout_s = timeout_s
@@ -125,4 +163,4 @@ class KernelTables:
                     error=error.details(),
                 )
             return None
-        return table_from_profile(profile)
+        return table_from_profile(profile, self._gaps)
