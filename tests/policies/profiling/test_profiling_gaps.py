@@ -74,7 +74,8 @@ def test_least_gaps_are_the_shortest_gap_after_each_kernel_wherever_it_occurs() 
     # A loaded predictor answers the same.
     fitted = fit_predictor("position", runs)
     loaded = load_predictor(json.loads(json.dumps(fitted.to_dict())))
-    assert all(np.array_equal(a, b) for a, b in zip(fitted.least_gaps(), loaded.least_gaps()))
+    for fitted_table, loaded_table in zip(fitted.least_gaps(), loaded.least_gaps(), strict=True):
+        assert np.array_equal(fitted_table, loaded_table)
 
 
 def test_position_uses_the_sequence_most_runs_share() -> None:
