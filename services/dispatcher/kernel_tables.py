@@ -1,11 +1,10 @@
 """Kernel tables for FIKIT: per task, kernel ID -> predicted duration and gap after it.
 
-The arbiter sees a launch's kernel ID, not its place in the task's sequence. So the gap it
-predicts after a kernel is, by default ("least"), the shortest gap the profiler's chosen gap
-predictor expects after that ID wherever it occurs: a kernel followed by a long gap once per
-request and by short ones elsewhere opens no window (with the mean of its gaps it would open
-one after every launch, and the holder's next kernel would find a fill ahead of it). "mean" is
-FIKIT's own per-kernel mean gap (Section 3.2).
+The gap predicted after a kernel is, by default ("mean"), FIKIT's own per-kernel mean gap
+(Section 3.2). The arbiter sees a launch's kernel ID, not its place in the task's sequence, so
+with "least" it is instead the shortest gap the profiler's chosen gap predictor expects after
+that ID wherever it occurs: a kernel followed by a long gap once per request and by short ones
+elsewhere then opens no window (docs/fikit.md, "Kernel tables", has what each cost on a GPU).
 
 A FIKIT task's kernel profile lives in the profile store (written by the profiler after the
 task's measurement runs). The channel thread asks `lookup` at registration and must not wait:
@@ -63,7 +62,7 @@ def least_gaps(profile: profile_store_pb2.KernelProfile) -> dict[int, float]:
 
 
 def table_from_profile(
-    profile: profile_store_pb2.KernelProfile, gaps: GapStatistic = "least"
+    profile: profile_store_pb2.KernelProfile, gaps: GapStatistic = "mean"
 ) -> KernelTable:
     """The arbiter's view of a kernel profile: the mean duration per kernel ID, and the gap
     after it by `gaps` (module docstring)."""
@@ -91,7 +90,7 @@ class KernelTables:
         gpu_model: str,
         loop: asyncio.AbstractEventLoop,
         timeout_s: float = 5.0,
-        gaps: GapStatistic = "least",
+        gaps: GapStatistic = "mean",
     ) -> None:
         self._address = address
         self._gaps = gaps

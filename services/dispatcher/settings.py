@@ -63,9 +63,9 @@ class DispatcherSettings(BaseSettings):
     fikit_arm: bool = True
     # ... and holders ring the arbiter only for launches that open a gap window (docs/fikit.md).
     fikit_quiet: bool = True
-    # ... and the gap predicted after a kernel ID: "least", the shortest the profile predicts
-    # after it wherever it occurs, or "mean", FIKIT's mean over its occurrences.
-    fikit_gap_statistic: Literal["least", "mean"] = "least"
+    # ... and the gap predicted after a kernel ID: "mean", FIKIT's mean over its occurrences,
+    # or "least", the shortest the profile predicts after it wherever it occurs.
+    fikit_gap_statistic: Literal["mean", "least"] = "mean"
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)

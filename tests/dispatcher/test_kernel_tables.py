@@ -29,8 +29,8 @@ def position_model() -> str:
     return json.dumps(fit_predictor("position", runs).to_dict())
 
 
-def test_a_kernel_gets_the_least_gap_its_profile_predicts_after_it() -> None:
-    table = {t.kernel_id: t for t in table_from_profile(profile(position_model()))}
+def test_with_least_a_kernel_gets_the_least_gap_its_profile_predicts_after_it() -> None:
+    table = {t.kernel_id: t for t in table_from_profile(profile(position_model()), "least")}
     # Kernel 1's mean gap (2.5 ms) would open a window after every launch of it; the arbiter,
     # which sees IDs and not positions, counts on 10 us only: no window.
     assert table[1] == KernelTiming(1, 50 * US, 10 * US)
@@ -38,11 +38,9 @@ def test_a_kernel_gets_the_least_gap_its_profile_predicts_after_it() -> None:
     assert table[3].gap_after_ns is None
 
 
-def test_mean_gaps_on_request_and_when_the_model_is_unusable() -> None:
-    mean = {
-        t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(position_model()), "mean")
-    }
+def test_mean_gaps_by_default_and_when_the_model_is_unusable() -> None:
+    mean = {t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(position_model()))}
     assert mean == {1: 2505 * US, 2: 20 * US, 3: None}
     for garbage in ("", "{", '{"format": 1, "predictor": "nope"}', "[1, 2]"):
-        table = {t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(garbage))}
+        table = {t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(garbage), "least")}
         assert table == mean, garbage
