@@ -2,6 +2,7 @@
 GPU; nothing of gpuloom: they run under the shim as any user program does).
 
     python3 scripts/lib/torch_workload.py infer --requests N [--rate R] [--model M] [--seed S]
+                                                [--ready-file F] [--stop-file F]
     python3 scripts/lib/torch_workload.py train [--iterations N | --stop-file F] [--batch B]
                                                 [--ready-file F] [--max-seconds S]
 
@@ -10,6 +11,8 @@ eval mode with random weights: no download). Between requests the host thinks fo
 exponentially distributed time of mean 1/R s, as a service whose clients arrive at rate R with
 an empty queue. A request's latency is from its start to the end of its last kernel
 (`torch.cuda.synchronize`). Warm-up requests (module loading, allocator growth) are not counted.
+After them it writes `--ready-file` (if given); it stops after N requests or once `--stop-file`
+exists (a neighbour's load: N large, rate 0 for back to back).
 
 `train`: a training loop on synthetic data (ResNet-50 by default, SGD), back to back, for
 `--iterations` or until `--stop-file` exists. After its warm-up iterations it writes
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -51,8 +55,16 @@ def infer(args: argparse.Namespace) -> dict[str, object]:
     image = torch.randn(1, 3, 224, 224, device="cuda")
     think = random.Random(args.seed)
     latencies_ms: list[float] = []
+    began = 0.0
     with torch.inference_mode():
         for n in range(WARMUP + args.requests):
+            if n == WARMUP:
+                began = time.perf_counter()
+                if args.ready_file:
+                    with open(args.ready_file, "w") as ready:
+                        ready.write(str(os.getpid()))
+            if args.stop_file and n >= WARMUP and os.path.exists(args.stop_file):
+                break
             start = time.perf_counter()
             model(image)
             torch.cuda.synchronize()
@@ -60,11 +72,13 @@ def infer(args: argparse.Namespace) -> dict[str, object]:
                 latencies_ms.append((time.perf_counter() - start) * 1e3)
             if args.rate > 0:
                 time.sleep(think.expovariate(args.rate))
-    ordered = sorted(latencies_ms)
+    seconds = time.perf_counter() - began
+    ordered = sorted(latencies_ms) or [math.nan]
     return {
         "mode": "infer",
         "model": args.model,
-        "requests": len(ordered),
+        "requests": len(latencies_ms),
+        "requests_per_s": len(latencies_ms) / seconds if seconds > 0 else 0.0,
         "mean_ms": sum(ordered) / len(ordered),
         "p50_ms": ordered[len(ordered) // 2],
         "p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
@@ -124,6 +138,8 @@ def main(argv: list[str]) -> int:
     inference.add_argument("--rate", type=float, default=50.0, help="requests/s (0: none)")
     inference.add_argument("--model", default="resnet50")
     inference.add_argument("--seed", type=int, default=0)
+    inference.add_argument("--ready-file", default="")
+    inference.add_argument("--stop-file", default="")
     training = modes.add_parser("train")
     training.add_argument("--iterations", type=int, default=0)
     training.add_argument("--stop-file", default="")
