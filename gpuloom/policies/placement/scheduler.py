@@ -337,10 +337,13 @@ class Scheduler:
         if not self._buckets:
             return
         slot = self.fleet.slot(gpu_id)
-        if not slot.schedulable:
+        node = self.fleet.node(slot.node)
+        # A GPU that takes no work (its binding failed) gives back its node's CPU and host
+        # memory all the same: a request of them may fit another GPU of the node now.
+        here = slot.schedulable
+        if not here and not any(self.fleet.slot(g).schedulable for g in node.gpu_ids):
             return
         boxes = [(b[2] - b[0], b[3] - b[1]) for b in slot.free.boxes()]
-        node = self.fleet.node(slot.node)
         whole: int | None = None  # the node's GPUs with nothing on them, counted once
         # CPU and host memory freed here may let a job onto another GPU of the node, of
         # another model: requests of node resources or whole GPUs look at every model there.
@@ -367,6 +370,8 @@ class Scheduler:
                 if cpu or host_memory:  # CPU freed here may let it onto another GPU of the node
                     self._dirty.add(key)
                     continue
+                if not here:
+                    continue  # only the node's resources came back, and it asks for none
                 # A replica is charged less where its model is resident.
                 need = replica_memory(key[4], slot.models.get(shared, 0)) if shared else key[4]
                 if need > slot.memory_free:

@@ -233,6 +233,22 @@ def test_cpu_freed_by_a_job_on_another_gpu_of_the_node_lets_a_waiting_job_in() -
     assert fleet.gpu_of("next") == "b0"
 
 
+def test_host_memory_given_back_by_a_failed_binding_lets_a_waiting_job_onto_the_node() -> None:
+    # Found by the property below: the failed GPU takes no work, but its job's host memory
+    # came back to the node, and a waiting job that asked for it fits the node's other GPU.
+    fleet = fleet_of(node_gpu("a0", "n1", "A", mem_gib=32), node_gpu("b0", "n1", "B", mem_gib=32))
+    scheduler = Scheduler(ALL, "mra", fleet=fleet)
+    first = Ask(job("first", 100, 100, host_memory_bytes=24 * GIB, gpu_model="A"))
+    assert isinstance(scheduler.submit(first), Placed)
+    waiting = scheduler.submit(Ask(job("next", 10, 10, host_memory_bytes=24 * GIB)))
+    assert isinstance(waiting, Waiting)
+    fleet.set_schedulable("a0", False)
+    scheduler.bind_failed(first, "binding failed")
+    assert scheduler.wants_decide
+    assert [p.ask.job_id for p in scheduler.decide().placed] == ["next"]
+    assert fleet.gpu_of("next") == "b0"
+
+
 # ---- properties ----
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
