@@ -77,7 +77,7 @@ async def test_idle_time_is_absorbed_up_to_the_limits(live: LiveDispatcher) -> N
     terms = [(0.2, 0.35), (0.3, 0.45), (0.5, 0.5)]
     shares = await _run(live, terms, [True, True, False])
     assert shares[2] == 0
-    for share, (request, limit) in zip(shares, terms[:2], strict=True):
+    for share, (request, limit) in zip(shares[:2], terms[:2], strict=True):
         # Never past the limit; well past the request (on a loaded machine a client may fall
         # a little short of its limit: its own process does not always get the CPU in time).
         assert request + (limit - request) / 2 <= share <= limit + 0.02, shares
