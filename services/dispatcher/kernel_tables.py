@@ -39,8 +39,7 @@ KernelTable = tuple[KernelTiming, ...]
 _MAX_PREDICTION_NS = 60 * 10**9
 
 
-GapStatistic = Literal["least", "mean"]
-GAP_STATISTICS: tuple[GapStatistic, ...] = ("least", "mean")
+GapStatistic = Literal["mean", "least"]  # GPULOOM_DISPATCHER_FIKIT_GAP_STATISTIC
 
 
 def least_gaps(profile: profile_store_pb2.KernelProfile) -> dict[int, float]:
