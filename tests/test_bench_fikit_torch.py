@@ -1,0 +1,59 @@
+"""scripts/bench_fikit_torch's own logic (it needs a GPU to run; its parts that need none)."""
+
+import argparse
+import importlib.machinery
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_fikit_torch"
+
+
+def load():  # a script without .py: loaded by path
+    loader = importlib.machinery.SourceFileLoader("bench_fikit_torch", str(SCRIPT))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+bench = load()
+
+
+def test_a_variant_names_dispatcher_settings_only() -> None:
+    assert bench.parse_variant("quiet-off:GPULOOM_DISPATCHER_FIKIT_QUIET=false") == (
+        "quiet-off",
+        {"GPULOOM_DISPATCHER_FIKIT_QUIET": "false"},
+    )
+    two = bench.parse_variant("x:GPULOOM_DISPATCHER_A=1,GPULOOM_DISPATCHER_B=2")
+    assert two == ("x", {"GPULOOM_DISPATCHER_A": "1", "GPULOOM_DISPATCHER_B": "2"})
+    for bad in ("noname", ":GPULOOM_DISPATCHER_A=1", "x:GPULOOM_SHIM_WAIT_MS=5", "x:A", "x:A="):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_variant(bad)
+
+
+def infer(mean_ms: float) -> dict:
+    return {"mean_ms": mean_ms, "p50_ms": mean_ms, "p99_ms": 2 * mean_ms}
+
+
+def test_the_table_compares_each_round_with_its_own_exclusive() -> None:
+    rounds = [
+        {
+            "exclusive": infer(5.0),
+            "fikit": {"infer": infer(5.5), "low": {"iterations_per_s": 30.0}},
+        },
+        {
+            # A slower round: its own exclusive is the yardstick.
+            "fikit": {"infer": infer(7.0), "low": {"iterations_per_s": 28.0}},
+            "exclusive": infer(7.0),
+        },
+    ]
+    rows = {row.split("|")[1].strip(): row for row in bench.table(rounds, None).splitlines()}
+    fikit = [cell.strip() for cell in rows["fikit"].split("|")]
+    assert fikit[7] == "1.100, 1.000"  # per round
+    assert fikit[6] == f"{6.25 / 6.0:.3f} / {12.5 / 12.0:.3f}"  # means over the rounds
+    assert fikit[8] == "30.00 it/s / 28.00 it/s"
+    alone = bench.table(rounds, {"requests_per_s": 12.5}).splitlines()[-1]
+    assert "12.50 req/s" in alone
