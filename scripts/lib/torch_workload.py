@@ -48,6 +48,13 @@ def _model(name: str) -> Any:  # torch is imported late, for a fast --help
     return builders[name](weights=None)
 
 
+def say_ready(path: str) -> None:
+    """Past the warm-up: the bench starts its other workload now (if it gave a file)."""
+    if path:
+        with open(path, "w") as ready:
+            ready.write(str(os.getpid()))
+
+
 def infer(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
@@ -60,9 +67,7 @@ def infer(args: argparse.Namespace) -> dict[str, object]:
         for n in range(WARMUP + args.requests):
             if n == WARMUP:
                 began = time.perf_counter()
-                if args.ready_file:
-                    with open(args.ready_file, "w") as ready:
-                        ready.write(str(os.getpid()))
+                say_ready(args.ready_file)
             if args.stop_file and n >= WARMUP and os.path.exists(args.stop_file):
                 break
             start = time.perf_counter()
@@ -103,9 +108,7 @@ def train(args: argparse.Namespace) -> dict[str, object]:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    if args.ready_file:
-        with open(args.ready_file, "w") as ready:
-            ready.write(str(os.getpid()))
+    say_ready(args.ready_file)
     began = time.perf_counter()
     deadline = began + args.max_seconds
     iterations = 0

@@ -69,7 +69,7 @@ def table_from_profile(
     table = []
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
-        gap = min(kernel.mean_gap_after_ns, least.get(kernel.kernel_id, math.inf))
+        gap = least.get(kernel.kernel_id, kernel.mean_gap_after_ns)  # least <= mean
         if kernel.kernel_id == 0 or not (math.isfinite(duration) and duration >= 0):
             continue
         table.append(
