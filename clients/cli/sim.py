@@ -427,11 +427,12 @@ def _print_training(runs: list[TrainingRun]) -> None:
             str(run.undone),
             str(run.migrations),
             str(run.resizes),
+            str(run.suspensions),
         ]
         for run in runs
     ]
     header = ["TRACE", "POLICY", "JOBS", "AVG JCT h", "P95 JCT h", "1ST FEEDBACK h", "MAKESPAN h"]
-    echo_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED", "RESIZED"], rows)
+    echo_table([*header, "GPU UTIL", "PACKED", "UNDONE", "MIGRATED", "RESIZED", "SUSPENDED"], rows)
 
 
 def _plot_training(runs: list[TrainingRun], out: Path) -> None:

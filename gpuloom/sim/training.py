@@ -47,6 +47,7 @@ from gpuloom.policies.training.model import (
     Server,
     Slice,
     Slot,
+    Suspend,
     TrainingPolicy,
     Unpack,
     packed_gain,
@@ -261,6 +262,7 @@ class _Running:
     solo: float = 0.0  # steps/s alone on the GPUs it runs on now (0: on none)
     served: float = 0.0  # the seconds alone its progress so far is worth (attained service)
     stalled_until: float = 0.0
+    suspended: bool = False  # back in the queue after it ran: it resumes through a migration
     first_s: float | None = None
     end_s: float | None = None
     group: int | None = None
@@ -291,6 +293,7 @@ class TrainingRun:
     migrations: int
     wall_s: float
     resizes: int = 0  # grow-shrink: jobs grown or shrunk (each a restart from its checkpoint)
+    suspensions: int = 0  # jobs taken out of a round-robin back to the queue
     jct_h: tuple[float, ...] = field(default=(), repr=False)
     in_use: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (hours, in use)
 
@@ -310,6 +313,7 @@ class TrainingRun:
             "undone": self.undone,
             "migrations": self.migrations,
             "resizes": self.resizes,
+            "suspensions": self.suspensions,
             "wall_s": self.wall_s,
         }
 
@@ -396,6 +400,10 @@ class _Cluster:
         run = self.runs[i]
         if run.group is None:
             self.waiting.pop(i)
+            if run.suspended:
+                run.suspended = False
+                run.stalled_until = now + MIGRATION_S
+                self.counts["migrations"] += 1
             return
         self._leave(i, now)
         if run.first_s is not None and run.first_s < now:
@@ -493,6 +501,14 @@ class _Cluster:
             run.group = action.group
             if run.first_s is None:
                 run.first_s = now + QUANTUM_S  # its turn comes when the current slice ends
+        elif isinstance(action, Suspend):
+            group = self._group(run.group, action) if run.group is not None else None
+            if group is None or group.packed or len(group.jobs) < 2:
+                raise PolicyError(f"{action}: not in a round-robin")
+            self._leave(i, now)
+            run.suspended = True
+            self.waiting = dict.fromkeys(sorted([*self.waiting, i]))  # ids: arrival order
+            self.counts["suspensions"] += 1
         elif isinstance(action, Pack):
             group = self._group(action.group, action)
             in_place = run.group == action.group and len(group.jobs) == 2
@@ -639,6 +655,7 @@ def simulate(
     cluster.idle_since = {(n, g): now for n, s in enumerate(servers) for g in range(s.gpus)}
     grows = bool(getattr(policy, "grow_shrink", False))
     t_grow = math.inf
+    t_review = math.inf
     first_arrival = now
     next_arrival = 0
     running: set[int] = set()
@@ -649,7 +666,7 @@ def simulate(
         t_finish = min(finish_at.values(), default=math.inf)
         t_arrive = runnable[next_arrival].arrival_s if next_arrival < len(runnable) else math.inf
         t_trial = cluster.trials[0][0] if cluster.trials else math.inf
-        t = min(t_finish, t_arrive, t_trial, t_grow)
+        t = min(t_finish, t_arrive, t_trial, t_grow, t_review)
         if t == math.inf:
             stuck = len(cluster.views)
             if stuck:
@@ -679,6 +696,7 @@ def simulate(
         running = {j for g in cluster.groups.values() for j in g.jobs}
         cluster.rerate()
         t_grow = cluster.grow_at(now) if grows else math.inf
+        t_review = policy.review_at(cluster.view(now))
         in_use.append((now, len(cluster.used)))
     wall = time.perf_counter() - start
     ends = [r.end_s for r in cluster.runs if r.end_s is not None]
@@ -700,6 +718,7 @@ def simulate(
         migrations=cluster.counts["migrations"],
         wall_s=round(wall, 3),
         resizes=cluster.counts["resizes"],
+        suspensions=cluster.counts["suspensions"],
         jct_h=tuple(float(x) for x in jct),
         in_use=tuple((round((t - first_arrival) / 3600, 4), n) for t, n in in_use),
     )

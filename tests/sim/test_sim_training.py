@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from gpuloom.clients.cli import cli
 from gpuloom.policies.training.gandiva import (
     MAX_HEIGHT,
+    QUEUE_AHEAD,
+    REVIEW_STEP_S,
     SHARE_AFTER_S,
     SLICE_AFTER_S,
     GandivaPolicy,
@@ -58,7 +60,7 @@ TABLE = {
 def eager() -> GandivaPolicy:
     """Gandiva time-slicing at once, with any job (the paper's reactive mode): the tests of
     the mechanisms use it; the patience rules are tested on their own."""
-    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0)
+    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, queue_ahead=0)
 
 
 def line(kind: str, steps: int, arrival: float, scale: int = 1) -> str:
@@ -222,6 +224,27 @@ def test_gandiva_time_slices_then_spreads_onto_a_freed_gpu() -> None:
     assert (run.packings, run.migrations) == (0, 1)
 
 
+def test_gandiva_slices_in_on_time_and_suspends_a_job_once_it_has_had_its_share() -> None:
+    # One GPU; four jobs of 10 h each (C at 5/s) arrive at 0, 10, 20 and 30 s. Nothing
+    # happens between 30 s and the first end at 10 h: the policy's review time is what lets
+    # C3, two waiting ahead of it, be time-sliced in with C0 when it has waited its hour
+    # (C0 has had an hour too). Once C3 has had its own hour (7,320 s at 60/61 / 2), it is
+    # suspended back to the queue behind C1 and C2, and the jobs then run one after another,
+    # C3 last, resumed through a migration.
+    jobs = jobs_of(*(line("C", 180_000, t) for t in (0, 10, 20, 30)))
+    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), GandivaPolicy())
+    sliced, demoted = 3630.0, 3630.0 + 3600 / (SLICE_EFFICIENCY / 2)
+    c0_end = demoted + (180_000 - 5 * sliced - 5 * 3600) / 5
+    c1_end, c2_end = c0_end + 36_000, c0_end + 72_000
+    c3_end = c2_end + MIGRATION_S + (180_000 - 5 * 3600) / 5
+    assert run.jct_h == pytest.approx(
+        (c0_end / 3600, (c1_end - 10) / 3600, (c2_end - 20) / 3600, (c3_end - 30) / 3600)
+    )
+    assert (run.suspensions, run.migrations) == (1, 1)
+    feedback = (0, c0_end - 10, c1_end - 20, sliced + QUANTUM_S - 30)
+    assert run.avg_first_feedback_h == round(sum(feedback) / 4 / 3600, 3)
+
+
 def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
     # C1 (long) and C2 (30 s) start alone on a 2-GPU server; C3 arrives at 10 s and joins
     # C1's round-robin, its turn due at 70 s; C2 ends at 30.5 s and C3 takes its GPU at once:
@@ -293,7 +316,8 @@ def test_json_has_the_promised_fields_and_plot_writes_a_png(tmp_path: Path) -> N
     assert result.exit_code == 0, result.output
     rows = [json.loads(x) for x in result.output.splitlines()]
     promised = {"policy", "trace", "jobs", "avg_jct_h", "p95_jct_h", "avg_first_feedback_h"}
-    assert all(promised | {"makespan_h", "gpu_util", "packings", "undone"} <= set(r) for r in rows)
+    ours = {"makespan_h", "gpu_util", "packings", "undone", "suspensions"}
+    assert all(promised | ours <= set(r) for r in rows)
     assert out.read_bytes()[:4] == b"\x89PNG"
     text = run_cli(tmp_path, trace, "--cluster", "v100:2")
     assert "AVG JCT h" in text.output and "gandiva" in text.output
@@ -385,7 +409,9 @@ def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -
 
 
 # Runs where gandiva used to lose to FIFO on average JCT (time-slicing bursts of 8-GPU jobs
-# into each other's round-robins, a GPU count starved behind groups that never drained).
+# into each other's round-robins, a GPU count starved behind groups that never drained, and,
+# once the policy was asked on time, 8-GPU jobs near the head of the queue or long ones
+# sharing on with each other: 23dbec on k80:32, 51b7ef on v100:16 and p100:24).
 @needs_traces
 @pytest.mark.parametrize(
     ("name", "cluster"),
@@ -396,7 +422,8 @@ def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -
         ("23dbec", "v100:16"),
         ("23dbec", "p100:32"),
         ("23dbec", "k80:32"),
-        ("51b7ef", "v100:8"),
+        ("51b7ef", "v100:16"),
+        ("51b7ef", "p100:24"),
         ("51b7ef", "p100:32"),
         ("103959", "v100:8"),
     ],
@@ -422,6 +449,8 @@ def test_the_docs_give_the_constants_the_code_uses() -> None:
         ("MAX_HEIGHT", MAX_HEIGHT, "jobs"),
         ("SLICE_AFTER_S", SLICE_AFTER_S, "s"),
         ("SHARE_AFTER_S", SHARE_AFTER_S, "s"),
+        ("QUEUE_AHEAD", QUEUE_AHEAD, "jobs"),
+        ("REVIEW_STEP_S", REVIEW_STEP_S, "s"),
     ]:
         assert f"| `{name}` | {value:g} {unit} |" in doc
     assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)

@@ -5,6 +5,8 @@ servers of one GPU type."""
 
 from __future__ import annotations
 
+import math
+
 from gpuloom.policies.training.model import Action, ClusterView, FreeMap, Job, Place, Slot
 
 
@@ -33,3 +35,6 @@ class FifoPolicy:
                 break  # the head blocks the queue
             actions.append(Place(job_id, slots))
         return actions
+
+    def review_at(self, view: ClusterView) -> float:
+        return math.inf  # only arrivals and departures change what FIFO does

@@ -14,10 +14,18 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    there is none it waits (no head-of-line blocking: later jobs may take free GPUs ahead of
    it). Only where it is expected to pay (an equal share moves GPU time from the group's
    jobs to the newcomer, less the switching and migration costs): the job has waited
-   `slice_after_s` for free GPUs, every job of the group has had `share_after_s` of
-   service (least attained service first), and the group is not on a server held for an
-   earlier job that has no round-robin of its GPU count to join (it waits for the server
-   to drain instead of starving).
+   `slice_after_s` for free GPUs, has not had `share_after_s` of service itself, has
+   `queue_ahead` jobs of its shape waiting ahead of it (nearer the head, GPUs of its own
+   come with the next ends), every job of the group has had `share_after_s` of service
+   (least attained service first), and the group is not on a server held for an earlier job
+   that has no round-robin of its GPU count to join (it waits for the server to drain
+   instead of starving);
+3b. suspension, before the placements: a job time-sliced in that has had `share_after_s`
+   of service while an earlier job of its group has too goes back to the queue (`Suspend`):
+   two long jobs sharing evenly both end later than one after the other.
+
+Rules of time (a wait, a job's service) may change the decision with nothing arriving or
+ending: `review_at` says when to ask again.
 
 Introspective mode, in the same call (the undo before the placements, the rest after):
 
@@ -45,6 +53,7 @@ Priorities are not modelled (every job has the same).
 from __future__ import annotations
 
 import copy
+import math
 from collections import Counter
 
 from gpuloom.policies.training.model import (
@@ -57,6 +66,7 @@ from gpuloom.policies.training.model import (
     Resize,
     Slice,
     Slot,
+    Suspend,
     Unpack,
 )
 
@@ -69,7 +79,15 @@ MAX_HEIGHT_LIMIT = 64  # the largest height "gandiva:HEIGHT" accepts
 # the shorter one; lengths are unknown, so both rules use only what has been seen:
 SLICE_AFTER_S = 3600.0  # a job waits this long for free GPUs before it is time-sliced in
 SHARE_AFTER_S = 3600.0  # ... and only with jobs that have each had this much service
+# ... and only with QUEUE_AHEAD jobs of its shape waiting ahead of it: at the head of the
+# queue, its wait as FIFO lasts until the next of its shape's groups ends, too little to pay
+# for slowing a group down; further back, it lasts several ends.
+QUEUE_AHEAD = 2
 GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
+# The soonest `review_at` asks to be called again for a job's service: when it will have had
+# `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
+# this floor keeps that from running to ever smaller steps.
+REVIEW_STEP_S = 60.0
 
 
 class _Scratch:
@@ -128,7 +146,9 @@ class GandivaPolicy:
         grow_shrink: bool = False,
         slice_after_s: float = SLICE_AFTER_S,
         share_after_s: float = SHARE_AFTER_S,
+        queue_ahead: int = QUEUE_AHEAD,
     ) -> None:
+        self.queue_ahead = queue_ahead
         self.max_height = max_height
         self.grow_shrink = grow_shrink
         self.slice_after_s = slice_after_s
@@ -142,7 +162,13 @@ class GandivaPolicy:
         scratch = _Scratch(view)
         actions: list[Action] = []
         self._undo(view, scratch, actions)
-        if self.grow_shrink and view.waiting:
+        demoted = self._demote(view, free, scratch, actions)
+        waiting = (
+            sorted((*view.waiting, *demoted), key=lambda j: (view.jobs[j].arrival_s, j))
+            if demoted
+            else view.waiting
+        )
+        if self.grow_shrink and waiting:
             self._shrink(view, free, scratch, actions)
         # A job that finds no GPUs leaves its GPU count (on its GPU types) blocked for the
         # rest of the call: placing others only takes GPUs and raises heights. One with no
@@ -152,15 +178,24 @@ class GandivaPolicy:
         # drain (else a job of a GPU count no group has could wait for ever behind groups
         # that never empty, such as one-GPU jobs behind 4-GPU round-robins on every server).
         blocked: set[tuple[int, frozenset[str] | None]] = set()
+        # A job that had its share of service, or waits too near the head of the queue to be
+        # time-sliced in, leaves only exclusive placement blocked: one behind it may be.
+        no_room: set[tuple[int, frozenset[str] | None]] = set()
+        ahead = Counter[tuple[int, frozenset[str] | None]]()  # jobs of a shape left waiting
         held: set[int] = set()
         left_waiting = False
-        for job_id in view.waiting:
+        for job_id in waiting:
             job = view.jobs[job_id]
             shape = (job.gpus, job.runs_on)
             if shape in blocked:
                 continue
-            if not self._arrive(view, job, free, scratch, actions, held):
-                blocked.add(shape)
+            room = shape not in no_room
+            if not self._arrive(view, job, free, scratch, actions, held, room, ahead[shape]):
+                ahead[shape] += 1
+                if self._had_share(view, job_id) or ahead[shape] <= self.queue_ahead:
+                    no_room.add(shape)
+                else:
+                    blocked.add(shape)
                 if not self._has_round_robin(view, job, scratch):
                     held |= _drain_for(view, job, free, scratch, held)
                 left_waiting = True
@@ -171,6 +206,59 @@ class GandivaPolicy:
         if self.grow_shrink and not left_waiting:
             self._grow(view, free, scratch, actions)
         return actions
+
+    def review_at(self, view: ClusterView) -> float:
+        """The first time a waiting job will have waited `slice_after_s`, or a job of a
+        group may have had `share_after_s` of service (a bound: time-sliced h ways, service
+        grows at slice_efficiency / h of the clock, and a stalled job's not at all; asked no
+        sooner than REVIEW_STEP_S from now); inf when no job waits and none is time-sliced."""
+        if not view.waiting and all(g.height < 2 for g in view.groups):
+            return math.inf
+        now = view.now_s
+        waits = [
+            view.jobs[j].arrival_s + self.slice_after_s
+            for j in view.waiting
+            if view.jobs[j].arrival_s + self.slice_after_s > now
+        ]
+        services = [
+            now
+            + (self.share_after_s - view.attained_s.get(j, 0.0))
+            * (g.height / view.slice_efficiency if g.height > 1 else 1.0)
+            for g in view.groups
+            if not g.packed
+            for j in g.jobs
+            if view.attained_s.get(j, 0.0) < self.share_after_s
+        ]
+        service = max(min(services), now + REVIEW_STEP_S) if services else math.inf
+        return min(min(waits, default=math.inf), service)
+
+    def _had_share(self, view: ClusterView, job: int) -> bool:
+        """Whether `job` has had `share_after_s` of service: it is no longer time-sliced in
+        (0 turns this off: the paper's round-robin, with any job)."""
+        return self.share_after_s > 0 and view.attained_s.get(job, 0.0) >= self.share_after_s
+
+    # 3b. demote
+    def _demote(
+        self, view: ClusterView, free: FreeMap, scratch: _Scratch, actions: list[Action]
+    ) -> list[int]:
+        """Time-slicing pays only for the shorter job: once a job time-sliced into a group
+        has had `share_after_s` of service itself, the group holds two jobs that have run
+        long, and sharing evenly would finish both later than running one after the other.
+        The one that arrived later goes back to the queue (suspended, its state kept): it
+        waits for GPUs of its own in arrival order. Returns the jobs suspended."""
+        suspended: list[int] = []
+        for g in view.groups:
+            if g.packed or g.height < 2:
+                continue
+            long = sorted(
+                (j for j in g.jobs if self._had_share(view, j)),
+                key=lambda j: (view.jobs[j].arrival_s, j),
+            )
+            for job in long[1:]:
+                scratch.remove(job, free)
+                actions.append(Suspend(job))
+                suspended.append(job)
+        return suspended
 
     # 0. shrink
     def _shrink(
@@ -239,11 +327,15 @@ class GandivaPolicy:
         scratch: _Scratch,
         actions: list[Action],
         held: set[int],
+        room: bool = True,
+        ahead: int = 0,
     ) -> bool:
-        """Place, de-fragment for, or time-slice one waiting job; False if it must wait."""
+        """Place, de-fragment for, or time-slice one waiting job; False if it must wait.
+        `room`: whether free GPUs may hold it (False: a job of its shape found none);
+        `ahead`: how many jobs of its shape wait ahead of it."""
         k, job_id = job.gpus, job.id
-        slots = self._exclusive(free, scratch, job)
-        if slots is None and self._defragment(view, job, free, scratch, actions):
+        slots = self._exclusive(free, scratch, job) if room else None
+        if room and slots is None and self._defragment(view, job, free, scratch, actions):
             slots = self._exclusive(free, scratch, job)
         if slots is not None:
             scratch.place(job_id, slots)
@@ -252,6 +344,10 @@ class GandivaPolicy:
         if view.now_s - job.arrival_s < self.slice_after_s:
             return False  # GPUs that free up meanwhile are waited for, as FIFO would
         attained = view.attained_s
+        if self._had_share(view, job_id):
+            return False  # it has had its share: it waits for GPUs of its own, in turn
+        if ahead < self.queue_ahead:
+            return False  # near the head of the queue: GPUs of its own come with the next end
         shared = [
             gid
             for gid, jobs in scratch.jobs.items()

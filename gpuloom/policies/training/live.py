@@ -30,7 +30,8 @@ only for jobs with a checkpoint hook), and `Resize` of an elastic job (grow onto
 its server, or shrink back; its first GPU stays). A `Pack` across GPUs, a `Slice`, the
 `Place` of a waiting job (placement's scheduler places it) and a de-fragmenting `Place` are
 not taken live (a job is not moved onto a busy GPU, nor moved for a job the policy would place
-elsewhere than the scheduler).
+elsewhere than the scheduler), nor is a `Suspend` back to the queue (the live view gives no
+service, `attained_s`, so the policy issues none).
 """
 
 from __future__ import annotations

@@ -103,6 +103,16 @@ class Slice:
 
 
 @dataclass(frozen=True, slots=True)
+class Suspend:
+    """Take `job` out of its round-robin and back to the queue, suspended at a low-memory
+    point with its state kept; it resumes where a later `Place` or `Slice` puts it (through
+    its checkpoint, as a migration, since that may be on other GPUs)."""
+
+    job: int
+    reason: str = "demote"
+
+
+@dataclass(frozen=True, slots=True)
 class Pack:
     """Run `job` (one GPU) at once with the single one-GPU job of `group`; when `job` already
     time-slices with it in that group, the group turns packed in place."""
@@ -129,7 +139,7 @@ class Resize:
     reason: str = "grow"
 
 
-Action = Place | Slice | Pack | Unpack | Resize
+Action = Place | Slice | Suspend | Pack | Unpack | Resize
 
 
 def slice_efficiency(quantum_s: float, switch_s: float) -> float:
@@ -169,6 +179,13 @@ class TrainingPolicy(Protocol):
     def name(self) -> str: ...
 
     def decide(self, view: ClusterView) -> list[Action]: ...
+
+    def review_at(self, view: ClusterView) -> float:
+        """When to be called again with no arrival, departure or trial end in between: the
+        first time a rule of time (a wait, a job's service) may change the decision; inf when
+        none can. A driver that ticks calls `decide` on its own period anyway; the simulator,
+        which jumps from event to event, calls it again then."""
+        ...
 
 
 class FreeMap:

@@ -30,6 +30,7 @@ from gpuloom.policies.training.model import (
     Resize,
     Server,
     Slice,
+    Suspend,
     Unpack,
     round_robin_turn,
 )
@@ -67,7 +68,7 @@ def job(i: int, gpus: int = 1, kind: str = "A", util: float = 0.5) -> Job:
 def eager(**options: int) -> GandivaPolicy:
     """Gandiva time-slicing at once, with any job (the paper's reactive mode): for the tests
     of the mechanisms; the patience rules have tests of their own."""
-    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, **options)
+    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, queue_ahead=0, **options)
 
 
 def both_ways(a: str, b: str) -> set[tuple[str, str, str]]:
@@ -152,7 +153,7 @@ def test_gandiva_waits_an_hour_for_free_gpus_then_slices_with_the_job_served_lon
     groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8,))]
     jobs = [job(7), job(8), Job(1, "A", 1, 0.0, 0.5)]
     served = {7: 600.0, 8: 7200.0}
-    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0)
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0, queue_ahead=0)
     early = view([2], groups, jobs, waiting=[1], now=3599.0, attained=served)
     assert policy.decide(early) == []  # GPUs may free within the hour: it waits, as FIFO
     late = view([2], groups, jobs, waiting=[1], now=3600.0, attained=served)
@@ -168,7 +169,8 @@ def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
     # onto that server: the round-robin would never drain and job 1 never run.
     groups = [Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7,))]
     jobs = [job(7, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
-    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0)
+    # (No least-attained-service rule here: group 0 below holds two jobs with hours each.)
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=0.0, queue_ahead=0)
     state = view([4], groups, jobs, waiting=[1, 2], now=10_000.0, attained={7: 9000.0})
     assert policy.decide(state) == []
     alone = view([4], groups, jobs, waiting=[2], now=10_000.0, attained={7: 9000.0})
@@ -182,6 +184,55 @@ def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
     served = {7: 9000.0, 8: 9000.0, 9: 9000.0}
     state = view([4, 4], groups, jobs, waiting=[1, 2], now=10_000.0, attained=served)
     assert policy.decide(state) == [Slice(2, 0)]  # not the lower group 1: held for job 1
+
+
+def test_gandiva_slices_in_only_a_job_with_two_of_its_count_waiting_ahead() -> None:
+    # One server of two GPUs, both jobs with hours of service; four one-GPU jobs have waited
+    # over an hour. The first two would get GPUs of their own at the next two ends: they
+    # wait, as FIFO; the third slices in with the least high group, the fourth with the other.
+    groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8,))]
+    jobs = [job(7), job(8), *(Job(i, "A", 1, float(i), 0.5) for i in (1, 2, 3, 4))]
+    state = view(
+        [2], groups, jobs, waiting=[1, 2, 3, 4], now=4000.0, attained={7: 9000.0, 8: 9000.0}
+    )
+    assert GandivaPolicy().decide(state) == [Slice(3, 0), Slice(4, 1)]
+    assert GandivaPolicy(queue_ahead=0).decide(state) == [Slice(1, 0), Slice(2, 1)]
+
+
+def test_gandiva_suspends_the_later_of_two_jobs_that_have_had_their_share() -> None:
+    # Job 9 was sliced in with job 7 and has now had an hour of service too: sharing on would
+    # finish both later than one after the other. Job 9 (the later arrival) goes back to the
+    # queue ahead of job 10, is not sliced in again (it waits for GPUs of its own) and keeps
+    # job 10, behind it, near the head of the queue.
+    groups = [Group(0, ((0, 0),), (7, 9)), Group(1, ((0, 1),), (8,))]
+    jobs = [job(7), job(8), job(9), job(10), job(11), job(12)]
+    served = {7: 9000.0, 8: 9000.0, 9: 3600.0}
+    state = view([2], groups, jobs, waiting=[10], now=9000.0, attained=served)
+    assert GandivaPolicy().decide(state) == [Suspend(9)]
+    # A job still short of its share stays; a third waiting job, two ahead, slices in.
+    served[9] = 1800.0
+    state = view([2], groups, jobs, waiting=[10, 11, 12], now=9000.0, attained=served)
+    assert GandivaPolicy().decide(state) == [Slice(12, 1)]
+    # Without the least-attained-service rule (the paper's round-robin) nobody is suspended.
+    served[9] = 9000.0
+    state = view([2], groups, jobs, waiting=[10], now=9000.0, attained=served)
+    assert GandivaPolicy(share_after_s=0.0, queue_ahead=0).decide(state) == [Slice(10, 1)]
+
+
+def test_gandiva_asks_to_be_called_when_a_rule_of_time_may_first_change_its_mind() -> None:
+    policy = GandivaPolicy()  # an hour's wait, an hour's service
+    groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8, 9))]
+    jobs = [job(7), job(8), job(9), Job(1, "A", 1, 100.0, 0.5)]
+    served = {7: 3000.0, 8: 9000.0, 9: 3000.0}
+    state = view([2], groups, jobs, waiting=[1], now=1000.0, attained=served)
+    # Job 7 alone reaches an hour of service first: 600 s (job 1 has waited an hour at
+    # 3700 s; job 9, time-sliced two ways, has its hour at 1000 + 600 x 2 x 61/60).
+    assert policy.review_at(state) == pytest.approx(1600.0)
+    served[7] = 3599.0  # a second short: asked no sooner than a review step
+    assert policy.review_at(state) == pytest.approx(1060.0)
+    idle = view([2], [Group(0, ((0, 0),), (7,))], [job(7)], now=1000.0, attained=served)
+    assert policy.review_at(idle) == float("inf")  # nobody waits, nothing time-sliced
+    assert FifoPolicy().review_at(state) == float("inf")
 
 
 def test_gandiva_defragments_a_server_for_a_job_that_fits_nowhere_whole() -> None:
