@@ -74,6 +74,9 @@ SKIPS = (
          "port 50052 (tests/profile_store start the service on free ports)"),
     Skip("benchmarks.md", r"scripts/bench_placement", "a benchmark of minutes; its figures are "
          "in the doc"),
+    Skip("benchmarks.md", r"scripts/bench_training", "960 simulations, minutes, over the traces "
+         "in ../shared/traces; its figures are in the doc (tests/test_bench_training.py runs a "
+         "small one)"),
     Skip("benchmarks.md", r"^[TD]=\.\./shared/traces/|\$[TD]/", "a benchmark of minutes over the "
          "traces in ../shared/traces, outside the checkout; its figures are in the doc"),
     Skip("deploy.md", r"^(docker|cp \.env\.example|kubectl)\b", "needs a Docker daemon or a "
