@@ -224,7 +224,11 @@ def _run(text: str, env: dict[str, str]) -> tuple[bool, str, str]:
         out, err = process.communicate(timeout=STREAM_FOR_S if stream else 120)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGINT if stream else signal.SIGKILL)
-        out, err = process.communicate()
+        try:
+            out, err = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a stream that shrugged off SIGINT
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
         return stream, out, f"{out}{err}\n(still running after the time allowed)"
     ok = process.returncode == 0 and not stream
     return ok, out, f"{out}{err}\n(exit status {process.returncode})"
