@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.clients.cli import cli
+from gpuloom.policies.training.fifo import FifoPolicy
 from gpuloom.policies.training.gandiva import (
     MAX_HEIGHT,
     QUEUE_AHEAD,
@@ -21,6 +22,7 @@ from gpuloom.policies.training.gandiva import (
     SLICE_AFTER_S,
     GandivaPolicy,
 )
+from gpuloom.policies.training.model import Action, ClusterView, Suspend
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.sim.training import (
     GROW_IDLE_S,
@@ -30,6 +32,7 @@ from gpuloom.sim.training import (
     SERVER_GPUS,
     SLICE_EFFICIENCY,
     SWITCH_S,
+    PolicyError,
     Throughputs,
     TraceJob,
     TrainingInputError,
@@ -243,6 +246,20 @@ def test_gandiva_slices_in_on_time_and_suspends_a_job_once_it_has_had_its_share(
     assert (run.suspensions, run.migrations) == (1, 1)
     feedback = (0, c0_end - 10, c1_end - 20, sliced + QUANTUM_S - 30)
     assert run.avg_first_feedback_h == round(sum(feedback) / 4 / 3600, 3)
+
+
+class _SuspendsAlone(FifoPolicy):
+    """FIFO that then suspends job 0 while it runs alone: a suspension from no round-robin."""
+
+    def decide(self, view: ClusterView) -> list[Action]:
+        placed = super().decide(view)
+        return [*placed, Suspend(0)] if not placed and 0 in view.jobs else placed
+
+
+def test_a_suspension_from_no_round_robin_is_refused() -> None:
+    jobs = jobs_of(line("C", 18_000, 0), line("C", 18_000, 10))
+    with pytest.raises(PolicyError, match="not in a round-robin"):
+        simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), _SuspendsAlone())
 
 
 def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
