@@ -125,6 +125,13 @@ class DispatcherCore:
     async def reserve(self, spec: ReserveSpec) -> Reservation:
         spec.validate()
         self._check_mps(spec)
+        # Shielded, as is an end: a caller that gives up (an RPC deadline) while the book's
+        # thread or the channel is at work must not leave the two disagreeing (a share the
+        # book forgot, or a reservation with no share), so the change is made, or rolled
+        # back, in full; a retried Reserve then finds it.
+        return await asyncio.shield(self._reserve(spec))
+
+    async def _reserve(self, spec: ReserveSpec) -> Reservation:
         reservation, created = await asyncio.to_thread(self.book.reserve, spec)
         if created:
             try:
@@ -165,6 +172,9 @@ class DispatcherCore:
             raise NotFound(f"no assignment {assignment_id!r} on this GPU")
 
     async def _end(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
+        return await asyncio.shield(self._end_in_full(assignment_id, reason, kind))
+
+    async def _end_in_full(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
         reservation = await asyncio.to_thread(self.book.release, assignment_id)
         if reservation is None:
             return False

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import grpc
 import pytest
 
 from gpuloom.clients.shim import ShimClient
+from gpuloom.services.dispatcher.convert import reserve_spec_from_pb
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request
 from tests.profile_store.test_grpcurl import grpcurl_binary
@@ -178,3 +180,39 @@ async def test_grpcurl_reserves_and_reads_status_through_reflection(live: LiveDi
     # grpcurl prints the proto field names.
     assert status["clients"][0]["assignment"]["share"]["sm_percent"] == 24
     assert status["quota_reserved_percent"] == 40
+
+
+async def test_a_caller_that_gives_up_leaves_the_book_and_the_shares_agreeing(
+    live: LiveDispatcher,
+) -> None:
+    # Placement's RPC deadline may cancel a Reserve or a Release while the book's thread or
+    # the channel is at work. Each is made in full anyway: the retried Reserve finds the
+    # reservation, and its Release removes a share the channel holds (before, a share the
+    # book had forgotten made the retry fail with "client already exists", and a reservation
+    # without its share made the release fail with "unknown client").
+    core = live.dispatcher.core
+    specs = [
+        reserve_spec_from_pb(reserve_request(request=2, assignment_id=f"gone-{n}"))
+        for n in range(12)
+    ]
+    for n, spec in enumerate(specs):
+        task = asyncio.create_task(core.reserve(spec))
+        for _ in range(n % 4):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for spec in specs:
+        await core.reserve(spec)
+    for n, spec in enumerate(specs):
+        task = asyncio.create_task(core.release(spec.assignment_id))
+        for _ in range(n % 4):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    for spec in specs:  # each may be made again, and released
+        await core.reserve(spec)
+        assert await core.release(spec.assignment_id)
+    status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+    assert len(status.clients) == 0 and status.quota_reserved_percent == 0
