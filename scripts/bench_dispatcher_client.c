@@ -6,7 +6,11 @@
  *   bench_dispatcher_client SOCKET TOKEN SECONDS PAUSE_US SPIN_US desk|socket OUT
  *   bench_dispatcher_client --pingpong SECONDS PAUSE_US OUT
  *   bench_dispatcher_client --pingpong-futex SECONDS PAUSE_US OUT
- * writes one int64 latency in nanoseconds per round trip to OUT. `desk` asks as the shim does
+ *   bench_dispatcher_client --desk-alone CLIENTS SECONDS PAUSE_US SPIN_US OUT
+ * writes one int64 latency in nanoseconds per round trip to OUT. `--desk-alone` runs the lease
+ * desk (shim/src/leasedesk.c, the dispatcher's own code) in this bare C process, with
+ * open-ended standing terms for CLIENTS forked clients that ask as `desk` does: the desk's
+ * mechanism without the dispatcher's Python around it. `desk` asks as the shim does
  * when the dispatcher runs its lease desk (request words in the region, the doorbell rung);
  * `socket` sends LeaseRequest frames to the Python channel thread.
  */
@@ -25,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "leasedesk.h"
 #include "wire.h"
 
 static void die(const char *what) {
@@ -55,6 +60,55 @@ static int ask(int use_desk, int sock, volatile uint8_t *region, int doorbell,
                const gl_usage *report) {
     if (use_desk) return gl_post_lease_request(region, doorbell, report, now_ns());
     return gl_send_lease_request(sock, report);
+}
+
+/* Lease round trips until `seconds` pass: release the previous lease with its usage and ask
+ * for the next one, then wait for it in the region. Latencies (ns) to `out_path`. */
+static void measure(volatile uint8_t *region, int sock, int doorbell, int use_desk,
+                    double seconds, long pause_us, uint64_t spin_ns, const char *out_path) {
+    size_t capacity = 1 << 20, count = 0;
+    int64_t *latencies = malloc(capacity * sizeof *latencies);
+    if (latencies == NULL) die("malloc");
+    uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
+    int first = 1;
+    while (now_ns() < stop && count < capacity) {
+        uint64_t previous = load_u64(region, GL_OFF_LEASE_ID);
+        gl_usage report = {.lease_id = previous, .gpu_time_ns = 1000, .release = 1};
+        uint64_t started = now_ns();
+        uint32_t epoch = load_epoch(region);
+        if (ask(use_desk, sock, region, doorbell, first ? NULL : &report) != 0) die("send");
+        for (;;) {
+            uint64_t lease = load_u64(region, GL_OFF_LEASE_ID);
+            if (lease != previous && lease != 0) {
+                if (now_ns() < load_u64(region, GL_OFF_ADMIT_UNTIL)) break;
+                /* Granted and expired before we looked (we were descheduled): ask again. */
+                previous = lease;
+                gl_usage unused = {.lease_id = lease};
+                if (ask(use_desk, sock, region, doorbell, &unused) != 0) die("send");
+            }
+            /* Optionally spin before sleeping: waking a sleeping process costs the dispatcher
+             * a system call several times dearer than a FUTEX_WAKE nobody waits on, but a
+             * spinner takes a CPU the dispatcher may need. */
+            if (now_ns() - started < spin_ns) {
+                __builtin_ia32_pause();
+                continue;
+            }
+            wait_change(region, epoch);
+            epoch = load_epoch(region);
+        }
+        if (!first) latencies[count++] = (int64_t)(now_ns() - started);
+        first = 0;
+        if (pause_us > 0) {
+            struct timespec pause = {.tv_sec = pause_us / 1000000,
+                                     .tv_nsec = (pause_us % 1000000) * 1000};
+            nanosleep(&pause, NULL);
+        }
+    }
+    FILE *out = fopen(out_path, "wb");
+    if (out == NULL) die("open output");
+    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
+    fclose(out);
+    free(latencies);
 }
 
 /* The floor: the same round trip between two C processes over a socketpair, blocking
@@ -140,11 +194,90 @@ static int pingpong_futex(double seconds, long pause_us, const char *out_path) {
     return 0;
 }
 
+/* The lease desk alone: the desk thread in this process, CLIENTS forked clients on regions of
+ * their own with open-ended standing terms, this process taking the desk's journal as the
+ * dispatcher's channel thread does (else the desk would throttle). No Python, no socket. */
+static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_ns,
+                      const char *out_path) {
+    if (clients < 1 || clients > (int)GL_DESK_MAX_SLOTS) die("--desk-alone: CLIENTS out of range");
+    int doorbell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    int notify = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (doorbell < 0 || notify < 0) die("eventfd");
+    gl_desk *desk = gl_desk_start(doorbell, notify);
+    if (desk == NULL) die("gl_desk_start");
+    volatile uint8_t **regions = calloc((size_t)clients, sizeof *regions);
+    if (regions == NULL) die("calloc");
+    uint64_t window_ns = 1000000000ull;
+    for (int i = 0; i < clients; i++) {
+        int fd = memfd_create("gl-bench-region", MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, GL_REGION_BYTES) != 0) die("region");
+        regions[i] = mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (regions[i] == MAP_FAILED) die("mmap region");
+        int slot = gl_desk_add(desk, fd);
+        gl_desk_terms terms = {.lease_ns = GL_DESK_FOREVER,
+                               .budget_ns = GL_DESK_FOREVER,
+                               .min_lease_ns = 1,
+                               .limit_ns = GL_DESK_FOREVER,
+                               .window_ns = window_ns,
+                               .window_end_ns = now_ns() + window_ns};
+        if (slot < 0 || gl_desk_set_terms(desk, slot, &terms) != 0) die("desk terms");
+        close(fd);
+    }
+    size_t name_size = strlen(out_path) + 16;
+    char *name = malloc(name_size);
+    if (name == NULL) die("malloc");
+    for (int i = 0; i < clients; i++) {
+        pid_t child = fork();
+        if (child < 0) die("fork");
+        if (child == 0) {
+            snprintf(name, name_size, "%s.%d", out_path, i);
+            measure(regions[i], -1, doorbell, 1, seconds, pause_us, spin_ns, name);
+            _exit(0);
+        }
+    }
+    gl_desk_event events[256];
+    int running = clients, failed = 0;
+    while (running > 0) {
+        struct timespec tick = {.tv_sec = 0, .tv_nsec = 20 * 1000000};
+        nanosleep(&tick, NULL);
+        uint64_t rung;
+        if (read(notify, &rung, sizeof rung) < 0) { /* nothing new: take the journal anyway */
+        }
+        while (gl_desk_take(desk, events, 256) > 0) {
+        }
+        int status;
+        pid_t done;
+        while ((done = waitpid(-1, &status, WNOHANG)) > 0) {
+            running--;
+            failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+        }
+    }
+    gl_desk_stop(desk);
+    if (failed) die("a desk client failed");
+    FILE *out = fopen(out_path, "wb");
+    if (out == NULL) die("open output");
+    for (int i = 0; i < clients; i++) {
+        snprintf(name, name_size, "%s.%d", out_path, i);
+        FILE *part = fopen(name, "rb");
+        if (part == NULL) die("open a client's output");
+        int64_t latency;
+        while (fread(&latency, sizeof latency, 1, part) == 1)
+            if (fwrite(&latency, sizeof latency, 1, out) != 1) die("write output");
+        fclose(part);
+        unlink(name);
+    }
+    fclose(out);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 5 && strcmp(argv[1], "--pingpong") == 0)
         return pingpong(atof(argv[2]), atol(argv[3]), argv[4]);
     if (argc == 5 && strcmp(argv[1], "--pingpong-futex") == 0)
         return pingpong_futex(atof(argv[2]), atol(argv[3]), argv[4]);
+    if (argc == 7 && strcmp(argv[1], "--desk-alone") == 0)
+        return desk_alone(atoi(argv[2]), atof(argv[3]), atol(argv[4]),
+                          (uint64_t)atol(argv[5]) * 1000u, argv[6]);
     if (argc != 8 || (strcmp(argv[6], "desk") != 0 && strcmp(argv[6], "socket") != 0)) {
         fprintf(stderr, "usage: %s SOCKET TOKEN SECONDS PAUSE_US SPIN_US desk|socket OUT\n",
                 argv[0]);
@@ -168,48 +301,7 @@ int main(int argc, char **argv) {
         return 1;
     }
 
-    size_t capacity = 1 << 20, count = 0;
-    int64_t *latencies = malloc(capacity * sizeof *latencies);
-    if (latencies == NULL) die("malloc");
-    uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
-    int first = 1;
-    while (now_ns() < stop && count < capacity) {
-        uint64_t previous = load_u64(region, GL_OFF_LEASE_ID);
-        gl_usage report = {.lease_id = previous, .gpu_time_ns = 1000, .release = 1};
-        uint64_t started = now_ns();
-        uint32_t epoch = load_epoch(region);
-        if (ask(use_desk, sock, region, doorbell, first ? NULL : &report) != 0) die("send");
-        for (;;) {
-            uint64_t lease = load_u64(region, GL_OFF_LEASE_ID);
-            if (lease != previous && lease != 0) {
-                if (now_ns() < load_u64(region, GL_OFF_ADMIT_UNTIL)) break;
-                /* Granted and expired before we looked (we were descheduled): ask again. */
-                previous = lease;
-                gl_usage unused = {.lease_id = lease};
-                if (ask(use_desk, sock, region, doorbell, &unused) != 0) die("send");
-            }
-            /* Optionally spin before sleeping: waking a sleeping process costs the dispatcher
-             * a system call several times dearer than a FUTEX_WAKE nobody waits on, but a
-             * spinner takes a CPU the dispatcher may need. */
-            if (now_ns() - started < spin_ns) {
-                __builtin_ia32_pause();
-                continue;
-            }
-            wait_change(region, epoch);
-            epoch = load_epoch(region);
-        }
-        if (!first) latencies[count++] = (int64_t)(now_ns() - started);
-        first = 0;
-        if (pause_us > 0) {
-            struct timespec pause = {.tv_sec = pause_us / 1000000,
-                                     .tv_nsec = (pause_us % 1000000) * 1000};
-            nanosleep(&pause, NULL);
-        }
-    }
-    FILE *out = fopen(argv[7], "wb");
-    if (out == NULL) die("open output");
-    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
-    fclose(out);
+    measure(region, sock, doorbell, use_desk, seconds, pause_us, spin_ns, argv[7]);
     close(sock);
     return 0;
 }
