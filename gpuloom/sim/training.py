@@ -45,6 +45,7 @@ from gpuloom.policies.training.model import (
     Place,
     Resize,
     Server,
+    ServiceHistory,
     Slice,
     Slot,
     Suspend,
@@ -336,6 +337,7 @@ class _Cluster:
         self.counts: Counter[str] = Counter()
         self.packable = frozenset(table.pair)
         self.idle_since: dict[Slot, float] = {}  # free GPUs: since when (grow-shrink)
+        self.ended = ServiceHistory()
 
     def arrive(self, i: int, now: float) -> None:
         spec = self.runs[i].spec
@@ -368,6 +370,7 @@ class _Cluster:
             idle_since=MappingProxyType(self.idle_since),
             grow_idle_s=GROW_IDLE_S,
             attained_s=_Attained(self.runs, self.views),
+            ended=self.ended,
         )
 
     def _take(self, slots: Sequence[Slot]) -> None:
@@ -581,6 +584,7 @@ class _Cluster:
         run = self.runs[i]
         run.end_s, run.remaining, run.rate = now, 0.0, 0.0
         del self.views[i]
+        self.ended.add(run.spec.gpus, run.served)
 
 
 class _Attained(Mapping[int, float]):

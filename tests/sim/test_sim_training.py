@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gpuloom.clients.cli import cli
 from gpuloom.policies.training.fifo import FifoPolicy
 from gpuloom.policies.training.gandiva import (
+    GITTINS_MIN_ENDED,
     MAX_HEIGHT,
     QUEUE_AHEAD,
     REVIEW_STEP_S,
@@ -248,6 +249,29 @@ def test_gandiva_slices_in_on_time_and_suspends_a_job_once_it_has_had_its_share(
     assert run.avg_first_feedback_h == round(sum(feedback) / 4 / 3600, 3)
 
 
+class _SeesEnded(FifoPolicy):
+    """FIFO that notes, at every call, how many one-GPU jobs ended and their index at 0."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, int, float | None]] = []
+
+    def decide(self, view: ClusterView) -> list[Action]:
+        ended = view.ended.ended(1)
+        index = view.ended.gittins_index(1, 0.0) if ended else None
+        self.seen.append((view.now_s, ended, index))
+        return super().decide(view)
+
+
+def test_the_policy_sees_the_service_of_every_job_that_ended() -> None:
+    # A: 1 h alone (36,000 steps at 10/s), then B: 2 h (36,000 at 5/s), one after the other.
+    jobs = jobs_of(line("A", 36_000, 0), line("B", 36_000, 1))
+    policy = _SeesEnded()
+    simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), policy)
+    assert policy.seen[:2] == [(0.0, 0, None), (1.0, 0, None)]
+    # When A ends, the policy knows one job of an hour: index 1 / 3600 s at no service.
+    assert policy.seen[2] == (pytest.approx(3600.0), 1, pytest.approx(1 / 3600))
+
+
 class _SuspendsAlone(FifoPolicy):
     """FIFO that then suspends job 0 while it runs alone: a suspension from no round-robin."""
 
@@ -468,6 +492,7 @@ def test_the_docs_give_the_constants_the_code_uses() -> None:
         ("SHARE_AFTER_S", SHARE_AFTER_S, "s"),
         ("QUEUE_AHEAD", QUEUE_AHEAD, "jobs"),
         ("REVIEW_STEP_S", REVIEW_STEP_S, "s"),
+        ("GITTINS_MIN_ENDED", GITTINS_MIN_ENDED, "job"),
     ]:
         assert f"| `{name}` | {value:g} {unit} |" in doc
     assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)

@@ -17,9 +17,10 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    `slice_after_s` for free GPUs, has not had `share_after_s` of service itself, has
    `queue_ahead` jobs of its shape waiting ahead of it (nearer the head, GPUs of its own
    come with the next ends), every job of the group has had `share_after_s` of service
-   (least attained service first), and the group is not on a server held for an earlier job
-   that has no round-robin of its GPU count to join (it waits for the server to drain
-   instead of starving);
+   (least attained service first) and has a lower Gittins index than the newcomer (the
+   newcomer is the likelier to end soon, from the lengths of the jobs that ended), and the
+   group is not on a server held for an earlier job that has no round-robin of its GPU
+   count to join (it waits for the server to drain instead of starving);
 3b. suspension, before the placements: a job time-sliced in that has had `share_after_s`
    of service while an earlier job of its group has too goes back to the queue (`Suspend`):
    two long jobs sharing evenly both end later than one after the other.
@@ -83,6 +84,10 @@ SHARE_AFTER_S = 3600.0  # ... and only with jobs that have each had this much se
 # queue, its wait as FIFO lasts until the next of its shape's groups ends, too little to pay
 # for slowing a group down; further back, it lasts several ends.
 QUEUE_AHEAD = 2
+# ... and only when the newcomer is the likelier to end soon: its Gittins index at the service
+# it has had is above every group job's at theirs, from the lengths of the jobs of its GPU
+# count that ended (`ServiceHistory`); until GITTINS_MIN_ENDED of them have, this rule waives.
+GITTINS_MIN_ENDED = 1
 GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 # The soonest `review_at` asks to be called again for a job's service: when it will have had
 # `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
@@ -147,8 +152,10 @@ class GandivaPolicy:
         slice_after_s: float = SLICE_AFTER_S,
         share_after_s: float = SHARE_AFTER_S,
         queue_ahead: int = QUEUE_AHEAD,
+        gittins_min_ended: int | None = GITTINS_MIN_ENDED,
     ) -> None:
         self.queue_ahead = queue_ahead
+        self.gittins_min_ended = gittins_min_ended  # None: the Gittins rule is off
         self.max_height = max_height
         self.grow_shrink = grow_shrink
         self.slice_after_s = slice_after_s
@@ -362,6 +369,7 @@ class GandivaPolicy:
             # yet (heavy-tailed lengths), so a newcomer is likely the shorter one; a group
             # whose jobs have had little service is waited for instead.
             and all(attained.get(j, 0.0) >= self.share_after_s for j in jobs)
+            and self._likelier_to_end(view, job, jobs)
         ]
         if shared:
             gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
@@ -370,6 +378,16 @@ class GandivaPolicy:
             actions.append(Slice(job_id, gid))
             return True
         return False
+
+    def _likelier_to_end(self, view: ClusterView, job: Job, group: list[int]) -> bool:
+        """Whether `job`'s Gittins index is above every one of `group`'s jobs (all of its GPU
+        count); True while too few jobs of that count ended to say."""
+        ended = view.ended
+        if self.gittins_min_ended is None or ended.ended(job.gpus) < self.gittins_min_ended:
+            return True
+        attained = view.attained_s
+        mine = ended.gittins_index(job.gpus, attained.get(job.id, 0.0))
+        return all(mine > ended.gittins_index(job.gpus, attained.get(j, 0.0)) for j in group)
 
     def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
         """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may

@@ -15,6 +15,8 @@ no I/O, no clock but `now_s`.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +64,55 @@ class Group:
         return self.slots[0][0]
 
 
+class ServiceHistory:
+    """The service (seconds alone, as `ClusterView.attained_s` counts it) the jobs that ended
+    had in all, per GPU count: the empirical distribution of job lengths from which a policy
+    estimates how soon a running job is likely to end, knowing only how long it has run."""
+
+    def __init__(self) -> None:
+        self._totals: dict[int, list[float]] = {}
+        self._prefix: dict[int, list[float]] = {}  # running sums of _totals, rebuilt lazily
+
+    def add(self, gpus: int, service_s: float) -> None:
+        """A job of `gpus` GPUs ended after `service_s` of service."""
+        if gpus < 1 or not math.isfinite(service_s) or service_s < 0:
+            raise ValueError(
+                f"an ended job needs gpus >= 1 and a service >= 0, not {gpus}, {service_s}"
+            )
+        bisect.insort(self._totals.setdefault(gpus, []), service_s)
+        self._prefix.pop(gpus, None)
+
+    def ended(self, gpus: int) -> int:
+        """How many jobs of `gpus` GPUs have ended."""
+        return len(self._totals.get(gpus, ()))
+
+    def gittins_index(self, gpus: int, attained_s: float) -> float:
+        """The Gittins index of a job of `gpus` GPUs that has had `attained_s` of service:
+        the best, over every further amount of service D, of the chance to end within D over
+        the service expected to be spent trying (E[min(remaining, D)]), among the ended jobs
+        that ran longer than it has. Higher: more likely to end soon for what it is given.
+        0 when no ended job ran longer (nothing says it will end soon); raises when none of
+        its GPU count ended."""
+        totals = self._totals.get(gpus)
+        if not totals:
+            raise ValueError(f"no job of {gpus} GPU(s) has ended")
+        prefix = self._prefix.get(gpus)
+        if prefix is None:
+            prefix = self._prefix[gpus] = [0.0, *itertools.accumulate(totals)]
+        first = bisect.bisect_right(totals, attained_s)
+        longer = len(totals) - first
+        best = 0.0
+        # The maximum is at a D that ends one of the longer jobs: between two such ends the
+        # chance stays and the expected spend grows.
+        for k in range(1, longer + 1):
+            end = totals[first + k - 1]
+            spent = (prefix[first + k] - prefix[first]) - k * attained_s
+            spent += (longer - k) * (end - attained_s)
+            if spent > 0:
+                best = max(best, k / spent)
+        return best
+
+
 @dataclass(frozen=True, slots=True)
 class ClusterView:
     now_s: float
@@ -79,6 +130,8 @@ class ClusterView:
     # worth (mini-batches done x mini-batch time alone; the past, not its length). A job not
     # in it counts as 0 (the live driver, which places no waiting jobs, gives none).
     attained_s: Mapping[int, float] = field(default_factory=dict)
+    # The service the jobs that ended had, per GPU count (the live driver gives none).
+    ended: ServiceHistory = field(default_factory=ServiceHistory)
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
         return (gpu_type, a, b) in self.packable
