@@ -355,6 +355,7 @@ class GandivaPolicy:
             return False  # it has had its share: it waits for GPUs of its own, in turn
         if ahead < self.queue_ahead:
             return False  # near the head of the queue: GPUs of its own come with the next end
+        index = self._gittins_index(view, job)
         shared = [
             gid
             for gid, jobs in scratch.jobs.items()
@@ -369,7 +370,11 @@ class GandivaPolicy:
             # yet (heavy-tailed lengths), so a newcomer is likely the shorter one; a group
             # whose jobs have had little service is waited for instead.
             and all(attained.get(j, 0.0) >= self.share_after_s for j in jobs)
-            and self._likelier_to_end(view, job, jobs)
+            # The newcomer is the likelier to end soon (once jobs of its GPU count ended).
+            and (
+                index is None
+                or all(index > view.ended.gittins_index(k, attained.get(j, 0.0)) for j in jobs)
+            )
         ]
         if shared:
             gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
@@ -379,15 +384,12 @@ class GandivaPolicy:
             return True
         return False
 
-    def _likelier_to_end(self, view: ClusterView, job: Job, group: list[int]) -> bool:
-        """Whether `job`'s Gittins index is above every one of `group`'s jobs (all of its GPU
-        count); True while too few jobs of that count ended to say."""
-        ended = view.ended
-        if self.gittins_min_ended is None or ended.ended(job.gpus) < self.gittins_min_ended:
-            return True
-        attained = view.attained_s
-        mine = ended.gittins_index(job.gpus, attained.get(job.id, 0.0))
-        return all(mine > ended.gittins_index(job.gpus, attained.get(j, 0.0)) for j in group)
+    def _gittins_index(self, view: ClusterView, job: Job) -> float | None:
+        """`job`'s Gittins index at the service it has had; None while the rule is off or too
+        few jobs of its GPU count ended to say."""
+        if self.gittins_min_ended is None or view.ended.ended(job.gpus) < self.gittins_min_ended:
+            return None
+        return view.ended.gittins_index(job.gpus, view.attained_s.get(job.id, 0.0))
 
     def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
         """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may
