@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -58,6 +58,24 @@ def task(name: str, times: dict[int, float], out: Path) -> dispatcher_pb2.MigTas
     return dispatcher_pb2.MigTaskSpec(name=name, seconds_by_size=times, argv=argv)
 
 
+# A task's process start (python -S) is not in the plan: up to 0.15 s each on a loaded 2-vCPU
+# machine, and it adds up along the chain of tasks run one after another on the same slices.
+STARTUP_S, SLACK_S = 0.2, 0.1
+
+
+def _chain_depths(runs: Sequence[dispatcher_pb2.MigTaskRun]) -> dict[str, int]:
+    """How many tasks ran before each one, one after another, on slices it shares with them."""
+
+    def overlap(a: dispatcher_pb2.MigTaskRun, b: dispatcher_pb2.MigTaskRun) -> bool:
+        return a.first_slice < b.first_slice + b.size and b.first_slice < a.first_slice + a.size
+
+    depth: dict[str, int] = {}
+    for run in sorted(runs, key=lambda r: r.start_s):
+        before = [o for o in runs if o.task in depth and overlap(o, run) and o.end_s <= run.start_s]
+        depth[run.task] = 1 + max((depth[o.task] for o in before), default=-1)
+    return depth
+
+
 def batch(tmp: Path) -> list[dispatcher_pb2.MigTaskSpec]:
     # One task that scales (FAR gives it a big instance first), several that do not.
     scaling = {1: 1.4, 2: 0.8, 3: 0.6, 4: 0.5, 7: 0.3}
@@ -86,15 +104,18 @@ async def test_a_far_plan_runs_in_its_instances_close_to_the_plan(
     planned, report = updates[0].planned, updates[-1].report
     assert planned.policy == "far" and planned.tasks == 7
 
+    depth = _chain_depths(report.tasks)
     for run in report.tasks:
         assert run.exit_code == 0
         # The task really ran in the instance it was reported in, of the planned size.
         assert (tmp_path / f"{run.task}.out").read_text() == run.instance_uuid
         assert run.instance_uuid.endswith(f"-s{run.first_slice}-{run.size}g")
-        assert run.start_s == pytest.approx(run.planned_start_s, abs=0.25)
-        assert run.end_s == pytest.approx(run.planned_end_s, abs=0.25)
-    # Each task adds its process start to the chain on its instance.
-    assert report.makespan_s == pytest.approx(planned.planned_makespan_s, abs=0.3)
+        # Never ahead of the plan; behind it by at most a process start per task in its chain.
+        start_lag, end_lag = run.start_s - run.planned_start_s, run.end_s - run.planned_end_s
+        assert -0.05 <= start_lag <= SLACK_S + STARTUP_S * depth[run.task], (run, start_lag)
+        assert -0.05 <= end_lag <= SLACK_S + STARTUP_S * (depth[run.task] + 1), (run, end_lag)
+    makespan_lag = report.makespan_s - planned.planned_makespan_s
+    assert -0.05 <= makespan_lag <= SLACK_S + STARTUP_S * (max(depth.values()) + 1)
     creates = [r for r in report.reconfigurations if r.action == "create"]
     destroys = [r for r in report.reconfigurations if r.action == "destroy"]
     assert len(creates) == len(destroys) == len({(t.size, t.first_slice) for t in report.tasks})

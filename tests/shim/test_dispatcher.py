@@ -112,11 +112,19 @@ async def test_two_processes_share_the_gpu_by_their_requests(
     # engine's own log is the ground truth). Requests add up to 100 %, so the few percent lost
     # to lease handovers and launch overhead come out of someone's share of the wall clock;
     # the shares of GPU time delivered are what the quotas divide.
+    # On a loaded 2-vCPU machine a hand-over costs the two clients' and the channel's wake-ups,
+    # so up to a fifth of the engine's time may go idle; leases that are not handed over leave
+    # it idle for whole windows.
+    window = stop - start
     total = sum(busy(pid) for pid in pids)
-    assert total / (stop - start) > 0.9, "the engine sat idle: leases are not handed over"
-    shares = [busy(int(result.value("init", "pid"))) / total for result in results]
+    assert total / window > 0.8, "the engine sat idle: leases are not handed over"
+    pid_of = [int(result.value("init", "pid")) for result in results]
+    shares = [busy(pid) / total for pid in pid_of]
     for share, request in zip(shares, requests, strict=True):
-        assert share == pytest.approx(request, abs=0.03), shares
+        assert share == pytest.approx(request, abs=0.04), shares
+    # The limit is a cap on the wall clock, whatever the other client left idle.
+    for pid, limit in zip(pid_of, requests, strict=True):
+        assert busy(pid) / window <= limit + 0.02, (busy(pid) / window, limit)
 
     # The dispatcher charged what the shim measured with events: close to the engine's truth.
     channel = live.dispatcher.channel
