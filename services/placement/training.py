@@ -180,6 +180,7 @@ class _Track:
     reported_at: float = 0.0
     observed_suspended: bool = False
     commanded_suspended: bool | None = None  # None: never commanded
+    commanded_at: float = 0.0  # when its dispatcher last answered a suspend or resume
     solo_minibatch_s: float = 0.0
     packed_minibatch_s: float = 0.0
     utilisation: float = 1.0
@@ -583,6 +584,20 @@ class TrainingDriver:
                     continue  # its dispatcher failed the last call: again next quantum
                 if track.commanded_suspended != suspend:
                     calls.append((job, suspend))
+                elif (
+                    suspend
+                    and not track.observed_suspended
+                    and track.reported_at > track.commanded_at
+                ):
+                    # Reported running since it was suspended: its dispatcher restarted (it
+                    # keeps no suspension across one). Left so, a job of lower priority would
+                    # run beside the higher one for good.
+                    log.warning(
+                        "a suspended training job runs again; suspended again",
+                        job=job.job_id,
+                        gpu=gpu_uuid,
+                    )
+                    calls.append((job, True))
         # Suspensions first, so that two jobs of a round-robin never run at once.
         return sorted(calls, key=lambda call: not call[1])
 
@@ -618,6 +633,7 @@ class TrainingDriver:
             metrics.TRAINING_SWITCHES.labels("suspend" if suspend else "resume").inc()
             track.commanded_suspended = now_suspended
             track.observed_suspended = now_suspended
+            track.commanded_at = self._clock()
         if calls:
             async with self._decisions.lock:
                 for job, _ in calls:

@@ -278,6 +278,39 @@ async def test_a_higher_priority_job_is_never_suspended_for_a_lower_one(
     assert low not in control.suspended
 
 
+async def test_a_suspension_its_dispatcher_lost_is_made_again(gandiva: CoreHarness) -> None:
+    """A dispatcher keeps no suspension across a restart: once its heartbeat reports the
+    suspended low-priority job running, the driver suspends it again, and only then."""
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    low, high = await two_on_one_gpu(
+        gandiva, training("low", priority=7, quota=30), training("high", priority=1, quota=30)
+    )
+    await core.training.tick()
+    assert control.suspended & {low, high} == {low}
+
+    def suspensions() -> int:
+        return sum(1 for call, _, job in control.calls if call == "suspend" and job == low)
+
+    gandiva.clock.now += 1
+    await beat(core, "GPU-0", [report(low, 0.5, suspended=True), report(high, 0.5)])
+    await core.training.tick()
+    assert suspensions() == 1  # reported suspended: nothing to do
+
+    control.suspended.discard(low)  # the dispatcher restarted
+    gandiva.clock.now += 1
+    with structlog.testing.capture_logs() as logs:
+        await beat(core, "GPU-0", [report(low, 0.5, suspended=False), report(high, 0.5)])
+        await core.training.tick()
+    assert suspensions() == 2 and low in control.suspended
+    assert any(e["event"].startswith("a suspended training job runs again") for e in logs)
+    assert await phase(core, low) is TrainingPhase.SUSPENDED
+    await core.training.tick()  # no fresher report: not asked again
+    assert suspensions() == 2
+    assert not any(call == "resume" and job == low for call, _, job in control.calls)
+
+
 async def test_a_dispatcher_that_fails_the_switch_is_tried_again_each_quantum(
     gandiva: CoreHarness,
 ) -> None:
