@@ -18,6 +18,7 @@ MAX_HOOK_ARGS = 64
 MAX_HOOK_ARG_CHARS = 4096
 # The signals a job may answer as its checkpoint hook (SIGKILL and SIGSTOP cannot be answered).
 HOOK_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
+MAX_SUSPEND_REASON_CHARS = 1024  # the longest reason a dispatcher takes for a suspension
 MAX_PACKINGS_SHOWN = 8
 
 
@@ -88,10 +89,17 @@ class TrainingReport:
     assignment_id: str
     cycle: TrainingCycle
     suspended: bool
+    suspended_reason: str = ""  # while suspended: the reason it was suspended for
 
     def validate(self, field: str) -> None:
         if not 1 <= len(self.assignment_id) <= 128:
             raise InvalidArgument(f"{field}.assignment_id", "required (at most 128 characters)")
+        if len(self.suspended_reason) > MAX_SUSPEND_REASON_CHARS:
+            raise InvalidArgument(
+                f"{field}.suspended_reason", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
+            )
+        if self.suspended_reason and not self.suspended:
+            raise InvalidArgument(f"{field}.suspended_reason", "given for a process not suspended")
         cycle = self.cycle
         for name, value in (
             ("minibatch_s", cycle.minibatch_s),

@@ -67,6 +67,7 @@ class TrainingReport:
     assignment_id: str
     cycle: TrainingCycle | None
     suspended: bool
+    suspended_reason: str = ""  # while suspended: SuspendClient's reason
 
 
 class EventStreamOverflow(ResourceExhausted):
@@ -216,7 +217,10 @@ class DispatcherCore:
         cycles = {} if self.introspector is None else self.introspector.cycles()
         return [
             TrainingReport(
-                r.assignment_id, cycles.get(r.assignment_id), r.assignment_id in suspended
+                r.assignment_id,
+                cycles.get(r.assignment_id),
+                r.assignment_id in suspended,
+                suspended[r.assignment_id].reason if r.assignment_id in suspended else "",
             )
             for r in sorted(self.book.all(), key=lambda r: r.assignment_id)
             if r.assignment_id in cycles or r.assignment_id in suspended

@@ -258,6 +258,7 @@ class PlacementLink:
                     assignment_id=report.assignment_id,
                     cycle=None if report.cycle is None else cycle_to_pb(report.cycle),
                     suspended=report.suspended,
+                    suspended_reason=report.suspended_reason,
                 )
                 for report in await self._bounded(self._core.training_reports())
             ],

@@ -88,6 +88,9 @@ from gpuloom.v1 import dispatcher_pb2
 log = structlog.get_logger("gpuloom.placement")
 
 OFF = "off"
+# The reason the driver's suspensions carry: in the dispatcher's heartbeats it tells a
+# placement started again which suspensions are its own to resume.
+SWITCH_REASON = "gandiva: time-slicing"
 SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/training.md)
 RETRY_QUANTA = 5  # a job whose migration failed is not moved again for this many quanta
 MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
@@ -269,7 +272,16 @@ class TrainingDriver:
             ):
                 continue
             # Every job's suspension first: whether one runs alone depends on the others'.
-            self._tracks.setdefault(job.job_id, _Track()).observed_suspended = report.suspended
+            track = self._tracks.setdefault(job.job_id, _Track())
+            track.observed_suspended = report.suspended
+            if (
+                report.suspended
+                and report.suspended_reason == SWITCH_REASON
+                and track.commanded_suspended is None
+            ):
+                # Suspended for time-slicing by this service before it started again: it is
+                # resumed in its turn (one suspended by hand, for another reason, is left so).
+                track.commanded_suspended = True
             mine.append((job, report))
         for job, report in mine:
             track = self._tracks[job.job_id]
@@ -613,7 +625,7 @@ class TrainingDriver:
                         binding.dispatcher_address,
                         job.job_id,
                         self.config.suspend_wait_ms,
-                        "gandiva: time-slicing",
+                        SWITCH_REASON,
                     )
                 else:
                     now_suspended = await self._control.resume(

@@ -474,3 +474,5 @@ async def test_heartbeats_carry_training_cycles_and_suspensions(
         assert reports["job-t"].cycle.low_memory_bytes == pytest.approx(64 << 20, rel=0.05)
         assert not reports["job-t"].suspended
         assert reports["job-s"].suspended and not reports["job-s"].HasField("cycle")
+        assert reports["job-s"].suspended_reason == "test"
+        assert reports["job-t"].suspended_reason == ""

@@ -18,7 +18,12 @@ from click.testing import CliRunner
 from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import JobFileError, spec_from_document
 from gpuloom.convert.placement import job_from_pb, job_to_pb
-from gpuloom.convert.training import reports_from_pb, training_from_pb, training_to_pb
+from gpuloom.convert.training import (
+    report_to_pb,
+    reports_from_pb,
+    training_from_pb,
+    training_to_pb,
+)
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
@@ -34,7 +39,7 @@ from gpuloom.domain.training import (
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
-from gpuloom.services.placement.training import TrainingConfig
+from gpuloom.services.placement.training import SWITCH_REASON, TrainingConfig
 from gpuloom.v1 import placement_pb2 as pb
 from tests.placement.conftest import eventually
 from tests.placement.harness import CoreHarness
@@ -70,8 +75,11 @@ def gpu(i: int) -> GpuInfo:
     return GpuInfo(f"GPU-{i}", "node-0", "A100-80GB", 80 * GIB, 108)
 
 
-def report(job_id: str, minibatch_s: float, suspended: bool = False) -> TrainingReport:
-    return TrainingReport(job_id, TrainingCycle(minibatch_s, True, 0, 0, 0.0, 40, 10), suspended)
+def report(
+    job_id: str, minibatch_s: float, suspended: bool = False, reason: str = ""
+) -> TrainingReport:
+    cycle = TrainingCycle(minibatch_s, True, 0, 0, 0.0, 40, 10)
+    return TrainingReport(job_id, cycle, suspended, reason)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -161,6 +169,9 @@ def test_training_reports_are_validated_naming_the_field() -> None:
     bad_cases = {
         "training[1].cycle.minibatch_s": pb.TrainingReport(assignment_id="j-2", cycle=cycle(-1.0)),
         "training[1].assignment_id": pb.TrainingReport(cycle=cycle(1.0)),
+        "training[1].suspended_reason": pb.TrainingReport(
+            assignment_id="j-2", suspended=True, suspended_reason="x" * 1025
+        ),
     }
     for field, bad in bad_cases.items():
         with pytest.raises(InvalidArgument) as refused:
@@ -175,6 +186,11 @@ def test_training_reports_are_validated_naming_the_field() -> None:
     with pytest.raises(InvalidArgument, match="not a valid timestamp") as refused:
         reports_from_pb([good, bad_time])
     assert refused.value.field == "training[1].cycle.next_low_point"
+    with pytest.raises(InvalidArgument, match="not suspended"):
+        reports_from_pb([pb.TrainingReport(assignment_id="j-6", suspended_reason="by hand")])
+    suspended = pb.TrainingReport(assignment_id="j-7", suspended=True, suspended_reason="why")
+    (read,) = reports_from_pb([suspended])
+    assert read.suspended_reason == "why" and reports_from_pb([report_to_pb(read)]) == [read]
     upside_down = pb.TrainingReport(assignment_id="j-4")
     upside_down.cycle.low_memory_bytes, upside_down.cycle.high_memory_bytes = 10, 5
     with pytest.raises(InvalidArgument, match="above high_memory_bytes"):
@@ -309,6 +325,31 @@ async def test_a_suspension_its_dispatcher_lost_is_made_again(gandiva: CoreHarne
     await core.training.tick()  # no fresher report: not asked again
     assert suspensions() == 2
     assert not any(call == "resume" and job == low for call, _, job in control.calls)
+
+
+async def test_a_placement_started_again_resumes_its_own_suspensions_and_no_others(
+    gandiva: CoreHarness,
+) -> None:
+    """The dispatchers kept suspensions an earlier placement made (this one has no memory of
+    them): those made for time-slicing are resumed in their turn, one made by hand is not."""
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    for i in range(2):
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    # Quota 60: one such job per GPU; each alone on its GPU, so each would run.
+    ours = (await core.submit("r-ours", training("ours", quota=60))).job_id
+    by_hand = (await core.submit("r-hand", training("hand", quota=60))).job_id
+    where = {j: (await core.get(j)).binding.gpu_uuid for j in (ours, by_hand)}  # type: ignore[union-attr]
+    assert len(set(where.values())) == 2
+    control.suspended |= {ours, by_hand}
+    await beat(core, where[ours], [report(ours, 0.5, suspended=True, reason=SWITCH_REASON)])
+    await beat(core, where[by_hand], [report(by_hand, 0.5, suspended=True, reason="debugging")])
+    await core.training.tick()
+    assert control.suspended == {by_hand}
+    assert [(call, job) for call, _, job in control.calls] == [("resume", ours)]
+    assert await phase(core, ours) is TrainingPhase.RUNNING
+    assert await phase(core, by_hand) is TrainingPhase.SUSPENDED
 
 
 async def test_a_dispatcher_that_fails_the_switch_is_tried_again_each_quantum(
