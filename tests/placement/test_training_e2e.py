@@ -12,7 +12,8 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
   crowded GPU migrates to a second dispatcher's GPU once that one registers; started again
   there from its checkpoint, every step runs exactly once (its output and the engine log).
 - Priorities: a priority-5 job waits, suspended, while a priority-0 job on its GPU runs; the
-  priority-0 job is never suspended."""
+  priority-0 job is never suspended, not even when their dispatcher restarts and forgets the
+  suspension (placement makes it again)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,25 @@ class Plane:
         """A real dispatcher for the backend's next GPU, linked to placement; returns once
         placement lists the GPU."""
         index = len(self.dispatchers)
-        dispatcher = await start_gpu_dispatcher(
+        self.dispatchers.append(await self._dispatcher(index, 0))
+
+        async def listed() -> bool:
+            gpus = (await self.live.stub.ListGpus(pb.ListGpusRequest())).gpus
+            return len(gpus) == index + 1
+
+        await until(f"GPU {index} registered", listed, 15)
+        return self.dispatchers[index]
+
+    async def restart_gpu(self, index: int) -> GpuDispatcher:
+        """GPU `index`'s dispatcher stopped and started again on its port and state (its
+        reservations kept, its suspensions not); returns once it serves again."""
+        port = self.dispatchers[index].port
+        await _stop(self.dispatchers[index], 0)
+        self.dispatchers[index] = await self._dispatcher(index, port)
+        return self.dispatchers[index]
+
+    async def _dispatcher(self, index: int, port: int) -> GpuDispatcher:
+        return await start_gpu_dispatcher(
             dispatcher_settings(
                 placement_address=self.address,
                 node="n1",
@@ -85,17 +104,9 @@ class Plane:
             self.backend,
             self.backend.gpu(index),
             "127.0.0.1",
-            0,
+            port,
             self.work / f"gpu{index}",
         )
-        self.dispatchers.append(dispatcher)
-
-        async def listed() -> bool:
-            gpus = (await self.live.stub.ListGpus(pb.ListGpusRequest())).gpus
-            return len(gpus) == index + 1
-
-        await until(f"GPU {index} registered", listed, 15)
-        return dispatcher
 
     async def job(self, job_id: str) -> pb.Job:
         return await self.live.stub.GetJob(pb.GetJobRequest(job_id=job_id))
@@ -442,6 +453,69 @@ async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
     late = [r for r in plane.engine_runs() if r[0] == low_pid]
     during = [r for r in late if waited_since_ns + int(0.3e9) < r[1] < high_ended_ns - int(0.5e9)]
     assert not during, len(during)
+
+
+async def test_a_suspension_a_restarted_dispatcher_lost_is_made_again(plane: Plane) -> None:
+    """The priority-5 job is suspended beside a priority-0 one; their dispatcher restarts
+    (it keeps reservations, not suspensions) and the shims reconnect, so the low job runs
+    again; once the dispatcher reports it running, placement suspends it again. No step of
+    either job is lost or run twice."""
+    await plane.add_gpu()
+    said: list[str] = []
+    outs = {name: plane.work / f"{name}.out" for name in ("high", "low")}
+    steps = {"high": 250, "low": 20}
+    runs = [start(plane, spec("high", priority=0), train(steps["high"], outs["high"]), said)]
+
+    async def high_runs() -> bool:
+        return bool(plane.engine_runs())
+
+    await until("the high job's first kernels", high_runs, 20)
+    runs.append(start(plane, spec("low", priority=5), train(steps["low"], outs["low"]), said))
+    try:
+        low = await _until_suspended(plane, "low")
+        restarted = await plane.restart_gpu(0)
+        restarted_ns = time.monotonic_ns()
+        low_pid = pid_of(outs["low"])
+
+        async def low_ran_again() -> bool:
+            return any(p == low_pid and begin > restarted_ns for p, begin, _ in plane.engine_runs())
+
+        await until("the low job running after the restart", low_ran_again, 30)
+        await _until_suspended(plane, "low", restarted)
+        suspended_ns = time.monotonic_ns()
+        high = await plane.job_named("high")
+        assert high.state == pb.JOB_STATE_ASSIGNED, "the high job ended too soon for the test"
+        await asyncio.sleep(2.0)
+        assert (await plane.job_named("high")).training.phase != pb.TRAINING_PHASE_SUSPENDED
+        late = [r for r in plane.engine_runs() if r[0] == low_pid and r[1] > suspended_ns]
+        assert not late, len(late)  # suspended at the dispatcher for real
+        assert low.job_id == (await plane.job_named("low")).job_id
+    finally:
+        outcomes = await asyncio.wait_for(asyncio.gather(*runs), 180)
+    for outcome, name in zip(outcomes, ("high", "low"), strict=True):
+        text = outs[name].read_text()
+        assert outcome.exit_code == 0, (said, text)
+        assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+
+
+async def _until_suspended(
+    plane: Plane, name: str, dispatcher: GpuDispatcher | None = None
+) -> pb.Job:
+    """Until placement shows job `name` suspended and (`dispatcher`) that dispatcher holds
+    its client suspended."""
+
+    async def suspended() -> bool:
+        jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+        job = next((j for j in jobs if j.spec.name == name), None)
+        if job is None or job.training.phase != pb.TRAINING_PHASE_SUSPENDED:
+            return False
+        if dispatcher is None:
+            return True
+        status = await dispatcher.core.client_status(job.job_id)
+        return status.suspension is not None
+
+    await until(f"job {name} suspended", suspended, 30)
+    return await plane.job_named(name)
 
 
 async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
