@@ -405,6 +405,31 @@ async def test_a_packing_that_loses_to_time_slicing_is_undone(interfering_plane:
         assert f"train minibatches={steps} done={steps} failed=0" in out.read_text()
 
 
+async def _high_then_low(
+    plane: Plane, steps: dict[str, int], said: list[str]
+) -> tuple[dict[str, Path], list[asyncio.Future]]:
+    """Training job "high" of priority 0 started, then, once its kernels run, "low" of
+    priority 5 (`steps` each): their output files and runs."""
+    outs = {name: plane.work / f"{name}.out" for name in ("high", "low")}
+    runs = [start(plane, spec("high", priority=0), train(steps["high"], outs["high"]), said)]
+
+    async def high_runs() -> bool:
+        return bool(plane.engine_runs())
+
+    await until("the high job's first kernels", high_runs, 20)
+    runs.append(start(plane, spec("low", priority=5), train(steps["low"], outs["low"]), said))
+    return outs, runs
+
+
+def _every_step_ran_once(
+    outcomes: list[RunOutcome], outs: dict[str, Path], steps: dict[str, int], said: list[str]
+) -> None:
+    for outcome, name in zip(outcomes, ("high", "low"), strict=True):
+        text = outs[name].read_text()
+        assert outcome.exit_code == 0, (said, text)
+        assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+
+
 async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
     plane: Plane,
 ) -> None:
@@ -413,15 +438,8 @@ async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
     runs, the priority-0 job never is, and the waiting one finishes every step after it."""
     await plane.add_gpu()
     said: list[str] = []
-    outs = {name: plane.work / f"{name}.out" for name in ("high", "low")}
     steps = {"high": 50, "low": 20}
-    runs = [start(plane, spec("high", priority=0), train(steps["high"], outs["high"]), said)]
-
-    async def high_runs() -> bool:
-        return bool(plane.engine_runs())
-
-    await until("the high job's first kernels", high_runs, 20)
-    runs.append(start(plane, spec("low", priority=5), train(steps["low"], outs["low"]), said))
+    outs, runs = await _high_then_low(plane, steps, said)
     phases: dict[str, set[int]] = {"high": set(), "low": set()}
     waited_since_ns = 0
     try:
@@ -441,10 +459,7 @@ async def test_a_lower_priority_job_waits_and_the_higher_one_is_never_suspended(
         high_ended_ns = time.monotonic_ns()
     finally:
         outcomes = await asyncio.wait_for(asyncio.gather(*runs), 120)
-    for outcome, name in zip(outcomes, ("high", "low"), strict=True):
-        text = outs[name].read_text()
-        assert outcome.exit_code == 0, (said, text)
-        assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+    _every_step_ran_once(outcomes, outs, steps, said)
     assert pb.TRAINING_PHASE_SUSPENDED not in phases["high"], phases
     assert waited_since_ns, f"the low job was never seen suspended: {phases}"
     # From its suspension to the high job's end, the low one ran nothing (a kernel queued
@@ -462,15 +477,8 @@ async def test_a_suspension_a_restarted_dispatcher_lost_is_made_again(plane: Pla
     either job is lost or run twice."""
     await plane.add_gpu()
     said: list[str] = []
-    outs = {name: plane.work / f"{name}.out" for name in ("high", "low")}
     steps = {"high": 250, "low": 20}
-    runs = [start(plane, spec("high", priority=0), train(steps["high"], outs["high"]), said)]
-
-    async def high_runs() -> bool:
-        return bool(plane.engine_runs())
-
-    await until("the high job's first kernels", high_runs, 20)
-    runs.append(start(plane, spec("low", priority=5), train(steps["low"], outs["low"]), said))
+    outs, runs = await _high_then_low(plane, steps, said)
     try:
         low = await _until_suspended(plane, "low")
         restarted = await plane.restart_gpu(0)
@@ -487,15 +495,13 @@ async def test_a_suspension_a_restarted_dispatcher_lost_is_made_again(plane: Pla
         assert high.state == pb.JOB_STATE_ASSIGNED, "the high job ended too soon for the test"
         await asyncio.sleep(2.0)
         assert (await plane.job_named("high")).training.phase != pb.TRAINING_PHASE_SUSPENDED
-        late = [r for r in plane.engine_runs() if r[0] == low_pid and r[1] > suspended_ns]
-        assert not late, len(late)  # suspended at the dispatcher for real
+        # Suspended at the dispatcher for real (a kernel queued before it aside).
+        late = [r for r in plane.engine_runs() if r[0] == low_pid and r[1] > suspended_ns + 3e8]
+        assert not late, len(late)
         assert low.job_id == (await plane.job_named("low")).job_id
     finally:
         outcomes = await asyncio.wait_for(asyncio.gather(*runs), 180)
-    for outcome, name in zip(outcomes, ("high", "low"), strict=True):
-        text = outs[name].read_text()
-        assert outcome.exit_code == 0, (said, text)
-        assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+    _every_step_ran_once(outcomes, outs, steps, said)
 
 
 async def _until_suspended(
