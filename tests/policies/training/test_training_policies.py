@@ -139,6 +139,17 @@ def test_gandiva_places_by_affinity_then_empty_server() -> None:
     ]
 
 
+def test_gandiva_takes_the_smallest_empty_server_and_keeps_the_big_ones_whole() -> None:
+    # Servers of 4, 4 and 2 GPUs, all empty (a cluster such as `k80:10`): the 1-GPU job goes
+    # to the 2-GPU server, as best fit would; then an 8-GPU job still finds two whole servers.
+    jobs = [job(1, 1), job(2, 8)]
+    actions = GandivaPolicy().decide(view([4, 4, 2], [], jobs, waiting=[1, 2]))
+    assert actions == [
+        Place(1, ((2, 0),)),
+        Place(2, ((0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3))),
+    ]
+
+
 def test_gandiva_over_subscribes_the_least_high_group_up_to_the_cap() -> None:
     groups = [Group(0, ((0, 0),), (7, 8)), Group(1, ((0, 1),), (9,))]
     jobs = [job(7), job(8), job(9), job(1), job(2), job(3, 2)]
