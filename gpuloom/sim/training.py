@@ -344,6 +344,7 @@ class _Cluster:
         kinds = runs_on(spec, self.servers, self.table)
         util = min(self.table.utilisation(g, spec.job_type) for g in kinds)
         every = kinds == {s.gpu_type for s in self.servers}
+        speed = {g: self.table.solo_rate(g, spec.job_type, spec.gpus) or 0.0 for g in kinds}
         self.views[i] = Job(
             i,
             spec.job_type,
@@ -352,6 +353,7 @@ class _Cluster:
             util,
             None if every else kinds,
             elastic_range(spec, kinds, self.table),
+            tuple(sorted(kinds, key=lambda g: (-speed[g], g))),
         )
         self.waiting[i] = None
 

@@ -280,6 +280,15 @@ class _SuspendsAlone(FifoPolicy):
         return [*placed, Suspend(0)] if not placed and 0 in view.jobs else placed
 
 
+def test_gandiva_runs_a_job_on_the_gpu_type_the_table_makes_fastest() -> None:
+    # A runs 10 steps/s on a V100 and 2 on a k80. FIFO's best fit takes the small k80
+    # server; gandiva takes the V100 server: 1 h instead of 5.
+    jobs = parse_trace(line("A", 36_000, 0) + "\n", "x.trace", table(), ["k80", "v100"])
+    servers = parse_cluster("k80:2/2,v100:4/4", ["k80", "v100"])
+    assert simulate(jobs, servers, table(), get_policy("fifo")).jct_h == (5.0,)
+    assert simulate(jobs, servers, table(), get_policy("gandiva")).jct_h == (1.0,)
+
+
 def test_a_suspension_from_no_round_robin_is_refused() -> None:
     jobs = jobs_of(line("C", 18_000, 0), line("C", 18_000, 10))
     with pytest.raises(PolicyError, match="not in a round-robin"):

@@ -4,8 +4,9 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
 
 1. exclusive placement with server affinity (the paper's Algorithm 1): a job that fits one
    server goes first to a server whose jobs all ask for its GPU count, then to an empty
-   server, then to any server with room (best fit in each: fewest free GPUs first); a wider
-   job takes whole free servers of one GPU type;
+   server, then to any server with room; in each, to the GPU type it runs fastest on where
+   that is known (`Job.fastest_on`), then best fit (fewest free GPUs first); a wider job takes
+   whole free servers of one GPU type;
 2. de-fragmentation: when enough GPUs are free on servers of one type but no single server
    holds the job, the server with the most free GPUs is emptied enough by migrating its
    single jobs to the servers with the fewest free GPUs that hold them;
@@ -409,13 +410,20 @@ class GandivaPolicy:
         if not fitting:
             return None
         sizes = scratch.sizes
+
+        def best(servers: list[int]) -> int:
+            # The GPU type it runs fastest on, then best fit: the fewest free GPUs (the bigger
+            # servers stay whole for wider jobs).
+            return min(
+                servers,
+                key=lambda n: (job.speed_rank(free.servers[n].gpu_type), free.count(n)),
+            )
+
         affine = [n for n in fitting if +sizes[n] and set(+sizes[n]) == {k}]
         if affine:
-            return free.take(min(affine, key=free.count), k)
+            return free.take(best(affine), k)
         empty = [n for n in fitting if not +sizes[n]]
-        if empty:  # the smallest, as best fit: the bigger ones stay whole for wider jobs
-            return free.take(min(empty, key=free.count), k)
-        return free.take(min(fitting, key=free.count), k)
+        return free.take(best(empty or fitting), k)
 
     # 2. de-fragmentation
     def _defragment(

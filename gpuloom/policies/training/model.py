@@ -42,9 +42,17 @@ class Job:
     # Grow-shrink: the larger GPU counts it may also run on (its elastic range, only counts
     # it is known to run well at); empty: it runs on `gpus` only.
     grow_to: tuple[int, ...] = ()
+    # Its GPU types, fastest first, where its speed on them is known (the simulator: the
+    # throughput table); empty: no preference.
+    fastest_on: tuple[str, ...] = ()
 
     def allows(self, gpu_type: str) -> bool:
         return self.runs_on is None or gpu_type in self.runs_on
+
+    def speed_rank(self, gpu_type: str) -> int:
+        """0 for its fastest GPU type, then 1, ...; the same for every type when unknown."""
+        order = self.fastest_on
+        return order.index(gpu_type) if gpu_type in order else len(order)
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,6 +122,22 @@ def test_a_job_goes_only_to_gpu_types_it_runs_on() -> None:
     assert eager().decide(state) == [Slice(1, 0)]
 
 
+def test_gandiva_takes_the_gpu_type_a_job_runs_fastest_on_where_it_is_known() -> None:
+    # A small k80 server and a bigger V100 one, both empty: by best fit alone a 1-GPU job
+    # would take the k80 server (FIFO does); where the job is known to run faster on V100s it
+    # goes there, and with no speeds known best fit decides.
+    servers = (Server("k80", 2), Server("v100", 4))
+    fast_on_v100 = Job(1, "A", 1, 0.0, 0.5, fastest_on=("v100", "k80"))
+    unknown = Job(1, "A", 1, 0.0, 0.5)
+    for one, where in ((fast_on_v100, (1, 0)), (unknown, (0, 0))):
+        state = ClusterView(
+            0.0, servers, MappingProxyType({1: one}), (), (1,), EFFICIENCY, frozenset()
+        )
+        assert GandivaPolicy().decide(state) == [Place(1, (where,))]
+        assert FifoPolicy().decide(state) == [Place(1, ((0, 0),))]
+    assert fast_on_v100.speed_rank("k80") == 1 and unknown.speed_rank("k80") == 0
+
+
 def test_gandiva_places_by_affinity_then_empty_server() -> None:
     # Server 0 runs a 2-GPU job, server 1 a 1-GPU job, server 2 is empty.
     groups = [Group(0, ((0, 0), (0, 1)), (7,)), Group(1, ((1, 0),), (8,))]
