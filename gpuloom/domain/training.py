@@ -18,7 +18,7 @@ MAX_HOOK_ARGS = 64
 MAX_HOOK_ARG_CHARS = 4096
 # The signals a job may answer as its checkpoint hook (SIGKILL and SIGSTOP cannot be answered).
 HOOK_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
-MAX_SUSPEND_REASON_CHARS = 1024  # the longest reason a dispatcher takes for a suspension
+MAX_SUSPEND_REASON_CHARS = 1024  # SuspendClient's reason, and so a heartbeat's report of it
 MAX_PACKINGS_SHOWN = 8
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.training import MAX_SUSPEND_REASON_CHARS
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.dispatcher import convert
 from gpuloom.services.dispatcher.core import DispatcherCore
@@ -17,7 +18,9 @@ from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
 
 SERVICE = "gpuloom.v1.Dispatcher"
 Context = grpc.aio.ServicerContext
-MAX_REASON_CHARS = 1024
+# Eviction and suspension reasons: a suspension's goes to placement in every heartbeat,
+# which refuses a longer one.
+MAX_REASON_CHARS = MAX_SUSPEND_REASON_CHARS
 
 
 class DispatcherServicer(pb_grpc.DispatcherServicer):
