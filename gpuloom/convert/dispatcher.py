@@ -106,6 +106,7 @@ def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
         gpu_time_s=msg.gpu_time_s,
         training=cycle_from_pb(msg.training) if msg.HasField("training") else None,
         suspension=suspend_state_from_pb(msg) if msg.suspended else None,
+        time_slice_of=a.time_slice_of,
     )
 
 
@@ -136,6 +137,7 @@ def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientS
             gpu=gpu,
             reserved_at=timestamp(process.reserved_at),
             task_key=process.task_key,
+            time_slice_of=process.time_slice_of,
         ),
         connected=process.connected,
         pid=process.pid,

@@ -69,6 +69,7 @@ class ProcessStatus:
     gpu_time_s: float
     training: TrainingCycle | None = None  # the detected mini-batch cycle, if any
     suspension: SuspendState | None = None  # set while suspended
+    time_slice_of: str = ""  # the time-slice group it belongs to ("": none; docs/dispatcher.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class DispatcherStatus:
     utilization_percent: float
     memory_used_bytes: int
     memory_reserved_bytes: int
-    quota_reserved_percent: float  # sum of the time-quota requests handed out
+    quota_reserved_percent: float  # sum of the time-quota requests (a time-slice group once)
     window_elapsed_ms: float
 
     @property

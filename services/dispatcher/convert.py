@@ -53,6 +53,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
         mode=ShimMode(mode),
         token=request.assignment_token,
         task_key=request.task_key,
+        time_slice_of=request.time_slice_of,
     )
 
 
@@ -81,6 +82,7 @@ def assignment_to_pb(
         reserved_at=timestamp(reservation.reserved_at_unix_s),
         environment=environment or {},
         task_key=reservation.task_key,
+        time_slice_of=reservation.time_slice_of,
     )
 
 

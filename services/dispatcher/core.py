@@ -22,7 +22,7 @@ from gpuloom.domain.errors import (
 )
 from gpuloom.domain.gpus import find_model
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
-from gpuloom.domain.training import TrainingCycle
+from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
 from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel
@@ -135,8 +135,21 @@ class DispatcherCore:
     async def _reserve(self, spec: ReserveSpec) -> Reservation:
         reservation, created = await asyncio.to_thread(self.book.reserve, spec)
         if created:
+
+            def add() -> None:
+                self.channel.add_reservation(reservation)
+                if reservation.time_slice_of:
+                    # A time-slice member starts suspended, in the same breath as it is added
+                    # (no process can have registered yet: the suspension is immediate, and
+                    # one that registers later parks at its first launch until ResumeClient),
+                    # so it never runs beside the member of its group that runs. Not on a
+                    # retry (created is False): it may have been resumed since.
+                    self.channel.begin_suspend(
+                        reservation.assignment_id, self.suspend_max_wait_s, TIME_SLICE_REASON
+                    )
+
             try:
-                await self._on_channel(lambda: self.channel.add_reservation(reservation))
+                await self._on_channel(add)
             except BaseException:
                 await asyncio.to_thread(self.book.release, reservation.assignment_id)
                 raise
@@ -149,6 +162,7 @@ class DispatcherCore:
                 quota_request=reservation.share.quota.request_percent,
                 quota_limit=reservation.share.quota.limit_percent,
                 memory_cap=reservation.memory_cap_bytes,
+                time_slice_of=reservation.time_slice_of or None,
             )
         return reservation
 

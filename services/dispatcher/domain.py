@@ -22,9 +22,9 @@ TOKEN = re.compile(r"^[A-Za-z0-9_-]{32,128}$")
 MAX_CLIENT_NAME_CHARS = 256
 
 
-def check_assignment_id(value: str) -> str:
+def check_assignment_id(value: str, field: str = "assignment_id") -> str:
     if not ASSIGNMENT_ID.match(value):
-        raise InvalidArgument("assignment_id", "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
+        raise InvalidArgument(field, "must be 1..128 characters of A-Z a-z 0-9 . _ : -")
     return value
 
 
@@ -40,6 +40,9 @@ class ReserveSpec:
     mode: ShimMode = ShimMode.SHARE
     token: str = ""
     task_key: str = ""
+    # Gandiva's time-slicing: the group it joins (the assignment id of the group's first
+    # reservation on this GPU); "" for a reservation of its own. See Reservation.group.
+    time_slice_of: str = ""
 
     def validate(self) -> None:
         check_assignment_id(self.assignment_id)
@@ -55,6 +58,17 @@ class ReserveSpec:
             raise InvalidArgument(
                 "assignment_token", "must be 32..128 URL-safe characters (A-Z a-z 0-9 _ -)"
             )
+        if self.time_slice_of:
+            check_assignment_id(self.time_slice_of, "time_slice_of")
+            if self.time_slice_of == self.assignment_id:
+                raise InvalidArgument(
+                    "time_slice_of", "must name another reservation's group, not its own id"
+                )
+            if self.mode is not ShimMode.SHARE:
+                raise InvalidArgument(
+                    "time_slice_of",
+                    f"only SHARE reservations are time-sliced, this one is {self.mode.name}",
+                )
 
 
 def new_token() -> str:
@@ -83,6 +97,15 @@ class Reservation:
     reserved_at_unix_s: float
     bound: BoundProcess | None = None
     task_key: str = ""
+    time_slice_of: str = ""
+
+    @property
+    def group(self) -> str:
+        """Its time-slice group: the members of one group run one at a time (suspended and
+        resumed by placement), so the group takes one SM x quota rectangle, its largest
+        member's. A reservation of its own is a group of one, keyed by its own id; the key
+        outlives the member it came from."""
+        return self.time_slice_of or self.assignment_id
 
     def same_request(self, spec: ReserveSpec, memory_cap_bytes: int) -> bool:
         """Would `spec` have produced this reservation? (for idempotent retries)"""
@@ -93,6 +116,7 @@ class Reservation:
             and spec.share == self.share
             and spec.mode == self.mode
             and spec.task_key == self.task_key
+            and spec.time_slice_of == self.time_slice_of
             and (not spec.token or spec.token == self.token)
         )
 

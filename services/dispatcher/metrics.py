@@ -28,7 +28,8 @@ CLIENT_QUOTA = prometheus_client.Gauge(
 )
 QUOTA_RESERVED = prometheus_client.Gauge(
     "gpuloom_dispatcher_quota_reserved_ratio",
-    "Sum of the time-quota requests of the GPU's reservations, as a fraction of the window",
+    "Sum of the time-quota requests of the GPU's reservations (a time-slice group counted once),"
+    " as a fraction of the window",
     ["gpu"],
 )
 QUOTA_USED = prometheus_client.Gauge(

@@ -2,7 +2,10 @@
 
 A reservation is what placement bought on this GPU for one process. The book refuses to
 over-commit: the memory caps together fit in the GPU's memory and the guaranteed time quotas
-(requests) together fit in the window. It is written to a JSON file on every change (atomic
+(requests) together fit in the window. Reservations of one time-slice group (Gandiva: a
+training job placed on a full GPU takes turns with the ones there, placement suspending and
+resuming them) run one at a time, so the group takes one SM x quota rectangle, its largest
+member's; each member's memory counts. It is written to a JSON file on every change (atomic
 rename), so a restarted dispatcher still knows every reservation and which process holds it.
 The file holds every token, so it is 0600 in a 0700 directory.
 Both the gRPC side and the shim channel thread use the book, hence the lock.
@@ -14,7 +17,7 @@ import dataclasses
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,11 +92,11 @@ class ReservationBook:
             return self._store_bytes
 
     def quota_reserved_percent(self) -> float:
+        """The guaranteed quotas (requests) of the SHARE reservations, each time-slice group
+        counted once, at its largest member's (its members run one at a time)."""
         with self._lock:
             return sum(
-                r.share.quota.request_percent
-                for r in self._by_id.values()
-                if r.mode is ShimMode.SHARE
+                _by_group(self._by_id.values(), lambda r: r.share.quota.request_percent).values()
             )
 
     # -- changes --
@@ -113,6 +116,7 @@ class ReservationBook:
                 raise AlreadyExists("assignment_token is already used by another assignment")
             if len(self._by_id) >= MAX_RESERVATIONS:
                 raise ResourceExhausted(f"this GPU holds the maximum of {MAX_RESERVATIONS}")
+            self._check_group_locked(spec)
             if memory > self._gpu_memory_bytes:
                 raise ResourceExhausted(
                     f"memory_cap_bytes {memory} exceeds the GPU's {self._gpu_memory_bytes} bytes"
@@ -125,19 +129,25 @@ class ReservationBook:
                 )
             if spec.mode is ShimMode.SHARE:
                 # FaST-GShare's rectangle: each share takes SM % x quota % of the GPU, and
-                # shares on disjoint SMs may run at the same time, so the areas must fit.
-                used = sum(
-                    r.share.sm_percent * r.share.quota.request_percent
-                    for r in self._by_id.values()
-                    if r.mode is ShimMode.SHARE
-                )
-                asked = spec.share.sm_percent * spec.share.quota.request_percent
-                if used + asked > FULL_AREA * (1 + _QUOTA_EPSILON):
+                # shares on disjoint SMs may run at the same time, so the areas must fit. A
+                # time-slice group's members take turns: the group counts once, at its
+                # largest member's area.
+                areas = _by_group(self._by_id.values(), _area)
+                used = sum(areas.values())
+                asked = _area(spec)
+                group = spec.time_slice_of or spec.assignment_id
+                held = areas.get(group, 0.0)
+                if used - held + max(held, asked) > FULL_AREA * (1 + _QUOTA_EPSILON):
+                    in_group = (
+                        f"; its time-slice group {group!r} holds {held / 100:.3g}% already"
+                        if spec.time_slice_of
+                        else ""
+                    )
                     raise ResourceExhausted(
                         f"GPU over-committed: {100 - used / 100:.3g}% of its (SM x time quota) "
                         f"area is free, {asked / 100:.3g}% asked "
                         f"({spec.share.sm_percent}% SM x "
-                        f"{spec.share.quota.request_percent:g}% quota)"
+                        f"{spec.share.quota.request_percent:g}% quota){in_group}"
                     )
             reservation = Reservation(
                 assignment_id=spec.assignment_id,
@@ -149,11 +159,34 @@ class ReservationBook:
                 token=spec.token or new_token(),
                 reserved_at_unix_s=time.time(),
                 task_key=spec.task_key,
+                time_slice_of=spec.time_slice_of,
             )
             self._by_id[reservation.assignment_id] = reservation
             self._by_token[reservation.token] = reservation.assignment_id
             self._save_locked()
             return reservation, True
+
+    def _check_group_locked(self, spec: ReserveSpec) -> None:
+        """A member joins a group that is on this GPU; a reservation of its own may not take an
+        id that is still the key of a group (its members' area would swallow its own)."""
+        group = spec.time_slice_of
+        if group and not any(r.group == group for r in self._by_id.values()):
+            joined = self._by_id.get(group)
+            where = (
+                f"; it is a member of group {joined.group!r}, which is the one to name"
+                if joined is not None
+                else ""
+            )
+            raise FailedPrecondition(
+                f"time_slice_of {group!r}: no time-slice group of that id on this GPU, "
+                f"nothing to time-slice with{where}"
+            )
+        members = [r.assignment_id for r in self._by_id.values() if r.group == spec.assignment_id]
+        if members:
+            raise FailedPrecondition(
+                f"assignment_id {spec.assignment_id!r} is the key of a time-slice group still "
+                f"held by {', '.join(sorted(members))}; choose another id"
+            )
 
     def charge_store(self, nbytes: int) -> None:
         """Charge the model store for `nbytes` of shared weights, if they fit beside the
@@ -219,6 +252,23 @@ class ReservationBook:
         private_files.write_private(self._path, json.dumps(document))
 
 
+def _area(share_holder: Reservation | ReserveSpec) -> float:
+    """Its (SM percent x quota request percent) rectangle."""
+    return share_holder.share.sm_percent * share_holder.share.quota.request_percent
+
+
+def _by_group(
+    reservations: Iterable[Reservation], measure: Callable[[Reservation], float]
+) -> dict[str, float]:
+    """Time-slice group -> the largest `measure` among its SHARE members (the others take no
+    part of the GPU's rectangle)."""
+    largest: dict[str, float] = {}
+    for r in reservations:
+        if r.mode is ShimMode.SHARE:
+            largest[r.group] = max(largest.get(r.group, 0.0), measure(r))
+    return largest
+
+
 def _to_json(reservation: Reservation) -> dict[str, Any]:
     document = dataclasses.asdict(reservation)
     document["mode"] = reservation.mode.name
@@ -248,6 +298,7 @@ def _load(path: Path) -> list[Reservation]:
                 mode=ShimMode[item["mode"]],
                 token=item["token"],
                 task_key=item.get("task_key", ""),
+                time_slice_of=item.get("time_slice_of", ""),
             )
             spec.validate()
             bound = item["bound"]
@@ -263,6 +314,7 @@ def _load(path: Path) -> list[Reservation]:
                     reserved_at_unix_s=float(item["reserved_at_unix_s"]),
                     bound=None if bound is None else BoundProcess(**bound),
                     task_key=spec.task_key,
+                    time_slice_of=spec.time_slice_of,
                 )
             )
         return reservations

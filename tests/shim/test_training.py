@@ -13,8 +13,9 @@ import grpc
 import prometheus_client
 import pytest
 
+from gpuloom.domain.training import TIME_SLICE_REASON
 from gpuloom.v1 import dispatcher_pb2
-from tests.dispatcher.conftest import LiveDispatcher
+from tests.dispatcher.conftest import LiveDispatcher, reserve_request
 from tests.shim.conftest import Run, Runner, launch
 
 MIB = 1 << 20
@@ -232,6 +233,32 @@ async def test_a_process_that_registers_while_suspended_waits_for_resume(
     await live.stub.ResumeClient(
         dispatcher_pb2.ResumeClientRequest(assignment_id=assignment.assignment_id)
     )
+    result = await job
+    assert result.returncode == 0, result.stderr
+    runs = run.engine_runs()
+    assert len(runs) == 5
+    assert all(started_ns < start and start > resume_ns for _, _, start, _ in runs)
+
+
+async def test_a_time_slice_member_runs_no_kernel_until_resumed(
+    live: LiveDispatcher, run: Runner
+) -> None:
+    """Reserved to take turns in a whole-GPU job's rectangle (time_slice_of), a process starts
+    suspended: none of its kernels runs until placement's ResumeClient."""
+    await live.reserve(request=100.0, assignment_id="running")
+    request = reserve_request(request=100.0, assignment_id="member")
+    request.time_slice_of = "running"
+    member = await live.stub.Reserve(request)
+    started_ns = time.monotonic_ns()
+    job = _launching(live, run, member.assignment_token, 5)
+    await asyncio.sleep(1.0)
+    assert not job.done()
+    client = await _client(live, "member")
+    assert client.connected and client.suspended
+    assert client.suspended_reason == TIME_SLICE_REASON
+    assert run.engine_runs() == []
+    resume_ns = time.monotonic_ns()
+    await live.stub.ResumeClient(dispatcher_pb2.ResumeClientRequest(assignment_id="member"))
     result = await job
     assert result.returncode == 0, result.stderr
     runs = run.engine_runs()
