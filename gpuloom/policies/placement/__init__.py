@@ -4,7 +4,8 @@ and time-sharing baselines, and a FIKIT gap-aware policy for low-priority jobs.
 
 Pure code: the placement service and the simulator keep a `Fleet` (every GPU's allocations and
 free rectangles, incrementally) and call `Fleet.place(job, policy, context)` and
-`Fleet.release(id)`; the context offers every policy the profiles the caller has loaded.
+`Fleet.release(id)` (and `Fleet.slice_into(job, gpu_id, group)` to time-slice a job with an
+allocation already there); the context offers every policy the profiles the caller has loaded.
 `get_policy(name)` finds a policy; `plan_scaling` is Algorithm 1.
 """
 

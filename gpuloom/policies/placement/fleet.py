@@ -33,6 +33,14 @@ Both together: a replica asking for CPU or host memory is offered, in its first 
 GPUs holding its model whose nodes have them free (the view carries those nodes' records), and
 in its second round the fleet without the nodes short of them. A job on several GPUs takes them
 whole and cannot be a replica (`JobRequest.validate` refuses the pair).
+
+**Time-slice groups** (Gandiva's over-subscription). `slice_into` puts a job on a GPU that may be
+full, as a member of the group of an allocation already there: the member takes turns with the
+group's jobs in their rectangle (the driver suspends and resumes them one at a time), so it
+takes no area, only its memory (memory stays resident while a job is suspended) and its node's
+CPU and host memory. The group's key is its first allocation's id (`Allocation.slice_group`);
+the group, and its rectangle, live while any of its allocations does, the first included or
+not. A GPU's boxes are therefore one per group, keyed by the group key.
 """
 
 from __future__ import annotations
@@ -85,7 +93,8 @@ class InvalidStateError(ValueError):
 
 
 class InvalidPlacementError(ValueError):
-    """A policy returned a placement the fleet cannot commit (a bug in the policy)."""
+    """A policy returned a placement the fleet cannot commit (a bug in the policy), or a job
+    cannot join a time-slice group (`Fleet.slice_into`)."""
 
 
 # Who holds a GPU for the gap-aware policy: (holder task key, holder priority, allocations of
@@ -105,6 +114,8 @@ class GpuSlot:
     schedulable: bool
     free: FreeRects = field(default_factory=FreeRects)
     allocations: dict[str, Allocation] = field(default_factory=dict)
+    # One per time-slice group, by its key (`Allocation.slice_group`: an allocation's own id
+    # unless it joined a group): members share their group's box.
     boxes: dict[str, Box] = field(default_factory=dict)
     memory_free: int = 0  # set from memory_bytes when loaded
     area_free: int = GRID_AREA  # stored, not computed: the searches read them in their loops
@@ -233,6 +244,9 @@ class Fleet:
         self._resident: dict[str, set[str]] = {}  # shared model -> GPUs whose store holds it
         self._nodes: dict[str, NodeSlot] = {}
         self._gangs: dict[str, set[str]] = {}  # job id -> its allocations on further GPUs
+        # Time-slice group key -> its members' ids (allocations with slice_of set). A group
+        # key is live on one GPU at a time, so it names the group fleet-wide.
+        self._slices: dict[str, set[str]] = {}
 
     # --- building -------------------------------------------------------------------------
 
@@ -266,6 +280,13 @@ class Fleet:
             node_memory_bytes=gpu.node_memory_bytes,
         )
         placed = _load_allocations(slot, gpu.allocations, self._where)
+        # A group key names one group: none of these may be live on another GPU.
+        for group in {k for a in placed for k in (a.allocation_id, a.slice_group)}:
+            elsewhere = self._group_gpu(group)
+            if elsewhere is not None:
+                raise InvalidStateError(
+                    f"time-slice group {group} has allocations on GPUs {elsewhere} and {gpu.gpu_id}"
+                )
         _load_models(slot, gpu.models)
         slot.free = FreeRects.build(slot.boxes.values())
         node = self._nodes.get(slot.node)
@@ -279,6 +300,8 @@ class Fleet:
             node.memory_used += allocation.host_memory_bytes
             if allocation.gang:
                 self._gangs.setdefault(allocation.gang, set()).add(allocation.allocation_id)
+            if allocation.slice_of:
+                self._slices.setdefault(allocation.slice_of, set()).add(allocation.allocation_id)
         self._gpus[slot.gpu_id] = slot
         index = self._models.get(slot.model)
         if index is None:
@@ -311,6 +334,8 @@ class Fleet:
                 members.discard(allocation_id)
                 if not members:
                     del self._gangs[allocation.gang]
+            if allocation.slice_of:
+                self._leave_slice(allocation)
         if not node.gpu_ids:
             del self._nodes[slot.node]
         self._unresident(gpu_id, slot.models)
@@ -365,10 +390,10 @@ class Fleet:
         """Ask `policy` where `job` goes, offering it `context`, and commit the allocation;
         Unplaceable changes nothing."""
         job.validate()
-        if job.job_id in self._where:
-            raise InvalidRequestError(
-                f"job {job.job_id} already holds an allocation on GPU {self._where[job.job_id]}"
-            )
+        for a_id in (job.job_id, *(gang_member_id(job.job_id, i) for i in range(1, job.gpus))):
+            taken = self._id_taken(a_id)
+            if taken:
+                raise InvalidRequestError(taken)
         decision: Placement | Unplaceable | None = None
         if job.gpus > 1:  # whole GPUs (JobRequest.validate refuses a shared model with them)
             decision = self._place_gang(job, policy, context)
@@ -382,6 +407,100 @@ class Fleet:
             return decision
         self._commit(job, decision)
         return decision
+
+    def slice_into(self, job: JobRequest, gpu_id: str, group: str) -> Allocation:
+        """Commit `job` on `gpu_id` as a member of time-slice group `group` (the id of the
+        group's first allocation, see Allocation.slice_group): it sits in the group's rectangle,
+        taking turns with the group's jobs, and holds only its memory and its node's CPU and
+        host memory. Returns the allocation. InvalidRequestError for a job field that makes no
+        sense; InvalidPlacementError naming the problem when it cannot join (nothing changes):
+        a job on several GPUs or a shared model's replica, an id already held (or a live group's
+        key), an unknown or unschedulable GPU, no allocation of the group there, a GPU of
+        another model, a quota x SM larger than the group's rectangle, too little free memory,
+        or a node short of the job's CPU or host memory."""
+        job.validate()
+        slot = self._gpus.get(gpu_id)
+        box = slot.boxes.get(group) if slot is not None and isinstance(group, str) else None
+        problem = ""
+        if job.gpus != 1:
+            problem = f"it asks for {job.gpus} whole GPUs (a member takes turns on one)"
+        elif job.shared_model:
+            problem = f"it is a replica of shared model {job.shared_model} (placed beside it)"
+        elif taken := self._id_taken(job.job_id):
+            problem = taken
+        elif slot is None:
+            problem = "the GPU is unknown"
+        elif not slot.schedulable:
+            problem = "the GPU is not schedulable"
+        elif box is None:
+            problem = "the GPU holds no allocation of that group"
+        elif not job.allows(slot.model):
+            problem = f"the GPU is a {slot.model}, not a {job.gpu_model}"
+        elif job.w > box[2] - box[0] or job.sm_percent > box[3] - box[1]:
+            problem = (
+                f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
+                f"{rect_of(box).label()}"
+            )
+        elif job.memory_bytes > slot.memory_free:
+            problem = (
+                f"it needs {describe_gib(job.memory_bytes)} of memory, the GPU has "
+                f"{describe_gib(slot.memory_free)} free"
+            )
+        elif not self._nodes[slot.node].takes(job):
+            problem = f"node {slot.node} has not {self.describe_node_ask(job)} free"
+        if problem or slot is None or box is None:
+            raise InvalidPlacementError(
+                f"job {job.job_id} cannot join time-slice group {group!r} on GPU {gpu_id}: "
+                f"{problem}"
+            )
+        allocation = Allocation(
+            job.job_id,
+            job.sm_percent,
+            job.quota_request_percent,
+            job.memory_bytes,
+            job.priority,
+            job.task_key,
+            rect_of(box),
+            job.cpu_milli,
+            job.host_memory_bytes,
+            slice_of=group,
+        )
+        self._occupy(slot, allocation, box)
+        return allocation
+
+    def slice_members(self, group: str) -> tuple[str, ...]:
+        """The ids of the live allocations of time-slice group `group`: its first allocation
+        while held, then its members, sorted; () for no such group."""
+        first = self._where.get(group)
+        held = first is not None and not self._gpus[first].allocations[group].slice_of
+        return ((group,) if held else ()) + tuple(sorted(self._slices.get(group, ())))
+
+    def _id_taken(self, allocation_id: str) -> str:
+        """Why a new allocation cannot have this id ("" when it can): it is held, or it is the
+        key of a time-slice group whose members live on (a second group of that key would make
+        the key name two)."""
+        gpu_id = self._where.get(allocation_id)
+        if gpu_id is not None:
+            return f"job {allocation_id} already holds an allocation on GPU {gpu_id}"
+        gpu_id = self._group_gpu(allocation_id)
+        if gpu_id is not None:
+            return f"{allocation_id} is the key of a time-slice group still held on GPU {gpu_id}"
+        return ""
+
+    def _group_gpu(self, group: str) -> str | None:
+        """The GPU holding the allocation `group` or a member of the time-slice group of that
+        key (None: neither is held)."""
+        gpu_id = self._where.get(group)
+        if gpu_id is not None:
+            return gpu_id
+        members = self._slices.get(group)
+        return self._where[next(iter(members))] if members else None
+
+    def _leave_slice(self, allocation: Allocation) -> None:
+        members = self._slices[allocation.slice_of]
+        members.discard(allocation.allocation_id)
+        if not members:
+            del self._slices[allocation.slice_of]
 
     def memory_need(self, job: JobRequest, gpu_id: str) -> int:
         """The memory `job` would be charged on the GPU (see GpuSlot.memory_need)."""
@@ -543,12 +662,22 @@ class Fleet:
                 members.discard(allocation_id)
                 if not members:
                     del self._gangs[allocation.gang]
-        box = slot.boxes.pop(allocation_id)
+        if allocation.slice_of:
+            self._leave_slice(allocation)
+        group = allocation.slice_group
+        if group in slot.allocations or group in self._slices:
+            # Its time-slice group lives on in the same box: only the memory comes back.
+            before = self._before(slot)
+            slot.memory_free += allocation.memory_bytes
+            self._after(slot, before)
+            self._update_holder(slot)
+            return allocation
+        box = slot.boxes.pop(group)
         before = self._before(slot)
         slot.free.vacate(box, slot.boxes.values())
         # Only kept rectangles make the list longer than the maximal set, so only they warrant
         # a rebuild (a crowded GPU can have more maximal rectangles than the threshold).
-        limit = self.rebuild_factor * len(slot.allocations) + self.rebuild_slack
+        limit = self.rebuild_factor * len(slot.boxes) + self.rebuild_slack
         if slot.free.kept and len(slot.free) > limit:
             slot.free.rebuild(slot.boxes.values())
             self.rebuilds += 1
@@ -665,7 +794,24 @@ class Fleet:
 
     def verify(self) -> None:
         """Check every invariant (for tests and simulators); raise InvalidStateError."""
+        slices: dict[str, set[str]] = {}
+        groups: dict[str, str] = {}  # time-slice group key -> its GPU
         for slot in self._gpus.values():
+            # A box per time-slice group (a lone allocation is a group of one), its members
+            # all in it, and the area below counted once per group.
+            for a_id, a in slot.allocations.items():
+                if a.rect is None or slot.boxes.get(a.slice_group) != box_of(a.rect):
+                    raise InvalidStateError(f"{slot.gpu_id}: {a_id} lies outside its group's box")
+                first = slot.allocations.get(a.slice_of)
+                if first is not None and first.slice_of:
+                    raise InvalidStateError(f"{slot.gpu_id}: {a_id} joins a member's group")
+                if a.slice_of:
+                    slices.setdefault(a.slice_of, set()).add(a_id)
+            if set(slot.boxes) != {a.slice_group for a in slot.allocations.values()}:
+                raise InvalidStateError(f"{slot.gpu_id}: a box without an allocation")
+            for group in slot.boxes:
+                if groups.setdefault(group, slot.gpu_id) != slot.gpu_id:
+                    raise InvalidStateError(f"time-slice group {group} spans GPUs")
             boxes = list(slot.boxes.items())
             for i, (a_id, a) in enumerate(boxes):
                 if not (0 <= a[0] < a[2] <= GRID_W and 0 <= a[1] < a[3] <= GRID_H):
@@ -732,6 +878,11 @@ class Fleet:
                     gangs.setdefault(a.gang, set()).add(a.allocation_id)
         if gangs != self._gangs:
             raise InvalidStateError("jobs spanning GPUs drifted")
+        if slices != self._slices:
+            raise InvalidStateError("time-slice groups drifted")
+        for a_id, gpu_id in self._where.items():
+            if groups.get(a_id, gpu_id) != gpu_id:
+                raise InvalidStateError(f"{a_id} is held on {gpu_id} and a group key elsewhere")
 
     # --- bookkeeping ----------------------------------------------------------------------
 
@@ -840,13 +991,17 @@ class Fleet:
         self._occupy(slot, allocation, box)
 
     def _occupy(self, slot: GpuSlot, allocation: Allocation, box: Box) -> None:
+        """Commit a checked allocation in `box`: free space, or its time-slice group's box."""
         before = self._before(slot)
-        slot.free.occupy(box)
         a_id = allocation.allocation_id
+        if allocation.slice_of:
+            self._slices.setdefault(allocation.slice_of, set()).add(a_id)
+        else:
+            slot.free.occupy(box)
+            slot.boxes[a_id] = box
+            slot.area_free -= box_area(box)
         slot.allocations[a_id] = allocation
-        slot.boxes[a_id] = box
         slot.memory_free -= allocation.memory_bytes
-        slot.area_free -= box_area(box)
         self._where[a_id] = slot.gpu_id
         node = self._nodes[slot.node]
         node.cpu_used += allocation.cpu_milli
@@ -1031,29 +1186,65 @@ def _load_allocations(
             pending.append(allocation)
             continue
         box = box_of(allocation.rect)
-        for other_id, other in slot.boxes.items():
-            if overlaps(box, other):
-                raise InvalidStateError(
-                    f"GPU {slot.gpu_id}: allocations {other_id} and {a_id} overlap"
-                )
-        slot.boxes[a_id] = box
+        group = allocation.slice_group
+        held = slot.boxes.get(group)
+        if held is None:
+            for other_id, other in slot.boxes.items():
+                if overlaps(box, other):
+                    raise InvalidStateError(
+                        f"GPU {slot.gpu_id}: allocations {other_id} and {a_id} overlap"
+                    )
+            slot.boxes[group] = box
+        elif held != box:
+            raise InvalidStateError(
+                f"GPU {slot.gpu_id}: allocation {a_id} of time-slice group {group} sits in "
+                f"{allocation.rect.label()}, not in the group's {rect_of(held).label()}"
+            )
         slot.allocations[a_id] = allocation
         placed.append(allocation)
     free = FreeRects.build(slot.boxes.values())
+    # A group with no rectangle stored is placed once, in a box that holds each of its shapes.
+    shapes: dict[str, tuple[int, int]] = {}
+    for allocation in pending:
+        w, h = shapes.get(allocation.slice_group, (0, 0))
+        shapes[allocation.slice_group] = (
+            max(w, quota_steps(allocation.quota_percent)),
+            max(h, allocation.sm_percent),
+        )
     for allocation in pending:
         w, h = quota_steps(allocation.quota_percent), allocation.sm_percent
-        spot = free.first_fit(w, h)
-        if spot is None:
-            raise InvalidStateError(
-                f"GPU {slot.gpu_id}: no room left for allocation {allocation.allocation_id} "
-                f"({describe_shape(w, h)})"
-            )
-        box = (spot[0], spot[1], spot[0] + w, spot[1] + h)
-        free.occupy(box)
-        allocation = replace(allocation, rect=rect_of(box))  # node figures and gang kept
-        slot.boxes[allocation.allocation_id] = box
+        group = allocation.slice_group
+        held = slot.boxes.get(group)
+        if held is not None:
+            # A member (or a group's first) without a rectangle joins its group's.
+            if held[2] - held[0] < w or held[3] - held[1] < h:
+                raise InvalidStateError(
+                    f"GPU {slot.gpu_id}: allocation {allocation.allocation_id} "
+                    f"({describe_shape(w, h)}) does not fit in its time-slice group {group}'s "
+                    f"{rect_of(held).label()}"
+                )
+            box = held
+        else:
+            w, h = shapes[group]
+            spot = free.first_fit(w, h)
+            if spot is None:
+                raise InvalidStateError(
+                    f"GPU {slot.gpu_id}: no room left for allocation {allocation.allocation_id} "
+                    f"({describe_shape(w, h)})"
+                )
+            box = (spot[0], spot[1], spot[0] + w, spot[1] + h)
+            free.occupy(box)
+            slot.boxes[group] = box
+        allocation = replace(allocation, rect=rect_of(box))  # node figures, gang, group kept
         slot.allocations[allocation.allocation_id] = allocation
         placed.append(allocation)
+    for allocation in placed:
+        first = slot.allocations.get(allocation.slice_of)
+        if first is not None and first.slice_of:
+            raise InvalidStateError(
+                f"GPU {slot.gpu_id}: allocation {allocation.allocation_id} joins time-slice "
+                f"group {allocation.slice_of}, itself a member of group {first.slice_of}"
+            )
     memory = sum(a.memory_bytes for a in placed)
     if memory > slot.memory_bytes:
         raise InvalidStateError(

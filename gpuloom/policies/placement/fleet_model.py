@@ -198,8 +198,11 @@ class FleetModelPolicy:
                 # Rounding must not hide room: a usable GPU shows at least the job's share.
                 gpu_free[i, j] = max(free, d) if usable else min(free, d - 1)
                 if demand_index is not None:
-                    for a_id, box in boxes.items():
-                        if not slot.allocations[a_id].gang:
+                    for group, box in boxes.items():
+                        # One pod per box: a time-slice group's members share their box (its
+                        # first allocation may be gone).
+                        first = slot.allocations.get(group)
+                        if first is None or not first.gang:
                             k = demand_index.get(share_milli(box[2] - box[0], box[3] - box[1]))
                             if k is not None:
                                 state.hosted[i, k] += 1

@@ -205,6 +205,17 @@ class Allocation:
     # A job on several GPUs: each further GPU holds an allocation `gang_member_id(job, i)`
     # whose `gang` is the job id (the first GPU's allocation is the job id itself).
     gang: str = ""
+    # A member of a time-slice group (Gandiva's over-subscription): the allocation id of the
+    # group's first allocation, released or not. A member takes turns with the group's other
+    # jobs in the group's rectangle (it runs only while they are suspended), so it holds that
+    # rectangle, not one of its own, plus its memory and node resources. "" = none.
+    slice_of: str = ""
+
+    @property
+    def slice_group(self) -> str:
+        """The key of the time-slice group whose rectangle the allocation sits in: the first
+        allocation's id (its own, unless it joined one)."""
+        return self.slice_of or self.allocation_id
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that makes no sense."""
@@ -213,6 +224,18 @@ class Allocation:
         _check_count("host_memory_bytes", self.host_memory_bytes)
         if not isinstance(self.gang, str):
             raise InvalidRequestError(f"gang must be a string, got {self.gang!r}")
+        if self.slice_of != "":
+            _check_id("slice_of", self.slice_of)
+            if self.slice_of == self.allocation_id:
+                raise InvalidRequestError(
+                    f"allocation {self.allocation_id}: slice_of names the allocation itself "
+                    "(a group's first allocation leaves it empty)"
+                )
+            if self.gang:
+                raise InvalidRequestError(
+                    f"allocation {self.allocation_id}: a further GPU of job {self.gang} cannot "
+                    f"join time-slice group {self.slice_of}"
+                )
         _check_sm(self.sm_percent)
         _check_quota("quota_percent", self.quota_percent)
         _check_memory(self.memory_bytes)

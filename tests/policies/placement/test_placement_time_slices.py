@@ -1,0 +1,510 @@
+"""Time-slice groups in the fleet (Gandiva's over-subscription): `Fleet.slice_into` puts a job in
+the rectangle of an allocation already there, taking turns with it; the member holds memory and
+node resources but no area, the box is freed when the group's last allocation leaves, and a
+restart rebuilds the same state. Refusals change nothing. A hypothesis property mixes policy
+placements, slices and releases."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpuloom.policies.placement import (
+    GRID_AREA,
+    Allocation,
+    Fleet,
+    GpuState,
+    InvalidPlacementError,
+    InvalidRequestError,
+    InvalidStateError,
+    JobRequest,
+    Placement,
+    get_policy,
+)
+from gpuloom.policies.placement.fleet_model import FleetModelPolicy
+from gpuloom.policies.placement.maxrects import box_area, box_of
+
+from .helpers import GIB, fleet_of, gpu, job, placed, rect
+
+MRA = get_policy("mra")
+
+
+def node_gpu(gpu_id: str, node: str = "n1", model: str = "A", memory_gib: float = 40, **kw):
+    kw.setdefault("node_cpu_milli", 8000)
+    kw.setdefault("node_memory_bytes", 64 * GIB)
+    return gpu(gpu_id, model, memory_gib, node=node, **kw)
+
+
+def one_full_gpu() -> Fleet:
+    """g0 (model A, 40 GiB, node n1 of 8 CPUs and 64 GiB) full with training job "a" (10 GiB,
+    1 CPU, 4 GiB of host memory); g1 (model B, same node) empty."""
+    fleet = fleet_of(node_gpu("g0"), node_gpu("g1", model="B"))
+    placed(
+        fleet.place(
+            job("a", 100, 100, 10, gpu_model="A", cpu_milli=1000, host_memory_bytes=4 * GIB),
+            MRA,
+        )
+    )
+    return fleet
+
+
+def state(fleet: Fleet) -> tuple:
+    """Everything a refusal must leave as it was."""
+    nodes = {n: (s.cpu_used, s.memory_used) for n, s in fleet.nodes.items()}
+    free = {g: (fleet.free_rects(g), fleet.slot(g).memory_free) for g in fleet.gpu_ids()}
+    return fleet.snapshot(), nodes, free, fleet.slice_members("a")
+
+
+# ---- joining ----
+
+
+def test_a_member_sits_in_the_group_rectangle_and_holds_memory_and_node_resources() -> None:
+    fleet = one_full_gpu()
+    first = fleet.allocation("a")
+    assert first is not None and first.slice_group == "a"
+    free, area = fleet.free_rects("g0"), fleet.slot("g0").area_free
+    member = fleet.slice_into(job("b", 50, 30, 12, cpu_milli=500, task_key="t"), "g0", "a")
+    assert member == fleet.allocation("b")
+    assert member.rect == first.rect and member.slice_of == "a" and member.slice_group == "a"
+    assert (member.sm_percent, member.quota_percent, member.task_key) == (50, 30, "t")
+    # No area: the free space is as it was; memory and node resources are held.
+    assert fleet.free_rects("g0") == free and fleet.slot("g0").area_free == area == 0
+    assert fleet.slot("g0").memory_used == 22 * GIB
+    assert fleet.node("n1").cpu_used == 1500
+    assert fleet.slice_members("a") == ("a", "b") and fleet.slice_members("b") == ()
+    assert fleet.gpu_of("b") == "g0" and fleet.gpus_of("b") == ("g0",)
+    fleet.verify()
+    # A third joins the same group, on the same rectangle.
+    fleet.slice_into(job("c", 100, 100, 1), "g0", "a")
+    assert fleet.slice_members("a") == ("a", "b", "c")
+    fleet.verify()
+
+
+def test_a_group_may_be_a_partial_rectangle_and_other_jobs_still_fill_the_rest() -> None:
+    fleet = fleet_of(node_gpu("g0"))
+    p = placed(fleet.place(job("a", 40, 50, 1), MRA))
+    fleet.slice_into(job("b", 40, 50, 1), "g0", "a")
+    # The rest of the GPU is free for policies as before; nothing lands on the group's box.
+    q = placed(fleet.place(job("c", 60, 100, 1), MRA))
+    assert not p.rect.overlaps(q.rect)
+    fleet.verify()
+
+
+REFUSALS = [
+    ("unknown GPU", lambda f: (job("b", 10, 10), "gx", "a"), "the GPU is unknown"),
+    ("no group there", lambda f: (job("b", 10, 10), "g1", "a"), "holds no allocation of that"),
+    ("no such group", lambda f: (job("b", 10, 10), "g0", "zz"), "holds no allocation of that"),
+    ("other model", lambda f: (job("b", 10, 10, gpu_model="B"), "g0", "a"), "is a A, not a B"),
+    ("too wide", lambda f: _narrow(f, job("b", 10, 60)), "does not fit in the group's"),
+    ("too tall", lambda f: _narrow(f, job("b", 60, 10)), "does not fit in the group's"),
+    ("memory", lambda f: (job("b", 10, 10, 31), "g0", "a"), "needs 31 GiB of memory"),
+    ("cpu", lambda f: (job("b", 10, 10, cpu_milli=7001), "g0", "a"), "node n1 has not 7001"),
+    (
+        "host memory",
+        lambda f: (job("b", 10, 10, host_memory_bytes=61 * GIB), "g0", "a"),
+        "node n1 has not 61 GiB of host memory free",
+    ),
+    ("id held", lambda f: (job("a", 10, 10), "g0", "a"), "job a already holds"),
+    ("id held elsewhere", lambda f: _elsewhere(f), "job e already holds"),
+    ("whole GPUs", lambda f: (job("b", 100, 100, gpus=2), "g0", "a"), "asks for 2 whole GPUs"),
+    ("replica", lambda f: (job("b", 10, 10, shared_model="m"), "g0", "a"), "replica of shared"),
+    ("not a group key", lambda f: (job("b", 10, 10), "g0", ""), "holds no allocation of that"),
+]
+
+
+def _narrow(fleet: Fleet, job_: JobRequest) -> tuple[JobRequest, str, str]:
+    """A second group of 50% quota x 50% SM on g1 to join."""
+    placed(fleet.place(job("n", 50, 50, 1, gpu_model="B"), MRA))
+    return job_, "g1", "n"
+
+
+def _elsewhere(fleet: Fleet) -> tuple[JobRequest, str, str]:
+    placed(fleet.place(job("e", 10, 10, 1, gpu_model="B"), MRA))
+    return job("e", 10, 10), "g0", "a"
+
+
+@pytest.mark.parametrize(("case", "make", "says"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_a_refused_slice_names_the_problem_and_changes_nothing(case, make, says) -> None:
+    fleet = one_full_gpu()
+    job_, gpu_id, group = make(fleet)
+    before = state(fleet)
+    with pytest.raises(InvalidPlacementError, match="cannot join time-slice group") as error:
+        fleet.slice_into(job_, gpu_id, group)
+    assert says in str(error.value)
+    assert state(fleet) == before
+    fleet.verify()
+
+
+def test_an_unschedulable_gpu_takes_no_member_and_a_bad_job_is_an_invalid_request() -> None:
+    fleet = one_full_gpu()
+    fleet.set_schedulable("g0", False)
+    before = state(fleet)
+    with pytest.raises(InvalidPlacementError, match="the GPU is not schedulable"):
+        fleet.slice_into(job("b", 10, 10), "g0", "a")
+    with pytest.raises(InvalidRequestError, match="sm_percent"):
+        fleet.slice_into(job("b", 0, 10), "g0", "a")
+    assert state(fleet) == before
+    fleet.set_schedulable("g0", True)
+    fleet.slice_into(job("b", 10, 10), "g0", "a")
+    fleet.verify()
+
+
+# ---- leaving ----
+
+
+def test_the_box_stays_until_the_last_member_leaves_first_member_first() -> None:
+    fleet = one_full_gpu()
+    fleet.slice_into(job("b", 100, 100, 5, cpu_milli=500), "g0", "a")
+    fleet.slice_into(job("c", 50, 50, 5), "g0", "a")
+    released = fleet.release("a")
+    assert released is not None and released.allocation_id == "a"
+    slot = fleet.slot("g0")
+    assert slot.area_free == 0 and fleet.free_rects("g0") == ()
+    assert slot.memory_used == 10 * GIB and fleet.node("n1").cpu_used == 500
+    assert fleet.slice_members("a") == ("b", "c")
+    fleet.verify()
+    # Its key names the live group: no new job takes it, a newcomer can still join.
+    with pytest.raises(InvalidRequestError, match="key of a time-slice group still held on GPU"):
+        fleet.place(job("a", 10, 10, 1), MRA)
+    fleet.slice_into(job("d", 10, 10, 1), "g0", "a")
+    assert fleet.release("b") is not None and fleet.release("d") is not None
+    assert slot.area_free == 0
+    fleet.verify()
+    assert fleet.release("c") is not None
+    assert slot.area_free == GRID_AREA and slot.memory_used == 0 and not slot.boxes
+    assert fleet.node("n1").cpu_used == 0 and fleet.slice_members("a") == ()
+    fleet.verify()
+    # The group is gone: its key is free again, and the GPU takes a whole job.
+    assert placed(fleet.place(job("a", 100, 100, 1, gpu_model="A"), MRA)).gpu_id == "g0"
+    assert fleet.release("a") is not None and fleet.release("a") is None  # a retry is harmless
+    fleet.verify()
+
+
+def test_the_box_stays_until_the_last_member_leaves_last_member_first() -> None:
+    fleet = one_full_gpu()
+    fleet.slice_into(job("b", 100, 100, 5), "g0", "a")
+    fleet.slice_into(job("c", 100, 100, 5), "g0", "a")
+    for gone in ("c", "b"):
+        assert fleet.release(gone) is not None
+        assert fleet.slot("g0").area_free == 0
+        fleet.verify()
+    assert fleet.slice_members("a") == ("a",)
+    assert fleet.release("a") is not None
+    assert fleet.slot("g0").area_free == GRID_AREA
+    assert fleet.free_rects("g0") == (rect(0, 0, 100, 100),)
+    fleet.verify()
+
+
+def test_removing_a_gpu_forgets_its_groups() -> None:
+    fleet = one_full_gpu()
+    fleet.slice_into(job("b", 100, 100, 5), "g0", "a")
+    fleet.release("a")
+    assert {a.allocation_id for a in fleet.remove_gpu("g0")} == {"b"}
+    assert fleet.slice_members("a") == ()
+    fleet.verify()
+    placed(fleet.place(job("a", 10, 10, 1), MRA))  # the key is free again
+
+
+# ---- rebuilding ----
+
+
+def _group_fleet() -> Fleet:
+    """g0: group "a" (its first released) with members b, c; group "x" with first and one
+    member; a lone job "y"."""
+    fleet = fleet_of(node_gpu("g0"))
+    placed(fleet.place(job("a", 50, 50, 2, cpu_milli=100), MRA))
+    placed(fleet.place(job("x", 50, 50, 2), MRA))
+    placed(fleet.place(job("y", 20, 20, 2), MRA))
+    fleet.slice_into(job("b", 50, 40, 3, cpu_milli=200), "g0", "a")
+    fleet.slice_into(job("c", 30, 50, 3), "g0", "a")
+    fleet.slice_into(job("z", 50, 50, 3), "g0", "x")
+    fleet.release("a")
+    fleet.verify()
+    return fleet
+
+
+@pytest.mark.parametrize("order", ["as stored", "reversed", "shuffled"])
+def test_a_restart_rebuilds_groups_from_allocations_in_any_order(order: str) -> None:
+    fleet = _group_fleet()
+    (gpu_state,) = fleet.snapshot()
+    allocations = list(gpu_state.allocations)
+    if order == "reversed":
+        allocations.reverse()
+    elif order == "shuffled":
+        random.Random(3).shuffle(allocations)
+    rebuilt = Fleet.from_allocations([replace(gpu_state, allocations=tuple(allocations))])
+    rebuilt.verify()
+    mine, theirs = fleet.slot("g0"), rebuilt.slot("g0")
+    assert theirs.allocations == mine.allocations and theirs.boxes == mine.boxes
+    assert (theirs.area_free, theirs.memory_free) == (mine.area_free, mine.memory_free)
+    assert sorted(theirs.free.maximal) == sorted(mine.free.maximal)
+    assert rebuilt.node("n1").cpu_used == 200
+    assert rebuilt.slice_members("a") == ("b", "c") and rebuilt.slice_members("x") == ("x", "z")
+    # The rebuilt group lives on as before.
+    rebuilt.release("b")
+    rebuilt.release("c")
+    assert rebuilt.slot("g0").area_free == mine.area_free + 50 * 50 * 100
+    rebuilt.verify()
+
+
+def test_members_without_a_rectangle_join_their_group() -> None:
+    fleet = _group_fleet()
+    (gpu_state,) = fleet.snapshot()
+    # Old records: members stored without their rectangle take their group's, if the group
+    # has one stored ("x"), else the group is placed once, first-fit, large enough for each
+    # ("a": b asks 40% quota x 50% SM, c 50% x 30%).
+    bare = tuple(replace(a, rect=None) if a.slice_of else a for a in gpu_state.allocations)
+    rebuilt = Fleet.from_allocations([replace(gpu_state, allocations=bare)])
+    rebuilt.verify()
+    mine, theirs = fleet.slot("g0"), rebuilt.slot("g0")
+    assert {k: v for k, v in theirs.allocations.items() if k != "b" and k != "c"} == {
+        k: v for k, v in mine.allocations.items() if k != "b" and k != "c"
+    }
+    b, c = theirs.allocations["b"], theirs.allocations["c"]
+    assert b.rect == c.rect and b.rect is not None
+    assert (b.rect.w, b.rect.h) == (50 * 100, 50) and theirs.boxes["a"] == box_of(b.rect)
+    assert rebuilt.slice_members("a") == ("b", "c")
+
+
+def _stored(*allocations: Allocation, gpu_id: str = "g0") -> GpuState:
+    return GpuState(gpu_id, "n1", "A", 40 * GIB, allocations=allocations)
+
+
+R = rect(0, 0, 50, 50)
+FIRST = Allocation("a", 50, 50, 0, rect=R)
+
+
+def _member(a_id: str, at: object = R, group: str = "a", gib: int = 0, shape: int = 10):
+    return Allocation(a_id, shape, shape, gib * GIB, rect=at, slice_of=group)  # type: ignore[arg-type]
+
+
+BAD_STATES = {
+    "member elsewhere": (
+        [_stored(FIRST, _member("b", rect(0, 0, 10, 10)))],
+        "of time-slice group a sits in",
+    ),
+    "members apart": (
+        [_stored(_member("b"), _member("c", rect(50, 50, 50, 50)))],
+        "of time-slice group a sits in",
+    ),
+    "member too big": (
+        [
+            _stored(
+                Allocation("a", 10, 10, 0, rect=rect(0, 0, 10, 10)), _member("b", None, shape=20)
+            )
+        ],
+        "does not fit in its time-slice group a's",
+    ),
+    "group on two GPUs": (
+        [_stored(FIRST), _stored(_member("b"), gpu_id="g1")],
+        "time-slice group a has allocations on GPUs g0 and g1",
+    ),
+    "first on another GPU": (
+        [_stored(_member("b")), _stored(FIRST, gpu_id="g1")],
+        "time-slice group a has allocations on GPUs g0 and g1",
+    ),
+    "member's group": (
+        [_stored(_member("b"), _member("a", rect(50, 50, 10, 10), group="q"))],
+        "itself a member of group q",
+    ),
+    "memory": (
+        [_stored(FIRST, _member("b", gib=20), _member("c", gib=21))],
+        "allocations hold 41 GiB of 40 GiB",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_stored_groups_that_cannot_be_are_refused(case: str) -> None:
+    gpus, says = BAD_STATES[case]
+    with pytest.raises(InvalidStateError, match=says):
+        Fleet.from_allocations(gpus)
+
+
+def test_an_allocation_names_its_group_sensibly() -> None:
+    for bad, says in [
+        (Allocation("a", 10, 10, 0, slice_of="a"), "names the allocation itself"),
+        (Allocation("a#1", 10, 10, 0, gang="a", slice_of="b"), "cannot join time-slice group"),
+        (Allocation("a", 10, 10, 0, slice_of=None), "slice_of must be a non-empty string"),  # type: ignore[arg-type]
+    ]:
+        with pytest.raises(InvalidRequestError, match=says):
+            bad.validate()
+    Allocation("a", 10, 10, 0, slice_of="b").validate()
+
+
+# ---- other readers ----
+
+
+def test_gpu_clustering_reads_a_group_whose_first_is_gone() -> None:
+    fleet = fleet_of(node_gpu("g0"), node_gpu("g1"))
+    policy = FleetModelPolicy("gpuclustering")
+    placed(fleet.place(job("a", 50, 50, 1), policy))
+    group_gpu = fleet.gpu_of("a")
+    assert group_gpu is not None
+    fleet.slice_into(job("b", 50, 50, 1), group_gpu, "a")
+    fleet.release("a")
+    for n in range(4):
+        assert isinstance(fleet.place(job(f"j{n}", 50, 50, 1), policy), Placement)
+    fleet.verify()
+
+
+def test_members_count_in_holder_groups_like_any_allocation() -> None:
+    fleet = fleet_of(node_gpu("g0"))
+    placed(fleet.place(job("a", 100, 100, 1, priority=2, task_key="t"), MRA))
+    fleet.slice_into(job("b", 100, 100, 1, priority=5, task_key="u"), "g0", "a")
+    assert fleet.holder_groups() == {("t", 2, 1): ["g0"]}
+    fleet.release("a")  # the member holds the GPU now
+    assert fleet.holder_groups() == {("u", 5, 0): ["g0"]}
+    fleet.verify()
+
+
+# ---- the property ----
+
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+POLICY_NAMES = ("mra", "binpack", "gap-aware", "time-share", "gpuclustering", "fgd")
+
+
+@st.composite
+def sequences(draw: st.DrawFn):
+    # Two nodes (the GPUs of one registered with the same node figures).
+    nodes = [
+        (
+            draw(st.sampled_from((0, 4000, 8000, 16000))),
+            draw(st.sampled_from((0, 32 * GIB, 64 * GIB))),
+        )
+        for _ in range(2)
+    ]
+    gpus = [
+        node_gpu(
+            f"g{i}",
+            node=f"n{i % 2}",
+            model=draw(st.sampled_from(("A", "B"))),
+            memory_gib=draw(st.sampled_from((16, 40))),
+            node_cpu_milli=nodes[i % 2][0],
+            node_memory_bytes=nodes[i % 2][1],
+        )
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    shape = st.tuples(st.integers(1, 100), st.sampled_from((5.0, 20.0, 33.33, 50.0, 100.0)))
+    ask = st.tuples(
+        shape,
+        st.sampled_from((0, 1, 2, 4, 12)),  # GiB
+        st.sampled_from((0, 0, 500, 3000)),  # milli CPU
+        st.sampled_from((0, 0, 8 * GIB)),  # host memory
+        st.sampled_from(("", "", "A", "B")),
+    )
+    place = st.tuples(st.just("place"), ask, st.sampled_from(POLICY_NAMES))
+    join = st.tuples(st.just("slice"), ask, st.integers(0, 1000), st.integers(0, 1000))
+    release = st.tuples(st.just("release"), st.integers(0, 1000))
+    toggle = st.tuples(st.just("toggle"), st.integers(0, 2))
+    op = st.one_of(place, place, place, join, join, join, release, release, toggle)
+    return gpus, draw(st.lists(op, min_size=5, max_size=50))
+
+
+def check(fleet: Fleet) -> None:
+    fleet.verify()
+    for gpu_id in fleet.gpu_ids():
+        slot = fleet.slot(gpu_id)
+        allocations = list(slot.allocations.values())
+        assert sum(a.memory_bytes for a in allocations) <= slot.memory_bytes
+        # One box per group: the area used is that of the groups' rectangles, each once.
+        groups = {a.slice_group: box_of(a.rect) for a in allocations}  # type: ignore[arg-type]
+        assert groups == slot.boxes
+        assert slot.area_used == sum(box_area(b) for b in groups.values())
+    for node in fleet.nodes.values():
+        assert node.cpu_used <= node.cpu_milli or node.cpu_used == 0
+        assert node.memory_used <= node.memory_bytes or node.memory_used == 0
+
+
+def run_sequence(gpus: list[GpuState], ops: list[tuple]) -> Fleet:
+    fleet = Fleet.from_allocations(gpus)
+    policies = {name: get_policy(name) for name in POLICY_NAMES}
+    live: list[str] = []
+    for n, op in enumerate(ops):
+        if op[0] in ("place", "slice"):
+            (sm, quota), gib, cpu, host, model = op[1]
+            j = job(f"j{n}", sm, quota, gib, gpu_model=model, cpu_milli=cpu)
+            j = replace(j, host_memory_bytes=host, task_key=("t0", "t1", "")[n % 3])
+            if op[0] == "place":
+                if isinstance(fleet.place(j, policies[op[2]]), Placement):
+                    live.append(j.job_id)
+            else:
+                # A group of a GPU holding some (its first maybe gone), mostly with a shape
+                # that fits it; now and then a wrong GPU, model or shape.
+                fit = op[3] % 4 != 0
+                held = sorted(g for g in fleet.gpu_ids() if fleet.slot(g).boxes)
+                open_ = [g for g in held if fleet.slot(g).schedulable]
+                gpu_ids = (open_ if fit else []) or held or sorted(fleet.gpu_ids())
+                gpu_id = gpu_ids[op[2] % len(gpu_ids)]
+                boxes = fleet.slot(gpu_id).boxes
+                group = sorted(boxes)[op[3] % len(boxes)] if boxes else "none"
+                if boxes and fit:
+                    x0, y0, x1, y1 = boxes[group]
+                    quota = min(quota, (x1 - x0) / 100)
+                    j = replace(j, sm_percent=min(sm, y1 - y0), quota_request_percent=quota)
+                    j = replace(j, gpu_model="")
+                if op[3] % 7 == 0:
+                    gpu_id = sorted(fleet.gpu_ids())[(op[2] + 1) % len(gpus)]
+                before = fleet.snapshot()
+                try:
+                    member = fleet.slice_into(j, gpu_id, group)
+                except InvalidPlacementError:
+                    assert fleet.snapshot() == before
+                else:
+                    assert member.slice_group == group and j.job_id in fleet.slice_members(group)
+                    live.append(j.job_id)
+        elif op[0] == "release" and live:
+            assert fleet.release(live.pop(op[1] % len(live))) is not None
+        elif op[0] == "toggle" and op[1] < len(gpus):
+            gpu_id = gpus[op[1]].gpu_id
+            fleet.set_schedulable(gpu_id, not fleet.slot(gpu_id).schedulable)
+        check(fleet)
+    return fleet
+
+
+@FAST
+@given(sequence=sequences(), seed=st.integers(0, 2**16))
+def test_places_slices_and_releases_keep_every_invariant(sequence, seed: int) -> None:
+    fleet = run_sequence(*sequence)
+    snapshot = fleet.snapshot()
+    # A restart, the allocations in any order, rebuilds the same state.
+    shuffled = []
+    for gpu_state in snapshot:
+        allocations = list(gpu_state.allocations)
+        random.Random(seed).shuffle(allocations)
+        shuffled.append(replace(gpu_state, allocations=tuple(allocations)))
+    random.Random(seed).shuffle(shuffled)
+    for states in (snapshot, shuffled):
+        rebuilt = Fleet.from_allocations(states)
+        check(rebuilt)
+        for gpu_id in fleet.gpu_ids():
+            mine, theirs = fleet.slot(gpu_id), rebuilt.slot(gpu_id)
+            assert theirs.allocations == mine.allocations
+            assert theirs.boxes == mine.boxes
+            assert sorted(theirs.free.maximal) == sorted(mine.free.maximal)
+            assert (theirs.area_free, theirs.memory_free) == (mine.area_free, mine.memory_free)
+        assert {n: (s.cpu_used, s.memory_used) for n, s in rebuilt.nodes.items()} == {
+            n: (s.cpu_used, s.memory_used) for n, s in fleet.nodes.items()
+        }
+
+
+def test_a_long_run_of_slices_on_crowded_gpus() -> None:
+    rng = random.Random(7)
+    gpus = [node_gpu("g0", memory_gib=80), node_gpu("g1", memory_gib=80, node="n2")]
+    ops: list[tuple] = []
+    for _ in range(400):
+        ask = ((rng.randint(5, 60), rng.choice((10.0, 25.0, 50.0))), rng.randint(0, 4), 0, 0, "")
+        r = rng.random()
+        if r < 0.35:
+            ops.append(("place", ask, "mra"))
+        elif r < 0.7:
+            ops.append(("slice", ask, rng.randrange(1000), rng.randrange(1000)))
+        else:
+            ops.append(("release", rng.randrange(1000)))
+    fleet = run_sequence(gpus, ops)
+    assert any(a.slice_of for g in fleet.gpu_ids() for a in fleet.allocations(g))
+    Fleet.from_allocations(fleet.snapshot()).verify()
