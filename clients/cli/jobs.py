@@ -827,6 +827,8 @@ def _details(job: JobView) -> str:
             ("offsets", f"quota {a.quota_offset_percent:g}%, SM {a.sm_offset_percent}%"),
             ("memory cap", _memory(a.memory_cap_bytes)),
         ]
+        if a.time_slice_of:
+            rows.append(("time-sliced", f"in the rectangle of {a.time_slice_of}, taking turns"))
         for key in sorted(a.environment):
             value = "(hidden)" if key.endswith("TOKEN") else a.environment[key]
             rows.append(("env", f"{key}={value}"))

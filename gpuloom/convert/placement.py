@@ -185,6 +185,7 @@ def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
             AssignedGpu(g.gpu.gpu_uuid, g.gpu.node, g.dispatcher_address, dict(g.environment))
             for g in msg.extra_gpus
         ),
+        time_slice_of=msg.time_slice_of,
     )
 
 
@@ -205,6 +206,7 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
             )
             for g in assignment.extra_gpus
         ],
+        time_slice_of=assignment.time_slice_of,
     )
     if assignment.share is not None:
         msg.share.CopyFrom(share_to_pb(assignment.share))

@@ -378,6 +378,9 @@ class Assignment:
     mig: MigSlot | None = None
     # A job on several whole GPUs: the GPUs after the first, all on the same node.
     extra_gpus: tuple[AssignedGpu, ...] = ()
+    # A training job time-sliced into a full GPU: the time-slice group whose rectangle it
+    # shares, taking turns with the group's other jobs ("" for a rectangle of its own).
+    time_slice_of: str = ""
 
     @property
     def gpu_uuids(self) -> tuple[str, ...]:

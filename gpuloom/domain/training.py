@@ -19,6 +19,10 @@ MAX_HOOK_ARG_CHARS = 4096
 # The signals a job may answer as its checkpoint hook (SIGKILL and SIGSTOP cannot be answered).
 HOOK_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGTERM", "SIGINT", "SIGHUP")
 MAX_SUSPEND_REASON_CHARS = 1024  # SuspendClient's reason, and so a heartbeat's report of it
+# The reason of the suspensions that time-slice training jobs: placement's driver gives it to
+# its own, and a dispatcher to a job reserved to time-slice in another's rectangle (it starts
+# suspended); in heartbeats it tells a placement which suspensions are its to resume.
+TIME_SLICE_REASON = "gandiva: time-slicing"
 MAX_PACKINGS_SHOWN = 8
 
 

@@ -92,6 +92,9 @@ class PlacementApp:
                     pack_trial_s=settings.training_pack_trial_s,
                     suspend_wait_ms=settings.training_suspend_wait_ms,
                     grow_idle_s=settings.training_grow_idle_s,
+                    slice_after_s=settings.training_slice_after_s,
+                    share_after_s=settings.training_share_after_s,
+                    queue_ahead=settings.training_queue_ahead,
                 ),
             )
             core = PlacementCore(

@@ -102,6 +102,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
                     )
                     for g in binding.extra
                 ),
+                time_slice_of=binding.time_slice_of,
             )
     return JobView(
         job_id=job.job_id,

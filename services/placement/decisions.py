@@ -359,6 +359,14 @@ class Decisions:
         self._publish(job)
         self._wake.set()
 
+    def bind_placed(self, job: Job) -> None:
+        """A job the training driver placed (under the lock; BINDING, its capacity taken in
+        the fleet, no longer waiting in the scheduler): live now, written with the next batch,
+        and bound on its dispatcher as the scheduler's placements are (a failed binding gives
+        the capacity back and leaves it PENDING)."""
+        self.update_live(job)
+        self._spawn(self._bind([job], []))
+
     async def record(self, jobs: Sequence[Job]) -> None:
         await self._repo.update_jobs(list(jobs))
         for job in jobs:

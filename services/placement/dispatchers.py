@@ -34,6 +34,7 @@ class BindRequest:
     quota_limit_percent: float
     token: str
     task_key: str
+    time_slice_of: str = ""  # the time-slice group it joins on that GPU (Binding.time_slice_of)
 
 
 def bind_request(job: Job, binding: Binding) -> BindRequest:
@@ -50,6 +51,7 @@ def bind_request(job: Job, binding: Binding) -> BindRequest:
         quota_limit_percent=spec.quota.limit_percent,
         token=binding.token,
         task_key=spec.task_key,
+        time_slice_of=binding.time_slice_of,
     )
 
 
@@ -104,6 +106,7 @@ class GrpcDispatchers:
             ),
             assignment_token=request.token,
             task_key=request.task_key,
+            time_slice_of=request.time_slice_of,
         )
         try:
             answer = await self._channels.stub(address).Reserve(message, timeout=self._timeout_s)

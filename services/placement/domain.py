@@ -40,6 +40,10 @@ class Binding:
     environment: dict[str, str] = field(default_factory=dict, hash=False)
     mig: MigSlot | None = None  # MIG batch tasks: the instance planned for it (rect unused)
     extra: tuple[ExtraGpu, ...] = ()  # a job on several whole GPUs: the GPUs after the first
+    # A training job time-sliced into a full GPU (Gandiva's over-subscription): the time-slice
+    # group it joined, whose rectangle it shares (it runs while the group's others are
+    # suspended); `rect` is that rectangle. "" for a job in a rectangle of its own.
+    time_slice_of: str = ""
 
     @property
     def gpu_uuids(self) -> tuple[str, ...]:

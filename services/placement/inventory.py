@@ -404,6 +404,7 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                     cpu_milli=spec.cpu_milli if first else 0,
                     host_memory_bytes=spec.host_memory_bytes if first else 0,
                     gang="" if first else job.job_id,
+                    slice_of=binding.time_slice_of,
                 ),
             )
         )

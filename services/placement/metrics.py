@@ -90,3 +90,7 @@ TRAINING_RESIZES = prometheus_client.Counter(
     "failed one counts as a migration with outcome hook_failed",
     ["reason"],
 )
+TRAINING_SLICES = prometheus_client.Counter(
+    "gpuloom_placement_training_slices_total",
+    "Over-subscription: pending training jobs time-sliced into a full GPU's round-robin",
+)

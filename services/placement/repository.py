@@ -109,6 +109,8 @@ def _binding_to_json(binding: Binding | None) -> str | None:
         document["extra"] = [
             [g.gpu_uuid, g.dispatcher_address, g.environment] for g in binding.extra
         ]
+    if binding.time_slice_of:
+        document["time_slice_of"] = binding.time_slice_of
     return json.dumps(document, separators=(",", ":"))
 
 

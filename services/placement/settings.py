@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
-from gpuloom.policies.training.gandiva import GROW_IDLE_S
+from gpuloom.policies.training.gandiva import GROW_IDLE_S, QUEUE_AHEAD, SHARE_AFTER_S, SLICE_AFTER_S
 from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.placement.training import validate_training_policy
@@ -53,6 +53,11 @@ class PlacementSettings(BaseSettings):
     training_suspend_wait_ms: float = Field(default=2000.0, ge=0, le=600_000)
     # gandiva-gs: how long a GPU stays free before an elastic job may grow onto it.
     training_grow_idle_s: float = Field(default=GROW_IDLE_S, ge=0, le=604_800)
+    # gandiva: a pending training job is time-sliced into a full GPU only once it has waited
+    # this long, with jobs that have each run this long, behind this many of its shape.
+    training_slice_after_s: float = Field(default=SLICE_AFTER_S, ge=0, le=604_800)
+    training_share_after_s: float = Field(default=SHARE_AFTER_S, ge=0, le=604_800)
+    training_queue_ahead: int = Field(default=QUEUE_AHEAD, ge=0, le=10_000)
 
     @field_validator("database_url")
     @classmethod

@@ -46,6 +46,7 @@ from gpuloom.domain.errors import DomainError, FailedPrecondition, InvalidArgume
 from gpuloom.domain.placement import JobKind, JobState
 from gpuloom.domain.training import (
     MAX_PACKINGS_SHOWN,
+    TIME_SLICE_REASON,
     MigrationRequest,
     PackingTrial,
     TrainingPhase,
@@ -53,9 +54,15 @@ from gpuloom.domain.training import (
     TrainingState,
 )
 from gpuloom.policies.placement import Allocation, Rect
-from gpuloom.policies.placement.fleet import InvalidStateError
+from gpuloom.policies.placement.fleet import InvalidPlacementError, InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id
-from gpuloom.policies.training.gandiva import GROW_IDLE_S
+from gpuloom.policies.training.gandiva import (
+    GROW_IDLE_S,
+    QUEUE_AHEAD,
+    SHARE_AFTER_S,
+    SLICE_AFTER_S,
+    GandivaPolicy,
+)
 from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
@@ -73,7 +80,7 @@ from gpuloom.policies.training.model import (
 )
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.services.placement import metrics
-from gpuloom.services.placement.decisions import Decisions, _bound
+from gpuloom.services.placement.decisions import Decisions, _bound, ask_of
 from gpuloom.services.placement.dispatchers import (
     DispatcherChannels,
     Dispatchers,
@@ -88,9 +95,7 @@ from gpuloom.v1 import dispatcher_pb2
 log = structlog.get_logger("gpuloom.placement")
 
 OFF = "off"
-# The reason the driver's suspensions carry: in the dispatcher's heartbeats it tells a
-# placement started again which suspensions are its own to resume.
-SWITCH_REASON = "gandiva: time-slicing"
+SWITCH_REASON = TIME_SLICE_REASON  # the reason the driver's suspensions carry
 SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/training.md)
 RETRY_QUANTA = 5  # a job whose migration failed is not moved again for this many quanta
 MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
@@ -149,6 +154,12 @@ class TrainingConfig:
     hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
     tick_s: float = 1.0
     grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
+    # gandiva's over-subscription (a pending job time-sliced into a full GPU): how long it
+    # waits for a GPU first, the service every job it would join must have had, and how many
+    # jobs of its shape must wait ahead of it (the policy's rules, docs/training.md).
+    slice_after_s: float = SLICE_AFTER_S
+    share_after_s: float = SHARE_AFTER_S
+    queue_ahead: int = QUEUE_AHEAD
 
     @property
     def enabled(self) -> bool:
@@ -198,6 +209,8 @@ class _Track:
     published: TrainingState | None = None  # as its last revision showed it
     call_failed_at: float | None = None  # the last suspend/resume call failed (logged once)
     alone_since: float | None = None  # running, the other training jobs of its GPU suspended
+    service_s: float = 0.0  # the seconds it was seen running (not suspended): its service
+    service_at: float | None = None  # when service_s was last brought up to date
 
 
 @dataclass(slots=True)
@@ -226,6 +239,10 @@ class TrainingDriver:
         self.config = config
         self._clock = clock
         self.policy: TrainingPolicy | None = get_policy(config.policy) if config.enabled else None
+        if isinstance(self.policy, GandivaPolicy):
+            self.policy.slice_after_s = config.slice_after_s
+            self.policy.share_after_s = config.share_after_s
+            self.policy.queue_ahead = config.queue_ahead
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
@@ -328,6 +345,7 @@ class TrainingDriver:
         async with self._decisions.lock:
             now = self._clock()
             self._forget_ended()
+            self._account_service(now)
             for job_id, track in list(self._tracks.items()):
                 move = track.move
                 if move is not None and not move.committing and now > move.deadline:
@@ -350,12 +368,23 @@ class TrainingDriver:
                     start = self._begin_resize(job_id, gpus, reason, now)
                     if start is not None:
                         starts.append(start)
+                for job_id, gpu_uuid in plan.slices:
+                    self._slice_in(job_id, gpu_uuid, now)
                 calls = self._switches(now)
             for job in self._managed():
                 self._show(job.job_id, publish=True)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
         await self._switch(calls)
+
+    def _account_service(self, now: float) -> None:
+        """Bring every assigned training job's service up to date: the time since the last
+        tick counts if the job was running (as its dispatcher last reported)."""
+        for job in self._managed():
+            track = self._tracks.setdefault(job.job_id, _Track())
+            if track.service_at is not None and not track.observed_suspended:
+                track.service_s += now - track.service_at
+            track.service_at = now
 
     def _note_idle(self, now: float) -> None:
         """Since when each GPU that holds nothing and takes work has been free."""
@@ -459,6 +488,7 @@ class TrainingDriver:
                     extra_gpus=tuple(g.gpu_uuid for g in j.binding.extra),
                     gpus=max(j.spec.whole_gpus, 1),
                     max_gpus=j.spec.max_gpus,
+                    attained_s=track.service_s,
                 )
             )
         groups = {
@@ -472,17 +502,26 @@ class TrainingDriver:
             self._efficiency,
             idle_since=self._idle_since,
             grow_idle_s=self.config.grow_idle_s,
-            pending=self._pending() if any(j.spec.elastic for j in managed) else (),
+            pending=self._pending(every=any(j.spec.elastic for j in managed)),
         )
 
-    def _pending(self) -> list[LivePending]:
+    def _pending(self, every: bool) -> list[LivePending]:
         """The jobs placement's scheduler has not placed (MPS and whole-GPU ones), with the
-        nodes whose CPU and host memory they fit."""
+        nodes whose CPU and host memory they fit: the one-GPU training jobs (sliceable), and
+        with `every` (grow-shrink: a shrink may make room) all of them."""
         nodes = self._inventory.fleet.nodes
         pending = []
         for job in self._decisions.live.values():
             spec = job.spec
             if job.state is not JobState.PENDING or spec.is_mig_batch:
+                continue
+            sliceable = (
+                spec.kind is JobKind.TRAINING
+                and spec.whole_gpus <= 1
+                and not spec.elastic
+                and not spec.shared_model
+            )
+            if not (sliceable or every):
                 continue
             fitting = None
             if spec.cpu_milli or spec.host_memory_bytes:
@@ -500,9 +539,70 @@ class TrainingDriver:
                     job.submitted_at,
                     spec.gpu_model,
                     fitting,
+                    sliceable,
                 )
             )
         return pending
+
+    # ---- over-subscription ----
+
+    def _slice_in(self, job_id: str, gpu_uuid: str, now: float) -> None:
+        """Time-slice a pending training job into a GPU's round-robin (under the lock): it
+        joins, in the fleet, the time-slice group of one of the GPU's training jobs whose
+        rectangle holds its share (its memory must fit beside theirs), stops waiting, and is
+        bound like any placed job; its dispatcher reserves it suspended (`time_slice_of`), and
+        the round-robin gives it its turns."""
+        job = self._decisions.job(job_id)
+        scheduler = self._decisions.scheduler
+        if job is None or job.state is not JobState.PENDING or job_id not in scheduler:
+            return
+        hosts = self._training_on(gpu_uuid)
+        if any(host.spec.priority != job.spec.priority for host in hosts):
+            # Round-robin turns go to the highest priority present only: a lower one would
+            # never run there, and a higher one would take every turn from the jobs there.
+            log.debug("training job not time-sliced in: other priorities", job=job_id)
+            return
+        fleet = self._inventory.fleet
+        request = ask_of(job).request
+        refusals = []
+        for host in hosts:
+            held = fleet.allocation(host.job_id)
+            if held is None:
+                continue
+            try:
+                joined = fleet.slice_into(request, gpu_uuid, held.slice_group)
+            except InvalidPlacementError as error:
+                refusals.append(str(error))
+                continue
+            break
+        else:
+            log.info("training job not time-sliced in", job=job_id, gpu=gpu_uuid, why=refusals)
+            return
+        scheduler.end(job_id)  # it stops waiting
+        assert joined.rect is not None
+        record = self._inventory.record(gpu_uuid)
+        rect = joined.rect
+        binding = Binding(
+            gpu_uuid=gpu_uuid,
+            node=record.info.node,
+            dispatcher_address=record.dispatcher_address,
+            rect=(rect.x, rect.y, rect.w, rect.h),
+            memory_cap_bytes=joined.memory_bytes,
+            token=secrets.token_urlsafe(32),
+            time_slice_of=joined.slice_of,
+        )
+        assert self.policy is not None
+        self._decisions.bind_placed(
+            job.advance(
+                now,
+                state=JobState.BINDING,
+                binding=binding,
+                policy=self.policy.name,
+                pending_reason="",
+            )
+        )
+        metrics.TRAINING_SLICES.inc()
+        log.info("training job time-sliced in", job=job_id, gpu=gpu_uuid, group=joined.slice_of)
 
     # ---- packing ----
 
@@ -665,7 +765,9 @@ class TrainingDriver:
         if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
             return None
         record = self._inventory.record(target_uuid)
-        wanted = replace(allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None)
+        wanted = replace(
+            allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None, slice_of=""
+        )
         if record.info.node == job.binding.node:  # its node's CPU and memory are held already
             wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
         held = self._fleet_add(target_uuid, wanted)
@@ -865,7 +967,8 @@ class TrainingDriver:
                 fleet.release(job_id)
                 x, y, w, h = move.target.rect
                 self._fleet_add(
-                    move.target.gpu_uuid, replace(allocation(job), rect=Rect(x, y, w, h))
+                    move.target.gpu_uuid,
+                    replace(allocation(job), rect=Rect(x, y, w, h), slice_of=""),
                 )
                 self._decisions.capacity_changed(old.gpu_uuid)
                 self._moved(job_id, track)

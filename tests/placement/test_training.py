@@ -732,3 +732,147 @@ async def test_a_training_job_on_several_gpus_is_left_alone(gandiva: CoreHarness
     assert now.training is None
     assert now.binding is not None and now.binding.gpu_uuids == wide.binding.gpu_uuids
     core.inventory.fleet.verify()
+
+
+# ---- over-subscription: a pending job time-sliced into a full GPU ----
+
+SLICE_AFTER = 600.0
+SHARE_AFTER = 300.0
+
+
+@pytest.fixture
+async def slicing(tmp_path: Path):
+    """gandiva with its over-subscription rules shortened: a job waits 600 s before it is
+    time-sliced in, with jobs that have run 300 s, whatever waits ahead of it."""
+    control = FakeTrainingControl()
+    h = CoreHarness(
+        tmp_path,
+        training=TrainingConfig(
+            policy="gandiva",
+            quantum_s=QUANTUM,
+            pack_trial_s=TRIAL,
+            tick_s=3600,
+            slice_after_s=SLICE_AFTER,
+            share_after_s=SHARE_AFTER,
+            queue_ahead=0,
+        ),
+        training_control=control,
+    )
+    await h.start()
+    h.control = control  # type: ignore[attr-defined]
+    yield h
+    await h.stop()
+
+
+def whole_gpu(name: str, *, memory_gib: float = 8, priority: int = 5) -> JobSpec:
+    return training(name, quota=100, memory_gib=memory_gib, priority=priority)
+
+
+async def assigned(core: PlacementCore, job_id: str) -> Job:
+    await eventually(lambda: core.jobs.job(job_id).state is JobState.ASSIGNED)  # type: ignore[union-attr]
+    return await core.get(job_id)
+
+
+async def test_a_pending_training_job_is_time_sliced_into_a_full_gpu(slicing: CoreHarness) -> None:
+    core = slicing.core
+    assert core is not None
+    control: FakeTrainingControl = slicing.control  # type: ignore[attr-defined]
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    a = await core.submit("r-a", whole_gpu("a"))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", whole_gpu("b"))
+    assert a.state is JobState.ASSIGNED and b.state is JobState.PENDING
+    await core.training.tick()
+    # b has waited 400 s of its 600: it waits on, as FIFO would.
+    slicing.clock.now += 400
+    await core.training.tick()
+    assert (await core.get(b.job_id)).state is JobState.PENDING
+    before = metric("gpuloom_placement_training_slices_total")
+    slicing.clock.now += 300
+    await core.training.tick()
+    b_now = await assigned(core, b.job_id)
+    assert metric("gpuloom_placement_training_slices_total") == before + 1
+    assert a.binding is not None and b_now.binding is not None
+    # In a's rectangle, with its own memory: the fleet holds both, over-committing nothing.
+    assert b_now.binding.gpu_uuid == "GPU-0"
+    assert b_now.binding.time_slice_of == a.job_id
+    assert b_now.binding.rect == a.binding.rect
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 16 * GIB
+    # Its dispatcher was asked to reserve it in a's time-slice group.
+    assert slicing.dispatchers.held["10.0.0.0:50060"][b.job_id].time_slice_of == a.job_id
+    view = job_view(b_now, with_token=False)
+    assert view.assignment is not None and view.assignment.time_slice_of == a.job_id
+    # Then they take turns, one quantum each, never both at once.
+    running = []
+    for _ in range(4):
+        await core.training.tick()
+        (now_running,) = {a.job_id, b.job_id} - control.suspended
+        running.append(now_running)
+        slicing.clock.now += QUANTUM
+    assert running == [a.job_id, b.job_id, a.job_id, b.job_id]
+    suspended: set[str] = set()
+    for call, _, job_id in control.calls:
+        (suspended.add if call == "suspend" else suspended.discard)(job_id)
+        assert len({a.job_id, b.job_id} - suspended) <= 1
+    # a ends: b runs on alone in the group's rectangle, which no new job may take meanwhile.
+    await core.report_done(a.job_id, True, 0, "")
+    await core.training.tick()
+    assert b.job_id not in control.suspended
+    c = await core.submit("r-c", whole_gpu("c"))
+    assert c.state is JobState.PENDING
+    fleet.verify()
+    # b ends: the rectangle is free again, and c takes it.
+    await core.report_done(b.job_id, True, 0, "")
+    await assigned(core, c.job_id)
+
+
+async def test_no_job_is_time_sliced_in_where_its_memory_or_priority_does_not_fit(
+    slicing: CoreHarness,
+) -> None:
+    core = slicing.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    await core.register_gpu(gpu(1), "10.0.0.0:50061")
+    a = await core.submit("r-a", whole_gpu("a", memory_gib=40))
+    high = await core.submit("r-h", whole_gpu("h", priority=1))
+    big = await core.submit("r-big", whole_gpu("big", memory_gib=50))
+    low = await core.submit("r-low", whole_gpu("low", priority=7))
+    assert a.state is JobState.ASSIGNED and high.state is JobState.ASSIGNED
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    for _ in range(3):
+        await core.training.tick()
+        await asyncio.sleep(0.05)
+    # 50 GiB do not fit beside a's 40 on an 80 GiB GPU, and a priority-7 job would never get
+    # a turn beside the priority-1 job (nor may it take turns from a priority-5 one).
+    for job in (big, low):
+        after = await core.get(job.job_id)
+        assert after.state is JobState.PENDING and after.binding is None
+    core.jobs.scheduler.fleet.verify()
+    assert slicing.dispatchers.all_held().keys() == {a.job_id, high.job_id}
+
+
+async def test_a_time_sliced_job_survives_a_placement_restart(slicing: CoreHarness) -> None:
+    core = slicing.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    a = await core.submit("r-a", whole_gpu("a"))
+    b = await core.submit("r-b", whole_gpu("b"))
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    await core.training.tick()
+    await assigned(core, b.job_id)
+    await slicing.stop()
+    core = await slicing.start()
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    after = await core.get(b.job_id)
+    assert after.state is JobState.ASSIGNED and after.binding is not None
+    assert after.binding.time_slice_of == a.job_id
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 16 * GIB
+    # The group's rectangle is still held: a new whole-GPU job waits.
+    c = await core.submit("r-c", whole_gpu("c"))
+    assert c.state is JobState.PENDING

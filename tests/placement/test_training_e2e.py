@@ -11,6 +11,9 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
 - A training process with a checkpoint hook (SIGUSR1: it saves its next step and stops) on a
   crowded GPU migrates to a second dispatcher's GPU once that one registers; started again
   there from its checkpoint, every step runs exactly once (its output and the engine log).
+- Over-subscription: a job asking for a whole GPU that is taken waits, then is time-sliced
+  into it: reserved in the running job's rectangle (`time_slice_of`), suspended from the
+  start, it runs nothing until its first turn; then they take turns and both finish.
 - Priorities: a priority-5 job waits, suspended, while a priority-0 job on its GPU runs; the
   priority-0 job is never suspended, not even when their dispatcher restarts and forgets the
   suspension (placement makes it again)."""
@@ -622,3 +625,96 @@ async def test_a_job_whose_hook_fails_starts_again_on_its_own_reservation(
 
 async def _holds_none(dispatcher: GpuDispatcher, assignment_id: str) -> bool:
     return dispatcher.core.book.get(assignment_id) is None
+
+
+async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two jobs each asking for the whole GPU (time quota 100%): the second waits, then (its
+    wait and the first one's service past the shortened rules) joins the first one's
+    round-robin: reserved in its rectangle and suspended from the start, its process runs no
+    kernel until the first job is suspended for its turn; they take turns; every step of both
+    runs exactly once."""
+    training = {
+        **GANDIVA,
+        "training_slice_after_s": 1.0,
+        "training_share_after_s": 1.0,
+        "training_queue_ahead": 0,
+    }
+    async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
+        await plane.add_gpu()
+        said: list[str] = []
+        steps = {"first": 80, "rider": 30}
+        outs = {name: plane.work / f"{name}.out" for name in steps}
+
+        def whole(name: str) -> JobSpec:
+            return JobSpec(
+                name=name,
+                kind=JobKind.TRAINING,
+                memory_bytes=GIB,
+                share=SpatioTemporalShare(100, TimeQuota(100, 100)),
+            )
+
+        runs = [start(plane, whole("first"), train(steps["first"], outs["first"]), said)]
+
+        async def first_runs() -> bool:
+            return bool(plane.engine_runs())
+
+        await until("the first job's kernels", first_runs, 20)
+        runs.append(start(plane, whole("rider"), train(steps["rider"], outs["rider"]), said))
+        states: set[int] = set()
+        phases: dict[str, set[int]] = {"first": set(), "rider": set()}
+        first_suspended_ns = 0
+        try:
+
+            async def rider_known() -> bool:
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                rider = next((j for j in jobs if j.spec.name == "rider"), None)
+                if rider is not None:
+                    states.add(rider.state)
+                return rider is not None
+
+            await until("the rider submitted", rider_known, 20)
+            assert states == {pb.JOB_STATE_PENDING}, "the GPU was not full"
+
+            async def taking_turns() -> bool:
+                nonlocal first_suspended_ns
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                by_name = {j.spec.name: j for j in jobs}
+                for name, job in by_name.items():
+                    if job.state == pb.JOB_STATE_ASSIGNED:
+                        phases[name].add(job.training.phase)
+                first = by_name["first"]
+                if not first_suspended_ns and first.training.phase == pb.TRAINING_PHASE_SUSPENDED:
+                    first_suspended_ns = time.monotonic_ns()
+                return all(
+                    {pb.TRAINING_PHASE_SUSPENDED, pb.TRAINING_PHASE_RUNNING} <= seen
+                    for seen in phases.values()
+                )
+
+            await until("the two taking turns", taking_turns, 30)
+            first, rider = await plane.job_named("first"), await plane.job_named("rider")
+            assert rider.assignment.time_slice_of == first.job_id
+            assert rider.assignment.gpu.gpu_uuid == first.assignment.gpu.gpu_uuid
+            assert first.training.height == 2
+            status = await plane.dispatchers[0].core.client_status(rider.job_id)
+            assert status is not None
+        finally:
+            outcomes = await asyncio.wait_for(asyncio.gather(*runs), 180)
+        for outcome, name in zip(outcomes, steps, strict=True):
+            text = outs[name].read_text()
+            assert outcome.exit_code == 0, (said, text)
+            assert f"train minibatches={steps[name]} done={steps[name]} failed=0" in text
+        # Suspended from its reservation: the rider's first kernel ran in its first turn, the
+        # first job suspended (no kernel of it in the next second; a quantum is 2 s), not
+        # beside the first job as it would have from its start (a mini-batch every 0.1 s).
+        engine = plane.engine_runs()
+        rider_pid, first_pid = pid_of(outs["rider"]), pid_of(outs["first"])
+        rider_first = min(begin for pid, begin, _ in engine if pid == rider_pid)
+        beside = [
+            begin for pid, begin, _ in engine if pid == first_pid and 0 < begin - rider_first < 1e9
+        ]
+        assert not beside, f"{len(beside)} kernels of the first job beside the rider's first"
+        assert first_suspended_ns

@@ -39,7 +39,8 @@ Introspective mode, in the same call (the undo before the placements, the rest a
 6. packing: the time-sliced one-GPU job with the lowest utilisation is packed with the
    one-GPU job of lowest utilisation that runs alone (or, in a group of two, with its
    partner in place), if the two fit one GPU's memory and were not undone before; then the
-   next lowest job, and so on. The trial that decides success is the caller's measurement.
+   next lowest job, and so on (only in place where the view says `pack_in_place`, as the
+   live driver's does). The trial that decides success is the caller's measurement.
 
 Grow-shrink (`gandiva-gs`, off in `gandiva`), in the same call:
 
@@ -525,13 +526,15 @@ class GandivaPolicy:
             ),
             key=lambda j: (util(j), j),
         )
-        # One-GPU jobs alone, per GPU type, lowest utilisation first: the packing targets.
+        # One-GPU jobs alone, per GPU type, lowest utilisation first: the packing targets
+        # (none where only jobs time-sliced together may be packed, in place).
         alone: dict[str, list[int]] = {}
         for gid in sorted(
             (
                 g
                 for g, jobs in scratch.jobs.items()
-                if g >= 0
+                if not view.pack_in_place
+                and g >= 0
                 and len(jobs) == 1
                 and len(scratch.slots[g]) == 1
                 and not scratch.packed[g]

@@ -18,20 +18,27 @@ How the live cluster maps onto the model:
   as `Job.grow_to`; its type packs with nothing (it holds whole GPUs); a free GPU carries the
   time since when it has been free (`idle_since`), for the policy's grow;
 - placement's scheduler places arriving jobs (they share a GPU when their shares fit
-  together), the policy decides what they do there; the only jobs that wait in the view are
-  the pending ones that a shrink would make room for: those that would fit a server holding a
-  grown job if that job went back to the GPUs it asked for (GPU model, memory of one GPU, GPU
-  count, the node's CPU and host memory as the caller filtered them). So the policy shrinks
-  grown jobs when, and only when, a pending job needs their GPUs.
+  together), the policy decides what they do there. The jobs that wait in the view are the
+  pending ones the policy may act for: a one-GPU training job the scheduler found no room for
+  (`LivePending.sliceable`: it may be time-sliced into a full GPU, over-subscription), and one
+  that a shrink would make room for: one that would fit a server holding a grown job if that
+  job went back to the GPUs it asked for (GPU model, memory of one GPU, GPU count, the node's
+  CPU and host memory as the caller filtered them). While a job is grown, a sliceable job that
+  a shrink would not help is not shown: the policy shrinks grown jobs when, and only when, a
+  pending job needs their GPUs;
+- each job's service so far (`LiveJob.attained_s`: the seconds the driver saw it running, not
+  suspended) is the policy's `attained_s`, which its time-slicing rules read;
+- a job is not moved onto a busy GPU live, so the policy packs in place only
+  (`ClusterView.pack_in_place`).
 
 Live decisions taken from the actions: `Unpack` (back to time-slicing), `Pack` of two jobs
 already on one GPU (in place), `Place` of a job onto a free GPU to spread it (a migration:
-only for jobs with a checkpoint hook), and `Resize` of an elastic job (grow onto idle GPUs of
-its server, or shrink back; its first GPU stays). A `Pack` across GPUs, a `Slice`, the
-`Place` of a waiting job (placement's scheduler places it) and a de-fragmenting `Place` are
-not taken live (a job is not moved onto a busy GPU, nor moved for a job the policy would place
-elsewhere than the scheduler), nor is a `Suspend` back to the queue (the live view gives no
-service, `attained_s`, so the policy issues none).
+only for jobs with a checkpoint hook), `Slice` of a sliceable pending job into the round-robin
+of a GPU's training jobs (not an elastic job's), and `Resize` of an elastic job (grow onto idle
+GPUs of its server, or shrink back; its first GPU stays). The `Place` of a waiting job
+(placement's scheduler places it) and a de-fragmenting `Place` are not taken live (a job is
+not moved onto a busy GPU, nor moved for a job the policy would place elsewhere than the
+scheduler), nor is a `Suspend` back to the queue (a job placement has placed stays placed).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from gpuloom.policies.training.model import (
     Place,
     Resize,
     Server,
+    Slice,
     TrainingPolicy,
     Unpack,
 )
@@ -84,6 +92,7 @@ class LiveJob:
     extra_gpus: tuple[str, ...] = ()
     gpus: int = 1
     max_gpus: int = 0
+    attained_s: float = 0.0  # its service so far: seconds seen running (not suspended)
 
     @property
     def elastic(self) -> bool:
@@ -100,6 +109,8 @@ class LivePending:
     submitted_at: float
     gpu_model: str = ""  # "" = any model; "A|B": either
     nodes: frozenset[str] | None = None  # the nodes with its CPU and host memory free; None: any
+    # A one-GPU training job: the policy may time-slice it into a full GPU (over-subscription).
+    sliceable: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,9 @@ class LivePlan:
     moves: tuple[tuple[str, str, str], ...] = ()  # (job id, target GPU uuid, reason)
     # Grow-shrink: (job id, every GPU it runs on next, first GPU first, "grow" or "shrink").
     resizes: tuple[tuple[str, tuple[str, ...], str], ...] = ()
+    # Over-subscription: (pending job id, GPU uuid) to join the round-robin of that GPU's
+    # training jobs.
+    slices: tuple[tuple[str, str], ...] = ()
 
 
 def live_view(
@@ -151,6 +165,7 @@ def live_view(
             slot_of[gpu.gpu_uuid] = (n, i)
             memory[model] = max(memory.get(model, 0), gpu.memory_bytes)
     on_gpu: dict[str, list[LiveJob]] = {}
+    by_id = {job.job_id: job for job in jobs}
     # Jobs that cannot move first: the policy moves a group's last jobs.
     for job in sorted(jobs, key=lambda j: (j.movable, j.submitted_at, j.job_id)):
         if job.gpu_uuid in slot_of:
@@ -175,13 +190,11 @@ def live_view(
             continue  # free
         gid = len(view_groups)
         numbers = []
-        elastic = False
         for job in members_on or ():
             number = len(job_ids)
             job_ids[number] = job.job_id
             if job.elastic:
                 job_type = WHOLE + job.job_id
-                elastic = True
             else:
                 job_type = job.job_type if job.measured else UNMEASURED + job.job_id
             view_jobs[number] = Job(
@@ -203,15 +216,12 @@ def live_view(
             numbers.append(number)
         state = groups.get(gpu.gpu_uuid, LiveGroupState())
         packed = state.packed and len(numbers) == 2
-        # A GPU with one job is marked packed (full) so that the policy offers it to no
-        # packing: a job is not moved onto a busy GPU live (only in-place packs are taken).
-        # An elastic job's group is not (it may grow; its type packs with nothing).
         view_groups.append(
             Group(
                 gid,
                 tuple(slot_of[u] for u in spans.get(gpu.gpu_uuid, (gpu.gpu_uuid,))),
                 tuple(numbers),
-                packed or (len(numbers) == 1 and not elastic),
+                packed,
                 state.gain if packed else None,
             )
         )
@@ -223,7 +233,13 @@ def live_view(
         for b, mem_b in type_memory.items()
         if mem_a + mem_b <= limit
     )
-    waiting = _needing_a_shrink(pending, servers, nodes, view_groups, view_jobs, job_ids, memory)
+    waiting = _waiting(pending, servers, nodes, view_groups, view_jobs, job_ids, memory)
+    attained = {
+        number: job.attained_s
+        for number, job_id in job_ids.items()
+        for job in (by_id.get(job_id),)
+        if job is not None
+    }
     view = ClusterView(
         now_s=now,
         servers=tuple(servers),
@@ -236,6 +252,8 @@ def live_view(
             {slot_of[u]: since for u, since in idle_since.items() if u in slot_of}
         ),
         grow_idle_s=grow_idle_s,
+        attained_s=MappingProxyType(attained),
+        pack_in_place=True,
     )
     gpu_of_slot = {slot: uuid for uuid, slot in slot_of.items()}
     return LiveView(view, MappingProxyType(job_ids), gpu_of_group, gpu_of_slot)
@@ -245,7 +263,7 @@ def _models(gpu_model: str) -> frozenset[str] | None:
     return frozenset(m.strip() for m in gpu_model.split("|")) if gpu_model else None
 
 
-def _needing_a_shrink(
+def _waiting(
     pending: Sequence[LivePending],
     servers: Sequence[Server],
     nodes: Sequence[str],
@@ -254,8 +272,10 @@ def _needing_a_shrink(
     job_ids: dict[int, str],
     memory: Mapping[str, int],
 ) -> tuple[int, ...]:
-    """The pending jobs that would fit a server holding a grown job were it shrunk, added to
-    `jobs` and `job_ids` (an empty id: nothing to take live); their numbers, oldest first."""
+    """The pending jobs the policy sees waiting, added to `jobs` and `job_ids` (the job's id
+    for a sliceable one, else empty: nothing to take live); their numbers, oldest first: the
+    sliceable ones, and those that would fit a server holding a grown job were it shrunk (a
+    sliceable one only if so while a job is grown: no shrink that helps nothing)."""
     used = [0] * len(servers)
     grown = [0] * len(servers)  # GPUs a shrink would give back, per server
     for g in groups:
@@ -274,9 +294,9 @@ def _needing_a_shrink(
             and p.gpus <= server.gpus - used[n] + grown[n]
             for n, server in enumerate(servers)
         )
-        if needs:
+        if needs or (p.sliceable and not any(grown)):
             number = len(job_ids)
-            job_ids[number] = ""
+            job_ids[number] = p.job_id if p.sliceable else ""
             jobs[number] = Job(number, WAITING + p.job_id, p.gpus, p.submitted_at, 1.0, models)
             waiting.append(number)
     return tuple(waiting)
@@ -288,6 +308,8 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
     pack: list[str] = []
     moves: list[tuple[str, str, str]] = []
     resizes: list[tuple[str, tuple[str, ...], str]] = []
+    slices: list[tuple[str, str]] = []
+    waiting = set(live.view.waiting)
     group_of: dict[int, int] = {j: g.id for g in live.view.groups for j in g.jobs}
     groups = {g.id: g for g in live.view.groups}
     for action in policy.decide(live.view):
@@ -315,4 +337,19 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
             uuids = tuple(live.gpu_of_slot[slot] for slot in action.slots)
             if job_id and uuids[0] == live.gpu_of_group[group.id]:  # its first GPU stays
                 resizes.append((job_id, uuids, action.reason))
-    return LivePlan(tuple(unpack), tuple(pack), tuple(moves), tuple(resizes))
+        elif isinstance(action, Slice):
+            group = groups.get(action.group)
+            job_id = live.job_ids.get(action.job)
+            # Into a GPU's training jobs only: not a stand-in's, nor an elastic job's.
+            if (
+                job_id
+                and action.job in waiting
+                and group is not None
+                and len(group.slots) == 1
+                and all(
+                    live.job_ids.get(j) and not live.view.jobs[j].job_type.startswith(WHOLE)
+                    for j in group.jobs
+                )
+            ):
+                slices.append((job_id, live.gpu_of_group[group.id]))
+    return LivePlan(tuple(unpack), tuple(pack), tuple(moves), tuple(resizes), tuple(slices))

@@ -135,11 +135,14 @@ class ClusterView:
     idle_since: Mapping[Slot, float] = field(default_factory=dict)
     grow_idle_s: float = math.inf
     # Per job, the service it has had so far: the seconds alone on its GPUs its progress is
-    # worth (mini-batches done x mini-batch time alone; the past, not its length). A job not
-    # in it counts as 0 (the live driver, which places no waiting jobs, gives none).
+    # worth (mini-batches done x mini-batch time alone; the past, not its length; live, the
+    # seconds it was seen running). A job not in it counts as 0.
     attained_s: Mapping[int, float] = field(default_factory=dict)
     # The service the jobs that ended had, per GPU count (the live driver gives none).
     ended: ServiceHistory = field(default_factory=ServiceHistory)
+    # Pack only two jobs already time-sliced on one GPU (the live driver moves no job onto a
+    # busy GPU): a job alone on its GPU is no packing target.
+    pack_in_place: bool = False
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
         return (gpu_type, a, b) in self.packable

@@ -1,0 +1,90 @@
+"""Over-subscription on the live cluster (gpuloom/policies/training/live.py with `gandiva`):
+a pending one-GPU training job is time-sliced into a full GPU's round-robin by the policy's
+own rules (its wait, the service of the jobs it joins, the queue ahead of it), only into GPUs
+holding training jobs, never an elastic job's or a GPU busy with other work; and the live view
+packs in place only."""
+
+from __future__ import annotations
+
+from gpuloom.policies.training.gandiva import GandivaPolicy
+from gpuloom.policies.training.live import (
+    LiveGpu,
+    LiveGroupState,
+    LiveJob,
+    LivePending,
+    LivePlan,
+    live_plan,
+    live_view,
+)
+
+GIB = 1 << 30
+EFFICIENCY = 60 / 61
+HOUR = 3600.0
+
+
+def gpus(n: int, busy: tuple[int, ...] = ()) -> list[LiveGpu]:
+    return [LiveGpu(f"g{i}", "n1", "A100", 80 * GIB, i in busy) for i in range(n)]
+
+
+def running(job_id: str, gpu: str, attained_s: float, **more: object) -> LiveJob:
+    return LiveJob(job_id, gpu, "resnet", 8 * GIB, 0.0, attained_s=attained_s, **more)  # type: ignore[arg-type]
+
+
+def waiting(job_id: str, submitted_at: float, sliceable: bool = True) -> LivePending:
+    return LivePending(job_id, 1, 8 * GIB, submitted_at, sliceable=sliceable)
+
+
+def plan(
+    cluster: list[LiveGpu],
+    jobs: list[LiveJob],
+    pending: list[LivePending],
+    now: float,
+    groups: dict[str, LiveGroupState] | None = None,
+    policy: GandivaPolicy | None = None,
+) -> LivePlan:
+    live = live_view(cluster, jobs, groups or {}, now, EFFICIENCY, pending=pending)
+    return live_plan(live, policy or GandivaPolicy(queue_ahead=0))
+
+
+def test_a_pending_job_is_time_sliced_in_once_the_rules_allow() -> None:
+    cluster = gpus(2)
+    jobs = [running("a", "g0", 2 * HOUR), running("b", "g1", 0.5 * HOUR)]
+    # Waited half an hour: it waits on for a GPU of its own.
+    assert plan(cluster, jobs, [waiting("c", 0.0)], 0.5 * HOUR).slices == ()
+    # Waited two hours: into the round-robin of the job that has had its hour of service
+    # (not the one that has had half an hour: it may be the shorter).
+    assert plan(cluster, jobs, [waiting("c", 0.0)], 2 * HOUR).slices == (("c", "g0"),)
+    # With two hours each, the lower GPU first; a job the policy may not slice is not.
+    both = [running("a", "g0", 2 * HOUR), running("b", "g1", 2 * HOUR)]
+    assert plan(cluster, both, [waiting("c", 0.0)], 2 * HOUR).slices == (("c", "g0"),)
+    assert plan(cluster, both, [waiting("c", 0.0, sliceable=False)], 2 * HOUR).slices == ()
+
+
+def test_the_queue_ahead_rule_holds_live() -> None:
+    cluster = gpus(1)
+    jobs = [running("a", "g0", 3 * HOUR)]
+    pending = [waiting("c", 0.0), waiting("d", 1.0), waiting("e", 2.0)]
+    # Two jobs of its shape must wait ahead of it (the default): only the third is sliced in.
+    sliced = plan(cluster, jobs, pending, 2 * HOUR, policy=GandivaPolicy()).slices
+    assert sliced == (("e", "g0"),)
+
+
+def test_no_slice_into_a_gpu_busy_with_other_work_or_an_elastic_job() -> None:
+    cluster = gpus(2, busy=(1,))
+    elastic = running("el", "g0", 3 * HOUR, gpus=1, max_gpus=2)
+    policy = GandivaPolicy(queue_ahead=0, share_after_s=0)
+    assert plan(cluster, [elastic], [waiting("c", 0.0)], 2 * HOUR, policy=policy).slices == ()
+
+
+def test_the_live_view_packs_in_place_only() -> None:
+    """Two measured jobs time-sliced on g0 and one alone on g1, all of a packable type: the
+    policy packs the pair on g0 in place; moving one onto g1 (a busy GPU) is never planned."""
+    cluster = gpus(2)
+    jobs = [
+        running("a", "g0", 0.0, utilisation=0.3),
+        running("b", "g0", 0.0, utilisation=0.4),
+        running("c", "g1", 0.0, utilisation=0.1),
+    ]
+    result = plan(cluster, jobs, [], 0.0)
+    assert result.pack == ("g0",)
+    assert result.moves == ()
