@@ -40,13 +40,16 @@ group's jobs in their rectangle (the driver suspends and resumes them one at a t
 takes no area, only its memory (memory stays resident while a job is suspended) and its node's
 CPU and host memory. The group's key is its first allocation's id (`Allocation.slice_group`);
 the group, and its rectangle, live while any of its allocations does, the first included or
-not. A GPU's boxes are therefore one per group, keyed by the group key.
+not. A GPU's boxes are therefore one per group, keyed by the group key. `slice_gang_into` does
+the same for a job on several whole GPUs, all or none: on each GPU it joins the group named for
+that GPU (a running gang's groups are `host` on its first GPU, `host#1`... on the others), its
+allocations' ids and `gang` as `place` gives a gang, its CPU and host memory on the first only.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -414,59 +417,144 @@ class Fleet:
         taking turns with the group's jobs, and holds only its memory and its node's CPU and
         host memory. Returns the allocation. InvalidRequestError for a job field that makes no
         sense; InvalidPlacementError naming the problem when it cannot join (nothing changes):
-        a job on several GPUs or a shared model's replica, an id already held (or a live group's
-        key), an unknown or unschedulable GPU, no allocation of the group there, a GPU of
-        another model, a quota x SM larger than the group's rectangle, too little free memory,
-        or a node short of the job's CPU or host memory."""
+        a job on several GPUs (see slice_gang_into) or a shared model's replica, an id already
+        held (or a live group's key), an unknown or unschedulable GPU, no allocation of the
+        group there, a GPU of another model, a quota x SM larger than the group's rectangle,
+        too little free memory, or a node short of the job's CPU or host memory."""
         job.validate()
         slot = self._gpus.get(gpu_id)
-        box = slot.boxes.get(group) if slot is not None and isinstance(group, str) else None
         problem = ""
         if job.gpus != 1:
-            problem = f"it asks for {job.gpus} whole GPUs (a member takes turns on one)"
+            problem = (
+                f"it asks for {job.gpus} whole GPUs (a member takes turns on one; "
+                "slice_gang_into joins a group on each)"
+            )
         elif job.shared_model:
             problem = f"it is a replica of shared model {job.shared_model} (placed beside it)"
         elif taken := self._id_taken(job.job_id):
             problem = taken
-        elif slot is None:
-            problem = "the GPU is unknown"
-        elif not slot.schedulable:
-            problem = "the GPU is not schedulable"
-        elif box is None:
-            problem = "the GPU holds no allocation of that group"
-        elif not job.allows(slot.model):
-            problem = f"the GPU is a {slot.model}, not a {job.gpu_model}"
-        elif job.w > box[2] - box[0] or job.sm_percent > box[3] - box[1]:
-            problem = (
-                f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
-                f"{rect_of(box).label()}"
-            )
-        elif job.memory_bytes > slot.memory_free:
-            problem = (
-                f"it needs {describe_gib(job.memory_bytes)} of memory, the GPU has "
-                f"{describe_gib(slot.memory_free)} free"
-            )
-        elif not self._nodes[slot.node].takes(job):
+        else:
+            problem = self._join_problem(job, slot, group)
+        if not problem and slot is not None and not self._nodes[slot.node].takes(job):
             problem = f"node {slot.node} has not {self.describe_node_ask(job)} free"
-        if problem or slot is None or box is None:
+        if problem or slot is None:
             raise InvalidPlacementError(
                 f"job {job.job_id} cannot join time-slice group {group!r} on GPU {gpu_id}: "
                 f"{problem}"
             )
-        allocation = Allocation(
-            job.job_id,
+        allocation = self._member(job, slot, group, job.job_id, first=True)
+        self._occupy(slot, allocation, slot.boxes[group])
+        return allocation
+
+    def slice_gang_into(
+        self, job: JobRequest, groups: Sequence[tuple[str, str]]
+    ) -> tuple[Allocation, ...]:
+        """Commit `job`, on `job.gpus` >= 2 whole GPUs of one node, as a member of a time-slice
+        group on each: `groups` lists (gpu_id, group) pairs, the group of an allocation on that
+        GPU (a running gang `host`'s are ("gpu0", "host"), ("gpu1", "host#1")...). The first
+        pair's allocation has the job's id and holds its CPU and host memory; the i-th further
+        one is `gang_member_id(job.job_id, i)` with `gang` the job id, as `place` gives a gang;
+        each sits in its group's rectangle and holds `job.memory_bytes` of its GPU. Returns the
+        allocations in the order of `groups`; `release(job.job_id)` gives them all back.
+        InvalidRequestError for a job field or a pair that makes no sense; InvalidPlacementError
+        naming the GPU and the problem when it cannot join (all or nothing: nothing changes):
+        a one-GPU job (see slice_into), not one pair per GPU it asks for, a GPU named twice,
+        GPUs of different nodes, any id of the job held (or a live group's key), and per GPU
+        what slice_into refuses (unknown, unschedulable, no allocation of the group there,
+        another model, a rectangle smaller than the whole GPU, too little free memory), or the
+        node short of the job's CPU or host memory."""
+        job.validate()
+        pairs = tuple(groups)
+        for pair in pairs:
+            if not (
+                isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(v, str) for v in pair)
+            ):
+                raise InvalidRequestError(f"groups must hold (gpu_id, group) pairs, got {pair!r}")
+        named = ", ".join(f"{group!r} on GPU {gpu_id}" for gpu_id, group in pairs)
+        ids = [job.job_id, *(gang_member_id(job.job_id, i) for i in range(1, len(pairs)))]
+        slots = [self._gpus.get(gpu_id) for gpu_id, _ in pairs]
+        problem = ""
+        if job.gpus < 2:
+            problem = "it asks for one GPU (slice_into joins one group)"
+        elif len(pairs) != job.gpus:
+            problem = f"it asks for {job.gpus} GPUs, {len(pairs)} are named"
+        elif len({gpu_id for gpu_id, _ in pairs}) != len(pairs):
+            twice = sorted({g for g, _ in pairs if sum(g == h for h, _ in pairs) > 1})
+            problem = f"GPU {', '.join(twice)} is named twice (a job takes distinct GPUs)"
+        else:
+            problem = next(filter(None, map(self._id_taken, ids)), "")
+        for (gpu_id, group), slot in zip(pairs, slots, strict=True):
+            if problem:
+                break
+            reason = self._join_problem(job, slot, group)
+            if reason:
+                problem = f"GPU {gpu_id}: {reason}"
+        node = slots[0].node if slots and slots[0] is not None else ""
+        for (gpu_id, _), slot in zip(pairs, slots, strict=True):
+            if problem:
+                break
+            if slot is not None and slot.node != node:
+                problem = (
+                    f"GPU {gpu_id} is on node {slot.node}, GPU {pairs[0][0]} on {node} "
+                    "(a job's GPUs are one node's)"
+                )
+        if not problem and not self._nodes[node].takes(job):
+            problem = f"node {node} has not {self.describe_node_ask(job)} free"
+        if problem:
+            raise InvalidPlacementError(
+                f"job {job.job_id} cannot join time-slice groups {named}: {problem}"
+            )
+        joined = []
+        for i, ((_, group), slot) in enumerate(zip(pairs, slots, strict=True)):
+            assert slot is not None
+            allocation = self._member(job, slot, group, ids[i], first=i == 0)
+            self._occupy(slot, allocation, slot.boxes[group])
+            joined.append(allocation)
+        return tuple(joined)
+
+    def _join_problem(self, job: JobRequest, slot: GpuSlot | None, group: str) -> str:
+        """Why `job` cannot join time-slice group `group` on this GPU ("" when it can), its
+        node's CPU and host memory aside."""
+        box = slot.boxes.get(group) if slot is not None and isinstance(group, str) else None
+        if slot is None:
+            return "the GPU is unknown"
+        if not slot.schedulable:
+            return "the GPU is not schedulable"
+        if box is None:
+            return "the GPU holds no allocation of that group"
+        if not job.allows(slot.model):
+            return f"the GPU is a {slot.model}, not a {job.gpu_model}"
+        if job.w > box[2] - box[0] or job.sm_percent > box[3] - box[1]:
+            return (
+                f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
+                f"{rect_of(box).label()}"
+            )
+        if job.memory_bytes > slot.memory_free:
+            return (
+                f"it needs {describe_gib(job.memory_bytes)} of memory, the GPU has "
+                f"{describe_gib(slot.memory_free)} free"
+            )
+        return ""
+
+    @staticmethod
+    def _member(
+        job: JobRequest, slot: GpuSlot, group: str, allocation_id: str, first: bool
+    ) -> Allocation:
+        """The allocation `job` holds on `slot` as a member of `group`: on a job's first GPU
+        its node resources, on a further one none and `gang` the job id."""
+        return Allocation(
+            allocation_id,
             job.sm_percent,
             job.quota_request_percent,
             job.memory_bytes,
             job.priority,
             job.task_key,
-            rect_of(box),
-            job.cpu_milli,
-            job.host_memory_bytes,
+            rect_of(slot.boxes[group]),
+            job.cpu_milli if first else 0,
+            job.host_memory_bytes if first else 0,
+            "" if first else job.job_id,
             slice_of=group,
         )
-        self._occupy(slot, allocation, box)
-        return allocation
 
     def slice_members(self, group: str) -> tuple[str, ...]:
         """The ids of the live allocations of time-slice group `group`: its first allocation

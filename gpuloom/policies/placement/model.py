@@ -208,7 +208,9 @@ class Allocation:
     # A member of a time-slice group (Gandiva's over-subscription): the allocation id of the
     # group's first allocation, released or not. A member takes turns with the group's other
     # jobs in the group's rectangle (it runs only while they are suspended), so it holds that
-    # rectangle, not one of its own, plus its memory and node resources. "" = none.
+    # rectangle, not one of its own, plus its memory and node resources. "" = none. A further
+    # GPU of a job (`gang` set) may be a member too: a gang time-sliced with another on its GPUs
+    # joins on each the group there (each GPU's group has its own key).
     slice_of: str = ""
 
     @property
@@ -230,11 +232,6 @@ class Allocation:
                 raise InvalidRequestError(
                     f"allocation {self.allocation_id}: slice_of names the allocation itself "
                     "(a group's first allocation leaves it empty)"
-                )
-            if self.gang:
-                raise InvalidRequestError(
-                    f"allocation {self.allocation_id}: a further GPU of job {self.gang} cannot "
-                    f"join time-slice group {self.slice_of}"
                 )
         _check_sm(self.sm_percent)
         _check_quota("quota_percent", self.quota_percent)

@@ -1,8 +1,9 @@
 """Time-slice groups in the fleet (Gandiva's over-subscription): `Fleet.slice_into` puts a job in
 the rectangle of an allocation already there, taking turns with it; the member holds memory and
 node resources but no area, the box is freed when the group's last allocation leaves, and a
-restart rebuilds the same state. Refusals change nothing. A hypothesis property mixes policy
-placements, slices and releases."""
+restart rebuilds the same state. `Fleet.slice_gang_into` does it for a job on several whole GPUs,
+joining the group on each. Refusals change nothing. A hypothesis property mixes policy
+placements (gangs too), slices, gang slices and releases."""
 
 from __future__ import annotations
 
@@ -328,12 +329,249 @@ def test_stored_groups_that_cannot_be_are_refused(case: str) -> None:
 def test_an_allocation_names_its_group_sensibly() -> None:
     for bad, says in [
         (Allocation("a", 10, 10, 0, slice_of="a"), "names the allocation itself"),
-        (Allocation("a#1", 10, 10, 0, gang="a", slice_of="b"), "cannot join time-slice group"),
+        (Allocation("a#1", 10, 10, 0, gang="a", slice_of="a#1"), "names the allocation itself"),
         (Allocation("a", 10, 10, 0, slice_of=None), "slice_of must be a non-empty string"),  # type: ignore[arg-type]
     ]:
         with pytest.raises(InvalidRequestError, match=says):
             bad.validate()
     Allocation("a", 10, 10, 0, slice_of="b").validate()
+    # A further GPU of a job joins the group on its GPU (a gang time-sliced into a gang).
+    Allocation("a#1", 10, 10, 0, gang="a", slice_of="b#1").validate()
+
+
+# ---- a job on several whole GPUs joining a group on each ----
+
+
+def gang_fleet() -> Fleet:
+    """Node n1: g0, g1 (model A, 40 GiB) held whole by the 2-GPU job "h" (10 GiB on each, 1 CPU
+    and 4 GiB of host memory), g3 (model B) empty; node n2: g2 (model A) empty."""
+    fleet = fleet_of(
+        node_gpu("g0"), node_gpu("g1"), node_gpu("g2", node="n2"), node_gpu("g3", model="B")
+    )
+    host = job("h", 100, 100, 10, gpu_model="A", gpus=2, cpu_milli=1000)
+    p = placed(fleet.place(replace(host, host_memory_bytes=4 * GIB), MRA))
+    assert p.gpu_ids == ("g0", "g1")
+    return fleet
+
+
+HOST_GROUPS = (("g0", "h"), ("g1", "h#1"))
+
+
+def newcomer(job_id: str = "n", gib: float = 12, **kw) -> JobRequest:
+    kw.setdefault("cpu_milli", 500)
+    kw.setdefault("host_memory_bytes", 2 * GIB)
+    return job(job_id, 100, 100, gib, gpus=2, task_key="t", **kw)
+
+
+def gang_state(fleet: Fleet) -> tuple:
+    """Everything a refusal must leave as it was (and a restart must rebuild), in any order."""
+    gpus = {g.gpu_id: replace(g, allocations=()) for g in fleet.snapshot()}
+    held = {g: sorted(fleet.allocations(g), key=lambda a: a.allocation_id) for g in gpus}
+    nodes = {n: (s.cpu_used, s.memory_used) for n, s in fleet.nodes.items()}
+    free = {g: (fleet.free_rects(g), fleet.slot(g).memory_free) for g in fleet.gpu_ids()}
+    groups = {g: fleet.slice_members(g) for g in ("h", "h#1", "n", "n#1")}
+    return gpus, held, nodes, free, groups, fleet.gpus_of("n")
+
+
+def test_a_gang_joins_the_group_on_each_of_a_running_gangs_gpus() -> None:
+    fleet = gang_fleet()
+    first, second = fleet.slice_gang_into(newcomer(), HOST_GROUPS)
+    assert (first, second) == (fleet.allocation("n"), fleet.allocation("n#1"))
+    whole = rect(0, 0, 100, 100)
+    assert (first.allocation_id, first.gang, first.slice_of) == ("n", "", "h")
+    assert (second.allocation_id, second.gang, second.slice_of) == ("n#1", "n", "h#1")
+    assert first.rect == second.rect == whole
+    assert first.memory_bytes == second.memory_bytes == 12 * GIB
+    # Node resources on the first GPU only, as a placed gang holds them.
+    assert (first.cpu_milli, first.host_memory_bytes) == (500, 2 * GIB)
+    assert (second.cpu_milli, second.host_memory_bytes) == (0, 0)
+    assert (first.task_key, second.task_key) == ("t", "t")
+    for g in ("g0", "g1"):
+        assert fleet.slot(g).memory_used == 22 * GIB and fleet.slot(g).area_free == 0
+        assert set(fleet.slot(g).boxes) == {"h" if g == "g0" else "h#1"}
+    assert (fleet.node("n1").cpu_used, fleet.node("n1").memory_used) == (1500, 6 * GIB)
+    assert fleet.gpus_of("n") == ("g0", "g1") and fleet.gpus_of("h") == ("g0", "g1")
+    assert fleet.slice_members("h") == ("h", "n") and fleet.slice_members("h#1") == ("h#1", "n#1")
+    fleet.verify()
+    # The pairs' order picks the first GPU: it may be the host's second.
+    fleet.release("n")
+    fleet.verify()
+    fleet.slice_gang_into(newcomer(), tuple(reversed(HOST_GROUPS)))
+    assert fleet.gpus_of("n") == ("g1", "g0") and fleet.allocation("n#1").slice_of == "h"  # type: ignore[union-attr]
+    assert fleet.allocation("n").cpu_milli == 500  # type: ignore[union-attr]
+    fleet.verify()
+
+
+def _other_node_group(fleet: Fleet) -> tuple[JobRequest, tuple]:
+    placed(fleet.place(job("o", 100, 100, 1, gpu_model="A"), MRA))  # on g2, node n2
+    assert fleet.gpu_of("o") == "g2"
+    return newcomer(), (("g0", "h"), ("g2", "o"))
+
+
+def _partial_group(fleet: Fleet) -> tuple[JobRequest, tuple]:
+    placed(fleet.place(job("p", 50, 50, 1, gpu_model="B"), MRA))  # on g3, node n1
+    return newcomer(), (("g0", "h"), ("g3", "p"))
+
+
+def _second_gpu_short(fleet: Fleet) -> tuple[JobRequest, tuple]:
+    fleet.slice_into(job("s", 100, 100, 10), "g1", "h#1")  # g1: 20 GiB free, g0: 30
+    return newcomer(gib=25), HOST_GROUPS
+
+
+def _member_id_held(fleet: Fleet) -> tuple[JobRequest, tuple]:
+    placed(fleet.place(job("n#1", 10, 10, 1, gpu_model="B"), MRA))
+    return newcomer(), HOST_GROUPS
+
+
+def _unschedulable(fleet: Fleet) -> tuple[JobRequest, tuple]:
+    fleet.set_schedulable("g1", False)
+    return newcomer(), HOST_GROUPS
+
+
+GANG_REFUSALS = [
+    ("one GPU", lambda f: (job("n", 100, 100), HOST_GROUPS[:1]), "it asks for one GPU"),
+    ("too few", lambda f: (newcomer(), HOST_GROUPS[:1]), "it asks for 2 GPUs, 1 are named"),
+    ("too many", lambda f: (newcomer(), (*HOST_GROUPS, ("g3", "x"))), "3 are named"),
+    ("twice", lambda f: (newcomer(), (("g0", "h"), ("g0", "h"))), "GPU g0 is named twice"),
+    ("other node", _other_node_group, "GPU g2 is on node n2, GPU g0 on n1"),
+    ("unknown", lambda f: (newcomer(), (("g0", "h"), ("gx", "h#1"))), "GPU gx: the GPU is unkn"),
+    ("no group", lambda f: (newcomer(), (("g0", "h"), ("g1", "h"))), "GPU g1: the GPU holds no"),
+    ("empty GPU", lambda f: (newcomer(), (("g0", "h"), ("g3", "h#1"))), "GPU g3: the GPU holds"),
+    ("unschedulable", _unschedulable, "GPU g1: the GPU is not schedulable"),
+    ("other model", lambda f: (newcomer(gpu_model="B"), HOST_GROUPS), "GPU g0: the GPU is a A"),
+    ("part of a GPU", _partial_group, "GPU g3: its 100% quota x 100% SM does not fit"),
+    ("memory", lambda f: (newcomer(gib=31), HOST_GROUPS), "GPU g0: it needs 31 GiB of memory"),
+    ("memory there", _second_gpu_short, "GPU g1: it needs 25 GiB of memory, the GPU has 20"),
+    ("cpu", lambda f: (newcomer(cpu_milli=7001), HOST_GROUPS), "node n1 has not 7001"),
+    (
+        "host memory",
+        lambda f: (newcomer(host_memory_bytes=61 * GIB), HOST_GROUPS),
+        "node n1 has not 500 milli CPU and 61 GiB of host memory free",
+    ),
+    ("id held", lambda f: (newcomer("h"), HOST_GROUPS), "job h already holds"),
+    ("member id held", _member_id_held, "job n#1 already holds"),
+]
+
+
+@pytest.mark.parametrize(("case", "make", "says"), GANG_REFUSALS, ids=[r[0] for r in GANG_REFUSALS])
+def test_a_refused_gang_slice_names_the_gpu_and_problem_and_changes_nothing(
+    case, make, says
+) -> None:
+    fleet = gang_fleet()
+    job_, groups = make(fleet)
+    before = gang_state(fleet)
+    with pytest.raises(InvalidPlacementError, match="cannot join time-slice groups") as error:
+        fleet.slice_gang_into(job_, groups)
+    assert says in str(error.value)
+    assert gang_state(fleet) == before
+    fleet.verify()
+
+
+def test_a_gang_slice_with_bad_pairs_or_a_bad_job_is_an_invalid_request() -> None:
+    fleet = gang_fleet()
+    before = gang_state(fleet)
+    for groups in [(("g0", "h"), ("g1",)), (("g0", "h"), ["g1", "h#1"]), (("g0", "h"), ("g1", 1))]:
+        with pytest.raises(InvalidRequestError, match="groups must hold"):
+            fleet.slice_gang_into(newcomer(), groups)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="takes them whole"):
+        fleet.slice_gang_into(job("n", 50, 100, gpus=2), HOST_GROUPS)
+    assert gang_state(fleet) == before
+
+
+def test_the_host_gang_leaving_first_keeps_both_boxes_until_the_newcomer_leaves() -> None:
+    fleet = gang_fleet()
+    fleet.slice_gang_into(newcomer(), HOST_GROUPS)
+    assert fleet.release("h") is not None
+    for g in ("g0", "g1"):
+        slot = fleet.slot(g)
+        assert slot.area_free == 0 and fleet.free_rects(g) == ()
+        assert slot.memory_used == 12 * GIB
+    assert (fleet.node("n1").cpu_used, fleet.node("n1").memory_used) == (500, 2 * GIB)
+    assert fleet.slice_members("h") == ("n",) and fleet.slice_members("h#1") == ("n#1",)
+    assert fleet.gpus_of("h") == () and fleet.gpus_of("n") == ("g0", "g1")
+    fleet.verify()
+    # The boxes stay taken: no whole-GPU job gets g0 or g1, the live keys are not reusable.
+    assert isinstance(fleet.place(job("w", 100, 100, 1, gpu_model="A"), MRA), Placement)  # g2
+    assert fleet.gpu_of("w") == "g2"
+    assert not isinstance(fleet.place(job("w2", 100, 100, 1, gpu_model="A"), MRA), Placement)
+    assert not isinstance(fleet.place(job("w3", 100, 100, gpus=2), MRA), Placement)
+    for taken in ("h", "h#1"):
+        with pytest.raises(InvalidRequestError, match="key of a time-slice group still held"):
+            fleet.place(job(taken, 10, 10, 1), MRA)
+    fleet.verify()
+    # The newcomer leaving frees both boxes and every resource it held.
+    assert fleet.release("w") is not None
+    assert fleet.release("n") is not None and fleet.release("n") is None
+    for g in ("g0", "g1"):
+        slot = fleet.slot(g)
+        assert slot.area_free == GRID_AREA and slot.memory_used == 0 and not slot.boxes
+    assert (fleet.node("n1").cpu_used, fleet.node("n1").memory_used) == (0, 0)
+    assert fleet.slice_members("h") == () and fleet.slice_members("h#1") == ()
+    fleet.verify()
+    assert placed(fleet.place(job("h", 100, 100, gpus=2), MRA)).gpu_ids == ("g0", "g1")
+    fleet.verify()
+
+
+def test_the_newcomer_leaving_first_gives_back_its_memory_only() -> None:
+    fleet = gang_fleet()
+    fleet.slice_gang_into(newcomer(), HOST_GROUPS)
+    assert fleet.release("n") is not None
+    for g in ("g0", "g1"):
+        assert fleet.slot(g).memory_used == 10 * GIB and fleet.slot(g).area_free == 0
+    assert fleet.node("n1").cpu_used == 1000 and fleet.slice_members("h") == ("h",)
+    fleet.verify()
+    assert fleet.release("h") is not None
+    assert all(fleet.slot(g).area_free == GRID_AREA for g in ("g0", "g1"))
+    fleet.verify()
+
+
+@pytest.mark.parametrize("host_released", [False, True])
+@pytest.mark.parametrize("order", ["as stored", "shuffled"])
+def test_a_restart_rebuilds_a_gang_in_groups(host_released: bool, order: str) -> None:
+    fleet = gang_fleet()
+    fleet.slice_gang_into(newcomer(), HOST_GROUPS)
+    fleet.slice_into(job("s", 100, 100, 1), "g1", "h#1")  # a one-GPU member beside it
+    if host_released:
+        fleet.release("h")
+    states = fleet.snapshot()
+    if order == "shuffled":
+        rng = random.Random(5)
+        states = [
+            replace(s, allocations=tuple(rng.sample(s.allocations, len(s.allocations))))
+            for s in states
+        ]
+        rng.shuffle(states)
+    rebuilt = Fleet.from_allocations(states)
+    rebuilt.verify()
+    assert gang_state(rebuilt) == gang_state(fleet)
+    for g in fleet.gpu_ids():
+        assert rebuilt.slot(g).boxes == fleet.slot(g).boxes
+        assert sorted(rebuilt.slot(g).free.maximal) == sorted(fleet.slot(g).free.maximal)
+    # The rebuilt gang leaves as one, and the groups' boxes go with their last allocation.
+    rebuilt.release("n")
+    rebuilt.release("s")
+    assert rebuilt.slot("g0").area_free == (GRID_AREA if host_released else 0)
+    assert rebuilt.slot("g1").area_free == (GRID_AREA if host_released else 0)
+    rebuilt.verify()
+
+
+def test_a_stored_gang_member_in_a_group_of_another_gpu_is_refused() -> None:
+    fleet = gang_fleet()
+    fleet.slice_gang_into(newcomer(), HOST_GROUPS)
+    fleet.release("h")
+    states = fleet.snapshot()
+    # n#1 on g1 claiming g0's group "h": that group would span two GPUs.
+    moved = [
+        replace(
+            s,
+            allocations=tuple(
+                replace(a, slice_of="h") if a.allocation_id == "n#1" else a for a in s.allocations
+            ),
+        )
+        for s in states
+    ]
+    with pytest.raises(InvalidStateError, match="time-slice group h has allocations on GPUs"):
+        Fleet.from_allocations(moved)
 
 
 # ---- other readers ----
@@ -387,7 +625,7 @@ def sequences(draw: st.DrawFn):
             node_cpu_milli=nodes[i % 2][0],
             node_memory_bytes=nodes[i % 2][1],
         )
-        for i in range(draw(st.integers(1, 3)))
+        for i in range(draw(st.integers(1, 4)))
     ]
     shape = st.tuples(st.integers(1, 100), st.sampled_from((5.0, 20.0, 33.33, 50.0, 100.0)))
     ask = st.tuples(
@@ -400,8 +638,24 @@ def sequences(draw: st.DrawFn):
     place = st.tuples(st.just("place"), ask, st.sampled_from(POLICY_NAMES))
     join = st.tuples(st.just("slice"), ask, st.integers(0, 1000), st.integers(0, 1000))
     release = st.tuples(st.just("release"), st.integers(0, 1000))
-    toggle = st.tuples(st.just("toggle"), st.integers(0, 2))
-    op = st.one_of(place, place, place, join, join, join, release, release, toggle)
+    toggle = st.tuples(st.just("toggle"), st.integers(0, 3))
+    # Jobs on two whole GPUs, placed or time-sliced into another such job's GPUs.
+    gang = st.tuples(st.just("gang"), ask, st.sampled_from(POLICY_NAMES))
+    gang_join = st.tuples(st.just("gang-slice"), ask, st.integers(0, 1000), st.integers(0, 1000))
+    op = st.one_of(
+        place,
+        place,
+        place,
+        join,
+        join,
+        join,
+        release,
+        release,
+        toggle,
+        gang,
+        gang,
+        *[gang_join] * 3,
+    )
     return gpus, draw(st.lists(op, min_size=5, max_size=50))
 
 
@@ -420,12 +674,54 @@ def check(fleet: Fleet) -> None:
         assert node.memory_used <= node.memory_bytes or node.memory_used == 0
 
 
+def _gang_slice(fleet: Fleet, j: JobRequest, live: list[str], pick: int, how: int) -> str | None:
+    """Time-slice the 2-GPU job `j` into the groups of a live job on two GPUs, in either order,
+    mostly; now and then into a GPU twice or into any group of any GPU (mostly refused)."""
+    gangs = [a for a in live if len(fleet.gpus_of(a)) == 2]
+    pairs: list[tuple[str, str]] = []
+    if gangs:
+        host = gangs[pick % len(gangs)]
+        for a_id in (host, f"{host}#1"):
+            allocation = fleet.allocation(a_id)
+            gpu_id = fleet.gpu_of(a_id)
+            assert allocation is not None and gpu_id is not None
+            pairs.append((gpu_id, allocation.slice_group))
+        if how % 2:
+            pairs.reverse()
+    if how % 5 == 0 or not pairs:
+        gpu_ids = sorted(fleet.gpu_ids())
+        gpu_id = gpu_ids[pick % len(gpu_ids)]
+        keys = sorted(fleet.slot(gpu_id).boxes) or ["none"]
+        pairs = [*pairs[:1], (gpu_id, keys[how % len(keys)])]
+        if len(pairs) < 2:
+            pairs.append(pairs[0] if how % 3 else (gpu_ids[(pick + 1) % len(gpu_ids)], "none"))
+    before = fleet.snapshot()
+    try:
+        joined = fleet.slice_gang_into(j, pairs)
+    except InvalidPlacementError:
+        assert fleet.snapshot() == before
+        return None
+    assert [(fleet.gpu_of(a.allocation_id), a.slice_group) for a in joined] == pairs
+    assert fleet.gpus_of(j.job_id) == tuple(g for g, _ in pairs)
+    assert [a.gang for a in joined] == ["", j.job_id]
+    return j.job_id
+
+
 def run_sequence(gpus: list[GpuState], ops: list[tuple]) -> Fleet:
     fleet = Fleet.from_allocations(gpus)
     policies = {name: get_policy(name) for name in POLICY_NAMES}
     live: list[str] = []
     for n, op in enumerate(ops):
-        if op[0] in ("place", "slice"):
+        if op[0] in ("gang", "gang-slice"):
+            _, gib, cpu, host, model = op[1]
+            j = job(f"j{n}", 100, 100, gib, gpus=2, cpu_milli=cpu, host_memory_bytes=host)
+            if op[0] == "gang":
+                j = replace(j, gpu_model=model)
+                if isinstance(fleet.place(j, policies[op[2]]), Placement):
+                    live.append(j.job_id)
+            elif (member := _gang_slice(fleet, j, live, op[2], op[3])) is not None:
+                live.append(member)
+        elif op[0] in ("place", "slice"):
             (sm, quota), gib, cpu, host, model = op[1]
             j = job(f"j{n}", sm, quota, gib, gpu_model=model, cpu_milli=cpu)
             j = replace(j, host_memory_bytes=host, task_key=("t0", "t1", "")[n % 3])
@@ -507,4 +803,35 @@ def test_a_long_run_of_slices_on_crowded_gpus() -> None:
             ops.append(("release", rng.randrange(1000)))
     fleet = run_sequence(gpus, ops)
     assert any(a.slice_of for g in fleet.gpu_ids() for a in fleet.allocations(g))
+    Fleet.from_allocations(fleet.snapshot()).verify()
+
+
+def test_a_long_run_of_gang_slices() -> None:
+    rng = random.Random(11)
+    gpus = [node_gpu(f"g{i}", memory_gib=80, node=f"n{i % 2}") for i in range(4)]
+    ops: list[tuple] = []
+    joined = 0
+    for _ in range(300):
+        ask = ((100, 100.0), rng.randint(0, 8), rng.choice((0, 500)), 0, "")
+        r = rng.random()
+        if r < 0.25:
+            ops.append(("gang", ask, rng.choice(("mra", "fgd"))))
+        elif r < 0.6:
+            ops.append(("gang-slice", ask, rng.randrange(1000), rng.randrange(1000)))
+        elif r < 0.7:
+            ops.append(("slice", ask, rng.randrange(1000), rng.randrange(1000)))
+        else:
+            ops.append(("release", rng.randrange(1000)))
+    original = Fleet.slice_gang_into
+
+    def counted(fleet: Fleet, j: JobRequest, groups):  # type: ignore[no-untyped-def]
+        nonlocal joined
+        result = original(fleet, j, groups)
+        joined += 1
+        return result
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Fleet, "slice_gang_into", counted)
+        fleet = run_sequence(gpus, ops)
+    assert joined >= 10
     Fleet.from_allocations(fleet.snapshot()).verify()
