@@ -404,7 +404,13 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                     cpu_milli=spec.cpu_milli if first else 0,
                     host_memory_bytes=spec.host_memory_bytes if first else 0,
                     gang="" if first else job.job_id,
-                    slice_of=binding.time_slice_of,
+                    # Its time-slice group there: the allocation of the group's first job on
+                    # that GPU (its GPUs in the same order).
+                    slice_of=(
+                        gang_member_id(binding.time_slice_of, i)
+                        if binding.time_slice_of and not first
+                        else binding.time_slice_of
+                    ),
                 ),
             )
         )

@@ -425,8 +425,6 @@ class TrainingDriver:
             and j.spec.kind is JobKind.TRAINING
             and j.binding is not None
             and j.binding.mig is None
-            # A job on several GPUs is left alone (docs/training.md), unless elastic.
-            and (not j.binding.extra or j.spec.elastic)
         ]
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
@@ -445,7 +443,6 @@ class TrainingDriver:
                 and job.spec.kind is JobKind.TRAINING
                 and job.binding is not None
                 and job.binding.gpu_uuid == gpu_uuid
-                and (not job.binding.extra or job.spec.elastic)
             ):
                 jobs.append(job)
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
@@ -515,12 +512,7 @@ class TrainingDriver:
             spec = job.spec
             if job.state is not JobState.PENDING or spec.is_mig_batch:
                 continue
-            sliceable = (
-                spec.kind is JobKind.TRAINING
-                and spec.whole_gpus <= 1
-                and not spec.elastic
-                and not spec.shared_model
-            )
+            sliceable = spec.kind is JobKind.TRAINING and not spec.elastic and not spec.shared_model
             if not (sliceable or every):
                 continue
             fitting = None
@@ -547,17 +539,18 @@ class TrainingDriver:
     # ---- over-subscription ----
 
     def _slice_in(self, job_id: str, gpu_uuid: str, now: float) -> None:
-        """Time-slice a pending training job into a GPU's round-robin (under the lock): it
-        joins, in the fleet, the time-slice group of one of the GPU's training jobs whose
-        rectangle holds its share (its memory must fit beside theirs), stops waiting, and is
-        bound like any placed job; its dispatcher reserves it suspended (`time_slice_of`), and
-        the round-robin gives it its turns."""
+        """Time-slice a pending training job into the round-robin of the training jobs whose
+        first GPU is `gpu_uuid` (under the lock): on each of their GPUs it joins, in the fleet,
+        the time-slice group of a job there of its GPU count whose rectangle holds its share
+        (its memory must fit beside theirs), stops waiting, and is bound like any placed job;
+        its dispatchers reserve it suspended (`time_slice_of`), and the round-robin gives it
+        its turns."""
         job = self._decisions.job(job_id)
         scheduler = self._decisions.scheduler
         if job is None or job.state is not JobState.PENDING or job_id not in scheduler:
             return
-        hosts = self._training_on(gpu_uuid)
-        if any(host.spec.priority != job.spec.priority for host in hosts):
+        on_gpu = self._training_on(gpu_uuid)
+        if any(other.spec.priority != job.spec.priority for other in on_gpu):
             # Round-robin turns go to the highest priority present only: a lower one would
             # never run there, and a higher one would take every turn from the jobs there.
             log.debug("training job not time-sliced in: other priorities", job=job_id)
@@ -565,31 +558,47 @@ class TrainingDriver:
         fleet = self._inventory.fleet
         request = ask_of(job).request
         refusals = []
-        for host in hosts:
-            held = fleet.allocation(host.job_id)
-            if held is None:
+        for host in on_gpu:
+            assert host.binding is not None
+            uuids = host.binding.gpu_uuids
+            if len(uuids) != request.gpus:
                 continue
+            groups = []
+            for i, uuid_ in enumerate(uuids):
+                held = fleet.allocation(host.job_id if i == 0 else gang_member_id(host.job_id, i))
+                if held is not None:
+                    groups.append((uuid_, held.slice_group))
             try:
-                joined = fleet.slice_into(request, gpu_uuid, held.slice_group)
+                if len(groups) != len(uuids):
+                    raise InvalidPlacementError(f"{host.job_id} holds not all of its GPUs")
+                if len(groups) == 1:
+                    joined = (fleet.slice_into(request, *groups[0]),)
+                else:
+                    joined = fleet.slice_gang_into(request, groups)
             except InvalidPlacementError as error:
                 refusals.append(str(error))
                 continue
             break
         else:
-            log.info("training job not time-sliced in", job=job_id, gpu=gpu_uuid, why=refusals)
+            # Asked again every tick while the policy wants it: not worth a line each time.
+            log.debug("training job not time-sliced in", job=job_id, gpu=gpu_uuid, why=refusals)
             return
         scheduler.end(job_id)  # it stops waiting
-        assert joined.rect is not None
-        record = self._inventory.record(gpu_uuid)
-        rect = joined.rect
+        first = joined[0]
+        assert first.rect is not None
+        records = [self._inventory.record(uuid_) for uuid_ in uuids]
+        rect = first.rect
         binding = Binding(
             gpu_uuid=gpu_uuid,
-            node=record.info.node,
-            dispatcher_address=record.dispatcher_address,
+            node=records[0].info.node,
+            dispatcher_address=records[0].dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=joined.memory_bytes,
+            memory_cap_bytes=first.memory_bytes,
             token=secrets.token_urlsafe(32),
-            time_slice_of=joined.slice_of,
+            extra=tuple(ExtraGpu(r.info.gpu_uuid, r.dispatcher_address) for r in records[1:]),
+            # Its group on every GPU's dispatcher: the assignment id (the job id) of the
+            # group's first job, which holds that id on each of its GPUs.
+            time_slice_of=first.slice_of,
         )
         assert self.policy is not None
         self._decisions.bind_placed(
@@ -602,7 +611,7 @@ class TrainingDriver:
             )
         )
         metrics.TRAINING_SLICES.inc()
-        log.info("training job time-sliced in", job=job_id, gpu=gpu_uuid, group=joined.slice_of)
+        log.info("training job time-sliced in", job=job_id, gpus=list(uuids), group=first.slice_of)
 
     # ---- packing ----
 

@@ -706,7 +706,9 @@ async def test_a_migration_never_over_commits_the_target_nodes_cpu(gandiva: Core
     )
 
 
-async def test_a_training_job_on_several_gpus_is_left_alone(gandiva: CoreHarness) -> None:
+async def test_a_training_job_alone_on_several_gpus_runs_on_them_undisturbed(
+    gandiva: CoreHarness,
+) -> None:
     core = gandiva.core
     assert core is not None
     for i in range(3):
@@ -728,9 +730,12 @@ async def test_a_training_job_on_several_gpus_is_left_alone(gandiva: CoreHarness
     control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
     assert wide.job_id not in control.suspended
     now = await core.get(wide.job_id)
-    # Not time-sliced, packed or migrated: no training state, the same GPUs.
-    assert now.training is None
+    # Shown (height 1), never suspended, packed or migrated: the same GPUs.
+    assert now.training is not None and now.training.phase is TrainingPhase.RUNNING
+    assert now.training.height == 1 and not now.training.packings
+    assert now.training.migrations == 0
     assert now.binding is not None and now.binding.gpu_uuids == wide.binding.gpu_uuids
+    assert not any(job == wide.job_id for _, _, job in control.calls)
     core.inventory.fleet.verify()
 
 
@@ -876,3 +881,57 @@ async def test_a_time_sliced_job_survives_a_placement_restart(slicing: CoreHarne
     # The group's rectangle is still held: a new whole-GPU job waits.
     c = await core.submit("r-c", whole_gpu("c"))
     assert c.state is JobState.PENDING
+
+
+async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gpus(
+    slicing: CoreHarness,
+) -> None:
+    core = slicing.core
+    assert core is not None
+    control: FakeTrainingControl = slicing.control  # type: ignore[attr-defined]
+    for i in range(2):
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+
+    def wide(name: str) -> JobSpec:
+        return JobSpec(name=name, kind=JobKind.TRAINING, memory_bytes=8 * GIB, whole_gpus=2)
+
+    a = await core.submit("r-a", wide("a"))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", wide("b"))
+    slicing.clock.now += 1
+    one = await core.submit("r-one", whole_gpu("one"))
+    assert a.state is JobState.ASSIGNED and a.binding is not None
+    assert b.state is JobState.PENDING and one.state is JobState.PENDING
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    await core.training.tick()
+    b_now = await assigned(core, b.job_id)
+    # On a's two GPUs, in their order, in a's time-slice group on each, on both dispatchers.
+    assert b_now.binding is not None and b_now.binding.gpu_uuids == a.binding.gpu_uuids
+    assert b_now.binding.time_slice_of == a.job_id
+    for uuid_ in a.binding.gpu_uuids:
+        address = core.inventory.record(uuid_).dispatcher_address
+        assert slicing.dispatchers.held[address][b.job_id].time_slice_of == a.job_id
+        assert core.inventory.fleet.slot(uuid_).memory_used == 16 * GIB
+    core.inventory.fleet.verify()
+    # The one-GPU job found no round-robin of its count: it waits on.
+    assert (await core.get(one.job_id)).state is JobState.PENDING
+    running = []
+    for _ in range(4):
+        await core.training.tick()
+        (now_running,) = {a.job_id, b.job_id} - control.suspended
+        running.append(now_running)
+        slicing.clock.now += QUANTUM
+    assert running == [a.job_id, b.job_id, a.job_id, b.job_id]
+    # Switched through their first GPU's dispatcher, where their processes register.
+    assert {address for _, address, _ in control.calls} == {"10.0.0.0:50060"}
+    job = await core.get(a.job_id)
+    assert job.training is not None and job.training.height == 2
+    # a ends: b runs on alone, both GPUs still held; b ends: the one-GPU job gets one.
+    await core.report_done(a.job_id, True, 0, "")
+    await core.training.tick()
+    assert b.job_id not in control.suspended
+    assert (await core.get(one.job_id)).state is JobState.PENDING
+    await core.report_done(b.job_id, True, 0, "")
+    await assigned(core, one.job_id)
+    core.inventory.fleet.verify()

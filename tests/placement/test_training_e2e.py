@@ -627,16 +627,18 @@ async def _holds_none(dispatcher: GpuDispatcher, assignment_id: str) -> bool:
     return dispatcher.core.book.get(assignment_id) is None
 
 
+@pytest.mark.parametrize("gpus", [1, 2])
 async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
     short_dir: Path,
     shim_build: Path,  # noqa: F811
     monkeypatch: pytest.MonkeyPatch,
+    gpus: int,
 ) -> None:
-    """Two jobs each asking for the whole GPU (time quota 100%): the second waits, then (its
-    wait and the first one's service past the shortened rules) joins the first one's
-    round-robin: reserved in its rectangle and suspended from the start, its process runs no
-    kernel until the first job is suspended for its turn; they take turns; every step of both
-    runs exactly once."""
+    """Two jobs each asking for the whole GPU (time quota 100%), or both for two whole GPUs:
+    the second waits, then (its wait and the first one's service past the shortened rules)
+    joins the first one's round-robin: reserved in its rectangle on each GPU (on each GPU's
+    dispatcher) and suspended from the start, its process runs no kernel until the first job
+    is suspended for its turn; they take turns; every step of both runs exactly once."""
     training = {
         **GANDIVA,
         "training_slice_after_s": 1.0,
@@ -644,12 +646,15 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
         "training_queue_ahead": 0,
     }
     async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
-        await plane.add_gpu()
+        for _ in range(gpus):
+            await plane.add_gpu()
         said: list[str] = []
         steps = {"first": 80, "rider": 30}
         outs = {name: plane.work / f"{name}.out" for name in steps}
 
         def whole(name: str) -> JobSpec:
+            if gpus > 1:
+                return JobSpec(name, JobKind.TRAINING, GIB, whole_gpus=gpus)
             return JobSpec(
                 name=name,
                 kind=JobKind.TRAINING,
@@ -698,6 +703,10 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
             first, rider = await plane.job_named("first"), await plane.job_named("rider")
             assert rider.assignment.time_slice_of == first.job_id
             assert rider.assignment.gpu.gpu_uuid == first.assignment.gpu.gpu_uuid
+            assert [g.gpu.gpu_uuid for g in rider.assignment.extra_gpus] == [
+                g.gpu.gpu_uuid for g in first.assignment.extra_gpus
+            ]
+            assert len(rider.assignment.extra_gpus) == gpus - 1
             assert first.training.height == 2
             status = await plane.dispatchers[0].core.client_status(rider.job_id)
             assert status is not None

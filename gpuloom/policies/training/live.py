@@ -7,7 +7,8 @@ How the live cluster maps onto the model:
 
 - a server is a node's GPUs of one model, in GPU uuid order; its GPU type is the model;
 - a group is a GPU holding training jobs (those without a checkpoint hook first, then in
-  submission order: the policy moves a group's last jobs), packed when the driver runs them
+  submission order: the policy moves a group's last jobs; jobs on several whole GPUs, the same
+  ones, are a group over them all, their first GPU first), packed when the driver runs them
   at once, with the packing trial's measured gain; a job whose mini-batch time alone is not
   measured yet has a type of its own that packs with nothing (packing is decided on
   measurements);
@@ -19,9 +20,10 @@ How the live cluster maps onto the model:
   time since when it has been free (`idle_since`), for the policy's grow;
 - placement's scheduler places arriving jobs (they share a GPU when their shares fit
   together), the policy decides what they do there. The jobs that wait in the view are the
-  pending ones the policy may act for: a one-GPU training job the scheduler found no room for
-  (`LivePending.sliceable`: it may be time-sliced into a full GPU, over-subscription), and one
-  that a shrink would make room for: one that would fit a server holding a grown job if that
+  pending ones the policy may act for: a training job the scheduler found no room for
+  (`LivePending.sliceable`: it may be time-sliced into a full GPU, over-subscription, or one on
+  several whole GPUs into the GPUs of a job of its count), and one that a shrink would make
+  room for: one that would fit a server holding a grown job if that
   job went back to the GPUs it asked for (GPU model, memory of one GPU, GPU count, the node's
   CPU and host memory as the caller filtered them). While a job is grown, a sliceable job that
   a shrink would not help is not shown: the policy shrinks grown jobs when, and only when, a
@@ -134,8 +136,8 @@ class LivePlan:
     moves: tuple[tuple[str, str, str], ...] = ()  # (job id, target GPU uuid, reason)
     # Grow-shrink: (job id, every GPU it runs on next, first GPU first, "grow" or "shrink").
     resizes: tuple[tuple[str, tuple[str, ...], str], ...] = ()
-    # Over-subscription: (pending job id, GPU uuid) to join the round-robin of that GPU's
-    # training jobs.
+    # Over-subscription: (pending job id, GPU uuid) to join the round-robin of the training
+    # jobs of that GPU (their first GPU, for jobs on several).
     slices: tuple[tuple[str, str], ...] = ()
 
 
@@ -170,13 +172,20 @@ def live_view(
     for job in sorted(jobs, key=lambda j: (j.movable, j.submitted_at, j.job_id)):
         if job.gpu_uuid in slot_of:
             on_gpu.setdefault(job.gpu_uuid, []).append(job)
-    # The further GPUs of a job on several (all of them known): part of its group.
+    # The further GPUs of jobs on several (all of them known, the same for every job of the
+    # first GPU: time-sliced together): part of their group.
     spans: dict[str, tuple[str, ...]] = {}
     for first, members_on in on_gpu.items():
-        job = members_on[0]
-        if len(members_on) == 1 and job.extra_gpus and all(u in slot_of for u in job.extra_gpus):
-            spans[first] = (first, *job.extra_gpus)
+        extra = members_on[0].extra_gpus
+        if (
+            extra
+            and all(job.extra_gpus == extra for job in members_on)
+            and all(u in slot_of for u in extra)
+        ):
+            spans[first] = (first, *extra)
     spanned = {u for uuids in spans.values() for u in uuids[1:]}
+    # A further GPU outside such a group is held all the same: busy to the policy.
+    claimed = {u for job in jobs for u in job.extra_gpus} - spanned
     view_jobs: dict[int, Job] = {}
     job_ids: dict[int, str] = {}
     view_groups: list[Group] = []
@@ -186,7 +195,7 @@ def live_view(
         if gpu.gpu_uuid in spanned:
             continue  # in the group of the job on several GPUs that holds it
         members_on = on_gpu.get(gpu.gpu_uuid)
-        if not members_on and not gpu.busy:
+        if not members_on and not gpu.busy and gpu.gpu_uuid not in claimed:
             continue  # free
         gid = len(view_groups)
         numbers = []
@@ -340,12 +349,11 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
         elif isinstance(action, Slice):
             group = groups.get(action.group)
             job_id = live.job_ids.get(action.job)
-            # Into a GPU's training jobs only: not a stand-in's, nor an elastic job's.
+            # Into training jobs only: not a stand-in's, nor an elastic job's.
             if (
                 job_id
                 and action.job in waiting
                 and group is not None
-                and len(group.slots) == 1
                 and all(
                     live.job_ids.get(j) and not live.view.jobs[j].job_type.startswith(WHOLE)
                     for j in group.jobs
