@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 import time
 import uuid
@@ -97,7 +98,9 @@ log = structlog.get_logger("gpuloom.placement")
 OFF = "off"
 SWITCH_REASON = TIME_SLICE_REASON  # the reason the driver's suspensions carry
 SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/training.md)
-RETRY_QUANTA = 5  # a job whose migration failed is not moved again for this many quanta
+# A job whose migration failed is not moved again for this many quanta; one time-sliced into
+# a GPU that then failed to bind it (it waits again) is not time-sliced in again as long.
+RETRY_QUANTA = 5
 MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
 
 
@@ -247,6 +250,7 @@ class TrainingDriver:
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
         self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
+        self._sliced_at: dict[str, float] = {}  # pending jobs time-sliced in: when (retries)
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -404,6 +408,10 @@ class TrainingDriver:
             del self._idle_since[uuid_]
 
     def _forget_ended(self) -> None:
+        for job_id in list(self._sliced_at):
+            job = self._decisions.job(job_id)
+            if job is None or job.state not in (JobState.PENDING, JobState.BINDING):
+                del self._sliced_at[job_id]
         for job_id in list(self._tracks):
             job = self._decisions.job(job_id)
             if job is None or job.state is not JobState.ASSIGNED:
@@ -549,6 +557,8 @@ class TrainingDriver:
         scheduler = self._decisions.scheduler
         if job is None or job.state is not JobState.PENDING or job_id not in scheduler:
             return
+        if now < self._sliced_at.get(job_id, -math.inf) + RETRY_QUANTA * self.config.quantum_s:
+            return  # its binding failed (it waits again): not at once into the same failure
         on_gpu = self._training_on(gpu_uuid)
         if any(other.spec.priority != job.spec.priority for other in on_gpu):
             # Round-robin turns go to the highest priority present only: a lower one would
@@ -584,6 +594,7 @@ class TrainingDriver:
             log.debug("training job not time-sliced in", job=job_id, gpu=gpu_uuid, why=refusals)
             return
         scheduler.end(job_id)  # it stops waiting
+        self._sliced_at[job_id] = now
         first = joined[0]
         assert first.rect is not None
         records = [self._inventory.record(uuid_) for uuid_ in uuids]

@@ -935,3 +935,44 @@ async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gp
     await core.report_done(b.job_id, True, 0, "")
     await assigned(core, one.job_id)
     core.inventory.fleet.verify()
+
+
+async def test_a_job_whose_time_sliced_binding_failed_is_not_sliced_in_again_at_once(
+    slicing: CoreHarness,
+) -> None:
+    core = slicing.core
+    assert core is not None
+    address = "10.0.0.0:50060"
+    await core.register_gpu(gpu(0), address)
+    a = await core.submit("r-a", whole_gpu("a"))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", whole_gpu("b"))
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    slicing.dispatchers.down.add(address)
+    calls = slicing.dispatchers.reserve_calls
+    await core.training.tick()
+
+    def waits_again() -> bool:
+        job = core.jobs.job(b.job_id)
+        tried = slicing.dispatchers.reserve_calls > calls
+        return tried and job is not None and job.state is JobState.PENDING
+
+    await eventually(waits_again)
+    assert slicing.dispatchers.reserve_calls == calls + 1
+    core.inventory.fleet.verify()
+    assert core.inventory.fleet.slot("GPU-0").memory_used == 8 * GIB  # b's memory given back
+    # Its dispatcher answers again, but b is not time-sliced in again for 5 quanta.
+    slicing.dispatchers.down.clear()
+    for _ in range(4):
+        slicing.clock.now += QUANTUM
+        await beat(core, "GPU-0", [])
+        await core.training.tick()
+        await asyncio.sleep(0.01)
+        assert (await core.get(b.job_id)).state is JobState.PENDING
+    assert slicing.dispatchers.reserve_calls == calls + 1
+    slicing.clock.now += 2 * QUANTUM
+    await beat(core, "GPU-0", [])
+    await core.training.tick()
+    after = await assigned(core, b.job_id)
+    assert after.binding is not None and after.binding.time_slice_of == a.job_id
