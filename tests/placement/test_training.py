@@ -778,6 +778,24 @@ async def assigned(core: PlacementCore, job_id: str) -> Job:
     return await core.get(job_id)
 
 
+async def take_turns(h: CoreHarness, a: str, b: str) -> list[str]:
+    """Four quanta of the driver: which of `a` and `b` ran in each (never both at once)."""
+    core = h.core
+    assert core is not None
+    control: FakeTrainingControl = h.control  # type: ignore[attr-defined]
+    running = []
+    for _ in range(4):
+        await core.training.tick()
+        (now_running,) = {a, b} - control.suspended
+        running.append(now_running)
+        h.clock.now += QUANTUM
+    suspended: set[str] = set()
+    for call, _, job_id in control.calls:
+        (suspended.add if call == "suspend" else suspended.discard)(job_id)
+        assert len({a, b} - suspended) <= 1
+    return running
+
+
 async def test_a_pending_training_job_is_time_sliced_into_a_full_gpu(slicing: CoreHarness) -> None:
     core = slicing.core
     assert core is not None
@@ -810,17 +828,7 @@ async def test_a_pending_training_job_is_time_sliced_into_a_full_gpu(slicing: Co
     view = job_view(b_now, with_token=False)
     assert view.assignment is not None and view.assignment.time_slice_of == a.job_id
     # Then they take turns, one quantum each, never both at once.
-    running = []
-    for _ in range(4):
-        await core.training.tick()
-        (now_running,) = {a.job_id, b.job_id} - control.suspended
-        running.append(now_running)
-        slicing.clock.now += QUANTUM
-    assert running == [a.job_id, b.job_id, a.job_id, b.job_id]
-    suspended: set[str] = set()
-    for call, _, job_id in control.calls:
-        (suspended.add if call == "suspend" else suspended.discard)(job_id)
-        assert len({a.job_id, b.job_id} - suspended) <= 1
+    assert await take_turns(slicing, a.job_id, b.job_id) == [a.job_id, b.job_id] * 2
     # a ends: b runs on alone in the group's rectangle, which no new job may take meanwhile.
     await core.report_done(a.job_id, True, 0, "")
     await core.training.tick()
@@ -916,13 +924,7 @@ async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gp
     core.inventory.fleet.verify()
     # The one-GPU job found no round-robin of its count: it waits on.
     assert (await core.get(one.job_id)).state is JobState.PENDING
-    running = []
-    for _ in range(4):
-        await core.training.tick()
-        (now_running,) = {a.job_id, b.job_id} - control.suspended
-        running.append(now_running)
-        slicing.clock.now += QUANTUM
-    assert running == [a.job_id, b.job_id, a.job_id, b.job_id]
+    assert await take_turns(slicing, a.job_id, b.job_id) == [a.job_id, b.job_id] * 2
     # Switched through their first GPU's dispatcher, where their processes register.
     assert {address for _, address, _ in control.calls} == {"10.0.0.0:50060"}
     job = await core.get(a.job_id)
