@@ -19,7 +19,8 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    `queue_ahead` jobs of its shape waiting ahead of it (nearer the head, GPUs of its own
    come with the next ends), every job of the group has had `share_after_s` of service
    (least attained service first) and has a lower Gittins index than the newcomer (the
-   newcomer is the likelier to end soon, from the lengths of the jobs that ended), and the
+   newcomer is the likelier to end soon, from the lengths of the jobs that ended; not one
+   that outlived every ended job while fewer than `outlived_min_ended` ended), and the
    group is not on a server held for an earlier job that has no round-robin of its GPU
    count to join (it waits for the server to drain instead of starving);
 3b. suspension, before the placements: a job time-sliced in that has had `share_after_s`
@@ -90,6 +91,9 @@ QUEUE_AHEAD = 2
 # it has had is above every group job's at theirs, from the lengths of the jobs of its GPU
 # count that ended (`ServiceHistory`); until GITTINS_MIN_ENDED of them have, this rule waives.
 GITTINS_MIN_ENDED = 1
+# ... and not against a job that outlived every ended job of its GPU count while fewer than
+# OUTLIVED_MIN_ENDED of them ended: its index of 0 is then for want of evidence, not by it.
+OUTLIVED_MIN_ENDED = 5
 GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 # The soonest `review_at` asks to be called again for a job's service: when it will have had
 # `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
@@ -155,7 +159,9 @@ class GandivaPolicy:
         share_after_s: float = SHARE_AFTER_S,
         queue_ahead: int = QUEUE_AHEAD,
         gittins_min_ended: int | None = GITTINS_MIN_ENDED,
+        outlived_min_ended: int = OUTLIVED_MIN_ENDED,
     ) -> None:
+        self.outlived_min_ended = outlived_min_ended
         self.queue_ahead = queue_ahead
         self.gittins_min_ended = gittins_min_ended  # None: the Gittins rule is off
         self.max_height = max_height
@@ -375,7 +381,7 @@ class GandivaPolicy:
             # The newcomer is the likelier to end soon (once jobs of its GPU count ended).
             and (
                 index is None
-                or all(index > view.ended.gittins_index(k, attained.get(j, 0.0)) for j in jobs)
+                or all(self._likelier(view, k, index, attained.get(j, 0.0)) for j in jobs)
             )
         ]
         if shared:
@@ -392,6 +398,17 @@ class GandivaPolicy:
         if self.gittins_min_ended is None or view.ended.ended(job.gpus) < self.gittins_min_ended:
             return None
         return view.ended.gittins_index(job.gpus, view.attained_s.get(job.id, 0.0))
+
+    def _likelier(self, view: ClusterView, gpus: int, index: float, attained_s: float) -> bool:
+        """Whether a newcomer of Gittins index `index` is the likelier to end soon than a job
+        of `gpus` GPUs that has had `attained_s` of service. One that outlived every ended job
+        has an index of 0: among `outlived_min_ended` or more ended jobs it is an outlier of a
+        heavy tail (the newcomer is likely the shorter), among fewer, nothing says how much
+        longer it runs, and no bet is made against it."""
+        group_index = view.ended.gittins_index(gpus, attained_s)
+        if group_index == 0 and view.ended.ended(gpus) < self.outlived_min_ended:
+            return False
+        return index > group_index
 
     def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
         """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may

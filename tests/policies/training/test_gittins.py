@@ -112,3 +112,19 @@ def test_gandiva_slices_in_only_a_job_likelier_to_end_soon_than_the_group() -> N
     assert GandivaPolicy(gittins_min_ended=3).decide(_view(long, served)) == [Slice(3, 0)]
     # Only jobs of its own GPU count are evidence.
     assert GandivaPolicy().decide(_view(history(2, 100.0), served)) == [Slice(3, 0)]
+
+
+def test_gandiva_makes_no_bet_against_a_job_that_outlived_every_ended_one() -> None:
+    """Job 7, 2 h in, has run longer than every one-GPU job that ended (three, 0.5-1.5 h): its
+    index is 0 for want of evidence (no ended job says how much longer it runs), not by it;
+    the newcomer is not time-sliced in against it (23dbec's lost bets)."""
+    served = {7: 2.0 * HOUR}
+    assert GandivaPolicy().decide(_view(history(1, 0.5, 1.0, 1.5), served)) == []
+    # Once one ended job ran longer than it has, the evidence speaks again.
+    longer = history(1, 0.5, 1.0, 1.5, 100.0)
+    assert GandivaPolicy().decide(_view(longer, served)) == [Slice(3, 0)]
+    # And among five ended jobs, one that outlived them all is an outlier of a heavy tail:
+    # the newcomer is likely the shorter.
+    five = history(1, 0.5, 1.0, 1.5, 1.5, 1.5)
+    assert GandivaPolicy().decide(_view(five, served)) == [Slice(3, 0)]
+    assert GandivaPolicy(outlived_min_ended=6).decide(_view(five, served)) == []
