@@ -512,8 +512,9 @@ class TrainingDriver:
 
     def _pending(self, every: bool) -> list[LivePending]:
         """The jobs placement's scheduler has not placed (MPS and whole-GPU ones), with the
-        nodes whose CPU and host memory they fit: the one-GPU training jobs (sliceable), and
-        with `every` (grow-shrink: a shrink may make room) all of them."""
+        nodes whose CPU and host memory they fit: the training jobs (sliceable: not elastic,
+        no shared model's replica), and with `every` (grow-shrink: a shrink may make room) all
+        of them."""
         nodes = self._inventory.fleet.nodes
         pending = []
         for job in self._decisions.live.values():
