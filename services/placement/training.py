@@ -74,6 +74,7 @@ from gpuloom.policies.training.live import (
     live_view,
 )
 from gpuloom.policies.training.model import (
+    ServiceHistory,
     TrainingPolicy,
     packed_gain,
     round_robin_turn,
@@ -214,6 +215,7 @@ class _Track:
     alone_since: float | None = None  # running, the other training jobs of its GPU suspended
     service_s: float = 0.0  # the seconds it was seen running (not suspended): its service
     service_at: float | None = None  # when service_s was last brought up to date
+    gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
 
 
 @dataclass(slots=True)
@@ -251,6 +253,9 @@ class TrainingDriver:
         self._gpus: dict[str, _GpuState] = {}
         self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
         self._sliced_at: dict[str, float] = {}  # pending jobs time-sliced in: when (retries)
+        # The service of the training jobs seen to succeed since this service started, per
+        # GPU count: gandiva's Gittins rule reads it (kept in memory: a restart starts empty).
+        self._ended = ServiceHistory()
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
@@ -348,7 +353,7 @@ class TrainingDriver:
         starts: list[tuple[Job, _Move]] = []
         async with self._decisions.lock:
             now = self._clock()
-            self._forget_ended()
+            await self._learn_lengths(self._forget_ended())
             self._account_service(now)
             for job_id, track in list(self._tracks.items()):
                 move = track.move
@@ -389,6 +394,7 @@ class TrainingDriver:
             if track.service_at is not None and not track.observed_suspended:
                 track.service_s += now - track.service_at
             track.service_at = now
+            track.gpus = max(job.spec.whole_gpus, 1)
 
     def _note_idle(self, now: float) -> None:
         """Since when each GPU that holds nothing and takes work has been free."""
@@ -407,7 +413,9 @@ class TrainingDriver:
         for uuid_ in [u for u in self._idle_since if u not in free]:
             del self._idle_since[uuid_]
 
-    def _forget_ended(self) -> None:
+    def _forget_ended(self) -> list[tuple[str, _Track]]:
+        """Forget the jobs no longer assigned; returns the finished ones seen running."""
+        finished: list[tuple[str, _Track]] = []
         for job_id in list(self._sliced_at):
             job = self._decisions.job(job_id)
             if job is None or job.state not in (JobState.PENDING, JobState.BINDING):
@@ -416,6 +424,8 @@ class TrainingDriver:
             job = self._decisions.job(job_id)
             if job is None or job.state is not JobState.ASSIGNED:
                 track = self._tracks.pop(job_id)
+                if job is None and track.service_s > 0:
+                    finished.append((job_id, track))
                 if track.move is not None:
                     self._give_back(job_id, track.move)
                     metrics.TRAINING_MIGRATIONS.labels("abandoned").inc()
@@ -423,6 +433,16 @@ class TrainingDriver:
         for gpu_uuid in list(self._gpus):
             if gpu_uuid not in held:
                 del self._gpus[gpu_uuid]
+        return finished
+
+    async def _learn_lengths(self, finished: list[tuple[str, _Track]]) -> None:
+        """Add the service of the finished jobs that succeeded to what gandiva's Gittins rule
+        reads: only a job seen running to its end says how long such jobs run (one that
+        failed or was cancelled does not)."""
+        for job_id, track in finished:
+            with contextlib.suppress(NotFound):
+                if (await self._decisions.get(job_id)).state is JobState.SUCCEEDED:
+                    self._ended.add(track.gpus, track.service_s)
 
     def _managed(self) -> list[Job]:
         """The assigned training jobs (not MIG batch tasks), in submission order."""
@@ -508,6 +528,7 @@ class TrainingDriver:
             idle_since=self._idle_since,
             grow_idle_s=self.config.grow_idle_s,
             pending=self._pending(every=any(j.spec.elastic for j in managed)),
+            ended=self._ended,
         )
 
     def _pending(self, every: bool) -> list[LivePending]:

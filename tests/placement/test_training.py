@@ -36,6 +36,7 @@ from gpuloom.domain.training import (
     TrainingReport,
     TrainingState,
 )
+from gpuloom.policies.training.gandiva import OUTLIVED_MIN_ENDED
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -978,3 +979,44 @@ async def test_a_job_whose_time_sliced_binding_failed_is_not_sliced_in_again_at_
     await core.training.tick()
     after = await assigned(core, b.job_id)
     assert after.binding is not None and after.binding.time_slice_of == a.job_id
+
+
+@pytest.mark.parametrize("ended", [OUTLIVED_MIN_ENDED - 1, OUTLIVED_MIN_ENDED])
+async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
+    slicing: CoreHarness, ended: int
+) -> None:
+    # `ended` jobs run 100 s each and succeed, one more fails; then a runs 700 s, longer than
+    # all of them, and b has waited past its patience. With fewer than OUTLIVED_MIN_ENDED
+    # jobs seen to succeed, a's Gittins index of 0 is for want of evidence: no bet is made
+    # against it and b waits, as FIFO (with no ended job it was time-sliced in: the first
+    # test of this fixture). Among OUTLIVED_MIN_ENDED, a is an outlier of a heavy tail and b
+    # likely the shorter: it is time-sliced in.
+    core = slicing.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    for n in range(ended):
+        short = await core.submit(f"r-short-{n}", whole_gpu(f"short-{n}"))
+        await core.training.tick()
+        slicing.clock.now += 100
+        await core.training.tick()
+        await core.report_done(short.job_id, True, 0, "")
+        await core.training.tick()
+    # One that failed says nothing of how long such jobs run: it is not counted.
+    failed = await core.submit("r-failed", whole_gpu("failed"))
+    await core.training.tick()
+    slicing.clock.now += 10
+    await core.training.tick()
+    await core.report_done(failed.job_id, False, 1, "crashed")
+    await core.training.tick()
+    a = await core.submit("r-a", whole_gpu("a"))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", whole_gpu("b"))
+    assert a.state is JobState.ASSIGNED and b.state is JobState.PENDING
+    await core.training.tick()
+    slicing.clock.now += SLICE_AFTER + 100
+    await core.training.tick()
+    if ended < OUTLIVED_MIN_ENDED:
+        assert (await core.get(b.job_id)).state is JobState.PENDING
+    else:
+        sliced = await assigned(core, b.job_id)
+        assert sliced.binding is not None and sliced.binding.time_slice_of == a.job_id

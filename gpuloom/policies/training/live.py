@@ -29,7 +29,9 @@ How the live cluster maps onto the model:
   a shrink would not help is not shown: the policy shrinks grown jobs when, and only when, a
   pending job needs their GPUs;
 - each job's service so far (`LiveJob.attained_s`: the seconds the driver saw it running, not
-  suspended) is the policy's `attained_s`, which its time-slicing rules read;
+  suspended) is the policy's `attained_s`, which its time-slicing rules read, and the service
+  of the jobs that ended (`ended`, the caller's) its `ended`, from which gandiva's Gittins
+  rule estimates which job is likelier to end soon;
 - a job is not moved onto a busy GPU live, so the policy packs in place only
   (`ClusterView.pack_in_place`).
 
@@ -58,6 +60,7 @@ from gpuloom.policies.training.model import (
     Place,
     Resize,
     Server,
+    ServiceHistory,
     Slice,
     TrainingPolicy,
     Unpack,
@@ -151,8 +154,10 @@ def live_view(
     idle_since: Mapping[str, float] = MappingProxyType({}),
     grow_idle_s: float = math.inf,
     pending: Sequence[LivePending] = (),
+    ended: ServiceHistory | None = None,
 ) -> LiveView:
-    """The cluster as the training policies see it (see the module's docstring)."""
+    """The cluster as the training policies see it (see the module's docstring); `ended`: the
+    service of the training jobs that ended (none if not given)."""
     by_server: dict[tuple[str, str], list[LiveGpu]] = {}
     for gpu in sorted(gpus, key=lambda g: (g.node, g.model, g.gpu_uuid)):
         by_server.setdefault((gpu.node, gpu.model), []).append(gpu)
@@ -263,6 +268,7 @@ def live_view(
         grow_idle_s=grow_idle_s,
         attained_s=MappingProxyType(attained),
         pack_in_place=True,
+        ended=ServiceHistory() if ended is None else ended,
     )
     gpu_of_slot = {slot: uuid for uuid, slot in slot_of.items()}
     return LiveView(view, MappingProxyType(job_ids), gpu_of_group, gpu_of_slot)

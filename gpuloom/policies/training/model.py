@@ -138,7 +138,7 @@ class ClusterView:
     # worth (mini-batches done x mini-batch time alone; the past, not its length; live, the
     # seconds it was seen running). A job not in it counts as 0.
     attained_s: Mapping[int, float] = field(default_factory=dict)
-    # The service the jobs that ended had, per GPU count (the live driver gives none).
+    # The service the jobs that ended had, per GPU count (live: those the driver saw end).
     ended: ServiceHistory = field(default_factory=ServiceHistory)
     # Pack only two jobs already time-sliced on one GPU (the live driver moves no job onto a
     # busy GPU): a job alone on its GPU is no packing target.
