@@ -994,20 +994,19 @@ async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
     core = slicing.core
     assert core is not None
     await core.register_gpu(gpu(0), "10.0.0.0:50060")
+
+    async def run_for(name: str, seconds: float, succeeded: bool) -> None:
+        job = await core.submit(f"r-{name}", whole_gpu(name))
+        await core.training.tick()
+        slicing.clock.now += seconds
+        await core.training.tick()
+        await core.report_done(job.job_id, succeeded, 0 if succeeded else 1, "")
+        await core.training.tick()
+
     for n in range(ended):
-        short = await core.submit(f"r-short-{n}", whole_gpu(f"short-{n}"))
-        await core.training.tick()
-        slicing.clock.now += 100
-        await core.training.tick()
-        await core.report_done(short.job_id, True, 0, "")
-        await core.training.tick()
+        await run_for(f"short-{n}", 100, succeeded=True)
     # One that failed says nothing of how long such jobs run: it is not counted.
-    failed = await core.submit("r-failed", whole_gpu("failed"))
-    await core.training.tick()
-    slicing.clock.now += 10
-    await core.training.tick()
-    await core.report_done(failed.job_id, False, 1, "crashed")
-    await core.training.tick()
+    await run_for("failed", 10, succeeded=False)
     a = await core.submit("r-a", whole_gpu("a"))
     slicing.clock.now += 1
     b = await core.submit("r-b", whole_gpu("b"))
