@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -72,22 +73,39 @@ class Group:
         return self.slots[0][0]
 
 
+# The ended jobs per GPU count a ServiceHistory keeps: more than any trace of the folder has
+# (2,000 jobs at most), so the simulator's estimates use them all.
+SERVICE_HISTORY_WINDOW = 4096
+
+
 class ServiceHistory:
     """The service (seconds alone, as `ClusterView.attained_s` counts it) the jobs that ended
     had in all, per GPU count: the empirical distribution of job lengths from which a policy
-    estimates how soon a running job is likely to end, knowing only how long it has run."""
+    estimates how soon a running job is likely to end, knowing only how long it has run.
+    Only the `window` latest of each GPU count are kept: a long-lived placement service stays
+    bounded in memory, and the estimate follows the workload as it changes."""
 
-    def __init__(self) -> None:
-        self._totals: dict[int, list[float]] = {}
+    def __init__(self, window: int = SERVICE_HISTORY_WINDOW) -> None:
+        if window < 1:
+            raise ValueError(f"a service history keeps at least 1 job per GPU count, not {window}")
+        self.window = window
+        self._totals: dict[int, list[float]] = {}  # sorted
+        self._order: dict[int, deque[float]] = {}  # the same, oldest first
         self._prefix: dict[int, list[float]] = {}  # running sums of _totals, rebuilt lazily
 
     def add(self, gpus: int, service_s: float) -> None:
-        """A job of `gpus` GPUs ended after `service_s` of service."""
+        """A job of `gpus` GPUs ended after `service_s` of service (the oldest of its count
+        is forgotten once `window` are kept)."""
         if gpus < 1 or not math.isfinite(service_s) or service_s < 0:
             raise ValueError(
                 f"an ended job needs gpus >= 1 and a service >= 0, not {gpus}, {service_s}"
             )
-        bisect.insort(self._totals.setdefault(gpus, []), service_s)
+        totals = self._totals.setdefault(gpus, [])
+        order = self._order.setdefault(gpus, deque())
+        if len(order) == self.window:
+            del totals[bisect.bisect_left(totals, order.popleft())]
+        bisect.insort(totals, service_s)
+        order.append(service_s)
         self._prefix.pop(gpus, None)
 
     def ended(self, gpus: int) -> int:

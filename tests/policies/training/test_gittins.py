@@ -51,6 +51,29 @@ def test_an_ended_job_with_a_bad_count_or_service_is_refused(gpus: int, service:
     assert ended.ended(1) == 1  # nothing changed
 
 
+@given(
+    totals=st.lists(st.floats(0.0, 1e6, allow_nan=False), min_size=1, max_size=40),
+    window=st.integers(1, 8),
+    attained=st.floats(0.0, 1e6, allow_nan=False),
+)
+def test_only_the_latest_ended_jobs_of_a_count_are_kept(
+    totals: list[float], window: int, attained: float
+) -> None:
+    bounded, latest = ServiceHistory(window), ServiceHistory()
+    for total in totals:
+        bounded.add(1, total)
+    for total in totals[-window:]:
+        latest.add(1, total)
+    bounded.add(2, 5.0)  # another count keeps its own window
+    assert bounded.ended(1) == min(window, len(totals)) and bounded.ended(2) == 1
+    assert bounded.gittins_index(1, attained) == latest.gittins_index(1, attained)
+
+
+def test_a_history_that_keeps_nothing_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least 1 job per GPU count, not 0"):
+        ServiceHistory(0)
+
+
 def _ratio(totals: list[float], attained: float, quantum: float) -> float:
     """P(end within `quantum`) / E[service spent within it], among jobs longer than
     `attained`, straight from the definition."""
