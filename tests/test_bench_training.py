@@ -22,9 +22,11 @@ def line(steps: int, arrival: float, scale: int = 1) -> str:
 
 def folder(tmp_path: Path) -> Path:
     (tmp_path / "simulation_throughputs.json").write_text(json.dumps(TABLE))
-    # Four 10-hour jobs on one GPU then a short one: it waits, two ahead, and is sliced in.
-    long = [line(180_000, t) for t in (0, 10, 20, 30)]
-    (tmp_path / "burst.trace").write_text("\n".join([*long, line(900, 40)]) + "\n")
+    # On one GPU, five short jobs (gandiva's Gittins rule sees them end), four 10-hour jobs,
+    # then a short one: it waits, two ahead, and is time-sliced in.
+    seen = [line(900, t) for t in range(5)]
+    long = [line(180_000, t) for t in (1000, 1010, 1020, 1030)]
+    (tmp_path / "burst.trace").write_text("\n".join([*seen, *long, line(900, 1040)]) + "\n")
     (tmp_path / "alone.trace").write_text(line(3_600, 0) + "\n")  # nobody waits: a tie
     (tmp_path / "philly.trace").write_text("")  # empty, as Gavel's: left out
     return tmp_path

@@ -95,6 +95,7 @@ class PlacementApp:
                     slice_after_s=settings.training_slice_after_s,
                     share_after_s=settings.training_share_after_s,
                     queue_ahead=settings.training_queue_ahead,
+                    bet_min_ended=settings.training_bet_min_ended,
                 ),
             )
             core = PlacementCore(

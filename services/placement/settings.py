@@ -8,7 +8,14 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
-from gpuloom.policies.training.gandiva import GROW_IDLE_S, QUEUE_AHEAD, SHARE_AFTER_S, SLICE_AFTER_S
+from gpuloom.policies.training.gandiva import (
+    BET_MIN_ENDED,
+    GROW_IDLE_S,
+    QUEUE_AHEAD,
+    SHARE_AFTER_S,
+    SLICE_AFTER_S,
+)
+from gpuloom.policies.training.model import SERVICE_HISTORY_WINDOW
 from gpuloom.services.common.database import SCHEMA_PATTERN, async_database_url
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.placement.training import validate_training_policy
@@ -54,10 +61,12 @@ class PlacementSettings(BaseSettings):
     # gandiva-gs: how long a GPU stays free before an elastic job may grow onto it.
     training_grow_idle_s: float = Field(default=GROW_IDLE_S, ge=0, le=604_800)
     # gandiva: a pending training job is time-sliced into a full GPU only once it has waited
-    # this long, with jobs that have each run this long, behind this many of its shape.
+    # this long, with jobs that have each run this long, behind this many of its shape, once
+    # this many of its GPU count were seen to end.
     training_slice_after_s: float = Field(default=SLICE_AFTER_S, ge=0, le=604_800)
     training_share_after_s: float = Field(default=SHARE_AFTER_S, ge=0, le=604_800)
     training_queue_ahead: int = Field(default=QUEUE_AHEAD, ge=0, le=10_000)
+    training_bet_min_ended: int = Field(default=BET_MIN_ENDED, ge=0, le=SERVICE_HISTORY_WINDOW)
 
     @field_validator("database_url")
     @classmethod

@@ -58,6 +58,7 @@ from gpuloom.policies.placement import Allocation, Rect
 from gpuloom.policies.placement.fleet import InvalidPlacementError, InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id
 from gpuloom.policies.training.gandiva import (
+    BET_MIN_ENDED,
     GROW_IDLE_S,
     QUEUE_AHEAD,
     SHARE_AFTER_S,
@@ -159,11 +160,13 @@ class TrainingConfig:
     tick_s: float = 1.0
     grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
     # gandiva's over-subscription (a pending job time-sliced into a full GPU): how long it
-    # waits for a GPU first, the service every job it would join must have had, and how many
-    # jobs of its shape must wait ahead of it (the policy's rules, docs/training.md).
+    # waits for a GPU first, the service every job it would join must have had, how many
+    # jobs of its shape must wait ahead of it, and how many of its GPU count must have been
+    # seen to end (the policy's rules, docs/training.md).
     slice_after_s: float = SLICE_AFTER_S
     share_after_s: float = SHARE_AFTER_S
     queue_ahead: int = QUEUE_AHEAD
+    bet_min_ended: int = BET_MIN_ENDED
 
     @property
     def enabled(self) -> bool:
@@ -248,6 +251,7 @@ class TrainingDriver:
             self.policy.slice_after_s = config.slice_after_s
             self.policy.share_after_s = config.share_after_s
             self.policy.queue_ahead = config.queue_ahead
+            self.policy.bet_min_ended = config.bet_min_ended
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}

@@ -36,7 +36,7 @@ from gpuloom.domain.training import (
     TrainingReport,
     TrainingState,
 )
-from gpuloom.policies.training.gandiva import OUTLIVED_MIN_ENDED
+from gpuloom.policies.training.gandiva import BET_MIN_ENDED
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -749,7 +749,20 @@ SHARE_AFTER = 300.0
 @pytest.fixture
 async def slicing(tmp_path: Path):
     """gandiva with its over-subscription rules shortened: a job waits 600 s before it is
-    time-sliced in, with jobs that have run 300 s, whatever waits ahead of it."""
+    time-sliced in, with jobs that have run 300 s, whatever waits ahead of it, with no job of
+    its count seen to end."""
+    async for harness in _slicing(tmp_path, bet_min_ended=0):
+        yield harness
+
+
+@pytest.fixture
+async def slicing_on_evidence(tmp_path: Path):
+    """The same, but with `BET_MIN_ENDED` jobs of its count seen to end first (the default)."""
+    async for harness in _slicing(tmp_path, bet_min_ended=BET_MIN_ENDED):
+        yield harness
+
+
+async def _slicing(tmp_path: Path, bet_min_ended: int):
     control = FakeTrainingControl()
     h = CoreHarness(
         tmp_path,
@@ -761,6 +774,7 @@ async def slicing(tmp_path: Path):
             slice_after_s=SLICE_AFTER,
             share_after_s=SHARE_AFTER,
             queue_ahead=0,
+            bet_min_ended=bet_min_ended,
         ),
         training_control=control,
     )
@@ -981,16 +995,16 @@ async def test_a_job_whose_time_sliced_binding_failed_is_not_sliced_in_again_at_
     assert after.binding is not None and after.binding.time_slice_of == a.job_id
 
 
-@pytest.mark.parametrize("ended", [OUTLIVED_MIN_ENDED - 1, OUTLIVED_MIN_ENDED])
+@pytest.mark.parametrize("ended", [BET_MIN_ENDED - 1, BET_MIN_ENDED])
 async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
-    slicing: CoreHarness, ended: int
+    slicing_on_evidence: CoreHarness, ended: int
 ) -> None:
     # `ended` jobs run 100 s each and succeed, one more fails; then a runs 700 s, longer than
-    # all of them, and b has waited past its patience. With fewer than OUTLIVED_MIN_ENDED
-    # jobs seen to succeed, a's Gittins index of 0 is for want of evidence: no bet is made
-    # against it and b waits, as FIFO (with no ended job it was time-sliced in: the first
-    # test of this fixture). Among OUTLIVED_MIN_ENDED, a is an outlier of a heavy tail and b
-    # likely the shorter: it is time-sliced in.
+    # all of them, and b has waited past its patience. With fewer than BET_MIN_ENDED jobs
+    # seen to succeed, nothing says which is likelier to end soon: no bet is made and b
+    # waits, as FIFO (the failed job is not counted). Among BET_MIN_ENDED, a is an outlier
+    # of a heavy tail and b likely the shorter: it is time-sliced in.
+    slicing = slicing_on_evidence
     core = slicing.core
     assert core is not None
     await core.register_gpu(gpu(0), "10.0.0.0:50060")
@@ -1014,7 +1028,7 @@ async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
     await core.training.tick()
     slicing.clock.now += SLICE_AFTER + 100
     await core.training.tick()
-    if ended < OUTLIVED_MIN_ENDED:
+    if ended < BET_MIN_ENDED:
         assert (await core.get(b.job_id)).state is JobState.PENDING
     else:
         sliced = await assigned(core, b.job_id)

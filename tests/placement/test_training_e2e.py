@@ -644,6 +644,7 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
         "training_slice_after_s": 1.0,
         "training_share_after_s": 1.0,
         "training_queue_ahead": 0,
+        "training_bet_min_ended": 0,  # no training job has ended before
     }
     async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
         for _ in range(gpus):

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from gpuloom.clients.cli import cli
 from gpuloom.policies.training.fifo import FifoPolicy
 from gpuloom.policies.training.gandiva import (
-    GITTINS_MIN_ENDED,
+    BET_MIN_ENDED,
     MAX_HEIGHT,
     QUEUE_AHEAD,
     REVIEW_STEP_S,
@@ -64,7 +64,7 @@ TABLE = {
 def eager() -> GandivaPolicy:
     """Gandiva time-slicing at once, with any job (the paper's reactive mode): the tests of
     the mechanisms use it; the patience rules are tested on their own."""
-    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, queue_ahead=0)
+    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, queue_ahead=0, bet_min_ended=0)
 
 
 def line(kind: str, steps: int, arrival: float, scale: int = 1) -> str:
@@ -234,9 +234,11 @@ def test_gandiva_slices_in_on_time_and_suspends_a_job_once_it_has_had_its_share(
     # C3, two waiting ahead of it, be time-sliced in with C0 when it has waited its hour
     # (C0 has had an hour too). Once C3 has had its own hour (7,320 s at 60/61 / 2), it is
     # suspended back to the queue behind C1 and C2, and the jobs then run one after another,
-    # C3 last, resumed through a migration.
+    # C3 last, resumed through a migration. (No job ended before: the rule that waits for
+    # `BET_MIN_ENDED` of them is off.)
     jobs = jobs_of(*(line("C", 180_000, t) for t in (0, 10, 20, 30)))
-    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), GandivaPolicy())
+    policy = GandivaPolicy(bet_min_ended=0)
+    run = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), policy)
     sliced, demoted = 3630.0, 3630.0 + 3600 / (SLICE_EFFICIENCY / 2)
     c0_end = demoted + (180_000 - 5 * sliced - 5 * 3600) / 5
     c1_end, c2_end = c0_end + 36_000, c0_end + 72_000
@@ -247,6 +249,11 @@ def test_gandiva_slices_in_on_time_and_suspends_a_job_once_it_has_had_its_share(
     assert (run.suspensions, run.migrations) == (1, 1)
     feedback = (0, c0_end - 10, c1_end - 20, sliced + QUANTUM_S - 30)
     assert run.avg_first_feedback_h == round(sum(feedback) / 4 / 3600, 3)
+    # With the rule on, no job of the count has ended when the bet would be made: gandiva
+    # runs them as FIFO does.
+    fifo = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), get_policy("fifo"))
+    default = simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), GandivaPolicy())
+    assert default.jct_h == fifo.jct_h and default.suspensions == 0
 
 
 class _SeesEnded(FifoPolicy):
@@ -501,7 +508,7 @@ def test_the_docs_give_the_constants_the_code_uses() -> None:
         ("SHARE_AFTER_S", SHARE_AFTER_S, "s"),
         ("QUEUE_AHEAD", QUEUE_AHEAD, "jobs"),
         ("REVIEW_STEP_S", REVIEW_STEP_S, "s"),
-        ("GITTINS_MIN_ENDED", GITTINS_MIN_ENDED, "job"),
+        ("BET_MIN_ENDED", BET_MIN_ENDED, "jobs"),
     ]:
         assert f"| `{name}` | {value:g} {unit} |" in doc
     assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)

@@ -17,12 +17,12 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    jobs to the newcomer, less the switching and migration costs): the job has waited
    `slice_after_s` for free GPUs, has not had `share_after_s` of service itself, has
    `queue_ahead` jobs of its shape waiting ahead of it (nearer the head, GPUs of its own
-   come with the next ends), every job of the group has had `share_after_s` of service
-   (least attained service first) and has a lower Gittins index than the newcomer (the
-   newcomer is the likelier to end soon, from the lengths of the jobs that ended; not one
-   that outlived every ended job while fewer than `outlived_min_ended` ended), and the
-   group is not on a server held for an earlier job that has no round-robin of its GPU
-   count to join (it waits for the server to drain instead of starving);
+   come with the next ends), `bet_min_ended` jobs of its GPU count have ended, every job of
+   the group has had `share_after_s` of service (least attained service first) and has a
+   lower Gittins index than the newcomer (the newcomer is the likelier to end soon, from the
+   lengths of the jobs that ended), and the group is not on a server held for an earlier job
+   that has no round-robin of its GPU count to join (it waits for the server to drain
+   instead of starving);
 3b. suspension, before the placements: a job time-sliced in that has had `share_after_s`
    of service while an earlier job of its group has too goes back to the queue (`Suspend`):
    two long jobs sharing evenly both end later than one after the other.
@@ -89,11 +89,10 @@ SHARE_AFTER_S = 3600.0  # ... and only with jobs that have each had this much se
 QUEUE_AHEAD = 2
 # ... and only when the newcomer is the likelier to end soon: its Gittins index at the service
 # it has had is above every group job's at theirs, from the lengths of the jobs of its GPU
-# count that ended (`ServiceHistory`); until GITTINS_MIN_ENDED of them have, this rule waives.
-GITTINS_MIN_ENDED = 1
-# ... and not against a job that outlived every ended job of its GPU count while fewer than
-# OUTLIVED_MIN_ENDED of them ended: its index of 0 is then for want of evidence, not by it.
-OUTLIVED_MIN_ENDED = 5
+# count that ended (`ServiceHistory`). Until BET_MIN_ENDED of them have, nothing says which
+# is the likelier (a few ended jobs are a poor sample: two short ones make every newcomer
+# look short) and no job of that count is time-sliced in.
+BET_MIN_ENDED = 5
 GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 # The soonest `review_at` asks to be called again for a job's service: when it will have had
 # `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
@@ -158,12 +157,11 @@ class GandivaPolicy:
         slice_after_s: float = SLICE_AFTER_S,
         share_after_s: float = SHARE_AFTER_S,
         queue_ahead: int = QUEUE_AHEAD,
-        gittins_min_ended: int | None = GITTINS_MIN_ENDED,
-        outlived_min_ended: int = OUTLIVED_MIN_ENDED,
+        bet_min_ended: int = BET_MIN_ENDED,
     ) -> None:
-        self.outlived_min_ended = outlived_min_ended
         self.queue_ahead = queue_ahead
-        self.gittins_min_ended = gittins_min_ended  # None: the Gittins rule is off
+        # 0: with no job of its count ended, a job is time-sliced in on the other rules alone
+        self.bet_min_ended = bet_min_ended
         self.max_height = max_height
         self.grow_shrink = grow_shrink
         self.slice_after_s = slice_after_s
@@ -363,7 +361,10 @@ class GandivaPolicy:
             return False  # it has had its share: it waits for GPUs of its own, in turn
         if ahead < self.queue_ahead:
             return False  # near the head of the queue: GPUs of its own come with the next end
-        index = self._gittins_index(view, job)
+        ended = view.ended.ended(k)
+        if ended < self.bet_min_ended:
+            return False  # too few of its count ended to say it is the likelier to end soon
+        index = view.ended.gittins_index(k, view.attained_s.get(job_id, 0.0)) if ended else None
         shared = [
             gid
             for gid, jobs in scratch.jobs.items()
@@ -378,10 +379,10 @@ class GandivaPolicy:
             # yet (heavy-tailed lengths), so a newcomer is likely the shorter one; a group
             # whose jobs have had little service is waited for instead.
             and all(attained.get(j, 0.0) >= self.share_after_s for j in jobs)
-            # The newcomer is the likelier to end soon (once jobs of its GPU count ended).
+            # The newcomer is the likelier to end soon.
             and (
                 index is None
-                or all(self._likelier(view, k, index, attained.get(j, 0.0)) for j in jobs)
+                or all(index > view.ended.gittins_index(k, attained.get(j, 0.0)) for j in jobs)
             )
         ]
         if shared:
@@ -391,24 +392,6 @@ class GandivaPolicy:
             actions.append(Slice(job_id, gid))
             return True
         return False
-
-    def _gittins_index(self, view: ClusterView, job: Job) -> float | None:
-        """`job`'s Gittins index at the service it has had; None while the rule is off or too
-        few jobs of its GPU count ended to say."""
-        if self.gittins_min_ended is None or view.ended.ended(job.gpus) < self.gittins_min_ended:
-            return None
-        return view.ended.gittins_index(job.gpus, view.attained_s.get(job.id, 0.0))
-
-    def _likelier(self, view: ClusterView, gpus: int, index: float, attained_s: float) -> bool:
-        """Whether a newcomer of Gittins index `index` is the likelier to end soon than a job
-        of `gpus` GPUs that has had `attained_s` of service. One that outlived every ended job
-        has an index of 0: among `outlived_min_ended` or more ended jobs it is an outlier of a
-        heavy tail (the newcomer is likely the shorter), among fewer, nothing says how much
-        longer it runs, and no bet is made against it."""
-        group_index = view.ended.gittins_index(gpus, attained_s)
-        if group_index == 0 and view.ended.ended(gpus) < self.outlived_min_ended:
-            return False
-        return index > group_index
 
     def _has_round_robin(self, view: ClusterView, job: Job, scratch: _Scratch) -> bool:
         """Whether some group of `job`'s GPU count runs on a GPU type it allows: one it may

@@ -43,7 +43,7 @@ def plan(
     policy: GandivaPolicy | None = None,
 ) -> LivePlan:
     live = live_view(cluster, jobs, groups or {}, now, EFFICIENCY, pending=pending)
-    return live_plan(live, policy or GandivaPolicy(queue_ahead=0))
+    return live_plan(live, policy or GandivaPolicy(queue_ahead=0, bet_min_ended=0))
 
 
 def test_a_pending_job_is_time_sliced_in_once_the_rules_allow() -> None:
@@ -65,7 +65,7 @@ def test_the_queue_ahead_rule_holds_live() -> None:
     jobs = [running("a", "g0", 3 * HOUR)]
     pending = [waiting("c", 0.0), waiting("d", 1.0), waiting("e", 2.0)]
     # Two jobs of its shape must wait ahead of it (the default): only the third is sliced in.
-    sliced = plan(cluster, jobs, pending, 2 * HOUR, policy=GandivaPolicy()).slices
+    sliced = plan(cluster, jobs, pending, 2 * HOUR, policy=GandivaPolicy(bet_min_ended=0)).slices
     assert sliced == (("e", "g0"),)
 
 

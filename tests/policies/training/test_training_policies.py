@@ -65,10 +65,17 @@ def job(i: int, gpus: int = 1, kind: str = "A", util: float = 0.5) -> Job:
     return Job(i, kind, gpus, float(i), util)
 
 
+# The views of these tests hold no ended jobs: the patience rules are tested with the one
+# that needs `bet_min_ended` of them off (test_gittins.py tests it).
+NO_HISTORY = {"bet_min_ended": 0}
+
+
 def eager(**options: int) -> GandivaPolicy:
     """Gandiva time-slicing at once, with any job (the paper's reactive mode): for the tests
     of the mechanisms; the patience rules have tests of their own."""
-    return GandivaPolicy(slice_after_s=0.0, share_after_s=0.0, queue_ahead=0, **options)
+    return GandivaPolicy(
+        slice_after_s=0.0, share_after_s=0.0, queue_ahead=0, bet_min_ended=0, **options
+    )
 
 
 def both_ways(a: str, b: str) -> set[tuple[str, str, str]]:
@@ -180,7 +187,7 @@ def test_gandiva_waits_an_hour_for_free_gpus_then_slices_with_the_job_served_lon
     groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8,))]
     jobs = [job(7), job(8), Job(1, "A", 1, 0.0, 0.5)]
     served = {7: 600.0, 8: 7200.0}
-    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0, queue_ahead=0)
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=3600.0, queue_ahead=0, **NO_HISTORY)
     early = view([2], groups, jobs, waiting=[1], now=3599.0, attained=served)
     assert policy.decide(early) == []  # GPUs may free within the hour: it waits, as FIFO
     late = view([2], groups, jobs, waiting=[1], now=3600.0, attained=served)
@@ -197,7 +204,7 @@ def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
     groups = [Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7,))]
     jobs = [job(7, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
     # (No least-attained-service rule here: group 0 below holds two jobs with hours each.)
-    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=0.0, queue_ahead=0)
+    policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=0.0, queue_ahead=0, **NO_HISTORY)
     state = view([4], groups, jobs, waiting=[1, 2], now=10_000.0, attained={7: 9000.0})
     assert policy.decide(state) == []
     alone = view([4], groups, jobs, waiting=[2], now=10_000.0, attained={7: 9000.0})
@@ -222,8 +229,8 @@ def test_gandiva_slices_in_only_a_job_with_two_of_its_count_waiting_ahead() -> N
     state = view(
         [2], groups, jobs, waiting=[1, 2, 3, 4], now=4000.0, attained={7: 9000.0, 8: 9000.0}
     )
-    assert GandivaPolicy().decide(state) == [Slice(3, 0), Slice(4, 1)]
-    assert GandivaPolicy(queue_ahead=0).decide(state) == [Slice(1, 0), Slice(2, 1)]
+    assert GandivaPolicy(**NO_HISTORY).decide(state) == [Slice(3, 0), Slice(4, 1)]
+    assert GandivaPolicy(queue_ahead=0, **NO_HISTORY).decide(state) == [Slice(1, 0), Slice(2, 1)]
 
 
 def test_gandiva_suspends_the_later_of_two_jobs_that_have_had_their_share() -> None:
@@ -235,15 +242,16 @@ def test_gandiva_suspends_the_later_of_two_jobs_that_have_had_their_share() -> N
     jobs = [job(7), job(8), job(9), job(10), job(11), job(12)]
     served = {7: 9000.0, 8: 9000.0, 9: 3600.0}
     state = view([2], groups, jobs, waiting=[10], now=9000.0, attained=served)
-    assert GandivaPolicy().decide(state) == [Suspend(9)]
+    assert GandivaPolicy(**NO_HISTORY).decide(state) == [Suspend(9)]
     # A job still short of its share stays; a third waiting job, two ahead, slices in.
     served[9] = 1800.0
     state = view([2], groups, jobs, waiting=[10, 11, 12], now=9000.0, attained=served)
-    assert GandivaPolicy().decide(state) == [Slice(12, 1)]
+    assert GandivaPolicy(**NO_HISTORY).decide(state) == [Slice(12, 1)]
     # Without the least-attained-service rule (the paper's round-robin) nobody is suspended.
     served[9] = 9000.0
     state = view([2], groups, jobs, waiting=[10], now=9000.0, attained=served)
-    assert GandivaPolicy(share_after_s=0.0, queue_ahead=0).decide(state) == [Slice(10, 1)]
+    policy = GandivaPolicy(share_after_s=0.0, queue_ahead=0, **NO_HISTORY)
+    assert policy.decide(state) == [Slice(10, 1)]
 
 
 def test_gandiva_asks_to_be_called_when_a_rule_of_time_may_first_change_its_mind() -> None:
