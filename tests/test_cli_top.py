@@ -191,6 +191,16 @@ def test_on_a_terminal_the_view_refreshes_until_interrupted(day: Day) -> None:
         assert seen.count(b"gpuloom top") >= 3, seen[-2000:]
         assert b"\x1b[" in seen  # a terminal: colour and cursor movement
         process.send_signal(signal.SIGINT)
+        # Read on as a terminal does: top writes its last frame and restores the cursor on
+        # the way out, which blocks while the terminal's buffer is full.
+        deadline = time.monotonic() + 10
+        while process.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([controller], [], [], 0.1)
+            if ready:
+                try:
+                    seen += os.read(controller, 65536)
+                except OSError:  # EIO: the terminal's last writer closed it
+                    break
         assert process.wait(timeout=10) == 0
     finally:
         if process.poll() is None:
