@@ -173,13 +173,20 @@ def test_once_prints_one_frame_without_colour(day: Day) -> None:
 
 def test_on_a_terminal_the_view_refreshes_until_interrupted(day: Day) -> None:
     controller, terminal = pty.openpty()
-    process = subprocess.Popen(
-        [GPULOOM, "top", "--interval", "0.3"],
-        env={**day.plane.env, "TERM": "xterm", "COLUMNS": "200", "LINES": "50"},
-        stdin=terminal,
-        stdout=terminal,
-        stderr=terminal,
-    )
+    # As from a terminal's foreground: Ctrl-C reaches top. A test run started in the
+    # background (`... &`) ignores SIGINT, and a child would inherit that; with a handler of
+    # ours in place while it starts, it starts with the default.
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [GPULOOM, "top", "--interval", "0.3"],
+            env={**day.plane.env, "TERM": "xterm", "COLUMNS": "200", "LINES": "50"},
+            stdin=terminal,
+            stdout=terminal,
+            stderr=terminal,
+        )
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     os.close(terminal)
     seen = b""
     try:
