@@ -176,7 +176,7 @@ def test_on_a_terminal_the_view_refreshes_until_interrupted(day: Day) -> None:
     # As from a terminal's foreground: Ctrl-C reaches top. A test run started in the
     # background (`... &`) ignores SIGINT, and a child would inherit that; with a handler of
     # ours in place while it starts, it starts with the default.
-    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         process = subprocess.Popen(
             [GPULOOM, "top", "--interval", "0.3"],
@@ -186,7 +186,7 @@ def test_on_a_terminal_the_view_refreshes_until_interrupted(day: Day) -> None:
             stderr=terminal,
         )
     finally:
-        signal.signal(signal.SIGINT, ignored)
+        signal.signal(signal.SIGINT, previous)
     os.close(terminal)
     seen = b""
     try:
