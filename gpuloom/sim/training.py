@@ -294,7 +294,7 @@ class TrainingRun:
     migrations: int
     wall_s: float
     resizes: int = 0  # grow-shrink: jobs grown or shrunk (each a restart from its checkpoint)
-    suspensions: int = 0  # jobs taken out of a round-robin back to the queue
+    suspensions: int = 0  # jobs suspended back to the queue (demoted or preempted)
     jct_h: tuple[float, ...] = field(default=(), repr=False)
     in_use: tuple[tuple[float, int], ...] = field(default=(), repr=False)  # (hours, in use)
 
@@ -508,8 +508,8 @@ class _Cluster:
                 run.first_s = now + QUANTUM_S  # its turn comes when the current slice ends
         elif isinstance(action, Suspend):
             group = self._group(run.group, action) if run.group is not None else None
-            if group is None or group.packed or len(group.jobs) < 2:
-                raise PolicyError(f"{action}: not in a round-robin")
+            if group is None or group.packed:
+                raise PolicyError(f"{action}: not on GPUs, or packed")
             self._leave(i, now)
             run.suspended = True
             self.waiting = dict.fromkeys(sorted([*self.waiting, i]))  # ids: arrival order

@@ -5,6 +5,7 @@ Gavel's Philly-derived traces."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,14 @@ from gpuloom.policies.training.fifo import FifoPolicy
 from gpuloom.policies.training.gandiva import (
     BET_MIN_ENDED,
     MAX_HEIGHT,
+    PREEMPT_AFTER_S,
     QUEUE_AHEAD,
     REVIEW_STEP_S,
     SHARE_AFTER_S,
     SLICE_AFTER_S,
     GandivaPolicy,
 )
-from gpuloom.policies.training.model import Action, ClusterView, Suspend
+from gpuloom.policies.training.model import Action, ClusterView, Place, Suspend
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.sim.training import (
     GROW_IDLE_S,
@@ -279,12 +281,12 @@ def test_the_policy_sees_the_service_of_every_job_that_ended() -> None:
     assert policy.seen[2] == (pytest.approx(3600.0), 1, pytest.approx(1 / 3600))
 
 
-class _SuspendsAlone(FifoPolicy):
-    """FIFO that then suspends job 0 while it runs alone: a suspension from no round-robin."""
+class _SuspendsWaiting(FifoPolicy):
+    """FIFO that suspends job 1 while it waits: a suspension of a job on no GPUs."""
 
     def decide(self, view: ClusterView) -> list[Action]:
         placed = super().decide(view)
-        return [*placed, Suspend(0)] if not placed and 0 in view.jobs else placed
+        return [*placed, Suspend(1)] if 1 in view.waiting else placed
 
 
 def test_gandiva_runs_a_job_on_the_gpu_type_the_table_makes_fastest() -> None:
@@ -296,10 +298,35 @@ def test_gandiva_runs_a_job_on_the_gpu_type_the_table_makes_fastest() -> None:
     assert simulate(jobs, servers, table(), get_policy("gandiva")).jct_h == (1.0,)
 
 
-def test_a_suspension_from_no_round_robin_is_refused() -> None:
+def test_a_suspension_of_a_job_on_no_gpus_is_refused() -> None:
     jobs = jobs_of(line("C", 18_000, 0), line("C", 18_000, 10))
-    with pytest.raises(PolicyError, match="not in a round-robin"):
-        simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), _SuspendsAlone())
+    with pytest.raises(PolicyError, match="not on GPUs"):
+        simulate(jobs, parse_cluster("v100:1/1", ["v100"]), table(), _SuspendsWaiting())
+
+
+def test_the_head_of_the_queue_preempts_a_job_that_backfilled_past_it() -> None:
+    # Two servers of one GPU. X (2 h) runs on the first; W, 2 GPUs for an hour (A at 18/s),
+    # arrives at 10 s and waits; B (10 h) arrives at 20 s and takes the free GPU ahead of it.
+    # When X ends, W has waited its hour and B has had its hour of service: B is preempted
+    # (suspended back to the queue, its state kept), W runs, then B resumes through a
+    # migration. Without preemption W waits for B's ten hours; under FIFO B waits for W.
+    # (No 2-GPU job ended before: the rule that waits for `BET_MIN_ENDED` of them is off.)
+    jobs = jobs_of(line("C", 36_000, 0), line("A", 64_800, 10, 2), line("C", 180_000, 20))
+    cluster = parse_cluster("v100:2/1", ["v100"])
+    run = simulate(jobs, cluster, table(), GandivaPolicy(bet_min_ended=0))
+    w_end = 7200.0 + 3600
+    b_end = w_end + MIGRATION_S + (180_000 - 5 * (7200 - 20)) / 5
+    assert run.jct_h == pytest.approx((2.0, (w_end - 10) / 3600, (b_end - 20) / 3600))
+    assert (run.suspensions, run.migrations) == (1, 1)
+    waited = simulate(
+        jobs, cluster, table(), GandivaPolicy(bet_min_ended=0, preempt_after_s=math.inf)
+    )
+    assert waited.jct_h[1:] == pytest.approx(((36_020 + 3600 - 10) / 3600, 10.0))
+    fifo = simulate(jobs, cluster, table(), get_policy("fifo"))
+    assert fifo.jct_h[1:] == pytest.approx(((w_end - 10) / 3600, (w_end + 36_000 - 20) / 3600))
+    assert sum(run.jct_h) < min(sum(waited.jct_h), sum(fifo.jct_h))
+    # With the rule on, no 2-GPU job has ended: nothing says W is likelier to end soon.
+    assert simulate(jobs, cluster, table(), GandivaPolicy()).jct_h == waited.jct_h
 
 
 def test_a_job_moved_before_its_first_turn_does_not_migrate() -> None:
@@ -420,6 +447,55 @@ def test_every_job_ends_and_no_gpu_is_used_twice(
         assert run.resizes == 0
 
 
+class _WatchesPreemption(GandivaPolicy):
+    """Gandiva preempting after 10 minutes (for jobs with 10 minutes of service), noting for
+    every preemption what the view said of the head and of the jobs it took GPUs from."""
+
+    def __init__(self) -> None:
+        super().__init__(preempt_after_s=600.0, share_after_s=600.0, bet_min_ended=0)
+        self.seen: list[tuple[bool, bool, bool]] = []
+
+    def decide(self, view: ClusterView) -> list[Action]:
+        actions = super().decide(view)
+        victims = [a.job for a in actions if isinstance(a, Suspend) and a.reason == "preempt"]
+        heads = [a.job for a in actions if isinstance(a, Place) and a.reason == "preempt"]
+        if victims or heads:
+            assert len(heads) == 1
+            head = view.jobs[heads[0]]
+            self.seen.append(
+                (
+                    view.now_s - head.arrival_s >= 600.0
+                    and all(view.jobs[w].arrival_s >= head.arrival_s for w in view.waiting),
+                    all(view.jobs[v].arrival_s >= head.arrival_s for v in victims),
+                    all(view.attained_s.get(v, 0.0) >= 600.0 for v in victims),
+                )
+            )
+        return actions
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.tuples(kinds, st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(1, 6),
+    st.integers(1, 3),
+)
+def test_only_the_head_preempts_and_only_later_jobs_that_had_their_service(
+    rows: list[tuple[str, int, int, int]], gpus: int, per_server: int
+) -> None:
+    jobs = jobs_of(*(line("A" if s == 2 else k, n, t, s) for k, n, t, s in rows))
+    policy = _WatchesPreemption()
+    run = simulate(jobs, parse_cluster(f"v100:{gpus}/{per_server}", ["v100"]), table(), policy)
+    assert len(run.jct_h) == run.jobs
+    # The head of the queue (no job waits that arrived before it) that has waited its time,
+    # from jobs that arrived after it and had their service only.
+    assert all(seen == (True, True, True) for seen in policy.seen)
+    assert run.suspensions >= len(policy.seen)
+
+
 def sizes(job: TraceJob, t: Throughputs) -> tuple[int, ...]:
     return (job.gpus, *elastic_range(job, frozenset({"v100"}), t))
 
@@ -509,6 +585,7 @@ def test_the_docs_give_the_constants_the_code_uses() -> None:
         ("QUEUE_AHEAD", QUEUE_AHEAD, "jobs"),
         ("REVIEW_STEP_S", REVIEW_STEP_S, "s"),
         ("BET_MIN_ENDED", BET_MIN_ENDED, "jobs"),
+        ("PREEMPT_AFTER_S", PREEMPT_AFTER_S, "s"),
     ]:
         assert f"| `{name}` | {value:g} {unit} |" in doc
     assert SLICE_EFFICIENCY == QUANTUM_S / (QUANTUM_S + SWITCH_S)

@@ -26,6 +26,14 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
 3b. suspension, before the placements: a job time-sliced in that has had `share_after_s`
    of service while an earlier job of its group has too goes back to the queue (`Suspend`):
    two long jobs sharing evenly both end later than one after the other.
+3c. preemption: the head of the queue (the job that arrived first of those waiting), when
+   none of the above starts it and it has waited `preempt_after_s`, takes the GPUs it needs
+   from jobs that arrived after it and run alone there, each with `share_after_s` of service
+   (the fewest GPUs taken; on one server, the latest arrivals first), if it is the likelier
+   to end soon: its Gittins index above the sum of theirs, `bet_min_ended` jobs of each GPU
+   count ended. They go back to the queue (`Suspend`, reason "preempt"), behind it. Only
+   where the view allows it (`ClusterView.preempt`: the simulator's; live, a placed job
+   stays placed).
 
 Rules of time (a wait, a job's service) may change the decision with nothing arriving or
 ending: `review_at` says when to ask again.
@@ -93,6 +101,12 @@ QUEUE_AHEAD = 2
 # is the likelier (a few ended jobs are a poor sample: two short ones make every newcomer
 # look short) and no job of that count is time-sliced in.
 BET_MIN_ENDED = 5
+# A job at the head of the queue that has waited this long for GPUs takes them back from the
+# jobs behind it that took GPUs it needs (backfilling, which lets them pass it), if each has
+# had `share_after_s` of service and the head is the likelier to end soon: they are
+# suspended back to the queue (preempted), as FIFO would have had them wait. Without it a
+# wide job can wait for ever behind narrow ones.
+PREEMPT_AFTER_S = 3600.0
 GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job that grows
 # The soonest `review_at` asks to be called again for a job's service: when it will have had
 # `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
@@ -158,8 +172,10 @@ class GandivaPolicy:
         share_after_s: float = SHARE_AFTER_S,
         queue_ahead: int = QUEUE_AHEAD,
         bet_min_ended: int = BET_MIN_ENDED,
+        preempt_after_s: float = PREEMPT_AFTER_S,
     ) -> None:
         self.queue_ahead = queue_ahead
+        self.preempt_after_s = preempt_after_s  # inf: no preemption
         # 0: with no job of its count ended, a job is time-sliced in on the other rules alone
         self.bet_min_ended = bet_min_ended
         self.max_height = max_height
@@ -197,13 +213,20 @@ class GandivaPolicy:
         ahead = Counter[tuple[int, frozenset[str] | None]]()  # jobs of a shape left waiting
         held: set[int] = set()
         left_waiting = False
-        for job_id in waiting:
+        queue = list(waiting)
+        for n, job_id in enumerate(queue):  # grows: preempted jobs join it behind the head
             job = view.jobs[job_id]
             shape = (job.gpus, job.runs_on)
             if shape in blocked:
                 continue
             room = shape not in no_room
             if not self._arrive(view, job, free, scratch, actions, held, room, ahead[shape]):
+                preempted = self._preempt(view, job, free, scratch, actions) if n == 0 else []
+                if preempted:
+                    queue[1:] = sorted(
+                        (*queue[1:], *preempted), key=lambda j: (view.jobs[j].arrival_s, j)
+                    )
+                    continue
                 ahead[shape] += 1
                 if self._had_share(view, job_id) or ahead[shape] <= self.queue_ahead:
                     no_room.add(shape)
@@ -221,17 +244,19 @@ class GandivaPolicy:
         return actions
 
     def review_at(self, view: ClusterView) -> float:
-        """The first time a waiting job will have waited `slice_after_s`, or a job of a
-        group may have had `share_after_s` of service (a bound: time-sliced h ways, service
-        grows at slice_efficiency / h of the clock, and a stalled job's not at all; asked no
-        sooner than REVIEW_STEP_S from now); inf when no job waits and none is time-sliced."""
+        """The first time a waiting job will have waited `slice_after_s` or `preempt_after_s`,
+        or a job of a group may have had `share_after_s` of service (a bound: time-sliced h
+        ways, service grows at slice_efficiency / h of the clock, and a stalled job's not at
+        all; asked no sooner than REVIEW_STEP_S from now); inf when no job waits and none is
+        time-sliced."""
         if not view.waiting and all(g.height < 2 for g in view.groups):
             return math.inf
         now = view.now_s
         waits = [
-            view.jobs[j].arrival_s + self.slice_after_s
+            view.jobs[j].arrival_s + after
+            for after in (self.slice_after_s, self.preempt_after_s)
             for j in view.waiting
-            if view.jobs[j].arrival_s + self.slice_after_s > now
+            if view.jobs[j].arrival_s + after > now
         ]
         services = [
             now
@@ -272,6 +297,119 @@ class GandivaPolicy:
                 actions.append(Suspend(job))
                 suspended.append(job)
         return suspended
+
+    # 3c. preemption
+    def _preempt(
+        self,
+        view: ClusterView,
+        head: Job,
+        free: FreeMap,
+        scratch: _Scratch,
+        actions: list[Action],
+    ) -> list[int]:
+        """Take the GPUs `head` needs from later jobs running alone (see the module's
+        docstring, 3c) and place it there; returns the jobs suspended (none: nothing done)."""
+        if not view.preempt or view.now_s - head.arrival_s < self.preempt_after_s:
+            return []
+        victims = self._victims(view, head, free, scratch)
+        if not victims:
+            return []
+        for victim in victims:
+            scratch.remove(victim, free)
+            actions.append(Suspend(victim, reason="preempt"))
+        slots = self._exclusive(free, scratch, head)
+        if slots is None:  # cannot happen: the victims' GPUs hold it
+            raise AssertionError(f"job {head.id}: preempted {victims} and still no room")
+        scratch.place(head.id, slots)
+        actions.append(Place(head.id, slots, reason="preempt"))
+        return victims
+
+    def _victims(self, view: ClusterView, head: Job, free: FreeMap, scratch: _Scratch) -> list[int]:
+        """The jobs to preempt for `head`: the fewest GPUs, from jobs running alone (not
+        grown) that arrived after it and have had `share_after_s` of service; whole servers
+        of one GPU type for a job wider than a server, else one server (latest arrivals
+        first). Empty when no such set makes room."""
+        k = head.gpus
+        key = (head.arrival_s, head.id)
+        takeable: dict[int, list[int]] = {}  # server -> its groups that may be preempted
+        pinned: set[int] = set()  # servers with a group that may not
+        for gid, jobs in scratch.jobs.items():
+            servers = {s for s, _ in scratch.slots[gid]}
+            job = view.jobs[jobs[0]]
+            if (
+                gid >= 0  # not one planned in this call
+                and len(jobs) == 1
+                and not scratch.packed[gid]
+                and len(scratch.slots[gid]) == job.gpus
+                and (job.arrival_s, job.id) > key
+                and view.attained_s.get(job.id, 0.0) >= self.share_after_s
+            ):
+                for server in servers:
+                    takeable.setdefault(server, []).append(gid)
+            else:
+                pinned |= servers
+        servers = view.servers
+        allowed = [n for n, server in enumerate(servers) if head.allows(server.gpu_type)]
+        best: tuple[int, list[int]] | None = None  # (GPUs taken, groups)
+        if free.wider_than_servers(k, head):
+            by_type: dict[str, list[int]] = {}
+            for n in allowed:
+                if n not in pinned:
+                    by_type.setdefault(servers[n].gpu_type, []).append(n)
+            for candidates in by_type.values():
+                candidates.sort(
+                    key=lambda n: (sum(len(scratch.slots[g]) for g in takeable.get(n, [])), n)
+                )
+                chosen: dict[int, None] = {}
+                total = 0
+                for n in candidates:
+                    if total >= k:
+                        break
+                    total += servers[n].gpus
+                    chosen.update(dict.fromkeys(takeable.get(n, [])))
+                cost = sum(len(scratch.slots[g]) for g in chosen)
+                if total >= k and (best is None or cost < best[0]):
+                    best = (cost, list(chosen))
+        else:
+            for n in allowed:
+                if servers[n].gpus < k:
+                    continue
+                have = free.count(n)
+                taken: list[int] = []
+                latest_first = sorted(
+                    takeable.get(n, []),
+                    key=lambda g: (view.jobs[scratch.jobs[g][0]].arrival_s, g),
+                    reverse=True,
+                )
+                for gid in latest_first:
+                    if have >= k:
+                        break
+                    taken.append(gid)
+                    have += sum(1 for s, _ in scratch.slots[gid] if s == n)
+                cost = sum(len(scratch.slots[g]) for g in taken)
+                if have >= k and (best is None or cost < best[0]):
+                    best = (cost, taken)
+        if best is None:
+            return []
+        victims = [scratch.jobs[g][0] for g in best[1]]
+        return victims if self._likelier_to_end(view, head, victims) else []
+
+    def _likelier_to_end(self, view: ClusterView, head: Job, victims: list[int]) -> bool:
+        """Whether `head` is likelier to end soon than `victims` together: its Gittins index
+        above the sum of theirs (they run at once: their chances to end add up), each from
+        at least `bet_min_ended` ended jobs of its GPU count (else nothing says so)."""
+        ended = view.ended
+        if any(ended.ended(view.jobs[j].gpus) < self.bet_min_ended for j in (head.id, *victims)):
+            return False
+        if not ended.ended(head.gpus):  # bet_min_ended 0 and no evidence: the rule is off
+            return True
+        theirs = sum(
+            ended.gittins_index(view.jobs[j].gpus, view.attained_s.get(j, 0.0))
+            if ended.ended(view.jobs[j].gpus)
+            else 0.0
+            for j in victims
+        )
+        return ended.gittins_index(head.gpus, view.attained_s.get(head.id, 0.0)) > theirs
 
     # 0. shrink
     def _shrink(

@@ -42,7 +42,8 @@ of a GPU's training jobs (not an elastic job's), and `Resize` of an elastic job 
 GPUs of its server, or shrink back; its first GPU stays). The `Place` of a waiting job
 (placement's scheduler places it) and a de-fragmenting `Place` are not taken live (a job is
 not moved onto a busy GPU, nor moved for a job the policy would place elsewhere than the
-scheduler), nor is a `Suspend` back to the queue (a job placement has placed stays placed).
+scheduler), nor is a `Suspend` back to the queue (a job placement has placed stays placed;
+the view says so, `ClusterView.preempt`, so the policy plans no preemption).
 """
 
 from __future__ import annotations
@@ -268,6 +269,7 @@ def live_view(
         grow_idle_s=grow_idle_s,
         attained_s=MappingProxyType(attained),
         pack_in_place=True,
+        preempt=False,
         ended=ServiceHistory() if ended is None else ended,
     )
     gpu_of_slot = {slot: uuid for uuid, slot in slot_of.items()}

@@ -161,6 +161,9 @@ class ClusterView:
     # Pack only two jobs already time-sliced on one GPU (the live driver moves no job onto a
     # busy GPU): a job alone on its GPU is no packing target.
     pack_in_place: bool = False
+    # A job running alone may be preempted, suspended back to the queue off its GPUs
+    # (`Suspend`, reason "preempt"): the simulator's; live, a job placement placed stays placed.
+    preempt: bool = True
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:
         return (gpu_type, a, b) in self.packable
@@ -186,9 +189,10 @@ class Slice:
 
 @dataclass(frozen=True, slots=True)
 class Suspend:
-    """Take `job` out of its round-robin and back to the queue, suspended at a low-memory
-    point with its state kept; it resumes where a later `Place` or `Slice` puts it (through
-    its checkpoint, as a migration, since that may be on other GPUs)."""
+    """Take `job` back to the queue, suspended at a low-memory point with its state kept: out
+    of its round-robin ("demote"), or off the GPUs it runs on alone, which free ("preempt");
+    it resumes where a later `Place` or `Slice` puts it (through its checkpoint, as a
+    migration, since that may be on other GPUs)."""
 
     job: int
     reason: str = "demote"

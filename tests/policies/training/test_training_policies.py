@@ -3,6 +3,7 @@ Gandiva's affinity, over-subscription, de-fragmentation, spreading, packing and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from types import MappingProxyType
 
@@ -16,6 +17,7 @@ from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
     LiveJob,
+    LivePending,
     live_plan,
     live_view,
 )
@@ -29,6 +31,7 @@ from gpuloom.policies.training.model import (
     Place,
     Resize,
     Server,
+    ServiceHistory,
     Slice,
     Suspend,
     Unpack,
@@ -63,6 +66,11 @@ def view(
 
 def job(i: int, gpus: int = 1, kind: str = "A", util: float = 0.5) -> Job:
     return Job(i, kind, gpus, float(i), util)
+
+
+def early(i: int, gpus: int = 1) -> Job:
+    """A running job that arrived before every waiting one (no head of the queue preempts it)."""
+    return Job(i, "A", gpus, -float(i), 0.5)
 
 
 # The views of these tests hold no ended jobs: the patience rules are tested with the one
@@ -202,7 +210,7 @@ def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
     # waits: no free GPU, no group of its count. The 4-GPU job 2 behind it may not slice
     # onto that server: the round-robin would never drain and job 1 never run.
     groups = [Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7,))]
-    jobs = [job(7, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
+    jobs = [early(7, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
     # (No least-attained-service rule here: group 0 below holds two jobs with hours each.)
     policy = GandivaPolicy(slice_after_s=3600.0, share_after_s=0.0, queue_ahead=0, **NO_HISTORY)
     state = view([4], groups, jobs, waiting=[1, 2], now=10_000.0, attained={7: 9000.0})
@@ -214,7 +222,7 @@ def test_gandiva_lets_a_server_drain_for_a_gpu_count_no_group_has() -> None:
         Group(0, ((0, 0), (0, 1), (0, 2), (0, 3)), (7, 9)),
         Group(1, ((1, 0), (1, 1), (1, 2), (1, 3)), (8,)),
     ]
-    jobs = [job(7, 4), job(8, 4), job(9, 4), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
+    jobs = [*(early(i, 4) for i in (7, 8, 9)), Job(1, "A", 1, 0.0, 0.5), Job(2, "A", 4, 1.0, 0.5)]
     served = {7: 9000.0, 8: 9000.0, 9: 9000.0}
     state = view([4, 4], groups, jobs, waiting=[1, 2], now=10_000.0, attained=served)
     assert policy.decide(state) == [Slice(2, 0)]  # not the lower group 1: held for job 1
@@ -225,7 +233,7 @@ def test_gandiva_slices_in_only_a_job_with_two_of_its_count_waiting_ahead() -> N
     # over an hour. The first two would get GPUs of their own at the next two ends: they
     # wait, as FIFO; the third slices in with the least high group, the fourth with the other.
     groups = [Group(0, ((0, 0),), (7,)), Group(1, ((0, 1),), (8,))]
-    jobs = [job(7), job(8), *(Job(i, "A", 1, float(i), 0.5) for i in (1, 2, 3, 4))]
+    jobs = [early(7), early(8), *(Job(i, "A", 1, float(i), 0.5) for i in (1, 2, 3, 4))]
     state = view(
         [2], groups, jobs, waiting=[1, 2, 3, 4], now=4000.0, attained={7: 9000.0, 8: 9000.0}
     )
@@ -252,6 +260,72 @@ def test_gandiva_suspends_the_later_of_two_jobs_that_have_had_their_share() -> N
     state = view([2], groups, jobs, waiting=[10], now=9000.0, attained=served)
     policy = GandivaPolicy(share_after_s=0.0, queue_ahead=0, **NO_HISTORY)
     assert policy.decide(state) == [Slice(10, 1)]
+
+
+def lengths(hours: dict[int, float]) -> ServiceHistory:
+    """Five ended jobs of each GPU count, all of the given length."""
+    history = ServiceHistory()
+    for gpus, h in hours.items():
+        for _ in range(5):
+            history.add(gpus, h * 3600.0)
+    return history
+
+
+def test_gandiva_preempts_for_the_head_of_the_queue_the_later_jobs_on_the_gpus_it_needs() -> None:
+    # Three servers of four GPUs. Job 1 (8 GPUs) has waited an hour at the head of the queue;
+    # the jobs behind it took GPUs it needs (backfilling). Server 0 holds job 20, which
+    # arrived before it; server 1 job 21 (4 GPUs), server 2 job 22 (2 GPUs; 2 free), both
+    # later and with an hour of service each. 8-GPU jobs have run 2 h, the others 100 h: the
+    # head is the likelier to end soon. The two whole servers that cost the fewest GPUs are 1
+    # and 2: their jobs go back to the queue, behind job 1.
+    groups = [
+        Group(0, tuple((0, i) for i in range(4)), (20,)),
+        Group(1, tuple((1, i) for i in range(4)), (21,)),
+        Group(2, ((2, 0), (2, 1)), (22,)),
+    ]
+    jobs = [early(20, 4), job(21, 4), job(22, 2), Job(1, "A", 8, 0.0, 0.5)]
+    served = {20: 9000.0, 21: 3600.0, 22: 3600.0}
+    state = view([4, 4, 4], groups, jobs, waiting=[1], now=3600.0, attained=served)
+    state = replace(state, ended=lengths({8: 2, 4: 100, 2: 100}))
+    wide = tuple((n, i) for n in (1, 2) for i in range(4))
+    expected = [
+        Suspend(22, reason="preempt"),
+        Suspend(21, reason="preempt"),
+        Place(1, wide, reason="preempt"),
+    ]
+    assert GandivaPolicy().decide(state) == expected
+    _assert_consistent(state, expected)
+    # Not before it has waited an hour; not a job short of its hour of service (it is as
+    # likely as the head to end soon), nor one that arrived before it; not where the view
+    # says no (live: a placed job stays placed), nor with the rule off.
+    assert GandivaPolicy().decide(replace(state, now_s=3599.0)) == []
+    assert GandivaPolicy().decide(replace(state, attained_s={**served, 21: 3599.0})) == []
+    assert GandivaPolicy().decide(replace(state, preempt=False)) == []
+    assert GandivaPolicy(preempt_after_s=math.inf).decide(state) == []
+    # Not when the head is the likelier to run long (8-GPU jobs ran 100 h, the others 1.5 h:
+    # an hour in, they are near their end), nor with fewer than five ended jobs of a count.
+    assert GandivaPolicy().decide(replace(state, ended=lengths({8: 100, 4: 1.5, 2: 1.5}))) == []
+    assert GandivaPolicy().decide(replace(state, ended=lengths({8: 2, 4: 100}))) == []
+    # A job that fits one server: the later arrivals there go first, until it fits.
+    groups = [
+        Group(0, tuple((0, i) for i in range(4)), (20,)),
+        Group(1, ((1, 0),), (23,)),
+        Group(2, ((1, 1),), (24,)),
+        Group(3, ((1, 2), (1, 3)), (25,)),
+    ]
+    jobs = [early(20, 4), job(23), job(24), job(25, 2), Job(1, "A", 3, 0.0, 0.5)]
+    served = {n: 3600.0 for n in (20, 23, 24, 25)}
+    state = view([4, 4], groups, jobs, waiting=[1], now=3600.0, attained=served)
+    state = replace(state, ended=lengths({3: 2, 2: 100, 1: 100}))
+    assert GandivaPolicy().decide(state) == [
+        Suspend(25, reason="preempt"),
+        Suspend(24, reason="preempt"),
+        Place(1, ((1, 1), (1, 2), (1, 3)), reason="preempt"),
+    ]
+    # Only the head preempts: a job behind it waits its turn.
+    head = Job(0, "A", 8, -1.0, 0.5)  # waits for more GPUs than the cluster frees
+    behind = replace(state, jobs={**state.jobs, 0: head}, waiting=(0, 1))
+    assert GandivaPolicy().decide(behind) == []
 
 
 def test_gandiva_asks_to_be_called_when_a_rule_of_time_may_first_change_its_mind() -> None:
@@ -339,19 +413,21 @@ def test_gandiva_waits_a_packing_out_until_its_trial_is_measured() -> None:
 
 
 def _assert_consistent(state: ClusterView, actions: list[Action]) -> None:
-    """Applying the actions in order never puts two groups on one GPU."""
+    """Applying the actions (placements, suspensions) in order never puts two groups on one
+    GPU."""
     free = FreeMap(state.servers, state.groups)
     where = {j: g.id for g in state.groups for j in g.jobs}
     members = {g.id: list(g.jobs) for g in state.groups}
     slots = {g.id: g.slots for g in state.groups}
     for action in actions:
-        assert isinstance(action, Place)
+        assert isinstance(action, Place | Suspend)
         old = where.pop(action.job, None)
         if old is not None:
             members[old].remove(action.job)
             if not members[old]:
                 free.give(slots[old])
-        free.take_exact(action.slots)  # raises when a slot is not free
+        if isinstance(action, Place):
+            free.take_exact(action.slots)  # raises when a slot is not free
 
 
 # ---- grow-shrink (gandiva-gs) ----
@@ -454,6 +530,20 @@ def test_the_live_view_maps_nodes_gpus_and_jobs_and_the_plan_keeps_what_runs_liv
     # remaining jobs are alone: nothing to pack.
     assert plan.moves == (("j-hooked", "g1", "spread"),)
     assert plan.pack == () and plan.unpack == ()
+
+
+def test_the_live_view_preempts_no_job() -> None:
+    # A pending training job has waited hours for the GPU a later job took; the simulator's
+    # gandiva would preempt that job, but live a job placement placed stays placed.
+    gpus = [LiveGpu("g0", "n1", "A100", 80 * GIB_, False)]
+    jobs = [LiveJob("j-late", "g0", "resnet", 8 * GIB_, 100.0, attained_s=9000.0)]
+    pending = [LivePending("j-early", 1, 8 * GIB_, 0.0, sliceable=True)]
+    ended = lengths({1: 2})  # 1-GPU jobs run 2 h: j-late, 2.5 h in, outlived them all
+    live = live_view(gpus, jobs, {}, 10_000.0, EFFICIENCY, pending=pending, ended=ended)
+    assert not live.view.preempt
+    assert GandivaPolicy().decide(live.view) == []
+    simulated = GandivaPolicy().decide(replace(live.view, preempt=True))
+    assert simulated[0] == Suspend(0, reason="preempt")
 
 
 def test_unmeasured_jobs_are_not_packed_and_measured_ones_pack_in_place() -> None:
