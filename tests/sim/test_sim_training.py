@@ -408,15 +408,17 @@ def test_json_has_the_promised_fields_and_plot_writes_a_png(tmp_path: Path) -> N
 
 
 kinds = st.sampled_from("ABC")
+# Up to 25 jobs: (kind, steps, arrival s, GPUs); A on 2 GPUs, the only 2-GPU entry.
+trace_rows = st.lists(
+    st.tuples(kinds, st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(
-        st.tuples(kinds, st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
-        min_size=1,
-        max_size=25,
-    ),
+    trace_rows,
     st.integers(1, 6),
     st.integers(1, 3),
     st.sampled_from(["fifo", "gandiva", "gandiva-gs"]),
@@ -475,11 +477,7 @@ class _WatchesPreemption(GandivaPolicy):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st.lists(
-        st.tuples(kinds, st.integers(1, 50_000), st.integers(0, 20_000), st.sampled_from([1, 2])),
-        min_size=1,
-        max_size=25,
-    ),
+    trace_rows,
     st.integers(1, 6),
     st.integers(1, 3),
 )
