@@ -398,18 +398,11 @@ class GandivaPolicy:
         """Whether `head` is likelier to end soon than `victims` together: its Gittins index
         above the sum of theirs (they run at once: their chances to end add up), each from
         at least `bet_min_ended` ended jobs of its GPU count (else nothing says so)."""
-        ended = view.ended
-        if any(ended.ended(view.jobs[j].gpus) < self.bet_min_ended for j in (head.id, *victims)):
+        jobs = (head.id, *victims)
+        if any(view.ended.ended(view.jobs[j].gpus) < self.bet_min_ended for j in jobs):
             return False
-        if not ended.ended(head.gpus):  # bet_min_ended 0 and no evidence: the rule is off
-            return True
-        theirs = sum(
-            ended.gittins_index(view.jobs[j].gpus, view.attained_s.get(j, 0.0))
-            if ended.ended(view.jobs[j].gpus)
-            else 0.0
-            for j in victims
-        )
-        return ended.gittins_index(head.gpus, view.attained_s.get(head.id, 0.0)) > theirs
+        mine = _index(view, head.id)  # None: bet_min_ended 0 and no evidence, the rule is off
+        return mine is None or mine > sum(_index(view, j) or 0.0 for j in victims)
 
     # 0. shrink
     def _shrink(
@@ -499,10 +492,9 @@ class GandivaPolicy:
             return False  # it has had its share: it waits for GPUs of its own, in turn
         if ahead < self.queue_ahead:
             return False  # near the head of the queue: GPUs of its own come with the next end
-        ended = view.ended.ended(k)
-        if ended < self.bet_min_ended:
+        if view.ended.ended(k) < self.bet_min_ended:
             return False  # too few of its count ended to say it is the likelier to end soon
-        index = view.ended.gittins_index(k, view.attained_s.get(job_id, 0.0)) if ended else None
+        index = _index(view, job_id)
         shared = [
             gid
             for gid, jobs in scratch.jobs.items()
@@ -518,10 +510,7 @@ class GandivaPolicy:
             # whose jobs have had little service is waited for instead.
             and all(attained.get(j, 0.0) >= self.share_after_s for j in jobs)
             # The newcomer is the likelier to end soon.
-            and (
-                index is None
-                or all(index > view.ended.gittins_index(k, attained.get(j, 0.0)) for j in jobs)
-            )
+            and (index is None or all(index > (_index(view, j) or 0.0) for j in jobs))
         ]
         if shared:
             gid = min(shared, key=lambda g: (len(scratch.jobs[g]), g))
@@ -735,6 +724,15 @@ def _drain_for(
         chosen.add(n)
         gpus += view.servers[n].gpus
     return chosen
+
+
+def _index(view: ClusterView, job: int) -> float | None:
+    """`job`'s Gittins index at the service it has had, from the ended jobs of its GPU count;
+    None when none has ended."""
+    gpus = view.jobs[job].gpus
+    if not view.ended.ended(gpus):
+        return None
+    return view.ended.gittins_index(gpus, view.attained_s.get(job, 0.0))
 
 
 def _partner(scratch: _Scratch, gid: int, job: int) -> int:
