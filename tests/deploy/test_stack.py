@@ -85,6 +85,11 @@ class Stack:
             assert time.monotonic() < deadline, f"GPUs heard from: {self.registered()}"
             time.sleep(1)
 
+    # Clients on the host go through these two: where the stack's credentials are switched on,
+    # they are what must find them (docs/security.md).
+    def placement_client(self, timeout_s: float = 30.0) -> PlacementClient:
+        return PlacementClient(self.placement, timeout_s=timeout_s)
+
     def client_env(self) -> dict[str, str]:
         """The environment of the CLI on the host: where placement is published."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
@@ -104,7 +109,7 @@ class Stack:
     def registered(self) -> list[str]:
         """The UUIDs of the GPUs whose dispatchers placement heard from since the last `up`."""
         try:
-            with PlacementClient(self.placement, timeout_s=5) as client:
+            with self.placement_client(timeout_s=5) as client:
                 return [
                     g.gpu.gpu_uuid
                     for g in client.gpus()
@@ -241,14 +246,14 @@ def _spec(n: int) -> JobSpec:
 
 
 def _assigned(stack: Stack) -> dict[str, JobView]:
-    with PlacementClient(stack.placement) as client:
+    with stack.placement_client() as client:
         return {j.job_id: j for j in client.list(states=[JobState.ASSIGNED])}
 
 
 def _check_held_as_before(stack: Stack, before: dict[str, JobView]) -> None:
     """Every job assigned before is assigned now on the same GPU; none is LOST; each GPU's
     dispatcher holds exactly the reservations of the jobs placement has on it."""
-    with PlacementClient(stack.placement) as client:
+    with stack.placement_client() as client:
         lost = list(client.list(states=[JobState.LOST]))
     assert lost == [], [(j.job_id, j.message) for j in lost]
     now = _assigned(stack)
@@ -268,7 +273,7 @@ def _check_held_as_before(stack: Stack, before: dict[str, JobView]) -> None:
 @pytest.fixture(scope="module")
 def held(stack: Stack) -> dict[str, JobView]:
     """Six jobs holding shares (no process: their reservations alone), on two GPUs or more."""
-    with PlacementClient(stack.placement) as client:
+    with stack.placement_client() as client:
         jobs = [client.submit(_spec(n)) for n in range(6)]
     assert all(j.state is JobState.ASSIGNED for j in jobs), [j.pending_reason for j in jobs]
     assert len({j.assignment.gpu_uuid for j in jobs if j.assignment}) > 1
@@ -326,7 +331,7 @@ def test_a_restarted_dispatcher_gets_its_reservations_and_shims_back(stack: Stac
         began = time.monotonic()
         stack.must("restart", slot)
         stack.since = time.time()
-        with PlacementClient(stack.placement) as placement:
+        with stack.placement_client() as placement:
             assignment = placement.get(job_id).assignment
         assert assignment is not None and assignment.gpu_uuid == gpu_uuid
         deadline = time.monotonic() + 120
