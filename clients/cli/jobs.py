@@ -18,7 +18,6 @@ import click
 from gpuloom.clients.cli.addresses import placement_option, service_error
 from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.placement import (
-    DEFAULT_PRIORITY,
     GIB,
     JobFileError,
     JobNotAssigned,
@@ -34,7 +33,7 @@ from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert import placement as convert
 from gpuloom.domain.errors import DomainError, InvalidArgument
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobState, JobView
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import DEFAULT_PRIORITY, LOWEST_PRIORITY, share_of
 from gpuloom.domain.training import CheckpointHook, TrainingState, gpus_text
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -320,10 +319,8 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
         "spec.priority.level",
         ("--priority",),
         {
-            "type": click.IntRange(0, 9),
-            "default": DEFAULT_PRIORITY,
-            "show_default": True,
-            "help": "0 (highest) .. 9.",
+            "type": click.IntRange(0, LOWEST_PRIORITY),
+            "help": f"0 (highest) .. {LOWEST_PRIORITY}  [default: {DEFAULT_PRIORITY}]",
         },
     ),
     (
@@ -539,7 +536,7 @@ def _say(message: str) -> None:
 def _run_spec(
     command: tuple[str, ...],
     *,
-    priority: int,
+    priority: int | None,
     task_key: str,
     name: str,
     sm: int | None,
@@ -574,20 +571,14 @@ def _run_spec(
         raise click.UsageError("--quota-limit needs an MPS share (--sm and/or --quota)")
     if shared and memory_gib is None:
         raise click.UsageError("--sm/--quota need --memory-gib (the GPU memory cap of a share)")
-    share = None
-    if shared:
-        request = 100.0 if quota is None else quota
-        share = SpatioTemporalShare(
-            100 if sm is None else sm, TimeQuota(request, quota_limit or request)
-        )
+    memory_bytes = 0 if memory_gib is None else round(memory_gib * GIB)
     return JobSpec(
         name=name or os.path.basename(command[0])[:128] or "run",
         kind=JobKind(kind),
-        memory_bytes=0 if memory_gib is None else round(memory_gib * GIB),
-        share=share,
+        share=share_of(sm, quota, quota_limit, memory_bytes, priority),
+        mps=shared,
         whole_gpus=0 if shared else gpus or 1,
         task_key=task_key,
-        priority=priority,
         policy=policy,
         gpu_model=gpu_model,
         shared_model=shared_model,
@@ -640,7 +631,7 @@ def _echo_json_or_nothing(
 
 
 def _share(spec: JobSpec) -> str:
-    if spec.share is not None:
+    if spec.mps:
         quota = spec.share.quota
         limit = (
             f" (limit {quota.limit_percent:g}%)"
@@ -666,11 +657,9 @@ def _share(spec: JobSpec) -> str:
 
 
 def _sm_quota(spec: JobSpec) -> tuple[object, object]:
-    if spec.share is not None:
-        return spec.share.sm_percent, spec.share.quota.request_percent
     if spec.is_mig_batch:
         return "MIG", "-"
-    return 100, 100.0
+    return spec.share.sm_percent, spec.share.quota.request_percent
 
 
 def _runtime(job: JobView, now: float) -> str:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import math
 
 from gpuloom.convert.mig import task_run_to_pb
-from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp
 from gpuloom.convert.training import cycle_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
-from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
@@ -47,9 +46,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
     return ReserveSpec(
         assignment_id=request.assignment_id,
         client_name=request.client_name,
-        priority=(request.priority.level if request.HasField("priority") else DEFAULT_PRIORITY),
-        memory_cap_bytes=request.memory_cap_bytes,
-        share=share_from_pb(request.share),
+        share=reservation_share(request),
         mode=ShimMode(mode),
         token=request.assignment_token,
         task_key=request.task_key,
@@ -72,9 +69,7 @@ def assignment_to_pb(
     return dispatcher_pb2.Assignment(
         assignment_id=reservation.assignment_id,
         client_name=reservation.client_name,
-        priority=common_pb2.Priority(level=reservation.priority),
-        memory_cap_bytes=reservation.memory_cap_bytes,
-        share=share_to_pb(reservation.share),
+        **reservation_share_fields(reservation.share),
         mode=int(reservation.mode),
         assignment_token=reservation.token if environment is not None else "",
         socket_path=socket_path,

@@ -161,7 +161,7 @@ class DispatcherCore:
                 sm_percent=reservation.share.sm_percent,
                 quota_request=reservation.share.quota.request_percent,
                 quota_limit=reservation.share.quota.limit_percent,
-                memory_cap=reservation.memory_cap_bytes,
+                memory_cap=reservation.share.memory_bytes,
                 time_slice_of=reservation.time_slice_of or None,
             )
         return reservation

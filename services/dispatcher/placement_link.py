@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import grpc
 import structlog
 
-from gpuloom.convert.shares import share_to_pb
+from gpuloom.convert.shares import reservation_share_fields
 from gpuloom.convert.training import cycle_to_pb
 from gpuloom.services.dispatcher.domain import Reservation
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
@@ -315,9 +315,7 @@ class PlacementLink:
 def _reservation_to_pb(reservation: Reservation) -> placement_pb2.DispatcherReservation:
     return placement_pb2.DispatcherReservation(
         assignment_id=reservation.assignment_id,
-        priority=common_pb2.Priority(level=reservation.priority),
-        memory_cap_bytes=reservation.memory_cap_bytes,
-        share=share_to_pb(reservation.share),
+        **reservation_share_fields(reservation.share),
         task_key=reservation.task_key,
     )
 

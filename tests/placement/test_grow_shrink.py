@@ -19,7 +19,7 @@ from gpuloom.clients.placement import JobFileError, spec_from_document
 from gpuloom.convert.placement import spec_from_pb, spec_to_pb
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook, TrainingPhase
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
@@ -40,7 +40,7 @@ def elastic(low: int = 1, high: int = 2, name: str = "grower") -> JobSpec:
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=0,
+        share=share_of(),
         whole_gpus=low,
         checkpoint=HOOK,
         max_gpus=high,
@@ -272,10 +272,10 @@ async def test_gandiva_without_grow_shrink_never_resizes(tmp_path: Path) -> None
 
 
 def test_an_elastic_range_is_validated_naming_the_field() -> None:
-    share = SpatioTemporalShare(100, TimeQuota(50, 100))
+    share = share_of(100, 50, 100, memory_bytes=GIB)
     for spec, message in (
         (replace(elastic(), kind=JobKind.BATCH, checkpoint=None), "only training jobs"),
-        (replace(elastic(), whole_gpus=0, share=share, memory_bytes=GIB), "needs whole GPUs"),
+        (replace(elastic(), whole_gpus=0, share=share, mps=True), "needs whole GPUs"),
         (replace(elastic(), checkpoint=None), "needs a checkpoint hook"),
         (elastic(low=3, high=2), "within whole_gpus..64"),
         (elastic(high=65), "within whole_gpus..64"),

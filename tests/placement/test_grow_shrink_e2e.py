@@ -20,6 +20,7 @@ import pytest
 
 from gpuloom.convert.placement import spec_to_pb
 from gpuloom.domain.placement import JobKind, JobSpec
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.v1 import placement_pb2 as pb
 from tests.placement.conftest import counter
@@ -79,7 +80,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
     spec = JobSpec(
         name="elastic",
         kind=JobKind.TRAINING,
-        memory_bytes=0,
+        share=share_of(),
         whole_gpus=1,
         max_gpus=2,
         checkpoint=CheckpointHook(signal="SIGUSR1", timeout_s=20),
@@ -110,7 +111,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
             pb.SubmitJobRequest(
                 request_id="newcomer",
                 spec=spec_to_pb(
-                    JobSpec(name="newcomer", kind=JobKind.BATCH, memory_bytes=0, whole_gpus=1)
+                    JobSpec(name="newcomer", kind=JobKind.BATCH, share=share_of(), whole_gpus=1)
                 ),
             )
         )

@@ -19,7 +19,7 @@ from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.gpus import find_model
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigSlot
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.mig import verify_plan
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
@@ -55,7 +55,7 @@ def mig_spec(
     spec = JobSpec(
         name=name,
         kind=JobKind.BATCH,
-        memory_bytes=0,
+        share=share_of(),
         mig_slices=1,
         task_key=task_key,
         command=command,
@@ -275,7 +275,7 @@ async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None
         ({"command": ("echo",) * 257}, "spec.command"),
         ({"command": ("echo", "x" * 4097)}, "spec.command[1]"),
         ({"command": ("echo", "a\0b")}, "spec.command[1]"),
-        ({"share": SpatioTemporalShare(50, TimeQuota(50, 50))}, "spec.resources"),
+        ({"share": share_of(50, 50, memory_bytes=GIB), "mps": True}, "spec.resources"),
         ({"whole_gpus": 1}, "spec.resources"),
     ],
 )
@@ -296,8 +296,8 @@ async def test_a_command_without_mig_is_refused(harness: Harness) -> None:
     spec = JobSpec(
         name="mps",
         kind=JobKind.BATCH,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(50, TimeQuota(50, 50)),
+        share=share_of(50, 50, memory_bytes=GIB),
+        mps=True,
         command=("true",),
     )
     with pytest.raises(InvalidArgument) as refused:

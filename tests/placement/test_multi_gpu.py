@@ -20,7 +20,7 @@ from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import JobFileError, file_key_for, spec_from_document
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.node_resources import host_cpu_milli, parse_meminfo
 from gpuloom.services.placement.decisions import GPU_UUIDS_VARIABLE
@@ -39,15 +39,15 @@ def gpu(i: int, node: str, model: str = "A100-80GB", cpu: int = 16000) -> GpuInf
 
 
 def whole(name: str, gpus: int, **kw) -> JobSpec:
-    return JobSpec(name=name, kind=JobKind.TRAINING, memory_bytes=0, whole_gpus=gpus, **kw)
+    return JobSpec(name=name, kind=JobKind.TRAINING, share=share_of(), whole_gpus=gpus, **kw)
 
 
 def share(name: str, **kw) -> JobSpec:
     return JobSpec(
         name=name,
         kind=JobKind.INFERENCE,
-        memory_bytes=4 * GIB,
-        share=SpatioTemporalShare(30, TimeQuota(30, 30)),
+        share=share_of(30, 30, memory_bytes=4 * GIB),
+        mps=True,
         **kw,
     )
 
@@ -56,7 +56,7 @@ def mig_task(**kw) -> JobSpec:
     return JobSpec(
         name="mig",
         kind=JobKind.BATCH,
-        memory_bytes=0,
+        share=share_of(),
         mig_slices=1,
         task_key="k",
         command=("true",),

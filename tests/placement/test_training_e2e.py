@@ -34,7 +34,7 @@ import pytest
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.run import JobRunner, RunOutcome
 from gpuloom.domain.placement import JobKind, JobSpec
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.policies.training.model import slice_efficiency
 from gpuloom.services.dispatcher.app import GpuDispatcher, _stop, start_gpu_dispatcher
@@ -203,10 +203,9 @@ def spec(name: str, hook: CheckpointHook | None = None, priority: int = 5) -> Jo
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(100, TimeQuota(50, 100)),
+        share=share_of(100, 50, 100, memory_bytes=GIB, priority=priority),
+        mps=True,
         checkpoint=hook,
-        priority=priority,
     )
 
 
@@ -655,12 +654,17 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
 
         def whole(name: str) -> JobSpec:
             if gpus > 1:
-                return JobSpec(name, JobKind.TRAINING, GIB, whole_gpus=gpus)
+                return JobSpec(
+                    name=name,
+                    kind=JobKind.TRAINING,
+                    share=share_of(memory_bytes=GIB),
+                    whole_gpus=gpus,
+                )
             return JobSpec(
                 name=name,
                 kind=JobKind.TRAINING,
-                memory_bytes=GIB,
-                share=SpatioTemporalShare(100, TimeQuota(100, 100)),
+                share=share_of(100, 100, memory_bytes=GIB),
+                mps=True,
             )
 
         runs = [start(plane, whole("first"), train(steps["first"], outs["first"]), said)]
