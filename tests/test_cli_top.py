@@ -27,7 +27,8 @@ from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.shim import ShimClient
 from gpuloom.clients.top import FleetView
 from gpuloom.convert.dispatcher import status_from_pb, status_to_pb
-from gpuloom.domain.placement import GpuEntry, GpuInfo, JobKind, JobSpec, JobView
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobView
 from gpuloom.domain.shares import share_of
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for

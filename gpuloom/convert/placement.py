@@ -17,17 +17,16 @@ from gpuloom.convert.shares import priority_from_pb, share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.convert.training import hook_from_pb, hook_to_pb, training_from_pb, training_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import GpuInfo, MigInstance
 from gpuloom.domain.placement import (
     AssignedGpu,
     Assignment,
     FunctionScaling,
     GpuEntry,
-    GpuInfo,
     JobKind,
     JobSpec,
     JobState,
     JobView,
-    MigInstance,
     MigSlot,
     Slo,
     ThroughputConfig,

@@ -14,11 +14,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import MAX_CPU_MILLI, MAX_HOST_MEMORY_BYTES, MAX_NAME, GpuInfo
 from gpuloom.domain.models import check_model_name
 from gpuloom.domain.shares import Share, SpatioTemporalShare, validate_priority
 from gpuloom.domain.training import CheckpointHook, TrainingState
 
-MAX_NAME = 128
 MAX_KEY = 256
 # A MIG batch task's command, as the dispatcher takes it (RunMigBatch's MigTaskSpec.argv).
 MAX_COMMAND_ARGS = 256
@@ -26,9 +26,6 @@ MAX_COMMAND_ARG_CHARS = 4096
 # A job's whole GPUs (all on one node) and its gpu_model alternatives ("A|B"), at most.
 MAX_WHOLE_GPUS = 64
 MAX_MODEL_ALTERNATIVES = 16
-# Node resources a job may ask for, at most (far above any node: a typo, not a request).
-MAX_CPU_MILLI = 1 << 32
-MAX_HOST_MEMORY_BYTES = 1 << 50
 
 
 class JobKind(enum.Enum):
@@ -300,52 +297,6 @@ class MigSlot:
     first_slice: int
     planned_start: float
     planned_end: float
-
-
-@dataclass(frozen=True, slots=True)
-class MigInstance:
-    slices: int
-    first_slice: int
-    uuid: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuInfo:
-    """A GPU as its dispatcher registers it."""
-
-    gpu_uuid: str
-    node: str
-    model: str
-    memory_bytes: int
-    sm_count: int = 0
-    mig_capable: bool = False
-    mig_enabled: bool = False
-    mig_instances: tuple[MigInstance, ...] = ()
-    mps_enabled: bool = False
-    # The node's CPU (milli) and memory for jobs, as the dispatcher read them; 0: not reported.
-    node_cpu_milli: int = 0
-    node_memory_bytes: int = 0
-
-    def validate(self) -> None:
-        for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
-            if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
-                raise InvalidArgument(name, f"must be 1..{MAX_NAME} printable characters")
-        if not 1 <= len(self.node) <= 253 or not self.node.isprintable():
-            raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
-        if self.memory_bytes <= 0:
-            raise InvalidArgument("gpu.memory_bytes", "must be > 0")
-        for name, value, most in (
-            ("gpu.node_cpu_milli", self.node_cpu_milli, MAX_CPU_MILLI),
-            ("gpu.node_memory_bytes", self.node_memory_bytes, MAX_HOST_MEMORY_BYTES),
-        ):
-            if not 0 <= value <= most:
-                raise InvalidArgument(name, f"must be within 0..{most}, got {value}")
-        for i, instance in enumerate(self.mig_instances):
-            if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
-                raise InvalidArgument(
-                    f"gpu.mig_instances[{i}]",
-                    f"{instance.slices} slices at slice {instance.first_slice} is no MIG instance",
-                )
 
 
 # The assignment's secret: whoever presents it to the dispatcher first holds the reservation,

@@ -10,6 +10,7 @@ from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp
 from gpuloom.convert.training import cycle_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
@@ -21,7 +22,7 @@ from gpuloom.services.dispatcher.domain import (
     Reservation,
     ReserveSpec,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.gpu.backend import GpuUsage
 from gpuloom.services.dispatcher.mig_executor import MigBatchTask
 from gpuloom.services.dispatcher.model_store import ModelView
 from gpuloom.shimwire import ShimMode
@@ -55,7 +56,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
 
 
 def gpu_ref(gpu: GpuInfo, node: str) -> common_pb2.GpuRef:
-    return common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid)
+    return common_pb2.GpuRef(node=node, gpu_uuid=gpu.gpu_uuid)
 
 
 def assignment_to_pb(

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import structlog
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.placement import GpuInfo, JobSpec
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobSpec
 from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
 from gpuloom.policies.placement.fleet import InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id

@@ -11,7 +11,8 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigInstance, MigSlot, Slo
+from gpuloom.domain.gpus import GpuInfo, MigInstance
+from gpuloom.domain.placement import JobKind, JobSpec, JobState, MigSlot, Slo
 from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.services.placement.domain import Binding, ExtraGpu, GpuRecord, Job

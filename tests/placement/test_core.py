@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import GRID_H, GRID_W
 from gpuloom.services.placement.repository import JobFilter

@@ -18,7 +18,8 @@ from gpuloom.clients.cli.jobs import _details, _training_cell
 from gpuloom.clients.placement import JobFileError, spec_from_document
 from gpuloom.convert.placement import spec_from_pb, spec_to_pb
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook, TrainingPhase
 from gpuloom.services.placement.convert import job_view

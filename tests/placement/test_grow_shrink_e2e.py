@@ -95,7 +95,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
 
         await until("the job grown onto the idle GPU", grown, 20)
         job = await plane.job_named("elastic")
-        both = [first.core.gpu.uuid, second.core.gpu.uuid]
+        both = [first.core.gpu.gpu_uuid, second.core.gpu.gpu_uuid]
         assert [
             job.assignment.gpu.gpu_uuid,
             *(g.gpu.gpu_uuid for g in job.assignment.extra_gpus),
@@ -122,9 +122,9 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
 
         await until("the newcomer placed on the GPU given back", newcomer_placed, 20)
         placed = await plane.job(newcomer.job_id)
-        assert placed.assignment.gpu.gpu_uuid == second.core.gpu.uuid
+        assert placed.assignment.gpu.gpu_uuid == second.core.gpu.gpu_uuid
         shrunk = await plane.job(job.job_id)
-        assert shrunk.assignment.gpu.gpu_uuid == first.core.gpu.uuid
+        assert shrunk.assignment.gpu.gpu_uuid == first.core.gpu.gpu_uuid
         assert not shrunk.assignment.extra_gpus
         outcome = await asyncio.wait_for(runner, 60)
     finally:

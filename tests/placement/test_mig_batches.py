@@ -17,8 +17,8 @@ import pytest
 from gpuloom.convert.times import unix_s
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.gpus import find_model
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigSlot
+from gpuloom.domain.gpus import GpuInfo, find_model
+from gpuloom.domain.placement import JobKind, JobSpec, JobState, MigSlot
 from gpuloom.domain.shares import share_of
 from gpuloom.policies.mig import verify_plan
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
@@ -545,7 +545,7 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
             await live.stub.RegisterGpu(
                 placement_pb2.RegisterGpuRequest(
                     gpu=placement_pb2.GpuInfo(
-                        ref=common_pb2.GpuRef(node="n1", gpu_uuid=gpu.uuid),
+                        ref=common_pb2.GpuRef(node="n1", gpu_uuid=gpu.gpu_uuid),
                         model=gpu.model,
                         memory_bytes=gpu.memory_bytes,
                         sm_count=gpu.sm_count,
@@ -600,7 +600,7 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
             (FAILED, 3),
             (SUCCEEDED, 0),
         ]
-        uuids = {dispatcher.core.gpu.uuid for dispatcher in mig_dispatchers}
+        uuids = {dispatcher.core.gpu.gpu_uuid for dispatcher in mig_dispatchers}
         for job in ended:
             # Real and planned times, the GPU and the MIG instance it ran in.
             assert job.message.startswith(f"exit code {job.exit_code}: ran ")

@@ -19,7 +19,8 @@ from click.testing import CliRunner
 from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import JobFileError, file_key_for, spec_from_document
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.node_resources import host_cpu_milli, parse_meminfo
@@ -218,7 +219,7 @@ async def test_a_two_gpu_job_binds_on_two_real_dispatchers(
     uuids = [job.assignment.gpu.gpu_uuid, *(g.gpu.gpu_uuid for g in job.assignment.extra_gpus)]
     assert len(set(uuids)) == 2 and job.spec.cpu_milli == 4000
     holders = {
-        d.core.gpu.uuid: job.job_id in {r.assignment_id for r in d.core.book.all()}
+        d.core.gpu.gpu_uuid: job.job_id in {r.assignment_id for r in d.core.book.all()}
         for d in dispatchers.dispatchers
     }
     assert {uuid for uuid, holds in holders.items() if holds} == set(uuids)

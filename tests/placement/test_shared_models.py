@@ -17,7 +17,8 @@ import pytest
 
 from gpuloom.clients.models import save_weights
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import (
     DispatcherApp,
@@ -50,7 +51,7 @@ class Plane:
     channels: list[grpc.aio.Channel]
 
     def uuid(self, index: int) -> str:
-        return self.dispatchers[index].core.gpu.uuid
+        return self.dispatchers[index].core.gpu.gpu_uuid
 
     async def entry(self, index: int) -> pb.GpuEntry:
         gpus = (await self.placement.stub.ListGpus(pb.ListGpusRequest())).gpus

@@ -25,7 +25,8 @@ from gpuloom.convert.training import (
     training_to_pb,
 )
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import (
     CheckpointHook,

@@ -541,7 +541,7 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     try:
         await five_steps(out)
         job = await plane.job_named("mover")
-        assert job.assignment.gpu.gpu_uuid == first.core.gpu.uuid
+        assert job.assignment.gpu.gpu_uuid == first.core.gpu.gpu_uuid
         second = await plane.add_gpu()
         result = await asyncio.wait_for(mover, 60)
     finally:
@@ -569,11 +569,11 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     assert max(r[2] for r in engine if r[0] == before) < min(r[1] for r in engine if r[0] == after)
     moved = await plane.job(job.job_id)
     assert moved.state == pb.JOB_STATE_SUCCEEDED
-    assert moved.assignment.gpu.gpu_uuid == second.core.gpu.uuid
+    assert moved.assignment.gpu.gpu_uuid == second.core.gpu.gpu_uuid
     assert (
         counter("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
     )
-    assert any(f"moved to GPU {second.core.gpu.uuid}" in line for line in said), said
+    assert any(f"moved to GPU {second.core.gpu.gpu_uuid}" in line for line in said), said
     # The first dispatcher let the reservation go; the second released it at its end.
     for dispatcher in (first, second):
         await until(

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.gpus import GIB
+from gpuloom.domain.gpus import GIB, GpuInfo, MigInstance
 from gpuloom.services.dispatcher.gpu import GpuBackend, SimulatedBackend
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuProcess, GpuUsage
 
 from .helpers import SleepRecorder
 
@@ -36,7 +36,8 @@ def test_info_per_model(model: str, memory_gib: int, sm_count: int, mig_capable:
     backend = SimulatedBackend(f"2x{model.lower()}")
     assert backend.gpu(1) == GpuInfo(
         index=1,
-        uuid=f"SIM-{model}-1",
+        gpu_uuid=f"SIM-{model}-1",
+        node="",
         model=model,
         memory_bytes=memory_gib * GIB,
         sm_count=sm_count,
@@ -48,9 +49,9 @@ def test_info_per_model(model: str, memory_gib: int, sm_count: int, mig_capable:
 def test_gpus_in_index_order_with_stable_uuids() -> None:
     spec = "A100-80GB,2xT4-16GB"
     first, again = SimulatedBackend(spec), SimulatedBackend(spec)
-    uuids = [g.uuid for g in first.gpus()]
+    uuids = [g.gpu_uuid for g in first.gpus()]
     assert uuids == ["SIM-A100-80GB-0", "SIM-T4-16GB-1", "SIM-T4-16GB-2"]
-    assert [g.uuid for g in again.gpus()] == uuids
+    assert [g.gpu_uuid for g in again.gpus()] == uuids
     assert [g.index for g in first.gpus()] == [0, 1, 2]
 
 
