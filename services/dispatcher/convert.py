@@ -4,7 +4,9 @@ domain validation then names (e.g. "share.sm_percent: must be within 1..100, got
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+from gpuloom.convert.dispatcher import gpu_description_to_pb
 from gpuloom.convert.mig import task_run_to_pb
 from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp
@@ -82,19 +84,6 @@ def assignment_to_pb(
     )
 
 
-def gpu_description_to_pb(gpu: GpuInfo, node: str, backend: str) -> dispatcher_pb2.GpuDescription:
-    return dispatcher_pb2.GpuDescription(
-        ref=gpu_ref(gpu, node),
-        index=gpu.index,
-        model=gpu.model,
-        memory_bytes=gpu.memory_bytes,
-        sm_count=gpu.sm_count,
-        mig_capable=gpu.mig_capable,
-        mig_enabled=gpu.mig_enabled,
-        backend=backend,
-    )
-
-
 def client_status_to_pb(
     status: ClientStatus, gpu: GpuInfo, node: str, socket_path: str
 ) -> dispatcher_pb2.ClientStatus:
@@ -132,7 +121,7 @@ def gpu_status_to_pb(
     socket_path: str,
 ) -> dispatcher_pb2.GpuStatus:
     return dispatcher_pb2.GpuStatus(
-        gpu=gpu_description_to_pb(gpu, node, backend),
+        gpu=gpu_description_to_pb(replace(gpu, node=node), backend),
         policy=view.policy,
         window_ms=view.window_s * 1e3,
         clients=[client_status_to_pb(c, gpu, node, socket_path) for c in view.clients],
