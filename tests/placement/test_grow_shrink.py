@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from gpuloom.clients.cli import cli
-from gpuloom.clients.cli.jobs import _details, _training_cell
+from gpuloom.clients.cli.jobs.listing import training_cell
+from gpuloom.clients.cli.jobs.one_job import details
 from gpuloom.clients.placement import JobFileError, spec_from_document
 from gpuloom.convert.placement import spec_from_pb, spec_to_pb
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
@@ -148,8 +149,8 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     assert job.binding is not None
     first, other = job.binding.gpu_uuids
     shown = job_view(job)
-    assert "grown to 2 of 1..2" in _training_cell(shown)
-    assert "elastic" in _details(shown) and "resizes" in _details(shown)
+    assert "grown to 2 of 1..2" in training_cell(shown)
+    assert "elastic" in details(shown) and "resizes" in details(shown)
     # Nothing more to grow onto, nobody waiting: it stays grown.
     gs.clock.now += 10 * IDLE_S
     await core.training.tick()
@@ -159,7 +160,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     assert newcomer.state is JobState.PENDING
     migration, gpus = await asked(core, grower, "shrink")
     assert gpus == 1
-    assert "shrinking to 1 GPU" in _training_cell(job_view(await core.get(grower)))
+    assert "shrinking to 1 GPU" in training_cell(job_view(await core.get(grower)))
     assert (await core.get(newcomer.job_id)).state is JobState.PENDING  # not before the hook
     done = await core.report_checkpoint(grower, migration, True, "")
     assert done.binding is not None and done.binding.gpu_uuids == (first,)
@@ -167,7 +168,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     held = gs.dispatchers.held
     await eventually(lambda: grower not in held[address(int(other[-1]))])
     assert held[address(int(first[-1]))][grower].token == done.binding.token
-    assert "1 of 1..2 GPUs" in _training_cell(job_view(done))
+    assert "1 of 1..2 GPUs" in training_cell(job_view(done))
 
     # The GPU it gave back goes to the pending job.
     async def placed() -> bool:
