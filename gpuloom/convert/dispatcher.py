@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpuloom.convert.gpus import gpu_fields, gpu_from_fields
 from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp, unix_s
@@ -30,29 +31,11 @@ _MODE_FROM_PB = {code: mode for mode, code in _MODE_TO_PB.items()}
 
 
 def gpu_description_to_pb(gpu: GpuInfo, backend: str) -> pb.GpuDescription:
-    return pb.GpuDescription(
-        ref=common_pb2.GpuRef(node=gpu.node, gpu_uuid=gpu.gpu_uuid),
-        index=gpu.index,
-        model=gpu.model,
-        memory_bytes=gpu.memory_bytes,
-        sm_count=gpu.sm_count,
-        mig_capable=gpu.mig_capable,
-        mig_enabled=gpu.mig_enabled,
-        backend=backend,
-    )
+    return pb.GpuDescription(**gpu_fields(gpu), index=gpu.index, backend=backend)
 
 
 def gpu_description_from_pb(msg: pb.GpuDescription) -> GpuInfo:
-    return GpuInfo(
-        gpu_uuid=msg.ref.gpu_uuid,
-        node=msg.ref.node,
-        model=msg.model,
-        memory_bytes=msg.memory_bytes,
-        sm_count=msg.sm_count,
-        mig_capable=msg.mig_capable,
-        mig_enabled=msg.mig_enabled,
-        index=msg.index,
-    )
+    return gpu_from_fields(msg, index=msg.index)
 
 
 def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:

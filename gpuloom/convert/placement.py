@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
+from gpuloom.convert.gpus import gpu_fields, gpu_from_fields
 from gpuloom.convert.json_mapping import message_json
 from gpuloom.convert.shares import priority_from_pb, share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
@@ -246,14 +247,8 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
 
 
 def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
-    return GpuInfo(
-        gpu_uuid=msg.ref.gpu_uuid,
-        node=msg.ref.node,
-        model=msg.model,
-        memory_bytes=msg.memory_bytes,
-        sm_count=msg.sm_count,
-        mig_capable=msg.mig_capable,
-        mig_enabled=msg.mig_enabled,
+    return gpu_from_fields(
+        msg,
         mig_instances=tuple(
             MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
         ),
@@ -265,12 +260,7 @@ def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
 
 def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
     return pb.GpuInfo(
-        ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
-        model=info.model,
-        memory_bytes=info.memory_bytes,
-        sm_count=info.sm_count,
-        mig_capable=info.mig_capable,
-        mig_enabled=info.mig_enabled,
+        **gpu_fields(info),
         mig_instances=[
             pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
             for m in info.mig_instances
