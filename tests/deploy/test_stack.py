@@ -29,7 +29,7 @@ import pytest
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobKind, JobSpec, JobState, JobView
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from tests.deploy.conftest import ROOT
 
 STACK = ROOT / "tests" / "deploy" / "stack"
@@ -240,8 +240,8 @@ def _spec(n: int) -> JobSpec:
     return JobSpec(
         name=f"held-{n}",
         kind=JobKind.INFERENCE,
-        memory_bytes=2 * GIB,
-        share=SpatioTemporalShare(50, TimeQuota(50, 50)),  # four to a GPU at most
+        share=share_of(50, 50.0, 50.0, memory_bytes=2 * GIB),  # four to a GPU at most
+        mps=True,
     )
 
 
