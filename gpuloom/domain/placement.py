@@ -34,6 +34,9 @@ MAX_MODEL_ALTERNATIVES = 16
 # Node resources a job may ask for, at most (far above any node: a typo, not a request).
 MAX_CPU_MILLI = 1 << 32
 MAX_HOST_MEMORY_BYTES = 1 << 50
+# The nodes a job may be restricted to, at most (a Kubernetes scheduler's candidates).
+MAX_NODES = 4096
+MAX_NODE_NAME = 253
 
 
 class JobKind(enum.Enum):
@@ -102,6 +105,8 @@ class JobSpec:
     # Grow-shrink: the most whole GPUs (of one node) the job may grow onto; its elastic range
     # is whole_gpus..max_gpus. 0: not elastic.
     max_gpus: int = 0
+    # Only GPUs of these nodes; () = any node.
+    nodes: tuple[str, ...] = ()
 
     @property
     def elastic(self) -> bool:
@@ -150,6 +155,7 @@ class JobSpec:
                 raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
         if self.shared_model:
             check_model_name("spec.shared_model", self.shared_model)
+        self._validate_nodes()
         self._validate_resources()
         if self.checkpoint is not None:
             if self.kind is not JobKind.TRAINING:
@@ -181,6 +187,21 @@ class JobSpec:
                 field,
                 f"must be within whole_gpus..{MAX_WHOLE_GPUS} ({self.whole_gpus}.."
                 f"{MAX_WHOLE_GPUS}), got {self.max_gpus}",
+            )
+
+    def _validate_nodes(self) -> None:
+        if len(self.nodes) > MAX_NODES:
+            raise InvalidArgument("spec.nodes", f"at most {MAX_NODES} nodes, got {len(self.nodes)}")
+        for i, node in enumerate(self.nodes):
+            if not 1 <= len(node) <= MAX_NODE_NAME or not node.isprintable():
+                raise InvalidArgument(
+                    f"spec.nodes[{i}]", f"must be 1..{MAX_NODE_NAME} printable characters"
+                )
+        if len(set(self.nodes)) != len(self.nodes):
+            raise InvalidArgument("spec.nodes", "names a node twice")
+        if self.nodes and self.mig_slices:
+            raise InvalidArgument(
+                "spec.nodes", "a MIG batch task goes where the batch planner puts it"
             )
 
     def _validate_gpu_model(self) -> None:
