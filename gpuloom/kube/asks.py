@@ -70,12 +70,14 @@ AUTHOR_ANNOTATIONS = (
     CHECKPOINT_TIMEOUT,
     FUNCTION,
 )
-# Annotations only gpuloom writes: the job bound to the Pod (by the extender, at Bind), and
+# Annotations only gpuloom writes: the job bound to the Pod (by the extender, at Bind), the
+# job placement placed while the Pod waited (the controller, to have it tried again), and
 # when the device plugin handed the Pod its assignment.
 JOB = "gpuloom.io/job"
 BOUND_AT = "gpuloom.io/bound-at"
+PLACED = "gpuloom.io/placed"
 ALLOCATED = "gpuloom.io/allocated"
-GPULOOM_WRITTEN = (JOB, BOUND_AT, ALLOCATED)
+GPULOOM_WRITTEN = (JOB, BOUND_AT, PLACED, ALLOCATED)
 # The label the webhook puts on every gpuloom Pod (for selectors: NetworkPolicies, metrics).
 MANAGED_LABEL = "gpuloom.io/managed"
 # A PriorityClass named gpuloom-priority-N gives level N (the chart ships ten of them).
