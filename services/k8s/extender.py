@@ -99,7 +99,7 @@ class Extender:
             return 200, wire.filter_result(args, (), failed)
         node = job.assignment.node
         reason = f"gpuloom placed the Pod's job {job.job_id} on node {node}"
-        others = {n: reason for n in args.node_names if n != node}
+        others = {**{n: reason for n in args.node_names if n != node}, **failed}
         metrics.EXTENDER_CALLS.labels("filter", "placed").inc()
         return 200, wire.filter_result(args, (node,), others)
 
@@ -243,7 +243,7 @@ class Extender:
                 args.pod_name,
                 {JOB: job.job_id, BOUND_AT: f"{time.time():.6f}"},
             )
-            await self._api.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            await self._bind_pod(args)
         except KubeApiError as error:
             if not job.function:
                 await self._end(job, f"binding Pod {pod} to node {args.node} failed: {error}")
@@ -252,6 +252,19 @@ class Extender:
             return f"gpuloom: binding Pod {pod} to node {args.node} failed: {error.message}"
         log.info("pod bound", pod=pod, job=job.job_id, node=args.node)
         return ""
+
+    async def _bind_pod(self, args: wire.BindingArgs) -> None:
+        """POST the binding; a Pod already bound to this very node (a retried Bind whose first
+        try landed) counts as bound."""
+        try:
+            await self._api.bind_pod(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+        except KubeApiError as error:
+            if error.status != 409:
+                raise
+            pod = await self._api.get_pod(args.pod_namespace, args.pod_name)
+            meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+            if meta.get("uid") != args.pod_uid or spec.get("nodeName") != args.node:
+                raise
 
     async def _end(self, job: JobView, reason: str) -> None:
         """Cancel one of a Pod's own jobs (never a function's replica: auto-scaling owns it)."""

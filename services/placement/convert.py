@@ -66,6 +66,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         max_gpus=msg.max_gpus,
         cpu_milli=msg.cpu_milli,
         host_memory_bytes=msg.host_memory_bytes,
+        nodes=tuple(msg.nodes),
     )
 
 

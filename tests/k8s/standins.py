@@ -425,7 +425,7 @@ def _validate_extended_resources(pod: dict[str, Any]) -> None:
 # ---- kube-scheduler ----
 
 
-def _post(url: str, body: object, ca_file: str) -> Any:
+def post(url: str, body: object, ca_file: str) -> Any:
     context = ssl.create_default_context(cafile=ca_file) if url.startswith("https") else None
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
@@ -445,14 +445,14 @@ def schedule(extender: str, ca_file: str, pod: dict[str, Any], nodes: list[str])
     """One scheduling cycle of kube-scheduler for `pod` with `nodes` as the nodes its own
     filters left (nodeCacheCapable: names only): Filter, Prioritize, then Bind to the best."""
     args = {"Pod": pod, "NodeNames": nodes}
-    result = _post(f"{extender}/filter", args, ca_file)
+    result = post(f"{extender}/filter", args, ca_file)
     if result.get("Error") or not result.get("NodeNames"):
         return Scheduled(None, result)
     passed = result["NodeNames"]
-    scores = _post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file)
+    scores = post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file)
     best = max(scores, key=lambda h: h["Score"])["Host"]
     meta = pod["metadata"]
-    bound = _post(
+    bound = post(
         f"{extender}/bind",
         {
             "PodName": meta["name"],
