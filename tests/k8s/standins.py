@@ -242,6 +242,49 @@ class ApiServer:
         if status != 200:
             raise Refused(answer["message"])
 
+    def create_deployment(self, deployment: client.V1Deployment) -> None:
+        document = as_json(deployment)
+        meta = document["metadata"]
+        with self.lock:
+            self.deployments[(meta["namespace"], meta["name"])] = document
+
+    def sync_replicasets(self) -> None:
+        """The ReplicaSet controller's work for every Deployment: create Pods from its template
+        (through admission, as the controller's creates go) until it has `replicas`, delete
+        the extra ones, unscheduled first, then the lowest pod-deletion-cost."""
+        with self.lock:
+            deployments = [copy.deepcopy(d) for d in self.deployments.values()]
+        for deployment in deployments:
+            meta, spec = deployment["metadata"], deployment["spec"]
+            owner = {"test.gpuloom.io/deployment": meta["name"]}
+            with self.lock:
+                pods = [
+                    p
+                    for (ns, _), p in self.pods.items()
+                    if ns == meta["namespace"]
+                    and _labels_match(p, "test.gpuloom.io/deployment=" + meta["name"])
+                ]
+            for _ in range(spec["replicas"] - len(pods)):
+                template = copy.deepcopy(spec["template"])
+                template["metadata"] = {
+                    **template.get("metadata", {}),
+                    "namespace": meta["namespace"],
+                    "generateName": f"{meta['name']}-",
+                    "labels": {**(template.get("metadata", {}).get("labels") or {}), **owner},
+                }
+                self.create_pod(
+                    template, user="system:serviceaccount:kube-system:replicaset-controller"
+                )
+
+            def rank(pod: dict[str, Any]) -> tuple[bool, int]:
+                cost = (pod["metadata"].get("annotations") or {}).get(
+                    "controller.kubernetes.io/pod-deletion-cost", "0"
+                )
+                return (bool(pod["spec"].get("nodeName")), int(cost))
+
+            for pod in sorted(pods, key=rank)[: max(0, len(pods) - spec["replicas"])]:
+                self.delete_pod(pod["metadata"]["namespace"], pod["metadata"]["name"])
+
     def everything(self) -> str:
         """Every object the server holds, as text (to look for secrets)."""
         with self.lock:
