@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import grpc
 import prometheus_client
@@ -394,3 +395,16 @@ async def _gpus_back(cluster: Cluster) -> bool:
         return sum(1 for g in await cluster.jobs.gpus() if not g.lost) == 2
     except DomainError:  # the channel finds the restarted placement after its back-off
         return False
+
+
+async def test_the_device_plugin_registers_again_when_the_kubelet_restarts(
+    cluster: Cluster,
+) -> None:
+    kubelet = cluster.kubelets["node-a"]
+    plugin = cluster.plugins["node-a"]
+    assert len(kubelet.registrations) == 1
+    # A restarted kubelet empties its device plugin directory (the plugin's socket with it).
+    Path(plugin.socket).unlink()
+    await until(lambda: len(kubelet.registrations) == 2, "the plugin registered again")
+    await kubelet.wait_devices(4)
+    assert plugin.server.registrations == 2
