@@ -21,7 +21,7 @@ from gpuloom.domain.errors import InvalidArgument
 from gpuloom.kube.asks import (
     GPU,
     GPU_MODEL,
-    GPULOOM_WRITTEN,
+    WRITTEN_BY_GPULOOM,
     MANAGED_LABEL,
     MEMORY,
     PodAsk,
@@ -137,13 +137,13 @@ def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[st
     if operation == "UPDATE":
         old = request.get("oldObject") or {}
         before = (old.get("metadata") or {}).get("annotations") or {}
-        for key in GPULOOM_WRITTEN:
+        for key in WRITTEN_BY_GPULOOM:
             if annotations.get(key) != before.get(key) and not ours:
                 raise InvalidArgument(f"metadata.annotations[{key}]", "is written by gpuloom only")
         return []
     if operation != "CREATE" or not asks_gpuloom(pod):
         return []
-    for key in GPULOOM_WRITTEN:
+    for key in WRITTEN_BY_GPULOOM:
         if key in annotations and not ours:
             raise InvalidArgument(f"metadata.annotations[{key}]", "is written by gpuloom only")
     ask = pod_ask(pod, policy.policies, policy.priority_classes)

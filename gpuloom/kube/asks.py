@@ -13,7 +13,7 @@ cap, required with a share); and through the Pod's annotations: `gpuloom.io/prio
 `-timeout-s`) and `gpuloom.io/function` (a replica of an auto-scaled function). docs/deploy.md
 ("Asking for a share") has the table with the defaults.
 
-The annotations gpuloom itself writes on a Pod (`GPULOOM_WRITTEN`) are refused from anyone
+The annotations gpuloom itself writes on a Pod (`WRITTEN_BY_GPULOOM`) are refused from anyone
 else. Every refusal is an InvalidArgument naming the Pod's field, e.g.
 `spec.containers[0].resources.limits[gpuloom.io/sm]: must be within 1..100, got 120`.
 """
@@ -77,7 +77,7 @@ JOB = "gpuloom.io/job"
 BOUND_AT = "gpuloom.io/bound-at"
 PLACED = "gpuloom.io/placed"
 ALLOCATED = "gpuloom.io/allocated"
-GPULOOM_WRITTEN = (JOB, BOUND_AT, PLACED, ALLOCATED)
+WRITTEN_BY_GPULOOM = (JOB, BOUND_AT, PLACED, ALLOCATED)
 # The label the webhook puts on every gpuloom Pod (for selectors: NetworkPolicies, metrics).
 MANAGED_LABEL = "gpuloom.io/managed"
 # A PriorityClass named gpuloom-priority-N gives level N (the chart ships ten of them).
@@ -135,7 +135,7 @@ def pod_ask(
     if not isinstance(namespace, str) or not isinstance(name, str):
         raise InvalidArgument("metadata.name", "the Pod's name and namespace must be strings")
     for key in annotations:
-        if _ours(key) and key not in AUTHOR_ANNOTATIONS and key not in GPULOOM_WRITTEN:
+        if _ours(key) and key not in AUTHOR_ANNOTATIONS and key not in WRITTEN_BY_GPULOOM:
             raise InvalidArgument(
                 _annotation(key),
                 f"unknown gpuloom annotation; known: {', '.join(AUTHOR_ANNOTATIONS)}",
