@@ -21,9 +21,9 @@ from gpuloom.domain.errors import InvalidArgument
 from gpuloom.kube.asks import (
     GPU,
     GPU_MODEL,
-    WRITTEN_BY_GPULOOM,
     MANAGED_LABEL,
     MEMORY,
+    WRITTEN_BY_GPULOOM,
     PodAsk,
     asks_gpuloom,
     pod_ask,
