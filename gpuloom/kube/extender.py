@@ -93,9 +93,10 @@ def filter_result(
     args: ExtenderArgs, passed: Iterable[str], failed: Mapping[str, str], error: str = ""
 ) -> dict[str, Any]:
     """ExtenderFilterResult: the nodes that passed, in the form they came in, and why each
-    other candidate failed."""
+    other candidate failed, as unresolvable: kube-scheduler's preemption cannot tell what
+    frees room on a GPU (placement decides that), so it must not evict Pods for it."""
     chosen = [n for n in passed if n in args.node_names]
-    result: dict[str, Any] = {"FailedNodes": dict(failed)}
+    result: dict[str, Any] = {"FailedNodes": {}, "FailedAndUnresolvableNodes": dict(failed)}
     if args.nodes is None:
         result["NodeNames"] = chosen
     else:

@@ -69,7 +69,7 @@ async def test_a_pods_whole_path(cluster: Cluster, run: Runner) -> None:
 
     outcome = await scheduled(cluster, pod)
     assert outcome.node in ("node-a", "node-b") and not outcome.bind_error, outcome
-    failed = outcome.filter_result["FailedNodes"]
+    failed = outcome.filter_result["FailedAndUnresolvableNodes"]
     assert "no GPU of this node is registered" in failed["cpu-only"]
     node = outcome.node
     bound = cluster.api.pod("team-a", "infer")
@@ -197,7 +197,7 @@ async def test_a_pod_waits_for_room_on_its_nodes_and_is_placed_when_it_frees(
     second = await create(cluster, pod_model("second", WHOLE))
     waiting = await scheduled(cluster, second, ["node-a", "cpu-only"])
     assert waiting.node is None
-    reason = waiting.filter_result["FailedNodes"]["node-a"]
+    reason = waiting.filter_result["FailedAndUnresolvableNodes"]["node-a"]
     assert reason == "no GPU has 100% quota x 100% SM free, on its nodes (node-a)", reason
     job = await cluster.job_of("team-a", "second")
     assert job.state is JobState.PENDING and job.spec.nodes == ("node-a",)

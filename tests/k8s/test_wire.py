@@ -31,7 +31,11 @@ def test_extender_args_by_name_or_whole_nodes_answer_in_the_same_form() -> None:
     by_name = wire.parse_args({"Pod": pod, "NodeNames": ["a", "b"]})
     assert by_name.node_names == ("a", "b") and by_name.nodes is None
     result = wire.filter_result(by_name, ["b", "zz"], {"a": "full"})
-    assert result == {"NodeNames": ["b"], "FailedNodes": {"a": "full"}}
+    assert result == {
+        "NodeNames": ["b"],
+        "FailedNodes": {},
+        "FailedAndUnresolvableNodes": {"a": "full"},
+    }
     whole = wire.parse_args(
         {"pod": pod, "nodes": {"items": [node("a"), node("b")]}}
     )  # Go: any case
