@@ -194,7 +194,7 @@ class Extender:
     async def _adopt(self, ask: PodAsk, candidates: tuple[str, ...]) -> tuple[JobView | None, str]:
         """A placed replica of the Pod's function that no other Pod holds, on a candidate."""
         current = self._index.jobs.get(ask.uid)
-        replicas = [j for j in await self._jobs.jobs(LIVE) if j.function == ask.function]
+        replicas = await self._jobs.jobs(LIVE, function=ask.function)
         if current is not None:
             for job in replicas:
                 assignment = job.assignment

@@ -68,13 +68,16 @@ class PlacementJobs:
         )
         return job_from_pb(await self._call(self._stub.ReportCheckpoint, request))
 
-    async def jobs(self, states: Iterable[JobState] = LIVE) -> list[JobView]:
-        """Every job in these states (placement's ListJobs, page after page)."""
+    async def jobs(self, states: Iterable[JobState] = LIVE, function: str = "") -> list[JobView]:
+        """Every job in these states (of this auto-scaled function, if named): placement's
+        ListJobs, page after page."""
         codes = [STATE_TO_PB[s] for s in states]
         found: list[JobView] = []
         token = ""
         while True:
-            request = pb.ListJobsRequest(states=codes, page_size=PAGE, page_token=token)
+            request = pb.ListJobsRequest(
+                states=codes, function=function, page_size=PAGE, page_token=token
+            )
             answer = await self._call(self._stub.ListJobs, request)
             found += [job_from_pb(j) for j in answer.jobs]
             token = answer.next_page_token
