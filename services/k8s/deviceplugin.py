@@ -125,10 +125,6 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
             log.info("devices", node=self.config.node, gpus=len(gpus), devices=len(devices))
         await self._forget_ended()
 
-    @property
-    def devices(self) -> Mapping[str, str]:
-        return self._devices
-
     # ---- the kubelet's calls ----
 
     async def GetDevicePluginOptions(
@@ -155,17 +151,8 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(
         self, request: dp.PreferredAllocationRequest, context: Any
     ) -> dp.PreferredAllocationResponse:
-        return dp.PreferredAllocationResponse(
-            container_responses=[
-                dp.ContainerPreferredAllocationResponse(
-                    deviceIDs=list(r.must_include_deviceIDs)
-                    + [d for d in r.available_deviceIDs if d not in r.must_include_deviceIDs][
-                        : max(0, r.allocation_size - len(r.must_include_deviceIDs))
-                    ]
-                )
-                for r in request.container_requests
-            ]
-        )
+        # Not offered (GetDevicePluginOptions): any free device serves, the assignment decides.
+        return dp.PreferredAllocationResponse()
 
     async def PreStartContainer(
         self, request: dp.PreStartContainerRequest, context: Any

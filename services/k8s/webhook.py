@@ -1,11 +1,13 @@
 """The mutating admission webhook (admission.k8s.io/v1): gpuloom Pods validated, routed to
 gpuloom's scheduler profile and labelled (gpuloom/kube/admission.py decides); the fleet's
 limits (GPU models, memory, GPUs per node) read from placement at most every `ttl_s`. When
-placement cannot be reached the fleet checks are skipped (placement refuses the same asks
-at submission, naming the field), the others still apply."""
+placement cannot be reached the last limits read are used (none before the first read:
+placement then refuses the same asks at submission, naming the field), and the other checks
+apply all the same."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import structlog
@@ -16,6 +18,8 @@ from gpuloom.services.k8s import metrics
 from gpuloom.services.k8s.jobs import PlacementJobs
 
 log = structlog.get_logger("gpuloom.k8s")
+
+FLEET_READ_TIMEOUT_S = 2.0  # of the API server's 10 s for a webhook's answer
 
 
 class AdmissionWebhook:
@@ -51,9 +55,11 @@ class AdmissionWebhook:
         if self._clock() - self._read_at < self._ttl_s:
             return
         try:
-            gpus = await self._jobs.gpus()
-        except DomainError as error:
-            log.warning("fleet limits not read; checks without them", error=str(error))
+            gpus = await asyncio.wait_for(self._jobs.gpus(), FLEET_READ_TIMEOUT_S)
+        except (DomainError, TimeoutError) as error:
+            # The API server waits on this answer: keep what was known until the next try.
+            self._read_at = self._clock()
+            log.warning("fleet limits not read; the last ones kept", error=str(error))
             return
         fleet = FleetLimits.of([(g.gpu.node, g.gpu.model, g.gpu.memory_bytes) for g in gpus])
         self._policy = AdmissionPolicy(
