@@ -124,19 +124,17 @@ def answer(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]
 
 
 def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[str, Any]]:
-    kind = request.get("kind") or {}
-    if not isinstance(kind, Mapping) or kind.get("kind") != "Pod" or kind.get("group"):
+    if _dig(request, "kind", "kind") != "Pod" or _dig(request, "kind", "group"):
         return []
     pod = request.get("object")
     if not isinstance(pod, Mapping):
         return []
-    user = ((request.get("userInfo") or {}).get("username")) or ""
-    ours = user in policy.gpuloom_users
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    user = _dig(request, "userInfo", "username")
+    ours = isinstance(user, str) and user in policy.gpuloom_users
+    annotations = _annotations(pod)
     operation = request.get("operation")
     if operation == "UPDATE":
-        old = request.get("oldObject") or {}
-        before = (old.get("metadata") or {}).get("annotations") or {}
+        before = _annotations(request.get("oldObject"))
         for key in WRITTEN_BY_GPULOOM:
             if annotations.get(key) != before.get(key) and not ours:
                 raise InvalidArgument(f"metadata.annotations[{key}]", "is written by gpuloom only")
@@ -149,6 +147,20 @@ def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[st
     ask = pod_ask(pod, policy.policies, policy.priority_classes)
     policy.fleet.check(ask)
     return _patch(pod, ask, policy.scheduler_name)
+
+
+def _dig(document: object, *keys: str) -> object:
+    """document[k1][k2]..., None where a level is missing or not an object."""
+    for key in keys:
+        if not isinstance(document, Mapping):
+            return None
+        document = document.get(key)
+    return document
+
+
+def _annotations(pod: object) -> Mapping[str, Any]:
+    found = _dig(pod, "metadata", "annotations")
+    return found if isinstance(found, Mapping) else {}
 
 
 def _patch(pod: Mapping[str, Any], ask: PodAsk, scheduler_name: str) -> list[dict[str, Any]]:

@@ -110,13 +110,17 @@ class PodAsk:
 def asks_gpuloom(pod: Mapping[str, Any]) -> bool:
     """Whether the Pod asks anything of gpuloom: a gpuloom.io resource in any container, or
     an annotation of the gpuloom.io domain."""
-    spec = pod.get("spec") or {}
-    for group in ("initContainers", "containers", "ephemeralContainers"):
-        for container in spec.get(group) or []:
-            if _gpuloom_resources(container):
+    spec = pod.get("spec") if isinstance(pod, Mapping) else None
+    if isinstance(spec, Mapping):
+        for group in ("initContainers", "containers", "ephemeralContainers"):
+            containers = spec.get(group)
+            if isinstance(containers, list) and any(map(_gpuloom_resources, containers)):
                 return True
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    return any(_ours(key) for key in annotations)
+    metadata = pod.get("metadata") if isinstance(pod, Mapping) else None
+    annotations = metadata.get("annotations") if isinstance(metadata, Mapping) else None
+    return isinstance(annotations, Mapping) and any(
+        isinstance(key, str) and _ours(key) for key in annotations
+    )
 
 
 def pod_ask(
@@ -297,15 +301,13 @@ def _asking_container(spec: Mapping[str, Any]) -> tuple[int, Mapping[str, Any], 
     """The one app container that asks for gpuloom resources (a job is one process tree
     under one token); refusals for init containers and for several asking containers."""
     for group in ("initContainers", "ephemeralContainers"):
-        for i, container in enumerate(spec.get(group) or []):
+        for i, container in enumerate(_containers(spec, group)):
             if _gpuloom_resources(container):
                 raise InvalidArgument(
                     f"spec.{group}[{i}].resources",
                     "only an app container (spec.containers) may ask for gpuloom resources",
                 )
-    containers = spec.get("containers") or []
-    if not isinstance(containers, list):
-        raise InvalidArgument("spec.containers", "must be a list")
+    containers = _containers(spec, "containers")
     asking = [(i, c, _gpuloom_resources(c)) for i, c in enumerate(containers)]
     asking = [entry for entry in asking if entry[2]]
     if len(asking) > 1:
@@ -319,8 +321,10 @@ def _asking_container(spec: Mapping[str, Any]) -> tuple[int, Mapping[str, Any], 
         if not containers:
             raise InvalidArgument("spec.containers", "the Pod has no container")
         # Only annotations: the first container asks for one GPU (a function replica's share).
+        _check_resources(containers[0], "spec.containers[0].resources")
         return 0, containers[0], {}
     index, container, limits = asking[0]
+    _check_resources(container, f"spec.containers[{index}].resources")
     for key in limits:
         if key not in RESOURCES:
             raise InvalidArgument(
@@ -328,6 +332,29 @@ def _asking_container(spec: Mapping[str, Any]) -> tuple[int, Mapping[str, Any], 
                 f"unknown gpuloom resource; known: {', '.join(RESOURCES)}",
             )
     return index, container, limits
+
+
+def _check_resources(container: Mapping[str, Any], where: str) -> None:
+    """The asking container's resources, limits and requests are objects (the admission
+    patch adds to them)."""
+    resources = container.get("resources")
+    if resources is None:
+        return
+    if not isinstance(resources, Mapping):
+        raise InvalidArgument(where, "must be an object")
+    for part in ("limits", "requests"):
+        if resources.get(part) is not None and not isinstance(resources[part], Mapping):
+            raise InvalidArgument(f"{where}.{part}", "must be an object")
+
+
+def _containers(spec: Mapping[str, Any], group: str) -> list[Mapping[str, Any]]:
+    containers = spec.get(group) or []
+    if not isinstance(containers, list):
+        raise InvalidArgument(f"spec.{group}", "must be a list")
+    for i, container in enumerate(containers):
+        if not isinstance(container, Mapping):
+            raise InvalidArgument(f"spec.{group}[{i}]", "must be an object")
+    return containers
 
 
 def _whole(limits: Mapping[str, Any], key: str, where: str, least: int, most: int) -> int:
