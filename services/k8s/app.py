@@ -13,12 +13,13 @@ import structlog
 from gpuloom.kube.admission import AdmissionPolicy
 from gpuloom.kube.asks import priority_classes_from_text
 from gpuloom.policies.placement import POLICIES
+from gpuloom.services.common.settings import SettingsError
 from gpuloom.services.k8s.controller import PodController
 from gpuloom.services.k8s.deviceplugin import DevicePlugin, DevicePluginConfig, DevicePluginServer
 from gpuloom.services.k8s.extender import Extender, GpuNodes
 from gpuloom.services.k8s.http import JsonServer, server_tls
 from gpuloom.services.k8s.jobs import PlacementJobs
-from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig
+from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.k8s.webhook import AdmissionWebhook
@@ -39,9 +40,7 @@ class K8sApp:
 
     @classmethod
     async def start(cls, settings: K8sSettings, host: str) -> K8sApp:
-        api = KubeApi(
-            KubeApiConfig(settings.api_server, settings.api_token_file, settings.api_ca_file)
-        )
+        api = _api(settings.api_server, settings.api_token_file, settings.api_ca_file, "K8S")
         jobs = PlacementJobs(settings.placement_address)
         classes = priority_classes_from_text(settings.priority_classes)
         index = PodJobs()
@@ -101,8 +100,8 @@ class DevicePluginApp:
 
     @classmethod
     async def start(cls, settings: DevicePluginSettings) -> DevicePluginApp:
-        api = KubeApi(
-            KubeApiConfig(settings.api_server, settings.api_token_file, settings.api_ca_file)
+        api = _api(
+            settings.api_server, settings.api_token_file, settings.api_ca_file, "DEVICE_PLUGIN"
         )
         jobs = PlacementJobs(settings.placement_address)
         config = DevicePluginConfig(
@@ -127,3 +126,14 @@ class DevicePluginApp:
         await self.server.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
+
+
+def _api(server: str, token_file: str, ca_file: str, prefix: str) -> KubeApi:
+    """The API server client; SettingsError naming the variables when none can be found."""
+    try:
+        return KubeApi(KubeApiConfig(server, token_file, ca_file))
+    except KubeApiError as error:
+        raise SettingsError(
+            f"GPULOOM_{prefix}_API_SERVER: {error.message} (set it, with "
+            f"GPULOOM_{prefix}_API_TOKEN_FILE and GPULOOM_{prefix}_API_CA_FILE, outside a cluster)"
+        ) from None
