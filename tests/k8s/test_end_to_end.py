@@ -20,8 +20,10 @@ from kubernetes import client
 from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobState
 from gpuloom.kubelet import deviceplugin_pb2 as dp
+from gpuloom.services.k8s.app import DevicePluginApp
+from gpuloom.services.k8s.settings import DevicePluginSettings
 from tests.k8s.conftest import CONTAINER_SHIM, NODES, Cluster, until
-from tests.k8s.standins import Refused, container_environment, pod_model, post, schedule
+from tests.k8s.standins import Kubelet, Refused, container_environment, pod_model, post, schedule
 from tests.shim.conftest import Runner
 
 SHARE = {"gpuloom.io/sm": "24", "gpuloom.io/quota": "40", "gpuloom.io/memory": "2Gi"}
@@ -408,3 +410,29 @@ async def test_the_device_plugin_registers_again_when_the_kubelet_restarts(
     await until(lambda: len(kubelet.registrations) == 2, "the plugin registered again")
     await kubelet.wait_devices(4)
     assert plugin.server.registrations == 2
+
+
+async def test_a_device_plugin_started_before_its_kubelet_registers_once_it_is_up(
+    cluster: Cluster, shim_build: Path
+) -> None:
+    directory = cluster.root / "kubelet-late"
+    directory.mkdir()
+    plugin = await DevicePluginApp.start(
+        DevicePluginSettings(
+            node="node-b",
+            placement_address=cluster.placement_address,
+            kubelet_dir=str(directory),
+            shim_host_path=str(shim_build / "libgpuloom.so"),
+            api_server=cluster.api.url,
+            api_token_file=str(cluster.root / "plugin.token"),
+        )
+    )
+    kubelet = Kubelet(directory)
+    try:
+        assert plugin.server.registrations == 0  # no kubelet yet: it keeps trying
+        await kubelet.start()
+        await until(lambda: kubelet.registrations, "the late registration")
+        await kubelet.wait_devices(16)  # the default: 16 per GPU
+    finally:
+        await plugin.stop()
+        await kubelet.stop()
