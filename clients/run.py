@@ -77,11 +77,13 @@ class JobRunner:
         cancelled first."""
         if job.state is JobState.ASSIGNED:
             return job
-        shown = [""]
+        shown: set[str] = set()
 
         def show(update: JobView) -> None:
-            if update.state is JobState.PENDING and update.pending_reason != shown[0]:
-                shown[0] = update.pending_reason
+            # Each reason once: a dispatcher that keeps failing to bind would otherwise have
+            # its failure and the wait after it told again on every retry.
+            if update.state is JobState.PENDING and update.pending_reason not in shown:
+                shown.add(update.pending_reason)
                 reason = update.pending_reason or "waiting for capacity"
                 self._say(f"job {update.job_id} pending: {reason}")
 

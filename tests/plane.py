@@ -17,10 +17,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gpuloom.services.dispatcher.gpu.simulated import FLEET_ID_FILE
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
 
 GPULOOM = str(Path(sys.executable).parent / "gpuloom")
+# The id of every plane's simulated fleet, written before it starts (a dispatcher makes a
+# random one otherwise), so that tests know the UUIDs: SIM-A100-80GB-0-{PLANE_FLEET_ID}.
+PLANE_FLEET_ID = "0a1b2c3d"
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,11 @@ def free_port() -> int:
 def running_plane(
     state: Path, sim_gpus: str, gpu_count: int, metrics: bool = False
 ) -> Iterator[Plane]:
-    """`gpuloom up` on `sim_gpus` (GPULOOM_DISPATCHER_SIM_GPUS, `gpu_count` GPUs), until every
-    GPU is registered with placement; stopped with SIGTERM afterwards."""
+    """`gpuloom up` on `sim_gpus` (GPULOOM_DISPATCHER_SIM_GPUS, `gpu_count` GPUs, fleet id
+    PLANE_FLEET_ID), until every GPU is registered with placement; stopped with SIGTERM
+    afterwards."""
+    (state / "dispatcher").mkdir(parents=True, exist_ok=True)
+    (state / "dispatcher" / FLEET_ID_FILE).write_text(PLANE_FLEET_ID + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
     env.update(
         GPULOOM_DATA_DIR=str(state),

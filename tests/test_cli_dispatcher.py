@@ -24,11 +24,11 @@ from gpuloom.v1 import (
     profile_store_pb2,
     profiler_pb2,
 )
-from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for
+from tests.plane import GPULOOM, PLANE_FLEET_ID, Plane, free_port, running_plane, wait_for
 
 GIB = 1 << 30
 ROOT = Path(__file__).resolve().parents[1]
-GPU0 = "SIM-A100-80GB-0"
+GPU0 = f"SIM-A100-80GB-0-{PLANE_FLEET_ID}"
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,10 @@ from gpuloom.convert.dispatcher import status_from_pb, status_to_pb
 from gpuloom.domain.placement import GpuEntry, GpuInfo, JobKind, JobSpec, JobView
 from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
-from tests.plane import GPULOOM, Plane, free_port, running_plane, wait_for
+from tests.plane import GPULOOM, PLANE_FLEET_ID, Plane, free_port, running_plane, wait_for
 
 GIB = 1 << 30
-GPU0, GPU1 = "SIM-A100-80GB-0", "SIM-A100-80GB-1"
+GPU0, GPU1 = (f"SIM-A100-80GB-{i}-{PLANE_FLEET_ID}" for i in range(2))
 
 
 @dataclass(frozen=True)

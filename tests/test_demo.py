@@ -21,7 +21,7 @@ def test_the_demo_runs_to_the_end(tmp_path: Path) -> None:
     assert result.returncode == 0, out + result.stderr
     assert out.rstrip().endswith("demo done: every step did what it showed")
     assert "1 kernel(s): sgemm" in out
-    assert re.search(r"both assigned at once, on SIM-A100-80GB-1\n", out)
+    assert re.search(r"both assigned at once, on SIM-A100-80GB-1-[0-9a-f]{8}\n", out)
     assert len(re.findall(r"served \d+ requests on a \d+% SM share: .* failures 0", out)) == 2
     mig = re.findall(r"(\w+) +on MIG-SIM-A100-80GB-0-\S+: planned .* exit code 0", out)
     assert sorted(mig) == ["bfs", "lud", "nw", "srad"]

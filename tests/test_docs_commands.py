@@ -79,11 +79,12 @@ SKIPS = (
          "small one)"),
     Skip("benchmarks.md", r"^[TD]=\.\./shared/traces/|\$[TD]/", "a benchmark of minutes over the "
          "traces in ../shared/traces, outside the checkout; its figures are in the doc"),
-    Skip("deploy.md", r"^(docker|cp \.env\.example|kubectl)\b", "needs a Docker daemon or a "
-         "Kubernetes cluster; tests/deploy validates the files they use"),
-    Skip("dispatcher.md", r"dispatcher ((evict|suspend|resume) ASSIGNMENT|mig on\|off)", "a "
-         "synopsis with placeholders; tests/test_cli_dispatcher.py runs evict, suspend, resume "
-         "and mig on|off, docs/mig.md has `mig on|off` as commands"),
+    Skip("deploy.md", r"^(docker|cp \.env\.example|kubectl)\b", "needs a Docker Engine or a "
+         "Kubernetes cluster; tests/deploy/test_stack.py runs the compose stack, tests/deploy "
+         "validates the manifests"),
+    Skip("dispatcher.md", r"dispatcher ((evict|suspend|resume) ASSIGNMENT|mig on\|off|status "
+         r"--gpu UUID)", "a synopsis with placeholders; tests/test_cli_dispatcher.py runs status, "
+         "evict, suspend, resume and mig on|off, docs/mig.md has `mig on|off` as commands"),
     Skip("mig.md", r"gpuloom mig (plan|synth) --gpu \{", "a synopsis with placeholders; "
          "tests/policies/mig/test_mig_cli.py runs both"),
     Skip("profile-store.md", r"alembic .* revision", "writes a new migration into the checkout"),

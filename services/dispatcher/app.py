@@ -20,6 +20,7 @@ from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
+from gpuloom.services.dispatcher.gpu.simulated import fleet_id
 from gpuloom.services.dispatcher.introspection import IntrospectionConfig, TrainingIntrospector
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
 from gpuloom.services.dispatcher.measurements import MeasurementBuffer
@@ -274,7 +275,15 @@ class DispatcherApp:
 
     @classmethod
     async def start(cls, settings: DispatcherSettings, host: str, data_dir: Path) -> DispatcherApp:
-        backend = await asyncio.to_thread(open_backend, settings.backend, settings.sim_gpus)
+        fleet = ""
+        if settings.backend != "nvml":  # simulated GPUs, unique to this data directory
+            try:
+                fleet = fleet_id(data_dir / "dispatcher")
+            except ValueError as error:
+                raise OSError(str(error)) from None
+        backend = await asyncio.to_thread(
+            open_backend, settings.backend, settings.sim_gpus, fleet_id=fleet
+        )
         dispatchers: list[GpuDispatcher] = []
         try:
             gpus = backend.gpus()

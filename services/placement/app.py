@@ -79,6 +79,7 @@ class PlacementApp:
                 default_policy=settings.default_policy,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 heartbeat_timeout_s=settings.heartbeat_timeout_s,
+                registration_grace_s=settings.registration_grace_s,
                 max_batch=settings.max_batch,
                 mig=MigBatchConfig(
                     window_s=settings.mig_batch_window_s,

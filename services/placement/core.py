@@ -54,6 +54,9 @@ class CoreConfig:
     default_policy: str = "mra"
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
+    # After a restart, how long the GPUs loaded from the database may stay silent (at least a
+    # heartbeat timeout): their dispatchers may be restarting too.
+    registration_grace_s: float = 0.0
     max_batch: int = 256
     mig: MigBatchConfig = field(default_factory=MigBatchConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -111,7 +114,7 @@ class PlacementCore:
             if job.state.holds_capacity and job.binding is not None and job.binding.mig is None:
                 for gpu_uuid, held in allocations(job):
                     holding[gpu_uuid].append(held)
-        self.inventory.load(records, holding, now)
+        self.inventory.load(records, holding, now, self.config.registration_grace_s)
         unregistered = {gpu for gpu in holding if gpu not in self.inventory}
         rebinding = await self.jobs.start(live, unregistered)
         log.info(
@@ -282,15 +285,21 @@ class PlacementCore:
     async def _lose(self, record: GpuRecord, now: float) -> None:
         gpu_uuid = record.info.gpu_uuid
         async with self.jobs.lock:
-            if record.lost or now - record.last_heartbeat <= self.config.heartbeat_timeout_s:
+            if not self.inventory.is_silent(record, now, self.config.heartbeat_timeout_s):
                 return
+            if self.inventory.awaited(gpu_uuid):
+                message = (
+                    f"GPU {gpu_uuid} on node {record.info.node} did not register again within "
+                    f"{self.config.registration_grace_s:g} s of placement's restart"
+                )
+            else:
+                age = now - record.last_heartbeat
+                message = (
+                    f"GPU {gpu_uuid} on node {record.info.node} stopped sending heartbeats "
+                    f"(last one {age:.1f} s ago)"
+                )
             await self.inventory.mark_lost(record)
             held = self.jobs.holding(gpu_uuid)
-            age = now - record.last_heartbeat
-            message = (
-                f"GPU {gpu_uuid} on node {record.info.node} stopped sending heartbeats "
-                f"(last one {age:.1f} s ago)"
-            )
             await self.jobs.finish(held, JobState.LOST, message)
             metrics.JOBS_LOST.inc(len(held))
         log.warning("GPU lost", gpu=gpu_uuid, node=record.info.node, jobs_lost=len(held))

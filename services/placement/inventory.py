@@ -63,14 +63,23 @@ class Inventory:
         self._direct: dict[str, frozenset[str]] = {}
         # GPU -> the models its store holds, as its dispatcher reported them last.
         self._stores: dict[str, StoreModels] = {}
+        # GPUs loaded at start and not heard from since -> until when they may stay silent.
+        self._awaited: dict[str, float] = {}
 
     def load(
-        self, records: Sequence[GpuRecord], holding: Mapping[str, Sequence[Allocation]], now: float
+        self,
+        records: Sequence[GpuRecord],
+        holding: Mapping[str, Sequence[Allocation]],
+        now: float,
+        grace_s: float = 0.0,
     ) -> None:
-        """At start: the stored GPUs with the allocations their jobs hold."""
+        """At start: the stored GPUs with the allocations their jobs hold. Each may stay
+        silent for `grace_s` (or a heartbeat timeout, if longer) before it counts as lost: its
+        dispatcher may be starting again too, after this service (a whole host restarted)."""
         for record in records:
-            record.last_heartbeat = now  # a full timeout of grace after a restart
+            record.last_heartbeat = now
             self._gpus[record.info.gpu_uuid] = record
+            self._awaited[record.info.gpu_uuid] = now + grace_s
             self.fleet.add_gpu(gpu_state(record, holding.get(record.info.gpu_uuid, ())))
             self._note_memory(record.info)
 
@@ -129,6 +138,7 @@ class Inventory:
                 self._replace_gpu(record, old)
             raise
         self._gpus[info.gpu_uuid] = record
+        self._awaited.pop(info.gpu_uuid, None)
         if old is None or old.info.node != info.node:
             self._gpu_keys = None
         self.fleet.set_schedulable(info.gpu_uuid, takes_shares(record))
@@ -163,6 +173,7 @@ class Inventory:
                 "utilization_percent", f"must be within 0..100, got {utilization_percent}"
             )
         record.last_heartbeat = now
+        self._awaited.pop(gpu_uuid, None)
         record.utilization_percent = utilization_percent
         record.memory_used_bytes = memory_used_bytes
         return record
@@ -182,8 +193,20 @@ class Inventory:
         self.fleet.set_schedulable(gpu_uuid, takes_shares(record))
 
     def silent(self, now: float, timeout_s: float) -> list[GpuRecord]:
-        """GPUs not lost yet whose last heartbeat is older than the timeout."""
-        return [r for r in self._gpus.values() if not r.lost and now - r.last_heartbeat > timeout_s]
+        """GPUs not lost yet that have been silent for too long (`is_silent`)."""
+        return [r for r in self._gpus.values() if self.is_silent(r, now, timeout_s)]
+
+    def is_silent(self, record: GpuRecord, now: float, timeout_s: float) -> bool:
+        """Not lost yet, and its last heartbeat older than the timeout; a GPU not heard from
+        since this service started is given until the end of its start-up grace as well."""
+        if record.lost or now - record.last_heartbeat <= timeout_s:
+            return False
+        grace_until = self._awaited.get(record.info.gpu_uuid)
+        return grace_until is None or now > grace_until
+
+    def awaited(self, gpu_uuid: str) -> bool:
+        """Whether the GPU has not been heard from since this service started."""
+        return gpu_uuid in self._awaited
 
     async def mark_lost(self, record: GpuRecord) -> None:
         await self._repo.set_gpu_lost(record.info.gpu_uuid, True)

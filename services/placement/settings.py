@@ -37,6 +37,10 @@ class PlacementSettings(BaseSettings):
     # Dispatchers send a heartbeat this often; a GPU silent for heartbeat_timeout_s is lost.
     heartbeat_interval_s: float = Field(default=2.0, gt=0, le=300)
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)
+    # After a restart, the GPUs placement knew may stay silent this long before they (and their
+    # jobs) are lost: their dispatchers may be restarting too, and register only once placement
+    # and the profiler are up again (compose starts them in that order).
+    registration_grace_s: float = Field(default=120.0, ge=0, le=86_400)
     # How long a dispatcher may take to answer Reserve/Release.
     dispatcher_timeout_s: float = Field(default=5.0, gt=0, le=120)
     # Submissions decided and written in one transaction at most.

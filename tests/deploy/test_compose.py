@@ -114,12 +114,23 @@ def test_one_dispatcher_per_gpu_slot_each_with_its_device_socket_dir_and_ports()
         env = environment(service)
         assert env["GPULOOM_DISPATCHER_GPUS"] == "0"  # the one GPU its container sees
         assert env["GPULOOM_DISPATCHER_BACKEND"] == "nvml"
-        assert env["GPULOOM_DISPATCHER_ADVERTISE_HOST"] == name
         assert env["GPULOOM_DISPATCHER_PLACEMENT_ADDRESS"] == "placement:50051"
-        # The socket directory: a host path bound at the same path, one per slot.
+        # It registers with its container's IP (reachable from the host and the stack's
+        # network), not its container name (which resolves only inside the network).
+        assert "GPULOOM_DISPATCHER_ADVERTISE_HOST" not in env
+        assert service["entrypoint"][:2] == ["/bin/sh", "-c"]
+        assert 'GPULOOM_DISPATCHER_ADVERTISE_HOST="$${address%% *}"' in service["entrypoint"][2]
+        assert "$$(hostname -i)" in service["entrypoint"][2]
+        # The socket directory: a host path bound at the same path, one per slot; the MPS
+        # pipe directory inside it, so jobs on the host and in containers reach both.
         socket_dir = env["GPULOOM_DISPATCHER_SOCKET_DIR"]
         assert socket_dir == f"${{GPULOOM_SOCKET_DIR:-/run/gpuloom}}/gpu-{n}"
         assert f"{socket_dir}:{socket_dir}" in service["volumes"]
+        assert env["GPULOOM_DISPATCHER_MPS_DIR"] == f"{socket_dir}/mps"
+        # The dispatcher owns its GPU's MPS daemon: `compute` mounts nvidia-cuda-mps-control,
+        # and the jobs (MPS clients) share the host's IPC namespace with its MPS server.
+        assert device["capabilities"] == ["gpu", "compute", "utility"]
+        assert service["ipc"] == "host"
         assert f"dispatcher-gpu{n}-state:/var/lib/gpuloom" in service["volumes"]
         assert service["pid"] == "host"  # SO_PEERCRED pids of jobs anywhere on the host
         assert service["depends_on"]["socket-dirs"] == {
@@ -152,9 +163,37 @@ def test_published_ports_are_distinct_and_on_the_publish_host() -> None:
 
 
 def test_third_party_images_are_pinned_to_an_exact_version() -> None:
-    for name in ("postgres", "redis"):
-        image = services()[name]["image"]
-        assert re.fullmatch(r"[a-z]+:\d+\.\d+(\.\d+)?-[a-z]+(@sha256:[0-9a-f]{64})?", image), image
+    build_args = services()["migrate"]["build"]["args"]
+    images = {
+        "GPULOOM_POSTGRES_IMAGE": services()["postgres"]["image"],
+        "GPULOOM_REDIS_IMAGE": services()["redis"]["image"],
+        "GPULOOM_PYTHON_IMAGE": build_args["PYTHON_IMAGE"],
+    }
+    defaults = {}
+    for variable, image in images.items():
+        # Another registry's copy may be named (an air-gapped host's mirror); the default is
+        # an exact version.
+        default = re.fullmatch(rf"\$\{{{variable}:-(\S+)\}}", image)
+        assert default is not None, image
+        defaults[variable] = default.group(1)
+        assert re.fullmatch(
+            r"[a-z]+:\d+\.\d+(\.\d+)?-([a-z]+-)?[a-z]+(@sha256:[0-9a-f]{64})?", default.group(1)
+        ), image
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert f"ARG PYTHON_IMAGE={defaults['GPULOOM_PYTHON_IMAGE']}\n" in dockerfile
+
+
+def test_the_gpuloom_image_is_built_once_and_run_by_every_gpuloom_service() -> None:
+    """`up --build` builds the image once (not once per service), and every gpuloom service
+    runs that image; the worker image (the example job's) is the only other build."""
+    all_services = services()
+    builders = {name: s["build"] for name, s in all_services.items() if "build" in s}
+    assert set(builders) == {"migrate", "example"}
+    assert builders["migrate"]["target"] == "service"
+    assert builders["example"]["target"] == "worker"
+    for name, service in all_services.items():
+        if name not in {"postgres", "redis", "example"}:
+            assert service["image"] == "${GPULOOM_IMAGE:-gpuloom:0.1.0}", name
 
 
 def test_every_variable_compose_reads_is_in_env_example() -> None:
@@ -201,3 +240,36 @@ def test_docker_compose_config_accepts_it_where_docker_compose_is_installed(
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+class _OverrideLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags (`!reset`, `!override`) kept as (tag, value)."""
+
+
+def _tagged(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> tuple[str, Any]:
+    if isinstance(node, yaml.MappingNode):
+        return suffix, loader.construct_mapping(node)
+    if isinstance(node, yaml.SequenceNode):
+        return suffix, loader.construct_sequence(node)
+    return suffix, loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+_OverrideLoader.add_multi_constructor("!", _tagged)
+
+
+def test_the_simulated_override_gives_every_gpu_slot_a_simulated_gpu_and_no_device() -> None:
+    """compose.simulated.yaml (docs/deploy.md, "Without GPUs"): each dispatcher slot and the
+    example job lose their NVIDIA device reservation and each dispatcher simulates one GPU."""
+    override = yaml.load((ROOT / "compose.simulated.yaml").read_text(), _OverrideLoader)
+    slots = {f"dispatcher-gpu{n}" for n in SLOTS}
+    assert set(override["services"]) == slots | {"example"}
+    for name, service in override["services"].items():
+        assert service["deploy"] == ("reset", "null"), name
+        if name in slots:
+            assert service["environment"] == {
+                "GPULOOM_DISPATCHER_BACKEND": "simulated",
+                "GPULOOM_DISPATCHER_SIM_GPUS": "${GPULOOM_SIM_GPU:-A100-80GB}",
+            }
+    # Every device the base file reserves is one the override removes.
+    reserving = {n for n, s in services().items() if "deploy" in s}
+    assert reserving == slots | {"example"}

@@ -4,11 +4,13 @@ After a dependency change, `scripts/lock` regenerates them (and this fails until
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -81,3 +83,44 @@ def test_a_stale_or_unhashed_lock_is_caught(tmp_path: Path) -> None:
     unhashed.write_text(re.sub(r"--hash=sha256:[0-9a-f]{64}", "", lock))
     with pytest.raises(AssertionError, match="has no hash"):
         check_locked([], unhashed)
+
+
+# Pythons pyproject.toml allows (>= 3.11), at the releases where dependencies' markers change:
+# redis-py needs async-timeout below 3.11.3, and Debian bookworm's python3 is 3.11.2.
+PYTHONS = ("3.11.0", "3.11.2", "3.11.3", "3.12.0", "3.13.0", "3.14.0")
+
+
+def test_the_runtime_lock_holds_every_dependency_on_every_allowed_python() -> None:
+    """The locked packages' own dependencies, as the releases installed here declare them
+    (the lock's may differ by a patch release; the image build's `pip check` is the exact
+    gate), evaluated for each allowed Python: each one is locked, with no marker that leaves
+    it out there."""
+    text = RUNTIME_LOCK.read_text()
+    markers = {
+        canonicalize_name(name): marker.strip()
+        for name, marker in re.findall(r"^([A-Za-z0-9._-]+)==\S+(?: ;([^\\\n]*))?", text, re.M)
+    }
+    checked = 0
+    for name in markers:
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # only needed on another Python than this one
+        checked += 1
+        for text_requirement in requires:
+            requirement = Requirement(text_requirement)
+            for python in PYTHONS:
+                where = {"python_full_version": python, "python_version": python[:4], "extra": ""}
+                if requirement.marker is not None and not requirement.marker.evaluate(where):
+                    continue
+                needed = canonicalize_name(requirement.name)
+                assert needed in markers, (
+                    f"{name} needs {needed} on Python {python}; not in requirements.lock: "
+                    "run scripts/lock"
+                )
+                if markers[needed]:
+                    assert Marker(markers[needed]).evaluate(where), (
+                        f"{name} needs {needed} on Python {python}, which the lock's marker "
+                        f"{markers[needed]!r} leaves out: run scripts/lock"
+                    )
+    assert checked >= len(markers) - 2, "the test venv lacks most locked packages"

@@ -32,6 +32,7 @@ class CoreHarness:
         mig: MigBatchConfig | None = None,
         training: TrainingConfig | None = None,
         training_control: TrainingControl | None = None,
+        registration_grace_s: float = 0.0,
     ) -> None:
         self.settings = PlacementSettings(database_url=f"sqlite:///{folder / 'p.db'}")
         self.dispatchers = FakeDispatchers()
@@ -40,6 +41,7 @@ class CoreHarness:
         self.mig = mig or MigBatchConfig(timer=False)
         self.training = training or TrainingConfig()
         self.training_control = training_control
+        self.registration_grace_s = registration_grace_s
         self.clock = Clock()
         self.core: PlacementCore | None = None
         self.engine = None
@@ -48,7 +50,11 @@ class CoreHarness:
         self.engine = create_engine(self.settings)
         await migrate(self.engine)
         config = CoreConfig(
-            heartbeat_interval_s=1, heartbeat_timeout_s=5, mig=self.mig, training=self.training
+            heartbeat_interval_s=1,
+            heartbeat_timeout_s=5,
+            registration_grace_s=self.registration_grace_s,
+            mig=self.mig,
+            training=self.training,
         )
         self.core = PlacementCore(
             PlacementRepository(self.engine),

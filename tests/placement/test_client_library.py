@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,35 @@ async def test_the_runner_cancels_a_job_it_gave_up_waiting_for(
         cancelled = await asyncio.to_thread(lambda: list(client.list(["cancelled"])))
     (late,) = [j for j in cancelled if j.spec.name == "late"]
     assert said and said[0].startswith(f"job {late.job_id} pending:")
+
+
+class _RetryingClient:
+    """A placement client whose job is bound, fails to bind, waits and is bound again, over
+    and over, before it is assigned: what `wait_assigned` hands `on_update` meanwhile."""
+
+    def __init__(self, job: JobView, reasons: list[str]) -> None:
+        self.job, self.reasons = job, reasons
+
+    def wait_assigned(
+        self, job_id: str, timeout_s: float | None, on_update: Callable[[JobView], None]
+    ) -> JobView:
+        for reason in self.reasons:
+            on_update(replace(self.job, state=JobState.BINDING, pending_reason=""))
+            on_update(replace(self.job, state=JobState.PENDING, pending_reason=reason))
+        return replace(self.job, state=JobState.ASSIGNED)
+
+
+def test_the_runner_tells_each_reason_to_wait_once_however_often_binding_is_retried() -> None:
+    failed = "binding on GPU SIM-0 failed (dispatcher unreachable); will try again"
+    waiting = "no GPU has room for it now"
+    spec = JobSpec(
+        name="retried",
+        kind=JobKind.INFERENCE,
+        memory_bytes=GIB,
+        share=SpatioTemporalShare(20, TimeQuota(20, 20)),
+    )
+    job = JobView("j-1", "r-1", spec, JobState.PENDING, 0.0, 0.0, 1)
+    said: list[str] = []
+    runner = JobRunner(_RetryingClient(job, [failed, waiting] * 20), on_message=said.append)  # type: ignore[arg-type]
+    assert runner.wait_assigned(job).state is JobState.ASSIGNED
+    assert said == [f"job j-1 pending: {failed}", f"job j-1 pending: {waiting}"]

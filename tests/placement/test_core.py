@@ -107,6 +107,51 @@ async def test_a_restart_keeps_every_job_and_decision_and_binds_what_was_only_re
     await h.stop()
 
 
+async def test_after_a_restart_known_gpus_get_the_registration_grace_before_they_are_lost(
+    tmp_path: Path,
+) -> None:
+    """A whole host restarted: placement is back first, the dispatchers register later than a
+    heartbeat timeout (5 s here). Within the grace (30 s) nothing is lost; a GPU heard from
+    again is back on the usual timeout; one never heard from is lost when the grace ends."""
+    h = CoreHarness(tmp_path, registration_grace_s=30)
+    core = await h.start()
+    for i in range(2):
+        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    jobs = [await core.submit(f"r{i}", spec(f"j{i}", sm=100, quota=100)) for i in range(2)]
+    assert all(j.state is JobState.ASSIGNED for j in jobs)
+    await h.stop()
+
+    h.clock.now += 600  # down for ten minutes
+    core = await h.start()
+    h.clock.now += 20  # four heartbeat timeouts, within the grace
+    assert await core.check_heartbeats() == []
+    await core.register_gpu(gpu(0), "10.0.0.7:50060")  # back, at another address
+    h.clock.now += 6  # GPU-0 heard from: the usual timeout holds for it again
+    assert await core.check_heartbeats() == ["GPU-0"]
+    h.clock.now += 5  # 31 s since the restart: GPU-1 never came back
+    assert await core.check_heartbeats() == ["GPU-1"]
+    states = {j.job_id: await core.get(j.job_id) for j in jobs}
+    on_gpu1 = next(j for j in states.values() if j.binding and j.binding.gpu_uuid == "GPU-1")
+    assert on_gpu1.state is JobState.LOST
+    assert "did not register again within 30 s of placement's restart" in on_gpu1.message
+    await h.stop()
+
+
+async def test_without_a_grace_a_restart_gives_known_gpus_one_heartbeat_timeout(
+    tmp_path: Path,
+) -> None:
+    h = CoreHarness(tmp_path)
+    core = await h.start()
+    await core.register_gpu(gpu(0), "10.0.0.1:50060")
+    await h.stop()
+    core = await h.start()
+    h.clock.now += 4
+    assert await core.check_heartbeats() == []
+    h.clock.now += 2
+    assert await core.check_heartbeats() == ["GPU-0"]
+    await h.stop()
+
+
 def pending_tries() -> float:
     return prometheus_client.REGISTRY.get_sample_value("gpuloom_placement_pending_tries_total") or 0
 

@@ -26,14 +26,15 @@ def open_backend(
     time_scale: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
     nvml: Any = None,
+    fleet_id: str = "",
 ) -> GpuBackend:
     """Open the backend `kind` names: "nvml", "simulated" (the GPUs of the fleet spec
     `sim_gpus`), or "auto": NVML if it initialises and reports a GPU, else simulated.
 
-    `mig_enabled`, `time_scale` and `sleep` configure the simulated backend; `nvml` replaces
-    the pynvml module. ValueError for an unknown kind or a bad fleet spec (checked for "auto"
-    even when NVML wins, so that a typo fails at start-up on every host); Unavailable when
-    "nvml" is asked for and cannot be used.
+    `mig_enabled`, `time_scale`, `sleep` and `fleet_id` configure the simulated backend;
+    `nvml` replaces the pynvml module. ValueError for an unknown kind or a bad fleet spec
+    (checked for "auto" even when NVML wins, so that a typo fails at start-up on every host);
+    Unavailable when "nvml" is asked for and cannot be used.
     """
     chosen = kind.strip().lower()
     if chosen not in BACKEND_KINDS:
@@ -62,7 +63,9 @@ def open_backend(
             )
             return backend
     log.info("gpu_backend_chosen", backend="simulated", reason=reason, gpus=len(fleet))
-    return SimulatedBackend(sim_gpus, mig_enabled=mig_enabled, time_scale=time_scale, sleep=sleep)
+    return SimulatedBackend(
+        sim_gpus, mig_enabled=mig_enabled, time_scale=time_scale, sleep=sleep, fleet_id=fleet_id
+    )
 
 
 def _count_gpus(backend: NvmlBackend) -> int:

@@ -9,11 +9,14 @@ taking the creation/destruction times of the FAR paper's Table 1 (scaled by `tim
 from __future__ import annotations
 
 import math
+import os
 import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 
@@ -67,9 +70,40 @@ def parse_fleet_spec(spec: str) -> list[GpuModel]:
     return [model for model, _ in parse_fleet(spec)]
 
 
-def simulated_uuid(model: GpuModel, index: int) -> str:
-    # Derived from the spec alone, so reservations persisted before a restart still match.
-    return f"SIM-{model.name}-{index}"
+FLEET_ID_FILE = "simulated-fleet-id"
+_FLEET_ID = re.compile(r"[0-9a-f]{8}")
+
+
+def simulated_uuid(model: GpuModel, index: int, fleet_id: str = "") -> str:
+    """Derived from the spec and the fleet's id alone, so reservations persisted before a
+    restart still match; the id tells apart the fleets of several dispatchers, which placement
+    would otherwise take for one GPU (it keys GPUs by UUID)."""
+    return f"SIM-{model.name}-{index}" + (f"-{fleet_id}" if fleet_id else "")
+
+
+def fleet_id(folder: Path) -> str:
+    """The id of the simulated fleet whose state lives in `folder`: made once (8 random hex
+    digits in folder/simulated-fleet-id), then read back. ValueError for a damaged file."""
+    path = folder / FLEET_ID_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        folder.mkdir(parents=True, exist_ok=True)
+        draft = folder / f".{FLEET_ID_FILE}.{os.getpid()}"
+        draft.write_text(secrets.token_hex(4) + "\n")
+        try:
+            os.link(draft, path)  # only the first of two starting dispatchers makes it
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink()
+        text = path.read_text().strip()
+    if not _FLEET_ID.fullmatch(text):
+        raise ValueError(
+            f"{path} must hold 8 lowercase hex digits, got {text[:40]!r}; remove it to make a "
+            "new one (the simulated GPUs then get new UUIDs and lose their reservations)"
+        )
+    return text
 
 
 @dataclass(slots=True)
@@ -106,17 +140,23 @@ class SimulatedBackend:
         mig_enabled: bool = False,
         time_scale: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
+        fleet_id: str = "",
     ) -> None:
         """`mig_enabled` is the starting MIG mode of the MIG-capable GPUs (a fleet spec turns
         it on per GPU with `:mig`); `time_scale` multiplies the MIG reconfiguration times (0:
-        instant)."""
+        instant); `fleet_id` goes into every UUID (`fleet_id()`)."""
         if not (time_scale >= 0 and math.isfinite(time_scale)):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale}")
         gpus = parse_fleet(fleet) if isinstance(fleet, str) else [(m, False) for m in fleet]
         if not gpus:
             raise ValueError("a simulated fleet needs at least one GPU")
         self._gpus = [
-            _Gpu(i, m, simulated_uuid(m, i), mig_enabled=(mig_enabled or mig) and m.mig_capable)
+            _Gpu(
+                i,
+                m,
+                simulated_uuid(m, i, fleet_id),
+                mig_enabled=(mig_enabled or mig) and m.mig_capable,
+            )
             for i, (m, mig) in enumerate(gpus)
         ]
         self._time_scale = time_scale

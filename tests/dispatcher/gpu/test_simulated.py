@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.gpus import GIB
 from gpuloom.services.dispatcher.gpu import GpuBackend, SimulatedBackend
 from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.simulated import FLEET_ID_FILE, fleet_id
 
 from .helpers import SleepRecorder
 
@@ -52,6 +54,26 @@ def test_gpus_in_index_order_with_stable_uuids() -> None:
     assert uuids == ["SIM-A100-80GB-0", "SIM-T4-16GB-1", "SIM-T4-16GB-2"]
     assert [g.uuid for g in again.gpus()] == uuids
     assert [g.index for g in first.gpus()] == [0, 1, 2]
+
+
+def test_each_data_directory_gets_its_own_fleet_id_and_keeps_it(tmp_path: Path) -> None:
+    """Dispatchers with one simulated GPU each (one per container) must not share a UUID:
+    placement keys GPUs by UUID alone. The id is made once per data directory and read back,
+    so a restarted dispatcher's reservations still match its GPU."""
+    first, second = fleet_id(tmp_path / "a"), fleet_id(tmp_path / "b")
+    assert first != second and len(first) == 8
+    assert fleet_id(tmp_path / "a") == first
+    uuids = {SimulatedBackend("A100-80GB", fleet_id=f).gpu(0).uuid for f in (first, second)}
+    assert uuids == {f"SIM-A100-80GB-0-{first}", f"SIM-A100-80GB-0-{second}"}
+    assert mig_backend(fleet_id=first).gpu(0).uuid == f"SIM-A100-80GB-0-{first}"
+
+
+@pytest.mark.parametrize("text", ["", "xyz", "0A1B2C3D", "0a1b2c3d0", "../etc"])
+def test_a_damaged_fleet_id_file_is_refused_naming_it(tmp_path: Path, text: str) -> None:
+    (tmp_path / FLEET_ID_FILE).write_text(text)
+    with pytest.raises(ValueError, match=f"{FLEET_ID_FILE} must hold 8 lowercase hex digits"):
+        fleet_id(tmp_path)
+    assert (tmp_path / FLEET_ID_FILE).read_text() == text  # left as it was
 
 
 def test_is_a_gpu_backend() -> None:
