@@ -51,6 +51,15 @@ class Cluster:
     plugins: dict[str, DevicePluginApp]
     jobs: PlacementJobs  # the test's own view of placement
     ca: str
+    k8s_settings: K8sSettings | None = None
+
+    async def restart_k8s(self) -> None:
+        """The k8s process stopped and started again on its port (its memory gone)."""
+        assert self.k8s_settings is not None
+        port = self.k8s.port
+        await self.k8s.stop()
+        settings = self.k8s_settings.model_copy(update={"port": port})
+        self.k8s = await K8sApp.start(settings, HOST)
 
     @property
     def extender(self) -> str:
@@ -142,20 +151,18 @@ async def cluster(shim_build: Path) -> AsyncIterator[Cluster]:  # noqa: F811
         cluster.api = api
         tls = pki.write(root / "tls", "k8s", pki.Authority.create(), "localhost")
         cluster.ca = str(tls.ca)
-        cluster.k8s = await K8sApp.start(
-            K8sSettings(
-                port=0,
-                tls_cert_file=str(tls.cert),
-                tls_key_file=str(tls.key),
-                placement_address=cluster.placement_address,
-                api_server=api.url,
-                api_token_file=str(root / "k8s.token"),
-                resync_s=3600,  # the tests reconcile when they mean to
-                fleet_ttl_s=0,
-            ),
-            HOST,
+        cluster.k8s_settings = K8sSettings(
+            port=0,
+            tls_cert_file=str(tls.cert),
+            tls_key_file=str(tls.key),
+            placement_address=cluster.placement_address,
+            api_server=api.url,
+            api_token_file=str(root / "k8s.token"),
+            resync_s=3600,  # the tests reconcile when they mean to
+            fleet_ttl_s=0,
         )
-        stops.append(cluster.k8s.stop)
+        cluster.k8s = await K8sApp.start(cluster.k8s_settings, HOST)
+        stops.append(lambda: cluster.k8s.stop())
         api.webhook = Webhook(f"{cluster.extender}/admission", cluster.ca)
         for node in GPU_NODES:
             directory = root / f"kubelet-{node}"

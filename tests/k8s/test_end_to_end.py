@@ -436,3 +436,18 @@ async def test_a_device_plugin_started_before_its_kubelet_registers_once_it_is_u
     finally:
         await plugin.stop()
         await kubelet.stop()
+
+
+async def test_a_restarted_k8s_process_finds_its_pods_jobs_again(cluster: Cluster) -> None:
+    pod = await create(cluster, pod_model("kept", WHOLE))
+    args = {"Pod": pod, "NodeNames": ["node-a"]}
+    filtered = await asyncio.to_thread(post, f"{cluster.extender}/filter", args, cluster.ca)
+    assert filtered["NodeNames"] == ["node-a"]
+    job = await cluster.job_of("team-a", "kept")
+    await cluster.restart_k8s()  # between kube-scheduler's Filter and its Bind
+    assert (await cluster.job_of("team-a", "kept")).job_id == job.job_id  # its first reconcile
+    again = await scheduled(cluster, pod, ["node-a"])
+    assert again.node == "node-a" and not again.bind_error
+    live = [j for j in await cluster.jobs.jobs() if j.spec.name == "team-a/kept"]
+    assert [j.job_id for j in live] == [job.job_id]
+    assert await cluster.held("node-a") == {job.job_id}
