@@ -27,17 +27,17 @@ import yaml
 
 from gpuloom.clients.blocking import BlockingClient
 from gpuloom.convert import placement as convert
+from gpuloom.convert.placement import share_into_pb
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, FailedPrecondition
 from gpuloom.domain.placement import (
-    DEFAULT_PRIORITY,
     FunctionScaling,
     GpuEntry,
     JobSpec,
     JobState,
     JobView,
 )
-from gpuloom.v1 import common_pb2
+from gpuloom.domain.shares import LOWEST_PRIORITY, share_of
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 
@@ -409,12 +409,11 @@ def spec_from_document(
         spec.gpu_model = gpu_spec
     top.text("request_id")  # a string if given; the caller sends it with the spec
     priority = top.integer("priority")
-    if priority is None:
-        priority = DEFAULT_PRIORITY
-    if not 0 <= priority <= 9:
-        raise top.fail("priority", f"must be within 0..9 (0 is highest), got {priority}")
-    spec.priority.CopyFrom(common_pb2.Priority(level=priority))
-    _resources_into(spec, top.section("resources"), top, require_resources)
+    if priority is not None and not 0 <= priority <= LOWEST_PRIORITY:
+        raise top.fail(
+            "priority", f"must be within 0..{LOWEST_PRIORITY} (0 is highest), got {priority}"
+        )
+    _resources_into(spec, top.section("resources"), top, require_resources, priority)
     command = top.mapping.get("command")
     if command is not None:
         if not isinstance(command, list) or not all(isinstance(a, str) for a in command):
@@ -441,11 +440,18 @@ def spec_from_document(
 
 
 def _resources_into(
-    spec: pb.JobSpec, resources: _Reader | None, top: _Reader, required: bool
+    spec: pb.JobSpec,
+    resources: _Reader | None,
+    top: _Reader,
+    required: bool,
+    priority: int | None,
 ) -> None:
+    """The document's resources and priority into `spec`: its share made by share_of, where
+    the defaults are (an MPS share's quota limit, the priority)."""
     if resources is None:
         if required:
             raise top.fail("resources", "required: memory_gib plus mps, or whole_gpus: 1")
+        share_into_pb(spec, share_of(priority=priority), mps=False)
         return
     resources.only(_RESOURCE_KEYS)
     gib = resources.number("memory_gib")
@@ -455,11 +461,9 @@ def _resources_into(
     if gib is not None:
         if not 0 <= gib < 1 << 33:
             raise resources.fail("memory_gib", f"must be >= 0 (and sane), got {gib:g}")
-        spec.resources.memory_bytes = round(gib * GIB)
-    elif memory_bytes is not None:
-        if not 0 <= memory_bytes < 1 << 64:
-            raise resources.fail("memory_bytes", f"must be >= 0, got {memory_bytes}")
-        spec.resources.memory_bytes = memory_bytes
+        memory_bytes = round(gib * GIB)
+    elif memory_bytes is not None and not 0 <= memory_bytes < 1 << 64:
+        raise resources.fail("memory_bytes", f"must be >= 0, got {memory_bytes}")
     cpu_milli = resources.integer("cpu_milli")
     if cpu_milli is not None:
         if not 0 <= cpu_milli < 1 << 64:
@@ -484,6 +488,7 @@ def _resources_into(
         if not 0 <= max_gpus < 1 << 32:  # what the message can carry; the service checks more
             raise resources.fail("max_gpus", f"must be within whole_gpus..64, got {max_gpus}")
         spec.max_gpus = max_gpus
+    memory = memory_bytes or 0
     if mig is not None:
         # A MIG batch task: the batch planner chooses the instance size.
         if mig is not True:
@@ -503,13 +508,14 @@ def _resources_into(
             raise mps.fail("quota_request_percent", "required (percent of the time window)")
         if not 0 <= sm < 1 << 32:  # what the message can carry; the service checks 1..100
             raise mps.fail("sm_percent", f"must be within 1..100, got {sm}")
-        spec.resources.mps.sm_percent = sm
-        spec.resources.mps.quota.request_percent = request
-        spec.resources.mps.quota.limit_percent = mps.number("quota_limit_percent") or 0.0
+        limit = mps.number("quota_limit_percent") or None  # 0, like unset: the request
+        share_into_pb(spec, share_of(sm, request, limit, memory, priority), mps=True)
+        return
     elif required:
         raise resources.fail(
             None, "set one of mps (sm_percent and quota), whole_gpus: 1 or mig: true"
         )
+    share_into_pb(spec, share_of(memory_bytes=memory, priority=priority), mps=False)
 
 
 # Spec fields in the service's InvalidArgument -> the key of a job file that sets them.

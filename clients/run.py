@@ -162,7 +162,7 @@ class JobRunner:
         environment = {**os.environ, **assigned}
         share = job.spec.share
         if (
-            share is not None
+            job.spec.mps
             and share.sm_percent < 100
             and "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in assigned
         ):

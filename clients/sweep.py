@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from gpuloom.convert.shares import reservation_share_fields
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import InvalidArgument, NotFound
+from gpuloom.domain.shares import share_of
 from gpuloom.transport import open_channel
 from gpuloom.v1 import (
-    common_pb2,
     dispatcher_pb2,
     dispatcher_pb2_grpc,
     profile_store_pb2,
@@ -161,11 +162,7 @@ class Sweep:
         request = dispatcher_pb2.ReserveRequest(
             assignment_id=f"sweep-{uuid.uuid4().hex[:12]}",
             client_name=f"sweep {self._function}",
-            memory_cap_bytes=self._memory_bytes,
-            share=common_pb2.SpatioTemporalShare(
-                sm_percent=sm,
-                quota=common_pb2.TimeQuota(request_percent=quota, limit_percent=quota),
-            ),
+            **reservation_share_fields(share_of(sm, quota, memory_bytes=self._memory_bytes)),
             task_key=self._function,
         )
         assignment = self._call(self._dispatcher.Reserve, request)

@@ -116,11 +116,11 @@ class FleetView:
             status = client.status()
         except DomainError as error:
             return GpuTop(entry, None, f"dispatcher at {address}: {one_line(error.message)}")
-        if status.gpu_uuid != entry.gpu.gpu_uuid:
+        if status.gpu.gpu_uuid != entry.gpu.gpu_uuid:
             return GpuTop(
                 entry,
                 None,
-                f"dispatcher at {address} now serves GPU {status.gpu_uuid}, not this one",
+                f"dispatcher at {address} now serves GPU {status.gpu.gpu_uuid}, not this one",
             )
         return GpuTop(entry, status)
 

@@ -27,8 +27,9 @@ from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.shim import ShimClient
 from gpuloom.clients.top import FleetView
 from gpuloom.convert.dispatcher import status_from_pb, status_to_pb
-from gpuloom.domain.placement import GpuEntry, GpuInfo, JobKind, JobSpec, JobView
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobView
+from gpuloom.domain.shares import share_of
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 from tests.plane import GPULOOM, PLANE_FLEET_ID, Plane, free_port, running_plane, wait_for
 
@@ -47,24 +48,21 @@ class Day:
 def day(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Day]:
     state = tmp_path_factory.mktemp("top")
     with running_plane(state, "A100-80GB,A100-80GB:mig", 2, metrics=True) as plane:
-        share = SpatioTemporalShare
         with PlacementClient(plane.placement) as placement:
             serve = placement.submit(
                 JobSpec(
                     name="serve",
                     kind=JobKind.INFERENCE,
-                    memory_bytes=4 * GIB,
-                    share=share(60, TimeQuota(40, 60)),
-                    priority=1,
+                    share=share_of(60, 40, 60, memory_bytes=4 * GIB, priority=1),
+                    mps=True,
                 )
             )
             batch = placement.submit(
                 JobSpec(
                     name="batch[red]",  # shown as written, not as rich markup
                     kind=JobKind.BATCH,
-                    memory_bytes=8 * GIB,
-                    share=share(60, TimeQuota(10, 10)),
-                    priority=7,
+                    share=share_of(60, 10, memory_bytes=8 * GIB, priority=7),
+                    mps=True,
                 )
             )
             serve, batch = placement.get(serve.job_id), placement.get(batch.job_id)

@@ -11,16 +11,11 @@ from click.exceptions import NoArgsIsHelpError
 from gpuloom import __version__
 from gpuloom.clients.cli.addresses import group_options
 from gpuloom.clients.cli.dispatcher import dispatcher
-from gpuloom.clients.cli.jobs import (
-    cancel,
-    gpus,
-    list_jobs,
-    run,
-    scale,
-    show_job,
-    submit,
-    watch,
-)
+from gpuloom.clients.cli.jobs.gpus import gpus
+from gpuloom.clients.cli.jobs.listing import list_jobs
+from gpuloom.clients.cli.jobs.one_job import cancel, show_job, watch
+from gpuloom.clients.cli.jobs.run import run
+from gpuloom.clients.cli.jobs.submit import scale, submit
 from gpuloom.clients.cli.mig import mig
 from gpuloom.clients.cli.models import models
 from gpuloom.clients.cli.profile import profile, profiles_alias

@@ -63,7 +63,7 @@ def status(
         console.width = PIPE_WIDTH
     for line in _summary(found):
         console.print(line, highlight=False, markup=False)
-    processes = [(f"{found.node}/{found.index}", p) for p in by_priority(found)]
+    processes = [(f"{found.gpu.node}/{found.gpu.index}", p) for p in by_priority(found)]
     if processes:
         console.print(process_table(processes))
     else:
@@ -201,9 +201,10 @@ def _call(function: Callable[[], T], where: str) -> T:
 
 
 def _summary(found: DispatcherStatus) -> list[str]:
+    gpu = found.gpu
     return [
-        f"GPU {found.index} {found.gpu_uuid} on node {found.node}: {found.model}, "
-        f"{found.backend}, MIG {'on' if found.mig_enabled else 'off'}",
+        f"GPU {gpu.index} {gpu.gpu_uuid} on node {gpu.node}: {gpu.model}, "
+        f"{found.backend}, MIG {'on' if gpu.mig_enabled else 'off'}",
         f"policy {found.policy}, window {found.window_ms:g} ms "
         f"({found.window_elapsed_ms:.0f} ms in), running SM {found.running_sm_percent}%",
         f"time quota reserved {found.quota_reserved_percent:.1f}%, used in this window "

@@ -119,7 +119,7 @@ def _header(snapshot: FleetSnapshot) -> Text:
 
 
 def _gpu_label(gpu: GpuTop) -> str:
-    index = "?" if gpu.status is None else str(gpu.status.index)
+    index = "?" if gpu.status is None else str(gpu.status.gpu.index)
     return f"{gpu.entry.gpu.node}/{index}"
 
 
@@ -177,7 +177,7 @@ def _gpu_state(gpu: GpuTop) -> tuple[str, str]:
 
 def by_priority(status: DispatcherStatus) -> list[ProcessStatus]:
     """The GPU's processes by priority (0 first), then age of the reservation."""
-    return sorted(status.processes, key=lambda p: (p.priority, p.reserved_at))
+    return sorted(status.processes, key=lambda p: (p.share.priority, p.reserved_at))
 
 
 def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
@@ -210,14 +210,14 @@ def process_table(processes: list[tuple[str, ProcessStatus]]) -> Table:
             str(p.pid) if p.pid else "-",
             p.assignment_id,
             p.client_name or "-",
-            str(p.priority),
+            str(p.share.priority),
             p.mode,
             state,
             str(p.share.sm_percent),
             f"{quota.request_percent:g}"
             + (f"-{quota.limit_percent:g}" if quota.limit_percent > quota.request_percent else ""),
             f"{p.used_percent:.1f}",
-            gib_or_dash(p.memory_cap_bytes),
+            gib_or_dash(p.share.memory_bytes),
             gib_or_dash(p.memory_allocated_bytes),
             _duration(p.waiting_s) if p.state.asking and p.connected else "-",
         )

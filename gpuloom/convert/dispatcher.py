@@ -1,12 +1,14 @@
 """A dispatcher's GetGpuStatus answer to and from the domain's `DispatcherStatus`, and its JSON
-(the protos' JSON mapping), for the clients."""
+(the protos' JSON mapping), for the clients; its GPU's description (GpuDescription, the
+dispatcher's answer to SetMigMode too) for the dispatcher and its clients alike."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from gpuloom.convert.gpus import gpu_fields, gpu_from_fields
 from gpuloom.convert.json_mapping import message_json
-from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.convert.training import cycle_from_pb, cycle_to_pb
 from gpuloom.domain.dispatcher import (
@@ -15,6 +17,7 @@ from gpuloom.domain.dispatcher import (
     ProcessStatus,
     SuspendState,
 )
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.v1 import common_pb2, shim_pb2
 from gpuloom.v1 import dispatcher_pb2 as pb
 
@@ -27,18 +30,18 @@ _MODE_TO_PB = {mode: shim_pb2.ShimMode.Value("SHIM_MODE_" + mode.upper()) for mo
 _MODE_FROM_PB = {code: mode for mode, code in _MODE_TO_PB.items()}
 
 
+def gpu_description_to_pb(gpu: GpuInfo, backend: str) -> pb.GpuDescription:
+    return pb.GpuDescription(**gpu_fields(gpu), index=gpu.index, backend=backend)
+
+
+def gpu_description_from_pb(msg: pb.GpuDescription) -> GpuInfo:
+    return gpu_from_fields(msg, index=msg.index)
+
+
 def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:
-    gpu = msg.gpu
     return DispatcherStatus(
-        gpu_uuid=gpu.ref.gpu_uuid,
-        node=gpu.ref.node,
-        index=gpu.index,
-        model=gpu.model,
-        memory_bytes=gpu.memory_bytes,
-        sm_count=gpu.sm_count,
-        mig_capable=gpu.mig_capable,
-        mig_enabled=gpu.mig_enabled,
-        backend=gpu.backend,
+        gpu=gpu_description_from_pb(msg.gpu),
+        backend=msg.gpu.backend,
         policy=msg.policy,
         window_ms=msg.window_ms,
         processes=tuple(_process_from_pb(c) for c in msg.clients),
@@ -53,21 +56,12 @@ def status_from_pb(msg: pb.GpuStatus) -> DispatcherStatus:
 
 
 def status_to_pb(status: DispatcherStatus) -> pb.GpuStatus:
-    ref = common_pb2.GpuRef(node=status.node, gpu_uuid=status.gpu_uuid)
+    gpu = gpu_description_to_pb(status.gpu, status.backend)
     return pb.GpuStatus(
-        gpu=pb.GpuDescription(
-            ref=ref,
-            index=status.index,
-            model=status.model,
-            memory_bytes=status.memory_bytes,
-            sm_count=status.sm_count,
-            mig_capable=status.mig_capable,
-            mig_enabled=status.mig_enabled,
-            backend=status.backend,
-        ),
+        gpu=gpu,
         policy=status.policy,
         window_ms=status.window_ms,
-        clients=[_process_to_pb(p, ref) for p in status.processes],
+        clients=[_process_to_pb(p, gpu.ref) for p in status.processes],
         waiting=status.waiting,
         running_sm_percent=status.running_sm_percent,
         utilization_percent=status.utilization_percent,
@@ -87,11 +81,9 @@ def _process_from_pb(msg: pb.ClientStatus) -> ProcessStatus:
     return ProcessStatus(
         assignment_id=a.assignment_id,
         client_name=a.client_name,
-        priority=a.priority.level,
         task_key=a.task_key,
         mode=_MODE_FROM_PB.get(a.mode, "share"),
-        share=share_from_pb(a.share),
-        memory_cap_bytes=a.memory_cap_bytes,
+        share=reservation_share(a),
         reserved_at=unix_s(a, "reserved_at"),
         socket_path=a.socket_path,
         connected=msg.connected,
@@ -129,9 +121,7 @@ def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientS
         assignment=pb.Assignment(
             assignment_id=process.assignment_id,
             client_name=process.client_name,
-            priority=common_pb2.Priority(level=process.priority),
-            memory_cap_bytes=process.memory_cap_bytes,
-            share=share_to_pb(process.share),
+            **reservation_share_fields(process.share),
             mode=_MODE_TO_PB[process.mode],
             socket_path=process.socket_path,
             gpu=gpu,

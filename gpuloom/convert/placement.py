@@ -1,5 +1,6 @@
 """gpuloom.v1.Placement's messages to and from the client-facing domain types
-(gpuloom.domain.placement and the job spec), and their JSON form.
+(gpuloom.domain.placement and the job spec), and their JSON form: the one converter of each
+message, for the service and its clients alike.
 
 Every conversion here is exact for what the service sends, so `job_to_pb(job_from_pb(m))` is
 `m` again: `*_json` print the same JSON as protobuf's own mapping of the message would (field
@@ -11,26 +12,27 @@ from typing import Any, Protocol
 
 from google.protobuf.message import Message
 
+from gpuloom.convert.gpus import gpu_fields, gpu_from_fields
 from gpuloom.convert.json_mapping import message_json
-from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.shares import priority_from_pb, share_from_pb, share_to_pb
 from gpuloom.convert.times import timestamp, unix_s
 from gpuloom.convert.training import hook_from_pb, hook_to_pb, training_from_pb, training_to_pb
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import GpuInfo, MigInstance
 from gpuloom.domain.placement import (
     AssignedGpu,
     Assignment,
     FunctionScaling,
     GpuEntry,
-    GpuInfo,
     JobKind,
     JobSpec,
     JobState,
     JobView,
-    MigInstance,
     MigSlot,
     Slo,
     ThroughputConfig,
 )
-from gpuloom.domain.shares import DEFAULT_PRIORITY
+from gpuloom.domain.shares import Share, share_of
 from gpuloom.v1 import common_pb2
 from gpuloom.v1 import placement_pb2 as pb
 
@@ -47,23 +49,35 @@ STATE_FROM_PB = {code: state for state, code in STATE_TO_PB.items()}
 # ---- job specs ----
 
 
-def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
-    """As sent, unvalidated. A MIG request counts as one slice when it names no size: the batch
-    planner sizes it anyway, and `mig_slices > 0` is what marks a MIG batch task."""
+def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
+    """Unvalidated but for the kind (InvalidArgument names `field`.kind for a kind this
+    version does not know), with the share's defaults applied (gpuloom.domain.shares.share_of)
+    and the policy and GPU model stripped of blanks. A MIG request counts as one slice when it
+    names no size: the batch planner sizes it anyway, and `mig_slices > 0` is what marks a MIG
+    batch task."""
+    if msg.kind not in KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
+        raise InvalidArgument(f"{field}.kind", f"unknown job kind {msg.kind}")
     resources = msg.resources
     which = resources.WhichOneof("share")
+    mps = resources.mps if which == "mps" else None
+    share = share_of(
+        None if mps is None else mps.sm_percent,
+        None if mps is None else mps.quota.request_percent,
+        None if mps is None else mps.quota.limit_percent or None,
+        resources.memory_bytes,
+        priority_from_pb(msg),
+    )
     return JobSpec(
         name=msg.name,
         kind=KIND_FROM_PB.get(msg.kind),
-        memory_bytes=resources.memory_bytes,
-        share=share_from_pb(resources.mps) if which == "mps" else None,
+        share=share,
+        mps=mps is not None,
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
         mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
         task_key=msg.task_key,
-        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
-        policy=msg.policy,
-        gpu_model=msg.gpu_model,
+        policy=msg.policy.strip(),
+        gpu_model=msg.gpu_model.strip(),
         command=tuple(msg.command),
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
@@ -74,20 +88,21 @@ def spec_from_pb(msg: pb.JobSpec) -> JobSpec:
     )
 
 
+def share_into_pb(msg: pb.JobSpec, share: Share, mps: bool) -> None:
+    """A job's share into its spec message: the priority, the memory cap and, for an MPS
+    share (`mps`), the SM percent and quota (a whole GPU's are implied)."""
+    msg.priority.level = share.priority
+    if share.memory_bytes:
+        msg.resources.memory_bytes = share.memory_bytes
+    if mps:
+        msg.resources.mps.CopyFrom(share_to_pb(share))
+
+
 def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
-    resources = common_pb2.Resources(memory_bytes=spec.memory_bytes)
-    if spec.share is not None:
-        resources.mps.CopyFrom(share_to_pb(spec.share))
-    elif spec.whole_gpus:
-        resources.whole_gpus = spec.whole_gpus
-    elif spec.mig_slices:
-        resources.mig.slices = spec.mig_slices
     msg = pb.JobSpec(
         name=spec.name,
         task_key=spec.task_key,
         kind=KIND_TO_PB[spec.kind] if spec.kind else pb.JOB_KIND_UNSPECIFIED,
-        priority=common_pb2.Priority(level=spec.priority),
-        resources=resources,
         slo=pb.Slo(
             p99_latency_ms=spec.slo.p99_latency_ms,
             target_requests_per_s=spec.slo.target_requests_per_s,
@@ -101,6 +116,11 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         max_gpus=spec.max_gpus,
         nodes=spec.nodes,
     )
+    share_into_pb(msg, spec.share, spec.mps)
+    if spec.whole_gpus:
+        msg.resources.whole_gpus = spec.whole_gpus
+    elif spec.mig_slices:
+        msg.resources.mig.slices = spec.mig_slices
     if spec.checkpoint is not None:
         msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))
     return msg
@@ -229,14 +249,8 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
 
 
 def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
-    return GpuInfo(
-        gpu_uuid=msg.ref.gpu_uuid,
-        node=msg.ref.node,
-        model=msg.model,
-        memory_bytes=msg.memory_bytes,
-        sm_count=msg.sm_count,
-        mig_capable=msg.mig_capable,
-        mig_enabled=msg.mig_enabled,
+    return gpu_from_fields(
+        msg,
         mig_instances=tuple(
             MigInstance(m.slices, m.first_slice, m.uuid) for m in msg.mig_instances
         ),
@@ -248,12 +262,7 @@ def gpu_info_from_pb(msg: pb.GpuInfo) -> GpuInfo:
 
 def gpu_info_to_pb(info: GpuInfo) -> pb.GpuInfo:
     return pb.GpuInfo(
-        ref=common_pb2.GpuRef(node=info.node, gpu_uuid=info.gpu_uuid),
-        model=info.model,
-        memory_bytes=info.memory_bytes,
-        sm_count=info.sm_count,
-        mig_capable=info.mig_capable,
-        mig_enabled=info.mig_enabled,
+        **gpu_fields(info),
         mig_instances=[
             pb.MigInstance(slices=m.slices, first_slice=m.first_slice, uuid=m.uuid)
             for m in info.mig_instances

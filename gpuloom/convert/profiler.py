@@ -13,7 +13,7 @@ from gpuloom.v1 import profiler_pb2 as pb
 STATE_TO_PB = {
     state: pb.SessionState.Value("SESSION_STATE_" + state.name) for state in SessionState
 }
-_STATE_FROM_PB = {code: state for state, code in STATE_TO_PB.items()}
+STATE_FROM_PB = {code: state for state, code in STATE_TO_PB.items()}
 
 
 def session_from_pb(msg: pb.Session) -> SessionView:
@@ -24,7 +24,7 @@ def session_from_pb(msg: pb.Session) -> SessionView:
         runs=msg.runs,
         runs_received=msg.runs_received,
         records=msg.records,
-        state=_STATE_FROM_PB.get(msg.state, SessionState.OPEN),
+        state=STATE_FROM_PB.get(msg.state, SessionState.OPEN),
         opened_at=unix_s(msg, "opened_at"),
         closed_at=unix_s(msg, "closed_at"),
         error=msg.error,

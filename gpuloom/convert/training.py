@@ -82,9 +82,11 @@ def reports_from_pb(reports: Iterable[pb.TrainingReport]) -> list[TrainingReport
 
 
 def report_to_pb(report: TrainingReport) -> pb.TrainingReport:
+    """A cycle of which nothing is known yet (TrainingCycle()) is left out: it reads back the
+    same."""
     return pb.TrainingReport(
         assignment_id=report.assignment_id,
-        cycle=cycle_to_pb(report.cycle),
+        cycle=None if report.cycle == TrainingCycle() else cycle_to_pb(report.cycle),
         suspended=report.suspended,
         suspended_reason=report.suspended_reason,
     )

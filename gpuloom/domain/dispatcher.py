@@ -6,7 +6,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gpuloom.domain.shares import SpatioTemporalShare
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.shares import Share
 from gpuloom.domain.training import TrainingCycle
 
 __all__ = [
@@ -50,11 +51,9 @@ class ProcessStatus:
 
     assignment_id: str  # a placement job's id ("j-...") or a direct Reserve's own id
     client_name: str
-    priority: int
     task_key: str
     mode: str  # the shim mode: "share", "measure", "off" or "fikit"
-    share: SpatioTemporalShare
-    memory_cap_bytes: int
+    share: Share  # as reserved: SM percent, quota, memory cap, priority
     reserved_at: float  # unix seconds
     socket_path: str  # the GPU's shim channel
     connected: bool
@@ -74,14 +73,7 @@ class ProcessStatus:
 
 @dataclass(frozen=True, slots=True)
 class DispatcherStatus:
-    gpu_uuid: str
-    node: str
-    index: int
-    model: str
-    memory_bytes: int
-    sm_count: int
-    mig_capable: bool
-    mig_enabled: bool
+    gpu: GpuInfo  # as the dispatcher describes it (no MIG instances, MPS or node resources)
     backend: str  # "nvml" or "simulated"
     policy: str
     window_ms: float

@@ -1,4 +1,5 @@
-"""The GPU model catalogue: memory, SM count, MIG capability and MIG profiles of each model.
+"""The GPU model catalogue: memory, SM count, MIG capability and MIG profiles of each model;
+and a GPU as a dispatcher sees and registers it (GpuInfo, its MigInstances).
 
 The dispatcher's simulated backend builds its GPUs from this table and its NVML backend uses
 it to name what the driver reports ("NVIDIA A100-SXM4-80GB" is an A100-80GB); placement reads
@@ -18,6 +19,10 @@ from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.mig_geometry import MigGeometry, get_geometry
 
 GIB = 1 << 30
+MAX_NAME = 128
+# Node resources a job may ask for, at most (far above any node: a typo, not a request).
+MAX_CPU_MILLI = 1 << 32
+MAX_HOST_MEMORY_BYTES = 1 << 50
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,3 +125,59 @@ def mig_profile(model: GpuModel, slices: int) -> MigProfile:
         name=f"{slices}g.{gigabytes}gb",
         nvml_placement_size=memory_slices[slices],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class MigInstance:
+    """A MIG instance: `slices` compute slices from `first_slice` on. The driver tells its
+    memory and profile name too ("3g.40gb"); a registration with placement carries neither
+    (0 and "")."""
+
+    slices: int
+    first_slice: int
+    uuid: str = ""
+    memory_bytes: int = 0
+    profile_name: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """A GPU as its dispatcher sees it and registers it with placement. A dispatcher's GPU
+    backend describes the device (its driver index, UUID, model, memory, SMs, MIG mode; the
+    node ""), and the dispatcher adds the rest when it registers: its node, MIG instances,
+    MPS and the node's resources. `index` means nothing to placement (0 there)."""
+
+    gpu_uuid: str
+    node: str
+    model: str
+    memory_bytes: int
+    sm_count: int = 0
+    mig_capable: bool = False
+    mig_enabled: bool = False
+    mig_instances: tuple[MigInstance, ...] = ()
+    mps_enabled: bool = False
+    # The node's CPU (milli) and memory for jobs, as the dispatcher read them; 0: not reported.
+    node_cpu_milli: int = 0
+    node_memory_bytes: int = 0
+    index: int = 0  # the driver's index of the GPU on its node
+
+    def validate(self) -> None:
+        for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
+            if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
+                raise InvalidArgument(name, f"must be 1..{MAX_NAME} printable characters")
+        if not 1 <= len(self.node) <= 253 or not self.node.isprintable():
+            raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
+        if self.memory_bytes <= 0:
+            raise InvalidArgument("gpu.memory_bytes", "must be > 0")
+        for name, value, most in (
+            ("gpu.node_cpu_milli", self.node_cpu_milli, MAX_CPU_MILLI),
+            ("gpu.node_memory_bytes", self.node_memory_bytes, MAX_HOST_MEMORY_BYTES),
+        ):
+            if not 0 <= value <= most:
+                raise InvalidArgument(name, f"must be within 0..{most}, got {value}")
+        for i, instance in enumerate(self.mig_instances):
+            if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
+                raise InvalidArgument(
+                    f"gpu.mig_instances[{i}]",
+                    f"{instance.slices} slices at slice {instance.first_slice} is no MIG instance",
+                )

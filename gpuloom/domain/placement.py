@@ -14,16 +14,11 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import MAX_CPU_MILLI, MAX_HOST_MEMORY_BYTES, MAX_NAME, GpuInfo
 from gpuloom.domain.models import check_model_name
-from gpuloom.domain.shares import (
-    DEFAULT_PRIORITY,
-    SpatioTemporalShare,
-    TimeQuota,
-    validate_priority,
-)
+from gpuloom.domain.shares import Share, SpatioTemporalShare, validate_priority
 from gpuloom.domain.training import CheckpointHook, TrainingState
 
-MAX_NAME = 128
 MAX_KEY = 256
 # A MIG batch task's command, as the dispatcher takes it (RunMigBatch's MigTaskSpec.argv).
 MAX_COMMAND_ARGS = 256
@@ -31,9 +26,6 @@ MAX_COMMAND_ARG_CHARS = 4096
 # A job's whole GPUs (all on one node) and its gpu_model alternatives ("A|B"), at most.
 MAX_WHOLE_GPUS = 64
 MAX_MODEL_ALTERNATIVES = 16
-# Node resources a job may ask for, at most (far above any node: a typo, not a request).
-MAX_CPU_MILLI = 1 << 32
-MAX_HOST_MEMORY_BYTES = 1 << 50
 # The nodes a job may be restricted to, at most (a Kubernetes scheduler's candidates).
 MAX_NODES = 4096
 MAX_NODE_NAME = 253
@@ -74,21 +66,23 @@ class Slo:
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What a submitter asks for. Exactly one of `share` (an MPS SM share and time quota),
-    `whole_gpus` and `mig_slices` is set. `mig_slices` marks a MIG batch task (kind batch,
-    with a task key and a `command`): its value is not used, the batch planner chooses the
-    instance size from the task's MIG profile. `mig_times` (size -> seconds) is what placement
-    read from that profile when it accepted the task, kept with the job so that a restart
-    plans it the same way; it is not part of the request (not compared)."""
+    """What a submitter asks for. `share` is what the job holds of each GPU it runs on (SM
+    percent, time quota, memory cap, priority), the form it keeps up to the dispatcher's
+    reservation. Exactly one of `mps` (the share's SM percent and quota partition one GPU
+    through MPS), `whole_gpus` (that many GPUs, whole: the share's SM and quota are 100) and
+    `mig_slices` is set. `mig_slices` marks a MIG batch task (kind batch, with a task key and a
+    `command`): its value is not used, the batch planner chooses the instance size from the
+    task's MIG profile. `mig_times` (size -> seconds) is what placement read from that profile
+    when it accepted the task, kept with the job so that a restart plans it the same way; it
+    is not part of the request (not compared)."""
 
     name: str
     kind: JobKind | None
-    memory_bytes: int
-    share: SpatioTemporalShare | None = None
+    share: Share
+    mps: bool = False
     whole_gpus: int = 0
     mig_slices: int = 0
     task_key: str = ""
-    priority: int = DEFAULT_PRIORITY
     slo: Slo = field(default_factory=Slo)
     policy: str = ""
     gpu_model: str = ""
@@ -107,6 +101,15 @@ class JobSpec:
     max_gpus: int = 0
     # Only GPUs of these nodes; () = any node.
     nodes: tuple[str, ...] = ()
+
+    @property
+    def priority(self) -> int:
+        return self.share.priority
+
+    @property
+    def memory_bytes(self) -> int:
+        """The GPU memory cap it asks on each GPU (0: a whole GPU's memory)."""
+        return self.share.memory_bytes
 
     @property
     def elastic(self) -> bool:
@@ -134,7 +137,7 @@ class JobSpec:
             raise InvalidArgument(
                 "spec.task_key", f"must be at most {MAX_KEY} printable characters"
             )
-        validate_priority("spec.priority.level", self.priority)
+        validate_priority("spec.priority.level", self.share.priority)
         self._validate_gpu_model()
         for name, value, most in (
             ("spec.cpu_milli", self.cpu_milli, MAX_CPU_MILLI),
@@ -239,7 +242,7 @@ class JobSpec:
             raise InvalidArgument(
                 "spec.command", "only MIG batch tasks (resources.mig, kind batch) take a command"
             )
-        if self.share is None and not self.whole_gpus:
+        if self.mps == bool(self.whole_gpus):
             raise InvalidArgument(
                 "spec.resources", "set one of mps (SM percent and time quota) or whole_gpus"
             )
@@ -253,16 +256,22 @@ class JobSpec:
                 "spec.shared_model",
                 f"a replica of a shared model takes one GPU, not {self.whole_gpus} whole GPUs",
             )
-        if self.share is not None:
-            self.share.validate("spec.resources.mps")
-            if self.memory_bytes <= 0:
+        if not self.mps:
+            if not self.share.whole:
                 raise InvalidArgument(
-                    "spec.resources.memory_bytes",
-                    "required for an MPS share (the GPU memory cap, in bytes)",
+                    "spec.resources.mps",
+                    "whole GPUs take no SM percent or quota (only an MPS share does)",
                 )
+            return
+        self.share.partition.validate("spec.resources.mps")
+        if self.share.memory_bytes <= 0:
+            raise InvalidArgument(
+                "spec.resources.memory_bytes",
+                "required for an MPS share (the GPU memory cap, in bytes)",
+            )
 
     def _validate_mig(self) -> None:
-        if self.share is not None or self.whole_gpus:
+        if self.mps or self.whole_gpus or not self.share.whole:
             raise InvalidArgument(
                 "spec.resources", "mig cannot be combined with an MPS share or whole_gpus"
             )
@@ -299,14 +308,6 @@ class JobSpec:
                     f"arguments are at most {MAX_COMMAND_ARG_CHARS} characters, with no NUL",
                 )
 
-    @property
-    def sm_percent(self) -> int:
-        return 100 if self.share is None else self.share.sm_percent
-
-    @property
-    def quota(self) -> TimeQuota:
-        return TimeQuota(100.0, 100.0) if self.share is None else self.share.quota
-
 
 @dataclass(frozen=True, slots=True)
 class MigSlot:
@@ -317,52 +318,6 @@ class MigSlot:
     first_slice: int
     planned_start: float
     planned_end: float
-
-
-@dataclass(frozen=True, slots=True)
-class MigInstance:
-    slices: int
-    first_slice: int
-    uuid: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class GpuInfo:
-    """A GPU as its dispatcher registers it."""
-
-    gpu_uuid: str
-    node: str
-    model: str
-    memory_bytes: int
-    sm_count: int = 0
-    mig_capable: bool = False
-    mig_enabled: bool = False
-    mig_instances: tuple[MigInstance, ...] = ()
-    mps_enabled: bool = False
-    # The node's CPU (milli) and memory for jobs, as the dispatcher read them; 0: not reported.
-    node_cpu_milli: int = 0
-    node_memory_bytes: int = 0
-
-    def validate(self) -> None:
-        for name, value in (("gpu.ref.gpu_uuid", self.gpu_uuid), ("gpu.model", self.model)):
-            if not 1 <= len(value) <= MAX_NAME or not value.isprintable():
-                raise InvalidArgument(name, f"must be 1..{MAX_NAME} printable characters")
-        if not 1 <= len(self.node) <= 253 or not self.node.isprintable():
-            raise InvalidArgument("gpu.ref.node", "must be 1..253 printable characters")
-        if self.memory_bytes <= 0:
-            raise InvalidArgument("gpu.memory_bytes", "must be > 0")
-        for name, value, most in (
-            ("gpu.node_cpu_milli", self.node_cpu_milli, MAX_CPU_MILLI),
-            ("gpu.node_memory_bytes", self.node_memory_bytes, MAX_HOST_MEMORY_BYTES),
-        ):
-            if not 0 <= value <= most:
-                raise InvalidArgument(name, f"must be within 0..{most}, got {value}")
-        for i, instance in enumerate(self.mig_instances):
-            if instance.slices not in (1, 2, 3, 4, 7) or not 0 <= instance.first_slice < 8:
-                raise InvalidArgument(
-                    f"gpu.mig_instances[{i}]",
-                    f"{instance.slices} slices at slice {instance.first_slice} is no MIG instance",
-                )
 
 
 # The assignment's secret: whoever presents it to the dispatcher first holds the reservation,

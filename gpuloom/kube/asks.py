@@ -28,12 +28,7 @@ from typing import Any
 
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import MAX_NAME, JobKind, JobSpec
-from gpuloom.domain.shares import (
-    DEFAULT_PRIORITY,
-    LOWEST_PRIORITY,
-    SpatioTemporalShare,
-    TimeQuota,
-)
+from gpuloom.domain.shares import DEFAULT_PRIORITY, LOWEST_PRIORITY, share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.kube.quantity import parse_whole
 
@@ -164,35 +159,43 @@ def pod_ask(
             "ask for no SM percent or quota",
         )
     memory = _whole(limits, MEMORY, where, 1, 1 << 50) if MEMORY in limits else 0
-    share = None
     if (shared or function) and gpus != 1:
         raise InvalidArgument(
             _resource(where, GPU),
             f"a share is of one GPU: must be 1 with an SM percent, a quota or a function, got "
             f"{gpus}",
         )
+    priority = _priority(annotations, spec, priority_classes or {})
     if shared:
-        sm = _whole(limits, SM, where, 1, 100) if SM in limits else 100
-        quota = _whole(limits, QUOTA, where, 1, 100) if QUOTA in limits else 100
-        limit = _whole(limits, QUOTA_LIMIT, where, 1, 100) if QUOTA_LIMIT in limits else quota
-        if quota > limit:
+        sm = _whole(limits, SM, where, 1, 100) if SM in limits else None
+        quota = _whole(limits, QUOTA, where, 1, 100) if QUOTA in limits else None
+        limit = _whole(limits, QUOTA_LIMIT, where, 1, 100) if QUOTA_LIMIT in limits else None
+        share = share_of(
+            sm,
+            None if quota is None else float(quota),
+            None if limit is None else float(limit),
+            memory,
+            priority,
+        )
+        if share.quota.request_percent > share.quota.limit_percent:
             raise InvalidArgument(
                 _resource(where, QUOTA),
-                f"the quota ({quota}) must not exceed {QUOTA_LIMIT} ({limit})",
+                f"the quota ({share.quota.request_percent:g}) must not exceed {QUOTA_LIMIT} "
+                f"({share.quota.limit_percent:g})",
             )
         if not memory:
             raise InvalidArgument(
                 _resource(where, MEMORY), "required with a share (the GPU memory cap, e.g. 4Gi)"
             )
-        share = SpatioTemporalShare(sm, TimeQuota(float(quota), float(limit)))
+    else:
+        share = share_of(memory_bytes=memory, priority=priority)
     job = JobSpec(
         name=f"{namespace}/{name}"[:MAX_NAME] or "pod",
         kind=_kind(annotations, spec),
-        memory_bytes=memory,
         share=share,
-        whole_gpus=0 if share is not None else gpus,
+        mps=shared,
+        whole_gpus=0 if shared else gpus,
         task_key=annotations.get(TASK_KEY, function),
-        priority=_priority(annotations, spec, priority_classes or {}),
         policy=annotations.get(POLICY, ""),
         gpu_model=annotations.get(GPU_MODEL, ""),
         shared_model=annotations.get(SHARED_MODEL, ""),

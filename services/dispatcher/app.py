@@ -10,6 +10,7 @@ from pathlib import Path
 
 import structlog
 
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.registry import get_policy
 from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
@@ -19,7 +20,7 @@ from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
 from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
-from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo
+from gpuloom.services.dispatcher.gpu.backend import GpuBackend
 from gpuloom.services.dispatcher.gpu.simulated import fleet_id
 from gpuloom.services.dispatcher.introspection import IntrospectionConfig, TrainingIntrospector
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
@@ -76,7 +77,7 @@ def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -
         control=parse_control(settings.mps_control),
         pipe_dir=base.absolute() / "pipe",
         log_dir=base.absolute() / "log",
-        visible_device=gpu.uuid if gpu.uuid.startswith(("GPU-", "MIG-")) else None,
+        visible_device=gpu.gpu_uuid if gpu.gpu_uuid.startswith(("GPU-", "MIG-")) else None,
         start_timeout_s=settings.mps_start_timeout_s,
     )
     return MpsSupervisor(config, str(gpu.index))
@@ -138,7 +139,7 @@ async def start_gpu_dispatcher(
         sink = measurements
     loop = asyncio.get_running_loop()
     mps = None
-    if settings.runs_mps(gpu.uuid):
+    if settings.runs_mps(gpu.gpu_uuid):
         # A daemon that does not start is reported and retried; the GPU is served anyway
         # (SM-partition reservations are refused until it runs).
         mps = mps_supervisor(settings, gpu, data_dir)
@@ -245,7 +246,7 @@ async def start_gpu_dispatcher(
         "dispatcher ready",
         gpu=gpu.index,
         model=gpu.model,
-        uuid=gpu.uuid,
+        uuid=gpu.gpu_uuid,
         backend=backend.name,
         policy=settings.policy,
         port=server.port,

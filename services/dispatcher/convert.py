@@ -4,14 +4,16 @@ domain validation then names (e.g. "share.sm_percent: must be within 1..100, got
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
+from gpuloom.convert.dispatcher import gpu_description_to_pb
 from gpuloom.convert.mig import task_run_to_pb
-from gpuloom.convert.shares import share_from_pb, share_to_pb
+from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp
 from gpuloom.convert.training import cycle_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.mig_runs import MigRunReport, TaskRun
-from gpuloom.domain.shares import DEFAULT_PRIORITY
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
@@ -22,7 +24,7 @@ from gpuloom.services.dispatcher.domain import (
     Reservation,
     ReserveSpec,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.gpu.backend import GpuUsage
 from gpuloom.services.dispatcher.mig_executor import MigBatchTask
 from gpuloom.services.dispatcher.model_store import ModelView
 from gpuloom.shimwire import ShimMode
@@ -47,9 +49,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
     return ReserveSpec(
         assignment_id=request.assignment_id,
         client_name=request.client_name,
-        priority=(request.priority.level if request.HasField("priority") else DEFAULT_PRIORITY),
-        memory_cap_bytes=request.memory_cap_bytes,
-        share=share_from_pb(request.share),
+        share=reservation_share(request),
         mode=ShimMode(mode),
         token=request.assignment_token,
         task_key=request.task_key,
@@ -58,7 +58,7 @@ def reserve_spec_from_pb(request: dispatcher_pb2.ReserveRequest) -> ReserveSpec:
 
 
 def gpu_ref(gpu: GpuInfo, node: str) -> common_pb2.GpuRef:
-    return common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid)
+    return common_pb2.GpuRef(node=node, gpu_uuid=gpu.gpu_uuid)
 
 
 def assignment_to_pb(
@@ -72,9 +72,7 @@ def assignment_to_pb(
     return dispatcher_pb2.Assignment(
         assignment_id=reservation.assignment_id,
         client_name=reservation.client_name,
-        priority=common_pb2.Priority(level=reservation.priority),
-        memory_cap_bytes=reservation.memory_cap_bytes,
-        share=share_to_pb(reservation.share),
+        **reservation_share_fields(reservation.share),
         mode=int(reservation.mode),
         assignment_token=reservation.token if environment is not None else "",
         socket_path=socket_path,
@@ -83,19 +81,6 @@ def assignment_to_pb(
         environment=environment or {},
         task_key=reservation.task_key,
         time_slice_of=reservation.time_slice_of,
-    )
-
-
-def gpu_description_to_pb(gpu: GpuInfo, node: str, backend: str) -> dispatcher_pb2.GpuDescription:
-    return dispatcher_pb2.GpuDescription(
-        ref=gpu_ref(gpu, node),
-        index=gpu.index,
-        model=gpu.model,
-        memory_bytes=gpu.memory_bytes,
-        sm_count=gpu.sm_count,
-        mig_capable=gpu.mig_capable,
-        mig_enabled=gpu.mig_enabled,
-        backend=backend,
     )
 
 
@@ -136,7 +121,7 @@ def gpu_status_to_pb(
     socket_path: str,
 ) -> dispatcher_pb2.GpuStatus:
     return dispatcher_pb2.GpuStatus(
-        gpu=gpu_description_to_pb(gpu, node, backend),
+        gpu=gpu_description_to_pb(replace(gpu, node=node), backend),
         policy=view.policy,
         window_ms=view.window_s * 1e3,
         clients=[client_status_to_pb(c, gpu, node, socket_path) for c in view.clients],

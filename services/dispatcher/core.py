@@ -20,9 +20,9 @@ from gpuloom.domain.errors import (
     NotFound,
     ResourceExhausted,
 )
-from gpuloom.domain.gpus import find_model
+from gpuloom.domain.gpus import GpuInfo, find_model
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
-from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle
+from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle, TrainingReport
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
 from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel
@@ -36,7 +36,7 @@ from gpuloom.services.dispatcher.domain import (
     Reservation,
     ReserveSpec,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuInfo, GpuUsage
+from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuUsage
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector
 from gpuloom.services.dispatcher.mig_executor import (
     MigBatchTask,
@@ -58,16 +58,6 @@ T = TypeVar("T")
 MAX_PENDING_EVENTS = 10_000
 # SuspendClient waits at most this long for a low-memory point, whatever it asks.
 MAX_SUSPEND_WAIT_S = 600.0
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingReport:
-    """What this dispatcher knows of one training process (heartbeats to placement)."""
-
-    assignment_id: str
-    cycle: TrainingCycle | None
-    suspended: bool
-    suspended_reason: str = ""  # while suspended: SuspendClient's reason
 
 
 class EventStreamOverflow(ResourceExhausted):
@@ -161,7 +151,7 @@ class DispatcherCore:
                 sm_percent=reservation.share.sm_percent,
                 quota_request=reservation.share.quota.request_percent,
                 quota_limit=reservation.share.quota.limit_percent,
-                memory_cap=reservation.memory_cap_bytes,
+                memory_cap=reservation.share.memory_bytes,
                 time_slice_of=reservation.time_slice_of or None,
             )
         return reservation
@@ -232,7 +222,7 @@ class DispatcherCore:
         return [
             TrainingReport(
                 r.assignment_id,
-                cycles.get(r.assignment_id),
+                cycles.get(r.assignment_id, TrainingCycle()),
                 r.assignment_id in suspended,
                 suspended[r.assignment_id].reason if r.assignment_id in suspended else "",
             )
@@ -332,8 +322,8 @@ class DispatcherCore:
         if self.grpc_address:
             environment["GPULOOM_DISPATCHER_ADDRESS"] = self.grpc_address
         # CUDA understands real GPU and MIG UUIDs; a simulated GPU has nothing to select.
-        if self.gpu.uuid.startswith(("GPU-", "MIG-")):
-            environment["CUDA_VISIBLE_DEVICES"] = self.gpu.uuid
+        if self.gpu.gpu_uuid.startswith(("GPU-", "MIG-")):
+            environment["CUDA_VISIBLE_DEVICES"] = self.gpu.gpu_uuid
         # With the daemon running, every process of this GPU is its client: the SM percent
         # and the memory cap become MPS limits. Without it, processes run as plain contexts.
         if self.mps is not None and self.mps.available()[0]:

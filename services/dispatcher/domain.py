@@ -8,11 +8,11 @@ import os
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuloom.domain.dispatcher import LeaseState
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.shares import SpatioTemporalShare, validate_priority
+from gpuloom.domain.shares import Share, validate_priority
 from gpuloom.domain.training import TrainingCycle
 from gpuloom.domain.validation import MAX_KEY_CHARS, check_name
 from gpuloom.shimwire import ShimMode
@@ -30,13 +30,12 @@ def check_assignment_id(value: str, field: str = "assignment_id") -> str:
 
 @dataclass(frozen=True, slots=True)
 class ReserveSpec:
-    """What a caller asks for; validated before anything changes."""
+    """What a caller asks for; validated before anything changes. The share's memory cap 0
+    asks for the GPU's whole memory."""
 
     assignment_id: str
     client_name: str
-    priority: int
-    memory_cap_bytes: int
-    share: SpatioTemporalShare
+    share: Share
     mode: ShimMode = ShimMode.SHARE
     token: str = ""
     task_key: str = ""
@@ -48,10 +47,10 @@ class ReserveSpec:
         check_assignment_id(self.assignment_id)
         if self.client_name:
             check_name("client_name", self.client_name, MAX_CLIENT_NAME_CHARS)
-        validate_priority("priority.level", self.priority)
-        if self.memory_cap_bytes < 0:
+        validate_priority("priority.level", self.share.priority)
+        if self.share.memory_bytes < 0:
             raise InvalidArgument("memory_cap_bytes", "must not be negative")
-        self.share.validate("share")
+        self.share.partition.validate("share")
         if self.task_key:
             check_name("task_key", self.task_key, MAX_KEY_CHARS)
         if self.token and not TOKEN.match(self.token):
@@ -89,15 +88,21 @@ class BoundProcess:
 class Reservation:
     assignment_id: str
     client_name: str
-    priority: int
-    memory_cap_bytes: int  # resolved: never 0
-    share: SpatioTemporalShare
+    share: Share  # its memory cap resolved: never 0
     mode: ShimMode
     token: str
     reserved_at_unix_s: float
     bound: BoundProcess | None = None
     task_key: str = ""
     time_slice_of: str = ""
+
+    @property
+    def priority(self) -> int:
+        return self.share.priority
+
+    @property
+    def memory_cap_bytes(self) -> int:
+        return self.share.memory_bytes
 
     @property
     def group(self) -> str:
@@ -111,9 +116,7 @@ class Reservation:
         """Would `spec` have produced this reservation? (for idempotent retries)"""
         return (
             spec.client_name == self.client_name
-            and spec.priority == self.priority
-            and memory_cap_bytes == self.memory_cap_bytes
-            and spec.share == self.share
+            and replace(spec.share, memory_bytes=memory_cap_bytes) == self.share
             and spec.mode == self.mode
             and spec.task_key == self.task_key
             and spec.time_slice_of == self.time_slice_of

@@ -37,6 +37,7 @@ from gpuloom.domain.errors import (
     NotFound,
     ResourceExhausted,
 )
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.models import (
     DeviceTensor,
     check_model_name,
@@ -45,7 +46,6 @@ from gpuloom.domain.models import (
     header_length,
     parse_header,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo
 from gpuloom.services.dispatcher.reservations import ReservationBook
 
 log = structlog.get_logger("gpuloom.dispatcher.models")
@@ -114,8 +114,8 @@ class _Worker:
 
     def __init__(self, config: StoreConfig, gpu: GpuInfo) -> None:
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-        if gpu.uuid.startswith(("GPU-", "MIG-")):
-            env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+        if gpu.gpu_uuid.startswith(("GPU-", "MIG-")):
+            env["CUDA_VISIBLE_DEVICES"] = gpu.gpu_uuid
         if config.environment is not None:
             env.update(config.environment())
         self._log: IO[bytes] | None = None
@@ -237,10 +237,10 @@ class ModelStore:
         return model
 
     def _check_handle(self, model: _Model, gpu_uuid: str, model_id: str) -> None:
-        if gpu_uuid and gpu_uuid != self.gpu.uuid:
+        if gpu_uuid and gpu_uuid != self.gpu.gpu_uuid:
             raise InvalidArgument(
                 "gpu_uuid",
-                f"this store serves GPU {self.gpu.uuid}, not {gpu_uuid[:128]!r}: "
+                f"this store serves GPU {self.gpu.gpu_uuid}, not {gpu_uuid[:128]!r}: "
                 "ask the dispatcher of that GPU",
             )
         if model_id and model_id != model.model_id:

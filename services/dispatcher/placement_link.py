@@ -25,19 +25,22 @@ import ipaddress
 import math
 import socket
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import structlog
 
-from gpuloom.convert.shares import share_to_pb
-from gpuloom.convert.training import cycle_to_pb
+from gpuloom.convert.placement import gpu_info_to_pb
+from gpuloom.convert.shares import reservation_share_fields
+from gpuloom.convert.training import report_to_pb
+from gpuloom.domain.gpus import GpuInfo, MigInstance
 from gpuloom.services.dispatcher.domain import Reservation
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuUsage
 from gpuloom.services.dispatcher.node_resources import NONE_REPORTED, NodeResources
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
-from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
+from gpuloom.v1 import placement_pb2, placement_pb2_grpc
 
 if TYPE_CHECKING:
     from gpuloom.services.dispatcher.core import DispatcherCore
@@ -226,7 +229,7 @@ class PlacementLink:
     async def _register(self, stub: placement_pb2_grpc.PlacementStub) -> None:
         gpu, instances = await self._bounded(asyncio.to_thread(self._describe_gpu))
         request = placement_pb2.RegisterGpuRequest(
-            gpu=_gpu_info_to_pb(
+            gpu=_registration(
                 gpu, self._core.node, instances, self._core.policy == SPATIAL_POLICY, self._node
             ),
             dispatcher_address=self._dispatcher_address,
@@ -239,7 +242,7 @@ class PlacementLink:
         log.info(
             "registered with placement",
             address=self._address,
-            gpu=gpu.uuid,
+            gpu=gpu.gpu_uuid,
             dispatcher=self._dispatcher_address,
             heartbeat_s=self._interval_s,
         )
@@ -247,19 +250,14 @@ class PlacementLink:
     async def _heartbeat(self, stub: placement_pb2_grpc.PlacementStub) -> None:
         usage, reservations = await self._bounded(asyncio.to_thread(self._read_status))
         request = placement_pb2.HeartbeatRequest(
-            gpu_uuid=self._core.gpu.uuid,
+            gpu_uuid=self._core.gpu.gpu_uuid,
             utilization_percent=usage.utilization_percent,
             memory_used_bytes=usage.memory_used_bytes,
             assignment_ids=[r.assignment_id for r in reservations],
             reservations=[_reservation_to_pb(r) for r in reservations],
             models=self._store_models(),
             training=[
-                placement_pb2.TrainingReport(
-                    assignment_id=report.assignment_id,
-                    cycle=None if report.cycle is None else cycle_to_pb(report.cycle),
-                    suspended=report.suspended,
-                    suspended_reason=report.suspended_reason,
-                )
+                report_to_pb(report)
                 for report in await self._bounded(self._core.training_reports())
             ],
         )
@@ -315,32 +313,27 @@ class PlacementLink:
 def _reservation_to_pb(reservation: Reservation) -> placement_pb2.DispatcherReservation:
     return placement_pb2.DispatcherReservation(
         assignment_id=reservation.assignment_id,
-        priority=common_pb2.Priority(level=reservation.priority),
-        memory_cap_bytes=reservation.memory_cap_bytes,
-        share=share_to_pb(reservation.share),
+        **reservation_share_fields(reservation.share),
         task_key=reservation.task_key,
     )
 
 
-def _gpu_info_to_pb(
+def _registration(
     gpu: GpuInfo,
     node: str,
     instances: list[MigInstance],
     mps_enabled: bool,
     resources: NodeResources,
 ) -> placement_pb2.GpuInfo:
-    return placement_pb2.GpuInfo(
-        ref=common_pb2.GpuRef(node=node, gpu_uuid=gpu.uuid),
-        model=gpu.model,
-        memory_bytes=gpu.memory_bytes,
-        sm_count=gpu.sm_count,
-        mig_capable=gpu.mig_capable,
-        mig_enabled=gpu.mig_enabled,
-        mig_instances=[
-            placement_pb2.MigInstance(slices=i.slices, first_slice=i.first_slice, uuid=i.uuid)
-            for i in instances
-        ],
-        mps_enabled=mps_enabled,
-        node_cpu_milli=resources.cpu_milli,
-        node_memory_bytes=resources.memory_bytes,
+    """The GPU as the backend describes it, with what registering adds: the node, its MIG
+    instances, MPS and the node's resources."""
+    return gpu_info_to_pb(
+        replace(
+            gpu,
+            node=node,
+            mig_instances=tuple(instances),
+            mps_enabled=mps_enabled,
+            node_cpu_milli=resources.cpu_milli,
+            node_memory_bytes=resources.memory_bytes,
+        )
     )

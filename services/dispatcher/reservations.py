@@ -29,7 +29,7 @@ from gpuloom.domain.errors import (
     FailedPrecondition,
     ResourceExhausted,
 )
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import Share, TimeQuota
 from gpuloom.services.common import private_files
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,
@@ -103,7 +103,7 @@ class ReservationBook:
 
     def reserve(self, spec: ReserveSpec) -> tuple[Reservation, bool]:
         """Admit `spec` (validated by the caller); returns (reservation, created)."""
-        memory = spec.memory_cap_bytes or self._gpu_memory_bytes
+        memory = spec.share.memory_bytes or self._gpu_memory_bytes
         with self._lock:
             existing = self._by_id.get(spec.assignment_id)
             if existing is not None:
@@ -152,9 +152,7 @@ class ReservationBook:
             reservation = Reservation(
                 assignment_id=spec.assignment_id,
                 client_name=spec.client_name,
-                priority=spec.priority,
-                memory_cap_bytes=memory,
-                share=spec.share,
+                share=dataclasses.replace(spec.share, memory_bytes=memory),
                 mode=spec.mode,
                 token=spec.token or new_token(),
                 reserved_at_unix_s=time.time(),
@@ -270,9 +268,29 @@ def _by_group(
 
 
 def _to_json(reservation: Reservation) -> dict[str, Any]:
-    document = dataclasses.asdict(reservation)
-    document["mode"] = reservation.mode.name
-    return document
+    """The file's form of a reservation (FILE_VERSION 1): the share's memory cap and priority
+    sit beside it, as in the Reserve request."""
+    share = reservation.share
+    bound = reservation.bound
+    return {
+        "assignment_id": reservation.assignment_id,
+        "client_name": reservation.client_name,
+        "priority": share.priority,
+        "memory_cap_bytes": share.memory_bytes,
+        "share": {
+            "sm_percent": share.sm_percent,
+            "quota": {
+                "request_percent": share.quota.request_percent,
+                "limit_percent": share.quota.limit_percent,
+            },
+        },
+        "mode": reservation.mode.name,
+        "token": reservation.token,
+        "reserved_at_unix_s": reservation.reserved_at_unix_s,
+        "bound": None if bound is None else dataclasses.asdict(bound),
+        "task_key": reservation.task_key,
+        "time_slice_of": reservation.time_slice_of,
+    }
 
 
 def _load(path: Path) -> list[Reservation]:
@@ -285,16 +303,15 @@ def _load(path: Path) -> list[Reservation]:
         reservations = []
         for item in document["reservations"]:
             quota = item["share"]["quota"]
-            share = SpatioTemporalShare(
-                int(item["share"]["sm_percent"]),
-                TimeQuota(float(quota["request_percent"]), float(quota["limit_percent"])),
-            )
             spec = ReserveSpec(
                 assignment_id=item["assignment_id"],
                 client_name=item["client_name"],
-                priority=int(item["priority"]),
-                memory_cap_bytes=int(item["memory_cap_bytes"]),
-                share=share,
+                share=Share(
+                    int(item["share"]["sm_percent"]),
+                    TimeQuota(float(quota["request_percent"]), float(quota["limit_percent"])),
+                    int(item["memory_cap_bytes"]),
+                    int(item["priority"]),
+                ),
                 mode=ShimMode[item["mode"]],
                 token=item["token"],
                 task_key=item.get("task_key", ""),
@@ -306,9 +323,7 @@ def _load(path: Path) -> list[Reservation]:
                 Reservation(
                     assignment_id=spec.assignment_id,
                     client_name=spec.client_name,
-                    priority=spec.priority,
-                    memory_cap_bytes=spec.memory_cap_bytes,
-                    share=share,
+                    share=spec.share,
                     mode=spec.mode,
                     token=spec.token,
                     reserved_at_unix_s=float(item["reserved_at_unix_s"]),

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 
+from gpuloom.convert.dispatcher import gpu_description_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.training import MAX_SUSPEND_REASON_CHARS
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
@@ -104,7 +106,7 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
     ) -> pb.GpuDescription:
         core = self._core
         gpu = await core.set_mig_mode(request.enabled)
-        return convert.gpu_description_to_pb(gpu, core.node, core.backend.name)
+        return gpu_description_to_pb(replace(gpu, node=core.node), core.backend.name)
 
     @stream_rpc(SERVICE)
     async def RunMigBatch(

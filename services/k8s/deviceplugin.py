@@ -279,7 +279,7 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         assert job.assignment is not None
         env = dict(job.assignment.environment)
         share = job.spec.share
-        if share is not None and share.sm_percent < 100 and MPS_THREADS_VARIABLE not in env:
+        if job.spec.mps and share.sm_percent < 100 and MPS_THREADS_VARIABLE not in env:
             env[MPS_THREADS_VARIABLE] = str(share.sm_percent)
         env[JOB_ID_VARIABLE] = job.job_id
         env["LD_PRELOAD"] = self.config.shim_container_path
@@ -309,8 +309,8 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
     def _set_metrics(labels: tuple[str, ...], job: JobView) -> None:
         share = job.spec.share
         metrics.POD_INFO.labels(*labels).set(1)
-        metrics.POD_SM_PERCENT.labels(*labels).set(share.sm_percent if share else 100)
-        metrics.POD_QUOTA_PERCENT.labels(*labels).set(share.quota.request_percent if share else 100)
+        metrics.POD_SM_PERCENT.labels(*labels).set(share.sm_percent)
+        metrics.POD_QUOTA_PERCENT.labels(*labels).set(share.quota.request_percent)
         cap = job.assignment.memory_cap_bytes if job.assignment else 0
         metrics.POD_MEMORY_CAP.labels(*labels).set(cap)
 

@@ -1,14 +1,16 @@
-"""Protobuf <-> domain for the placement service. Missing sub-messages become zero values,
-which the domain validation then names (e.g. "spec.kind: required ...")."""
+"""Protobuf <-> the placement service's own records (a job with its binding, the inventory's
+GPUs, a dispatcher's heartbeat). The job spec and every type the clients see convert in
+gpuloom.convert.placement, the one converter of those messages. Missing sub-messages become
+zero values, which the domain validation then names (e.g. "spec.kind: required ...")."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from gpuloom.convert.placement import KIND_FROM_PB, STATE_FROM_PB, throughput_config_to_pb
+from gpuloom.convert.placement import STATE_FROM_PB, throughput_config_to_pb
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
 from gpuloom.convert.placement import job_to_pb as view_to_pb
-from gpuloom.convert.training import hook_from_pb
+from gpuloom.convert.shares import reservation_share
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.models import check_model_name
 from gpuloom.domain.placement import (
@@ -16,58 +18,16 @@ from gpuloom.domain.placement import (
     AssignedGpu,
     Assignment,
     GpuEntry,
-    JobSpec,
     JobState,
     JobView,
-    Slo,
 )
-from gpuloom.domain.shares import (
-    DEFAULT_PRIORITY,
-    LOWEST_PRIORITY,
-    SpatioTemporalShare,
-    TimeQuota,
-)
+from gpuloom.domain.shares import LOWEST_PRIORITY
 from gpuloom.policies.placement import Allocation
 from gpuloom.services.placement.domain import JOB_ID_PREFIX, Job
 from gpuloom.services.placement.inventory import GpuView, StoreModels, direct_id
 from gpuloom.services.placement.repository import JobFilter
 from gpuloom.services.placement.scaling import ScalingResult
 from gpuloom.v1 import placement_pb2 as pb
-
-
-def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
-    if msg.kind not in KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
-        raise InvalidArgument(f"{field}.kind", f"unknown job kind {msg.kind}")
-    resources = msg.resources
-    which = resources.WhichOneof("share")
-    share = None
-    if which == "mps":
-        quota = resources.mps.quota
-        # A limit of 0 means "no more than the request".
-        limit = quota.limit_percent or quota.request_percent
-        share = SpatioTemporalShare(
-            resources.mps.sm_percent, TimeQuota(quota.request_percent, limit)
-        )
-    return JobSpec(
-        name=msg.name,
-        kind=KIND_FROM_PB.get(msg.kind),
-        memory_bytes=resources.memory_bytes,
-        share=share,
-        whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
-        mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
-        task_key=msg.task_key,
-        priority=msg.priority.level if msg.HasField("priority") else DEFAULT_PRIORITY,
-        slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
-        policy=msg.policy.strip(),
-        gpu_model=msg.gpu_model.strip(),
-        command=tuple(msg.command),
-        shared_model=msg.shared_model,
-        checkpoint=hook_from_pb(msg),
-        max_gpus=msg.max_gpus,
-        cpu_milli=msg.cpu_milli,
-        host_memory_bytes=msg.host_memory_bytes,
-        nodes=tuple(msg.nodes),
-    )
 
 
 def job_view(job: Job, with_token: bool = False) -> JobView:
@@ -90,7 +50,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
             x, y, _w, _h = binding.rect
             assignment = Assignment(
                 **common,
-                share=SpatioTemporalShare(job.spec.sm_percent, job.spec.quota),
+                share=job.spec.share.partition,
                 quota_offset_percent=x / 100,
                 sm_offset_percent=y,
                 environment=_environment(job, binding.environment, with_token),
@@ -166,12 +126,9 @@ def direct_reservations_from_pb(
     for index, reservation in enumerate(reservations):
         if reservation.assignment_id.startswith(JOB_ID_PREFIX):
             continue
-        share = reservation.share
         field = f"reservations[{index}]"
-        if not 1 <= share.sm_percent <= 100:
-            raise InvalidArgument(f"{field}.share.sm_percent", "must be within 1..100")
-        if not 0 < share.quota.request_percent <= 100:
-            raise InvalidArgument(f"{field}.share.quota.request_percent", "must be in (0, 100]")
+        share = reservation_share(reservation)
+        share.partition.validate(f"{field}.share")
         if not reservation.assignment_id:
             raise InvalidArgument(f"{field}.assignment_id", "must not be empty")
         direct.append(
@@ -179,8 +136,8 @@ def direct_reservations_from_pb(
                 allocation_id=direct_id(gpu_uuid, reservation.assignment_id),
                 sm_percent=share.sm_percent,
                 quota_percent=share.quota.request_percent,
-                memory_bytes=reservation.memory_cap_bytes,
-                priority=min(reservation.priority.level, LOWEST_PRIORITY),
+                memory_bytes=share.memory_bytes,
+                priority=min(share.priority, LOWEST_PRIORITY),
                 task_key=reservation.task_key,
             )
         )

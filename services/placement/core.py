@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from gpuloom.domain.placement import GpuInfo, JobSpec, JobState
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobSpec, JobState
 from gpuloom.domain.training import TrainingReport
 from gpuloom.policies.placement import Allocation
 from gpuloom.services.placement import metrics

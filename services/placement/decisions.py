@@ -513,7 +513,7 @@ class Decisions:
             node=placement.node,
             dispatcher_address=gpu.dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=job.spec.memory_bytes if held is None else held.memory_bytes,
+            memory_cap_bytes=job.spec.share.memory_bytes if held is None else held.memory_bytes,
             token=secrets.token_urlsafe(32),
             extra=tuple(
                 ExtraGpu(g, self._inventory.record(g).dispatcher_address)
@@ -756,13 +756,13 @@ def _bound(binding: Binding, environments: list[dict[str, str]]) -> Binding:
 def ask_of(job: Job) -> Ask:
     """What an MPS or whole-GPU job asks of the scheduler."""
     spec = job.spec
+    share = spec.share
     request = JobRequest(
         job_id=job.job_id,
-        sm_percent=spec.sm_percent,
-        quota_request_percent=spec.quota.request_percent,
-        memory_bytes=spec.memory_bytes,
-        quota_limit_percent=spec.quota.limit_percent,
-        priority=spec.priority,
+        sm_percent=share.sm_percent,
+        quota_request_percent=share.quota.request_percent,
+        memory_bytes=share.memory_bytes,
+        priority=share.priority,
         gpu_model=spec.gpu_model,
         task_key=spec.task_key,
         shared_model=spec.shared_model,

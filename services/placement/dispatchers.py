@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
 from gpuloom.convert.mig import task_run_from_pb
+from gpuloom.convert.shares import reservation_share_fields
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, Unavailable
 from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.domain.shares import Share
 from gpuloom.transport import open_aio_channel
-from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 
 if TYPE_CHECKING:
     from gpuloom.services.placement.domain import Binding, Job
@@ -25,13 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class BindRequest:
+    """What placement asks a dispatcher to reserve for a job: the job's share, its memory cap
+    the one its binding holds on that GPU."""
+
     assignment_id: str
     client_name: str
-    priority: int
-    memory_cap_bytes: int
-    sm_percent: int
-    quota_request_percent: float
-    quota_limit_percent: float
+    share: Share
     token: str
     task_key: str
     time_slice_of: str = ""  # the time-slice group it joins on that GPU (Binding.time_slice_of)
@@ -44,11 +45,7 @@ def bind_request(job: Job, binding: Binding) -> BindRequest:
     return BindRequest(
         assignment_id=job.job_id,
         client_name=spec.name,
-        priority=spec.priority,
-        memory_cap_bytes=binding.memory_cap_bytes,
-        sm_percent=spec.sm_percent,
-        quota_request_percent=spec.quota.request_percent,
-        quota_limit_percent=spec.quota.limit_percent,
+        share=replace(spec.share, memory_bytes=binding.memory_cap_bytes),
         token=binding.token,
         task_key=spec.task_key,
         time_slice_of=binding.time_slice_of,
@@ -95,15 +92,7 @@ class GrpcDispatchers:
         message = dispatcher_pb2.ReserveRequest(
             assignment_id=request.assignment_id,
             client_name=request.client_name,
-            priority=common_pb2.Priority(level=request.priority),
-            memory_cap_bytes=request.memory_cap_bytes,
-            share=common_pb2.SpatioTemporalShare(
-                sm_percent=request.sm_percent,
-                quota=common_pb2.TimeQuota(
-                    request_percent=request.quota_request_percent,
-                    limit_percent=request.quota_limit_percent,
-                ),
-            ),
+            **reservation_share_fields(request.share),
             assignment_token=request.token,
             task_key=request.task_key,
             time_slice_of=request.time_slice_of,

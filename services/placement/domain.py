@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobSpec, JobState, MigSlot
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobSpec, JobState, MigSlot
 from gpuloom.domain.training import TrainingState
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

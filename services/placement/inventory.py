@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import structlog
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.placement import GpuInfo, JobSpec
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobSpec
 from gpuloom.policies.placement import GRID_AREA, Allocation, Fleet, GpuState, Rect
 from gpuloom.policies.placement.fleet import InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id
@@ -341,11 +342,11 @@ class Inventory:
         """A job asking for more memory than any registered GPU (of its models) can never run."""
         sizes = [self._max_memory.get(m) for m in spec.gpu_models or ("",)]
         largest = max((size for size in sizes if size is not None), default=None)
-        if largest is not None and spec.memory_bytes > largest:
+        if largest is not None and spec.share.memory_bytes > largest:
             of_model = f" {spec.gpu_model}" if spec.gpu_model else ""
             raise InvalidArgument(
                 "spec.resources.memory_bytes",
-                f"{spec.memory_bytes} bytes is more than any{of_model} GPU in the fleet has "
+                f"{spec.share.memory_bytes} bytes is more than any{of_model} GPU in the fleet has "
                 f"(largest: {largest} bytes)",
             )
 
@@ -418,10 +419,10 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                 gpu_uuid,
                 Allocation(
                     allocation_id=job.job_id if first else gang_member_id(job.job_id, i),
-                    sm_percent=spec.sm_percent,
-                    quota_percent=spec.quota.request_percent,
+                    sm_percent=spec.share.sm_percent,
+                    quota_percent=spec.share.quota.request_percent,
                     memory_bytes=binding.memory_cap_bytes,
-                    priority=spec.priority,
+                    priority=spec.share.priority,
                     task_key=spec.task_key,
                     rect=Rect(*binding.rect),
                     cpu_milli=spec.cpu_milli if first else 0,

@@ -11,8 +11,9 @@ from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigInstance, MigSlot, Slo
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo, MigInstance
+from gpuloom.domain.placement import JobKind, JobSpec, JobState, MigSlot, Slo
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.services.placement.domain import Binding, ExtraGpu, GpuRecord, Job
 from gpuloom.services.placement.models import GpuRow, JobRow
@@ -27,13 +28,14 @@ def spec_to_json(spec: JobSpec) -> str:
     document = {
         "name": spec.name,
         "kind": spec.kind.value if spec.kind else None,
-        "memory_bytes": spec.memory_bytes,
-        "share": None
-        if share is None
-        else [share.sm_percent, share.quota.request_percent, share.quota.limit_percent],
+        "memory_bytes": share.memory_bytes,
+        # An MPS share's SM percent and quota; null for whole GPUs and MIG tasks (all of it).
+        "share": [share.sm_percent, share.quota.request_percent, share.quota.limit_percent]
+        if spec.mps
+        else None,
         "whole_gpus": spec.whole_gpus,
         "task_key": spec.task_key,
-        "priority": spec.priority,
+        "priority": share.priority,
         "slo": [spec.slo.p99_latency_ms, spec.slo.target_requests_per_s],
         "policy": spec.policy,
         "gpu_model": spec.gpu_model,
@@ -61,15 +63,14 @@ def spec_to_json(spec: JobSpec) -> str:
 
 def spec_from_json(text: str) -> JobSpec:
     d = json.loads(text)
-    share = d["share"]
+    sm_percent, quota_request, quota_limit = d["share"] or (None, None, None)
     return JobSpec(
         name=d["name"],
         kind=JobKind(d["kind"]) if d["kind"] else None,
-        memory_bytes=d["memory_bytes"],
-        share=None if share is None else SpatioTemporalShare(share[0], TimeQuota(*share[1:])),
+        share=share_of(sm_percent, quota_request, quota_limit, d["memory_bytes"], d["priority"]),
+        mps=d["share"] is not None,
         whole_gpus=d["whole_gpus"],
         task_key=d["task_key"],
-        priority=d["priority"],
         slo=Slo(*d["slo"]),
         policy=d["policy"],
         gpu_model=d["gpu_model"],

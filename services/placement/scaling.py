@@ -15,7 +15,7 @@ import structlog
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.placement import MAX_KEY, JobKind, JobSpec
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import TimeQuota
 from gpuloom.policies.placement import (
     POLICIES,
     InvalidRequestError,
@@ -76,7 +76,7 @@ class AutoScaler:
             raise FailedPrecondition(f"no throughput profile for function {function!r}")
         async with self._function_locks[function]:
             replicas = [
-                Replica(j.job_id, j.spec.sm_percent, j.spec.quota.request_percent)
+                Replica(j.job_id, j.spec.share.sm_percent, j.spec.share.quota.request_percent)
                 for j in self._jobs.replicas(function)
             ]
             try:
@@ -112,7 +112,10 @@ def _replica_spec(template: JobSpec, sm_percent: int, quota_percent: float) -> J
     return replace(
         template,
         kind=JobKind.INFERENCE,
-        share=SpatioTemporalShare(sm_percent, TimeQuota(quota_percent, quota_percent)),
+        share=replace(
+            template.share, sm_percent=sm_percent, quota=TimeQuota(quota_percent, quota_percent)
+        ),
+        mps=True,
         whole_gpus=0,
         mig_slices=0,
         command=(),

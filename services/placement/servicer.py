@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import grpc
 
-from gpuloom.convert.placement import gpu_info_from_pb
+from gpuloom.convert.placement import gpu_info_from_pb, spec_from_pb
 from gpuloom.convert.training import reports_from_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.services.common.auth import current_caller
@@ -53,7 +53,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
     @rpc(SERVICE)
     async def SubmitJob(self, request: pb.SubmitJobRequest, context: Context) -> pb.Job:
         job = await self._core.submit(
-            request.request_id, convert.spec_from_pb(request.spec), owner=_owner()
+            request.request_id, spec_from_pb(request.spec), owner=_owner()
         )
         return convert.job_to_pb(job, with_token=True)
 
@@ -112,7 +112,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
     async def SetFunctionLoad(
         self, request: pb.SetFunctionLoadRequest, context: Context
     ) -> pb.SetFunctionLoadResponse:
-        template = convert.spec_from_pb(request.template, "template")
+        template = spec_from_pb(request.template, "template")
         result = await self._core.set_function_load(
             request.function, request.requests_per_s, template
         )

@@ -4,44 +4,34 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.convert.times import timestamp
+from gpuloom.convert.profiler import session_to_pb as view_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.profiler import SessionView
 from gpuloom.domain.profiles import Dim3
-from gpuloom.services.profiler.domain import (
-    KernelName,
-    MeasurementBatch,
-    Session,
-    SessionState,
-)
+from gpuloom.services.profiler.domain import KernelName, MeasurementBatch, Session
 from gpuloom.v1 import profiler_pb2 as pb
-
-_STATE_TO_PB = {
-    SessionState.OPEN: pb.SESSION_STATE_OPEN,
-    SessionState.COMPLETE: pb.SESSION_STATE_COMPLETE,
-    SessionState.CANCELLED: pb.SESSION_STATE_CANCELLED,
-    SessionState.FAILED: pb.SESSION_STATE_FAILED,
-}
-STATE_FROM_PB = {value: key for key, value in _STATE_TO_PB.items()}
 
 
 def session_to_pb(session: Session) -> pb.Session:
-    message = pb.Session(
-        session_id=session.session_id,
-        task_key=session.task_key,
-        gpu_model=session.gpu_model,
-        runs=session.runs,
-        runs_received=len(session.runs_completed),
-        records=session.records,
-        state=_STATE_TO_PB[session.state],
-        error=session.error,
-        opened_at=timestamp(session.opened_at_unix_s),
-        closed_at=timestamp(session.closed_at_unix_s),
-        kernels=session.kernels,
+    """A session as its clients see it, in the one converter of the message."""
+    predictor = session.predictor
+    return view_to_pb(
+        SessionView(
+            session_id=session.session_id,
+            task_key=session.task_key,
+            gpu_model=session.gpu_model,
+            runs=session.runs,
+            runs_received=len(session.runs_completed),
+            records=session.records,
+            state=session.state,
+            opened_at=session.opened_at_unix_s,
+            closed_at=session.closed_at_unix_s,
+            error=session.error,
+            predictor="" if predictor is None else predictor.chosen,
+            predictor_mae_ns={} if predictor is None else dict(predictor.mae_ns),
+            kernels=session.kernels,
+        )
     )
-    if session.predictor is not None:
-        message.predictor.chosen = session.predictor.chosen
-        message.predictor.mae_ns.update(session.predictor.mae_ns)
-    return message
 
 
 def batch_from_pb(upload: pb.MeasurementUpload) -> MeasurementBatch:

@@ -24,6 +24,7 @@ from gpuloom.domain.errors import (
     InvalidArgument,
     NotFound,
 )
+from gpuloom.domain.profiler import SessionState
 from gpuloom.domain.profiles import (
     JobProfile,
     KernelProfile,
@@ -44,7 +45,6 @@ from gpuloom.services.profiler.domain import (
     KernelName,
     MeasurementBatch,
     Session,
-    SessionState,
 )
 from gpuloom.services.profiler.profile import build_kernel_profile
 

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from gpuloom.domain.profiler import SessionState
 from gpuloom.domain.profiles import Dim3
 
 DEFAULT_RUNS = 20
 MIN_RUNS = 10
 MAX_RUNS = 1000
-
-
-class SessionState(enum.Enum):
-    OPEN = "open"
-    COMPLETE = "complete"
-    CANCELLED = "cancelled"
-    FAILED = "failed"
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,14 +7,15 @@ from collections.abc import AsyncIterator
 import grpc
 import numpy as np
 
+from gpuloom.convert.profiler import STATE_FROM_PB
 from gpuloom.convert.profiles import throughput_profile_to_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.profiler import SessionState
 from gpuloom.domain.profiles import ThroughputPoint
 from gpuloom.policies.profiling.cycles import Cycle
 from gpuloom.services.common.grpc_errors import rpc
 from gpuloom.services.profiler import convert
 from gpuloom.services.profiler.core import ProfilerCore
-from gpuloom.services.profiler.domain import SessionState
 from gpuloom.v1 import profile_store_pb2
 from gpuloom.v1 import profiler_pb2 as pb
 from gpuloom.v1 import profiler_pb2_grpc as pb_grpc
@@ -42,7 +43,7 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
     ) -> pb.ListSessionsResponse:
         state = None
         if request.state:
-            state = convert.STATE_FROM_PB.get(request.state)
+            state = STATE_FROM_PB.get(request.state)
             if state is None:
                 raise InvalidArgument("state", f"unknown session state {request.state}")
         sessions = self._core.list(state, request.task_key, request.gpu_model)

@@ -197,7 +197,7 @@ async def test_bad_attach_requests_are_refused_and_attach_nothing(
         await assert_refused(store.stub.AttachModel(request), code, word)
     assert all(not m.replicas for m in (await listing(store)).models)
     # The right GPU and model id are accepted.
-    gpu = store.dispatcher.core.gpu.uuid
+    gpu = store.dispatcher.core.gpu.gpu_uuid
     handle = await store.stub.AttachModel(
         pb.AttachModelRequest(name="net", replica="r", gpu_uuid=gpu, model_id=net.model.model_id)
     )

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuloom.domain.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.domain import BoundProcess, ReserveSpec
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.shimwire import ShimMode
@@ -28,10 +28,8 @@ def spec(
     sm: int = 50,
     mode: ShimMode = ShimMode.SHARE,
 ) -> ReserveSpec:
-    quota = TimeQuota(request, request if limit is None else limit)
-    return ReserveSpec(
-        assignment_id, "job", 3, memory_gib * GIB, SpatioTemporalShare(sm, quota), mode
-    )
+    share = share_of(sm, request, limit, memory_gib * GIB, priority=3)
+    return ReserveSpec(assignment_id, "job", share, mode)
 
 
 def test_memory_zero_means_the_whole_gpu_and_leaves_nothing_for_others() -> None:
@@ -97,7 +95,7 @@ def test_tokens_are_unique_across_assignments() -> None:
     second, _ = book.reserve(spec("b"))
     assert first.token != second.token and len(first.token) >= 32
     with pytest.raises(AlreadyExists, match="assignment_token"):
-        book.reserve(ReserveSpec("c", "", 0, GIB, first.share, ShimMode.SHARE, first.token))
+        book.reserve(ReserveSpec("c", "", first.share, ShimMode.SHARE, first.token))
 
 
 def test_the_book_survives_a_restart_with_its_bindings(tmp_path: Path) -> None:

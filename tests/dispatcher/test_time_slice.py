@@ -22,7 +22,7 @@ from gpuloom.domain.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import TIME_SLICE_REASON
 from gpuloom.services.dispatcher.domain import ReserveSpec
 from gpuloom.services.dispatcher.reservations import FULL_AREA, ReservationBook
@@ -41,10 +41,8 @@ def spec(
     sm: int = 100,
     mode: ShimMode = ShimMode.SHARE,
 ) -> ReserveSpec:
-    share = SpatioTemporalShare(sm, TimeQuota(request, request))
-    return ReserveSpec(
-        assignment_id, "job", 3, memory_gib * GIB, share, mode, time_slice_of=time_slice_of
-    )
+    share = share_of(sm, request, memory_bytes=memory_gib * GIB, priority=3)
+    return ReserveSpec(assignment_id, "job", share, mode, time_slice_of=time_slice_of)
 
 
 def whole_gpu_pair(book: ReservationBook) -> None:

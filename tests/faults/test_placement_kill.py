@@ -143,7 +143,7 @@ def _held(dispatchers: DispatcherApp) -> dict[str, list[str]]:
     held: dict[str, list[str]] = {}
     for dispatcher in dispatchers.dispatchers:
         for reservation in dispatcher.core.book.all():
-            held.setdefault(reservation.assignment_id, []).append(dispatcher.core.gpu.uuid)
+            held.setdefault(reservation.assignment_id, []).append(dispatcher.core.gpu.gpu_uuid)
     return held
 
 

@@ -29,7 +29,7 @@ def test_a_share_with_its_defaults() -> None:
     ask = ask_of(pod)
     assert ask.pod == "team-a/infer" and ask.container == "main" and ask.gpus == 1
     spec = ask.spec
-    assert spec.share is not None and spec.share.sm_percent == 24
+    assert spec.mps and spec.share.sm_percent == 24
     assert (spec.share.quota.request_percent, spec.share.quota.limit_percent) == (40, 40)
     assert spec.memory_bytes == 4 * GIB and spec.whole_gpus == 0
     assert spec.kind is JobKind.BATCH  # restartPolicy Never
@@ -41,7 +41,7 @@ def test_a_share_with_its_defaults() -> None:
             restart_policy="Always",
         )
     )
-    assert only_quota.spec.share is not None and only_quota.spec.share.sm_percent == 100
+    assert only_quota.spec.mps and only_quota.spec.share.sm_percent == 100
     assert only_quota.spec.share.quota.limit_percent == 60
     assert only_quota.spec.kind is JobKind.INFERENCE
 
@@ -59,7 +59,7 @@ def test_whole_gpus_priority_training_and_its_hook() -> None:
         priority_class="gpuloom-priority-1",
     )
     spec = ask_of(pod).spec
-    assert spec.whole_gpus == 2 and spec.share is None and spec.kind is JobKind.TRAINING
+    assert spec.whole_gpus == 2 and not spec.mps and spec.kind is JobKind.TRAINING
     assert spec.priority == 1 and spec.gpu_models == ("A100-80GB", "H100-80GB")
     assert spec.checkpoint is not None and spec.checkpoint.signal == "SIGUSR1"
     assert spec.checkpoint.timeout_s == 120

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from gpuloom.domain.placement import Assignment, JobKind, JobSpec, JobState, JobView
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import MigrationRequest, TrainingPhase, TrainingState
 from gpuloom.kube.extender import request_id
 from gpuloom.services.k8s.controller import NOT_MIGRATED, PodController
@@ -48,7 +49,7 @@ class FakeApi:
 
 
 def job(job_id: str, uid: str, attempt: int, training: TrainingState | None = None) -> JobView:
-    spec = JobSpec(name="ns/p", kind=JobKind.TRAINING, memory_bytes=0, whole_gpus=1)
+    spec = JobSpec(name="ns/p", kind=JobKind.TRAINING, share=share_of(), whole_gpus=1)
     assignment = Assignment("GPU-0", "node-a", "10.0.0.1:50060", job_id, 0)
     return JobView(
         job_id, request_id(uid, attempt), spec, JobState.ASSIGNED, 0.0, 0.0, 1,

@@ -79,7 +79,7 @@ async def test_a_pods_whole_path(cluster: Cluster, run: Runner) -> None:
     job = await cluster.job_of("team-a", "infer")
     assert job.state is JobState.ASSIGNED and job.assignment is not None
     assert job.assignment.node == node and job.spec.priority == 2
-    assert job.spec.share is not None and job.spec.share.sm_percent == 24
+    assert job.spec.mps and job.spec.share.sm_percent == 24
     assert bound["metadata"]["annotations"]["gpuloom.io/job"] == job.job_id
     assert job.job_id in await cluster.held(node)
 

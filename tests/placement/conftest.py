@@ -96,7 +96,7 @@ async def dispatchers(short_dir: Path) -> AsyncIterator[DispatcherApp]:
 def gpu_info(app: DispatcherApp, index: int) -> placement_pb2.GpuInfo:
     gpu = app.dispatchers[index].core.gpu
     return placement_pb2.GpuInfo(
-        ref=common_pb2.GpuRef(node=app.dispatchers[index].core.node, gpu_uuid=gpu.uuid),
+        ref=common_pb2.GpuRef(node=app.dispatchers[index].core.node, gpu_uuid=gpu.gpu_uuid),
         model=gpu.model,
         memory_bytes=gpu.memory_bytes,
         sm_count=gpu.sm_count,

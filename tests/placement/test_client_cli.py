@@ -730,13 +730,13 @@ def test_an_empty_job_file_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_mig_task_shows_its_planned_instance() -> None:
-    from gpuloom.clients.cli.jobs import _summary
+    from gpuloom.clients.cli.jobs.common import summary
 
     job = pb.Job(job_id="j-1", state=pb.JOB_STATE_ASSIGNED)
     job.spec.resources.mig.SetInParent()
     job.assignment.gpu.gpu_uuid, job.assignment.gpu.node = "GPU-7", "n1"
     job.assignment.mig.CopyFrom(pb.MigSlot(size=3, first_slice=4))
-    line = _summary(job_from_pb(job))
+    line = summary(job_from_pb(job))
     assert "GPU GPU-7 on node n1, MIG 3 slices at slice 4" in line
     assert "a MIG instance (sized by the batch planner)" in line
 

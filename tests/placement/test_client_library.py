@@ -29,7 +29,7 @@ from gpuloom.domain.placement import (
     MigSlot,
     ThroughputConfig,
 )
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.v1 import placement_pb2 as pb
 from tests.placement.conftest import GIB, Live, mps_spec, register_all, submit
@@ -48,16 +48,15 @@ async def test_the_client_speaks_dataclasses_and_domain_errors(
     spec = JobSpec(
         name="typed",
         kind=JobKind.INFERENCE,
-        memory_bytes=2 * GIB,
-        share=SpatioTemporalShare(30, TimeQuota(40.0, 60.0)),
-        priority=3,
+        share=share_of(30, 40.0, 60.0, memory_bytes=2 * GIB, priority=3),
+        mps=True,
     )
     with client_of(placement) as client:
         job = await asyncio.to_thread(client.submit, spec, "typed-1")
         assert isinstance(job, JobView) and job.state is JobState.ASSIGNED
         assert job.spec == spec and job.request_id == "typed-1"
         assert isinstance(job.assignment, Assignment)
-        assert job.assignment.share == spec.share
+        assert job.assignment.share == spec.share.partition
         assert job.assignment.environment["GPULOOM_ASSIGNMENT_ID"] == job.job_id
         assert await asyncio.to_thread(client.get, job.job_id) == job
 
@@ -73,7 +72,9 @@ async def test_the_client_speaks_dataclasses_and_domain_errors(
         with pytest.raises(NotFound):
             await asyncio.to_thread(client.get, "j-nobody")
         with pytest.raises(InvalidArgument) as refused:
-            await asyncio.to_thread(client.submit, JobSpec("bad", JobKind.BATCH, 0))
+            await asyncio.to_thread(
+                client.submit, JobSpec(name="bad", kind=JobKind.BATCH, share=share_of())
+            )
         assert refused.value.field == "spec.resources"
         # This placement has no profile store, so auto-scaling is refused.
         template = {"name": "r", "kind": "inference", "resources": {"memory_gib": 1}}
@@ -212,8 +213,8 @@ def test_the_runner_tells_each_reason_to_wait_once_however_often_binding_is_retr
     spec = JobSpec(
         name="retried",
         kind=JobKind.INFERENCE,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(20, TimeQuota(20, 20)),
+        share=share_of(20, 20.0, 20.0, memory_bytes=GIB),
+        mps=True,
     )
     job = JobView("j-1", "r-1", spec, JobState.PENDING, 0.0, 0.0, 1)
     said: list[str] = []

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import GRID_H, GRID_W
 from gpuloom.services.placement.repository import JobFilter
 from tests.placement.harness import CoreHarness
@@ -27,8 +28,8 @@ def spec(name: str = "job", sm: int = 50, quota: float = 50, memory_gib: float =
     return JobSpec(
         name=name,
         kind=JobKind.INFERENCE,
-        memory_bytes=int(memory_gib * GIB),
-        share=SpatioTemporalShare(sm, TimeQuota(quota, quota)),
+        share=share_of(sm, quota, memory_bytes=int(memory_gib * GIB)),
+        mps=True,
     )
 
 

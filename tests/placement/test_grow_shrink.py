@@ -14,12 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from gpuloom.clients.cli import cli
-from gpuloom.clients.cli.jobs import _details, _training_cell
+from gpuloom.clients.cli.jobs.listing import training_cell
+from gpuloom.clients.cli.jobs.one_job import details
 from gpuloom.clients.placement import JobFileError, spec_from_document
 from gpuloom.convert.placement import spec_from_pb, spec_to_pb
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook, TrainingPhase
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
@@ -40,7 +42,7 @@ def elastic(low: int = 1, high: int = 2, name: str = "grower") -> JobSpec:
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=0,
+        share=share_of(),
         whole_gpus=low,
         checkpoint=HOOK,
         max_gpus=high,
@@ -147,8 +149,8 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     assert job.binding is not None
     first, other = job.binding.gpu_uuids
     shown = job_view(job)
-    assert "grown to 2 of 1..2" in _training_cell(shown)
-    assert "elastic" in _details(shown) and "resizes" in _details(shown)
+    assert "grown to 2 of 1..2" in training_cell(shown)
+    assert "elastic" in details(shown) and "resizes" in details(shown)
     # Nothing more to grow onto, nobody waiting: it stays grown.
     gs.clock.now += 10 * IDLE_S
     await core.training.tick()
@@ -158,7 +160,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     assert newcomer.state is JobState.PENDING
     migration, gpus = await asked(core, grower, "shrink")
     assert gpus == 1
-    assert "shrinking to 1 GPU" in _training_cell(job_view(await core.get(grower)))
+    assert "shrinking to 1 GPU" in training_cell(job_view(await core.get(grower)))
     assert (await core.get(newcomer.job_id)).state is JobState.PENDING  # not before the hook
     done = await core.report_checkpoint(grower, migration, True, "")
     assert done.binding is not None and done.binding.gpu_uuids == (first,)
@@ -166,7 +168,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
     held = gs.dispatchers.held
     await eventually(lambda: grower not in held[address(int(other[-1]))])
     assert held[address(int(first[-1]))][grower].token == done.binding.token
-    assert "1 of 1..2 GPUs" in _training_cell(job_view(done))
+    assert "1 of 1..2 GPUs" in training_cell(job_view(done))
 
     # The GPU it gave back goes to the pending job.
     async def placed() -> bool:
@@ -272,10 +274,10 @@ async def test_gandiva_without_grow_shrink_never_resizes(tmp_path: Path) -> None
 
 
 def test_an_elastic_range_is_validated_naming_the_field() -> None:
-    share = SpatioTemporalShare(100, TimeQuota(50, 100))
+    share = share_of(100, 50, 100, memory_bytes=GIB)
     for spec, message in (
         (replace(elastic(), kind=JobKind.BATCH, checkpoint=None), "only training jobs"),
-        (replace(elastic(), whole_gpus=0, share=share, memory_bytes=GIB), "needs whole GPUs"),
+        (replace(elastic(), whole_gpus=0, share=share, mps=True), "needs whole GPUs"),
         (replace(elastic(), checkpoint=None), "needs a checkpoint hook"),
         (elastic(low=3, high=2), "within whole_gpus..64"),
         (elastic(high=65), "within whole_gpus..64"),

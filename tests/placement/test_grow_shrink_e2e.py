@@ -20,6 +20,7 @@ import pytest
 
 from gpuloom.convert.placement import spec_to_pb
 from gpuloom.domain.placement import JobKind, JobSpec
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.v1 import placement_pb2 as pb
 from tests.placement.conftest import counter
@@ -79,7 +80,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
     spec = JobSpec(
         name="elastic",
         kind=JobKind.TRAINING,
-        memory_bytes=0,
+        share=share_of(),
         whole_gpus=1,
         max_gpus=2,
         checkpoint=CheckpointHook(signal="SIGUSR1", timeout_s=20),
@@ -94,7 +95,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
 
         await until("the job grown onto the idle GPU", grown, 20)
         job = await plane.job_named("elastic")
-        both = [first.core.gpu.uuid, second.core.gpu.uuid]
+        both = [first.core.gpu.gpu_uuid, second.core.gpu.gpu_uuid]
         assert [
             job.assignment.gpu.gpu_uuid,
             *(g.gpu.gpu_uuid for g in job.assignment.extra_gpus),
@@ -110,7 +111,7 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
             pb.SubmitJobRequest(
                 request_id="newcomer",
                 spec=spec_to_pb(
-                    JobSpec(name="newcomer", kind=JobKind.BATCH, memory_bytes=0, whole_gpus=1)
+                    JobSpec(name="newcomer", kind=JobKind.BATCH, share=share_of(), whole_gpus=1)
                 ),
             )
         )
@@ -121,9 +122,9 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_and_shrinks_for_a_new_job(
 
         await until("the newcomer placed on the GPU given back", newcomer_placed, 20)
         placed = await plane.job(newcomer.job_id)
-        assert placed.assignment.gpu.gpu_uuid == second.core.gpu.uuid
+        assert placed.assignment.gpu.gpu_uuid == second.core.gpu.gpu_uuid
         shrunk = await plane.job(job.job_id)
-        assert shrunk.assignment.gpu.gpu_uuid == first.core.gpu.uuid
+        assert shrunk.assignment.gpu.gpu_uuid == first.core.gpu.gpu_uuid
         assert not shrunk.assignment.extra_gpus
         outcome = await asyncio.wait_for(runner, 60)
     finally:

@@ -17,9 +17,9 @@ import pytest
 from gpuloom.convert.times import unix_s
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.gpus import find_model
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState, MigSlot
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo, find_model
+from gpuloom.domain.placement import JobKind, JobSpec, JobState, MigSlot
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.mig import verify_plan
 from gpuloom.services.dispatcher.app import GpuDispatcher, start_gpu_dispatcher
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend
@@ -55,7 +55,7 @@ def mig_spec(
     spec = JobSpec(
         name=name,
         kind=JobKind.BATCH,
-        memory_bytes=0,
+        share=share_of(),
         mig_slices=1,
         task_key=task_key,
         command=command,
@@ -275,7 +275,7 @@ async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None
         ({"command": ("echo",) * 257}, "spec.command"),
         ({"command": ("echo", "x" * 4097)}, "spec.command[1]"),
         ({"command": ("echo", "a\0b")}, "spec.command[1]"),
-        ({"share": SpatioTemporalShare(50, TimeQuota(50, 50))}, "spec.resources"),
+        ({"share": share_of(50, 50, memory_bytes=GIB), "mps": True}, "spec.resources"),
         ({"whole_gpus": 1}, "spec.resources"),
     ],
 )
@@ -296,8 +296,8 @@ async def test_a_command_without_mig_is_refused(harness: Harness) -> None:
     spec = JobSpec(
         name="mps",
         kind=JobKind.BATCH,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(50, TimeQuota(50, 50)),
+        share=share_of(50, 50, memory_bytes=GIB),
+        mps=True,
         command=("true",),
     )
     with pytest.raises(InvalidArgument) as refused:
@@ -545,7 +545,7 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
             await live.stub.RegisterGpu(
                 placement_pb2.RegisterGpuRequest(
                     gpu=placement_pb2.GpuInfo(
-                        ref=common_pb2.GpuRef(node="n1", gpu_uuid=gpu.uuid),
+                        ref=common_pb2.GpuRef(node="n1", gpu_uuid=gpu.gpu_uuid),
                         model=gpu.model,
                         memory_bytes=gpu.memory_bytes,
                         sm_count=gpu.sm_count,
@@ -600,7 +600,7 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
             (FAILED, 3),
             (SUCCEEDED, 0),
         ]
-        uuids = {dispatcher.core.gpu.uuid for dispatcher in mig_dispatchers}
+        uuids = {dispatcher.core.gpu.gpu_uuid for dispatcher in mig_dispatchers}
         for job in ended:
             # Real and planned times, the GPU and the MIG instance it ran in.
             assert job.message.startswith(f"exit code {job.exit_code}: ran ")

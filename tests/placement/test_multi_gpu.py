@@ -19,8 +19,9 @@ from click.testing import CliRunner
 from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import JobFileError, file_key_for, spec_from_document
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
+from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.node_resources import host_cpu_milli, parse_meminfo
 from gpuloom.services.placement.decisions import GPU_UUIDS_VARIABLE
@@ -39,15 +40,15 @@ def gpu(i: int, node: str, model: str = "A100-80GB", cpu: int = 16000) -> GpuInf
 
 
 def whole(name: str, gpus: int, **kw) -> JobSpec:
-    return JobSpec(name=name, kind=JobKind.TRAINING, memory_bytes=0, whole_gpus=gpus, **kw)
+    return JobSpec(name=name, kind=JobKind.TRAINING, share=share_of(), whole_gpus=gpus, **kw)
 
 
 def share(name: str, **kw) -> JobSpec:
     return JobSpec(
         name=name,
         kind=JobKind.INFERENCE,
-        memory_bytes=4 * GIB,
-        share=SpatioTemporalShare(30, TimeQuota(30, 30)),
+        share=share_of(30, 30, memory_bytes=4 * GIB),
+        mps=True,
         **kw,
     )
 
@@ -56,7 +57,7 @@ def mig_task(**kw) -> JobSpec:
     return JobSpec(
         name="mig",
         kind=JobKind.BATCH,
-        memory_bytes=0,
+        share=share_of(),
         mig_slices=1,
         task_key="k",
         command=("true",),
@@ -248,7 +249,7 @@ async def test_a_two_gpu_job_binds_on_two_real_dispatchers(
     uuids = [job.assignment.gpu.gpu_uuid, *(g.gpu.gpu_uuid for g in job.assignment.extra_gpus)]
     assert len(set(uuids)) == 2 and job.spec.cpu_milli == 4000
     holders = {
-        d.core.gpu.uuid: job.job_id in {r.assignment_id for r in d.core.book.all()}
+        d.core.gpu.gpu_uuid: job.job_id in {r.assignment_id for r in d.core.book.all()}
         for d in dispatchers.dispatchers
     }
     assert {uuid for uuid, holds in holders.items() if holds} == set(uuids)

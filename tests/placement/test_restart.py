@@ -163,7 +163,7 @@ async def test_killing_placement_mid_stream_loses_no_job_and_places_none_twice(
             held: dict[str, list[str]] = {}
             for d in dispatchers.dispatchers:
                 for r in d.core.book.all():
-                    held.setdefault(r.assignment_id, []).append(d.core.gpu.uuid)
+                    held.setdefault(r.assignment_id, []).append(d.core.gpu.gpu_uuid)
             return held
 
         final = {

@@ -17,8 +17,9 @@ import pytest
 
 from gpuloom.clients.models import save_weights
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
+from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import (
     DispatcherApp,
     GpuDispatcher,
@@ -50,7 +51,7 @@ class Plane:
     channels: list[grpc.aio.Channel]
 
     def uuid(self, index: int) -> str:
-        return self.dispatchers[index].core.gpu.uuid
+        return self.dispatchers[index].core.gpu.gpu_uuid
 
     async def entry(self, index: int) -> pb.GpuEntry:
         gpus = (await self.placement.stub.ListGpus(pb.ListGpusRequest())).gpus
@@ -264,8 +265,8 @@ async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_h
     spec = JobSpec(
         name="r",
         kind=JobKind.INFERENCE,
-        memory_bytes=8 * GIB,
-        share=SpatioTemporalShare(10, TimeQuota(10, 10)),
+        share=share_of(10, 10, memory_bytes=8 * GIB),
+        mps=True,
         shared_model="net",
     )
     job = await core.submit("req-1", spec)
@@ -273,7 +274,7 @@ async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_h
     async with asyncio.timeout(10):
         while (await core.get(job.job_id)).state is not JobState.ASSIGNED:
             await asyncio.sleep(0.01)
-    assert harness.dispatchers.held["10.0.0.1:50060"][job.job_id].memory_cap_bytes == 2 * GIB
+    assert harness.dispatchers.held["10.0.0.1:50060"][job.job_id].share.memory_bytes == 2 * GIB
     await harness.stop()
 
     core = await harness.start()  # the fleet from the stored bindings: the reduced charge
@@ -294,7 +295,8 @@ async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_h
         (
             {
                 "shared_model": "net",
-                "share": None,
+                "share": share_of(memory_bytes=GIB),
+                "mps": False,
                 "mig_slices": 1,
                 "kind": JobKind.BATCH,
                 "task_key": "t",
@@ -308,10 +310,7 @@ def test_a_shared_model_the_store_could_not_hold_or_on_a_mig_task_is_refused(
     changes: dict, words: str
 ) -> None:
     spec = JobSpec(
-        name="r",
-        kind=JobKind.INFERENCE,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(10, TimeQuota(10, 10)),
+        name="r", kind=JobKind.INFERENCE, share=share_of(10, 10, memory_bytes=GIB), mps=True
     )
     spec.validate(["mra"])
     with pytest.raises(InvalidArgument) as caught:

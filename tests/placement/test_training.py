@@ -25,8 +25,9 @@ from gpuloom.convert.training import (
     training_to_pb,
 )
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.placement import GpuInfo, JobKind, JobSpec, JobState
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.gpus import GpuInfo
+from gpuloom.domain.placement import JobKind, JobSpec, JobState
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import (
     CheckpointHook,
     MigrationRequest,
@@ -64,9 +65,8 @@ def training(
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=int(memory_gib * GIB),
-        share=SpatioTemporalShare(100, TimeQuota(quota, 100)),
-        priority=priority,
+        share=share_of(100, quota, 100, memory_bytes=int(memory_gib * GIB), priority=priority),
+        mps=True,
         task_key=task_key,
         checkpoint=hook,
     )
@@ -138,7 +138,9 @@ async def test_heartbeats_give_training_jobs_their_minibatch_time_and_others_not
         train = await core.submit("t", training("t", quota=100))
         serve = await core.submit(
             "s",
-            JobSpec("s", JobKind.INFERENCE, GIB, SpatioTemporalShare(50, TimeQuota(50, 50))),
+            JobSpec(
+                name="s", kind=JobKind.INFERENCE, share=share_of(50, 50, memory_bytes=GIB), mps=True
+            ),
         )
         assert train.binding is not None and serve.binding is not None
         where = train.binding.gpu_uuid
@@ -212,10 +214,10 @@ def test_checkpoint_hooks_are_validated() -> None:
             training("t", hook=hook).validate(["mra"])
         assert refused.value.field == field
     serve = JobSpec(
-        "s",
-        JobKind.INFERENCE,
-        GIB,
-        SpatioTemporalShare(50, TimeQuota(50, 50)),
+        name="s",
+        kind=JobKind.INFERENCE,
+        share=share_of(50, 50, memory_bytes=GIB),
+        mps=True,
         checkpoint=SIGNAL_HOOK,
     )
     with pytest.raises(InvalidArgument, match="only training jobs"):
@@ -717,7 +719,7 @@ async def test_a_training_job_alone_on_several_gpus_runs_on_them_undisturbed(
     spec = JobSpec(
         name="wide",
         kind=JobKind.TRAINING,
-        memory_bytes=8 * GIB,
+        share=share_of(memory_bytes=8 * GIB),
         whole_gpus=2,
         checkpoint=SIGNAL_HOOK,
     )
@@ -916,7 +918,9 @@ async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gp
         await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
 
     def wide(name: str) -> JobSpec:
-        return JobSpec(name=name, kind=JobKind.TRAINING, memory_bytes=8 * GIB, whole_gpus=2)
+        return JobSpec(
+            name=name, kind=JobKind.TRAINING, share=share_of(memory_bytes=8 * GIB), whole_gpus=2
+        )
 
     a = await core.submit("r-a", wide("a"))
     slicing.clock.now += 1

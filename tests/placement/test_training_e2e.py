@@ -34,7 +34,7 @@ import pytest
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.run import JobRunner, RunOutcome
 from gpuloom.domain.placement import JobKind, JobSpec
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.policies.training.model import slice_efficiency
 from gpuloom.services.dispatcher.app import GpuDispatcher, _stop, start_gpu_dispatcher
@@ -203,10 +203,9 @@ def spec(name: str, hook: CheckpointHook | None = None, priority: int = 5) -> Jo
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=GIB,
-        share=SpatioTemporalShare(100, TimeQuota(50, 100)),
+        share=share_of(100, 50, 100, memory_bytes=GIB, priority=priority),
+        mps=True,
         checkpoint=hook,
-        priority=priority,
     )
 
 
@@ -542,7 +541,7 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     try:
         await five_steps(out)
         job = await plane.job_named("mover")
-        assert job.assignment.gpu.gpu_uuid == first.core.gpu.uuid
+        assert job.assignment.gpu.gpu_uuid == first.core.gpu.gpu_uuid
         second = await plane.add_gpu()
         result = await asyncio.wait_for(mover, 60)
     finally:
@@ -570,11 +569,11 @@ async def test_a_real_job_with_a_signal_hook_migrates_between_real_dispatchers(
     assert max(r[2] for r in engine if r[0] == before) < min(r[1] for r in engine if r[0] == after)
     moved = await plane.job(job.job_id)
     assert moved.state == pb.JOB_STATE_SUCCEEDED
-    assert moved.assignment.gpu.gpu_uuid == second.core.gpu.uuid
+    assert moved.assignment.gpu.gpu_uuid == second.core.gpu.gpu_uuid
     assert (
         counter("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
     )
-    assert any(f"moved to GPU {second.core.gpu.uuid}" in line for line in said), said
+    assert any(f"moved to GPU {second.core.gpu.gpu_uuid}" in line for line in said), said
     # The first dispatcher let the reservation go; the second released it at its end.
     for dispatcher in (first, second):
         await until(
@@ -655,12 +654,17 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
 
         def whole(name: str) -> JobSpec:
             if gpus > 1:
-                return JobSpec(name, JobKind.TRAINING, GIB, whole_gpus=gpus)
+                return JobSpec(
+                    name=name,
+                    kind=JobKind.TRAINING,
+                    share=share_of(memory_bytes=GIB),
+                    whole_gpus=gpus,
+                )
             return JobSpec(
                 name=name,
                 kind=JobKind.TRAINING,
-                memory_bytes=GIB,
-                share=SpatioTemporalShare(100, TimeQuota(100, 100)),
+                share=share_of(100, 100, memory_bytes=GIB),
+                mps=True,
             )
 
         runs = [start(plane, whole("first"), train(steps["first"], outs["first"]), said)]

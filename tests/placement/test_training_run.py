@@ -22,7 +22,7 @@ from gpuloom.clients.cli import cli
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.run import JobRunner, RunOutcome
 from gpuloom.domain.placement import JobKind, JobSpec
-from gpuloom.domain.shares import SpatioTemporalShare, TimeQuota
+from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
 from gpuloom.services.placement.app import PlacementApp
 from gpuloom.services.placement.settings import PlacementSettings
@@ -88,8 +88,8 @@ def training(name: str, hook: CheckpointHook | None) -> JobSpec:
     return JobSpec(
         name=name,
         kind=JobKind.TRAINING,
-        memory_bytes=8 * GIB,
-        share=SpatioTemporalShare(100, TimeQuota(50, 100)),
+        share=share_of(100, 50, 100, memory_bytes=8 * GIB),
+        mps=True,
         checkpoint=hook,
     )
 

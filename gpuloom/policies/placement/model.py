@@ -292,14 +292,14 @@ class GpuState:
 
 @dataclass(frozen=True, slots=True)
 class JobRequest:
-    """What a job asks for. quota_limit_percent (None: the request) is carried to the
-    dispatcher; placement reserves the request, the guaranteed part (FaST-GShare's Q_request)."""
+    """What a job asks of the fleet: placement reserves the time quota's request, the
+    guaranteed part (FaST-GShare's Q_request); the limit is the dispatcher's business, carried
+    there in the job's share, not here."""
 
     job_id: str
     sm_percent: int
     quota_request_percent: float
     memory_bytes: int
-    quota_limit_percent: float | None = None
     priority: int = 0
     gpu_model: str = ""  # "" = any model; "A|B": either model
     task_key: str = ""
@@ -329,11 +329,6 @@ class JobRequest:
         return bool(self.cpu_milli or self.host_memory_bytes or self.nodes)
 
     @property
-    def quota_limit(self) -> float:
-        limit = self.quota_limit_percent
-        return self.quota_request_percent if limit is None else limit
-
-    @property
     def w(self) -> int:
         return quota_steps(self.quota_request_percent)
 
@@ -342,13 +337,6 @@ class JobRequest:
         _check_id("job_id", self.job_id)
         _check_sm(self.sm_percent)
         _check_quota("quota_request_percent", self.quota_request_percent)
-        if self.quota_limit_percent is not None:
-            _check_quota("quota_limit_percent", self.quota_limit_percent)
-            if self.quota_limit_percent < self.quota_request_percent:
-                raise InvalidRequestError(
-                    f"quota_limit_percent ({self.quota_limit_percent}) must be >= "
-                    f"quota_request_percent ({self.quota_request_percent})"
-                )
         _check_memory(self.memory_bytes)
         _check_priority(self.priority)
         _check_gpu_model(self.gpu_model)

@@ -5,13 +5,7 @@
 know are the catalogue of gpuloom.domain.gpus.
 """
 
-from gpuloom.services.dispatcher.gpu.backend import (
-    GpuBackend,
-    GpuInfo,
-    GpuProcess,
-    GpuUsage,
-    MigInstance,
-)
+from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuProcess, GpuUsage
 from gpuloom.services.dispatcher.gpu.nvml import NvmlBackend
 from gpuloom.services.dispatcher.gpu.select import BACKEND_KINDS, open_backend
 from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend, parse_fleet_spec
@@ -19,10 +13,8 @@ from gpuloom.services.dispatcher.gpu.simulated import SimulatedBackend, parse_fl
 __all__ = [
     "BACKEND_KINDS",
     "GpuBackend",
-    "GpuInfo",
     "GpuProcess",
     "GpuUsage",
-    "MigInstance",
     "NvmlBackend",
     "SimulatedBackend",
     "open_backend",

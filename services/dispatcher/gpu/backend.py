@@ -11,6 +11,8 @@ gpuloom/domain/errors.py, so callers never see a pynvml exception:
 - Unavailable: the driver or library cannot be reached.
 
 Methods block (MIG creation takes what the hardware takes); call them off the event loop.
+A GPU and its MIG instances are described by the domain's GpuInfo and MigInstance
+(gpuloom/domain/gpus.py), the form the dispatcher registers them in with placement.
 """
 
 from __future__ import annotations
@@ -18,17 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-
-@dataclass(frozen=True, slots=True)
-class GpuInfo:
-    index: int
-    uuid: str
-    # A known model name ("A100-80GB", see models.py) where recognised, else the driver's name.
-    model: str
-    memory_bytes: int
-    sm_count: int
-    mig_capable: bool
-    mig_enabled: bool
+from gpuloom.domain.gpus import GpuInfo, MigInstance
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +34,6 @@ class GpuUsage:
 class GpuProcess:
     pid: int
     used_memory_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class MigInstance:
-    uuid: str
-    slices: int
-    first_slice: int
-    memory_bytes: int
-    profile_name: str  # e.g. "3g.40gb"
 
 
 @runtime_checkable

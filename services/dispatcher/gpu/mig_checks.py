@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
-from gpuloom.domain.gpus import GpuModel, mig_profile
+from gpuloom.domain.gpus import GpuModel, MigInstance, mig_profile
 from gpuloom.domain.mig_geometry import MigGeometry, Placement
-from gpuloom.services.dispatcher.gpu.backend import MigInstance
 
 
 def check_placement(

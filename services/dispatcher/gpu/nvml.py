@@ -25,11 +25,13 @@ from gpuloom.domain.errors import (
     Unavailable,
 )
 from gpuloom.domain.gpus import (
+    GpuInfo,
     GpuModel,
+    MigInstance,
     match_driver_name,
     mig_profile,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuProcess, GpuUsage
 from gpuloom.services.dispatcher.gpu.mig_checks import check_placement
 
 log = structlog.get_logger("gpuloom.dispatcher.gpu")
@@ -279,7 +281,8 @@ class NvmlBackend:
         capable, enabled = self._mig_mode(index, handle)
         info = GpuInfo(
             index=index,
-            uuid=_text(self._call(index, "nvmlDeviceGetUUID", handle)),
+            gpu_uuid=_text(self._call(index, "nvmlDeviceGetUUID", handle)),
+            node="",
             model=model.name if model else driver_name,
             memory_bytes=memory,
             sm_count=self._sm_count(index, handle, model),

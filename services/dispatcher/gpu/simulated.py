@@ -23,11 +23,13 @@ import structlog
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
 from gpuloom.domain.gpus import (
     MODELS,
+    GpuInfo,
     GpuModel,
+    MigInstance,
     find_model,
     mig_profile,
 )
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuProcess, GpuUsage
 from gpuloom.services.dispatcher.gpu.mig_checks import check_placement
 
 log = structlog.get_logger("gpuloom.dispatcher.gpu")
@@ -119,7 +121,8 @@ class _Gpu:
     def info(self) -> GpuInfo:
         return GpuInfo(
             index=self.index,
-            uuid=self.uuid,
+            gpu_uuid=self.uuid,
+            node="",
             model=self.model.name,
             memory_bytes=self.model.memory_bytes,
             sm_count=self.model.sm_count,

@@ -13,8 +13,9 @@ from gpuloom.domain.errors import (
     NotFound,
     Unavailable,
 )
+from gpuloom.domain.gpus import GpuInfo, MigInstance
 from gpuloom.services.dispatcher.gpu import GpuBackend, NvmlBackend
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuProcess, GpuUsage
 from gpuloom.services.dispatcher.gpu.nvml import import_pynvml
 
 from . import fake_pynvml as fake
@@ -40,8 +41,8 @@ def test_info_falls_back_to_the_model_table_for_sm_count() -> None:
     assert isinstance(backend, GpuBackend)
     assert backend.name == "nvml"
     assert backend.gpus() == [
-        GpuInfo(0, "GPU-a100-0", "A100-80GB", 81920 * MIB, 108, True, False),
-        GpuInfo(1, "GPU-t4-1", "T4-16GB", 15360 * MIB, 40, False, False),
+        GpuInfo("GPU-a100-0", "", "A100-80GB", 81920 * MIB, 108, True, False, index=0),
+        GpuInfo("GPU-t4-1", "", "T4-16GB", 15360 * MIB, 40, False, False, index=1),
     ]
 
 

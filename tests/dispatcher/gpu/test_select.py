@@ -43,7 +43,7 @@ def test_auto_falls_back_when_nvml_fails(failing: str, code: int, reason: str) -
     with capture_logs() as logs:
         backend = open_backend("auto", "2xA30-24GB", nvml=nvml)
     assert isinstance(backend, SimulatedBackend)
-    assert [g.uuid for g in backend.gpus()] == ["SIM-A30-24GB-0", "SIM-A30-24GB-1"]
+    assert [g.gpu_uuid for g in backend.gpus()] == ["SIM-A30-24GB-0", "SIM-A30-24GB-1"]
     assert chosen(logs)["backend"] == "simulated"
     assert reason in str(chosen(logs)["reason"])
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument, NotFound
-from gpuloom.domain.gpus import GIB
+from gpuloom.domain.gpus import GIB, GpuInfo, MigInstance
 from gpuloom.services.dispatcher.gpu import GpuBackend, SimulatedBackend
-from gpuloom.services.dispatcher.gpu.backend import GpuInfo, GpuProcess, GpuUsage, MigInstance
+from gpuloom.services.dispatcher.gpu.backend import GpuProcess, GpuUsage
 from gpuloom.services.dispatcher.gpu.simulated import FLEET_ID_FILE, fleet_id
 
 from .helpers import SleepRecorder
@@ -38,7 +38,8 @@ def test_info_per_model(model: str, memory_gib: int, sm_count: int, mig_capable:
     backend = SimulatedBackend(f"2x{model.lower()}")
     assert backend.gpu(1) == GpuInfo(
         index=1,
-        uuid=f"SIM-{model}-1",
+        gpu_uuid=f"SIM-{model}-1",
+        node="",
         model=model,
         memory_bytes=memory_gib * GIB,
         sm_count=sm_count,
@@ -50,9 +51,9 @@ def test_info_per_model(model: str, memory_gib: int, sm_count: int, mig_capable:
 def test_gpus_in_index_order_with_stable_uuids() -> None:
     spec = "A100-80GB,2xT4-16GB"
     first, again = SimulatedBackend(spec), SimulatedBackend(spec)
-    uuids = [g.uuid for g in first.gpus()]
+    uuids = [g.gpu_uuid for g in first.gpus()]
     assert uuids == ["SIM-A100-80GB-0", "SIM-T4-16GB-1", "SIM-T4-16GB-2"]
-    assert [g.uuid for g in again.gpus()] == uuids
+    assert [g.gpu_uuid for g in again.gpus()] == uuids
     assert [g.index for g in first.gpus()] == [0, 1, 2]
 
 
@@ -63,9 +64,9 @@ def test_each_data_directory_gets_its_own_fleet_id_and_keeps_it(tmp_path: Path) 
     first, second = fleet_id(tmp_path / "a"), fleet_id(tmp_path / "b")
     assert first != second and len(first) == 8
     assert fleet_id(tmp_path / "a") == first
-    uuids = {SimulatedBackend("A100-80GB", fleet_id=f).gpu(0).uuid for f in (first, second)}
+    uuids = {SimulatedBackend("A100-80GB", fleet_id=f).gpu(0).gpu_uuid for f in (first, second)}
     assert uuids == {f"SIM-A100-80GB-0-{first}", f"SIM-A100-80GB-0-{second}"}
-    assert mig_backend(fleet_id=first).gpu(0).uuid == f"SIM-A100-80GB-0-{first}"
+    assert mig_backend(fleet_id=first).gpu(0).gpu_uuid == f"SIM-A100-80GB-0-{first}"
 
 
 @pytest.mark.parametrize("text", ["", "xyz", "0A1B2C3D", "0a1b2c3d0", "../etc"])

@@ -168,7 +168,6 @@ def test_unknown_policy_names_the_known_ones() -> None:
         ({"sm_percent": 101}, "sm_percent"),
         ({"quota_request_percent": 0.0}, "quota_request_percent"),
         ({"quota_request_percent": 100.5}, "quota_request_percent"),
-        ({"quota_limit_percent": 10.0}, "quota_limit_percent"),
         ({"memory_bytes": -1}, "memory_bytes"),
         ({"priority": 10}, "priority"),
         ({"job_id": ""}, "job_id"),

@@ -10,6 +10,7 @@ import pytest
 
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import JobKind, JobSpec
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import (
     POLICIES,
     Allocation,
@@ -127,13 +128,21 @@ def test_a_job_on_several_gpus_is_no_replica() -> None:
         JobRequest("j", 100, 100, GIB, gpus=2, shared_model="bert").validate()
     JobRequest("j", 100, 100, GIB, gpus=1, shared_model="bert").validate()
     spec = JobSpec(
-        name="j", kind=JobKind.BATCH, whole_gpus=2, memory_bytes=GIB, shared_model="bert"
+        name="j",
+        kind=JobKind.BATCH,
+        share=share_of(memory_bytes=GIB),
+        whole_gpus=2,
+        shared_model="bert",
     )
     with pytest.raises(InvalidArgument) as error:
         spec.validate(POLICIES)
     assert error.value.field == "spec.shared_model"
     JobSpec(
-        name="j", kind=JobKind.BATCH, whole_gpus=1, memory_bytes=GIB, shared_model="bert"
+        name="j",
+        kind=JobKind.BATCH,
+        share=share_of(memory_bytes=GIB),
+        whole_gpus=1,
+        shared_model="bert",
     ).validate(POLICIES)
 
 
