@@ -19,6 +19,8 @@ from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.k8s.app import DevicePluginApp, K8sApp
+from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.placement import storage as placement_storage
 from gpuloom.services.placement.app import DATABASE_URL_VARIABLE as PLACEMENT_DATABASE_URL
 from gpuloom.services.placement.app import PlacementApp
@@ -33,6 +35,8 @@ from gpuloom.services.profiler.settings import ProfilerSettings
 log = structlog.get_logger("gpuloom.launcher")
 
 SERVICES = ("profile-store", "profiler", "placement", "dispatcher")
+# gpuloom's Kubernetes components: run by `gpuloom serve` only (never by `gpuloom up`).
+KUBERNETES_SERVICES = ("k8s", "device-plugin")
 # The services with a database (and alembic migrations), in the order `gpuloom migrate` runs them.
 DATABASE_SERVICES = ("profile-store", "placement")
 
@@ -48,7 +52,9 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
     ServerSecurity.from_environment()  # TLS and token settings checked before anything starts
-    started: list[ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp] = []
+    started: list[
+        ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp | K8sApp | DevicePluginApp
+    ] = []
     endpoints: list[Endpoint] = []
     port_variable = ""  # the setting of the port being bound
     try:
@@ -109,6 +115,17 @@ async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], No
                         f"{common.bind_host}:{dispatcher.port}",
                     )
                 )
+        if "k8s" in services:
+            port_variable = "GPULOOM_K8S_PORT"
+            k8s = await K8sApp.start(load(K8sSettings), common.bind_host)
+            started.append(k8s)
+            endpoints.append(
+                Endpoint("k8s webhook and extender (HTTP)", f"{common.bind_host}:{k8s.port}")
+            )
+        if "device-plugin" in services:
+            plugin = await DevicePluginApp.start(load(DevicePluginSettings))
+            started.append(plugin)
+            endpoints.append(Endpoint("device plugin (kubelet gRPC)", f"unix://{plugin.socket}"))
         port_variable = "GPULOOM_METRICS_PORT"
         metrics_port = start_metrics_endpoint(common.bind_host, common.metrics_port)
         if metrics_port is not None:

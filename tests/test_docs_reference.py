@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings
 
 from gpuloom.services.common.settings import CommonSettings
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.settings import ProfilerSettings
@@ -30,6 +31,8 @@ SETTINGS: tuple[type[BaseSettings], ...] = (
     ProfilerSettings,
     PlacementSettings,
     DispatcherSettings,
+    K8sSettings,
+    DevicePluginSettings,
     TransportSettings,
 )
 PYTHON_CODE = ("clients", "gpuloom", "services")
@@ -59,7 +62,7 @@ def documented_table_variables() -> set[str]:
     found: set[str] = set()
     prefix = None
     for line in CONFIGURATION.read_text().splitlines():
-        heading = re.match(r"^## .*\(`(GPULOOM_[A-Z_]*)\*`\)", line)
+        heading = re.match(r"^## .*\(`(GPULOOM_[A-Z0-9_]*)\*`\)", line)
         if heading:
             prefix = heading.group(1)
             continue

@@ -43,13 +43,17 @@ def up() -> None:
 
 @click.command()
 @click.argument(
-    "service", type=click.Choice(["profile-store", "profiler", "placement", "dispatcher"])
+    "service",
+    type=click.Choice(
+        ["profile-store", "profiler", "placement", "dispatcher", "k8s", "device-plugin"]
+    ),
 )
 def serve(service: str) -> None:
     """Run one service, configured by GPULOOM_* environment variables (as in containers):
     GPULOOM_* for every process and GPULOOM_<SERVICE>_* for SERVICE (GPULOOM_PROFILE_STORE_*,
-    GPULOOM_PROFILER_*, GPULOOM_PLACEMENT_*, GPULOOM_DISPATCHER_*); every one is in
-    docs/configuration.md."""
+    GPULOOM_PROFILER_*, GPULOOM_PLACEMENT_*, GPULOOM_DISPATCHER_*, GPULOOM_K8S_*,
+    GPULOOM_DEVICE_PLUGIN_*); every one is in docs/configuration.md. `k8s` and
+    `device-plugin` are gpuloom's Kubernetes components (docs/deploy.md)."""
     _run((service,))
 
 

@@ -82,6 +82,7 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         shared_model=msg.shared_model,
         checkpoint=hook_from_pb(msg),
         max_gpus=msg.max_gpus,
+        nodes=tuple(msg.nodes),
         cpu_milli=msg.cpu_milli,
         host_memory_bytes=msg.host_memory_bytes,
     )
@@ -113,6 +114,7 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
         cpu_milli=spec.cpu_milli,
         host_memory_bytes=spec.host_memory_bytes,
         max_gpus=spec.max_gpus,
+        nodes=spec.nodes,
     )
     share_into_pb(msg, spec.share, spec.mps)
     if spec.whole_gpus:

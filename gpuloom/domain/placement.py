@@ -26,6 +26,9 @@ MAX_COMMAND_ARG_CHARS = 4096
 # A job's whole GPUs (all on one node) and its gpu_model alternatives ("A|B"), at most.
 MAX_WHOLE_GPUS = 64
 MAX_MODEL_ALTERNATIVES = 16
+# The nodes a job may be restricted to, at most (a Kubernetes scheduler's candidates).
+MAX_NODES = 4096
+MAX_NODE_NAME = 253
 
 
 class JobKind(enum.Enum):
@@ -96,6 +99,8 @@ class JobSpec:
     # Grow-shrink: the most whole GPUs (of one node) the job may grow onto; its elastic range
     # is whole_gpus..max_gpus. 0: not elastic.
     max_gpus: int = 0
+    # Only GPUs of these nodes; () = any node.
+    nodes: tuple[str, ...] = ()
 
     @property
     def priority(self) -> int:
@@ -153,6 +158,7 @@ class JobSpec:
                 raise InvalidArgument(f"spec.slo.{name}", f"must be finite and >= 0, got {value}")
         if self.shared_model:
             check_model_name("spec.shared_model", self.shared_model)
+        self._validate_nodes()
         self._validate_resources()
         if self.checkpoint is not None:
             if self.kind is not JobKind.TRAINING:
@@ -184,6 +190,21 @@ class JobSpec:
                 field,
                 f"must be within whole_gpus..{MAX_WHOLE_GPUS} ({self.whole_gpus}.."
                 f"{MAX_WHOLE_GPUS}), got {self.max_gpus}",
+            )
+
+    def _validate_nodes(self) -> None:
+        if len(self.nodes) > MAX_NODES:
+            raise InvalidArgument("spec.nodes", f"at most {MAX_NODES} nodes, got {len(self.nodes)}")
+        for i, node in enumerate(self.nodes):
+            if not 1 <= len(node) <= MAX_NODE_NAME or not node.isprintable():
+                raise InvalidArgument(
+                    f"spec.nodes[{i}]", f"must be 1..{MAX_NODE_NAME} printable characters"
+                )
+        if len(set(self.nodes)) != len(self.nodes):
+            raise InvalidArgument("spec.nodes", "names a node twice")
+        if self.nodes and self.mig_slices:
+            raise InvalidArgument(
+                "spec.nodes", "a MIG batch task goes where the batch planner puts it"
             )
 
     def _validate_gpu_model(self) -> None:

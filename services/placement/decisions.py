@@ -769,5 +769,6 @@ def ask_of(job: Job) -> Ask:
         gpus=max(spec.whole_gpus, 1),
         cpu_milli=spec.cpu_milli,
         host_memory_bytes=spec.host_memory_bytes,
+        nodes=frozenset(spec.nodes),
     )
     return Ask(request, policy=spec.policy, submitted_at=job.submitted_at)

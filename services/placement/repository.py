@@ -56,6 +56,8 @@ def spec_to_json(spec: JobSpec) -> str:
         document["checkpoint"] = [list(hook.command), hook.signal, hook.timeout_s]
     if spec.max_gpus:  # elastic training jobs only: other rows stay as they were
         document["max_gpus"] = spec.max_gpus
+    if spec.nodes:  # jobs restricted to nodes only: other rows stay as they were
+        document["nodes"] = list(spec.nodes)
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
@@ -81,6 +83,7 @@ def spec_from_json(text: str) -> JobSpec:
         max_gpus=d.get("max_gpus", 0),
         cpu_milli=d.get("cpu_milli", 0),
         host_memory_bytes=d.get("host_memory_bytes", 0),
+        nodes=tuple(d.get("nodes", ())),
     )
 
 

@@ -164,6 +164,36 @@ async def test_asks_the_fleet_can_never_meet_are_refused_naming_the_field(
     assert waits.state is JobState.PENDING and "10000 milli CPU" in waits.pending_reason
 
 
+async def test_a_job_restricted_to_nodes_waits_for_them_and_keeps_them_across_a_restart(
+    tmp_path: Path,
+) -> None:
+    h = CoreHarness(tmp_path)
+    core = await h.start()
+    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
+    await core.register_gpu(gpu(1, "n2"), "10.0.0.2:50060")
+    hold = await core.submit("hold", whole("hold", 1, nodes=("n2",)))
+    assert hold.binding is not None and hold.binding.node == "n2"
+    waits = await core.submit("waits", share("waits", nodes=("n2", "n9")))
+    assert waits.state is JobState.PENDING and "n2" in waits.pending_reason
+    for spec_, field in (
+        (share("twice", nodes=("n1", "n1")), "spec.nodes"),
+        (share("empty", nodes=("n1", "")), "spec.nodes[1]"),
+        (mig_task(nodes=("n1",)), "spec.nodes"),
+    ):
+        with pytest.raises(InvalidArgument) as caught:
+            await core.submit(f"r-{spec_.name}", spec_)
+        assert caught.value.field == field, caught.value
+    await h.stop()
+    core = await h.start()  # the restriction is stored with the job
+    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
+    await core.register_gpu(gpu(1, "n2"), "10.0.0.2:50060")
+    assert (await core.get(waits.job_id)).spec.nodes == ("n2", "n9")
+    await core.cancel(hold.job_id)
+    moved = await settled(core, waits.job_id, JobState.ASSIGNED)
+    assert moved.binding is not None and moved.binding.node == "n2"
+    await h.stop()
+
+
 @pytest.mark.parametrize("policy", ["fgd", "best", "bestfit"])
 async def test_fleet_policies_place_live_jobs_and_a_restart_rebuilds_gangs(
     tmp_path: Path, policy: str

@@ -48,6 +48,7 @@ allocations' ids and `gang` as `place` gives a gang, its CPU and host memory on 
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -180,8 +181,13 @@ class NodeSlot:
         return self.memory_bytes - self.memory_used
 
     def takes(self, job: JobRequest) -> bool:
-        """Whether the node has the CPU and host memory the job asks for free."""
-        return job.cpu_milli <= self.cpu_free and job.host_memory_bytes <= self.memory_free
+        """Whether the node is one the job may use and has the CPU and host memory it asks
+        for free."""
+        return (
+            (not job.nodes or self.name in job.nodes)
+            and job.cpu_milli <= self.cpu_free
+            and job.host_memory_bytes <= self.memory_free
+        )
 
 
 class PlacementPolicy(Protocol):
@@ -436,7 +442,7 @@ class Fleet:
         else:
             problem = self._join_problem(job, slot, group)
         if not problem and slot is not None and not self._nodes[slot.node].takes(job):
-            problem = f"node {slot.node} has not {self.describe_node_ask(job)} free"
+            problem = self._node_problem(job, slot.node, "has not")
         if problem or slot is None:
             raise InvalidPlacementError(
                 f"job {job.job_id} cannot join time-slice group {group!r} on GPU {gpu_id}: "
@@ -499,7 +505,7 @@ class Fleet:
                     "(a job's GPUs are one node's)"
                 )
         if not problem and not self._nodes[node].takes(job):
-            problem = f"node {node} has not {self.describe_node_ask(job)} free"
+            problem = self._node_problem(job, node, "has not")
         if problem:
             raise InvalidPlacementError(
                 f"job {job.job_id} cannot join time-slice groups {named}: {problem}"
@@ -524,6 +530,8 @@ class Fleet:
             return "the GPU holds no allocation of that group"
         if not job.allows(slot.model):
             return f"the GPU is a {slot.model}, not a {job.gpu_model}"
+        if job.nodes and slot.node not in job.nodes:
+            return f"the GPU's node {slot.node} is not one of the job's nodes"
         if job.w > box[2] - box[0] or job.sm_percent > box[3] - box[1]:
             return (
                 f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
@@ -604,24 +612,42 @@ class Fleet:
         """Ask the policy with the GPUs of nodes short of the job's CPU or host memory left
         out of the indexes for this one decision."""
         short = [n for n in self._nodes.values() if not n.takes(job)]
+        with self._hidden(job, short):
+            decision = policy.place(job, self, context)
+        if isinstance(decision, Unplaceable) and short:
+            return Unplaceable(job.job_id, self._node_reason(job, decision.reason))
+        return decision
+
+    @contextlib.contextmanager
+    def _hidden(self, job: JobRequest, nodes: Iterable[NodeSlot]) -> Iterator[None]:
+        """The GPUs of `nodes` (those the job could use) out of the indexes meanwhile."""
         hidden = [
             g
-            for n in short
+            for n in nodes
             for g in n.gpu_ids
             if self._gpus[g].schedulable and job.allows(self._gpus[g].model)
         ]
         for gpu_id in hidden:
             self.set_schedulable(gpu_id, False)
         try:
-            decision = policy.place(job, self, context)
+            yield
         finally:
             for gpu_id in hidden:
                 self.set_schedulable(gpu_id, True)
-        if isinstance(decision, Unplaceable) and short:
-            return Unplaceable(job.job_id, self._node_reason(job, decision.reason))
-        return decision
+
+    def _node_problem(self, job: JobRequest, name: str, lead: str = "without") -> str:
+        """Why node `name` does not take `job` (its GPU was named for it)."""
+        if job.nodes and name not in job.nodes:
+            return f"node {name}, not one of the job's nodes ({_names(job.nodes)})"
+        return f"node {name} {lead} {self.describe_node_ask(job)} free"
 
     def _node_reason(self, job: JobRequest, reason: str) -> str:
+        if job.nodes:
+            shown = _names(job.nodes)
+            if not any(name in self._nodes for name in job.nodes):
+                return f"none of its nodes ({shown}) has a registered GPU"
+            if not (job.cpu_milli or job.host_memory_bytes):
+                return f"{reason}, on its nodes ({shown})" if reason else f"no room on {shown}"
         asks = self.describe_node_ask(job)
         if all(not n.takes(job) for n in self._nodes.values()):
             largest = max(
@@ -649,9 +675,16 @@ class Fleet:
         self, job: JobRequest, policy: PlacementPolicy, context: PlacementContext
     ) -> Placement | Unplaceable:
         place_gang = getattr(policy, "place_gang", None)
-        if place_gang is not None:
+        if place_gang is None:
+            return self.pack_gang(job, policy.name)
+        if not job.nodes:
             return place_gang(job, self, context)  # type: ignore[no-any-return]
-        return self.pack_gang(job, policy.name)
+        others = [n for n in self._nodes.values() if n.name not in job.nodes]
+        with self._hidden(job, others):
+            decision = place_gang(job, self, context)
+        if isinstance(decision, Unplaceable):
+            return self.gang_unplaceable(job)
+        return decision  # type: ignore[no-any-return]
 
     def whole_free_gpus(self, node: NodeSlot, job: JobRequest) -> list[str]:
         """The node's GPUs a job may take whole now (schedulable, of its models, nothing on
@@ -705,9 +738,10 @@ class Fleet:
         if not fitting:
             return Unplaceable(job.job_id, self._node_reason(job, ""))
         free = max(len(self.whole_free_gpus(n, job)) for n in fitting)
+        where = f" of its nodes ({_names(job.nodes)})" if job.nodes else ""
         return Unplaceable(
             job.job_id,
-            f"no node has {job.gpus} whole GPUs{of_model} free"
+            f"no node{where} has {job.gpus} whole GPUs{of_model} free"
             f"{' with ' + describe_gib(job.memory_bytes) if job.memory_bytes else ''} "
             f"(the most: {free})",
         )
@@ -1045,7 +1079,7 @@ class Fleet:
         elif not job.allows(slot.model):
             problem = f"a {slot.model}, not a {job.gpu_model}"
         elif not self._nodes[slot.node].takes(job):
-            problem = f"node {slot.node} without {self.describe_node_ask(job)} free"
+            problem = self._node_problem(job, slot.node)
         elif need > slot.memory_free:
             problem = "a GPU without that much free memory"
         elif placement.allocation_id != job.job_id:
@@ -1122,7 +1156,7 @@ class Fleet:
             elif slot.node != placement.node:
                 problem = f"GPU {gpu_id} of node {slot.node}, not {placement.node}"
         if not problem and not self._nodes[placement.node].takes(job):
-            problem = f"node {placement.node} without {self.describe_node_ask(job)} free"
+            problem = self._node_problem(job, placement.node)
         if problem:
             raise InvalidPlacementError(f"policy {placement.policy} put {job.job_id} on {problem}")
         box = box_of(placement.rect)
@@ -1207,6 +1241,13 @@ class Fleet:
         if group is not None:
             insort(self._holders.setdefault(group, []), slot.gpu_id)
         slot.holder = group
+
+
+def _names(nodes: Iterable[str], shown: int = 3) -> str:
+    """'a, b, c and 4 more'."""
+    names = sorted(nodes)
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _member_order(member_id: str) -> int:

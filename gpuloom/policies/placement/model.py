@@ -311,6 +311,8 @@ class JobRequest:
     gpus: int = 1
     cpu_milli: int = 0  # of the node's CPU, in thousandths of a core
     host_memory_bytes: int = 0  # of the node's memory
+    # Only GPUs of these nodes (a Kubernetes scheduler's candidates); empty = any node.
+    nodes: frozenset[str] = frozenset()
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -322,8 +324,9 @@ class JobRequest:
 
     @property
     def needs_node(self) -> bool:
-        """Whether the job asks for node resources besides GPUs."""
-        return bool(self.cpu_milli or self.host_memory_bytes)
+        """Whether the job asks anything of its node besides GPUs: CPU, host memory, or to be
+        one of `nodes`."""
+        return bool(self.cpu_milli or self.host_memory_bytes or self.nodes)
 
     @property
     def w(self) -> int:
@@ -341,6 +344,10 @@ class JobRequest:
             raise InvalidRequestError("task_key must be a string")
         _check_count("cpu_milli", self.cpu_milli)
         _check_count("host_memory_bytes", self.host_memory_bytes)
+        if not isinstance(self.nodes, frozenset) or not all(
+            isinstance(n, str) and n for n in self.nodes
+        ):
+            raise InvalidRequestError(f"nodes must be a frozenset of names, got {self.nodes!r}")
         if not _is_int(self.gpus) or self.gpus < 1:
             raise InvalidRequestError(f"gpus must be an integer >= 1, got {self.gpus!r}")
         if self.gpus > 1 and (self.sm_percent != GRID_H or self.w != GRID_W):

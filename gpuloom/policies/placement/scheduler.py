@@ -100,8 +100,8 @@ class Round:
 
 # Everything a policy looks at in a request but its id: jobs with the same key get the same
 # answer from the same fleet. (policy, gpu model, quota steps, SM %, memory, priority, task key,
-# GPUs, node CPU milli, node host memory, shared model)
-BucketKey = tuple[str, str, int, int, int, int, str, int, int, int, str]
+# GPUs, node CPU milli, node host memory, shared model, nodes)
+BucketKey = tuple[str, str, int, int, int, int, str, int, int, int, str, frozenset[str]]
 
 
 @dataclass(slots=True, eq=False)
@@ -286,6 +286,7 @@ class Scheduler:
             r.cpu_milli,
             r.host_memory_bytes,
             r.shared_model,
+            r.nodes,
         )
 
     def _try(self, ask: Ask) -> Placed | Waiting:
@@ -352,7 +353,9 @@ class Scheduler:
             for key in self._by_model.get(model, ()):
                 if key in self._dirty:
                     continue
-                gpus, cpu, host_memory, shared = key[7], key[8], key[9], key[10]
+                gpus, cpu, host_memory, shared, nodes = key[7], key[8], key[9], key[10], key[11]
+                if nodes and node.name not in nodes:
+                    continue
                 if model and model != slot.model and gpus == 1 and not (cpu or host_memory):
                     continue
                 if cpu > node.cpu_free or host_memory > node.memory_free:

@@ -201,7 +201,43 @@ def test_fgd_keeps_a_whole_node_free_for_a_later_gang() -> None:
     assert placed(fleet.place(whole("pair", 2), fgd)).node != used
 
 
+def test_a_job_restricted_to_nodes_goes_only_there_and_says_why_it_waits() -> None:
+    fleet = two_nodes()
+    policy = get_policy("mra")
+    # mra packs onto n1 unrestricted; restricted to n2, it goes there.
+    assert placed(fleet.place(job("free", 10, 10), policy)).node == "n1"
+    assert placed(fleet.place(job("s", 10, 10, nodes=frozenset({"n2"})), policy)).node == "n2"
+    assert placed(fleet.place(whole("g", 2, nodes=frozenset({"n2"})), policy)).node == "n2"
+    nowhere = fleet.place(job("x", 10, 10, nodes=frozenset({"n9", "n8"})), policy)
+    assert isinstance(nowhere, Unplaceable)
+    assert nowhere.reason == "none of its nodes (n8, n9) has a registered GPU"
+    full = fleet.place(whole("h", 2, nodes=frozenset({"n1"})), policy)  # a0 is taken
+    assert isinstance(full, Unplaceable)
+    assert full.reason.startswith("no node of its nodes (n1) has 2 whole GPUs free")
+    fleet.verify()
+    with pytest.raises(InvalidPlacementError, match="not one of the job's nodes"):
+        fleet.slice_into(job("t", 10, 10, nodes=frozenset({"n2"})), "a0", "free")
+    with pytest.raises(InvalidRequestError, match="nodes"):
+        fleet.place(job("y", 10, 10, nodes=("n1",)), policy)  # type: ignore[arg-type]
+
+
 # ---- the scheduler ----
+
+
+def test_a_job_waiting_for_its_nodes_is_tried_again_only_when_they_free() -> None:
+    scheduler = Scheduler(ALL, "mra", fleet=two_nodes())
+    held = [
+        scheduler.submit(Ask(whole(f"b{i}", 1, gpu_model="B"), submitted_at=i)) for i in range(4)
+    ]
+    assert all(isinstance(h, Placed) for h in held)
+    waiting = scheduler.submit(Ask(job("w", 10, 10, nodes=frozenset({"n2"})), submitted_at=9))
+    assert isinstance(waiting, Waiting) and "on its nodes (n2)" in waiting.reason
+    assert isinstance(scheduler.submit(Ask(whole("a", 2), submitted_at=10)), Placed)  # on n1
+    scheduler.end("a")  # n1 frees: nothing there for `w`
+    assert not scheduler.decide().placed and "w" in scheduler
+    scheduler.end("b2")  # a GPU of n2 frees: `w` goes there
+    assert [p.ask.job_id for p in scheduler.decide().placed] == ["w"]
+    assert scheduler.fleet.slot(scheduler.fleet.gpu_of("w") or "").node == "n2"
 
 
 def test_a_waiting_gang_is_placed_when_a_node_frees_and_a_failed_bind_frees_every_gpu() -> None:
@@ -264,6 +300,8 @@ events = st.lists(
             st.sampled_from([0, 8, 24]),  # host memory, GiB
             st.sampled_from(["", "A", "B", "A|B"]),
             st.sampled_from(POLICY_NAMES),
+            # The nodes it may use (n3 has no GPU): a Kubernetes scheduler's candidates.
+            st.sampled_from([frozenset(), frozenset({"n1"}), frozenset({"n2"}), frozenset({"n3"})]),
         ),
         st.tuples(st.just("end"), st.integers(0, 10_000)),
         st.tuples(st.just("bind_failed"), st.integers(0, 10_000)),
@@ -290,7 +328,7 @@ def test_nothing_is_over_committed_and_no_waiting_job_fits_after_decide(events: 
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "submit":
-            (sm, quota), gpus, cpu, mem, model, policy = event[1:]
+            (sm, quota), gpus, cpu, mem, model, policy, nodes = event[1:]
             if gpus > 1:
                 sm, quota = 100, 100
             request = job(
@@ -302,6 +340,7 @@ def test_nothing_is_over_committed_and_no_waiting_job_fits_after_decide(events: 
                 cpu_milli=cpu,
                 host_memory_bytes=mem * GIB,
                 gpu_model=model,
+                nodes=nodes,
             )
             a = Ask(request, policy=policy, submitted_at=n)
             asks[a.job_id] = a
@@ -340,6 +379,7 @@ def test_nothing_is_over_committed_and_no_waiting_job_fits_after_decide(events: 
                 assert len(holds) == a.request.gpus
                 assert len({fleet.slot(g).node for g in holds}) == 1
                 assert all(a.request.allows(fleet.slot(g).model) for g in holds)
+                assert not a.request.nodes or fleet.slot(holds[0]).node in a.request.nodes
 
 
 def _fields(request: JobRequest) -> dict:

@@ -1,0 +1,139 @@
+"""gpuloom's Kubernetes components as processes: `gpuloom serve k8s` (the admission webhook,
+the scheduler extender and the Pod controller, one Deployment) and `gpuloom serve
+device-plugin` (one per GPU node, beside the dispatcher)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import structlog
+
+from gpuloom.kube.admission import AdmissionPolicy
+from gpuloom.kube.asks import priority_classes_from_text
+from gpuloom.policies.placement import POLICIES
+from gpuloom.services.common.settings import SettingsError
+from gpuloom.services.k8s.controller import PodController
+from gpuloom.services.k8s.deviceplugin import DevicePlugin, DevicePluginConfig, DevicePluginServer
+from gpuloom.services.k8s.extender import Extender, GpuNodes
+from gpuloom.services.k8s.http import JsonServer, server_tls
+from gpuloom.services.k8s.jobs import PlacementJobs
+from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
+from gpuloom.services.k8s.pods import PodJobs
+from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
+from gpuloom.services.k8s.webhook import AdmissionWebhook
+
+log = structlog.get_logger("gpuloom.k8s")
+
+
+@dataclass
+class K8sApp:
+    server: JsonServer
+    controller: PodController
+    extender: Extender
+    jobs: PlacementJobs
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    @classmethod
+    async def start(cls, settings: K8sSettings, host: str) -> K8sApp:
+        api = _api(settings.api_server, settings.api_token_file, settings.api_ca_file, "K8S")
+        jobs = PlacementJobs(settings.placement_address)
+        classes = priority_classes_from_text(settings.priority_classes)
+        index = PodJobs()
+        extender = Extender(
+            jobs,
+            api,
+            index,
+            GpuNodes(jobs, settings.fleet_ttl_s, time.monotonic),
+            POLICIES,
+            classes,
+        )
+        webhook = AdmissionWebhook(
+            AdmissionPolicy(POLICIES, settings.scheduler_name, settings.users, classes),
+            jobs,
+            settings.fleet_ttl_s,
+            time.monotonic,
+        )
+        controller = PodController(jobs, api, index, settings.scheduler_name, settings.resync_s)
+        try:
+            await controller.start()
+        except Exception as error:  # placement or the API server away: the loop tries again
+            log.warning("first reconcile failed; serving anyway", error=str(error))
+            await controller.start_loop()
+        server = JsonServer(
+            {
+                "/admission": webhook.review,
+                "/filter": extender.filter,
+                "/prioritize": extender.prioritize,
+                "/bind": extender.bind,
+            }
+        )
+        tls = (
+            server_tls(settings.tls_cert_file, settings.tls_key_file)
+            if settings.tls_cert_file
+            else None
+        )
+        await server.start(host, settings.port, tls)
+        log.info(
+            "k8s webhook and extender listening",
+            address=f"{'https' if tls else 'http'}://{host}:{server.port}",
+            placement=settings.placement_address,
+            api_server=api.server,
+        )
+        return cls(server, controller, extender, jobs)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.server.stop()
+        await self.controller.stop()
+        with contextlib.suppress(Exception):
+            await self.jobs.close()
+
+
+@dataclass
+class DevicePluginApp:
+    server: DevicePluginServer
+    jobs: PlacementJobs
+
+    @classmethod
+    async def start(cls, settings: DevicePluginSettings) -> DevicePluginApp:
+        api = _api(
+            settings.api_server, settings.api_token_file, settings.api_ca_file, "DEVICE_PLUGIN"
+        )
+        jobs = PlacementJobs(settings.placement_address)
+        config = DevicePluginConfig(
+            node=settings.node,
+            kubelet_dir=settings.kubelet_dir,
+            socket_name=settings.socket_name,
+            slots_per_gpu=settings.slots_per_gpu,
+            shim_host_path=settings.shim_host_path,
+            shim_container_path=settings.shim_container_path,
+            scheduler_name=settings.scheduler_name,
+            refresh_s=settings.refresh_s,
+        )
+        server = DevicePluginServer(DevicePlugin(config, jobs, api))
+        await server.start()
+        return cls(server, jobs)
+
+    @property
+    def socket(self) -> str:
+        return self.server.plugin.config.socket
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.server.stop()
+        with contextlib.suppress(Exception):
+            await self.jobs.close()
+
+
+def _api(server: str, token_file: str, ca_file: str, prefix: str) -> KubeApi:
+    """The API server client; SettingsError naming the variables when none can be found."""
+    try:
+        return KubeApi(KubeApiConfig(server, token_file, ca_file))
+    except KubeApiError as error:
+        raise SettingsError(
+            f"GPULOOM_{prefix}_API_SERVER: {error.message} (set it, with "
+            f"GPULOOM_{prefix}_API_TOKEN_FILE and GPULOOM_{prefix}_API_CA_FILE, outside a cluster)"
+        ) from None
