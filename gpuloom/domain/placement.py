@@ -296,6 +296,8 @@ class MigSlot:
     first_slice: int
     planned_start: float
     planned_end: float
+    # The instance its batch's run handed the task (its runner starts it there); "" until then.
+    instance_uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ from gpuloom.domain.errors import (
     ResourceExhausted,
 )
 from gpuloom.domain.gpus import find_model
+from gpuloom.domain.mig_runs import TaskEnd, TaskStart
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
@@ -42,9 +43,8 @@ from gpuloom.services.dispatcher.mig_executor import (
     MigBatchTask,
     MigExecutor,
     MigRunReport,
+    TaskHandoff,
     TaskRun,
-    subprocess_runner,
-    task_launcher,
     validate_batch,
 )
 from gpuloom.services.dispatcher.mps import MpsSupervisor
@@ -370,9 +370,13 @@ class DispatcherCore:
         policy: str,
         create_s: Mapping[int, float],
         destroy_s: Mapping[int, float],
-    ) -> AsyncIterator[Plan | TaskRun | MigRunReport]:
-        """Plan `tasks` and run them on this GPU: yields the plan, each task as it ends, and
-        the report. The run goes on if the caller goes away (its processes are not killed)."""
+        ends: AsyncIterator[TaskEnd],
+    ) -> AsyncIterator[Plan | TaskStart | TaskRun | MigRunReport]:
+        """Plan `tasks` and execute the plan on this GPU: yields the plan, each task as it is
+        handed out (its instance: the caller starts it there) and as it ends, and the report.
+        `ends` are the caller's reports of how its tasks ended; when they stop (or the caller
+        goes away) no further task is handed out and the run winds down. The dispatcher starts
+        no process of its own for any task."""
         model = find_model(self.gpu.model)
         if model is None or not model.mig_capable:
             raise FailedPrecondition(f"GPU {self.gpu.index} ({self.gpu.model}) is not MIG-capable")
@@ -385,9 +389,13 @@ class DispatcherCore:
             planner = get_planner(policy or "far")
         except UnknownPolicyError as error:
             raise InvalidArgument("policy", str(error)) from None
-        commands = {task.name: task.argv for task in tasks}
-        runner = subprocess_runner(commands, self._state_dir / "mig-logs", task_launcher())
-        executor = MigExecutor(self.backend, self.gpu.index, geometry, runner)
+        updates: asyncio.Queue[TaskStart | TaskRun] = asyncio.Queue()
+
+        def announce(update: TaskStart | TaskRun) -> None:
+            self._loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        handoff = TaskHandoff(announce)
+        executor = MigExecutor(self.backend, self.gpu.index, geometry, handoff.run)
         if self._mig_running:
             raise FailedPrecondition("a MIG batch is already running on this GPU")
         self._mig_running = True
@@ -398,23 +406,28 @@ class DispatcherCore:
         except BaseException:
             self._mig_running = False
             raise
-        ended: asyncio.Queue[TaskRun] = asyncio.Queue()
-
-        def on_task(run: TaskRun) -> None:
-            self._loop.call_soon_threadsafe(ended.put_nowait, run)
-
-        # The GPU stays busy until the run's thread is done, even if the caller hangs up
-        # (its tasks are not killed half-way).
-        running = asyncio.ensure_future(asyncio.to_thread(executor.execute, plan, on_task))
+        # The GPU stays busy until the run's thread is done; the run stops handing out tasks
+        # once the caller stops reporting (or hangs up), and then winds down.
+        running = asyncio.ensure_future(
+            asyncio.to_thread(executor.execute, plan, announce, handoff.stopped)
+        )
         running.add_done_callback(lambda _: setattr(self, "_mig_running", False))
-        while not running.done() or not ended.empty():
-            getter = asyncio.ensure_future(ended.get())
-            await asyncio.wait({getter, running}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-            else:
-                getter.cancel()
-        yield running.result()
+        reports = asyncio.ensure_future(_take_task_ends(ends, handoff))
+        try:
+            while not running.done() or not updates.empty():
+                getter = asyncio.ensure_future(updates.get())
+                waited = {getter, running} if reports.done() else {getter, running, reports}
+                await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                if reports.done() and not reports.cancelled() and reports.exception():
+                    raise reports.exception()  # type: ignore[misc]
+            yield running.result()
+        finally:
+            handoff.stop()
+            reports.cancel()
 
     # ---- events ----
 
@@ -463,3 +476,13 @@ class DispatcherCore:
 
     async def _on_channel(self, function: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.channel.submit(function))
+
+
+async def _take_task_ends(ends: AsyncIterator[TaskEnd], handoff: TaskHandoff) -> None:
+    """Pass the caller's task ends to the run; when they stop, stop the run (what was started
+    counts as ended, nothing more is handed out). A bad report (InvalidArgument) also stops it."""
+    try:
+        async for end in ends:
+            handoff.end(end.task, end.exit_code)
+    finally:
+        handoff.stop()

@@ -335,6 +335,9 @@ class Decisions:
     def job(self, job_id: str) -> Job | None:
         return self._live.get(job_id)
 
+    def followed(self, job_id: str) -> bool:
+        return bool(self._watchers.get(job_id))
+
     def set_pending_reason(self, job_id: str, reason: str) -> None:
         job = self._live.get(job_id)
         if job is not None and job.state is JobState.PENDING and job.pending_reason != reason:
@@ -719,7 +722,7 @@ class Decisions:
         """Forget a finished job: its capacity goes back, here and on the dispatcher."""
         self._live.pop(before.job_id, None)
         if before.spec.is_mig_batch:
-            self.mig.forget(before.job_id)
+            self.mig.forget(after)
         # The scheduler forgets it: a pending job stops waiting, a placed one gives its capacity
         # back (a MIG task holds no rectangle and no reservation: its run is the dispatcher's).
         if self.scheduler.end(before.job_id) and before.binding is not None:
