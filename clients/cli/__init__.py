@@ -10,6 +10,7 @@ from click.exceptions import NoArgsIsHelpError
 
 from gpuloom import __version__
 from gpuloom.clients.cli.addresses import group_options
+from gpuloom.clients.cli.credentials import credentials
 from gpuloom.clients.cli.dispatcher import dispatcher
 from gpuloom.clients.cli.jobs import (
     cancel,
@@ -80,6 +81,7 @@ def cli() -> None:
 cli.add_command(up)
 cli.add_command(serve)
 cli.add_command(migrate)
+cli.add_command(credentials)
 cli.add_command(profiles_alias)
 cli.add_command(mig)
 cli.add_command(profile)

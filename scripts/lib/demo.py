@@ -85,6 +85,9 @@ class Plane:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
         self.env.update(
             GPULOOM_DATA_DIR=str(state),
+            # Its own credentials (made on the plane's first start), which its CLI calls find
+            # here too; a reader's `scripts/up` keeps them in ~/.config/gpuloom.
+            GPULOOM_CREDENTIALS_DIR=str(state / "credentials"),
             GPULOOM_LOG_FORMAT="console",
             GPULOOM_PROFILE_STORE_PORT="0",
             GPULOOM_PROFILER_PORT="0",
@@ -163,9 +166,16 @@ class Day:
         return result.stdout
 
     def grpcurl(self, address: str, method: str, body: dict[str, Any] | None = None) -> list[Any]:
-        """Call `method` at `address`; every message of the answer, parsed."""
-        args = ["-plaintext", *(["-d", json.dumps(body)] if body is not None else [])]
-        shown = ["-plaintext", *(["-d", "'...'"] if body is not None else [])]
+        """Call `method` at `address` with the admin token (what changes state needs one); every
+        message of the answer, parsed."""
+        token = (self.plane.state / "credentials" / "admin.token").read_text().strip()
+        header = ["-H", f"authorization: Bearer {token}"]
+        args = ["-plaintext", *header, *(["-d", json.dumps(body)] if body is not None else [])]
+        shown = [
+            "-plaintext",
+            '-H "authorization: Bearer $(gpuloom credentials token)"',
+            *(["-d", "'...'"] if body is not None else []),
+        ]
         say(f"$ grpcurl {' '.join(shown)} {address} {method}")
         result = subprocess.run(
             [self.grpcurl_path, *args, address, method],

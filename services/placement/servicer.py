@@ -10,10 +10,11 @@ import grpc
 from gpuloom.convert.placement import gpu_info_from_pb
 from gpuloom.convert.training import reports_from_pb
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.services.common.auth import current_caller
+from gpuloom.services.common.auth import Role, current_caller
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.placement import convert
 from gpuloom.services.placement.core import PlacementCore
+from gpuloom.services.placement.domain import Job
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 
@@ -46,6 +47,14 @@ def _only() -> str | None:
     return None if caller is None or caller.sees_every_job else caller.name
 
 
+def _submitted(job: Job) -> bool:
+    """Whether the caller submitted `job`: only then does an answer carry its assignment token
+    (an admin who sees every job, and an anonymous reader, never get another's). Where
+    placement takes no tokens (GPULOOM_INSECURE) every caller is the same one."""
+    caller = current_caller()
+    return caller is None or (caller.role is not Role.ANONYMOUS and caller.name == job.owner)
+
+
 class PlacementServicer(pb_grpc.PlacementServicer):
     def __init__(self, core: PlacementCore) -> None:
         self._core = core
@@ -55,14 +64,14 @@ class PlacementServicer(pb_grpc.PlacementServicer):
         job = await self._core.submit(
             request.request_id, convert.spec_from_pb(request.spec), owner=_owner()
         )
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
-        # Only its submitter (or an admin) gets the job, the only answer besides SubmitJob's
-        # that carries the token (ListJobs and WatchJob never do).
+        # Its submitter, an admin or an anonymous reader gets the job; only its submitter gets
+        # the token (besides SubmitJob's answer; ListJobs and WatchJob never carry it).
         job = await self._core.get(_job_id(request.job_id), _only())
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
@@ -106,7 +115,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             _text("message", request.message),
             _only(),
         )
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def SetFunctionLoad(
