@@ -50,6 +50,7 @@ class JobState(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     LOST = "lost"
+    EVICTED = "evicted"  # its dispatcher took its reservation away (EvictClient)
 
     @property
     def finished(self) -> bool:
@@ -60,7 +61,9 @@ class JobState(enum.Enum):
         return self in (JobState.BINDING, JobState.ASSIGNED)
 
 
-FINISHED = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST})
+FINISHED = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST, JobState.EVICTED}
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,10 @@ the thread-safe reservation book; this class only coordinates them from the asyn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -58,6 +59,10 @@ T = TypeVar("T")
 MAX_PENDING_EVENTS = 10_000
 # SuspendClient waits at most this long for a low-memory point, whatever it asks.
 MAX_SUSPEND_WAIT_S = 600.0
+# Evictions kept for placement while it cannot be reached (the oldest go first), and how long
+# an eviction waits for placement to hear of it before it goes on without.
+MAX_UNREPORTED_EVICTIONS = 1024
+EVICTION_REPORT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +122,11 @@ class DispatcherCore:
         # Told when the GPU's description changes (MIG mode): the placement link registers
         # the GPU again.
         self.on_gpu_changed: Callable[[], None] | None = None
+        # Evictions placement has not heard of yet (assignment id -> reason, the latest
+        # MAX_UNREPORTED_EVICTIONS): its next heartbeat carries them, and the jobs end EVICTED.
+        self._evictions: dict[str, str] = {}
+        # Tells placement of an eviction now (the placement link: a heartbeat carrying it).
+        self.report_eviction: Callable[[str], Awaitable[None]] | None = None
         # This dispatcher's gRPC address as others reach it (set once the server listens): in
         # a process's environment, where `gpuloom.clients.models.attach` finds its GPU's store.
         self.grpc_address = ""
@@ -183,8 +193,31 @@ class DispatcherCore:
         return await self._end(assignment_id, "assignment released", EventKind.RELEASED)
 
     async def evict(self, assignment_id: str, reason: str) -> None:
-        if not await self._end(assignment_id, reason or "evicted", EventKind.EVICTED):
+        """Take a reservation away: placement hears of it first (its job ends EVICTED before
+        the process, cut off at once, can report an end of its own), within
+        EVICTION_REPORT_S; then the process is told and disconnected, and the book forgets it.
+        A placement that cannot be reached meanwhile hears of it with a later heartbeat."""
+        if self.book.get(assignment_id) is None:
             raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        reason = reason or "evicted"
+        self._evictions.pop(assignment_id, None)
+        self._evictions[assignment_id] = reason
+        while len(self._evictions) > MAX_UNREPORTED_EVICTIONS:
+            del self._evictions[next(iter(self._evictions))]
+        if self.report_eviction is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.report_eviction(assignment_id), EVICTION_REPORT_S)
+        # False when placement, told, released it meanwhile: gone either way.
+        await self._end(assignment_id, reason, EventKind.EVICTED)
+
+    def unreported_evictions(self) -> dict[str, str]:
+        """The evictions placement has not heard of yet (assignment id -> reason)."""
+        return dict(self._evictions)
+
+    def evictions_reported(self, assignment_ids: Iterable[str]) -> None:
+        """Placement answered a heartbeat that carried these."""
+        for assignment_id in assignment_ids:
+            self._evictions.pop(assignment_id, None)
 
     async def _end(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
         return await asyncio.shield(self._end_in_full(assignment_id, reason, kind))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import grpc
@@ -10,6 +10,7 @@ import grpc
 from gpuloom.convert.placement import gpu_info_from_pb
 from gpuloom.convert.training import reports_from_pb
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.training import MAX_SUSPEND_REASON_CHARS
 from gpuloom.services.common.auth import Role, current_caller
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.placement import convert
@@ -53,6 +54,18 @@ def _submitted(job: Job) -> bool:
     placement takes no tokens (GPULOOM_INSECURE) every caller is the same one."""
     caller = current_caller()
     return caller is None or (caller.role is not Role.ANONYMOUS and caller.name == job.owner)
+
+
+def _evictions(evictions: Sequence[pb.Eviction]) -> list[tuple[str, str]]:
+    """A heartbeat's evictions (assignment id, reason), each checked."""
+    for index, eviction in enumerate(evictions):
+        if not 1 <= len(eviction.assignment_id) <= 128:
+            raise InvalidArgument(f"evictions[{index}].assignment_id", "1..128 characters")
+        if len(eviction.reason) > MAX_SUSPEND_REASON_CHARS:
+            raise InvalidArgument(
+                f"evictions[{index}].reason", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
+            )
+    return [(e.assignment_id, e.reason) for e in evictions]
 
 
 class PlacementServicer(pb_grpc.PlacementServicer):
@@ -152,6 +165,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             convert.direct_reservations_from_pb(request.gpu_uuid, request.reservations),
             convert.store_models_from_pb(request.models),
             reports_from_pb(request.training),
+            _evictions(request.evictions),
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 
