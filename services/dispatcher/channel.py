@@ -72,6 +72,7 @@ from gpuloom.services.dispatcher.leasedesk import (
     DeskStats,
     LeaseDesk,
 )
+from gpuloom.services.dispatcher.refusal_log import RefusalLog
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
 from gpuloom.shimwire import (
@@ -217,6 +218,7 @@ class ShimChannel:
         self._on_event = on_event
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
+        self._refusals = RefusalLog()  # one user refused in a loop cannot fill the disk
         # Which mode a registering process of a task gets (the profiler link turns SHARE into
         # MEASURE while its task is being measured).
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
@@ -631,8 +633,7 @@ class ShimChannel:
             refusal = self._admission_refusal(peer[1])
             if refusal is not None:
                 metrics.CONNECTIONS_REFUSED.labels(self._gpu, refusal).inc()
-                log.warning("connection refused", gpu=self._gpu, pid=peer[0], uid=peer[1],
-                            reason=refusal)  # fmt: skip
+                self._log_refusal(peer[1], "connection refused", pid=peer[0], reason=refusal)
                 sock.close()
                 continue
             self._per_uid[peer[1]] = self._per_uid.get(peer[1], 0) + 1
@@ -1236,10 +1237,25 @@ class ShimChannel:
         message = shim_pb2.DispatcherMessage(error=shim_pb2.ProtocolError(message=reason))
         self._send(connection, message)
         self._emit(EventKind.REFUSED, assignment_id or connection.assignment_id or "", reason)
-        self._close(connection, reason, flush=True)
+        self._close(connection, reason, flush=True, refused=True)
+
+    def _log_refusal(self, uid: int, event: str, **fields: object) -> None:
+        """A refusal's warning, at the bounded rate of its user (refusal_log.py)."""
+        left_out = self._refusals.admit(uid, time.monotonic())
+        if left_out is None:
+            metrics.REFUSALS_UNLOGGED.labels(self._gpu).inc()
+            return
+        if left_out:
+            fields["not_logged_since"] = left_out
+        log.warning(event, gpu=self._gpu, uid=uid, **fields)
 
     def _close(
-        self, connection: _Connection, reason: str, quiet: bool = False, flush: bool = False
+        self,
+        connection: _Connection,
+        reason: str,
+        quiet: bool = False,
+        flush: bool = False,
+        refused: bool = False,
     ) -> None:
         sock = connection.sock
         if sock.fileno() < 0:
@@ -1283,6 +1299,8 @@ class ShimChannel:
         pid = connection.peer[0]
         if quiet:
             log.info("shim disconnected", gpu=self._gpu, pid=pid, reason=reason)
+        elif refused:
+            self._log_refusal(connection.peer[1], "shim refused", pid=pid, reason=reason)
         else:
             log.warning("shim connection closed", gpu=self._gpu, pid=pid, reason=reason)
         metrics.CONNECTIONS_CLOSED.labels(self._gpu, _reason_label(reason)).inc()
