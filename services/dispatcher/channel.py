@@ -62,6 +62,7 @@ from gpuloom.services.dispatcher.domain import (
     Suspension,
     derive_task_key,
 )
+from gpuloom.services.dispatcher.heartbeat import Heartbeat
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector, low_point_threshold
 from gpuloom.services.dispatcher.kernel_tables import KernelTable, KernelTables
 from gpuloom.services.dispatcher.leasedesk import (
@@ -167,6 +168,7 @@ class _Connection:
     __slots__ = (
         "allocated_bytes",
         "assignment_id",
+        "beat_slot",
         "deadline",
         "desk_slot",
         "fikit_slot",
@@ -191,6 +193,7 @@ class _Connection:
         self.requested_at: float | None = None
         self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
         self.desk_slot: int | None = None  # the lease desk's slot (mode SHARE)
+        self.beat_slot: int | None = None  # the heartbeat's slot (every mode)
         self.allocated_bytes = 0  # device memory, as the shim's last usage report said
 
 
@@ -219,6 +222,7 @@ class ShimChannel:
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
         self._refusals = RefusalLog()  # one user refused in a loop cannot fill the disk
+        self._heart = Heartbeat.start(gpu_label)  # a shim asking nothing sees a hung dispatcher
         # Which mode a registering process of a task gets (the profiler link turns SHARE into
         # MEASURE while its task is being measured).
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
@@ -327,6 +331,8 @@ class ShimChannel:
         self._timer.close()
         if self._desk is not None:
             self._desk.stop()
+        if self._heart is not None:
+            self._heart.stop()
 
     def submit(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `function` on the channel thread; the future holds its result or exception."""
@@ -746,6 +752,9 @@ class ShimChannel:
         )
         suspended = assignment_id in self._suspended
         fds = [fd]
+        if self._heart is not None:
+            with contextlib.suppress(OSError):  # full: its shim is not judged by a heartbeat
+                connection.beat_slot = self._heart.add(fd)
         # The region is complete before the shim can see it.
         if mode is ShimMode.FIKIT:
             # No lease is ever published: admit_until stays 0, so every launch of the shim
@@ -1293,6 +1302,9 @@ class ShimChannel:
         if connection.fikit_slot is not None and self._arbiter is not None:
             self._arbiter.remove_task(connection.fikit_slot)
             connection.fikit_slot = None
+        if connection.beat_slot is not None and self._heart is not None:
+            self._heart.remove(connection.beat_slot)
+            connection.beat_slot = None
         if connection.region is not None:
             connection.region.close()
             connection.region = None

@@ -146,6 +146,13 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
         r = region();
         if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_refusal("assignment evicted");
     }
+    if (dispatcher_silent(r, now_ns())) {
+        char why[128];
+        snprintf(why, sizeof why,
+                 "the dispatcher stopped beating (no heartbeat within %llu ms: hung)",
+                 (unsigned long long)(C.alive_ns / 1000000u));
+        return on_loss(why);
+    }
     if (g_mode == GL_MODE_FIKIT)
         return fikit_admit((uint8_t *)r, key, launch, granted_seq, &g_wait_lock);
     if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;

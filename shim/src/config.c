@@ -92,6 +92,9 @@ void read_config(void) {
         else
             C.event_pool = (int)value;
     }
+    C.alive_ns = (uint64_t)C.wait_ms * 1000000u;
+    if (C.alive_ns < GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS)
+        C.alive_ns = GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS;
     const char *socket_path = getenv("GPULOOM_DISPATCHER_SOCKET");
     const char *token = getenv("GPULOOM_ASSIGNMENT_TOKEN");
     int have_socket = socket_path && *socket_path, have_token = token && *token;

@@ -137,6 +137,7 @@ extern struct gl_config {
      * register, so it is refused (launches fail, nothing is allocated). "" when usable. */
     char unusable[256];
     int wait_ms;
+    uint64_t alive_ns; /* the oldest dispatcher heartbeat taken for a live dispatcher */
     int log_level;
     int trace_fd;
     int event_pool; /* measure mode: event pairs (GPULOOM_SHIM_EVENT_POOL) */

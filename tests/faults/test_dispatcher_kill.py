@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -165,3 +166,51 @@ def test_kill_9_of_the_dispatcher_mid_mig_batch_leaves_no_task_behind(short_dir:
     finally:
         if dispatcher.process is not None and dispatcher.process.poll() is None:
             dispatcher.kill()
+
+
+@pytest.mark.parametrize("event", ["kill", "hang"])
+@pytest.mark.parametrize("policy", ["spatiotemporal", "exclusive", "fikit"])
+async def test_fail_closed_within_the_bound_of_a_dead_or_hung_dispatcher(
+    short_dir: Path, run: Runner, policy: str, event: str
+) -> None:
+    """GPULOOM_ON_DISPATCHER_LOSS=closed: a process fails within GPULOOM_SHIM_WAIT_MS of its
+    dispatcher's death (kill -9: its socket closes) or hang (SIGSTOP: its socket stays open,
+    its heartbeat stops), whether it waits for leases, holds one until further notice
+    (`exclusive`) or holds the GPU under FIKIT, asking for nothing."""
+    dispatcher = DispatcherProcess(short_dir)
+    dispatcher.env.update(GPULOOM_DISPATCHER_POLICY=policy)
+    dispatcher.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{dispatcher.port}") as channel:
+            token = (
+                dispatcher.stub(channel)
+                .Reserve(reserve_request(sm=100, request=50.0, limit=50.0))
+                .assignment_token
+            )
+        env = {
+            "GPULOOM_DISPATCHER_SOCKET": dispatcher.socket_path,
+            "GPULOOM_ASSIGNMENT_TOKEN": token,
+            "GPULOOM_SHIM_WAIT_MS": str(WAIT_MS),
+            "GPULOOM_ON_DISPATCHER_LOSS": "closed",
+        }
+        task = asyncio.create_task(
+            run.run_async("module", KERNEL, "loop", "8.0", KERNEL, "1", env=env, timeout=30)
+        )
+        await asyncio.sleep(1.0)
+        lost_ns = time.monotonic_ns()
+        assert dispatcher.process is not None
+        dispatcher.process.send_signal(signal.SIGKILL if event == "kill" else signal.SIGSTOP)
+        result = await task
+        failed_after_ms = (time.monotonic_ns() - lost_ns) / 1e6
+    finally:
+        if dispatcher.process is not None and dispatcher.process.poll() is None:
+            dispatcher.process.send_signal(signal.SIGCONT)
+            dispatcher.kill()
+    assert result.returncode == 3, (result.returncode, result.stderr)
+    assert f"rc={CUDA_ERROR_NOT_PERMITTED}" in result.line("loop")
+    # It failed within the bound (and the time to exit on a loaded machine), not at the end of
+    # its 8 s loop; no kernel of it started on the GPU later than the bound after the loss.
+    assert failed_after_ms < WAIT_MS + 700, failed_after_ms
+    pid = int(result.value("init", "pid"))
+    last_start = max(start for p, _, start, _ in run.engine_runs() if p == pid)
+    assert (last_start - lost_ns) / 1e6 < WAIT_MS + 100, (last_start - lost_ns) / 1e6
