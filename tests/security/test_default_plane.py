@@ -228,9 +228,20 @@ def test_a_submitter_may_not_touch_a_dispatcher_and_tokens_reach_only_their_subm
     assert added.returncode == 0, added.stderr
     bob = (credentials / "bob.token").read_text().strip()
     admins = submit_share(plane, "admins-job")
-    time.sleep(1.2)  # the services read the tokens file again within a second of a change
-
     bob_settings = TransportSettings.model_construct(auth_token=bob)
+
+    def known() -> bool:  # the services read the tokens file again within a second or two
+        with open_channel(plane.placement, settings=bob_settings) as channel:
+            try:
+                placement_pb2_grpc.PlacementStub(channel).ListJobs(pb.ListJobsRequest(), timeout=10)
+            except grpc.RpcError:
+                return False
+        return True
+
+    deadline = time.monotonic() + 15
+    while not known():
+        assert time.monotonic() < deadline, "bob's token was never taken"
+        time.sleep(0.2)
     with (
         open_channel(plane.dispatchers[1], settings=bob_settings) as channel,
         pytest.raises(grpc.RpcError) as refused,
