@@ -265,7 +265,9 @@ def test_a_submitter_may_not_touch_a_dispatcher_and_tokens_reach_only_their_subm
         assert theirs.value.code() == grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
     bobs_token = mine.assignment.environment["GPULOOM_ASSIGNMENT_TOKEN"]
     # The admin sees bob's job, but not its token.
-    with open_channel(plane.placement) as channel:
+    admin = (credentials / "admin.token").read_text().strip()
+    admin_settings = TransportSettings.model_construct(auth_token=admin)
+    with open_channel(plane.placement, settings=admin_settings) as channel:
         seen = placement_pb2_grpc.PlacementStub(channel).GetJob(
             pb.GetJobRequest(job_id=str(bobs["job_id"])), timeout=10
         )
