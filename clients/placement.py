@@ -184,9 +184,10 @@ class PlacementClient(BlockingClient):
         on_update: Callable[[JobView], None] | None = None,
     ) -> JobView:
         """Follow the job until it is ASSIGNED and return it (read by GetJob, so with its
-        token). Raises JobNotAssigned if it finishes instead (failed, cancelled, lost, ...) and
-        WaitTimedOut after `timeout_s` (None: no limit). `on_update` sees every revision on the
-        way."""
+        token); a MIG batch task, until its batch hands it its instance (its runner must start
+        it then, and following it is what tells placement a runner waits). Raises
+        JobNotAssigned if it finishes instead (failed, cancelled, lost, ...) and WaitTimedOut
+        after `timeout_s` (None: no limit). `on_update` sees every revision on the way."""
         last: JobView | None = None
         call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id), timeout=timeout_s)
         try:
@@ -194,7 +195,7 @@ class PlacementClient(BlockingClient):
                 job = last = convert.job_from_pb(message)
                 if on_update is not None:
                     on_update(job)
-                if job.state is JobState.ASSIGNED:
+                if job.state is JobState.ASSIGNED and _startable(job):
                     # Watch answers never carry the assignment token; GetJob does.
                     job = self.get(job_id)
                     if job.state is JobState.ASSIGNED:
@@ -545,3 +546,11 @@ def file_key_for(field: str, doc: Mapping[str, Any] | None = None) -> str | None
     if field.startswith("spec."):
         return field.removeprefix("spec.")
     return None
+
+
+def _startable(job: JobView) -> bool:
+    """An assigned job its command can start in: a MIG batch task once it holds its instance."""
+    if not job.spec.is_mig_batch:
+        return True
+    slot = job.assignment.mig if job.assignment is not None else None
+    return slot is not None and bool(slot.instance_uuid)

@@ -75,7 +75,7 @@ class JobRunner:
         """The job once ASSIGNED, telling `on_message` why it waits. Raises JobNotAssigned if it
         ends instead; on WaitTimedOut (after `timeout_s`) and KeyboardInterrupt the job is
         cancelled first."""
-        if job.state is JobState.ASSIGNED:
+        if job.state is JobState.ASSIGNED and not job.spec.is_mig_batch:
             return job
         shown: set[str] = set()
 
@@ -86,6 +86,12 @@ class JobRunner:
                 shown.add(update.pending_reason)
                 reason = update.pending_reason or "waiting for capacity"
                 self._say(f"job {update.job_id} pending: {reason}")
+            slot = update.assignment.mig if update.assignment else None
+            if update.state is JobState.ASSIGNED and slot and not slot.instance_uuid:
+                waiting = f"in a MIG batch on {update.assignment.gpu_uuid}"  # type: ignore[union-attr]
+                if shown[0] != waiting:
+                    shown[0] = waiting
+                    self._say(f"job {update.job_id} {waiting}; waiting for its instance")
 
         try:
             return self.client.wait_assigned(job.job_id, timeout_s, on_update=show)

@@ -4,11 +4,15 @@
 
 Exits 0 when ADDRESS (host:port) answers SERVING for SERVICE (default: the whole server);
 otherwise 1, with one line on stderr saying what answered (or did not); 2 for a bad call.
-Every gpuloom server registers grpc.health.v1.Health (services/common/server.py).
+Every gpuloom server registers grpc.health.v1.Health (services/common/server.py), and answers it
+without a token. A service that serves TLS is asked over TLS, as the service itself calls: with
+GPULOOM_TLS_CA_FILE (and GPULOOM_TLS_CERT_FILE / _KEY_FILE, its own certificate, for mutual
+TLS; GPULOOM_TLS_SERVER_NAME, the name to check) from the container's environment.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import grpc
@@ -20,7 +24,7 @@ TIMEOUT_S = 3.0
 def check(address: str, service: str = "", timeout_s: float = TIMEOUT_S) -> str | None:
     """None when `address` serves `service`, else why not (one line)."""
     try:
-        with grpc.insecure_channel(address) as channel:
+        with _channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
@@ -32,11 +36,34 @@ def check(address: str, service: str = "", timeout_s: float = TIMEOUT_S) -> str 
     return None
 
 
+def _channel(address: str) -> grpc.Channel:
+    ca = os.environ.get("GPULOOM_TLS_CA_FILE", "")
+    if not ca:
+        return grpc.insecure_channel(address)
+
+    def read(variable: str) -> bytes | None:
+        path = os.environ.get(variable, "")
+        if not path:
+            return None
+        with open(path, "rb") as file:
+            return file.read()
+
+    credentials = grpc.ssl_channel_credentials(
+        read("GPULOOM_TLS_CA_FILE"), read("GPULOOM_TLS_KEY_FILE"), read("GPULOOM_TLS_CERT_FILE")
+    )
+    name = os.environ.get("GPULOOM_TLS_SERVER_NAME", "")
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(address, credentials, options=options)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) not in (2, 3) or not argv[1] or argv[1].startswith("-"):
         sys.stderr.write("usage: healthcheck.py HOST:PORT [SERVICE]\n")
         return 2
-    problem = check(argv[1], argv[2] if len(argv) == 3 else "")
+    try:
+        problem = check(argv[1], argv[2] if len(argv) == 3 else "")
+    except OSError as error:  # a TLS file that cannot be read
+        problem = f"{argv[1]}: {error}"
     if problem is not None:
         sys.stderr.write(problem + "\n")
         return 1

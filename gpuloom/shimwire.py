@@ -68,7 +68,7 @@ class FrameReader:
 # ---- the admission region ----
 
 REGION_MAGIC = 0x4D534C47  # "GLSM" little-endian
-REGION_VERSION = 5
+REGION_VERSION = 6
 REGION_BYTES = 4096
 REGION_SAMPLES = 224  # entries of the memory sample ring
 OPEN_ENDED_NS = (1 << 64) - 1
@@ -81,6 +81,10 @@ _OFF_SM_PERCENT, _OFF_MODE = 40, 44
 _OFF_SUSPEND_UNTIL, _OFF_SAMPLE_PERIOD = 48, 56
 # FIKIT words: the arbiter writes these ...
 OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
+# The dispatcher's heartbeat (CLOCK_MONOTONIC ns, every mode; written by its native thread every
+# BEAT_PERIOD_NS; 0: it gives none): a shim that asks for nothing takes a beat older than its
+# bound (GPULOOM_SHIM_WAIT_MS, at least BEAT_MIN_PERIODS periods) for a lost dispatcher.
+OFF_BEAT, BEAT_PERIOD_NS, BEAT_MIN_PERIODS = 88, 25_000_000, 4
 # ... and the shim these (own cache line).
 OFF_FK_REQ_SEQ, OFF_FK_DONE, OFF_FK_KERNEL, OFF_FK_POST_NS, OFF_FK_WAITING = 128, 132, 136, 144, 152
 # Lease request words, written by a SHARE shim for the dispatcher's lease desk (own cache line).

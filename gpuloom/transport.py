@@ -2,6 +2,8 @@
 (mutual TLS when it also holds a certificate), with the bearer token of GPULOOM_AUTH_TOKEN or
 GPULOOM_AUTH_TOKEN_FILE in each call's `authorization` header. The services' outgoing channels
 and the clients (CLI included) open their channels here, so both follow the same settings.
+Where the environment sets neither the token nor TLS, the client settings of the credentials
+directory (gpuloom/credentials.py, `client.env`) stand in, as kubectl reads its kubeconfig.
 
 What a service accepts (its certificate, the table of tokens, who may call what) is the server
 side, services/common/auth.py; docs/security.md tells how to deploy them together.
@@ -18,6 +20,8 @@ from typing import Any, NamedTuple
 import grpc
 from pydantic import ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from gpuloom.credentials import client_defaults
 
 AUTHORIZATION = "authorization"  # the metadata key of the bearer token (lower case in gRPC)
 MAX_TOKEN_CHARS = 512
@@ -50,6 +54,14 @@ class TransportSettings(BaseSettings):
     auth_token_file: str = ""
     # Servers: the table of accepted tokens (ROLE NAME TOKEN per line); empty: no tokens.
     auth_tokens_file: str = ""
+    # Servers with tokens: calls without one may still read (the RPCs that change nothing and
+    # tell no token); the embedded plane on 127.0.0.1 serves so.
+    auth_anonymous_reads: bool = False
+    # `gpuloom up` / `gpuloom serve`: serve with no authentication at all (the explicit opt-out
+    # of the credentials they otherwise make or require; docs/security.md).
+    insecure: bool = False
+    # Where the deployment's credentials are (gpuloom/credentials.py); empty: the default.
+    credentials_dir: str = ""
 
     @field_validator(
         "tls_cert_file", "tls_key_file", "tls_ca_file", "auth_token_file", "auth_tokens_file"
@@ -113,10 +125,28 @@ def check_token_text(token: str) -> None:
         raise ValueError("a token is printable ASCII without spaces")
 
 
+TOKEN_VARIABLES = ("GPULOOM_AUTH_TOKEN", "GPULOOM_AUTH_TOKEN_FILE")
+TLS_VARIABLES = ("GPULOOM_TLS_CA_FILE", "GPULOOM_TLS_CERT_FILE", "GPULOOM_TLS_KEY_FILE")
+
+
 def load_settings() -> TransportSettings:
-    """The settings from the environment; TransportConfigError naming each wrong variable."""
+    """The settings from the environment, with the credentials directory's client settings
+    for the token where the environment sets no GPULOOM_AUTH_TOKEN(_FILE), and for TLS where
+    it sets none of GPULOOM_TLS_CA_FILE, _CERT_FILE, _KEY_FILE (a variable set empty counts:
+    `GPULOOM_TLS_CA_FILE=` calls without TLS); TransportConfigError naming each wrong
+    variable."""
+    defaults = client_defaults()
+    chosen: dict[str, str] = {}
+    for group, taken in (
+        (TOKEN_VARIABLES, TOKEN_VARIABLES),
+        (TLS_VARIABLES, (*TLS_VARIABLES, "GPULOOM_TLS_SERVER_NAME")),
+    ):
+        # A variable set, even empty, is the environment's choice (empty: none).
+        if not any(variable in os.environ for variable in group):
+            chosen.update({k: v for k, v in defaults.items() if k in taken and k not in os.environ})
+    fields = {k.removeprefix("GPULOOM_").lower(): v for k, v in chosen.items()}
     try:
-        return TransportSettings()
+        return TransportSettings(**fields)
     except ValidationError as error:
         problems = []
         for item in error.errors():

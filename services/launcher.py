@@ -15,6 +15,7 @@ from gpuloom.services.common.database import ensure_reachable, head_revision
 from gpuloom.services.common.logging import configure_logging
 from gpuloom.services.common.metrics import start_metrics_endpoint
 from gpuloom.services.common.ports import PortInUse
+from gpuloom.services.common.secure_start import secure_process
 from gpuloom.services.common.server import wait_for_shutdown_signal
 from gpuloom.services.common.settings import CommonSettings, load
 from gpuloom.services.dispatcher.app import DispatcherApp
@@ -47,10 +48,17 @@ class Endpoint:
     address: str
 
 
-async def run(services: tuple[str, ...], announce: Callable[[list[Endpoint]], None]) -> None:
-    """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM."""
+async def run(
+    services: tuple[str, ...],
+    announce: Callable[[list[Endpoint]], None],
+    embedded: bool = False,
+) -> None:
+    """Start the named services, call `announce` with their endpoints, run until SIGINT/SIGTERM.
+    `embedded` (`gpuloom up`): make the credentials directory if it is missing; otherwise it
+    must be there, or other settings say how to serve (services/common/secure_start.py)."""
     common = load(CommonSettings)
     configure_logging(common.log_level, common.log_format)
+    secure_process(services, common.bind_host, embedded)
     ServerSecurity.from_environment()  # TLS and token settings checked before anything starts
     started: list[
         ProfileStoreApp | ProfilerApp | PlacementApp | DispatcherApp | K8sApp | DevicePluginApp

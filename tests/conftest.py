@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -39,6 +41,24 @@ START_REDIS = (
     "start it with `redis-server --daemonize yes --port 6379 --save ''` (or `docker run "
     "-p 6379:6379 redis:7`), or point GPULOOM_TEST_REDIS_URL at a server"
 )
+
+
+# `gpuloom up` makes its credentials (docs/security.md) in $XDG_CONFIG_HOME/gpuloom unless told
+# otherwise, and every client reads them from there: the tests' planes and clients share a
+# directory of this session's own, never the user's ~/.config.
+CONFIG_HOME = tempfile.mkdtemp(prefix="gpuloom-test-config-")
+os.environ["XDG_CONFIG_HOME"] = CONFIG_HOME
+os.environ.pop("GPULOOM_CREDENTIALS_DIR", None)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(CONFIG_HOME, ignore_errors=True)
+
+
+def admin_token() -> str:
+    """The admin token of this session's credentials directory (made by the first `gpuloom
+    up` of the session)."""
+    return (Path(CONFIG_HOME) / "gpuloom" / "admin.token").read_text().strip()
 
 
 def free_port() -> int:

@@ -45,11 +45,17 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_plane(
-    state: Path, sim_gpus: str, gpu_count: int, metrics: bool = False
+    state: Path,
+    sim_gpus: str,
+    gpu_count: int,
+    metrics: bool = False,
+    extra_env: dict[str, str] | None = None,
+    log: Path | None = None,
 ) -> Iterator[Plane]:
     """`gpuloom up` on `sim_gpus` (GPULOOM_DISPATCHER_SIM_GPUS, `gpu_count` GPUs, fleet id
     PLANE_FLEET_ID), until every GPU is registered with placement; stopped with SIGTERM
-    afterwards."""
+    afterwards. `extra_env` goes to the plane and its clients; its log goes to `log` (else
+    nowhere)."""
     (state / "dispatcher").mkdir(parents=True, exist_ok=True)
     (state / "dispatcher" / FLEET_ID_FILE).write_text(PLANE_FLEET_ID + "\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
@@ -63,9 +69,11 @@ def running_plane(
         GPULOOM_DISPATCHER_BACKEND="simulated",
         GPULOOM_DISPATCHER_SIM_GPUS=sim_gpus,
         GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.2",
+        **(extra_env or {}),
     )
+    log_file = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
-        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=log_file, text=True
     )
     try:
         assert process.stdout is not None
@@ -105,6 +113,8 @@ def running_plane(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        if log is not None:
+            log_file.close()  # type: ignore[union-attr]
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 15.0) -> None:

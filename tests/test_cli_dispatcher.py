@@ -10,11 +10,11 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from google.protobuf import json_format
 
 from gpuloom.clients.shim import Evicted, ShimClient
+from gpuloom.transport import open_channel
 from gpuloom.v1 import (
     common_pb2,
     dispatcher_pb2,
@@ -38,7 +38,7 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
 
 
 def reserve(plane: Plane, assignment_id: str) -> dispatcher_pb2.Assignment:
-    with grpc.insecure_channel(plane.dispatchers[0]) as channel:
+    with open_channel(plane.dispatchers[0]) as channel:
         return dispatcher_pb2_grpc.DispatcherStub(channel).Reserve(
             dispatcher_pb2.ReserveRequest(
                 assignment_id=assignment_id,
@@ -60,7 +60,7 @@ def gpuloom(plane: Plane, *args: str) -> subprocess.CompletedProcess:
 
 
 def reserved_ids(plane: Plane) -> set[str]:
-    with grpc.insecure_channel(plane.dispatchers[0]) as channel:
+    with open_channel(plane.dispatchers[0]) as channel:
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
         answer = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
     return {c.assignment.assignment_id for c in answer.clients}
@@ -216,7 +216,7 @@ def test_json_is_the_protos_mapping_and_parses_back_into_the_message(plane: Plan
     message the service itself answers."""
     held = reserve(plane, "by-hand-json")
     try:
-        with grpc.insecure_channel(plane.dispatchers[0]) as channel:
+        with open_channel(plane.dispatchers[0]) as channel:
             served = dispatcher_pb2_grpc.DispatcherStub(channel).GetGpuStatus(
                 dispatcher_pb2.GetGpuStatusRequest()
             )
@@ -230,7 +230,7 @@ def test_json_is_the_protos_mapping_and_parses_back_into_the_message(plane: Plan
     finally:
         gpuloom(plane, "release", held.assignment_id, "--gpu", GPU0)
 
-    with grpc.insecure_channel(plane.placement) as channel:
+    with open_channel(plane.placement) as channel:
         entries = placement_pb2_grpc.PlacementStub(channel).ListGpus(
             placement_pb2.ListGpusRequest()
         )

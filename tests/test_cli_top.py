@@ -18,7 +18,6 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import grpc
 import pytest
 from rich.console import Console
 
@@ -30,6 +29,7 @@ from gpuloom.convert.dispatcher import status_from_pb, status_to_pb
 from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.placement import GpuEntry, JobKind, JobSpec, JobView
 from gpuloom.domain.shares import share_of
+from gpuloom.transport import open_channel
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
 from tests.plane import GPULOOM, PLANE_FLEET_ID, Plane, free_port, running_plane, wait_for
 
@@ -136,7 +136,7 @@ def test_json_is_one_object_with_every_gpu_and_process(day: Day) -> None:
 
 def test_the_json_status_is_the_dispatchers_answer(day: Day) -> None:
     """The converter loses nothing: GetGpuStatus through the domain and back is the same."""
-    with grpc.insecure_channel(day.plane.dispatchers[0]) as channel:
+    with open_channel(day.plane.dispatchers[0]) as channel:
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
         answer = stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
     assert len(answer.clients) == 2

@@ -5,8 +5,8 @@ decode, sent to the whole control plane on the embedded default. No answer may b
 UNKNOWN, and the service must still be healthy afterwards.
 
 Generated messages go to unary and client-streaming RPCs only: a server stream (WatchJob,
-WatchEvents, RunMigBatch) may legitimately run until cancelled, and RunMigBatch would run the
-generated argv as commands. Those get the undecodable bytes only.
+WatchEvents, RunMigBatch) may legitimately run until cancelled (RunMigBatch waits for its
+runner to end each task it hands out). Those get the undecodable bytes only.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ def test_gpuloom_serve_says_it_in_one_line(tmp_path: Path) -> None:
         GPULOOM_METRICS_PORT="0",
         GPULOOM_PLACEMENT_PORT="0",
         GPULOOM_PLACEMENT_DATABASE_URL=_closed_port_url(),
+        GPULOOM_INSECURE="true",  # past the credentials check, to the database
     )
     result = subprocess.run(
         [GPULOOM, "serve", "placement"], env=env, capture_output=True, text=True, timeout=60

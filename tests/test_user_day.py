@@ -10,9 +10,9 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
+from gpuloom.transport import open_channel
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2_grpc
 from gpuloom.v1 import placement_pb2 as pb
 from tests.plane import GPULOOM, Plane, running_plane, wait_for
@@ -56,7 +56,7 @@ def test_the_readmes_run_line_runs_as_written(plane: Plane) -> None:
 def test_a_share_reserved_on_a_dispatcher_directly_is_counted_by_placement(
     plane: Plane,
 ) -> None:
-    with grpc.insecure_channel(plane.dispatchers[0]) as channel:
+    with open_channel(plane.dispatchers[0]) as channel:
         dispatcher = dispatcher_pb2_grpc.DispatcherStub(channel)
         gpu0 = dispatcher.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest()).gpu.ref.gpu_uuid
         # The README's Reserve example.
@@ -70,7 +70,7 @@ def test_a_share_reserved_on_a_dispatcher_directly_is_counted_by_placement(
                 ),
             )
         )
-    with grpc.insecure_channel(plane.placement) as channel:
+    with open_channel(plane.placement) as channel:
         placement = placement_pb2_grpc.PlacementStub(channel)
 
         def entry() -> pb.GpuEntry:

@@ -10,6 +10,7 @@ from click.exceptions import NoArgsIsHelpError
 
 from gpuloom import __version__
 from gpuloom.clients.cli.addresses import group_options
+from gpuloom.clients.cli.credentials import credentials
 from gpuloom.clients.cli.dispatcher import dispatcher
 from gpuloom.clients.cli.jobs.gpus import gpus
 from gpuloom.clients.cli.jobs.listing import list_jobs
@@ -75,6 +76,7 @@ def cli() -> None:
 cli.add_command(up)
 cli.add_command(serve)
 cli.add_command(migrate)
+cli.add_command(credentials)
 cli.add_command(profiles_alias)
 cli.add_command(mig)
 cli.add_command(profile)

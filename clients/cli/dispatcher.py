@@ -172,12 +172,13 @@ def _dispatcher(
         raise click.UsageError("give either --gpu UUID or --dispatcher HOST:PORT")
     if dispatcher_address is None:
         assert gpu_uuid is not None
-        dispatcher_address = _find(gpu_uuid, placement_address)
+        dispatcher_address = find_dispatcher(gpu_uuid, placement_address)
     with DispatcherClient(dispatcher_address) as client:
         yield client, dispatcher_address
 
 
-def _find(gpu_uuid: str, placement_address: str) -> str:
+def find_dispatcher(gpu_uuid: str, placement_address: str) -> str:
+    """The address of the dispatcher of the GPU `gpu_uuid`, as placement knows it."""
     try:
         with PlacementClient(placement_address) as placement:
             entry = next((g for g in placement.gpus() if g.gpu.gpu_uuid == gpu_uuid), None)

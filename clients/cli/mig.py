@@ -1,8 +1,11 @@
-"""`gpuloom mig`: plan MIG partitions and task placement offline (FAR and its baselines), and
-generate synthetic task files (FAR paper, Section 6.3)."""
+"""`gpuloom mig`: plan MIG partitions and task placement offline (FAR and its baselines),
+generate synthetic task files (FAR paper, Section 6.3), and run a batch on a MIG GPU as its
+runner (`mig run`: the dispatcher reconfigures the GPU on the plan's schedule, this process starts
+each task in the instance it is handed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -10,7 +13,12 @@ from pathlib import Path
 import click
 import numpy as np
 
+from gpuloom.clients.cli.addresses import placement_option
+from gpuloom.clients.cli.dispatcher import find_dispatcher
+from gpuloom.clients.mig_run import MigBatchRunner, MigPlanned, Update, log_name, parse_batch
+from gpuloom.domain.errors import DomainError
 from gpuloom.domain.mig_geometry import MigGeometry, get_geometry
+from gpuloom.domain.mig_runs import MigRunReport, TaskRun, TaskStart
 from gpuloom.policies.mig import (
     InvalidTaskError,
     Plan,
@@ -162,6 +170,94 @@ def synth_command(
         click.echo(text, nl=False)
     else:
         output.write_text(text)
+
+
+@mig.command("run")
+@click.option(
+    "--dispatcher", "dispatcher_address", metavar="HOST:PORT", help="The GPU's dispatcher."
+)
+@click.option(
+    "--gpu", "gpu_uuid", metavar="UUID", help="The GPU (its dispatcher is asked of placement)."
+)
+@placement_option
+@click.option(
+    "--logs",
+    "log_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("mig-logs"),
+    show_default=True,
+    help="Directory for each task's output (TASK.log).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Each update as a JSON line.")
+@click.argument("batch_file", type=click.Path(dir_okay=False, path_type=Path))
+def run_command(
+    dispatcher_address: str | None,
+    gpu_uuid: str | None,
+    address: str,
+    log_dir: Path,
+    as_json: bool,
+    batch_file: Path,
+) -> None:
+    """Run the batch in BATCH_FILE on a MIG GPU, as its runner.
+
+    The GPU's dispatcher plans the batch (FAR unless it names a policy) and creates and
+    destroys the instances on the plan's schedule; this command starts each task's command, as
+    you and with your environment, with CUDA_VISIBLE_DEVICES set to the instance it is handed,
+    and reports its end. BATCH_FILE is RunMigBatch's request in JSON with each task's argv
+    (docs/mig.md). Exits 0 when every task exited 0, 1 otherwise.
+    """
+    if (gpu_uuid is None) == (dispatcher_address is None):
+        raise click.UsageError("give either --gpu UUID or --dispatcher HOST:PORT")
+    try:
+        batch = parse_batch(batch_file.read_text(encoding="utf-8"), str(batch_file))
+    except (OSError, UnicodeDecodeError) as error:
+        raise click.UsageError(f"{batch_file}: cannot read: {_reason(error)}") from None
+    except DomainError as error:
+        raise click.UsageError(error.message) from None
+    where = dispatcher_address or find_dispatcher(str(gpu_uuid), address)
+    show = _show_json if as_json else _show_text
+    runner = MigBatchRunner(where, log_dir, on_update=show)
+    try:
+        report = runner.run(batch)
+    except DomainError as error:
+        raise click.ClickException(f"dispatcher {where}: {error}") from None
+    failed = [t.task for t in report.tasks if t.exit_code != 0]
+    if failed or len(report.tasks) != len(batch.tasks):
+        raise SystemExit(1)
+
+
+def _show_json(update: Update) -> None:
+    kind = {
+        MigPlanned: "planned",
+        TaskStart: "task_started",
+        TaskRun: "task_ended",
+        MigRunReport: "report",
+    }[type(update)]
+    click.echo(json.dumps({kind: dataclasses.asdict(update)}))
+
+
+def _show_text(update: Update) -> None:
+    if isinstance(update, MigPlanned):
+        click.echo(
+            f"planned with {update.policy}: {update.tasks} tasks, makespan "
+            f"{update.planned_makespan_s:.2f} s"
+        )
+    elif isinstance(update, TaskStart):
+        click.echo(
+            f"{update.task}: started on {update.instance_uuid} ({update.size} slices at slice "
+            f"{update.first_slice}) at {update.start_s:.2f} s, planned "
+            f"{update.planned_start_s:.2f}-{update.planned_end_s:.2f} s; output "
+            f"{log_name(update.task)}"
+        )
+    elif isinstance(update, TaskRun):
+        click.echo(f"{update.task}: exit code {update.exit_code} at {update.end_s:.2f} s")
+    else:
+        creates = sum(r.action == "create" for r in update.reconfigurations)
+        click.echo(
+            f"done: {len(update.tasks)} tasks, makespan {update.makespan_s:.2f} s (planned "
+            f"{update.planned_makespan_s:.2f} s), {len(update.reconfigurations)} "
+            f"reconfigurations ({creates} creations)"
+        )
 
 
 def _reason(error: OSError | UnicodeDecodeError) -> str:

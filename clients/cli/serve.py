@@ -11,7 +11,7 @@ from gpuloom.domain.errors import DomainError
 from gpuloom.transport import TransportConfigError
 
 
-def _run(services: tuple[str, ...]) -> None:
+def _run(services: tuple[str, ...], embedded: bool = False) -> None:
     # Imported here, not at the top: the other commands of the CLI load no service code.
     from gpuloom.services import launcher
     from gpuloom.services.common.settings import SettingsError
@@ -23,7 +23,7 @@ def _run(services: tuple[str, ...]) -> None:
             click.echo(f"  {endpoint.name:<{width}}  {endpoint.address}")
 
     try:
-        asyncio.run(launcher.run(services, announce))
+        asyncio.run(launcher.run(services, announce, embedded))
     except (SettingsError, TransportConfigError) as error:
         raise click.ClickException(str(error)) from None
     except (OSError, DomainError) as error:
@@ -34,11 +34,14 @@ def _run(services: tuple[str, ...]) -> None:
 def up() -> None:
     """Run the whole control plane on the embedded default (SQLite, in-process cache).
 
-    Configured by GPULOOM_* environment variables (ports, data directory, simulated GPUs,
-    policies, ...): every one is in docs/configuration.md."""
+    Secured by the credentials directory (GPULOOM_CREDENTIALS_DIR, else ~/.config/gpuloom),
+    made on the first start: on 127.0.0.1 every change and every token needs the admin token
+    there, which the CLI finds by itself (docs/security.md). Configured by GPULOOM_* environment
+    variables (ports, data directory, simulated GPUs, policies, ...): every one is in
+    docs/configuration.md."""
     from gpuloom.services.launcher import SERVICES
 
-    _run(SERVICES)
+    _run(SERVICES, embedded=True)
 
 
 @click.command()
@@ -53,7 +56,9 @@ def serve(service: str) -> None:
     GPULOOM_* for every process and GPULOOM_<SERVICE>_* for SERVICE (GPULOOM_PROFILE_STORE_*,
     GPULOOM_PROFILER_*, GPULOOM_PLACEMENT_*, GPULOOM_DISPATCHER_*, GPULOOM_K8S_*,
     GPULOOM_DEVICE_PLUGIN_*); every one is in docs/configuration.md. `k8s` and
-    `device-plugin` are gpuloom's Kubernetes components (docs/deploy.md)."""
+    `device-plugin` are gpuloom's Kubernetes components (docs/deploy.md). It serves with the
+    credentials directory that `gpuloom credentials init` made (or GPULOOM_TLS_* /
+    GPULOOM_AUTH_TOKENS_FILE), and refuses to start without."""
     _run((service,))
 
 

@@ -29,6 +29,7 @@ STATE_STYLES = {
     "unschedulable": "yellow",
     "failed": "red",
     "lost": "red",
+    "evicted": "red",
     "blocked": "red",
     "cancelled": "dim",
 }

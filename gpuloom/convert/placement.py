@@ -199,6 +199,7 @@ def _assignment_from_pb(msg: pb.JobAssignment) -> Assignment:
                 slot.first_slice,
                 unix_s(slot, "planned_start"),
                 unix_s(slot, "planned_end"),
+                slot.instance_uuid,
             )
             if msg.HasField("mig")
             else None
@@ -240,6 +241,7 @@ def _assignment_to_pb(assignment: Assignment) -> pb.JobAssignment:
                 first_slice=slot.first_slice,
                 planned_start=timestamp(slot.planned_start),
                 planned_end=timestamp(slot.planned_end),
+                instance_uuid=slot.instance_uuid,
             )
         )
     return msg

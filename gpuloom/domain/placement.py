@@ -45,6 +45,7 @@ class JobState(enum.Enum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     LOST = "lost"
+    EVICTED = "evicted"  # its dispatcher took its reservation away (EvictClient)
 
     @property
     def finished(self) -> bool:
@@ -55,7 +56,9 @@ class JobState(enum.Enum):
         return self in (JobState.BINDING, JobState.ASSIGNED)
 
 
-FINISHED = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST})
+FINISHED = frozenset(
+    {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST, JobState.EVICTED}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +321,8 @@ class MigSlot:
     first_slice: int
     planned_start: float
     planned_end: float
+    # The instance its batch's run handed the task (its runner starts it there); "" until then.
+    instance_uuid: str = ""
 
 
 # The assignment's secret: whoever presents it to the dispatcher first holds the reservation,

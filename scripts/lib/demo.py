@@ -8,7 +8,8 @@ step printed with the command a user would type:
 3. a high-priority inference service and a low-priority batch job sharing GPU 1, each through
    `gpuloom run` and the launch shim (examples/serve.py on the fake driver), both assigned to
    the same GPU at the same time, seen in `gpuloom top --once`;
-4. a MIG batch planned (FAR) and run on GPU 0 by its dispatcher (`RunMigBatch`, grpcurl);
+4. a MIG batch planned (FAR) on GPU 0 by its dispatcher, which reconfigures the GPU on the
+   plan's schedule, and run by `gpuloom mig run`, which starts each task in its instance;
 
 and stops the plane. Every step checks what it shows; the first that fails ends the demo with
 exit code 1 and says why. The plane's state and log stay in the state directory.
@@ -84,6 +85,9 @@ class Plane:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
         self.env.update(
             GPULOOM_DATA_DIR=str(state),
+            # Its own credentials (made on the plane's first start), which its CLI calls find
+            # here too; a reader's `scripts/up` keeps them in ~/.config/gpuloom.
+            GPULOOM_CREDENTIALS_DIR=str(state / "credentials"),
             GPULOOM_LOG_FORMAT="console",
             GPULOOM_PROFILE_STORE_PORT="0",
             GPULOOM_PROFILER_PORT="0",
@@ -162,9 +166,16 @@ class Day:
         return result.stdout
 
     def grpcurl(self, address: str, method: str, body: dict[str, Any] | None = None) -> list[Any]:
-        """Call `method` at `address`; every message of the answer, parsed."""
-        args = ["-plaintext", *(["-d", json.dumps(body)] if body is not None else [])]
-        shown = ["-plaintext", *(["-d", "'...'"] if body is not None else [])]
+        """Call `method` at `address` with the admin token (what changes state needs one); every
+        message of the answer, parsed."""
+        token = (self.plane.state / "credentials" / "admin.token").read_text().strip()
+        header = ["-H", f"authorization: Bearer {token}"]
+        args = ["-plaintext", *header, *(["-d", json.dumps(body)] if body is not None else [])]
+        shown = [
+            "-plaintext",
+            '-H "authorization: Bearer $(gpuloom credentials token)"',
+            *(["-d", "'...'"] if body is not None else []),
+        ]
         say(f"$ grpcurl {' '.join(shown)} {address} {method}")
         result = subprocess.run(
             [self.grpcurl_path, *args, address, method],
@@ -307,46 +318,35 @@ class Day:
             time.sleep(0.05)
 
     def mig_batch(self) -> None:
-        say("\n== 4. A MIG batch planned (FAR) and run on GPU 0 by its dispatcher")
-        tasks = [
-            {
-                "name": name,
-                "seconds_by_size": seconds,
-                "argv": ["sh", "-c", 'echo "$0 on $CUDA_VISIBLE_DEVICES"; sleep 0.3', name],
-            }
-            for name, seconds in MIG_TASKS
-        ]
-        messages = self.grpcurl(
-            self.mig_dispatcher, "gpuloom.v1.Dispatcher/RunMigBatch", {"tasks": tasks}
-        )
-        planned = next(m["planned"] for m in messages if "planned" in m)
-        report = next(m["report"] for m in messages if "report" in m)
-        planned_s = planned["planned_makespan_s"]
-        say(indent(f"planned with {planned['policy']}: makespan {planned_s:.2f} s"))
-        for task in report["tasks"]:
-            say(
-                indent(
-                    f"{task['task']:<5} on {task['instance_uuid']}: "
-                    f"planned {task['planned_start_s']:.2f}-{task['planned_end_s']:.2f} s, "
-                    f"ran {task['start_s']:.2f}-{task['end_s']:.2f} s, "
-                    f"exit code {task.get('exit_code', 0)}"
-                )
-            )
-        changes = report.get("reconfigurations", [])
         say(
-            indent(
-                f"{len(changes)} reconfigurations "
-                f"({sum(c['action'] == 'create' for c in changes)} creations); "
-                f"makespan {report['makespan_s']:.2f} s"
-            )
+            "\n== 4. A MIG batch on GPU 0: its dispatcher plans it (FAR) and reconfigures the GPU;"
+            "\n   `gpuloom mig run`, the batch's runner, starts each task in the instance it gets"
         )
-        log = self.plane.state / "dispatcher" / "gpu-0" / "mig-logs" / "bfs.log"
+        batch = {
+            "tasks": [
+                {
+                    "name": name,
+                    "seconds_by_size": seconds,
+                    "argv": ["sh", "-c", 'echo "$0 on $CUDA_VISIBLE_DEVICES"; sleep 0.3', name],
+                }
+                for name, seconds in MIG_TASKS
+            ]
+        }
+        batch_file = self.plane.state / "mig-batch.json"
+        batch_file.write_text(json.dumps(batch, indent=2) + "\n")
+        logs = self.plane.state / "mig-logs"
+        output = self.gpuloom(
+            "mig", "run", "--dispatcher", self.mig_dispatcher, "--logs", str(logs), str(batch_file)
+        )
+        if "done:" not in output:
+            raise DemoFailed("gpuloom mig run did not report the batch done")
+        log = logs / "bfs.log"
         if log.exists():
             say(indent(f"{log.name}: {log.read_text().strip()}"))
-        done = {t["task"] for t in report["tasks"] if t.get("exit_code", 0) == 0}
-        missing = sorted({name for name, _ in MIG_TASKS} - done)
-        if missing:
-            raise DemoFailed(f"MIG tasks that did not succeed: {', '.join(missing)}")
+        ran = {name for name, _ in MIG_TASKS if (logs / f"{name}.log").exists()}
+        missing = sorted({name for name, _ in MIG_TASKS} - ran)
+        if missing or "MIG-" not in (log.read_text() if log.exists() else ""):
+            raise DemoFailed(f"MIG tasks that did not run in an instance: {', '.join(missing)}")
 
 
 def main(argv: list[str]) -> int:
@@ -388,8 +388,8 @@ def main(argv: list[str]) -> int:
         failure = f"gpuloom up exited {code} when stopped"
     say("\n== Where to look")
     say(f"  the plane's log:        {plane.log}")
-    say(f"  MIG task output:        {state}/dispatcher/gpu-0/mig-logs/")
-    say("  more: docs/jobs.md (gpuloom run, jobs, gpus), docs/mig.md (RunMigBatch),")
+    say(f"  MIG task output:        {state}/mig-logs/")
+    say("  more: docs/jobs.md (gpuloom run, jobs, gpus), docs/mig.md (gpuloom mig run),")
     say("        docs/profile-store.md, docs/deploy.md (compose and Kubernetes)")
     if failure is not None:
         say(f"\ndemo failed: {failure}")

@@ -9,12 +9,16 @@ server by `start_server`.
   `authorization: Bearer TOKEN` with a token of the table, else UNAUTHENTICATED. A `submitter`
   token may call only the submitters' RPCs of placement (PERMISSION_DENIED for the others);
   `admin` and `service` tokens may call every RPC. The caller is known to the servicer through
-  `current_caller()`; placement shows and ends a submitter's own jobs only. The table is read
-  again when the file changes.
+  `current_caller()`; placement shows and ends a submitter's own jobs only, and tells a job's
+  assignment token to its submitter only. The table is read again when the file changes.
+- **Anonymous reads** (`GPULOOM_AUTH_ANONYMOUS_READS`, the embedded plane on 127.0.0.1): a
+  call without a token may still make the RPCs of READ_RPCS, which change nothing and tell no
+  token; everything else needs one.
 
 Health and reflection stay open (they tell nothing secret; grpcurl needs reflection). With
 neither tokens nor client certificates the server is open to whoever reaches it, and says so
-in a warning at start-up: the embedded default on 127.0.0.1 runs so.
+in a warning at start-up: `gpuloom up` and `gpuloom serve` run so only when told to
+(GPULOOM_INSECURE, docs/security.md).
 """
 
 from __future__ import annotations
@@ -65,8 +69,31 @@ SUBMITTER_RPCS = frozenset(
         "CancelJob",
         "WatchJob",
         "ReportJobDone",
+        "ReportCheckpoint",
         "ListGpus",
     )
+)
+# What a call without a token may make where anonymous reads are on: these change nothing and
+# tell no token (GetJob tells a job's token to its submitter only, and an anonymous caller
+# submitted nothing). Anything not listed needs a token, a new RPC included.
+READ_RPCS = frozenset(
+    f"/gpuloom.v1.{service}/{name}"
+    for service, names in (
+        ("Placement", ("GetJob", "ListJobs", "WatchJob", "ListGpus")),
+        ("Dispatcher", ("GetGpuStatus", "ListClients", "WatchEvents", "ListModels")),
+        (
+            "ProfileStore",
+            (
+                "GetKernelProfile",
+                "GetThroughputProfile",
+                "GetMigProfile",
+                "GetJobProfile",
+                "ListProfiles",
+            ),
+        ),
+        ("Profiler", ("GetSession", "ListSessions", "AnalyzeMemory")),
+    )
+    for name in names
 )
 NAME = re.compile(r"[A-Za-z0-9._@-]{1,128}")
 MIN_TOKEN_CHARS = 16
@@ -77,6 +104,7 @@ class Role(enum.StrEnum):
     ADMIN = "admin"  # every RPC, every job
     SUBMITTER = "submitter"  # placement's job RPCs, its own jobs only
     SERVICE = "service"  # every RPC: the services' calls to one another
+    ANONYMOUS = "anonymous"  # no token, where anonymous reads are on: READ_RPCS only
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +115,9 @@ class Caller:
     @property
     def sees_every_job(self) -> bool:
         return self.role is not Role.SUBMITTER
+
+
+ANONYMOUS = Caller("", Role.ANONYMOUS)
 
 
 _CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar(
@@ -123,6 +154,8 @@ def parse_tokens(text: str, source: str) -> dict[bytes, Caller]:
         except ValueError:
             known = ", ".join(r.value for r in Role)
             raise ValueError(f"{where}: unknown role {role_text[:40]!r} (known: {known})") from None
+        if role is Role.ANONYMOUS:
+            raise ValueError(f"{where}: anonymous is no token's role")
         if not NAME.fullmatch(name):
             raise ValueError(f"{where}: the name must match [A-Za-z0-9._@-]{{1,128}}")
         try:
@@ -150,10 +183,12 @@ def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int, int], ...] | None:
 
 
 def _warn_if_shared(path: str, variable: str) -> None:
+    # Group access is how Kubernetes hands a Secret to a pod's user (fsGroup); world access is
+    # a mistake.
     mode = os.stat(path).st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    if mode & stat.S_IRWXO:
         log.warning(
-            "secret file readable by other users; chmod 600 it",
+            "secret file readable by every user; chmod 600 it",
             variable=variable,
             path=path,
             mode=oct(stat.S_IMODE(mode)),
@@ -248,11 +283,13 @@ class Refusal(Exception):
 
 
 class Authenticator(grpc.aio.ServerInterceptor):
-    """Every call but health and reflection must carry a known bearer token; a submitter's
-    only on SUBMITTER_RPCS. Without a table (`tokens` None), every call passes, callerless."""
+    """Every call but health and reflection must carry a known bearer token (with
+    `anonymous_reads`, the READ_RPCS may come without one); a submitter's only on
+    SUBMITTER_RPCS. Without a table (`tokens` None), every call passes, callerless."""
 
-    def __init__(self, tokens: TokenTable | None) -> None:
+    def __init__(self, tokens: TokenTable | None, anonymous_reads: bool = False) -> None:
         self._tokens = tokens
+        self._anonymous_reads = anonymous_reads
 
     @property
     def takes_tokens(self) -> bool:
@@ -262,10 +299,18 @@ class Authenticator(grpc.aio.ServerInterceptor):
         assert self._tokens is not None
         headers = [value for key, value in (metadata or ()) if key == AUTHORIZATION]
         if not headers:
+            if self._anonymous_reads and method in READ_RPCS:
+                return ANONYMOUS
+            needs = (
+                f"{method.strip('/')} changes state or tells a token, so it needs one; "
+                if self._anonymous_reads
+                else ""
+            )
             raise Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
-                "missing bearer token: send the header 'authorization: Bearer TOKEN' "
-                "(gpuloom clients: GPULOOM_AUTH_TOKEN or GPULOOM_AUTH_TOKEN_FILE)",
+                f"missing bearer token: {needs}send the header 'authorization: Bearer TOKEN' "
+                "(gpuloom clients find it in the credentials directory, or GPULOOM_AUTH_TOKEN / "
+                "GPULOOM_AUTH_TOKEN_FILE; docs/security.md)",
             )
         scheme, _, token = str(headers[0]).partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
@@ -380,4 +425,8 @@ class ServerSecurity:
             credentials = grpc.dynamic_ssl_server_credentials(
                 files.initial, files.fetch, require_client_authentication=settings.tls_client_auth
             )
-        return cls(Authenticator(tokens), credentials, settings.tls_client_auth)
+        return cls(
+            Authenticator(tokens, settings.auth_anonymous_reads),
+            credentials,
+            settings.tls_client_auth,
+        )

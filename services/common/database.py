@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from gpuloom.services.common.private_files import create_private_file
+from gpuloom.private_files import create_private_file
 
 # Accepted URL schemes and the async driver each one is served by.
 _DRIVER_FOR_SCHEME = {

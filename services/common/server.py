@@ -120,7 +120,7 @@ async def start_server(
             "(set GPULOOM_AUTH_TOKENS_FILE and GPULOOM_TLS_*; see docs/security.md)",
             address=f"{host}:{bound}",
         )
-    elif security.credentials is None and not _loopback(host):
+    elif security.credentials is None and not is_loopback(host):
         log.warning(
             "bearer tokens WITHOUT TLS: they cross the network in plaintext "
             "(set GPULOOM_TLS_*; see docs/security.md)",
@@ -129,7 +129,8 @@ async def start_server(
     return RunningServer(server, health_servicer, bound, names)
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only."""
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:

@@ -241,6 +241,7 @@ async def start_gpu_dispatcher(
         )
         core.on_gpu_changed = placement_link.register_again
         models.on_change = placement_link.report_now
+        core.report_eviction = placement_link.report_eviction
         await placement_link.start()
     log.info(
         "dispatcher ready",

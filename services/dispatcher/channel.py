@@ -62,6 +62,7 @@ from gpuloom.services.dispatcher.domain import (
     Suspension,
     derive_task_key,
 )
+from gpuloom.services.dispatcher.heartbeat import Heartbeat
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector, low_point_threshold
 from gpuloom.services.dispatcher.kernel_tables import KernelTable, KernelTables
 from gpuloom.services.dispatcher.leasedesk import (
@@ -72,6 +73,7 @@ from gpuloom.services.dispatcher.leasedesk import (
     DeskStats,
     LeaseDesk,
 )
+from gpuloom.services.dispatcher.refusal_log import RefusalLog
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
 from gpuloom.shimwire import (
@@ -166,6 +168,7 @@ class _Connection:
     __slots__ = (
         "allocated_bytes",
         "assignment_id",
+        "beat_slot",
         "deadline",
         "desk_slot",
         "fikit_slot",
@@ -190,6 +193,7 @@ class _Connection:
         self.requested_at: float | None = None
         self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
         self.desk_slot: int | None = None  # the lease desk's slot (mode SHARE)
+        self.beat_slot: int | None = None  # the heartbeat's slot (every mode)
         self.allocated_bytes = 0  # device memory, as the shim's last usage report said
 
 
@@ -217,6 +221,8 @@ class ShimChannel:
         self._on_event = on_event
         self._measurements = measurements
         self._limits = limits or ChannelLimits()
+        self._refusals = RefusalLog()  # one user refused in a loop cannot fill the disk
+        self._heart = Heartbeat.start(gpu_label)  # a shim asking nothing sees a hung dispatcher
         # Which mode a registering process of a task gets (the profiler link turns SHARE into
         # MEASURE while its task is being measured).
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
@@ -325,6 +331,8 @@ class ShimChannel:
         self._timer.close()
         if self._desk is not None:
             self._desk.stop()
+        if self._heart is not None:
+            self._heart.stop()
 
     def submit(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `function` on the channel thread; the future holds its result or exception."""
@@ -631,8 +639,7 @@ class ShimChannel:
             refusal = self._admission_refusal(peer[1])
             if refusal is not None:
                 metrics.CONNECTIONS_REFUSED.labels(self._gpu, refusal).inc()
-                log.warning("connection refused", gpu=self._gpu, pid=peer[0], uid=peer[1],
-                            reason=refusal)  # fmt: skip
+                self._log_refusal(peer[1], "connection refused", pid=peer[0], reason=refusal)
                 sock.close()
                 continue
             self._per_uid[peer[1]] = self._per_uid.get(peer[1], 0) + 1
@@ -745,6 +752,9 @@ class ShimChannel:
         )
         suspended = assignment_id in self._suspended
         fds = [fd]
+        if self._heart is not None:
+            with contextlib.suppress(OSError):  # full: its shim is not judged by a heartbeat
+                connection.beat_slot = self._heart.add(fd)
         # The region is complete before the shim can see it.
         if mode is ShimMode.FIKIT:
             # No lease is ever published: admit_until stays 0, so every launch of the shim
@@ -1236,10 +1246,25 @@ class ShimChannel:
         message = shim_pb2.DispatcherMessage(error=shim_pb2.ProtocolError(message=reason))
         self._send(connection, message)
         self._emit(EventKind.REFUSED, assignment_id or connection.assignment_id or "", reason)
-        self._close(connection, reason, flush=True)
+        self._close(connection, reason, flush=True, refused=True)
+
+    def _log_refusal(self, uid: int, event: str, **fields: object) -> None:
+        """A refusal's warning, at the bounded rate of its user (refusal_log.py)."""
+        left_out = self._refusals.admit(uid, time.monotonic())
+        if left_out is None:
+            metrics.REFUSALS_UNLOGGED.labels(self._gpu).inc()
+            return
+        if left_out:
+            fields["not_logged_since"] = left_out
+        log.warning(event, gpu=self._gpu, uid=uid, **fields)
 
     def _close(
-        self, connection: _Connection, reason: str, quiet: bool = False, flush: bool = False
+        self,
+        connection: _Connection,
+        reason: str,
+        quiet: bool = False,
+        flush: bool = False,
+        refused: bool = False,
     ) -> None:
         sock = connection.sock
         if sock.fileno() < 0:
@@ -1277,12 +1302,17 @@ class ShimChannel:
         if connection.fikit_slot is not None and self._arbiter is not None:
             self._arbiter.remove_task(connection.fikit_slot)
             connection.fikit_slot = None
+        if connection.beat_slot is not None and self._heart is not None:
+            self._heart.remove(connection.beat_slot)
+            connection.beat_slot = None
         if connection.region is not None:
             connection.region.close()
             connection.region = None
         pid = connection.peer[0]
         if quiet:
             log.info("shim disconnected", gpu=self._gpu, pid=pid, reason=reason)
+        elif refused:
+            self._log_refusal(connection.peer[1], "shim refused", pid=pid, reason=reason)
         else:
             log.warning("shim connection closed", gpu=self._gpu, pid=pid, reason=reason)
         metrics.CONNECTIONS_CLOSED.labels(self._gpu, _reason_label(reason)).inc()

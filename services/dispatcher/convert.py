@@ -4,16 +4,17 @@ domain validation then names (e.g. "share.sm_percent: must be within 1..100, got
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from gpuloom.convert.dispatcher import gpu_description_to_pb
-from gpuloom.convert.mig import task_run_to_pb
+from gpuloom.convert.mig import task_run_to_pb, task_start_to_pb
 from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.convert.times import timestamp
 from gpuloom.convert.training import cycle_to_pb
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.gpus import GpuInfo
-from gpuloom.domain.mig_runs import MigRunReport, TaskRun
+from gpuloom.domain.mig_runs import MigRunReport, TaskEnd, TaskRun, TaskStart
 from gpuloom.policies.mig import Plan
 from gpuloom.services.dispatcher.domain import (
     ClientStatus,
@@ -147,13 +148,24 @@ def event_to_pb(event: DispatcherEvent) -> dispatcher_pb2.DispatcherEvent:
 
 
 def mig_batch_from_pb(request: dispatcher_pb2.RunMigBatchRequest) -> list[MigBatchTask]:
-    return [
-        MigBatchTask(task.name, dict(task.seconds_by_size), tuple(task.argv))
-        for task in request.tasks
-    ]
+    return [MigBatchTask(task.name, dict(task.seconds_by_size)) for task in request.tasks]
 
 
-def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.MigRunUpdate:
+async def task_ends_from_pb(
+    inputs: AsyncIterator[dispatcher_pb2.MigRunInput],
+) -> AsyncIterator[TaskEnd]:
+    """The task ends a RunMigBatch caller sends after its batch."""
+    async for message in inputs:
+        if message.WhichOneof("input") != "task_end":
+            raise InvalidArgument(
+                "task_end", "after the first message (the batch) only task ends are sent"
+            )
+        yield TaskEnd(message.task_end.task, message.task_end.exit_code)
+
+
+def mig_update_to_pb(
+    update: Plan | TaskStart | TaskRun | MigRunReport,
+) -> dispatcher_pb2.MigRunUpdate:
     if isinstance(update, Plan):
         planned = dispatcher_pb2.MigPlanned(
             policy=update.policy,
@@ -161,6 +173,8 @@ def mig_update_to_pb(update: Plan | TaskRun | MigRunReport) -> dispatcher_pb2.Mi
             tasks=len(update.assignments),
         )
         return dispatcher_pb2.MigRunUpdate(planned=planned)
+    if isinstance(update, TaskStart):
+        return dispatcher_pb2.MigRunUpdate(task_started=task_start_to_pb(update))
     if isinstance(update, TaskRun):
         return dispatcher_pb2.MigRunUpdate(task_ended=task_run_to_pb(update))
     report = dispatcher_pb2.MigRunReport(

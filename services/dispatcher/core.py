@@ -5,9 +5,10 @@ the thread-safe reservation book; this class only coordinates them from the asyn
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
@@ -21,6 +22,7 @@ from gpuloom.domain.errors import (
     ResourceExhausted,
 )
 from gpuloom.domain.gpus import GpuInfo, find_model
+from gpuloom.domain.mig_runs import TaskEnd, TaskStart
 from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle, TrainingReport
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
@@ -42,9 +44,8 @@ from gpuloom.services.dispatcher.mig_executor import (
     MigBatchTask,
     MigExecutor,
     MigRunReport,
+    TaskHandoff,
     TaskRun,
-    subprocess_runner,
-    task_launcher,
     validate_batch,
 )
 from gpuloom.services.dispatcher.mps import MpsSupervisor
@@ -58,6 +59,10 @@ T = TypeVar("T")
 MAX_PENDING_EVENTS = 10_000
 # SuspendClient waits at most this long for a low-memory point, whatever it asks.
 MAX_SUSPEND_WAIT_S = 600.0
+# Evictions kept for placement while it cannot be reached (the oldest go first), and how long
+# an eviction waits for placement to hear of it before it goes on without.
+MAX_UNREPORTED_EVICTIONS = 1024
+EVICTION_REPORT_S = 5.0
 
 
 class EventStreamOverflow(ResourceExhausted):
@@ -107,6 +112,11 @@ class DispatcherCore:
         # Told when the GPU's description changes (MIG mode): the placement link registers
         # the GPU again.
         self.on_gpu_changed: Callable[[], None] | None = None
+        # Evictions placement has not heard of yet (assignment id -> reason, the latest
+        # MAX_UNREPORTED_EVICTIONS): its next heartbeat carries them, and the jobs end EVICTED.
+        self._evictions: dict[str, str] = {}
+        # Tells placement of an eviction now (the placement link: a heartbeat carrying it).
+        self.report_eviction: Callable[[str], Awaitable[None]] | None = None
         # This dispatcher's gRPC address as others reach it (set once the server listens): in
         # a process's environment, where `gpuloom.clients.models.attach` finds its GPU's store.
         self.grpc_address = ""
@@ -173,8 +183,31 @@ class DispatcherCore:
         return await self._end(assignment_id, "assignment released", EventKind.RELEASED)
 
     async def evict(self, assignment_id: str, reason: str) -> None:
-        if not await self._end(assignment_id, reason or "evicted", EventKind.EVICTED):
+        """Take a reservation away: placement hears of it first (its job ends EVICTED before
+        the process, cut off at once, can report an end of its own), within
+        EVICTION_REPORT_S; then the process is told and disconnected, and the book forgets it.
+        A placement that cannot be reached meanwhile hears of it with a later heartbeat."""
+        if self.book.get(assignment_id) is None:
             raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        reason = reason or "evicted"
+        self._evictions.pop(assignment_id, None)
+        self._evictions[assignment_id] = reason
+        while len(self._evictions) > MAX_UNREPORTED_EVICTIONS:
+            del self._evictions[next(iter(self._evictions))]
+        if self.report_eviction is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.report_eviction(assignment_id), EVICTION_REPORT_S)
+        # False when placement, told, released it meanwhile: gone either way.
+        await self._end(assignment_id, reason, EventKind.EVICTED)
+
+    def unreported_evictions(self) -> dict[str, str]:
+        """The evictions placement has not heard of yet (assignment id -> reason)."""
+        return dict(self._evictions)
+
+    def evictions_reported(self, assignment_ids: Iterable[str]) -> None:
+        """Placement answered a heartbeat that carried these."""
+        for assignment_id in assignment_ids:
+            self._evictions.pop(assignment_id, None)
 
     async def _end(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
         return await asyncio.shield(self._end_in_full(assignment_id, reason, kind))
@@ -360,9 +393,13 @@ class DispatcherCore:
         policy: str,
         create_s: Mapping[int, float],
         destroy_s: Mapping[int, float],
-    ) -> AsyncIterator[Plan | TaskRun | MigRunReport]:
-        """Plan `tasks` and run them on this GPU: yields the plan, each task as it ends, and
-        the report. The run goes on if the caller goes away (its processes are not killed)."""
+        ends: AsyncIterator[TaskEnd],
+    ) -> AsyncIterator[Plan | TaskStart | TaskRun | MigRunReport]:
+        """Plan `tasks` and execute the plan on this GPU: yields the plan, each task as it is
+        handed out (its instance: the caller starts it there) and as it ends, and the report.
+        `ends` are the caller's reports of how its tasks ended; when they stop (or the caller
+        goes away) no further task is handed out and the run winds down. The dispatcher starts
+        no process of its own for any task."""
         model = find_model(self.gpu.model)
         if model is None or not model.mig_capable:
             raise FailedPrecondition(f"GPU {self.gpu.index} ({self.gpu.model}) is not MIG-capable")
@@ -375,9 +412,13 @@ class DispatcherCore:
             planner = get_planner(policy or "far")
         except UnknownPolicyError as error:
             raise InvalidArgument("policy", str(error)) from None
-        commands = {task.name: task.argv for task in tasks}
-        runner = subprocess_runner(commands, self._state_dir / "mig-logs", task_launcher())
-        executor = MigExecutor(self.backend, self.gpu.index, geometry, runner)
+        updates: asyncio.Queue[TaskStart | TaskRun] = asyncio.Queue()
+
+        def announce(update: TaskStart | TaskRun) -> None:
+            self._loop.call_soon_threadsafe(updates.put_nowait, update)
+
+        handoff = TaskHandoff(announce)
+        executor = MigExecutor(self.backend, self.gpu.index, geometry, handoff.run)
         if self._mig_running:
             raise FailedPrecondition("a MIG batch is already running on this GPU")
         self._mig_running = True
@@ -388,23 +429,28 @@ class DispatcherCore:
         except BaseException:
             self._mig_running = False
             raise
-        ended: asyncio.Queue[TaskRun] = asyncio.Queue()
-
-        def on_task(run: TaskRun) -> None:
-            self._loop.call_soon_threadsafe(ended.put_nowait, run)
-
-        # The GPU stays busy until the run's thread is done, even if the caller hangs up
-        # (its tasks are not killed half-way).
-        running = asyncio.ensure_future(asyncio.to_thread(executor.execute, plan, on_task))
+        # The GPU stays busy until the run's thread is done; the run stops handing out tasks
+        # once the caller stops reporting (or hangs up), and then winds down.
+        running = asyncio.ensure_future(
+            asyncio.to_thread(executor.execute, plan, announce, handoff.stopped)
+        )
         running.add_done_callback(lambda _: setattr(self, "_mig_running", False))
-        while not running.done() or not ended.empty():
-            getter = asyncio.ensure_future(ended.get())
-            await asyncio.wait({getter, running}, return_when=asyncio.FIRST_COMPLETED)
-            if getter.done():
-                yield getter.result()
-            else:
-                getter.cancel()
-        yield running.result()
+        reports = asyncio.ensure_future(_take_task_ends(ends, handoff))
+        try:
+            while not running.done() or not updates.empty():
+                getter = asyncio.ensure_future(updates.get())
+                waited = {getter, running} if reports.done() else {getter, running, reports}
+                await asyncio.wait(waited, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield getter.result()
+                else:
+                    getter.cancel()
+                if reports.done() and not reports.cancelled() and reports.exception():
+                    raise reports.exception()  # type: ignore[misc]
+            yield running.result()
+        finally:
+            handoff.stop()
+            reports.cancel()
 
     # ---- events ----
 
@@ -453,3 +499,13 @@ class DispatcherCore:
 
     async def _on_channel(self, function: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.channel.submit(function))
+
+
+async def _take_task_ends(ends: AsyncIterator[TaskEnd], handoff: TaskHandoff) -> None:
+    """Pass the caller's task ends to the run; when they stop, stop the run (what was started
+    counts as ended, nothing more is handed out). A bad report (InvalidArgument) also stops it."""
+    try:
+        async for end in ends:
+            handoff.end(end.task, end.exit_code)
+    finally:
+        handoff.stop()

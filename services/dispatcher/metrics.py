@@ -50,6 +50,13 @@ CONNECTIONS_CLOSED = prometheus_client.Counter(
     "Shim channel connections closed, by reason",
     ["gpu", "reason"],
 )
+REFUSALS_UNLOGGED = prometheus_client.Counter(
+    "gpuloom_dispatcher_refusals_unlogged_total",
+    "Shim channel refusals (at accept, or of a connection's registration or messages) not "
+    "logged: past the rate each local user is logged at (they are counted in "
+    "connections_refused_total / connections_closed_total all the same)",
+    ["gpu"],
+)
 MEASUREMENT_RECORDS = prometheus_client.Counter(
     "gpuloom_dispatcher_measurement_records_total",
     "Kernel measurement records received from shims",

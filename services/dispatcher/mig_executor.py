@@ -1,32 +1,31 @@
 """Run a MIG plan on a GPU (FAR paper, Section 3.4, Algorithm 3).
 
 The plan's instances form a repartitioning tree. Each instance that has tasks is created,
-runs its tasks one after another (each with CUDA_VISIBLE_DEVICES set to the instance), and is
-destroyed; then its children run the same way, concurrently, each in its own thread. An
-instance without tasks hands over to its children at once. Creation and destruction go
-through the GPU backend, which serialises them as the driver does (and takes the paper's
-Table 1 times on the simulated GPU). Every task's real start and end are reported beside the
-planned ones, relative to the start of the run.
+runs its tasks one after another, and is destroyed; then its children run the same way,
+concurrently, each in its own thread. An instance without tasks hands over to its children at
+once. Creation and destruction go through the GPU backend, which serialises them as the driver
+does (and takes the paper's Table 1 times on the simulated GPU). Every task's real start and end
+are reported beside the planned ones, relative to the start of the run.
+
+The dispatcher starts no task itself: each one is handed, in its turn, to the runner of the
+batch (`TaskHandoff`: the caller of RunMigBatch, who starts it with its own identity and
+environment in the instance it is handed), and the instance waits for the end it reports.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import structlog
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.mig_geometry import MigGeometry, Placement
-from gpuloom.domain.mig_runs import MigRunReport, ReconfigRun, TaskRun
+from gpuloom.domain.mig_runs import NOT_REPORTED, MigRunReport, ReconfigRun, TaskRun, TaskStart
 from gpuloom.domain.validation import check_name
-from gpuloom.policies.fikit.core import FikitLibraryMissingError, library_path
 from gpuloom.policies.mig.plan import (
     Assignment,
     InvalidTaskError,
@@ -38,8 +37,9 @@ from gpuloom.services.dispatcher.gpu.backend import GpuBackend
 
 log = structlog.get_logger("gpuloom.dispatcher.mig")
 
-# Runs one task in an instance: (task name, environment additions) -> exit code.
-TaskRunner = Callable[[str, Mapping[str, str]], int]
+# Has one task run in the instance it names: its exit code, or None when the run was stopped
+# before the task started (it is then not reported).
+TaskRunner = Callable[[TaskStart], int | None]
 
 
 @dataclass
@@ -101,9 +101,16 @@ class MigExecutor:
                 "from an empty GPU"
             )
 
-    def execute(self, plan: Plan, on_task: Callable[[TaskRun], None] | None = None) -> MigRunReport:
+    def execute(
+        self,
+        plan: Plan,
+        on_task: Callable[[TaskRun], None] | None = None,
+        stop: threading.Event | None = None,
+    ) -> MigRunReport:
         """Run every task of `plan`; blocks until the last one ends. `on_task` is called (from
-        worker threads) as each task ends."""
+        worker threads) as each task ends. Once `stop` is set, no further instance is created
+        and no further task run (the tasks left out are not in the report)."""
+        stop = stop or threading.Event()
         self.check_ready()
         root = instance_tree(plan, self._geometry)
         _check_follows_tree(root)
@@ -116,6 +123,8 @@ class MigExecutor:
             return self._clock() - started
 
         def run_node(node: _Node) -> None:
+            if stop.is_set():
+                return
             try:
                 if node.tasks:
                     run_instance(node)
@@ -141,7 +150,19 @@ class MigExecutor:
             try:
                 for assignment in node.tasks:
                     start = elapsed()
-                    code = self._run_task(assignment.task, {"CUDA_VISIBLE_DEVICES": instance.uuid})
+                    code = self._run_task(
+                        TaskStart(
+                            task=assignment.task,
+                            size=placement.size,
+                            first_slice=placement.first_slice,
+                            instance_uuid=instance.uuid,
+                            planned_start_s=assignment.start_s,
+                            planned_end_s=assignment.end_s,
+                            start_s=start,
+                        )
+                    )
+                    if code is None:
+                        break  # stopped: the rest of this instance's tasks are not run
                     run = TaskRun(
                         task=assignment.task,
                         size=placement.size,
@@ -205,16 +226,13 @@ def _check_follows_tree(node: _Node, parent_end: float = 0.0) -> None:
 
 @dataclass(frozen=True, slots=True)
 class MigBatchTask:
-    """A task of a batch: its times per instance size and the command that runs it."""
+    """A task of a batch: its times per instance size (its runner holds its command)."""
 
     name: str
     seconds_by_size: Mapping[int, float]
-    argv: tuple[str, ...]
 
 
 MAX_BATCH_TASKS = 1000
-MAX_ARGS = 256
-MAX_ARG_CHARS = 4096
 
 
 def validate_batch(tasks: Sequence[MigBatchTask], geometry: MigGeometry) -> list[MigTask]:
@@ -230,16 +248,6 @@ def validate_batch(tasks: Sequence[MigBatchTask], geometry: MigGeometry) -> list
         if task.name in seen:
             raise InvalidArgument(f"{field_name}.name", f"{task.name!r} appears twice")
         seen.add(task.name)
-        if not task.argv or len(task.argv) > MAX_ARGS:
-            raise InvalidArgument(f"{field_name}.argv", f"must have 1..{MAX_ARGS} arguments")
-        for arg in task.argv:
-            if len(arg) > MAX_ARG_CHARS or "\0" in arg:
-                raise InvalidArgument(
-                    f"{field_name}.argv",
-                    f"arguments are at most {MAX_ARG_CHARS} characters, no NUL",
-                )
-        if not task.argv[0]:
-            raise InvalidArgument(f"{field_name}.argv", "the command must not be empty")
         for size, seconds in task.seconds_by_size.items():
             if size not in geometry.sizes:
                 sizes = ", ".join(map(str, geometry.sizes))
@@ -259,44 +267,43 @@ def validate_batch(tasks: Sequence[MigBatchTask], geometry: MigGeometry) -> list
     return planned
 
 
-def task_launcher() -> Path | None:
-    """gl_task_exec beside the native library (shim/build, or the image's lib folder); None,
-    with a warning, when it is not built: tasks then outlive a killed dispatcher."""
-    try:
-        where = library_path().parent / "gl_task_exec"
-    except FikitLibraryMissingError:
-        where = None
-    if where is not None and where.is_file() and os.access(where, os.X_OK):
-        return where
-    log.warning(
-        "gl_task_exec not found (run `make -C shim`): MIG tasks will outlive a killed dispatcher"
-    )
-    return None
+class TaskHandoff:
+    """The `TaskRunner` of a batch whose tasks its caller runs: `run` (an executor thread)
+    announces the task and waits until `end` (the caller's report) says how it ended. After
+    `stop` (the caller hung up, or stopped sending) nothing more is announced, and a task that
+    was started counts as ended with NOT_REPORTED."""
 
+    def __init__(self, announce: Callable[[TaskStart], None]) -> None:
+        self._announce = announce
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[threading.Event, list[int]]] = {}
+        self.stopped = threading.Event()
 
-def subprocess_runner(
-    commands: Mapping[str, Sequence[str]], log_dir: Path, launcher: Path | None = None
-) -> TaskRunner:
-    """Run each task's command, its output in log_dir/<task>.log; 127 if it cannot start.
-    With `launcher` (shim/build/gl_task_exec), a task dies with the dispatcher: one killed
-    mid-batch leaves nothing running in the instances its successor will reconfigure."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    prefix = [] if launcher is None else [str(launcher)]
+    def run(self, start: TaskStart) -> int | None:
+        done, code = threading.Event(), [NOT_REPORTED]
+        with self._lock:
+            if self.stopped.is_set():
+                return None
+            self._waiting[start.task] = (done, code)
+        self._announce(start)
+        done.wait()
+        return code[0]
 
-    def run(task: str, environment: Mapping[str, str]) -> int:
-        safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in task)
-        with open(log_dir / f"{safe}.log", "wb") as output:
-            try:
-                return subprocess.run(
-                    [*prefix, *commands[task]],
-                    env={**os.environ, **environment},
-                    stdin=subprocess.DEVNULL,
-                    stdout=output,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                ).returncode
-            except OSError as error:
-                output.write(f"cannot start {commands[task][0]!r}: {error}\n".encode())
-                return 127
+    def end(self, task: str, exit_code: int) -> None:
+        """The caller's report; InvalidArgument for a task that is not waiting for one."""
+        with self._lock:
+            waiting = self._waiting.pop(task, None)
+        if waiting is None:
+            raise InvalidArgument(
+                "task_end.task", f"{task[:256]!r} is not a task of this batch that started and runs"
+            )
+        done, code = waiting
+        code[0] = exit_code
+        done.set()
 
-    return run
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped.set()
+            waiting, self._waiting = self._waiting, {}
+        for done, _ in waiting.values():
+            done.set()

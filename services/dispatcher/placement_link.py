@@ -132,6 +132,7 @@ class PlacementLink:
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._beaten = asyncio.Condition()  # notified after each heartbeat placement answered
         self.failures = 0  # rounds that did not complete (placement away, a read failed)
 
     @property
@@ -151,6 +152,15 @@ class PlacementLink:
     def report_now(self) -> None:
         """What the model store holds changed: send a heartbeat now (on the loop)."""
         self._wake.set()
+
+    async def report_eviction(self, assignment_id: str) -> None:
+        """Send a heartbeat now and return once placement has answered one that carried the
+        eviction of `assignment_id` (the caller bounds the wait)."""
+        self._wake.set()
+        async with self._beaten:
+            await self._beaten.wait_for(
+                lambda: assignment_id not in self._core.unreported_evictions()
+            )
 
     # ---- life cycle (asyncio) ----
 
@@ -249,19 +259,30 @@ class PlacementLink:
 
     async def _heartbeat(self, stub: placement_pb2_grpc.PlacementStub) -> None:
         usage, reservations = await self._bounded(asyncio.to_thread(self._read_status))
+        evicted = self._core.unreported_evictions()
         request = placement_pb2.HeartbeatRequest(
             gpu_uuid=self._core.gpu.gpu_uuid,
             utilization_percent=usage.utilization_percent,
             memory_used_bytes=usage.memory_used_bytes,
-            assignment_ids=[r.assignment_id for r in reservations],
+            # An assignment being evicted is on its way out here: not one to ask about.
+            assignment_ids=[
+                r.assignment_id for r in reservations if r.assignment_id not in evicted
+            ],
             reservations=[_reservation_to_pb(r) for r in reservations],
             models=self._store_models(),
             training=[
                 report_to_pb(report)
                 for report in await self._bounded(self._core.training_reports())
             ],
+            evictions=[
+                placement_pb2.Eviction(assignment_id=assignment_id, reason=reason)
+                for assignment_id, reason in evicted.items()
+            ],
         )
         response = await stub.Heartbeat(request, timeout=self._timeout_s)
+        self._core.evictions_reported(evicted)
+        async with self._beaten:
+            self._beaten.notify_all()
         for assignment_id in response.release_assignment_ids:
             await self._release(assignment_id)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import structlog
 
+from gpuloom import private_files
 from gpuloom.domain.errors import (
     AlreadyExists,
     DomainError,
@@ -30,7 +31,6 @@ from gpuloom.domain.errors import (
     ResourceExhausted,
 )
 from gpuloom.domain.shares import Share, TimeQuota
-from gpuloom.services.common import private_files
 from gpuloom.services.dispatcher.domain import (
     BoundProcess,
     Reservation,

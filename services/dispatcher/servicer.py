@@ -110,13 +110,20 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
 
     @stream_rpc(SERVICE)
     async def RunMigBatch(
-        self, request: pb.RunMigBatchRequest, context: Context
+        self, requests: AsyncIterator[pb.MigRunInput], context: Context
     ) -> AsyncIterator[pb.MigRunUpdate]:
+        first = await anext(aiter(requests), None)
+        if first is None or first.WhichOneof("input") != "batch":
+            raise InvalidArgument(
+                "batch", "the first message is the batch (then a task_end for each task started)"
+            )
+        batch = first.batch
         updates = self._core.run_mig_batch(
-            convert.mig_batch_from_pb(request),
-            request.policy,
-            dict(request.create_seconds),
-            dict(request.destroy_seconds),
+            convert.mig_batch_from_pb(batch),
+            batch.policy,
+            dict(batch.create_seconds),
+            dict(batch.destroy_seconds),
+            convert.task_ends_from_pb(requests),
         )
         async for update in updates:
             yield convert.mig_update_to_pb(update)

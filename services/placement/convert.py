@@ -45,7 +45,8 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
             "memory_cap_bytes": binding.memory_cap_bytes,
         }
         if binding.mig is not None:
-            assignment = Assignment(**common, mig=binding.mig)
+            environment = _environment(job, binding.environment, with_token)
+            assignment = Assignment(**common, mig=binding.mig, environment=environment)
         else:
             x, y, _w, _h = binding.rect
             assignment = Assignment(

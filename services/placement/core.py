@@ -208,10 +208,12 @@ class PlacementCore:
         direct: Sequence[Allocation] = (),
         models: StoreModels = (),
         training: Sequence[TrainingReport] = (),
+        evicted: Sequence[tuple[str, str]] = (),
     ) -> list[str]:
         """Refresh a GPU, the shares reserved on its dispatcher directly, the models its store
-        holds and its training processes' cycles; returns the assignments its dispatcher holds
-        that no live job owns."""
+        holds and its training processes' cycles; end the jobs its dispatcher evicted
+        (`evicted`: assignment id, reason); returns the assignments its dispatcher holds that
+        no live job owns."""
         if gpu_uuid in self.inventory:  # an unknown GPU is refused by refresh
             check_store(models, self.inventory.record(gpu_uuid).info.memory_bytes)
         record = self.inventory.refresh(
@@ -219,6 +221,8 @@ class PlacementCore:
         )
         if training:
             self.training.ingest(gpu_uuid, training)
+        if evicted:
+            await self.jobs.evicted(gpu_uuid, evicted)
         down = self.inventory.is_down(record)
         if (
             down

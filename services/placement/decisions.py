@@ -217,6 +217,24 @@ class Decisions:
             if j.state.holds_capacity and j.binding is not None and j.binding.on(gpu_uuid)
         ]
 
+    async def evicted(self, gpu_uuid: str, evictions: Sequence[tuple[str, str]]) -> None:
+        """The dispatcher of `gpu_uuid` evicted these assignments (id, reason): their live jobs
+        on it end EVICTED (their runners see it and stop their commands); others are ignored
+        (reserved there by someone else, or ended already)."""
+        async with self._lock:
+            by_reason: dict[str, list[Job]] = defaultdict(list)
+            for assignment_id, reason in evictions:
+                job = self._live.get(assignment_id)
+                if job is None or job.binding is None or not job.binding.on(gpu_uuid):
+                    continue
+                if job.state.holds_capacity:
+                    by_reason[reason or "evicted"].append(job)
+            for reason, jobs in by_reason.items():
+                await self.finish(
+                    jobs, JobState.EVICTED, f"evicted by the dispatcher of GPU {gpu_uuid}: {reason}"
+                )
+                log.info("jobs evicted", gpu=gpu_uuid, jobs=[j.job_id for j in jobs], reason=reason)
+
     def stale(self, gpu_uuid: str, assignment_ids: Sequence[str]) -> list[str]:
         """The assignments a GPU's dispatcher holds that no live job on it owns."""
         stale = []
@@ -334,6 +352,9 @@ class Decisions:
 
     def job(self, job_id: str) -> Job | None:
         return self._live.get(job_id)
+
+    def followed(self, job_id: str) -> bool:
+        return bool(self._watchers.get(job_id))
 
     def set_pending_reason(self, job_id: str, reason: str) -> None:
         job = self._live.get(job_id)
@@ -719,7 +740,7 @@ class Decisions:
         """Forget a finished job: its capacity goes back, here and on the dispatcher."""
         self._live.pop(before.job_id, None)
         if before.spec.is_mig_batch:
-            self.mig.forget(before.job_id)
+            self.mig.forget(after)
         # The scheduler forgets it: a pending job stops waiting, a placed one gives its capacity
         # back (a MIG task holds no rectangle and no reservation: its run is the dispatcher's).
         if self.scheduler.end(before.job_id) and before.binding is not None:

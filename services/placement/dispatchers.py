@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from gpuloom.convert.mig import task_run_from_pb
+from gpuloom.convert.mig import task_run_from_pb, task_start_from_pb
 from gpuloom.convert.shares import reservation_share_fields
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.errors import DomainError, Unavailable
-from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.domain.mig_runs import TaskEnd, TaskRun, TaskStart
 from gpuloom.domain.shares import Share
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc
@@ -128,7 +128,6 @@ def _domain_error(address: str, error: grpc.aio.AioRpcError) -> DomainError:
 class MigTaskRequest:
     name: str
     seconds_by_size: Mapping[int, float] = field(hash=False)
-    argv: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,12 +149,14 @@ class MigRunStarted:
 
 class MigRunner(Protocol):
     def run_mig_batch(
-        self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | TaskRun]:
-        """Run a batch on the dispatcher at `address` (RunMigBatch): yields MigRunStarted once
-        it is planned there, then each task as it ends, and stops when the run is over.
-        Raises a DomainError when the dispatcher refuses the batch, cannot be reached, or the
-        stream breaks."""
+        self, address: str, request: MigRunRequest, ends: AsyncIterator[TaskEnd]
+    ) -> AsyncIterator[MigRunStarted | TaskStart | TaskRun]:
+        """Run a batch on the dispatcher at `address` (RunMigBatch) as its runner: yields
+        MigRunStarted once it is planned there, then each task as it is handed out (TaskStart:
+        its instance) and as it ends, and stops when the run is over. `ends` are the runner's
+        reports of how its started tasks ended, sent as they come; when they stop, the run
+        winds down. Raises a DomainError when the dispatcher refuses the batch, cannot be
+        reached, or the stream breaks."""
         ...
 
 
@@ -168,12 +169,12 @@ class GrpcMigRunner:
         self._start_timeout_s = start_timeout_s
 
     async def run_mig_batch(
-        self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | TaskRun]:
-        message = dispatcher_pb2.RunMigBatchRequest(
+        self, address: str, request: MigRunRequest, ends: AsyncIterator[TaskEnd]
+    ) -> AsyncIterator[MigRunStarted | TaskStart | TaskRun]:
+        batch = dispatcher_pb2.RunMigBatchRequest(
             tasks=[
                 dispatcher_pb2.MigTaskSpec(
-                    name=task.name, seconds_by_size=dict(task.seconds_by_size), argv=task.argv
+                    name=task.name, seconds_by_size=dict(task.seconds_by_size)
                 )
                 for task in request.tasks
             ],
@@ -181,7 +182,15 @@ class GrpcMigRunner:
             create_seconds=dict(request.create_seconds),
             destroy_seconds=dict(request.destroy_seconds),
         )
-        call = self._channels.stub(address).RunMigBatch(message)
+
+        async def inputs() -> AsyncIterator[dispatcher_pb2.MigRunInput]:
+            yield dispatcher_pb2.MigRunInput(batch=batch)
+            async for end in ends:
+                yield dispatcher_pb2.MigRunInput(
+                    task_end=dispatcher_pb2.MigTaskEnd(task=end.task, exit_code=end.exit_code)
+                )
+
+        call = self._channels.stub(address).RunMigBatch(inputs())
         try:
             try:
                 first = await asyncio.wait_for(call.read(), self._start_timeout_s)
@@ -195,6 +204,8 @@ class GrpcMigRunner:
                 kind = update.WhichOneof("update")
                 if kind == "planned":
                     yield MigRunStarted(update.planned.planned_makespan_s)
+                elif kind == "task_started":
+                    yield task_start_from_pb(update.task_started)
                 elif kind == "task_ended":
                     yield task_run_from_pb(update.task_ended)
                 update = await call.read()

@@ -27,6 +27,10 @@ class JobLedger(Protocol):
         """The live job (pending or holding capacity), None once it has finished."""
         ...
 
+    def followed(self, job_id: str) -> bool:
+        """Whether anyone follows the job (a WatchJob stream is open): its runner waits so."""
+        ...
+
     def set_pending_reason(self, job_id: str, reason: str) -> None:
         """A pending job's fresher reason, kept in memory only (under the lock)."""
         ...

@@ -2,14 +2,18 @@
 batch is due (its oldest task waited the window, or enough tasks wait), the batch is split over
 the fleet's MIG GPUs and planned with FAR on each, concatenated after that GPU's earlier batches
 (`MigFleetPlanner`, gpuloom/policies/mig/fleet.py), every task's job is ASSIGNED with its
-planned instance, and each GPU's share runs through its dispatcher's RunMigBatch; every task's
-job ends with what its run reported.
+planned instance, and each GPU's share runs through its dispatcher's RunMigBatch, placement
+being the run's runner: when the dispatcher hands a task its instance, the task's job shows it
+(`mig.instance_uuid`, CUDA_VISIBLE_DEVICES), the submitter's own runner (`gpuloom run --mig`,
+following the job) starts the command there as the submitter and reports its end
+(ReportJobDone), and placement passes that end on to the dispatcher. Neither placement nor the
+dispatcher starts any task's command.
 
 It works on placement's jobs only through a `JobLedger` (ledger.py: read a job, note a pending
 reason, record, finish, end as reported, under the ledger's lock) and reads the GPUs from the
 `Inventory`. The decisions call its hooks: `admit` (submission), `collect` (after the decision
-batch that wrote the jobs), `before_end` (cancel, ReportJobDone), `forget` (a job ended),
-`restore` (start), `run` (its task), `stop`.
+batch that wrote the jobs), `before_end` (cancel, ReportJobDone), `forget` (a job ended: its end
+goes to its run), `restore` (start), `run` (its task), `stop`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -26,7 +30,7 @@ import structlog
 from gpuloom.domain.errors import DomainError, FailedPrecondition
 from gpuloom.domain.gpus import find_model, mig_profile
 from gpuloom.domain.mig_geometry import MigGeometry
-from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.domain.mig_runs import NOT_REPORTED, TaskEnd, TaskRun, TaskStart
 from gpuloom.domain.placement import JobSpec, JobState, MigSlot
 from gpuloom.policies.mig.fleet import BatchCollector, FleetPlan, GpuPlan, MigFleetPlanner, MigGpu
 from gpuloom.policies.mig.plan import MigTask
@@ -93,6 +97,8 @@ class MigBatches:
         self._blocked = ""  # why no GPU can take any batch now ("" = some can)
         self._busy_until: dict[str, float] = {}  # GPU -> planned end of its latest batch (clock)
         self._runs: dict[str, asyncio.Task[None]] = {}  # GPU -> the run of its latest batch
+        # A task handed its instance -> its run's queue of task ends (for when its job ends).
+        self._handed: dict[str, asyncio.Queue[TaskEnd | None]] = {}
         self._profiles: dict[tuple[str, str], tuple[float, tuple[tuple[int, float], ...]]] = {}
         self._wake = asyncio.Event()
         self.last_plan: FleetPlan | None = None
@@ -147,26 +153,28 @@ class MigBatches:
         self._wake.set()
 
     def before_end(self, job: Job, state: JobState) -> None:
-        """A job is ending by request (cancel, ReportJobDone), under the ledger's lock: a MIG
-        task in a batch cannot end that way (a waiting one can)."""
-        if not job.spec.is_mig_batch or job.state is JobState.PENDING:
+        """A job is ending by request (cancel, ReportJobDone), under the ledger's lock: any MIG
+        task may be cancelled; only one handed its instance has an end to report."""
+        if not job.spec.is_mig_batch or state is JobState.CANCELLED:
             return
-        gpu = job.binding.gpu_uuid if job.binding else "?"
-        if state is JobState.CANCELLED:
+        slot = job.binding.mig if job.binding else None
+        if slot is None or not slot.instance_uuid:
+            gpu = job.binding.gpu_uuid if job.binding else "?"
             raise FailedPrecondition(
-                f"job {job.job_id} is running in a MIG batch; it cannot be cancelled yet (its "
-                f"batch runs on GPU {gpu} until its tasks end)"
+                f"job {job.job_id} has not been handed its MIG instance yet (its batch on GPU "
+                f"{gpu} hands it out in its turn): there is no run of it to report"
             )
-        raise FailedPrecondition(
-            f"job {job.job_id} runs in a MIG batch on GPU {gpu}: placement follows the run and "
-            "ends the job itself"
-        )
 
-    def forget(self, job_id: str) -> None:
-        """A MIG task ended (under the ledger's lock): if it was waiting, it leaves the queue."""
-        self._collector.remove(job_id)
-        self._arrived.pop(job_id, None)
-        self._parked.pop(job_id, None)
+    def forget(self, job: Job) -> None:
+        """A MIG task ended (under the ledger's lock): if it was waiting, it leaves the queue;
+        if it was handed its instance, its end goes to its run (the instance moves on)."""
+        self._collector.remove(job.job_id)
+        self._arrived.pop(job.job_id, None)
+        self._parked.pop(job.job_id, None)
+        ends = self._handed.pop(job.job_id, None)
+        if ends is not None:
+            reported = job.state in (JobState.SUCCEEDED, JobState.FAILED)
+            ends.put_nowait(TaskEnd(job.job_id, job.exit_code if reported else NOT_REPORTED))
 
     async def restore(self, live: Sequence[Job]) -> None:
         """At start: pending MIG tasks join the queue again (in submission order, each from
@@ -405,18 +413,13 @@ class MigBatches:
         its previous batch is over (a dispatcher runs one batch at a time)."""
         assert self._runner is not None
         sizes = gpu.geometry.sizes
-        tasks = []
-        for index in gpu_plan.batch_indices:
-            task = batch[index]
-            job = self._ledger.job(task.name)
-            assert job is not None  # assigned under the lock just now
-            tasks.append(
-                MigTaskRequest(
-                    name=task.name,
-                    seconds_by_size={s: t for s, t in task.times.items() if s in sizes},
-                    argv=job.spec.command,
-                )
+        tasks = [
+            MigTaskRequest(
+                name=batch[index].name,
+                seconds_by_size={s: t for s, t in batch[index].times.items() if s in sizes},
             )
+            for index in gpu_plan.batch_indices
+        ]
         geometry = gpu.geometry
         request = MigRunRequest(
             tasks=tuple(tasks),
@@ -452,9 +455,15 @@ class MigBatches:
         started = False
         ended: set[str] = set()
         failure = ""
+        ends: asyncio.Queue[TaskEnd | None] = asyncio.Queue()
+
+        async def reported() -> AsyncIterator[TaskEnd]:
+            while (end := await ends.get()) is not None:
+                yield end
+
         metrics.MIG_RUNS.inc()
         try:
-            async for update in self._runner.run_mig_batch(address, request):
+            async for update in self._runner.run_mig_batch(address, request, reported()):
                 if isinstance(update, MigRunStarted):
                     started = True
                     log.info(
@@ -463,6 +472,8 @@ class MigBatches:
                         tasks=len(names),
                         planned_makespan_s=round(update.planned_makespan_s, 3),
                     )
+                elif isinstance(update, TaskStart) and update.task in names:
+                    await self._task_started(gpu_id, update, ends)
                 elif isinstance(update, TaskRun) and update.task in names:
                     ended.add(update.task)
                     await self._task_ended(gpu_id, update)
@@ -471,6 +482,11 @@ class MigBatches:
         except Exception as error:
             log.exception("MIG batch run failed", gpu=gpu_id)
             failure = repr(error)
+        finally:
+            ends.put_nowait(None)
+            for name in names:
+                if self._handed.get(name) is ends:
+                    del self._handed[name]
         left = [name for name in names if name not in ended]
         if left or failure:
             metrics.MIG_RUNS_FAILED.inc()
@@ -480,6 +496,41 @@ class MigBatches:
             await self._run_failed(
                 gpu_id, left, started, failure or "the run ended without reporting them"
             )
+
+    async def _task_started(
+        self, gpu_id: str, start: TaskStart, ends: asyncio.Queue[TaskEnd | None]
+    ) -> None:
+        """The dispatcher handed a task its instance: the job shows it, for its runner to start
+        it there. A task whose job ended meanwhile (cancelled) ends at once; so does one nobody
+        follows (no runner waits to start it), and its job fails saying so."""
+        ledger = self._ledger
+        async with ledger.lock:
+            job = ledger.job(start.task)
+            slot = job.binding.mig if job is not None and job.binding is not None else None
+            if job is None or job.state is not JobState.ASSIGNED or slot is None:
+                ends.put_nowait(TaskEnd(start.task, NOT_REPORTED))
+                return
+            if not ledger.followed(job.job_id):
+                ends.put_nowait(TaskEnd(start.task, NOT_REPORTED))
+                await ledger.finish(
+                    [job],
+                    JobState.FAILED,
+                    f"its instance {start.instance_uuid} on GPU {gpu_id} was ready, and no runner "
+                    "was following the job to start it there (a MIG batch task runs under its "
+                    "submitter's runner: `gpuloom run --mig`, which waits for the instance)",
+                )
+                return
+            assert job.binding is not None
+            binding = replace(
+                job.binding,
+                mig=replace(slot, instance_uuid=start.instance_uuid),
+                environment={"CUDA_VISIBLE_DEVICES": start.instance_uuid},
+            )
+            await ledger.record([job.advance(ledger.now(), binding=binding)])
+            self._handed[job.job_id] = ends
+        log.info(
+            "MIG task handed its instance", job=start.task, gpu=gpu_id, instance=start.instance_uuid
+        )
 
     async def _task_ended(self, gpu_id: str, update: TaskRun) -> None:
         job = self._ledger.job(update.task)

@@ -108,7 +108,13 @@ def _binding_to_json(binding: Binding | None) -> str | None:
     }
     mig = binding.mig
     if mig is not None:
-        document["mig"] = [mig.size, mig.first_slice, mig.planned_start, mig.planned_end]
+        document["mig"] = [
+            mig.size,
+            mig.first_slice,
+            mig.planned_start,
+            mig.planned_end,
+            mig.instance_uuid,
+        ]
     if binding.extra:  # a job on several GPUs: the rest of them
         document["extra"] = [
             [g.gpu_uuid, g.dispatcher_address, g.environment] for g in binding.extra

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
 import grpc
@@ -10,10 +10,12 @@ import grpc
 from gpuloom.convert.placement import gpu_info_from_pb, spec_from_pb
 from gpuloom.convert.training import reports_from_pb
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.services.common.auth import current_caller
+from gpuloom.domain.training import MAX_SUSPEND_REASON_CHARS
+from gpuloom.services.common.auth import Role, current_caller
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.placement import convert
 from gpuloom.services.placement.core import PlacementCore
+from gpuloom.services.placement.domain import Job
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 
@@ -46,6 +48,26 @@ def _only() -> str | None:
     return None if caller is None or caller.sees_every_job else caller.name
 
 
+def _submitted(job: Job) -> bool:
+    """Whether the caller submitted `job`: only then does an answer carry its assignment token
+    (an admin who sees every job, and an anonymous reader, never get another's). Where
+    placement takes no tokens (GPULOOM_INSECURE) every caller is the same one."""
+    caller = current_caller()
+    return caller is None or (caller.role is not Role.ANONYMOUS and caller.name == job.owner)
+
+
+def _evictions(evictions: Sequence[pb.Eviction]) -> list[tuple[str, str]]:
+    """A heartbeat's evictions (assignment id, reason), each checked."""
+    for index, eviction in enumerate(evictions):
+        if not 1 <= len(eviction.assignment_id) <= 128:
+            raise InvalidArgument(f"evictions[{index}].assignment_id", "1..128 characters")
+        if len(eviction.reason) > MAX_SUSPEND_REASON_CHARS:
+            raise InvalidArgument(
+                f"evictions[{index}].reason", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
+            )
+    return [(e.assignment_id, e.reason) for e in evictions]
+
+
 class PlacementServicer(pb_grpc.PlacementServicer):
     def __init__(self, core: PlacementCore) -> None:
         self._core = core
@@ -55,14 +77,14 @@ class PlacementServicer(pb_grpc.PlacementServicer):
         job = await self._core.submit(
             request.request_id, spec_from_pb(request.spec), owner=_owner()
         )
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def GetJob(self, request: pb.GetJobRequest, context: Context) -> pb.Job:
-        # Only its submitter (or an admin) gets the job, the only answer besides SubmitJob's
-        # that carries the token (ListJobs and WatchJob never do).
+        # Its submitter, an admin or an anonymous reader gets the job; only its submitter gets
+        # the token (besides SubmitJob's answer; ListJobs and WatchJob never carry it).
         job = await self._core.get(_job_id(request.job_id), _only())
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def ListJobs(self, request: pb.ListJobsRequest, context: Context) -> pb.ListJobsResponse:
@@ -106,7 +128,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             _text("message", request.message),
             _only(),
         )
-        return convert.job_to_pb(job, with_token=True)
+        return convert.job_to_pb(job, with_token=_submitted(job))
 
     @rpc(SERVICE)
     async def SetFunctionLoad(
@@ -143,6 +165,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             convert.direct_reservations_from_pb(request.gpu_uuid, request.reservations),
             convert.store_models_from_pb(request.models),
             reports_from_pb(request.training),
+            _evictions(request.evictions),
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 

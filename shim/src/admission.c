@@ -1,7 +1,8 @@
 /* Admission in share mode: asking the dispatcher for a lease (through the lease desk's words
  * in the region, or a LeaseRequest frame; either carries the usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
  * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c; what a
- * refused, lost or evicted process's launches get; and suspension (SuspendClient): a suspended
+ * refused or evicted process's launches get (an error, whatever the loss policy) and a lost
+ * one's (the loss policy); and suspension (SuspendClient): a suspended
  * process waits at its next launch (any mode) or allocation (memcap.c) until resumed, without
  * the GPULOOM_SHIM_WAIT_MS bound, while the dispatcher keeps renewing the suspension. The inline
  * fast check is admission.h's gate().
@@ -89,7 +90,7 @@ static CUresult wait_for_lease(const uint8_t *r) {
             loss_rearm();
             return CUDA_SUCCESS;
         }
-        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_refusal("assignment evicted");
         if (conn_state() != CONN_CONNECTED) return on_loss("lost the dispatcher");
         if (UNLIKELY(r_u64(r, GL_OFF_SUSPEND_UNTIL) != 0) && suspended_until(r, now) != 0) {
             /* Suspended while waiting: the dispatcher dropped the request. Wait unbounded, then
@@ -130,20 +131,27 @@ static CUresult wait_for_lease(const uint8_t *r) {
 
 CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq) {
     int state = conn_state();
-    if (state == CONN_REFUSED) return on_loss("the dispatcher refused this process");
-    if (state == CONN_EVICTED) return on_loss("assignment evicted");
+    if (state == CONN_REFUSED) return on_refusal("the dispatcher refused this process");
+    if (state == CONN_EVICTED) return on_refusal("assignment evicted");
     if (state != CONN_CONNECTED) return on_loss("no dispatcher");
     /* Read after the state: a registration publishes its region before CONN_CONNECTED, so
      * this is never NULL (the fast check's copy may predate a first, late registration). */
     const uint8_t *r = region();
-    if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+    if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_refusal("assignment evicted");
     /* Suspended: held here in every mode (not on a capturing stream: recorded, not run). */
     if (UNLIKELY(r_u64(r, GL_OFF_SUSPEND_UNTIL) != 0) && !is_capturing(key)) {
         suspend_wait(r);
         state = conn_state();
         if (state != CONN_CONNECTED) return on_loss("lost the dispatcher");
         r = region();
-        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_loss("assignment evicted");
+        if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) return on_refusal("assignment evicted");
+    }
+    if (dispatcher_silent(r, now_ns())) {
+        char why[128];
+        snprintf(why, sizeof why,
+                 "the dispatcher stopped beating (no heartbeat within %llu ms: hung)",
+                 (unsigned long long)(C.alive_ns / 1000000u));
+        return on_loss(why);
     }
     if (g_mode == GL_MODE_FIKIT)
         return fikit_admit((uint8_t *)r, key, launch, granted_seq, &g_wait_lock);

@@ -28,10 +28,21 @@ static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *gra
     if (!C.active) return CUDA_SUCCESS;
     ensure_registered();
     uint8_t *r = region();
-    if (LIKELY(r != NULL && conn_state() == CONN_CONNECTED) &&
-        now_ns() < r_u64(r, GL_OFF_ADMIT_UNTIL))
-        return CUDA_SUCCESS;
+    if (LIKELY(r != NULL && conn_state() == CONN_CONNECTED)) {
+        uint64_t now = now_ns(), until = r_u64(r, GL_OFF_ADMIT_UNTIL);
+        /* A lease ends by itself; admitted until further notice, the dispatcher's heartbeat
+         * must be fresh (a hung dispatcher is a lost one). */
+        if (now < until && (until != GL_ADMIT_FOREVER || now - r_u64(r, GL_OFF_BEAT) < C.alive_ns))
+            return CUDA_SUCCESS;
+    }
     return gate_slow(key, launch, granted_seq);
+}
+
+/* Whether the dispatcher's heartbeat in region `r` is older than the bound at `now` (a
+ * dispatcher that gives none, 0, is not judged by it). */
+static inline int dispatcher_silent(const uint8_t *r, uint64_t now) {
+    uint64_t beat = r_u64(r, GL_OFF_BEAT);
+    return beat != 0 && now > beat && now - beat >= C.alive_ns;
 }
 
 /* ---- fikit_gate.c: FIKIT kernel admission ---- */

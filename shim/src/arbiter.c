@@ -5,7 +5,13 @@
  * the core what may go (gl_fk_decide), write the grants and wake their shims, then refresh
  * roles, notify flags and heartbeats. The thread sleeps on the doorbell eventfd until the next
  * post, command or the core's wake-up time. Everything runs under one mutex that add/remove
- * also take; a round costs microseconds. */
+ * also take; a round costs microseconds.
+ *
+ * Ringing the doorbell changes no decision: a round it causes reads every request and launch
+ * (which can only queue a request or make the holder busy), but the holder's completions only
+ * in timed rounds (its heartbeat, on a fixed cadence, and the core's wake-up times): a holder
+ * found idle sooner would mean idle fill sooner, and when the arbiter looks must not depend on
+ * how often someone rings. */
 #define _GNU_SOURCE
 #include "arbiter.h"
 
@@ -80,7 +86,7 @@ struct gl_arbiter {
     pthread_t thread;
     int stop;
     int doorbell;
-    uint64_t beat_ns, last_beat;
+    uint64_t beat_ns, next_beat; /* the heartbeat's cadence, whatever wakes the thread */
     uint64_t spin_ns; /* busy-poll budget around a predicted holder launch (0: never) */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
     uint64_t gap_threshold_ns, fill_guard_ns;
@@ -433,11 +439,19 @@ static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e) {
 static void round_locked(gl_arbiter *a) {
     uint64_t now = now_ns();
     a->stats.rounds++;
+    int beat = now >= a->next_beat;
+    if (beat) a->next_beat = now - a->next_beat < a->beat_ns ? a->next_beat + a->beat_ns
+                                                             : now + a->beat_ns;
+    /* A timed round: the heartbeat, or a wake-up time the core asked for. Only these take
+     * the holder's completions (see the top of this file). */
+    int timed = beat || now >= a->next_wake;
+    int holder = gl_fk_holder_priority(a->core);
     if (a->arm.live && arm_fired(a)) withdraw(a, now);
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
         if (!s->used || s->suspended) continue;
-        take_done(a, t, load32(s->region, GL_OFF_FK_DONE), now);
+        if (timed || (int)s->priority != holder)
+            take_done(a, t, load32(s->region, GL_OFF_FK_DONE), now);
         take_request(a, t, now);
         take_late_release(a, t, now);
     }
@@ -458,8 +472,6 @@ static void round_locked(gl_arbiter *a) {
         outstanding += s->granted_count;
     }
     uint32_t notify = waiting > 0 || outstanding > 0;
-    int beat = now - a->last_beat >= a->beat_ns;
-    if (beat) a->last_beat = now;
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
         slot_state *s = &a->slots[t];
         if (!s->used) continue;
@@ -515,7 +527,7 @@ static void *run(void *arg) {
             return NULL;
         }
         round_locked(a);
-        uint64_t now = now_ns(), until = now + a->beat_ns;
+        uint64_t now = now_ns(), until = a->next_beat;
         if (a->next_wake < until) until = a->next_wake;
         /* A filler waits and a gap window is open: the holder's next launch is expected at
          * its end. Sleep until shortly before it, then poll until shortly after. */
@@ -606,6 +618,7 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
     }
     a->doorbell = doorbell_fd;
     a->beat_ns = beat_ns;
+    a->next_beat = now_ns(); /* the first round beats */
     a->spin_ns = spin_ns;
     a->next_wake = UINT64_MAX;
     pthread_mutex_init(&a->lock, NULL);

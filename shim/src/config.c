@@ -1,8 +1,9 @@
 /* The configuration: the environment, parsed once (at init). A bad value is one line on
- * stderr and pass-through. Owns: C. */
+ * stderr naming it, and only its own setting falls back (read_config). Owns: C. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -23,13 +24,37 @@ static int valid_token(const char *token) {
     return 1;
 }
 
-/* Parse the environment once. A bad value: one line on stderr, and pass-through. */
+/* A bad value: named on stderr, the default (or the safe choice) kept for it alone. */
+static void bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void bad(const char *fmt, ...) {
+    char text[384];
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(text, sizeof text, fmt, args);
+    va_end(args);
+    say(LOG_ERROR, "bad configuration: %s", text);
+    trace("config bad");
+}
+
+/* A whole number in lo..hi, or -1. */
+static long number(const char *text, long lo, long hi) {
+    char *end;
+    errno = 0;
+    long value = strtol(text, &end, 10);
+    return errno || *end || end == text || value < lo || value > hi ? -1 : value;
+}
+
+/* Parse the environment once. A bad value is named on stderr and only its own setting falls
+ * back (a log level to warn, the wait and the pool to their defaults, the loss policy to
+ * closed); every other setting, the memory cap and the admission stay. A socket or token that
+ * is set but unusable leaves nothing to register with: the process is refused (its launches
+ * fail, it allocates nothing), never passed through. Neither set: not a gpuloom process, pass
+ * through. */
 void read_config(void) {
     const char *trace_path = getenv("GPULOOM_SHIM_TRACE");
     if (trace_path && *trace_path)
         C.trace_fd = open(trace_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
 
-    char problem[512] = "";
     const char *level = getenv("GPULOOM_SHIM_LOG");
     if (level && *level) {
         if (strcmp(level, "error") == 0) C.log_level = LOG_ERROR;
@@ -37,69 +62,63 @@ void read_config(void) {
         else if (strcmp(level, "info") == 0) C.log_level = LOG_INFO;
         else if (strcmp(level, "debug") == 0) C.log_level = LOG_DEBUG;
         else
-            snprintf(problem, sizeof problem,
-                     "GPULOOM_SHIM_LOG=%.64s is not one of error, warn, info, debug", level);
+            bad("GPULOOM_SHIM_LOG=%.64s is not one of error, warn, info, debug; logging at warn",
+                level);
     }
     const char *loss = getenv("GPULOOM_ON_DISPATCHER_LOSS");
-    if (loss && *loss && !*problem) {
+    if (loss && *loss) {
         if (strcmp(loss, "open") == 0) C.closed = 0;
         else if (strcmp(loss, "closed") == 0) C.closed = 1;
-        else
-            snprintf(problem, sizeof problem,
-                     "GPULOOM_ON_DISPATCHER_LOSS=%.64s is not open or closed", loss);
+        else {
+            C.closed = 1;
+            bad("GPULOOM_ON_DISPATCHER_LOSS=%.64s is not open or closed; failing closed", loss);
+        }
     }
     const char *wait = getenv("GPULOOM_SHIM_WAIT_MS");
-    if (wait && *wait && !*problem) {
-        char *end;
-        errno = 0;
-        long value = strtol(wait, &end, 10);
-        if (errno || *end || end == wait || value < 1 || value > 600000)
-            snprintf(problem, sizeof problem,
-                     "GPULOOM_SHIM_WAIT_MS=%.64s is not a whole number of milliseconds in "
-                     "1..600000", wait);
+    if (wait && *wait) {
+        long value = number(wait, 1, 600000);
+        if (value < 0)
+            bad("GPULOOM_SHIM_WAIT_MS=%.64s is not a whole number of milliseconds in 1..600000; "
+                "waiting %d ms", wait, C.wait_ms);
         else
             C.wait_ms = (int)value;
     }
     const char *pool = getenv("GPULOOM_SHIM_EVENT_POOL");
-    if (pool && *pool && !*problem) {
-        char *end;
-        errno = 0;
-        long value = strtol(pool, &end, 10);
-        if (errno || *end || end == pool || value < 1 || value > 65536)
-            snprintf(problem, sizeof problem,
-                     "GPULOOM_SHIM_EVENT_POOL=%.64s is not a whole number of event pairs in "
-                     "1..65536", pool);
+    if (pool && *pool) {
+        long value = number(pool, 1, 65536);
+        if (value < 0)
+            bad("GPULOOM_SHIM_EVENT_POOL=%.64s is not a whole number of event pairs in 1..65536; "
+                "using %d", pool, C.event_pool);
         else
             C.event_pool = (int)value;
     }
+    C.alive_ns = (uint64_t)C.wait_ms * 1000000u;
+    if (C.alive_ns < GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS)
+        C.alive_ns = GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS;
     const char *socket_path = getenv("GPULOOM_DISPATCHER_SOCKET");
     const char *token = getenv("GPULOOM_ASSIGNMENT_TOKEN");
     int have_socket = socket_path && *socket_path, have_token = token && *token;
-    if (!*problem && have_socket != have_token)
-        snprintf(problem, sizeof problem, "%s is set but %s is not",
-                 have_socket ? "GPULOOM_DISPATCHER_SOCKET" : "GPULOOM_ASSIGNMENT_TOKEN",
-                 have_socket ? "GPULOOM_ASSIGNMENT_TOKEN" : "GPULOOM_DISPATCHER_SOCKET");
-    if (!*problem && have_socket && strlen(socket_path) >= sizeof C.socket_path)
-        snprintf(problem, sizeof problem,
-                 "GPULOOM_DISPATCHER_SOCKET is longer than a Unix socket path may be (107 bytes)");
-    if (!*problem && have_token && !valid_token(token))
-        snprintf(problem, sizeof problem,
-                 "GPULOOM_ASSIGNMENT_TOKEN is not 32..128 URL-safe characters");
-    if (*problem) {
-        C.log_level = C.log_level < LOG_ERROR ? LOG_ERROR : C.log_level;
-        say(LOG_ERROR, "bad configuration: %s; passing through (no sharing, no memory cap)",
-            problem);
-        trace("config invalid");
-        C.active = 0;
-        return;
-    }
-    if (!have_socket) {
+    if (!have_socket && !have_token) {
         trace("config passthrough");
         C.active = 0;
         return;
     }
+    C.active = 1;
+    if (have_socket != have_token)
+        snprintf(C.unusable, sizeof C.unusable, "%s is set but %s is not",
+                 have_socket ? "GPULOOM_DISPATCHER_SOCKET" : "GPULOOM_ASSIGNMENT_TOKEN",
+                 have_socket ? "GPULOOM_ASSIGNMENT_TOKEN" : "GPULOOM_DISPATCHER_SOCKET");
+    else if (strlen(socket_path) >= sizeof C.socket_path)
+        snprintf(C.unusable, sizeof C.unusable,
+                 "GPULOOM_DISPATCHER_SOCKET is longer than a Unix socket path may be (107 bytes)");
+    else if (!valid_token(token))
+        snprintf(C.unusable, sizeof C.unusable,
+                 "GPULOOM_ASSIGNMENT_TOKEN is not 32..128 URL-safe characters");
+    if (*C.unusable) {
+        bad("%s", C.unusable);
+        return;
+    }
     snprintf(C.socket_path, sizeof C.socket_path, "%s", socket_path);
     snprintf(C.token, sizeof C.token, "%s", token);
-    C.active = 1;
     trace("config active");
 }

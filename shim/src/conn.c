@@ -37,6 +37,27 @@ CUresult on_loss(const char *why) {
     return C.closed ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
 }
 
+static const char REFUSING[] =
+    "refusing launches with CUDA_ERROR_NOT_PERMITTED (the dispatcher's decision, not a loss: "
+    "GPULOOM_ON_DISPATCHER_LOSS does not apply)";
+
+CUresult on_refusal(const char *why) {
+    if (!__atomic_exchange_n(&g_loss_logged, 1, __ATOMIC_ACQ_REL))
+        say(LOG_WARN, "%s; %s", why, REFUSING);
+    trace("refused launch");
+    return CUDA_ERROR_NOT_PERMITTED;
+}
+
+/* The dispatcher answered and does not admit this process (or its settings cannot register):
+ * for good. Its launches fail and, having never had a memory cap, it allocates nothing. */
+static void mark_refused(const char *why) {
+    __atomic_store_n(&g_conn, CONN_REFUSED, __ATOMIC_RELEASE);
+    mem_deny_uncapped();
+    say(LOG_WARN, "%s; %s", why, REFUSING);
+    __atomic_store_n(&g_loss_logged, 1, __ATOMIC_RELEASE);
+    trace("refused");
+}
+
 static void adopt_registration(int sock, uint8_t *r, int doorbell, gl_registration *reg) {
     fikit_adopt(r, doorbell, reg);
     pthread_mutex_lock(&g_send_lock);
@@ -115,6 +136,9 @@ static void *background(void *arg) {
                 adopt_registration(sock, r, doorbell, &reg);
                 say(LOG_WARN, "reconnected to the dispatcher; sharing again");
                 trace("reconnected");
+            } else if (refused) { /* back, and it no longer admits this process */
+                mark_refused(why);
+                return NULL;
             } else if (failures++ == 0) {
                 say(LOG_INFO, "reconnection failed: %s", why);
             }
@@ -162,8 +186,7 @@ static void *background(void *arg) {
             int kind = gl_decode_dispatcher(buffer + 4, length, NULL, text, sizeof text);
             if (kind == 2) {
                 __atomic_store_n(&g_conn, CONN_EVICTED, __ATOMIC_RELEASE);
-                say(LOG_WARN, "assignment evicted by the dispatcher: %s; %s", text,
-                    policy_text());
+                say(LOG_WARN, "assignment evicted by the dispatcher: %s; %s", text, REFUSING);
                 __atomic_store_n(&g_loss_logged, 1, __ATOMIC_RELEASE);
                 trace("evicted");
             } else if (kind == 3) {
@@ -180,6 +203,11 @@ void register_once(void) {
     uint8_t *r = NULL;
     gl_registration reg;
     char why[512];
+    if (*C.unusable) { /* nothing to register with: refused by its own settings */
+        snprintf(why, sizeof why, "cannot register with the dispatcher: %s", C.unusable);
+        mark_refused(why);
+        return;
+    }
     if (gl_register(C.socket_path, C.token, program_invocation_short_name, C.wait_ms, &sock,
                     (volatile uint8_t **)&r, &doorbell, &reg, &refused, why, sizeof why) == 0) {
         adopt_registration(sock, r, doorbell, &reg);
@@ -187,13 +215,13 @@ void register_once(void) {
             (unsigned long long)reg.memory_cap_bytes);
         trace("registered mode %u cap %llu", reg.mode, (unsigned long long)reg.memory_cap_bytes);
     } else if (refused) {
-        __atomic_store_n(&g_conn, CONN_REFUSED, __ATOMIC_RELEASE);
-        say(LOG_WARN, "%s; %s", why, policy_text());
-        __atomic_store_n(&g_loss_logged, 1, __ATOMIC_RELEASE);
-        trace("refused");
+        mark_refused(why);
         return;
     } else {
         __atomic_store_n(&g_conn, CONN_LOST, __ATOMIC_RELEASE);
+        /* Lost before it ever registered: no cap is known. Fail-open runs as configured;
+         * fail-closed allocates nothing until a registration gives it a cap. */
+        if (C.closed) mem_deny_uncapped();
         say(LOG_WARN, "%s; %s; retrying in the background", why, policy_text());
         __atomic_store_n(&g_loss_logged, 1, __ATOMIC_RELEASE);
         trace("unreachable");

@@ -277,7 +277,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
             break;
         }
         if (r_u32(r, GL_OFF_STATE) == GL_STATE_EVICTED) {
-            result = on_loss("assignment evicted");
+            result = on_refusal("assignment evicted");
             break;
         }
         uint64_t now = now_ns(), beat = r_u64(r, GL_OFF_FK_BEAT);

@@ -41,9 +41,13 @@ static mem_table g_maps; /* cuMemMap'd addresses (of counted handles) -> size, h
 static pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t g_cap;       /* memory cap in bytes; 0 = none (atomic) */
 static uint64_t g_allocated; /* atomic */
+#define MEM_DENIED 1u        /* the cap of a process not admitted: no allocation fits */
 
-void mem_set_cap(uint64_t cap_bytes) {
-    if (cap_bytes) __atomic_store_n(&g_cap, cap_bytes, __ATOMIC_RELEASE);
+void mem_set_cap(uint64_t cap_bytes) { __atomic_store_n(&g_cap, cap_bytes, __ATOMIC_RELEASE); }
+
+void mem_deny_uncapped(void) {
+    uint64_t none = 0;
+    __atomic_compare_exchange_n(&g_cap, &none, MEM_DENIED, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 }
 
 uint64_t mem_allocated(void) { return __atomic_load_n(&g_allocated, __ATOMIC_RELAXED); }
@@ -167,8 +171,13 @@ void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes) {
 
 static CUresult over_cap(const char *hook, uint64_t size) {
     trace("alloc %s %llu out_of_memory", hook, (unsigned long long)size);
-    say(LOG_INFO, "%s of %llu bytes refused: over the memory cap of %llu bytes", hook,
-        (unsigned long long)size, (unsigned long long)__atomic_load_n(&g_cap, __ATOMIC_RELAXED));
+    uint64_t cap = __atomic_load_n(&g_cap, __ATOMIC_RELAXED);
+    if (cap == MEM_DENIED)
+        say(LOG_INFO, "%s of %llu bytes refused: the dispatcher does not admit this process",
+            hook, (unsigned long long)size);
+    else
+        say(LOG_INFO, "%s of %llu bytes refused: over the memory cap of %llu bytes", hook,
+            (unsigned long long)size, (unsigned long long)cap);
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 

@@ -133,7 +133,11 @@ extern struct gl_config {
     char socket_path[108];
     char token[160];
     int closed; /* GPULOOM_ON_DISPATCHER_LOSS=closed */
+    /* Set but unusable (a bad or missing socket or token, named here): the process cannot
+     * register, so it is refused (launches fail, nothing is allocated). "" when usable. */
+    char unusable[256];
     int wait_ms;
+    uint64_t alive_ns; /* the oldest dispatcher heartbeat taken for a live dispatcher */
     int log_level;
     int trace_fd;
     int event_pool; /* measure mode: event pairs (GPULOOM_SHIM_EVENT_POOL) */
@@ -188,8 +192,13 @@ static inline void ensure_registered(void) {
     if (C.active) pthread_once(&g_register_once, register_once);
 }
 
-/* What a launch gets when the dispatcher cannot admit it. Logged once per episode. */
+/* What a launch gets when the dispatcher is lost (unreachable, closed, silent past the bound):
+ * the loss policy's answer. Logged once per episode. */
 CUresult on_loss(const char *why);
+/* What a launch gets when the dispatcher took the process's admission away (evicted, refused,
+ * or settings it cannot register with): CUDA_ERROR_NOT_PERMITTED, whatever the loss policy.
+ * Logged once. */
+CUresult on_refusal(const char *why);
 /* The wait is over: the next loss is announced again. */
 void loss_rearm(void);
 /* Sends; a failed one means the dispatcher is gone (marked lost). Each returns 0 or -1. */
@@ -240,7 +249,11 @@ int measure_ready(void);
 
 /* ---- memcap.c: the memory cap ---- */
 
-void mem_set_cap(uint64_t cap_bytes); /* 0: keep the cap there is */
+void mem_set_cap(uint64_t cap_bytes); /* a registration's cap, exactly (0: none) */
+/* A process the dispatcher does not admit and that never had a cap (refused, or lost before
+ * its first registration under the closed policy): nothing may be allocated until a
+ * registration gives it one. */
+void mem_deny_uncapped(void);
 uint64_t mem_allocated(void);
 /* The process's view of the GPU's memory under the cap (cuMemGetInfo and NVML both answer
  * it): total = min(cap, real total), free = min(real free, cap - counted). Unchanged when

@@ -9,7 +9,7 @@
 /* The admission region (layout in shim.proto; gpuloom/shimwire.py has the same constants, and
  * tests/shim/test_layout.py holds the two together). */
 #define GL_REGION_MAGIC 0x4D534C47u
-#define GL_REGION_VERSION 5u
+#define GL_REGION_VERSION 6u
 #define GL_REGION_BYTES 4096u
 #define GL_OFF_MAGIC 0
 #define GL_OFF_VERSION 4
@@ -34,6 +34,15 @@
 #define GL_OFF_FK_ROLE 68    /* u32 GL_ROLE_* */
 #define GL_OFF_FK_NOTIFY 72  /* u32 1: post every launch and ring the doorbell */
 #define GL_OFF_FK_BEAT 80    /* u64 the arbiter's heartbeat (CLOCK_MONOTONIC ns) */
+/* The dispatcher's heartbeat (CLOCK_MONOTONIC ns), every mode: written every GL_BEAT_PERIOD_NS
+ * by its own native thread (heartbeat.c). A shim that asks for nothing (admitted until further
+ * notice, a FIKIT holder) takes a beat older than its bound for the loss of the dispatcher. */
+#define GL_OFF_BEAT 88
+#define GL_BEAT_PERIOD_NS 25000000ull
+/* The oldest beat a shim still takes for a live dispatcher: GPULOOM_SHIM_WAIT_MS, but at least
+ * this many periods (a bound shorter than a few beats would take a busy host for a dead one). */
+#define GL_BEAT_MIN_PERIODS 4u
+#define GL_ADMIT_FOREVER UINT64_MAX /* admit_until: until further notice */
 /* FIKIT words written by the shim; the arbiter validates every read. On their own cache line. */
 #define GL_OFF_FK_REQ_SEQ 128 /* u32 sequence number of the shim's latest launch or request */
 #define GL_OFF_FK_DONE 132    /* u32 sequence number of the latest granted kernel known done */

@@ -26,13 +26,15 @@ from gpuloom.v1 import dispatcher_pb2, placement_pb2
             "spec.command[1]",
         ),
         (
-            dispatcher_pb2.RunMigBatchRequest(
-                tasks=[
-                    dispatcher_pb2.MigTaskSpec(name="ok"),
-                    dispatcher_pb2.MigTaskSpec(argv=["\x00"]),
-                ]
+            dispatcher_pb2.MigRunInput(
+                batch=dispatcher_pb2.RunMigBatchRequest(
+                    tasks=[
+                        dispatcher_pb2.MigTaskSpec(name="ok"),
+                        dispatcher_pb2.MigTaskSpec(name="n\x00"),
+                    ]
+                )
             ),
-            "tasks[1].argv[0]",
+            "batch.tasks[1].name",
         ),
         (
             placement_pb2.Job(assignment=placement_pb2.JobAssignment(environment={"A": "\x00"})),

@@ -97,12 +97,19 @@ def test_every_container_has_probes_and_resources() -> None:
             assert "readinessProbe" in container and "livenessProbe" in container, name
 
 
+PORTS = {"profile-store": 50052, "profiler": 50053, "placement": 50051, "dispatcher": 50060}
+CREDENTIALS = "/etc/gpuloom/credentials"
+
+
 def test_gpuloom_services_are_probed_over_grpc_health_on_their_port() -> None:
-    ports = {"profile-store": 50052, "profiler": 50053, "placement": 50051, "dispatcher": 50060}
-    for name, port in ports.items():
+    # The kubelet's own gRPC probe speaks no TLS: the image's healthcheck asks instead, over
+    # TLS with the service's own certificate (its container's GPULOOM_TLS_* settings).
+    for name, port in PORTS.items():
         (container,) = workloads()[name]["spec"]["template"]["spec"]["containers"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container[probe]["grpc"] == {"port": port}, (name, probe)
+            command = container[probe]["exec"]["command"]
+            assert command == ["python", "/opt/gpuloom/bin/healthcheck.py", f"127.0.0.1:{port}"]
+            assert container[probe]["timeoutSeconds"] >= 5, (name, probe)
         assert container["securityContext"].get("runAsUser", 10001) == 10001
         pod = workloads()[name]["spec"]["template"]["spec"]
         assert pod.get("securityContext", {}).get("runAsUser", 10001) == 10001
@@ -192,3 +199,35 @@ def test_the_databases_answer_only_the_services_that_use_them() -> None:
         assert ("@postgres:5432" in values) == (name in allowed["postgres"]), name
         assert ("redis:6379" in values) == (name in allowed["redis"]), name
         assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == name
+
+
+def test_every_service_serves_mutual_tls_and_tokens_from_the_credentials_secret() -> None:
+    kustomization = yaml.safe_load(KUSTOMIZATION.read_text())
+    (generator,) = kustomization["secretGenerator"]
+    assert generator["name"] == "gpuloom-credentials"
+    generated = {Path(path).name for path in generator["files"]}
+    assert all(path.startswith("credentials/") for path in generator["files"])
+    assert not any(name.startswith("admin") for name in generated)  # the admin's stay out
+    assert "deploy/k8s/credentials/" in (ROOT / ".gitignore").read_text()
+    for name in PORTS:
+        pod = workloads()[name]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = env_of(container)
+        assert env["GPULOOM_TLS_CERT_FILE"] == f"{CREDENTIALS}/{name}.crt"
+        assert env["GPULOOM_TLS_KEY_FILE"] == f"{CREDENTIALS}/{name}.key"
+        assert env["GPULOOM_TLS_CA_FILE"] == f"{CREDENTIALS}/ca.crt"
+        assert env["GPULOOM_TLS_SERVER_NAME"] == "gpuloom"
+        assert env["GPULOOM_AUTH_TOKENS_FILE"] == f"{CREDENTIALS}/tokens"
+        assert env["GPULOOM_AUTH_TOKEN_FILE"] == f"{CREDENTIALS}/service.token"
+        assert "GPULOOM_INSECURE" not in env and "GPULOOM_TLS_CLIENT_AUTH" not in env
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["credentials"]["mountPath"] == CREDENTIALS
+        assert mounts["credentials"]["readOnly"] is True
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "credentials"]
+        items = {item["key"] for item in volume["secret"]["items"]}
+        # Only what this service needs: not another service's key, not the admin's.
+        assert items == {"ca.crt", "tokens", "service.token", f"{name}.crt", f"{name}.key"}
+        assert items <= generated
+        assert volume["secret"]["secretName"] == "gpuloom-credentials"
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert pod["securityContext"]["fsGroup"] == 10001

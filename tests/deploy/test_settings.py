@@ -19,6 +19,7 @@ from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.settings import ProfilerSettings
+from gpuloom.transport import TransportSettings
 from tests.deploy.conftest import ROOT
 from tests.deploy.test_k8s import env_of, workloads
 
@@ -34,9 +35,11 @@ OTHER_VARIABLES = {"GPULOOM_PLACEMENT_ADDRESS", SHIM_PATH_ENV, LIBRARY_ENV}
 
 
 def variables(*classes: type[BaseSettings]) -> set[str]:
+    """What a service reads: its own settings, every process's, and TLS and tokens (whose files
+    the deployment provides, so their values are not loaded here)."""
     return {
         (cls.model_config.get("env_prefix", "") + name).upper()
-        for cls in (CommonSettings, *classes)
+        for cls in (CommonSettings, TransportSettings, *classes)
         for name in cls.model_fields
     }
 

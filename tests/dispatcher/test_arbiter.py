@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import time
 from collections.abc import Iterator
 
@@ -513,3 +514,59 @@ def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
     finally:
         high.close()
         low.close()
+
+
+def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:
+    """Ringing changes no decision (issue 34: a filler ringing in a loop got 35x the fill):
+    the holder's kernel ends without a ring, as a quiet holder's do; the arbiter takes that end
+    at its own heartbeat, and a process ringing the doorbell in a loop meanwhile makes it no
+    sooner, so the waiting fill is granted no earlier than without the ringing."""
+    config = FikitConfig(
+        gap_threshold_ns=100 * US, idle_margin_ns=200 * US, idle_backlog_ns=0, max_wait_ns=0
+    )
+    arbiter = Arbiter(config, beat_s=0.05)
+    silent = os.eventfd(0, os.EFD_NONBLOCK)
+    high = Task(arbiter, 0, HOLDER_TABLE, doorbell_fd=silent)
+    low = Task(arbiter, 5, FILL_TABLE)
+    ringing = threading.Event()
+    stop = threading.Event()
+
+    def ring() -> None:
+        while not stop.is_set():
+            if ringing.is_set():
+                os.eventfd_write(arbiter.doorbell_fd, 1)
+            time.sleep(0.00002)
+
+    ringer = threading.Thread(target=ring, daemon=True)
+    ringer.start()
+    delays = {}
+    try:
+        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        for rings in (False, True):
+            launched = high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+            seq = low.port.post(FILL_LONG, FikitPost.REQUEST)  # 5 ms: fits no 2 ms gap
+            time.sleep(0.005)
+            assert low.port.granted != seq  # the holder's kernel runs
+            beat = high.port.heartbeat_ns  # just after a heartbeat ...
+            assert wait_for(lambda beat=beat: high.port.heartbeat_ns != beat, 1.0)
+            ended = time.monotonic()
+            high.port.report_done(launched)  # ... the kernel ends, ringing nothing
+            if rings:
+                ringing.set()
+            assert low.port.wait_grant(seq, 1.0)
+            delays[rings] = time.monotonic() - ended
+            ringing.clear()
+            low.port.report_done(seq)
+            assert wait_for(lambda n=1 + rings: arbiter.core_counters().granted_idle == n)
+            time.sleep(0.06)  # its end taken (and the next heartbeat passed)
+        # Found idle at the next heartbeat (about 50 ms on), ringing or not: not at the 2.2 ms
+        # (gap and margin) a ring would otherwise reveal it at.
+        assert delays[False] >= 0.03 and delays[True] >= 0.03, delays
+        assert arbiter.stats().rounds > 100  # the ringing did wake it, often
+    finally:
+        stop.set()
+        ringer.join()
+        high.close()
+        low.close()
+        arbiter.stop()
+        os.close(silent)

@@ -1,16 +1,22 @@
 """One local user cannot lock the shim socket: a cap per peer uid, unregistered connections
-dropped fast, the last connections kept for users holding a reservation (issue 19, item 2)."""
+dropped fast, the last connections kept for users holding a reservation (issue 19, item 2);
+nor fill the disk: refusals logged at a bounded rate per user, and counted (issue 34)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import socket
 import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from gpuloom.services.dispatcher import metrics
+from gpuloom.services.dispatcher.refusal_log import BURST, PER_S
+from gpuloom.shimwire import encode_frame
+from gpuloom.v1 import shim_pb2
 from tests.dispatcher.conftest import LiveDispatcher
 
 
@@ -99,3 +105,51 @@ async def test_the_last_connections_are_kept_for_reservation_holders(
     assert _refused(gpu, "kept for reservation holders") == before + 1
     first.close()
     second.close()
+
+
+def _closed_total(gpu: str) -> float:
+    return sum(
+        sample.value
+        for metric in metrics.CONNECTIONS_CLOSED.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total") and sample.labels["gpu"] == gpu
+    )
+
+
+def _unlogged(gpu: str) -> float:
+    return metrics.REFUSALS_UNLOGGED.labels(gpu)._value.get()
+
+
+async def test_one_user_refused_in_a_loop_is_logged_at_a_bounded_rate_and_counted(
+    live: LiveDispatcher, gpu: str
+) -> None:
+    """A user reconnecting in a loop with an unknown token (issue 34: 195,850 warnings in
+    11 s) gets at most the burst of refusal lines, then one per refill; every refusal is still
+    counted."""
+    register = encode_frame(
+        shim_pb2.ShimMessage(
+            register=shim_pb2.Register(protocol_version=1, assignment_token="u" * 40)
+        ).SerializeToString()
+    )
+    attempts = 300
+
+    def hammer() -> None:
+        for _ in range(attempts):
+            sock = _connect(live.socket_path)
+            sock.sendall(register)
+            assert _closed_by_server(sock)
+            sock.close()
+
+    closed_before, unlogged_before = _closed_total(gpu), _unlogged(gpu)
+    started = time.monotonic()
+    with capture_logs() as logs:
+        await asyncio.to_thread(hammer)
+        await asyncio.sleep(0.2)
+    took = time.monotonic() - started
+    refused = [entry for entry in logs if entry["event"] == "shim refused"]
+    assert all(entry["log_level"] == "warning" and entry["uid"] == os.getuid() for entry in refused)
+    assert all(entry["reason"] == "unknown assignment token" for entry in refused)
+    # The burst, and one more line per 1 / PER_S seconds the loop took.
+    assert 1 <= len(refused) <= BURST + 1 + int(took * PER_S), (len(refused), took)
+    assert _closed_total(gpu) - closed_before == attempts
+    assert _unlogged(gpu) - unlogged_before == attempts - len(refused)

@@ -32,6 +32,9 @@ class DispatcherProcess:
             GPULOOM_DISPATCHER_PORT=str(self.port),
             GPULOOM_DISPATCHER_BACKEND="simulated",
             GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB",
+            # Served open (the explicit opt-out): these tests kill and restart a dispatcher and
+            # call it as placement would; how it is secured is tests/security's business.
+            GPULOOM_INSECURE="true",
         )
         self.process: subprocess.Popen[str] | None = None
 

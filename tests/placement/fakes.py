@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from gpuloom.domain.errors import AlreadyExists, FailedPrecondition, Unavailable
-from gpuloom.domain.mig_runs import TaskRun
+from gpuloom.domain.mig_runs import TaskEnd, TaskRun, TaskStart
 from gpuloom.services.placement.dispatchers import (
     BindRequest,
     MigRunRequest,
@@ -70,24 +70,24 @@ class FakeProfiles:
 
 class FakeMigRunner:
     """Dispatchers running MIG batches (the `MigRunner` protocol), as RunMigBatch does: one
-    batch at a time per dispatcher (a second one is refused), each task ending with the exit
-    code set for it (0 by default), on its smallest timed size. Runs end their tasks only once
-    `go` is set; `refuse` makes a dispatcher refuse, `break_after_start` makes its stream fail
-    once the batch started."""
+    batch at a time per dispatcher (a second one is refused); each task, in the batch's order,
+    is handed out on its smallest timed size and ends with the exit code its runner reports.
+    Runs hand out their tasks only once `go` is set; `refuse` makes a dispatcher refuse,
+    `break_after_start` makes its stream fail once the batch started."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, MigRunRequest]] = []
-        self.exit_codes: dict[str, int] = {}
         self.refuse: set[str] = set()
         self.break_after_start: set[str] = set()
         self.go = asyncio.Event()
         self.go.set()
         self.running: set[str] = set()
         self.overlaps = 0  # batches refused because one was running on the same dispatcher
+        self.ends: list[TaskEnd] = []  # every end its runner reported, in order
 
     async def run_mig_batch(
-        self, address: str, request: MigRunRequest
-    ) -> AsyncIterator[MigRunStarted | TaskRun]:
+        self, address: str, request: MigRunRequest, ends: AsyncIterator[TaskEnd]
+    ) -> AsyncIterator[MigRunStarted | TaskStart | TaskRun]:
         if address in self.refuse:
             raise Unavailable(f"dispatcher {address} unreachable")
         if address in self.running:
@@ -95,6 +95,7 @@ class FakeMigRunner:
             raise FailedPrecondition("a MIG batch is already running on this GPU")
         self.requests.append((address, request))
         self.running.add(address)
+        reported = aiter(ends)
         try:
             yield MigRunStarted(planned_makespan_s=1.0)
             if address in self.break_after_start:
@@ -103,16 +104,25 @@ class FakeMigRunner:
             for offset, task in enumerate(request.tasks):
                 size = min(task.seconds_by_size)
                 seconds = task.seconds_by_size[size]
+                instance = f"MIG-{address}-{size}g"
+                yield TaskStart(
+                    task.name, size, 0, instance, float(offset), offset + seconds, offset + 0.01
+                )
+                end = await anext(reported, None)
+                if end is None:
+                    return  # its runner stopped: nothing more is handed out
+                assert end.task == task.name
+                self.ends.append(end)
                 yield TaskRun(
                     task=task.name,
                     size=size,
                     first_slice=0,
-                    instance_uuid=f"MIG-{address}-{size}g",
+                    instance_uuid=instance,
                     planned_start_s=float(offset),
                     planned_end_s=offset + seconds,
                     start_s=offset + 0.01,
                     end_s=offset + seconds + 0.02,
-                    exit_code=self.exit_codes.get(task.name, 0),
+                    exit_code=end.exit_code,
                 )
         finally:
             self.running.discard(address)

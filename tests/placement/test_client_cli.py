@@ -553,6 +553,8 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
         (["--whole-gpu", "--quota", "10", "--memory-gib", "1"], "--whole-gpu"),
         (["--quota-limit", "50"], "--quota-limit"),
         (["--sm", "0", "--memory-gib", "1"], "--sm"),
+        (["--mig", "--sm", "20", "--memory-gib", "1"], "--mig excludes"),
+        (["--mig", "--gpus", "2"], "--mig excludes"),
     ]:
         result = await invoke("run", address(placement), *args, "--", "true")
         assert result.exit_code == 2 and text in result.output, (args, result.output)
@@ -562,6 +564,12 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
     lines = output_lines(bad_policy)
     assert len(lines) == 1 and lines[0].startswith("Error: --policy: refused by placement")
     assert "unknown placement policy 'best-guess'" in bad_policy.output
+    # A MIG batch task, whose times come from a MIG profile: this placement has no profile
+    # store, so it is refused before anything is submitted.
+    mig = await invoke("run", address(placement), "--mig", "--task-key", "lud", "--", "true")
+    assert mig.exit_code == 1 and "MIG batch tasks take their times from MIG profiles" in (
+        mig.output
+    )
     assert await all_jobs(placement) == []
 
 

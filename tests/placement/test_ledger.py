@@ -1,6 +1,7 @@
 """MIG batches need nothing of placement's jobs but the `JobLedger` interface: driven here by
 an in-memory ledger, with no core and no database, they take back waiting tasks, lose those a
-restart cut off, plan a due batch, record its assignments and end each task as its run reports."""
+restart cut off, plan a due batch, record its assignments, record each task's instance when its
+run hands it out (to the runner that follows the job), and pass the task's end on to the run."""
 
 from __future__ import annotations
 
@@ -29,6 +30,10 @@ class MemoryLedger:
         self.recorded: list[Job] = []
         self.finished: list[tuple[str, JobState, str]] = []
         self.ended: list[tuple[str, JobState, int]] = []
+        self.following: set[str] = set()  # jobs a runner follows
+
+    def followed(self, job_id: str) -> bool:
+        return job_id in self.following
 
     def now(self) -> float:
         return NOW
@@ -87,10 +92,23 @@ async def test_mig_batches_work_through_the_ledger_alone() -> None:
         "far",
     )
     assert assigned.binding is not None and assigned.binding.mig is not None
+    ledger.following.add("waiting")  # its submitter's runner follows it
     async with asyncio.timeout(5):
-        while not ledger.ended:
+        while len(ledger.recorded) < 2:
             await asyncio.sleep(0.01)
-    assert ledger.ended == [("waiting", JobState.SUCCEEDED, 0)]
+    handed = ledger.recorded[1]  # the run handed it its instance: the job says which
+    assert handed.binding is not None and handed.binding.mig is not None
+    uuid = handed.binding.mig.instance_uuid
+    assert uuid.startswith("MIG-") and handed.binding.environment == {"CUDA_VISIBLE_DEVICES": uuid}
+    # Its runner reports the end (the decisions end the job, then tell MIG batches): the run
+    # is told, and moves on.
+    ended = ledger.jobs.pop("waiting").advance(NOW, state=JobState.SUCCEEDED, exit_code=0)
+    async with ledger.lock:
+        mig.forget(ended)
+    async with asyncio.timeout(5):
+        while not runner.ends:
+            await asyncio.sleep(0.01)
+    assert [(e.task, e.exit_code) for e in runner.ends] == [("waiting", 0)]
     await mig.stop()
 
 

@@ -1,7 +1,7 @@
 """MIG batches in the placement core, with an injected clock, a fake profile store and fake
 dispatchers running the batches: collection by window and by size, the split over the fleet's
-MIG GPUs (every plan checked with verify_plan), runs and their ends, failures, cancellation and
-restarts."""
+MIG GPUs (every plan checked with verify_plan), runs whose tasks the submitters' own runners
+start and end, failures, cancellation and restarts."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpuloom.convert.times import unix_s
+from gpuloom.clients.placement import PlacementClient
+from gpuloom.clients.run import JobRunner, RunOutcome
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.gpus import GpuInfo, find_model
+from gpuloom.domain.mig_runs import NOT_REPORTED
 from gpuloom.domain.placement import JobKind, JobSpec, JobState, MigSlot
 from gpuloom.domain.shares import share_of
 from gpuloom.policies.mig import verify_plan
@@ -79,8 +81,9 @@ def mig_gpu(i: int, model: str = A100, enabled: bool = True) -> GpuInfo:
 
 class Harness(CoreHarness):
     """A core with MIG batches: fake profiles, fake dispatchers running the batches, a clock
-    the test moves. No timer task: the tests plan what is due themselves, on their own clock
-    (the end-to-end test at the end has the service's timer do it)."""
+    the test moves, and the submitters' runners (`follow`). No timer task: the tests plan what
+    is due themselves, on their own clock (the end-to-end test at the end has the service's
+    timer do it)."""
 
     def __init__(self, folder: Path, max_tasks: int = 64, window_s: float = 10.0) -> None:
         profiles = FakeProfiles()
@@ -88,13 +91,45 @@ class Harness(CoreHarness):
         profiles.mig[("flat", A100)] = FLAT
         mig = MigBatchConfig(window_s=window_s, max_tasks=max_tasks, timer=False)
         super().__init__(folder, profiles, FakeMigRunner(), mig)
+        self.exit_codes: dict[str, int] = {}  # job id -> the exit code its command ends with
+        self.runners: list[asyncio.Task[None]] = []
 
-    async def submit(self, count: int, key: str = "scaling", **changes) -> list[Job]:
+    async def submit(
+        self, count: int, key: str = "scaling", follow: bool = True, **changes
+    ) -> list[Job]:
+        """`count` tasks, each run by its submitter's runner unless `follow` is False."""
         assert self.core is not None
-        return [
+        jobs = [
             await self.core.submit(f"{key}-{i}", mig_spec(f"{key}-{i}", key, **changes))
             for i in range(count)
         ]
+        for job in jobs if follow else ():
+            self.follow(job.job_id)
+        return jobs
+
+    def follow(self, job_id: str) -> None:
+        """The job's runner, as `gpuloom run --mig` is: it follows the job until its batch
+        hands it its instance, runs its command there (here: at once, ending with the exit code
+        set for it) and reports the end."""
+        core = self.core
+        assert core is not None
+
+        async def run() -> None:
+            async for job in core.watch(job_id):
+                slot = job.binding.mig if job.binding else None
+                if job.state is JobState.ASSIGNED and slot and slot.instance_uuid:
+                    code = self.exit_codes.get(job_id, 0)
+                    message = f"exit code {code} in {slot.instance_uuid}"
+                    await core.report_done(job_id, code == 0, code, message)
+
+        self.runners.append(asyncio.create_task(run()))
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            runner.cancel()
+        await asyncio.gather(*self.runners, return_exceptions=True)
+        self.runners.clear()
+        await super().stop()
 
     async def wait_for(self, job_ids: list[str], *states: JobState) -> list[Job]:
         """The jobs, once every one is in one of `states`."""
@@ -153,6 +188,7 @@ async def test_a_batch_is_due_at_once_when_max_tasks_wait(tmp_path: Path) -> Non
         assert await core.mig.plan_due() is None
         assert "(2 of 3 tasks; due in 10.0 s)" in first[1].pending_reason
         third = await core.submit("third", mig_spec("third"))
+        h.follow(third.job_id)
         assert "(3 of 3 tasks; due now)" in third.pending_reason
         # No time passed: the size alone makes the batch due.
         assert await core.mig.plan_due() is not None
@@ -200,7 +236,8 @@ async def test_a_batch_is_split_over_two_mig_gpus_with_legal_plans_written_durab
             assert slot.planned_start == pytest.approx(planned_at + a.start_s - now_s)
             assert slot.planned_end == pytest.approx(planned_at + a.end_s - now_s)
 
-    # One RunMigBatch per GPU with exactly its tasks, their commands and their times.
+    # One RunMigBatch per GPU with exactly its tasks and their times (no command: the
+    # submitters' runners start them).
     await eventually(lambda: len(harness.runner.requests) == 2)
     assert sorted(address for address, _ in harness.runner.requests) == [
         "10.0.0.0:50060",
@@ -211,11 +248,12 @@ async def test_a_batch_is_split_over_two_mig_gpus_with_legal_plans_written_durab
         assert request.policy == "far"
         assert {t.name for t in request.tasks} == {j for j, v in by_job.items() if v[0] == gpu_id}
         for t in request.tasks:
-            assert t.argv == ("true",)
             assert dict(t.seconds_by_size) in (SCALING, FLAT)
     harness.runner.go.set()
     done = await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
-    assert all("exit code 0" in job.message and "planned" in job.message for job in done)
+    for job in done:  # each ran in the instance it was handed, as its runner reported
+        slot = job.binding.mig  # type: ignore[union-attr]
+        assert slot.instance_uuid.startswith("MIG-") and slot.instance_uuid in job.message
 
 
 async def test_a_second_batch_is_planned_after_the_first_and_runs_after_it(
@@ -256,13 +294,19 @@ async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None
     assert core is not None
     await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
     jobs = await harness.submit(2)
-    harness.runner.exit_codes[jobs[1].job_id] = 3
+    harness.exit_codes[jobs[1].job_id] = 3
     harness.clock.now += 10
     await core.mig.plan_due()
     ok, bad = await harness.wait_for(ids(jobs), JobState.SUCCEEDED, JobState.FAILED)
     assert ok.state is JobState.SUCCEEDED and ok.exit_code == 0
     assert bad.state is JobState.FAILED and bad.exit_code == 3
-    assert bad.message.startswith("exit code 3: ran ") and "GPU-0" in bad.message
+    assert bad.message.startswith("exit code 3 in MIG-")
+    # Each end went on to the dispatcher, which moved the instance on to its next task.
+    await eventually(lambda: len(harness.runner.ends) == 2)
+    assert {(e.task, e.exit_code) for e in harness.runner.ends} == {
+        (ok.job_id, 0),
+        (bad.job_id, 3),
+    }
 
 
 @pytest.mark.parametrize(
@@ -359,7 +403,7 @@ async def test_a_task_goes_only_to_gpus_of_the_model_it_names(harness: Harness) 
     plan = await core.mig.plan_due()
     assert plan is not None and set(plan.plans) == {"GPU-1"}
     done = await harness.wait_for(ids(h100), JobState.SUCCEEDED)
-    assert all("GPU-1" in job.message for job in done)
+    assert all(job.binding.gpu_uuid == "GPU-1" for job in done)  # type: ignore[union-attr]
     waiting = await core.get(a30.job_id)
     assert waiting.state is JobState.PENDING
     assert "no MIG GPU of model A30-24GB" in waiting.pending_reason
@@ -393,7 +437,7 @@ async def test_a_refused_run_gives_its_tasks_back_to_the_next_batch(harness: Har
     plan = await core.mig.plan_due()
     assert plan is not None and set(plan.plans) == {"GPU-1"}
     done = await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
-    assert all("GPU-1" in job.message for job in done)
+    assert all(job.binding.gpu_uuid == "GPU-1" for job in done)  # type: ignore[union-attr]
     # After its heartbeat GPU-0 takes batches again.
     await core.heartbeat("GPU-0", 0.0, 0, [])
     harness.runner.refuse.clear()
@@ -416,23 +460,90 @@ async def test_a_run_whose_stream_breaks_loses_its_tasks_saying_so(harness: Harn
     assert all("stream failed" in j.message and "cannot be followed" in j.message for j in lost)
 
 
-async def test_a_task_in_a_batch_cannot_be_cancelled_or_reported_done(harness: Harness) -> None:
+async def test_a_task_in_a_batch_is_reported_done_only_once_handed_and_may_be_cancelled(
+    harness: Harness,
+) -> None:
     core = harness.core
     assert core is not None
     await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
     harness.runner.go.clear()
-    jobs = await harness.submit(2)
+    jobs = await harness.submit(3, "flat")
     waiting = await core.submit("waiting", mig_spec("waiting"))
     assert (await core.cancel(waiting.job_id)).state is JobState.CANCELLED
     harness.clock.now += 10
     plan = await core.mig.plan_due()
-    assert plan is not None and len(plan.task_gpu) == 2  # the cancelled one is not in it
-    with pytest.raises(FailedPrecondition, match="it cannot be cancelled yet"):
-        await core.cancel(jobs[0].job_id)
-    with pytest.raises(FailedPrecondition, match="placement follows the run"):
+    assert plan is not None and len(plan.task_gpu) == 3  # the cancelled one is not in it
+    await harness.wait_for(ids(jobs), JobState.ASSIGNED)
+    # Not handed its instance yet: there is no run of it to report.
+    with pytest.raises(FailedPrecondition, match="has not been handed its MIG instance yet"):
         await core.report_done(jobs[0].job_id, True, 0, "")
+    # Cancelled in the batch before its turn: the dispatcher skips it when it comes.
+    order = [t.name for t in harness.runner.requests[0][1].tasks]
+    skipped = order[1]
+    assert (await core.cancel(skipped, "not needed")).state is JobState.CANCELLED
     harness.runner.go.set()
-    await harness.wait_for(ids(jobs), JobState.SUCCEEDED)
+    done = await harness.wait_for([order[0], order[2]], JobState.SUCCEEDED)
+    assert all(job.binding.mig.instance_uuid for job in done)  # type: ignore[union-attr]
+    await eventually(lambda: len(harness.runner.ends) == 3)
+    assert [(e.task, e.exit_code) for e in harness.runner.ends] == [
+        (order[0], 0),
+        (skipped, NOT_REPORTED),
+        (order[2], 0),
+    ]
+
+
+async def test_a_handed_task_can_be_cancelled_and_its_instance_moves_on(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    jobs = await harness.submit(2, "flat", follow=False)
+    # A runner that takes the instance and never ends: the job is cancelled instead.
+    first_seen: asyncio.Queue[Job] = asyncio.Queue()
+
+    async def hold(job_id: str) -> None:
+        async for job in core.watch(job_id):
+            slot = job.binding.mig if job.binding else None
+            if job.state is JobState.ASSIGNED and slot and slot.instance_uuid:
+                first_seen.put_nowait(job)
+
+    holders = [asyncio.create_task(hold(job.job_id)) for job in jobs]
+    try:
+        harness.clock.now += 10
+        await core.mig.plan_due()
+        async with asyncio.timeout(10):
+            handed = await first_seen.get()
+        cancelled = await core.cancel(handed.job_id, "taking too long")
+        assert cancelled.state is JobState.CANCELLED
+        async with asyncio.timeout(10):
+            second = await first_seen.get()  # the instance went on to the next task
+        assert second.job_id != handed.job_id
+        await core.cancel(second.job_id)
+        await eventually(lambda: len(harness.runner.ends) == 2)
+        assert [e.exit_code for e in harness.runner.ends] == [NOT_REPORTED, NOT_REPORTED]
+    finally:
+        for holder in holders:
+            holder.cancel()
+
+
+async def test_a_task_no_runner_follows_fails_when_handed_its_instance(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    orphan = (await harness.submit(1, "flat", follow=False))[0]
+    followed = await harness.submit(1, "scaling")
+    harness.clock.now += 10
+    await core.mig.plan_due()
+    failed = (await harness.wait_for([orphan.job_id], JobState.FAILED))[0]
+    assert "no runner was following the job" in failed.message
+    assert "gpuloom run --mig" in failed.message
+    # The batch went on: the followed task ran.
+    await harness.wait_for(ids(followed), JobState.SUCCEEDED)
+    await eventually(lambda: len(harness.runner.ends) == 2)
+    assert (orphan.job_id, NOT_REPORTED) in {(e.task, e.exit_code) for e in harness.runner.ends}
 
 
 async def test_a_restart_collects_waiting_tasks_again_and_loses_those_it_cannot_follow(
@@ -451,6 +562,8 @@ async def test_a_restart_collects_waiting_tasks_again_and_loses_those_it_cannot_
     h.profiles = None  # the times come from the stored jobs, not the profile store
     h.runner = FakeMigRunner()
     core = await h.start()
+    for job in waiting:  # their submitters' runners follow them again
+        h.follow(job.job_id)
     lost = [await core.get(job_id) for job_id in ids(running)]
     assert all(job.state is JobState.LOST for job in lost)
     assert all("placement restarted" in job.message for job in lost)
@@ -469,7 +582,7 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
     spec = replace(mig_spec(command=("python", "-c", "print(1)")), mig_times=((1, 2.5), (7, 0.5)))
     again = spec_from_json(spec_to_json(spec))
     assert again == spec and again.mig_times == spec.mig_times and again.command == spec.command
-    slot = MigSlot(size=3, first_slice=4, planned_start=10.0, planned_end=12.5)
+    slot = MigSlot(3, 4, planned_start=10.0, planned_end=12.5, instance_uuid="MIG-GPU-0-s4-3g")
     binding = Binding("GPU-0", "n", "h:1", (0, 0, 0, 0), 40 * GIB, "", mig=slot)
     assert _binding_from_json(_binding_to_json(binding)) == binding
     # Rows written before MIG batches have none of the new keys.
@@ -563,50 +676,44 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
         times = tuple(d.MigTime(s, t) for s, t in ((1, 0.4), (2, 0.3), (3, 0.2), (7, 0.1)))
         await store.store.put(d.MigProfile(key="tiny", gpu_model=A100, times=times), None)
 
-        fails = [sys.executable, "-S", "-c", "import sys; sys.exit(3)"]
-        commands = [["true"], ["true"], fails, ["true"]]
-        jobs = []
-        for i, command in enumerate(commands[:3]):
-            job = await submit(live.stub, mig_job(f"task-{i}", command))
-            assert job.state == placement_pb2.JOB_STATE_PENDING
-            assert job.pending_reason.startswith(f"waiting for the next MIG batch ({i + 1} of 4")
-            jobs.append(job)
-        watch = live.stub.WatchJob(placement_pb2.WatchJobRequest(job_id=jobs[0].job_id))
-        jobs.append(await submit(live.stub, mig_job("task-3", commands[3])))
+        # Four submitters, each with its own runner (gpuloom run --mig): each command writes
+        # down the instance it runs in and exits with its code. The fourth makes the batch due.
+        address = f"127.0.0.1:{live.app.port}"
+        codes = [0, 0, 3, 0]
 
-        seen = [job async for job in watch]  # until it finishes
-        assigned = next(j for j in seen if j.state == placement_pb2.JOB_STATE_ASSIGNED)
-        slot = assigned.assignment.mig
-        assert slot.size in (1, 2, 3, 7)
-        assert unix_s(slot, "planned_end") > unix_s(slot, "planned_start")
-        assert assigned.assignment.dispatcher_address.startswith("127.0.0.1:")
-        assert seen[-1].state == placement_pb2.JOB_STATE_SUCCEEDED
-        # The GPU was idle: the dispatcher's FAR plan of its share is placement's, so the task
-        # ran in the instance placement planned for it.
-        assert f"on {slot.size} slices at slice {slot.first_slice} (MIG-" in seen[-1].message
+        def command(i: int) -> list[str]:
+            out = tmp_path / f"task-{i}.out"
+            source = (
+                "import os, sys\n"
+                f"open({str(out)!r}, 'w').write(os.environ['CUDA_VISIBLE_DEVICES'])\n"
+                f"sys.exit({codes[i]})\n"
+            )
+            return [sys.executable, "-S", "-c", source]
 
-        async with asyncio.timeout(20):
-            while True:
-                ended = [
-                    await live.stub.GetJob(placement_pb2.GetJobRequest(job_id=j.job_id))
-                    for j in jobs
-                ]
-                if all(j.state in (SUCCEEDED, FAILED) for j in ended):
-                    break
-                await asyncio.sleep(0.05)
-        assert [(j.state, j.exit_code) for j in ended] == [
-            (SUCCEEDED, 0),
-            (SUCCEEDED, 0),
-            (FAILED, 3),
-            (SUCCEEDED, 0),
-        ]
+        def run(i: int) -> RunOutcome:
+            spec = mig_spec(f"task-{i}", "tiny", command=tuple(command(i)))
+            with PlacementClient(address) as client:
+                return JobRunner(client).run(spec, command(i), timeout_s=60)
+
+        outcomes = await asyncio.gather(*(asyncio.to_thread(run, i) for i in range(4)))
+        assert [o.exit_code for o in outcomes] == codes
         uuids = {dispatcher.core.gpu.gpu_uuid for dispatcher in mig_dispatchers}
-        for job in ended:
-            # Real and planned times, the GPU and the MIG instance it ran in.
-            assert job.message.startswith(f"exit code {job.exit_code}: ran ")
-            assert any(f"into its batch on GPU {uuid} " in job.message for uuid in uuids)
-            assert "(MIG-" in job.message and "the dispatcher planned" in job.message
-            assert job.spec.resources.WhichOneof("share") == "mig"
-            assert list(job.spec.command) in commands
+        for i, outcome in enumerate(outcomes):
+            job = outcome.job
+            assert job is not None
+            assert job.state is (JobState.SUCCEEDED if codes[i] == 0 else JobState.FAILED)
+            assert job.exit_code == codes[i]
+            assert job.assignment is not None and job.assignment.gpu_uuid in uuids
+            slot = job.assignment.mig
+            assert slot is not None and slot.planned_end > slot.planned_start
+            # The command ran in the instance its batch handed it, of the planned size.
+            assert (tmp_path / f"task-{i}.out").read_text() == slot.instance_uuid
+            assert slot.instance_uuid.startswith("MIG-") and slot.instance_uuid.endswith(
+                f"-s{slot.first_slice}-{slot.size}g"
+            )
+            assert job.spec.command == tuple(command(i))
+        # Every instance the runs created is gone again.
+        for dispatcher in mig_dispatchers:
+            assert dispatcher.core.backend.mig_instances(dispatcher.core.gpu.index) == []
     finally:
         await live.stop()

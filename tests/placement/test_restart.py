@@ -37,6 +37,7 @@ class PlacementProcess:
             GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.2",
             GPULOOM_PLACEMENT_HEARTBEAT_TIMEOUT_S="30",
             GPULOOM_METRICS_PORT="0",
+            GPULOOM_INSECURE="true",  # served open: this test is about kills and restarts
         )
         self.env = env
         self.process: subprocess.Popen[bytes] | None = None

@@ -209,6 +209,8 @@ async def test_dispatcher_loss_mid_run(live: LiveDispatcher, run: Runner, policy
 async def test_another_process_with_the_same_token_is_refused(
     live: LiveDispatcher, run: Runner, policy: str
 ) -> None:
+    """A refusal is the dispatcher's decision, not its loss: under either loss policy the
+    refused process launches nothing and, never given a memory cap, allocates nothing."""
     token = (await live.reserve(sm=100, request=50.0)).assignment_token
     env = _env(live, token, GPULOOM_ON_DISPATCHER_LOSS=policy)
     # The owner runs while the thief tries (after it exits, a process of the same user may
@@ -222,19 +224,57 @@ async def test_another_process_with_the_same_token_is_refused(
         "k_o_10us",
         *launch("kernel", "k_o_10us", 3),
         "sync",
+        "alloc",
+        "alloc",
+        str(MIB),
         env=env,
     )
     owner = await owner_task
     assert owner.returncode == 0 and owner.stderr == "", owner.stderr
     assert any(line.startswith("registered mode 1") for line in owner.shim_trace)
     assert "dispatcher refused registration" in thief.stderr, thief.stderr
-    assert "refused" in thief.shim_trace
-    if policy == "open":
-        assert thief.returncode == 0
-        assert "UNTHROTTLED" in thief.stderr
-    else:
-        assert thief.returncode == 3
-        assert f"launch kernel k_o_10us rc={CUDA_ERROR_NOT_PERMITTED}" in thief.stdout
+    assert "GPULOOM_ON_DISPATCHER_LOSS does not apply" in thief.stderr
+    assert "refused" in thief.shim_trace and "UNTHROTTLED" not in thief.stderr
+    assert thief.returncode == 3
+    assert f"launch kernel k_o_10us rc={CUDA_ERROR_NOT_PERMITTED}" in thief.stdout
+    assert f"alloc alloc {MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in thief.stdout
+    assert not [r for r in run.engine_runs() if r[0] == int(thief.value("init", "pid"))]
+
+
+@pytest.mark.parametrize("policy", ["open", "closed"])
+async def test_an_evicted_process_launches_nothing_more_and_keeps_its_cap(
+    live: LiveDispatcher, run: Runner, policy: str
+) -> None:
+    """Evicted mid-run (EvictClient), under either loss policy: its next launch fails with
+    CUDA_ERROR_NOT_PERMITTED (not unthrottled) and its memory cap still holds."""
+    assignment = await live.reserve(sm=100, request=10.0, limit=10.0, memory_gib=1.0)
+    env = _env(live, assignment.assignment_token, GPULOOM_ON_DISPATCHER_LOSS=policy)
+    ops = [
+        "module", "k_e_500us", "alloc", "alloc", str(512 * MIB),
+        "loop", "3.0", "k_e_500us", "1",
+        "meminfo", "alloc", "alloc", str(600 * MIB), "alloc", "alloc", str(100 * MIB),
+    ]  # fmt: skip
+    task = asyncio.create_task(run.run_async(*ops, env=env))
+    await _until_registered(live, 1)
+    await asyncio.sleep(0.5)
+    evicted_ns = time.monotonic_ns()
+    await live.stub.EvictClient(
+        dispatcher_pb2.EvictClientRequest(assignment_id=assignment.assignment_id, reason="abuse")
+    )
+    result = await task
+    assert result.returncode == 3, result.stderr
+    assert "assignment evicted" in result.stderr and "does not apply" in result.stderr
+    assert "UNTHROTTLED" not in result.stderr
+    assert f"rc={CUDA_ERROR_NOT_PERMITTED}" in result.line("loop")
+    # Nothing of it started on the GPU after the eviction (but what it had queued).
+    pid = int(result.value("init", "pid"))
+    last_start = max(start for p, _, start, _ in run.engine_runs() if p == pid)
+    assert (last_start - evicted_ns) / 1e6 < 50, (last_start - evicted_ns) / 1e6
+    # The cap stays: 1 GiB, 512 MiB of it held.
+    lines = result.stdout.splitlines()
+    assert f"meminfo rc=0 free={GIB - 512 * MIB} total={GIB}" in lines
+    assert f"alloc alloc {600 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
+    assert f"alloc alloc {100 * MIB} rc=0" in lines
 
 
 async def test_the_shim_sends_its_command_line_for_a_derived_task_key(
@@ -264,3 +304,33 @@ async def test_a_long_command_line_still_registers(live: LiveDispatcher, run: Ru
     assert result.returncode == 0, result.stderr
     assert "UNTHROTTLED" not in result.stderr, result.stderr
     assert f"meminfo rc=0 free={GIB - 4096} total={GIB}" in result.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("env", "complaint"),
+    [
+        ({"GPULOOM_SHIM_WAIT_MS": "soon"}, "GPULOOM_SHIM_WAIT_MS=soon"),
+        ({"GPULOOM_SHIM_WAIT_MS": "0"}, "GPULOOM_SHIM_WAIT_MS=0"),
+        ({"GPULOOM_ON_DISPATCHER_LOSS": "maybe"}, "failing closed"),
+        ({"GPULOOM_SHIM_LOG": "loud"}, "GPULOOM_SHIM_LOG=loud"),
+        ({"GPULOOM_SHIM_EVENT_POOL": "0"}, "GPULOOM_SHIM_EVENT_POOL=0"),
+    ],
+)
+async def test_a_bad_shim_variable_is_named_and_the_cap_and_admission_stay(
+    live: LiveDispatcher, run: Runner, env: dict[str, str], complaint: str
+) -> None:
+    """A malformed setting falls back alone (to its default, or closed for the loss policy):
+    the process still registers, shares and keeps its memory cap."""
+    assignment = await live.reserve(sm=100, request=50.0, memory_gib=1.0)
+    ops = [
+        "module", "k_v_100us", *launch("kernel", "k_v_100us", 3), "sync",
+        "meminfo", "alloc", "alloc", str(2 * GIB),
+    ]  # fmt: skip
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token, **env))
+    assert result.returncode == 0, result.stderr
+    complaints = [line for line in result.stderr.splitlines() if "bad configuration" in line]
+    assert len(complaints) == 1 and complaint in complaints[0], result.stderr
+    assert any(line.startswith("registered mode 1") for line in result.shim_trace)
+    assert "launch kernel k_v_100us rc=0" in result.stdout
+    assert f"meminfo rc=0 free={GIB} total={GIB}" in result.stdout.splitlines()
+    assert f"alloc alloc {2 * GIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in result.stdout

@@ -25,9 +25,9 @@ from gpuloom.shimwire import AdmissionState, FikitPost, FikitRole, LeaseRequestF
 from gpuloom.v1 import shim_pb2
 
 WIRE_H = Path(__file__).resolve().parents[2] / "shim" / "src" / "wire.h"
-# A region constant in wire.h: the region's own constants, field offsets, modes, states, and the
-# FIKIT roles and post kinds.
-C_NAME = r"GL_(?:(?:REGION|OFF|MODE|STATE|ROLE|POST|LR|BOARD)_[A-Z0-9_]+|BOARDS|ARM_KERNELS)"
+# A region constant in wire.h: the region's own constants, field offsets, modes, states, the
+# dispatcher's heartbeat period and bound, and the FIKIT roles and post kinds.
+C_NAME = r"GL_(?:(?:REGION|OFF|MODE|STATE|ROLE|POST|LR|BOARD|BEAT)_[A-Z0-9_]+|BOARDS|ARM_KERNELS)"
 
 
 def c_names(header: str) -> list[str]:
@@ -82,6 +82,10 @@ def python_layout() -> dict[str, int]:
             f"GL_{name}": getattr(shimwire, name)
             for name in ("ARM_KERNELS", "BOARD_BYTES", "BOARD_LAUNCH", "BOARD_FIRED", "BOARDS")
         }
+    )
+    # The dispatcher's heartbeat: its period and the fewest periods a shim's bound spans.
+    values.update(
+        {f"GL_{name}": getattr(shimwire, name) for name in ("BEAT_PERIOD_NS", "BEAT_MIN_PERIODS")}
     )
     values.update({f"GL_ROLE_{role.name}": role.value for role in FikitRole})
     values.update({f"GL_POST_{post.name}": post.value for post in FikitPost})

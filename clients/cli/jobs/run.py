@@ -70,6 +70,15 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
     ),
     (None, ("--whole-gpu",), {"is_flag": True, "help": "Ask for a whole GPU (the default)."}),
     (
+        "spec.resources",
+        ("--mig",),
+        {
+            "is_flag": True,
+            "help": "A MIG batch task (needs --task-key, with a MIG profile): COMMAND starts when "
+            "the task's batch hands it its MIG instance (docs/placement.md, MIG batches).",
+        },
+    ),
+    (
         "spec.resources.whole_gpus",
         ("--gpus",),
         {
@@ -259,6 +268,7 @@ def _run_spec(
     quota_limit: float | None,
     memory_gib: float | None,
     whole_gpu: bool,
+    mig: bool,
     gpus: int | None,
     max_gpus: int | None,
     cpu_milli: int,
@@ -272,6 +282,19 @@ def _run_spec(
     checkpoint_timeout: float | None,
 ) -> JobSpec:
     shared = sm is not None or quota is not None
+    if mig and (shared or whole_gpu or gpus is not None or max_gpus is not None):
+        raise click.UsageError("--mig excludes --sm, --quota, --whole-gpu, --gpus and --max-gpus")
+    if mig:
+        return JobSpec(
+            name=name or os.path.basename(command[0])[:128] or "run",
+            kind=JobKind(kind),
+            share=share_of(priority=priority),
+            mig_slices=1,
+            task_key=task_key,
+            policy=policy,
+            gpu_model=gpu_model,
+            command=tuple(command),
+        )
     if whole_gpu and shared:
         raise click.UsageError("--whole-gpu excludes --sm and --quota")
     if gpus is not None and shared:
