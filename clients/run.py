@@ -89,8 +89,8 @@ class JobRunner:
             slot = update.assignment.mig if update.assignment else None
             if update.state is JobState.ASSIGNED and slot and not slot.instance_uuid:
                 waiting = f"in a MIG batch on {update.assignment.gpu_uuid}"  # type: ignore[union-attr]
-                if shown[0] != waiting:
-                    shown[0] = waiting
+                if waiting not in shown:
+                    shown.add(waiting)
                     self._say(f"job {update.job_id} {waiting}; waiting for its instance")
 
         try:

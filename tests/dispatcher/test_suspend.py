@@ -52,9 +52,8 @@ async def test_a_waiting_client_that_is_suspended_leaves_the_queue(live: LiveDis
 
         def wait_for_lease() -> float:
             with ShimClient.connect(waiter.socket_path, waiter.assignment_token) as shim:
-                started = time.monotonic()
                 shim.acquire(timeout_s=5.0)
-                return time.monotonic() - started
+                return time.monotonic()  # when it was granted
 
         job = asyncio.ensure_future(asyncio.to_thread(wait_for_lease))
         await asyncio.sleep(0.2)
@@ -64,7 +63,10 @@ async def test_a_waiting_client_that_is_suspended_leaves_the_queue(live: LiveDis
         first.release()
     await asyncio.sleep(0.5)
     assert not job.done()
+    resumed_at = time.monotonic()
     await live.stub.ResumeClient(
         dispatcher_pb2.ResumeClientRequest(assignment_id=waiter.assignment_id)
     )
-    assert await asyncio.wait_for(job, 10) >= 0.7
+    # Granted only once resumed (a loaded machine may start the waiting thread late, so the
+    # time it waited says less than when its grant came).
+    assert await asyncio.wait_for(job, 10) >= resumed_at

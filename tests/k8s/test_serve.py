@@ -29,7 +29,11 @@ def environment(tmp_path: Path, **values: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith("GPULOOM_") and not k.startswith("KUBERNETES_")
     }
-    env.update(GPULOOM_DATA_DIR=str(tmp_path), GPULOOM_METRICS_PORT="0", **values)
+    # The placement these processes call serves open, so they are told so, as a deployment
+    # without credentials must be (GPULOOM_INSECURE).
+    env.update(
+        GPULOOM_DATA_DIR=str(tmp_path), GPULOOM_METRICS_PORT="0", GPULOOM_INSECURE="true", **values
+    )
     return env
 
 
