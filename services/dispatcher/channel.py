@@ -42,6 +42,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from gpuloom.domain.errors import DomainError
+from gpuloom.policies.admission.levels import LevelScheduler
 from gpuloom.policies.fikit.core import FikitCounters
 from gpuloom.policies.tokens.scheduler import (
     ClientShare,
@@ -203,13 +204,14 @@ class ShimChannel:
         gpu_label: str,
         socket_path: Path,
         book: ReservationBook,
-        scheduler: TokenScheduler,
+        scheduler: TokenScheduler | LevelScheduler,
         on_event: Callable[[DispatcherEvent], None],
         measurements: MeasurementSink,
         limits: ChannelLimits | None = None,
         window_s: float = 1.0,
         choose_mode: Callable[[Reservation, str], ShimMode] | None = None,
         arbiter: Arbiter | None = None,
+        composed: bool = False,
         kernel_tables: KernelTables | None = None,
         lease_desk: bool = False,
         introspector: TrainingIntrospector | None = None,
@@ -228,7 +230,10 @@ class ShimChannel:
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
         self._window_ns = int(window_s * 1e9)
         # Policy fikit: shares are admitted kernel by kernel by the native arbiter, not leased.
+        # Policy composed: by the arbiter too, each after a lease of its priority level (the
+        # scheduler is then a LevelScheduler; the leases are asked for over the socket).
         self._arbiter = arbiter
+        self._composed = composed and arbiter is not None
         self._kernel_tables = kernel_tables
         self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         self._fikit_core_seen = FikitCounters(*[0] * len(dataclasses.fields(FikitCounters)))
@@ -369,7 +374,7 @@ class ShimChannel:
             evicted = shim_pb2.DispatcherMessage(evicted=shim_pb2.Evicted(reason=reason))
             self._send(connection, evicted)
             self._close(connection, "evicted", quiet=True, flush=True)
-        if mode is ShimMode.SHARE and self._arbiter is None:
+        if mode is ShimMode.SHARE and (self._arbiter is None or self._composed):
             self._before_departure()
             self._apply(self._scheduler.remove_client(assignment_id, now))
             with contextlib.suppress(KeyError):  # never reported yet
@@ -524,7 +529,9 @@ class ShimChannel:
         """The token scheduler leases this client's GPU time (SHARE, not under FIKIT)."""
         reservation = self._book.get(assignment_id)
         return (
-            self._arbiter is None and reservation is not None and reservation.mode is ShimMode.SHARE
+            (self._arbiter is None or self._composed)
+            and reservation is not None
+            and reservation.mode is ShimMode.SHARE
         )
 
     # ---- memory samples ----
@@ -769,6 +776,11 @@ class ShimChannel:
                 self._refuse(connection, str(error), assignment_id)
                 return False
             assert self._arbiter is not None
+            if self._composed:
+                region.publish_leased()  # before the shim sees it
+                lease = self._scheduler.lease_of(assignment_id)
+                if lease is not None and not suspended:  # reconnected while holding a lease
+                    region.publish_lease(lease.lease_id, _deadline_ns(lease))
             fds.append(self._arbiter.doorbell_fd)
             fds.extend(self._arbiter.board_fds(reservation.priority))
         elif mode is ShimMode.SHARE:
@@ -839,7 +851,7 @@ class ShimChannel:
     def _lease_request(self, connection: _Connection, request: shim_pb2.LeaseRequest) -> None:
         assignment_id = connection.assignment_id
         assert assignment_id is not None
-        if connection.mode is not ShimMode.SHARE:
+        if not self._leased(connection):
             return  # admitted open; nothing to queue for
         self._quiesce()
         now = time.monotonic()
@@ -860,7 +872,7 @@ class ShimChannel:
 
     def _usage(self, connection: _Connection, report: shim_pb2.UsageReport) -> None:
         assert connection.assignment_id is not None
-        if connection.mode is not ShimMode.SHARE:
+        if not self._leased(connection):
             return
         if report.release:  # ends its lease: its lease words are written here
             self._quiesce()
@@ -1153,19 +1165,28 @@ class ShimChannel:
 
     # ---- decisions -> shared memory ----
 
+    def _leased(self, connection: _Connection) -> bool:
+        """Its process asks for leases: SHARE, or FIKIT under the composed policy."""
+        return connection.mode is ShimMode.SHARE or (
+            self._composed and connection.mode is ShimMode.FIKIT
+        )
+
     def _admit_to_scheduler(self, reservation: Reservation, now: float) -> Decision | None:
-        if reservation.mode is not ShimMode.SHARE or self._arbiter is not None:
+        if reservation.mode is not ShimMode.SHARE or (
+            self._arbiter is not None and not self._composed
+        ):
             return None
         quota = reservation.share.quota
-        self._scheduler.add_client(
-            ClientShare(
-                reservation.assignment_id,
-                reservation.share.sm_percent,
-                quota.request_percent / 100,
-                quota.limit_percent / 100,
-            ),
-            now,
+        share = ClientShare(
+            reservation.assignment_id,
+            reservation.share.sm_percent,
+            quota.request_percent / 100,
+            quota.limit_percent / 100,
         )
+        if isinstance(self._scheduler, LevelScheduler):
+            self._scheduler.add_client(share, now, reservation.priority)
+        else:
+            self._scheduler.add_client(share, now)
         return None
 
     def _apply(self, *decisions: Decision | None) -> None:
@@ -1294,7 +1315,7 @@ class ShimChannel:
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
             del self._by_assignment[assignment_id]
-            if connection.mode is ShimMode.SHARE:
+            if self._leased(connection):
                 # A dead client's lease ends now; it is charged the time it held it.
                 self._before_departure()
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))

@@ -82,6 +82,9 @@ def dispatcher_settings(**overrides: object) -> DispatcherSettings:
         "lease_initial_ms": 10.0,
         "lease_max_ms": 20.0,
         "register_timeout_s": 1.0,
+        # The token path's mechanics (leases over the socket and the desk) are what these tests
+        # drive; the default policy (composed) is tested where it is named (tests/shim).
+        "policy": "spatiotemporal",
     }
     values.update(overrides)
     return DispatcherSettings(**values)  # type: ignore[arg-type]
