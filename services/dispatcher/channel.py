@@ -1184,9 +1184,8 @@ class ShimChannel:
             quota.limit_percent / 100,
         )
         if isinstance(self._scheduler, LevelScheduler):
-            self._scheduler.add_client(share, now, reservation.priority)
-        else:
-            self._scheduler.add_client(share, now)
+            return self._scheduler.add_client(share, now, reservation.priority)
+        self._scheduler.add_client(share, now)
         return None
 
     def _apply(self, *decisions: Decision | None) -> None:

@@ -6,18 +6,17 @@ levels never wait for each other's leases (the FIKIT arbiter decides between lev
 Every level's windows start at the same origin, so a window means the same time everywhere.
 Lease ids are per level (a client's lease is always its own level's).
 
-**An uncontended level leases until further notice.** When a client asks while nobody else of
-its level holds or waits for a lease, and its quota limit is the whole window (100%), there is
-nothing to share and no limit to keep: its lease is open-ended, so its launches pay no lease
-renewals (the shims of this policy ask for leases over the socket). When another client of the
-level asks, that lease is ended at once (withdrawn: the shim asks again at its next launch) and
-the level's policy leases by quota from then on.
+**A level of one leases until further notice.** The only client of its level, with a quota
+limit of the whole window (100%), has nothing to share and no limit to keep: its lease is
+open-ended, so its launches pay no lease renewals (the shims of this policy ask for leases over
+the socket). When a second client joins the level, that lease is ended at once (withdrawn: the
+shim asks again at its next launch) and the level's policy leases by quota from then on.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -36,9 +35,11 @@ from gpuloom.policies.tokens.model import NOTHING, ClientView, SchedulerView, To
 
 @dataclass(frozen=True, slots=True)
 class _LevelPolicy:
-    """The level's token policy, but an open-ended lease for a lone asker with a 100% limit."""
+    """The level's token policy, but an open-ended lease for the level's only client when its
+    limit is 100%."""
 
     inner: TokenPolicy
+    alone: Callable[[], bool]  # the level has one client
 
     @property
     def name(self) -> str:
@@ -49,7 +50,7 @@ class _LevelPolicy:
 
     def select(self, view: SchedulerView) -> Sequence[tuple[str, float]]:
         picks = self.inner.select(view)
-        if view.holders == 0 and len(picks) == 1 and len(view.waiting) == 1:
+        if view.holders == 0 and len(picks) == 1 and len(view.waiting) == 1 and self.alone():
             client = next(iter(view.waiting))
             if client.limit_s >= view.config.window_s:
                 return ((picks[0][0], math.inf),)
@@ -90,19 +91,28 @@ class LevelScheduler:
     def config(self) -> TokenConfig:
         return self._config
 
-    def add_client(self, share: ClientShare, now: float, priority: int = 0) -> None:
+    def add_client(self, share: ClientShare, now: float, priority: int = 0) -> Decision:
+        """Add a client at its level; the decision ends an open-ended lease of the level's
+        former only client."""
         if share.client_id in self._level_of:
             raise ValueError(f"client {share.client_id!r} already exists")
         level = self._levels.get(priority)
         if level is None:
-            level = TokenScheduler(
-                _LevelPolicy(get_policy(self._policy)), self._config, self._origin
-            )
+            clients = self._clients.setdefault(priority, set())
+            policy = _LevelPolicy(get_policy(self._policy), lambda: len(clients) == 1)
+            level = TokenScheduler(policy, self._config, self._origin)
         level.add_client(share, now)
         self._levels[priority] = level
         self._level_of[share.client_id] = level
         self._priority_of[share.client_id] = priority
-        self._clients.setdefault(priority, set()).add(share.client_id)
+        decisions = []
+        for other in self._clients[priority]:
+            lease = level.lease_of(other)
+            if lease is not None and lease.expires_at == math.inf:
+                # The level has two clients now: its open-ended lease ends, quotas apply.
+                decisions.append(level.withdraw(other, now))
+        self._clients[priority].add(share.client_id)
+        return _merge(decisions)
 
     def priority_of(self, client_id: str) -> int:
         return self._priority_of[client_id]
@@ -123,15 +133,7 @@ class LevelScheduler:
         return self._level(client_id).withdraw(client_id, now)
 
     def request(self, client_id: str, now: float) -> Decision:
-        level = self._level(client_id)
-        decisions = []
-        for other in self._clients[self._priority_of[client_id]]:
-            lease = level.lease_of(other) if other != client_id else None
-            if lease is not None and lease.expires_at == math.inf:
-                # The level is contended now: its open-ended lease ends, quotas apply.
-                decisions.append(level.withdraw(other, now))
-        decisions.append(level.request(client_id, now))
-        return _merge(decisions)
+        return self._level(client_id).request(client_id, now)
 
     def release(
         self, client_id: str, lease_id: int, used_gpu_s: float, burst_s: float | None, now: float
