@@ -21,8 +21,10 @@ FIKIT_POLICY = "fikit"
 # levels, spatio-temporal leases (quotas, SM partitions) within each level.
 COMPOSED_POLICY = "composed"
 # The policies whose shares are SM partitions (FaST-GShare's spatio-temporal rectangles): their
-# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on.
-SM_PARTITION_POLICIES = frozenset({"spatiotemporal", COMPOSED_POLICY})
+# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on. Not composed: its
+# arbiter predicts gaps from kernels that run one process at a time (FIKIT does not mix with
+# MPS, the paper's 3.1); its SM percents only say which leases of a level may run together.
+SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
 
 
 class DispatcherSettings(BaseSettings):
