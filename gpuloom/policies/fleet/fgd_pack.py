@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpuloom.policies.fleet.fgd import FragDeltas
-from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState, pick_lowest
+from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState, pick_best
 
 TOLERANCE_MILLI = 20.0  # 2% of one GPU
 MULTI_GPU_SHARE = 0.15  # at least this share of the GPU demand in multi-GPU pods: plain FGD
@@ -66,15 +66,15 @@ class FgdPackPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        growth = deltas.column(q)
-        least = growth.min(initial=np.inf)
-        if not np.isfinite(least):
+        score = deltas.scores(q)
+        top = score.max(initial=-np.inf)
+        if top == -np.inf:
             return None
         k, d = int(state.s_k[q]), int(state.s_d[q])
         if (k and d == WHOLE_GPU) or multi_gpu_share(state) >= MULTI_GPU_SHARE:
-            n = pick_lowest(growth, rng)  # FGD as it is
+            n = pick_best(score, state.rank)  # FGD as it is
         else:
             gpu_cap = np.maximum(state.gpu_count * WHOLE_GPU, 1)
             gpu_left = (state.gpu_free.sum(axis=1) - k * d) / gpu_cap
-            n = pick_lowest(np.where(near_ties(state, growth, least), gpu_left, np.inf), rng)
+            n = pick_best(np.where(score == top, -gpu_left, -np.inf), state.rank)
         return None if n is None else deltas.choice(n, q)
