@@ -48,7 +48,11 @@ class FragDeltas:
         self.gpu = np.full((n, q), -1, dtype=np.int64)
         self.growth = np.full((n, q), np.inf)
         self.growth_gpu = np.full((n, q), -1, dtype=np.int64)
+        self.tight_gpu = np.full((n, q), -1, dtype=np.int64)
         self.version = np.full((n, q), -1, dtype=np.int64)
+        self._memo: list[dict[tuple[int, int, bytes], tuple[float, int, float, int, int]]] = [
+            {} for _ in range(q)
+        ]
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
@@ -58,27 +62,69 @@ class FragDeltas:
         return deltas
 
     def refresh(self, q: int) -> None:
-        """Recompute shape q's column for the nodes that changed since it was last read."""
+        """Recompute shape q's column for the nodes that changed since it was last read. A
+        node's results depend only on its GPU model, free CPU and free GPUs (not memory, which
+        only decides whether it fits), so they are memoised by that state: nodes alike, or a
+        node back in a state it was in, cost a dictionary lookup."""
         s = self.state
         stale = np.flatnonzero(self.version[:, q] != s.version)
         if not stale.size:
             return
-        fits = s.fits(q)[stale]
-        self.score[stale, q] = -np.inf
-        self.growth[stale, q] = np.inf
-        where = stale[fits]
-        if where.size:
-            rows, cols, after = frag_options(s, q, where)
-            before = self.frag.nodes()[where][rows]
-            growth = after - before
-            score = fgd_score(before, after)
-            top = _first_per_row(rows, -score, cols)
-            self.score[where[rows[top]], q] = score[top]
-            self.gpu[where[rows[top]], q] = cols[top]
-            least = _first_per_row(rows, growth, cols)
-            self.growth[where[rows[least]], q] = growth[least]
-            self.growth_gpu[where[rows[least]], q] = cols[least]
+        fits = s.fits_rows(q, stale)
         self.version[stale, q] = s.version[stale]
+        self.score[stale[~fits], q] = -np.inf
+        self.growth[stale[~fits], q] = np.inf
+        where = stale[fits]
+        if not where.size:
+            return
+        memo = self._memo[q]
+        keys = [
+            (m, c, g.tobytes())
+            for m, c, g in zip(
+                s.model_idx[where].tolist(),
+                s.cpu_free[where].tolist(),
+                s.gpu_free[where],
+                strict=True,
+            )
+        ]
+        found = [memo.get(key) for key in keys]
+        missing = [i for i, hit in enumerate(found) if hit is None]
+        if missing:
+            for i, result in zip(missing, self._compute(q, where[missing]), strict=True):
+                memo[keys[i]] = found[i] = result
+        self.score[where, q], self.gpu[where, q], self.growth[where, q] = (
+            np.array([f[0] for f in found]),
+            np.array([f[1] for f in found]),
+            np.array([f[2] for f in found]),
+        )
+        self.growth_gpu[where, q] = [f[3] for f in found]
+        self.tight_gpu[where, q] = [f[4] for f in found]
+
+    def _compute(self, q: int, where: np.ndarray) -> list[tuple[float, int, float, int, int]]:
+        """(score, GPU, least growth, its GPU, tightest GPU of the top score) per node of
+        `where` (all fit shape q)."""
+        s = self.state
+        rows, cols, after = frag_options(s, q, where)
+        before = self.frag.nodes()[where][rows]
+        growth = after - before
+        score = fgd_score(before, after)
+        top = _first_per_row(rows, -score, cols)
+        least = _first_per_row(rows, growth, cols)
+        if cols.size and cols[0] >= 0:  # a share: also the tightest GPU of the top score
+            left = s.gpu_free[where[rows], cols] - s.s_d[q]
+            tight = cols[_first_per_row(rows, -score, left, cols)].tolist()
+        else:
+            tight = [-1] * len(where)
+        return list(
+            zip(
+                score[top].tolist(),
+                cols[top].tolist(),
+                growth[least].tolist(),
+                cols[least].tolist(),
+                tight,
+                strict=True,
+            )
+        )
 
     def scores(self, q: int) -> np.ndarray:
         """The published FGD score per node for shape q (-inf: does not fit), refreshed."""

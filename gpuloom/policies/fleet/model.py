@@ -187,6 +187,18 @@ class FleetState:
             ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
         return ok
 
+    def fits_rows(self, q: int, rows: np.ndarray) -> np.ndarray:
+        """`fits(q)` for the nodes `rows` only."""
+        ok = (
+            (self.cpu_free[rows] >= self.s_cpu[q])
+            & (self.mem_free[rows] >= self.s_mem[q])
+            & self.model_allows[self.model_idx[rows], q]
+        )
+        k = self.s_k[q]
+        if k:
+            ok &= (self.gpu_free[rows] >= self.s_d[q]).sum(axis=1) >= k
+        return ok
+
     def bestfit_gpus(self, n: int, q: int) -> tuple[int, ...]:
         """The GPUs of node n a pod of shape q takes by default: k fully free GPUs, or for a
         share the GPU with the least free milli that still fits (packs shares tightly)."""

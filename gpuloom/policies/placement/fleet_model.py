@@ -23,8 +23,9 @@ The job becomes a pod: N whole GPUs (`gpus` > 1, or a share of the whole rectang
 of one GPU whose `gpu_milli` is its rectangle's area (sm_percent x quota, in milli of the GPU).
 The workload the policies weigh (FGD's distribution of pod shapes) is the shapes of the last
 WORKLOAD_WINDOW jobs this policy was asked to place, each job once, the current one included:
-online, it knows only the past. Ties are broken with a generator seeded once per policy (the
-same decisions for the same sequence of asks).
+online, it knows only the past. Ties go to the first node in the fleet's order (the view's
+`rank` is the identity); `random` draws from a generator seeded once per policy (the same
+decisions for the same sequence of asks).
 
 What the fleet model cannot express: where in the GPU's rectangle a share goes (the adapter
 puts it at the bottom-left of the GPU's best-fitting free rectangle), and memory per GPU (the
