@@ -72,6 +72,7 @@ class K8sApp:
         server = JsonServer(
             {
                 "/admission": webhook.review,
+                "/validate": webhook.validate,
                 "/filter": extender.filter,
                 "/prioritize": extender.prioritize,
                 "/bind": extender.bind,
