@@ -250,6 +250,7 @@ async def _cluster(
         cluster.k8s = await K8sApp.start(cluster.k8s_settings, HOST, cluster.k8s_transport)
         stops.append(lambda: cluster.k8s.stop())
         api.webhook = Webhook(f"{cluster.extender}/admission", cluster.ca)
+        api.validating = Webhook(f"{cluster.extender}/validate", cluster.ca)
         for node in GPU_NODES:
             directory = root / f"kubelet-{node}"
             directory.mkdir()
