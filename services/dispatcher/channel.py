@@ -1359,14 +1359,21 @@ class ShimChannel:
         metrics.QUEUE_DEPTH.labels(self._gpu).set(len(snapshot.waiting))
         metrics.CONNECTIONS.labels(self._gpu).set(len(self._connections))
         used_total = 0.0
+        levels = self._scheduler if isinstance(self._scheduler, LevelScheduler) else None
+        by_level: dict[int, float] = {}
         for client_id, client in snapshot.clients.items():
             used = client.used_s / self._scheduler.config.window_s
             used_total += used
+            if levels is not None:
+                level = levels.priority_of(client_id)
+                by_level[level] = by_level.get(level, 0.0) + used
             metrics.CLIENT_USED.labels(self._gpu, client_id).set(used)
             quota = metrics.CLIENT_QUOTA
             quota.labels(self._gpu, client_id, "request").set(client.share.quota_request)
             quota.labels(self._gpu, client_id, "limit").set(client.share.quota_limit)
         metrics.QUOTA_USED.labels(self._gpu).set(used_total)
+        for level, used in by_level.items():
+            metrics.LEVEL_USED.labels(self._gpu, str(level)).set(used)
         metrics.QUOTA_RESERVED.labels(self._gpu).set(self._book.quota_reserved_percent() / 100)
         metrics.MEMORY_RESERVED.labels(self._gpu).set(self._book.memory_reserved_bytes())
 
