@@ -1,13 +1,15 @@
 """A discrete-event model of one GPU running launched kernels, under four admission modes.
 
-One device queue, FIFO, non-preemptive: a launched kernel reaches the queue `launch_latency`
-after its launch and runs when everything before it has finished. Each task's host runs its
+The GPU is gpuloom.sim.device's model: one stream per task; between tasks it time-slices
+(`sharing`, and any mode with `gpu.mps` false) or co-runs kernels under MPS with an explicit
+interference model (docs/harvest.md). A launched kernel reaches its stream `launch_latency`
+after its launch. Each task's host runs its
 kernel list once per request: it launches a kernel, then (host "sync") waits for it to finish
 or (host "async") goes on at once, spends the kernel's host gap, and launches the next. The
 request completes when its last kernel does. Modes:
 
 - exclusive: each task alone on the GPU (its baseline);
-- sharing: every host launches freely (NVIDIA's default time sharing, one FIFO queue);
+- sharing: every host launches freely on a GPU without MPS (time slices between contexts);
 - token: a host launches only while holding a lease of the token scheduler
   (gpuloom.policies.tokens); kernels already queued run on after the lease ends;
 - fikit: each launch is a request to the native FIKIT core (gpuloom.policies.fikit): launched
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 
 from gpuloom.policies.fikit.core import UNKNOWN, FikitCore
 from gpuloom.policies.tokens import ClientShare, Decision, TokenConfig, TokenScheduler
+from gpuloom.sim.device import Device
 from gpuloom.sim.scenario import Scenario, TaskSpec
 
 MODES = ("exclusive", "sharing", "token", "fikit")
@@ -156,7 +159,7 @@ class _Task:
 
 
 class _Engine:
-    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE, TOKEN = range(6)
+    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE, TOKEN, DEVICE = range(7)
 
     def __init__(
         self,
@@ -188,9 +191,10 @@ class _Engine:
             )
             for i, (spec, seed) in enumerate(tasks)
         ]
-        self.queue: deque[tuple[int, int, int]] = deque()  # (task, kernel index, duration)
-        self.device_free = True
-        self.kernels: list[tuple[int, int, int]] = []  # (start, end, task) in run order
+        concurrent = scenario.gpu.mps and mode != "sharing"
+        self.device = Device(scenario.gpu, len(self.tasks), concurrent)
+        self.device_generation = 0  # a DEVICE event of an older generation is stale
+        self.kernels = self.device.segments  # (start, end, task): what ran when
         self.profiles = profiles or {}
         self.core: FikitCore | None = None
         self.tokens: TokenScheduler | None = None
@@ -226,12 +230,13 @@ class _Engine:
             if at > self.end:
                 break
             task = self.tasks[index]
-            if kind == self.KERNEL_END:
-                self.kernel_end(task, arg, at)
+            if kind == self.DEVICE:
+                if arg == self.device_generation:
+                    for done in self.device.advance(at):
+                        self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start)
+                    self.device_timer()
             elif kind == self.ENQUEUE:
-                self.queue.append((index, *arg))
-                if self.device_free:
-                    self.start_device(at)
+                self.submit(task, *arg, at)
             elif kind == self.HOST:
                 self.launch_next(task, at)
             elif kind == self.ARRIVE:
@@ -312,19 +317,22 @@ class _Engine:
             self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
 
     # -- device side ---------------------------------------------------------------------
-    def start_device(self, now: int) -> None:
-        index, i, duration = self.queue.popleft()
-        self.device_free = False
-        self.kernels.append((now, now + duration, index))
-        self.push(now + duration, self.KERNEL_END, index, i)
+    def submit(self, task: _Task, i: int, duration: int, now: int) -> None:
+        kernel, sms = task.spec.kernels[i], self.scenario.gpu.sms
+        partition = max(1, sms * task.spec.sm_partition // 100)
+        demand = min(kernel.sm_usage or sms, partition, sms)
+        self.device.submit(now, task.index, i, duration, demand, kernel.profile)
+        self.device_timer()
 
-    def kernel_end(self, task: _Task, i: int, now: int) -> None:
-        self.device_free = True
-        start = self.kernels[-1][0]
+    def device_timer(self) -> None:
+        at = self.device.next_time()
+        if at is not None:
+            self.device_generation += 1
+            self.push(at, self.DEVICE, 0, self.device_generation)
+
+    def kernel_end(self, task: _Task, i: int, now: int, start: int) -> None:
         if self.requests_limit is not None:
             self.measure(task, i, start, now)
-        if self.queue:
-            self.start_device(now)
         task.in_flight -= 1
         if self.core is not None:
             self.core.completed(task.index, 1, now)
@@ -453,7 +461,8 @@ def _fill_efficiency(engine: _Engine) -> float:
 
 
 def _busy(engine: _Engine) -> int:
-    return sum(min(e, engine.end) - s for s, e, _ in engine.kernels if s < engine.end)
+    spans = _merge([(s, min(e, engine.end)) for s, e, _ in engine.kernels if s < engine.end])
+    return sum(e - s for s, e in spans)
 
 
 def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Profile]:

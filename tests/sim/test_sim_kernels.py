@@ -165,6 +165,8 @@ def test_a_late_filler_overruns_the_window_and_the_fill_guard_keeps_it_clear(
                     **scenario,
                     "grant_latency_us": grant_latency_us,
                     "fikit": {"fill_guard_us": guard_us},
+                    # One kernel at a time (no MPS): a late fill holds the GPU.
+                    "gpu": {"mps": False},
                 }
             )
         )
