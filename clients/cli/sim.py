@@ -32,6 +32,7 @@ from gpuloom.sim.fleet import (
     replay,
 )
 from gpuloom.sim.fleet import simulate as simulate_fleet
+from gpuloom.sim.harvest import harvest_figures
 from gpuloom.sim.kernels import MODES, ModeResult, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
 from gpuloom.sim.training import (
@@ -69,7 +70,7 @@ def sim() -> None:
     help="Draw 20 ms of device activity per mode into this PNG.",
 )
 def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> None:
-    """Simulate SCENARIO.json: one GPU, one FIFO device queue, kernels from real lists."""
+    """Simulate SCENARIO.json: one GPU (MPS or time slices), kernels from real lists."""
     try:
         loaded = load_scenario(scenario)
     except ScenarioError as error:
@@ -82,7 +83,10 @@ def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> 
         click.echo(f"error: {error}", err=True)
         sys.exit(1)
     if as_json:
-        click.echo(json.dumps({"modes": {r.mode: r.to_dict() for r in results}}, indent=2))
+        out = {"modes": {r.mode: r.to_dict() for r in results}}
+        if harvest := harvest_figures(loaded, results):
+            out["harvest"] = harvest
+        click.echo(json.dumps(out, indent=2))
     else:
         _print(results)
     if timeline is not None:

@@ -46,9 +46,9 @@ class Interference:
     Calibrated in docs/harvest.md ("Calibration"); every factor is >= 1 (co-running never
     speeds a kernel up)."""
 
-    same_profile: float = 1.6  # compute beside compute, memory beside memory
-    other_profile: float = 1.1  # compute beside memory
-    unknown_profile: float = 1.3  # either class unknown
+    same_profile: float = 2.5  # compute beside compute, memory beside memory
+    other_profile: float = 1.5  # compute beside memory
+    unknown_profile: float = 2.0  # either class unknown
 
     def factor(self, mine: str, theirs: str) -> float:
         if mine == "unknown" or theirs == "unknown":
@@ -63,8 +63,8 @@ class GpuConfig:
 
     sms: int = 80
     mps: bool = True
-    timeslice_ns: int = 2_000_000
-    switch_ns: int = 25_000
+    timeslice_ns: int = 1_000_000  # calibrated: docs/harvest.md
+    switch_ns: int = 10_000
     interference: Interference = field(default_factory=Interference)
 
 
@@ -177,9 +177,9 @@ class Device:
     def busy(self, ctx: int) -> bool:
         return bool(self.streams[ctx])
 
-    def running(self) -> list[tuple[int, Any, int, str]]:
-        """(ctx, tag, demand, class) of the kernels running now."""
-        return [(k.ctx, k.tag, k.demand, k.cls) for k in self._running()]
+    def running(self) -> list[tuple[int, Any, int, str, int]]:
+        """(ctx, tag, demand, class, first start) of the kernels running now."""
+        return [(k.ctx, k.tag, k.demand, k.cls, k.start) for k in self._running()]
 
     def next_time(self) -> int | None:
         times = []

@@ -13,7 +13,9 @@ request completes when its last kernel does. Modes:
 - token: a host launches only while holding a lease of the token scheduler
   (gpuloom.policies.tokens); kernels already queued run on after the lease ends;
 - fikit: each launch is a request to the native FIKIT core (gpuloom.policies.fikit): launched
-  when admitted or granted; completions are reported to it; its wake time is a timer.
+  when admitted or granted; completions are reported to it; its wake time is a timer;
+- harvest: fikit, and under MPS a waiting lower-priority kernel also runs beside the holder's
+  running kernel when gpuloom.policies.harvest's spatial rule admits it (docs/harvest.md).
 
 Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
 """
@@ -28,11 +30,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpuloom.policies.fikit.core import UNKNOWN, FikitCore
+from gpuloom.policies.harvest import Candidate, HarvestConfig, Running, SpatialHarvest
 from gpuloom.policies.tokens import ClientShare, Decision, TokenConfig, TokenScheduler
 from gpuloom.sim.device import Device
 from gpuloom.sim.scenario import Scenario, TaskSpec
 
-MODES = ("exclusive", "sharing", "token", "fikit")
+MODES = ("exclusive", "sharing", "token", "fikit", "harvest")
+EXTRA_MODES = ("mps",)  # every host launches freely under MPS (calibration; not in `all`)
 NS = 1_000_000_000
 
 
@@ -195,6 +199,9 @@ class _Engine:
         self.device = Device(scenario.gpu, len(self.tasks), concurrent)
         self.device_generation = 0  # a DEVICE event of an older generation is stale
         self.kernels = self.device.segments  # (start, end, task): what ran when
+        harvest = mode == "harvest" and concurrent
+        self.harvest = SpatialHarvest(HarvestConfig(sms=scenario.gpu.sms)) if harvest else None
+        self.harvested = 0
         self.profiles = profiles or {}
         self.core: FikitCore | None = None
         self.tokens: TokenScheduler | None = None
@@ -214,7 +221,7 @@ class _Engine:
             self.push(at, kind)
 
     def run(self) -> None:
-        if self.mode == "fikit":
+        if self.mode in ("fikit", "harvest"):
             self.core = FikitCore(self.scenario.fikit)
             for t in self.tasks:
                 self.core.add_task(t.index, t.spec.priority, round(t.spec.start_s * NS))
@@ -235,6 +242,7 @@ class _Engine:
                     for done in self.device.advance(at):
                         self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start)
                     self.device_timer()
+                    self.harvest_waiting(at)
             elif kind == self.ENQUEUE:
                 self.submit(task, *arg, at)
             elif kind == self.HOST:
@@ -291,7 +299,7 @@ class _Engine:
             )
             if verdict == 1:
                 self.launch(task, now)
-            else:
+            elif not self.try_harvest(task, now):
                 task.waiting = True
                 self.fikit_decide(now)
         elif self.tokens is not None:
@@ -323,6 +331,44 @@ class _Engine:
         demand = min(kernel.sm_usage or sms, partition, sms)
         self.device.submit(now, task.index, i, duration, demand, kernel.profile)
         self.device_timer()
+        self.harvest_waiting(now)
+
+    # -- spatial harvesting (mode harvest) -------------------------------------------
+    def harvest_waiting(self, now: int) -> None:
+        if self.harvest is not None:
+            for task in self.tasks:
+                if task.waiting and self.core.has_request(task.index):
+                    self.try_harvest(task, now)
+
+    def try_harvest(self, task: _Task, now: int) -> bool:
+        """Launch the task's queued kernel beside the holder's if the spatial rule admits it."""
+        if self.harvest is None or task.in_flight or not self.core.has_request(task.index):
+            return False
+        running, next_launch = [], None
+        for ctx, i, demand, cls, start in self.device.running():
+            other = self.tasks[ctx]
+            running.append(Running(other.spec.priority, demand, cls))
+            if other.spec.priority < task.spec.priority:
+                kernel_id = other.spec.kernels[i].kernel_id
+                profile = self.profiles[other.spec.name]
+                d, g = profile.duration_ns.get(kernel_id), profile.gap_ns.get(kernel_id)
+                if d is None or (g is None and other.spec.host == "sync"):
+                    return False  # the holder's next launch cannot be predicted
+                at = start + d + (g if other.spec.host == "sync" and other.in_flight == 1 else 0)
+                next_launch = at if next_launch is None else min(next_launch, at)
+        kernel, sms = task.spec.kernels[task.next_kernel], self.scenario.gpu.sms
+        candidate = Candidate(
+            task.spec.priority,
+            min(kernel.sm_usage or sms, max(1, sms * task.spec.sm_partition // 100), sms),
+            kernel.profile,
+            self.profiles[task.spec.name].duration_ns.get(kernel.kernel_id),
+        )
+        if not self.harvest.admit(now, candidate, running, next_launch):
+            return False
+        self.core.release(task.index, now)  # its queued request goes now, as fill work
+        self.harvested += 1
+        self.launch(task, now)
+        return True
 
     def device_timer(self) -> None:
         at = self.device.next_time()
@@ -482,8 +528,8 @@ def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Prof
 
 def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) -> ModeResult:
     """Run one mode of the scenario; the same seed gives the same result."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode not in MODES and mode not in EXTRA_MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES + EXTRA_MODES)}")
     rng = rng or random.Random(scenario.seed)
     # Every mode sees the same programs, arrivals and kernel durations: each task's
     # randomness comes from streams seeded the same way in each mode.
@@ -499,7 +545,7 @@ def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) ->
         return ModeResult(
             mode, tuple(results), busy / (scenario.duration_s * NS), 0.0, tuple(sorted(kernels))
         )
-    profiles = measure_profiles(scenario, seeds) if mode == "fikit" else None
+    profiles = measure_profiles(scenario, seeds) if mode in ("fikit", "harvest") else None
     engine = _Engine(scenario, list(zip(scenario.tasks, seeds, strict=True)), mode, profiles)
     engine.run()
     counters = engine.core.counters() if engine.core is not None else None
@@ -509,5 +555,8 @@ def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) ->
         _busy(engine) / (scenario.duration_s * NS),
         _fill_efficiency(engine),
         tuple(engine.kernels),
-        counters={k: getattr(counters, k) for k in counters.__slots__} if counters else {},
+        counters={
+            **({k: getattr(counters, k) for k in counters.__slots__} if counters else {}),
+            **({"harvested": engine.harvested} if engine.harvest is not None else {}),
+        },
     )

@@ -98,7 +98,7 @@ def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
     code, output = run(tmp_path, scenario, "--json")
     assert code == 0
     modes = json.loads(output)["modes"]
-    assert set(modes) == {"exclusive", "sharing", "token", "fikit"}
+    assert set(modes) == {"exclusive", "sharing", "token", "fikit", "harvest"}
     for result in modes.values():
         assert set(result) == {"tasks", "gpu_busy", "fill_efficiency"}
         assert set(result["tasks"]["a"]) == {
