@@ -69,3 +69,13 @@ def _ratio(value: float | int | None, base: float | int | None) -> float | None:
     if value is None or not base:
         return None
     return round(value / base, 4)
+
+
+def least_harvest(figures: dict, mode: str) -> dict[str, float | None]:
+    """{"harvest": the least harvest of the mode's lower-priority tasks} (None: none, or no
+    figures), the figure shown beside the high-priority p99 over alone."""
+    entry = figures.get(mode)
+    if not entry or not entry["harvest"]:
+        return {"harvest": None}
+    values = [h["harvest"] for h in entry["harvest"].values()]
+    return {"harvest": None if None in values else min(values)}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gpuloom.policies.fikit.core import FikitConfig
+from gpuloom.policies.harvest import HARVEST_POLICIES
 from gpuloom.sim.device import ORION_PROFILE, PROFILE_CLASSES, DeviceConfigError, GpuConfig
 from gpuloom.sim.device import parse_gpu as _parse_gpu
 
@@ -51,7 +52,11 @@ class TaskSpec:
     duration_jitter: float = 0.05
     start_s: float = 0.0
     launch_depth: int = 16
-    sm_partition: int = 100  # percent of the SMs its MPS client may use
+    # Its share (token, fifo and composed admission): SM percent and time quota per window as
+    # fractions; quota_request None: the limit (as a reservation without one asks).
+    sm_percent: int = 100
+    quota_request: float | None = None
+    quota_limit: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,7 @@ class Scenario:
     profile_requests: int = 20
     grant_latency_ns: int = 0  # fikit: a granted filler launches this long after its grant
     gpu: GpuConfig = field(default_factory=GpuConfig)
+    harvest: str = "spatial"  # composed: the spatial harvesting rule, or "off"
 
 
 _TOP = {
@@ -79,6 +85,7 @@ _TOP = {
     "profile_requests",
     "description",
     "gpu",
+    "harvest",
 }
 _TASK = {
     "name",
@@ -93,7 +100,9 @@ _TASK = {
     "duration_jitter",
     "start_s",
     "launch_depth",
-    "sm_partition",
+    "sm_percent",
+    "quota_request_percent",
+    "quota_limit_percent",
 }
 _KERNEL = {"name", "duration_us", "gap_after_us", "sm_usage", "profile"}
 _FIKIT = {"gap_threshold_us", "idle_margin_us", "idle_backlog_us", "max_wait_us", "fill_guard_us"}
@@ -294,10 +303,33 @@ class _Reader:
             launch_depth=self.integer(
                 value.get("launch_depth", 16), f"{where}.launch_depth", 1, 1_000_000
             ),
-            sm_partition=self.integer(
-                value.get("sm_partition", 100), f"{where}.sm_partition", 1, 100
-            ),
+            **self.share(value, where),
         )
+
+    def share(self, value: dict, where: str) -> dict[str, Any]:
+        sm = self.integer(value.get("sm_percent", 100), f"{where}.sm_percent", 1, 100)
+        request = value.get("quota_request_percent")
+        if request is not None:
+            request = self.number(
+                request, f"{where}.quota_request_percent", 0.0, 100.0, low_open=True
+            )
+        limit = self.number(
+            value.get("quota_limit_percent", 100.0),
+            f"{where}.quota_limit_percent",
+            0.0,
+            100.0,
+            low_open=True,
+        )
+        if request is not None and request > limit:
+            raise self.fail(
+                f"{where}.quota_request_percent",
+                f"must not exceed quota_limit_percent ({request:g} > {limit:g})",
+            )
+        return {
+            "sm_percent": sm,
+            "quota_request": None if request is None else request / 100,
+            "quota_limit": limit / 100,
+        }
 
     def fikit(self, value: Any) -> FikitConfig:
         self.keys(value, "$.fikit", _FIKIT, set())
@@ -335,6 +367,9 @@ def load_scenario(path: str | Path) -> Scenario:
     except DeviceConfigError as error:
         raise ScenarioError(f"{file}: {error}") from None
     reader.sms = gpu.sms
+    harvest = data.get("harvest", "spatial")
+    if harvest not in HARVEST_POLICIES:
+        raise reader.fail("$.harvest", f"unknown harvest policy {harvest!r} (known: off, spatial)")
     seed = reader.integer(data["seed"], "$.seed", 0, 2**63 - 1)
     duration = reader.number(data["duration_s"], "$.duration_s", 0.0, 86_400.0, low_open=True)
     latency = reader.number(data.get("launch_latency_us", 5.0), "$.launch_latency_us", 0, 1e6)
@@ -362,6 +397,7 @@ def load_scenario(path: str | Path) -> Scenario:
         fikit=reader.fikit(data.get("fikit", {})),
         token_policy=token_policy,
         gpu=gpu,
+        harvest=harvest,
         profile_requests=reader.integer(
             data.get("profile_requests", 20), "$.profile_requests", 1, 10_000
         ),

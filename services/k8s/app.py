@@ -23,6 +23,7 @@ from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.k8s.webhook import AdmissionWebhook
+from gpuloom.transport import TransportSettings
 
 log = structlog.get_logger("gpuloom.k8s")
 
@@ -39,9 +40,13 @@ class K8sApp:
         return self.server.port
 
     @classmethod
-    async def start(cls, settings: K8sSettings, host: str) -> K8sApp:
+    async def start(
+        cls, settings: K8sSettings, host: str, transport: TransportSettings | None = None
+    ) -> K8sApp:
+        """`transport`: how placement is called (None: this process's GPULOOM_TLS_* and
+        GPULOOM_AUTH_TOKEN_FILE)."""
         api = _api(settings.api_server, settings.api_token_file, settings.api_ca_file, "K8S")
-        jobs = PlacementJobs(settings.placement_address)
+        jobs = PlacementJobs(settings.placement_address, transport=transport)
         classes = priority_classes_from_text(settings.priority_classes)
         index = PodJobs()
         extender = Extender(
@@ -99,11 +104,14 @@ class DevicePluginApp:
     jobs: PlacementJobs
 
     @classmethod
-    async def start(cls, settings: DevicePluginSettings) -> DevicePluginApp:
+    async def start(
+        cls, settings: DevicePluginSettings, transport: TransportSettings | None = None
+    ) -> DevicePluginApp:
+        """`transport`: as K8sApp.start's."""
         api = _api(
             settings.api_server, settings.api_token_file, settings.api_ca_file, "DEVICE_PLUGIN"
         )
-        jobs = PlacementJobs(settings.placement_address)
+        jobs = PlacementJobs(settings.placement_address, transport=transport)
         config = DevicePluginConfig(
             node=settings.node,
             kubelet_dir=settings.kubelet_dir,

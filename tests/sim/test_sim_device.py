@@ -141,7 +141,7 @@ BASE = {
         ({"gpu": {"sms": 10}}, "$.tasks[0].kernels[0].sm_usage"),
         ({"kernel": {"profile": "io"}}, "$.tasks[0].kernels[0].profile"),
         ({"kernel": {"sm_usage": 81}}, "$.tasks[0].kernels[0].sm_usage"),
-        ({"task": {"sm_partition": 101}}, "$.tasks[0].sm_partition"),
+        ({"task": {"sm_percent": 101}}, "$.tasks[0].sm_percent"),
     ],
 )
 def test_bad_device_keys_exit_2_naming_the_key(tmp_path: Path, patch: dict, key: str) -> None:

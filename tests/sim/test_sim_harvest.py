@@ -19,15 +19,15 @@ from gpuloom.policies.harvest import (
     SpatialHarvest,
 )
 from gpuloom.sim.harvest import harvest_figures
-from gpuloom.sim.kernels import simulate
-from gpuloom.sim.scenario import load_scenario
+from gpuloom.sim.kernels import DEFAULT_MODE, simulate
+from gpuloom.sim.scenario import ScenarioError, load_scenario
 
 HOLDER = Running(priority=0, demand=40, profile="compute")
 FITS = Candidate(priority=5, demand=4, profile="memory", duration_ns=10_000)
 
 
 def test_the_rule_admits_a_kernel_that_fits_beside_the_holder() -> None:
-    assert SpatialHarvest().admit(0, FITS, [HOLDER], 20_000)
+    assert SpatialHarvest().admit(0, FITS, [HOLDER], 20_000, 80)
 
 
 @pytest.mark.parametrize(
@@ -48,20 +48,20 @@ def test_the_rule_admits_a_kernel_that_fits_beside_the_holder() -> None:
     ],
 )
 def test_the_rule_refuses(candidate, running, next_launch, why) -> None:
-    assert not SpatialHarvest().admit(0, candidate, running, next_launch), why
+    assert not SpatialHarvest().admit(0, candidate, running, next_launch, 80), why
 
 
 def test_unknown_classes_pass_only_when_allowed_and_the_registry_knows_the_rule() -> None:
     unknown = Candidate(5, 2, "unknown", 10_000)
-    assert SpatialHarvest().admit(0, unknown, [HOLDER], 20_000)
+    assert SpatialHarvest().admit(0, unknown, [HOLDER], 20_000, 80)
     strict = SpatialHarvest(HarvestConfig(allow_unknown=False))
-    assert not strict.admit(0, unknown, [HOLDER], 20_000)
-    assert not HARVEST_POLICIES.create("off").admit(0, FITS, [HOLDER], 20_000)
+    assert not strict.admit(0, unknown, [HOLDER], 20_000, 80)
+    assert not HARVEST_POLICIES.create("off").admit(0, FITS, [HOLDER], 20_000, 80)
     with pytest.raises(ValueError, match="sm_limit"):
         HarvestConfig(sm_limit=1.5)
 
 
-def _scenario(tmp_path: Path, gpu: dict | None = None) -> Path:
+def _scenario(tmp_path: Path, **top: object) -> Path:
     """A holder whose kernels use a quarter of the SMs, compute-bound, with host gaps too short
     to fill, beside a closed loop of short memory-bound kernels on 4 SMs each."""
     data = {
@@ -91,45 +91,57 @@ def _scenario(tmp_path: Path, gpu: dict | None = None) -> Path:
                 ],
             },
         ],
+        **top,
     }
-    if gpu is not None:
-        data["gpu"] = gpu
-    path = tmp_path / "h.json"
+    path = tmp_path / f"h-{len(top)}.json"
     path.write_text(json.dumps(data))
     return path
 
 
-def test_harvesting_runs_the_low_priority_beside_the_holder_and_keeps_its_p99(
+def test_the_default_policy_harvests_beside_the_holder_and_keeps_its_p99(
     tmp_path: Path,
 ) -> None:
-    scenario = load_scenario(_scenario(tmp_path))
-    results = [simulate(scenario, m) for m in ("exclusive", "fikit", "harvest")]
-    figures = harvest_figures(scenario, results)
-    assert results[2].counters["harvested"] > 100
-    fikit, harvest = figures["fikit"], figures["harvest"]
-    assert harvest["harvest"]["train"]["harvest"] > fikit["harvest"]["train"]["harvest"] + 0.2
-    assert harvest["high"]["infer"]["p99_over_alone"] <= 1.05
-    # Co-running overlaps the two tasks' kernels: the union of busy time is below their sum.
-    spans = sorted(results[2].kernels)
+    on = load_scenario(_scenario(tmp_path))
+    off = load_scenario(_scenario(tmp_path, harvest="off"))
+    alone = simulate(on, "exclusive")
+    with_rule, without = simulate(on, DEFAULT_MODE), simulate(off, DEFAULT_MODE)
+    assert with_rule.counters["harvested"] > 100
+    assert without.counters["harvested"] == 0
+    got = harvest_figures(on, [alone, with_rule])[DEFAULT_MODE]
+    base = harvest_figures(off, [alone, without])[DEFAULT_MODE]
+    assert got["harvest"]["train"]["harvest"] > base["harvest"]["train"]["harvest"] + 0.2
+    assert got["high"]["infer"]["p99_over_alone"] <= 1.05
+    # Co-running: kernels of the two tasks overlap in time.
+    spans = sorted(with_rule.kernels)
     assert any(b[0] < a[1] and a[2] != b[2] for a, b in itertools.pairwise(spans))
 
 
 def test_without_mps_nothing_is_harvested(tmp_path: Path) -> None:
-    scenario = load_scenario(_scenario(tmp_path, {"mps": False}))
-    fikit, harvest = simulate(scenario, "fikit"), simulate(scenario, "harvest")
-    assert harvest.to_dict() == fikit.to_dict()
-    assert "harvested" not in harvest.counters
+    scenario = load_scenario(_scenario(tmp_path, gpu={"mps": False}))
+    result = simulate(scenario, DEFAULT_MODE)
+    assert result.counters["harvested"] == 0
+    spans = sorted(result.kernels)
+    assert all(b[0] >= a[1] for a, b in itertools.pairwise(spans))  # one at a time
+
+
+def test_an_unknown_harvest_policy_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ScenarioError, match=r"\$\.harvest: unknown harvest policy 'greedy'"):
+        load_scenario(_scenario(tmp_path, harvest="greedy"))
 
 
 def test_the_json_reports_the_harvest_beside_the_p99(tmp_path: Path) -> None:
     path = _scenario(tmp_path)
     result = CliRunner().invoke(sim, ["kernels", str(path), "--json"])
     assert result.exit_code == 0, result.output
-    out = json.loads(result.output)["harvest"]
-    assert set(out) == {"busy_alone", "sharing", "token", "fikit", "harvest"}
-    entry = out["harvest"]
+    data = json.loads(result.output)
+    figures = data["modes"][DEFAULT_MODE]["figures"]
+    assert figures["hp_p99_x_alone"] <= 1.05 and figures["harvest"] > 0
+    out = data["harvest"]
+    assert set(out) == {"busy_alone", *(m for m in data["modes"] if m != "exclusive")}
+    entry = out[DEFAULT_MODE]
     assert set(entry["high"]["infer"]) == {"p99_over_alone", "mean_over_alone"}
     assert set(entry["harvest"]["train"]) == {"kept", "limit", "harvest"}
+    assert figures["harvest"] == entry["harvest"]["train"]["harvest"]
     busy = out["busy_alone"]
     limit = min(1.0, (1 - busy["infer"]) / busy["train"])
     assert entry["harvest"]["train"]["limit"] == pytest.approx(limit, abs=1e-3)

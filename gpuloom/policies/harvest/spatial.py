@@ -20,7 +20,9 @@ Yes only if all of these hold (docs/harvest.md, "The rule"):
 5. Quota: the candidate's predicted duration fits what is left of its quota limit, if it has
    one.
 
-Pure: dataclasses in, a bool out; the caller supplies `now`.
+Pure: dataclasses in, a bool out; the caller supplies `now` and the GPU's SMs. The default
+admission policy (gpuloom.policies.admission.composed) asks it for a request it has queued
+behind the holders.
 """
 
 from __future__ import annotations
@@ -55,7 +57,6 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class HarvestConfig:
-    sms: int = 80
     sm_limit: float = 1.0  # share of the SMs the running kernels and the candidate may ask for
     allow_unknown: bool = True
     stretch: float = 1.3  # predicted slowdown of a harvested kernel beside the holder's
@@ -64,8 +65,6 @@ class HarvestConfig:
     unknown_factor: float = 2.0  # estimated interference, a class unknown
 
     def __post_init__(self) -> None:
-        if not 1 <= self.sms <= 1024:
-            raise ValueError(f"sms must be 1..1024, got {self.sms}")
         if not 0 < self.sm_limit <= 1:
             raise ValueError(f"sm_limit must be in (0, 1], got {self.sm_limit}")
         for name in ("stretch", "max_holder_slowdown", "other_factor", "unknown_factor"):
@@ -83,6 +82,7 @@ class HarvestPolicy(Protocol):
         candidate: Candidate,
         running: Sequence[Running],
         holder_next_launch_ns: int | None,
+        sms: int,
     ) -> bool: ...
 
 
@@ -100,12 +100,13 @@ class SpatialHarvest:
         candidate: Candidate,
         running: Sequence[Running],
         holder_next_launch_ns: int | None,
+        sms: int,
     ) -> bool:
         c = self.config
         holders = [r for r in running if r.priority < candidate.priority]
         if not holders or holder_next_launch_ns is None or candidate.duration_ns is None:
             return False
-        if sum(r.demand for r in running) + candidate.demand > c.sm_limit * c.sms:
+        if sum(r.demand for r in running) + candidate.demand > c.sm_limit * sms:
             return False
         factor = 1.0
         for r in holders:
@@ -118,7 +119,7 @@ class SpatialHarvest:
             else:
                 factor = max(factor, c.other_factor)
         beside = candidate.demand + sum(r.demand for r in running if r not in holders)
-        if 1 + (factor - 1) * beside / c.sms > c.max_holder_slowdown:
+        if 1 + (factor - 1) * beside / sms > c.max_holder_slowdown:
             return False
         end = now_ns + candidate.queued_ns + candidate.duration_ns * c.stretch
         if end > holder_next_launch_ns:
@@ -138,6 +139,7 @@ class NoHarvest:
         candidate: Candidate,
         running: Sequence[Running],
         holder_next_launch_ns: int | None,
+        sms: int,
     ) -> bool:
         return False
 
