@@ -672,6 +672,7 @@ int main(int argc, char **argv) {
     }
     CUresult r = D.cuInit(0);
     printf("init rc=%d pid=%d\n", (int)r, (int)getpid());
+    fflush(stdout); /* a test may act on the pid while the ops run */
     if (r != CUDA_SUCCESS) return 1;
     CUdevice device;
     CUcontext context;
