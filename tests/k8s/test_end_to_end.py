@@ -409,7 +409,10 @@ async def test_the_device_plugin_registers_again_when_the_kubelet_restarts(
     Path(plugin.socket).unlink()
     await until(lambda: len(kubelet.registrations) == 2, "the plugin registered again")
     await kubelet.wait_devices(4)
-    assert plugin.server.registrations == 2
+    # The plugin counts its registration once the kubelet's answer is back (after the kubelet
+    # recorded it).
+    await until(lambda: plugin.server.registrations == 2, "the plugin counted it")
+    assert len(kubelet.registrations) == 2
 
 
 async def test_a_device_plugin_started_before_its_kubelet_registers_once_it_is_up(
