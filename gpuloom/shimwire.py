@@ -60,10 +60,6 @@ class FrameReader:
             del buffer[:start]
         return frames
 
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._buffer)
-
 
 # ---- the admission region ----
 

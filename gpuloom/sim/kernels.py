@@ -1,4 +1,4 @@
-"""A discrete-event model of one GPU running launched kernels, under four admission modes.
+"""A discrete-event model of one GPU running launched kernels, under each admission policy.
 
 One device queue, FIFO, non-preemptive: a launched kernel reaches the queue `launch_latency`
 after its launch and runs when everything before it has finished. Each task's host runs its
@@ -7,11 +7,10 @@ or (host "async") goes on at once, spends the kernel's host gap, and launches th
 request completes when its last kernel does. Modes:
 
 - exclusive: each task alone on the GPU (its baseline);
-- sharing: every host launches freely (NVIDIA's default time sharing, one FIFO queue);
-- token: a host launches only while holding a lease of the token scheduler
-  (gpuloom.policies.tokens); kernels already queued run on after the lease ends;
-- fikit: each launch is a request to the native FIKIT core (gpuloom.policies.fikit): launched
-  when admitted or granted; completions are reported to it; its wake time is a timer.
+- every policy of gpuloom.policies.admission, by name: composed (the dispatcher's default:
+  FIKIT across priority levels, time-quota leases within one), fikit, token, fifo, sharing.
+  A launch asks the policy; one told to wait launches when a later decision grants it;
+  kernel ends and idle hosts are reported to it; its wake time is a timer.
 
 Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
 """
@@ -25,11 +24,22 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuloom.policies.fikit.core import UNKNOWN, FikitCore
-from gpuloom.policies.tokens import ClientShare, Decision, TokenConfig, TokenScheduler
+from gpuloom.policies.admission import (
+    DEFAULT_ADMISSION,
+    Kernel,
+    KernelAdmission,
+    SharingAdmission,
+    TaskShare,
+    make_admission,
+)
+from gpuloom.policies.tokens import TokenConfig
 from gpuloom.sim.scenario import Scenario, TaskSpec
 
-MODES = ("exclusive", "sharing", "token", "fikit")
+# The dispatcher's default policy first, then the baselines.
+DEFAULT_MODE = DEFAULT_ADMISSION
+MODES = ("exclusive", "sharing", "token", "fifo", "fikit", "composed")
+# Modes whose policy predicts kernels from a profile measured alone.
+PROFILED = ("fikit", "composed")
 NS = 1_000_000_000
 
 
@@ -47,6 +57,7 @@ class TaskResult:
     name: str
     priority: int
     jct_ns: tuple[int, ...]  # requests completed within the run, in completion order
+    device_share: float = 0.0  # of the run, the share its kernels ran on the device
 
     def stats(self) -> dict[str, float | int | None]:
         jct = sorted(self.jct_ns)
@@ -58,6 +69,7 @@ class TaskResult:
                 "jct_p50_ms": None,
                 "jct_p99_ms": None,
                 "jct_cv": None,
+                "device_share": round(self.device_share, 4),
             }
         mean = sum(jct) / len(jct)
         var = sum((x - mean) ** 2 for x in jct) / len(jct)
@@ -68,6 +80,7 @@ class TaskResult:
             "jct_p50_ms": round(_quantile(jct, 0.5) / 1e6, 4),
             "jct_p99_ms": round(_quantile(jct, 0.99) / 1e6, 4),
             "jct_cv": round(math.sqrt(var) / mean, 4) if mean > 0 else 0.0,
+            "device_share": round(self.device_share, 4),
         }
 
 
@@ -149,14 +162,12 @@ class _Task:
     waiting: bool = False  # its host is blocked on admission
     in_flight: int = 0  # launched, not finished
     blocked: bool = False  # an async host waiting for room under launch_depth
-    lease_id: int | None = None
-    lease_asked: bool = False
     jct: list[int] = field(default_factory=list)
     request_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _Engine:
-    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE, TOKEN = range(6)
+    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE = range(5)
 
     def __init__(
         self,
@@ -192,10 +203,12 @@ class _Engine:
         self.device_free = True
         self.kernels: list[tuple[int, int, int]] = []  # (start, end, task) in run order
         self.profiles = profiles or {}
-        self.core: FikitCore | None = None
-        self.tokens: TokenScheduler | None = None
-        self.timers: set[tuple[int, int]] = set()  # (kind, time) of WAKE/TOKEN events pending
-        self.lease_start: dict[int, float] = {}
+        self.policy: KernelAdmission = (
+            SharingAdmission()
+            if mode == "exclusive"
+            else make_admission(mode, scenario.fikit, TokenConfig(), scenario.token_policy)
+        )
+        self.timers: set[int] = set()  # times of WAKE events pending
         self.measured_d: dict[str, list[int]] = defaultdict(list)
         self.measured_g: dict[str, list[int]] = defaultdict(list)
         self.last_end: dict[int, tuple[int, str]] = {}
@@ -204,21 +217,18 @@ class _Engine:
         heapq.heappush(self.events, (at, self.seq, kind, task, arg))
         self.seq += 1
 
-    def timer(self, at: int, kind: int) -> None:
-        if at < self.end and (kind, at) not in self.timers:
-            self.timers.add((kind, at))
-            self.push(at, kind)
+    def timer(self, at: int) -> None:
+        if at < self.end and at not in self.timers:
+            self.timers.add(at)
+            self.push(at, self.WAKE)
 
     def run(self) -> None:
-        if self.mode == "fikit":
-            self.core = FikitCore(self.scenario.fikit)
-            for t in self.tasks:
-                self.core.add_task(t.index, t.spec.priority, round(t.spec.start_s * NS))
-        elif self.mode == "token":
-            self.tokens = TokenScheduler(self.scenario.token_policy, TokenConfig(), 0.0)
-            for t in self.tasks:
-                share = ClientShare(str(t.index), 100, 1 / len(self.tasks), 1.0)
-                self.tokens.add_client(share, 0.0)
+        for t in self.tasks:
+            spec = t.spec
+            # No request given: the limit, as a reservation's (oversubscribed: no guarantee).
+            request = spec.quota_limit if spec.quota_request is None else spec.quota_request
+            share = TaskShare(spec.priority, spec.sm_percent, request, spec.quota_limit)
+            self.policy.add_task(t.index, share, round(spec.start_s * NS))
         for t in self.tasks:
             self.schedule_arrival(t, round(t.spec.start_s * NS))
         while self.events:
@@ -236,17 +246,9 @@ class _Engine:
                 self.launch_next(task, at)
             elif kind == self.ARRIVE:
                 self.arrive(task, at)
-            elif kind == self.WAKE:
-                self.timers.discard((kind, at))
-                self.fikit_decide(at)
             else:
-                self.timers.discard((kind, at))
-                # The timer was rounded up to whole ns; never advance to before the deadline.
-                deadline = self.tokens.next_deadline()
-                seconds = (
-                    at / NS if deadline is None else max(at / NS, min(deadline, (at + 1) / NS))
-                )
-                self.token_decision(self.tokens.advance(seconds), at)
+                self.timers.discard(at)
+                self.settle(at)
 
     def schedule_arrival(self, task: _Task, at: int) -> None:
         if self.requests_limit is not None and task.arrived >= self.requests_limit:
@@ -273,32 +275,16 @@ class _Engine:
         if task.in_flight >= task.spec.launch_depth:
             task.blocked = True  # the launch queue is full: wait for a kernel to finish
             return
-        if self.core is not None:
-            kernel = task.spec.kernels[task.next_kernel]
-            profile = self.profiles[task.spec.name]
-            duration = profile.duration_ns.get(kernel.kernel_id)
-            gap = profile.gap_ns.get(kernel.kernel_id)
-            verdict = self.core.request(
-                task.index,
-                UNKNOWN if duration is None else duration,
-                UNKNOWN if gap is None else gap,
-                now,
-            )
-            if verdict == 1:
-                self.launch(task, now)
-            else:
-                task.waiting = True
-                self.fikit_decide(now)
-        elif self.tokens is not None:
-            if task.lease_id is not None:
-                self.launch(task, now)
-            else:
-                task.waiting = True
-                if not task.lease_asked:
-                    task.lease_asked = True
-                    self.token_decision(self.tokens.request(str(task.index), now / NS), now)
-        else:
+        kernel = Kernel(None, None)
+        profile = self.profiles.get(task.spec.name)
+        if profile is not None:
+            kernel_id = task.spec.kernels[task.next_kernel].kernel_id
+            kernel = Kernel(profile.duration_ns.get(kernel_id), profile.gap_ns.get(kernel_id))
+        if self.policy.launch(task.index, kernel, now):
             self.launch(task, now)
+        else:
+            task.waiting = True
+            self.settle(now)
 
     def launch(self, task: _Task, now: int) -> None:
         task.waiting = False
@@ -326,8 +312,7 @@ class _Engine:
         if self.queue:
             self.start_device(now)
         task.in_flight -= 1
-        if self.core is not None:
-            self.core.completed(task.index, 1, now)
+        self.policy.completed(task.index, now - start, now)
         if task.blocked:
             task.blocked = False
             self.launch_next(task, now)
@@ -335,8 +320,7 @@ class _Engine:
             self.finish_request(task, now)
         elif task.spec.host == "sync":
             self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
-        if self.core is not None:
-            self.fikit_decide(now)
+        self.settle(now)
 
     def measure(self, task: _Task, i: int, start: int, end: int) -> None:
         # As the profiler does alone: duration per kernel ID, and the idle time between a
@@ -358,57 +342,22 @@ class _Engine:
             self.schedule_arrival(task, now + task.program.gap(last, task.rng))
         if task.pending:
             self.start_request(task, now)
-        elif self.tokens is not None and task.lease_id is not None:
-            lease, task.lease_id = task.lease_id, None
-            used = max(0.0, now / NS - self.lease_start[task.index])
-            decision = self.tokens.release(str(task.index), lease, used, None, now / NS)
-            self.token_decision(decision, now)
+        else:
+            self.policy.idle(task.index, now)
+            self.settle(now)
 
-    # -- fikit ---------------------------------------------------------------------------
-    def fikit_decide(self, now: int) -> None:
-        while True:
-            granted, wake = self.core.decide(now)
-            for index in granted:
-                task = self.tasks[index]
-                if task.waiting:
-                    # The filler wakes for its grant and then launches (live: its futex wake).
-                    self.launch(task, now + self.grant_latency)
-            if wake is None or wake > now:
-                break
+    # -- the policy's decisions ----------------------------------------------------------
+    def settle(self, now: int) -> None:
+        """Launch whom the policy grants now; wake up again when it says."""
+        granted, wake = self.policy.decide(now)
+        # A filler granted natively wakes, then launches (live: its futex wake).
+        at = now + self.grant_latency if getattr(self.policy, "delayed_grants", False) else now
+        for index in granted:
+            task = self.tasks[index]
+            if task.waiting:
+                self.launch(task, at)
         if wake is not None:
-            self.timer(wake, self.WAKE)
-
-    # -- token leases --------------------------------------------------------------------
-    def token_decision(self, decision: Decision, now: int) -> None:
-        pending = deque([decision])
-        while pending:
-            d = pending.popleft()
-            for lease in d.ended:
-                task = self.tasks[int(lease.client_id)]
-                if task.lease_id != lease.lease_id:
-                    continue
-                task.lease_id = None
-                self.tokens.report_usage(
-                    lease.client_id, lease.lease_id, lease.length_s, None, now / NS
-                )
-                if task.busy:  # still has work: back in line
-                    task.lease_asked = True
-                    pending.append(self.tokens.request(lease.client_id, now / NS))
-            for lease in d.granted:
-                task = self.tasks[int(lease.client_id)]
-                task.lease_asked = False
-                if not task.busy:
-                    pending.append(
-                        self.tokens.release(lease.client_id, lease.lease_id, 0.0, None, now / NS)
-                    )
-                    continue
-                task.lease_id = lease.lease_id
-                self.lease_start[task.index] = lease.granted_at
-                if task.waiting:
-                    self.launch(task, now)
-        deadline = self.tokens.next_deadline()
-        if deadline is not None:
-            self.timer(max(now, math.ceil(deadline * NS)), self.TOKEN)
+            self.timer(max(wake, now))
 
 
 def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -456,6 +405,37 @@ def _busy(engine: _Engine) -> int:
     return sum(min(e, engine.end) - s for s, e, _ in engine.kernels if s < engine.end)
 
 
+def _device_share(engine: _Engine, index: int) -> float:
+    ran = sum(min(e, engine.end) - s for s, e, i in engine.kernels if i == index and s < engine.end)
+    return ran / (engine.scenario.duration_s * NS)
+
+
+def figures(result: ModeResult, alone: ModeResult) -> dict[str, float | None]:
+    """The two figures every comparison reports: the high-priority p99 as a multiple of its
+    p99 alone (the worst task of the best priority), and the best-effort work done (device
+    time of the other priorities' tasks) as a share of what they do alone. None when the
+    scenario has a single priority level or a task completed nothing."""
+    best = min(t.priority for t in result.tasks)
+    if all(t.priority == best for t in result.tasks):
+        return {"hp_p99_x_alone": None, "be_work_share": None}
+    alone_by_name = {t.name: t for t in alone.tasks}
+    ratios = []
+    for task in result.tasks:
+        if task.priority != best:
+            continue
+        mine, base = task.stats()["jct_p99_ms"], alone_by_name[task.name].stats()["jct_p99_ms"]
+        if mine is None or not base:
+            ratios = []
+            break
+        ratios.append(mine / base)
+    done = sum(t.device_share for t in result.tasks if t.priority != best)
+    base = sum(alone_by_name[t.name].device_share for t in result.tasks if t.priority != best)
+    return {
+        "hp_p99_x_alone": round(max(ratios), 4) if ratios else None,
+        "be_work_share": round(done / base, 4) if base > 0 else None,
+    }
+
+
 def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Profile]:
     """Each task alone for `profile_requests` requests, measured as the profiler would."""
     profiles = {}
@@ -484,21 +464,27 @@ def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) ->
         for index, spec in enumerate(scenario.tasks):
             engine = _Engine(scenario, [(spec, seeds[index])], mode)
             engine.run()
-            results.append(TaskResult(spec.name, spec.priority, tuple(engine.tasks[0].jct)))
+            results.append(
+                TaskResult(
+                    spec.name, spec.priority, tuple(engine.tasks[0].jct), _device_share(engine, 0)
+                )
+            )
             kernels.extend((s, e, index) for s, e, _ in engine.kernels)
             busy += _busy(engine)
         return ModeResult(
             mode, tuple(results), busy / (scenario.duration_s * NS), 0.0, tuple(sorted(kernels))
         )
-    profiles = measure_profiles(scenario, seeds) if mode == "fikit" else None
+    profiles = measure_profiles(scenario, seeds) if mode in PROFILED else None
     engine = _Engine(scenario, list(zip(scenario.tasks, seeds, strict=True)), mode, profiles)
     engine.run()
-    counters = engine.core.counters() if engine.core is not None else None
     return ModeResult(
         mode,
-        tuple(TaskResult(t.spec.name, t.spec.priority, tuple(t.jct)) for t in engine.tasks),
+        tuple(
+            TaskResult(t.spec.name, t.spec.priority, tuple(t.jct), _device_share(engine, t.index))
+            for t in engine.tasks
+        ),
         _busy(engine) / (scenario.duration_s * NS),
         _fill_efficiency(engine),
         tuple(engine.kernels),
-        counters={k: getattr(counters, k) for k in counters.__slots__} if counters else {},
+        counters=engine.policy.counters(),
     )

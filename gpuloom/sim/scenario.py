@@ -47,6 +47,11 @@ class TaskSpec:
     duration_jitter: float = 0.05
     start_s: float = 0.0
     launch_depth: int = 16
+    # Its share (token, fifo and composed admission): SM percent and time quota per window as
+    # fractions; quota_request None: the limit (as a reservation without one asks).
+    sm_percent: int = 100
+    quota_request: float | None = None
+    quota_limit: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,9 @@ _TASK = {
     "duration_jitter",
     "start_s",
     "launch_depth",
+    "sm_percent",
+    "quota_request_percent",
+    "quota_limit_percent",
 }
 _KERNEL = {"name", "duration_us", "gap_after_us"}
 _FIKIT = {"gap_threshold_us", "idle_margin_us", "idle_backlog_us", "max_wait_us", "fill_guard_us"}
@@ -254,7 +262,33 @@ class _Reader:
             launch_depth=self.integer(
                 value.get("launch_depth", 16), f"{where}.launch_depth", 1, 1_000_000
             ),
+            **self.share(value, where),
         )
+
+    def share(self, value: dict, where: str) -> dict[str, Any]:
+        sm = self.integer(value.get("sm_percent", 100), f"{where}.sm_percent", 1, 100)
+        request = value.get("quota_request_percent")
+        if request is not None:
+            request = self.number(
+                request, f"{where}.quota_request_percent", 0.0, 100.0, low_open=True
+            )
+        limit = self.number(
+            value.get("quota_limit_percent", 100.0),
+            f"{where}.quota_limit_percent",
+            0.0,
+            100.0,
+            low_open=True,
+        )
+        if request is not None and request > limit:
+            raise self.fail(
+                f"{where}.quota_request_percent",
+                f"must not exceed quota_limit_percent ({request:g} > {limit:g})",
+            )
+        return {
+            "sm_percent": sm,
+            "quota_request": None if request is None else request / 100,
+            "quota_limit": limit / 100,
+        }
 
     def fikit(self, value: Any) -> FikitConfig:
         self.keys(value, "$.fikit", _FIKIT, set())

@@ -34,6 +34,12 @@
  *                            so processes whose kernels interleave lose time, as packed jobs
  *                            that interfere on a real GPU do.
  *
+ * Memory: every allocating entry point the shim hooks is here (pointers, pitched, managed,
+ * async and pool allocations, cuMemCreate, CUDA arrays and mipmapped arrays with rows padded to
+ * 512 bytes as cuArrayGetMemoryRequirements reports, graph memory nodes allocated when the node
+ * is added, the legacy 32-bit entry points with addresses below 4 GiB); pools keep nothing
+ * after frees whatever their release threshold (which they store and answer).
+ *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
  * an older driver.
  */
@@ -53,6 +59,7 @@
 #include <unistd.h>
 
 #include "gl_cuda.h"
+#include "gl_cuda_legacy.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
@@ -437,7 +444,7 @@ static CUresult sync_all(void) {
 /* An allocation: a device pointer, or (kind ALLOC_HANDLE) a cuMemCreate handle whose bytes are
  * freed once it is released and unmapped (`refs`: 1 until released, +1 per mapping), or (kind
  * ALLOC_IPC) memory opened from another process's IPC handle (its bytes are the exporter's). */
-enum { ALLOC_POINTER, ALLOC_HANDLE, ALLOC_IPC };
+enum { ALLOC_POINTER, ALLOC_HANDLE, ALLOC_IPC, ALLOC_ARRAY };
 
 typedef struct fk_alloc {
     uint64_t address;
@@ -459,6 +466,8 @@ typedef struct fk_map {
 static fk_alloc *g_allocs;
 static fk_map *g_maps;
 static uint64_t g_next_address = 0x7f0000000000ull;
+static uint64_t g_next_low = 0x10000000ull; /* legacy 32-bit pointers: below 4 GiB */
+static __thread int t_low; /* the allocation being made is a legacy one */
 
 /* The device memory this process holds (the fake NVML reads it). */
 EXPORT uint64_t gl_fake_cuda_mem_used(void) {
@@ -472,6 +481,11 @@ EXPORT uint64_t gl_fake_cuda_mem_total(void) { return g_mem_total; }
 
 /* Called with g_lock held: a range of fake addresses, 1 MiB granules. */
 static uint64_t take_addresses(uint64_t size) {
+    if (t_low) {
+        uint64_t low = g_next_low;
+        g_next_low += (size + 0xfffffu) & ~0xfffffull;
+        return low;
+    }
     uint64_t address = g_next_address;
     g_next_address += (size + 0xfffffu) & ~0xfffffull;
     return address;
@@ -1068,7 +1082,10 @@ EXPORT CUresult CUDAAPI cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CU
 
 typedef struct fk_pool {
     int device;
+    cuuint64_t threshold; /* CU_MEMPOOL_ATTR_RELEASE_THRESHOLD (stored, not acted on) */
 } fk_pool;
+
+static fk_pool g_default_pool;
 
 EXPORT CUresult CUDAAPI cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
@@ -1082,7 +1099,7 @@ EXPORT CUresult CUDAAPI cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps
 }
 
 EXPORT CUresult CUDAAPI cuMemPoolDestroy(CUmemoryPool pool) {
-    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (pool == NULL || pool == (CUmemoryPool)&g_default_pool) return CUDA_ERROR_INVALID_VALUE;
     free(pool);
     return CUDA_SUCCESS;
 }
@@ -1108,6 +1125,244 @@ EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t b
                                                      CUmemoryPool pool, CUstream stream) {
     (void)stream;
     return alloc_from_pool("cuMemAllocFromPoolAsync_ptsz", dptr, bytes, pool);
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attribute,
+                                              void *value) {
+    if (pool == NULL || value == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) return CUDA_ERROR_NOT_SUPPORTED;
+    ((fk_pool *)pool)->threshold = *(cuuint64_t *)value;
+    trace("fake cuMemPoolSetAttribute threshold %llu", (unsigned long long)*(cuuint64_t *)value);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attribute,
+                                              void *value) {
+    if (pool == NULL || value == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (attribute != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) return CUDA_ERROR_NOT_SUPPORTED;
+    *(cuuint64_t *)value = ((fk_pool *)pool)->threshold;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice device) {
+    if (pool == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    *pool = (CUmemoryPool)&g_default_pool;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice device) {
+    return cuDeviceGetMemPool(pool, device);
+}
+
+EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *device = 0;
+    return CUDA_SUCCESS;
+}
+
+/* -- CUDA arrays: bookkeeping only (no bytes), rows padded to 512 bytes -- */
+
+static uint64_t padded_array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format format,
+                                   unsigned channels) {
+    uint64_t element = gl_format_bytes(format);
+    if (element == 0) element = 16;
+    uint64_t row = (w * element * (channels ? channels : 1) + 511) & ~(uint64_t)511;
+    return row * (h ? h : 1) * (d ? d : 1);
+}
+
+static CUresult array_create(const char *entry, CUarray *handle, uint64_t w, uint64_t h,
+                             uint64_t d, CUarray_format format, unsigned channels) {
+    if (handle == NULL || w == 0 || channels == 0 || channels > 4 || gl_format_bytes(format) == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t address = 0;
+    CUresult r = mem_alloc_kind(entry, &address, padded_array_bytes(w, h, d, format, channels),
+                                ALLOC_ARRAY);
+    if (r == CUDA_SUCCESS) *handle = (CUarray)(uintptr_t)address;
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuArrayCreate_v2(CUarray *handle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return array_create("cuArrayCreate_v2", handle, d->Width, d->Height, 1, d->Format,
+                        d->NumChannels);
+}
+
+EXPORT CUresult CUDAAPI cuArray3DCreate_v2(CUarray *handle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return array_create("cuArray3DCreate_v2", handle, d->Width, d->Height, d->Depth, d->Format,
+                        d->NumChannels);
+}
+
+EXPORT CUresult CUDAAPI cuArrayCreate(CUarray *handle, const gl_array_descriptor_v1 *d) {
+    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return array_create("cuArrayCreate", handle, d->Width, d->Height, 1, d->Format,
+                        d->NumChannels);
+}
+
+EXPORT CUresult CUDAAPI cuArray3DCreate(CUarray *handle, const gl_array3d_descriptor_v1 *d) {
+    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return array_create("cuArray3DCreate", handle, d->Width, d->Height, d->Depth, d->Format,
+                        d->NumChannels);
+}
+
+static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels) {
+    uint64_t total = 0, w = d->Width, h = d->Height, z = d->Depth;
+    for (unsigned l = 0; l < (levels ? levels : 1); l++) {
+        total += padded_array_bytes(w, h, z, d->Format, d->NumChannels);
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        z = z > 1 ? z / 2 : z;
+    }
+    return total;
+}
+
+EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(CUmipmappedArray *handle,
+                                               const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                               unsigned int levels) {
+    if (handle == NULL || d == NULL || d->Width == 0 || levels == 0 ||
+        gl_format_bytes(d->Format) == 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t address = 0;
+    CUresult r = mem_alloc_kind("cuMipmappedArrayCreate", &address, mipmap_bytes(d, levels),
+                                ALLOC_ARRAY);
+    if (r == CUDA_SUCCESS) *handle = (CUmipmappedArray)(uintptr_t)address;
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuArrayDestroy(CUarray handle) {
+    return mem_free_kind("cuArrayDestroy", (uint64_t)(uintptr_t)handle, ALLOC_ARRAY);
+}
+
+EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray handle) {
+    return mem_free_kind("cuMipmappedArrayDestroy", (uint64_t)(uintptr_t)handle, ALLOC_ARRAY);
+}
+
+static CUresult array_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *out, uint64_t handle) {
+    if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&g_lock);
+    fk_alloc *a = find_alloc(handle, ALLOC_ARRAY);
+    if (a) {
+        memset(out, 0, sizeof *out);
+        out->size = a->size;
+        out->alignment = 512;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult CUDAAPI cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *out,
+                                                     CUarray array, CUdevice device) {
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    return array_requirements(out, (uint64_t)(uintptr_t)array);
+}
+
+EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *out,
+                                                              CUmipmappedArray mipmap,
+                                                              CUdevice device) {
+    if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
+    return array_requirements(out, (uint64_t)(uintptr_t)mipmap);
+}
+
+/* -- the legacy 32-bit entry points -- */
+
+EXPORT CUresult CUDAAPI cuMemAlloc(gl_deviceptr_v1 *dptr, unsigned int bytes) {
+    if (dptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t address = 0;
+    t_low = 1;
+    CUresult r = mem_alloc("cuMemAlloc", &address, bytes);
+    t_low = 0;
+    if (r == CUDA_SUCCESS) *dptr = (gl_deviceptr_v1)address;
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocPitch(gl_deviceptr_v1 *dptr, unsigned int *pitch,
+                                        unsigned int width, unsigned int height,
+                                        unsigned int element_bytes) {
+    if (dptr == NULL || pitch == NULL || element_bytes == 0 || element_bytes > 16)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned rounded = (width + 511u) & ~511u;
+    uint64_t address = 0;
+    t_low = 1;
+    CUresult r = mem_alloc("cuMemAllocPitch", &address, (uint64_t)rounded * height);
+    t_low = 0;
+    if (r == CUDA_SUCCESS) {
+        *dptr = (gl_deviceptr_v1)address;
+        *pitch = rounded;
+    }
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuMemFree(gl_deviceptr_v1 dptr) { return mem_free("cuMemFree", dptr); }
+
+EXPORT CUresult CUDAAPI cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes) {
+    size_t f = 0, t = 0;
+    CUresult r = cuMemGetInfo_v2(&f, &t);
+    if (r == CUDA_SUCCESS) {
+        *free_bytes = f > UINT32_MAX ? UINT32_MAX : (unsigned)f;
+        *total_bytes = t > UINT32_MAX ? UINT32_MAX : (unsigned)t;
+    }
+    return r;
+}
+
+/* -- explicit graphs: the fake runs kernels of captured graphs only; a memory node allocates
+ * when it is added (the driver answers its address then), a free node does nothing -- */
+
+EXPORT CUresult CUDAAPI cuGraphCreate(CUgraph *graph, unsigned int flags) {
+    if (graph == NULL || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    fk_graph *g = calloc(1, sizeof *g);
+    if (g == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
+    *graph = (CUgraph)g;
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_mem_node(const char *entry, CUgraphNode *node, CUgraph graph,
+                               size_t bytes, CUdeviceptr *dptr) {
+    if (node == NULL || graph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = mem_alloc(entry, (uint64_t *)dptr, bytes);
+    if (r == CUDA_SUCCESS) *node = (CUgraphNode)(uintptr_t)*dptr;
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph,
+                                               const CUgraphNode *dependencies, size_t count,
+                                               CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    (void)dependencies, (void)count;
+    if (params == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return graph_mem_node("cuGraphAddMemAllocNode", node, graph, params->bytesize,
+                          &params->dptr);
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph graph,
+                                              const CUgraphNode *dependencies, size_t count,
+                                              CUdeviceptr dptr) {
+    (void)dependencies, (void)count;
+    if (node == NULL || graph == NULL || dptr == 0) return CUDA_ERROR_INVALID_VALUE;
+    *node = (CUgraphNode)(uintptr_t)(dptr + 1);
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_add_node(const char *entry, CUgraphNode *node, CUgraph graph,
+                               CUgraphNodeParams *params) {
+    if (params == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) return CUDA_ERROR_NOT_SUPPORTED;
+    return graph_mem_node(entry, node, graph, params->alloc.bytesize, &params->alloc.dptr);
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddNode(CUgraphNode *node, CUgraph graph,
+                                       const CUgraphNode *dependencies, size_t count,
+                                       CUgraphNodeParams *params) {
+    (void)dependencies, (void)count;
+    return graph_add_node("cuGraphAddNode", node, graph, params);
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph,
+                                          const CUgraphNode *dependencies,
+                                          const CUgraphEdgeData *edges, size_t count,
+                                          CUgraphNodeParams *params) {
+    (void)dependencies, (void)edges, (void)count;
+    return graph_add_node("cuGraphAddNode_v2", node, graph, params);
 }
 
 /* -- virtual memory management: the bytes of a handle are freed when it is released and no
@@ -1389,8 +1644,6 @@ static const proc_entry g_procs[] = {
     PROC("cuEventQuery", 2000, cuEventQuery, NULL),
     PROC("cuEventSynchronize", 2000, cuEventSynchronize, NULL),
     PROC("cuEventElapsedTime", 2000, cuEventElapsedTime, NULL),
-    PROC("cuMemAlloc", 3020, cuMemAlloc_v2, NULL),
-    PROC("cuMemAllocPitch", 3020, cuMemAllocPitch_v2, NULL),
     PROC("cuMemAllocManaged", 6000, cuMemAllocManaged, NULL),
     PROC("cuMemAllocAsync", 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz),
     PROC("cuMemFreeAsync", 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz),
@@ -1399,6 +1652,34 @@ static const proc_entry g_procs[] = {
     PROC("cuMemPoolCreate", 11020, cuMemPoolCreate, NULL),
     PROC("cuMemPoolDestroy", 11020, cuMemPoolDestroy, NULL),
     PROC("cuMemPoolTrimTo", 11020, cuMemPoolTrimTo, NULL),
+    PROC("cuMemPoolSetAttribute", 11020, cuMemPoolSetAttribute, NULL),
+    PROC("cuMemPoolGetAttribute", 11020, cuMemPoolGetAttribute, NULL),
+    PROC("cuDeviceGetMemPool", 11020, cuDeviceGetMemPool, NULL),
+    PROC("cuDeviceGetDefaultMemPool", 11020, cuDeviceGetDefaultMemPool, NULL),
+    PROC("cuCtxGetDevice", 2000, cuCtxGetDevice, NULL),
+    PROC("cuArrayCreate", 3020, cuArrayCreate_v2, NULL),
+    PROC("cuArrayCreate", 2000, cuArrayCreate, NULL),
+    PROC("cuArray3DCreate", 3020, cuArray3DCreate_v2, NULL),
+    PROC("cuArray3DCreate", 2000, cuArray3DCreate, NULL),
+    PROC("cuMipmappedArrayCreate", 5000, cuMipmappedArrayCreate, NULL),
+    PROC("cuArrayDestroy", 2000, cuArrayDestroy, NULL),
+    PROC("cuMipmappedArrayDestroy", 5000, cuMipmappedArrayDestroy, NULL),
+    PROC("cuArrayGetMemoryRequirements", 11060, cuArrayGetMemoryRequirements, NULL),
+    PROC("cuMipmappedArrayGetMemoryRequirements", 11060, cuMipmappedArrayGetMemoryRequirements,
+         NULL),
+    PROC("cuGraphCreate", 10000, cuGraphCreate, NULL),
+    PROC("cuGraphAddMemAllocNode", 11040, cuGraphAddMemAllocNode, NULL),
+    PROC("cuGraphAddMemFreeNode", 11040, cuGraphAddMemFreeNode, NULL),
+    PROC("cuGraphAddNode", 12030, cuGraphAddNode_v2, NULL),
+    PROC("cuGraphAddNode", 12020, cuGraphAddNode, NULL),
+    PROC("cuMemAlloc", 3020, cuMemAlloc_v2, NULL),
+    PROC("cuMemAlloc", 2000, cuMemAlloc, NULL),
+    PROC("cuMemAllocPitch", 3020, cuMemAllocPitch_v2, NULL),
+    PROC("cuMemAllocPitch", 2000, cuMemAllocPitch, NULL),
+    PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
+    PROC("cuMemFree", 2000, cuMemFree, NULL),
+    PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
+    PROC("cuMemGetInfo", 2000, cuMemGetInfo, NULL),
     PROC("cuMemCreate", 10020, cuMemCreate, NULL),
     PROC("cuMemRelease", 10020, cuMemRelease, NULL),
     PROC("cuMemAddressReserve", 10020, cuMemAddressReserve, NULL),
@@ -1409,8 +1690,6 @@ static const proc_entry g_procs[] = {
     PROC("cuIpcGetMemHandle", 4010, cuIpcGetMemHandle, NULL),
     PROC("cuIpcOpenMemHandle", 11000, cuIpcOpenMemHandle_v2, NULL),
     PROC("cuIpcCloseMemHandle", 4010, cuIpcCloseMemHandle, NULL),
-    PROC("cuMemFree", 3020, cuMemFree_v2, NULL),
-    PROC("cuMemGetInfo", 3020, cuMemGetInfo_v2, NULL),
     PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
     PROC("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, NULL),
     PROC("cuGetExportTable", 3000, cuGetExportTable, NULL),

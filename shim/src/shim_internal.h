@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gl_cuda.h"
+#include "gl_cuda_legacy.h" /* from here on cuMemAlloc & co. are the legacy entry points */
 #include "gl_nvml.h"
 #include "hooks.h"
 #include "wire.h"
@@ -63,6 +64,10 @@ extern struct gl_aux {
     __typeof__(&cuCtxGetCurrent) ctx_get_current;
     __typeof__(&cuCtxSetCurrent) ctx_set_current;
     __typeof__(&cuThreadExchangeStreamCaptureMode) exchange_capture_mode;
+    __typeof__(&cuCtxGetDevice) ctx_get_device;
+    __typeof__(&cuDeviceGetMemPool) device_get_mem_pool;
+    __typeof__(&cuArrayGetMemoryRequirements) array_requirements;
+    __typeof__(&cuMipmappedArrayGetMemoryRequirements) mipmap_requirements;
 } g_aux;
 
 typedef void *(*dlsym_fn)(void *, const char *);
