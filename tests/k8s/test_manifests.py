@@ -148,7 +148,7 @@ def test_every_file_of_every_kustomization_exists_and_parses() -> None:
 
 
 @pytest.mark.parametrize("version", ["1.28.0", None])
-def test_every_resource_and_patch_is_valid_kubernetes(version: str | None) -> None:
+def test_every_resource_of_base_and_kube_system_is_valid_kubernetes(version: str | None) -> None:
     paths = [p for d in KUSTOMIZATIONS if "overlays" not in d.parts for p in files_of(d)]
     args = ["--strict", *(["--kubernetes-version", version] if version else []), *paths]
     result = tool("kubernetes-validate", *args)
