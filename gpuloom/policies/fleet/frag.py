@@ -33,8 +33,10 @@ def measure(
     fits = (
         (cpu_free[:, None] >= state.t_cpu) & state.t_allows[model_idx] & (count[:, di] >= state.t_k)
     )  # [M, T]
-    used = np.where(fits & (state.t_k > 0), usable[:, di], 0)
-    return total - used @ state.t_weight
+    # Per typical pod the milli it cannot use, an exact integer, then weighed (as the published
+    # sum of frequency x milli: a node no pod is kept from is exactly 0).
+    unusable = np.where(fits & (state.t_k > 0), total[:, None] - usable[:, di], total[:, None])
+    return unusable @ state.t_weight
 
 
 class Fragmentation:
