@@ -160,5 +160,5 @@ class FgdPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        n = pick_best(deltas.scores(q), state.rank)
+        n = pick_best(state.only_allowed(deltas.scores(q)), state.rank)
         return None if n is None else deltas.choice(n, q)

@@ -164,6 +164,10 @@ class FleetState:
         self.t_demand_idx = np.searchsorted(self.t_demands, self.t_d)
         # Tie order: rank[n] (lowest first), as the published simulator's node-name prefixes.
         self.rank = np.arange(n_nodes, dtype=np.int64)
+        # Nodes the pod being decided may use at all (None: every node): a caller's own limits
+        # for one decision (the live adapter's per-GPU memory), applied by `fits` and
+        # `only_allowed`, never by `fits_rows` (what policies cache per node).
+        self.allowed: np.ndarray | None = None
         # Derived data policies keep for this state (by the policy's key), such as FGD's cache.
         self.memo: dict[str, object] = {}
 
@@ -206,7 +210,13 @@ class FleetState:
         k = self.s_k[q]
         if k:
             ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
+        if self.allowed is not None:
+            ok &= self.allowed
         return ok
+
+    def only_allowed(self, scores: np.ndarray) -> np.ndarray:
+        """`scores` with the nodes the pod may not use at -inf (`allowed`)."""
+        return scores if self.allowed is None else np.where(self.allowed, scores, -np.inf)
 
     def fits_rows(self, q: int, rows: np.ndarray) -> np.ndarray:
         """`fits(q)` for the nodes `rows` only."""

@@ -60,7 +60,7 @@ WORKLOAD_WINDOW = 10_000  # jobs whose shapes make the workload distribution
 MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked one always)
 SEED = 0
 WORKLOAD_REFRESH = 1_000  # decisions between refreshes of the kept view's workload weights
-RECT_RETRIES = 16  # chosen GPUs whose rectangles turn out too small before giving up
+RECT_RETRIES = 64  # chosen nodes found unable to take the job before giving up
 
 
 def share_milli(w: int, h: int) -> int:
@@ -234,12 +234,13 @@ class _Kept:
     """The view of one live `Fleet`, kept in step with it instead of rebuilt per decision: a
     `FleetState` whose rows are refreshed for the nodes the fleet's journal says were touched
     (`Fleet.touched_since`), so FGD's per-node cache survives from one decision to the next
-    and a decision costs what a simulated one does. Per job, only the nodes where its own
-    limits hide GPUs (too little free GPU memory) get their rows changed for the decision and
-    put back after; a GPU model the job names is the fleet model's own model rule; whether a
-    share's rectangle fits is checked on the chosen GPU (one that does not is hidden and the
-    policy asked again). What it cannot keep (nodes with GPUs of several models, a shared
-    model, a list of nodes) goes the rebuilding way (`decide` answers None)."""
+    and a decision costs what a simulated one does. Per job: a GPU model it names is the fleet
+    model's own model rule; nodes without enough GPUs with its memory free are left out
+    (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
+    chosen GPU is checked for its memory and whether the share's rectangle fits (one that
+    fails is hidden for this decision and the policy asked again). What it cannot keep (nodes
+    with GPUs of several models, a shared model, a list of nodes) goes the rebuilding way
+    (`decide` answers None)."""
 
     def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
         self.policy = policy
@@ -269,51 +270,54 @@ class _Kept:
         q = self.index[asked]
         d = asked.gpu_milli
         need = job.memory_bytes
-        # For this decision: GPUs that look usable but lack the job's memory are hidden; a GPU
-        # one milli short (free area rounds down, the share up) whose rectangles fit the job
-        # shows the share.
-        short = (self.gpu_mem < need) & (state.gpu_free >= d)
-        exact = np.zeros_like(short)
+        k = asked.num_gpu
+        # For this decision only: a GPU one milli short (free area rounds down, the share up)
+        # whose rectangles fit the job shows the share; the nodes without enough GPUs that
+        # have the job's memory free are not allowed (the state's rows stay as they are, so
+        # the policies' per-node caches hold).
+        exact = np.zeros(state.gpu_free.shape, dtype=bool)
         if d < WHOLE_GPU:
-            for i, j in zip(
-                *np.nonzero((state.gpu_free == d - 1) & (self.gpu_mem >= need)), strict=True
-            ):
+            near = (state.gpu_free == d - 1) & (self.gpu_mem >= need)
+            for i, j in zip(*np.nonzero(near), strict=True):
                 slot = fleet.slot(self.gpu_ids[i][j])
                 exact[i, j] = slot.schedulable and slot.free.fits(job.w, job.sm_percent)
-        rows = np.flatnonzero(short.any(axis=1) | exact.any(axis=1))
+        rows = np.flatnonzero(exact.any(axis=1))
         saved = state.gpu_free[rows].copy()
-        hidden: dict[int, set[int]] = {}
+        hidden: set[int] = set()
         try:
             if rows.size:
-                view = np.where(short[rows], np.minimum(saved, d - 1), saved)
-                state.gpu_free[rows] = np.where(exact[rows], d, view)
+                state.gpu_free[rows] = np.where(exact[rows], d, saved)
                 state.version[rows] += 1
+            roomy = self.gpu_mem >= need
             for _ in range(RECT_RETRIES):
+                state.allowed = ((state.gpu_free >= d) & roomy).sum(axis=1) >= k
                 choice = self.policy.choose(state, q, rng)
                 if choice is None:
                     return Unplaceable(job.job_id, "")
-                node = self.nodes[choice.node]
-                gpus = [self.gpu_ids[choice.node][j] for j in choice.gpus]
+                i = choice.node
+                node = self.nodes[i]
                 if d == WHOLE_GPU:
-                    return Placement(
-                        job.job_id,
-                        gpus[0],
-                        node,
-                        Rect(0, 0, GRID_W, GRID_H),
-                        name,
-                        tuple(gpus[1:]),
-                    )
-                box = fleet.slot(gpus[0]).free.best_fit(job.w, job.sm_percent)
-                if box is not None:
-                    rect = Rect(box[0], box[1], job.w, job.sm_percent)
-                    return Placement(job.job_id, gpus[0], node, rect, name)
-                # Its area is enough, its free rectangles are not: hide it and ask again.
-                i, j = choice.node, choice.gpus[0]
-                hidden.setdefault(i, set()).add(j)
-                state.gpu_free[i, j] = min(int(state.gpu_free[i, j]), d - 1)
+                    cols = np.flatnonzero((state.gpu_free[i] == WHOLE_GPU) & roomy[i])[:k]
+                    gpus = [self.gpu_ids[i][j] for j in cols]
+                    whole = Rect(0, 0, GRID_W, GRID_H)
+                    return Placement(job.job_id, gpus[0], node, whole, name, tuple(gpus[1:]))
+                j = choice.gpus[0]
+                if roomy[i, j]:
+                    box = fleet.slot(self.gpu_ids[i][j]).free.best_fit(job.w, job.sm_percent)
+                    if box is not None:
+                        rect = Rect(box[0], box[1], job.w, job.sm_percent)
+                        return Placement(job.job_id, self.gpu_ids[i][j], node, rect, name)
+                # Too little memory there, or its free rectangles do not fit: hide every GPU of
+                # this node that cannot take the job, for this decision, and ask again.
+                hidden.add(i)
+                for jj in np.flatnonzero(state.gpu_free[i] >= d).tolist():
+                    slot = fleet.slot(self.gpu_ids[i][jj])
+                    if not (roomy[i, jj] and slot.free.fits(job.w, job.sm_percent)):
+                        state.gpu_free[i, jj] = min(int(state.gpu_free[i, jj]), d - 1)
                 state.version[i] += 1
             return None
         finally:
+            state.allowed = None
             if rows.size:
                 state.gpu_free[rows] = saved
                 state.version[rows] += 1
