@@ -12,7 +12,10 @@ Kubernetes Secret's source), every file 0600 in a 0700 directory:
 - `service.token`, `admin.token`: the services' token and the admin's, one line each;
 - `client.env`: the settings a client of this deployment uses (`GPULOOM_AUTH_TOKEN_FILE`,
   `GPULOOM_TLS_*`, paths relative to the directory): every gpuloom command and client reads it
-  when the environment sets none, as kubectl reads its kubeconfig.
+  when the environment sets none, as kubectl reads its kubeconfig;
+- with `init --kubernetes` (`ensure_kubernetes`), for gpuloom's Kubernetes components:
+  `k8s.crt/.key/.token` and `device-plugin.crt/.key/.token`, whose tokens are the submitter
+  `kubernetes`'s (not the services'), and `scheduler.crt/.key` for gpuloom's kube-scheduler.
 
 The directory is `GPULOOM_CREDENTIALS_DIR`, else `$XDG_CONFIG_HOME/gpuloom`, else
 `~/.config/gpuloom`. Files are made once and never overwritten: a second start, or a second
@@ -48,6 +51,19 @@ SERVICE_TOKEN_NAME = "services"  # the name of the services' token in the tokens
 CLIENT_ENV = "client.env"
 TOKENS = "tokens"
 ROLES = ("submitter", "admin")  # what `add` makes; the services' token is made with the rest
+# Kubernetes (`init --kubernetes`): the k8s process (webhook, extender, controller) and the
+# device plugins submit and read their Pods' jobs as one submitter, each with a token, a
+# certificate and a key of its own (COMPONENT.token, .crt, .key).
+KUBERNETES_SUBMITTER = "kubernetes"
+KUBERNETES_COMPONENTS = ("k8s", "device-plugin")
+# gpuloom's kube-scheduler: a client certificate only (scheduler.crt, .key), which the k8s
+# process's extender routes require.
+KUBERNETES_SCHEDULER = "scheduler"
+KUBERNETES_SERVICE = "gpuloom-k8s"  # the Service the API server and kube-scheduler call
+# Names `add` refuses: tokens the directory makes itself, or whose NAME.token it writes.
+RESERVED_NAMES = frozenset(
+    {ADMIN, SERVICE_TOKEN_NAME, "service", KUBERNETES_SUBMITTER, *KUBERNETES_COMPONENTS}
+)
 TOKEN_NAME = re.compile(r"[A-Za-z0-9._@-]{1,128}")
 HOST_NAME = re.compile(
     r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*"
@@ -146,9 +162,10 @@ def add_token(directory: Path, name: str, role: str) -> Path:
     """A new bearer token for `name` in the tokens file (the services read it again within a
     second) and in NAME.token; the path of that file. CredentialsError if the name is taken or
     not a valid name."""
-    if not TOKEN_NAME.fullmatch(name) or name in (ADMIN, SERVICE_TOKEN_NAME, "service"):
+    if not TOKEN_NAME.fullmatch(name) or name in RESERVED_NAMES:
         raise CredentialsError(
-            f"{name[:80]!r}: a name is [A-Za-z0-9._@-]{{1,128}}, and not admin, service or services"
+            f"{name[:80]!r}: a name is [A-Za-z0-9._@-]{{1,128}}, and not "
+            f"{', '.join(sorted(RESERVED_NAMES))}"
         )
     if role not in ROLES:
         raise CredentialsError(f"role {role!r}: one of {', '.join(ROLES)}")
@@ -186,6 +203,115 @@ def client_defaults(directory: Path | None = None) -> dict[str, str]:
             value = str(directory / value)
         found[key] = value
     return found
+
+
+# ---- Kubernetes (`gpuloom credentials init --kubernetes`) ----
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def kubernetes_hosts(namespace: str) -> list[str]:
+    """The names the API server and kube-scheduler call the k8s process by (its Service)."""
+    service = f"{KUBERNETES_SERVICE}.{namespace}"
+    return [KUBERNETES_SERVICE, service, f"{service}.svc", f"{service}.svc.cluster.local"]
+
+
+def ensure_kubernetes(
+    directory: Path, namespace: str = "gpuloom", names: Sequence[str] = ()
+) -> Credentials:
+    """The directory as `ensure` makes it, and what gpuloom's Kubernetes components need
+    besides (nothing that exists is changed):
+
+    - `k8s.crt`, `k8s.key`: the k8s process's certificate, for its calls to placement and for
+      serving the admission webhook and the scheduler extender over HTTPS: it names the
+      Service `gpuloom-k8s` in `namespace` (`gpuloom-k8s.NAMESPACE.svc`, ...), which the
+      MutatingWebhookConfiguration and kube-scheduler's extender call, checking it with
+      `ca.crt`;
+    - `device-plugin.crt`, `device-plugin.key`: the device plugins' client certificate;
+    - `scheduler.crt`, `scheduler.key`: gpuloom's kube-scheduler's client certificate, which
+      it presents to the extender (the extender's routes take no caller without one);
+    - `k8s.token`, `device-plugin.token`: their bearer tokens, two lines
+      `submitter kubernetes TOKEN` of the tokens file: one submitter, so that the device plugin
+      is given the assignment token of every job the k8s process submitted (placement tells it
+      to a job's submitter only), yet neither holds the services' token, and either can be
+      revoked (its line deleted) without the other.
+
+    CredentialsError when `namespace` is no DNS label, when `kubernetes` holds another role in
+    the tokens file, or when k8s.crt names another namespace (delete k8s.crt and k8s.key to
+    make it again)."""
+    if not DNS_LABEL.fullmatch(namespace):
+        raise CredentialsError(f"namespace {namespace[:80]!r} is not a DNS label")
+    credentials = ensure(directory, names)
+    try:
+        with _locked(directory):
+            ca_key, ca_cert = _authority(credentials)
+            hosts = [*kubernetes_hosts(namespace), "localhost", "127.0.0.1", *names]
+            _leaf(credentials, "k8s", ca_key, ca_cert, hosts)
+            _check_names(credentials.certificate("k8s")[0], kubernetes_hosts(namespace))
+            _leaf(credentials, "device-plugin", ca_key, ca_cert, [])
+            _leaf(credentials, KUBERNETES_SCHEDULER, ca_key, ca_cert, [])
+            _kubernetes_tokens(credentials)
+    except OSError as error:
+        raise CredentialsError(f"{directory}: {error.strerror or error}") from None
+    return credentials
+
+
+def kubernetes_complete(credentials: Credentials) -> bool:
+    """Whether the files of `ensure_kubernetes` are there too."""
+    needed = [credentials.file(f"{c}.token") for c in KUBERNETES_COMPONENTS]
+    needed += [path for c in KUBERNETES_COMPONENTS for path in credentials.certificate(c)]
+    needed += credentials.certificate(KUBERNETES_SCHEDULER)
+    return credentials.complete() and all(path.is_file() for path in needed)
+
+
+def _check_names(path: Path, hosts: Sequence[str]) -> None:
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    try:
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        names = x509.SubjectAlternativeName([])
+    missing = [h for h in hosts if h not in names.get_values_for_type(x509.DNSName)]
+    if missing:
+        raise CredentialsError(
+            f"{path} does not name {missing[0]} (made for another namespace?): delete it and "
+            f"{path.with_suffix('.key').name}, and run `gpuloom credentials init --kubernetes` "
+            "again"
+        )
+
+
+def _kubernetes_tokens(credentials: Credentials) -> None:
+    """A token file per component, and a `submitter kubernetes TOKEN` line for each."""
+    tokens = []
+    for component in KUBERNETES_COMPONENTS:
+        path = credentials.file(f"{component}.token")
+        if not path.is_file():
+            write_private(path, secrets.token_urlsafe(32) + "\n")
+        tokens.append(path.read_text().strip())
+    table = credentials.tokens.read_text().splitlines()
+    present = set()
+    for line in table:
+        fields = line.split()
+        if len(fields) != 3 or line.lstrip().startswith("#"):
+            continue
+        role, name, token = fields
+        if name == KUBERNETES_SUBMITTER and role != "submitter":
+            raise CredentialsError(
+                f"{credentials.tokens}: {KUBERNETES_SUBMITTER!r} has role {role}; gpuloom's "
+                "Kubernetes components submit as a submitter: delete that line"
+            )
+        if token in tokens:
+            if name != KUBERNETES_SUBMITTER:
+                raise CredentialsError(
+                    f"{credentials.tokens}: a Kubernetes component's token is {name!r}'s: "
+                    "delete that line"
+                )
+            present.add(token)
+    missing = [t for t in tokens if t not in present]
+    if missing:
+        lines = [f"submitter {KUBERNETES_SUBMITTER} {t}" for t in missing]
+        write_private(credentials.tokens, "\n".join([*table, *lines]) + "\n")
 
 
 # ---- making the files ----

@@ -263,9 +263,6 @@ class _AioStreamStream(grpc.aio.StreamStreamClientInterceptor):
         return await continuation(_aio_details(details, self._token), requests)
 
 
-_AIO_INTERCEPTORS = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
-
-
 def open_channel(
     address: str, options: ChannelOptions = (), settings: TransportSettings | None = None
 ) -> grpc.Channel:

@@ -70,8 +70,6 @@ SKIPS = (
     Skip("README.md", r"^scripts/fuzz\b", "minutes of fuzzing; tests/test_fuzz_script.py runs "
          "a short one"),
     Skip("README.md", r"^scripts/demo\b", "tests/test_demo.py runs it to the end"),
-    Skip("README.md", r"gpuloom serve profile-store$", "a server until Ctrl-C, on the fixed "
-         "port 50052 (tests/profile_store start the service on free ports)"),
     Skip("benchmarks.md", r"scripts/bench_placement", "a benchmark of minutes; its figures are "
          "in the doc"),
     Skip("benchmarks.md", r"scripts/bench_training", "960 simulations, minutes, over the traces "
@@ -90,6 +88,8 @@ SKIPS = (
     Skip("mig.md", r"gpuloom mig (plan|synth) --gpu \{", "a synopsis with placeholders; "
          "tests/policies/mig/test_mig_cli.py runs both"),
     Skip("profile-store.md", r"alembic .* revision", "writes a new migration into the checkout"),
+    Skip("profile-store.md", r"gpuloom serve profile-store$", "a server until Ctrl-C, on the "
+         "fixed port 50052 (tests/profile_store start the service on free ports)"),
     Skip("profiler.md", r"gpuloom profile (session|cancel) SESSION", "a synopsis with a "
          "placeholder; tests/profiler/test_cli_sessions.py runs both"),
     Skip("profiler.md", r"loadgen\.py", "loadgen.py stands for the reader's load generator "

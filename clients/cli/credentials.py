@@ -11,6 +11,8 @@ import click
 
 from gpuloom.credentials import (
     ADMIN,
+    KUBERNETES_COMPONENTS,
+    KUBERNETES_SCHEDULER,
     ROLES,
     SERVICES,
     Credentials,
@@ -18,6 +20,7 @@ from gpuloom.credentials import (
     add_token,
     default_directory,
     ensure,
+    ensure_kubernetes,
 )
 
 _dir_option = click.option(
@@ -50,13 +53,39 @@ def credentials() -> None:
     help="The client settings made (client.env) call without TLS: for a plane served on "
     "127.0.0.1 only.",
 )
-def init(directory: Path | None, names: tuple[str, ...], plaintext_clients: bool) -> None:
+@click.option(
+    "--kubernetes",
+    is_flag=True,
+    help="Also what gpuloom's Kubernetes components need (deploy/k8s): a certificate and a "
+    "token each for the k8s process and the device plugins, both tokens the submitter "
+    "`kubernetes`'s, and a client certificate for gpuloom's kube-scheduler.",
+)
+@click.option(
+    "--namespace",
+    default=None,
+    help="With --kubernetes: the namespace gpuloom is installed in (the k8s process's "
+    "certificate names its Service there)  [default: gpuloom]",
+)
+def init(
+    directory: Path | None,
+    names: tuple[str, ...],
+    plaintext_clients: bool,
+    kubernetes: bool,
+    namespace: str | None,
+) -> None:
     """Make what is missing of the credentials directory: a CA, a certificate per service, the
     admin's client certificate, the tokens (services, admin) and the client settings; every
     file 0600 in a 0700 directory. Nothing there is replaced: run it again at will."""
     where = directory or default_directory()
     try:
-        made = ensure(where, names, client_tls=not plaintext_clients)
+        if namespace is not None and not kubernetes:
+            raise CredentialsError("--namespace goes with --kubernetes")
+        if kubernetes:
+            if plaintext_clients:
+                raise CredentialsError("--kubernetes serves TLS: not with --plaintext-clients")
+            made = ensure_kubernetes(where, namespace or "gpuloom", names)
+        else:
+            made = ensure(where, names, client_tls=not plaintext_clients)
     except CredentialsError as error:
         raise click.ClickException(str(error)) from None
     click.echo(f"credentials in {made.directory}")
@@ -105,6 +134,11 @@ def show(directory: Path | None) -> None:
         ("services' token", made.service_token),
         ("admin token", made.admin_token),
         *((f"{who} certificate", made.certificate(who)[0]) for who in (*SERVICES, ADMIN)),
+        *(
+            (f"{who} certificate", made.certificate(who)[0])
+            for who in (*KUBERNETES_COMPONENTS, KUBERNETES_SCHEDULER)
+        ),
+        *((f"{who} token", made.file(f"{who}.token")) for who in KUBERNETES_COMPONENTS),
         ("client settings", made.file("client.env")),
     ]
     for what, path in files:

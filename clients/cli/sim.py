@@ -32,7 +32,8 @@ from gpuloom.sim.fleet import (
     replay,
 )
 from gpuloom.sim.fleet import simulate as simulate_fleet
-from gpuloom.sim.kernels import MODES, ModeResult, simulate
+from gpuloom.sim.harvest import harvest_figures, least_harvest
+from gpuloom.sim.kernels import DEFAULT_MODE, MODES, ModeResult, figures, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
 from gpuloom.sim.training import (
     THROUGHPUTS_NAME,
@@ -60,7 +61,7 @@ def sim() -> None:
     type=click.Choice([*MODES, "all"]),
     default="all",
     show_default=True,
-    help="Admission mode to simulate.",
+    help=f"Admission mode to simulate (the dispatcher's default: {DEFAULT_MODE}).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option(
@@ -69,7 +70,7 @@ def sim() -> None:
     help="Draw 20 ms of device activity per mode into this PNG.",
 )
 def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> None:
-    """Simulate SCENARIO.json: one GPU, one FIFO device queue, kernels from real lists."""
+    """Simulate SCENARIO.json: one GPU (MPS or time slices), kernels from real lists."""
     try:
         loaded = load_scenario(scenario)
     except ScenarioError as error:
@@ -78,13 +79,22 @@ def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> 
     modes = MODES if mode == "all" else (mode,)
     try:
         results = [simulate(loaded, m) for m in modes]
+        # The figures compare each mode with the tasks alone.
+        alone = next((r for r in results if r.mode == "exclusive"), None)
+        alone = alone or simulate(loaded, "exclusive")
     except FikitLibraryMissingError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(1)
+    harvest = harvest_figures(loaded, [alone, *[r for r in results if r is not alone]])
+    shown = {
+        r.mode: {**r.to_dict(), "figures": {**figures(r, alone), **least_harvest(harvest, r.mode)}}
+        for r in results
+    }
     if as_json:
-        click.echo(json.dumps({"modes": {r.mode: r.to_dict() for r in results}}, indent=2))
+        out = {"default_mode": DEFAULT_MODE, "modes": shown, "harvest": harvest}
+        click.echo(json.dumps(out, indent=2))
     else:
-        _print(results)
+        _print(results, shown)
     if timeline is not None:
         _draw(results, loaded.duration_s, [t.name for t in loaded.tasks], timeline)
 
@@ -93,10 +103,10 @@ def _fmt(value: float | int | None) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def _print(results: list[ModeResult]) -> None:
+def _print(results: list[ModeResult], shown: dict[str, dict]) -> None:
     rows = []
     for result in results:
-        summary = result.to_dict()
+        summary = shown[result.mode]
         for name, stats in summary["tasks"].items():
             rows.append(
                 [
@@ -110,10 +120,14 @@ def _print(results: list[ModeResult]) -> None:
                     _fmt(stats["jct_cv"]),
                     _fmt(summary["gpu_busy"]),
                     _fmt(summary["fill_efficiency"]),
+                    _fmt(summary["figures"]["hp_p99_x_alone"]),
+                    _fmt(summary["figures"]["be_work_share"]),
+                    _fmt(summary["figures"]["harvest"]),
                 ]
             )
     header = ["MODE", "TASK", "PRIO", "DONE", "JCT MEAN ms", "P50 ms", "P99 ms", "CV"]
-    echo_table([*header, "GPU BUSY", "FILL"], rows)
+    echo_table([*header, "GPU BUSY", "FILL", "HP P99 xALONE", "BE WORK", "HARVEST"], rows)
+    click.echo(f"(the dispatcher's default policy: {DEFAULT_MODE})")
 
 
 def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: Path) -> None:

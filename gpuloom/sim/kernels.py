@@ -1,17 +1,21 @@
-"""A discrete-event model of one GPU running launched kernels, under four admission modes.
+"""A discrete-event model of one GPU running launched kernels, under each admission policy.
 
-One device queue, FIFO, non-preemptive: a launched kernel reaches the queue `launch_latency`
-after its launch and runs when everything before it has finished. Each task's host runs its
+The GPU is gpuloom.sim.device's model: one stream per task; between tasks it time-slices
+(`sharing`, and any mode with `gpu.mps` false) or co-runs kernels under MPS with an explicit
+interference model (docs/harvest.md). A launched kernel reaches its stream `launch_latency`
+after its launch. Each task's host runs its
 kernel list once per request: it launches a kernel, then (host "sync") waits for it to finish
 or (host "async") goes on at once, spends the kernel's host gap, and launches the next. The
 request completes when its last kernel does. Modes:
 
 - exclusive: each task alone on the GPU (its baseline);
-- sharing: every host launches freely (NVIDIA's default time sharing, one FIFO queue);
-- token: a host launches only while holding a lease of the token scheduler
-  (gpuloom.policies.tokens); kernels already queued run on after the lease ends;
-- fikit: each launch is a request to the native FIKIT core (gpuloom.policies.fikit): launched
-  when admitted or granted; completions are reported to it; its wake time is a timer.
+- every policy of gpuloom.policies.admission, by name: composed (the dispatcher's default:
+  FIKIT across priority levels, time-quota leases within one), fikit, token, fifo, sharing.
+  A launch asks the policy; one told to wait launches when a later decision grants it;
+  kernel ends and idle hosts are reported to it; its wake time is a timer. Under MPS a
+  policy with `beside` (composed) is also asked whether a waiting lower-priority kernel may
+  run beside the holder's running kernel (spatial harvesting, docs/harvest.md);
+- mps (calibration, not in `all`): every host launches freely under MPS.
 
 Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
 """
@@ -25,11 +29,25 @@ from collections import defaultdict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from gpuloom.policies.fikit.core import UNKNOWN, FikitCore
-from gpuloom.policies.tokens import ClientShare, Decision, TokenConfig, TokenScheduler
+from gpuloom.policies.admission import (
+    DEFAULT_ADMISSION,
+    Kernel,
+    KernelAdmission,
+    SharingAdmission,
+    TaskShare,
+    make_admission,
+)
+from gpuloom.policies.harvest import Candidate, Running
+from gpuloom.policies.tokens import TokenConfig
+from gpuloom.sim.device import Device
 from gpuloom.sim.scenario import Scenario, TaskSpec
 
-MODES = ("exclusive", "sharing", "token", "fikit")
+# The dispatcher's default policy first, then the baselines.
+DEFAULT_MODE = DEFAULT_ADMISSION
+MODES = ("exclusive", "sharing", "token", "fifo", "fikit", "composed")
+# Modes whose policy predicts kernels from a profile measured alone.
+PROFILED = ("fikit", "composed")
+EXTRA_MODES = ("mps",)  # every host launches freely under MPS (calibration; not in `all`)
 NS = 1_000_000_000
 
 
@@ -47,6 +65,7 @@ class TaskResult:
     name: str
     priority: int
     jct_ns: tuple[int, ...]  # requests completed within the run, in completion order
+    device_share: float = 0.0  # of the run, the share its kernels ran on the device
 
     def stats(self) -> dict[str, float | int | None]:
         jct = sorted(self.jct_ns)
@@ -58,6 +77,7 @@ class TaskResult:
                 "jct_p50_ms": None,
                 "jct_p99_ms": None,
                 "jct_cv": None,
+                "device_share": round(self.device_share, 4),
             }
         mean = sum(jct) / len(jct)
         var = sum((x - mean) ** 2 for x in jct) / len(jct)
@@ -68,6 +88,7 @@ class TaskResult:
             "jct_p50_ms": round(_quantile(jct, 0.5) / 1e6, 4),
             "jct_p99_ms": round(_quantile(jct, 0.99) / 1e6, 4),
             "jct_cv": round(math.sqrt(var) / mean, 4) if mean > 0 else 0.0,
+            "device_share": round(self.device_share, 4),
         }
 
 
@@ -149,14 +170,12 @@ class _Task:
     waiting: bool = False  # its host is blocked on admission
     in_flight: int = 0  # launched, not finished
     blocked: bool = False  # an async host waiting for room under launch_depth
-    lease_id: int | None = None
-    lease_asked: bool = False
     jct: list[int] = field(default_factory=list)
     request_spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 class _Engine:
-    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE, TOKEN = range(6)
+    ARRIVE, HOST, ENQUEUE, DEVICE, WAKE = range(5)
 
     def __init__(
         self,
@@ -188,14 +207,21 @@ class _Engine:
             )
             for i, (spec, seed) in enumerate(tasks)
         ]
-        self.queue: deque[tuple[int, int, int]] = deque()  # (task, kernel index, duration)
-        self.device_free = True
-        self.kernels: list[tuple[int, int, int]] = []  # (start, end, task) in run order
+        self.concurrent = scenario.gpu.mps and mode != "sharing"
+        self.device = Device(scenario.gpu, len(self.tasks), self.concurrent)
+        self.device_generation = 0  # a DEVICE event of an older generation is stale
+        self.kernels = self.device.segments  # (start, end, task): what ran when
         self.profiles = profiles or {}
-        self.core: FikitCore | None = None
-        self.tokens: TokenScheduler | None = None
-        self.timers: set[tuple[int, int]] = set()  # (kind, time) of WAKE/TOKEN events pending
-        self.lease_start: dict[int, float] = {}
+        self.policy: KernelAdmission = (
+            SharingAdmission()
+            if mode in ("exclusive", "mps")
+            else make_admission(
+                mode, scenario.fikit, TokenConfig(), scenario.token_policy, scenario.harvest
+            )
+        )
+        beside = getattr(self.policy, "beside", None)
+        self.beside = beside if self.concurrent else None
+        self.timers: set[int] = set()  # times of WAKE events pending
         self.measured_d: dict[str, list[int]] = defaultdict(list)
         self.measured_g: dict[str, list[int]] = defaultdict(list)
         self.last_end: dict[int, tuple[int, str]] = {}
@@ -204,21 +230,18 @@ class _Engine:
         heapq.heappush(self.events, (at, self.seq, kind, task, arg))
         self.seq += 1
 
-    def timer(self, at: int, kind: int) -> None:
-        if at < self.end and (kind, at) not in self.timers:
-            self.timers.add((kind, at))
-            self.push(at, kind)
+    def timer(self, at: int) -> None:
+        if at < self.end and at not in self.timers:
+            self.timers.add(at)
+            self.push(at, self.WAKE)
 
     def run(self) -> None:
-        if self.mode == "fikit":
-            self.core = FikitCore(self.scenario.fikit)
-            for t in self.tasks:
-                self.core.add_task(t.index, t.spec.priority, round(t.spec.start_s * NS))
-        elif self.mode == "token":
-            self.tokens = TokenScheduler(self.scenario.token_policy, TokenConfig(), 0.0)
-            for t in self.tasks:
-                share = ClientShare(str(t.index), 100, 1 / len(self.tasks), 1.0)
-                self.tokens.add_client(share, 0.0)
+        for t in self.tasks:
+            spec = t.spec
+            # No request given: the limit, as a reservation's (oversubscribed: no guarantee).
+            request = spec.quota_limit if spec.quota_request is None else spec.quota_request
+            share = TaskShare(spec.priority, spec.sm_percent, request, spec.quota_limit)
+            self.policy.add_task(t.index, share, round(spec.start_s * NS))
         for t in self.tasks:
             self.schedule_arrival(t, round(t.spec.start_s * NS))
         while self.events:
@@ -226,27 +249,21 @@ class _Engine:
             if at > self.end:
                 break
             task = self.tasks[index]
-            if kind == self.KERNEL_END:
-                self.kernel_end(task, arg, at)
+            if kind == self.DEVICE:
+                if arg == self.device_generation:
+                    for done in self.device.advance(at):
+                        self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start)
+                    self.device_timer()
+                    self.harvest_waiting(at)
             elif kind == self.ENQUEUE:
-                self.queue.append((index, *arg))
-                if self.device_free:
-                    self.start_device(at)
+                self.submit(task, *arg, at)
             elif kind == self.HOST:
                 self.launch_next(task, at)
             elif kind == self.ARRIVE:
                 self.arrive(task, at)
-            elif kind == self.WAKE:
-                self.timers.discard((kind, at))
-                self.fikit_decide(at)
             else:
-                self.timers.discard((kind, at))
-                # The timer was rounded up to whole ns; never advance to before the deadline.
-                deadline = self.tokens.next_deadline()
-                seconds = (
-                    at / NS if deadline is None else max(at / NS, min(deadline, (at + 1) / NS))
-                )
-                self.token_decision(self.tokens.advance(seconds), at)
+                self.timers.discard(at)
+                self.settle(at)
 
     def schedule_arrival(self, task: _Task, at: int) -> None:
         if self.requests_limit is not None and task.arrived >= self.requests_limit:
@@ -273,32 +290,17 @@ class _Engine:
         if task.in_flight >= task.spec.launch_depth:
             task.blocked = True  # the launch queue is full: wait for a kernel to finish
             return
-        if self.core is not None:
-            kernel = task.spec.kernels[task.next_kernel]
-            profile = self.profiles[task.spec.name]
-            duration = profile.duration_ns.get(kernel.kernel_id)
-            gap = profile.gap_ns.get(kernel.kernel_id)
-            verdict = self.core.request(
-                task.index,
-                UNKNOWN if duration is None else duration,
-                UNKNOWN if gap is None else gap,
-                now,
-            )
-            if verdict == 1:
-                self.launch(task, now)
-            else:
-                task.waiting = True
-                self.fikit_decide(now)
-        elif self.tokens is not None:
-            if task.lease_id is not None:
-                self.launch(task, now)
-            else:
-                task.waiting = True
-                if not task.lease_asked:
-                    task.lease_asked = True
-                    self.token_decision(self.tokens.request(str(task.index), now / NS), now)
-        else:
+        kernel = Kernel(None, None)
+        profile = self.profiles.get(task.spec.name)
+        if profile is not None:
+            kernel_id = task.spec.kernels[task.next_kernel].kernel_id
+            kernel = Kernel(profile.duration_ns.get(kernel_id), profile.gap_ns.get(kernel_id))
+        if self.policy.launch(task.index, kernel, now):
             self.launch(task, now)
+        else:
+            task.waiting = True
+            if not self.try_harvest(task, now):
+                self.settle(now)
 
     def launch(self, task: _Task, now: int) -> None:
         task.waiting = False
@@ -312,22 +314,63 @@ class _Engine:
             self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
 
     # -- device side ---------------------------------------------------------------------
-    def start_device(self, now: int) -> None:
-        index, i, duration = self.queue.popleft()
-        self.device_free = False
-        self.kernels.append((now, now + duration, index))
-        self.push(now + duration, self.KERNEL_END, index, i)
+    def demand(self, task: _Task, i: int) -> int:
+        """The SMs kernel i of the task asks for: its launch shape within its SM partition."""
+        sms = self.scenario.gpu.sms
+        partition = max(1, sms * task.spec.sm_percent // 100)
+        return min(task.spec.kernels[i].sm_usage or sms, partition, sms)
 
-    def kernel_end(self, task: _Task, i: int, now: int) -> None:
-        self.device_free = True
-        start = self.kernels[-1][0]
+    def submit(self, task: _Task, i: int, duration: int, now: int) -> None:
+        profile = task.spec.kernels[i].profile
+        self.device.submit(now, task.index, i, duration, self.demand(task, i), profile)
+        self.device_timer()
+        self.harvest_waiting(now)
+
+    def device_timer(self) -> None:
+        at = self.device.next_time()
+        if at is not None:
+            self.device_generation += 1
+            self.push(at, self.DEVICE, 0, self.device_generation)
+
+    # -- spatial harvesting (a policy with `beside`, under MPS) ---------------------------
+    def harvest_waiting(self, now: int) -> None:
+        if self.beside is not None:
+            for task in self.tasks:
+                if task.waiting:
+                    self.try_harvest(task, now)
+
+    def try_harvest(self, task: _Task, now: int) -> bool:
+        """Launch the task's waiting kernel beside the holder's if the policy admits it."""
+        if self.beside is None or task.in_flight:
+            return False  # (with kernels in flight its stream is busy: it would wait there)
+        running, next_launch = [], None
+        for ctx, i, demand, cls, start in self.device.running():
+            other = self.tasks[ctx]
+            running.append(Running(other.spec.priority, demand, cls))
+            if other.spec.priority < task.spec.priority:
+                kernel_id = other.spec.kernels[i].kernel_id
+                profile = self.profiles[other.spec.name]
+                d, g = profile.duration_ns.get(kernel_id), profile.gap_ns.get(kernel_id)
+                sync = other.spec.host == "sync" and other.in_flight == 1
+                if d is None or (sync and g is None):
+                    return False  # the holder's next launch cannot be predicted
+                at = start + d + (g if sync else 0)
+                next_launch = at if next_launch is None else min(next_launch, at)
+        i = task.next_kernel
+        kernel = task.spec.kernels[i]
+        duration = self.profiles[task.spec.name].duration_ns.get(kernel.kernel_id)
+        candidate = Candidate(task.spec.priority, self.demand(task, i), kernel.profile, duration)
+        sms = self.scenario.gpu.sms
+        if not self.beside(task.index, candidate, running, next_launch, sms, now):
+            return False
+        self.launch(task, now)
+        return True
+
+    def kernel_end(self, task: _Task, i: int, now: int, start: int) -> None:
         if self.requests_limit is not None:
             self.measure(task, i, start, now)
-        if self.queue:
-            self.start_device(now)
         task.in_flight -= 1
-        if self.core is not None:
-            self.core.completed(task.index, 1, now)
+        self.policy.completed(task.index, now - start, now)
         if task.blocked:
             task.blocked = False
             self.launch_next(task, now)
@@ -335,8 +378,7 @@ class _Engine:
             self.finish_request(task, now)
         elif task.spec.host == "sync":
             self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
-        if self.core is not None:
-            self.fikit_decide(now)
+        self.settle(now)
 
     def measure(self, task: _Task, i: int, start: int, end: int) -> None:
         # As the profiler does alone: duration per kernel ID, and the idle time between a
@@ -358,57 +400,22 @@ class _Engine:
             self.schedule_arrival(task, now + task.program.gap(last, task.rng))
         if task.pending:
             self.start_request(task, now)
-        elif self.tokens is not None and task.lease_id is not None:
-            lease, task.lease_id = task.lease_id, None
-            used = max(0.0, now / NS - self.lease_start[task.index])
-            decision = self.tokens.release(str(task.index), lease, used, None, now / NS)
-            self.token_decision(decision, now)
+        else:
+            self.policy.idle(task.index, now)
+            self.settle(now)
 
-    # -- fikit ---------------------------------------------------------------------------
-    def fikit_decide(self, now: int) -> None:
-        while True:
-            granted, wake = self.core.decide(now)
-            for index in granted:
-                task = self.tasks[index]
-                if task.waiting:
-                    # The filler wakes for its grant and then launches (live: its futex wake).
-                    self.launch(task, now + self.grant_latency)
-            if wake is None or wake > now:
-                break
+    # -- the policy's decisions ----------------------------------------------------------
+    def settle(self, now: int) -> None:
+        """Launch whom the policy grants now; wake up again when it says."""
+        granted, wake = self.policy.decide(now)
+        # A filler granted natively wakes, then launches (live: its futex wake).
+        at = now + self.grant_latency if getattr(self.policy, "delayed_grants", False) else now
+        for index in granted:
+            task = self.tasks[index]
+            if task.waiting:
+                self.launch(task, at)
         if wake is not None:
-            self.timer(wake, self.WAKE)
-
-    # -- token leases --------------------------------------------------------------------
-    def token_decision(self, decision: Decision, now: int) -> None:
-        pending = deque([decision])
-        while pending:
-            d = pending.popleft()
-            for lease in d.ended:
-                task = self.tasks[int(lease.client_id)]
-                if task.lease_id != lease.lease_id:
-                    continue
-                task.lease_id = None
-                self.tokens.report_usage(
-                    lease.client_id, lease.lease_id, lease.length_s, None, now / NS
-                )
-                if task.busy:  # still has work: back in line
-                    task.lease_asked = True
-                    pending.append(self.tokens.request(lease.client_id, now / NS))
-            for lease in d.granted:
-                task = self.tasks[int(lease.client_id)]
-                task.lease_asked = False
-                if not task.busy:
-                    pending.append(
-                        self.tokens.release(lease.client_id, lease.lease_id, 0.0, None, now / NS)
-                    )
-                    continue
-                task.lease_id = lease.lease_id
-                self.lease_start[task.index] = lease.granted_at
-                if task.waiting:
-                    self.launch(task, now)
-        deadline = self.tokens.next_deadline()
-        if deadline is not None:
-            self.timer(max(now, math.ceil(deadline * NS)), self.TOKEN)
+            self.timer(max(wake, now))
 
 
 def _merge(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -453,7 +460,39 @@ def _fill_efficiency(engine: _Engine) -> float:
 
 
 def _busy(engine: _Engine) -> int:
-    return sum(min(e, engine.end) - s for s, e, _ in engine.kernels if s < engine.end)
+    spans = _merge([(s, min(e, engine.end)) for s, e, _ in engine.kernels if s < engine.end])
+    return sum(e - s for s, e in spans)
+
+
+def _device_share(engine: _Engine, index: int) -> float:
+    ran = sum(min(e, engine.end) - s for s, e, i in engine.kernels if i == index and s < engine.end)
+    return ran / (engine.scenario.duration_s * NS)
+
+
+def figures(result: ModeResult, alone: ModeResult) -> dict[str, float | None]:
+    """The two figures every comparison reports: the high-priority p99 as a multiple of its
+    p99 alone (the worst task of the best priority), and the best-effort work done (device
+    time of the other priorities' tasks) as a share of what they do alone. None when the
+    scenario has a single priority level or a task completed nothing."""
+    best = min(t.priority for t in result.tasks)
+    if all(t.priority == best for t in result.tasks):
+        return {"hp_p99_x_alone": None, "be_work_share": None}
+    alone_by_name = {t.name: t for t in alone.tasks}
+    ratios = []
+    for task in result.tasks:
+        if task.priority != best:
+            continue
+        mine, base = task.stats()["jct_p99_ms"], alone_by_name[task.name].stats()["jct_p99_ms"]
+        if mine is None or not base:
+            ratios = []
+            break
+        ratios.append(mine / base)
+    done = sum(t.device_share for t in result.tasks if t.priority != best)
+    base = sum(alone_by_name[t.name].device_share for t in result.tasks if t.priority != best)
+    return {
+        "hp_p99_x_alone": round(max(ratios), 4) if ratios else None,
+        "be_work_share": round(done / base, 4) if base > 0 else None,
+    }
 
 
 def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Profile]:
@@ -473,8 +512,8 @@ def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Prof
 
 def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) -> ModeResult:
     """Run one mode of the scenario; the same seed gives the same result."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode not in MODES and mode not in EXTRA_MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES + EXTRA_MODES)}")
     rng = rng or random.Random(scenario.seed)
     # Every mode sees the same programs, arrivals and kernel durations: each task's
     # randomness comes from streams seeded the same way in each mode.
@@ -484,21 +523,27 @@ def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) ->
         for index, spec in enumerate(scenario.tasks):
             engine = _Engine(scenario, [(spec, seeds[index])], mode)
             engine.run()
-            results.append(TaskResult(spec.name, spec.priority, tuple(engine.tasks[0].jct)))
+            results.append(
+                TaskResult(
+                    spec.name, spec.priority, tuple(engine.tasks[0].jct), _device_share(engine, 0)
+                )
+            )
             kernels.extend((s, e, index) for s, e, _ in engine.kernels)
             busy += _busy(engine)
         return ModeResult(
             mode, tuple(results), busy / (scenario.duration_s * NS), 0.0, tuple(sorted(kernels))
         )
-    profiles = measure_profiles(scenario, seeds) if mode == "fikit" else None
+    profiles = measure_profiles(scenario, seeds) if mode in PROFILED else None
     engine = _Engine(scenario, list(zip(scenario.tasks, seeds, strict=True)), mode, profiles)
     engine.run()
-    counters = engine.core.counters() if engine.core is not None else None
     return ModeResult(
         mode,
-        tuple(TaskResult(t.spec.name, t.spec.priority, tuple(t.jct)) for t in engine.tasks),
+        tuple(
+            TaskResult(t.spec.name, t.spec.priority, tuple(t.jct), _device_share(engine, t.index))
+            for t in engine.tasks
+        ),
         _busy(engine) / (scenario.duration_s * NS),
         _fill_efficiency(engine),
         tuple(engine.kernels),
-        counters={k: getattr(counters, k) for k in counters.__slots__} if counters else {},
+        counters=engine.policy.counters(),
     )

@@ -17,12 +17,13 @@ from gpuloom.services.common.settings import SettingsError
 from gpuloom.services.k8s.controller import PodController
 from gpuloom.services.k8s.deviceplugin import DevicePlugin, DevicePluginConfig, DevicePluginServer
 from gpuloom.services.k8s.extender import Extender, GpuNodes
-from gpuloom.services.k8s.http import JsonServer, server_tls
+from gpuloom.services.k8s.http import JsonServer, Route, server_tls
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.k8s.webhook import AdmissionWebhook
+from gpuloom.transport import TransportSettings
 
 log = structlog.get_logger("gpuloom.k8s")
 
@@ -39,9 +40,13 @@ class K8sApp:
         return self.server.port
 
     @classmethod
-    async def start(cls, settings: K8sSettings, host: str) -> K8sApp:
+    async def start(
+        cls, settings: K8sSettings, host: str, transport: TransportSettings | None = None
+    ) -> K8sApp:
+        """`transport`: how placement is called (None: this process's GPULOOM_TLS_* and
+        GPULOOM_AUTH_TOKEN_FILE)."""
         api = _api(settings.api_server, settings.api_token_file, settings.api_ca_file, "K8S")
-        jobs = PlacementJobs(settings.placement_address)
+        jobs = PlacementJobs(settings.placement_address, transport=transport)
         classes = priority_classes_from_text(settings.priority_classes)
         index = PodJobs()
         extender = Extender(
@@ -65,15 +70,13 @@ class K8sApp:
             log.warning("first reconcile failed; serving anyway", error=str(error))
             await controller.start_loop()
         server = JsonServer(
-            {
-                "/admission": webhook.review,
-                "/filter": extender.filter,
-                "/prioritize": extender.prioritize,
-                "/bind": extender.bind,
-            }
+            routes(webhook, extender),
+            certified=EXTENDER_ROUTES if settings.extender_client_ca_file else (),
         )
         tls = (
-            server_tls(settings.tls_cert_file, settings.tls_key_file)
+            server_tls(
+                settings.tls_cert_file, settings.tls_key_file, settings.extender_client_ca_file
+            )
             if settings.tls_cert_file
             else None
         )
@@ -93,17 +96,35 @@ class K8sApp:
             await self.jobs.close()
 
 
+EXTENDER_ROUTES = ("/filter", "/prioritize", "/bind")
+
+
+def routes(webhook: AdmissionWebhook, extender: Extender) -> dict[str, Route]:
+    """What the k8s process serves (POST): the webhooks' paths (deploy/k8s/base/webhooks.yaml)
+    and the extender's verbs (the scheduler's urlPrefix + "/" + verb, scheduler.yaml)."""
+    return {
+        "/admission": webhook.review,
+        "/validate": webhook.validate,
+        "/filter": extender.filter,
+        "/prioritize": extender.prioritize,
+        "/bind": extender.bind,
+    }
+
+
 @dataclass
 class DevicePluginApp:
     server: DevicePluginServer
     jobs: PlacementJobs
 
     @classmethod
-    async def start(cls, settings: DevicePluginSettings) -> DevicePluginApp:
+    async def start(
+        cls, settings: DevicePluginSettings, transport: TransportSettings | None = None
+    ) -> DevicePluginApp:
+        """`transport`: as K8sApp.start's."""
         api = _api(
             settings.api_server, settings.api_token_file, settings.api_ca_file, "DEVICE_PLUGIN"
         )
-        jobs = PlacementJobs(settings.placement_address)
+        jobs = PlacementJobs(settings.placement_address, transport=transport)
         config = DevicePluginConfig(
             node=settings.node,
             kubelet_dir=settings.kubelet_dir,

@@ -56,6 +56,7 @@ log = structlog.get_logger("gpuloom.k8s")
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 SOCKET_VARIABLE = "GPULOOM_DISPATCHER_SOCKET"
+TOKEN_VARIABLE = "GPULOOM_ASSIGNMENT_TOKEN"
 MPS_PIPE_VARIABLE = "CUDA_MPS_PIPE_DIRECTORY"
 MPS_THREADS_VARIABLE = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 VISIBLE_VARIABLE = "CUDA_VISIBLE_DEVICES"
@@ -267,11 +268,14 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
                 f"Pod {name}'s job {job_id} is assigned on node {job.assignment.node}, not "
                 f"{self.config.node}",
             )
-        if not job.assignment.environment.get(SOCKET_VARIABLE):
+        environment = job.assignment.environment
+        if not environment.get(SOCKET_VARIABLE) or not environment.get(TOKEN_VARIABLE):
             raise Refused(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"placement gave no environment for job {job_id}: the device plugin's token "
-                "may not read assignments",
+                f"placement told no assignment token for job {job_id}: it tells it to the "
+                "job's submitter only, and the device plugin's token is not that submitter's "
+                "(give it a token of the k8s process's submitter: `gpuloom credentials init "
+                "--kubernetes`, docs/deploy.md)",
             )
         return job
 

@@ -1,7 +1,10 @@
 """gpuloom's Kubernetes components talk to placement as any submitter does, over gRPC (with
 the settings of gpuloom/transport.py: TLS and a bearer token): submit a Pod's job, read it,
-end it, list the live jobs, list the fleet. Answers in the domain's terms (JobView, GpuEntry);
-gRPC errors become the domain's errors."""
+end it, list the live jobs, list the fleet. Every call is one of a submitter's RPCs
+(services/common/auth.py SUBMITTER_RPCS), so the components run with a submitter's token
+(`kubernetes`, docs/security.md): they see and end the jobs they submitted, and the replicas
+placement's auto-scaling gives them (GPULOOM_PLACEMENT_FUNCTION_OWNER), nothing else. Answers
+in the domain's terms (JobView, GpuEntry); gRPC errors become the domain's errors."""
 
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from gpuloom.convert.placement import (
 )
 from gpuloom.convert.status import error_from_rpc
 from gpuloom.domain.placement import GpuEntry, JobSpec, JobState, JobView
-from gpuloom.transport import open_aio_channel
+from gpuloom.transport import TransportSettings, open_aio_channel
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
 
@@ -26,7 +29,15 @@ PAGE = 1000
 
 
 class PlacementJobs:
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 10.0,
+        transport: TransportSettings | None = None,
+    ) -> None:
+        """`transport`: the TLS and token settings of the calls; None: this process's
+        (GPULOOM_TLS_*, GPULOOM_AUTH_TOKEN_FILE: the k8s components' own token, a submitter's,
+        on a deployment made by `gpuloom credentials init --kubernetes`)."""
         self.address = address
         self._timeout_s = timeout_s
         self._channel = open_aio_channel(
@@ -35,6 +46,7 @@ class PlacementJobs:
                 ("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 2000),
             ],
+            settings=transport,
         )
         self._stub = placement_pb2_grpc.PlacementStub(self._channel)
 

@@ -77,6 +77,7 @@ class PlacementApp:
                 await migrate(engine, settings.database_schema)
             config = CoreConfig(
                 default_policy=settings.default_policy,
+                function_owner=settings.function_owner,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 heartbeat_timeout_s=settings.heartbeat_timeout_s,
                 registration_grace_s=settings.registration_grace_s,

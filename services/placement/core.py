@@ -53,6 +53,8 @@ LIVE_STATES = (JobState.PENDING, JobState.BINDING, JobState.ASSIGNED)
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
     default_policy: str = "mra"
+    # The submitter auto-scaling's replicas belong to ("": none).
+    function_owner: str = ""
     heartbeat_interval_s: float = 2.0
     heartbeat_timeout_s: float = 10.0
     # After a restart, how long the GPUs loaded from the database may stay silent (at least a
@@ -93,7 +95,7 @@ class PlacementCore:
             mig_runner=mig_runner,
             clock=clock,
         )
-        self.scaler = AutoScaler(self.jobs, profiles)
+        self.scaler = AutoScaler(self.jobs, profiles, config.function_owner)
         self.training = TrainingDriver(
             self.jobs, self.inventory, dispatchers, training_control, config.training, clock
         )

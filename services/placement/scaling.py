@@ -42,15 +42,20 @@ class FunctionJobs(Protocol):
 
     def replicas(self, function: str) -> list[Job]: ...
 
-    async def submit(self, request_id: str, spec: JobSpec, function: str = "") -> Job: ...
+    async def submit(
+        self, request_id: str, spec: JobSpec, function: str = "", owner: str = ""
+    ) -> Job: ...
 
     async def cancel(self, job_id: str, reason: str = "") -> Job: ...
 
 
 class AutoScaler:
-    def __init__(self, jobs: FunctionJobs, profiles: ProfileSource | None) -> None:
+    def __init__(self, jobs: FunctionJobs, profiles: ProfileSource | None, owner: str = "") -> None:
+        """`owner`: the submitter the replicas belong to (on Kubernetes, gpuloom's components,
+        which start them as Pods and hand each its assignment token)."""
         self._jobs = jobs
         self._profiles = profiles
+        self._owner = owner
         self._function_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def set_function_load(
@@ -89,7 +94,11 @@ class AutoScaler:
                     _replica_spec(template, point.sm_percent, point.quota_percent),
                     task_key=function,
                 )
-                added.append(await self._jobs.submit(f"scale-{uuid.uuid4().hex}", spec, function))
+                added.append(
+                    await self._jobs.submit(
+                        f"scale-{uuid.uuid4().hex}", spec, function, self._owner
+                    )
+                )
             removed = [
                 await self._jobs.cancel(job_id, f"scaled down to {requests_per_s:g} requests/s")
                 for job_id in plan.remove

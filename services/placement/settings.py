@@ -34,6 +34,10 @@ class PlacementSettings(BaseSettings):
     # empty: no profile store (gap-aware falls back to mra, SetFunctionLoad is refused).
     profile_store_address: str = ""
     default_policy: str = DEFAULT_POLICY
+    # The submitter the replicas auto-scaling adds belong to (the name of a token): it sees
+    # and ends them and is told their assignment tokens. deploy/k8s sets `kubernetes`, whose
+    # components start the replicas as Pods; empty: no submitter's (admins see them).
+    function_owner: str = Field(default="", pattern=r"^[A-Za-z0-9._@-]{0,128}$")
     # Dispatchers send a heartbeat this often; a GPU silent for heartbeat_timeout_s is lost.
     heartbeat_interval_s: float = Field(default=2.0, gt=0, le=300)
     heartbeat_timeout_s: float = Field(default=10.0, gt=0, le=3600)

@@ -66,6 +66,13 @@ void init_once(void) {
         (__typeof__(g_aux.ctx_set_current))g_real_dlsym(lib, "cuCtxSetCurrent");
     g_aux.exchange_capture_mode = (__typeof__(g_aux.exchange_capture_mode))g_real_dlsym(
         lib, "cuThreadExchangeStreamCaptureMode");
+    g_aux.ctx_get_device = (__typeof__(g_aux.ctx_get_device))g_real_dlsym(lib, "cuCtxGetDevice");
+    g_aux.device_get_mem_pool =
+        (__typeof__(g_aux.device_get_mem_pool))g_real_dlsym(lib, "cuDeviceGetMemPool");
+    g_aux.array_requirements =
+        (__typeof__(g_aux.array_requirements))g_real_dlsym(lib, "cuArrayGetMemoryRequirements");
+    g_aux.mipmap_requirements = (__typeof__(g_aux.mipmap_requirements))g_real_dlsym(
+        lib, "cuMipmappedArrayGetMemoryRequirements");
 }
 
 /* NVML is loaded by the application, usually after cuInit (pynvml dlopens it when first used),

@@ -49,5 +49,22 @@
     HOOK(cuMemFreeAsync, "cuMemFreeAsync", 11020, 0)                    \
     HOOK(cuMemFreeAsync_ptsz, "cuMemFreeAsync", 11020, 1)               \
     HOOK(cuMemGetInfo_v2, "cuMemGetInfo", 3020, 0)                      \
+    HOOK(cuMemAlloc, "cuMemAlloc", 2000, 0)                             \
+    HOOK(cuMemAllocPitch, "cuMemAllocPitch", 2000, 0)                   \
+    HOOK(cuMemFree, "cuMemFree", 2000, 0)                               \
+    HOOK(cuMemGetInfo, "cuMemGetInfo", 2000, 0)                         \
+    HOOK(cuArrayCreate, "cuArrayCreate", 2000, 0)                       \
+    HOOK(cuArrayCreate_v2, "cuArrayCreate", 3020, 0)                    \
+    HOOK(cuArray3DCreate, "cuArray3DCreate", 2000, 0)                   \
+    HOOK(cuArray3DCreate_v2, "cuArray3DCreate", 3020, 0)                \
+    HOOK(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 5000, 0)     \
+    HOOK(cuArrayDestroy, "cuArrayDestroy", 2000, 0)                     \
+    HOOK(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 5000, 0)   \
+    HOOK(cuGraphAddMemAllocNode, "cuGraphAddMemAllocNode", 11040, 0)    \
+    HOOK(cuGraphAddNode, "cuGraphAddNode", 12020, 0)                    \
+    HOOK(cuGraphAddNode_v2, "cuGraphAddNode", 12030, 0)                 \
+    HOOK(cuMemPoolSetAttribute, "cuMemPoolSetAttribute", 11020, 0)      \
+    HOOK(cuMemPoolTrimTo, "cuMemPoolTrimTo", 11020, 0)                  \
+    HOOK(cuMemPoolDestroy, "cuMemPoolDestroy", 11020, 0)                \
     HOOK(nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", 0, 0)      \
     HOOK(nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", 0, 0)

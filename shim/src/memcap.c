@@ -9,14 +9,26 @@
  *   cuMemAllocFromPoolAsync (+_ptsz; the bytes live from allocation to cuMemFreeAsync, not what
  *   a pool keeps reserved after frees), cuMemCreate (the physical allocation: counted until it
  *   is both released and unmapped everywhere in the process, as the driver frees it).
+ *   CUDA arrays (cuArrayCreate, cuArray3DCreate, cuMipmappedArrayCreate, the _v2 and legacy
+ *   entry points: the size the driver reports after creation, at least the unpadded size, until
+ *   destroyed), graph memory nodes (cuGraphAddMemAllocNode, cuGraphAddNode(_v2) of type
+ *   MEM_ALLOC: from the node's creation until the program frees the pointer; a graph destroyed
+ *   without that keeps it counted, erring on the side of refusing), the legacy un-suffixed
+ *   cuMemAlloc/cuMemAllocPitch/cuMemFree/cuMemGetInfo (32-bit sizes), and what stream-ordered
+ *   pools keep after frees (their release threshold: see "pools" below).
  *   Not counted here: IPC-opened memory (cuIpcOpenMemHandle) and mappings of handles this
  *   process did not create (imported shareable handles): they are counted once, by the process
- *   that allocated them.
+ *   that allocated them. shim/memcap_entry_points.txt lists every other allocating entry point
+ *   of cuda.h with the reason it needs no hook; tests/shim/test_memcap_coverage.py fails on one
+ *   that is neither hooked nor listed.
+ * The count cannot underflow: every subtraction is of bytes an entry of the tables below added
+ * (taken out of the table once), and the subtraction saturates at 0 (logged) all the same.
  * Every change of the count is also sampled into the region's memory ring (wire.h), at most one
  * entry per sample period the dispatcher sets, for its training introspection (the mini-batch
  * cycle); and a suspended process waits at its next allocation (suspend_point), so that it stops
  * where the dispatcher suspended it, at a low-memory point.
- * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_mem_lock, the g_sample_* state. */
+ * Owns: g_cap, g_allocated, g_mem, g_vmm, g_maps, g_arrays, g_pools, g_mem_lock, the
+ * g_sample_* state. */
 #define _GNU_SOURCE
 #include <stdlib.h>
 #include <string.h>
@@ -35,7 +47,8 @@ typedef struct {
     mem_entry *bucket[MEM_BUCKETS];
 } mem_table;
 
-static mem_table g_mem;  /* device pointers -> bytes counted */
+static mem_table g_mem;  /* device pointers -> bytes counted, their pool (0: none) */
+static mem_table g_arrays; /* CUarray / CUmipmappedArray handles -> bytes counted */
 static mem_table g_vmm;  /* cuMemCreate handles -> bytes counted, references */
 static mem_table g_maps; /* cuMemMap'd addresses (of counted handles) -> size, handle */
 static pthread_mutex_t g_mem_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -100,9 +113,18 @@ static int mem_reserve(uint64_t size) {
     }
 }
 
+/* Saturates at 0: a count below what was really allocated would let the process past its cap,
+ * so a subtraction of more than is counted (a bug, not an input) is logged and clamped. */
 static void mem_unreserve(uint64_t size) {
-    __atomic_fetch_sub(&g_allocated, size, __ATOMIC_ACQ_REL);
-    if (size) mem_sample();
+    if (size == 0) return;
+    uint64_t used = __atomic_load_n(&g_allocated, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(&g_allocated, &used, used >= size ? used - size : 0, 1,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+    }
+    if (used < size)
+        say(LOG_WARN, "memory count underflow: %llu bytes freed, %llu counted; clamped to 0",
+            (unsigned long long)size, (unsigned long long)used);
+    mem_sample();
 }
 
 /* Table operations: called with g_mem_lock held. */
@@ -139,14 +161,116 @@ static void mem_track(mem_table *t, uint64_t key, uint64_t size, uint64_t extra)
     pthread_mutex_unlock(&g_mem_lock);
 }
 
+/* ---- pools: what a stream-ordered pool keeps after frees ----
+ * A pool keeps freed memory for reuse up to its release threshold (CU_MEMPOOL_ATTR_RELEASE_
+ * THRESHOLD; 0 by default: it gives back what is freed; PyTorch's async allocator sets it to
+ * the maximum: it keeps everything). The shim counts, per pool, `held`: what the pool holds,
+ * live allocations included. An allocation takes retained bytes first (only what exceeds
+ * `held` is new); a free keeps up to the threshold (held = max(live, min(held, threshold)));
+ * lowering the threshold, cuMemPoolTrimTo and cuMemPoolDestroy give back what they release.
+ * The driver gives memory back at the next synchronisation, the shim at the free: between the
+ * two a freed allocation above the threshold is not counted. Called with g_mem_lock held. */
+typedef struct pool_state {
+    uint64_t pool, threshold, live, held;
+    struct pool_state *next;
+} pool_state;
+static pool_state *g_pools;
+
+static pool_state *pool_find(uint64_t pool, int create) {
+    for (pool_state *p = g_pools; p; p = p->next)
+        if (p->pool == pool) return p;
+    if (!create) return NULL;
+    pool_state *p = calloc(1, sizeof *p);
+    if (p == NULL) return NULL;
+    p->pool = pool;
+    p->next = g_pools;
+    g_pools = p;
+    return p;
+}
+
+/* The pool keeps at most max(live, cap_to) of what it holds; returns the bytes given back. */
+static uint64_t pool_shrink(pool_state *p, uint64_t cap_to) {
+    uint64_t keep = p->held < cap_to ? p->held : cap_to;
+    if (keep < p->live) keep = p->live;
+    uint64_t released = p->held > keep ? p->held - keep : 0;
+    p->held = keep;
+    return released;
+}
+
+/* Reserve an allocation of `size` from `pool` (0: no pool): the bytes it newly takes, in
+ * *need. 0 when that does not fit under the cap. */
+static int mem_reserve_for(uint64_t pool, uint64_t size, uint64_t *need) {
+    if (pool == 0) {
+        *need = size;
+        return mem_reserve(size);
+    }
+    pthread_mutex_lock(&g_mem_lock);
+    pool_state *p = pool_find(pool, 1);
+    if (p == NULL) { /* no memory to follow the pool: counted as a plain allocation */
+        pthread_mutex_unlock(&g_mem_lock);
+        *need = size;
+        return mem_reserve(size);
+    }
+    uint64_t after = p->live + size;
+    *need = after > p->held ? after - p->held : 0;
+    int ok = mem_reserve(*need);
+    if (ok) {
+        p->live = after;
+        if (p->held < after) p->held = after;
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    return ok;
+}
+
+/* The allocation reserved by mem_reserve_for did not happen (the driver refused it). */
+static void mem_unreserve_for(uint64_t pool, uint64_t size, uint64_t need) {
+    if (pool != 0) {
+        pthread_mutex_lock(&g_mem_lock);
+        pool_state *p = pool_find(pool, 0);
+        if (p) {
+            p->live = p->live >= size ? p->live - size : 0;
+            p->held = p->held >= need ? p->held - need : 0;
+            if (p->held < p->live) p->held = p->live;
+        }
+        pthread_mutex_unlock(&g_mem_lock);
+    }
+    mem_unreserve(need);
+}
+
+/* A pool allocation freed: the pool keeps up to its threshold. Returns the bytes to unreserve. */
+static uint64_t pool_free_locked(uint64_t pool, uint64_t size) {
+    pool_state *p = pool_find(pool, 0);
+    if (p == NULL) return size;
+    p->live = p->live >= size ? p->live - size : 0;
+    return pool_shrink(p, p->threshold);
+}
+
 static void mem_untrack(uint64_t key) {
     pthread_mutex_lock(&g_mem_lock);
     mem_entry *e = table_take(&g_mem, key);
+    uint64_t freed = e ? (e->extra ? pool_free_locked(e->extra, e->size) : e->size) : 0;
     pthread_mutex_unlock(&g_mem_lock);
-    if (e) {
-        mem_unreserve(e->size);
-        free(e);
-    }
+    free(e);
+    mem_unreserve(freed);
+}
+
+static void array_untrack(uint64_t key) {
+    pthread_mutex_lock(&g_mem_lock);
+    mem_entry *e = table_take(&g_arrays, key);
+    pthread_mutex_unlock(&g_mem_lock);
+    if (e) mem_unreserve(e->size);
+    free(e);
+}
+
+/* The pool cuMemAllocAsync allocates from: the current device's (0: the driver cannot say). */
+static uint64_t current_pool(void) {
+    CUdevice device;
+    CUmemoryPool pool = NULL;
+    if (!g_aux.ctx_get_device || !g_aux.device_get_mem_pool ||
+        g_aux.ctx_get_device(&device) != CUDA_SUCCESS ||
+        g_aux.device_get_mem_pool(&pool, device) != CUDA_SUCCESS)
+        return 0;
+    return (uint64_t)(uintptr_t)pool;
 }
 
 /* Drops one reference of a cuMemCreate handle; the last one gives its bytes back. Called with
@@ -183,8 +307,9 @@ static CUresult over_cap(const char *hook, uint64_t size) {
 
 /* The common shape of an allocation hook (`hook`: its index in the list; the new allocation
  * goes into `table` under `out_key`, with `extra`; `capturing`: recorded into a graph, not run,
- * so never held by a suspension). */
-#define ALLOC_HOOK(hook, size, table, out_key, extra, capturing, call)                  \
+ * so never held by a suspension; `pool`: the stream-ordered pool it comes from, 0: none; then
+ * `extra` is the pool). */
+#define ALLOC_HOOK_POOL(hook, size, table, out_key, extra, capturing, pool, call)       \
     do {                                                                                \
         init();                                                                         \
         if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                                 \
@@ -192,17 +317,20 @@ static CUresult over_cap(const char *hook, uint64_t size) {
         uint8_t *r_ = region(); /* is_capturing is a driver call: only when suspended */  \
         if (UNLIKELY(r_ != NULL && r_u64(r_, GL_OFF_SUSPEND_UNTIL) != 0) && !(capturing)) \
             suspend_wait(r_);                                                           \
-        uint64_t size_ = (size);                                                        \
-        if (!mem_reserve(size_)) return over_cap(g_hooks[hook].symbol, size_);          \
+        uint64_t size_ = (size), pool_ = (pool), need_ = 0;                             \
+        if (!mem_reserve_for(pool_, size_, &need_))                                     \
+            return over_cap(g_hooks[hook].symbol, size_);                               \
         CUresult result_ = (call);                                                      \
         if (result_ == CUDA_SUCCESS) {                                                  \
-            mem_track((table), (uint64_t)(out_key), size_, (extra));                    \
+            mem_track((table), (uint64_t)(out_key), size_, pool_ ? pool_ : (extra));    \
             trace("alloc %s %llu ok", g_hooks[hook].symbol, (unsigned long long)size_); \
         } else {                                                                        \
-            mem_unreserve(size_);                                                       \
+            mem_unreserve_for(pool_, size_, need_);                                     \
         }                                                                               \
         return result_;                                                                 \
     } while (0)
+#define ALLOC_HOOK(hook, size, table, out_key, extra, capturing, call) \
+    ALLOC_HOOK_POOL(hook, size, table, out_key, extra, capturing, 0, call)
 
 EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     ALLOC_HOOK(H_cuMemAlloc_v2, bytes, &g_mem, *dptr, 0, 0, REAL(cuMemAlloc_v2)(dptr, bytes));
@@ -213,10 +341,13 @@ EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsig
                REAL(cuMemAllocManaged)(dptr, bytes, flags));
 }
 
+/* A captured allocation becomes a graph node (counted as such: no pool); a run one comes from
+ * the device's current pool. */
 static ALWAYS_INLINE CUresult cuMemAllocAsync_body(int hook, int per_thread, CUdeviceptr *dptr,
                                                    size_t bytes, CUstream stream) {
-    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0, is_capturing(stream_key(stream, per_thread)),
-               REAL_AT(cuMemAllocAsync, hook)(dptr, bytes, stream));
+    int capturing = is_capturing(stream_key(stream, per_thread));
+    ALLOC_HOOK_POOL(hook, bytes, &g_mem, *dptr, 0, capturing, capturing ? 0 : current_pool(),
+                    REAL_AT(cuMemAllocAsync, hook)(dptr, bytes, stream));
 }
 
 GL_TWIN_HOOKS(cuMemAllocAsync, _ptsz, (CUdeviceptr *dptr, size_t bytes, CUstream stream),
@@ -225,8 +356,10 @@ GL_TWIN_HOOKS(cuMemAllocAsync, _ptsz, (CUdeviceptr *dptr, size_t bytes, CUstream
 static ALWAYS_INLINE CUresult cuMemAllocFromPoolAsync_body(int hook, int per_thread,
                                                            CUdeviceptr *dptr, size_t bytes,
                                                            CUmemoryPool pool, CUstream stream) {
-    ALLOC_HOOK(hook, bytes, &g_mem, *dptr, 0, is_capturing(stream_key(stream, per_thread)),
-               REAL_AT(cuMemAllocFromPoolAsync, hook)(dptr, bytes, pool, stream));
+    int capturing = is_capturing(stream_key(stream, per_thread));
+    ALLOC_HOOK_POOL(hook, bytes, &g_mem, *dptr, 0, capturing,
+                    capturing ? 0 : (uint64_t)(uintptr_t)pool,
+                    REAL_AT(cuMemAllocFromPoolAsync, hook)(dptr, bytes, pool, stream));
 }
 
 GL_TWIN_HOOKS(cuMemAllocFromPoolAsync, _ptsz,
@@ -334,6 +467,269 @@ EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
     }
     pthread_mutex_unlock(&g_mem_lock);
     if (freed) mem_unreserve(freed);
+    return result;
+}
+
+/* ---- pools ---- */
+
+EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attribute,
+                                              void *value) {
+    init();
+    if (!REAL(cuMemPoolSetAttribute)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemPoolSetAttribute)(pool, attribute, value);
+    if (result != CUDA_SUCCESS || attribute != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || !value)
+        return result;
+    uint64_t threshold = *(const cuuint64_t *)value, released = 0;
+    pthread_mutex_lock(&g_mem_lock);
+    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 1);
+    if (p) {
+        p->threshold = threshold;
+        released = pool_shrink(p, threshold);
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    mem_unreserve(released);
+    trace("pool threshold %llu", (unsigned long long)threshold);
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    init();
+    if (!REAL(cuMemPoolTrimTo)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemPoolTrimTo)(pool, keep);
+    if (result != CUDA_SUCCESS) return result;
+    uint64_t released = 0;
+    pthread_mutex_lock(&g_mem_lock);
+    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 0);
+    if (p) released = pool_shrink(p, keep);
+    pthread_mutex_unlock(&g_mem_lock);
+    mem_unreserve(released);
+    return result;
+}
+
+/* The driver frees what the pool keeps; allocations still live are freed as they are freed. */
+EXPORT CUresult CUDAAPI cuMemPoolDestroy(CUmemoryPool pool) {
+    init();
+    if (!REAL(cuMemPoolDestroy)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemPoolDestroy)(pool);
+    if (result != CUDA_SUCCESS) return result;
+    uint64_t released = 0;
+    pthread_mutex_lock(&g_mem_lock);
+    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 0);
+    if (p) {
+        p->threshold = 0;
+        released = pool_shrink(p, 0);
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    mem_unreserve(released);
+    return result;
+}
+
+/* ---- CUDA arrays ---- */
+
+/* After the driver made the array: count what it really takes (cuArrayGetMemoryRequirements,
+ * when the driver has it) if that is more than the unpadded size already counted; if that
+ * does not fit, the array is destroyed and the answer is out of memory. */
+static CUresult array_settle(const char *hook, uint64_t handle, uint64_t counted, int mipmap) {
+    CUDA_ARRAY_MEMORY_REQUIREMENTS need = {0};
+    CUdevice device;
+    CUresult asked = CUDA_ERROR_NOT_FOUND;
+    if (g_aux.ctx_get_device && g_aux.ctx_get_device(&device) == CUDA_SUCCESS) {
+        if (mipmap && g_aux.mipmap_requirements)
+            asked = g_aux.mipmap_requirements(&need, (CUmipmappedArray)(uintptr_t)handle, device);
+        else if (!mipmap && g_aux.array_requirements)
+            asked = g_aux.array_requirements(&need, (CUarray)(uintptr_t)handle, device);
+    }
+    uint64_t size = counted;
+    if (asked == CUDA_SUCCESS && need.size > counted) {
+        if (!mem_reserve(need.size - counted)) {
+            mem_unreserve(counted);
+            if (mipmap && REAL(cuMipmappedArrayDestroy))
+                REAL(cuMipmappedArrayDestroy)((CUmipmappedArray)(uintptr_t)handle);
+            else if (!mipmap && REAL(cuArrayDestroy))
+                REAL(cuArrayDestroy)((CUarray)(uintptr_t)handle);
+            return over_cap(hook, need.size);
+        }
+        size = need.size;
+    }
+    mem_track(&g_arrays, handle, size, 0);
+    trace("alloc %s %llu ok", hook, (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+#define ARRAY_HOOK(hook, size, out_handle, mipmap, call)                         \
+    do {                                                                         \
+        init();                                                                  \
+        if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                          \
+        ensure_registered();                                                     \
+        suspend_point();                                                         \
+        uint64_t size_ = (size);                                                 \
+        if (!mem_reserve(size_)) return over_cap(g_hooks[hook].symbol, size_);   \
+        CUresult result_ = (call);                                               \
+        if (result_ != CUDA_SUCCESS) {                                           \
+            mem_unreserve(size_);                                                \
+            return result_;                                                      \
+        }                                                                        \
+        return array_settle(g_hooks[hook].symbol, (uint64_t)(uintptr_t)(out_handle), size_, \
+                            mipmap);                                             \
+    } while (0)
+
+EXPORT CUresult CUDAAPI cuArrayCreate_v2(CUarray *handle, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (!d || !handle) {
+        init();
+        return REAL(cuArrayCreate_v2) ? REAL(cuArrayCreate_v2)(handle, d) : CUDA_ERROR_NOT_FOUND;
+    }
+    ARRAY_HOOK(H_cuArrayCreate_v2, gl_array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
+               *handle, 0, REAL(cuArrayCreate_v2)(handle, d));
+}
+
+EXPORT CUresult CUDAAPI cuArray3DCreate_v2(CUarray *handle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!d || !handle) {
+        init();
+        return REAL(cuArray3DCreate_v2) ? REAL(cuArray3DCreate_v2)(handle, d)
+                                        : CUDA_ERROR_NOT_FOUND;
+    }
+    ARRAY_HOOK(H_cuArray3DCreate_v2,
+               gl_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels), *handle,
+               0, REAL(cuArray3DCreate_v2)(handle, d));
+}
+
+EXPORT CUresult CUDAAPI cuArrayCreate(CUarray *handle, const gl_array_descriptor_v1 *d) {
+    if (!d || !handle) {
+        init();
+        return REAL(cuArrayCreate) ? REAL(cuArrayCreate)(handle, d) : CUDA_ERROR_NOT_FOUND;
+    }
+    ARRAY_HOOK(H_cuArrayCreate, gl_array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
+               *handle, 0, REAL(cuArrayCreate)(handle, d));
+}
+
+EXPORT CUresult CUDAAPI cuArray3DCreate(CUarray *handle, const gl_array3d_descriptor_v1 *d) {
+    if (!d || !handle) {
+        init();
+        return REAL(cuArray3DCreate) ? REAL(cuArray3DCreate)(handle, d) : CUDA_ERROR_NOT_FOUND;
+    }
+    ARRAY_HOOK(H_cuArray3DCreate,
+               gl_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels), *handle,
+               0, REAL(cuArray3DCreate)(handle, d));
+}
+
+EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(CUmipmappedArray *handle,
+                                               const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                               unsigned int levels) {
+    if (!d || !handle) {
+        init();
+        return REAL(cuMipmappedArrayCreate) ? REAL(cuMipmappedArrayCreate)(handle, d, levels)
+                                            : CUDA_ERROR_NOT_FOUND;
+    }
+    ARRAY_HOOK(H_cuMipmappedArrayCreate, gl_mipmap_bytes(d, levels), *handle, 1,
+               REAL(cuMipmappedArrayCreate)(handle, d, levels));
+}
+
+EXPORT CUresult CUDAAPI cuArrayDestroy(CUarray handle) {
+    init();
+    if (!REAL(cuArrayDestroy)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuArrayDestroy)(handle);
+    if (result == CUDA_SUCCESS) array_untrack((uint64_t)(uintptr_t)handle);
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray handle) {
+    init();
+    if (!REAL(cuMipmappedArrayDestroy)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMipmappedArrayDestroy)(handle);
+    if (result == CUDA_SUCCESS) array_untrack((uint64_t)(uintptr_t)handle);
+    return result;
+}
+
+/* ---- graph memory nodes: counted from the node's creation (the driver answers its address
+ * then) until the program frees the pointer (cuMemFree/cuMemFreeAsync); never held by a
+ * suspension (nothing runs) ---- */
+
+EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph,
+                                               const CUgraphNode *dependencies, size_t count,
+                                               CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    if (!params) {
+        init();
+        return REAL(cuGraphAddMemAllocNode)
+                   ? REAL(cuGraphAddMemAllocNode)(node, graph, dependencies, count, params)
+                   : CUDA_ERROR_NOT_FOUND;
+    }
+    ALLOC_HOOK(H_cuGraphAddMemAllocNode, params->bytesize, &g_mem, params->dptr, 0, 1,
+               REAL(cuGraphAddMemAllocNode)(node, graph, dependencies, count, params));
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddNode(CUgraphNode *node, CUgraph graph,
+                                       const CUgraphNode *dependencies, size_t count,
+                                       CUgraphNodeParams *params) {
+    init();
+    if (!REAL(cuGraphAddNode)) return CUDA_ERROR_NOT_FOUND;
+    if (!params || params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
+        return REAL(cuGraphAddNode)(node, graph, dependencies, count, params);
+    ALLOC_HOOK(H_cuGraphAddNode, params->alloc.bytesize, &g_mem, params->alloc.dptr, 0, 1,
+               REAL(cuGraphAddNode)(node, graph, dependencies, count, params));
+}
+
+EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph,
+                                          const CUgraphNode *dependencies,
+                                          const CUgraphEdgeData *edges, size_t count,
+                                          CUgraphNodeParams *params) {
+    init();
+    if (!REAL(cuGraphAddNode_v2)) return CUDA_ERROR_NOT_FOUND;
+    if (!params || params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
+        return REAL(cuGraphAddNode_v2)(node, graph, dependencies, edges, count, params);
+    ALLOC_HOOK(H_cuGraphAddNode_v2, params->alloc.bytesize, &g_mem, params->alloc.dptr, 0, 1,
+               REAL(cuGraphAddNode_v2)(node, graph, dependencies, edges, count, params));
+}
+
+/* ---- the legacy entry points (32-bit pointers and sizes, gl_cuda_legacy.h) ---- */
+
+EXPORT CUresult CUDAAPI cuMemAlloc(gl_deviceptr_v1 *dptr, unsigned int bytes) {
+    ALLOC_HOOK(H_cuMemAlloc, bytes, &g_mem, *dptr, 0, 0, REAL(cuMemAlloc)(dptr, bytes));
+}
+
+EXPORT CUresult CUDAAPI cuMemAllocPitch(gl_deviceptr_v1 *dptr, unsigned int *pitch,
+                                        unsigned int width, unsigned int height,
+                                        unsigned int element_bytes) {
+    init();
+    if (!REAL(cuMemAllocPitch)) return CUDA_ERROR_NOT_FOUND;
+    ensure_registered();
+    suspend_point();
+    uint64_t minimum = (uint64_t)width * height;
+    if (!mem_reserve(minimum)) return over_cap("cuMemAllocPitch", minimum);
+    CUresult result = REAL(cuMemAllocPitch)(dptr, pitch, width, height, element_bytes);
+    if (result != CUDA_SUCCESS) {
+        mem_unreserve(minimum);
+        return result;
+    }
+    uint64_t size = (uint64_t)*pitch * height;
+    if (size > minimum && !mem_reserve(size - minimum)) {
+        mem_unreserve(minimum);
+        if (REAL(cuMemFree)) REAL(cuMemFree)(*dptr);
+        return over_cap("cuMemAllocPitch", size);
+    }
+    mem_track(&g_mem, *dptr, size > minimum ? size : minimum, 0);
+    trace("alloc cuMemAllocPitch %llu ok", (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuMemFree(gl_deviceptr_v1 dptr) {
+    init();
+    if (!REAL(cuMemFree)) return CUDA_ERROR_NOT_FOUND;
+    CUresult result = REAL(cuMemFree)(dptr);
+    if (result == CUDA_SUCCESS) mem_untrack(dptr);
+    return result;
+}
+
+EXPORT CUresult CUDAAPI cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes) {
+    init();
+    if (!REAL(cuMemGetInfo)) return CUDA_ERROR_NOT_FOUND;
+    ensure_registered();
+    CUresult result = REAL(cuMemGetInfo)(free_bytes, total_bytes);
+    if (result == CUDA_SUCCESS && free_bytes && total_bytes) {
+        uint64_t free64 = *free_bytes, total64 = *total_bytes;
+        mem_capped_view(&free64, &total64);
+        *free_bytes = (unsigned int)free64; /* never more than the driver's own 32-bit answer */
+        *total_bytes = (unsigned int)total64;
+    }
     return result;
 }
 

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gl_cuda.h"
+#include "gl_cuda_legacy.h" /* from here on cuMemAlloc & co. are the legacy entry points */
 #include "gl_nvml.h"
 #include "hooks.h"
 #include "wire.h"
@@ -63,6 +64,10 @@ extern struct gl_aux {
     __typeof__(&cuCtxGetCurrent) ctx_get_current;
     __typeof__(&cuCtxSetCurrent) ctx_set_current;
     __typeof__(&cuThreadExchangeStreamCaptureMode) exchange_capture_mode;
+    __typeof__(&cuCtxGetDevice) ctx_get_device;
+    __typeof__(&cuDeviceGetMemPool) device_get_mem_pool;
+    __typeof__(&cuArrayGetMemoryRequirements) array_requirements;
+    __typeof__(&cuMipmappedArrayGetMemoryRequirements) mipmap_requirements;
 } g_aux;
 
 typedef void *(*dlsym_fn)(void *, const char *);
@@ -160,6 +165,7 @@ enum { CONN_NONE, CONN_CONNECTED, CONN_LOST, CONN_REFUSED, CONN_EVICTED };
 extern int g_conn;        /* atomic */
 extern uint8_t *g_region; /* atomic pointer; old regions stay mapped */
 extern uint32_t g_mode;   /* ShimMode from Registered */
+extern uint32_t g_leased; /* mode FIKIT under policy composed: leases bound it too */
 extern pthread_once_t g_register_once;
 
 static inline int conn_state(void) { return __atomic_load_n(&g_conn, __ATOMIC_ACQUIRE); }
@@ -209,9 +215,19 @@ void background_wake(void);
 
 /* ---- usage.c: GPU time measured in bursts between synchronisation points ---- */
 
-/* Usage is measured in share mode, while connected, when the driver has the event functions. */
+/* Mode FIKIT under policy composed, holding a lease that ends (an open-ended one, on an
+ * uncontended level with a 100% limit, is charged nothing: no usage to measure). */
+static inline int leased_and_bounded(void) {
+    const uint8_t *r = region();
+    return g_leased && r != NULL && r_u64(r, GL_OFF_ADMIT_UNTIL) != GL_ADMIT_FOREVER;
+}
+
+/* Usage is measured in share mode (and in mode FIKIT under bounded leases), while connected,
+ * when the driver has the event functions. */
 static inline int measuring(void) {
-    return g_mode == GL_MODE_SHARE && conn_state() == CONN_CONNECTED && g_aux.event_create &&
+    if (g_mode != GL_MODE_SHARE && !leased_and_bounded()) return 0;
+    return conn_state() == CONN_CONNECTED &&
+           g_aux.event_create &&
            g_aux.event_record && g_aux.event_query && g_aux.event_elapsed;
 }
 
@@ -259,6 +275,11 @@ uint64_t mem_allocated(void);
  * it): total = min(cap, real total), free = min(real free, cap - counted). Unchanged when
  * there is no cap. */
 void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* ---- kperiod.c: iteration boundaries from the kernel stream ---- */
+
+/* Every launch (before admission): its kernel into the ring, a detection now and then. */
+void kp_note_launch(CUfunction f, const unsigned dims[6]);
 
 /* ---- admission.c: suspension (SuspendClient) ---- */
 

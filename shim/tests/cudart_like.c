@@ -39,6 +39,15 @@
  *                                   any), and SIGUSR1 makes it save the next step to FILE at
  *                                   the next mini-batch boundary, print "train checkpoint
  *                                   step=I" and stop the loop (D: mini-batches of this run)
+ *   steady N PERIOD_US LAYERS BYTES FWD[,BWD[,OPT]]   a training loop that allocates once
+ *                                   and reuses (PyTorch's caching allocator): LAYERS buffers of
+ *                                   BYTES filled with a known pattern and an 8-byte step counter,
+ *                                   allocated first ("steady allocated bytes=B"); each of N
+ *                                   mini-batches (one every PERIOD_US) launches FWD per layer, BWD
+ *                                   per layer in reverse, OPT once, syncs, and checks and advances
+ *                                   the device counter ("steady step I t=NS"); at the end every
+ *                                   byte of every buffer is checked: "steady minibatches=N done=D
+ *                                   failed=F corrupt=C damaged_layers=L" (exit 3 unless all 0)
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -47,7 +56,14 @@
  *   alloc KIND BYTES                KIND: alloc | pitch | managed | async | create | pool
  *                                   (cuMemAllocFromPoolAsync from a pool made at first use) |
  *                                   vmm (cuMemCreate, cuMemAddressReserve, cuMemMap,
- *                                   cuMemSetAccess)
+ *                                   cuMemSetAccess) | array | array3d | mipmap (rows of 1,000
+ *                                   floats) | graphnode (cuGraphAddMemAllocNode) | addnode
+ *                                   (cuGraphAddNode_v2, MEM_ALLOC) | legacy | legacypitch |
+ *                                   legacyarray (the pre-3.2 32-bit entry points)
+ *   poolthreshold BYTES | pooltrim BYTES | defaultthreshold BYTES   the release threshold of
+ *                                   the `pool` allocations' pool (made if needed), cuMemPoolTrimTo
+ *                                   of it, the threshold of the device's current pool
+ *   freelast | freeagain            free the last pointer or async allocation | free it again
  *   vmmrelease                      cuMemRelease every vmm handle (their mappings stay)
  *   freeall                         free every allocation (async ones with cuMemFreeAsync, vmm
  *                                   ones unmapped and released)
@@ -91,7 +107,24 @@
     X(cuMemAllocAsync) X(cuMemCreate) X(cuMemRelease) X(cuMemFree) X(cuMemGetInfo)             \
     X(cuMemcpyDtoH) X(cuMemFreeAsync) X(cuMemAllocFromPoolAsync) X(cuMemPoolCreate)            \
     X(cuMemAddressReserve) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess) X(cuIpcGetMemHandle)    \
-    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemcpyHtoD)
+    X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemcpyHtoD) X(cuArrayCreate)             \
+    X(cuArray3DCreate) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy)  \
+    X(cuGraphCreate) X(cuGraphAddMemAllocNode) X(cuGraphAddNode_v2) X(cuMemPoolSetAttribute)   \
+    X(cuMemPoolTrimTo) X(cuDeviceGetMemPool)
+
+/* The legacy (pre-3.2, 32-bit) entry points, by their exported names. */
+CUresult legacy_cuMemAlloc(unsigned int *dptr, unsigned int bytes) __asm__("cuMemAlloc");
+CUresult legacy_cuMemAllocPitch(unsigned int *dptr, unsigned int *pitch, unsigned int width,
+                                unsigned int height, unsigned int element)
+    __asm__("cuMemAllocPitch");
+CUresult legacy_cuMemFree(unsigned int dptr) __asm__("cuMemFree");
+CUresult legacy_cuArrayCreate(CUarray *handle, const void *desc) __asm__("cuArrayCreate");
+static struct {
+    __typeof__(&legacy_cuMemAlloc) alloc;
+    __typeof__(&legacy_cuMemAllocPitch) pitch;
+    __typeof__(&legacy_cuMemFree) free;
+    __typeof__(&legacy_cuArrayCreate) array;
+} L;
 
 static struct {
 #define FIELD(name) __typeof__(&name) name;
@@ -115,6 +148,10 @@ static void resolve_direct(int ptds) {
 #define DIRECT(name) D.name = name;
     API(DIRECT)
 #undef DIRECT
+    L.alloc = legacy_cuMemAlloc;
+    L.pitch = legacy_cuMemAllocPitch;
+    L.free = legacy_cuMemFree;
+    L.array = legacy_cuArrayCreate;
     if (ptds) {
         D.cuLaunchKernel = cuLaunchKernel_ptsz;
         D.cuLaunchKernelEx = cuLaunchKernelEx_ptsz;
@@ -160,10 +197,16 @@ static int resolve_proc(int ptds) {
         snprintf(name, sizeof name, "%s", NAMES[i]);
         if (strcmp(name, "cuGraphInstantiate") == 0) snprintf(name, sizeof name, "%s",
                                                               "cuGraphInstantiateWithFlags");
+        if (strcmp(name, "cuGraphAddNode_v2") == 0) snprintf(name, sizeof name, "cuGraphAddNode");
         slots[i] = NULL;
         CUresult r = gpa(name, &slots[i], CUDA_VERSION, flags, &status);
         if (r != CUDA_SUCCESS) printf("resolve missing %s %d\n", name, (int)r);
     }
+    /* A program built against a pre-3.2 cuda.h asks with its old version. */
+    gpa("cuMemAlloc", (void **)&L.alloc, 2000, flags, &status);
+    gpa("cuMemAllocPitch", (void **)&L.pitch, 2000, flags, &status);
+    gpa("cuMemFree", (void **)&L.free, 2000, flags, &status);
+    gpa("cuArrayCreate", (void **)&L.array, 2000, flags, &status);
     return 0;
 }
 
@@ -177,7 +220,7 @@ static CUmodule g_module;
 static CUlibrary g_library;
 static CUstream g_stream;
 
-enum { A_POINTER, A_HANDLE, A_ASYNC, A_VMM };
+enum { A_POINTER, A_HANDLE, A_ASYNC, A_VMM, A_ARRAY, A_MIPMAP, A_LEGACY };
 
 typedef struct {
     int kind;
@@ -323,6 +366,89 @@ static long train(long steps, long period_us, int layers, size_t bytes, const ch
     return failed;
 }
 
+static unsigned char pattern_byte(int layer, uint64_t offset) {
+    return (unsigned char)(layer * 31 + (offset >> 12) * 7 + (offset & 0xff));
+}
+
+/* The `steady` op: a training loop that allocates once and reuses (as PyTorch's caching
+ * allocator does); returns the failed or corrupt mini-batches. */
+static long steady(long steps, long period_us, int layers, size_t bytes, char *names) {
+    CUfunction kernels[3] = {NULL, NULL, NULL};
+    int count = 0;
+    for (char *save = NULL, *name = strtok_r(names, ",", &save); name && count < 3;
+         name = strtok_r(NULL, ",", &save))
+        kernels[count++] = find(name);
+    if (layers < 1 || layers > 64 || count == 0 || bytes < 8) {
+        fprintf(stderr, "steady needs 1..64 layers, 8+ bytes and a kernel\n");
+        return 1;
+    }
+    for (int k = count; k < 3; k++) kernels[k] = kernels[0];
+    CUdeviceptr buffer[64], counter = 0;
+    unsigned char *host = malloc(bytes), *back = malloc(bytes);
+    long failed = 0, corrupt = 0, done = 0;
+    for (int l = 0; l < layers; l++) {
+        for (uint64_t o = 0; o < bytes; o++) host[o] = pattern_byte(l, o);
+        if (D.cuMemAlloc(&buffer[l], bytes) != CUDA_SUCCESS ||
+            D.cuMemcpyHtoD(buffer[l], host, bytes) != CUDA_SUCCESS) {
+            fprintf(stderr, "steady: cannot allocate layer %d\n", l);
+            return 1;
+        }
+    }
+    uint64_t expected = 0;
+    if (D.cuMemAlloc(&counter, sizeof expected) != CUDA_SUCCESS ||
+        D.cuMemcpyHtoD(counter, &expected, sizeof expected) != CUDA_SUCCESS)
+        return 1;
+    printf("steady allocated bytes=%llu\n", (unsigned long long)(bytes * layers + 8));
+    fflush(stdout);
+    unsigned d[6] = {1, 1, 1, 1, 1, 1};
+    uint64_t period = (uint64_t)period_us * 1000u, next = now_ns();
+    for (long step = 0; step < steps; step++) {
+        uint64_t now = now_ns();
+        if (now < next) {
+            struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
+            nanosleep(&t, NULL);
+        } else if (now - next > period) {
+            next = now; /* stalled (suspended): start the schedule again */
+        }
+        next += period;
+        uint64_t began = now_ns();
+        int ok = 1;
+        for (int l = 0; l < layers; l++) ok &= launch_one("kernel", kernels[0], d) == CUDA_SUCCESS;
+        for (int l = layers - 1; l >= 0; l--)
+            ok &= launch_one("kernel", kernels[1], d) == CUDA_SUCCESS;
+        ok &= launch_one("kernel", kernels[2], d) == CUDA_SUCCESS;
+        ok &= D.cuStreamSynchronize(g_stream) == CUDA_SUCCESS;
+        uint64_t seen = UINT64_MAX;
+        ok &= D.cuMemcpyDtoH(&seen, counter, sizeof seen) == CUDA_SUCCESS;
+        if (seen != expected) corrupt++; /* a step lost, repeated or its state damaged */
+        expected = (uint64_t)step + 1;
+        ok &= D.cuMemcpyHtoD(counter, &expected, sizeof expected) == CUDA_SUCCESS;
+        if (ok) done++;
+        else failed++;
+        printf("steady step %ld t=%llu\n", step, (unsigned long long)began);
+        fflush(stdout);
+    }
+    long damaged = 0;
+    for (int l = 0; l < layers; l++) {
+        if (D.cuMemcpyDtoH(back, buffer[l], bytes) != CUDA_SUCCESS) {
+            damaged++;
+            continue;
+        }
+        for (uint64_t o = 0; o < bytes; o++)
+            if (back[o] != pattern_byte(l, o)) {
+                damaged++;
+                break;
+            }
+        D.cuMemFree(buffer[l]);
+    }
+    D.cuMemFree(counter);
+    free(host);
+    free(back);
+    printf("steady minibatches=%ld done=%ld failed=%ld corrupt=%ld damaged_layers=%ld\n", steps,
+           done, failed, corrupt, damaged);
+    return failed + corrupt + damaged;
+}
+
 static CUresult alloc(const char *kind, size_t bytes) {
     CUdeviceptr p = 0, address = 0;
     CUresult r;
@@ -363,6 +489,64 @@ static CUresult alloc(const char *kind, size_t bytes) {
         r = D.cuMemCreate(&h, bytes, &prop, 0);
         p = h;
         handle = A_HANDLE;
+    } else if (strcmp(kind, "array") == 0 || strcmp(kind, "legacyarray") == 0) {
+        /* rows of 1,000 floats: 4,000 bytes, padded to 4,096 by the fake */
+        CUarray a = NULL;
+        if (kind[0] == 'l') {
+            struct { unsigned w, h; CUarray_format f; unsigned c; } d1 = {
+                1000, (unsigned)(bytes / 4096), CU_AD_FORMAT_FLOAT, 1};
+            r = L.array ? L.array(&a, &d1) : CUDA_ERROR_NOT_FOUND;
+        } else {
+            CUDA_ARRAY_DESCRIPTOR d = {.Width = 1000, .Height = bytes / 4096,
+                                       .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+            r = D.cuArrayCreate(&a, &d);
+        }
+        p = (CUdeviceptr)(uintptr_t)a;
+        handle = A_ARRAY;
+    } else if (strcmp(kind, "array3d") == 0 || strcmp(kind, "mipmap") == 0) {
+        CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 1000, .Height = 64, .Depth = bytes / (4096 * 64),
+                                     .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 1};
+        if (kind[0] == 'm') {
+            CUmipmappedArray m = NULL;
+            r = D.cuMipmappedArrayCreate(&m, &d, 1);
+            p = (CUdeviceptr)(uintptr_t)m;
+            handle = A_MIPMAP;
+        } else {
+            CUarray a = NULL;
+            r = D.cuArray3DCreate(&a, &d);
+            p = (CUdeviceptr)(uintptr_t)a;
+            handle = A_ARRAY;
+        }
+    } else if (strcmp(kind, "graphnode") == 0 || strcmp(kind, "addnode") == 0) {
+        /* an explicit graph's memory node; the pointer is freed with cuMemFree */
+        CUgraph graph = NULL;
+        CUgraphNode node = NULL;
+        r = D.cuGraphCreate(&graph, 0);
+        CUDA_MEM_ALLOC_NODE_PARAMS params = {
+            .poolProps = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                          .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}},
+            .bytesize = bytes};
+        if (r == CUDA_SUCCESS && kind[0] == 'g') {
+            r = D.cuGraphAddMemAllocNode(&node, graph, NULL, 0, &params);
+            p = params.dptr;
+        } else if (r == CUDA_SUCCESS) {
+            CUgraphNodeParams np;
+            memset(&np, 0, sizeof np);
+            np.type = CU_GRAPH_NODE_TYPE_MEM_ALLOC;
+            np.alloc.poolProps = params.poolProps;
+            np.alloc.bytesize = bytes;
+            r = D.cuGraphAddNode_v2(&node, graph, NULL, NULL, 0, &np);
+            p = np.alloc.dptr;
+        }
+    } else if (strcmp(kind, "legacy") == 0 || strcmp(kind, "legacypitch") == 0) {
+        unsigned int p32 = 0, pitch = 0;
+        if (kind[6] == 'p')
+            r = L.pitch ? L.pitch(&p32, &pitch, (unsigned)(bytes / 64), 64, 4)
+                        : CUDA_ERROR_NOT_FOUND;
+        else
+            r = L.alloc ? L.alloc(&p32, (unsigned)bytes) : CUDA_ERROR_NOT_FOUND;
+        p = p32;
+        handle = A_LEGACY;
     } else {
         r = D.cuMemAlloc(&p, bytes);
     }
@@ -488,6 +672,7 @@ int main(int argc, char **argv) {
     }
     CUresult r = D.cuInit(0);
     printf("init rc=%d pid=%d\n", (int)r, (int)getpid());
+    fflush(stdout); /* a test may act on the pid while the ops run */
     if (r != CUDA_SUCCESS) return 1;
     CUdevice device;
     CUcontext context;
@@ -554,6 +739,12 @@ int main(int argc, char **argv) {
                       (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
                 failed = 1;
             i += 5;
+        } else if (strcmp(op, "steady") == 0) {
+            NEED(5);
+            if (steady(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
+                       (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
+                failed = 1;
+            i += 5;
         } else if (strcmp(op, "infer") == 0) {
             NEED(4);
             if (infer(atol(argv[i + 1]), atol(argv[i + 2]), atol(argv[i + 3]), argv[i + 4]) != 0)
@@ -612,6 +803,13 @@ int main(int argc, char **argv) {
                     if (!a->released) bad |= D.cuMemRelease(a->value) != CUDA_SUCCESS;
                 } else if (a->kind == A_HANDLE) {
                     bad |= D.cuMemRelease(a->value) != CUDA_SUCCESS;
+                } else if (a->kind == A_ARRAY) {
+                    bad |= D.cuArrayDestroy((CUarray)(uintptr_t)a->value) != CUDA_SUCCESS;
+                } else if (a->kind == A_MIPMAP) {
+                    bad |= D.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)a->value) !=
+                           CUDA_SUCCESS;
+                } else if (a->kind == A_LEGACY) {
+                    bad |= L.free((unsigned int)a->value) != CUDA_SUCCESS;
                 } else if (a->kind == A_ASYNC) {
                     bad |= D.cuMemFreeAsync(a->value, g_stream) != CUDA_SUCCESS;
                 } else {
@@ -620,6 +818,35 @@ int main(int argc, char **argv) {
             }
             g_alloc_count = 0;
             printf("freeall rc=%d\n", bad);
+        } else if (strcmp(op, "poolthreshold") == 0 || strcmp(op, "pooltrim") == 0 ||
+                   strcmp(op, "defaultthreshold") == 0) {
+            /* the release threshold (or a trim) of the pool `alloc pool` uses, or of the
+             * device's current pool (the one cuMemAllocAsync uses) */
+            NEED(1);
+            cuuint64_t value = strtoull(argv[++i], NULL, 10);
+            CUmemoryPool pool = g_pool;
+            CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = 0}};
+            r = CUDA_SUCCESS;
+            if (op[0] == 'd') r = D.cuDeviceGetMemPool(&pool, 0);
+            else if (!pool) r = D.cuMemPoolCreate(&g_pool, &props), pool = g_pool;
+            if (r == CUDA_SUCCESS)
+                r = strcmp(op, "pooltrim") == 0 ? D.cuMemPoolTrimTo(pool, (size_t)value)
+                                 : D.cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                                                           &value);
+            printf("%s %llu rc=%d\n", op, (unsigned long long)value, (int)r);
+        } else if (strcmp(op, "freelast") == 0) {
+            /* free the last allocation (a pointer: cuMemFree, async: cuMemFreeAsync) */
+            r = CUDA_ERROR_INVALID_VALUE;
+            if (g_alloc_count > 0) {
+                allocation *a = &g_allocs[--g_alloc_count];
+                r = a->kind == A_ASYNC ? D.cuMemFreeAsync(a->value, g_stream) : D.cuMemFree(a->value);
+            }
+            printf("freelast rc=%d\n", (int)r);
+        } else if (strcmp(op, "freeagain") == 0) {
+            /* free the pointer freelast freed, again (a double free) */
+            r = D.cuMemFree(g_allocs[g_alloc_count].value);
+            printf("freeagain rc=%d\n", (int)r);
         } else if (strcmp(op, "vmmrelease") == 0) {
             int bad = 0;
             for (int k = 0; k < g_alloc_count; k++)

@@ -16,7 +16,7 @@ import yaml
 from tests.deploy.conftest import ROOT, tool
 
 COMPOSE = ROOT / "compose.yaml"
-ONE_SHOT = {"migrate", "socket-dirs", "example"}
+ONE_SHOT = {"credentials", "migrate", "socket-dirs", "example"}
 SLOTS = range(8)
 
 
@@ -78,6 +78,42 @@ def test_gpuloom_services_probe_their_own_grpc_port() -> None:
 def test_the_healthcheck_script_is_in_the_image() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "COPY docker/healthcheck.py /opt/gpuloom/bin/healthcheck.py" in dockerfile
+
+
+def test_every_service_serves_with_the_credentials_the_one_shot_job_made() -> None:
+    """The `credentials` job makes the directory in its volume (writable there only); every
+    serving service starts after it, mounts the volume read-only and names its own certificate
+    (a dispatcher: the dispatchers'), the CA, the tokens and the services' token."""
+    all_services = services()
+    job = all_services["credentials"]
+    assert job["command"] == ["credentials", "init", "--dir", "/etc/gpuloom/credentials"]
+    assert job["volumes"] == ["credentials:/etc/gpuloom/credentials"]
+    assert "credentials" in compose()["volumes"]
+    serving = ["profile-store", "profiler", "placement"] + [f"dispatcher-gpu{n}" for n in SLOTS]
+    for name in serving:
+        service = all_services[name]
+        assert service["depends_on"]["credentials"] == {
+            "condition": "service_completed_successfully"
+        }, name
+        assert "credentials:/etc/gpuloom/credentials:ro" in service["volumes"], name
+        own = "dispatcher" if name.startswith("dispatcher") else name
+        assert (
+            environment(service).items()
+            >= {
+                "GPULOOM_TLS_CERT_FILE": f"/etc/gpuloom/credentials/{own}.crt",
+                "GPULOOM_TLS_KEY_FILE": f"/etc/gpuloom/credentials/{own}.key",
+                "GPULOOM_TLS_CA_FILE": "/etc/gpuloom/credentials/ca.crt",
+                "GPULOOM_TLS_SERVER_NAME": "gpuloom",
+                "GPULOOM_AUTH_TOKENS_FILE": "/etc/gpuloom/credentials/tokens",
+                "GPULOOM_AUTH_TOKEN_FILE": "/etc/gpuloom/credentials/service.token",
+            }.items()
+        ), name
+        assert "GPULOOM_INSECURE" not in environment(service), name
+    example = all_services["example"]
+    assert environment(example)["GPULOOM_CREDENTIALS_DIR"] == "/etc/gpuloom/credentials"
+    assert "credentials:/etc/gpuloom/credentials:ro" in example["volumes"]
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    assert "install -d -o gpuloom -g gpuloom -m 0700 /etc/gpuloom/credentials" in dockerfile
 
 
 def test_services_with_a_database_start_after_the_migration_and_do_not_migrate() -> None:

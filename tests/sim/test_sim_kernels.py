@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from gpuloom.clients.cli import cli
+from gpuloom.policies.admission import DEFAULT_ADMISSION
 from gpuloom.sim.kernels import simulate
 from gpuloom.sim.scenario import load_scenario
 
@@ -52,6 +53,14 @@ def run(tmp_path: Path, scenario: dict | str, *args: str) -> tuple[int, str]:
             "needs exactly one of kernels_csv and kernels",
         ),
         (inline(kernels_csv="x.csv"), "needs exactly one of kernels_csv and kernels"),
+        (inline(sm_percent=0), "$.tasks[0].sm_percent: must be an integer in 1..100"),
+        (inline(quota_request_percent=0), "$.tasks[0].quota_request_percent: must be > 0.0"),
+        (inline(quota_limit_percent=101), "$.tasks[0].quota_limit_percent: must be > 0.0"),
+        (
+            inline(quota_request_percent=50, quota_limit_percent=40),
+            "$.tasks[0].quota_request_percent: must not exceed quota_limit_percent (50 > 40)",
+        ),
+        (inline(quota_request_percent="a"), "$.tasks[0].quota_request_percent: must be a"),
         ("{not json", "line 1, column 2: not JSON"),
     ],
 )
@@ -97,10 +106,14 @@ def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
     scenario["tasks"].append({**scenario["tasks"][0], "name": "b", "priority": 3})
     code, output = run(tmp_path, scenario, "--json")
     assert code == 0
-    modes = json.loads(output)["modes"]
-    assert set(modes) == {"exclusive", "sharing", "token", "fikit"}
+    data = json.loads(output)
+    # The dispatcher's default policy is named, and simulated among the modes.
+    assert data["default_mode"] == DEFAULT_ADMISSION == "composed"
+    modes = data["modes"]
+    assert set(modes) == {"exclusive", "sharing", "token", "fifo", "fikit", "composed"}
     for result in modes.values():
-        assert set(result) == {"tasks", "gpu_busy", "fill_efficiency"}
+        assert set(result) == {"tasks", "gpu_busy", "fill_efficiency", "figures"}
+        assert set(result["figures"]) == {"hp_p99_x_alone", "be_work_share", "harvest"}
         assert set(result["tasks"]["a"]) == {
             "priority",
             "completed",
@@ -108,7 +121,12 @@ def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
             "jct_p50_ms",
             "jct_p99_ms",
             "jct_cv",
+            "device_share",
         }
+    alone = {"hp_p99_x_alone": 1.0, "be_work_share": 1.0, "harvest": None}  # (none alone)
+    assert modes["exclusive"]["figures"] == alone
+    # Sharing the one queue slows the priority-0 task down.
+    assert modes["sharing"]["figures"]["hp_p99_x_alone"] > 1.0
 
 
 @needs_traces
@@ -165,6 +183,8 @@ def test_a_late_filler_overruns_the_window_and_the_fill_guard_keeps_it_clear(
                     **scenario,
                     "grant_latency_us": grant_latency_us,
                     "fikit": {"fill_guard_us": guard_us},
+                    # One kernel at a time (no MPS): a late fill holds the GPU.
+                    "gpu": {"mps": False},
                 }
             )
         )

@@ -9,7 +9,8 @@
 # Debian's packages (fixtures/). Fixtures are tagged by a hash of their definition and reused
 # while it holds. They are test fixtures only: the shipped Dockerfile is not changed for them.
 set -euo pipefail
-cd "$(dirname "$0")"
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$self")"
 export DOCKER_BUILDKIT=0
 
 PYTHON_IMAGE=python:3.11.10-slim-bookworm
@@ -27,7 +28,7 @@ if pull "$PYTHON_IMAGE" && pull "$POSTGRES_IMAGE" && pull "$REDIS_IMAGE"; then
   exit 0
 fi
 
-tag="$(cat "$0" fixtures/* | sha256sum | cut -c1-12)"
+tag="$(cat "$self" fixtures/* | sha256sum | cut -c1-12)"
 base="gpuloom-fixture/bookworm:$tag"
 postgres="gpuloom-fixture/postgres:$tag"
 redis="gpuloom-fixture/redis:$tag"
