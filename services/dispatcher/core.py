@@ -333,13 +333,7 @@ class DispatcherCore:
 
     def _with_memory(self, assignment_id: str, suspension: Suspension | None) -> Suspension | None:
         state = self._memory.get(assignment_id)
-        if suspension is None:
-            return None
-        if state is None:
-            if self.checkpointer is not None and self.checkpointer.unsupported:
-                return replace(
-                    suspension, memory_note=f"memory resident: {self.checkpointer.unsupported}"
-                )
+        if suspension is None or state is None:
             return suspension
         return replace(suspension, memory_released=state.released, memory_note=state.note)
 
