@@ -1533,6 +1533,10 @@ EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph,
     return graph_add_node("cuGraphAddNode_v2", node, graph, params);
 }
 
+static CUresult vmm_map(CUdeviceptr ptr, size_t size, size_t offset,
+                        CUmemGenericAllocationHandle handle);
+static CUresult vmm_unmap(CUdeviceptr ptr, size_t size);
+
 /* -- virtual memory management: the bytes of a handle are freed when it is released and no
  * mapping of it is left, as the driver does -- */
 
@@ -1565,6 +1569,14 @@ EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                                  CUmemGenericAllocationHandle handle, unsigned long long flags) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (ptr == 0 || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    api_enter();
+    CUresult r = vmm_map(ptr, size, offset, handle);
+    api_leave();
+    return r;
+}
+
+static CUresult vmm_map(CUdeviceptr ptr, size_t size, size_t offset,
+                        CUmemGenericAllocationHandle handle) {
     pthread_mutex_lock(&g_lock);
     fk_alloc *a = find_alloc(handle, ALLOC_HANDLE);
     fk_map *m = a && offset + size <= a->size ? malloc(sizeof *m) : NULL;
@@ -1583,6 +1595,13 @@ EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 /* Unmaps every mapping that starts within [ptr, ptr + size). */
 EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    api_enter();
+    CUresult r = vmm_unmap(ptr, size);
+    api_leave();
+    return r;
+}
+
+static CUresult vmm_unmap(CUdeviceptr ptr, size_t size) {
     pthread_mutex_lock(&g_lock);
     int found = 0;
     for (fk_map **p = &g_maps; *p;) {
