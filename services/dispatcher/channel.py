@@ -83,6 +83,7 @@ from gpuloom.shimwire import (
     AdmissionRegion,
     FrameError,
     FrameReader,
+    KernelPeriod,
     ShimMode,
     encode_frame,
 )
@@ -385,6 +386,13 @@ class ShimChannel:
             )
             for assignment, connection in self._by_assignment.items()
         }
+
+    def kernel_period(self, assignment_id: str) -> KernelPeriod | None:
+        """The training loop's period its shim found in its kernel stream (None: none)."""
+        connection = self._by_assignment.get(assignment_id)
+        if connection is None or connection.region is None:
+            return None
+        return connection.region.read_kernel_period()
 
     def suspensions(self) -> dict[str, Suspension]:
         """assignment id -> its suspension, for every suspended client."""
