@@ -26,6 +26,13 @@ CLIENT_QUOTA = prometheus_client.Gauge(
     "A client's time quota as a fraction of the window",
     ["gpu", "assignment", "bound"],
 )
+LEVEL_USED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_level_used_ratio",
+    "Policy composed: GPU time charged to the clients of a priority level in the current window,"
+    " as a fraction of the window (a level's sole client with a 100% limit holds an open-ended"
+    " lease and is charged when it ends)",
+    ["gpu", "priority"],
+)
 QUOTA_RESERVED = prometheus_client.Gauge(
     "gpuloom_dispatcher_quota_reserved_ratio",
     "Sum of the time-quota requests of the GPU's reservations (a time-slice group counted once),"

@@ -33,6 +33,7 @@
 #define GL_OFF_FK_GRANT 64   /* u32 futex word: the request sequence number granted last */
 #define GL_OFF_FK_ROLE 68    /* u32 GL_ROLE_* */
 #define GL_OFF_FK_NOTIFY 72  /* u32 1: post every launch and ring the doorbell */
+#define GL_OFF_FK_LEASED 76  /* u32 1: its level's time leases bound it too (policy composed) */
 #define GL_OFF_FK_BEAT 80    /* u64 the arbiter's heartbeat (CLOCK_MONOTONIC ns) */
 /* The dispatcher's heartbeat (CLOCK_MONOTONIC ns), every mode: written every GL_BEAT_PERIOD_NS
  * by its own native thread (heartbeat.c). A shim that asks for nothing (admitted until further

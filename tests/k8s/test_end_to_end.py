@@ -37,7 +37,9 @@ async def create(cluster: Cluster, pod: client.V1Pod, user: str = "alice") -> di
 
 
 async def scheduled(cluster: Cluster, pod: dict, nodes: list[str] = NODES):
-    return await asyncio.to_thread(schedule, cluster.extender, cluster.ca, pod, nodes)
+    return await asyncio.to_thread(
+        schedule, cluster.extender, cluster.ca, pod, nodes, cluster.scheduler_cert
+    )
 
 
 def finished(container: str, code: int) -> dict:
