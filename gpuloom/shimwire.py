@@ -99,6 +99,9 @@ OFF_FK_RELEASED, OFF_FK_RELEASED_KERNEL = 320, 328
 OFF_FK_OPENERS, OFF_FK_OPENERS_ALL = 336, 368
 OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
 ARM_KERNELS = 4  # kernel IDs an arm names
+# The training loop's period seen in the kernel stream (the shim's kperiod.c): kernels per
+# iteration (u32, 0: none seen), its mean duration and its latest boundary (u64 ns each).
+OFF_KP_PERIOD, OFF_KP_PERIOD_NS, OFF_KP_BOUNDARY_NS = 424, 432, 440
 # A priority board (one per priority per GPU), written by the holder shim of that priority.
 BOARD_BYTES, BOARD_LAUNCH, BOARD_FIRED, BOARDS = 64, 0, 8, 10
 # The memory sample ring, written by the shim in every mode: entries written so far (u32), then

@@ -32,6 +32,7 @@ from gpuloom.sim.fleet import (
     replay,
 )
 from gpuloom.sim.fleet import simulate as simulate_fleet
+from gpuloom.sim.harvest import harvest_figures, least_harvest
 from gpuloom.sim.kernels import DEFAULT_MODE, MODES, ModeResult, figures, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
 from gpuloom.sim.training import (
@@ -69,7 +70,7 @@ def sim() -> None:
     help="Draw 20 ms of device activity per mode into this PNG.",
 )
 def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> None:
-    """Simulate SCENARIO.json: one GPU, one FIFO device queue, kernels from real lists."""
+    """Simulate SCENARIO.json: one GPU (MPS or time slices), kernels from real lists."""
     try:
         loaded = load_scenario(scenario)
     except ScenarioError as error:
@@ -84,9 +85,14 @@ def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> 
     except FikitLibraryMissingError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(1)
-    shown = {r.mode: {**r.to_dict(), "figures": figures(r, alone)} for r in results}
+    harvest = harvest_figures(loaded, [alone, *[r for r in results if r is not alone]])
+    shown = {
+        r.mode: {**r.to_dict(), "figures": {**figures(r, alone), **least_harvest(harvest, r.mode)}}
+        for r in results
+    }
     if as_json:
-        click.echo(json.dumps({"default_mode": DEFAULT_MODE, "modes": shown}, indent=2))
+        out = {"default_mode": DEFAULT_MODE, "modes": shown, "harvest": harvest}
+        click.echo(json.dumps(out, indent=2))
     else:
         _print(results, shown)
     if timeline is not None:
@@ -116,10 +122,11 @@ def _print(results: list[ModeResult], shown: dict[str, dict]) -> None:
                     _fmt(summary["fill_efficiency"]),
                     _fmt(summary["figures"]["hp_p99_x_alone"]),
                     _fmt(summary["figures"]["be_work_share"]),
+                    _fmt(summary["figures"]["harvest"]),
                 ]
             )
     header = ["MODE", "TASK", "PRIO", "DONE", "JCT MEAN ms", "P50 ms", "P99 ms", "CV"]
-    echo_table([*header, "GPU BUSY", "FILL", "HP P99 xALONE", "BE WORK"], rows)
+    echo_table([*header, "GPU BUSY", "FILL", "HP P99 xALONE", "BE WORK", "HARVEST"], rows)
     click.echo(f"(the dispatcher's default policy: {DEFAULT_MODE})")
 
 

@@ -1,7 +1,9 @@
 """A discrete-event model of one GPU running launched kernels, under each admission policy.
 
-One device queue, FIFO, non-preemptive: a launched kernel reaches the queue `launch_latency`
-after its launch and runs when everything before it has finished. Each task's host runs its
+The GPU is gpuloom.sim.device's model: one stream per task; between tasks it time-slices
+(`sharing`, and any mode with `gpu.mps` false) or co-runs kernels under MPS with an explicit
+interference model (docs/harvest.md). A launched kernel reaches its stream `launch_latency`
+after its launch. Each task's host runs its
 kernel list once per request: it launches a kernel, then (host "sync") waits for it to finish
 or (host "async") goes on at once, spends the kernel's host gap, and launches the next. The
 request completes when its last kernel does. Modes:
@@ -10,7 +12,10 @@ request completes when its last kernel does. Modes:
 - every policy of gpuloom.policies.admission, by name: composed (the dispatcher's default:
   FIKIT across priority levels, time-quota leases within one), fikit, token, fifo, sharing.
   A launch asks the policy; one told to wait launches when a later decision grants it;
-  kernel ends and idle hosts are reported to it; its wake time is a timer.
+  kernel ends and idle hosts are reported to it; its wake time is a timer. Under MPS a
+  policy with `beside` (composed) is also asked whether a waiting lower-priority kernel may
+  run beside the holder's running kernel (spatial harvesting, docs/harvest.md);
+- mps (calibration, not in `all`): every host launches freely under MPS.
 
 Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
 """
@@ -32,7 +37,9 @@ from gpuloom.policies.admission import (
     TaskShare,
     make_admission,
 )
+from gpuloom.policies.harvest import Candidate, Running
 from gpuloom.policies.tokens import TokenConfig
+from gpuloom.sim.device import Device
 from gpuloom.sim.scenario import Scenario, TaskSpec
 
 # The dispatcher's default policy first, then the baselines.
@@ -40,6 +47,7 @@ DEFAULT_MODE = DEFAULT_ADMISSION
 MODES = ("exclusive", "sharing", "token", "fifo", "fikit", "composed")
 # Modes whose policy predicts kernels from a profile measured alone.
 PROFILED = ("fikit", "composed")
+EXTRA_MODES = ("mps",)  # every host launches freely under MPS (calibration; not in `all`)
 NS = 1_000_000_000
 
 
@@ -167,7 +175,7 @@ class _Task:
 
 
 class _Engine:
-    ARRIVE, HOST, ENQUEUE, KERNEL_END, WAKE = range(5)
+    ARRIVE, HOST, ENQUEUE, DEVICE, WAKE = range(5)
 
     def __init__(
         self,
@@ -199,15 +207,20 @@ class _Engine:
             )
             for i, (spec, seed) in enumerate(tasks)
         ]
-        self.queue: deque[tuple[int, int, int]] = deque()  # (task, kernel index, duration)
-        self.device_free = True
-        self.kernels: list[tuple[int, int, int]] = []  # (start, end, task) in run order
+        self.concurrent = scenario.gpu.mps and mode != "sharing"
+        self.device = Device(scenario.gpu, len(self.tasks), self.concurrent)
+        self.device_generation = 0  # a DEVICE event of an older generation is stale
+        self.kernels = self.device.segments  # (start, end, task): what ran when
         self.profiles = profiles or {}
         self.policy: KernelAdmission = (
             SharingAdmission()
-            if mode == "exclusive"
-            else make_admission(mode, scenario.fikit, TokenConfig(), scenario.token_policy)
+            if mode in ("exclusive", "mps")
+            else make_admission(
+                mode, scenario.fikit, TokenConfig(), scenario.token_policy, scenario.harvest
+            )
         )
+        beside = getattr(self.policy, "beside", None)
+        self.beside = beside if self.concurrent else None
         self.timers: set[int] = set()  # times of WAKE events pending
         self.measured_d: dict[str, list[int]] = defaultdict(list)
         self.measured_g: dict[str, list[int]] = defaultdict(list)
@@ -236,12 +249,14 @@ class _Engine:
             if at > self.end:
                 break
             task = self.tasks[index]
-            if kind == self.KERNEL_END:
-                self.kernel_end(task, arg, at)
+            if kind == self.DEVICE:
+                if arg == self.device_generation:
+                    for done in self.device.advance(at):
+                        self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start)
+                    self.device_timer()
+                    self.harvest_waiting(at)
             elif kind == self.ENQUEUE:
-                self.queue.append((index, *arg))
-                if self.device_free:
-                    self.start_device(at)
+                self.submit(task, *arg, at)
             elif kind == self.HOST:
                 self.launch_next(task, at)
             elif kind == self.ARRIVE:
@@ -284,7 +299,8 @@ class _Engine:
             self.launch(task, now)
         else:
             task.waiting = True
-            self.settle(now)
+            if not self.try_harvest(task, now):
+                self.settle(now)
 
     def launch(self, task: _Task, now: int) -> None:
         task.waiting = False
@@ -298,19 +314,61 @@ class _Engine:
             self.push(now + task.program.gap(i, task.rng), self.HOST, task.index)
 
     # -- device side ---------------------------------------------------------------------
-    def start_device(self, now: int) -> None:
-        index, i, duration = self.queue.popleft()
-        self.device_free = False
-        self.kernels.append((now, now + duration, index))
-        self.push(now + duration, self.KERNEL_END, index, i)
+    def demand(self, task: _Task, i: int) -> int:
+        """The SMs kernel i of the task asks for: its launch shape within its SM partition."""
+        sms = self.scenario.gpu.sms
+        partition = max(1, sms * task.spec.sm_percent // 100)
+        return min(task.spec.kernels[i].sm_usage or sms, partition, sms)
 
-    def kernel_end(self, task: _Task, i: int, now: int) -> None:
-        self.device_free = True
-        start = self.kernels[-1][0]
+    def submit(self, task: _Task, i: int, duration: int, now: int) -> None:
+        profile = task.spec.kernels[i].profile
+        self.device.submit(now, task.index, i, duration, self.demand(task, i), profile)
+        self.device_timer()
+        self.harvest_waiting(now)
+
+    def device_timer(self) -> None:
+        at = self.device.next_time()
+        if at is not None:
+            self.device_generation += 1
+            self.push(at, self.DEVICE, 0, self.device_generation)
+
+    # -- spatial harvesting (a policy with `beside`, under MPS) ---------------------------
+    def harvest_waiting(self, now: int) -> None:
+        if self.beside is not None:
+            for task in self.tasks:
+                if task.waiting:
+                    self.try_harvest(task, now)
+
+    def try_harvest(self, task: _Task, now: int) -> bool:
+        """Launch the task's waiting kernel beside the holder's if the policy admits it."""
+        if self.beside is None or task.in_flight:
+            return False  # (with kernels in flight its stream is busy: it would wait there)
+        running, next_launch = [], None
+        for ctx, i, demand, cls, start in self.device.running():
+            other = self.tasks[ctx]
+            running.append(Running(other.spec.priority, demand, cls))
+            if other.spec.priority < task.spec.priority:
+                kernel_id = other.spec.kernels[i].kernel_id
+                profile = self.profiles[other.spec.name]
+                d, g = profile.duration_ns.get(kernel_id), profile.gap_ns.get(kernel_id)
+                sync = other.spec.host == "sync" and other.in_flight == 1
+                if d is None or (sync and g is None):
+                    return False  # the holder's next launch cannot be predicted
+                at = start + d + (g if sync else 0)
+                next_launch = at if next_launch is None else min(next_launch, at)
+        i = task.next_kernel
+        kernel = task.spec.kernels[i]
+        duration = self.profiles[task.spec.name].duration_ns.get(kernel.kernel_id)
+        candidate = Candidate(task.spec.priority, self.demand(task, i), kernel.profile, duration)
+        sms = self.scenario.gpu.sms
+        if not self.beside(task.index, candidate, running, next_launch, sms, now):
+            return False
+        self.launch(task, now)
+        return True
+
+    def kernel_end(self, task: _Task, i: int, now: int, start: int) -> None:
         if self.requests_limit is not None:
             self.measure(task, i, start, now)
-        if self.queue:
-            self.start_device(now)
         task.in_flight -= 1
         self.policy.completed(task.index, now - start, now)
         if task.blocked:
@@ -402,7 +460,8 @@ def _fill_efficiency(engine: _Engine) -> float:
 
 
 def _busy(engine: _Engine) -> int:
-    return sum(min(e, engine.end) - s for s, e, _ in engine.kernels if s < engine.end)
+    spans = _merge([(s, min(e, engine.end)) for s, e, _ in engine.kernels if s < engine.end])
+    return sum(e - s for s, e in spans)
 
 
 def _device_share(engine: _Engine, index: int) -> float:
@@ -453,8 +512,8 @@ def measure_profiles(scenario: Scenario, seeds: Sequence[int]) -> dict[str, Prof
 
 def simulate(scenario: Scenario, mode: str, rng: random.Random | None = None) -> ModeResult:
     """Run one mode of the scenario; the same seed gives the same result."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    if mode not in MODES and mode not in EXTRA_MODES:
+        raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES + EXTRA_MODES)}")
     rng = rng or random.Random(scenario.seed)
     # Every mode sees the same programs, arrivals and kernel durations: each task's
     # randomness comes from streams seeded the same way in each mode.

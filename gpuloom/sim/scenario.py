@@ -10,11 +10,14 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from gpuloom.policies.fikit.core import FikitConfig
+from gpuloom.policies.harvest import HARVEST_POLICIES
+from gpuloom.sim.device import ORION_PROFILE, PROFILE_CLASSES, DeviceConfigError, GpuConfig
+from gpuloom.sim.device import parse_gpu as _parse_gpu
 
 CSV_COLUMNS = ("Name", "Profile", "Memory_footprint", "SM_usage")
 CSV_DURATION = ("Duration", "Duration(ns)")  # the orion lists say "Duration"; the unit is ns
@@ -32,6 +35,8 @@ class Kernel:
     kernel_id: str  # what the shim would key it by (name + launch shape for the orion lists)
     duration_ns: int
     gap_after_ns: int | None  # None: the gap model draws it
+    sm_usage: int | None = None  # SMs its launch shape asks for (None: every SM)
+    profile: str = "unknown"  # bound class: compute, memory or unknown (docs/harvest.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +70,8 @@ class Scenario:
     token_policy: str = "spatiotemporal"
     profile_requests: int = 20
     grant_latency_ns: int = 0  # fikit: a granted filler launches this long after its grant
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    harvest: str = "spatial"  # composed: the spatial harvesting rule, or "off"
 
 
 _TOP = {
@@ -77,6 +84,8 @@ _TOP = {
     "token_policy",
     "profile_requests",
     "description",
+    "gpu",
+    "harvest",
 }
 _TASK = {
     "name",
@@ -95,13 +104,14 @@ _TASK = {
     "quota_request_percent",
     "quota_limit_percent",
 }
-_KERNEL = {"name", "duration_us", "gap_after_us"}
+_KERNEL = {"name", "duration_us", "gap_after_us", "sm_usage", "profile"}
 _FIKIT = {"gap_threshold_us", "idle_margin_us", "idle_backlog_us", "max_wait_us", "fill_guard_us"}
 
 
 class _Reader:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.sms = GpuConfig().sms  # the scenario's GPU, once read
 
     def fail(self, where: str, message: str) -> ScenarioError:
         return ScenarioError(f"{self.path}: {where}: {message}")
@@ -169,6 +179,8 @@ class _Reader:
                 raise ScenarioError(f"{path}: line 1: needs the columns Name and Duration")
             name_col = header.index("Name")
             shape = [header.index(c) for c in ("Profile", "SM_usage") if c in header]
+            profile_col = header.index("Profile") if "Profile" in header else None
+            sm_col = header.index("SM_usage") if "SM_usage" in header else None
             for line, row in enumerate(rows, 2):
                 if not row:
                     continue
@@ -189,7 +201,27 @@ class _Reader:
                 name = row[name_col].strip()
                 # The launch shape stands in for grid/block, as in the shim's kernel ID.
                 kernel_id = "|".join([name, *(row[c].strip() for c in shape)])
-                kernels.append(Kernel(name, kernel_id, round(duration), None))
+                profile = "unknown"
+                if profile_col is not None:
+                    raw = row[profile_col].strip()
+                    if raw not in ORION_PROFILE:
+                        raise ScenarioError(
+                            f"{path}: line {line}, column {profile_col + 1}: unknown profile "
+                            f"class {raw!r} (known: 1 compute, 0 memory, -1 unknown)"
+                        )
+                    profile = ORION_PROFILE[raw]
+                sm_usage = None
+                if sm_col is not None:
+                    raw = row[sm_col].strip()
+                    if not raw.isdigit() or int(raw) < 1:
+                        raise ScenarioError(
+                            f"{path}: line {line}, column {sm_col + 1}: SM_usage must be an "
+                            f"integer >= 1, got {raw!r}"
+                        )
+                    # The orion lists count SMs' worth of blocks: above the GPU's SMs a kernel
+                    # runs in waves on every SM.
+                    sm_usage = int(raw)
+                kernels.append(Kernel(name, kernel_id, round(duration), None, sm_usage, profile))
         if not kernels:
             raise ScenarioError(f"{path}: no kernels (from {self.path}: {where})")
         return tuple(kernels)
@@ -207,7 +239,16 @@ class _Reader:
             duration = self.number(item["duration_us"], f"{at}.duration_us")
             gap = item.get("gap_after_us")
             gap_ns = None if gap is None else round(self.number(gap, f"{at}.gap_after_us") * 1e3)
-            kernels.append(Kernel(name, name, round(duration * 1e3), gap_ns))
+            sm_usage = item.get("sm_usage")
+            if sm_usage is not None:
+                sm_usage = self.integer(sm_usage, f"{at}.sm_usage", 1, self.sms)
+            profile = item.get("profile", "unknown")
+            if profile not in PROFILE_CLASSES:
+                raise self.fail(
+                    f"{at}.profile",
+                    f"unknown profile class {profile!r} (known: {', '.join(PROFILE_CLASSES)})",
+                )
+            kernels.append(Kernel(name, name, round(duration * 1e3), gap_ns, sm_usage, profile))
         return tuple(kernels)
 
     def task(self, value: Any, where: str) -> TaskSpec:
@@ -321,6 +362,14 @@ def load_scenario(path: str | Path) -> Scenario:
             f"{file}: line {error.lineno}, column {error.colno}: not JSON: {error.msg}"
         ) from None
     reader.keys(data, "$", _TOP, {"seed", "duration_s", "tasks"})
+    try:
+        gpu = _parse_gpu(data.get("gpu", {}))
+    except DeviceConfigError as error:
+        raise ScenarioError(f"{file}: {error}") from None
+    reader.sms = gpu.sms
+    harvest = data.get("harvest", "spatial")
+    if harvest not in HARVEST_POLICIES:
+        raise reader.fail("$.harvest", f"unknown harvest policy {harvest!r} (known: off, spatial)")
     seed = reader.integer(data["seed"], "$.seed", 0, 2**63 - 1)
     duration = reader.number(data["duration_s"], "$.duration_s", 0.0, 86_400.0, low_open=True)
     latency = reader.number(data.get("launch_latency_us", 5.0), "$.launch_latency_us", 0, 1e6)
@@ -347,6 +396,8 @@ def load_scenario(path: str | Path) -> Scenario:
         tasks=tasks,
         fikit=reader.fikit(data.get("fikit", {})),
         token_policy=token_policy,
+        gpu=gpu,
+        harvest=harvest,
         profile_requests=reader.integer(
             data.get("profile_requests", 20), "$.profile_requests", 1, 10_000
         ),

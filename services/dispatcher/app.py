@@ -18,6 +18,7 @@ from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.dispatcher.arbiter import Arbiter
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
+from gpuloom.services.dispatcher.checkpoint import Checkpointer
 from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
@@ -205,6 +206,11 @@ async def start_gpu_dispatcher(
         mps=mps,
         introspector=introspector,
         suspend_max_wait_s=settings.suspend_max_wait_ms / 1e3,
+        checkpointer=(
+            Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
+            if settings.suspend_release_memory
+            else None
+        ),
     )
 
     def store_environment() -> dict[str, str]:

@@ -121,6 +121,13 @@ SUSPENSIONS = prometheus_client.Counter(
     "point within max_wait_ms), no_cycle (none detected), not_running (no process connected)",
     ["gpu", "outcome"],
 )
+SUSPEND_MEMORY = prometheus_client.Counter(
+    "gpuloom_dispatcher_suspend_memory_total",
+    "What became of suspended clients' device memory: released (the driver's checkpoint API "
+    "moved it to host memory), resident (kept on the GPU: no API, or the lock or checkpoint "
+    "failed), restored (back at resume), restore_failed (not back: still suspended)",
+    ["gpu", "outcome"],
+)
 SUSPENDED = prometheus_client.Gauge(
     "gpuloom_dispatcher_suspended_clients", "Clients suspended now", ["gpu"]
 )

@@ -105,8 +105,14 @@ class DispatcherSettings(BaseSettings):
     # The model store (docs/dispatcher.md, "Model sharing"): LoadModel reads weights files only
     # from inside this directory; empty: LoadModel is refused (FAILED_PRECONDITION).
     models_dir: Path | None = None
-    # The CUDA driver library the store's process opens (a name or a path).
+    # The CUDA driver library the store's process opens (a name or a path); the dispatcher
+    # opens it too for the checkpoint API (suspension that frees memory).
     cuda_library: str = Field(default="libcuda.so.1", min_length=1, max_length=4096)
+    # Suspension frees the client's GPU memory through the driver's checkpoint API (lock +
+    # checkpoint; restore + unlock at resume; docs/training.md); off, or without the API, the
+    # memory stays resident. The lock waits this long for the process's calls in flight.
+    suspend_release_memory: bool = True
+    suspend_lock_timeout_ms: int = Field(default=10_000, ge=0, le=3_600_000)
     # Training introspection (docs/training.md): the shortest interval between two memory
     # samples a shim writes (0: none, and no cycle is detected); how far back and how often the
     # dispatcher looks for each process's mini-batch cycle.

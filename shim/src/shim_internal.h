@@ -276,6 +276,11 @@ uint64_t mem_allocated(void);
  * there is no cap. */
 void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes);
 
+/* ---- kperiod.c: iteration boundaries from the kernel stream ---- */
+
+/* Every launch (before admission): its kernel into the ring, a detection now and then. */
+void kp_note_launch(CUfunction f, const unsigned dims[6]);
+
 /* ---- admission.c: suspension (SuspendClient) ---- */
 
 /* Wait while region `r` says the process is suspended (without the GPULOOM_SHIM_WAIT_MS bound):

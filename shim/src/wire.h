@@ -81,6 +81,12 @@
                                        posted yet) holds only if that request's kernel ID is
                                        one of these; all 0: the arm is for its queued one */
 #define GL_ARM_KERNELS 4
+/* The training loop's period seen in the kernel stream (kperiod.c), written by the shim while
+ * the dispatcher samples memory: kernels per iteration (0: none seen), the iteration's mean
+ * duration and when its latest boundary launch was (CLOCK_MONOTONIC ns). */
+#define GL_OFF_KP_PERIOD 424
+#define GL_OFF_KP_PERIOD_NS 432
+#define GL_OFF_KP_BOUNDARY_NS 440
 
 /* A priority board: one per priority per GPU (a memfd the arbiter creates). A process gets its
  * own priority's board read-write and the better priorities' read-only, after its region and

@@ -113,7 +113,7 @@ def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
     assert set(modes) == {"exclusive", "sharing", "token", "fifo", "fikit", "composed"}
     for result in modes.values():
         assert set(result) == {"tasks", "gpu_busy", "fill_efficiency", "figures"}
-        assert set(result["figures"]) == {"hp_p99_x_alone", "be_work_share"}
+        assert set(result["figures"]) == {"hp_p99_x_alone", "be_work_share", "harvest"}
         assert set(result["tasks"]["a"]) == {
             "priority",
             "completed",
@@ -123,7 +123,8 @@ def test_json_output_has_every_mode_and_field(tmp_path: Path) -> None:
             "jct_cv",
             "device_share",
         }
-    assert modes["exclusive"]["figures"] == {"hp_p99_x_alone": 1.0, "be_work_share": 1.0}
+    alone = {"hp_p99_x_alone": 1.0, "be_work_share": 1.0, "harvest": None}  # (none alone)
+    assert modes["exclusive"]["figures"] == alone
     # Sharing the one queue slows the priority-0 task down.
     assert modes["sharing"]["figures"]["hp_p99_x_alone"] > 1.0
 
@@ -182,6 +183,8 @@ def test_a_late_filler_overruns_the_window_and_the_fill_guard_keeps_it_clear(
                     **scenario,
                     "grant_latency_us": grant_latency_us,
                     "fikit": {"fill_guard_us": guard_us},
+                    # One kernel at a time (no MPS): a late fill holds the GPU.
+                    "gpu": {"mps": False},
                 }
             )
         )

@@ -19,6 +19,12 @@
   is back on pace. So best-effort work is not starved below its request by a busy high
   priority; the high priority then pays for exactly that time.
 
+- **Beside the holder (spatial harvesting, under MPS):** a request queued behind the holders
+  may go at once, beside the holder's running kernel, when the harvest rule
+  (`gpuloom.policies.harvest`, default `spatial`: SMs left free, no profile clash, ends before
+  the holder's next launch) admits it: `beside`, which the caller asks with what runs on the
+  GPU. Only a queued request can go, so one its level's lease (and its quota limit) allows.
+
 With every task at one level this is token sharing (FIKIT admits every holder kernel at once);
 with one task per level and limits of 1 it is FIKIT.
 """
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from gpuloom.policies.admission.leases import NS, Leases
 from gpuloom.policies.admission.model import Kernel, TaskShare
 from gpuloom.policies.fikit.core import UNKNOWN, FikitConfig, FikitCore
+from gpuloom.policies.harvest import Candidate, HarvestPolicy, Running, SpatialHarvest
 from gpuloom.policies.tokens import TokenConfig
 
 
@@ -59,6 +66,7 @@ class ComposedAdmission:
         token_policy: str = "spatiotemporal",
         guarantee: bool = True,
         guarantee_slack: float = 0.02,
+        harvest: HarvestPolicy | None = None,
     ) -> None:
         """`guarantee_slack`: how far (a fraction of the window) a task may fall behind its
         request's pace before it is promoted."""
@@ -75,6 +83,8 @@ class ComposedAdmission:
         self._tasks: dict[int, _Task] = {}
         self._ready: list[int] = []
         self._promoted = 0
+        self.harvest: HarvestPolicy = harvest if harvest is not None else SpatialHarvest()
+        self._harvested = 0
 
     def add_task(self, task: int, share: TaskShare, now_ns: int) -> None:
         share.validate()
@@ -152,7 +162,30 @@ class ComposedAdmission:
         counters = self.core.counters()
         result = {name: getattr(counters, name) for name in counters.__slots__}
         result["promoted"] = self._promoted
+        result["harvested"] = self._harvested
         return result
+
+    def beside(
+        self,
+        task: int,
+        candidate: Candidate,
+        running: Sequence[Running],
+        holder_next_launch_ns: int | None,
+        sms: int,
+        now_ns: int,
+    ) -> bool:
+        """Whether the task's request queued behind the holders goes now, beside what runs on
+        the GPU (spatial harvesting); if so the core counts it as fill work."""
+        state = self._tasks.get(task)
+        if state is None or not state.queued:
+            return False
+        if not self.harvest.admit(now_ns, candidate, running, holder_next_launch_ns, sms):
+            return False
+        if not self.core.release(task, now_ns):
+            return False
+        state.queued = False
+        self._harvested += 1
+        return True
 
     def promoted(self, task: int, now_ns: int) -> bool:
         """Whether the task's next kernel goes as the holders' do, to meet its request."""

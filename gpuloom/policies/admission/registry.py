@@ -10,6 +10,7 @@ from gpuloom.policies.admission.model import KernelAdmission
 from gpuloom.policies.admission.sharing import SharingAdmission
 from gpuloom.policies.admission.tokens_only import TokenAdmission
 from gpuloom.policies.fikit.core import FikitConfig
+from gpuloom.policies.harvest import create_harvest_policy
 from gpuloom.policies.registry import Registry
 from gpuloom.policies.tokens import TokenConfig
 
@@ -21,10 +22,13 @@ def make_admission(
     fikit: FikitConfig | None = None,
     tokens: TokenConfig | None = None,
     token_policy: str = "spatiotemporal",
+    harvest: str = "spatial",
 ) -> KernelAdmission:
     """A new policy called `name` with these knobs (each policy takes the ones it uses)."""
     factories = {
-        "composed": lambda: ComposedAdmission(fikit, tokens, token_policy),
+        "composed": lambda: ComposedAdmission(
+            fikit, tokens, token_policy, harvest=create_harvest_policy(harvest)
+        ),
         "fikit": lambda: FikitAdmission(fikit),
         "token": lambda: TokenAdmission(token_policy, tokens, "held", "token"),
         "fifo": lambda: TokenAdmission("fifo", tokens, "held", "fifo"),
