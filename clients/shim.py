@@ -128,7 +128,14 @@ class ShimClient:
             sock.close()
             raise
         kind = message.WhichOneof("body")
-        if kind != "registered" or len(fds) not in (1, 2):
+        # A FIKIT registration (policies fikit and composed) also carries the arbiter's doorbell
+        # and priority boards: this client admits no kernels, so it keeps only the region (and
+        # under composed asks for its level's leases on the socket).
+        if (
+            kind != "registered"
+            or not fds
+            or (len(fds) > 2 and message.registered.mode != ShimMode.FIKIT)
+        ):
             for fd in fds:
                 os.close(fd)
             sock.close()
@@ -140,11 +147,11 @@ class ShimClient:
         finally:
             os.close(fds[0])
         desk = None
-        if len(fds) == 2:
-            if use_desk and message.registered.mode == ShimMode.SHARE:
-                desk = DeskPort(region.mapping, fds[1])
-            else:
-                os.close(fds[1])
+        if len(fds) == 2 and use_desk and message.registered.mode == ShimMode.SHARE:
+            desk = DeskPort(region.mapping, fds[1])
+        else:
+            for fd in fds[1:]:
+                os.close(fd)
         registered = message.registered
         registration = Registration(
             assignment_id=registered.assignment_id,

@@ -10,6 +10,7 @@ cap) exactly as a framework's own calls would.
 from __future__ import annotations
 
 import ctypes
+import enum
 import threading
 
 CUDA_SUCCESS = 0
@@ -141,3 +142,103 @@ class Driver:
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         self._check("cuMemGetInfo_v2", self._mem_info(ctypes.byref(free), ctypes.byref(total)))
         return free.value, total.value
+
+
+# ---- the driver's checkpoint API (CUDA Checkpointing, r570 and newer drivers) ----
+
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_NOT_SUPPORTED = 801
+CUDA_ERROR_ILLEGAL_STATE = 401
+CUDA_ERROR_TIMEOUT = 909
+CHECKPOINT_FUNCTIONS = (
+    "cuCheckpointProcessLock",
+    "cuCheckpointProcessCheckpoint",
+    "cuCheckpointProcessRestore",
+    "cuCheckpointProcessUnlock",
+    "cuCheckpointProcessGetState",
+)
+
+
+class ProcessState(enum.IntEnum):
+    """CUprocessState: where a process is in the checkpoint state machine."""
+
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class CheckpointUnsupported(OSError):
+    """The driver has no checkpoint API (older than r570, or a driver without it)."""
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [
+        ("timeout_ms", ctypes.c_uint),
+        ("reserved0", ctypes.c_uint),
+        ("reserved1", ctypes.c_uint64 * 7),
+    ]
+
+
+class _ReservedArgs(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class CheckpointDriver:
+    """The checkpoint API as an external controller calls it: on another process, by pid.
+    Lock blocks the process's further CUDA calls (waiting for those in flight), checkpoint
+    moves its device memory to host memory and releases the GPU's, restore brings it back
+    (to the same addresses), unlock lets it run. Each call raises CudaError on failure.
+    Thread-safe (the driver serialises requests per process)."""
+
+    def __init__(self, library: str = DEFAULT_LIBRARY) -> None:
+        try:
+            lib = ctypes.CDLL(library)
+        except OSError as error:
+            raise CheckpointUnsupported(
+                f"cannot load the CUDA driver {library!r}: {error}"
+            ) from None
+        missing = [name for name in CHECKPOINT_FUNCTIONS if not hasattr(lib, name)]
+        if missing:
+            raise CheckpointUnsupported(
+                f"the CUDA driver {library!r} has no checkpoint API (missing {', '.join(missing)})"
+            )
+        self.library = library
+        init = lib.cuInit
+        init.argtypes, init.restype = [ctypes.c_uint], _CU
+        Driver._check("cuInit", init(0))
+        self._fns = {}
+        for name in CHECKPOINT_FUNCTIONS:
+            function = getattr(lib, name)
+            function.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            function.restype = _CU
+            self._fns[name] = function
+
+    def state(self, pid: int) -> ProcessState:
+        value = ctypes.c_int()
+        Driver._check(
+            "cuCheckpointProcessGetState",
+            self._fns["cuCheckpointProcessGetState"](pid, ctypes.byref(value)),
+        )
+        return ProcessState(value.value)
+
+    def lock(self, pid: int, timeout_ms: int = 0) -> None:
+        """timeout_ms: give up (CUDA_ERROR_TIMEOUT, the process left running) after that long
+        waiting for its calls in flight; 0: no limit."""
+        args = _LockArgs(timeout_ms=timeout_ms)
+        Driver._check(
+            "cuCheckpointProcessLock", self._fns["cuCheckpointProcessLock"](pid, ctypes.byref(args))
+        )
+
+    def _call(self, name: str, pid: int) -> None:
+        args = _ReservedArgs()
+        Driver._check(name, self._fns[name](pid, ctypes.byref(args)))
+
+    def checkpoint(self, pid: int) -> None:
+        self._call("cuCheckpointProcessCheckpoint", pid)
+
+    def restore(self, pid: int) -> None:
+        self._call("cuCheckpointProcessRestore", pid)
+
+    def unlock(self, pid: int) -> None:
+        self._call("cuCheckpointProcessUnlock", pid)

@@ -77,6 +77,9 @@ _OFF_SM_PERCENT, _OFF_MODE = 40, 44
 _OFF_SUSPEND_UNTIL, _OFF_SAMPLE_PERIOD = 48, 56
 # FIKIT words: the arbiter writes these ...
 OFF_FK_GRANT, OFF_FK_ROLE, OFF_FK_NOTIFY, OFF_FK_BEAT = 64, 68, 72, 80
+# Mode FIKIT under policy composed: 1 = the leases of its priority level bound it too (written
+# by the dispatcher before the shim sees the region).
+OFF_FK_LEASED = 76
 # The dispatcher's heartbeat (CLOCK_MONOTONIC ns, every mode; written by its native thread every
 # BEAT_PERIOD_NS; 0: it gives none): a shim that asks for nothing takes a beat older than its
 # bound (GPULOOM_SHIM_WAIT_MS, at least BEAT_MIN_PERIODS periods) for a lost dispatcher.
@@ -96,6 +99,9 @@ OFF_FK_RELEASED, OFF_FK_RELEASED_KERNEL = 320, 328
 OFF_FK_OPENERS, OFF_FK_OPENERS_ALL = 336, 368
 OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
 ARM_KERNELS = 4  # kernel IDs an arm names
+# The training loop's period seen in the kernel stream (the shim's kperiod.c): kernels per
+# iteration (u32, 0: none seen), its mean duration and its latest boundary (u64 ns each).
+OFF_KP_PERIOD, OFF_KP_PERIOD_NS, OFF_KP_BOUNDARY_NS = 424, 432, 440
 # A priority board (one per priority per GPU), written by the holder shim of that priority.
 BOARD_BYTES, BOARD_LAUNCH, BOARD_FIRED, BOARDS = 64, 0, 8, 10
 # The memory sample ring, written by the shim in every mode: entries written so far (u32), then
@@ -287,6 +293,11 @@ class AdmissionRegion:
 
     def publish_lease(self, lease_id: int, until_ns: int) -> None:
         self._publish(AdmissionState.LEASED, until_ns, lease_id, wake=True)
+
+    def publish_leased(self) -> None:
+        """Mode FIKIT under policy composed: the shim asks its level for a lease before the
+        arbiter (set before the region is passed)."""
+        struct.pack_into("<I", self._mapping, OFF_FK_LEASED, 1)
 
     def publish_open(self) -> None:
         self._publish(AdmissionState.OPEN, OPEN_ENDED_NS, 0, wake=True)

@@ -73,7 +73,7 @@ def test_status_by_gpu_and_by_address(plane: Plane) -> None:
         assert by_gpu.returncode == 0, by_gpu.stderr
         lines = by_gpu.stdout.splitlines()
         assert lines[0].startswith(f"GPU 0 {GPU0} on node ")
-        assert "policy spatiotemporal, window 1000 ms" in lines[1]
+        assert "policy composed, window 1000 ms" in lines[1]
         assert "time quota reserved 20.0%" in lines[2] and "memory reserved 2.00 GiB" in lines[2]
         row = next(line for line in lines if "by-hand-1" in line)
         assert f" {os.getpid()} " in row and "by-hand" in row and " 3 " in row

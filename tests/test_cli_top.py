@@ -115,7 +115,7 @@ def test_json_is_one_object_with_every_gpu_and_process(day: Day) -> None:
     assert shared["entry"]["jobs"] == 2
     assert shared["entry"]["area_reserved_percent"] == pytest.approx((60 * 40 + 60 * 10) / 100)
     status = shared["status"]
-    assert status["policy"] == "spatiotemporal"
+    assert status["policy"] == "composed"
     assert status["quota_reserved_percent"] == pytest.approx(50)
     processes = {c["assignment"]["assignment_id"]: c for c in status["clients"]}
     serve, batch = processes[day.serve.job_id], processes[day.batch.job_id]
@@ -153,7 +153,7 @@ def test_once_prints_one_frame_without_colour(day: Day) -> None:
     assert f"placement {day.plane.placement}" in lines[0]
     assert "2 GPUs  jobs: 0 pending, 0 binding, 2 assigned" in lines[0]
     gpu0 = next(line for line in lines if GPU0 in line)
-    assert re.search(r"schedulable\s+off\s+spatiotemporal\s+2\s+0\s+30\.0\s+50\.0", gpu0), gpu0
+    assert re.search(r"schedulable\s+off\s+composed\s+2\s+0\s+30\.0\s+50\.0", gpu0), gpu0
     assert "12.0/80.0 GiB" in gpu0
     gpu1 = next(line for line in lines if GPU1 in line)
     assert re.search(r"\bMIG\s+on, no instances\b", gpu1), gpu1

@@ -56,3 +56,42 @@ def test_the_reserve_examples_of_readme_and_dispatcher_doc_use_distinct_ids() ->
     dispatcher = _reserve_examples(ROOT / "docs" / "dispatcher.md")
     assert readme and dispatcher
     assert not readme.keys() & dispatcher.keys()
+
+
+def _heading_anchors(doc: Path) -> set[str]:
+    """The anchors GitHub makes of a Markdown file's headings (lower case, punctuation but `-`
+    and `_` dropped, spaces as `-`), code blocks skipped."""
+    anchors, fenced = set(), False
+    for line in doc.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            title = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower())
+            anchors.add(title.replace(" ", "-"))
+    return anchors
+
+
+def test_every_relative_link_of_the_docs_resolves() -> None:
+    broken = []
+    for doc in [*DOCS, ROOT / "protos" / "README.md"]:
+        prose = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target}: no such file")
+            elif anchor and file.suffix == ".md" and anchor not in _heading_anchors(file):
+                broken.append(f"{doc.name}: {target}: no such heading")
+    assert broken == []
+
+
+def test_the_readme_stays_a_front_door() -> None:
+    """What gpuloom is, the two commands, a short table of what runs, links: the detail lives
+    in docs/, so the README stays short and no table cell grows into a page."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    cells = [cell for line in text.splitlines() if line.startswith("|") for cell in line.split("|")]
+    assert max(len(cell) for cell in cells) <= 200
+    assert "scripts/up" in text and "scripts/test" in text

@@ -177,7 +177,7 @@ def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: P
     "--inflate",
     default=None,
     type=click.FloatRange(min=0, min_open=True),
-    help="Arrivals until GPU requests reach this x the GPU capacity.  [default: 1.3]",
+    help="Tune the list's GPU requests to this x the GPU capacity.  [default: 1.3]",
 )
 @click.option(
     "--replay",
@@ -213,8 +213,9 @@ def fleet(
     plot: Path | None,
 ) -> None:
     """Place the pods of POD list on the NODES list, one at a time, none leaving (the FGD
-    paper's protocol: shuffled list, then clones up to INFLATE x GPU capacity); with --replay,
-    at the list's own creation times, each leaving after its lifetime."""
+    paper's simulator's protocol: shuffled list, tuned to INFLATE x GPU capacity by clones or
+    random removal; ties in a node order drawn from the seed; the published seeds are 42-51);
+    with --replay, at the list's own creation times, each leaving after its lifetime."""
     if replay_times and inflate is not None:
         click.echo("error: --inflate is for the FGD protocol; --replay takes no clones", err=True)
         sys.exit(2)

@@ -112,6 +112,8 @@ def suspend_state_from_pb(msg: pb.ClientStatus) -> SuspendState:
         memory_bytes=msg.suspended_memory_bytes,
         minibatch_s=msg.training.minibatch_s,
         at_unix_s=unix_s(msg, "suspended_at"),
+        memory_released=msg.suspended_memory_released,
+        memory_note=msg.suspended_memory_note,
     )
 
 
@@ -146,4 +148,6 @@ def _process_to_pb(process: ProcessStatus, gpu: common_pb2.GpuRef) -> pb.ClientS
         suspend_wait_ms=0.0 if suspension is None else suspension.wait_ms,
         suspended_memory_bytes=0 if suspension is None else suspension.memory_bytes,
         suspend_outcome="" if suspension is None else suspension.outcome,
+        suspended_memory_released=suspension is not None and suspension.memory_released,
+        suspended_memory_note="" if suspension is None else suspension.memory_note,
     )

@@ -75,7 +75,9 @@ def reports_from_pb(reports: Iterable[pb.TrainingReport]) -> list[TrainingReport
         except InvalidArgument as error:  # a Timestamp out of range: name it in full
             problem = error.message.removeprefix(f"{error.field}: ")
             raise InvalidArgument(f"training[{index}].cycle.{error.field}", problem) from None
-        report = TrainingReport(msg.assignment_id, cycle, msg.suspended, msg.suspended_reason)
+        report = TrainingReport(
+            msg.assignment_id, cycle, msg.suspended, msg.suspended_reason, msg.memory_released
+        )
         report.validate(f"training[{index}]")
         out.append(report)
     return out
@@ -89,6 +91,7 @@ def report_to_pb(report: TrainingReport) -> pb.TrainingReport:
         cycle=None if report.cycle == TrainingCycle() else cycle_to_pb(report.cycle),
         suspended=report.suspended,
         suspended_reason=report.suspended_reason,
+        memory_released=report.memory_released,
     )
 
 

@@ -43,6 +43,8 @@ class SuspendState:
     memory_bytes: int  # held when suspended
     minibatch_s: float  # the detected mini-batch time (0: none)
     at_unix_s: float = 0.0  # when it was suspended
+    memory_released: bool = False  # its device memory is in host memory (checkpointed)
+    memory_note: str = ""  # why not released, or why a resume could not restore it
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,6 +94,9 @@ class TrainingReport:
     cycle: TrainingCycle
     suspended: bool
     suspended_reason: str = ""  # while suspended: the reason it was suspended for
+    # While suspended: its device memory is in host memory (the driver's checkpoint API), so
+    # the GPU's memory it was given is free until it resumes.
+    memory_released: bool = False
 
     def validate(self, field: str) -> None:
         if not 1 <= len(self.assignment_id) <= 128:

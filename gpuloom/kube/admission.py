@@ -1,4 +1,6 @@
-"""The mutating admission webhook's answer (admission.k8s.io/v1 AdmissionReview), pure.
+"""The admission webhooks' answers (admission.k8s.io/v1 AdmissionReview), pure: the mutating
+webhook's, and the validating webhook's (`validating`: the same checks on the Pod as every
+mutating webhook left it, no patch).
 
 A Pod that asks for gpuloom resources is validated (`pod_ask`, and against the fleet
 placement registered: GPU models, memory, GPUs per node) and, when valid, patched (JSONPatch)
@@ -98,9 +100,16 @@ class AdmissionPolicy:
     fleet: FleetLimits = field(default_factory=FleetLimits)
 
 
-def answer(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]:
+def answer(
+    review: Mapping[str, Any], policy: AdmissionPolicy, validating: bool = False
+) -> dict[str, Any]:
     """The AdmissionReview to send back for `review`. Raises ValueError when `review` is no
-    AdmissionReview request (the server answers 400)."""
+    AdmissionReview request (the server answers 400).
+
+    `validating`: the answer of the validating webhook (ValidatingWebhookConfiguration), which
+    the API server calls with the Pod as every mutating webhook left it: the same checks, no
+    patch (a validating webhook may not send one), and a gpuloom Pod must still be sent to
+    gpuloom's scheduler profile (another webhook may have changed it after this one's)."""
     if not isinstance(review, Mapping) or review.get("apiVersion") != API_VERSION:
         raise ValueError(f"not an {API_VERSION} AdmissionReview")
     request = review.get("request")
@@ -109,6 +118,9 @@ def answer(review: Mapping[str, Any], policy: AdmissionPolicy) -> dict[str, Any]
     response: dict[str, Any] = {"uid": request["uid"], "allowed": True}
     try:
         patch = _decide(request, policy)
+        if validating:
+            _check_final(request, policy)
+            patch = []
     except InvalidArgument as error:
         response["allowed"] = False
         response["status"] = {
@@ -147,6 +159,23 @@ def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[st
     ask = pod_ask(pod, policy.policies, policy.priority_classes)
     policy.fleet.check(ask)
     return _patch(pod, ask, policy.scheduler_name)
+
+
+def _check_final(request: Mapping[str, Any], policy: AdmissionPolicy) -> None:
+    """A gpuloom Pod created as every mutating webhook left it is still gpuloom's to
+    schedule: its schedulerName is gpuloom's profile."""
+    pod = request.get("object")
+    if request.get("operation") != "CREATE" or not isinstance(pod, Mapping):
+        return
+    if _dig(request, "kind", "kind") != "Pod" or not asks_gpuloom(pod):
+        return
+    name = _dig(pod, "spec", "schedulerName")
+    if name != policy.scheduler_name:
+        raise InvalidArgument(
+            "spec.schedulerName",
+            f"a Pod asking for gpuloom resources is scheduled by {policy.scheduler_name!r} "
+            f"(gpuloom's mutating webhook sets it; got {str(name)[:64]!r})",
+        )
 
 
 def _dig(document: object, *keys: str) -> object:

@@ -19,11 +19,13 @@ import os
 import structlog
 
 from gpuloom.credentials import (
+    KUBERNETES_COMPONENTS,
     SERVER_NAME,
     CredentialsError,
     default_directory,
     ensure,
     existing,
+    kubernetes_complete,
 )
 from gpuloom.services.common.server import is_loopback
 from gpuloom.services.common.settings import SettingsError
@@ -75,10 +77,21 @@ def secure_process(services: tuple[str, ...], bind_host: str, embedded: bool) ->
             "GPULOOM_AUTH_TOKENS_FILE; GPULOOM_INSECURE=true serves with no authentication at "
             "all (docs/security.md)"
         )
+    # gpuloom's Kubernetes components call placement as the submitter `kubernetes`, with a
+    # token and a certificate of their own (`init --kubernetes`), never the services' token.
+    component = services[0] if len(services) == 1 and services[0] in KUBERNETES_COMPONENTS else ""
+    if component and not kubernetes_complete(credentials):
+        raise SettingsError(
+            f"GPULOOM_CREDENTIALS_DIR: {directory} holds no {component}.token and certificate: "
+            "gpuloom's Kubernetes components call placement as the submitter kubernetes, never "
+            "with the services' token; make their files with `gpuloom credentials init "
+            "--kubernetes`"
+        )
     env["GPULOOM_CREDENTIALS_DIR"] = str(directory)
     env["GPULOOM_AUTH_TOKENS_FILE"] = str(credentials.tokens)
     env.pop("GPULOOM_AUTH_TOKEN", None)
-    env["GPULOOM_AUTH_TOKEN_FILE"] = str(credentials.service_token)
+    token = credentials.file(f"{component}.token") if component else credentials.service_token
+    env["GPULOOM_AUTH_TOKEN_FILE"] = str(token)
     if loopback:
         env.setdefault("GPULOOM_AUTH_ANONYMOUS_READS", "true")
         for variable in ("GPULOOM_TLS_CA_FILE", "GPULOOM_TLS_KEY_FILE"):

@@ -11,12 +11,14 @@ from pathlib import Path
 import structlog
 
 from gpuloom.domain.gpus import GpuInfo
+from gpuloom.policies.admission.levels import LevelScheduler
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.registry import get_policy
 from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.dispatcher.arbiter import Arbiter
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
+from gpuloom.services.dispatcher.checkpoint import Checkpointer
 from gpuloom.services.dispatcher.core import DispatcherCore
 from gpuloom.services.dispatcher.domain import DispatcherEvent
 from gpuloom.services.dispatcher.gpu import open_backend
@@ -32,7 +34,11 @@ from gpuloom.services.dispatcher.placement_link import PlacementLink, advertised
 from gpuloom.services.dispatcher.profiling import ProfilerLink
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.servicer import SERVICE, DispatcherServicer
-from gpuloom.services.dispatcher.settings import FIKIT_POLICY, DispatcherSettings
+from gpuloom.services.dispatcher.settings import (
+    COMPOSED_POLICY,
+    FIKIT_POLICY,
+    DispatcherSettings,
+)
 from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
 
 log = structlog.get_logger("gpuloom.dispatcher")
@@ -108,11 +114,17 @@ async def start_gpu_dispatcher(
     socket_path = (socket_dir / f"gpu-{gpu.index}.sock").absolute()
     book = ReservationBook(gpu.memory_bytes, state_dir / "reservations.json")
     config = token_config(settings)
-    fikit = settings.policy == FIKIT_POLICY
-    # Under fikit no share is leased (kernels are admitted natively); the token scheduler
-    # only serves the channel's lease path, which FIKIT shims do not use.
-    token_policy = "exclusive" if fikit else settings.policy
-    scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
+    composed = settings.policy == COMPOSED_POLICY
+    fikit = composed or settings.policy == FIKIT_POLICY
+    scheduler: TokenScheduler | LevelScheduler
+    if composed:
+        # The arbiter between priority levels; within each level, spatio-temporal leases.
+        scheduler = LevelScheduler("spatiotemporal", config, time.monotonic())
+    else:
+        # Under fikit no share is leased (kernels are admitted natively); the token scheduler
+        # only serves the channel's lease path, which FIKIT shims do not use.
+        token_policy = "exclusive" if fikit else settings.policy
+        scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
     arbiter = None
     if fikit:
         arbiter = Arbiter(
@@ -174,6 +186,7 @@ async def start_gpu_dispatcher(
         window_s=config.window_s,
         choose_mode=None if link is None else link.choose_mode,
         arbiter=arbiter,
+        composed=composed,
         kernel_tables=kernel_tables,
         lease_desk=settings.lease_desk,
         introspector=introspector,
@@ -193,6 +206,11 @@ async def start_gpu_dispatcher(
         mps=mps,
         introspector=introspector,
         suspend_max_wait_s=settings.suspend_max_wait_ms / 1e3,
+        checkpointer=(
+            Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
+            if settings.suspend_release_memory
+            else None
+        ),
     )
 
     def store_environment() -> dict[str, str]:

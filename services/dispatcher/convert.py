@@ -110,6 +110,8 @@ def client_status_to_pb(
         suspend_wait_ms=0.0 if suspension is None else suspension.wait_s * 1e3,
         suspended_memory_bytes=0 if suspension is None else suspension.memory_bytes,
         suspend_outcome="" if suspension is None else suspension.outcome.value,
+        suspended_memory_released=suspension is not None and suspension.memory_released,
+        suspended_memory_note="" if suspension is None else suspension.memory_note,
     )
 
 

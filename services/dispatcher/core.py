@@ -27,7 +27,9 @@ from gpuloom.domain.placement import ASSIGNMENT_TOKEN_VARIABLE
 from gpuloom.domain.training import TIME_SLICE_REASON, TrainingCycle, TrainingReport
 from gpuloom.policies.mig import Plan, UnknownPolicyError, get_planner
 from gpuloom.policies.tokens.scheduler import SchedulerSnapshot
+from gpuloom.services.dispatcher import metrics
 from gpuloom.services.dispatcher.channel import ConnectedProcess, ShimChannel
+from gpuloom.services.dispatcher.checkpoint import Checkpointer, CheckpointRefused, MemoryState
 from gpuloom.services.dispatcher.domain import (
     LEASE_EVENTS,
     ClientStatus,
@@ -37,6 +39,7 @@ from gpuloom.services.dispatcher.domain import (
     LeaseState,
     Reservation,
     ReserveSpec,
+    Suspension,
 )
 from gpuloom.services.dispatcher.gpu.backend import GpuBackend, GpuUsage
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector
@@ -92,6 +95,7 @@ class DispatcherCore:
         mps: MpsSupervisor | None = None,
         introspector: TrainingIntrospector | None = None,
         suspend_max_wait_s: float = 2.0,
+        checkpointer: Checkpointer | None = None,
     ) -> None:
         self.gpu = gpu
         self.node = node
@@ -109,6 +113,11 @@ class DispatcherCore:
         self.mps = mps
         self.introspector = introspector
         self.suspend_max_wait_s = suspend_max_wait_s
+        # Suspension that frees memory (the driver's checkpoint API; None: off, memory stays
+        # resident). What became of each suspended client's memory, by assignment id.
+        self.checkpointer = checkpointer
+        self._memory: dict[str, MemoryState] = {}
+        self._memory_watch: asyncio.Task[None] | None = None
         # Told when the GPU's description changes (MIG mode): the placement link registers
         # the GPU again.
         self.on_gpu_changed: Callable[[], None] | None = None
@@ -214,6 +223,7 @@ class DispatcherCore:
 
     async def _end_in_full(self, assignment_id: str, reason: str, kind: EventKind) -> bool:
         reservation = await asyncio.to_thread(self.book.release, assignment_id)
+        self._memory.pop(assignment_id, None)
         if reservation is None:
             return False
         await self._on_channel(
@@ -238,15 +248,100 @@ class DispatcherCore:
         pending = await self._on_channel(
             lambda: self.channel.begin_suspend(assignment_id, wait_s, reason)
         )
-        await asyncio.wrap_future(pending)
+        if await asyncio.wrap_future(pending) is not None:
+            await self._release_memory(assignment_id)
         return await self.client_status(assignment_id)
 
     async def resume(self, assignment_id: str) -> ClientStatus:
-        """Admit the client's kernels again. Idempotent."""
+        """Admit the client's kernels again. Idempotent. A client whose memory was released
+        gets it back first; if that fails (no room on the GPU, the driver failed) it stays
+        suspended and its status says why."""
         if self.book.get(assignment_id) is None:
             raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        if not await self._restore_memory(assignment_id):
+            return await self.client_status(assignment_id)
         await self._on_channel(lambda: self.channel.resume(assignment_id))
         return await self.client_status(assignment_id)
+
+    # ---- suspension that frees memory (services/dispatcher/checkpoint.py) ----
+
+    async def _release_memory(self, assignment_id: str) -> None:
+        """After the suspension point: the client's device memory to host memory, when the
+        driver can (its process, as registered, is the one checkpointed)."""
+        if assignment_id in self._memory and self._memory[assignment_id].released:
+            return
+        checkpointer = self.checkpointer
+        if checkpointer is None:
+            return
+        connected = await self._on_channel(self.channel.connected)
+        process = connected.get(assignment_id)
+        if process is None:
+            return  # nothing runs: nothing holds memory
+        try:
+            state = await asyncio.to_thread(checkpointer.release, process.pid, (process.pid,))
+        except CheckpointRefused as error:  # cannot happen with the registered pid
+            state = MemoryState(False, f"memory resident: {error}")
+        self._memory[assignment_id] = state
+        outcome = "released" if state.released else "resident"
+        metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), outcome).inc()
+        log.info(
+            "suspended client's memory " + outcome,
+            assignment=assignment_id,
+            pid=process.pid,
+            note=state.note or None,
+        )
+        if state.released and self._memory_watch is None:
+            self._memory_watch = asyncio.create_task(self._watch_released())
+
+    async def _restore_memory(self, assignment_id: str) -> bool:
+        """Before a resume: the released memory back. False: it could not be (still suspended,
+        the reason in its status)."""
+        state = self._memory.get(assignment_id)
+        if state is None or not state.released or self.checkpointer is None:
+            self._memory.pop(assignment_id, None)
+            return True
+        after = await asyncio.to_thread(self.checkpointer.restore, state)
+        if after.restore_failed:
+            self._memory[assignment_id] = after
+            metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), "restore_failed").inc()
+            log.warning("suspended client's memory not restored", assignment=assignment_id,
+                        why=after.note)  # fmt: skip
+            return False
+        del self._memory[assignment_id]
+        metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), "restored").inc()
+        return True
+
+    async def _watch_released(self) -> None:
+        """A process that dies while its memory is checkpointed: its reservation is freed
+        (evicted: placement hears of it), so nothing stays held for it."""
+        try:
+            while any(state.released for state in self._memory.values()):
+                await asyncio.sleep(1.0)
+                for assignment_id, state in list(self._memory.items()):
+                    if not state.released or self.checkpointer is None:
+                        continue
+                    if await asyncio.to_thread(self.checkpointer.alive, state):
+                        continue
+                    self._memory.pop(assignment_id, None)
+                    if self.book.get(assignment_id) is not None:
+                        await self.evict(
+                            assignment_id,
+                            "its process died while suspended with its GPU memory checkpointed",
+                        )
+        finally:
+            self._memory_watch = None
+
+    def _with_memory(self, assignment_id: str, suspension: Suspension | None) -> Suspension | None:
+        state = self._memory.get(assignment_id)
+        if suspension is None:
+            return None
+        if state is None:
+            if self.checkpointer is not None and self.checkpointer.unsupported:
+                return replace(
+                    suspension, memory_note=f"memory resident: {self.checkpointer.unsupported}"
+                )
+            return suspension
+        return replace(suspension, memory_released=state.released, memory_note=state.note)
 
     async def training_reports(self) -> list[TrainingReport]:
         """Each reservation with a detected cycle or a suspension, by assignment id."""
@@ -258,6 +353,8 @@ class DispatcherCore:
                 cycles.get(r.assignment_id, TrainingCycle()),
                 r.assignment_id in suspended,
                 suspended[r.assignment_id].reason if r.assignment_id in suspended else "",
+                r.assignment_id in suspended
+                and self._memory.get(r.assignment_id, MemoryState(False)).released,
             )
             for r in sorted(self.book.all(), key=lambda r: r.assignment_id)
             if r.assignment_id in cycles or r.assignment_id in suspended
@@ -291,7 +388,9 @@ class DispatcherCore:
             replace(
                 self._client_status(reservation, snapshot, connected, now),
                 training=cycles.get(reservation.assignment_id),
-                suspension=suspended.get(reservation.assignment_id),
+                suspension=self._with_memory(
+                    reservation.assignment_id, suspended.get(reservation.assignment_id)
+                ),
             )
             for reservation in sorted(self.book.all(), key=lambda r: r.reserved_at_unix_s)
         )

@@ -184,6 +184,11 @@ class Suspension:
     wait_s: float  # how long it waited for the suspension point
     outcome: SuspendOutcome
     memory_bytes: int  # device memory it held when suspended (its last sample; 0: unknown)
+    # Its device memory is in host memory (the driver's checkpoint API): the GPU's is free.
+    memory_released: bool = False
+    # Why it is not released (no checkpoint API, a lock that timed out...), or why a resume
+    # could not restore it (it stays suspended); "" otherwise.
+    memory_note: str = ""
 
 
 @dataclass(frozen=True, slots=True)

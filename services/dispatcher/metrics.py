@@ -26,6 +26,13 @@ CLIENT_QUOTA = prometheus_client.Gauge(
     "A client's time quota as a fraction of the window",
     ["gpu", "assignment", "bound"],
 )
+LEVEL_USED = prometheus_client.Gauge(
+    "gpuloom_dispatcher_level_used_ratio",
+    "Policy composed: GPU time charged to the clients of a priority level in the current window,"
+    " as a fraction of the window (a level's sole client with a 100% limit holds an open-ended"
+    " lease and is charged when it ends)",
+    ["gpu", "priority"],
+)
 QUOTA_RESERVED = prometheus_client.Gauge(
     "gpuloom_dispatcher_quota_reserved_ratio",
     "Sum of the time-quota requests of the GPU's reservations (a time-slice group counted once),"
@@ -112,6 +119,13 @@ SUSPENSIONS = prometheus_client.Counter(
     "gpuloom_dispatcher_suspensions_total",
     "Clients suspended, by how the suspension point was reached: low_point, timeout (no low "
     "point within max_wait_ms), no_cycle (none detected), not_running (no process connected)",
+    ["gpu", "outcome"],
+)
+SUSPEND_MEMORY = prometheus_client.Counter(
+    "gpuloom_dispatcher_suspend_memory_total",
+    "What became of suspended clients' device memory: released (the driver's checkpoint API "
+    "moved it to host memory), resident (kept on the GPU: no API, or the lock or checkpoint "
+    "failed), restored (back at resume), restore_failed (not back: still suspended)",
     ["gpu", "outcome"],
 )
 SUSPENDED = prometheus_client.Gauge(

@@ -17,8 +17,13 @@ from gpuloom.services.dispatcher.placement_link import check_advertise_host
 
 # Not a token policy: kernels are admitted one by one by the native FIKIT arbiter.
 FIKIT_POLICY = "fikit"
+# The default (gpuloom/policies/admission/composed.py): the FIKIT arbiter between priority
+# levels, spatio-temporal leases (quotas, SM partitions) within each level.
+COMPOSED_POLICY = "composed"
 # The policies whose shares are SM partitions (FaST-GShare's spatio-temporal rectangles): their
-# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on.
+# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on. Not composed: its
+# arbiter predicts gaps from kernels that run one process at a time (FIKIT does not mix with
+# MPS, the paper's 3.1); its SM percents only say which leases of a level may run together.
 SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
 
 
@@ -36,7 +41,7 @@ class DispatcherSettings(BaseSettings):
     # Unix sockets of the shim channels; empty: GPULOOM_DATA_DIR/dispatcher.
     socket_dir: Path | None = None
     node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
-    policy: str = "spatiotemporal"
+    policy: str = COMPOSED_POLICY
     window_ms: float = Field(default=1000.0, gt=0, le=60_000)
     lease_min_ms: float = Field(default=2.0, gt=0)
     lease_max_ms: float = Field(default=100.0, gt=0)
@@ -100,8 +105,14 @@ class DispatcherSettings(BaseSettings):
     # The model store (docs/dispatcher.md, "Model sharing"): LoadModel reads weights files only
     # from inside this directory; empty: LoadModel is refused (FAILED_PRECONDITION).
     models_dir: Path | None = None
-    # The CUDA driver library the store's process opens (a name or a path).
+    # The CUDA driver library the store's process opens (a name or a path); the dispatcher
+    # opens it too for the checkpoint API (suspension that frees memory).
     cuda_library: str = Field(default="libcuda.so.1", min_length=1, max_length=4096)
+    # Suspension frees the client's GPU memory through the driver's checkpoint API (lock +
+    # checkpoint; restore + unlock at resume; docs/training.md); off, or without the API, the
+    # memory stays resident. The lock waits this long for the process's calls in flight.
+    suspend_release_memory: bool = True
+    suspend_lock_timeout_ms: int = Field(default=10_000, ge=0, le=3_600_000)
     # Training introspection (docs/training.md): the shortest interval between two memory
     # samples a shim writes (0: none, and no cycle is detected); how far back and how often the
     # dispatcher looks for each process's mini-batch cycle.
@@ -121,7 +132,7 @@ class DispatcherSettings(BaseSettings):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        known = {*POLICIES, FIKIT_POLICY}
+        known = {*POLICIES, FIKIT_POLICY, COMPOSED_POLICY}
         if name not in known:
             raise ValueError(f"unknown policy; known: {', '.join(sorted(known))}")
         return name

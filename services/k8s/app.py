@@ -17,7 +17,7 @@ from gpuloom.services.common.settings import SettingsError
 from gpuloom.services.k8s.controller import PodController
 from gpuloom.services.k8s.deviceplugin import DevicePlugin, DevicePluginConfig, DevicePluginServer
 from gpuloom.services.k8s.extender import Extender, GpuNodes
-from gpuloom.services.k8s.http import JsonServer, server_tls
+from gpuloom.services.k8s.http import JsonServer, Route, server_tls
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
 from gpuloom.services.k8s.pods import PodJobs
@@ -70,15 +70,13 @@ class K8sApp:
             log.warning("first reconcile failed; serving anyway", error=str(error))
             await controller.start_loop()
         server = JsonServer(
-            {
-                "/admission": webhook.review,
-                "/filter": extender.filter,
-                "/prioritize": extender.prioritize,
-                "/bind": extender.bind,
-            }
+            routes(webhook, extender),
+            certified=EXTENDER_ROUTES if settings.extender_client_ca_file else (),
         )
         tls = (
-            server_tls(settings.tls_cert_file, settings.tls_key_file)
+            server_tls(
+                settings.tls_cert_file, settings.tls_key_file, settings.extender_client_ca_file
+            )
             if settings.tls_cert_file
             else None
         )
@@ -96,6 +94,21 @@ class K8sApp:
         await self.controller.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
+
+
+EXTENDER_ROUTES = ("/filter", "/prioritize", "/bind")
+
+
+def routes(webhook: AdmissionWebhook, extender: Extender) -> dict[str, Route]:
+    """What the k8s process serves (POST): the webhooks' paths (deploy/k8s/base/webhooks.yaml)
+    and the extender's verbs (the scheduler's urlPrefix + "/" + verb, scheduler.yaml)."""
+    return {
+        "/admission": webhook.review,
+        "/validate": webhook.validate,
+        "/filter": extender.filter,
+        "/prioritize": extender.prioritize,
+        "/bind": extender.bind,
+    }
 
 
 @dataclass

@@ -1,5 +1,7 @@
-"""The mutating admission webhook (admission.k8s.io/v1): gpuloom Pods validated, routed to
-gpuloom's scheduler profile and labelled (gpuloom/kube/admission.py decides); the fleet's
+"""The admission webhooks (admission.k8s.io/v1): gpuloom Pods validated, routed to gpuloom's
+scheduler profile and labelled (the mutating webhook, /admission), and checked again as every
+mutating webhook left them (the validating webhook, /validate; gpuloom/kube/admission.py
+decides both); the fleet's
 limits (GPU models, memory, GPUs per node) read from placement at most every `ttl_s`. When
 placement cannot be reached the last limits read are used (none before the first read:
 placement then refuses the same asks at submission, naming the field), and the other checks
@@ -37,9 +39,17 @@ class AdmissionWebhook:
         self._read_at = -float("inf")
 
     async def review(self, document: object) -> tuple[int, object]:
+        """The mutating webhook (/admission)."""
+        return await self._review(document, validating=False)
+
+    async def validate(self, document: object) -> tuple[int, object]:
+        """The validating webhook (/validate): the Pod as every mutating webhook left it."""
+        return await self._review(document, validating=True)
+
+    async def _review(self, document: object, validating: bool) -> tuple[int, object]:
         await self._refresh()
         try:
-            response = answer(document, self._policy)  # type: ignore[arg-type]
+            response = answer(document, self._policy, validating)  # type: ignore[arg-type]
         except ValueError as error:
             return 400, {"error": str(error)}
         verdict = response["response"]

@@ -40,6 +40,30 @@
  * is added, the legacy 32-bit entry points with addresses below 4 GiB); pools keep nothing
  * after frees whatever their release threshold (which they store and answer).
  *
+ * One GPU's memory (GPULOOM_FAKE_CUDA_SHARED_MEMORY=1): the processes of one
+ * GPULOOM_FAKE_CUDA_DIR share GPULOOM_FAKE_CUDA_MEM_MIB, through a ledger file there (a slot
+ * per process, under flock; a dead process's slot counts nothing, as a real driver frees an
+ * exited process's memory); cuMemGetInfo and the fake NVML answer the device's free memory.
+ * Without it each process has the whole amount to itself (the default, for tests that run
+ * unrelated processes side by side).
+ *
+ * The checkpoint API (cuCheckpointProcess*, the driver's "CUDA Checkpointing"), called by
+ * another process with the target's pid: each process that called cuInit serves requests on a
+ * control page (/dev/shm/gpuloom-fake-ckpt-PID, futex-woken) from a thread of its own, with the
+ * driver's state machine: RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED
+ * -unlock-> RUNNING (FAILED when a restore could not put the bytes back). Lock blocks every
+ * further call that uses the GPU (launches, allocations, frees, copies, synchronisation) and
+ * waits for calls in flight and queued work to finish (timeoutMs: then CUDA_ERROR_TIMEOUT, left
+ * RUNNING). Checkpoint copies each allocation's written pages to host memory (a sparse memfd),
+ * unmaps the device bytes and gives the process's device memory back (the ledger slot drops
+ * to 0); restore takes it again (CUDA_ERROR_OUT_OF_MEMORY when the GPU has no room: still
+ * CHECKPOINTED, restorable later) and copies every byte back to the same addresses. A request
+ * in the wrong state gets CUDA_ERROR_ILLEGAL_STATE; one for a pid that is not a live CUDA
+ * process of this fake, CUDA_ERROR_INVALID_VALUE. Memory another process opened through IPC
+ * keeps the bytes it had at the checkpoint. The restore args' GPU remapping is not modelled
+ * (one fake GPU). GPULOOM_FAKE_CUDA_CKPT_FAIL=restore makes restores fail (state FAILED).
+ * Built with -DFAKE_MINIMAL it has no checkpoint API, like a driver older than r570.
+ *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
  * an older driver.
  */
@@ -52,8 +76,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -81,6 +108,8 @@ static uint64_t g_mem_total;
 static uint64_t g_mem_used;
 static unsigned g_sm_share = 100; /* CUDA_MPS_ACTIVE_THREAD_PERCENTAGE */
 static uint64_t g_switch_us;       /* GPULOOM_FAKE_CUDA_SWITCH_US */
+static int g_ledger_fd = -1;       /* GPULOOM_FAKE_CUDA_SHARED_MEMORY=1: the GPU's memory ledger */
+static int g_fail_restore;         /* GPULOOM_FAKE_CUDA_CKPT_FAIL=restore */
 
 static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace(const char *fmt, ...) {
@@ -112,6 +141,13 @@ __attribute__((constructor)) static void fake_setup(void) {
     g_engine_fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     snprintf(file, sizeof file, "%s/runs.log", dir);
     g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    const char *shared = getenv("GPULOOM_FAKE_CUDA_SHARED_MEMORY");
+    if (shared && strcmp(shared, "1") == 0) {
+        snprintf(file, sizeof file, "%s/memory.ledger", dir);
+        g_ledger_fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    }
+    const char *fail = getenv("GPULOOM_FAKE_CUDA_CKPT_FAIL");
+    g_fail_restore = fail && strcmp(fail, "restore") == 0;
     const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
     g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
     const char *switch_us = getenv("GPULOOM_FAKE_CUDA_SWITCH_US");
@@ -172,6 +208,26 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
         }
     }
     return end;
+}
+
+/* ---- the checkpoint lock: calls that use the GPU wait while the process is locked ---- */
+
+static pthread_cond_t g_unlocked = PTHREAD_COND_INITIALIZER;
+static int g_ckpt_locked; /* guarded by g_lock */
+static int g_inflight;    /* gated calls in progress (guarded by g_lock) */
+
+static void api_enter(void) {
+    pthread_mutex_lock(&g_lock);
+    while (g_ckpt_locked) pthread_cond_wait(&g_unlocked, &g_lock);
+    g_inflight++;
+    pthread_mutex_unlock(&g_lock);
+}
+
+static void api_leave(void) {
+    pthread_mutex_lock(&g_lock);
+    g_inflight--;
+    pthread_cond_broadcast(&g_done);
+    pthread_mutex_unlock(&g_lock);
 }
 
 /* ---- modules, functions ---- */
@@ -378,8 +434,19 @@ static void enqueue(fk_stream *s, fk_op *op) {
     pthread_cond_signal(&s->work);
 }
 
+static CUresult launch_gated(const char *entry, CUfunction f, unsigned gx, unsigned gy,
+                             unsigned gz, unsigned bx, unsigned by, unsigned bz, CUstream stream);
+
 static CUresult launch(const char *entry, CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                        unsigned bx, unsigned by, unsigned bz, CUstream stream) {
+    api_enter();
+    CUresult r = launch_gated(entry, f, gx, gy, gz, bx, by, bz, stream);
+    api_leave();
+    return r;
+}
+
+static CUresult launch_gated(const char *entry, CUfunction f, unsigned gx, unsigned gy,
+                             unsigned gz, unsigned bx, unsigned by, unsigned bz, CUstream stream) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (f == NULL) return CUDA_ERROR_INVALID_HANDLE;
     if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0)
@@ -439,6 +506,69 @@ static CUresult sync_all(void) {
     return CUDA_SUCCESS;
 }
 
+/* ---- the GPU's memory ledger (shared memory mode) ---- */
+
+#define LEDGER_SLOTS 1024
+typedef struct {
+    int32_t pid;
+    uint32_t unused;
+    uint64_t bytes;
+} ledger_slot;
+
+static int pid_alive(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
+/* Under the ledger's flock: the device memory every live process holds, and this process's
+ * slot (-1: none free). */
+static uint64_t ledger_scan(ledger_slot *slots, int *mine) {
+    memset(slots, 0, sizeof(ledger_slot) * LEDGER_SLOTS);
+    if (pread(g_ledger_fd, slots, sizeof(ledger_slot) * LEDGER_SLOTS, 0) < 0) { /* empty */
+    }
+    uint64_t used = 0;
+    int me = (int)getpid(), empty = -1;
+    *mine = -1;
+    for (int i = 0; i < LEDGER_SLOTS; i++) {
+        if (slots[i].pid == me) *mine = i;
+        else if (slots[i].pid != 0 && pid_alive(slots[i].pid)) used += slots[i].bytes;
+        else if (empty < 0) empty = i;
+    }
+    if (*mine < 0 && empty >= 0) {
+        *mine = empty;
+        slots[empty] = (ledger_slot){me, 0, 0};
+    }
+    if (*mine >= 0) used += slots[*mine].bytes;
+    return used;
+}
+
+/* Take (delta > 0, if the GPU has room) or give back (delta < 0) device memory. 0: no room. */
+static int ledger_change(int64_t delta) {
+    if (g_ledger_fd < 0) return 1;
+    ledger_slot slots[LEDGER_SLOTS];
+    int mine, ok = 1;
+    flock(g_ledger_fd, LOCK_EX);
+    uint64_t used = ledger_scan(slots, &mine);
+    if (mine < 0 || (delta > 0 && used + (uint64_t)delta > g_mem_total)) {
+        ok = delta <= 0;
+    } else {
+        ledger_slot *slot = &slots[mine];
+        slot->bytes = delta < 0 && (uint64_t)-delta > slot->bytes ? 0 : slot->bytes + delta;
+        if (pwrite(g_ledger_fd, slot, sizeof *slot, (off_t)(mine * sizeof *slot)) < 0) {
+        }
+    }
+    flock(g_ledger_fd, LOCK_UN);
+    return ok;
+}
+
+/* The device memory in use: every live process's (shared mode), else this process's. */
+static uint64_t device_used(void) {
+    if (g_ledger_fd < 0) return g_mem_used;
+    ledger_slot slots[LEDGER_SLOTS];
+    int mine;
+    flock(g_ledger_fd, LOCK_SH);
+    uint64_t used = ledger_scan(slots, &mine);
+    flock(g_ledger_fd, LOCK_UN);
+    return used;
+}
+
 /* ---- memory ---- */
 
 /* An allocation: a device pointer, or (kind ALLOC_HANDLE) a cuMemCreate handle whose bytes are
@@ -465,6 +595,7 @@ typedef struct fk_map {
 
 static fk_alloc *g_allocs;
 static fk_map *g_maps;
+static int g_checkpointed; /* the device memory is in host memory (guarded by g_lock) */
 static uint64_t g_next_address = 0x7f0000000000ull;
 static uint64_t g_next_low = 0x10000000ull; /* legacy 32-bit pointers: below 4 GiB */
 static __thread int t_low; /* the allocation being made is a legacy one */
@@ -472,7 +603,7 @@ static __thread int t_low; /* the allocation being made is a legacy one */
 /* The device memory this process holds (the fake NVML reads it). */
 EXPORT uint64_t gl_fake_cuda_mem_used(void) {
     pthread_mutex_lock(&g_lock);
-    uint64_t used = g_mem_used;
+    uint64_t used = device_used();
     pthread_mutex_unlock(&g_lock);
     return used;
 }
@@ -514,19 +645,29 @@ static void unback(fk_alloc *a) {
     if (a->fd >= 0) close(a->fd);
 }
 
+static CUresult mem_alloc_locked(const char *entry, uint64_t *out, uint64_t size, int kind);
+
 static CUresult mem_alloc_kind(const char *entry, uint64_t *out, uint64_t size, int kind) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (out == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (size == 0) return CUDA_ERROR_INVALID_VALUE;
+    api_enter();
+    CUresult r = mem_alloc_locked(entry, out, size, kind);
+    api_leave();
+    return r;
+}
+
+static CUresult mem_alloc_locked(const char *entry, uint64_t *out, uint64_t size, int kind) {
     pthread_mutex_lock(&g_lock);
     uint64_t counted = kind == ALLOC_IPC ? 0 : size;
-    if (g_mem_used + counted > g_mem_total) {
+    if (g_mem_used + counted > g_mem_total || !ledger_change((int64_t)counted)) {
         pthread_mutex_unlock(&g_lock);
         trace("fake %s %llu out_of_memory", entry, (unsigned long long)size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     fk_alloc *a = malloc(sizeof *a);
     if (a == NULL) {
+        ledger_change(-(int64_t)counted);
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -565,7 +706,10 @@ static void alloc_unref(const char *entry, fk_alloc *a) {
             *p = a->next;
             break;
         }
-    if (a->kind != ALLOC_IPC) g_mem_used -= a->size;
+    if (a->kind != ALLOC_IPC && !g_checkpointed) {
+        g_mem_used -= a->size;
+        ledger_change(-(int64_t)a->size);
+    }
     trace("fake %s %llu", entry, (unsigned long long)a->size);
     unback(a);
     free(a);
@@ -574,15 +718,13 @@ static void alloc_unref(const char *entry, fk_alloc *a) {
 static CUresult mem_free_kind(const char *entry, uint64_t address, int kind) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (address == 0 && kind == ALLOC_POINTER) return CUDA_SUCCESS;
+    api_enter();
     pthread_mutex_lock(&g_lock);
     fk_alloc *a = find_alloc(address, kind);
-    if (a == NULL) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    alloc_unref(entry, a);
+    if (a != NULL) alloc_unref(entry, a);
     pthread_mutex_unlock(&g_lock);
-    return CUDA_SUCCESS;
+    api_leave();
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 static CUresult mem_free(const char *entry, uint64_t address) {
@@ -591,8 +733,16 @@ static CUresult mem_free(const char *entry, uint64_t address) {
 
 /* ======== the driver API ======== */
 
+#ifndef FAKE_MINIMAL
+static void ckpt_start(void);
+static pthread_once_t g_ckpt_once = PTHREAD_ONCE_INIT;
+#endif
+
 EXPORT CUresult CUDAAPI cuInit(unsigned int flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+#ifndef FAKE_MINIMAL
+    pthread_once(&g_ckpt_once, ckpt_start);
+#endif
     g_inited = 1;
     trace("fake cuInit");
     return CUDA_SUCCESS;
@@ -671,7 +821,10 @@ EXPORT CUresult CUDAAPI cuCtxDestroy_v2(CUcontext context) {
 
 EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
     trace("fake cuCtxSynchronize");
-    return sync_all();
+    api_enter();
+    CUresult r = sync_all();
+    api_leave();
+    return r;
 }
 
 EXPORT CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
@@ -818,12 +971,18 @@ EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream stream) {
 
 EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream stream) {
     trace("fake cuStreamSynchronize");
-    return sync_stream(stream);
+    api_enter();
+    CUresult r = sync_stream(stream);
+    api_leave();
+    return r;
 }
 
 EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream stream) {
     trace("fake cuStreamSynchronize_ptsz");
-    return sync_stream(stream);
+    api_enter();
+    CUresult r = sync_stream(stream);
+    api_leave();
+    return r;
 }
 
 static CUresult stream_query(CUstream stream) {
@@ -938,7 +1097,16 @@ EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec exec) {
     return CUDA_SUCCESS;
 }
 
+static CUresult graph_launch_gated(const char *entry, CUgraphExec exec, CUstream stream);
+
 static CUresult graph_launch(const char *entry, CUgraphExec exec, CUstream stream) {
+    api_enter();
+    CUresult r = graph_launch_gated(entry, exec, stream);
+    api_leave();
+    return r;
+}
+
+static CUresult graph_launch_gated(const char *entry, CUgraphExec exec, CUstream stream) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (exec == NULL) return CUDA_ERROR_INVALID_VALUE;
     const fk_graph *g = (const fk_graph *)exec;
@@ -1529,7 +1697,8 @@ EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (free_bytes == NULL || total_bytes == NULL) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&g_lock);
-    *free_bytes = g_mem_total - g_mem_used;
+    uint64_t used = device_used();
+    *free_bytes = used < g_mem_total ? g_mem_total - used : 0;
     *total_bytes = g_mem_total;
     pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
@@ -1547,7 +1716,16 @@ static unsigned char *device_bytes(CUdeviceptr address, size_t bytes) {
 
 /* The copy waits for all work (legacy default stream semantics); memory without bytes (VMM
  * mappings, or no memfd) reads as zeros. */
+static CUresult copy_dtoh_gated(const char *entry, void *dst, CUdeviceptr src, size_t bytes);
+
 static CUresult copy_dtoh(const char *entry, void *dst, CUdeviceptr src, size_t bytes) {
+    api_enter();
+    CUresult r = copy_dtoh_gated(entry, dst, src, bytes);
+    api_leave();
+    return r;
+}
+
+static CUresult copy_dtoh_gated(const char *entry, void *dst, CUdeviceptr src, size_t bytes) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (dst == NULL || src == 0) return CUDA_ERROR_INVALID_VALUE;
     trace("fake %s", entry);
@@ -1563,7 +1741,16 @@ static CUresult copy_dtoh(const char *entry, void *dst, CUdeviceptr src, size_t 
 }
 
 /* Waits for all work too; bytes sent to memory without bytes are dropped. */
+static CUresult copy_htod_gated(CUdeviceptr dst, const void *src, size_t bytes);
+
 EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t bytes) {
+    api_enter();
+    CUresult r = copy_htod_gated(dst, src, bytes);
+    api_leave();
+    return r;
+}
+
+static CUresult copy_htod_gated(CUdeviceptr dst, const void *src, size_t bytes) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (dst == 0 || src == NULL) return CUDA_ERROR_INVALID_VALUE;
     sync_all();
@@ -1587,6 +1774,303 @@ EXPORT CUresult CUDAAPI cuGetExportTable(const void **table, const CUuuid *id) {
     if (table) *table = NULL;
     return CUDA_ERROR_NOT_SUPPORTED;
 }
+
+/* -- the checkpoint API (see the top of the file; an older driver, FAKE_MINIMAL, lacks it) -- */
+#ifndef FAKE_MINIMAL
+
+#define CKPT_MAGIC 0x676c636bu /* "glck" */
+enum { CK_NONE, CK_LOCK, CK_CHECKPOINT, CK_RESTORE, CK_UNLOCK };
+
+typedef struct {
+    uint32_t magic;
+    uint32_t state;       /* CUprocessState, written by the process */
+    uint32_t request_seq; /* a controller's request number (futex) */
+    uint32_t done_seq;    /* the last request served (futex) */
+    uint32_t op;
+    uint32_t timeout_ms;
+    int32_t result;
+    uint32_t unused;
+    uint64_t saved_bytes; /* device memory in host memory while checkpointed */
+} ckpt_page;
+
+static ckpt_page *g_ckpt;    /* this process's page (NULL: not served) */
+static char g_ckpt_path[64];
+
+static void ckpt_page_path(char *out, size_t size, int pid) {
+    snprintf(out, size, "/dev/shm/gpuloom-fake-ckpt-%d", pid);
+}
+
+static void futex_wait(uint32_t *word, uint32_t value, int ms) {
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    syscall(SYS_futex, word, FUTEX_WAIT, value, &t, NULL, 0);
+}
+
+static void futex_wake(uint32_t *word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0); }
+
+/* Lock: no new GPU call starts; wait for those in flight and the queued work. */
+static CUresult ckpt_lock(unsigned timeout_ms) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    uint64_t ns = (uint64_t)deadline.tv_nsec + (uint64_t)(timeout_ms ? timeout_ms : 3600000u) * 1000000u;
+    deadline.tv_sec += (time_t)(ns / 1000000000u);
+    deadline.tv_nsec = (long)(ns % 1000000000u);
+    pthread_mutex_lock(&g_lock);
+    g_ckpt_locked = 1;
+    for (;;) {
+        int busy = g_inflight > 0;
+        for (fk_stream *st = g_streams; st && !busy; st = st->next_stream) busy = !stream_idle(st);
+        if (!busy) break;
+        if (pthread_cond_timedwait(&g_done, &g_lock, &deadline) == ETIMEDOUT && timeout_ms) {
+            g_ckpt_locked = 0;
+            pthread_cond_broadcast(&g_unlocked);
+            pthread_mutex_unlock(&g_lock);
+            return CUDA_ERROR_TIMEOUT;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return CUDA_SUCCESS;
+}
+
+/* Copies the nonzero pages of [from, from + size) into a new sparse memfd; -1 on failure. */
+static int save_pages(const unsigned char *from, uint64_t size) {
+    int fd = memfd_create("gpuloom-fake-checkpoint", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    static const unsigned char zero[4096];
+    for (uint64_t at = 0; at < size; at += 4096) {
+        size_t n = size - at < 4096 ? (size_t)(size - at) : 4096;
+        if (memcmp(from + at, zero, n) == 0) continue;
+        if (pwrite(fd, from + at, n, (off_t)at) != (ssize_t)n) {
+            close(fd);
+            return -1;
+        }
+    }
+    return fd;
+}
+
+/* Called with g_lock held: every allocation's bytes to host memory, the device memory given
+ * back. */
+static CUresult ckpt_checkpoint(void) {
+    for (fk_alloc *a = g_allocs; a; a = a->next) {
+        if (a->kind != ALLOC_POINTER || a->bytes == NULL) continue;
+        int saved = save_pages(a->bytes, a->size);
+        if (saved < 0) return CUDA_ERROR_OUT_OF_MEMORY; /* nothing released yet for it */
+        unback(a);
+        a->bytes = NULL;
+        a->fd = saved; /* while checkpointed: the host copy */
+    }
+    g_ckpt->saved_bytes = g_mem_used;
+    ledger_change(-(int64_t)g_mem_used);
+    g_mem_used = 0;
+    g_checkpointed = 1;
+    return CUDA_SUCCESS;
+}
+
+/* Called with g_lock held: the device memory taken again, every byte copied back. */
+static CUresult ckpt_restore(void) {
+    uint64_t saved = g_ckpt->saved_bytes;
+    if (!ledger_change((int64_t)saved)) return CUDA_ERROR_OUT_OF_MEMORY;
+    int failed = g_fail_restore;
+    for (fk_alloc *a = g_allocs; a && !failed; a = a->next) {
+        if (a->kind != ALLOC_POINTER || a->fd < 0 || a->bytes != NULL) continue;
+        int host = a->fd;
+        a->fd = -1;
+        back(a);
+        if (a->bytes == NULL) {
+            failed = 1;
+            close(host);
+            break;
+        }
+        unsigned char page[4096];
+        for (uint64_t at = 0; at < a->size; at += 4096) {
+            size_t n = a->size - at < 4096 ? (size_t)(a->size - at) : 4096;
+            if (pread(host, page, n, (off_t)at) == (ssize_t)n) memcpy((unsigned char *)a->bytes + at, page, n);
+        }
+        close(host);
+    }
+    g_mem_used = saved;
+    g_checkpointed = 0;
+    g_ckpt->saved_bytes = 0;
+    return failed ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
+}
+
+static CUresult ckpt_serve(uint32_t op, unsigned timeout_ms) {
+    uint32_t state = g_ckpt->state;
+    CUresult r = CUDA_ERROR_ILLEGAL_STATE;
+    switch (op) {
+    case CK_LOCK:
+        if (state != CU_PROCESS_STATE_RUNNING) break;
+        r = ckpt_lock(timeout_ms);
+        if (r == CUDA_SUCCESS) g_ckpt->state = CU_PROCESS_STATE_LOCKED;
+        break;
+    case CK_CHECKPOINT:
+        if (state != CU_PROCESS_STATE_LOCKED) break;
+        pthread_mutex_lock(&g_lock);
+        r = ckpt_checkpoint();
+        pthread_mutex_unlock(&g_lock);
+        if (r == CUDA_SUCCESS) g_ckpt->state = CU_PROCESS_STATE_CHECKPOINTED;
+        break;
+    case CK_RESTORE:
+        if (state != CU_PROCESS_STATE_CHECKPOINTED) break;
+        pthread_mutex_lock(&g_lock);
+        r = ckpt_restore();
+        pthread_mutex_unlock(&g_lock);
+        if (r == CUDA_SUCCESS) g_ckpt->state = CU_PROCESS_STATE_LOCKED;
+        else if (r != CUDA_ERROR_OUT_OF_MEMORY) g_ckpt->state = CU_PROCESS_STATE_FAILED;
+        break;
+    case CK_UNLOCK:
+        if (state != CU_PROCESS_STATE_LOCKED) break;
+        pthread_mutex_lock(&g_lock);
+        g_ckpt_locked = 0;
+        pthread_cond_broadcast(&g_unlocked);
+        pthread_mutex_unlock(&g_lock);
+        g_ckpt->state = CU_PROCESS_STATE_RUNNING;
+        r = CUDA_SUCCESS;
+        break;
+    default:
+        r = CUDA_ERROR_INVALID_VALUE;
+    }
+    trace("fake checkpoint op=%u result=%d state=%u", op, (int)r, g_ckpt->state);
+    return r;
+}
+
+static void *ckpt_thread(void *arg) {
+    (void)arg;
+    for (;;) {
+        uint32_t seq = __atomic_load_n(&g_ckpt->request_seq, __ATOMIC_ACQUIRE);
+        if (seq == __atomic_load_n(&g_ckpt->done_seq, __ATOMIC_ACQUIRE)) {
+            futex_wait(&g_ckpt->request_seq, seq, 1000);
+            continue;
+        }
+        g_ckpt->result = (int32_t)ckpt_serve(g_ckpt->op, g_ckpt->timeout_ms);
+        __atomic_store_n(&g_ckpt->done_seq, seq, __ATOMIC_RELEASE);
+        futex_wake(&g_ckpt->done_seq);
+    }
+    return NULL;
+}
+
+static void ckpt_unlink(void) {
+    if (g_ckpt_path[0]) unlink(g_ckpt_path);
+}
+
+/* At cuInit: the page and the thread that serves it (once). */
+static void ckpt_start(void) {
+    ckpt_page_path(g_ckpt_path, sizeof g_ckpt_path, (int)getpid());
+    int fd = open(g_ckpt_path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return;
+    void *page = MAP_FAILED;
+    if (ftruncate(fd, sizeof(ckpt_page)) == 0)
+        page = mmap(NULL, sizeof(ckpt_page), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (page == MAP_FAILED) {
+        unlink(g_ckpt_path);
+        return;
+    }
+    g_ckpt = page;
+    g_ckpt->state = CU_PROCESS_STATE_RUNNING;
+    __atomic_store_n(&g_ckpt->magic, CKPT_MAGIC, __ATOMIC_RELEASE);
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&thread, &attr, ckpt_thread, NULL) != 0) {
+        munmap(page, sizeof(ckpt_page));
+        g_ckpt = NULL;
+        unlink(g_ckpt_path);
+    } else {
+        atexit(ckpt_unlink);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+/* The controller's side: map the target's page (NULL: not a live CUDA process of this fake). */
+static ckpt_page *ckpt_open(int pid) {
+    if (pid <= 0 || !pid_alive(pid)) return NULL;
+    char path[64];
+    ckpt_page_path(path, sizeof path, pid);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) return NULL;
+    void *page = mmap(NULL, sizeof(ckpt_page), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (page == MAP_FAILED) return NULL;
+    ckpt_page *p = page;
+    if (__atomic_load_n(&p->magic, __ATOMIC_ACQUIRE) != CKPT_MAGIC) {
+        munmap(page, sizeof(ckpt_page));
+        return NULL;
+    }
+    return p;
+}
+
+static CUresult ckpt_request(const char *entry, int pid, uint32_t op, unsigned timeout_ms) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (pid == (int)getpid()) return CUDA_ERROR_INVALID_VALUE; /* a controller is another process */
+    ckpt_page *p = ckpt_open(pid);
+    if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
+    char path[64];
+    ckpt_page_path(path, sizeof path, pid);
+    int lock = open(path, O_RDONLY | O_CLOEXEC);
+    if (lock >= 0) flock(lock, LOCK_EX); /* one controller at a time */
+    p->op = op;
+    p->timeout_ms = timeout_ms;
+    uint32_t seq = __atomic_add_fetch(&p->request_seq, 1, __ATOMIC_ACQ_REL);
+    futex_wake(&p->request_seq);
+    CUresult r;
+    for (;;) {
+        uint32_t done = __atomic_load_n(&p->done_seq, __ATOMIC_ACQUIRE);
+        if (done == seq) {
+            r = (CUresult)p->result;
+            break;
+        }
+        if (!pid_alive(pid)) {
+            r = CUDA_ERROR_INVALID_VALUE;
+            break;
+        }
+        futex_wait(&p->done_seq, done, 100);
+    }
+    if (lock >= 0) close(lock);
+    munmap(p, sizeof(ckpt_page));
+    trace("fake %s %d %d", entry, pid, (int)r);
+    return r;
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
+    return ckpt_request("cuCheckpointProcessLock", pid, CK_LOCK, args ? args->timeoutMs : 0);
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
+    (void)args;
+    return ckpt_request("cuCheckpointProcessCheckpoint", pid, CK_CHECKPOINT, 0);
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
+    (void)args;
+    return ckpt_request("cuCheckpointProcessRestore", pid, CK_RESTORE, 0);
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
+    (void)args;
+    return ckpt_request("cuCheckpointProcessUnlock", pid, CK_UNLOCK, 0);
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessGetState(int pid, CUprocessState *state) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (state == NULL) return CUDA_ERROR_INVALID_VALUE;
+    ckpt_page *p = ckpt_open(pid);
+    if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *state = (CUprocessState)__atomic_load_n(&p->state, __ATOMIC_ACQUIRE);
+    munmap(p, sizeof(ckpt_page));
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+    if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    if (tid == NULL || !pid_alive(pid)) return CUDA_ERROR_INVALID_VALUE;
+    *tid = pid; /* the fake restores on its serving thread; its id is not kept */
+    return CUDA_SUCCESS;
+}
+#endif
 
 /* -- cuGetProcAddress: the fake's own functions by (base) name -- */
 
@@ -1693,6 +2177,15 @@ static const proc_entry g_procs[] = {
     PROC("cuMemcpyDtoH", 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds),
     PROC("cuMemcpyHtoD", 3020, cuMemcpyHtoD_v2, NULL),
     PROC("cuGetExportTable", 3000, cuGetExportTable, NULL),
+#ifndef FAKE_MINIMAL
+    PROC("cuCheckpointProcessLock", 12080, cuCheckpointProcessLock, NULL),
+    PROC("cuCheckpointProcessCheckpoint", 12080, cuCheckpointProcessCheckpoint, NULL),
+    PROC("cuCheckpointProcessRestore", 12080, cuCheckpointProcessRestore, NULL),
+    PROC("cuCheckpointProcessUnlock", 12080, cuCheckpointProcessUnlock, NULL),
+    PROC("cuCheckpointProcessGetState", 12080, cuCheckpointProcessGetState, NULL),
+    PROC("cuCheckpointProcessGetRestoreThreadId", 12080, cuCheckpointProcessGetRestoreThreadId,
+         NULL),
+#endif
     PROC("cuGetProcAddress", 12000, cuGetProcAddress_v2, NULL),
     PROC("cuGetProcAddress", 11030, cuGetProcAddress, NULL),
 };

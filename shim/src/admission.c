@@ -1,6 +1,7 @@
 /* Admission in share mode: asking the dispatcher for a lease (through the lease desk's words
  * in the region, or a LeaseRequest frame; either carries the usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
- * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c; what a
+ * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c (under policy
+ * composed after a lease of its level, asked for over the socket); what a
  * refused or evicted process's launches get (an error, whatever the loss policy) and a lost
  * one's (the loss policy); and suspension (SuspendClient): a suspended
  * process waits at its next launch (any mode) or allocation (memcap.c) until resumed, without
@@ -28,7 +29,8 @@ static int send_request(const uint8_t *r) {
     gl_usage usage;
     int has = take_report(r_u64(r, GL_OFF_LEASE_ID), 0, &usage);
     g_last_request_ns = now_ns();
-    int doorbell = gpu_doorbell();
+    /* Mode FIKIT's doorbell is the arbiter's: its leases are asked for over the socket. */
+    int doorbell = g_mode == GL_MODE_SHARE ? gpu_doorbell() : -1;
     if (doorbell >= 0)
         return gl_post_lease_request((uint8_t *)r, doorbell, has ? &usage : NULL,
                                      g_last_request_ns);
@@ -153,8 +155,17 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
                  (unsigned long long)(C.alive_ns / 1000000u));
         return on_loss(why);
     }
-    if (g_mode == GL_MODE_FIKIT)
+    if (g_mode == GL_MODE_FIKIT) {
+        /* Policy composed: first a lease of its priority level (its quota), then the arbiter
+         * (priority across levels). Not on a capturing stream: recorded, not run. */
+        if (g_leased && !is_capturing(key)) {
+            pthread_mutex_lock(&g_wait_lock);
+            CUresult leased = wait_for_lease(r);
+            pthread_mutex_unlock(&g_wait_lock);
+            if (leased != CUDA_SUCCESS) return leased;
+        }
         return fikit_admit((uint8_t *)r, key, launch, granted_seq, &g_wait_lock);
+    }
     if (g_mode != GL_MODE_SHARE) return CUDA_SUCCESS;
     if (is_capturing(key)) return CUDA_SUCCESS; /* recorded, not run: never block */
     pthread_mutex_lock(&g_wait_lock);

@@ -32,7 +32,9 @@ static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *gra
         uint64_t now = now_ns(), until = r_u64(r, GL_OFF_ADMIT_UNTIL);
         /* A lease ends by itself; admitted until further notice, the dispatcher's heartbeat
          * must be fresh (a hung dispatcher is a lost one). */
-        if (now < until && (until != GL_ADMIT_FOREVER || now - r_u64(r, GL_OFF_BEAT) < C.alive_ns))
+        /* (Mode FIKIT under leases: a lease admits nothing by itself, the arbiter decides.) */
+        if (now < until && (until != GL_ADMIT_FOREVER || now - r_u64(r, GL_OFF_BEAT) < C.alive_ns) &&
+            LIKELY(!g_leased))
             return CUDA_SUCCESS;
     }
     return gate_slow(key, launch, granted_seq);

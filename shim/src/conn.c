@@ -18,6 +18,7 @@ int g_conn = CONN_NONE;
 static int g_sock = -1; /* guarded by g_send_lock for writers */
 uint8_t *g_region;
 uint32_t g_mode;
+uint32_t g_leased;
 static int g_loss_logged; /* atomic: the policy was announced this episode */
 static int g_exiting;     /* atomic: Goodbye is said; the close that follows is ours */
 static pthread_mutex_t g_send_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -63,6 +64,8 @@ static void adopt_registration(int sock, uint8_t *r, int doorbell, gl_registrati
     pthread_mutex_lock(&g_send_lock);
     g_sock = sock;
     g_mode = reg->mode;
+    /* The region is complete before the registration is sent: the flag is final. */
+    g_leased = reg->mode == GL_MODE_FIKIT && r_u32(r, GL_OFF_FK_LEASED) == 1;
     mem_set_cap(reg->memory_cap_bytes);
     __atomic_store_n(&g_region, r, __ATOMIC_RELEASE);
     __atomic_store_n(&g_loss_logged, 0, __ATOMIC_RELEASE);

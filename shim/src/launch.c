@@ -20,6 +20,7 @@ static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, 
     st->measured = NULL;
     st->key = key;
     const gl_launch launch = {f, {gx, gy, gz, bx, by, bz}};
+    kp_note_launch(f, launch.dims);
     CUresult result = gate(key, &launch, &st->granted);
     int measure = result == CUDA_SUCCESS && measure_on();
     if (UNLIKELY(C.trace_fd >= 0) || measure) {

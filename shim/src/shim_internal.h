@@ -165,6 +165,7 @@ enum { CONN_NONE, CONN_CONNECTED, CONN_LOST, CONN_REFUSED, CONN_EVICTED };
 extern int g_conn;        /* atomic */
 extern uint8_t *g_region; /* atomic pointer; old regions stay mapped */
 extern uint32_t g_mode;   /* ShimMode from Registered */
+extern uint32_t g_leased; /* mode FIKIT under policy composed: leases bound it too */
 extern pthread_once_t g_register_once;
 
 static inline int conn_state(void) { return __atomic_load_n(&g_conn, __ATOMIC_ACQUIRE); }
@@ -214,9 +215,19 @@ void background_wake(void);
 
 /* ---- usage.c: GPU time measured in bursts between synchronisation points ---- */
 
-/* Usage is measured in share mode, while connected, when the driver has the event functions. */
+/* Mode FIKIT under policy composed, holding a lease that ends (an open-ended one, on an
+ * uncontended level with a 100% limit, is charged nothing: no usage to measure). */
+static inline int leased_and_bounded(void) {
+    const uint8_t *r = region();
+    return g_leased && r != NULL && r_u64(r, GL_OFF_ADMIT_UNTIL) != GL_ADMIT_FOREVER;
+}
+
+/* Usage is measured in share mode (and in mode FIKIT under bounded leases), while connected,
+ * when the driver has the event functions. */
 static inline int measuring(void) {
-    return g_mode == GL_MODE_SHARE && conn_state() == CONN_CONNECTED && g_aux.event_create &&
+    if (g_mode != GL_MODE_SHARE && !leased_and_bounded()) return 0;
+    return conn_state() == CONN_CONNECTED &&
+           g_aux.event_create &&
            g_aux.event_record && g_aux.event_query && g_aux.event_elapsed;
 }
 
@@ -264,6 +275,11 @@ uint64_t mem_allocated(void);
  * it): total = min(cap, real total), free = min(real free, cap - counted). Unchanged when
  * there is no cap. */
 void mem_capped_view(uint64_t *free_bytes, uint64_t *total_bytes);
+
+/* ---- kperiod.c: iteration boundaries from the kernel stream ---- */
+
+/* Every launch (before admission): its kernel into the ring, a detection now and then. */
+void kp_note_launch(CUfunction f, const unsigned dims[6]);
 
 /* ---- admission.c: suspension (SuspendClient) ---- */
 

@@ -33,6 +33,7 @@
 #define GL_OFF_FK_GRANT 64   /* u32 futex word: the request sequence number granted last */
 #define GL_OFF_FK_ROLE 68    /* u32 GL_ROLE_* */
 #define GL_OFF_FK_NOTIFY 72  /* u32 1: post every launch and ring the doorbell */
+#define GL_OFF_FK_LEASED 76  /* u32 1: its level's time leases bound it too (policy composed) */
 #define GL_OFF_FK_BEAT 80    /* u64 the arbiter's heartbeat (CLOCK_MONOTONIC ns) */
 /* The dispatcher's heartbeat (CLOCK_MONOTONIC ns), every mode: written every GL_BEAT_PERIOD_NS
  * by its own native thread (heartbeat.c). A shim that asks for nothing (admitted until further
@@ -80,6 +81,12 @@
                                        posted yet) holds only if that request's kernel ID is
                                        one of these; all 0: the arm is for its queued one */
 #define GL_ARM_KERNELS 4
+/* The training loop's period seen in the kernel stream (kperiod.c), written by the shim while
+ * the dispatcher samples memory: kernels per iteration (0: none seen), the iteration's mean
+ * duration and when its latest boundary launch was (CLOCK_MONOTONIC ns). */
+#define GL_OFF_KP_PERIOD 424
+#define GL_OFF_KP_PERIOD_NS 432
+#define GL_OFF_KP_BOUNDARY_NS 440
 
 /* A priority board: one per priority per GPU (a memfd the arbiter creates). A process gets its
  * own priority's board read-write and the better priorities' read-only, after its region and

@@ -39,6 +39,15 @@
  *                                   any), and SIGUSR1 makes it save the next step to FILE at
  *                                   the next mini-batch boundary, print "train checkpoint
  *                                   step=I" and stop the loop (D: mini-batches of this run)
+ *   steady N PERIOD_US LAYERS BYTES FWD[,BWD[,OPT]]   a training loop that allocates once
+ *                                   and reuses (PyTorch's caching allocator): LAYERS buffers of
+ *                                   BYTES filled with a known pattern and an 8-byte step counter,
+ *                                   allocated first ("steady allocated bytes=B"); each of N
+ *                                   mini-batches (one every PERIOD_US) launches FWD per layer, BWD
+ *                                   per layer in reverse, OPT once, syncs, and checks and advances
+ *                                   the device counter ("steady step I t=NS"); at the end every
+ *                                   byte of every buffer is checked: "steady minibatches=N done=D
+ *                                   failed=F corrupt=C damaged_layers=L" (exit 3 unless all 0)
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -357,6 +366,89 @@ static long train(long steps, long period_us, int layers, size_t bytes, const ch
     return failed;
 }
 
+static unsigned char pattern_byte(int layer, uint64_t offset) {
+    return (unsigned char)(layer * 31 + (offset >> 12) * 7 + (offset & 0xff));
+}
+
+/* The `steady` op: a training loop that allocates once and reuses (as PyTorch's caching
+ * allocator does); returns the failed or corrupt mini-batches. */
+static long steady(long steps, long period_us, int layers, size_t bytes, char *names) {
+    CUfunction kernels[3] = {NULL, NULL, NULL};
+    int count = 0;
+    for (char *save = NULL, *name = strtok_r(names, ",", &save); name && count < 3;
+         name = strtok_r(NULL, ",", &save))
+        kernels[count++] = find(name);
+    if (layers < 1 || layers > 64 || count == 0 || bytes < 8) {
+        fprintf(stderr, "steady needs 1..64 layers, 8+ bytes and a kernel\n");
+        return 1;
+    }
+    for (int k = count; k < 3; k++) kernels[k] = kernels[0];
+    CUdeviceptr buffer[64], counter = 0;
+    unsigned char *host = malloc(bytes), *back = malloc(bytes);
+    long failed = 0, corrupt = 0, done = 0;
+    for (int l = 0; l < layers; l++) {
+        for (uint64_t o = 0; o < bytes; o++) host[o] = pattern_byte(l, o);
+        if (D.cuMemAlloc(&buffer[l], bytes) != CUDA_SUCCESS ||
+            D.cuMemcpyHtoD(buffer[l], host, bytes) != CUDA_SUCCESS) {
+            fprintf(stderr, "steady: cannot allocate layer %d\n", l);
+            return 1;
+        }
+    }
+    uint64_t expected = 0;
+    if (D.cuMemAlloc(&counter, sizeof expected) != CUDA_SUCCESS ||
+        D.cuMemcpyHtoD(counter, &expected, sizeof expected) != CUDA_SUCCESS)
+        return 1;
+    printf("steady allocated bytes=%llu\n", (unsigned long long)(bytes * layers + 8));
+    fflush(stdout);
+    unsigned d[6] = {1, 1, 1, 1, 1, 1};
+    uint64_t period = (uint64_t)period_us * 1000u, next = now_ns();
+    for (long step = 0; step < steps; step++) {
+        uint64_t now = now_ns();
+        if (now < next) {
+            struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
+            nanosleep(&t, NULL);
+        } else if (now - next > period) {
+            next = now; /* stalled (suspended): start the schedule again */
+        }
+        next += period;
+        uint64_t began = now_ns();
+        int ok = 1;
+        for (int l = 0; l < layers; l++) ok &= launch_one("kernel", kernels[0], d) == CUDA_SUCCESS;
+        for (int l = layers - 1; l >= 0; l--)
+            ok &= launch_one("kernel", kernels[1], d) == CUDA_SUCCESS;
+        ok &= launch_one("kernel", kernels[2], d) == CUDA_SUCCESS;
+        ok &= D.cuStreamSynchronize(g_stream) == CUDA_SUCCESS;
+        uint64_t seen = UINT64_MAX;
+        ok &= D.cuMemcpyDtoH(&seen, counter, sizeof seen) == CUDA_SUCCESS;
+        if (seen != expected) corrupt++; /* a step lost, repeated or its state damaged */
+        expected = (uint64_t)step + 1;
+        ok &= D.cuMemcpyHtoD(counter, &expected, sizeof expected) == CUDA_SUCCESS;
+        if (ok) done++;
+        else failed++;
+        printf("steady step %ld t=%llu\n", step, (unsigned long long)began);
+        fflush(stdout);
+    }
+    long damaged = 0;
+    for (int l = 0; l < layers; l++) {
+        if (D.cuMemcpyDtoH(back, buffer[l], bytes) != CUDA_SUCCESS) {
+            damaged++;
+            continue;
+        }
+        for (uint64_t o = 0; o < bytes; o++)
+            if (back[o] != pattern_byte(l, o)) {
+                damaged++;
+                break;
+            }
+        D.cuMemFree(buffer[l]);
+    }
+    D.cuMemFree(counter);
+    free(host);
+    free(back);
+    printf("steady minibatches=%ld done=%ld failed=%ld corrupt=%ld damaged_layers=%ld\n", steps,
+           done, failed, corrupt, damaged);
+    return failed + corrupt + damaged;
+}
+
 static CUresult alloc(const char *kind, size_t bytes) {
     CUdeviceptr p = 0, address = 0;
     CUresult r;
@@ -580,6 +672,7 @@ int main(int argc, char **argv) {
     }
     CUresult r = D.cuInit(0);
     printf("init rc=%d pid=%d\n", (int)r, (int)getpid());
+    fflush(stdout); /* a test may act on the pid while the ops run */
     if (r != CUDA_SUCCESS) return 1;
     CUdevice device;
     CUcontext context;
@@ -644,6 +737,12 @@ int main(int argc, char **argv) {
             NEED(5);
             if (train(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
                       (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
+                failed = 1;
+            i += 5;
+        } else if (strcmp(op, "steady") == 0) {
+            NEED(5);
+            if (steady(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
+                       (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
                 failed = 1;
             i += 5;
         } else if (strcmp(op, "infer") == 0) {

@@ -1,7 +1,9 @@
-"""deploy/k8s: every manifest valid against the Kubernetes schemas (kubernetes-validate, offline,
-strict), and shaped as docs/deploy.md says: probes and resource requests everywhere, the
-migration before the services with a database, the dispatcher DaemonSet serving every GPU of
-its node, no API access for anything, every address pointing at a Service that exists."""
+"""deploy/k8s/base: every manifest valid against the Kubernetes schemas (kubernetes-validate,
+offline, strict), and shaped as docs/deploy.md says: probes and resource requests everywhere,
+the migration before the services with a database, the dispatcher DaemonSet serving every GPU
+of its node, API access for gpuloom's Kubernetes components only, every address pointing at a
+Service that exists. tests/k8s/test_manifests.py checks the kustomizations built and the
+Kubernetes components' wiring (RBAC from the code, webhooks, the scheduler)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import yaml
 
 from tests.deploy.conftest import ROOT, tool
 
-K8S = ROOT / "deploy" / "k8s"
+K8S = ROOT / "deploy" / "k8s" / "base"
 KUSTOMIZATION = K8S / "kustomization.yaml"
 # The oldest Kubernetes release the manifests are meant for, and the newest the package knows.
 VERSIONS = ("1.28.0", None)
@@ -73,7 +75,7 @@ def test_the_kustomization_lists_every_manifest_and_renames_the_image() -> None:
     kustomization = yaml.safe_load(KUSTOMIZATION.read_text())
     assert sorted(kustomization["resources"]) == [p.name for p in manifests()]
     assert kustomization["namespace"] == "gpuloom"
-    (image,) = kustomization["images"]
+    images = {image["name"] for image in kustomization["images"]}
     ours = {
         c["image"]
         for w in workloads().values()
@@ -81,7 +83,7 @@ def test_the_kustomization_lists_every_manifest_and_renames_the_image() -> None:
         + w["spec"]["template"]["spec"]["containers"]
         if not c["image"].startswith(("postgres:", "redis:"))
     }
-    assert ours == {image["name"]}
+    assert ours == images == {"gpuloom", "gpuloom-worker", "kube-scheduler"}
 
 
 def test_every_container_has_probes_and_resources() -> None:
@@ -115,14 +117,33 @@ def test_gpuloom_services_are_probed_over_grpc_health_on_their_port() -> None:
         assert pod.get("securityContext", {}).get("runAsUser", 10001) == 10001
 
 
-def test_nothing_gets_api_access() -> None:
+# The only workloads that call the Kubernetes API: gpuloom's Kubernetes components.
+API_CALLERS = {
+    "gpuloom-k8s": "gpuloom-k8s",
+    "device-plugin": "gpuloom-device-plugin",
+    "gpuloom-scheduler": "gpuloom-scheduler",
+}
+
+
+def test_only_the_kubernetes_components_get_api_access() -> None:
     accounts = by_kind("ServiceAccount")
-    assert accounts and all(a["automountServiceAccountToken"] is False for a in accounts.values())
-    assert not by_kind("Role") and not by_kind("ClusterRole")
+    with_token = {n for n, a in accounts.items() if a["automountServiceAccountToken"] is not False}
+    assert with_token == set(API_CALLERS.values())
+    bound = {
+        s["name"]
+        for kind in ("RoleBinding", "ClusterRoleBinding")
+        for b in by_kind(kind).values()
+        for s in b["subjects"]
+    }
+    assert bound == set(API_CALLERS.values())
     for name, workload in workloads().items():
         pod = workload["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] in accounts, name
-        assert pod["automountServiceAccountToken"] is False, name
+        if name in API_CALLERS:
+            assert pod["serviceAccountName"] == API_CALLERS[name], name
+            assert pod["automountServiceAccountToken"] is True, name
+        else:
+            assert pod["automountServiceAccountToken"] is False, name
 
 
 def test_services_with_a_database_migrate_first_and_not_themselves() -> None:
@@ -208,7 +229,7 @@ def test_every_service_serves_mutual_tls_and_tokens_from_the_credentials_secret(
     generated = {Path(path).name for path in generator["files"]}
     assert all(path.startswith("credentials/") for path in generator["files"])
     assert not any(name.startswith("admin") for name in generated)  # the admin's stay out
-    assert "deploy/k8s/credentials/" in (ROOT / ".gitignore").read_text()
+    assert "deploy/k8s/base/credentials/" in (ROOT / ".gitignore").read_text()
     for name in PORTS:
         pod = workloads()[name]["spec"]["template"]["spec"]
         (container,) = pod["containers"]

@@ -16,6 +16,7 @@ from gpuloom.clients.shim_path import SHIM_PATH_ENV
 from gpuloom.policies.fikit.core import LIBRARY_ENV
 from gpuloom.services.common.settings import CommonSettings
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.services.profiler.settings import ProfilerSettings
@@ -29,7 +30,11 @@ SERVICE_SETTINGS: dict[str, tuple[type[BaseSettings], ...]] = {
     "placement": (PlacementSettings,),
     "dispatcher": (DispatcherSettings,),
     "migrate": (ProfileStoreSettings, PlacementSettings),
+    "k8s": (K8sSettings,),
+    "device-plugin": (DevicePluginSettings,),
 }
+# Settings without a default, which a deployment sets per container.
+REQUIRED = {"device-plugin": {"GPULOOM_DEVICE_PLUGIN_NODE": "node-a"}}
 # Read by the CLI and libraries rather than a settings class.
 OTHER_VARIABLES = {"GPULOOM_PLACEMENT_ADDRESS", SHIM_PATH_ENV, LIBRARY_ENV}
 
@@ -107,7 +112,7 @@ def test_k8s_gives_each_container_only_settings_it_reads(
             }
             check(f"k8s {name}/{container['name']}", role_of(args), env, monkeypatch)
             checked += 1
-    assert checked == 2 + 4  # two migrate init containers, four services
+    assert checked == 2 + 4 + 2  # two migrate init containers, four services, k8s, device plugin
 
 
 def test_the_images_environment_is_read_by_every_service(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,7 +120,7 @@ def test_the_images_environment_is_read_by_every_service(monkeypatch: pytest.Mon
     env = dict(re.findall(r"\b(GPULOOM_[A-Z0-9_]+)=(\S+)", dockerfile))
     assert {"GPULOOM_BIND_HOST", "GPULOOM_DATA_DIR", LIBRARY_ENV, SHIM_PATH_ENV} <= env.keys()
     for role in SERVICE_SETTINGS:
-        check(f"Dockerfile, {role}", role, env, monkeypatch)
+        check(f"Dockerfile, {role}", role, {**env, **REQUIRED.get(role, {})}, monkeypatch)
 
 
 def test_a_misspelt_variable_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:

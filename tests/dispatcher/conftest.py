@@ -82,6 +82,12 @@ def dispatcher_settings(**overrides: object) -> DispatcherSettings:
         "lease_initial_ms": 10.0,
         "lease_max_ms": 20.0,
         "register_timeout_s": 1.0,
+        # The token path's mechanics (leases over the socket and the desk) are what these tests
+        # drive; the default policy (composed) is tested where it is named (tests/shim).
+        "policy": "spatiotemporal",
+        # Off unless a test turns it on with the fake driver's path: "libcuda.so.1" would be
+        # whichever fake driver this test process loaded last.
+        "suspend_release_memory": False,
     }
     values.update(overrides)
     return DispatcherSettings(**values)  # type: ignore[arg-type]

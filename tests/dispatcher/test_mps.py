@@ -126,7 +126,7 @@ def test_settings_choose_where_mps_runs() -> None:
     assert auto.runs_mps(real) and not auto.runs_mps(simulated)
     assert DispatcherSettings(policy="spatiotemporal", mps="on").runs_mps(simulated)
     assert not DispatcherSettings(policy="spatiotemporal", mps="off").runs_mps(real)
-    for policy in ("exclusive", "fifo", "fikit"):  # whole-GPU policies: no SM partitions
+    for policy in ("exclusive", "fifo", "fikit", "composed"):  # no MPS beside the arbiter
         assert not DispatcherSettings(policy=policy, mps="on").runs_mps(real)
     with pytest.raises(ValueError, match="MPS control command is empty"):
         DispatcherSettings(mps_control="  ")

@@ -147,6 +147,9 @@ class ApiServer:
 
     users: dict[str, str]
     webhook: Webhook | None = None
+    # Called after the mutating webhook with the Pod as it left it, as the API server calls a
+    # ValidatingWebhookConfiguration's webhooks; a patch from it is an error.
+    validating: Webhook | None = None
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     deployments: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     fail_bindings: int = 0  # answer this many binding POSTs with 500
@@ -371,6 +374,21 @@ class ApiServer:
     ) -> dict[str, Any]:
         if self.webhook is None:
             return document
+        document, _ = self._review(self.webhook, operation, document, old, user)
+        if self.validating is not None:
+            final, patched = self._review(self.validating, operation, document, old, user)
+            assert not patched and final == document, "a validating webhook sent a patch"
+        return document
+
+    def _review(
+        self,
+        webhook: Webhook,
+        operation: str,
+        document: dict[str, Any],
+        old: dict[str, Any] | None,
+        user: str,
+    ) -> tuple[dict[str, Any], bool]:
+        """The webhook's verdict on `document`: (it, patched), or Refused."""
         review = {
             "apiVersion": "admission.k8s.io/v1",
             "kind": "AdmissionReview",
@@ -387,9 +405,9 @@ class ApiServer:
                 "dryRun": False,
             },
         }
-        context = ssl.create_default_context(cafile=self.webhook.ca_file)
+        context = ssl.create_default_context(cafile=webhook.ca_file)
         request = urllib.request.Request(
-            self.webhook.url,
+            webhook.url,
             data=json.dumps(review).encode(),
             headers={"Content-Type": "application/json"},
             method="POST",
@@ -402,9 +420,10 @@ class ApiServer:
             raise Refused(
                 f'admission webhook "gpuloom" denied the request: {response["status"]["message"]}'
             )
-        if response.get("patchType") == "JSONPatch":
-            return apply_patch(document, json.loads(base64.b64decode(response["patch"])))
-        return document
+        if response.get("patchType") == "JSONPatch" or "patch" in response:
+            patch = json.loads(base64.b64decode(response["patch"]))
+            return apply_patch(document, patch), True
+        return document, False
 
 
 def _status(code: int, message: str) -> dict[str, Any]:
@@ -468,8 +487,12 @@ def _validate_extended_resources(pod: dict[str, Any]) -> None:
 # ---- kube-scheduler ----
 
 
-def post(url: str, body: object, ca_file: str) -> Any:
+def post(url: str, body: object, ca_file: str, cert: tuple[str, str] | None = None) -> Any:
+    """POST as kube-scheduler does: checking the server with `ca_file`, presenting `cert`
+    (certificate, key) when given (its extender tlsConfig's certFile and keyFile)."""
     context = ssl.create_default_context(cafile=ca_file) if url.startswith("https") else None
+    if context is not None and cert is not None:
+        context.load_cert_chain(*cert)
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -484,15 +507,21 @@ class Scheduled:
     bind_error: str = ""
 
 
-def schedule(extender: str, ca_file: str, pod: dict[str, Any], nodes: list[str]) -> Scheduled:
+def schedule(
+    extender: str,
+    ca_file: str,
+    pod: dict[str, Any],
+    nodes: list[str],
+    cert: tuple[str, str] | None = None,
+) -> Scheduled:
     """One scheduling cycle of kube-scheduler for `pod` with `nodes` as the nodes its own
     filters left (nodeCacheCapable: names only): Filter, Prioritize, then Bind to the best."""
     args = {"Pod": pod, "NodeNames": nodes}
-    result = post(f"{extender}/filter", args, ca_file)
+    result = post(f"{extender}/filter", args, ca_file, cert)
     if result.get("Error") or not result.get("NodeNames"):
         return Scheduled(None, result)
     passed = result["NodeNames"]
-    scores = post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file)
+    scores = post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file, cert)
     best = max(scores, key=lambda h: h["Score"])["Host"]
     meta = pod["metadata"]
     bound = post(
@@ -504,6 +533,7 @@ def schedule(extender: str, ca_file: str, pod: dict[str, Any], nodes: list[str])
             "Node": best,
         },
         ca_file,
+        cert,
     )
     return Scheduled(best, result, bound.get("Error", ""))
 

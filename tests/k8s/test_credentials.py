@@ -6,6 +6,7 @@ input refused naming it, changing nothing."""
 
 from __future__ import annotations
 
+import os
 import stat
 import subprocess
 import sys
@@ -15,8 +16,15 @@ import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from gpuloom.credentials import KUBERNETES_SUBMITTER, CredentialsError, ensure_kubernetes
+from gpuloom.credentials import (
+    KUBERNETES_SUBMITTER,
+    CredentialsError,
+    ensure,
+    ensure_kubernetes,
+)
 from gpuloom.services.common.auth import Role, parse_tokens
+from gpuloom.services.common.secure_start import Security, secure_process
+from gpuloom.services.common.settings import SettingsError
 
 GPULOOM = str(Path(sys.executable).parent / "gpuloom")
 KUBERNETES_FILES = (
@@ -26,6 +34,8 @@ KUBERNETES_FILES = (
     "device-plugin.crt",
     "device-plugin.key",
     "device-plugin.token",
+    "scheduler.crt",
+    "scheduler.key",
 )
 
 
@@ -62,6 +72,9 @@ def test_init_kubernetes_makes_the_components_identities_once(tmp_path: Path) ->
     assert usages(plugin) == {ExtendedKeyUsageOID.CLIENT_AUTH}  # it serves nothing over TLS
     with pytest.raises(x509.ExtensionNotFound):
         plugin.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    scheduler = x509.load_pem_x509_certificate(files["scheduler.crt"])
+    scheduler.verify_directly_issued_by(ca)
+    assert usages(scheduler) == {ExtendedKeyUsageOID.CLIENT_AUTH}
 
     # Two tokens, one submitter; neither is the services' or the admin's.
     table = parse_tokens(files["tokens"].decode(), "tokens")
@@ -96,7 +109,13 @@ def test_init_kubernetes_makes_the_components_identities_once(tmp_path: Path) ->
     assert all(line in (where / "tokens").read_text() for line in kept)
 
     shown = gpuloom("credentials", "show", "--dir", str(where))
-    for name in ("k8s.crt", "device-plugin.crt", "k8s.token", "device-plugin.token"):
+    for name in (
+        "k8s.crt",
+        "device-plugin.crt",
+        "scheduler.crt",
+        "k8s.token",
+        "device-plugin.token",
+    ):
         assert any(name in line and "present" in line for line in shown.stdout.splitlines())
     assert k8s_token not in shown.stdout
 
@@ -139,3 +158,29 @@ def test_what_would_break_the_kubernetes_identities_is_refused(tmp_path: Path) -
     with pytest.raises(CredentialsError, match="'kubernetes' has role admin"):
         ensure_kubernetes(where, "gpuloom")
     assert tokens.read_text() == lines
+
+
+@pytest.mark.parametrize("component", ["k8s", "device-plugin"])
+def test_gpuloom_serve_takes_a_components_own_files_from_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, component: str
+) -> None:
+    # `gpuloom serve k8s|device-plugin` with the credentials directory (no GPULOOM_TLS_* or
+    # GPULOOM_AUTH_* of its own): the component's token and certificate, not the services'.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
+    plain = tmp_path / "plain"
+    ensure(plain)
+    env["GPULOOM_CREDENTIALS_DIR"] = str(plain)
+    monkeypatch.setattr(os, "environ", env)
+    with pytest.raises(SettingsError, match=f"holds no {component}.token"):
+        secure_process((component,), "10.0.0.1", embedded=False)
+    made = ensure_kubernetes(tmp_path / "credentials")
+    env["GPULOOM_CREDENTIALS_DIR"] = str(made.directory)
+    assert secure_process((component,), "10.0.0.1", embedded=False) is Security.CREDENTIALS
+    assert env["GPULOOM_AUTH_TOKEN_FILE"] == str(made.file(f"{component}.token"))
+    assert env["GPULOOM_TLS_CERT_FILE"] == str(made.file(f"{component}.crt"))
+    assert env["GPULOOM_TLS_KEY_FILE"] == str(made.file(f"{component}.key"))
+    # Any other service keeps the services' token.
+    for variable in [v for v in env if v.startswith(("GPULOOM_TLS_", "GPULOOM_AUTH_"))]:
+        del env[variable]
+    assert secure_process(("placement",), "10.0.0.1", embedded=False) is Security.CREDENTIALS
+    assert env["GPULOOM_AUTH_TOKEN_FILE"] == str(made.service_token)

@@ -37,7 +37,9 @@ async def create(cluster: Cluster, pod: client.V1Pod, user: str = "alice") -> di
 
 
 async def scheduled(cluster: Cluster, pod: dict, nodes: list[str] = NODES):
-    return await asyncio.to_thread(schedule, cluster.extender, cluster.ca, pod, nodes)
+    return await asyncio.to_thread(
+        schedule, cluster.extender, cluster.ca, pod, nodes, cluster.scheduler_cert
+    )
 
 
 def finished(container: str, code: int) -> dict:
@@ -409,7 +411,10 @@ async def test_the_device_plugin_registers_again_when_the_kubelet_restarts(
     Path(plugin.socket).unlink()
     await until(lambda: len(kubelet.registrations) == 2, "the plugin registered again")
     await kubelet.wait_devices(4)
-    assert plugin.server.registrations == 2
+    # The plugin counts its registration once the kubelet's answer is back (after the kubelet
+    # recorded it).
+    await until(lambda: plugin.server.registrations == 2, "the plugin counted it")
+    assert len(kubelet.registrations) == 2
 
 
 async def test_a_device_plugin_started_before_its_kubelet_registers_once_it_is_up(

@@ -113,6 +113,22 @@ def test_the_admission_patch_applies_and_the_fleet_limits_refuse() -> None:
         review(marked, "UPDATE", "system:serviceaccount:gpuloom:gpuloom-k8s", pod), POLICY
     )
     assert ours["response"] == {"uid": "r-1", "allowed": True}
+    # The validating webhook: the same checks, never a patch, and a gpuloom Pod that another
+    # mutating webhook sent elsewhere afterwards is refused, naming the field.
+    assert answer(review(patched), POLICY, validating=True)["response"] == {
+        "uid": "r-1",
+        "allowed": True,
+    }
+    unpatched = answer(review(pod), POLICY, validating=True)["response"]
+    assert not unpatched["allowed"] and "patch" not in unpatched
+    assert unpatched["status"]["message"] == (
+        "gpuloom: spec.schedulerName: a Pod asking for gpuloom resources is scheduled by "
+        "'gpuloom' (gpuloom's mutating webhook sets it; got 'None')"
+    )
+    assert not answer(review(big), limited, validating=True)["response"]["allowed"]
+    plain = as_json(pod_model("plain"))
+    assert answer(review(plain), POLICY, validating=True)["response"]["allowed"]
+    assert not answer(review(marked, "UPDATE", old=pod), POLICY, True)["response"]["allowed"]
     for bad in (
         {},
         {"apiVersion": "admission.k8s.io/v1"},

@@ -1,12 +1,15 @@
-"""GPU fragmentation as the FGD paper defines it ("Beware of Fragmentation", ATC'23): the
-workload is the distribution of pod shapes weighted by frequency, and a node's fragmentation
-is the expected free GPU capacity (milli) that a pod drawn from it could not use:
+"""GPU fragmentation as the FGD paper and its simulator define it ("Beware of Fragmentation",
+ATC'23): the workload is FGD's typical pods (model.typical_workload: the most frequent shapes,
+keyed without memory), and a node's fragmentation is the expected free GPU capacity (milli) that
+a pod drawn from it could not use:
 
-- a pod that does not fit the node at all (CPU, memory, GPU model, too few usable GPUs) can use
-  none of it: all free GPU milli count;
-- a pod that fits uses only the GPUs with at least its per-GPU demand free: the free milli of
-  the other GPUs count;
+- a GPU pod that does not fit the node (CPU, GPU model, too few GPUs with its per-GPU demand
+  free) can use none of it: all free GPU milli count;
+- a GPU pod that fits uses only the GPUs with at least its per-GPU demand free: the free milli
+  of the other GPUs count;
 - a CPU-only pod uses no GPU: all free GPU milli count.
+
+Memory plays no part (the simulator's `NodeResource` has none).
 """
 
 from __future__ import annotations
@@ -17,26 +20,21 @@ from gpuloom.policies.fleet.model import WHOLE_GPU, FleetState
 
 
 def measure(
-    state: FleetState,
-    gpu_free: np.ndarray,
-    cpu_free: np.ndarray,
-    mem_free: np.ndarray,
-    model_idx: np.ndarray,
+    state: FleetState, gpu_free: np.ndarray, cpu_free: np.ndarray, model_idx: np.ndarray
 ) -> np.ndarray:
     """Fragmentation (milli) of M node states given as arrays ([M, G] GPU free, [M] others)."""
     total = gpu_free.sum(axis=1)
-    usable_gpu = gpu_free[:, None, :] >= state.demands[None, :, None]  # [M, D, G]
+    if not len(state.t_weight):
+        return total.astype(np.float64)
+    usable_gpu = gpu_free[:, None, :] >= state.t_demands[None, :, None]  # [M, D, G]
     count = usable_gpu.sum(axis=2)
     usable = (gpu_free[:, None, :] * usable_gpu).sum(axis=2)  # [M, D]
-    di = state.s_demand_idx
+    di = state.t_demand_idx
     fits = (
-        (cpu_free[:, None] >= state.s_cpu)
-        & (mem_free[:, None] >= state.s_mem)
-        & state.model_allows[model_idx]
-        & (count[:, di] >= state.s_k)
-    )  # [M, Q]
-    used = np.where(fits & (state.s_k > 0), usable[:, di], 0)
-    return total - used @ state.s_weight
+        (cpu_free[:, None] >= state.t_cpu) & state.t_allows[model_idx] & (count[:, di] >= state.t_k)
+    )  # [M, T]
+    used = np.where(fits & (state.t_k > 0), usable[:, di], 0)
+    return total - used @ state.t_weight
 
 
 class Fragmentation:
@@ -60,9 +58,7 @@ class Fragmentation:
         s = self.state
         stale = np.flatnonzero(self._version != s.version)
         if stale.size:
-            self._frag[stale] = measure(
-                s, s.gpu_free[stale], s.cpu_free[stale], s.mem_free[stale], s.model_idx[stale]
-            )
+            self._frag[stale] = measure(s, s.gpu_free[stale], s.cpu_free[stale], s.model_idx[stale])
             self._version[stale] = s.version[stale]
         return self._frag
 
@@ -70,26 +66,25 @@ class Fragmentation:
         return float(self.nodes().sum())
 
 
-def frag_after(state: FleetState, q: int, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For a pod of shape q on each of `nodes` (where it fits): the least fragmentation the
-    node can be left with, and the GPU that achieves it (-1 for whole GPUs or none: any fully
-    free GPUs are alike). A share is tried on every GPU it fits on."""
+def frag_options(
+    state: FleetState, q: int, nodes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every way a pod of shape q can go on each of `nodes` (where it fits), with the node's
+    fragmentation after it: (row into `nodes`, GPU or -1, fragmentation after). Whole GPUs or
+    none: one option per node (which fully free GPUs does not change the fragmentation). A
+    share: one option per GPU it fits on, in GPU order."""
     s = state
     k, d = int(s.s_k[q]), int(s.s_d[q])
     gpu_free = s.gpu_free[nodes]
     cpu = s.cpu_free[nodes] - s.s_cpu[q]
-    mem = s.mem_free[nodes] - s.s_mem[q]
     models = s.model_idx[nodes]
     if k == 0 or d == WHOLE_GPU:
         if k:
             full = gpu_free == WHOLE_GPU
             gpu_free = np.where(full & (np.cumsum(full, axis=1) <= k), 0, gpu_free)
-        return measure(s, gpu_free, cpu, mem, models), np.full(len(nodes), -1)
+        rows = np.arange(len(nodes))
+        return rows, np.full(len(nodes), -1), measure(s, gpu_free, cpu, models)
     rows, cols = np.nonzero(gpu_free >= d)
     after = gpu_free[rows]
     after[np.arange(len(rows)), cols] -= d
-    frag = measure(s, after, cpu[rows], mem[rows], models[rows])
-    # The least per node: sort by (row, frag) and keep each row's first option.
-    order = np.lexsort((frag, rows))
-    first = order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
-    return frag[first], cols[first]
+    return rows, cols, measure(s, after, cpu[rows], models[rows])

@@ -6,6 +6,16 @@ of one model, pods that ask for CPU, memory and either N whole GPUs on one node 
 nodes at once; it is plain data plus `fits` and `commit`, no I/O. Pod shapes are interned: every
 distinct (cpu, memory, num_gpu, gpu_milli, models) is one index `q`, which lets policies cache
 per-shape work (FGD does).
+
+Two published rules of the FGD paper's simulator live here because every policy shares them:
+
+- ties: node names carry a prefix from a seeded permutation and the scheduler takes the
+  lexicographically smallest of the best-scored nodes, so ties follow a fixed random node order
+  per run: `FleetState.rank` (0 first; the identity unless the simulator draws one), read by
+  `pick_best`;
+- the workload FGD weighs ("typical pods", `typical_workload`): the most frequent pod shapes,
+  keyed by CPU, GPU milli, GPU count and GPU model (memory is not part of the key, nor of
+  fragmentation), taken in decreasing frequency until they cover TYPICAL_SHARE of the pods.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from typing import Protocol
 import numpy as np
 
 WHOLE_GPU = 1000  # milli of one GPU
+TYPICAL_SHARE = 0.95  # the FGD workload: the most frequent shapes up to this share of pods
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,15 +57,66 @@ class PodShape:
         return self.num_gpu * self.gpu_milli
 
 
+@dataclass(frozen=True, slots=True)
+class TypicalShape:
+    """A pod shape as FGD's workload keys it: no memory."""
+
+    cpu_milli: int
+    num_gpu: int
+    gpu_milli: int
+    models: frozenset[str] | None
+
+
+def _model_key(models: frozenset[str] | None) -> str:
+    return "|".join(sorted(models)) if models else ""
+
+
+def typical_workload(
+    shapes: Sequence[PodShape], weights: Sequence[float], share: float = TYPICAL_SHARE
+) -> tuple[tuple[TypicalShape, ...], np.ndarray]:
+    """FGD's workload from pod shapes and their counts: shapes keyed without memory, sorted by
+    count (descending; equal counts by CPU, GPU milli, GPU count, model ascending), taken one
+    at a time until they cover `share` of the pods, their weights normalised to sum to 1."""
+    counts: dict[TypicalShape, float] = {}
+    for shape, weight in zip(shapes, weights, strict=True):
+        key = TypicalShape(shape.cpu_milli, shape.num_gpu, shape.gpu_milli, shape.models)
+        counts[key] = counts.get(key, 0.0) + float(weight)
+    total = sum(counts.values())
+    ranked = sorted(
+        counts.items(),
+        key=lambda kv: (
+            -kv[1],
+            kv[0].cpu_milli,
+            kv[0].gpu_milli,
+            kv[0].num_gpu,
+            _model_key(kv[0].models),
+        ),
+    )
+    chosen: list[tuple[TypicalShape, float]] = []
+    covered = 0.0
+    for key, count in ranked:
+        if covered >= share * total:
+            break
+        chosen.append((key, count))
+        covered += count
+    w = np.array([c for _, c in chosen], dtype=np.float64)
+    return tuple(k for k, _ in chosen), (w / w.sum() if w.sum() > 0 else w)
+
+
 class FleetState:
     """Free resources of every node, updated by `commit`. Node arrays are indexed by node, shape
     arrays by shape index; `version[n]` grows whenever node n changes (for policy caches)."""
 
     def __init__(
-        self, nodes: Sequence[NodeSpec], shapes: Sequence[PodShape], weights: Sequence[float]
+        self,
+        nodes: Sequence[NodeSpec],
+        shapes: Sequence[PodShape],
+        weights: Sequence[float],
+        typical_share: float = TYPICAL_SHARE,
     ) -> None:
         """`weights[q]`: how often shape q occurs in the workload (the distribution policies
-        may know in advance; normalised here)."""
+        may know in advance; normalised here). FGD weighs the most frequent shapes up to
+        `typical_share` of the pods (`typical_workload`)."""
         self.nodes = tuple(nodes)
         self.shapes = tuple(shapes)
         w = np.asarray(weights, dtype=np.float64)
@@ -83,10 +145,25 @@ class FleetState:
             [[s.models is None or m in s.models for s in self.shapes] for m in self.models],
             dtype=bool,
         ).reshape(len(self.models), len(self.shapes))
-        # Distinct per-GPU demands, for policies that group pods by them (GPU clustering).
-        self.demands = np.unique(self.s_d)
-        self.s_demand_idx = np.searchsorted(self.demands, self.s_d)
-        self.hosted = np.zeros((n_nodes, len(self.demands)), dtype=np.int64)
+        # GPU clustering's affinity tag per shape: 0 no GPU, 1 a share, 1 + k for k whole GPUs;
+        # hosted[n, tag]: the pods of each tag on node n.
+        self.s_tag = np.where(self.s_d == WHOLE_GPU, 1 + self.s_k, np.where(self.s_k > 0, 1, 0))
+        self.hosted = np.zeros((n_nodes, int(self.s_tag.max(initial=0)) + 1), dtype=np.int64)
+        # The FGD workload (typical pods), as arrays: t_* per typical shape.
+        typical, t_weight = typical_workload(self.shapes, w, typical_share)
+        self.typical = typical
+        self.t_weight = t_weight
+        self.t_cpu = np.array([t.cpu_milli for t in typical], dtype=np.int64)
+        self.t_k = np.array([t.num_gpu for t in typical], dtype=np.int64)
+        self.t_d = np.array([t.gpu_milli for t in typical], dtype=np.int64)
+        self.t_allows = np.array(
+            [[t.models is None or m in t.models for t in typical] for m in self.models],
+            dtype=bool,
+        ).reshape(len(self.models), len(typical))
+        self.t_demands = np.unique(self.t_d)
+        self.t_demand_idx = np.searchsorted(self.t_demands, self.t_d)
+        # Tie order: rank[n] (lowest first), as the published simulator's node-name prefixes.
+        self.rank = np.arange(n_nodes, dtype=np.int64)
         # Derived data policies keep for this state (by the policy's key), such as FGD's cache.
         self.memo: dict[str, object] = {}
 
@@ -110,6 +187,18 @@ class FleetState:
             ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
         return ok
 
+    def fits_rows(self, q: int, rows: np.ndarray) -> np.ndarray:
+        """`fits(q)` for the nodes `rows` only."""
+        ok = (
+            (self.cpu_free[rows] >= self.s_cpu[q])
+            & (self.mem_free[rows] >= self.s_mem[q])
+            & self.model_allows[self.model_idx[rows], q]
+        )
+        k = self.s_k[q]
+        if k:
+            ok &= (self.gpu_free[rows] >= self.s_d[q]).sum(axis=1) >= k
+        return ok
+
     def bestfit_gpus(self, n: int, q: int) -> tuple[int, ...]:
         """The GPUs of node n a pod of shape q takes by default: k fully free GPUs, or for a
         share the GPU with the least free milli that still fits (packs shares tightly)."""
@@ -127,7 +216,7 @@ class FleetState:
         self.mem_free[n] -= self.s_mem[q]
         for j in gpus:
             self.gpu_free[n, j] -= self.s_d[q]
-        self.hosted[n, self.s_demand_idx[q]] += 1
+        self.hosted[n, self.s_tag[q]] += 1
         self.version[n] += 1
 
     def release(self, n: int, q: int, gpus: tuple[int, ...]) -> None:
@@ -136,7 +225,7 @@ class FleetState:
         self.mem_free[n] += self.s_mem[q]
         for j in gpus:
             self.gpu_free[n, j] += self.s_d[q]
-        self.hosted[n, self.s_demand_idx[q]] -= 1
+        self.hosted[n, self.s_tag[q]] -= 1
         self.version[n] += 1
 
     def fits_node(self, n: int, q: int) -> bool:
@@ -165,6 +254,16 @@ class FleetPolicy(Protocol):
     def name(self) -> str: ...
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None: ...
+
+
+def pick_best(scores: np.ndarray, rank: np.ndarray) -> int | None:
+    """The node of the highest score (-inf: does not fit), ties to the lowest `rank` (the
+    published simulator's lexicographically smallest node name); None when none fits."""
+    best = scores.max(initial=-np.inf)
+    if best == -np.inf:
+        return None
+    tied = np.flatnonzero(scores == best)
+    return int(tied[0]) if len(tied) == 1 else int(tied[np.argmin(rank[tied])])
 
 
 def pick_lowest(scores: np.ndarray, rng: np.random.Generator) -> int | None:

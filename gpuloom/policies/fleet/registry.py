@@ -10,6 +10,7 @@ from gpuloom.policies.fleet.fgd import FgdPolicy
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy
 from gpuloom.policies.fleet.gpuclustering import GpuClusteringPolicy
 from gpuloom.policies.fleet.gpupacking import GpuPackingPolicy
+from gpuloom.policies.fleet.gpupacking_tiers import GpuPackingTiersPolicy
 from gpuloom.policies.fleet.model import FleetPolicy
 from gpuloom.policies.fleet.random_fit import RandomPolicy
 from gpuloom.policies.registry import Registry
@@ -21,6 +22,7 @@ POLICIES: Registry[FleetPolicy] = Registry(
         "bestfit": BestFitPolicy,
         "dotprod": DotProductPolicy,
         "gpupacking": GpuPackingPolicy,
+        "gpupacking-tiers": GpuPackingTiersPolicy,
         "gpuclustering": GpuClusteringPolicy,
         "fgd": FgdPolicy,
         "fgd-pack": FgdPackPolicy,

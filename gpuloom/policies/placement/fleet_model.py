@@ -14,16 +14,18 @@ live fleet, one model node per live node:
   free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
   job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
   GPUs the job can really take; unschedulable GPUs count as full;
-- the pods each node hosts per per-GPU demand (what GPU clustering groups by): each allocation
-  of a share counts as a pod of its rectangle's area (filled for `gpuclustering` only, the one
-  policy that reads it).
+- the pods each node hosts per GPU affinity (what GPU clustering groups by): each allocation
+  of a share counts as a share pod, each whole-GPU job as a 1-GPU pod (a job on several GPUs
+  too: the view does not count its GPUs), filled for `gpuclustering` only, the one policy
+  that reads it.
 
 The job becomes a pod: N whole GPUs (`gpus` > 1, or a share of the whole rectangle) or a share
 of one GPU whose `gpu_milli` is its rectangle's area (sm_percent x quota, in milli of the GPU).
 The workload the policies weigh (FGD's distribution of pod shapes) is the shapes of the last
 WORKLOAD_WINDOW jobs this policy was asked to place, each job once, the current one included:
-online, it knows only the past. Ties are broken with a generator seeded once per policy (the
-same decisions for the same sequence of asks).
+online, it knows only the past. Ties go to the first node in the fleet's order (the view's
+`rank` is the identity); `random` draws from a generator seeded once per policy (the same
+decisions for the same sequence of asks).
 
 What the fleet model cannot express: where in the GPU's rectangle a share goes (the adapter
 puts it at the bottom-left of the GPU's best-fitting free rectangle), and memory per GPU (the
@@ -168,10 +170,8 @@ class FleetModelPolicy:
         allowed = set(job.models) or None
         need = job.memory_bytes
         slots = fleet.slots
-        # Pods hosted per per-GPU demand: only GPU clustering reads them.
-        demand_index = (
-            {int(v): k for k, v in enumerate(state.demands)} if self._counts_hosted else None
-        )
+        # Pods hosted per GPU affinity (share, whole GPUs): only GPU clustering reads them.
+        tags = state.hosted.shape[1] if self._counts_hosted else 0
         gpu_free = state.gpu_free
         gpu_ids: list[tuple[str, ...]] = []
         for i, node in enumerate(nodes):
@@ -197,13 +197,14 @@ class FleetModelPolicy:
                 )
                 # Rounding must not hide room: a usable GPU shows at least the job's share.
                 gpu_free[i, j] = max(free, d) if usable else min(free, d - 1)
-                if demand_index is not None:
+                if tags:
                     for group, box in boxes.items():
                         # One pod per box: a time-slice group's members share their box (its
-                        # first allocation may be gone).
+                        # first allocation may be gone); a gang counts on its first GPU.
                         first = slot.allocations.get(group)
                         if first is None or not first.gang:
-                            k = demand_index.get(share_milli(box[2] - box[0], box[3] - box[1]))
-                            if k is not None:
-                                state.hosted[i, k] += 1
+                            whole = share_milli(box[2] - box[0], box[3] - box[1]) == WHOLE_GPU
+                            tag = 2 if whole else 1  # "1-gpu" or "share"
+                            if tag < tags:
+                                state.hosted[i, tag] += 1
         return _View(state, common.index(shape), tuple(n.name for n in nodes), tuple(gpu_ids))

@@ -3,8 +3,9 @@ Gandiva's mini-batch cycle in a training job's memory use.
 
 Pure code: measurement arrays in, statistics and fitted predictors (plain data when
 serialised) out. `kernel_id` is the shim's kernel ID; `choose_predictor` picks a gap predictor
-by cross-validation, `fit_predictor(name, runs)` fits one by name. `synth` builds synthetic runs
-from Orion kernel traces (reading a trace file is the package's only I/O).
+by cross-validation, `fit_predictor(name, runs)` fits one by name (`PREDICTORS`, the family's
+`Registry`). `synth` builds synthetic runs from Orion kernel traces (reading a trace file is
+the package's only I/O).
 """
 
 from gpuloom.policies.profiling.cycles import Cycle, CycleOptions, NoCycle, detect_cycle
@@ -17,7 +18,7 @@ from gpuloom.policies.profiling.gaps import (
     PairGap,
     PositionGap,
     PredictorChoice,
-    UnknownPredictorError,
+    PredictorKind,
     choose_predictor,
     fit_predictor,
     load_predictor,
@@ -48,8 +49,8 @@ __all__ = [
     "PairGap",
     "PositionGap",
     "PredictorChoice",
+    "PredictorKind",
     "Runs",
-    "UnknownPredictorError",
     "aggregate",
     "choose_predictor",
     "detect_cycle",

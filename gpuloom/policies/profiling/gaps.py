@@ -19,12 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
 
 from gpuloom.policies.profiling.kernels import Runs, group, lookup, mix64
+from gpuloom.policies.registry import Registry, UnknownPolicyError
 
 FORMAT_VERSION = 1
 MAX_PAIRS = 100_000
@@ -424,34 +426,38 @@ def _fit_all(runs: Runs, names: Sequence[str]) -> dict[str, GapPredictor]:
     return {name: fitted[name] for name in names}
 
 
-Fit = Callable[[Runs], GapPredictor]
-PREDICTORS: Mapping[str, Fit] = MappingProxyType(
-    {"mean": MeanGap.fit, "pair": PairGap.fit, "position": PositionGap.fit}
-)
-_LOADERS: Mapping[str, Callable[[object], GapPredictor]] = MappingProxyType(
-    {"mean": MeanGap.from_dict, "pair": PairGap.from_dict, "position": PositionGap.from_dict}
-)
+@dataclass(frozen=True, slots=True)
+class PredictorKind:
+    """What a predictor's name finds: how to fit it on runs and load it from `to_dict()`."""
+
+    fit: Callable[[Runs], GapPredictor]
+    load: Callable[[object], GapPredictor]
 
 
-class UnknownPredictorError(ValueError):
-    """No gap predictor has that name."""
+# The family's name table, simplest first (PREDICTOR_NAMES: the order ties are broken in).
+PREDICTORS: Registry[PredictorKind] = Registry(
+    "gap predictor",
+    {
+        "mean": partial(PredictorKind, MeanGap.fit, MeanGap.from_dict),
+        "pair": partial(PredictorKind, PairGap.fit, PairGap.from_dict),
+        "position": partial(PredictorKind, PositionGap.fit, PositionGap.from_dict),
+    },
+)
 
 
 def fit_predictor(name: str, runs: Runs) -> GapPredictor:
-    fit = PREDICTORS.get(name)
-    if fit is None:
-        known = ", ".join(PREDICTORS)
-        raise UnknownPredictorError(f"unknown gap predictor {name!r}; known: {known}")
-    return fit(runs)
+    """The predictor called `name` fitted on `runs`; an unknown name raises the registry's
+    UnknownPolicyError, naming the known ones."""
+    return PREDICTORS.create(name).fit(runs)
 
 
 def load_predictor(data: Mapping[str, Any]) -> GapPredictor:
     """The predictor `to_dict()` serialised."""
-    load = _LOADERS.get(data.get("predictor")) if isinstance(data, Mapping) else None
-    if load is None:
+    name = data.get("predictor") if isinstance(data, Mapping) else None
+    if not isinstance(name, str) or name not in PREDICTORS:
         raise InvalidPredictorError("predictor data names no known predictor")
     try:
-        return load(data)
+        return PREDICTORS.create(name).load(data)
     except InvalidPredictorError:
         raise
     except (TypeError, AttributeError, KeyError) as error:
@@ -486,9 +492,15 @@ def choose_predictor(
     candidate's predictions on the held-out runs' gaps, pooled over the folds. The lowest MAE
     wins unless a simpler candidate (earlier in PREDICTOR_NAMES) is within tie_tolerance of
     it; the winner is then fitted on all runs."""
+    if not candidates:
+        raise ValueError("choose_predictor needs at least one candidate")
     unknown = [c for c in candidates if c not in PREDICTORS]
-    if unknown or not candidates:
-        raise UnknownPredictorError(f"unknown gap predictors {unknown}; known: {PREDICTOR_NAMES}")
+    if unknown:
+        raise UnknownPolicyError(
+            f"unknown gap predictor {unknown[0]!r}; known: {PREDICTORS.known}",
+            kind=PREDICTORS.kind,
+            known=tuple(PREDICTORS),
+        )
     if runs.count < 2:
         raise ValueError("cross-validation needs at least 2 runs")
     if folds < 2:

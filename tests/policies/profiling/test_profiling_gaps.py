@@ -8,13 +8,13 @@ from gpuloom.policies.profiling import (
     PREDICTOR_NAMES,
     InvalidPredictorError,
     Runs,
-    UnknownPredictorError,
     choose_predictor,
     fit_predictor,
     load_predictor,
     order_runs,
 )
 from gpuloom.policies.profiling.synth import GapModel, synthesize
+from gpuloom.policies.registry import UnknownPolicyError
 
 from .helpers import orion
 
@@ -200,7 +200,8 @@ def test_choose_predictor_refuses_what_it_cannot_evaluate() -> None:
         choose_predictor(Runs.from_sequences([[1, 2]], [[5]]))
     with pytest.raises(ValueError, match="no gaps"):
         choose_predictor(Runs.from_sequences([[1], [1]], [[], []]))
-    with pytest.raises(UnknownPredictorError):
+    known = "known: mean, pair, position$"
+    with pytest.raises(UnknownPolicyError, match=f"gap predictor 'median'; {known}"):
         choose_predictor(Runs.from_sequences([[1, 2]] * 2, [[5]] * 2), candidates=["median"])
-    with pytest.raises(UnknownPredictorError):
+    with pytest.raises(UnknownPolicyError, match=f"gap predictor policy 'median'; {known}"):
         fit_predictor("median", Runs.from_sequences([[1, 2]], [[5]]))

@@ -1,0 +1,67 @@
+"""The per-level token schedulers of the live composed policy: levels never wait for each
+other's leases, one level shares by quota, and an uncontended level leases until further
+notice until a peer of the level asks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gpuloom.policies.admission.levels import LevelScheduler
+from gpuloom.policies.tokens import ClientShare, TokenConfig, UnknownPolicyError
+
+
+def _levels() -> LevelScheduler:
+    return LevelScheduler("spatiotemporal", TokenConfig(window_s=1.0), 0.0)
+
+
+def test_levels_do_not_wait_for_each_other() -> None:
+    levels = _levels()
+    levels.add_client(ClientShare("hp", 100, 0.5, 0.5), 0.0, priority=1)
+    levels.add_client(ClientShare("lp", 100, 0.5, 0.5), 0.0, priority=8)
+    low = levels.request("lp", 0.0).granted
+    high = levels.request("hp", 0.0).granted
+    # Both hold a lease at once, though each asks for all the SMs: the arbiter, not the
+    # leases, decides between the levels.
+    assert [lease.client_id for lease in (*low, *high)] == ["lp", "hp"]
+    assert levels.snapshot(0.0).running_sm_percent == 200
+    assert levels.priority_of("hp") == 1
+
+
+def test_a_level_of_one_holds_open_ended_until_a_second_client_joins() -> None:
+    levels = _levels()
+    assert not levels.add_client(ClientShare("a", 100, 0.5, 1.0), 0.0, priority=5)
+    first = levels.request("a", 0.0).granted
+    assert len(first) == 1 and first[0].expires_at == math.inf  # alone: no renewals
+    # A second client joins the level: the open-ended lease ends at once.
+    joined = levels.add_client(ClientShare("b", 100, 0.5, 1.0), 0.001, priority=5)
+    assert [lease.client_id for lease in joined.ended] == ["a"]
+    (second,) = levels.request("b", 0.001).granted
+    assert second.expires_at < math.inf  # the level leases by quota from now on
+    assert not levels.request("a", 0.002).granted  # b holds all the SMs: a waits its turn
+    assert levels.has_waiting
+    # Another level's lone client is not touched.
+    levels.add_client(ClientShare("c", 100, 0.5, 1.0), 0.003, priority=1)
+    assert levels.request("c", 0.003).granted[0].expires_at == math.inf
+
+
+def test_a_limit_below_the_window_is_leased_in_bounded_leases_even_alone() -> None:
+    levels = _levels()
+    levels.add_client(ClientShare("a", 100, 0.3, 0.3), 0.0, priority=2)
+    (lease,) = levels.request("a", 0.0).granted
+    assert lease.expires_at <= 0.3
+    assert levels.next_deadline() == lease.expires_at
+
+
+def test_removed_clients_and_unknown_names() -> None:
+    levels = _levels()
+    levels.add_client(ClientShare("a", 50, 0.5, 0.5), 0.0, priority=2)
+    with pytest.raises(ValueError, match="already exists"):
+        levels.add_client(ClientShare("a", 50, 0.5, 0.5), 0.0, priority=3)
+    levels.remove_client("a", 0.1)
+    with pytest.raises(KeyError, match="unknown client 'a'"):
+        levels.request("a", 0.2)
+    assert levels.snapshot(0.2).clients == {}
+    with pytest.raises(UnknownPolicyError):
+        LevelScheduler("nope", TokenConfig(), 0.0)

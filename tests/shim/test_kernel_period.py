@@ -1,0 +1,53 @@
+"""Iteration boundaries from the kernel stream (shim/src/kperiod.c): a training loop that
+allocates once and reuses (as PyTorch's caching allocator does) shows no cycle in its memory
+samples, but its launches repeat every mini-batch: the shim finds the loop's period there (in
+kernels and in time) and publishes it in its admission region and its trace."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dispatcher.conftest import LiveDispatcher
+from tests.shim.conftest import Runner
+
+KERNELS = "k_fwd_200us,k_bwd_300us,k_opt_100us"
+
+
+def _detections(trace: list[str]) -> list[tuple[int, int]]:
+    found = []
+    for line in trace:
+        if line.startswith("kperiod "):
+            fields = dict(part.split("=", 1) for part in line.split()[1:])
+            found.append((int(fields["kernels"]), int(fields["period_ns"])))
+    return found
+
+
+@pytest.mark.parametrize(("layers", "period_ms"), [(4, 20), (2, 35)])
+async def test_the_loops_period_is_found_in_the_kernel_stream_within_5_percent(
+    live: LiveDispatcher, run: Runner, layers: int, period_ms: int
+) -> None:
+    assignment = await live.reserve(memory_gib=1.0)
+    steps = 1200 // (2 * layers + 1) + 10  # enough launches for a few detections
+    result = await run.run_async(
+        "module", KERNELS, "steady", str(steps), str(period_ms * 1000), str(layers),
+        str(1 << 20), KERNELS,
+        env={
+            "GPULOOM_DISPATCHER_SOCKET": live.socket_path,
+            "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
+        },
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    detections = _detections(result.shim_trace)
+    assert detections, result.shim_trace[-20:]
+    # Every detection (the first after 256 launches) finds the loop, not a run of one kernel.
+    for kernels, period_ns in detections:
+        assert kernels == 2 * layers + 1, detections  # forward and backward per layer, the step
+        assert abs(period_ns - period_ms * 1e6) <= 0.05 * period_ms * 1e6, detections
+
+
+def test_without_the_dispatcher_sampling_nothing_is_detected(run: Runner) -> None:
+    """Outside training introspection (no dispatcher here) the launch path records nothing."""
+    result = run("module", KERNELS, "steady", "120", "1000", "4", str(1 << 20), KERNELS)
+    assert result.returncode == 0, result.stderr
+    assert not _detections(result.shim_trace)
