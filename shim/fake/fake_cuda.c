@@ -1362,29 +1362,18 @@ static CUresult array_create(const char *entry, CUarray *handle, uint64_t w, uin
     return r;
 }
 
-EXPORT CUresult CUDAAPI cuArrayCreate_v2(CUarray *handle, const CUDA_ARRAY_DESCRIPTOR *d) {
-    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
-    return array_create("cuArrayCreate_v2", handle, d->Width, d->Height, 1, d->Format,
-                        d->NumChannels);
-}
-
-EXPORT CUresult CUDAAPI cuArray3DCreate_v2(CUarray *handle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
-    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
-    return array_create("cuArray3DCreate_v2", handle, d->Width, d->Height, d->Depth, d->Format,
-                        d->NumChannels);
-}
-
-EXPORT CUresult CUDAAPI cuArrayCreate(CUarray *handle, const gl_array_descriptor_v1 *d) {
-    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
-    return array_create("cuArrayCreate", handle, d->Width, d->Height, 1, d->Format,
-                        d->NumChannels);
-}
-
-EXPORT CUresult CUDAAPI cuArray3DCreate(CUarray *handle, const gl_array3d_descriptor_v1 *d) {
-    if (d == NULL) return CUDA_ERROR_INVALID_VALUE;
-    return array_create("cuArray3DCreate", handle, d->Width, d->Height, d->Depth, d->Format,
-                        d->NumChannels);
-}
+/* The array constructors, one per descriptor type (`depth`: the descriptor's, 1 for the 2D
+ * ones). */
+#define FAKE_ARRAY_CREATE(symbol, descriptor, depth)                                       \
+    EXPORT CUresult CUDAAPI symbol(CUarray *handle, const descriptor *d) {                 \
+        if (d == NULL) return CUDA_ERROR_INVALID_VALUE;                                    \
+        return array_create(#symbol, handle, d->Width, d->Height, depth, d->Format,        \
+                            d->NumChannels);                                               \
+    }
+FAKE_ARRAY_CREATE(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1)
+FAKE_ARRAY_CREATE(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, d->Depth)
+FAKE_ARRAY_CREATE(cuArrayCreate, gl_array_descriptor_v1, 1)
+FAKE_ARRAY_CREATE(cuArray3DCreate, gl_array3d_descriptor_v1, d->Depth)
 
 static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned levels) {
     uint64_t total = 0, w = d->Width, h = d->Height, z = d->Depth;
@@ -1446,14 +1435,19 @@ EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_
 
 /* -- the legacy 32-bit entry points -- */
 
-EXPORT CUresult CUDAAPI cuMemAlloc(gl_deviceptr_v1 *dptr, unsigned int bytes) {
-    if (dptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+/* An allocation at a 32-bit address, into *dptr. */
+static CUresult mem_alloc_low(const char *entry, gl_deviceptr_v1 *dptr, uint64_t bytes) {
     uint64_t address = 0;
     t_low = 1;
-    CUresult r = mem_alloc("cuMemAlloc", &address, bytes);
+    CUresult r = mem_alloc(entry, &address, bytes);
     t_low = 0;
     if (r == CUDA_SUCCESS) *dptr = (gl_deviceptr_v1)address;
     return r;
+}
+
+EXPORT CUresult CUDAAPI cuMemAlloc(gl_deviceptr_v1 *dptr, unsigned int bytes) {
+    if (dptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    return mem_alloc_low("cuMemAlloc", dptr, bytes);
 }
 
 EXPORT CUresult CUDAAPI cuMemAllocPitch(gl_deviceptr_v1 *dptr, unsigned int *pitch,
@@ -1462,14 +1456,8 @@ EXPORT CUresult CUDAAPI cuMemAllocPitch(gl_deviceptr_v1 *dptr, unsigned int *pit
     if (dptr == NULL || pitch == NULL || element_bytes == 0 || element_bytes > 16)
         return CUDA_ERROR_INVALID_VALUE;
     unsigned rounded = (width + 511u) & ~511u;
-    uint64_t address = 0;
-    t_low = 1;
-    CUresult r = mem_alloc("cuMemAllocPitch", &address, (uint64_t)rounded * height);
-    t_low = 0;
-    if (r == CUDA_SUCCESS) {
-        *dptr = (gl_deviceptr_v1)address;
-        *pitch = rounded;
-    }
+    CUresult r = mem_alloc_low("cuMemAllocPitch", dptr, (uint64_t)rounded * height);
+    if (r == CUDA_SUCCESS) *pitch = rounded;
     return r;
 }
 

@@ -305,6 +305,13 @@ static CUresult over_cap(const char *hook, uint64_t size) {
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* Hand the call to the driver as it is (what the hook cannot read, the driver answers). */
+#define PASS_ON(symbol, args)                                               \
+    do {                                                                    \
+        init();                                                             \
+        return REAL(symbol) ? REAL(symbol) args : CUDA_ERROR_NOT_FOUND;     \
+    } while (0)
+
 /* The common shape of an allocation hook (`hook`: its index in the list; the new allocation
  * goes into `table` under `out_key`, with `extra`; `capturing`: recorded into a graph, not run,
  * so never held by a suspension; `pool`: the stream-ordered pool it comes from, 0: none; then
@@ -331,6 +338,61 @@ static CUresult over_cap(const char *hook, uint64_t size) {
     } while (0)
 #define ALLOC_HOOK(hook, size, table, out_key, extra, capturing, call) \
     ALLOC_HOOK_POOL(hook, size, table, out_key, extra, capturing, 0, call)
+
+/* Free what `hook` (a SETTLED_HOOK) made, through the real driver (not counted). */
+static void give_back(int hook, uint64_t key) {
+    switch (hook) {
+    case H_cuMemAllocPitch_v2:
+        if (REAL(cuMemFree_v2)) REAL(cuMemFree_v2)((CUdeviceptr)key);
+        break;
+    case H_cuMemAllocPitch:
+        if (REAL(cuMemFree)) REAL(cuMemFree)((gl_deviceptr_v1)key);
+        break;
+    case H_cuMipmappedArrayCreate:
+        if (REAL(cuMipmappedArrayDestroy))
+            REAL(cuMipmappedArrayDestroy)((CUmipmappedArray)(uintptr_t)key);
+        break;
+    default: /* the other array constructors */
+        if (REAL(cuArrayDestroy)) REAL(cuArrayDestroy)((CUarray)(uintptr_t)key);
+    }
+}
+
+/* After the driver made an allocation whose size it fixes itself (a pitch, an array's
+ * layout; `hook`: the entry point that made it, `key`: the allocation, `counted`: the bytes
+ * already reserved): count `size`, what it really takes, if that is more; if that does not
+ * fit, the allocation is given back to the driver and the answer is out of memory. */
+static CUresult settle(int hook, mem_table *table, uint64_t key, uint64_t counted,
+                       uint64_t size) {
+    const char *symbol = g_hooks[hook].symbol;
+    if (size > counted && !mem_reserve(size - counted)) {
+        mem_unreserve(counted);
+        give_back(hook, key);
+        return over_cap(symbol, size);
+    }
+    if (size < counted) size = counted;
+    mem_track(table, key, size, 0);
+    trace("alloc %s %llu ok", symbol, (unsigned long long)size);
+    return CUDA_SUCCESS;
+}
+
+/* The common shape of a hook whose size the driver fixes (`hook`: its index in the list): reserve
+ * `counted`, what is known before the call, make the call (given back if it fails), then settle
+ * `out`, the new allocation, at `size` (read after the call). */
+#define SETTLED_HOOK(hook, table, counted, call, out, size)                           \
+    do {                                                                              \
+        init();                                                                       \
+        if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                               \
+        ensure_registered();                                                          \
+        suspend_point();                                                              \
+        uint64_t counted_ = (counted);                                                \
+        if (!mem_reserve(counted_)) return over_cap(g_hooks[hook].symbol, counted_);  \
+        CUresult result_ = (call);                                                    \
+        if (result_ != CUDA_SUCCESS) {                                                \
+            mem_unreserve(counted_);                                                  \
+            return result_;                                                           \
+        }                                                                             \
+        return settle(hook, (table), (uint64_t)(uintptr_t)(out), counted_, (size));  \
+    } while (0)
 
 EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     ALLOC_HOOK(H_cuMemAlloc_v2, bytes, &g_mem, *dptr, 0, 0, REAL(cuMemAlloc_v2)(dptr, bytes));
@@ -373,48 +435,33 @@ EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t
                REAL(cuMemCreate)(handle, bytes, prop, flags));
 }
 
-/* The pitch (and so the size) is known only after the call: reserve the unpadded size first,
- * then the padding, and give the allocation back if the padding does not fit. */
+/* The pitch (and so the size) is known only after the call: the unpadded size is reserved
+ * first, then the padding (SETTLED_HOOK, below). */
 EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
                                            size_t height, unsigned int element_bytes) {
-    init();
-    if (!REAL(cuMemAllocPitch_v2)) return CUDA_ERROR_NOT_FOUND;
-    ensure_registered();
-    suspend_point();
-    uint64_t minimum = (uint64_t)width * height;
-    if (!mem_reserve(minimum)) return over_cap("cuMemAllocPitch_v2", minimum);
-    CUresult result = REAL(cuMemAllocPitch_v2)(dptr, pitch, width, height, element_bytes);
-    if (result != CUDA_SUCCESS) {
-        mem_unreserve(minimum);
-        return result;
-    }
-    uint64_t size = (uint64_t)*pitch * height;
-    if (size > minimum && !mem_reserve(size - minimum)) {
-        mem_unreserve(minimum);
-        if (REAL(cuMemFree_v2)) REAL(cuMemFree_v2)(*dptr);
-        return over_cap("cuMemAllocPitch_v2", size);
-    }
-    mem_track(&g_mem, *dptr, size > minimum ? size : minimum, 0);
-    trace("alloc cuMemAllocPitch_v2 %llu ok", (unsigned long long)size);
-    return CUDA_SUCCESS;
+    SETTLED_HOOK(H_cuMemAllocPitch_v2, &g_mem, (uint64_t)width * height,
+                 REAL(cuMemAllocPitch_v2)(dptr, pitch, width, height, element_bytes), *dptr,
+                 (uint64_t)*pitch * height);
 }
 
+/* The common shape of a free hook: the driver's answer; `untrack` once it has freed. */
+#define FREE_HOOK(hook, call, untrack)                  \
+    do {                                                \
+        init();                                         \
+        if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND; \
+        CUresult result_ = (call);                      \
+        if (result_ == CUDA_SUCCESS) untrack;           \
+        return result_;                                 \
+    } while (0)
+
 EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
-    init();
-    if (!REAL(cuMemFree_v2)) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = REAL(cuMemFree_v2)(dptr);
-    if (result == CUDA_SUCCESS) mem_untrack(dptr);
-    return result;
+    FREE_HOOK(H_cuMemFree_v2, REAL(cuMemFree_v2)(dptr), mem_untrack(dptr));
 }
 
 static ALWAYS_INLINE CUresult cuMemFreeAsync_body(int hook, int per_thread, CUdeviceptr dptr,
                                                   CUstream stream) {
     (void)per_thread; /* the cap is per process, whichever stream */
-    init();
-    if (!REAL_AT(cuMemFreeAsync, hook)) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = REAL_AT(cuMemFreeAsync, hook)(dptr, stream);
-    if (result == CUDA_SUCCESS) mem_untrack(dptr);
-    return result;
+    FREE_HOOK(hook, REAL_AT(cuMemFreeAsync, hook)(dptr, stream), mem_untrack(dptr));
 }
 
 GL_TWIN_HOOKS(cuMemFreeAsync, _ptsz, (CUdeviceptr dptr, CUstream stream), (dptr, stream))
@@ -472,6 +519,21 @@ EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
 
 /* ---- pools ---- */
 
+/* `pool` keeps at most `keep` (pool_shrink) and the count gives back what it releases; with
+ * `set_threshold`, `keep` is also its release threshold from now on (with `create`, a pool not
+ * followed yet is followed from now on). */
+static void pool_release(CUmemoryPool pool, uint64_t keep, int set_threshold, int create) {
+    uint64_t released = 0;
+    pthread_mutex_lock(&g_mem_lock);
+    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, create);
+    if (p) {
+        if (set_threshold) p->threshold = keep;
+        released = pool_shrink(p, keep);
+    }
+    pthread_mutex_unlock(&g_mem_lock);
+    mem_unreserve(released);
+}
+
 EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attribute,
                                               void *value) {
     init();
@@ -479,15 +541,8 @@ EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attri
     CUresult result = REAL(cuMemPoolSetAttribute)(pool, attribute, value);
     if (result != CUDA_SUCCESS || attribute != CU_MEMPOOL_ATTR_RELEASE_THRESHOLD || !value)
         return result;
-    uint64_t threshold = *(const cuuint64_t *)value, released = 0;
-    pthread_mutex_lock(&g_mem_lock);
-    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 1);
-    if (p) {
-        p->threshold = threshold;
-        released = pool_shrink(p, threshold);
-    }
-    pthread_mutex_unlock(&g_mem_lock);
-    mem_unreserve(released);
+    uint64_t threshold = *(const cuuint64_t *)value;
+    pool_release(pool, threshold, 1, 1);
     trace("pool threshold %llu", (unsigned long long)threshold);
     return result;
 }
@@ -496,13 +551,7 @@ EXPORT CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
     init();
     if (!REAL(cuMemPoolTrimTo)) return CUDA_ERROR_NOT_FOUND;
     CUresult result = REAL(cuMemPoolTrimTo)(pool, keep);
-    if (result != CUDA_SUCCESS) return result;
-    uint64_t released = 0;
-    pthread_mutex_lock(&g_mem_lock);
-    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 0);
-    if (p) released = pool_shrink(p, keep);
-    pthread_mutex_unlock(&g_mem_lock);
-    mem_unreserve(released);
+    if (result == CUDA_SUCCESS) pool_release(pool, keep, 0, 0);
     return result;
 }
 
@@ -511,25 +560,20 @@ EXPORT CUresult CUDAAPI cuMemPoolDestroy(CUmemoryPool pool) {
     init();
     if (!REAL(cuMemPoolDestroy)) return CUDA_ERROR_NOT_FOUND;
     CUresult result = REAL(cuMemPoolDestroy)(pool);
-    if (result != CUDA_SUCCESS) return result;
-    uint64_t released = 0;
-    pthread_mutex_lock(&g_mem_lock);
-    pool_state *p = pool_find((uint64_t)(uintptr_t)pool, 0);
-    if (p) {
-        p->threshold = 0;
-        released = pool_shrink(p, 0);
-    }
-    pthread_mutex_unlock(&g_mem_lock);
-    mem_unreserve(released);
+    if (result == CUDA_SUCCESS) pool_release(pool, 0, 1, 0);
     return result;
 }
 
 /* ---- CUDA arrays ---- */
 
-/* After the driver made the array: count what it really takes (cuArrayGetMemoryRequirements,
- * when the driver has it) if that is more than the unpadded size already counted; if that
- * does not fit, the array is destroyed and the answer is out of memory. */
-static CUresult array_settle(const char *hook, uint64_t handle, uint64_t counted, int mipmap) {
+/* The unpadded size is reserved first, then what the driver reports the array takes. */
+#define ARRAY_HOOK(hook, size, out_handle, mipmap, call)                \
+    SETTLED_HOOK(hook, &g_arrays, size, call, out_handle,               \
+                 array_bytes((uint64_t)(uintptr_t)(out_handle), mipmap))
+
+/* What the array `handle` really takes (cuArrayGetMemoryRequirements, when the driver has
+ * it); 0: not known. */
+static uint64_t array_bytes(uint64_t handle, int mipmap) {
     CUDA_ARRAY_MEMORY_REQUIREMENTS need = {0};
     CUdevice device;
     CUresult asked = CUDA_ERROR_NOT_FOUND;
@@ -539,105 +583,39 @@ static CUresult array_settle(const char *hook, uint64_t handle, uint64_t counted
         else if (!mipmap && g_aux.array_requirements)
             asked = g_aux.array_requirements(&need, (CUarray)(uintptr_t)handle, device);
     }
-    uint64_t size = counted;
-    if (asked == CUDA_SUCCESS && need.size > counted) {
-        if (!mem_reserve(need.size - counted)) {
-            mem_unreserve(counted);
-            if (mipmap && REAL(cuMipmappedArrayDestroy))
-                REAL(cuMipmappedArrayDestroy)((CUmipmappedArray)(uintptr_t)handle);
-            else if (!mipmap && REAL(cuArrayDestroy))
-                REAL(cuArrayDestroy)((CUarray)(uintptr_t)handle);
-            return over_cap(hook, need.size);
-        }
-        size = need.size;
-    }
-    mem_track(&g_arrays, handle, size, 0);
-    trace("alloc %s %llu ok", hook, (unsigned long long)size);
-    return CUDA_SUCCESS;
+    return asked == CUDA_SUCCESS ? need.size : 0;
 }
 
-#define ARRAY_HOOK(hook, size, out_handle, mipmap, call)                         \
-    do {                                                                         \
-        init();                                                                  \
-        if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                          \
-        ensure_registered();                                                     \
-        suspend_point();                                                         \
-        uint64_t size_ = (size);                                                 \
-        if (!mem_reserve(size_)) return over_cap(g_hooks[hook].symbol, size_);   \
-        CUresult result_ = (call);                                               \
-        if (result_ != CUDA_SUCCESS) {                                           \
-            mem_unreserve(size_);                                                \
-            return result_;                                                      \
-        }                                                                        \
-        return array_settle(g_hooks[hook].symbol, (uint64_t)(uintptr_t)(out_handle), size_, \
-                            mipmap);                                             \
-    } while (0)
-
-EXPORT CUresult CUDAAPI cuArrayCreate_v2(CUarray *handle, const CUDA_ARRAY_DESCRIPTOR *d) {
-    if (!d || !handle) {
-        init();
-        return REAL(cuArrayCreate_v2) ? REAL(cuArrayCreate_v2)(handle, d) : CUDA_ERROR_NOT_FOUND;
+/* The array constructors: one per descriptor type (`depth`: the descriptor's, 1 for the 2D
+ * ones). */
+#define ARRAY_CREATE_HOOK(symbol, descriptor, depth)                                        \
+    EXPORT CUresult CUDAAPI symbol(CUarray *handle, const descriptor *d) {                  \
+        if (!d || !handle) PASS_ON(symbol, (handle, d));                                    \
+        ARRAY_HOOK(H_##symbol,                                                              \
+                   gl_array_bytes(d->Width, d->Height, depth, d->Format, d->NumChannels),   \
+                   *handle, 0, REAL(symbol)(handle, d));                                    \
     }
-    ARRAY_HOOK(H_cuArrayCreate_v2, gl_array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
-               *handle, 0, REAL(cuArrayCreate_v2)(handle, d));
-}
-
-EXPORT CUresult CUDAAPI cuArray3DCreate_v2(CUarray *handle, const CUDA_ARRAY3D_DESCRIPTOR *d) {
-    if (!d || !handle) {
-        init();
-        return REAL(cuArray3DCreate_v2) ? REAL(cuArray3DCreate_v2)(handle, d)
-                                        : CUDA_ERROR_NOT_FOUND;
-    }
-    ARRAY_HOOK(H_cuArray3DCreate_v2,
-               gl_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels), *handle,
-               0, REAL(cuArray3DCreate_v2)(handle, d));
-}
-
-EXPORT CUresult CUDAAPI cuArrayCreate(CUarray *handle, const gl_array_descriptor_v1 *d) {
-    if (!d || !handle) {
-        init();
-        return REAL(cuArrayCreate) ? REAL(cuArrayCreate)(handle, d) : CUDA_ERROR_NOT_FOUND;
-    }
-    ARRAY_HOOK(H_cuArrayCreate, gl_array_bytes(d->Width, d->Height, 1, d->Format, d->NumChannels),
-               *handle, 0, REAL(cuArrayCreate)(handle, d));
-}
-
-EXPORT CUresult CUDAAPI cuArray3DCreate(CUarray *handle, const gl_array3d_descriptor_v1 *d) {
-    if (!d || !handle) {
-        init();
-        return REAL(cuArray3DCreate) ? REAL(cuArray3DCreate)(handle, d) : CUDA_ERROR_NOT_FOUND;
-    }
-    ARRAY_HOOK(H_cuArray3DCreate,
-               gl_array_bytes(d->Width, d->Height, d->Depth, d->Format, d->NumChannels), *handle,
-               0, REAL(cuArray3DCreate)(handle, d));
-}
+ARRAY_CREATE_HOOK(cuArrayCreate_v2, CUDA_ARRAY_DESCRIPTOR, 1)
+ARRAY_CREATE_HOOK(cuArray3DCreate_v2, CUDA_ARRAY3D_DESCRIPTOR, d->Depth)
+ARRAY_CREATE_HOOK(cuArrayCreate, gl_array_descriptor_v1, 1)
+ARRAY_CREATE_HOOK(cuArray3DCreate, gl_array3d_descriptor_v1, d->Depth)
 
 EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(CUmipmappedArray *handle,
                                                const CUDA_ARRAY3D_DESCRIPTOR *d,
                                                unsigned int levels) {
-    if (!d || !handle) {
-        init();
-        return REAL(cuMipmappedArrayCreate) ? REAL(cuMipmappedArrayCreate)(handle, d, levels)
-                                            : CUDA_ERROR_NOT_FOUND;
-    }
+    if (!d || !handle) PASS_ON(cuMipmappedArrayCreate, (handle, d, levels));
     ARRAY_HOOK(H_cuMipmappedArrayCreate, gl_mipmap_bytes(d, levels), *handle, 1,
                REAL(cuMipmappedArrayCreate)(handle, d, levels));
 }
 
 EXPORT CUresult CUDAAPI cuArrayDestroy(CUarray handle) {
-    init();
-    if (!REAL(cuArrayDestroy)) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = REAL(cuArrayDestroy)(handle);
-    if (result == CUDA_SUCCESS) array_untrack((uint64_t)(uintptr_t)handle);
-    return result;
+    FREE_HOOK(H_cuArrayDestroy, REAL(cuArrayDestroy)(handle),
+              array_untrack((uint64_t)(uintptr_t)handle));
 }
 
 EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray handle) {
-    init();
-    if (!REAL(cuMipmappedArrayDestroy)) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = REAL(cuMipmappedArrayDestroy)(handle);
-    if (result == CUDA_SUCCESS) array_untrack((uint64_t)(uintptr_t)handle);
-    return result;
+    FREE_HOOK(H_cuMipmappedArrayDestroy, REAL(cuMipmappedArrayDestroy)(handle),
+              array_untrack((uint64_t)(uintptr_t)handle));
 }
 
 /* ---- graph memory nodes: counted from the node's creation (the driver answers its address
@@ -647,12 +625,7 @@ EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray handle) {
 EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph,
                                                const CUgraphNode *dependencies, size_t count,
                                                CUDA_MEM_ALLOC_NODE_PARAMS *params) {
-    if (!params) {
-        init();
-        return REAL(cuGraphAddMemAllocNode)
-                   ? REAL(cuGraphAddMemAllocNode)(node, graph, dependencies, count, params)
-                   : CUDA_ERROR_NOT_FOUND;
-    }
+    if (!params) PASS_ON(cuGraphAddMemAllocNode, (node, graph, dependencies, count, params));
     ALLOC_HOOK(H_cuGraphAddMemAllocNode, params->bytesize, &g_mem, params->dptr, 0, 1,
                REAL(cuGraphAddMemAllocNode)(node, graph, dependencies, count, params));
 }
@@ -660,10 +633,8 @@ EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph,
 EXPORT CUresult CUDAAPI cuGraphAddNode(CUgraphNode *node, CUgraph graph,
                                        const CUgraphNode *dependencies, size_t count,
                                        CUgraphNodeParams *params) {
-    init();
-    if (!REAL(cuGraphAddNode)) return CUDA_ERROR_NOT_FOUND;
     if (!params || params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
-        return REAL(cuGraphAddNode)(node, graph, dependencies, count, params);
+        PASS_ON(cuGraphAddNode, (node, graph, dependencies, count, params));
     ALLOC_HOOK(H_cuGraphAddNode, params->alloc.bytesize, &g_mem, params->alloc.dptr, 0, 1,
                REAL(cuGraphAddNode)(node, graph, dependencies, count, params));
 }
@@ -672,10 +643,8 @@ EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph,
                                           const CUgraphNode *dependencies,
                                           const CUgraphEdgeData *edges, size_t count,
                                           CUgraphNodeParams *params) {
-    init();
-    if (!REAL(cuGraphAddNode_v2)) return CUDA_ERROR_NOT_FOUND;
     if (!params || params->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
-        return REAL(cuGraphAddNode_v2)(node, graph, dependencies, edges, count, params);
+        PASS_ON(cuGraphAddNode_v2, (node, graph, dependencies, edges, count, params));
     ALLOC_HOOK(H_cuGraphAddNode_v2, params->alloc.bytesize, &g_mem, params->alloc.dptr, 0, 1,
                REAL(cuGraphAddNode_v2)(node, graph, dependencies, edges, count, params));
 }
@@ -689,62 +658,41 @@ EXPORT CUresult CUDAAPI cuMemAlloc(gl_deviceptr_v1 *dptr, unsigned int bytes) {
 EXPORT CUresult CUDAAPI cuMemAllocPitch(gl_deviceptr_v1 *dptr, unsigned int *pitch,
                                         unsigned int width, unsigned int height,
                                         unsigned int element_bytes) {
-    init();
-    if (!REAL(cuMemAllocPitch)) return CUDA_ERROR_NOT_FOUND;
-    ensure_registered();
-    suspend_point();
-    uint64_t minimum = (uint64_t)width * height;
-    if (!mem_reserve(minimum)) return over_cap("cuMemAllocPitch", minimum);
-    CUresult result = REAL(cuMemAllocPitch)(dptr, pitch, width, height, element_bytes);
-    if (result != CUDA_SUCCESS) {
-        mem_unreserve(minimum);
-        return result;
-    }
-    uint64_t size = (uint64_t)*pitch * height;
-    if (size > minimum && !mem_reserve(size - minimum)) {
-        mem_unreserve(minimum);
-        if (REAL(cuMemFree)) REAL(cuMemFree)(*dptr);
-        return over_cap("cuMemAllocPitch", size);
-    }
-    mem_track(&g_mem, *dptr, size > minimum ? size : minimum, 0);
-    trace("alloc cuMemAllocPitch %llu ok", (unsigned long long)size);
-    return CUDA_SUCCESS;
+    SETTLED_HOOK(H_cuMemAllocPitch, &g_mem, (uint64_t)width * height,
+                 REAL(cuMemAllocPitch)(dptr, pitch, width, height, element_bytes), *dptr,
+                 (uint64_t)*pitch * height);
 }
 
 EXPORT CUresult CUDAAPI cuMemFree(gl_deviceptr_v1 dptr) {
-    init();
-    if (!REAL(cuMemFree)) return CUDA_ERROR_NOT_FOUND;
-    CUresult result = REAL(cuMemFree)(dptr);
-    if (result == CUDA_SUCCESS) mem_untrack(dptr);
-    return result;
+    FREE_HOOK(H_cuMemFree, REAL(cuMemFree)(dptr), mem_untrack(dptr));
 }
 
+/* The driver's answer, within the cap (mem_capped_view; `free_bytes`, `total_bytes`: the
+ * caller's pointers, of the entry point's own width). */
+#define MEM_INFO_HOOK(hook, free_bytes, total_bytes, call)                   \
+    do {                                                                     \
+        init();                                                              \
+        if (!g_real[hook]) return CUDA_ERROR_NOT_FOUND;                      \
+        ensure_registered();                                                 \
+        CUresult result_ = (call);                                           \
+        if (result_ == CUDA_SUCCESS && (free_bytes) && (total_bytes)) {      \
+            uint64_t free64_ = *(free_bytes), total64_ = *(total_bytes);     \
+            mem_capped_view(&free64_, &total64_);                            \
+            *(free_bytes) = (__typeof__(*(free_bytes)))free64_;              \
+            *(total_bytes) = (__typeof__(*(total_bytes)))total64_;           \
+        }                                                                    \
+        return result_;                                                      \
+    } while (0)
+
 EXPORT CUresult CUDAAPI cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes) {
-    init();
-    if (!REAL(cuMemGetInfo)) return CUDA_ERROR_NOT_FOUND;
-    ensure_registered();
-    CUresult result = REAL(cuMemGetInfo)(free_bytes, total_bytes);
-    if (result == CUDA_SUCCESS && free_bytes && total_bytes) {
-        uint64_t free64 = *free_bytes, total64 = *total_bytes;
-        mem_capped_view(&free64, &total64);
-        *free_bytes = (unsigned int)free64; /* never more than the driver's own 32-bit answer */
-        *total_bytes = (unsigned int)total64;
-    }
-    return result;
+    /* never more than the driver's own 32-bit answer: the cast keeps the value */
+    MEM_INFO_HOOK(H_cuMemGetInfo, free_bytes, total_bytes,
+                  REAL(cuMemGetInfo)(free_bytes, total_bytes));
 }
 
 EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes) {
-    init();
-    if (!REAL(cuMemGetInfo_v2)) return CUDA_ERROR_NOT_FOUND;
-    ensure_registered();
-    CUresult result = REAL(cuMemGetInfo_v2)(free_bytes, total_bytes);
-    if (result == CUDA_SUCCESS && free_bytes && total_bytes) {
-        uint64_t free64 = *free_bytes, total64 = *total_bytes;
-        mem_capped_view(&free64, &total64);
-        *free_bytes = (size_t)free64;
-        *total_bytes = (size_t)total64;
-    }
-    return result;
+    MEM_INFO_HOOK(H_cuMemGetInfo_v2, free_bytes, total_bytes,
+                  REAL(cuMemGetInfo_v2)(free_bytes, total_bytes));
 }
 
 /* Whether `device` is the process's GPU: the one CUDA_VISIBLE_DEVICES names by UUID, else (no

@@ -301,6 +301,19 @@ static void ask_checkpoint(int sig) {
     g_checkpoint_asked = 1;
 }
 
+/* A mini-batch every `period` ns: sleep until `next` (a loop stalled past a period, as a
+ * suspended one is, starts its schedule again); returns when the one after is due. */
+static uint64_t pace(uint64_t next, uint64_t period) {
+    uint64_t now = now_ns();
+    if (now < next) {
+        struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
+        nanosleep(&t, NULL);
+    } else if (now - next > period) {
+        next = now;
+    }
+    return next + period;
+}
+
 /* The `train` op: returns the number of failed mini-batches. */
 static long train(long steps, long period_us, int layers, size_t bytes, const char *name) {
     CUfunction f = find(name);
@@ -334,14 +347,7 @@ static long train(long steps, long period_us, int layers, size_t bytes, const ch
             printf("train checkpoint step=%ld\n", step);
             break;
         }
-        uint64_t now = now_ns();
-        if (now < next) {
-            struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
-            nanosleep(&t, NULL);
-        } else if (now - next > period) {
-            next = now; /* stalled (suspended): start the schedule again */
-        }
-        next += period;
+        next = pace(next, period);
         uint64_t began = now_ns();
         int ok = 1, held = 0;
         for (int l = 0; l < layers; l++) {
@@ -407,14 +413,7 @@ static long steady(long steps, long period_us, int layers, size_t bytes, char *n
     unsigned d[6] = {1, 1, 1, 1, 1, 1};
     uint64_t period = (uint64_t)period_us * 1000u, next = now_ns();
     for (long step = 0; step < steps; step++) {
-        uint64_t now = now_ns();
-        if (now < next) {
-            struct timespec t = {(time_t)((next - now) / 1000000000u), (long)((next - now) % 1000000000u)};
-            nanosleep(&t, NULL);
-        } else if (now - next > period) {
-            next = now; /* stalled (suspended): start the schedule again */
-        }
-        next += period;
+        next = pace(next, period);
         uint64_t began = now_ns();
         int ok = 1;
         for (int l = 0; l < layers; l++) {

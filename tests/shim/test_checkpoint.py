@@ -26,11 +26,7 @@ from gpuloom.cudadrv import (
     ProcessState,
 )
 from tests.shim.conftest import PROGRAM, Runner
-
-MIB = 1 << 20
-GPU_MIB = 1024
-LAYER = 64 * MIB
-KERNELS = "k_fwd_200us,k_bwd_300us,k_opt_100us"
+from tests.shim.shared_gpu import GPU_MIB, LAYER, MIB, meminfo_free, shared_gpu_env, steady_ops
 
 
 @pytest.fixture
@@ -46,10 +42,7 @@ class Gpu:
         self.started: list[subprocess.Popen[str]] = []
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        _, environment, _, _ = self.run.prepare([], None, False, "fake")
-        environment.update(
-            GPULOOM_FAKE_CUDA_SHARED_MEMORY="1", GPULOOM_FAKE_CUDA_MEM_MIB=str(GPU_MIB)
-        )
+        environment = shared_gpu_env(self.run, shim=False)
         environment.update(extra or {})
         return environment
 
@@ -57,8 +50,7 @@ class Gpu:
         done = subprocess.run(
             [str(PROGRAM), "meminfo"], env=self.env(), capture_output=True, text=True, check=True
         )
-        line = next(x for x in done.stdout.splitlines() if x.startswith("meminfo"))
-        return int(line.split("free=")[1].split()[0])
+        return meminfo_free(done.stdout.splitlines())
 
     def once(self, *ops: str) -> list[str]:
         done = subprocess.run(
@@ -85,10 +77,7 @@ class Gpu:
     def training(
         self, steps: int, layers: int = 4, extra: dict[str, str] | None = None
     ) -> tuple[int, subprocess.Popen[str]]:
-        return self.start(
-            "module", KERNELS, "steady", str(steps), "20000", str(layers), str(LAYER), KERNELS,
-            ready="steady allocated", extra=extra,
-        )  # fmt: skip
+        return self.start(*steady_ops(steps, layers), ready="steady allocated", extra=extra)
 
     def close(self) -> None:
         for process in self.started:

@@ -24,12 +24,9 @@ from gpuloom.services.dispatcher.checkpoint import Checkpointer, CheckpointRefus
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import LiveDispatcher
 from tests.shim.conftest import BUILD, CUDA_ERROR_OUT_OF_MEMORY, PROGRAM, Runner
+from tests.shim.shared_gpu import GPU_MIB, LAYER, MIB, meminfo_free, shared_gpu_env, steady_ops
 
-MIB = 1 << 20
-GPU_MIB = 1024
-LAYER = 64 * MIB
 HELD = 4 * LAYER + 8
-KERNELS = "k_fwd_200us,k_bwd_300us,k_opt_100us"
 FAKE = str(BUILD / "fake" / "libcuda.so.1")
 ON = {"suspend_release_memory": True, "cuda_library": FAKE}
 NO_API = {"suspend_release_memory": True, "cuda_library": str(BUILD / "fake_min" / "libcuda.so.1")}
@@ -54,8 +51,7 @@ class Gpu:
         self.jobs: list[Job] = []
 
     def env(self, token: str | None) -> dict[str, str]:
-        _, env, _, _ = self.run.prepare([], None, token is not None, "fake")
-        env.update(GPULOOM_FAKE_CUDA_SHARED_MEMORY="1", GPULOOM_FAKE_CUDA_MEM_MIB=str(GPU_MIB))
+        env = shared_gpu_env(self.run, shim=token is not None)
         if token is not None:
             env.update(
                 GPULOOM_DISPATCHER_SOCKET=self.live.socket_path, GPULOOM_ASSIGNMENT_TOKEN=token
@@ -80,18 +76,19 @@ class Gpu:
                 return job
 
     async def training(self, token: str, steps: int = 40) -> Job:
-        return await self.start(
-            token, "module", KERNELS, "steady", str(steps), "20000", "4", str(LAYER), KERNELS,
-            ready="steady allocated",
-        )  # fmt: skip
+        return await self.start(token, *steady_ops(steps), ready="steady allocated")
+
+    async def reserved_training(self, steps: int = 40) -> tuple[dispatcher_pb2.Assignment, Job]:
+        """A training loop under a new reservation of 1 GiB: the reservation and the job."""
+        assignment = await self.live.reserve(memory_gib=1.0)
+        return assignment, await self.training(assignment.assignment_token, steps)
 
     async def once(self, *ops: str) -> list[str]:
         job = await self.start(None, *ops, ready="init")
         return await job.finish()
 
     async def free_bytes(self) -> int:
-        line = next(x for x in await self.once("meminfo") if x.startswith("meminfo"))
-        return int(line.split("free=")[1].split()[0])
+        return meminfo_free(await self.once("meminfo"))
 
 
 @pytest.fixture
@@ -125,8 +122,7 @@ async def test_a_suspended_job_frees_its_memory_for_another_and_resumes_intact(
     live: LiveDispatcher, gpu: Gpu
 ) -> None:
     before = await gpu.free_bytes()
-    a = await live.reserve(memory_gib=1.0)
-    job = await gpu.training(a.assignment_token)
+    a, job = await gpu.reserved_training()
     other = str(GPU_MIB * MIB - 2 * LAYER)  # does not fit beside it
     assert f"alloc alloc {other} rc={CUDA_ERROR_OUT_OF_MEMORY}" in await gpu.once(
         "alloc", "alloc", other
@@ -150,8 +146,7 @@ async def test_a_suspended_job_frees_its_memory_for_another_and_resumes_intact(
 async def test_a_restore_without_room_leaves_it_suspended_with_the_reason(
     live: LiveDispatcher, gpu: Gpu, tmp_path: Path
 ) -> None:
-    a = await live.reserve(memory_gib=1.0)
-    job = await gpu.training(a.assignment_token, steps=20)
+    a, job = await gpu.reserved_training(20)
     assert (await _suspend(live, a.assignment_id)).suspended_memory_released
     go = tmp_path / "go"
     hog = await gpu.start(
@@ -176,8 +171,7 @@ async def test_a_process_that_dies_checkpointed_frees_its_reservation(
     live: LiveDispatcher, gpu: Gpu
 ) -> None:
     before = await gpu.free_bytes()
-    a = await live.reserve(memory_gib=1.0)
-    job = await gpu.training(a.assignment_token, steps=1000)
+    a, job = await gpu.reserved_training(1000)
     assert (await _suspend(live, a.assignment_id)).suspended_memory_released
     os.kill(job.pid, signal.SIGKILL)
     await job.process.wait()
@@ -195,8 +189,7 @@ async def test_a_process_that_dies_checkpointed_frees_its_reservation(
 async def test_without_the_api_the_memory_stays_resident_and_says_why(
     live: LiveDispatcher, gpu: Gpu
 ) -> None:
-    a = await live.reserve(memory_gib=1.0)
-    job = await gpu.training(a.assignment_token, steps=20)
+    a, job = await gpu.reserved_training(20)
     free = await gpu.free_bytes()
     suspended = await _suspend(live, a.assignment_id)
     assert suspended.suspended and not suspended.suspended_memory_released
