@@ -25,9 +25,9 @@ from gpuloom.domain.shares import share_of
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
-from tests.k8s.conftest import Cluster, Secured, until
-from tests.k8s.standins import container_environment, pod_model, post, schedule
-from tests.k8s.test_end_to_end import KERNEL, SHARE, create, finished, scheduled
+from tests.k8s.conftest import Cluster, Secured
+from tests.k8s.standins import pod_model, post, schedule
+from tests.k8s.test_end_to_end import SHARE, create, finished, run_in_container, scheduled
 from tests.k8s.test_scaling import FUNCTION, deployment, load, throughput
 from tests.security import pki
 from tests.shim.conftest import Runner
@@ -56,22 +56,7 @@ async def test_a_pods_whole_path_on_a_secured_cluster(
         assert secured.credentials.file(name).read_text().strip() not in cluster.api.everything()
 
     # ... and it is the real one: the Pod's process registers with its dispatcher under it.
-    process = asyncio.create_task(
-        run.run_async(
-            "module", KERNEL, "loop", "1.5", KERNEL, "1", env=container_environment(answer)
-        )
-    )
-    dispatcher = cluster.dispatchers[outcome.node].dispatchers[0].core
-
-    async def connected() -> bool:
-        status, _ = await dispatcher.status()
-        return any(
-            c.reservation.assignment_id == job.job_id and c.connected for c in status.clients
-        )
-
-    await until(connected, "the Pod's process registered with its dispatcher")
-    result = await process
-    assert result.returncode == 0, result.stderr
+    await run_in_container(cluster, run, outcome.node, job.job_id, answer)
 
     cluster.api.set_status("team-a", "infer", finished("main", 0))
     await cluster.reconcile()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gpuloom.policies.admission.levels import LevelScheduler
 from gpuloom.policies.tokens import ClientShare, TokenConfig, UnknownPolicyError
@@ -65,3 +67,57 @@ def test_removed_clients_and_unknown_names() -> None:
     assert levels.snapshot(0.2).clients == {}
     with pytest.raises(UnknownPolicyError):
         LevelScheduler("nope", TokenConfig(), 0.0)
+
+
+# -- random call sequences ----------------------------------------------------------------
+
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+IDS = ["a", "b", "c", "d"]
+calls = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "remove", "request", "request", "release", "advance"]),
+        st.sampled_from(IDS),
+        st.sampled_from([0, 3, 3, 8]),  # priority of an added client
+        st.sampled_from([30, 60, 100]),  # its SM percent
+        st.sampled_from([0.2, 0.5, 1.0]),  # its limit (request: half of it)
+        st.floats(0.0, 0.3),  # time step
+    ),
+    max_size=60,
+)
+
+
+@FAST
+@given(calls=calls)
+def test_each_level_keeps_its_sm_limit_and_open_ended_leases_go_only_to_a_sole_client(
+    calls: list,
+) -> None:
+    levels = _levels()
+    now = 0.0
+    added: dict[str, int] = {}
+    for op, client, priority, sm, limit, step in calls:
+        now += step
+        if op == "add" and client not in added:
+            levels.add_client(ClientShare(client, sm, limit / 2, limit), now, priority)
+            added[client] = priority
+        elif op == "remove" and client in added:
+            levels.remove_client(client, now)
+            del added[client]
+        elif op == "request" and client in added:
+            levels.request(client, now)
+        elif op == "release" and client in added:
+            lease = levels.lease_of(client)
+            if lease is not None:
+                levels.release(client, lease.lease_id, 0.001, None, now)
+        else:
+            levels.advance(now)
+        snapshot = levels.snapshot(now)
+        by_level: dict[int, list] = {}
+        for client_id, state in snapshot.clients.items():
+            by_level.setdefault(added[client_id], []).append(state)
+        for members in by_level.values():
+            held = [m for m in members if m.lease is not None and m.lease.expires_at > now]
+            assert sum(m.share.sm_percent for m in held) <= 100
+            for m in held:
+                if m.lease.expires_at == math.inf:
+                    # Open-ended: the level's only client, with a 100% limit.
+                    assert len(members) == 1 and m.share.quota_limit == 1.0
