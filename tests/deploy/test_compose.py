@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpuloom.services.dispatcher.settings import COMPOSED_POLICY, DispatcherSettings
 from tests.deploy.conftest import ROOT, broken_copy, tool
 
 COMPOSE = ROOT / "compose.yaml"
@@ -111,6 +112,19 @@ def test_every_service_serves_with_the_credentials_the_one_shot_job_made() -> No
     assert "credentials:/etc/gpuloom/credentials:ro" in example["volumes"]
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert "install -d -o gpuloom -g gpuloom -m 0700 /etc/gpuloom/credentials" in dockerfile
+
+
+def test_the_dispatchers_run_the_dispatchers_default_policy() -> None:
+    """compose is how most users run gpuloom: its dispatchers take the default admission policy
+    (priority across levels, quotas within one), not a mode without priority."""
+    for n in SLOTS:
+        env = environment(services()[f"dispatcher-gpu{n}"])
+        assert (
+            env["GPULOOM_DISPATCHER_POLICY"] == f"${{GPULOOM_DISPATCHER_POLICY:-{COMPOSED_POLICY}}}"
+        )
+    assert DispatcherSettings.model_fields["policy"].default == COMPOSED_POLICY
+    example = (ROOT / ".env.example").read_text()
+    assert f"\nGPULOOM_DISPATCHER_POLICY={COMPOSED_POLICY}\n" in example
 
 
 def test_services_with_a_database_start_after_the_migration_and_do_not_migrate() -> None:

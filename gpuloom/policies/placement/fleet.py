@@ -759,11 +759,6 @@ class Fleet:
             f"(the most: {free})",
         )
 
-    def node_gpus(self, node: str) -> int:
-        """How many GPUs the node has registered."""
-        slot = self._nodes.get(node)
-        return 0 if slot is None else len(slot.gpu_ids)
-
     def max_gpus_per_node(self, gpu_model: str = "") -> int:
         """The most GPUs (of the models the constraint admits) any one node has."""
         probe = JobRequest("probe", 100, 100, 0, gpu_model=gpu_model)
