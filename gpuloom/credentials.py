@@ -15,7 +15,7 @@ Kubernetes Secret's source), every file 0600 in a 0700 directory:
   when the environment sets none, as kubectl reads its kubeconfig;
 - with `init --kubernetes` (`ensure_kubernetes`), for gpuloom's Kubernetes components:
   `k8s.crt/.key/.token` and `device-plugin.crt/.key/.token`, whose tokens are the submitter
-  `kubernetes`'s (not the services').
+  `kubernetes`'s (not the services'), and `scheduler.crt/.key` for gpuloom's kube-scheduler.
 
 The directory is `GPULOOM_CREDENTIALS_DIR`, else `$XDG_CONFIG_HOME/gpuloom`, else
 `~/.config/gpuloom`. Files are made once and never overwritten: a second start, or a second
@@ -56,6 +56,9 @@ ROLES = ("submitter", "admin")  # what `add` makes; the services' token is made 
 # certificate and a key of its own (COMPONENT.token, .crt, .key).
 KUBERNETES_SUBMITTER = "kubernetes"
 KUBERNETES_COMPONENTS = ("k8s", "device-plugin")
+# gpuloom's kube-scheduler: a client certificate only (scheduler.crt, .key), which the k8s
+# process's extender routes require.
+KUBERNETES_SCHEDULER = "scheduler"
 KUBERNETES_SERVICE = "gpuloom-k8s"  # the Service the API server and kube-scheduler call
 # Names `add` refuses: tokens the directory makes itself, or whose NAME.token it writes.
 RESERVED_NAMES = frozenset(
@@ -225,6 +228,8 @@ def ensure_kubernetes(
       MutatingWebhookConfiguration and kube-scheduler's extender call, checking it with
       `ca.crt`;
     - `device-plugin.crt`, `device-plugin.key`: the device plugins' client certificate;
+    - `scheduler.crt`, `scheduler.key`: gpuloom's kube-scheduler's client certificate, which
+      it presents to the extender (the extender's routes take no caller without one);
     - `k8s.token`, `device-plugin.token`: their bearer tokens, two lines
       `submitter kubernetes TOKEN` of the tokens file: one submitter, so that the device plugin
       is given the assignment token of every job the k8s process submitted (placement tells it
@@ -244,6 +249,7 @@ def ensure_kubernetes(
             _leaf(credentials, "k8s", ca_key, ca_cert, hosts)
             _check_names(credentials.certificate("k8s")[0], kubernetes_hosts(namespace))
             _leaf(credentials, "device-plugin", ca_key, ca_cert, [])
+            _leaf(credentials, KUBERNETES_SCHEDULER, ca_key, ca_cert, [])
             _kubernetes_tokens(credentials)
     except OSError as error:
         raise CredentialsError(f"{directory}: {error.strerror or error}") from None
@@ -254,6 +260,7 @@ def kubernetes_complete(credentials: Credentials) -> bool:
     """Whether the files of `ensure_kubernetes` are there too."""
     needed = [credentials.file(f"{c}.token") for c in KUBERNETES_COMPONENTS]
     needed += [path for c in KUBERNETES_COMPONENTS for path in credentials.certificate(c)]
+    needed += credentials.certificate(KUBERNETES_SCHEDULER)
     return credentials.complete() and all(path.is_file() for path in needed)
 
 

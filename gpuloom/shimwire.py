@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import enum
 import mmap
 import os
@@ -100,14 +101,34 @@ OFF_FK_OPENERS, OFF_FK_OPENERS_ALL = 336, 368
 OFF_FK_ARMED_SEQ, OFF_FK_ARMED_KERNELS = 384, 392
 ARM_KERNELS = 4  # kernel IDs an arm names
 # The training loop's period seen in the kernel stream (the shim's kperiod.c): kernels per
-# iteration (u32, 0: none seen), its mean duration and its latest boundary (u64 ns each).
-OFF_KP_PERIOD, OFF_KP_PERIOD_NS, OFF_KP_BOUNDARY_NS = 424, 432, 440
+# iteration (u32, 0: none seen), the host gap before its boundary (u32 us), its mean duration
+# and its latest boundary (u64 ns each).
+OFF_KP_PERIOD, OFF_KP_GAP_US, OFF_KP_PERIOD_NS, OFF_KP_BOUNDARY_NS = 424, 428, 432, 440
 # A priority board (one per priority per GPU), written by the holder shim of that priority.
 BOARD_BYTES, BOARD_LAUNCH, BOARD_FIRED, BOARDS = 64, 0, 8, 10
 # The memory sample ring, written by the shim in every mode: entries written so far (u32), then
 # REGION_SAMPLES entries of (u64 CLOCK_MONOTONIC ns, u64 allocated bytes).
 OFF_MS_HEAD, OFF_MS_RING = 448, 512
 _SAMPLE = struct.Struct("<QQ")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelPeriod:
+    """A training loop's period seen in its kernel stream (the shim's kperiod.c)."""
+
+    kernels: int  # launches per iteration
+    period_ns: int  # the iteration's mean duration
+    boundary_ns: int  # when its latest boundary launch was (CLOCK_MONOTONIC)
+    gap_ns: int  # the host gap before each boundary launch
+
+    def next_gap(self, now_ns: int) -> tuple[int, int]:
+        """The next host gap before a boundary launch that has not begun by `now_ns`:
+        (start, boundary), CLOCK_MONOTONIC ns."""
+        boundary = self.boundary_ns + self.period_ns
+        if boundary - self.gap_ns <= now_ns:
+            behind = (now_ns - (boundary - self.gap_ns)) // self.period_ns + 1
+            boundary += behind * self.period_ns
+        return boundary - self.gap_ns, boundary
 
 
 class AdmissionState(enum.IntEnum):
@@ -325,6 +346,16 @@ class AdmissionRegion:
             self.publish_open()
         else:
             self._publish(AdmissionState.WAITING, 0, 0, wake=True)
+
+    def read_kernel_period(self) -> KernelPeriod | None:
+        """The training loop's period the shim found in its kernel stream, or None (none seen,
+        or values that make no sense: the shim's words are validated here)."""
+        (kernels, gap_us) = struct.unpack_from("<II", self._mapping, OFF_KP_PERIOD)
+        (period_ns, boundary_ns) = struct.unpack_from("<QQ", self._mapping, OFF_KP_PERIOD_NS)
+        gap_ns = gap_us * 1000
+        if kernels == 0 or not 0 < period_ns <= 3600 * 10**9 or not 0 < gap_ns < period_ns:
+            return None
+        return KernelPeriod(kernels, period_ns, boundary_ns, gap_ns)
 
     def read_samples(self) -> tuple[list[tuple[int, int]], int]:
         """The memory samples written since the last call (the latest entry of the last call

@@ -12,6 +12,7 @@ import click
 from gpuloom.credentials import (
     ADMIN,
     KUBERNETES_COMPONENTS,
+    KUBERNETES_SCHEDULER,
     ROLES,
     SERVICES,
     Credentials,
@@ -57,7 +58,7 @@ def credentials() -> None:
     is_flag=True,
     help="Also what gpuloom's Kubernetes components need (deploy/k8s): a certificate and a "
     "token each for the k8s process and the device plugins, both tokens the submitter "
-    "`kubernetes`'s.",
+    "`kubernetes`'s, and a client certificate for gpuloom's kube-scheduler.",
 )
 @click.option(
     "--namespace",
@@ -133,7 +134,10 @@ def show(directory: Path | None) -> None:
         ("services' token", made.service_token),
         ("admin token", made.admin_token),
         *((f"{who} certificate", made.certificate(who)[0]) for who in (*SERVICES, ADMIN)),
-        *((f"{who} certificate", made.certificate(who)[0]) for who in KUBERNETES_COMPONENTS),
+        *(
+            (f"{who} certificate", made.certificate(who)[0])
+            for who in (*KUBERNETES_COMPONENTS, KUBERNETES_SCHEDULER)
+        ),
         *((f"{who} token", made.file(f"{who}.token")) for who in KUBERNETES_COMPONENTS),
         ("client settings", made.file("client.env")),
     ]

@@ -125,16 +125,19 @@ def suspend(
     address: str,
 ) -> None:
     """Stop admitting a reservation's kernels at its process's next low-memory point (a
-    training job's mini-batch boundary; at once when none is known); its GPU memory stays
-    resident. Idempotent; exit 1 if there is no such reservation."""
+    training job's mini-batch boundary; at once when none is known); its GPU memory goes to
+    host memory where the driver has the checkpoint API (else it stays resident: the line
+    says which). Idempotent; exit 1 if there is no such reservation."""
     with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
         state = _call(lambda: client.suspend(assignment_id, max_wait_ms, reason), where)
     if not state.suspended:  # resumed or released while it waited for its low point
         click.echo(f"{assignment_id} was resumed before it reached its suspension point")
         return
+    memory = "memory released to host memory" if state.memory_released else state.memory_note
     click.echo(
         f"suspended {assignment_id} ({state.outcome.replace('_', ' ')}, after "
         f"{state.wait_ms:.0f} ms, holding {gib_or_dash(state.memory_bytes)})"
+        + (f"; {memory}" if memory else "")
     )
 
 
@@ -144,10 +147,14 @@ def suspend(
 def resume(
     assignment_id: str, gpu_uuid: str | None, dispatcher_address: str | None, address: str
 ) -> None:
-    """Admit a suspended reservation's kernels again. Idempotent; exit 1 if there is no such
-    reservation."""
+    """Admit a suspended reservation's kernels again (its memory restored first, if it was
+    released). Idempotent; exit 1 if there is no such reservation, or if its memory could not
+    be restored (it stays suspended; the reason is printed)."""
     with _dispatcher(gpu_uuid, dispatcher_address, address) as (client, where):
-        _call(lambda: client.resume(assignment_id), where)
+        state = _call(lambda: client.resume(assignment_id), where)
+    if state.suspended:
+        click.echo(f"{assignment_id} stays suspended: {state.memory_note}", err=True)
+        raise SystemExit(1)
     click.echo(f"resumed {assignment_id}")
 
 

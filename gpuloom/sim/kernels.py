@@ -456,7 +456,23 @@ def _fill_efficiency(engine: _Engine) -> float:
     others = _merge([(s, e) for s, e, i in engine.kernels if i not in holders])
     in_request = sum(e - s for s, e in requests)
     idle = in_request - _overlap(requests, mine)
-    return _overlap(requests, others) / idle if idle > 0 else 0.0
+    # Others' kernels in the holder's idle time only (not beside its own kernels, under MPS).
+    beside = _overlap(_intersect(requests, mine), others)
+    return (_overlap(requests, others) - beside) / idle if idle > 0 else 0.0
+
+
+def _intersect(a: Sequence[tuple[int, int]], b: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The intersection of two sorted lists of disjoint spans, as such a list."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        low, high = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if high > low:
+            out.append((low, high))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
 
 
 def _busy(engine: _Engine) -> int:

@@ -245,6 +245,7 @@ class DispatcherCore:
                 "max_wait_ms", f"must be within 0..{MAX_SUSPEND_WAIT_S * 1e3:.0f} ms"
             )
         wait_s = max_wait_s or self.suspend_max_wait_s
+        await self._to_kernel_boundary(assignment_id, wait_s)
         pending = await self._on_channel(
             lambda: self.channel.begin_suspend(assignment_id, wait_s, reason)
         )
@@ -262,6 +263,32 @@ class DispatcherCore:
             return await self.client_status(assignment_id)
         await self._on_channel(lambda: self.channel.resume(assignment_id))
         return await self.client_status(assignment_id)
+
+    async def _to_kernel_boundary(self, assignment_id: str, wait_s: float) -> None:
+        """Where the memory samples show no cycle (a caching allocator) but the shim found the
+        loop's period in its kernel stream: wait until the host gap before the next iteration
+        boundary (its middle), so that the process parks at the boundary's launch (at most
+        one period, and never past `wait_s`)."""
+        cycle = None if self.introspector is None else self.introspector.cycle(assignment_id)
+        if cycle is not None and cycle.minibatch_s > 0:
+            return  # the memory samples' low point is the suspension point
+        if assignment_id in (await self._on_channel(self.channel.suspensions)):
+            return
+        period = await self._on_channel(lambda: self.channel.kernel_period(assignment_id))
+        if period is None:
+            return
+        now = time.monotonic_ns()
+        start, boundary = period.next_gap(now)
+        target = start + (boundary - start) // 2
+        if (target - now) / 1e9 > min(wait_s, period.period_ns * 2 / 1e9):
+            return
+        await asyncio.sleep(max(0, target - now) / 1e9)
+        log.info(
+            "suspending at the kernel stream's iteration boundary",
+            assignment=assignment_id,
+            kernels=period.kernels,
+            period_ms=round(period.period_ns / 1e6, 3),
+        )
 
     # ---- suspension that frees memory (services/dispatcher/checkpoint.py) ----
 
@@ -333,13 +360,7 @@ class DispatcherCore:
 
     def _with_memory(self, assignment_id: str, suspension: Suspension | None) -> Suspension | None:
         state = self._memory.get(assignment_id)
-        if suspension is None:
-            return None
-        if state is None:
-            if self.checkpointer is not None and self.checkpointer.unsupported:
-                return replace(
-                    suspension, memory_note=f"memory resident: {self.checkpointer.unsupported}"
-                )
+        if suspension is None or state is None:
             return suspension
         return replace(suspension, memory_released=state.released, memory_note=state.note)
 

@@ -69,9 +69,14 @@ class K8sApp:
         except Exception as error:  # placement or the API server away: the loop tries again
             log.warning("first reconcile failed; serving anyway", error=str(error))
             await controller.start_loop()
-        server = JsonServer(routes(webhook, extender))
+        server = JsonServer(
+            routes(webhook, extender),
+            certified=EXTENDER_ROUTES if settings.extender_client_ca_file else (),
+        )
         tls = (
-            server_tls(settings.tls_cert_file, settings.tls_key_file)
+            server_tls(
+                settings.tls_cert_file, settings.tls_key_file, settings.extender_client_ca_file
+            )
             if settings.tls_cert_file
             else None
         )
@@ -89,6 +94,9 @@ class K8sApp:
         await self.controller.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
+
+
+EXTENDER_ROUTES = ("/filter", "/prioritize", "/bind")
 
 
 def routes(webhook: AdmissionWebhook, extender: Extender) -> dict[str, Route]:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from http import HTTPStatus
 from typing import Any
 
@@ -36,10 +36,14 @@ class JsonServer:
         self,
         routes: Mapping[str, Route],
         health: Callable[[], bool] = lambda: True,
+        certified: Collection[str] = (),
     ) -> None:
-        """`routes`: POST path -> handler. GET /healthz answers 200 while `health()` holds."""
+        """`routes`: POST path -> handler. GET /healthz answers 200 while `health()` holds.
+        `certified`: the paths only a caller with a client certificate the TLS context
+        verified may call (`server_tls(..., client_ca_file)`); others get 403."""
         self._routes = dict(routes)
         self._health = health
+        self._certified = frozenset(certified)
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -58,6 +62,9 @@ class JsonServer:
             self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A verified client certificate (the context lets callers without one in: the API
+        # server calls webhooks without one); its absence bars the certified paths only.
+        certified = bool(writer.get_extra_info("peercert"))
         try:
             while True:
                 try:
@@ -68,7 +75,7 @@ class JsonServer:
                 if request is None:
                     return
                 method, path, body, keep_alive = request
-                status, payload = await self._route(method, path, body)
+                status, payload = await self._route(method, path, body, certified)
                 await _answer(writer, status, payload, close=not keep_alive)
                 if not keep_alive:
                     return
@@ -79,13 +86,20 @@ class JsonServer:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _route(self, method: str, path: str, body: bytes) -> tuple[int, object]:
+    async def _route(
+        self, method: str, path: str, body: bytes, certified: bool
+    ) -> tuple[int, object]:
         path = path.split("?", 1)[0]
         if method == "GET" and path == "/healthz":
             return (200, {"status": "ok"}) if self._health() else (503, {"status": "unhealthy"})
         route = self._routes.get(path)
         if route is None:
             return 404, {"error": f"no route {path!r}"}
+        if path in self._certified and not certified:
+            return 403, {
+                "error": f"{path} needs a client certificate of the deployment's CA "
+                "(kube-scheduler's extender tlsConfig: certFile, keyFile)"
+            }
         if method != "POST":
             return 405, {"error": f"{path} takes POST"}
         try:
@@ -153,9 +167,15 @@ async def _answer(writer: asyncio.StreamWriter, status: int, payload: object, cl
     await writer.drain()
 
 
-def server_tls(cert_file: str, key_file: str) -> ssl.SSLContext:
-    """A server context with this certificate and key (TLS 1.2 or newer)."""
+def server_tls(cert_file: str, key_file: str, client_ca_file: str = "") -> ssl.SSLContext:
+    """A server context with this certificate and key (TLS 1.2 or newer). With
+    `client_ca_file`, a client may present a certificate, which must then be that CA's (a
+    caller presenting another is refused at the handshake); JsonServer's `certified` paths
+    require one."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        context.verify_mode = ssl.CERT_OPTIONAL
+        context.load_verify_locations(cafile=client_ca_file)
     return context

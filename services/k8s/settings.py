@@ -21,6 +21,10 @@ class K8sSettings(BaseSettings):
     # on a trusted network, but the API server calls webhooks over HTTPS only.
     tls_cert_file: str = ""
     tls_key_file: str = ""
+    # The CA whose client certificates the extender's routes (/filter, /prioritize, /bind)
+    # require (kube-scheduler presents one: its extender tlsConfig's certFile); the webhooks'
+    # stay open to callers without one (the API server presents none). Empty: any caller.
+    extender_client_ca_file: str = ""
     placement_address: str = "placement:50051"
     # The scheduler profile gpuloom Pods are sent to (its extender is this process).
     scheduler_name: str = Field(default="gpuloom", pattern=DNS_LABEL)
@@ -51,6 +55,11 @@ class K8sSettings(BaseSettings):
     def _tls_pair(self) -> K8sSettings:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("GPULOOM_K8S_TLS_CERT_FILE and GPULOOM_K8S_TLS_KEY_FILE go together")
+        if self.extender_client_ca_file and not self.tls_cert_file:
+            raise ValueError(
+                "GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE needs TLS: set GPULOOM_K8S_TLS_CERT_FILE "
+                "and GPULOOM_K8S_TLS_KEY_FILE"
+            )
         return self
 
     @property

@@ -213,21 +213,32 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
 /* ---- the checkpoint lock: calls that use the GPU wait while the process is locked ---- */
 
 static pthread_cond_t g_unlocked = PTHREAD_COND_INITIALIZER;
-static int g_ckpt_locked; /* guarded by g_lock */
-static int g_inflight;    /* gated calls in progress (guarded by g_lock) */
+static int g_ckpt_locked; /* atomic (written under g_lock) */
+static int g_inflight;    /* atomic: gated calls in progress */
 
+/* The fast path is two atomic operations: count the call in, then look at the lock (the locker
+ * sets the lock, then waits for the count to drop to 0: one of the two always sees the other).
+ * A call that finds the process locked counts itself out and waits for the unlock. */
 static void api_enter(void) {
-    pthread_mutex_lock(&g_lock);
-    while (g_ckpt_locked) pthread_cond_wait(&g_unlocked, &g_lock);
-    g_inflight++;
-    pthread_mutex_unlock(&g_lock);
+    for (;;) {
+        __atomic_add_fetch(&g_inflight, 1, __ATOMIC_SEQ_CST);
+        if (!__atomic_load_n(&g_ckpt_locked, __ATOMIC_SEQ_CST)) return;
+        pthread_mutex_lock(&g_lock);
+        __atomic_sub_fetch(&g_inflight, 1, __ATOMIC_SEQ_CST);
+        pthread_cond_broadcast(&g_done);
+        while (__atomic_load_n(&g_ckpt_locked, __ATOMIC_SEQ_CST))
+            pthread_cond_wait(&g_unlocked, &g_lock);
+        pthread_mutex_unlock(&g_lock);
+    }
 }
 
 static void api_leave(void) {
-    pthread_mutex_lock(&g_lock);
-    g_inflight--;
-    pthread_cond_broadcast(&g_done);
-    pthread_mutex_unlock(&g_lock);
+    __atomic_sub_fetch(&g_inflight, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&g_ckpt_locked, __ATOMIC_SEQ_CST)) { /* a locker may be waiting */
+        pthread_mutex_lock(&g_lock);
+        pthread_cond_broadcast(&g_done);
+        pthread_mutex_unlock(&g_lock);
+    }
 }
 
 /* ---- modules, functions ---- */
@@ -1533,6 +1544,10 @@ EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *node, CUgraph graph,
     return graph_add_node("cuGraphAddNode_v2", node, graph, params);
 }
 
+static CUresult vmm_map(CUdeviceptr ptr, size_t size, size_t offset,
+                        CUmemGenericAllocationHandle handle);
+static CUresult vmm_unmap(CUdeviceptr ptr, size_t size);
+
 /* -- virtual memory management: the bytes of a handle are freed when it is released and no
  * mapping of it is left, as the driver does -- */
 
@@ -1565,6 +1580,14 @@ EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                                  CUmemGenericAllocationHandle handle, unsigned long long flags) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (ptr == 0 || size == 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    api_enter();
+    CUresult r = vmm_map(ptr, size, offset, handle);
+    api_leave();
+    return r;
+}
+
+static CUresult vmm_map(CUdeviceptr ptr, size_t size, size_t offset,
+                        CUmemGenericAllocationHandle handle) {
     pthread_mutex_lock(&g_lock);
     fk_alloc *a = find_alloc(handle, ALLOC_HANDLE);
     fk_map *m = a && offset + size <= a->size ? malloc(sizeof *m) : NULL;
@@ -1583,6 +1606,13 @@ EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 /* Unmaps every mapping that starts within [ptr, ptr + size). */
 EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    api_enter();
+    CUresult r = vmm_unmap(ptr, size);
+    api_leave();
+    return r;
+}
+
+static CUresult vmm_unmap(CUdeviceptr ptr, size_t size) {
     pthread_mutex_lock(&g_lock);
     int found = 0;
     for (fk_map **p = &g_maps; *p;) {
@@ -1815,13 +1845,13 @@ static CUresult ckpt_lock(unsigned timeout_ms) {
     deadline.tv_sec += (time_t)(ns / 1000000000u);
     deadline.tv_nsec = (long)(ns % 1000000000u);
     pthread_mutex_lock(&g_lock);
-    g_ckpt_locked = 1;
+    __atomic_store_n(&g_ckpt_locked, 1, __ATOMIC_SEQ_CST);
     for (;;) {
-        int busy = g_inflight > 0;
+        int busy = __atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0;
         for (fk_stream *st = g_streams; st && !busy; st = st->next_stream) busy = !stream_idle(st);
         if (!busy) break;
         if (pthread_cond_timedwait(&g_done, &g_lock, &deadline) == ETIMEDOUT && timeout_ms) {
-            g_ckpt_locked = 0;
+            __atomic_store_n(&g_ckpt_locked, 0, __ATOMIC_SEQ_CST);
             pthread_cond_broadcast(&g_unlocked);
             pthread_mutex_unlock(&g_lock);
             return CUDA_ERROR_TIMEOUT;
@@ -1923,7 +1953,7 @@ static CUresult ckpt_serve(uint32_t op, unsigned timeout_ms) {
     case CK_UNLOCK:
         if (state != CU_PROCESS_STATE_LOCKED) break;
         pthread_mutex_lock(&g_lock);
-        g_ckpt_locked = 0;
+        __atomic_store_n(&g_ckpt_locked, 0, __ATOMIC_SEQ_CST);
         pthread_cond_broadcast(&g_unlocked);
         pthread_mutex_unlock(&g_lock);
         g_ckpt->state = CU_PROCESS_STATE_RUNNING;

@@ -82,9 +82,11 @@
                                        one of these; all 0: the arm is for its queued one */
 #define GL_ARM_KERNELS 4
 /* The training loop's period seen in the kernel stream (kperiod.c), written by the shim while
- * the dispatcher samples memory: kernels per iteration (0: none seen), the iteration's mean
- * duration and when its latest boundary launch was (CLOCK_MONOTONIC ns). */
+ * the dispatcher samples memory: kernels per iteration (0: none seen), the host gap before its
+ * boundary launch, the iteration's mean duration and when its latest boundary launch was
+ * (CLOCK_MONOTONIC ns). The dispatcher suspends a process in that gap (docs/training.md). */
 #define GL_OFF_KP_PERIOD 424
+#define GL_OFF_KP_GAP_US 428 /* u32 the host gap before the boundary launch, microseconds */
 #define GL_OFF_KP_PERIOD_NS 432
 #define GL_OFF_KP_BOUNDARY_NS 440
 

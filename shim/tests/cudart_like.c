@@ -47,7 +47,9 @@
  *                                   per layer in reverse, OPT once, syncs, and checks and advances
  *                                   the device counter ("steady step I t=NS"); at the end every
  *                                   byte of every buffer is checked: "steady minibatches=N done=D
- *                                   failed=F corrupt=C damaged_layers=L" (exit 3 unless all 0)
+ *                                   failed=F corrupt=C damaged_layers=L" (exit 3 unless all 0);
+ *                                   CUDART_LIKE_SYNC_EACH=1: a stream sync after every launch
+ *                                   (launches spread over the mini-batch, as a CPU-bound loop's)
  *   burst NAME N                    launch NAME (1x1) N times without synchronising: prints
  *                                   the time the launch calls took (total and longest)
  *   sleep US                        sleep on the host (idle time between kernels)
@@ -394,6 +396,8 @@ static long steady(long steps, long period_us, int layers, size_t bytes, char *n
             return 1;
         }
     }
+    const char *each = getenv("CUDART_LIKE_SYNC_EACH");
+    int sync_each = each != NULL && strcmp(each, "1") == 0;
     uint64_t expected = 0;
     if (D.cuMemAlloc(&counter, sizeof expected) != CUDA_SUCCESS ||
         D.cuMemcpyHtoD(counter, &expected, sizeof expected) != CUDA_SUCCESS)
@@ -413,9 +417,14 @@ static long steady(long steps, long period_us, int layers, size_t bytes, char *n
         next += period;
         uint64_t began = now_ns();
         int ok = 1;
-        for (int l = 0; l < layers; l++) ok &= launch_one("kernel", kernels[0], d) == CUDA_SUCCESS;
-        for (int l = layers - 1; l >= 0; l--)
+        for (int l = 0; l < layers; l++) {
+            ok &= launch_one("kernel", kernels[0], d) == CUDA_SUCCESS;
+            if (sync_each) ok &= D.cuStreamSynchronize(g_stream) == CUDA_SUCCESS;
+        }
+        for (int l = layers - 1; l >= 0; l--) {
             ok &= launch_one("kernel", kernels[1], d) == CUDA_SUCCESS;
+            if (sync_each) ok &= D.cuStreamSynchronize(g_stream) == CUDA_SUCCESS;
+        }
         ok &= launch_one("kernel", kernels[2], d) == CUDA_SUCCESS;
         ok &= D.cuStreamSynchronize(g_stream) == CUDA_SUCCESS;
         uint64_t seen = UINT64_MAX;

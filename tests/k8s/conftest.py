@@ -65,6 +65,8 @@ class Cluster:
     ca: str
     k8s_settings: K8sSettings | None = None
     k8s_transport: TransportSettings | None = None
+    # kube-scheduler's client certificate, where the extender requires one (secured).
+    scheduler_cert: tuple[str, str] | None = None
     function_owner: str = ""  # placement's GPULOOM_PLACEMENT_FUNCTION_OWNER
 
     async def restart_k8s(self) -> None:
@@ -236,11 +238,14 @@ async def _cluster(
         else:  # the webhook and extender serve with the k8s process's own certificate
             cluster.ca = str(secured.credentials.ca)
             cert, key = map(str, secured.credentials.certificate("k8s"))
+            scheduler = secured.credentials.certificate("scheduler")
+            cluster.scheduler_cert = (str(scheduler[0]), str(scheduler[1]))
         cluster.k8s_transport = secured.transport("k8s") if secured else None
         cluster.k8s_settings = K8sSettings(
             port=0,
             tls_cert_file=cert,
             tls_key_file=key,
+            extender_client_ca_file=cluster.ca if secured else "",
             placement_address=cluster.placement_address,
             api_server=api.url,
             api_token_file=str(root / "k8s.token"),

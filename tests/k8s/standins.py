@@ -487,8 +487,12 @@ def _validate_extended_resources(pod: dict[str, Any]) -> None:
 # ---- kube-scheduler ----
 
 
-def post(url: str, body: object, ca_file: str) -> Any:
+def post(url: str, body: object, ca_file: str, cert: tuple[str, str] | None = None) -> Any:
+    """POST as kube-scheduler does: checking the server with `ca_file`, presenting `cert`
+    (certificate, key) when given (its extender tlsConfig's certFile and keyFile)."""
     context = ssl.create_default_context(cafile=ca_file) if url.startswith("https") else None
+    if context is not None and cert is not None:
+        context.load_cert_chain(*cert)
     request = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -503,15 +507,21 @@ class Scheduled:
     bind_error: str = ""
 
 
-def schedule(extender: str, ca_file: str, pod: dict[str, Any], nodes: list[str]) -> Scheduled:
+def schedule(
+    extender: str,
+    ca_file: str,
+    pod: dict[str, Any],
+    nodes: list[str],
+    cert: tuple[str, str] | None = None,
+) -> Scheduled:
     """One scheduling cycle of kube-scheduler for `pod` with `nodes` as the nodes its own
     filters left (nodeCacheCapable: names only): Filter, Prioritize, then Bind to the best."""
     args = {"Pod": pod, "NodeNames": nodes}
-    result = post(f"{extender}/filter", args, ca_file)
+    result = post(f"{extender}/filter", args, ca_file, cert)
     if result.get("Error") or not result.get("NodeNames"):
         return Scheduled(None, result)
     passed = result["NodeNames"]
-    scores = post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file)
+    scores = post(f"{extender}/prioritize", {"Pod": pod, "NodeNames": passed}, ca_file, cert)
     best = max(scores, key=lambda h: h["Score"])["Host"]
     meta = pod["metadata"]
     bound = post(
@@ -523,6 +533,7 @@ def schedule(extender: str, ca_file: str, pod: dict[str, Any], nodes: list[str])
             "Node": best,
         },
         ca_file,
+        cert,
     )
     return Scheduled(best, result, bound.get("Error", ""))
 

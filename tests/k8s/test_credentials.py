@@ -34,6 +34,8 @@ KUBERNETES_FILES = (
     "device-plugin.crt",
     "device-plugin.key",
     "device-plugin.token",
+    "scheduler.crt",
+    "scheduler.key",
 )
 
 
@@ -70,6 +72,9 @@ def test_init_kubernetes_makes_the_components_identities_once(tmp_path: Path) ->
     assert usages(plugin) == {ExtendedKeyUsageOID.CLIENT_AUTH}  # it serves nothing over TLS
     with pytest.raises(x509.ExtensionNotFound):
         plugin.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    scheduler = x509.load_pem_x509_certificate(files["scheduler.crt"])
+    scheduler.verify_directly_issued_by(ca)
+    assert usages(scheduler) == {ExtendedKeyUsageOID.CLIENT_AUTH}
 
     # Two tokens, one submitter; neither is the services' or the admin's.
     table = parse_tokens(files["tokens"].decode(), "tokens")
@@ -104,7 +109,13 @@ def test_init_kubernetes_makes_the_components_identities_once(tmp_path: Path) ->
     assert all(line in (where / "tokens").read_text() for line in kept)
 
     shown = gpuloom("credentials", "show", "--dir", str(where))
-    for name in ("k8s.crt", "device-plugin.crt", "k8s.token", "device-plugin.token"):
+    for name in (
+        "k8s.crt",
+        "device-plugin.crt",
+        "scheduler.crt",
+        "k8s.token",
+        "device-plugin.token",
+    ):
         assert any(name in line and "present" in line for line in shown.stdout.splitlines())
     assert k8s_token not in shown.stdout
 

@@ -24,7 +24,7 @@ from gpuloom.services.k8s.app import DevicePluginApp
 from gpuloom.services.k8s.settings import DevicePluginSettings
 from tests.k8s.conftest import CONTAINER_SHIM, NODES, Cluster, until
 from tests.k8s.standins import Kubelet, Refused, container_environment, pod_model, post, schedule
-from tests.shim.conftest import Runner
+from tests.shim.conftest import Run, Runner
 
 SHARE = {"gpuloom.io/sm": "24", "gpuloom.io/quota": "40", "gpuloom.io/memory": "2Gi"}
 WHOLE = {"gpuloom.io/gpu": "1"}
@@ -37,7 +37,31 @@ async def create(cluster: Cluster, pod: client.V1Pod, user: str = "alice") -> di
 
 
 async def scheduled(cluster: Cluster, pod: dict, nodes: list[str] = NODES):
-    return await asyncio.to_thread(schedule, cluster.extender, cluster.ca, pod, nodes)
+    return await asyncio.to_thread(
+        schedule, cluster.extender, cluster.ca, pod, nodes, cluster.scheduler_cert
+    )
+
+
+async def run_in_container(
+    cluster: Cluster, run: Runner, node: str, job_id: str, answer: dp.ContainerAllocateResponse
+) -> Run:
+    """The container's process, started with what Allocate answered: it registers with its
+    GPU's dispatcher under the shim (awaited) and runs to the end (its result returned)."""
+    process = asyncio.create_task(
+        run.run_async(
+            "module", KERNEL, "loop", "1.5", KERNEL, "1", env=container_environment(answer)
+        )
+    )
+    dispatcher = cluster.dispatchers[node].dispatchers[0].core
+
+    async def connected() -> bool:
+        status, _ = await dispatcher.status()
+        return any(c.reservation.assignment_id == job_id and c.connected for c in status.clients)
+
+    await until(connected, "the Pod's process registered with its dispatcher")
+    result = await process
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def finished(container: str, code: int) -> dict:
@@ -113,22 +137,7 @@ async def test_a_pods_whole_path(cluster: Cluster, run: Runner) -> None:
     assert registry.get_sample_value("gpuloom_pod_sm_percent", labels) == 24
 
     # The container's process, under the shim, registers with its dispatcher and runs.
-    process = asyncio.create_task(
-        run.run_async(
-            "module", KERNEL, "loop", "1.5", KERNEL, "1", env=container_environment(answer)
-        )
-    )
-    dispatcher = cluster.dispatchers[node].dispatchers[0].core
-
-    async def connected() -> bool:
-        status, _ = await dispatcher.status()
-        return any(
-            c.reservation.assignment_id == job.job_id and c.connected for c in status.clients
-        )
-
-    await until(connected, "the Pod's process registered with its dispatcher")
-    result = await process
-    assert result.returncode == 0, result.stderr
+    result = await run_in_container(cluster, run, node, job.job_id, answer)
     assert "loop launches=" in result.stdout
 
     # The official client reads the Pod as the stand-in holds it.

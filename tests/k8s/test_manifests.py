@@ -148,7 +148,7 @@ def test_every_file_of_every_kustomization_exists_and_parses() -> None:
 
 
 @pytest.mark.parametrize("version", ["1.28.0", None])
-def test_every_resource_and_patch_is_valid_kubernetes(version: str | None) -> None:
+def test_every_resource_of_base_and_kube_system_is_valid_kubernetes(version: str | None) -> None:
     paths = [p for d in KUSTOMIZATIONS if "overlays" not in d.parts for p in files_of(d)]
     args = ["--strict", *(["--kubernetes-version", version] if version else []), *paths]
     result = tool("kubernetes-validate", *args)
@@ -370,14 +370,20 @@ def test_the_scheduler_asks_the_extender_for_gpuloom_resources_only() -> None:
     assert extender["enableHTTPS"] is True and extender["nodeCacheCapable"] is True
     managed = {m["name"]: m["ignoredByScheduler"] for m in extender["managedResources"]}
     assert managed == {r: r != GPU for r in RESOURCES}
-    ca_file = extender["tlsConfig"]["caFile"]
+    tls = extender["tlsConfig"]
     deployment = pods()["gpuloom-scheduler"]
     (container,) = deployment["containers"]
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volume = next(
-        v for v in deployment["volumes"] if v["name"] == mounts[str(Path(ca_file).parent)]
+        v for v in deployment["volumes"] if v["name"] == mounts[str(Path(tls["caFile"]).parent)]
     )
-    assert [i["path"] for i in volume["secret"]["items"]] == [Path(ca_file).name]
+    # The CA that checks the k8s process, and the client certificate its extender requires.
+    files = [Path(tls[k]) for k in ("caFile", "certFile", "keyFile")]
+    assert {f.parent for f in files} == {Path(tls["caFile"]).parent}
+    assert [i["path"] for i in volume["secret"]["items"]] == [f.name for f in files]
+    assert [f.name for f in files] == ["ca.crt", "scheduler.crt", "scheduler.key"]
+    _, _, k8s = container_serving("k8s")
+    assert env_of(k8s)["GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE"] == f"{CREDENTIALS}/ca.crt"
     config_mount = next(a for a in container["command"] if a.startswith("--config="))
     config_volume = mounts[str(Path(config_mount.removeprefix("--config=")).parent)]
     assert next(v for v in deployment["volumes"] if v["name"] == config_volume)["configMap"]

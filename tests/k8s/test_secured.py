@@ -11,6 +11,9 @@ submitter's RPCs; and auto-scaling's replicas, given to `kubernetes` by placemen
 from __future__ import annotations
 
 import asyncio
+import ssl
+import urllib.error
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,10 +25,11 @@ from gpuloom.domain.shares import share_of
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
-from tests.k8s.conftest import Cluster, Secured, until
-from tests.k8s.standins import container_environment, pod_model, schedule
-from tests.k8s.test_end_to_end import KERNEL, SHARE, create, finished, scheduled
+from tests.k8s.conftest import Cluster, Secured
+from tests.k8s.standins import pod_model, post, schedule
+from tests.k8s.test_end_to_end import SHARE, create, finished, run_in_container, scheduled
 from tests.k8s.test_scaling import FUNCTION, deployment, load, throughput
+from tests.security import pki
 from tests.shim.conftest import Runner
 
 
@@ -52,22 +56,7 @@ async def test_a_pods_whole_path_on_a_secured_cluster(
         assert secured.credentials.file(name).read_text().strip() not in cluster.api.everything()
 
     # ... and it is the real one: the Pod's process registers with its dispatcher under it.
-    process = asyncio.create_task(
-        run.run_async(
-            "module", KERNEL, "loop", "1.5", KERNEL, "1", env=container_environment(answer)
-        )
-    )
-    dispatcher = cluster.dispatchers[outcome.node].dispatchers[0].core
-
-    async def connected() -> bool:
-        status, _ = await dispatcher.status()
-        return any(
-            c.reservation.assignment_id == job.job_id and c.connected for c in status.clients
-        )
-
-    await until(connected, "the Pod's process registered with its dispatcher")
-    result = await process
-    assert result.returncode == 0, result.stderr
+    await run_in_container(cluster, run, outcome.node, job.job_id, answer)
 
     cluster.api.set_status("team-a", "infer", finished("main", 0))
     await cluster.reconcile()
@@ -177,10 +166,41 @@ async def test_auto_scalings_replicas_are_the_components_and_start_as_pods(
     tokens = set()
     for pod in pods:
         outcome = await asyncio.to_thread(
-            schedule, cluster.extender, cluster.ca, pod, ["node-a", "node-b"]
+            schedule,
+            cluster.extender,
+            cluster.ca,
+            pod,
+            ["node-a", "node-b"],
+            cluster.scheduler_cert,
         )
         assert outcome.node and not outcome.bind_error, outcome
         answer = await cluster.kubelets[outcome.node].allocate(1)
         assert answer.envs["GPULOOM_ASSIGNMENT_ID"] in {j.job_id for j in up.added}
         tokens.add(answer.envs["GPULOOM_ASSIGNMENT_TOKEN"])
     assert len(tokens) == 2 and "" not in tokens
+
+
+async def test_the_extender_takes_only_kube_schedulers_certificate(
+    secured_cluster: tuple[Cluster, Secured], tmp_path: Path
+) -> None:
+    cluster, _ = secured_cluster
+    pod = await create(cluster, pod_model("uninvited", SHARE))  # the webhooks need none
+    args = {"Pod": pod, "NodeNames": ["node-a", "node-b"]}
+    for verb in ("filter", "prioritize", "bind"):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(post, f"{cluster.extender}/{verb}", args, cluster.ca)
+        assert refused.value.code == 403
+    # A certificate of another CA does not get through the handshake.
+    other = pki.write(tmp_path / "other", "mallory", pki.Authority.create(), "localhost")
+    with pytest.raises((urllib.error.URLError, ssl.SSLError, ConnectionError)):
+        await asyncio.to_thread(
+            post,
+            f"{cluster.extender}/filter",
+            args,
+            cluster.ca,
+            (str(other.cert), str(other.key)),
+        )
+    # Nothing was submitted for the Pod; kube-scheduler's certificate gets it placed.
+    assert not [j for j in await cluster.jobs.jobs() if j.spec.name == "team-a/uninvited"]
+    outcome = await scheduled(cluster, pod)
+    assert outcome.node and not outcome.bind_error, outcome

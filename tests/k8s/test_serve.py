@@ -48,6 +48,11 @@ def environment(tmp_path: Path, **values: str) -> dict[str, str]:
         ),
         ("k8s", {"GPULOOM_K8S_PRIORITY_CLASSES": "high=12"}, "GPULOOM_K8S_PRIORITY_CLASSES"),
         ("k8s", {"GPULOOM_K8S_TLS_CERT_FILE": "x.crt"}, "GPULOOM_K8S_TLS_KEY_FILE"),
+        (
+            "k8s",
+            {"GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE": "ca.crt"},
+            "GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE needs TLS",
+        ),
         ("k8s", {}, "GPULOOM_K8S_API_SERVER: no API server: not in a cluster"),
     ],
 )

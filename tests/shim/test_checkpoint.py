@@ -239,3 +239,28 @@ def test_a_lock_that_times_out_leaves_the_process_running(
 def test_a_driver_without_the_api_says_so(shim_build: Path) -> None:
     with pytest.raises(CheckpointUnsupported, match="no checkpoint API"):
         CheckpointDriver(str(shim_build / "fake_min" / "libcuda.so.1"))
+
+
+def test_every_kind_of_allocation_is_released_and_restored(
+    driver: CheckpointDriver, gpu: Gpu, tmp_path: Path
+) -> None:
+    """Virtual memory (cuMemCreate + cuMemMap), arrays and pool allocations count on the GPU
+    like pointers: all given back at the checkpoint, all taken again at the restore, and freed
+    as usual afterwards."""
+    before = gpu.free_bytes()
+    go = tmp_path / "go"
+    ops = ["stream", "alloc", "vmm", str(LAYER), "alloc", "array", str(LAYER)]
+    ops += ["alloc", "pool", str(LAYER), "alloc", "alloc", str(LAYER), "fill", "7"]
+    pid, job = gpu.start(*ops, "waitfile", str(go), "peek", "freeall", ready="fill")
+    assert before - gpu.free_bytes() == 4 * LAYER
+    driver.lock(pid)
+    driver.checkpoint(pid)
+    assert gpu.free_bytes() == before
+    driver.restore(pid)
+    assert before - gpu.free_bytes() == 4 * LAYER
+    driver.unlock(pid)
+    go.touch()
+    lines = _finish(job)
+    assert "peek rc=0 first=7 uniform=1" in lines
+    assert "freeall rc=0" in lines
+    assert gpu.free_bytes() == before

@@ -106,6 +106,8 @@ def test_the_default_policy_harvests_beside_the_holder_and_keeps_its_p99(
     alone = simulate(on, "exclusive")
     with_rule, without = simulate(on, DEFAULT_MODE), simulate(off, DEFAULT_MODE)
     assert with_rule.counters["harvested"] > 100
+    # Kernels beside the holder's are not fill of its idle time: the share stays a share.
+    assert 0 <= with_rule.fill_efficiency <= 1
     assert without.counters["harvested"] == 0
     got = harvest_figures(on, [alone, with_rule])[DEFAULT_MODE]
     base = harvest_figures(off, [alone, without])[DEFAULT_MODE]

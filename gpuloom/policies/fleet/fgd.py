@@ -59,7 +59,20 @@ class FragDeltas:
         deltas = state.memo.get("frag_deltas")
         if not isinstance(deltas, FragDeltas):
             deltas = state.memo["frag_deltas"] = cls(state)
+        elif deltas.score.shape[1] < len(state.shapes):  # shapes added since (add_shape)
+            deltas._grow(len(state.shapes) - deltas.score.shape[1])
         return deltas
+
+    def _grow(self, more: int) -> None:
+        n = self.score.shape[0]
+
+        def pad(a: np.ndarray, fill: float) -> np.ndarray:
+            return np.hstack([a, np.full((n, more), fill, dtype=a.dtype)])
+
+        self.score, self.growth = pad(self.score, -np.inf), pad(self.growth, np.inf)
+        self.gpu, self.growth_gpu = pad(self.gpu, -1), pad(self.growth_gpu, -1)
+        self.tight_gpu, self.version = pad(self.tight_gpu, -1), pad(self.version, -1)
+        self._memo.extend({} for _ in range(more))
 
     def refresh(self, q: int) -> None:
         """Recompute shape q's column for the nodes that changed since it was last read. A
@@ -147,5 +160,5 @@ class FgdPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        n = pick_best(deltas.scores(q), state.rank)
+        n = pick_best(state.only_allowed(deltas.scores(q)), state.rank)
         return None if n is None else deltas.choice(n, q)

@@ -45,7 +45,7 @@ class FgdPackPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        score = deltas.scores(q)
+        score = state.only_allowed(deltas.scores(q))
         top = score.max(initial=-np.inf)
         if top == -np.inf:
             return None

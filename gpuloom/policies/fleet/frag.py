@@ -26,15 +26,35 @@ def measure(
     total = gpu_free.sum(axis=1)
     if not len(state.t_weight):
         return total.astype(np.float64)
+    count, usable = _gpu_counts(state, gpu_free)
+    return _weigh(state, total, count, usable, cpu_free, model_idx)
+
+
+def _gpu_counts(state: FleetState, gpu_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node state and distinct per-GPU demand of the typical pods: how many GPUs have at
+    least that free, and their free milli summed ([M, D] each)."""
     usable_gpu = gpu_free[:, None, :] >= state.t_demands[None, :, None]  # [M, D, G]
-    count = usable_gpu.sum(axis=2)
-    usable = (gpu_free[:, None, :] * usable_gpu).sum(axis=2)  # [M, D]
+    return usable_gpu.sum(axis=2), (gpu_free[:, None, :] * usable_gpu).sum(axis=2)
+
+
+def _weigh(
+    state: FleetState,
+    total: np.ndarray,
+    count: np.ndarray,
+    usable: np.ndarray,
+    cpu_free: np.ndarray,
+    model_idx: np.ndarray,
+) -> np.ndarray:
     di = state.t_demand_idx
     fits = (
         (cpu_free[:, None] >= state.t_cpu) & state.t_allows[model_idx] & (count[:, di] >= state.t_k)
     )  # [M, T]
-    used = np.where(fits & (state.t_k > 0), usable[:, di], 0)
-    return total - used @ state.t_weight
+    # Per typical pod the milli it cannot use, an exact integer, then weighed (as the published
+    # sum of frequency x milli: a node no pod is kept from is exactly 0).
+    unusable = np.where(fits & (state.t_k > 0), total[:, None] - usable[:, di], total[:, None])
+    # Summed row by row (not a matrix product, whose rounding depends on how many rows go in):
+    # a node's figure is the same whichever nodes it is computed with.
+    return (unusable * state.t_weight).sum(axis=1)
 
 
 class Fragmentation:
@@ -85,6 +105,15 @@ def frag_options(
         rows = np.arange(len(nodes))
         return rows, np.full(len(nodes), -1), measure(s, gpu_free, cpu, models)
     rows, cols = np.nonzero(gpu_free >= d)
-    after = gpu_free[rows]
-    after[np.arange(len(rows)), cols] -= d
-    return rows, cols, measure(s, after, cpu[rows], models[rows])
+    if not len(s.t_weight):
+        return rows, cols, (gpu_free.sum(axis=1)[rows] - d).astype(np.float64)
+    # Only the share's GPU changes: each option's counts are the node's, that GPU's part
+    # taken out and its part after the share put in ([options, D], not [options, D, G]).
+    count, usable = _gpu_counts(s, gpu_free)
+    dem = s.t_demands[None, :]
+    g = gpu_free[rows, cols][:, None]
+    was, now = g >= dem, (g - d) >= dem
+    count_after = count[rows] - was + now
+    usable_after = usable[rows] - g * was + (g - d) * now
+    total_after = gpu_free.sum(axis=1)[rows] - d
+    return rows, cols, _weigh(s, total_after, count_after, usable_after, cpu[rows], models[rows])

@@ -164,8 +164,33 @@ class FleetState:
         self.t_demand_idx = np.searchsorted(self.t_demands, self.t_d)
         # Tie order: rank[n] (lowest first), as the published simulator's node-name prefixes.
         self.rank = np.arange(n_nodes, dtype=np.int64)
+        # Nodes the pod being decided may use at all (None: every node): a caller's own limits
+        # for one decision (the live adapter's per-GPU memory), applied by `fits` and
+        # `only_allowed`, never by `fits_rows` (what policies cache per node).
+        self.allowed: np.ndarray | None = None
         # Derived data policies keep for this state (by the policy's key), such as FGD's cache.
         self.memo: dict[str, object] = {}
+
+    def add_shape(self, shape: PodShape) -> int:
+        """Intern one more pod shape, weighing nothing in the workload (which stays as it
+        is, typical pods included), and return its index; policies' per-shape caches grow
+        with it."""
+        self.shapes = (*self.shapes, shape)
+        self.s_weight = np.append(self.s_weight, 0.0)
+        self.s_cpu = np.append(self.s_cpu, shape.cpu_milli)
+        self.s_mem = np.append(self.s_mem, shape.memory_mib)
+        self.s_k = np.append(self.s_k, shape.num_gpu)
+        self.s_d = np.append(self.s_d, shape.gpu_milli)
+        allows = [shape.models is None or m in shape.models for m in self.models]
+        self.model_allows = np.hstack(
+            [self.model_allows, np.array(allows, dtype=bool).reshape(-1, 1)]
+        )
+        tag = 1 + shape.num_gpu if shape.gpu_milli == WHOLE_GPU else int(shape.num_gpu > 0)
+        self.s_tag = np.append(self.s_tag, tag)
+        if tag >= self.hosted.shape[1]:
+            grow = tag + 1 - self.hosted.shape[1]
+            self.hosted = np.hstack([self.hosted, np.zeros((len(self.nodes), grow), np.int64)])
+        return len(self.shapes) - 1
 
     @property
     def gpu_capacity(self) -> int:
@@ -185,7 +210,13 @@ class FleetState:
         k = self.s_k[q]
         if k:
             ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
+        if self.allowed is not None:
+            ok &= self.allowed
         return ok
+
+    def only_allowed(self, scores: np.ndarray) -> np.ndarray:
+        """`scores` with the nodes the pod may not use at -inf (`allowed`)."""
+        return scores if self.allowed is None else np.where(self.allowed, scores, -np.inf)
 
     def fits_rows(self, q: int, rows: np.ndarray) -> np.ndarray:
         """`fits(q)` for the nodes `rows` only."""

@@ -105,6 +105,8 @@ class InvalidPlacementError(ValueError):
 # lower priority already filling its gaps).
 HolderGroup = tuple[str, int, int]
 
+JOURNAL_KEEP = 1 << 16  # changes the fleet remembers for `touched_since`
+
 
 @dataclass(slots=True, eq=False)
 class GpuSlot:
@@ -256,6 +258,12 @@ class Fleet:
         # Time-slice group key -> its members' ids (allocations with slice_of set). A group
         # key is live on one GPU at a time, so it names the group fleet-wide.
         self._slices: dict[str, set[str]] = {}
+        # What changed, for readers that keep their own view of the fleet (the fleet policies'
+        # adapter): the nodes touched by each change, in order, and a count of changes to
+        # the set of GPUs. `touched_since` reads them.
+        self.topology = 0
+        self._journal: list[str] = []
+        self._journal_start = 0  # the position of _journal[0] in the whole history
 
     # --- building -------------------------------------------------------------------------
 
@@ -312,6 +320,8 @@ class Fleet:
             if allocation.slice_of:
                 self._slices.setdefault(allocation.slice_of, set()).add(allocation.allocation_id)
         self._gpus[slot.gpu_id] = slot
+        self.topology += 1
+        self._touch(slot.node)
         index = self._models.get(slot.model)
         if index is None:
             index = self._models[slot.model] = ModelIndex(slot.model)
@@ -349,6 +359,8 @@ class Fleet:
             del self._nodes[slot.node]
         self._unresident(gpu_id, slot.models)
         del self._gpus[gpu_id]
+        self.topology += 1
+        self._touch(slot.node)
         return tuple(slot.allocations.values())
 
     def set_models(self, gpu_id: str, models: Iterable[tuple[str, int]]) -> None:
@@ -381,6 +393,7 @@ class Fleet:
         slot = self._slot(gpu_id)
         if slot.schedulable == schedulable:
             return
+        self._touch(slot.node)
         if schedulable:
             slot.schedulable = True
             self._index(slot)
@@ -817,6 +830,23 @@ class Fleet:
     def __contains__(self, gpu_id: object) -> bool:
         return gpu_id in self._gpus
 
+    def touched_since(self, cursor: int) -> tuple[list[str] | None, int]:
+        """The nodes touched (a GPU's free space, memory, schedulability or models, the node's
+        CPU or host memory, a GPU added or removed) since position `cursor` of the journal,
+        in order, with repeats, and the position now; None when `cursor` is older than the
+        journal keeps (read everything again)."""
+        end = self._journal_start + len(self._journal)
+        if cursor < self._journal_start or cursor > end:
+            return None, end
+        return self._journal[cursor - self._journal_start :], end
+
+    def _touch(self, node: str) -> None:
+        self._journal.append(node)
+        if len(self._journal) > JOURNAL_KEEP:
+            drop = len(self._journal) // 2
+            del self._journal[:drop]
+            self._journal_start += drop
+
     def gpu_ids(self) -> Iterator[str]:
         return iter(self._gpus)
 
@@ -1186,6 +1216,7 @@ class Fleet:
         return set(slot.free.boxes()), (slot.area_free, slot.gpu_id), slot.memory_free
 
     def _after(self, slot: GpuSlot, before: tuple[set[Box], tuple[int, str], int] | None) -> None:
+        self._touch(slot.node)
         if before is None:
             return
         old_boxes, old_key, old_memory = before

@@ -35,15 +35,16 @@ clamping above). MIG batch tasks never reach placement policies (mig_batches.py 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gpuloom.policies.fleet.model import WHOLE_GPU, FleetPolicy, FleetState, NodeSpec, PodShape
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.placement.context import PlacementContext
-from gpuloom.policies.placement.fleet import Fleet
+from gpuloom.policies.placement.fleet import Fleet, GpuSlot
 from gpuloom.policies.placement.model import (
     GRID_AREA,
     GRID_H,
@@ -58,6 +59,8 @@ MIB = 1 << 20
 WORKLOAD_WINDOW = 10_000  # jobs whose shapes make the workload distribution
 MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked one always)
 SEED = 0
+WORKLOAD_REFRESH = 1_000  # decisions between refreshes of the kept view's workload weights
+RECT_RETRIES = 64  # chosen nodes found unable to take the job before giving up
 
 
 def share_milli(w: int, h: int) -> int:
@@ -91,6 +94,7 @@ class FleetModelPolicy:
         self._rng = np.random.default_rng(seed)
         self._recent: OrderedDict[str, PodShape] = OrderedDict()
         self._counts: Counter[PodShape] = Counter()
+        self._live: weakref.WeakKeyDictionary[Fleet, _Kept] = weakref.WeakKeyDictionary()
 
     @property
     def name(self) -> str:
@@ -122,6 +126,13 @@ class FleetModelPolicy:
     def _decide(self, job: JobRequest, fleet: Fleet) -> Placement | Unplaceable:
         shape = pod_shape(job)
         self._note(job.job_id, shape)
+        if not job.shared_model and not job.nodes:
+            live = self._live.get(fleet)
+            if live is None:
+                live = self._live[fleet] = _Kept(self._policy, self._counts_hosted)
+            decided = live.decide(job, shape, fleet, self._counts, self._rng, self.name)
+            if decided is not None:
+                return decided if isinstance(decided, Placement) else self._unplaceable(job, fleet)
         view = self._view(job, shape, fleet)
         choice = None if view is None else self._policy.choose(view.state, view.q, self._rng)
         if view is None or choice is None:
@@ -208,3 +219,216 @@ class FleetModelPolicy:
                             if tag < tags:
                                 state.hosted[i, tag] += 1
         return _View(state, common.index(shape), tuple(n.name for n in nodes), tuple(gpu_ids))
+
+
+def _gpu_free_milli(slot: GpuSlot) -> int:
+    """A GPU's free share in milli, as the view shows it before any job's own limits."""
+    if not slot.schedulable:
+        return 0
+    if not slot.boxes:
+        return WHOLE_GPU
+    return min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
+
+
+class _Kept:
+    """The view of one live `Fleet`, kept in step with it instead of rebuilt per decision: a
+    `FleetState` whose rows are refreshed for the nodes the fleet's journal says were touched
+    (`Fleet.touched_since`), so FGD's per-node cache survives from one decision to the next
+    and a decision costs what a simulated one does. Per job: a GPU model it names is the fleet
+    model's own model rule; nodes without enough GPUs with its memory free are left out
+    (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
+    chosen GPU is checked for its memory and whether the share's rectangle fits (one that
+    fails is hidden for this decision and the policy asked again). What it cannot keep (nodes
+    with GPUs of several models, a shared model, a list of nodes) goes the rebuilding way
+    (`decide` answers None)."""
+
+    def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
+        self.policy = policy
+        self.counts_hosted = counts_hosted
+        self.state: FleetState | None = None
+        self.topology = -1
+        self.cursor = 0
+        self.shapes: list[PodShape] = []
+        self.index: dict[PodShape, int] = {}
+        self.decisions = 0
+        self.mixed = False
+
+    def decide(
+        self,
+        job: JobRequest,
+        shape: PodShape,
+        fleet: Fleet,
+        counts: Counter[PodShape],
+        rng: np.random.Generator,
+        name: str,
+    ) -> Placement | Unplaceable | None:
+        asked = replace(shape, models=frozenset(job.models) or None)
+        if not self._sync(fleet, counts, asked):
+            return None
+        state = self.state
+        assert state is not None
+        q = self.index[asked]
+        d = asked.gpu_milli
+        need = job.memory_bytes
+        k = asked.num_gpu
+        # For this decision only: a GPU one milli short (free area rounds down, the share up)
+        # whose rectangles fit the job shows the share; the nodes without enough GPUs that
+        # have the job's memory free are not allowed (the state's rows stay as they are, so
+        # the policies' per-node caches hold).
+        exact = np.zeros(state.gpu_free.shape, dtype=bool)
+        if d < WHOLE_GPU:
+            near = (state.gpu_free == d - 1) & (self.gpu_mem >= need)
+            for i, j in zip(*np.nonzero(near), strict=True):
+                slot = fleet.slot(self.gpu_ids[i][j])
+                exact[i, j] = slot.schedulable and slot.free.fits(job.w, job.sm_percent)
+        rows = np.flatnonzero(exact.any(axis=1))
+        saved = state.gpu_free[rows].copy()
+        hidden: set[int] = set()
+        try:
+            if rows.size:
+                state.gpu_free[rows] = np.where(exact[rows], d, saved)
+                state.version[rows] += 1
+            roomy = self.gpu_mem >= need
+            for _ in range(RECT_RETRIES):
+                state.allowed = ((state.gpu_free >= d) & roomy).sum(axis=1) >= k
+                choice = self.policy.choose(state, q, rng)
+                if choice is None:
+                    return Unplaceable(job.job_id, "")
+                i = choice.node
+                node = self.nodes[i]
+                if d == WHOLE_GPU:
+                    cols = np.flatnonzero((state.gpu_free[i] == WHOLE_GPU) & roomy[i])[:k]
+                    gpus = [self.gpu_ids[i][j] for j in cols]
+                    whole = Rect(0, 0, GRID_W, GRID_H)
+                    return Placement(job.job_id, gpus[0], node, whole, name, tuple(gpus[1:]))
+                j = choice.gpus[0]
+                if roomy[i, j]:
+                    box = fleet.slot(self.gpu_ids[i][j]).free.best_fit(job.w, job.sm_percent)
+                    if box is not None:
+                        rect = Rect(box[0], box[1], job.w, job.sm_percent)
+                        return Placement(job.job_id, self.gpu_ids[i][j], node, rect, name)
+                # Too little memory there, or its free rectangles do not fit: hide every GPU of
+                # this node that cannot take the job, for this decision, and ask again.
+                hidden.add(i)
+                for jj in np.flatnonzero(state.gpu_free[i] >= d).tolist():
+                    slot = fleet.slot(self.gpu_ids[i][jj])
+                    if not (roomy[i, jj] and slot.free.fits(job.w, job.sm_percent)):
+                        state.gpu_free[i, jj] = min(int(state.gpu_free[i, jj]), d - 1)
+                state.version[i] += 1
+            return None
+        finally:
+            state.allowed = None
+            if rows.size:
+                state.gpu_free[rows] = saved
+                state.version[rows] += 1
+            for i in hidden:
+                self._refresh_row(fleet, i)
+
+    # ---- keeping the view ----
+
+    def _sync(self, fleet: Fleet, counts: Counter[PodShape], asked: PodShape) -> bool:
+        """Bring the view up to date; False when this fleet cannot be kept."""
+        touched, end = fleet.touched_since(self.cursor)
+        self.decisions += 1
+        stale_workload = self.decisions % WORKLOAD_REFRESH == 0
+        if touched is None or fleet.topology != self.topology or self.state is None:
+            self.cursor = end
+            return self._rebuild(fleet, counts, asked)
+        self.cursor = end
+        for i in {self.node_index[n] for n in touched if n in self.node_index}:
+            self._refresh_row(fleet, i)
+        if stale_workload:
+            self._reweigh(counts)
+        if asked not in self.index:
+            self.index[asked] = self.state.add_shape(asked)
+            self.shapes.append(asked)
+        return True
+
+    def _reweigh(self, counts: Counter[PodShape]) -> None:
+        """A new FleetState with the workload's weights now and the same rows (FGD's cache
+        starts over: the typical pods may have changed)."""
+        old = self.state
+        assert old is not None
+        for shape, _ in counts.most_common(MAX_SHAPES):
+            if shape not in self.index:
+                self.index[shape] = len(self.shapes)
+                self.shapes.append(shape)
+        weights = [float(counts.get(s, 0)) for s in self.shapes]
+        state = FleetState(old.nodes, self.shapes, weights)
+        state.cpu_free[:], state.mem_free[:] = old.cpu_free, old.mem_free
+        state.gpu_free[:] = old.gpu_free
+        width = min(old.hosted.shape[1], state.hosted.shape[1])
+        state.hosted[:, :width] = old.hosted[:, :width]
+        self.state = state
+
+    def _rebuild(self, fleet: Fleet, counts: Counter[PodShape], asked: PodShape) -> bool:
+        nodes = [n for n in fleet.nodes.values() if n.gpu_ids]
+        self.topology = fleet.topology
+        slots = fleet.slots
+        models = [{slots[g].model for g in n.gpu_ids} for n in nodes]
+        self.mixed = any(len(m) > 1 for m in models)
+        if self.mixed or not nodes:
+            self.state = None
+            return False
+        for shape in (*(s for s, _ in counts.most_common(MAX_SHAPES)), asked):
+            if shape not in self.index:
+                self.index[shape] = len(self.shapes)
+                self.shapes.append(shape)
+        weights = [float(counts.get(s, 0)) for s in self.shapes]
+        specs = [
+            NodeSpec(
+                n.name,
+                max(n.cpu_milli, 1),
+                max(n.memory_bytes // MIB, 1),
+                len(n.gpu_ids),
+                next(iter(m)),
+            )
+            for n, m in zip(nodes, models, strict=True)
+        ]
+        self.state = FleetState(specs, self.shapes, weights)
+        self.nodes = [n.name for n in nodes]
+        self.node_index = {name: i for i, name in enumerate(self.nodes)}
+        self.gpu_ids = [tuple(n.gpu_ids) for n in nodes]
+        self.gpu_mem = np.zeros(self.state.gpu_free.shape, dtype=np.int64)
+        for i in range(len(nodes)):
+            self._refresh_row(fleet, i)
+        return True
+
+    def _refresh_row(self, fleet: Fleet, i: int) -> None:
+        """Node i's row from the live fleet (its version moves only when something did)."""
+        state = self.state
+        assert state is not None
+        node = fleet.nodes.get(self.nodes[i])
+        if node is None:
+            return
+        slots = fleet.slots
+        ids = self.gpu_ids[i]
+        free = [_gpu_free_milli(slots[g]) for g in ids]
+        mem = [slots[g].memory_free if slots[g].schedulable else 0 for g in ids]
+        cpu, host = node.cpu_free, node.memory_free // MIB
+        row = state.gpu_free[i, : len(ids)]
+        if (
+            state.cpu_free[i] == cpu
+            and state.mem_free[i] == host
+            and row.tolist() == free
+            and self.gpu_mem[i, : len(ids)].tolist() == mem
+            and not self.counts_hosted
+        ):
+            return
+        state.cpu_free[i] = cpu
+        state.mem_free[i] = host
+        row[:] = free
+        self.gpu_mem[i, : len(ids)] = mem
+        if self.counts_hosted:
+            state.hosted[i] = 0
+            tags = state.hosted.shape[1]
+            for g in ids:
+                slot = slots[g]
+                for group, box in slot.boxes.items():
+                    first = slot.allocations.get(group)
+                    if first is None or not first.gang:
+                        whole = share_milli(box[2] - box[0], box[3] - box[1]) == WHOLE_GPU
+                        tag = 2 if whole else 1
+                        if tag < tags:
+                            state.hosted[i, tag] += 1
+        state.version[i] += 1

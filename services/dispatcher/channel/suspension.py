@@ -19,12 +19,20 @@ from gpuloom.services.dispatcher.domain import (
 )
 from gpuloom.services.dispatcher.introspection import low_point_threshold
 from gpuloom.shimwire import (
+    KernelPeriod,
     ShimMode,
 )
 
 
 class SuspensionPart:
     """Methods of ShimChannel; its state is ShimChannel's (server.py)."""
+
+    def kernel_period(self, assignment_id: str) -> KernelPeriod | None:
+        """The training loop's period its shim found in its kernel stream (None: none)."""
+        connection = self._by_assignment.get(assignment_id)
+        if connection is None or connection.region is None:
+            return None
+        return connection.region.read_kernel_period()
 
     def suspensions(self) -> dict[str, Suspension]:
         """assignment id -> its suspension, for every suspended client."""
