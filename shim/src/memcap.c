@@ -705,36 +705,40 @@ static int nvml_is_assigned(nvmlDevice_t device) {
 }
 
 /* NVML: the same view as cuMemGetInfo_v2, with used = total - free (so the three add up), for
- * the process's GPU (see nvml_is_assigned); other devices are answered as they are. */
-EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
-    nvml_resolve();
-    if (!REAL(nvmlDeviceGetMemoryInfo)) return NVML_ERROR_FUNCTION_NOT_FOUND;
-    ensure_registered();
-    nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo)(device, memory);
-    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
-        uint64_t free64 = memory->free, total64 = memory->total;
-        mem_capped_view(&free64, &total64);
-        memory->free = free64;
-        memory->total = total64;
-        memory->used = total64 - free64;
+ * the process's GPU (see nvml_is_assigned); other devices are answered as they are. The _v2
+ * struct's `reserved` (the driver's own reserve, outside the process's view) becomes 0, and
+ * the struct is left as it is when the view does not change it. */
+static void nvml_capped_view(nvmlDevice_t device, unsigned long long *free_bytes,
+                             unsigned long long *total_bytes, unsigned long long *used,
+                             unsigned long long *reserved) {
+    if (!nvml_is_assigned(device)) return;
+    uint64_t free64 = *free_bytes, total64 = *total_bytes;
+    mem_capped_view(&free64, &total64);
+    if (reserved) {
+        if (free64 == *free_bytes && total64 == *total_bytes) return;
+        *reserved = 0;
     }
-    return result;
+    *free_bytes = free64;
+    *total_bytes = total64;
+    *used = total64 - free64;
+}
+
+#define NVML_MEMORY_HOOK(symbol, device, memory, reserved)                                 \
+    do {                                                                                   \
+        nvml_resolve();                                                                    \
+        if (!REAL(symbol)) return NVML_ERROR_FUNCTION_NOT_FOUND;                           \
+        ensure_registered();                                                               \
+        nvmlReturn_t result_ = REAL(symbol)(device, memory);                               \
+        if (result_ == NVML_SUCCESS && (memory))                                           \
+            nvml_capped_view(device, &(memory)->free, &(memory)->total, &(memory)->used,   \
+                             reserved);                                                    \
+        return result_;                                                                    \
+    } while (0)
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+    NVML_MEMORY_HOOK(nvmlDeviceGetMemoryInfo, device, memory, NULL);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
-    nvml_resolve();
-    if (!REAL(nvmlDeviceGetMemoryInfo_v2)) return NVML_ERROR_FUNCTION_NOT_FOUND;
-    ensure_registered();
-    nvmlReturn_t result = REAL(nvmlDeviceGetMemoryInfo_v2)(device, memory);
-    if (result == NVML_SUCCESS && memory && nvml_is_assigned(device)) {
-        uint64_t free64 = memory->free, total64 = memory->total;
-        mem_capped_view(&free64, &total64);
-        if (free64 != memory->free || total64 != memory->total) {
-            memory->free = free64;
-            memory->total = total64;
-            memory->reserved = 0; /* the driver's own reserve is outside the process's view */
-            memory->used = total64 - free64;
-        }
-    }
-    return result;
+    NVML_MEMORY_HOOK(nvmlDeviceGetMemoryInfo_v2, device, memory, &memory->reserved);
 }

@@ -741,16 +741,13 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "cudart_like: launch failed with CUresult %d\n", (int)last);
                 failed = 1;
             }
-        } else if (strcmp(op, "train") == 0) {
-            NEED(5);
-            if (train(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
-                      (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
-                failed = 1;
-            i += 5;
-        } else if (strcmp(op, "steady") == 0) {
-            NEED(5);
-            if (steady(atol(argv[i + 1]), atol(argv[i + 2]), atoi(argv[i + 3]),
-                       (size_t)strtoull(argv[i + 4], NULL, 10), argv[i + 5]) != 0)
+        } else if (strcmp(op, "train") == 0 || strcmp(op, "steady") == 0) {
+            NEED(5); /* steps period_us layers bytes kernel(s) */
+            long steps = atol(argv[i + 1]), period_us = atol(argv[i + 2]);
+            int layers = atoi(argv[i + 3]);
+            size_t bytes = (size_t)strtoull(argv[i + 4], NULL, 10);
+            if ((op[0] == 't' ? train(steps, period_us, layers, bytes, argv[i + 5])
+                              : steady(steps, period_us, layers, bytes, argv[i + 5])) != 0)
                 failed = 1;
             i += 5;
         } else if (strcmp(op, "infer") == 0) {

@@ -17,3 +17,13 @@ def tool(name: str, *args: str | Path, cwd: Path = ROOT) -> subprocess.Completed
     return subprocess.run(
         [str(program), *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=120
     )
+
+
+def broken_copy(source: Path, into: Path, broken: str, replacement: str) -> Path:
+    """A copy of `source` in `into` (same name) with the first `broken` replaced; `broken` must
+    be in it, so that the copy really differs."""
+    text = source.read_text()
+    assert broken in text
+    copy = into / source.name
+    copy.write_text(text.replace(broken, replacement, 1))
+    return copy

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gpuloom.services.dispatcher.settings import COMPOSED_POLICY, DispatcherSettings
-from tests.deploy.conftest import ROOT, tool
+from tests.deploy.conftest import ROOT, broken_copy, tool
 
 COMPOSE = ROOT / "compose.yaml"
 ONE_SHOT = {"credentials", "migrate", "socket-dirs", "example"}
@@ -49,10 +49,7 @@ def test_compose_yaml_follows_the_compose_specification() -> None:
 def test_the_schema_check_fails_on_a_broken_file(
     tmp_path: Path, broken: str, replacement: str
 ) -> None:
-    text = COMPOSE.read_text()
-    assert broken in text
-    copy = tmp_path / "compose.yaml"
-    copy.write_text(text.replace(broken, replacement, 1))
+    copy = broken_copy(COMPOSE, tmp_path, broken, replacement)
     result = tool("check-jsonschema", "--builtin-schema", "vendor.compose-spec", copy)
     assert result.returncode != 0, result.stdout
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import ROOT, tool
+from tests.deploy.conftest import ROOT, broken_copy, tool
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 
@@ -47,10 +47,7 @@ def test_hadolint_passes() -> None:
 def test_hadolint_fails_on_a_broken_dockerfile(
     tmp_path: Path, broken: str, replacement: str
 ) -> None:
-    text = DOCKERFILE.read_text()
-    assert broken in text
-    copy = tmp_path / "Dockerfile"
-    copy.write_text(text.replace(broken, replacement, 1))
+    copy = broken_copy(DOCKERFILE, tmp_path, broken, replacement)
     result = tool("hadolint", "--no-color", copy)
     assert result.returncode != 0, result.stdout
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.conftest import ROOT, tool
+from tests.deploy.conftest import ROOT, broken_copy, tool
 
 K8S = ROOT / "deploy" / "k8s" / "base"
 KUSTOMIZATION = K8S / "kustomization.yaml"
@@ -63,10 +63,7 @@ def test_every_manifest_is_valid_kubernetes(version: str | None) -> None:
 def test_validation_fails_on_a_broken_manifest(
     tmp_path: Path, broken: str, replacement: str
 ) -> None:
-    text = (K8S / "placement.yaml").read_text()
-    assert broken in text
-    copy = tmp_path / "placement.yaml"
-    copy.write_text(text.replace(broken, replacement, 1))
+    copy = broken_copy(K8S / "placement.yaml", tmp_path, broken, replacement)
     result = tool("kubernetes-validate", "--strict", copy)
     assert result.returncode != 0, result.stdout
 

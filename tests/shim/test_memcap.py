@@ -25,6 +25,14 @@ def _env(live: LiveDispatcher, token: str) -> dict[str, str]:
     }
 
 
+async def _run_capped(live: LiveDispatcher, run: Runner, ops: list[str]) -> Run:
+    """cudart_like's `ops` under a new reservation capped at 1 GiB; it must exit 0."""
+    assignment = await live.reserve(memory_gib=1.0)
+    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 def _views(result: Run) -> list[dict[str, dict[str, int]]]:
     """Each view printed after a `meminfo nvml` pair: {"cuda"|"nvml"|"nvml_v2": fields}."""
     views: list[dict[str, dict[str, int]]] = []
@@ -61,14 +69,12 @@ PATHS += ["legacyarray"]
 async def test_each_allocation_path_is_capped_and_both_views_agree(
     live: LiveDispatcher, run: Runner, kind: str, flavour: list[str]
 ) -> None:
-    assignment = await live.reserve(memory_gib=1.0)
     ops = [*flavour, "meminfo", "nvml"]
     ops += ["alloc", kind, str(600 * MIB), "meminfo", "nvml"]
     ops += ["alloc", kind, str(500 * MIB)]  # 1,100 MiB: over the 1 GiB cap
     ops += ["alloc", kind, str(400 * MIB), "meminfo", "nvml"]  # 1,000 MiB: fits
     ops += ["freeall", "meminfo", "nvml"]
-    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
-    assert result.returncode == 0, result.stderr
+    result = await _run_capped(live, run, ops)
     lines = result.stdout.splitlines()
     assert f"alloc {kind} {600 * MIB} rc=0" in lines
     assert f"alloc {kind} {500 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
@@ -90,12 +96,10 @@ async def test_a_vmm_allocation_counts_until_released_and_unmapped(
 ) -> None:
     """cuMemRelease of a mapped handle frees nothing (the driver keeps it for the mapping):
     the bytes stay counted until the unmap."""
-    assignment = await live.reserve(memory_gib=1.0)
     ops = ["alloc", "vmm", str(700 * MIB), "vmmrelease", "meminfo", "nvml"]
     ops += ["alloc", "alloc", str(400 * MIB)]  # still over: the mapping holds 700 MiB
     ops += ["freeall", "meminfo", "nvml", "alloc", "alloc", str(400 * MIB)]
-    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
-    assert result.returncode == 0, result.stderr
+    result = await _run_capped(live, run, ops)
     lines = result.stdout.splitlines()
     assert "vmmrelease rc=0" in lines
     assert lines.count(f"alloc alloc {400 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}") == 1
@@ -240,7 +244,6 @@ async def test_what_a_pool_keeps_after_frees_is_counted_up_to_its_release_thresh
     that would not fit beside it is refused), a new allocation from the pool takes it first
     (fits), and a trim or a lower threshold gives it back. `default`: the device's current pool
     (cuMemAllocAsync's) with the threshold PyTorch's async allocator sets (keep everything)."""
-    assignment = await live.reserve(memory_gib=1.0)
     kind, threshold = ("pool", str(GIB)) if pool == "pool" else ("async", str(2**64 - 1))
     setting = "poolthreshold" if pool == "pool" else "defaultthreshold"
     ops = ["stream", "alloc", kind, str(600 * MIB), setting, threshold]
@@ -249,8 +252,7 @@ async def test_what_a_pool_keeps_after_frees_is_counted_up_to_its_release_thresh
     ops += ["alloc", kind, str(600 * MIB), "meminfo", "nvml"]  # reuses what the pool kept
     ops += ["freeall", setting, "0", "meminfo", "nvml"]  # threshold 0: given back
     ops += ["alloc", "alloc", str(1000 * MIB)]
-    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
-    assert result.returncode == 0, result.stderr
+    result = await _run_capped(live, run, ops)
     lines = result.stdout.splitlines()
     assert f"{setting} {threshold} rc=0" in lines
     assert f"alloc alloc {500 * MIB} rc={CUDA_ERROR_OUT_OF_MEMORY}" in lines
@@ -263,11 +265,9 @@ async def test_what_a_pool_keeps_after_frees_is_counted_up_to_its_release_thresh
 
 
 async def test_a_trim_gives_back_what_a_pool_keeps(live: LiveDispatcher, run: Runner) -> None:
-    assignment = await live.reserve(memory_gib=1.0)
     ops = ["stream", "poolthreshold", str(GIB), "alloc", "pool", str(600 * MIB), "freeall"]
     ops += ["pooltrim", str(100 * MIB), "meminfo", "nvml", "pooltrim", "0", "meminfo", "nvml"]
-    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
-    assert result.returncode == 0, result.stderr
+    result = await _run_capped(live, run, ops)
     trimmed, empty = _views(result)
     _assert_capped(trimmed, GIB, 100 * MIB)
     _assert_capped(empty, GIB, 0)
@@ -280,11 +280,9 @@ async def test_a_double_free_leaves_the_count_at_zero_not_below(
     """The count cannot go below zero (a wrapped count would refuse everything, a negative one
     would let the process past its cap): after a double free the whole cap is still there,
     and no more."""
-    assignment = await live.reserve(memory_gib=1.0)
     ops = ["alloc", kind, str(600 * MIB), "freelast", "freeagain", "meminfo", "nvml"]
     ops += ["alloc", "alloc", str(GIB), "alloc", "alloc", str(MIB)]
-    result = await run.run_async(*ops, env=_env(live, assignment.assignment_token))
-    assert result.returncode == 0, result.stderr
+    result = await _run_capped(live, run, ops)
     lines = result.stdout.splitlines()
     assert "freelast rc=0" in lines
     assert "freeagain rc=0" not in lines  # the driver refuses it; the count does not move

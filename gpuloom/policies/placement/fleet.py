@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import contextlib
 from bisect import bisect_left, insort
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -1226,19 +1226,24 @@ class Fleet:
         _free(index, (slot.area_free, gpu_id), slot.memory_free)
 
     def _index(self, slot: GpuSlot) -> None:
-        index = self._models[slot.model]
-        for box in slot.free.boxes():
-            insort(index.rects, (box_area(box), slot.gpu_id, box))
-        _free(index, (slot.area_free, slot.gpu_id), slot.memory_free)
-        insort(index.by_id, slot.gpu_id)
-        index.max_memory = -1
+        self._file(slot, insort, _free)
 
     def _unindex(self, slot: GpuSlot) -> None:
+        self._file(slot, _remove, _unfree)
+
+    def _file(
+        self,
+        slot: GpuSlot,
+        put: Callable[[list, object], None],
+        count: Callable[[ModelIndex, tuple[int, str], int], None],
+    ) -> None:
+        """Put `slot`'s free boxes, free counts and id into its model's index (insort, _free)
+        or take them out (_remove, _unfree)."""
         index = self._models[slot.model]
         for box in slot.free.boxes():
-            _remove(index.rects, (box_area(box), slot.gpu_id, box))
-        _unfree(index, (slot.area_free, slot.gpu_id), slot.memory_free)
-        _remove(index.by_id, slot.gpu_id)
+            put(index.rects, (box_area(box), slot.gpu_id, box))
+        count(index, (slot.area_free, slot.gpu_id), slot.memory_free)
+        put(index.by_id, slot.gpu_id)
         index.max_memory = -1
 
     def _max_memory(self, index: ModelIndex) -> int:
