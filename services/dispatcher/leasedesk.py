@@ -171,9 +171,6 @@ class LeaseDesk:
         )  # fmt: skip
         self._call_terms(slot, ctypes.byref(terms))
 
-    def withdraw_terms(self, slot: int) -> None:
-        self._call_terms(slot, None)
-
     def _call_terms(self, slot: int, terms: object) -> None:
         ctypes.set_errno(0)
         if self._lib.gl_desk_set_terms(self._require(), slot, terms) != 0:

@@ -85,7 +85,7 @@ static CUresult wait_for_lease(const uint8_t *r) {
     g_stalled = 0;
     uint64_t seen = r_u64(r, GL_OFF_LEASE_ID);
     if (send_request(r) != 0) return on_loss("lost the dispatcher");
-    uint64_t deadline = start + (uint64_t)C.wait_ms * 1000000u;
+    uint64_t deadline = start + (uint64_t)g_config.wait_ms * 1000000u;
     for (;;) {
         uint64_t now = now_ns();
         if (now < r_u64(r, GL_OFF_ADMIT_UNTIL)) {
@@ -100,7 +100,7 @@ static CUresult wait_for_lease(const uint8_t *r) {
             suspend_wait(r);
             if (conn_state() != CONN_CONNECTED) return on_loss("lost the dispatcher");
             start = now_ns();
-            deadline = start + (uint64_t)C.wait_ms * 1000000u;
+            deadline = start + (uint64_t)g_config.wait_ms * 1000000u;
             seen = r_u64(r, GL_OFF_LEASE_ID);
             epoch = r_u32(r, GL_OFF_EPOCH);
             if (start < r_u64(r, GL_OFF_ADMIT_UNTIL)) continue;
@@ -118,7 +118,7 @@ static CUresult wait_for_lease(const uint8_t *r) {
             g_stall_epoch = r_u32(r, GL_OFF_EPOCH);
             loss_rearm();
             char why[96];
-            snprintf(why, sizeof why, "no lease within GPULOOM_SHIM_WAIT_MS=%d ms", C.wait_ms);
+            snprintf(why, sizeof why, "no lease within GPULOOM_SHIM_WAIT_MS=%d ms", g_config.wait_ms);
             return on_loss(why);
         }
         if (now - start < 50000u) { /* a grant usually comes within tens of microseconds */
@@ -152,7 +152,7 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
         char why[128];
         snprintf(why, sizeof why,
                  "the dispatcher stopped beating (no heartbeat within %llu ms: hung)",
-                 (unsigned long long)(C.alive_ns / 1000000u));
+                 (unsigned long long)(g_config.alive_ns / 1000000u));
         return on_loss(why);
     }
     if (g_mode == GL_MODE_FIKIT) {

@@ -25,7 +25,7 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
  * the slow path, whose holder branch is a few stores. */
 static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *granted_seq) {
     *granted_seq = 0;
-    if (!C.active) return CUDA_SUCCESS;
+    if (!g_config.active) return CUDA_SUCCESS;
     ensure_registered();
     uint8_t *r = region();
     if (LIKELY(r != NULL && conn_state() == CONN_CONNECTED)) {
@@ -33,7 +33,7 @@ static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *gra
         /* A lease ends by itself; admitted until further notice, the dispatcher's heartbeat
          * must be fresh (a hung dispatcher is a lost one). */
         /* (Mode FIKIT under leases: a lease admits nothing by itself, the arbiter decides.) */
-        if (now < until && (until != GL_ADMIT_FOREVER || now - r_u64(r, GL_OFF_BEAT) < C.alive_ns) &&
+        if (now < until && (until != GL_ADMIT_FOREVER || now - r_u64(r, GL_OFF_BEAT) < g_config.alive_ns) &&
             LIKELY(!g_leased))
             return CUDA_SUCCESS;
     }
@@ -44,7 +44,7 @@ static inline CUresult gate(CUstream key, const gl_launch *launch, uint32_t *gra
  * dispatcher that gives none, 0, is not judged by it). */
 static inline int dispatcher_silent(const uint8_t *r, uint64_t now) {
     uint64_t beat = r_u64(r, GL_OFF_BEAT);
-    return beat != 0 && now > beat && now - beat >= C.alive_ns;
+    return beat != 0 && now > beat && now - beat >= g_config.alive_ns;
 }
 
 /* ---- fikit_gate.c: FIKIT kernel admission ---- */

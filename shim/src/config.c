@@ -10,7 +10,7 @@
 
 #include "shim_internal.h"
 
-struct gl_config C = {.log_level = LOG_WARN, .wait_ms = 2000, .trace_fd = -1, .event_pool = 4096};
+struct gl_config g_config = {.log_level = LOG_WARN, .wait_ms = 2000, .trace_fd = -1, .event_pool = 4096};
 
 static int valid_token(const char *token) {
     size_t n = strlen(token);
@@ -53,24 +53,24 @@ static long number(const char *text, long lo, long hi) {
 void read_config(void) {
     const char *trace_path = getenv("GPULOOM_SHIM_TRACE");
     if (trace_path && *trace_path)
-        C.trace_fd = open(trace_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        g_config.trace_fd = open(trace_path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
 
     const char *level = getenv("GPULOOM_SHIM_LOG");
     if (level && *level) {
-        if (strcmp(level, "error") == 0) C.log_level = LOG_ERROR;
-        else if (strcmp(level, "warn") == 0) C.log_level = LOG_WARN;
-        else if (strcmp(level, "info") == 0) C.log_level = LOG_INFO;
-        else if (strcmp(level, "debug") == 0) C.log_level = LOG_DEBUG;
+        if (strcmp(level, "error") == 0) g_config.log_level = LOG_ERROR;
+        else if (strcmp(level, "warn") == 0) g_config.log_level = LOG_WARN;
+        else if (strcmp(level, "info") == 0) g_config.log_level = LOG_INFO;
+        else if (strcmp(level, "debug") == 0) g_config.log_level = LOG_DEBUG;
         else
             bad("GPULOOM_SHIM_LOG=%.64s is not one of error, warn, info, debug; logging at warn",
                 level);
     }
     const char *loss = getenv("GPULOOM_ON_DISPATCHER_LOSS");
     if (loss && *loss) {
-        if (strcmp(loss, "open") == 0) C.closed = 0;
-        else if (strcmp(loss, "closed") == 0) C.closed = 1;
+        if (strcmp(loss, "open") == 0) g_config.closed = 0;
+        else if (strcmp(loss, "closed") == 0) g_config.closed = 1;
         else {
-            C.closed = 1;
+            g_config.closed = 1;
             bad("GPULOOM_ON_DISPATCHER_LOSS=%.64s is not open or closed; failing closed", loss);
         }
     }
@@ -79,46 +79,46 @@ void read_config(void) {
         long value = number(wait, 1, 600000);
         if (value < 0)
             bad("GPULOOM_SHIM_WAIT_MS=%.64s is not a whole number of milliseconds in 1..600000; "
-                "waiting %d ms", wait, C.wait_ms);
+                "waiting %d ms", wait, g_config.wait_ms);
         else
-            C.wait_ms = (int)value;
+            g_config.wait_ms = (int)value;
     }
     const char *pool = getenv("GPULOOM_SHIM_EVENT_POOL");
     if (pool && *pool) {
         long value = number(pool, 1, 65536);
         if (value < 0)
             bad("GPULOOM_SHIM_EVENT_POOL=%.64s is not a whole number of event pairs in 1..65536; "
-                "using %d", pool, C.event_pool);
+                "using %d", pool, g_config.event_pool);
         else
-            C.event_pool = (int)value;
+            g_config.event_pool = (int)value;
     }
-    C.alive_ns = (uint64_t)C.wait_ms * 1000000u;
-    if (C.alive_ns < GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS)
-        C.alive_ns = GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS;
+    g_config.alive_ns = (uint64_t)g_config.wait_ms * 1000000u;
+    if (g_config.alive_ns < GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS)
+        g_config.alive_ns = GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS;
     const char *socket_path = getenv("GPULOOM_DISPATCHER_SOCKET");
     const char *token = getenv("GPULOOM_ASSIGNMENT_TOKEN");
     int have_socket = socket_path && *socket_path, have_token = token && *token;
     if (!have_socket && !have_token) {
         trace("config passthrough");
-        C.active = 0;
+        g_config.active = 0;
         return;
     }
-    C.active = 1;
+    g_config.active = 1;
     if (have_socket != have_token)
-        snprintf(C.unusable, sizeof C.unusable, "%s is set but %s is not",
+        snprintf(g_config.unusable, sizeof g_config.unusable, "%s is set but %s is not",
                  have_socket ? "GPULOOM_DISPATCHER_SOCKET" : "GPULOOM_ASSIGNMENT_TOKEN",
                  have_socket ? "GPULOOM_ASSIGNMENT_TOKEN" : "GPULOOM_DISPATCHER_SOCKET");
-    else if (strlen(socket_path) >= sizeof C.socket_path)
-        snprintf(C.unusable, sizeof C.unusable,
+    else if (strlen(socket_path) >= sizeof g_config.socket_path)
+        snprintf(g_config.unusable, sizeof g_config.unusable,
                  "GPULOOM_DISPATCHER_SOCKET is longer than a Unix socket path may be (107 bytes)");
     else if (!valid_token(token))
-        snprintf(C.unusable, sizeof C.unusable,
+        snprintf(g_config.unusable, sizeof g_config.unusable,
                  "GPULOOM_ASSIGNMENT_TOKEN is not 32..128 URL-safe characters");
-    if (*C.unusable) {
-        bad("%s", C.unusable);
+    if (*g_config.unusable) {
+        bad("%s", g_config.unusable);
         return;
     }
-    snprintf(C.socket_path, sizeof C.socket_path, "%s", socket_path);
-    snprintf(C.token, sizeof C.token, "%s", token);
+    snprintf(g_config.socket_path, sizeof g_config.socket_path, "%s", socket_path);
+    snprintf(g_config.token, sizeof g_config.token, "%s", token);
     trace("config active");
 }

@@ -26,7 +26,7 @@ pthread_once_t g_register_once = PTHREAD_ONCE_INIT;
 static int g_wake_fd = -1; /* eventfd: wakes the background thread */
 
 static const char *policy_text(void) {
-    return C.closed ? "refusing launches with CUDA_ERROR_NOT_PERMITTED "
+    return g_config.closed ? "refusing launches with CUDA_ERROR_NOT_PERMITTED "
                       "(GPULOOM_ON_DISPATCHER_LOSS=closed)"
                     : "running UNTHROTTLED (GPULOOM_ON_DISPATCHER_LOSS=open)";
 }
@@ -34,8 +34,8 @@ static const char *policy_text(void) {
 CUresult on_loss(const char *why) {
     if (!__atomic_exchange_n(&g_loss_logged, 1, __ATOMIC_ACQ_REL))
         say(LOG_WARN, "%s; %s", why, policy_text());
-    trace("loss %s", C.closed ? "closed" : "open");
-    return C.closed ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
+    trace("loss %s", g_config.closed ? "closed" : "open");
+    return g_config.closed ? CUDA_ERROR_NOT_PERMITTED : CUDA_SUCCESS;
 }
 
 static const char REFUSING[] =
@@ -131,7 +131,7 @@ static void *background(void *arg) {
             uint8_t *r = NULL;
             gl_registration reg;
             char why[512];
-            if (gl_register(C.socket_path, C.token, program_invocation_short_name, C.wait_ms,
+            if (gl_register(g_config.socket_path, g_config.token, program_invocation_short_name, g_config.wait_ms,
                             &sock, (volatile uint8_t **)&r, &doorbell, &reg, &refused, why,
                             sizeof why) == 0) {
                 have = 0;
@@ -206,12 +206,12 @@ void register_once(void) {
     uint8_t *r = NULL;
     gl_registration reg;
     char why[512];
-    if (*C.unusable) { /* nothing to register with: refused by its own settings */
-        snprintf(why, sizeof why, "cannot register with the dispatcher: %s", C.unusable);
+    if (*g_config.unusable) { /* nothing to register with: refused by its own settings */
+        snprintf(why, sizeof why, "cannot register with the dispatcher: %s", g_config.unusable);
         mark_refused(why);
         return;
     }
-    if (gl_register(C.socket_path, C.token, program_invocation_short_name, C.wait_ms, &sock,
+    if (gl_register(g_config.socket_path, g_config.token, program_invocation_short_name, g_config.wait_ms, &sock,
                     (volatile uint8_t **)&r, &doorbell, &reg, &refused, why, sizeof why) == 0) {
         adopt_registration(sock, r, doorbell, &reg);
         say(LOG_INFO, "registered: mode %u, memory cap %llu bytes", reg.mode,
@@ -224,7 +224,7 @@ void register_once(void) {
         __atomic_store_n(&g_conn, CONN_LOST, __ATOMIC_RELEASE);
         /* Lost before it ever registered: no cap is known. Fail-open runs as configured;
          * fail-closed allocates nothing until a registration gives it a cap. */
-        if (C.closed) mem_deny_uncapped();
+        if (g_config.closed) mem_deny_uncapped();
         say(LOG_WARN, "%s; %s; retrying in the background", why, policy_text());
         __atomic_store_n(&g_loss_logged, 1, __ATOMIC_RELEASE);
         trace("unreachable");

@@ -187,7 +187,7 @@ static int fire_arm(uint8_t *r, uint64_t kernel) {
     __atomic_add_fetch((uint32_t *)(board + GL_BOARD_LAUNCH), 1, __ATOMIC_RELEASE);
     syscall(SYS_futex, (uint32_t *)(board + GL_BOARD_LAUNCH), FUTEX_WAKE, INT_MAX, NULL, NULL,
             0);
-    if (UNLIKELY(C.trace_fd >= 0)) trace("fikit fire %016llx", (unsigned long long)kernel);
+    if (UNLIKELY(g_config.trace_fd >= 0)) trace("fikit fire %016llx", (unsigned long long)kernel);
     return 1;
 }
 
@@ -246,7 +246,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     uint64_t stale = 0;
     uint8_t *posted_board = armed_board(r, seq, kernel, &stale);
     if (posted_board == NULL || r_u64(posted_board, GL_BOARD_FIRED) != stale) stale = 0;
-    uint64_t bound = (uint64_t)C.wait_ms * 1000000u;
+    uint64_t bound = (uint64_t)g_config.wait_ms * 1000000u;
     CUresult result = CUDA_SUCCESS;
     unsigned spurious = 0;
     int released = 0;
@@ -286,7 +286,7 @@ static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
             snprintf(why, sizeof why,
                      "the FIKIT arbiter stopped answering (no heartbeat within "
                      "GPULOOM_SHIM_WAIT_MS=%d ms)",
-                     C.wait_ms);
+                     g_config.wait_ms);
             result = on_loss(why);
             break;
         }

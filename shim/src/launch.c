@@ -23,7 +23,7 @@ static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, 
     kp_note_launch(f, launch.dims);
     CUresult result = gate(key, &launch, &st->granted);
     int measure = result == CUDA_SUCCESS && measure_on();
-    if (UNLIKELY(C.trace_fd >= 0) || measure) {
+    if (UNLIKELY(g_config.trace_fd >= 0) || measure) {
         char name[GL_NAME_MAX];
         function_name(f, name, sizeof name);
         uint64_t id = function_kernel_id(f, launch.dims); /* the ID admission looks up */
@@ -111,7 +111,7 @@ static CUresult before_graph(int hook, CUstream key, launch_state *st) {
     st->key = key;
     CUresult result = gate(key, NULL, &st->granted);
     unsigned dims[6] = {0};
-    if (UNLIKELY(C.trace_fd >= 0))
+    if (UNLIKELY(g_config.trace_fd >= 0))
         trace("launch %s %016llx <graph> 0 0 0 0 0 0%s", g_hooks[hook].symbol,
               (unsigned long long)kernel_id("<graph>", dims),
               result == CUDA_SUCCESS ? "" : " refused");

@@ -8,7 +8,7 @@
 #include "shim_internal.h"
 
 void say(int level, const char *fmt, ...) {
-    if (level > C.log_level) return;
+    if (level > g_config.log_level) return;
     char line[768];
     int n = snprintf(line, sizeof line, "gpuloom shim[%d]: ", (int)getpid());
     va_list args;
@@ -24,7 +24,7 @@ void say(int level, const char *fmt, ...) {
 }
 
 void trace(const char *fmt, ...) {
-    if (C.trace_fd < 0) return;
+    if (g_config.trace_fd < 0) return;
     char line[GL_NAME_MAX + 256];
     va_list args;
     va_start(args, fmt);
@@ -33,6 +33,6 @@ void trace(const char *fmt, ...) {
     if (n < 0) return;
     if (n > (int)sizeof line - 2) n = (int)sizeof line - 2;
     line[n++] = '\n';
-    if (write(C.trace_fd, line, (size_t)n) < 0) { /* best effort */
+    if (write(g_config.trace_fd, line, (size_t)n) < 0) { /* best effort */
     }
 }

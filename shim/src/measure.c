@@ -119,7 +119,7 @@ static int measure_setup(CUstream key) {
         say(LOG_WARN, "measure mode: the driver lacks the event functions; measuring nothing");
         return -1;
     }
-    g_slots = calloc((size_t)C.event_pool, sizeof *g_slots);
+    g_slots = calloc((size_t)g_config.event_pool, sizeof *g_slots);
     if (g_slots == NULL || g_aux.event_create(&g_ref, CU_EVENT_DEFAULT) != CUDA_SUCCESS ||
         g_aux.event_record(g_ref, key) != CUDA_SUCCESS) {
         say(LOG_WARN, "measure mode: cannot set up the event pool; measuring nothing");
@@ -127,13 +127,13 @@ static int measure_setup(CUstream key) {
     }
     g_base_ns = (int64_t)now_ns();
     if (g_aux.ctx_get_current) g_aux.ctx_get_current(&g_ctx);
-    for (int i = C.event_pool - 1; i >= 0; i--) {
+    for (int i = g_config.event_pool - 1; i >= 0; i--) {
         g_slots[i].next = g_free;
         g_free = &g_slots[i];
     }
     atexit(measure_atexit);
     __atomic_store_n(&g_measure_ready, 1, __ATOMIC_RELEASE);
-    trace("measure start pool %d", C.event_pool);
+    trace("measure start pool %d", g_config.event_pool);
     return 0;
 }
 
@@ -177,7 +177,7 @@ mslot *measure_begin(CUstream key, const char *name, const unsigned dims[6], uin
     if (slot == NULL) {
         if (add_u64(&g_m_skipped, 1) == 1)
             say(LOG_INFO, "measure mode: all %d event pairs in flight; skipping launches",
-                C.event_pool);
+                g_config.event_pool);
         return NULL;
     }
     if ((slot->start == NULL &&
@@ -415,7 +415,7 @@ void measure_background(void) {
 /* At exit (before the driver's own exit handlers, registered earlier): wait a little for the
  * pairs in flight, send everything, report what was not measured. */
 static void measure_atexit(void) {
-    uint64_t wait_ns = (uint64_t)(C.wait_ms < 1000 ? C.wait_ms : 1000) * 1000000u;
+    uint64_t wait_ns = (uint64_t)(g_config.wait_ms < 1000 ? g_config.wait_ms : 1000) * 1000000u;
     uint64_t deadline = now_ns() + wait_ns;
     size_t left;
     for (;;) {
@@ -445,7 +445,7 @@ static void measure_atexit(void) {
         say(LOG_WARN,
             "measure mode: launches not measured: %llu (all %d event pairs were in flight; "
             "GPULOOM_SHIM_EVENT_POOL)",
-            (unsigned long long)skipped, C.event_pool);
+            (unsigned long long)skipped, g_config.event_pool);
     if (dropped)
         say(LOG_WARN,
             "measure mode: kernel records dropped: %llu (no dispatcher, or not finished at "

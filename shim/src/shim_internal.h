@@ -146,7 +146,7 @@ extern struct gl_config {
     int log_level;
     int trace_fd;
     int event_pool; /* measure mode: event pairs (GPULOOM_SHIM_EVENT_POOL) */
-} C;
+} g_config;
 
 void read_config(void);
 
@@ -195,7 +195,7 @@ static inline void cpu_relax(void) {
 void register_once(void);
 /* Register with the dispatcher at first use (cuInit, the first launch or allocation). */
 static inline void ensure_registered(void) {
-    if (C.active) pthread_once(&g_register_once, register_once);
+    if (g_config.active) pthread_once(&g_register_once, register_once);
 }
 
 /* What a launch gets when the dispatcher is lost (unreachable, closed, silent past the bound):
