@@ -18,9 +18,9 @@ import pytest
 
 from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
-from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from gpuloom.v1 import common_pb2, dispatcher_pb2
 from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
-from tests.dispatcher.conftest import GIB, LiveDispatcher, start_live, stop_live
+from tests.dispatcher.conftest import GIB
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Runner
 from tests.shim.test_fikit_live import (
@@ -30,8 +30,8 @@ from tests.shim.test_fikit_live import (
     _infer,
     _jct_ms,
     _launches,
-    _put_profiles,
     _train,
+    live_with_profiles,
 )
 
 DEFAULT_POLICY = DispatcherSettings.model_fields["policy"].default
@@ -47,22 +47,16 @@ async def composed(
     # The dispatcher's default policy, named as such (tests/dispatcher's settings pin the token
     # policy for the lease mechanics they test).
     assert DEFAULT_POLICY == "composed"
-    dispatcher, channel = await start_live(
+    async with live_with_profiles(
         short_dir,
+        store_app,
+        stub,
         policy=DEFAULT_POLICY,
         window_ms=1000.0,
         lease_initial_ms=20.0,
         lease_max_ms=100.0,
-        profile_store_address=f"127.0.0.1:{store_app.port}",
-    )
-    await _put_profiles(stub, dispatcher.core.gpu.model)
-    try:
-        yield Fikit(
-            LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
-        )
-    finally:
-        await channel.close()
-        await stop_live(dispatcher)
+    ) as live:
+        yield live
 
 
 async def _reserve(fikit: Fikit, task_key: str, priority: int, request: float, limit: float):

@@ -10,6 +10,7 @@ the shim, the dispatcher admitting kernels)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -107,14 +108,16 @@ class Fikit:
         }
 
 
-@pytest.fixture
-async def fikit(
+@contextlib.asynccontextmanager
+async def live_with_profiles(
     short_dir: Path,
     store_app: ProfileStoreApp,  # noqa: F811
     stub: store_grpc.ProfileStoreStub,  # noqa: F811
+    **settings: object,
 ) -> AsyncIterator[Fikit]:
+    """A live dispatcher with `settings`, the workloads' kernel profiles in its store."""
     dispatcher, channel = await start_live(
-        short_dir, policy="fikit", profile_store_address=f"127.0.0.1:{store_app.port}"
+        short_dir, profile_store_address=f"127.0.0.1:{store_app.port}", **settings
     )
     await _put_profiles(stub, dispatcher.core.gpu.model)
     try:
@@ -124,6 +127,16 @@ async def fikit(
     finally:
         await channel.close()
         await stop_live(dispatcher)
+
+
+@pytest.fixture
+async def fikit(
+    short_dir: Path,
+    store_app: ProfileStoreApp,  # noqa: F811
+    stub: store_grpc.ProfileStoreStub,  # noqa: F811
+) -> AsyncIterator[Fikit]:
+    async with live_with_profiles(short_dir, store_app, stub, policy="fikit") as live:
+        yield live
 
 
 def _infer() -> list[str]:
