@@ -20,6 +20,7 @@ from gpuloom.services.k8s.extender import Extender, GpuNodes
 from gpuloom.services.k8s.http import JsonServer, Route, server_tls
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
+from gpuloom.services.k8s.migtasks import MigFollowers
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.k8s.webhook import AdmissionWebhook
@@ -34,6 +35,7 @@ class K8sApp:
     controller: PodController
     extender: Extender
     jobs: PlacementJobs
+    followers: MigFollowers
 
     @property
     def port(self) -> int:
@@ -49,6 +51,7 @@ class K8sApp:
         jobs = PlacementJobs(settings.placement_address, transport=transport)
         classes = priority_classes_from_text(settings.priority_classes)
         index = PodJobs()
+        followers = MigFollowers(jobs, api)
         extender = Extender(
             jobs,
             api,
@@ -56,6 +59,7 @@ class K8sApp:
             GpuNodes(jobs, settings.fleet_ttl_s, time.monotonic),
             POLICIES,
             classes,
+            followers,
         )
         webhook = AdmissionWebhook(
             AdmissionPolicy(POLICIES, settings.scheduler_name, settings.users, classes),
@@ -63,7 +67,9 @@ class K8sApp:
             settings.fleet_ttl_s,
             time.monotonic,
         )
-        controller = PodController(jobs, api, index, settings.scheduler_name, settings.resync_s)
+        controller = PodController(
+            jobs, api, index, settings.scheduler_name, settings.resync_s, followers
+        )
         try:
             await controller.start()
         except Exception as error:  # placement or the API server away: the loop tries again
@@ -87,11 +93,12 @@ class K8sApp:
             placement=settings.placement_address,
             api_server=api.server,
         )
-        return cls(server, controller, extender, jobs)
+        return cls(server, controller, extender, jobs, followers)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.server.stop()
         await self.controller.stop()
+        await self.followers.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
 

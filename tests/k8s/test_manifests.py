@@ -66,7 +66,7 @@ BUILT_IN_ROLES = {
 }
 # The modules of each component that holds a Kubernetes API client.
 COMPONENT_MODULES = {
-    "gpuloom-k8s": ["controller.py", "extender.py", "webhook.py", "app.py"],
+    "gpuloom-k8s": ["controller.py", "extender.py", "webhook.py", "app.py", "migtasks.py"],
     "gpuloom-device-plugin": ["deviceplugin.py"],
 }
 KUBECTL = shutil.which("kubectl")
