@@ -84,6 +84,7 @@ class PodController:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
+            self._task = None
 
     async def _run(self) -> None:
         while True:
