@@ -44,6 +44,16 @@ class K8sSettings(BaseSettings):
     api_server: str = ""
     api_token_file: str = ""
     api_ca_file: str = ""
+    # Leader election among replicas (services/k8s/leader.py): on a Lease of this name in this
+    # namespace; this replica's identity (empty: the host name, the Pod's name). Off: this
+    # process leads alone (run one replica).
+    leader_election: bool = False
+    lease_namespace: str = Field(default="gpuloom", pattern=DNS_LABEL)
+    lease_name: str = Field(default="gpuloom-k8s", pattern=DNS_LABEL)
+    leader_identity: str = Field(default="", max_length=253)
+    lease_duration_s: float = Field(default=15.0, gt=0, le=3600)
+    lease_renew_deadline_s: float = Field(default=10.0, gt=0, le=3600)
+    lease_retry_s: float = Field(default=2.0, gt=0, le=3600)
 
     @field_validator("priority_classes")
     @classmethod
@@ -55,6 +65,12 @@ class K8sSettings(BaseSettings):
     def _tls_pair(self) -> K8sSettings:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("GPULOOM_K8S_TLS_CERT_FILE and GPULOOM_K8S_TLS_KEY_FILE go together")
+        if not self.lease_retry_s < self.lease_renew_deadline_s < self.lease_duration_s:
+            raise ValueError(
+                "GPULOOM_K8S_LEASE_RETRY_S < GPULOOM_K8S_LEASE_RENEW_DEADLINE_S < "
+                "GPULOOM_K8S_LEASE_DURATION_S, got "
+                f"{self.lease_retry_s} / {self.lease_renew_deadline_s} / {self.lease_duration_s}"
+            )
         if self.extender_client_ca_file and not self.tls_cert_file:
             raise ValueError(
                 "GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE needs TLS: set GPULOOM_K8S_TLS_CERT_FILE "
