@@ -119,6 +119,8 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         last_hook_error=state.last_hook_error,
         last_hook_error_at=timestamp(state.last_hook_error_at),
         resizes=state.resizes,
+        memory_in_turns=state.memory_in_turns,
+        memory_released=state.memory_released,
     )
     migration = state.migration
     if migration is not None:
@@ -177,4 +179,6 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         last_hook_error_at=unix_s(msg, "last_hook_error_at"),
         migration=migration,
         resizes=msg.resizes,
+        memory_in_turns=msg.memory_in_turns,
+        memory_released=msg.memory_released,
     )

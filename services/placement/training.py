@@ -219,6 +219,7 @@ class _Track:
     service_s: float = 0.0  # the seconds it was seen running (not suspended): its service
     service_at: float | None = None  # when service_s was last brought up to date
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
+    memory_released: bool = False  # suspended with its device memory in host memory
 
 
 @dataclass(slots=True)
@@ -257,6 +258,9 @@ class TrainingDriver:
         self._gpus: dict[str, _GpuState] = {}
         self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
         self._sliced_at: dict[str, float] = {}  # pending jobs time-sliced in: when (retries)
+        # GPU -> whether its dispatcher frees a suspended job's memory (its heartbeats say):
+        # then a time-slice group's members take the GPU's memory in turns.
+        self._memory_in_turns: dict[str, bool] = {}
         # The service of the training jobs seen to succeed since this service started, per
         # GPU count: gandiva's Gittins rule reads it (kept in memory: a restart starts empty).
         self._ended = ServiceHistory()
@@ -304,6 +308,7 @@ class TrainingDriver:
             # Every job's suspension first: whether one runs alone depends on the others'.
             track = self._tracks.setdefault(job.job_id, _Track())
             track.observed_suspended = report.suspended
+            track.memory_released = report.suspended and report.memory_released
             if (
                 report.suspended
                 and report.suspended_reason == SWITCH_REASON
@@ -343,6 +348,15 @@ class TrainingDriver:
                 if util == util:  # not NaN
                     track.utilisation = min(1.0, max(0.0, util / 100))
             self._show(job.job_id, publish=False)
+
+    def note_suspend_memory(self, gpu_uuid: str, releases: bool) -> None:
+        """A heartbeat's word on whether the GPU's dispatcher frees a suspended job's memory
+        (the driver's checkpoint API): time-slicing there takes the memory in turns."""
+        self._memory_in_turns[gpu_uuid] = releases
+
+    def memory_in_turns(self, gpu_uuids: Sequence[str]) -> bool:
+        """Whether jobs time-sliced on all these GPUs take their memory in turns."""
+        return bool(gpu_uuids) and all(self._memory_in_turns.get(u, False) for u in gpu_uuids)
 
     def _runs_alone(self, job_id: str, gpu_uuid: str) -> bool:
         others = [j for j in self._training_on(gpu_uuid) if j.job_id != job_id]
@@ -384,11 +398,20 @@ class TrainingDriver:
                 for job_id, gpu_uuid in plan.slices:
                     self._slice_in(job_id, gpu_uuid, now)
                 calls = self._switches(now)
-            for job in self._managed():
+            managed = self._managed()
+            for job in managed:
                 self._show(job.job_id, publish=True)
+            self._count_suspend_memory(managed)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
         await self._switch(calls)
+
+    def _count_suspend_memory(self, managed: Sequence[Job]) -> None:
+        """The metric: GPUs holding training jobs, by whether a suspension frees the memory."""
+        gpus = {u for j in managed if j.binding is not None for u in j.binding.gpu_uuids}
+        freed = sum(self._memory_in_turns.get(u, False) for u in gpus)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("freed").set(freed)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("resident").set(len(gpus) - freed)
 
     def _account_service(self, now: float) -> None:
         """Bring every assigned training job's service up to date: the time since the last
@@ -594,11 +617,15 @@ class TrainingDriver:
         fleet = self._inventory.fleet
         request = ask_of(job).request
         refusals = []
+        in_turns = False
         for host in on_gpu:
             assert host.binding is not None
             uuids = host.binding.gpu_uuids
             if len(uuids) != request.gpus:
                 continue
+            # Where the dispatchers free a suspended job's memory, the group takes the memory
+            # in turns: jobs whose memory sums above the GPU may take turns.
+            in_turns = self.memory_in_turns(uuids)
             groups = []
             for i, uuid_ in enumerate(uuids):
                 held = fleet.allocation(host.job_id if i == 0 else gang_member_id(host.job_id, i))
@@ -608,9 +635,9 @@ class TrainingDriver:
                 if len(groups) != len(uuids):
                     raise InvalidPlacementError(f"{host.job_id} holds not all of its GPUs")
                 if len(groups) == 1:
-                    joined = (fleet.slice_into(request, *groups[0]),)
+                    joined = (fleet.slice_into(request, *groups[0], memory_in_turns=in_turns),)
                 else:
-                    joined = fleet.slice_gang_into(request, groups)
+                    joined = fleet.slice_gang_into(request, groups, memory_in_turns=in_turns)
             except InvalidPlacementError as error:
                 refusals.append(str(error))
                 continue
@@ -630,9 +657,10 @@ class TrainingDriver:
             node=records[0].info.node,
             dispatcher_address=records[0].dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=first.memory_bytes,
+            memory_cap_bytes=first.runs_with_bytes,
             token=secrets.token_urlsafe(32),
             extra=tuple(ExtraGpu(r.info.gpu_uuid, r.dispatcher_address) for r in records[1:]),
+            memory_in_turns=in_turns,
             # Its group on every GPU's dispatcher: the assignment id (the job id) of the
             # group's first job, which holds that id on each of its GPUs.
             time_slice_of=first.slice_of,
@@ -648,7 +676,13 @@ class TrainingDriver:
             )
         )
         metrics.TRAINING_SLICES.inc()
-        log.info("training job time-sliced in", job=job_id, gpus=list(uuids), group=first.slice_of)
+        log.info(
+            "training job time-sliced in",
+            job=job_id,
+            gpus=list(uuids),
+            group=first.slice_of,
+            memory="in turns" if in_turns else "beside",
+        )
 
     # ---- packing ----
 
@@ -811,8 +845,14 @@ class TrainingDriver:
         if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
             return None
         record = self._inventory.record(target_uuid)
+        current = allocation(job)
         wanted = replace(
-            allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None, slice_of=""
+            current,
+            allocation_id=job_id + MOVE_SUFFIX,
+            rect=None,
+            slice_of="",
+            memory_bytes=current.runs_with_bytes,
+            turn_memory_bytes=0,
         )
         if record.info.node == job.binding.node:  # its node's CPU and memory are held already
             wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
@@ -1222,6 +1262,8 @@ class TrainingDriver:
             last_hook_error=track.last_hook_error,
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,
+            memory_in_turns=self.memory_in_turns(job.binding.gpu_uuids),
+            memory_released=track.memory_released and phase is TrainingPhase.SUSPENDED,
         )
 
     def _moved(self, job_id: str, track: _Track) -> None:

@@ -611,6 +611,8 @@ def test_training_state_and_hooks_convert_exactly_both_ways() -> None:
         last_hook_error="timed out",
         last_hook_error_at=20.0,
         migration=MigrationRequest("m1", "GPU-1", "node-0", "spread", 30.0, 110.0),
+        memory_in_turns=True,
+        memory_released=True,
     )
     assert training_from_pb(training_to_pb(state)) == state
     view = job_view(
@@ -1037,3 +1039,68 @@ async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
     else:
         sliced = await assigned(core, b.job_id)
         assert sliced.binding is not None and sliced.binding.time_slice_of == a.job_id
+
+
+async def beat_memory(core: PlacementCore, gpu_uuid: str, frees: bool, *reports) -> None:
+    """A heartbeat saying whether the GPU's dispatcher frees a suspended job's memory."""
+    held = [j.job_id for j in core.jobs.holding(gpu_uuid)]
+    await core.heartbeat(
+        gpu_uuid, 40.0, 0, held, (), training=list(reports), suspend_releases_memory=frees
+    )
+
+
+async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_frees_it(
+    slicing: CoreHarness,
+) -> None:
+    core = slicing.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")  # 80 GiB
+    a = await core.submit("r-a", whole_gpu("a", memory_gib=50))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", whole_gpu("b", memory_gib=50))
+    assert a.state is JobState.ASSIGNED and b.state is JobState.PENDING
+    # A dispatcher whose suspension keeps the memory resident: 50 + 50 GiB never take turns,
+    # and `gpuloom job` and the metric say why.
+    await beat_memory(core, "GPU-0", False)
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    for _ in range(2):
+        await core.training.tick()
+    assert (await core.get(b.job_id)).state is JobState.PENDING
+    shown = (await core.get(a.job_id)).training
+    assert shown is not None and not shown.memory_in_turns
+    assert "stays resident while suspended" in shown.memory_text()
+    assert metric("gpuloom_placement_training_suspend_memory_gpus", memory="resident") == 1
+    # Its dispatcher frees a suspended job's memory (the driver's checkpoint API): b joins a's
+    # group, the group holds the larger member's 50 GiB, and b runs with its own 50 GiB cap.
+    await beat_memory(core, "GPU-0", True)
+    await core.training.tick()
+    b_now = await assigned(core, b.job_id)
+    assert b_now.binding is not None and b_now.binding.time_slice_of == a.job_id
+    assert b_now.binding.memory_in_turns and b_now.binding.memory_cap_bytes == 50 * GIB
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    assert slicing.dispatchers.held["10.0.0.0:50060"][b.job_id].time_slice_of == a.job_id
+    assert metric("gpuloom_placement_training_suspend_memory_gpus", memory="freed") == 1
+    assert await take_turns(slicing, a.job_id, b.job_id) == [a.job_id, b.job_id] * 2
+    # A suspension reported with its memory in host memory shows as such.
+    await beat_memory(
+        core, "GPU-0", True, replace(report(b.job_id, 0.1, True), memory_released=True)
+    )
+    await core.training.tick()
+    shown = (await core.get(b.job_id)).training
+    assert shown is not None and shown.memory_released and "host memory" in shown.memory_text()
+    # Across a restart the group is charged the same (the binding keeps memory in turns).
+    await slicing.stop()
+    core = await slicing.start()
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    # a ends: b's 50 GiB stay held; b ends: the GPU is empty.
+    await core.report_done(a.job_id, True, 0, "")
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    await core.report_done(b.job_id, True, 0, "")
+    assert fleet.slot("GPU-0").memory_used == 0
+    fleet.verify()

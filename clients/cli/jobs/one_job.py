@@ -142,6 +142,7 @@ def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
             else "not measured yet",
         ),
         ("height", f"{state.height} training job(s) on its GPU"),
+        ("GPU memory", state.memory_text()),
     ]
     for trial in state.packings:
         result = (
