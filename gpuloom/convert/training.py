@@ -121,6 +121,7 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         resizes=state.resizes,
         memory_in_turns=state.memory_in_turns,
         memory_released=state.memory_released,
+        preempted_by=state.preempted_by,
     )
     migration = state.migration
     if migration is not None:
@@ -181,4 +182,5 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         resizes=msg.resizes,
         memory_in_turns=msg.memory_in_turns,
         memory_released=msg.memory_released,
+        preempted_by=msg.preempted_by,
     )

@@ -178,6 +178,9 @@ class TrainingState:
     # keeps its memory resident (a driver older than r570, or switched off).
     memory_in_turns: bool = False
     memory_released: bool = False  # suspended, its device memory is in host memory now
+    # Head-of-queue preemption: the job that took its GPUs; it stays suspended until that one
+    # ends. "" for none.
+    preempted_by: str = ""
 
     def memory_text(self) -> str:
         """What a suspension does with its GPU memory, in words."""
@@ -194,6 +197,8 @@ class TrainingState:
         """One word or phrase for tables: running, suspended, packed with X, migrating."""
         if self.phase is TrainingPhase.PACKED and self.packed_with:
             return f"packed with {self.packed_with}"
+        if self.preempted_by:
+            return f"preempted by {self.preempted_by}"
         migration = self.migration
         if self.phase is TrainingPhase.MIGRATING and migration is not None and migration.gpus:
             doing = {"grow": "growing", "shrink": "shrinking"}.get(migration.reason, "moving")

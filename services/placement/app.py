@@ -98,6 +98,7 @@ class PlacementApp:
                     share_after_s=settings.training_share_after_s,
                     queue_ahead=settings.training_queue_ahead,
                     bet_min_ended=settings.training_bet_min_ended,
+                    preempt_after_s=settings.training_preempt_after_s,
                 ),
             )
             core = PlacementCore(

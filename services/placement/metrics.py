@@ -91,6 +91,11 @@ TRAINING_SUSPEND_MEMORY = prometheus_client.Gauge(
     "resident (no checkpoint API: time-sliced jobs must fit together)",
     ["memory"],
 )
+TRAINING_PREEMPTIONS = prometheus_client.Counter(
+    "gpuloom_placement_training_preemptions_total",
+    "Head-of-queue preemptions taken live: the head joined a later job's time-slice group, "
+    "which stays suspended until the head ends",
+)
 TRAINING_RESIZES = prometheus_client.Counter(
     "gpuloom_placement_training_resizes_total",
     "Grow-shrink: elastic training jobs restarted on more GPUs (grow) or fewer (shrink); a "

@@ -60,6 +60,7 @@ from gpuloom.policies.placement.model import gang_member_id
 from gpuloom.policies.training.gandiva import (
     BET_MIN_ENDED,
     GROW_IDLE_S,
+    PREEMPT_AFTER_S,
     QUEUE_AHEAD,
     SHARE_AFTER_S,
     SLICE_AFTER_S,
@@ -167,6 +168,10 @@ class TrainingConfig:
     share_after_s: float = SHARE_AFTER_S
     queue_ahead: int = QUEUE_AHEAD
     bet_min_ended: int = BET_MIN_ENDED
+    # gandiva's head-of-queue preemption: the head waits this long, then takes the GPUs of a
+    # later job running alone there, which stays suspended until the head ends (live through
+    # suspension: the head joins its time-slice group).
+    preempt_after_s: float = PREEMPT_AFTER_S
 
     @property
     def enabled(self) -> bool:
@@ -253,6 +258,7 @@ class TrainingDriver:
             self.policy.share_after_s = config.share_after_s
             self.policy.queue_ahead = config.queue_ahead
             self.policy.bet_min_ended = config.bet_min_ended
+            self.policy.preempt_after_s = config.preempt_after_s
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
@@ -261,6 +267,9 @@ class TrainingDriver:
         # GPU -> whether its dispatcher frees a suspended job's memory (its heartbeats say):
         # then a time-slice group's members take the GPU's memory in turns.
         self._memory_in_turns: dict[str, bool] = {}
+        # Head-of-queue preemption: preempted job -> the head that took its GPUs; it stays
+        # suspended while the head is there.
+        self._preempted_by: dict[str, str] = {}
         # The service of the training jobs seen to succeed since this service started, per
         # GPU count: gandiva's Gittins rule reads it (kept in memory: a restart starts empty).
         self._ended = ServiceHistory()
@@ -385,8 +394,10 @@ class TrainingDriver:
                 plan = live_plan(self._view(managed, now), self.policy)
                 for gpu_uuid in plan.unpack:
                     self._unpack(gpu_uuid)
+                preempting = {gpu_uuid for _, gpu_uuid, _ in plan.preemptions}
                 for gpu_uuid in plan.pack:
-                    self._pack(gpu_uuid, now)
+                    if gpu_uuid not in preempting and not self._preemption_on(gpu_uuid):
+                        self._pack(gpu_uuid, now)
                 for job_id, target, reason in plan.moves:
                     start = self._begin_move(job_id, target, reason, now)
                     if start is not None:
@@ -397,6 +408,8 @@ class TrainingDriver:
                         starts.append(start)
                 for job_id, gpu_uuid in plan.slices:
                     self._slice_in(job_id, gpu_uuid, now)
+                for head, gpu_uuid, victim in plan.preemptions:
+                    self._preempt(head, gpu_uuid, victim, now)
                 calls = self._switches(now)
             managed = self._managed()
             for job in managed:
@@ -443,6 +456,13 @@ class TrainingDriver:
     def _forget_ended(self) -> list[tuple[str, _Track]]:
         """Forget the jobs no longer assigned; returns the finished ones seen running."""
         finished: list[tuple[str, _Track]] = []
+        for victim, head in list(self._preempted_by.items()):
+            for job_id in (victim, head):
+                job = self._decisions.job(job_id)
+                if job is None or job.state not in (JobState.BINDING, JobState.ASSIGNED):
+                    # The head ended (or its binding failed), or the preempted job ended:
+                    # the round-robin takes over again.
+                    self._preempted_by.pop(victim, None)
         for job_id in list(self._sliced_at):
             job = self._decisions.job(job_id)
             if job is None or job.state not in (JobState.PENDING, JobState.BINDING):
@@ -556,6 +576,7 @@ class TrainingDriver:
             grow_idle_s=self.config.grow_idle_s,
             pending=self._pending(every=any(j.spec.elastic for j in managed)),
             ended=self._ended,
+            preempt=True,
         )
 
     def _pending(self, every: bool) -> list[LivePending]:
@@ -684,6 +705,28 @@ class TrainingDriver:
             memory="in turns" if in_turns else "beside",
         )
 
+    # ---- head-of-queue preemption ----
+
+    def _preempt(self, head: str, gpu_uuid: str, victim: str, now: float) -> None:
+        """The policy's preemption for the head of the queue, through suspension: the head
+        joins the time-slice group of `victim`'s GPU(s) (with the memory in turns where the
+        dispatcher frees a suspended job's memory) and runs there; `victim` stays suspended
+        (its memory checkpointed) until the head ends, then runs on."""
+        job = self._decisions.job(victim)
+        if job is None or job.state is not JobState.ASSIGNED or victim in self._preempted_by:
+            return
+        self._slice_in(head, gpu_uuid, now)
+        joined = self._decisions.job(head)
+        if joined is None or joined.state is JobState.PENDING:
+            return  # refused (memory, priority, shape): it waits on
+        self._preempted_by[victim] = head
+        metrics.TRAINING_PREEMPTIONS.inc()
+        log.info("head of the queue preempts a training job", head=head, preempted=victim)
+
+    def _preemption_on(self, gpu_uuid: str) -> bool:
+        heads = set(self._preempted_by.values())
+        return any(j.job_id in heads for j in self._training_on(gpu_uuid))
+
     # ---- packing ----
 
     def _pack(self, gpu_uuid: str, now: float) -> None:
@@ -753,15 +796,21 @@ class TrainingDriver:
             by_gpu.setdefault(job.binding.gpu_uuid, []).append(job)
         for gpu_uuid, jobs in by_gpu.items():
             state = self._gpus.setdefault(gpu_uuid, _GpuState())
-            if len(jobs) < 2 or (state.packed and len(jobs) == 2):
-                running = {j.job_id for j in jobs}
+            # A job preempted for the head of the queue waits suspended while the head is
+            # there; the others take turns as usual.
+            takers = [j for j in jobs if j.job_id not in self._preempted_by]
+            if len(takers) < len(jobs):
+                state.packed = False
+            if len(takers) < 2 or (state.packed and len(jobs) == 2):
+                running = {j.job_id for j in takers}
             else:
                 state.packed = False
                 if not state.turn_started or now - state.turn_started >= self.config.quantum_s:
                     if state.turn_started:
                         state.turn += 1
                     state.turn_started = now
-                order = list(range(len(jobs)))
+                taker_ids = {j.job_id for j in takers}
+                order = [i for i, j in enumerate(jobs) if j.job_id in taker_ids]
                 turn = round_robin_turn(
                     order, {i: jobs[i].spec.priority for i in order}, state.turn
                 )
@@ -1262,6 +1311,7 @@ class TrainingDriver:
             last_hook_error=track.last_hook_error,
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,
+            preempted_by=self._preempted_by.get(job_id, ""),
             memory_in_turns=self.memory_in_turns(job.binding.gpu_uuids),
             memory_released=track.memory_released and phase is TrainingPhase.SUSPENDED,
         )

@@ -1104,3 +1104,83 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
     await core.report_done(b.job_id, True, 0, "")
     assert fleet.slot("GPU-0").memory_used == 0
     fleet.verify()
+
+
+@pytest.fixture
+async def preempting(tmp_path: Path):
+    """gandiva that never time-slices a waiting job in (it would wait a week) but lets the
+    head of the queue preempt after 600 s, a job that has run 300 s."""
+    control = FakeTrainingControl()
+    h = CoreHarness(
+        tmp_path,
+        training=TrainingConfig(
+            policy="gandiva",
+            quantum_s=QUANTUM,
+            pack_trial_s=TRIAL,
+            tick_s=3600,
+            slice_after_s=604_800,
+            share_after_s=SHARE_AFTER,
+            queue_ahead=0,
+            bet_min_ended=0,
+            preempt_after_s=SLICE_AFTER,
+        ),
+        training_control=control,
+    )
+    await h.start()
+    h.control = control  # type: ignore[attr-defined]
+    yield h
+    await h.stop()
+
+
+async def test_the_head_of_the_queue_preempts_a_later_job_through_suspension(
+    preempting: CoreHarness,
+) -> None:
+    """A backfilled job (it arrived after the head and took the half of the GPU the head could
+    not use) is preempted once the head has waited: the head joins its time-slice group (the
+    memory in turns: 60 + 30 GiB on an 80 GiB GPU) and runs, the preempted job stays suspended
+    until the head ends, then runs on."""
+    core = preempting.core
+    assert core is not None
+    control: FakeTrainingControl = preempting.control  # type: ignore[attr-defined]
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    await beat_memory(core, "GPU-0", True)
+    a = await core.submit("r-a", training("a", memory_gib=40))
+    preempting.clock.now += 1
+    head = await core.submit("r-head", training("head", memory_gib=60))
+    preempting.clock.now += 1
+    late = await core.submit("r-late", training("late", memory_gib=30))
+    assert a.state is JobState.ASSIGNED and late.state is JobState.ASSIGNED
+    assert head.state is JobState.PENDING  # 40 + 60 GiB do not fit; 40 + 30 do
+    await core.training.tick()
+    await core.report_done(a.job_id, True, 0, "")  # 30 + 60 GiB still do not fit
+    assert (await core.get(head.job_id)).state is JobState.PENDING
+    before = metric("gpuloom_placement_training_preemptions_total")
+    # The head has waited 400 s of its 600: nothing yet.
+    for _ in range(4):
+        preempting.clock.now += 100
+        await core.training.tick()
+    assert (await core.get(head.job_id)).state is JobState.PENDING
+    preempting.clock.now += 300
+    await core.training.tick()
+    head_now = await assigned(core, head.job_id)
+    assert metric("gpuloom_placement_training_preemptions_total") == before + 1
+    assert head_now.binding is not None and head_now.binding.time_slice_of == late.job_id
+    assert head_now.binding.memory_in_turns
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 60 * GIB
+    # The head runs; the preempted job waits suspended, quantum after quantum.
+    for _ in range(4):
+        await core.training.tick()
+        assert control.suspended == {late.job_id}
+        preempting.clock.now += QUANTUM
+    shown = (await core.get(late.job_id)).training
+    assert shown is not None and shown.preempted_by == head.job_id
+    assert shown.describe() == f"preempted by {head.job_id}"
+    # The head ends: the preempted job runs on.
+    await core.report_done(head.job_id, True, 0, "")
+    await core.training.tick()
+    assert control.suspended == set()
+    shown = (await core.get(late.job_id)).training
+    assert shown is not None and not shown.preempted_by
+    assert fleet.slot("GPU-0").memory_used == 30 * GIB

@@ -745,13 +745,13 @@ STEADY_KERNELS = "k_fwd_200us,k_bwd_300us,k_opt_100us"
 RELEASED = "gpuloom_dispatcher_suspend_memory_total"
 
 
-def steady(steps: int, out: Path) -> list[str]:
+def steady(steps: int, out: Path, layer: int = STEADY_LAYER) -> list[str]:
     """cudart_like's loop that allocates once and reuses (as PyTorch's caching allocator
     does; 4 layers of 64 MiB, a mini-batch every 20 ms), its output appended to `out`: it
     checks at every step that no step was lost or repeated, and every byte at the end."""
     loop = [
         str(PROGRAM), "module", STEADY_KERNELS,
-        "steady", str(steps), "20000", "4", str(STEADY_LAYER), STEADY_KERNELS,
+        "steady", str(steps), "20000", "4", str(layer), STEADY_KERNELS,
     ]  # fmt: skip
     return ["sh", "-c", f'exec "$@" >> {out}', "sh", *loop]
 
@@ -860,5 +860,112 @@ async def test_two_jobs_whose_memory_sums_above_the_gpu_take_turns(
         # because the first job's memory went to host memory while it was suspended.
         assert counter(RELEASED, gpu="0", outcome="released") > released_before
         assert counter(RELEASED, gpu="0", outcome="restore_failed") == failed_before
+        free_after = await fake_gpu_free(plane)
+        assert abs(free_after - free_before) <= free_before / 100, (free_before, free_after)
+
+
+async def test_the_head_of_the_queue_preempts_a_backfilled_job_live(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Head-of-queue preemption through suspension, live: "head" (60 GiB of the 80 GiB GPU,
+    half its time) waits behind "first" (40 GiB); "late" (30 GiB) arrives after it and takes
+    the other half (backfilling). Once "first" ends the head still does not fit beside
+    "late"; having waited its (shortened) turn it preempts "late": it joins late's time-slice
+    group with the memory in turns (really 320 + 128 MiB on the fake GPU's 400 MiB), "late" is
+    suspended (its memory checkpointed) and runs no kernel until the head has ended, then
+    runs on. Every step of each runs exactly once; the free memory comes back."""
+    training = {
+        **GANDIVA,
+        "training_slice_after_s": 604_800.0,  # never time-sliced in: only preemption
+        "training_share_after_s": 1.0,
+        "training_queue_ahead": 0,
+        "training_bet_min_ended": 0,
+        "training_preempt_after_s": 1.0,
+    }
+    async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_SHARED_MEMORY", "1")
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_MEM_MIB", "400")
+        plane.release_memory = True
+        free_before = await fake_gpu_free(plane)
+        await plane.add_gpu()
+        said: list[str] = []
+        steps = {"first": 100, "head": 100, "late": 300}
+        layers = {"first": 32 * MIB, "head": 80 * MIB, "late": 32 * MIB}
+        memory = {"first": 40, "head": 60, "late": 30}
+        outs = {name: plane.work / f"{name}.out" for name in steps}
+
+        def half(name: str) -> JobSpec:
+            return JobSpec(
+                name=name,
+                kind=JobKind.TRAINING,
+                share=share_of(100, 50, 100, memory_bytes=memory[name] * GIB),
+                mps=True,
+            )
+
+        def run(name: str) -> asyncio.Future:
+            return start(plane, half(name), steady(steps[name], outs[name], layers[name]), said)
+
+        async def state_of(name: str) -> int:
+            jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+            return next((j.state for j in jobs if j.spec.name == name), 0)
+
+        runs = {"first": run("first")}
+        try:
+
+            async def first_allocated() -> bool:
+                return outs["first"].exists() and "steady allocated" in outs["first"].read_text()
+
+            await until("the first job's memory allocated", first_allocated, 20)
+            runs["head"] = run("head")
+
+            async def head_waits() -> bool:
+                return await state_of("head") == pb.JOB_STATE_PENDING
+
+            await until("the head waiting", head_waits, 20)
+            runs["late"] = run("late")
+            preempted_ns = 0
+
+            async def preempted() -> bool:
+                nonlocal preempted_ns
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                late = next((j for j in jobs if j.spec.name == "late"), None)
+                if late is not None and late.training.preempted_by and not preempted_ns:
+                    preempted_ns = time.monotonic_ns()
+                return bool(preempted_ns)
+
+            await until("the late job preempted", preempted, 40)
+            head, late = await plane.job_named("head"), await plane.job_named("late")
+            assert late.training.preempted_by == head.job_id
+            assert head.assignment.time_slice_of == late.job_id
+
+            async def head_done() -> bool:
+                return await state_of("head") == pb.JOB_STATE_SUCCEEDED
+
+            await until("the head done", head_done, 60)
+            head_done_ns = time.monotonic_ns()
+        finally:
+            outcomes = await asyncio.wait_for(asyncio.gather(*runs.values()), 180)
+        for outcome, name in zip(outcomes, runs, strict=True):
+            text = outs[name].read_text()
+            assert outcome.exit_code == 0, (said, text)
+            n = steps[name]
+            assert f"steady minibatches={n} done={n} failed=0 corrupt=0 damaged_layers=0" in text
+            ran = [int(x.split()[2]) for x in text.splitlines() if x.startswith("steady step")]
+            assert ran == list(range(n)), f"{name}: a step lost or repeated"
+        # While the head ran, the preempted job ran nothing (the suspension at most a period
+        # late after placement showed it; the head's last kernels a heartbeat before its end).
+        engine = plane.engine_runs()
+        late_pid, head_pid = pid_of(outs["late"]), pid_of(outs["head"])
+        head_runs = [begin for pid, begin, _ in engine if pid == head_pid]
+        assert head_runs and min(head_runs) > preempted_ns - int(2e9)
+        during = [
+            begin
+            for pid, begin, _ in engine
+            if pid == late_pid and min(head_runs) < begin < max(head_runs)
+        ]
+        assert not during, f"{len(during)} kernels of the preempted job while the head ran"
+        assert max(head_runs) < head_done_ns
         free_after = await fake_gpu_free(plane)
         assert abs(free_after - free_before) <= free_before / 100, (free_before, free_after)
