@@ -57,15 +57,7 @@ from gpuloom.domain.training import (
 from gpuloom.policies.placement import Allocation, Rect
 from gpuloom.policies.placement.fleet import InvalidPlacementError, InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id
-from gpuloom.policies.training.gandiva import (
-    BET_MIN_ENDED,
-    GROW_IDLE_S,
-    PREEMPT_AFTER_S,
-    QUEUE_AHEAD,
-    SHARE_AFTER_S,
-    SLICE_AFTER_S,
-    GandivaPolicy,
-)
+from gpuloom.policies.training.gandiva import GROW_IDLE_S, GandivaKnobs
 from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
@@ -160,18 +152,8 @@ class TrainingConfig:
     hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
     tick_s: float = 1.0
     grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
-    # gandiva's over-subscription (a pending job time-sliced into a full GPU): how long it
-    # waits for a GPU first, the service every job it would join must have had, how many
-    # jobs of its shape must wait ahead of it, and how many of its GPU count must have been
-    # seen to end (the policy's rules, docs/training.md).
-    slice_after_s: float = SLICE_AFTER_S
-    share_after_s: float = SHARE_AFTER_S
-    queue_ahead: int = QUEUE_AHEAD
-    bet_min_ended: int = BET_MIN_ENDED
-    # gandiva's head-of-queue preemption: the head waits this long, then takes the GPUs of a
-    # later job running alone there, which stays suspended until the head ends (live through
-    # suspension: the head joins its time-slice group).
-    preempt_after_s: float = PREEMPT_AFTER_S
+    # gandiva's rules of time (over-subscription, preemption): the policy's arguments.
+    gandiva: GandivaKnobs = field(default_factory=GandivaKnobs)
 
     @property
     def enabled(self) -> bool:
@@ -252,13 +234,9 @@ class TrainingDriver:
         self._control = control
         self.config = config
         self._clock = clock
-        self.policy: TrainingPolicy | None = get_policy(config.policy) if config.enabled else None
-        if isinstance(self.policy, GandivaPolicy):
-            self.policy.slice_after_s = config.slice_after_s
-            self.policy.share_after_s = config.share_after_s
-            self.policy.queue_ahead = config.queue_ahead
-            self.policy.bet_min_ended = config.bet_min_ended
-            self.policy.preempt_after_s = config.preempt_after_s
+        self.policy: TrainingPolicy | None = (
+            get_policy(config.policy, config.gandiva) if config.enabled else None
+        )
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}

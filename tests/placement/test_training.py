@@ -37,7 +37,7 @@ from gpuloom.domain.training import (
     TrainingReport,
     TrainingState,
 )
-from gpuloom.policies.training.gandiva import BET_MIN_ENDED
+from gpuloom.policies.training.gandiva import BET_MIN_ENDED, GandivaKnobs
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -775,10 +775,12 @@ async def _slicing(tmp_path: Path, bet_min_ended: int):
             quantum_s=QUANTUM,
             pack_trial_s=TRIAL,
             tick_s=3600,
-            slice_after_s=SLICE_AFTER,
-            share_after_s=SHARE_AFTER,
-            queue_ahead=0,
-            bet_min_ended=bet_min_ended,
+            gandiva=GandivaKnobs(
+                slice_after_s=SLICE_AFTER,
+                share_after_s=SHARE_AFTER,
+                queue_ahead=0,
+                bet_min_ended=bet_min_ended,
+            ),
         ),
         training_control=control,
     )
@@ -1118,11 +1120,13 @@ async def preempting(tmp_path: Path):
             quantum_s=QUANTUM,
             pack_trial_s=TRIAL,
             tick_s=3600,
-            slice_after_s=604_800,
-            share_after_s=SHARE_AFTER,
-            queue_ahead=0,
-            bet_min_ended=0,
-            preempt_after_s=SLICE_AFTER,
+            gandiva=GandivaKnobs(
+                slice_after_s=604_800,
+                share_after_s=SHARE_AFTER,
+                queue_ahead=0,
+                bet_min_ended=0,
+                preempt_after_s=SLICE_AFTER,
+            ),
         ),
         training_control=control,
     )
