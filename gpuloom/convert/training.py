@@ -119,6 +119,9 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         last_hook_error=state.last_hook_error,
         last_hook_error_at=timestamp(state.last_hook_error_at),
         resizes=state.resizes,
+        memory_in_turns=state.memory_in_turns,
+        memory_released=state.memory_released,
+        preempted_by=state.preempted_by,
     )
     migration = state.migration
     if migration is not None:
@@ -177,4 +180,7 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         last_hook_error_at=unix_s(msg, "last_hook_error_at"),
         migration=migration,
         resizes=msg.resizes,
+        memory_in_turns=msg.memory_in_turns,
+        memory_released=msg.memory_released,
+        preempted_by=msg.preempted_by,
     )

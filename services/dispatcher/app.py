@@ -191,6 +191,13 @@ async def start_gpu_dispatcher(
         lease_desk=settings.lease_desk,
         introspector=introspector,
     )
+    checkpointer = None
+    if settings.suspend_release_memory:
+        checkpointer = Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
+        # Loaded now, not at the first suspension: whether a suspended client's memory is freed
+        # decides whether a time-slice group's members take their memory in turns (the book,
+        # and placement through the heartbeats).
+        book.memory_in_turns = await asyncio.to_thread(checkpointer.driver) is not None
     core = DispatcherCore(
         gpu=gpu,
         node=settings.node,
@@ -206,11 +213,7 @@ async def start_gpu_dispatcher(
         mps=mps,
         introspector=introspector,
         suspend_max_wait_s=settings.suspend_max_wait_ms / 1e3,
-        checkpointer=(
-            Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
-            if settings.suspend_release_memory
-            else None
-        ),
+        checkpointer=checkpointer,
     )
 
     def store_environment() -> dict[str, str]:

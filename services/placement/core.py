@@ -211,6 +211,7 @@ class PlacementCore:
         models: StoreModels = (),
         training: Sequence[TrainingReport] = (),
         evicted: Sequence[tuple[str, str]] = (),
+        suspend_releases_memory: bool = False,
     ) -> list[str]:
         """Refresh a GPU, the shares reserved on its dispatcher directly, the models its store
         holds and its training processes' cycles; end the jobs its dispatcher evicted
@@ -221,6 +222,7 @@ class PlacementCore:
         record = self.inventory.refresh(
             gpu_uuid, utilization_percent, memory_used_bytes, self._clock()
         )
+        self.training.note_suspend_memory(gpu_uuid, suspend_releases_memory)
         if training:
             self.training.ingest(gpu_uuid, training)
         if evicted:

@@ -57,14 +57,7 @@ from gpuloom.domain.training import (
 from gpuloom.policies.placement import Allocation, Rect
 from gpuloom.policies.placement.fleet import InvalidPlacementError, InvalidStateError
 from gpuloom.policies.placement.model import gang_member_id
-from gpuloom.policies.training.gandiva import (
-    BET_MIN_ENDED,
-    GROW_IDLE_S,
-    QUEUE_AHEAD,
-    SHARE_AFTER_S,
-    SLICE_AFTER_S,
-    GandivaPolicy,
-)
+from gpuloom.policies.training.gandiva import GROW_IDLE_S, GandivaKnobs
 from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
@@ -159,14 +152,8 @@ class TrainingConfig:
     hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
     tick_s: float = 1.0
     grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
-    # gandiva's over-subscription (a pending job time-sliced into a full GPU): how long it
-    # waits for a GPU first, the service every job it would join must have had, how many
-    # jobs of its shape must wait ahead of it, and how many of its GPU count must have been
-    # seen to end (the policy's rules, docs/training.md).
-    slice_after_s: float = SLICE_AFTER_S
-    share_after_s: float = SHARE_AFTER_S
-    queue_ahead: int = QUEUE_AHEAD
-    bet_min_ended: int = BET_MIN_ENDED
+    # gandiva's rules of time (over-subscription, preemption): the policy's arguments.
+    gandiva: GandivaKnobs = field(default_factory=GandivaKnobs)
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +206,7 @@ class _Track:
     service_s: float = 0.0  # the seconds it was seen running (not suspended): its service
     service_at: float | None = None  # when service_s was last brought up to date
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
+    memory_released: bool = False  # suspended with its device memory in host memory
 
 
 @dataclass(slots=True)
@@ -246,17 +234,20 @@ class TrainingDriver:
         self._control = control
         self.config = config
         self._clock = clock
-        self.policy: TrainingPolicy | None = get_policy(config.policy) if config.enabled else None
-        if isinstance(self.policy, GandivaPolicy):
-            self.policy.slice_after_s = config.slice_after_s
-            self.policy.share_after_s = config.share_after_s
-            self.policy.queue_ahead = config.queue_ahead
-            self.policy.bet_min_ended = config.bet_min_ended
+        self.policy: TrainingPolicy | None = (
+            get_policy(config.policy, config.gandiva) if config.enabled else None
+        )
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
         self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
         self._sliced_at: dict[str, float] = {}  # pending jobs time-sliced in: when (retries)
+        # GPU -> whether its dispatcher frees a suspended job's memory (its heartbeats say):
+        # then a time-slice group's members take the GPU's memory in turns.
+        self._memory_in_turns: dict[str, bool] = {}
+        # Head-of-queue preemption: preempted job -> the head that took its GPUs; it stays
+        # suspended while the head is there.
+        self._preempted_by: dict[str, str] = {}
         # The service of the training jobs seen to succeed since this service started, per
         # GPU count: gandiva's Gittins rule reads it (kept in memory: a restart starts empty).
         self._ended = ServiceHistory()
@@ -304,6 +295,7 @@ class TrainingDriver:
             # Every job's suspension first: whether one runs alone depends on the others'.
             track = self._tracks.setdefault(job.job_id, _Track())
             track.observed_suspended = report.suspended
+            track.memory_released = report.suspended and report.memory_released
             if (
                 report.suspended
                 and report.suspended_reason == SWITCH_REASON
@@ -344,6 +336,15 @@ class TrainingDriver:
                     track.utilisation = min(1.0, max(0.0, util / 100))
             self._show(job.job_id, publish=False)
 
+    def note_suspend_memory(self, gpu_uuid: str, releases: bool) -> None:
+        """A heartbeat's word on whether the GPU's dispatcher frees a suspended job's memory
+        (the driver's checkpoint API): time-slicing there takes the memory in turns."""
+        self._memory_in_turns[gpu_uuid] = releases
+
+    def memory_in_turns(self, gpu_uuids: Sequence[str]) -> bool:
+        """Whether jobs time-sliced on all these GPUs take their memory in turns."""
+        return bool(gpu_uuids) and all(self._memory_in_turns.get(u, False) for u in gpu_uuids)
+
     def _runs_alone(self, job_id: str, gpu_uuid: str) -> bool:
         others = [j for j in self._training_on(gpu_uuid) if j.job_id != job_id]
         return all(self._tracks.get(j.job_id, _Track()).observed_suspended for j in others)
@@ -371,8 +372,10 @@ class TrainingDriver:
                 plan = live_plan(self._view(managed, now), self.policy)
                 for gpu_uuid in plan.unpack:
                     self._unpack(gpu_uuid)
+                preempting = {gpu_uuid for _, gpu_uuid, _ in plan.preemptions}
                 for gpu_uuid in plan.pack:
-                    self._pack(gpu_uuid, now)
+                    if gpu_uuid not in preempting and not self._preemption_on(gpu_uuid):
+                        self._pack(gpu_uuid, now)
                 for job_id, target, reason in plan.moves:
                     start = self._begin_move(job_id, target, reason, now)
                     if start is not None:
@@ -383,12 +386,23 @@ class TrainingDriver:
                         starts.append(start)
                 for job_id, gpu_uuid in plan.slices:
                     self._slice_in(job_id, gpu_uuid, now)
+                for head, gpu_uuid, victim in plan.preemptions:
+                    self._preempt(head, gpu_uuid, victim, now)
                 calls = self._switches(now)
-            for job in self._managed():
+            managed = self._managed()
+            for job in managed:
                 self._show(job.job_id, publish=True)
+            self._count_suspend_memory(managed)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
         await self._switch(calls)
+
+    def _count_suspend_memory(self, managed: Sequence[Job]) -> None:
+        """The metric: GPUs holding training jobs, by whether a suspension frees the memory."""
+        gpus = {u for j in managed if j.binding is not None for u in j.binding.gpu_uuids}
+        freed = sum(self._memory_in_turns.get(u, False) for u in gpus)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("freed").set(freed)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("resident").set(len(gpus) - freed)
 
     def _account_service(self, now: float) -> None:
         """Bring every assigned training job's service up to date: the time since the last
@@ -420,6 +434,13 @@ class TrainingDriver:
     def _forget_ended(self) -> list[tuple[str, _Track]]:
         """Forget the jobs no longer assigned; returns the finished ones seen running."""
         finished: list[tuple[str, _Track]] = []
+        for victim, head in list(self._preempted_by.items()):
+            for job_id in (victim, head):
+                job = self._decisions.job(job_id)
+                if job is None or job.state not in (JobState.BINDING, JobState.ASSIGNED):
+                    # The head ended (or its binding failed), or the preempted job ended:
+                    # the round-robin takes over again.
+                    self._preempted_by.pop(victim, None)
         for job_id in list(self._sliced_at):
             job = self._decisions.job(job_id)
             if job is None or job.state not in (JobState.PENDING, JobState.BINDING):
@@ -533,6 +554,7 @@ class TrainingDriver:
             grow_idle_s=self.config.grow_idle_s,
             pending=self._pending(every=any(j.spec.elastic for j in managed)),
             ended=self._ended,
+            preempt=True,
         )
 
     def _pending(self, every: bool) -> list[LivePending]:
@@ -594,11 +616,15 @@ class TrainingDriver:
         fleet = self._inventory.fleet
         request = ask_of(job).request
         refusals = []
+        in_turns = False
         for host in on_gpu:
             assert host.binding is not None
             uuids = host.binding.gpu_uuids
             if len(uuids) != request.gpus:
                 continue
+            # Where the dispatchers free a suspended job's memory, the group takes the memory
+            # in turns: jobs whose memory sums above the GPU may take turns.
+            in_turns = self.memory_in_turns(uuids)
             groups = []
             for i, uuid_ in enumerate(uuids):
                 held = fleet.allocation(host.job_id if i == 0 else gang_member_id(host.job_id, i))
@@ -608,9 +634,9 @@ class TrainingDriver:
                 if len(groups) != len(uuids):
                     raise InvalidPlacementError(f"{host.job_id} holds not all of its GPUs")
                 if len(groups) == 1:
-                    joined = (fleet.slice_into(request, *groups[0]),)
+                    joined = (fleet.slice_into(request, *groups[0], memory_in_turns=in_turns),)
                 else:
-                    joined = fleet.slice_gang_into(request, groups)
+                    joined = fleet.slice_gang_into(request, groups, memory_in_turns=in_turns)
             except InvalidPlacementError as error:
                 refusals.append(str(error))
                 continue
@@ -630,9 +656,10 @@ class TrainingDriver:
             node=records[0].info.node,
             dispatcher_address=records[0].dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=first.memory_bytes,
+            memory_cap_bytes=first.runs_with_bytes,
             token=secrets.token_urlsafe(32),
             extra=tuple(ExtraGpu(r.info.gpu_uuid, r.dispatcher_address) for r in records[1:]),
+            memory_in_turns=in_turns,
             # Its group on every GPU's dispatcher: the assignment id (the job id) of the
             # group's first job, which holds that id on each of its GPUs.
             time_slice_of=first.slice_of,
@@ -648,7 +675,35 @@ class TrainingDriver:
             )
         )
         metrics.TRAINING_SLICES.inc()
-        log.info("training job time-sliced in", job=job_id, gpus=list(uuids), group=first.slice_of)
+        log.info(
+            "training job time-sliced in",
+            job=job_id,
+            gpus=list(uuids),
+            group=first.slice_of,
+            memory="in turns" if in_turns else "beside",
+        )
+
+    # ---- head-of-queue preemption ----
+
+    def _preempt(self, head: str, gpu_uuid: str, victim: str, now: float) -> None:
+        """The policy's preemption for the head of the queue, through suspension: the head
+        joins the time-slice group of `victim`'s GPU(s) (with the memory in turns where the
+        dispatcher frees a suspended job's memory) and runs there; `victim` stays suspended
+        (its memory checkpointed) until the head ends, then runs on."""
+        job = self._decisions.job(victim)
+        if job is None or job.state is not JobState.ASSIGNED or victim in self._preempted_by:
+            return
+        self._slice_in(head, gpu_uuid, now)
+        joined = self._decisions.job(head)
+        if joined is None or joined.state is JobState.PENDING:
+            return  # refused (memory, priority, shape): it waits on
+        self._preempted_by[victim] = head
+        metrics.TRAINING_PREEMPTIONS.inc()
+        log.info("head of the queue preempts a training job", head=head, preempted=victim)
+
+    def _preemption_on(self, gpu_uuid: str) -> bool:
+        heads = set(self._preempted_by.values())
+        return any(j.job_id in heads for j in self._training_on(gpu_uuid))
 
     # ---- packing ----
 
@@ -719,15 +774,21 @@ class TrainingDriver:
             by_gpu.setdefault(job.binding.gpu_uuid, []).append(job)
         for gpu_uuid, jobs in by_gpu.items():
             state = self._gpus.setdefault(gpu_uuid, _GpuState())
-            if len(jobs) < 2 or (state.packed and len(jobs) == 2):
-                running = {j.job_id for j in jobs}
+            # A job preempted for the head of the queue waits suspended while the head is
+            # there; the others take turns as usual.
+            takers = [j for j in jobs if j.job_id not in self._preempted_by]
+            if len(takers) < len(jobs):
+                state.packed = False
+            if len(takers) < 2 or (state.packed and len(jobs) == 2):
+                running = {j.job_id for j in takers}
             else:
                 state.packed = False
                 if not state.turn_started or now - state.turn_started >= self.config.quantum_s:
                     if state.turn_started:
                         state.turn += 1
                     state.turn_started = now
-                order = list(range(len(jobs)))
+                taker_ids = {j.job_id for j in takers}
+                order = [i for i, j in enumerate(jobs) if j.job_id in taker_ids]
                 turn = round_robin_turn(
                     order, {i: jobs[i].spec.priority for i in order}, state.turn
                 )
@@ -811,8 +872,14 @@ class TrainingDriver:
         if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
             return None
         record = self._inventory.record(target_uuid)
+        current = allocation(job)
         wanted = replace(
-            allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None, slice_of=""
+            current,
+            allocation_id=job_id + MOVE_SUFFIX,
+            rect=None,
+            slice_of="",
+            memory_bytes=current.runs_with_bytes,
+            turn_memory_bytes=0,
         )
         if record.info.node == job.binding.node:  # its node's CPU and memory are held already
             wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
@@ -1222,6 +1289,9 @@ class TrainingDriver:
             last_hook_error=track.last_hook_error,
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,
+            preempted_by=self._preempted_by.get(job_id, ""),
+            memory_in_turns=self.memory_in_turns(job.binding.gpu_uuids),
+            memory_released=track.memory_released and phase is TrainingPhase.SUSPENDED,
         )
 
     def _moved(self, job_id: str, track: _Track) -> None:
