@@ -32,7 +32,9 @@ async def test_register_hands_out_the_region_with_cap_and_share(live: LiveDispat
         assert registration.sm_percent == 40
         assert registration.mode is ShimMode.SHARE
         assert registration.window_s == pytest.approx(0.2)
-        assert shim.region.memory_cap_bytes == 2 << 30
+        # The cap, the SM percent and the mode come on the frame alone: the region's words
+        # 32..47 stay zero.
+        assert bytes(shim.region.mapping[32:48]) == bytes(16)
         assert shim.region.state is AdmissionState.WAITING
         assert shim.current_lease() is None
 
