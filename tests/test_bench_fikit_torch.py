@@ -23,9 +23,17 @@ bench = load()
 
 
 def test_a_variant_names_dispatcher_settings_only() -> None:
-    assert bench.parse_variant("quiet-off:GPULOOM_DISPATCHER_FIKIT_QUIET=false") == (
-        "quiet-off",
-        {"GPULOOM_DISPATCHER_FIKIT_QUIET": "false"},
+    assert bench.parse_variant("guard:GPULOOM_DISPATCHER_POLICY_ARGS=fikit.fill_guard_ns=8") == (
+        "guard",
+        {"GPULOOM_DISPATCHER_POLICY_ARGS": "fikit.fill_guard_ns=8"},
+    )
+    # A comma inside policy arguments belongs to them; one before a setting separates.
+    args = "fikit.fill_guard_ns=8,tokens.lease_max_s=0.05"
+    assert bench.parse_variant(
+        f"x:GPULOOM_DISPATCHER_POLICY_ARGS={args},GPULOOM_DISPATCHER_A=1"
+    ) == (
+        "x",
+        {"GPULOOM_DISPATCHER_POLICY_ARGS": args, "GPULOOM_DISPATCHER_A": "1"},
     )
     two = bench.parse_variant("x:GPULOOM_DISPATCHER_A=1,GPULOOM_DISPATCHER_B=2")
     assert two == ("x", {"GPULOOM_DISPATCHER_A": "1", "GPULOOM_DISPATCHER_B": "2"})

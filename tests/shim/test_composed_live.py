@@ -58,8 +58,7 @@ async def composed(
         stub,
         policy=DEFAULT_POLICY,
         window_ms=1000.0,
-        lease_initial_ms=20.0,
-        lease_max_ms=100.0,
+        policy_args="tokens.lease_initial_s=0.02,tokens.lease_max_s=0.1",
     ) as live:
         yield live
 
