@@ -39,7 +39,7 @@ ROUNDS = 5
 # The dispatcher's own defaults for what decides admission (tests/dispatcher pins others).
 DEFAULTS = {
     name: DispatcherSettings.model_fields[name].default
-    for name in ("policy", "window_ms", "lease_min_ms", "lease_initial_ms", "lease_max_ms")
+    for name in ("policy", "window_ms", "policy_args")
 }
 
 
