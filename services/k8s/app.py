@@ -65,7 +65,13 @@ class K8sApp:
             followers,
         )
         webhook = AdmissionWebhook(
-            AdmissionPolicy(POLICIES, settings.scheduler_name, settings.users, classes),
+            AdmissionPolicy(
+                POLICIES,
+                settings.scheduler_name,
+                settings.users,
+                classes,
+                plugin_users=settings.plugin_users,
+            ),
             jobs,
             settings.fleet_ttl_s,
             time.monotonic,

@@ -28,12 +28,12 @@ class K8sSettings(BaseSettings):
     placement_address: str = "placement:50051"
     # The scheduler profile gpuloom Pods are sent to (its extender is this process).
     scheduler_name: str = Field(default="gpuloom", pattern=DNS_LABEL)
-    # Who may write the annotations only gpuloom writes (gpuloom.io/job, ...): the users of
-    # this process's and the device plugins' service accounts.
-    service_accounts: str = (
-        "system:serviceaccount:gpuloom:gpuloom-k8s,"
-        "system:serviceaccount:gpuloom:gpuloom-device-plugin"
-    )
+    # Who may write the annotations only gpuloom writes (gpuloom.io/job, ...): the user of
+    # this process's service account.
+    service_accounts: str = "system:serviceaccount:gpuloom:gpuloom-k8s"
+    # The device plugins' users: they may change one thing of a Pod, the annotation
+    # gpuloom.io/allocated (the validating webhook refuses any other change they make).
+    device_plugin_accounts: str = "system:serviceaccount:gpuloom:gpuloom-device-plugin"
     # Further PriorityClass names and their gpuloom levels: "high=1,batch=8"
     # (gpuloom-priority-N is always level N).
     priority_classes: str = ""
@@ -80,7 +80,15 @@ class K8sSettings(BaseSettings):
 
     @property
     def users(self) -> tuple[str, ...]:
-        return tuple(u.strip() for u in self.service_accounts.split(",") if u.strip())
+        return _names(self.service_accounts)
+
+    @property
+    def plugin_users(self) -> tuple[str, ...]:
+        return _names(self.device_plugin_accounts)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(u.strip() for u in text.split(",") if u.strip())
 
 
 class DevicePluginSettings(BaseSettings):

@@ -354,8 +354,13 @@ def test_the_webhooks_reach_the_k8s_process_on_its_routes() -> None:
     namespace = by_kind("Namespace")[NAMESPACE]
     assert "gpuloom.io/webhook" not in namespace["metadata"].get("labels", {})
     # The webhooks trust these users to write gpuloom's annotations: the two components'.
-    users = {f"system:serviceaccount:{NAMESPACE}:{a}" for a in COMPONENT_MODULES}
-    assert set(K8sSettings.model_fields["service_accounts"].default.split(",")) == users
+    # The k8s process writes them all; the device plugins gpuloom.io/allocated only.
+    fields = K8sSettings.model_fields
+    assert fields["service_accounts"].default == f"system:serviceaccount:{NAMESPACE}:gpuloom-k8s"
+    assert (
+        fields["device_plugin_accounts"].default
+        == f"system:serviceaccount:{NAMESPACE}:gpuloom-device-plugin"
+    )
     for role, account in (("k8s", "gpuloom-k8s"), ("device-plugin", "gpuloom-device-plugin")):
         assert container_serving(role)[1]["serviceAccountName"] == account
 
