@@ -97,16 +97,23 @@ class TrainingReport:
     # While suspended: its device memory is in host memory (the driver's checkpoint API), so
     # the GPU's memory it was given is free until it resumes.
     memory_released: bool = False
+    # While suspended: why its memory is not in host memory (no checkpoint API, a lock or
+    # checkpoint that failed), or why a resume could not restore it (it stays suspended).
+    memory_note: str = ""
 
     def validate(self, field: str) -> None:
         if not 1 <= len(self.assignment_id) <= 128:
             raise InvalidArgument(f"{field}.assignment_id", "required (at most 128 characters)")
-        if len(self.suspended_reason) > MAX_SUSPEND_REASON_CHARS:
-            raise InvalidArgument(
-                f"{field}.suspended_reason", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
-            )
-        if self.suspended_reason and not self.suspended:
-            raise InvalidArgument(f"{field}.suspended_reason", "given for a process not suspended")
+        for name, text in (
+            ("suspended_reason", self.suspended_reason),
+            ("memory_note", self.memory_note),
+        ):
+            if len(text) > MAX_SUSPEND_REASON_CHARS:
+                raise InvalidArgument(
+                    f"{field}.{name}", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
+                )
+            if text and not self.suspended:
+                raise InvalidArgument(f"{field}.{name}", "given for a process not suspended")
         cycle = self.cycle
         for name, value in (
             ("minibatch_s", cycle.minibatch_s),
@@ -181,6 +188,7 @@ class TrainingState:
     # Head-of-queue preemption: the job that took its GPUs; it stays suspended until that one
     # ends. "" for none.
     preempted_by: str = ""
+    memory_note: str = ""  # suspended: its dispatcher's note on its memory (a failed restore)
 
     def memory_text(self) -> str:
         """What a suspension does with its GPU memory, in words."""

@@ -43,6 +43,7 @@ from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 from gpuloom.services.placement.scaling import AutoScaler, ScalingResult
 from gpuloom.services.placement.training import TrainingConfig, TrainingControl, TrainingDriver
+from gpuloom.services.placement.training_cluster import TrainingCluster
 from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.placement")
@@ -97,7 +98,11 @@ class PlacementCore:
         )
         self.scaler = AutoScaler(self.jobs, profiles, config.function_owner)
         self.training = TrainingDriver(
-            self.jobs, self.inventory, dispatchers, training_control, config.training, clock
+            TrainingCluster(self.jobs, self.inventory),
+            dispatchers,
+            training_control,
+            config.training,
+            clock,
         )
         self._heartbeats: asyncio.Task[None] | None = None
 

@@ -175,6 +175,9 @@ def test_training_reports_are_validated_naming_the_field() -> None:
         "training[1].suspended_reason": pb.TrainingReport(
             assignment_id="j-2", suspended=True, suspended_reason="x" * 1025
         ),
+        "training[1].memory_note": pb.TrainingReport(
+            assignment_id="j-2", suspended=True, memory_note="x" * 1025
+        ),
     }
     for field, bad in bad_cases.items():
         with pytest.raises(InvalidArgument) as refused:
@@ -191,9 +194,14 @@ def test_training_reports_are_validated_naming_the_field() -> None:
     assert refused.value.field == "training[1].cycle.next_low_point"
     with pytest.raises(InvalidArgument, match="not suspended"):
         reports_from_pb([pb.TrainingReport(assignment_id="j-6", suspended_reason="by hand")])
-    suspended = pb.TrainingReport(assignment_id="j-7", suspended=True, suspended_reason="why")
+    with pytest.raises(InvalidArgument, match="not suspended"):
+        reports_from_pb([pb.TrainingReport(assignment_id="j-6", memory_note="restore failed")])
+    suspended = pb.TrainingReport(
+        assignment_id="j-7", suspended=True, suspended_reason="why", memory_note="restore failed"
+    )
     (read,) = reports_from_pb([suspended])
-    assert read.suspended_reason == "why" and reports_from_pb([report_to_pb(read)]) == [read]
+    assert read.suspended_reason == "why" and read.memory_note == "restore failed"
+    assert reports_from_pb([report_to_pb(read)]) == [read]
     upside_down = pb.TrainingReport(assignment_id="j-4")
     upside_down.cycle.low_memory_bytes, upside_down.cycle.high_memory_bytes = 10, 5
     with pytest.raises(InvalidArgument, match="above high_memory_bytes"):
@@ -613,6 +621,8 @@ def test_training_state_and_hooks_convert_exactly_both_ways() -> None:
         migration=MigrationRequest("m1", "GPU-1", "node-0", "spread", 30.0, 110.0),
         memory_in_turns=True,
         memory_released=True,
+        preempted_by="j-h",
+        memory_note="restore failed",
     )
     assert training_from_pb(training_to_pb(state)) == state
     view = job_view(
@@ -1093,6 +1103,12 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
     await core.training.tick()
     shown = (await core.get(b.job_id)).training
     assert shown is not None and shown.memory_released and "host memory" in shown.memory_text()
+    # A resume whose restore failed (no room): it stays suspended and gpuloom job says why.
+    why = "restore failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
+    failed = replace(report(b.job_id, 0.1, True), memory_released=True, memory_note=why)
+    await beat_memory(core, "GPU-0", True, failed)
+    shown = (await core.get(b.job_id)).training
+    assert shown is not None and shown.memory_note == why
     # Across a restart the group is charged the same (the binding keeps memory in turns).
     await slicing.stop()
     core = await slicing.start()
