@@ -6,6 +6,8 @@
  *   FNV-1a 64 over, for each node, u32le(node type), then for a kernel node u64le(its kernel
  *   ID: the function's name and the six launch dimensions, as names.c computes it)
  *
+ * (other nodes by their type only: a copy's size or a child graph's kernels are not in it)
+ *
  * The graph is then named "<graph:HHHHHHHHHHHHHHHH>" (the hash, 16 lowercase hex digits) with
  * all six dimensions 0, and its ID is that name's kernel ID: the same graph captured by the
  * same program has the same ID in every run. The executable keeps the ID until it is
