@@ -261,9 +261,11 @@ class _Kept:
     model's own model rule; nodes without enough GPUs with its memory free are left out
     (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
     chosen GPU is checked for its memory and whether the share's rectangle fits (one that
-    fails is hidden for this decision and the policy asked again). What it cannot keep (nodes
-    with GPUs of several models, a shared model, a list of nodes) goes the rebuilding way
-    (`decide` answers None)."""
+    fails: that node's GPUs that cannot take the job are hidden for this decision and the
+    policy asked again, until a GPU takes it or no node fits; a ranked policy's order is
+    walked instead, to the same node, `_walk`). Rows changed for a decision are put back with
+    their versions. What it cannot keep (nodes with GPUs of several models, a shared model, a
+    list of nodes) goes the rebuilding way (`decide` answers None)."""
 
     def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
         self.policy = policy
