@@ -202,5 +202,8 @@ class FgdPolicy:
         """The score of each node of `rows` (`choose` takes the highest)."""
         return (state.only_allowed(FragDeltas.of(state).scores(q))[rows],)
 
-    def choice(self, state: FleetState, n: int, q: int) -> Choice:
-        return FragDeltas.of(state).choice(n, q)
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """The GPU a share of shape q takes on each node of `rows` (which it fits)."""
+        deltas = FragDeltas.of(state)
+        deltas.refresh(q)
+        return deltas.gpu[rows, q]

@@ -63,8 +63,11 @@ class FgdPackPolicy:
             return (score,)
         return (score, -_gpu_left(state, q, rows))
 
-    def choice(self, state: FleetState, n: int, q: int) -> Choice:
-        return FragDeltas.of(state).choice(n, q)
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """FGD's GPU on each node of `rows` (`choose` takes FGD's GPU there too)."""
+        deltas = FragDeltas.of(state)
+        deltas.refresh(q)
+        return deltas.gpu[rows, q]
 
 
 def _as_fgd(state: FleetState, q: int) -> bool:

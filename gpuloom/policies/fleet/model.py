@@ -304,8 +304,8 @@ class FleetPolicy(Protocol):
 class RankedFleetPolicy(FleetPolicy, Protocol):
     """A fleet policy whose choice is the best node by keys each node has on its own: `choose`
     takes the node with the highest `keys` (compared in order, most significant first; a first
-    key of -inf: the pod does not go there), ties to the lowest `FleetState.rank`, and
-    `choice(n)` on it. A node's keys and choice depend on that node's row only, so a caller
+    key of -inf: the pod does not go there), ties to the lowest `FleetState.rank`, and a share
+    the GPU `share_gpus` names there. A node's keys and GPU depend on its row only, so a caller
     that changes a few rows (the live adapter hiding GPUs a job cannot use) re-reads only
     those rows' keys instead of asking `choose` again."""
 
@@ -313,8 +313,9 @@ class RankedFleetPolicy(FleetPolicy, Protocol):
         """The keys of the nodes `rows` for a pod of shape q, one array per key."""
         ...
 
-    def choice(self, state: FleetState, n: int, q: int) -> Choice:
-        """Where on node n (which fits it) a pod of shape q goes."""
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """For a share (one GPU, less than whole): the GPU `choose` gives it on each node of
+        `rows` (which it fits)."""
         ...
 
 

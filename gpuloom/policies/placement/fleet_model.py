@@ -67,7 +67,7 @@ MIB = 1 << 20
 WORKLOAD_WINDOW = 10_000  # jobs whose shapes make the workload distribution
 MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked one always)
 SEED = 0
-WORKLOAD_REFRESH = 1_000  # decisions between refreshes of the kept view's workload weights
+WORKLOAD_REFRESH = 10_000  # decisions between refreshes of the kept view's workload weights
 WALK_BATCH = 4  # nodes checked ahead at first when walking a ranked policy's order (doubling)
 
 
@@ -249,6 +249,8 @@ class _Ask:
     k: int
     name: str
     fleet: Fleet
+    w: int  # the job's rectangle: quota steps by SM percent
+    h: int
 
 
 class _Kept:
@@ -259,9 +261,11 @@ class _Kept:
     model's own model rule; nodes without enough GPUs with its memory free are left out
     (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
     chosen GPU is checked for its memory and whether the share's rectangle fits (one that
-    fails is hidden for this decision and the policy asked again). What it cannot keep (nodes
-    with GPUs of several models, a shared model, a list of nodes) goes the rebuilding way
-    (`decide` answers None)."""
+    fails: that node's GPUs that cannot take the job are hidden for this decision and the
+    policy asked again, until a GPU takes it or no node fits; a ranked policy's order is
+    walked instead, to the same node, `_walk`). Rows changed for a decision are put back with
+    their versions. What it cannot keep (nodes with GPUs of several models, a shared model, a
+    list of nodes) goes the rebuilding way (`decide` answers None)."""
 
     def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
         self.policy = policy
@@ -277,6 +281,7 @@ class _Kept:
         self.roomy = np.zeros((0, 0), dtype=bool)  # per decision: GPUs with the job's memory free
         self.saved: dict[int, tuple[np.ndarray, int]] = {}  # rows changed for one decision
         self.every_node = np.zeros(0, dtype=np.int64)
+        self.slots: dict[str, GpuSlot] = {}  # the fleet's, for the decision
 
     def decide(
         self,
@@ -292,7 +297,17 @@ class _Kept:
             return None
         state = self.state
         assert state is not None
-        ask = _Ask(job, self.index[asked], asked.gpu_milli, asked.num_gpu, name, fleet)
+        ask = _Ask(
+            job,
+            self.index[asked],
+            asked.gpu_milli,
+            asked.num_gpu,
+            name,
+            fleet,
+            job.w,
+            job.sm_percent,
+        )
+        self.slots = fleet.slots
         self.roomy = self.gpu_mem >= job.memory_bytes
         self.saved = {}
         try:
@@ -364,8 +379,11 @@ class _Kept:
                     strict=True,
                 )
             ]
-            gpus = [policy.choice(state, i, ask.q).gpus[0] for _, _, i in entries]
-            fits = [self._takes(ask, e[2], j) for e, j in zip(entries, gpus, strict=True)]
+            gpus = policy.share_gpus(state, ask.q, ahead)
+            fits = self.roomy[ahead, gpus].tolist()
+            gpus = gpus.tolist()
+            for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
+                fits[n] = fits[n] and self._fits(ask, i, j)
             failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
             read = self._hide(policy, ask, failed)
             for entry, j, ok in zip(entries, gpus, fits, strict=True):
@@ -375,7 +393,7 @@ class _Kept:
                         return placed
                 if ok:
                     placed = self._place_share(ask, entry[2], j)
-                    assert placed is not None  # _takes said it fits
+                    assert placed is not None  # it has the memory and a rectangle
                     return placed
                 if read[entry[2]] is not None:
                     heapq.heappush(again, read[entry[2]])
@@ -393,7 +411,7 @@ class _Kept:
         state = self.state
         assert state is not None
         _, _, i = heapq.heappop(again)
-        j = policy.choice(state, i, ask.q).gpus[0]
+        j = int(policy.share_gpus(state, ask.q, np.array([i]))[0])
         placed = self._place_share(ask, i, j)
         if placed is None:
             entry = self._hide(policy, ask, [(i, j)])[i]
@@ -408,7 +426,7 @@ class _Kept:
         changed: set[int] = set()
         for i, j in zip(*np.nonzero(near), strict=True):
             slot = ask.fleet.slot(self.gpu_ids[i][j])
-            if slot.schedulable and slot.free.fits(ask.job.w, ask.job.sm_percent):
+            if slot.schedulable and slot.free.fits(ask.w, ask.h):
                 self._save(int(i))
                 state.gpu_free[i, j] = ask.d
                 changed.add(int(i))
@@ -421,20 +439,18 @@ class _Kept:
         if i not in self.saved:
             self.saved[i] = (state.gpu_free[i].copy(), int(state.version[i]))
 
-    def _takes(self, ask: _Ask, i: int, j: int) -> bool:
-        """Whether GPU j of node i can take the job (memory and a free rectangle)."""
-        if not self.roomy[i, j]:
-            return False
-        return ask.fleet.slot(self.gpu_ids[i][j]).free.fits(ask.job.w, ask.job.sm_percent)
+    def _fits(self, ask: _Ask, i: int, j: int) -> bool:
+        """Whether GPU j of node i has a free rectangle of the job's shape."""
+        return self.slots[self.gpu_ids[i][j]].free.fits(ask.w, ask.h)
 
     def _place_share(self, ask: _Ask, i: int, j: int) -> Placement | None:
         if not self.roomy[i, j]:
             return None
         gpu_id = self.gpu_ids[i][j]
-        box = ask.fleet.slot(gpu_id).free.best_fit(ask.job.w, ask.job.sm_percent)
+        box = self.slots[gpu_id].free.best_fit(ask.w, ask.h)
         if box is None:
             return None
-        rect = Rect(box[0], box[1], ask.job.w, ask.job.sm_percent)
+        rect = Rect(box[0], box[1], ask.w, ask.h)
         return Placement(ask.job.job_id, gpu_id, self.nodes[i], rect, ask.name)
 
     def _hide(
@@ -456,8 +472,10 @@ class _Kept:
         open_ = free >= ask.d
         hide = open_ & ~room
         hide[np.arange(len(rows)), [j for _, j in failed]] = True
+        ids = self.gpu_ids
+        slots = self.slots
         for r, jj in zip(*np.nonzero(open_ & ~hide), strict=True):
-            if not self._takes(ask, int(rows[r]), int(jj)):
+            if not slots[ids[failed[r][0]][jj]].free.fits(ask.w, ask.h):
                 hide[r, jj] = True
         free = np.where(hide, np.minimum(free, ask.d - 1), free)
         state.gpu_free[rows] = free
