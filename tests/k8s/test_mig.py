@@ -61,9 +61,14 @@ async def pod_annotation(cluster: Cluster, name: str, key: str) -> str | None:
     return ((pod or {})["metadata"].get("annotations") or {}).get(key)
 
 
-async def test_a_mig_pods_whole_path(cluster: Cluster) -> None:
+# No size: the planner chooses (one task alone: the largest instance, the fastest); a size asked
+# with gpuloom.io/mig-size: an instance of that size.
+@pytest.mark.parametrize(("size", "slices"), [(None, 7), ("2g.20gb", 2)])
+async def test_a_mig_pods_whole_path(cluster: Cluster, size: str | None, slices: int) -> None:
     await mig_node(cluster, "node-b")
-    model = pod_model("resize", MIG, TASK)
+    model = pod_model(
+        "resize", MIG, TASK if size is None else {**TASK, "gpuloom.io/mig-size": size}
+    )
     model.spec.containers[0].command = COMMAND
     pod = await asyncio.to_thread(cluster.api.create_pod, model, "alice")
     assert pod["spec"]["schedulerName"] == "gpuloom"
@@ -91,6 +96,7 @@ async def test_a_mig_pods_whole_path(cluster: Cluster) -> None:
     assert job.state is JobState.ASSIGNED and job.assignment is not None
     slot = job.assignment.mig
     assert slot is not None and slot.instance_uuid.startswith("MIG-")
+    assert slot.size == slices and job.spec.mig_size == (0 if size is None else slices)
     assert job.assignment.node == "node-b"
 
     # Filter again: only the instance's node passes; bound there.
