@@ -35,7 +35,6 @@ from gpuloom.services.placement.repository import (
 )
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
-from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2
 from tests.dispatcher.conftest import dispatcher_settings
 from tests.placement.conftest import eventually, start_placement, submit
@@ -643,14 +642,6 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
 
 
 # --- end to end: gRPC, a real profile store, real dispatchers on simulated MIG GPUs ----------
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
-    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'profiles.db'}")
-    app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
-    yield app
-    await app.stop(0)
 
 
 @pytest.fixture
