@@ -11,6 +11,7 @@ from pathlib import Path
 import structlog
 
 from gpuloom.domain.gpus import GpuInfo
+from gpuloom.policies.admission.composed import IDLE_BACKLOG_NS as COMPOSED_IDLE_BACKLOG_NS
 from gpuloom.policies.admission.levels import LevelScheduler
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.registry import get_policy
@@ -68,10 +69,14 @@ class GpuDispatcher:
 
 
 def fikit_config(settings: DispatcherSettings) -> FikitConfig:
+    backlog_ns = int(settings.fikit_idle_backlog_us * 1e3)
+    if settings.policy == COMPOSED_POLICY:
+        # As the composed policy runs its core (gpuloom/policies/admission/composed.py).
+        backlog_ns = max(backlog_ns, COMPOSED_IDLE_BACKLOG_NS)
     return FikitConfig(
         gap_threshold_ns=int(settings.fikit_gap_threshold_us * 1e3),
         idle_margin_ns=int(settings.fikit_idle_margin_us * 1e3),
-        idle_backlog_ns=int(settings.fikit_idle_backlog_us * 1e3),
+        idle_backlog_ns=backlog_ns,
         max_wait_ns=int(settings.fikit_max_wait_ms * 1e6),
         fill_guard_ns=int(settings.fikit_fill_guard_us * 1e3),
     )

@@ -54,7 +54,8 @@ class DispatcherSettings(BaseSettings):
     fikit_gap_threshold_us: float = Field(default=100.0, ge=0, le=1e6)
     # ... a holder with no launch for its predicted gap + this counts as idle ...
     fikit_idle_margin_us: float = Field(default=200.0, ge=0, le=1e6)
-    # ... while it idles, this much predicted fill work may be outstanding (one kernel always) ...
+    # ... while it idles, this much predicted fill work may be outstanding (one kernel always;
+    # policy composed: at least its own 150 us, docs/harvest.md) ...
     fikit_idle_backlog_us: float = Field(default=0.0, ge=0, le=1e6)
     # ... and a kernel that waited this long is admitted anyway (0: never; strict priority).
     fikit_max_wait_ms: float = Field(default=0.0, ge=0, le=3.6e6)
