@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from gpuloom.policies.fleet.bestfit import bestfit_score
 from gpuloom.policies.fleet.dotprod import dotprod_score
 from gpuloom.policies.fleet.fgd import FgdPolicy, FragDeltas, fgd_score
-from gpuloom.policies.fleet.frag import Fragmentation
+from gpuloom.policies.fleet.frag import Fragmentation, frag_options
 from gpuloom.policies.fleet.gpuclustering import gpuclustering_score
 from gpuloom.policies.fleet.gpupacking import gpupacking_score
 from gpuloom.policies.fleet.model import (
@@ -103,8 +103,9 @@ def test_fgd_share_takes_the_first_gpu_of_the_top_integer_score() -> None:
     state.commit(0, 3, (1,))  # GPU 1: 700 free
     deltas = FragDeltas.of(state)
     assert deltas.scores(4).tolist() == [49]
-    assert math.isclose(deltas.growths(4)[0], 15.0)
-    assert deltas.growth_gpu[0, 4] == 1
+    _, cols, after = frag_options(state, 4, np.array([0]))
+    growth = after - Fragmentation.of(state).nodes()[0]
+    assert cols.tolist() == [0, 1] and np.allclose(growth, [24.0, 15.0])
     choice = FgdPolicy().choose(state, 4, RNG)
     assert choice is not None and choice.gpus == (0,)
 
@@ -342,3 +343,30 @@ def test_baselines_take_the_best_score_then_the_first_node(
 
 def test_pick_best_refuses_when_nothing_fits() -> None:
     assert pick_best(np.array([-np.inf, -np.inf]), np.array([0, 1])) is None
+
+
+def test_fgd_scores_hold_when_node_states_are_forgotten_and_renumbered() -> None:
+    # Scores are kept per node state; past a limit, the states no node is in are forgotten and
+    # the rest renumbered. Kept scores must equal scores computed from scratch throughout.
+    shapes = [share(300), share(700), whole(1), whole(2), share(100)]
+    state = FleetState([node(f"n{i}", 4) for i in range(5)], shapes, [5, 4, 3, 2, 1])
+    deltas = FragDeltas.of(state)
+    deltas._states.limit = 6
+    rng = np.random.default_rng(3)
+    placed: list[tuple[int, int, tuple[int, ...]]] = []
+    renumbered = 0
+    for _ in range(200):
+        if placed and rng.random() < 0.45:
+            state.release(*placed.pop(int(rng.integers(len(placed)))))
+        else:
+            q = int(rng.integers(len(shapes)))
+            choice = FgdPolicy().choose(state, q, RNG)
+            if choice is not None:
+                state.commit(choice.node, q, choice.gpus)
+                placed.append((choice.node, q, choice.gpus))
+        known = len(deltas._states.ids)
+        for q in range(len(shapes)):
+            kept = deltas.scores(q).copy()
+            assert kept.tolist() == FragDeltas(state).scores(q).tolist()
+        renumbered += len(deltas._states.ids) < known
+    assert renumbered  # the limit was reached and states were forgotten

@@ -9,14 +9,15 @@ every GPU of the node it fits on and takes the first GPU with the top integer sc
 are the node's first fully free ones.
 
 A node's score for a shape only changes when the node does, so scores are cached per (node,
-shape) and recomputed for the nodes whose version moved since that shape was last placed.
+shape) and recomputed for the nodes whose version moved since that shape was last placed, each
+looked up by the node's state (computed once per state and pod class).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.policies.fleet.frag import Fragmentation, frag_options
+from gpuloom.policies.fleet.frag import frag_options, measure
 from gpuloom.policies.fleet.model import Choice, FleetState, pick_best
 
 MAX_SCORE = 100  # kube-scheduler's MaxNodeScore
@@ -29,30 +30,96 @@ def fgd_score(before: np.ndarray, after: np.ndarray) -> np.ndarray:
     return np.trunc(1.0 / (1.0 + np.exp(-((before - after) / SCALE_MILLI))) * MAX_SCORE)
 
 
-def _first_per_row(rows: np.ndarray, *keys: np.ndarray) -> np.ndarray:
-    """Indices of each row's first option when sorted by `keys` (most significant first)."""
-    order = np.lexsort((*reversed(keys), rows))
-    return order[np.r_[True, rows[order][1:] != rows[order][:-1]]]
+def _first_top_per_row(rows: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """Per row, the index of its first option with the row's top score. `rows` is sorted,
+    every row from 0 up has at least one option, and a row's options come in GPU order (as
+    `frag_options` gives them), so the first is the lowest GPU."""
+    if len(rows) == rows[-1] + 1:  # one option per row
+        return np.arange(len(rows))
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    top = np.flatnonzero(score == np.maximum.reduceat(score, starts)[rows])
+    return top[np.r_[True, rows[top][1:] != rows[top][:-1]]]
+
+
+class _NodeStates:
+    """Every node's state as a small integer: nodes of one GPU model with the same free CPU and
+    free GPUs (all that a node's FGD results depend on; memory only decides whether a pod
+    fits) share one id, and a node back in a state it was in gets its old id. Ids are
+    renumbered, keeping only those of nodes now, when more than `limit` were handed out
+    (`renumbered` says how, for tables indexed by id)."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+        self.ids: dict[tuple[int, int, bytes], int] = {}
+        self.sid = np.zeros(len(state.nodes), dtype=np.int64)
+        self.seen = np.full(len(state.nodes), -1, dtype=np.int64)
+        self.limit = max(STATES_PER_NODE * len(state.nodes), MIN_STATES)
+
+    def current(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The id per node now, and when ids were renumbered the old id of each new one."""
+        s = self.state
+        stale = np.flatnonzero(self.seen != s.version)
+        renumbered = None
+        if stale.size:
+            ids, sid = self.ids, self.sid
+            for n, m, c in zip(
+                stale.tolist(), s.model_idx[stale].tolist(), s.cpu_free[stale].tolist(), strict=True
+            ):
+                sid[n] = ids.setdefault((m, c, s.gpu_free[n].tobytes()), len(ids))
+            self.seen[stale] = s.version[stale]
+            if len(ids) > self.limit:
+                renumbered = self._renumber()
+        return self.sid, renumbered
+
+    def _renumber(self) -> np.ndarray:
+        kept = np.unique(self.sid)
+        keep = set(kept.tolist())
+        order = {old: new for new, old in enumerate(kept.tolist())}
+        self.ids = {key: order[old] for key, old in self.ids.items() if old in keep}
+        self.sid = np.searchsorted(kept, self.sid)
+        return kept
+
+
+STATES_PER_NODE = 8  # node states remembered per node before unused ones are forgotten
+MIN_STATES = 8192
+
+
+class _Results:
+    """One pod class's results per node state id (NaN score: not computed yet)."""
+
+    def __init__(self, size: int) -> None:
+        self.score = np.full(size, np.nan)
+        self.gpu = np.full(size, -1, dtype=np.int64)
+
+    def fit(self, size: int, kept: np.ndarray | None) -> None:
+        """Cover ids below `size`; when ids were renumbered, keep the kept ones' results."""
+        if kept is not None:
+            self._grow(int(kept[-1]) + 1)
+            self.score, self.gpu = self.score[kept], self.gpu[kept]
+        self._grow(size)
+
+    def _grow(self, size: int) -> None:
+        if size > len(self.score):
+            more = max(size, 2 * len(self.score)) - len(self.score)
+            self.score = np.append(self.score, np.full(more, np.nan))
+            self.gpu = np.append(self.gpu, np.full(more, -1, dtype=np.int64))
 
 
 class FragDeltas:
     """Per (node, shape), cached: the published FGD score (-inf where the shape does not fit)
-    and its GPU for a share; and the least fragmentation growth over the node's options with
-    the GPU that reaches it (for our variants)."""
+    and its GPU for a share. Behind that cache, results are kept per node
+    state (`_NodeStates`) and pod class (CPU, GPU count, GPU milli: what the results depend
+    on; a shape's memory and GPU models only decide where it fits), so nodes alike, or a node
+    back in a state it was in, cost nothing to score."""
 
     def __init__(self, state: FleetState) -> None:
         n, q = len(state.nodes), len(state.shapes)
         self.state = state
-        self.frag = Fragmentation.of(state)
         self.score = np.full((n, q), -np.inf)
         self.gpu = np.full((n, q), -1, dtype=np.int64)
-        self.growth = np.full((n, q), np.inf)
-        self.growth_gpu = np.full((n, q), -1, dtype=np.int64)
-        self.tight_gpu = np.full((n, q), -1, dtype=np.int64)
         self.version = np.full((n, q), -1, dtype=np.int64)
-        self._memo: list[dict[tuple[int, int, bytes], tuple[float, int, float, int, int]]] = [
-            {} for _ in range(q)
-        ]
+        self._states = _NodeStates(state)
+        self._results: dict[tuple[int, int, int], _Results] = {}
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
@@ -69,16 +136,12 @@ class FragDeltas:
         def pad(a: np.ndarray, fill: float) -> np.ndarray:
             return np.hstack([a, np.full((n, more), fill, dtype=a.dtype)])
 
-        self.score, self.growth = pad(self.score, -np.inf), pad(self.growth, np.inf)
-        self.gpu, self.growth_gpu = pad(self.gpu, -1), pad(self.growth_gpu, -1)
-        self.tight_gpu, self.version = pad(self.tight_gpu, -1), pad(self.version, -1)
-        self._memo.extend({} for _ in range(more))
+        self.score, self.gpu = pad(self.score, -np.inf), pad(self.gpu, -1)
+        self.version = pad(self.version, -1)
 
     def refresh(self, q: int) -> None:
-        """Recompute shape q's column for the nodes that changed since it was last read. A
-        node's results depend only on its GPU model, free CPU and free GPUs (not memory, which
-        only decides whether it fits), so they are memoised by that state: nodes alike, or a
-        node back in a state it was in, cost a dictionary lookup."""
+        """Recompute shape q's column for the nodes that changed since it was last read: a
+        lookup by node state, computed only for states this pod class has not met."""
         s = self.state
         stale = np.flatnonzero(self.version[:, q] != s.version)
         if not stale.size:
@@ -86,68 +149,40 @@ class FragDeltas:
         fits = s.fits_rows(q, stale)
         self.version[stale, q] = s.version[stale]
         self.score[stale[~fits], q] = -np.inf
-        self.growth[stale[~fits], q] = np.inf
         where = stale[fits]
         if not where.size:
             return
-        memo = self._memo[q]
-        keys = [
-            (m, c, g.tobytes())
-            for m, c, g in zip(
-                s.model_idx[where].tolist(),
-                s.cpu_free[where].tolist(),
-                s.gpu_free[where],
-                strict=True,
-            )
-        ]
-        found = [memo.get(key) for key in keys]
-        missing = [i for i, hit in enumerate(found) if hit is None]
-        if missing:
-            for i, result in zip(missing, self._compute(q, where[missing]), strict=True):
-                memo[keys[i]] = found[i] = result
-        self.score[where, q], self.gpu[where, q], self.growth[where, q] = (
-            np.array([f[0] for f in found]),
-            np.array([f[1] for f in found]),
-            np.array([f[2] for f in found]),
-        )
-        self.growth_gpu[where, q] = [f[3] for f in found]
-        self.tight_gpu[where, q] = [f[4] for f in found]
+        sid, renumbered = self._states.current()
+        size = len(self._states.ids)
+        if renumbered is not None:
+            for results in self._results.values():
+                results.fit(size, renumbered)
+        pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
+        results = self._results.get(pod)
+        if results is None:
+            results = self._results[pod] = _Results(max(size, 64))
+        results.fit(size, None)
+        ids = sid[where]
+        missing = np.isnan(results.score[ids])
+        if missing.any():
+            new, first = np.unique(ids[missing], return_index=True)
+            results.score[new], results.gpu[new] = self._compute(q, where[missing][first])
+        self.score[where, q], self.gpu[where, q] = results.score[ids], results.gpu[ids]
 
-    def _compute(self, q: int, where: np.ndarray) -> list[tuple[float, int, float, int, int]]:
-        """(score, GPU, least growth, its GPU, tightest GPU of the top score) per node of
-        `where` (all fit shape q)."""
+    def _compute(self, q: int, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(score, GPU) per node of `where` (all fit shape q): the top score over the node's
+        options, and the first GPU that reaches it (-1: whole GPUs or none)."""
         s = self.state
         rows, cols, after = frag_options(s, q, where)
-        before = self.frag.nodes()[where][rows]
-        growth = after - before
+        before = measure(s, s.gpu_free[where], s.cpu_free[where], s.model_idx[where])[rows]
         score = fgd_score(before, after)
-        top = _first_per_row(rows, -score, cols)
-        least = _first_per_row(rows, growth, cols)
-        if cols.size and cols[0] >= 0:  # a share: also the tightest GPU of the top score
-            left = s.gpu_free[where[rows], cols] - s.s_d[q]
-            tight = cols[_first_per_row(rows, -score, left, cols)].tolist()
-        else:
-            tight = [-1] * len(where)
-        return list(
-            zip(
-                score[top].tolist(),
-                cols[top].tolist(),
-                growth[least].tolist(),
-                cols[least].tolist(),
-                tight,
-                strict=True,
-            )
-        )
+        top = _first_top_per_row(rows, score)
+        return score[top], cols[top]
 
     def scores(self, q: int) -> np.ndarray:
         """The published FGD score per node for shape q (-inf: does not fit), refreshed."""
         self.refresh(q)
         return self.score[:, q]
-
-    def growths(self, q: int) -> np.ndarray:
-        """The least fragmentation growth per node for shape q (inf: does not fit), refreshed."""
-        self.refresh(q)
-        return self.growth[:, q]
 
     def choice(self, n: int, q: int) -> Choice:
         """Node n with the GPU of the published rule (a share) or its first free GPUs."""
@@ -162,3 +197,13 @@ class FgdPolicy:
         deltas = FragDeltas.of(state)
         n = pick_best(state.only_allowed(deltas.scores(q)), state.rank)
         return None if n is None else deltas.choice(n, q)
+
+    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The score of each node of `rows` (`choose` takes the highest)."""
+        return (state.only_allowed(FragDeltas.of(state).scores(q))[rows],)
+
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """The GPU a share of shape q takes on each node of `rows` (which it fits)."""
+        deltas = FragDeltas.of(state)
+        deltas.refresh(q)
+        return deltas.gpu[rows, q]

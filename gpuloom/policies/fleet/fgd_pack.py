@@ -49,11 +49,37 @@ class FgdPackPolicy:
         top = score.max(initial=-np.inf)
         if top == -np.inf:
             return None
-        k, d = int(state.s_k[q]), int(state.s_d[q])
-        if (k and d == WHOLE_GPU) or multi_gpu_share(state) >= MULTI_GPU_SHARE:
+        if _as_fgd(state, q):
             n = pick_best(score, state.rank)  # FGD as it is
         else:
-            gpu_cap = np.maximum(state.gpu_count * WHOLE_GPU, 1)
-            gpu_left = (state.gpu_free.sum(axis=1) - k * d) / gpu_cap
-            n = pick_best(np.where(score == top, -gpu_left, -np.inf), state.rank)
+            n = pick_best(np.where(score == top, -_gpu_left(state, q, None), -np.inf), state.rank)
         return None if n is None else deltas.choice(n, q)
+
+    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The FGD score, then (for the pods we pack) the least free GPU left: the same node
+        as `choose`, whose second step takes the least left among the nodes of the top score."""
+        score = state.only_allowed(FragDeltas.of(state).scores(q))[rows]
+        if _as_fgd(state, q):
+            return (score,)
+        return (score, -_gpu_left(state, q, rows))
+
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """FGD's GPU on each node of `rows` (`choose` takes FGD's GPU there too)."""
+        deltas = FragDeltas.of(state)
+        deltas.refresh(q)
+        return deltas.gpu[rows, q]
+
+
+def _as_fgd(state: FleetState, q: int) -> bool:
+    """Whether a pod of shape q goes where FGD puts it (whole GPUs, or a workload heavy in
+    multi-GPU pods)."""
+    k, d = int(state.s_k[q]), int(state.s_d[q])
+    return bool(k and d == WHOLE_GPU) or multi_gpu_share(state) >= MULTI_GPU_SHARE
+
+
+def _gpu_left(state: FleetState, q: int, rows: np.ndarray | None) -> np.ndarray:
+    """The free GPU a node would have left after a pod of shape q, as a share of its GPUs."""
+    k, d = int(state.s_k[q]), int(state.s_d[q])
+    count = state.gpu_count if rows is None else state.gpu_count[rows]
+    free = state.gpu_free if rows is None else state.gpu_free[rows]
+    return (free.sum(axis=1) - k * d) / np.maximum(count * WHOLE_GPU, 1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -105,7 +105,9 @@ def typical_workload(
 
 class FleetState:
     """Free resources of every node, updated by `commit`. Node arrays are indexed by node, shape
-    arrays by shape index; `version[n]` grows whenever node n changes (for policy caches)."""
+    arrays by shape index; `version[n]` takes a number never used before whenever node n changes
+    (`touch`), so a policy cache keyed by it is never wrong, even for a row put back as it was
+    with its old version (the live adapter does that)."""
 
     def __init__(
         self,
@@ -136,6 +138,7 @@ class FleetState:
         for i, node in enumerate(self.nodes):
             self.gpu_free[i, : node.gpus] = WHOLE_GPU
         self.version = np.zeros(n_nodes, dtype=np.int64)
+        self._clock = 0  # the last version handed out
         self.s_cpu = np.array([s.cpu_milli for s in self.shapes], dtype=np.int64)
         self.s_mem = np.array([s.memory_mib for s in self.shapes], dtype=np.int64)
         self.s_k = np.array([s.num_gpu for s in self.shapes], dtype=np.int64)
@@ -248,7 +251,7 @@ class FleetState:
         for j in gpus:
             self.gpu_free[n, j] -= self.s_d[q]
         self.hosted[n, self.s_tag[q]] += 1
-        self.version[n] += 1
+        self.touch(n)
 
     def release(self, n: int, q: int, gpus: tuple[int, ...]) -> None:
         """Give back what `commit(n, q, gpus)` took (a pod leaving, in trace replay)."""
@@ -257,7 +260,17 @@ class FleetState:
         for j in gpus:
             self.gpu_free[n, j] += self.s_d[q]
         self.hosted[n, self.s_tag[q]] -= 1
-        self.version[n] += 1
+        self.touch(n)
+
+    def touch(self, n: int) -> None:
+        """Mark node n changed: a version no node has had before."""
+        self._clock += 1
+        self.version[n] = self._clock
+
+    def touch_rows(self, rows: np.ndarray) -> None:
+        """`touch` each node of `rows` (distinct)."""
+        self.version[rows] = np.arange(self._clock + 1, self._clock + 1 + len(rows))
+        self._clock += len(rows)
 
     def fits_node(self, n: int, q: int) -> bool:
         """Whether a pod of shape q fits node n now (`fits` for one node, without numpy's
@@ -285,6 +298,25 @@ class FleetPolicy(Protocol):
     def name(self) -> str: ...
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None: ...
+
+
+@runtime_checkable
+class RankedFleetPolicy(FleetPolicy, Protocol):
+    """A fleet policy whose choice is the best node by keys each node has on its own: `choose`
+    takes the node with the highest `keys` (compared in order, most significant first; a first
+    key of -inf: the pod does not go there), ties to the lowest `FleetState.rank`, and a share
+    the GPU `share_gpus` names there. A node's keys and GPU depend on its row only, so a caller
+    that changes a few rows (the live adapter hiding GPUs a job cannot use) re-reads only
+    those rows' keys instead of asking `choose` again."""
+
+    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The keys of the nodes `rows` for a pod of shape q, one array per key."""
+        ...
+
+    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
+        """For a share (one GPU, less than whole): the GPU `choose` gives it on each node of
+        `rows` (which it fits)."""
+        ...
 
 
 def pick_best(scores: np.ndarray, rank: np.ndarray) -> int | None:

@@ -296,7 +296,7 @@ class Fleet:
             node_cpu_milli=gpu.node_cpu_milli,
             node_memory_bytes=gpu.node_memory_bytes,
         )
-        placed = _load_allocations(slot, gpu.allocations, self._where)
+        placed = _load_allocations(slot, _charged_in_turns(gpu.allocations), self._where)
         # A group key names one group: none of these may be live on another GPU.
         for group in {k for a in placed for k in (a.allocation_id, a.slice_group)}:
             elsewhere = self._group_gpu(group)
@@ -430,16 +430,22 @@ class Fleet:
         self._commit(job, decision)
         return decision
 
-    def slice_into(self, job: JobRequest, gpu_id: str, group: str) -> Allocation:
+    def slice_into(
+        self, job: JobRequest, gpu_id: str, group: str, memory_in_turns: bool = False
+    ) -> Allocation:
         """Commit `job` on `gpu_id` as a member of time-slice group `group` (the id of the
         group's first allocation, see Allocation.slice_group): it sits in the group's rectangle,
         taking turns with the group's jobs, and holds only its memory and its node's CPU and
-        host memory. Returns the allocation. InvalidRequestError for a job field that makes no
-        sense; InvalidPlacementError naming the problem when it cannot join (nothing changes):
-        a job on several GPUs (see slice_gang_into) or a shared model's replica, an id already
-        held (or a live group's key), an unknown or unschedulable GPU, no allocation of the
-        group there, a GPU of another model, a quota x SM larger than the group's rectangle,
-        too little free memory, or a node short of the job's CPU or host memory."""
+        host memory. With `memory_in_turns` (the GPU's dispatcher moves a suspended member's
+        memory to host memory) the group's memory is taken in turns too: the group holds its
+        largest member's memory, not the sum, so the job is charged only what it needs beyond
+        that (Allocation.turn_memory_bytes). Returns the allocation. InvalidRequestError for a
+        job field that makes no sense; InvalidPlacementError naming the problem when it cannot
+        join (nothing changes): a job on several GPUs (see slice_gang_into) or a shared model's
+        replica, an id already held (or a live group's key), an unknown or unschedulable GPU,
+        no allocation of the group there, a GPU of another model, a quota x SM larger than the
+        group's rectangle, too little free memory, or a node short of the job's CPU or host
+        memory."""
         job.validate()
         slot = self._gpus.get(gpu_id)
         problem = ""
@@ -453,7 +459,7 @@ class Fleet:
         elif taken := self._id_taken(job.job_id):
             problem = taken
         else:
-            problem = self._join_problem(job, slot, group)
+            problem = self._join_problem(job, slot, group, memory_in_turns)
         if not problem and slot is not None and not self._nodes[slot.node].takes(job):
             problem = self._node_problem(job, slot.node, "has not")
         if problem or slot is None:
@@ -461,12 +467,12 @@ class Fleet:
                 f"job {job.job_id} cannot join time-slice group {group!r} on GPU {gpu_id}: "
                 f"{problem}"
             )
-        allocation = self._member(job, slot, group, job.job_id, first=True)
+        allocation = self._member(job, slot, group, job.job_id, True, memory_in_turns)
         self._occupy(slot, allocation, slot.boxes[group])
         return allocation
 
     def slice_gang_into(
-        self, job: JobRequest, groups: Sequence[tuple[str, str]]
+        self, job: JobRequest, groups: Sequence[tuple[str, str]], memory_in_turns: bool = False
     ) -> tuple[Allocation, ...]:
         """Commit `job`, on `job.gpus` >= 2 whole GPUs of one node, as a member of a time-slice
         group on each: `groups` lists (gpu_id, group) pairs, the group of an allocation on that
@@ -481,7 +487,8 @@ class Fleet:
         GPUs of different nodes, any id of the job held (or a live group's key), and per GPU
         what slice_into refuses (unknown, unschedulable, no allocation of the group there,
         another model, a rectangle smaller than the whole GPU, too little free memory), or the
-        node short of the job's CPU or host memory."""
+        node short of the job's CPU or host memory. `memory_in_turns`: as for slice_into, on
+        each GPU."""
         job.validate()
         pairs = tuple(groups)
         for pair in pairs:
@@ -505,7 +512,7 @@ class Fleet:
         for (gpu_id, group), slot in zip(pairs, slots, strict=True):
             if problem:
                 break
-            reason = self._join_problem(job, slot, group)
+            reason = self._join_problem(job, slot, group, memory_in_turns)
             if reason:
                 problem = f"GPU {gpu_id}: {reason}"
         node = slots[0].node if slots and slots[0] is not None else ""
@@ -526,12 +533,14 @@ class Fleet:
         joined = []
         for i, ((_, group), slot) in enumerate(zip(pairs, slots, strict=True)):
             assert slot is not None
-            allocation = self._member(job, slot, group, ids[i], first=i == 0)
+            allocation = self._member(job, slot, group, ids[i], i == 0, memory_in_turns)
             self._occupy(slot, allocation, slot.boxes[group])
             joined.append(allocation)
         return tuple(joined)
 
-    def _join_problem(self, job: JobRequest, slot: GpuSlot | None, group: str) -> str:
+    def _join_problem(
+        self, job: JobRequest, slot: GpuSlot | None, group: str, memory_in_turns: bool
+    ) -> str:
         """Why `job` cannot join time-slice group `group` on this GPU ("" when it can), its
         node's CPU and host memory aside."""
         box = slot.boxes.get(group) if slot is not None and isinstance(group, str) else None
@@ -550,24 +559,32 @@ class Fleet:
                 f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
                 f"{rect_of(box).label()}"
             )
-        if job.memory_bytes > slot.memory_free:
+        need = _turn_charge(job.memory_bytes, slot, group) if memory_in_turns else job.memory_bytes
+        if need > slot.memory_free:
+            beside = " beyond its group's" if memory_in_turns else ""
             return (
-                f"it needs {describe_gib(job.memory_bytes)} of memory, the GPU has "
+                f"it needs {describe_gib(need)} of memory{beside}, the GPU has "
                 f"{describe_gib(slot.memory_free)} free"
             )
         return ""
 
     @staticmethod
     def _member(
-        job: JobRequest, slot: GpuSlot, group: str, allocation_id: str, first: bool
+        job: JobRequest,
+        slot: GpuSlot,
+        group: str,
+        allocation_id: str,
+        first: bool,
+        memory_in_turns: bool,
     ) -> Allocation:
         """The allocation `job` holds on `slot` as a member of `group`: on a job's first GPU
-        its node resources, on a further one none and `gang` the job id."""
+        its node resources, on a further one none and `gang` the job id; its memory taken in
+        turns with the group's, or beside it."""
         return Allocation(
             allocation_id,
             job.sm_percent,
             job.quota_request_percent,
-            job.memory_bytes,
+            _turn_charge(job.memory_bytes, slot, group) if memory_in_turns else job.memory_bytes,
             job.priority,
             job.task_key,
             rect_of(slot.boxes[group]),
@@ -575,6 +592,7 @@ class Fleet:
             job.host_memory_bytes if first else 0,
             "" if first else job.job_id,
             slice_of=group,
+            turn_memory_bytes=job.memory_bytes if memory_in_turns else 0,
         )
 
     def slice_members(self, group: str) -> tuple[str, ...]:
@@ -796,9 +814,14 @@ class Fleet:
             self._leave_slice(allocation)
         group = allocation.slice_group
         if group in slot.allocations or group in self._slices:
-            # Its time-slice group lives on in the same box: only the memory comes back.
+            # Its time-slice group lives on in the same box: only the memory comes back (taken
+            # in turns: the group's charge becomes its largest remaining member's).
             before = self._before(slot)
             slot.memory_free += allocation.memory_bytes
+            if allocation.turn_memory_bytes or any(
+                a.turn_memory_bytes for a in slot.allocations.values() if a.slice_group == group
+            ):
+                slot.memory_free += _recharge_in_turns(slot.allocations, group)
             self._after(slot, before)
             self._update_holder(slot)
             return allocation
@@ -1327,6 +1350,54 @@ def _load_models(slot: GpuSlot, models: Iterable[tuple[str, int]]) -> None:
             f"fit beside its allocations"
         )
     slot.memory_free -= slot.store_bytes
+
+
+def _turn_charge(memory_bytes: int, slot: GpuSlot, group: str) -> int:
+    """What a job running with `memory_bytes` adds to time-slice group `group`'s memory when
+    its members take their memory in turns: the group holds its largest member's."""
+    held = sum(a.memory_bytes for a in slot.allocations.values() if a.slice_group == group)
+    return max(0, memory_bytes - held)
+
+
+def _spread_in_turns(members: Sequence[Allocation]) -> list[Allocation]:
+    """A time-slice group's allocations charged in turns: the one running with the most memory
+    is charged all of it, the others nothing (the group holds its largest member's memory)."""
+    if not members:
+        return []
+    largest = max(members, key=lambda a: (a.runs_with_bytes, a.allocation_id))
+    return [
+        replace(
+            a,
+            memory_bytes=a.runs_with_bytes if a is largest else 0,
+            turn_memory_bytes=a.runs_with_bytes,
+        )
+        for a in members
+    ]
+
+
+def _recharge_in_turns(allocations: dict[str, Allocation], group: str) -> int:
+    """Charge group `group`'s allocations (in `allocations`, changed in place) in turns after
+    a member left; returns the memory that comes free."""
+    members = [a for a in allocations.values() if a.slice_group == group]
+    before = sum(a.memory_bytes for a in members)
+    for a in _spread_in_turns(members):
+        allocations[a.allocation_id] = a
+    return before - max((a.runs_with_bytes for a in members), default=0)
+
+
+def _charged_in_turns(allocations: Iterable[Allocation]) -> list[Allocation]:
+    """Stored allocations with the memory of each time-slice group that holds a member in turns
+    charged once, at its largest member's (the stored charges may predate a member's end)."""
+    listed = list(allocations)
+    groups = {a.slice_group for a in listed if a.turn_memory_bytes}
+    if not groups:
+        return listed
+    spread = {
+        a.allocation_id: a
+        for group in groups
+        for a in _spread_in_turns([m for m in listed if m.slice_group == group])
+    }
+    return [spread.get(a.allocation_id, a) for a in listed]
 
 
 def _load_allocations(

@@ -34,6 +34,7 @@ clamping above). MIG batch tasks never reach placement policies (mig_batches.py 
 
 from __future__ import annotations
 
+import heapq
 import math
 import weakref
 from collections import Counter, OrderedDict
@@ -41,7 +42,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gpuloom.policies.fleet.model import WHOLE_GPU, FleetPolicy, FleetState, NodeSpec, PodShape
+from gpuloom.policies.fleet.model import (
+    WHOLE_GPU,
+    FleetPolicy,
+    FleetState,
+    NodeSpec,
+    PodShape,
+    RankedFleetPolicy,
+)
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet import Fleet, GpuSlot
@@ -59,8 +67,8 @@ MIB = 1 << 20
 WORKLOAD_WINDOW = 10_000  # jobs whose shapes make the workload distribution
 MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked one always)
 SEED = 0
-WORKLOAD_REFRESH = 1_000  # decisions between refreshes of the kept view's workload weights
-RECT_RETRIES = 64  # chosen nodes found unable to take the job before giving up
+WORKLOAD_REFRESH = 10_000  # decisions between refreshes of the kept view's workload weights
+WALK_BATCH = 4  # nodes checked ahead at first when walking a ranked policy's order (doubling)
 
 
 def share_milli(w: int, h: int) -> int:
@@ -230,6 +238,21 @@ def _gpu_free_milli(slot: GpuSlot) -> int:
     return min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
 
 
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """One decision of the kept view: the job, its shape's index, its per-GPU share (milli) and
+    GPU count, the policy's name, the live fleet."""
+
+    job: JobRequest
+    q: int
+    d: int
+    k: int
+    name: str
+    fleet: Fleet
+    w: int  # the job's rectangle: quota steps by SM percent
+    h: int
+
+
 class _Kept:
     """The view of one live `Fleet`, kept in step with it instead of rebuilt per decision: a
     `FleetState` whose rows are refreshed for the nodes the fleet's journal says were touched
@@ -238,12 +261,15 @@ class _Kept:
     model's own model rule; nodes without enough GPUs with its memory free are left out
     (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
     chosen GPU is checked for its memory and whether the share's rectangle fits (one that
-    fails is hidden for this decision and the policy asked again). What it cannot keep (nodes
-    with GPUs of several models, a shared model, a list of nodes) goes the rebuilding way
-    (`decide` answers None)."""
+    fails: that node's GPUs that cannot take the job are hidden for this decision and the
+    policy asked again, until a GPU takes it or no node fits; a ranked policy's order is
+    walked instead, to the same node, `_walk`). Rows changed for a decision are put back with
+    their versions. What it cannot keep (nodes with GPUs of several models, a shared model, a
+    list of nodes) goes the rebuilding way (`decide` answers None)."""
 
     def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
         self.policy = policy
+        self.ranked = policy if isinstance(policy, RankedFleetPolicy) else None
         self.counts_hosted = counts_hosted
         self.state: FleetState | None = None
         self.topology = -1
@@ -252,6 +278,10 @@ class _Kept:
         self.index: dict[PodShape, int] = {}
         self.decisions = 0
         self.mixed = False
+        self.roomy = np.zeros((0, 0), dtype=bool)  # per decision: GPUs with the job's memory free
+        self.saved: dict[int, tuple[np.ndarray, int]] = {}  # rows changed for one decision
+        self.every_node = np.zeros(0, dtype=np.int64)
+        self.slots: dict[str, GpuSlot] = {}  # the fleet's, for the decision
 
     def decide(
         self,
@@ -267,62 +297,202 @@ class _Kept:
             return None
         state = self.state
         assert state is not None
-        q = self.index[asked]
-        d = asked.gpu_milli
-        need = job.memory_bytes
-        k = asked.num_gpu
-        # For this decision only: a GPU one milli short (free area rounds down, the share up)
-        # whose rectangles fit the job shows the share; the nodes without enough GPUs that
-        # have the job's memory free are not allowed (the state's rows stay as they are, so
-        # the policies' per-node caches hold).
-        exact = np.zeros(state.gpu_free.shape, dtype=bool)
-        if d < WHOLE_GPU:
-            near = (state.gpu_free == d - 1) & (self.gpu_mem >= need)
-            for i, j in zip(*np.nonzero(near), strict=True):
-                slot = fleet.slot(self.gpu_ids[i][j])
-                exact[i, j] = slot.schedulable and slot.free.fits(job.w, job.sm_percent)
-        rows = np.flatnonzero(exact.any(axis=1))
-        saved = state.gpu_free[rows].copy()
-        hidden: set[int] = set()
+        ask = _Ask(
+            job,
+            self.index[asked],
+            asked.gpu_milli,
+            asked.num_gpu,
+            name,
+            fleet,
+            job.w,
+            job.sm_percent,
+        )
+        self.slots = fleet.slots
+        self.roomy = self.gpu_mem >= job.memory_bytes
+        self.saved = {}
         try:
-            if rows.size:
-                state.gpu_free[rows] = np.where(exact[rows], d, saved)
-                state.version[rows] += 1
-            roomy = self.gpu_mem >= need
-            for _ in range(RECT_RETRIES):
-                state.allowed = ((state.gpu_free >= d) & roomy).sum(axis=1) >= k
-                choice = self.policy.choose(state, q, rng)
+            # For this decision only: a GPU one milli short (free area rounds down, the share
+            # up) whose rectangles fit the job shows the share; the nodes without enough GPUs
+            # that have the job's memory free are not allowed (rows changed for the decision
+            # are put back with their versions after it, so the policies' caches hold).
+            if ask.d < WHOLE_GPU:
+                self._show_near(ask)
+            state.allowed = ((state.gpu_free >= ask.d) & self.roomy).sum(axis=1) >= ask.k
+            if ask.d == WHOLE_GPU:
+                choice = self.policy.choose(state, ask.q, rng)
                 if choice is None:
                     return Unplaceable(job.job_id, "")
                 i = choice.node
-                node = self.nodes[i]
-                if d == WHOLE_GPU:
-                    cols = np.flatnonzero((state.gpu_free[i] == WHOLE_GPU) & roomy[i])[:k]
-                    gpus = [self.gpu_ids[i][j] for j in cols]
-                    whole = Rect(0, 0, GRID_W, GRID_H)
-                    return Placement(job.job_id, gpus[0], node, whole, name, tuple(gpus[1:]))
-                j = choice.gpus[0]
-                if roomy[i, j]:
-                    box = fleet.slot(self.gpu_ids[i][j]).free.best_fit(job.w, job.sm_percent)
-                    if box is not None:
-                        rect = Rect(box[0], box[1], job.w, job.sm_percent)
-                        return Placement(job.job_id, self.gpu_ids[i][j], node, rect, name)
-                # Too little memory there, or its free rectangles do not fit: hide every GPU of
-                # this node that cannot take the job, for this decision, and ask again.
-                hidden.add(i)
-                for jj in np.flatnonzero(state.gpu_free[i] >= d).tolist():
-                    slot = fleet.slot(self.gpu_ids[i][jj])
-                    if not (roomy[i, jj] and slot.free.fits(job.w, job.sm_percent)):
-                        state.gpu_free[i, jj] = min(int(state.gpu_free[i, jj]), d - 1)
-                state.version[i] += 1
-            return None
+                cols = np.flatnonzero((state.gpu_free[i] == WHOLE_GPU) & self.roomy[i])[: ask.k]
+                gpus = [self.gpu_ids[i][j] for j in cols]
+                whole = Rect(0, 0, GRID_W, GRID_H)
+                return Placement(job.job_id, gpus[0], self.nodes[i], whole, name, tuple(gpus[1:]))
+            if self.ranked is not None:
+                return self._walk(self.ranked, ask)
+            return self._ask(ask, rng)
         finally:
             state.allowed = None
-            if rows.size:
-                state.gpu_free[rows] = saved
-                state.version[rows] += 1
-            for i in hidden:
-                self._refresh_row(fleet, i)
+            for i, (row, version) in self.saved.items():
+                state.gpu_free[i] = row
+                state.version[i] = version
+
+    def _ask(self, ask: _Ask, rng: np.random.Generator) -> Placement | Unplaceable:
+        """A share: ask the policy; while the GPU it chooses cannot take the job (too little
+        memory, or no free rectangle of the job's shape), hide that node's GPUs that cannot
+        and ask again."""
+        state = self.state
+        assert state is not None
+        while True:
+            choice = self.policy.choose(state, ask.q, rng)
+            if choice is None:
+                return Unplaceable(ask.job.job_id, "")
+            placed = self._place_share(ask, choice.node, choice.gpus[0])
+            if placed is not None:
+                return placed
+            self._hide(self.policy, ask, [(choice.node, choice.gpus[0])])
+
+    def _walk(self, policy: RankedFleetPolicy, ask: _Ask) -> Placement | Unplaceable:
+        """`_ask`'s decision, for a policy that ranks nodes by their own keys: the nodes in
+        the policy's order, each node whose GPU fails hidden and put back in the order with
+        its keys read again (what `_ask` would choose next), without asking again. The
+        nodes' GPUs are checked, hidden and re-read in batches of growing size ahead of the
+        walk: a node's keys are its own, so hiding one the walk has not reached changes
+        nothing it reads before it."""
+        state = self.state
+        assert state is not None
+        keys = policy.keys(state, ask.q, self.every_node)
+        order = np.flatnonzero(keys[0] > -np.inf)
+        rank = state.rank
+        order = order[np.lexsort((rank[order], *(-key[order] for key in reversed(keys))))]
+        again: list[tuple[tuple[float, ...], int, int]] = []  # hidden nodes, read again
+        pos, batch = 0, WALK_BATCH
+        while pos < len(order):
+            ahead = order[pos : pos + batch]
+            pos += len(ahead)
+            batch *= 2
+            entries = [
+                (tuple(-key for key in row), r, i)
+                for *row, r, i in zip(
+                    *(key[ahead].tolist() for key in keys),
+                    rank[ahead].tolist(),
+                    ahead.tolist(),
+                    strict=True,
+                )
+            ]
+            gpus = policy.share_gpus(state, ask.q, ahead)
+            fits = self.roomy[ahead, gpus].tolist()
+            gpus = gpus.tolist()
+            for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
+                fits[n] = fits[n] and self._fits(ask, i, j)
+            failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
+            read = self._hide(policy, ask, failed)
+            for entry, j, ok in zip(entries, gpus, fits, strict=True):
+                while again and again[0] < entry:
+                    placed = self._take_again(policy, ask, again)
+                    if placed is not None:
+                        return placed
+                if ok:
+                    placed = self._place_share(ask, entry[2], j)
+                    assert placed is not None  # it has the memory and a rectangle
+                    return placed
+                if read[entry[2]] is not None:
+                    heapq.heappush(again, read[entry[2]])
+        while again:
+            placed = self._take_again(policy, ask, again)
+            if placed is not None:
+                return placed
+        return Unplaceable(ask.job.job_id, "")
+
+    def _take_again(
+        self, policy: RankedFleetPolicy, ask: _Ask, again: list[tuple[tuple[float, ...], int, int]]
+    ) -> Placement | None:
+        """The best of the hidden nodes: placed there, or (should its GPU still fail) hidden
+        further and put back."""
+        state = self.state
+        assert state is not None
+        _, _, i = heapq.heappop(again)
+        j = int(policy.share_gpus(state, ask.q, np.array([i]))[0])
+        placed = self._place_share(ask, i, j)
+        if placed is None:
+            entry = self._hide(policy, ask, [(i, j)])[i]
+            if entry is not None:
+                heapq.heappush(again, entry)
+        return placed
+
+    def _show_near(self, ask: _Ask) -> None:
+        state = self.state
+        assert state is not None
+        near = (state.gpu_free == ask.d - 1) & self.roomy
+        changed: set[int] = set()
+        for i, j in zip(*np.nonzero(near), strict=True):
+            slot = ask.fleet.slot(self.gpu_ids[i][j])
+            if slot.schedulable and slot.free.fits(ask.w, ask.h):
+                self._save(int(i))
+                state.gpu_free[i, j] = ask.d
+                changed.add(int(i))
+        for i in changed:
+            state.touch(i)
+
+    def _save(self, i: int) -> None:
+        state = self.state
+        assert state is not None
+        if i not in self.saved:
+            self.saved[i] = (state.gpu_free[i].copy(), int(state.version[i]))
+
+    def _fits(self, ask: _Ask, i: int, j: int) -> bool:
+        """Whether GPU j of node i has a free rectangle of the job's shape."""
+        return self.slots[self.gpu_ids[i][j]].free.fits(ask.w, ask.h)
+
+    def _place_share(self, ask: _Ask, i: int, j: int) -> Placement | None:
+        if not self.roomy[i, j]:
+            return None
+        gpu_id = self.gpu_ids[i][j]
+        box = self.slots[gpu_id].free.best_fit(ask.w, ask.h)
+        if box is None:
+            return None
+        rect = Rect(box[0], box[1], ask.w, ask.h)
+        return Placement(ask.job.job_id, gpu_id, self.nodes[i], rect, ask.name)
+
+    def _hide(
+        self, policy: FleetPolicy, ask: _Ask, failed: list[tuple[int, int]]
+    ) -> dict[int, tuple[tuple[float, ...], int, int] | None]:
+        """For this decision: every GPU of each node i of `failed` (with the GPU j that was
+        chosen there and cannot take the job) that cannot take the job shows less than its
+        share, and whether node i is allowed is read again. A ranked policy's walk entries of
+        those nodes, read again (None: the job no longer goes there)."""
+        state = self.state
+        assert state is not None and state.allowed is not None
+        if not failed:
+            return {}
+        for i, _ in failed:
+            self._save(i)
+        rows = np.array([i for i, _ in failed], dtype=np.int64)
+        free = state.gpu_free[rows]
+        room = self.roomy[rows]
+        open_ = free >= ask.d
+        hide = open_ & ~room
+        hide[np.arange(len(rows)), [j for _, j in failed]] = True
+        ids = self.gpu_ids
+        slots = self.slots
+        for r, jj in zip(*np.nonzero(open_ & ~hide), strict=True):
+            if not slots[ids[failed[r][0]][jj]].free.fits(ask.w, ask.h):
+                hide[r, jj] = True
+        free = np.where(hide, np.minimum(free, ask.d - 1), free)
+        state.gpu_free[rows] = free
+        state.touch_rows(rows)
+        state.allowed[rows] = ((free >= ask.d) & room).sum(axis=1) >= ask.k
+        if policy is not self.ranked or self.ranked is None:
+            return {}
+        keys = self.ranked.keys(state, ask.q, rows)
+        return {
+            i: (tuple(-key for key in row), r, i) if row[0] > -np.inf else None
+            for *row, r, i in zip(
+                *(key.tolist() for key in keys),
+                state.rank[rows].tolist(),
+                rows.tolist(),
+                strict=True,
+            )
+        }
 
     # ---- keeping the view ----
 
@@ -390,6 +560,7 @@ class _Kept:
         self.node_index = {name: i for i, name in enumerate(self.nodes)}
         self.gpu_ids = [tuple(n.gpu_ids) for n in nodes]
         self.gpu_mem = np.zeros(self.state.gpu_free.shape, dtype=np.int64)
+        self.every_node = np.arange(len(nodes))
         for i in range(len(nodes)):
             self._refresh_row(fleet, i)
         return True
@@ -431,4 +602,4 @@ class _Kept:
                         tag = 2 if whole else 1
                         if tag < tags:
                             state.hosted[i, tag] += 1
-        state.version[i] += 1
+        state.touch(i)

@@ -9,6 +9,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpuloom.policies.fleet.model import RankedFleetPolicy
+from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.placement import Placement, get_policy
 from gpuloom.policies.placement.fleet_model import MIB, FleetModelPolicy, _gpu_free_milli
 
@@ -130,3 +132,78 @@ def test_a_gpu_short_of_memory_is_hidden_for_that_job_only() -> None:
     # The hidden GPU is back in the view after the decision, as the fleet has it.
     assert_kept_equals_fresh(policy, fleet)
     assert sorted(policy._live[fleet].gpu_mem[:, 0].tolist()) == [5 * GIB, 30 * GIB]
+
+
+class AskedAgain:
+    """A ranked fleet policy stripped to `choose`: the kept view then decides a share the slow
+    way (`_Kept._ask`: ask, hide the failing node's unusable GPUs, ask again), the reference
+    its walk must equal. Counts the decisions that needed more than one ask."""
+
+    def __init__(self, name: str) -> None:
+        self.inner = FLEET_POLICIES.create(name)
+        self.name = self.inner.name
+        self.asks = 0
+
+    def choose(self, state, q, rng):
+        self.asks += 1
+        return self.inner.choose(state, q, rng)
+
+
+def rich_fleet():
+    """Nodes of 4 or 8 GPUs of two models, small GPU memory: a node's preferred GPU often lacks
+    the memory or a free rectangle of the job's shape."""
+    gpus = []
+    for n in range(12):
+        model = "A" if n % 3 else "B"
+        for g in range(4 if n % 2 else 8):
+            gpus.append(
+                gpu(
+                    f"n{n}g{g}",
+                    model,
+                    16,
+                    node=f"n{n}",
+                    node_cpu_milli=64000,
+                    node_memory_bytes=256 * GIB,
+                )
+            )
+    return fleet_of(*gpus)
+
+
+@settings(max_examples=12, deadline=None)
+@given(name=st.sampled_from(["fgd", "best"]), seed=st.integers(0, 10_000))
+def test_the_walk_decides_as_asking_again(name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    fast, slow = rich_fleet(), rich_fleet()
+    walking = FleetModelPolicy(name)
+    asking = FleetModelPolicy(name)
+    reference = AskedAgain(name)
+    asking._policy = reference
+    assert isinstance(walking._policy, RankedFleetPolicy)
+    assert not isinstance(reference, RankedFleetPolicy)
+    live: list[str] = []
+    retried = 0
+    for n in range(160):
+        if rng.random() < 0.65 or not live:
+            ask = job(
+                f"j{n}",
+                rng.choice((6, 12, 25, 50, 60, 100)),
+                rng.choice((10, 20, 40, 60, 100)),
+                memory_gib=rng.choice((1, 2, 4, 8, 12)),
+                gpu_model=rng.choice(("", "", "A", "B")),
+                cpu_milli=rng.choice((0, 0, 2000)),
+                gpus=rng.choice((1,) * 9 + (2,)),
+            )
+            if ask.gpus > 1:
+                ask = job(f"j{n}", 100, 100, 1, gpus=2)
+            before = reference.asks
+            got, expected = fast.place(ask, walking), slow.place(ask, asking)
+            retried += reference.asks - before > 1
+            assert got == expected, (n, got, expected)
+            if isinstance(got, Placement):
+                live.append(got.allocation_id)
+        else:
+            victim = live.pop(rng.randrange(len(live)))
+            fast.release(victim)
+            slow.release(victim)
+    assert retried  # the walk met failing GPUs: the comparison covered hiding
+    fast.verify()
