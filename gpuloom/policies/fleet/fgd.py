@@ -165,8 +165,10 @@ class FragDeltas:
             return
         sid, renumbered = self._states.current()
         size = len(self._states.ids)
-        for by_state in (self._frag, *self._results.values()):
-            by_state.fit(size, renumbered)
+        if renumbered is not None:
+            for by_state in self._results.values():
+                by_state.fit(size, renumbered)
+        self._frag.fit(size, renumbered)
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
