@@ -122,9 +122,10 @@ class FragDeltas:
     def __init__(self, state: FleetState) -> None:
         n, q = len(state.nodes), len(state.shapes)
         self.state = state
-        self.score = np.full((n, q), -np.inf)
-        self.gpu = np.full((n, q), -1, dtype=np.int64)
-        self.version = np.full((n, q), -1, dtype=np.int64)
+        # Per (shape, node): one shape's row is contiguous, as a decision reads it.
+        self.score = np.full((q, n), -np.inf)
+        self.gpu = np.full((q, n), -1, dtype=np.int64)
+        self.version = np.full((q, n), -1, dtype=np.int64)
         self._states = _NodeStates(state)
         self._results: dict[tuple[int, int, int], _ByState] = {}
         self._frag = _ByState(64, frag=np.nan)  # each state's fragmentation
@@ -134,15 +135,15 @@ class FragDeltas:
         deltas = state.memo.get("frag_deltas")
         if not isinstance(deltas, FragDeltas):
             deltas = state.memo["frag_deltas"] = cls(state)
-        elif deltas.score.shape[1] < len(state.shapes):  # shapes added since (add_shape)
-            deltas._grow(len(state.shapes) - deltas.score.shape[1])
+        elif deltas.score.shape[0] < len(state.shapes):  # shapes added since (add_shape)
+            deltas._grow(len(state.shapes) - deltas.score.shape[0])
         return deltas
 
     def _grow(self, more: int) -> None:
-        n = self.score.shape[0]
+        n = self.score.shape[1]
 
         def pad(a: np.ndarray, fill: float) -> np.ndarray:
-            return np.hstack([a, np.full((n, more), fill, dtype=a.dtype)])
+            return np.vstack([a, np.full((more, n), fill, dtype=a.dtype)])
 
         self.score, self.gpu = pad(self.score, -np.inf), pad(self.gpu, -1)
         self.version = pad(self.version, -1)
@@ -152,14 +153,14 @@ class FragDeltas:
         those `FleetState.allowed` allows, when it is set): a lookup by node state, computed
         only for states this pod class has not met."""
         s = self.state
-        stale = np.flatnonzero(self.version[:, q] != s.version)
+        stale = np.flatnonzero(self.version[q] != s.version)
         if s.allowed is not None:  # the others read -inf (`only_allowed`): left for later
             stale = stale[s.allowed[stale]]
         if not stale.size:
             return
         fits = s.fits_rows(q, stale)
-        self.version[stale, q] = s.version[stale]
-        self.score[stale[~fits], q] = -np.inf
+        self.version[q, stale] = s.version[stale]
+        self.score[q, stale[~fits]] = -np.inf
         where = stale[fits]
         if not where.size:
             return
@@ -180,7 +181,7 @@ class FragDeltas:
             new, first = np.unique(ids[missing], return_index=True)
             score, gpu = self._compute(q, where[missing][first], new)
             results["score"][new], results["gpu"][new] = score, gpu
-        self.score[where, q], self.gpu[where, q] = results["score"][ids], results["gpu"][ids]
+        self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
 
     def _compute(self, q: int, where: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(score, GPU) per node of `where` (all fit shape q; their state ids `ids`): the top
@@ -202,11 +203,11 @@ class FragDeltas:
         """The published FGD score per node for shape q (-inf: does not fit), refreshed; with
         `FleetState.allowed` set, only the allowed nodes' (read it through `only_allowed`)."""
         self.refresh(q)
-        return self.score[:, q]
+        return self.score[q]
 
     def choice(self, n: int, q: int) -> Choice:
         """Node n with the GPU of the published rule (a share) or its first free GPUs."""
-        gpu = int(self.gpu[n, q])
+        gpu = int(self.gpu[q, n])
         return Choice(n, (gpu,) if gpu >= 0 else self.state.bestfit_gpus(n, q))
 
 
@@ -224,6 +225,4 @@ class FgdPolicy:
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """The GPU a share of shape q takes on each node of `rows` (which it fits)."""
-        deltas = FragDeltas.of(state)
-        deltas.refresh(q)
-        return deltas.gpu[rows, q]
+        return FragDeltas.of(state).gpu[q, rows]
