@@ -71,8 +71,8 @@ REGION_SAMPLES = 224  # entries of the memory sample ring
 OPEN_ENDED_NS = (1 << 64) - 1
 
 _OFF_MAGIC, _OFF_VERSION, _OFF_EPOCH, _OFF_STATE = 0, 4, 8, 12
-_OFF_ADMIT_UNTIL, _OFF_LEASE_ID, _OFF_MEMORY_CAP = 16, 24, 32
-_OFF_SM_PERCENT, _OFF_MODE = 40, 44
+_OFF_ADMIT_UNTIL, _OFF_LEASE_ID = 16, 24
+# 32..47: unused (zero): the memory cap, priority and mode come on the Registered frame.
 # Written by the dispatcher: the suspension's deadline (CLOCK_MONOTONIC ns, renewed while it
 # lasts; 0 = not suspended) and the memory sample period (us; 0 = the shim samples nothing).
 _OFF_SUSPEND_UNTIL, _OFF_SAMPLE_PERIOD = 48, 56
@@ -221,14 +221,7 @@ class AdmissionRegion:
     # -- creating and opening --
 
     @classmethod
-    def create(
-        cls,
-        name: str,
-        memory_cap_bytes: int,
-        sm_percent: int,
-        mode: ShimMode,
-        sample_period_us: int = 0,
-    ) -> tuple[AdmissionRegion, int]:
+    def create(cls, name: str, sample_period_us: int = 0) -> tuple[AdmissionRegion, int]:
         """A fresh region in a memfd; returns the region and the fd to pass to the client."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
@@ -238,8 +231,6 @@ class AdmissionRegion:
             os.close(fd)
             raise
         struct.pack_into("<II", mapping, _OFF_MAGIC, REGION_MAGIC, REGION_VERSION)
-        struct.pack_into("<Q", mapping, _OFF_MEMORY_CAP, memory_cap_bytes)
-        struct.pack_into("<II", mapping, _OFF_SM_PERCENT, sm_percent, int(mode))
         struct.pack_into("<I", mapping, _OFF_SAMPLE_PERIOD, sample_period_us)
         region = cls(mapping)
         region._state.value = AdmissionState.WAITING
@@ -284,10 +275,6 @@ class AdmissionRegion:
     @property
     def lease_id(self) -> int:
         return self._lease_id.value
-
-    @property
-    def memory_cap_bytes(self) -> int:
-        return struct.unpack_from("<Q", self._mapping, _OFF_MEMORY_CAP)[0]
 
     @property
     def suspended_until_ns(self) -> int:

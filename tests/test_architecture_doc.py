@@ -90,3 +90,41 @@ def test_every_policy_family_finds_its_policies_through_a_registry(family: str) 
         f"gpuloom/policies/{family}/ finds its policies by name without a Registry "
         "(gpuloom/policies/registry.py)"
     )
+
+
+def walk_section() -> str:
+    text = ARCHITECTURE.read_text()
+    start = text.index("## One request, from SubmitJob")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+def test_each_walk_counts_the_shapes_it_lists() -> None:
+    """A walk's heading says "N shapes"; its numbered list ends at N (the lists of the shim's
+    half go on from the reservation's count)."""
+    walks = re.findall(
+        r"\*\*(Priority|Time quota|Memory cap)\*\*:[^\n]*?(\d+) shapes", walk_section()
+    )
+    assert len(walks) == 6, walks  # three to the reservation, three from it on
+    blocks = re.split(r"\n\*\*(?:Priority|Time quota|Memory cap)\*\*:", walk_section())[1:]
+    for (name, count), block in zip(walks, blocks, strict=True):
+        numbers = [int(n) for n in re.findall(r"^(\d+)\. ", block, re.MULTILINE)]
+        assert numbers and numbers[-1] == int(count), (name, count, numbers)
+
+
+def test_the_walk_names_only_code_that_exists() -> None:
+    """Every identifier the walk puts in backticks (a function, a type, a field: `a.b_c`,
+    `gl_fk_add_task`, `Share.priority`) is found in the sources, so a rename breaks the walk."""
+    sources = "\n".join(
+        path.read_text(errors="replace")
+        for folder in ("gpuloom", "services", "clients", "shim/src", "protos")
+        for path in (ROOT / folder).rglob("*")
+        if path.suffix in (".py", ".c", ".h", ".proto") and "v1" not in path.parts
+    )
+    names = set()
+    for quoted in re.findall(r"`([^`]+)`", walk_section()):
+        for token in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", quoted.split(":")[-1]):
+            if "_" in token.strip("_") or re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", token):
+                names.add(token)
+    missing = sorted(name for name in names if not re.search(rf"\b{name}\b", sources))
+    assert names and not missing, missing

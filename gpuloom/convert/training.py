@@ -76,7 +76,12 @@ def reports_from_pb(reports: Iterable[pb.TrainingReport]) -> list[TrainingReport
             problem = error.message.removeprefix(f"{error.field}: ")
             raise InvalidArgument(f"training[{index}].cycle.{error.field}", problem) from None
         report = TrainingReport(
-            msg.assignment_id, cycle, msg.suspended, msg.suspended_reason, msg.memory_released
+            msg.assignment_id,
+            cycle,
+            msg.suspended,
+            msg.suspended_reason,
+            msg.memory_released,
+            msg.memory_note,
         )
         report.validate(f"training[{index}]")
         out.append(report)
@@ -92,6 +97,7 @@ def report_to_pb(report: TrainingReport) -> pb.TrainingReport:
         suspended=report.suspended,
         suspended_reason=report.suspended_reason,
         memory_released=report.memory_released,
+        memory_note=report.memory_note,
     )
 
 
@@ -119,6 +125,10 @@ def training_to_pb(state: TrainingState) -> pb.TrainingState:
         last_hook_error=state.last_hook_error,
         last_hook_error_at=timestamp(state.last_hook_error_at),
         resizes=state.resizes,
+        memory_in_turns=state.memory_in_turns,
+        memory_released=state.memory_released,
+        preempted_by=state.preempted_by,
+        memory_note=state.memory_note,
     )
     migration = state.migration
     if migration is not None:
@@ -177,4 +187,8 @@ def training_from_pb(msg: pb.TrainingState) -> TrainingState:
         last_hook_error_at=unix_s(msg, "last_hook_error_at"),
         migration=migration,
         resizes=msg.resizes,
+        memory_in_turns=msg.memory_in_turns,
+        memory_released=msg.memory_released,
+        preempted_by=msg.preempted_by,
+        memory_note=msg.memory_note,
     )

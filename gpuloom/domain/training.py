@@ -97,16 +97,23 @@ class TrainingReport:
     # While suspended: its device memory is in host memory (the driver's checkpoint API), so
     # the GPU's memory it was given is free until it resumes.
     memory_released: bool = False
+    # While suspended: why its memory is not in host memory (no checkpoint API, a lock or
+    # checkpoint that failed), or why a resume could not restore it (it stays suspended).
+    memory_note: str = ""
 
     def validate(self, field: str) -> None:
         if not 1 <= len(self.assignment_id) <= 128:
             raise InvalidArgument(f"{field}.assignment_id", "required (at most 128 characters)")
-        if len(self.suspended_reason) > MAX_SUSPEND_REASON_CHARS:
-            raise InvalidArgument(
-                f"{field}.suspended_reason", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
-            )
-        if self.suspended_reason and not self.suspended:
-            raise InvalidArgument(f"{field}.suspended_reason", "given for a process not suspended")
+        for name, text in (
+            ("suspended_reason", self.suspended_reason),
+            ("memory_note", self.memory_note),
+        ):
+            if len(text) > MAX_SUSPEND_REASON_CHARS:
+                raise InvalidArgument(
+                    f"{field}.{name}", f"at most {MAX_SUSPEND_REASON_CHARS} characters"
+                )
+            if text and not self.suspended:
+                raise InvalidArgument(f"{field}.{name}", "given for a process not suspended")
         cycle = self.cycle
         for name, value in (
             ("minibatch_s", cycle.minibatch_s),
@@ -173,11 +180,33 @@ class TrainingState:
     last_hook_error_at: float = 0.0
     migration: MigrationRequest | None = None
     resizes: int = 0  # grow-shrink: grows and shrinks completed
+    # Its GPU's dispatcher frees a suspended job's memory (the driver's checkpoint API), so it
+    # takes the GPU's memory in turns with the jobs it is time-sliced with; False: a suspension
+    # keeps its memory resident (a driver older than r570, or switched off).
+    memory_in_turns: bool = False
+    memory_released: bool = False  # suspended, its device memory is in host memory now
+    # Head-of-queue preemption: the job that took its GPUs; it stays suspended until that one
+    # ends. "" for none.
+    preempted_by: str = ""
+    memory_note: str = ""  # suspended: its dispatcher's note on its memory (a failed restore)
+
+    def memory_text(self) -> str:
+        """What a suspension does with its GPU memory, in words."""
+        if self.memory_released:
+            return "in host memory while suspended (checkpointed); taken in turns"
+        if self.memory_in_turns:
+            return "freed while suspended (the driver's checkpoint API); taken in turns"
+        return (
+            "stays resident while suspended (its dispatcher's driver has no checkpoint API, "
+            "or it is off): jobs time-sliced with it must fit beside it"
+        )
 
     def describe(self) -> str:
         """One word or phrase for tables: running, suspended, packed with X, migrating."""
         if self.phase is TrainingPhase.PACKED and self.packed_with:
             return f"packed with {self.packed_with}"
+        if self.preempted_by:
+            return f"preempted by {self.preempted_by}"
         migration = self.migration
         if self.phase is TrainingPhase.MIGRATING and migration is not None and migration.gpus:
             doing = {"grow": "growing", "shrink": "shrinking"}.get(migration.reason, "moving")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 
@@ -92,6 +93,25 @@ def check_version(field: str, version: int | None) -> None:
         raise InvalidArgument(field, f"must be within 0..{MAX_INT64}, got {version}")
 
 
+# A CUDA graph's entry (measured and admitted as one unit, shim/src/graphs.c): this name, with
+# all six dimensions 0; no kernel has either.
+GRAPH_NAME = re.compile(r"<graph:[0-9a-f]{16}>")
+NO_DIM = Dim3(0, 0, 0)
+
+
+def _check_shape(f: str, name: str, grid: Dim3, block: Dim3) -> None:
+    """A kernel's launch dimensions, or a graph's shape: its name and no dimensions."""
+    if GRAPH_NAME.fullmatch(name):
+        for field, dim in ((f"{f}.grid", grid), (f"{f}.block", block)):
+            if dim != NO_DIM:
+                raise InvalidArgument(field, f"must be 0 0 0 for a graph ({name}), got {dim}")
+        return
+    if name.startswith("<graph"):
+        raise InvalidArgument(f"{f}.name", "a graph is named <graph:16 lowercase hex digits>")
+    check_dim3(f"{f}.grid", grid, GRID_LIMITS)
+    check_dim3(f"{f}.block", block, BLOCK_LIMITS)
+
+
 def _check_kernel_profile(p: KernelProfile) -> None:
     check_range("profile.measured_runs", p.measured_runs, 1, MAX_MEASURED_RUNS)
     check_entries("profile.kernels", p.kernels)
@@ -99,8 +119,7 @@ def _check_kernel_profile(p: KernelProfile) -> None:
         f = f"profile.kernels[{i}]"
         check_range(f"{f}.kernel_id", k.kernel_id, 0, 2**64 - 1)
         check_name(f"{f}.name", k.name, MAX_KERNEL_NAME_CHARS)
-        check_dim3(f"{f}.grid", k.grid, GRID_LIMITS)
-        check_dim3(f"{f}.block", k.block, BLOCK_LIMITS)
+        _check_shape(f, k.name, k.grid, k.block)
         check_range(f"{f}.sample_count", k.sample_count, 1, MAX_INT64)
         check_non_negative(f"{f}.mean_duration_ns", k.mean_duration_ns)
         check_non_negative(f"{f}.p50_duration_ns", k.p50_duration_ns)

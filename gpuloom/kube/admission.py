@@ -8,7 +8,10 @@ so that gpuloom's scheduler profile, whose extender asks placement, schedules it
 label `gpuloom.io/managed=true` and one `gpuloom.io/gpu` device for the device plugin when it
 named none. A refusal names the Pod's field. Updates that change the annotations only gpuloom
 writes are refused unless gpuloom's own service account makes them, so that the device plugin
-may trust them. Pods that ask nothing of gpuloom pass untouched.
+may trust them. A device plugin's account (`plugin_users`) may change one thing of a Pod: the
+annotation `gpuloom.io/allocated` (its labels, its other annotations and the rest stay as they
+were), so a node's plugin, which RBAC lets patch Pods, cannot bind Pods to jobs or relabel
+them. Pods that ask nothing of gpuloom pass untouched.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.kube.asks import (
+    ALLOCATED,
     GPU,
     GPU_MODEL,
     MANAGED_LABEL,
@@ -33,6 +37,7 @@ from gpuloom.kube.asks import (
 from gpuloom.policies.placement.model import describe_gib
 
 API_VERSION = "admission.k8s.io/v1"
+PLUGIN_ONLY = f"a device plugin may change only the annotation {ALLOCATED}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,7 @@ class AdmissionPolicy:
     gpuloom_users: Collection[str]
     priority_classes: Mapping[str, int] = field(default_factory=dict)
     fleet: FleetLimits = field(default_factory=FleetLimits)
+    plugin_users: Collection[str] = ()
 
 
 def answer(
@@ -145,6 +151,9 @@ def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[st
     ours = isinstance(user, str) and user in policy.gpuloom_users
     annotations = _annotations(pod)
     operation = request.get("operation")
+    if operation == "UPDATE" and isinstance(user, str) and user in policy.plugin_users:
+        _check_plugin_update(pod, request.get("oldObject"))
+        return []
     if operation == "UPDATE":
         before = _annotations(request.get("oldObject"))
         for key in WRITTEN_BY_GPULOOM:
@@ -159,6 +168,21 @@ def _decide(request: Mapping[str, Any], policy: AdmissionPolicy) -> list[dict[st
     ask = pod_ask(pod, policy.policies, policy.priority_classes)
     policy.fleet.check(ask)
     return _patch(pod, ask, policy.scheduler_name)
+
+
+def _check_plugin_update(pod: Mapping[str, Any], old: object) -> None:
+    """A device plugin's update: nothing changed but the annotation gpuloom.io/allocated."""
+    before = old if isinstance(old, Mapping) else {}
+    after, was = _annotations(pod), _annotations(before)
+    for key in sorted(set(after) | set(was)):
+        if key != ALLOCATED and after.get(key) != was.get(key):
+            raise InvalidArgument(f"metadata.annotations[{key}]", PLUGIN_ONLY)
+    for part in ("labels", "ownerReferences", "finalizers"):
+        if _dig(pod, "metadata", part) != _dig(before, "metadata", part):
+            raise InvalidArgument(f"metadata.{part}", PLUGIN_ONLY)
+    for part in ("spec", "status"):
+        if pod.get(part) != before.get(part):
+            raise InvalidArgument(part, PLUGIN_ONLY)
 
 
 def _check_final(request: Mapping[str, Any], policy: AdmissionPolicy) -> None:

@@ -7,7 +7,9 @@ Kubernetes makes them equal for extended resources): `gpuloom.io/gpu` (GPUs: N w
 one node, or 1 with a share; the device plugin's resource), `gpuloom.io/sm`,
 `gpuloom.io/quota`, `gpuloom.io/quota-limit` (an MPS share: SM percent and time quota in
 percent, each 100 when not given, the limit the quota), `gpuloom.io/memory` (the GPU memory
-cap, required with a share); and through the Pod's annotations: `gpuloom.io/priority`,
+cap, required with a share), `gpuloom.io/mig` (1: one MIG instance, a MIG batch task whose
+instance size placement chooses from its MIG profile; with a task key, of kind batch); and
+through the Pod's annotations: `gpuloom.io/priority`,
 `gpuloom.io/kind`, `gpuloom.io/shared-model`, `gpuloom.io/gpu-model`, `gpuloom.io/task-key`,
 `gpuloom.io/policy`, the checkpoint hook (`gpuloom.io/checkpoint-signal`, `-command`,
 `-timeout-s`) and `gpuloom.io/function` (a replica of an auto-scaled function). docs/deploy.md
@@ -101,6 +103,11 @@ class PodAsk:
     def pod(self) -> str:
         return f"{self.namespace}/{self.name}"
 
+    @property
+    def mig(self) -> bool:
+        """Whether the Pod asks for a MIG instance (a MIG batch task in placement's terms)."""
+        return self.spec.is_mig_batch
+
 
 def asks_gpuloom(pod: Mapping[str, Any]) -> bool:
     """Whether the Pod asks anything of gpuloom: a gpuloom.io resource in any container, or
@@ -142,12 +149,9 @@ def pod_ask(
     index, container, limits = _asking_container(spec)
     where = f"spec.containers[{index}].resources"
     gpus = _whole(limits, GPU, where, 1, 64) if GPU in limits else 1
-    if MIG in limits:
-        raise InvalidArgument(
-            _resource(where, MIG),
-            "MIG instances are not placeable for Pods yet (placement keeps MIG GPUs for the "
-            "batch tasks it runs through the dispatchers; docs/deploy.md)",
-        )
+    mig = MIG in limits
+    if mig:
+        _check_mig(limits, where, annotations, spec)
     function = annotations.get(FUNCTION, "")
     if function and not FUNCTION_NAME.fullmatch(function):
         raise InvalidArgument(_annotation(FUNCTION), "must be 1..128 of A-Z a-z 0-9 . _ : -")
@@ -166,7 +170,9 @@ def pod_ask(
             f"{gpus}",
         )
     priority = _priority(annotations, spec, priority_classes or {})
-    if shared:
+    if mig:
+        share = share_of(priority=priority)
+    elif shared:
         sm = _whole(limits, SM, where, 1, 100) if SM in limits else None
         quota = _whole(limits, QUOTA, where, 1, 100) if QUOTA in limits else None
         limit = _whole(limits, QUOTA_LIMIT, where, 1, 100) if QUOTA_LIMIT in limits else None
@@ -194,7 +200,9 @@ def pod_ask(
         kind=_kind(annotations, spec),
         share=share,
         mps=shared,
-        whole_gpus=0 if shared else gpus,
+        whole_gpus=0 if shared or mig else gpus,
+        mig_slices=1 if mig else 0,
+        command=_container_command(container, index) if mig else (),
         task_key=annotations.get(TASK_KEY, function),
         policy=annotations.get(POLICY, ""),
         gpu_model=annotations.get(GPU_MODEL, ""),
@@ -220,6 +228,7 @@ def pod_ask(
         "spec.checkpoint.timeout_s": _annotation(CHECKPOINT_TIMEOUT),
         "spec.checkpoint.command": _annotation(CHECKPOINT_COMMAND),
         "spec.name": "metadata.name",
+        "spec.command": f"spec.containers[{index}].command",
     }
     try:
         job.validate(policies)
@@ -227,6 +236,8 @@ def pod_ask(
         field = fields.get(error.field)
         if field is None and error.field.startswith("spec.checkpoint.command["):
             field = _annotation(CHECKPOINT_COMMAND)
+        if field is None and error.field.startswith("spec.command["):
+            field = f"spec.containers[{index}].command"
         problem = error.message.split(": ", 1)[1]
         raise InvalidArgument(field or error.field, problem) from None
     return PodAsk(
@@ -335,6 +346,63 @@ def _asking_container(spec: Mapping[str, Any]) -> tuple[int, Mapping[str, Any], 
                 f"unknown gpuloom resource; known: {', '.join(RESOURCES)}",
             )
     return index, container, limits
+
+
+def _check_mig(
+    limits: Mapping[str, Any],
+    where: str,
+    annotations: Mapping[str, str],
+    spec: Mapping[str, Any],
+) -> None:
+    """A MIG ask: `gpuloom.io/mig: 1` (one instance, whose size placement's batch planner
+    chooses from the task's MIG profile), alone of the resources, a batch task with a task
+    key. Each refusal names the field."""
+    _whole(limits, MIG, where, 1, 1)
+    for key in (*SHARE_RESOURCES, MEMORY):
+        if key in limits:
+            raise InvalidArgument(
+                _resource(where, key),
+                f"a MIG instance brings its own SMs and memory: ask for no MPS share or memory "
+                f"with {MIG}",
+            )
+    if GPU in limits and _whole(limits, GPU, where, 1, 64) != 1:
+        raise InvalidArgument(_resource(where, GPU), f"must be 1 with {MIG} (one instance)")
+    if FUNCTION in annotations:
+        raise InvalidArgument(
+            _resource(where, MIG),
+            f"a replica of an auto-scaled function ({FUNCTION}) runs at the share auto-scaling "
+            "chose for it, never in a MIG instance",
+        )
+    if _kind(annotations, spec) is not JobKind.BATCH:
+        field = _annotation(KIND) if KIND in annotations else "spec.restartPolicy"
+        raise InvalidArgument(
+            field,
+            f"a MIG Pod is a batch task: restartPolicy Never or OnFailure, or {KIND}: batch",
+        )
+    if not annotations.get(TASK_KEY):
+        raise InvalidArgument(
+            _annotation(TASK_KEY),
+            f"required with {MIG}: the MIG profile of this task key (`gpuloom profile put "
+            "mig`) gives the task's time on each instance size, from which placement chooses it",
+        )
+
+
+def _container_command(container: Mapping[str, Any], index: int) -> tuple[str, ...]:
+    """What a MIG Pod's job records as its command (the kubelet starts the container; placement
+    only keeps it): the container's command, or its image where it runs the image's
+    entrypoint, then its args."""
+    parts: dict[str, list[str]] = {}
+    for part in ("command", "args"):
+        values = container.get(part) or []
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise InvalidArgument(f"spec.containers[{index}].{part}", "must be a list of strings")
+        parts[part] = values
+    if parts["command"]:
+        return (*parts["command"], *parts["args"])
+    image = container.get("image")
+    if not isinstance(image, str) or not image:
+        raise InvalidArgument(f"spec.containers[{index}].image", "required")
+    return (image, *parts["args"])
 
 
 def _check_resources(container: Mapping[str, Any], where: str) -> None:

@@ -9,8 +9,10 @@ time. Between contexts the device works in one of two ways (docs/harvest.md, "De
   preemption; its kernel resumes where it stopped). Loading another context costs `switch`,
   during which nothing runs. Contexts take turns round-robin.
 - concurrent (MPS): the head kernels of every stream run at once. A kernel asks for
-  `demand = min(SM usage, SM partition, SMs)` SMs. When the demands exceed the GPU's SMs, every
-  kernel gets the same share of its demand (`SMs / total demand`). Beside that, a kernel is
+  `demand = min(SM usage, SM partition, SMs)` SMs; one whose partition holds fewer SMs than its
+  launch shape would use (`min(SM usage, SMs)`) runs slower in that proportion, alone too. When
+  the demands exceed the GPU's SMs, every kernel gets the same share of its demand
+  (`SMs / total demand`). Beside that, a kernel is
   slowed by what its co-runners use of the resources it is bound by: its rate is divided by
   `1 + sum over co-runners j of (F(mine, j's) - 1) * (SMs j holds / SMs)`, where F is the
   interference factor of the pair of bound classes (same, other, unknown; each >= 1).
@@ -59,7 +61,8 @@ class Interference:
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
     """The simulated GPU. Defaults: a V100 (80 SMs; the orion lists were measured on one) run
-    under MPS, as the default deployment runs its GPUs (docs/deploy.md, "MPS")."""
+    under MPS, where spatial harvesting applies. The default deployment (policy composed) runs
+    no MPS (docs/deploy.md, "MPS"): `mps=False` is that GPU (docs/harvest.md)."""
 
     sms: int = 80
     mps: bool = True
@@ -131,7 +134,8 @@ class _Kernel:
     ctx: int
     tag: Any
     work: float  # ns of work left at rate 1
-    demand: int  # SMs it asks for
+    demand: int  # SMs it asks for (within its partition)
+    want: int  # SMs its launch shape would use on the whole GPU (>= demand)
     cls: str
     start: int | None = None  # when it first ran
     segment: int | None = None  # start of the running stretch (time-sliced)
@@ -166,12 +170,26 @@ class Device:
         self.preemptions = 0
 
     # -- the caller's side -------------------------------------------------------------
-    def submit(self, now: int, ctx: int, tag: Any, duration_ns: int, demand: int, cls: str) -> None:
-        """Queue a kernel on its context's stream at `now` (>= every earlier call's time)."""
+    def submit(
+        self,
+        now: int,
+        ctx: int,
+        tag: Any,
+        duration_ns: int,
+        demand: int,
+        cls: str,
+        want: int | None = None,
+    ) -> None:
+        """Queue a kernel on its context's stream at `now` (>= every earlier call's time).
+        `want`: the SMs its launch shape would use without a partition (default `demand`); a
+        kernel held to fewer runs at `demand / want` of its speed under MPS."""
         self._progress(now)
         if not 1 <= demand <= self.config.sms:
             raise ValueError(f"demand {demand} outside 1..{self.config.sms}")
-        self.streams[ctx].append(_Kernel(ctx, tag, float(duration_ns), demand, cls))
+        want = demand if want is None else want
+        if not demand <= want <= self.config.sms:
+            raise ValueError(f"want {want} outside {demand}..{self.config.sms}")
+        self.streams[ctx].append(_Kernel(ctx, tag, float(duration_ns), demand, want, cls))
         self._schedule(now)
 
     def busy(self, ctx: int) -> bool:
@@ -300,4 +318,4 @@ class Device:
                 if j is not k:
                     f = self.config.interference.factor(k.cls, j.cls)
                     slow += (f - 1.0) * held[id(j)]
-            k.rate = share / slow
+            k.rate = share / slow * k.demand / k.want

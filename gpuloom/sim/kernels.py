@@ -322,7 +322,9 @@ class _Engine:
 
     def submit(self, task: _Task, i: int, duration: int, now: int) -> None:
         profile = task.spec.kernels[i].profile
-        self.device.submit(now, task.index, i, duration, self.demand(task, i), profile)
+        sms = self.scenario.gpu.sms
+        want = min(task.spec.kernels[i].sm_usage or sms, sms)
+        self.device.submit(now, task.index, i, duration, self.demand(task, i), profile, want)
         self.device_timer()
         self.harvest_waiting(now)
 

@@ -12,9 +12,8 @@ import structlog
 
 from gpuloom.domain.gpus import GpuInfo
 from gpuloom.policies.admission.levels import LevelScheduler
-from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.registry import get_policy
-from gpuloom.policies.tokens.scheduler import TokenConfig, TokenScheduler
+from gpuloom.policies.tokens.scheduler import TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.dispatcher.arbiter import Arbiter
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
@@ -67,16 +66,6 @@ class GpuDispatcher:
         return self.server.port
 
 
-def fikit_config(settings: DispatcherSettings) -> FikitConfig:
-    return FikitConfig(
-        gap_threshold_ns=int(settings.fikit_gap_threshold_us * 1e3),
-        idle_margin_ns=int(settings.fikit_idle_margin_us * 1e3),
-        idle_backlog_ns=int(settings.fikit_idle_backlog_us * 1e3),
-        max_wait_ns=int(settings.fikit_max_wait_ms * 1e6),
-        fill_guard_ns=int(settings.fikit_fill_guard_us * 1e3),
-    )
-
-
 def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -> MpsSupervisor:
     base = (settings.mps_dir or data_dir / "dispatcher" / "mps") / f"gpu-{gpu.index}"
     config = MpsConfig(
@@ -87,16 +76,6 @@ def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -
         start_timeout_s=settings.mps_start_timeout_s,
     )
     return MpsSupervisor(config, str(gpu.index))
-
-
-def token_config(settings: DispatcherSettings) -> TokenConfig:
-    return TokenConfig(
-        window_s=settings.window_ms / 1e3,
-        lease_min_s=settings.lease_min_ms / 1e3,
-        lease_max_s=settings.lease_max_ms / 1e3,
-        lease_initial_s=settings.lease_initial_ms / 1e3,
-        fifo_slice_s=settings.fifo_slice_ms / 1e3,
-    )
 
 
 async def start_gpu_dispatcher(
@@ -113,7 +92,8 @@ async def start_gpu_dispatcher(
     socket_dir = settings.socket_dir or data_dir / "dispatcher"
     socket_path = (socket_dir / f"gpu-{gpu.index}.sock").absolute()
     book = ReservationBook(gpu.memory_bytes, state_dir / "reservations.json")
-    config = token_config(settings)
+    arguments = settings.policy_arguments()
+    config = arguments.tokens
     composed = settings.policy == COMPOSED_POLICY
     fikit = composed or settings.policy == FIKIT_POLICY
     scheduler: TokenScheduler | LevelScheduler
@@ -127,19 +107,13 @@ async def start_gpu_dispatcher(
         scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
     arbiter = None
     if fikit:
-        arbiter = Arbiter(
-            fikit_config(settings),
-            spin_s=settings.fikit_spin_us / 1e6,
-            arm=settings.fikit_arm,
-            quiet=settings.fikit_quiet,
-        )
+        arbiter = Arbiter(arguments.fikit)
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(
             settings.profile_store_address,
             gpu.model,
             asyncio.get_running_loop(),
-            gaps=settings.fikit_gap_statistic,
         )
     link = None
     measurements = None
@@ -188,9 +162,15 @@ async def start_gpu_dispatcher(
         arbiter=arbiter,
         composed=composed,
         kernel_tables=kernel_tables,
-        lease_desk=settings.lease_desk,
         introspector=introspector,
     )
+    checkpointer = None
+    if settings.suspend_release_memory:
+        checkpointer = Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
+        # Loaded now, not at the first suspension: whether a suspended client's memory is freed
+        # decides whether a time-slice group's members take their memory in turns (the book,
+        # and placement through the heartbeats).
+        book.memory_in_turns = await asyncio.to_thread(checkpointer.driver) is not None
     core = DispatcherCore(
         gpu=gpu,
         node=settings.node,
@@ -206,11 +186,7 @@ async def start_gpu_dispatcher(
         mps=mps,
         introspector=introspector,
         suspend_max_wait_s=settings.suspend_max_wait_ms / 1e3,
-        checkpointer=(
-            Checkpointer(settings.cuda_library, settings.suspend_lock_timeout_ms)
-            if settings.suspend_release_memory
-            else None
-        ),
+        checkpointer=checkpointer,
     )
 
     def store_environment() -> dict[str, str]:

@@ -69,7 +69,6 @@ def _library() -> ctypes.CDLL:
         ctypes.POINTER(FikitConfigStruct),
         ctypes.c_int,
         ctypes.c_uint64,
-        ctypes.c_uint64,
     ]
     lib.gl_arbiter_stop.restype = None
     lib.gl_arbiter_stop.argtypes = [ctypes.c_void_p]
@@ -96,12 +95,8 @@ def _library() -> ctypes.CDLL:
     lib.gl_arbiter_remove_task.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_board_fd.restype = ctypes.c_int
     lib.gl_arbiter_board_fd.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int]
-    lib.gl_arbiter_set_arming.restype = None
-    lib.gl_arbiter_set_arming.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_set_suspended.restype = ctypes.c_int
     lib.gl_arbiter_set_suspended.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.gl_arbiter_set_quiet.restype = None
-    lib.gl_arbiter_set_quiet.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.gl_arbiter_get_stats.restype = None
     lib.gl_arbiter_get_stats.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Stats)]
     lib.gl_arbiter_get_core_counters.restype = None
@@ -119,31 +114,22 @@ class Arbiter:
         self,
         config: FikitConfig,
         beat_s: float = 0.02,
-        spin_s: float = 0.0,
-        arm: bool = True,
-        quiet: bool = True,
     ) -> None:
-        """`arm`: publish arms, so the holder's launch releases the best waiting filler itself
-        (one wake-up); off, every release is the arbiter's grant. `quiet`: publish each task's
-        window-opening kernels, so a holder's other launches ring no doorbell; off, every
-        holder launch rings while somebody waits."""
+        """The thread publishes arms (the holder's launch releases the best waiting filler
+        itself: one wake-up) and each task's window-opening kernels (a holder's other launches
+        ring no doorbell); docs/fikit.md."""
         self._lib = _library()
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         handle = self._lib.gl_arbiter_start(
             ctypes.byref(config_struct(config)),
             self.doorbell_fd,
             int(beat_s * 1e9),
-            int(spin_s * 1e9),
         )
         if not handle:
             error = ctypes.get_errno()
             os.close(self.doorbell_fd)
             raise OSError(error, f"cannot start the FIKIT arbiter: {os.strerror(error)}")
         self._handle: int | None = handle
-        if not arm:
-            self._lib.gl_arbiter_set_arming(handle, 0)
-        if not quiet:
-            self._lib.gl_arbiter_set_quiet(handle, 0)
 
     def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
         """Register a task; returns its slot. Raises ArbiterFull when no slot is free."""

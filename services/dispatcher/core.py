@@ -376,6 +376,9 @@ class DispatcherCore:
                 suspended[r.assignment_id].reason if r.assignment_id in suspended else "",
                 r.assignment_id in suspended
                 and self._memory.get(r.assignment_id, MemoryState(False)).released,
+                self._memory.get(r.assignment_id, MemoryState(False)).note[:1024]
+                if r.assignment_id in suspended
+                else "",
             )
             for r in sorted(self.book.all(), key=lambda r: r.assignment_id)
             if r.assignment_id in cycles or r.assignment_id in suspended

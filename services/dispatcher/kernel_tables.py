@@ -1,10 +1,6 @@
 """Kernel tables for FIKIT: per task, kernel ID -> predicted duration and gap after it.
 
-The gap predicted after a kernel is, by default ("mean"), FIKIT's own per-kernel mean gap
-(Section 3.2). The arbiter sees a launch's kernel ID, not its place in the task's sequence, so
-with "least" it is instead the shortest gap the profiler's chosen gap predictor expects after
-that ID wherever it occurs: a kernel followed by a long gap once per request and by short ones
-elsewhere then opens no window (docs/fikit.md, "Kernel tables", has what each cost on a GPU).
+The gap predicted after a kernel is FIKIT's own per-kernel mean gap (Section 3.2).
 
 A FIKIT task's kernel profile lives in the profile store (written by the profiler after the
 task's measurement runs). The channel thread asks `lookup` at registration and must not wait:
@@ -16,16 +12,13 @@ runs with an empty table: the arbiter admits its kernels conservatively (no gap 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import threading
 from collections.abc import Callable
-from typing import Literal
 
 import grpc
 import structlog
 
-from gpuloom.policies.profiling.gaps import InvalidPredictorError, load_predictor
 from gpuloom.services.dispatcher.arbiter import KernelTiming
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
@@ -39,37 +32,13 @@ KernelTable = tuple[KernelTiming, ...]
 _MAX_PREDICTION_NS = 60 * 10**9
 
 
-GapStatistic = Literal["mean", "least"]  # GPULOOM_DISPATCHER_FIKIT_GAP_STATISTIC
-
-
-def least_gaps(profile: profile_store_pb2.KernelProfile) -> dict[int, float]:
-    """Per kernel ID, the least gap the profile's chosen predictor expects after it (empty
-    without a usable predictor: then the means stand)."""
-    model = profile.gap_predictor.model_json
-    if not model:
-        return {}
-    try:
-        ids, gaps = load_predictor(json.loads(model)).least_gaps()
-    except (InvalidPredictorError, ValueError, TypeError, KeyError) as error:
-        log.warning(
-            "unusable gap predictor in a kernel profile; using mean gaps",
-            task=profile.meta.key,
-            error=str(error),
-        )
-        return {}
-    return {int(kernel): float(gap) for kernel, gap in zip(ids, gaps, strict=True)}
-
-
-def table_from_profile(
-    profile: profile_store_pb2.KernelProfile, gaps: GapStatistic = "mean"
-) -> KernelTable:
-    """The arbiter's view of a kernel profile: the mean duration per kernel ID, and the gap
-    after it by `gaps` (module docstring)."""
-    least = least_gaps(profile) if gaps == "least" else {}
+def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
+    """The arbiter's view of a kernel profile: the mean duration and the mean gap after it
+    per kernel ID."""
     table = []
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
-        gap = least.get(kernel.kernel_id, kernel.mean_gap_after_ns)  # least <= mean
+        gap = kernel.mean_gap_after_ns
         if kernel.kernel_id == 0 or not (math.isfinite(duration) and duration >= 0):
             continue
         table.append(
@@ -89,10 +58,8 @@ class KernelTables:
         gpu_model: str,
         loop: asyncio.AbstractEventLoop,
         timeout_s: float = 5.0,
-        gaps: GapStatistic = "mean",
     ) -> None:
         self._address = address
-        self._gaps = gaps
         self._gpu_model = gpu_model
         self._loop = loop
         self._timeout_s = timeout_s
@@ -161,4 +128,4 @@ class KernelTables:
                     error=error.details(),
                 )
             return None
-        return table_from_profile(profile, self._gaps)
+        return table_from_profile(profile)

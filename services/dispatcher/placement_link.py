@@ -278,6 +278,7 @@ class PlacementLink:
                 placement_pb2.Eviction(assignment_id=assignment_id, reason=reason)
                 for assignment_id, reason in evicted.items()
             ],
+            suspend_releases_memory=self._core.book.memory_in_turns,
         )
         response = await stub.Heartbeat(request, timeout=self._timeout_s)
         self._core.evictions_reported(evicted)

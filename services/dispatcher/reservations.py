@@ -5,7 +5,10 @@ over-commit: the memory caps together fit in the GPU's memory and the guaranteed
 (requests) together fit in the window. Reservations of one time-slice group (Gandiva: a
 training job placed on a full GPU takes turns with the ones there, placement suspending and
 resuming them) run one at a time, so the group takes one SM x quota rectangle, its largest
-member's; each member's memory counts. It is written to a JSON file on every change (atomic
+member's; each member's memory counts, unless the book takes memory in turns
+(`memory_in_turns`: the dispatcher moves a suspended client's device memory to host memory
+through the driver's checkpoint API), where a group holds its largest member's memory. It is
+written to a JSON file on every change (atomic
 rename), so a restarted dispatcher still knows every reservation and which process holds it.
 The file holds every token, so it is 0600 in a 0700 directory.
 Both the gRPC side and the shim channel thread use the book, hence the lock.
@@ -58,6 +61,9 @@ class ReservationBook:
         # Device memory the GPU's model store holds (shared weights): charged once, here, and
         # not persisted (the store's process and its memory do not outlive the dispatcher).
         self._store_bytes = 0
+        # A time-slice group's members take their memory in turns (set once the dispatcher
+        # knows its driver checkpoints a suspended client's memory; docs/training.md).
+        self.memory_in_turns = False
         if path is not None:
             private_files.private_directory(path.parent)
         if path is not None and path.exists():
@@ -85,7 +91,17 @@ class ReservationBook:
     def memory_reserved_bytes(self) -> int:
         """The memory caps handed out plus what the model store holds."""
         with self._lock:
-            return self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
+            return self._store_bytes + sum(self._memory_by_group_locked().values())
+
+    def _memory_by_group_locked(self) -> dict[str, int]:
+        """The memory each reservation (or time-slice group, taken in turns) holds."""
+        held: dict[str, int] = {}
+        for r in self._by_id.values():
+            if self.memory_in_turns:
+                held[r.group] = max(held.get(r.group, 0), r.memory_cap_bytes)
+            else:
+                held[r.assignment_id] = r.memory_cap_bytes
+        return held
 
     def store_bytes(self) -> int:
         with self._lock:
@@ -121,11 +137,19 @@ class ReservationBook:
                 raise ResourceExhausted(
                     f"memory_cap_bytes {memory} exceeds the GPU's {self._gpu_memory_bytes} bytes"
                 )
-            used_memory = self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
-            if used_memory + memory > self._gpu_memory_bytes:
+            by_group = self._memory_by_group_locked()
+            used_memory = self._store_bytes + sum(by_group.values())
+            # Taken in turns, a member needs only what its group does not hold already.
+            held = by_group.get(spec.time_slice_of, 0) if self.memory_in_turns else 0
+            if used_memory - held + max(held, memory) > self._gpu_memory_bytes:
+                in_group = (
+                    f" beyond its time-slice group's {held} bytes (memory taken in turns)"
+                    if held
+                    else ""
+                )
                 raise ResourceExhausted(
                     f"not enough GPU memory: {self._gpu_memory_bytes - used_memory} bytes free, "
-                    f"{memory} asked"
+                    f"{memory} asked{in_group}"
                 )
             if spec.mode is ShimMode.SHARE:
                 # FaST-GShare's rectangle: each share takes SM % x quota % of the GPU, and
@@ -190,7 +214,7 @@ class ReservationBook:
         """Charge the model store for `nbytes` of shared weights, if they fit beside the
         reservations (ResourceExhausted otherwise, nothing charged)."""
         with self._lock:
-            used = self._store_bytes + sum(r.memory_cap_bytes for r in self._by_id.values())
+            used = self._store_bytes + sum(self._memory_by_group_locked().values())
             if used + nbytes > self._gpu_memory_bytes:
                 raise ResourceExhausted(
                     f"not enough GPU memory for the model: {self._gpu_memory_bytes - used} "

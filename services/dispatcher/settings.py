@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpuloom.policies.arguments import parse_policy_args
+from gpuloom.policies.fikit.core import FikitConfig
+from gpuloom.policies.tokens.model import TokenConfig
 from gpuloom.policies.tokens.registry import POLICIES
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
 from gpuloom.services.dispatcher.gpu.simulated import parse_fleet_spec
@@ -25,6 +29,15 @@ COMPOSED_POLICY = "composed"
 # arbiter predicts gaps from kernels that run one process at a time (FIKIT does not mix with
 # MPS, the paper's 3.1); its SM percents only say which leases of a level may run together.
 SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
+# The FIKIT arbiter's defaults in the dispatcher: the core's, with a 50 us fill guard (a real
+# filler launches tens of us after its grant; the simulator's grant is instant, its guard 0).
+DISPATCHER_FIKIT = FikitConfig(fill_guard_ns=50_000)
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyArguments:
+    fikit: FikitConfig
+    tokens: TokenConfig
 
 
 class DispatcherSettings(BaseSettings):
@@ -43,34 +56,10 @@ class DispatcherSettings(BaseSettings):
     node: str = Field(default_factory=socket.gethostname, min_length=1, max_length=253)
     policy: str = COMPOSED_POLICY
     window_ms: float = Field(default=1000.0, gt=0, le=60_000)
-    lease_min_ms: float = Field(default=2.0, gt=0)
-    lease_max_ms: float = Field(default=100.0, gt=0)
-    lease_initial_ms: float = Field(default=20.0, gt=0)
-    fifo_slice_ms: float = Field(default=50.0, gt=0)
-    # Token policies: renew leases natively from the policy's standing terms (the lease desk,
-    # docs/dispatcher.md); off: every lease request goes through the Python channel thread.
-    lease_desk: bool = True
-    # Policy fikit (docs/fikit.md): holder gaps shorter than this are not filled ...
-    fikit_gap_threshold_us: float = Field(default=100.0, ge=0, le=1e6)
-    # ... a holder with no launch for its predicted gap + this counts as idle ...
-    fikit_idle_margin_us: float = Field(default=200.0, ge=0, le=1e6)
-    # ... while it idles, this much predicted fill work may be outstanding (one kernel always) ...
-    fikit_idle_backlog_us: float = Field(default=0.0, ge=0, le=1e6)
-    # ... and a kernel that waited this long is admitted anyway (0: never; strict priority).
-    fikit_max_wait_ms: float = Field(default=0.0, ge=0, le=3.6e6)
-    # ... and a fill must be predicted to end this long before its gap window does: room for
-    # the filler's wake-up and launch after its grant, which the prediction does not see.
-    fikit_fill_guard_us: float = Field(default=50.0, ge=0, le=1e6)
-    # ... and around a holder launch predicted while a filler waits, the arbiter polls for this
-    # long instead of sleeping (CPU for latency; 0: it always sleeps).
-    fikit_spin_us: float = Field(default=0.0, ge=0, le=10_000)
-    # ... and the holder's launch releases the best waiting filler itself (arms; docs/fikit.md).
-    fikit_arm: bool = True
-    # ... and holders ring the arbiter only for launches that open a gap window (docs/fikit.md).
-    fikit_quiet: bool = True
-    # ... and the gap predicted after a kernel ID: "mean", FIKIT's mean over its occurrences,
-    # or "least", the shortest the profile predicts after it wherever it occurs.
-    fikit_gap_statistic: Literal["mean", "least"] = "mean"
+    # The knobs of the admission policies (docs/configuration.md, "Policy arguments"):
+    # "fikit.FIELD=VALUE,tokens.FIELD=VALUE" or the same as JSON, FIELD a field of FikitConfig
+    # or TokenConfig; what is not named keeps DISPATCHER_FIKIT's and TokenConfig's defaults.
+    policy_args: str = ""
     # Where FIKIT kernel tables (kernel profiles) come from; empty: none (no gap filling).
     profile_store_address: str = ""
     max_frame_bytes: int = Field(default=1 << 20, ge=4096, le=64 << 20)
@@ -155,15 +144,28 @@ class DispatcherSettings(BaseSettings):
         return spec
 
     @model_validator(mode="after")
-    def _lease_bounds(self) -> DispatcherSettings:
-        if not self.lease_min_ms <= self.lease_initial_ms <= self.lease_max_ms:
-            raise ValueError(
-                "need lease_min_ms <= lease_initial_ms <= lease_max_ms, got "
-                f"{self.lease_min_ms}, {self.lease_initial_ms}, {self.lease_max_ms}"
-            )
-        if self.lease_max_ms > self.window_ms:
-            raise ValueError("lease_max_ms must not exceed window_ms")
+    def _policy_args(self) -> DispatcherSettings:
+        self.policy_arguments()  # raises ValueError naming the bad argument
         return self
+
+    def policy_arguments(self) -> PolicyArguments:
+        """The FIKIT arbiter's and the token scheduler's configurations: the dispatcher's
+        defaults with what GPULOOM_DISPATCHER_POLICY_ARGS sets."""
+        parsed = parse_policy_args(
+            self.policy_args,
+            {
+                "fikit": DISPATCHER_FIKIT,
+                "tokens": TokenConfig(window_s=self.window_ms / 1e3),
+            },
+            fixed={"tokens.window_s": "GPULOOM_DISPATCHER_WINDOW_MS"},
+        )
+        arguments = PolicyArguments(fikit=parsed["fikit"], tokens=parsed["tokens"])
+        if arguments.tokens.lease_max_s > arguments.tokens.window_s:
+            raise ValueError(
+                f"policy arguments: tokens.lease_max_s ({arguments.tokens.lease_max_s}) must not "
+                f"exceed the window (GPULOOM_DISPATCHER_WINDOW_MS={self.window_ms:g})"
+            )
+        return arguments
 
     def runs_mps(self, gpu_uuid: str) -> bool:
         """Whether the dispatcher of this GPU supervises an MPS control daemon."""

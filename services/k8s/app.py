@@ -5,6 +5,7 @@ device-plugin` (one per GPU node, beside the dispatcher)."""
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from gpuloom.services.k8s.extender import Extender, GpuNodes
 from gpuloom.services.k8s.http import JsonServer, Route, server_tls
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiConfig, KubeApiError
+from gpuloom.services.k8s.leader import LeaseElector
+from gpuloom.services.k8s.migtasks import MigFollowers
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.services.k8s.settings import DevicePluginSettings, K8sSettings
 from gpuloom.services.k8s.webhook import AdmissionWebhook
@@ -34,6 +37,8 @@ class K8sApp:
     controller: PodController
     extender: Extender
     jobs: PlacementJobs
+    followers: MigFollowers
+    elector: LeaseElector | None = None
 
     @property
     def port(self) -> int:
@@ -49,6 +54,7 @@ class K8sApp:
         jobs = PlacementJobs(settings.placement_address, transport=transport)
         classes = priority_classes_from_text(settings.priority_classes)
         index = PodJobs()
+        followers = MigFollowers(jobs, api)
         extender = Extender(
             jobs,
             api,
@@ -56,22 +62,44 @@ class K8sApp:
             GpuNodes(jobs, settings.fleet_ttl_s, time.monotonic),
             POLICIES,
             classes,
+            followers,
         )
         webhook = AdmissionWebhook(
-            AdmissionPolicy(POLICIES, settings.scheduler_name, settings.users, classes),
+            AdmissionPolicy(
+                POLICIES,
+                settings.scheduler_name,
+                settings.users,
+                classes,
+                plugin_users=settings.plugin_users,
+            ),
             jobs,
             settings.fleet_ttl_s,
             time.monotonic,
         )
-        controller = PodController(jobs, api, index, settings.scheduler_name, settings.resync_s)
-        try:
-            await controller.start()
-        except Exception as error:  # placement or the API server away: the loop tries again
-            log.warning("first reconcile failed; serving anyway", error=str(error))
-            await controller.start_loop()
+        controller = PodController(
+            jobs, api, index, settings.scheduler_name, settings.resync_s, followers
+        )
+        elector = _elector(settings, api)
+
+        async def lead() -> None:
+            try:
+                await controller.start()
+            except Exception as error:  # placement or the API server away: the loop retries
+                log.warning("first reconcile failed; serving anyway", error=str(error))
+                await controller.start_loop()
+
+        async def stop_leading() -> None:
+            await controller.stop()
+            await followers.stop()
+
+        if elector is None:
+            await lead()
+        else:
+            await elector.start(lead, stop_leading)
         server = JsonServer(
             routes(webhook, extender),
             certified=EXTENDER_ROUTES if settings.extender_client_ca_file else (),
+            ready=lambda: elector is None or elector.leading,
         )
         tls = (
             server_tls(
@@ -87,11 +115,14 @@ class K8sApp:
             placement=settings.placement_address,
             api_server=api.server,
         )
-        return cls(server, controller, extender, jobs)
+        return cls(server, controller, extender, jobs, followers, elector)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.server.stop()
         await self.controller.stop()
+        await self.followers.stop()
+        if self.elector is not None:
+            await self.elector.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
 
@@ -147,6 +178,20 @@ class DevicePluginApp:
         await self.server.stop()
         with contextlib.suppress(Exception):
             await self.jobs.close()
+
+
+def _elector(settings: K8sSettings, api: KubeApi) -> LeaseElector | None:
+    if not settings.leader_election:
+        return None
+    return LeaseElector(
+        api,
+        settings.lease_namespace,
+        settings.lease_name,
+        settings.leader_identity or socket.gethostname(),
+        settings.lease_duration_s,
+        settings.lease_renew_deadline_s,
+        settings.lease_retry_s,
+    )
 
 
 def _api(server: str, token_file: str, ca_file: str, prefix: str) -> KubeApi:

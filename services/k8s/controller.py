@@ -5,6 +5,8 @@ holds and mends the difference, so a missed event or a restart loses nothing):
 - a Pod's own job (`k8s-<UID>-<n>`) whose Pod is gone: cancelled ("Pod ns/name was deleted");
   whose Pod Succeeded or Failed: reported done with the container's exit code (a job still
   waiting is cancelled); an older live attempt beside a newer one: cancelled;
+- a MIG Pod's live job: followed (services/k8s/migtasks.py), so a restarted k8s process
+  follows it again;
 - a Pod not yet bound whose waiting job placement has placed since: annotated
   (`gpuloom.io/placed`), which makes kube-scheduler try it again now rather than after its
   back-off;
@@ -35,6 +37,7 @@ from gpuloom.kube.extender import parse_request_id
 from gpuloom.services.k8s import metrics
 from gpuloom.services.k8s.jobs import LIVE, PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiError
+from gpuloom.services.k8s.migtasks import MigFollowers, instance_of
 from gpuloom.services.k8s.pods import PodJobs
 from gpuloom.tasks import cancel_and_wait
 
@@ -56,8 +59,10 @@ class PodController:
         index: PodJobs,
         scheduler_name: str,
         resync_s: float,
+        followers: MigFollowers,
     ) -> None:
         self._jobs = jobs
+        self._followers = followers
         self._api = api
         self._index = index
         self._scheduler_name = scheduler_name
@@ -79,6 +84,7 @@ class PodController:
     async def stop(self) -> None:
         if self._task is not None:
             await cancel_and_wait(self._task)
+            self._task = None
 
     async def _run(self) -> None:
         while True:
@@ -132,7 +138,9 @@ class PodController:
         phase = (pod.get("status") or {}).get("phase")
         if phase in ("Succeeded", "Failed"):
             self._index.forget(uid)
-            if job.state is not JobState.ASSIGNED:
+            if job.state is not JobState.ASSIGNED or (
+                job.spec.is_mig_batch and not instance_of(job)
+            ):
                 await self._cancel(
                     job, f"Pod {name} {phase.lower()} before its job was placed", None
                 )
@@ -148,9 +156,12 @@ class PodController:
             return
         self._index.record(uid, job)
         unbound = not (pod.get("spec") or {}).get("nodeName")
-        if job.state is JobState.ASSIGNED and unbound and job.job_id not in self._nudged:
+        ns, pod_name = _meta(pod).get("namespace", ""), _meta(pod).get("name", "")
+        if job.spec.is_mig_batch:
+            # Its follower nudges the Pod when the instance is handed.
+            self._followers.follow(job, ns, pod_name)
+        elif job.state is JobState.ASSIGNED and unbound and job.job_id not in self._nudged:
             with contextlib.suppress(KubeApiError):
-                ns, pod_name = _meta(pod).get("namespace", ""), _meta(pod).get("name", "")
                 await self._api.annotate_pod(ns, pod_name, {PLACED: job.job_id})
                 self._nudged.add(job.job_id)
         migration = job.training.migration if job.training else None

@@ -22,6 +22,11 @@ the function the Pod serves). The container then gets:
 - NVIDIA_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES naming its GPUs (`void`: none, on
   simulated GPUs), for the NVIDIA container runtime.
 
+A MIG Pod's container (its job a MIG batch task, Allocated only once its batch handed it its
+instance) gets NVIDIA_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES naming that instance's UUID
+and GPULOOM_JOB_ID, and nothing else: no shim, socket or token. Devices of a GPU in MIG mode
+are healthy (it takes MIG Pods, not shares).
+
 A call for devices this plugin never offered, or when no Pod waits for them, is refused with
 a gRPC error naming why (the kubelet shows it on the Pod); nothing is changed then."""
 
@@ -49,6 +54,7 @@ from gpuloom.policies.placement import POLICIES
 from gpuloom.services.k8s import metrics
 from gpuloom.services.k8s.jobs import PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiError
+from gpuloom.services.k8s.migtasks import instance_of
 from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.k8s")
@@ -113,8 +119,11 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         except DomainError as error:
             log.warning("placement not reached; devices kept", error=str(error))
             return
+        # A GPU in MIG mode takes no share (not schedulable) but MIG Pods: healthy too.
         devices = {
-            f"{g.gpu.gpu_uuid}-{i}": UNHEALTHY if g.lost or not g.schedulable else HEALTHY
+            f"{g.gpu.gpu_uuid}-{i}": UNHEALTHY
+            if g.lost or not (g.schedulable or g.gpu.mig_enabled)
+            else HEALTHY
             for g in gpus
             for i in range(self.config.slots_per_gpu)
         }
@@ -268,6 +277,13 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
                 f"Pod {name}'s job {job_id} is assigned on node {job.assignment.node}, not "
                 f"{self.config.node}",
             )
+        if job.spec.is_mig_batch:
+            if not instance_of(job):
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"Pod {name}'s MIG job {job_id} has not been handed its instance yet",
+                )
+            return job
         environment = job.assignment.environment
         if not environment.get(SOCKET_VARIABLE) or not environment.get(TOKEN_VARIABLE):
             raise Refused(
@@ -281,6 +297,8 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
 
     def _container_answer(self, job: JobView) -> dp.ContainerAllocateResponse:
         assert job.assignment is not None
+        if job.spec.is_mig_batch:
+            return self._mig_answer(job)
         env = dict(job.assignment.environment)
         share = job.spec.share
         if job.spec.mps and share.sm_percent < 100 and MPS_THREADS_VARIABLE not in env:
@@ -303,6 +321,19 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         ]
         return dp.ContainerAllocateResponse(envs=env, mounts=mounts)
 
+    @staticmethod
+    def _mig_answer(job: JobView) -> dp.ContainerAllocateResponse:
+        """A MIG Pod's container: its instance, by the UUID its dispatcher created it with,
+        and its job; no shim, socket or token (a MIG instance is isolated by the GPU, and its
+        task never registers with the dispatcher)."""
+        instance = instance_of(job)
+        env = {
+            VISIBLE_VARIABLE: instance,
+            NVIDIA_VISIBLE_VARIABLE: instance,
+            JOB_ID_VARIABLE: job.job_id,
+        }
+        return dp.ContainerAllocateResponse(envs=env)
+
     def _labels(self, pod: Mapping[str, Any], job: JobView) -> tuple[str, ...]:
         meta = pod["metadata"]
         ask = pod_ask(pod, POLICIES)
@@ -317,6 +348,8 @@ class DevicePlugin(dp_grpc.DevicePluginServicer):
         metrics.POD_QUOTA_PERCENT.labels(*labels).set(share.quota.request_percent)
         cap = job.assignment.memory_cap_bytes if job.assignment else 0
         metrics.POD_MEMORY_CAP.labels(*labels).set(cap)
+        slot = job.assignment.mig if job.assignment else None
+        metrics.POD_MIG_SLICES.labels(*labels).set(slot.size if slot else 0)
 
     async def _forget_ended(self) -> None:
         """Drop the records (and metric series) of the Pods that ended or left the node."""

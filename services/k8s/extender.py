@@ -13,6 +13,10 @@ share. Placement decides:
   bound to the node (the Pod's binding subresource). A bind that fails cancels the job (its
   capacity goes back; the message says why) and kube-scheduler's next try submits a new one.
 
+A MIG Pod's job (`gpuloom.io/mig`) is a MIG batch task: submitted without candidate nodes
+(the batch planner chooses its GPU), followed by the k8s process (services/k8s/migtasks.py),
+and let through to its node only once its batch has handed it its instance.
+
 A replica of an auto-scaled function (`gpuloom.io/function`) adopts a placed replica job of
 its function instead of submitting one."""
 
@@ -32,6 +36,7 @@ from gpuloom.kube.asks import BOUND_AT, JOB, PodAsk, pod_ask
 from gpuloom.services.k8s import metrics
 from gpuloom.services.k8s.jobs import LIVE, PlacementJobs
 from gpuloom.services.k8s.kubeapi import KubeApi, KubeApiError
+from gpuloom.services.k8s.migtasks import MigFollowers, instance_of
 from gpuloom.services.k8s.pods import PodJobs
 
 log = structlog.get_logger("gpuloom.k8s")
@@ -66,8 +71,10 @@ class Extender:
         gpu_nodes: GpuNodes,
         policies: Collection[str],
         priority_classes: Mapping[str, int],
+        followers: MigFollowers,
     ) -> None:
         self._jobs = jobs
+        self._followers = followers
         self._api = api
         self._index = index
         self._gpu_nodes = gpu_nodes
@@ -148,6 +155,11 @@ class Extender:
         else:
             job = await self._own_job(ask, candidates)
             reason = job.pending_reason or f"the Pod's job {job.job_id} is {job.state.value}"
+            if ask.mig:
+                self._followers.follow(job, ask.namespace, ask.name)
+                if job.state.holds_capacity and not instance_of(job):
+                    failed.update({n: _waiting_for_instance(job) for n in candidates})
+                    return None, failed
         if job is None or not job.state.holds_capacity:
             failed.update({n: reason for n in candidates})
         return job, failed
@@ -166,10 +178,11 @@ class Extender:
                     f"Pod {ask.pod}; a new job follows",
                 )
             elif current.state is JobState.PENDING:
-                if set(current.spec.nodes) == set(candidates):
+                # A MIG task goes where the batch planner puts it (no candidate nodes).
+                if ask.mig or set(current.spec.nodes) == set(candidates):
                     return current
                 await self._end(current, f"Pod {ask.pod}'s candidate nodes changed")
-        spec = replace(ask.spec, nodes=candidates)
+        spec = ask.spec if ask.mig else replace(ask.spec, nodes=candidates)
         attempt = self._index.next_attempt(ask.uid)
         for _ in range(MAX_ATTEMPTS):
             request_id = wire.request_id(ask.uid, attempt)
@@ -232,6 +245,8 @@ class Extender:
         if job.state is not JobState.ASSIGNED or job.assignment is None:
             self._index.forget(args.pod_uid)
             return f"gpuloom: Pod {pod}'s job {job.job_id} is {job.state.value}, not assigned"
+        if job.spec.is_mig_batch and not instance_of(job):
+            return f"gpuloom: Pod {pod}'s MIG job {job.job_id} has no instance yet"
         if job.assignment.node != args.node:
             return (
                 f"gpuloom: Pod {pod}'s job {job.job_id} is on node {job.assignment.node}, "
@@ -274,3 +289,13 @@ class Extender:
             await self._jobs.cancel(job.job_id, reason)
         except DomainError as error:  # it ended meanwhile
             log.info("pod job not cancelled", job=job.job_id, reason=str(error))
+
+
+def _waiting_for_instance(job: JobView) -> str:
+    assert job.assignment is not None
+    slot = job.assignment.mig
+    planned = f" ({slot.size} slices from slice {slot.first_slice})" if slot else ""
+    return (
+        f"the Pod's MIG job {job.job_id} is in a batch on GPU {job.assignment.gpu_uuid} of node "
+        f"{job.assignment.node}, waiting for its instance{planned}"
+    )

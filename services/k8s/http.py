@@ -27,6 +27,9 @@ IDLE_TIMEOUT_S = 120.0
 READ_TIMEOUT_S = 30.0
 
 
+NOT_READY = {"error": "not ready: another replica leads (leader election)", "status": "waiting"}
+
+
 class BadRequest(Exception):
     pass
 
@@ -37,13 +40,17 @@ class JsonServer:
         routes: Mapping[str, Route],
         health: Callable[[], bool] = lambda: True,
         certified: Collection[str] = (),
+        ready: Callable[[], bool] = lambda: True,
     ) -> None:
-        """`routes`: POST path -> handler. GET /healthz answers 200 while `health()` holds.
+        """`routes`: POST path -> handler. GET /healthz answers 200 while `health()` holds;
+        GET /readyz and the routes answer 503 while `ready()` does not (a replica that does
+        not lead).
         `certified`: the paths only a caller with a client certificate the TLS context
         verified may call (`server_tls(..., client_ca_file)`); others get 403."""
         self._routes = dict(routes)
         self._health = health
         self._certified = frozenset(certified)
+        self._ready = ready
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -92,6 +99,8 @@ class JsonServer:
         path = path.split("?", 1)[0]
         if method == "GET" and path == "/healthz":
             return (200, {"status": "ok"}) if self._health() else (503, {"status": "unhealthy"})
+        if method == "GET" and path == "/readyz":
+            return (200, {"status": "ready"}) if self._ready() else (503, NOT_READY)
         route = self._routes.get(path)
         if route is None:
             return 404, {"error": f"no route {path!r}"}
@@ -102,6 +111,8 @@ class JsonServer:
             }
         if method != "POST":
             return 405, {"error": f"{path} takes POST"}
+        if not self._ready():
+            return 503, NOT_READY
         try:
             document = json.loads(body)
         except ValueError as error:

@@ -1,14 +1,15 @@
 """gpuloom's Kubernetes components talk to placement as any submitter does, over gRPC (with
 the settings of gpuloom/transport.py: TLS and a bearer token): submit a Pod's job, read it,
-end it, list the live jobs, list the fleet. Every call is one of a submitter's RPCs
-(services/common/auth.py SUBMITTER_RPCS), so the components run with a submitter's token
-(`kubernetes`, docs/security.md): they see and end the jobs they submitted, and the replicas
-placement's auto-scaling gives them (GPULOOM_PLACEMENT_FUNCTION_OWNER), nothing else. Answers
-in the domain's terms (JobView, GpuEntry); gRPC errors become the domain's errors."""
+follow it (WatchJob), end it, list the live jobs, list the fleet. Every call is one of a
+submitter's RPCs (services/common/auth.py SUBMITTER_RPCS), so the components run with a
+submitter's token (`kubernetes`, docs/security.md): they see and end the jobs they
+submitted, and the replicas placement's auto-scaling gives them
+(GPULOOM_PLACEMENT_FUNCTION_OWNER), nothing else. Answers in the domain's terms (JobView,
+GpuEntry); gRPC errors become the domain's errors."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
@@ -79,6 +80,19 @@ class PlacementJobs:
             job_id=job_id, migration_id=migration_id, succeeded=succeeded, message=message
         )
         return job_from_pb(await self._call(self._stub.ReportCheckpoint, request))
+
+    async def watch(self, job_id: str) -> AsyncIterator[JobView]:
+        """The job's revisions as placement publishes them (WatchJob), the current one first,
+        until it ends or the stream breaks (a DomainError). While the stream is open placement
+        counts the job followed: a MIG batch task is handed its instance only then."""
+        call = self._stub.WatchJob(pb.WatchJobRequest(job_id=job_id))
+        try:
+            async for message in call:
+                yield job_from_pb(message)
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from None
+        finally:
+            call.cancel()
 
     async def jobs(self, states: Iterable[JobState] = LIVE, function: str = "") -> list[JobView]:
         """Every job in these states (of this auto-scaled function, if named): placement's

@@ -126,6 +126,22 @@ class KubeApi:
         path = f"/apis/apps/v1/namespaces/{_q(namespace)}/deployments/{_q(name)}/scale"
         return await self.call("PATCH", path, {"spec": {"replicas": replicas}}, MERGE_PATCH)
 
+    # ---- Leases (leader election) ----
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self.call("GET", _lease(namespace, name))
+
+    async def create_lease(self, namespace: str, lease: Mapping[str, Any]) -> dict[str, Any]:
+        path = f"/apis/coordination.k8s.io/v1/namespaces/{_q(namespace)}/leases"
+        return await self.call("POST", path, dict(lease))
+
+    async def update_lease(
+        self, namespace: str, name: str, lease: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """PUT the whole Lease; its metadata.resourceVersion makes the API server refuse it
+        (409) when another writer changed it since it was read."""
+        return await self.call("PUT", _lease(namespace, name), dict(lease))
+
     # ---- the call ----
 
     async def call(
@@ -193,6 +209,10 @@ def _q(part: str) -> str:
 
 def _pod(namespace: str, name: str) -> str:
     return f"/api/v1/namespaces/{_q(namespace)}/pods/{_q(name)}"
+
+
+def _lease(namespace: str, name: str) -> str:
+    return f"/apis/coordination.k8s.io/v1/namespaces/{_q(namespace)}/leases/{_q(name)}"
 
 
 def _status_message(error: urllib.error.HTTPError) -> str:

@@ -28,7 +28,12 @@ POD_QUOTA_PERCENT = prometheus_client.Gauge(
 POD_MEMORY_CAP = prometheus_client.Gauge(
     "gpuloom_pod_memory_cap_bytes", "The GPU memory cap of the Pod's assignment", POD_LABELS
 )
-POD_GAUGES = (POD_INFO, POD_SM_PERCENT, POD_QUOTA_PERCENT, POD_MEMORY_CAP)
+POD_MIG_SLICES = prometheus_client.Gauge(
+    "gpuloom_pod_mig_slices",
+    "The slices of the Pod's MIG instance (0: not a MIG Pod)",
+    POD_LABELS,
+)
+POD_GAUGES = (POD_INFO, POD_SM_PERCENT, POD_QUOTA_PERCENT, POD_MEMORY_CAP, POD_MIG_SLICES)
 ALLOCATIONS = prometheus_client.Counter(
     "gpuloom_device_plugin_allocations_total",
     "Allocate calls answered, by outcome (allocated, refused)",

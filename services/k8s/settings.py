@@ -28,12 +28,12 @@ class K8sSettings(BaseSettings):
     placement_address: str = "placement:50051"
     # The scheduler profile gpuloom Pods are sent to (its extender is this process).
     scheduler_name: str = Field(default="gpuloom", pattern=DNS_LABEL)
-    # Who may write the annotations only gpuloom writes (gpuloom.io/job, ...): the users of
-    # this process's and the device plugins' service accounts.
-    service_accounts: str = (
-        "system:serviceaccount:gpuloom:gpuloom-k8s,"
-        "system:serviceaccount:gpuloom:gpuloom-device-plugin"
-    )
+    # Who may write the annotations only gpuloom writes (gpuloom.io/job, ...): the user of
+    # this process's service account.
+    service_accounts: str = "system:serviceaccount:gpuloom:gpuloom-k8s"
+    # The device plugins' users: they may change one thing of a Pod, the annotation
+    # gpuloom.io/allocated (the validating webhook refuses any other change they make).
+    device_plugin_accounts: str = "system:serviceaccount:gpuloom:gpuloom-device-plugin"
     # Further PriorityClass names and their gpuloom levels: "high=1,batch=8"
     # (gpuloom-priority-N is always level N).
     priority_classes: str = ""
@@ -44,6 +44,16 @@ class K8sSettings(BaseSettings):
     api_server: str = ""
     api_token_file: str = ""
     api_ca_file: str = ""
+    # Leader election among replicas (services/k8s/leader.py): on a Lease of this name in this
+    # namespace; this replica's identity (empty: the host name, the Pod's name). Off: this
+    # process leads alone (run one replica).
+    leader_election: bool = False
+    lease_namespace: str = Field(default="gpuloom", pattern=DNS_LABEL)
+    lease_name: str = Field(default="gpuloom-k8s", pattern=DNS_LABEL)
+    leader_identity: str = Field(default="", max_length=253)
+    lease_duration_s: float = Field(default=15.0, gt=0, le=3600)
+    lease_renew_deadline_s: float = Field(default=10.0, gt=0, le=3600)
+    lease_retry_s: float = Field(default=2.0, gt=0, le=3600)
 
     @field_validator("priority_classes")
     @classmethod
@@ -55,6 +65,12 @@ class K8sSettings(BaseSettings):
     def _tls_pair(self) -> K8sSettings:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("GPULOOM_K8S_TLS_CERT_FILE and GPULOOM_K8S_TLS_KEY_FILE go together")
+        if not self.lease_retry_s < self.lease_renew_deadline_s < self.lease_duration_s:
+            raise ValueError(
+                "GPULOOM_K8S_LEASE_RETRY_S < GPULOOM_K8S_LEASE_RENEW_DEADLINE_S < "
+                "GPULOOM_K8S_LEASE_DURATION_S, got "
+                f"{self.lease_retry_s} / {self.lease_renew_deadline_s} / {self.lease_duration_s}"
+            )
         if self.extender_client_ca_file and not self.tls_cert_file:
             raise ValueError(
                 "GPULOOM_K8S_EXTENDER_CLIENT_CA_FILE needs TLS: set GPULOOM_K8S_TLS_CERT_FILE "
@@ -64,7 +80,15 @@ class K8sSettings(BaseSettings):
 
     @property
     def users(self) -> tuple[str, ...]:
-        return tuple(u.strip() for u in self.service_accounts.split(",") if u.strip())
+        return _names(self.service_accounts)
+
+    @property
+    def plugin_users(self) -> tuple[str, ...]:
+        return _names(self.device_plugin_accounts)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(u.strip() for u in text.split(",") if u.strip())
 
 
 class DevicePluginSettings(BaseSettings):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import structlog
 
@@ -72,11 +73,5 @@ class AdmissionWebhook:
             log.warning("fleet limits not read; the last ones kept", error=str(error))
             return
         fleet = FleetLimits.of([(g.gpu.node, g.gpu.model, g.gpu.memory_bytes) for g in gpus])
-        self._policy = AdmissionPolicy(
-            self._policy.policies,
-            self._policy.scheduler_name,
-            self._policy.gpuloom_users,
-            self._policy.priority_classes,
-            fleet,
-        )
+        self._policy = replace(self._policy, fleet=fleet)
         self._read_at = self._clock()

@@ -9,6 +9,7 @@ from pathlib import Path
 import structlog
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gpuloom.policies.training.gandiva import GandivaKnobs
 from gpuloom.services.common.database import ensure_reachable
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
@@ -94,10 +95,13 @@ class PlacementApp:
                     pack_trial_s=settings.training_pack_trial_s,
                     suspend_wait_ms=settings.training_suspend_wait_ms,
                     grow_idle_s=settings.training_grow_idle_s,
-                    slice_after_s=settings.training_slice_after_s,
-                    share_after_s=settings.training_share_after_s,
-                    queue_ahead=settings.training_queue_ahead,
-                    bet_min_ended=settings.training_bet_min_ended,
+                    gandiva=GandivaKnobs(
+                        slice_after_s=settings.training_slice_after_s,
+                        share_after_s=settings.training_share_after_s,
+                        queue_ahead=settings.training_queue_ahead,
+                        bet_min_ended=settings.training_bet_min_ended,
+                        preempt_after_s=settings.training_preempt_after_s,
+                    ),
                 ),
             )
             core = PlacementCore(

@@ -43,6 +43,7 @@ from gpuloom.services.placement.profiles import ProfileSource
 from gpuloom.services.placement.repository import JobFilter, PlacementRepository
 from gpuloom.services.placement.scaling import AutoScaler, ScalingResult
 from gpuloom.services.placement.training import TrainingConfig, TrainingControl, TrainingDriver
+from gpuloom.services.placement.training_cluster import TrainingCluster
 from gpuloom.tasks import cancel_and_wait
 
 log = structlog.get_logger("gpuloom.placement")
@@ -97,7 +98,11 @@ class PlacementCore:
         )
         self.scaler = AutoScaler(self.jobs, profiles, config.function_owner)
         self.training = TrainingDriver(
-            self.jobs, self.inventory, dispatchers, training_control, config.training, clock
+            TrainingCluster(self.jobs, self.inventory),
+            dispatchers,
+            training_control,
+            config.training,
+            clock,
         )
         self._heartbeats: asyncio.Task[None] | None = None
 
@@ -211,6 +216,7 @@ class PlacementCore:
         models: StoreModels = (),
         training: Sequence[TrainingReport] = (),
         evicted: Sequence[tuple[str, str]] = (),
+        suspend_releases_memory: bool = False,
     ) -> list[str]:
         """Refresh a GPU, the shares reserved on its dispatcher directly, the models its store
         holds and its training processes' cycles; end the jobs its dispatcher evicted
@@ -221,6 +227,7 @@ class PlacementCore:
         record = self.inventory.refresh(
             gpu_uuid, utilization_percent, memory_used_bytes, self._clock()
         )
+        self.training.note_suspend_memory(gpu_uuid, suspend_releases_memory)
         if training:
             self.training.ingest(gpu_uuid, training)
         if evicted:

@@ -45,6 +45,10 @@ class Binding:
     # group it joined, whose rectangle it shares (it runs while the group's others are
     # suspended); `rect` is that rectangle. "" for a job in a rectangle of its own.
     time_slice_of: str = ""
+    # A time-slice member whose GPUs' dispatchers free a suspended member's memory: the group
+    # takes its memory in turns (the fleet charges the group its largest member's memory);
+    # `memory_cap_bytes` is still the memory it runs with.
+    memory_in_turns: bool = False
 
     @property
     def gpu_uuids(self) -> tuple[str, ...]:

@@ -406,7 +406,8 @@ def allocation(job: Job) -> Allocation:
 def allocations(job: Job) -> list[tuple[str, Allocation]]:
     """The rectangle and memory a placed MPS or whole-GPU job holds on each of its GPUs, for
     the fleet: (GPU, allocation). The memory is what it was charged (its cap; less than it
-    asked for a replica placed beside its model); the node's CPU and host memory are charged
+    asked for a replica placed beside its model; taken in turns, the fleet charges its time-slice
+    group its largest member's); the node's CPU and host memory are charged
     on the first GPU."""
     binding = job.binding
     assert binding is not None
@@ -435,6 +436,8 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                         if binding.time_slice_of and not first
                         else binding.time_slice_of
                     ),
+                    # Its memory taken in turns with its group's (the fleet spreads the charge).
+                    turn_memory_bytes=binding.memory_cap_bytes if binding.memory_in_turns else 0,
                 ),
             )
         )

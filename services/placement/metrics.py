@@ -84,6 +84,18 @@ TRAINING_MIGRATIONS = prometheus_client.Counter(
     "out: the job stays where it is), abandoned (the job ended, or the target refused)",
     ["outcome"],
 )
+TRAINING_SUSPEND_MEMORY = prometheus_client.Gauge(
+    "gpuloom_placement_training_suspend_memory_gpus",
+    "GPUs holding training jobs, by what their dispatcher's suspension does with a job's "
+    "memory: freed (the driver's checkpoint API; time-sliced jobs take the memory in turns) or "
+    "resident (no checkpoint API: time-sliced jobs must fit together)",
+    ["memory"],
+)
+TRAINING_PREEMPTIONS = prometheus_client.Counter(
+    "gpuloom_placement_training_preemptions_total",
+    "Head-of-queue preemptions taken live: the head joined a later job's time-slice group, "
+    "which stays suspended until the head ends",
+)
 TRAINING_RESIZES = prometheus_client.Counter(
     "gpuloom_placement_training_resizes_total",
     "Grow-shrink: elastic training jobs restarted on more GPUs (grow) or fewer (shrink); a "

@@ -121,6 +121,8 @@ def _binding_to_json(binding: Binding | None) -> str | None:
         ]
     if binding.time_slice_of:
         document["time_slice_of"] = binding.time_slice_of
+    if binding.memory_in_turns:
+        document["memory_in_turns"] = True
     return json.dumps(document, separators=(",", ":"))
 
 

@@ -166,6 +166,7 @@ class PlacementServicer(pb_grpc.PlacementServicer):
             convert.store_models_from_pb(request.models),
             reports_from_pb(request.training),
             _evictions(request.evictions),
+            request.suspend_releases_memory,
         )
         return pb.HeartbeatResponse(release_assignment_ids=stale)
 

@@ -11,6 +11,7 @@ from gpuloom.policies.placement import DEFAULT_POLICY, POLICIES
 from gpuloom.policies.training.gandiva import (
     BET_MIN_ENDED,
     GROW_IDLE_S,
+    PREEMPT_AFTER_S,
     QUEUE_AHEAD,
     SHARE_AFTER_S,
     SLICE_AFTER_S,
@@ -75,6 +76,9 @@ class PlacementSettings(BaseSettings):
     training_share_after_s: float = Field(default=SHARE_AFTER_S, ge=0, le=604_800)
     training_queue_ahead: int = Field(default=QUEUE_AHEAD, ge=0, le=10_000)
     training_bet_min_ended: int = Field(default=BET_MIN_ENDED, ge=0, le=SERVICE_HISTORY_WINDOW)
+    # gandiva: the head of the queue preempts a later job running alone on the GPUs it needs
+    # once it has waited this long (through suspension; docs/training.md).
+    training_preempt_after_s: float = Field(default=PREEMPT_AFTER_S, ge=0, le=604_800)
 
     @field_validator("database_url")
     @classmethod

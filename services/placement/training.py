@@ -25,7 +25,9 @@
   runner restarts the job on the new set; a failure leaves it as it was, as for a migration.
 
 This module holds what is not pure around the policy: the per-job bookkeeping, the calls to
-dispatchers, the fleet and job changes (under the decisions' lock).
+dispatchers, and the fleet and job changes, made through `TrainingCluster`
+(services/placement/training_cluster.py), the narrow interface to placement's jobs and
+capacity, under the decisions' lock.
 """
 
 from __future__ import annotations
@@ -54,17 +56,10 @@ from gpuloom.domain.training import (
     TrainingReport,
     TrainingState,
 )
-from gpuloom.policies.placement import Allocation, Rect
-from gpuloom.policies.placement.fleet import InvalidPlacementError, InvalidStateError
+from gpuloom.policies.placement import Rect
+from gpuloom.policies.placement.fleet import InvalidPlacementError
 from gpuloom.policies.placement.model import gang_member_id
-from gpuloom.policies.training.gandiva import (
-    BET_MIN_ENDED,
-    GROW_IDLE_S,
-    QUEUE_AHEAD,
-    SHARE_AFTER_S,
-    SLICE_AFTER_S,
-    GandivaPolicy,
-)
+from gpuloom.policies.training.gandiva import GROW_IDLE_S, GandivaKnobs
 from gpuloom.policies.training.live import (
     LiveGpu,
     LiveGroupState,
@@ -83,7 +78,7 @@ from gpuloom.policies.training.model import (
 )
 from gpuloom.policies.training.registry import get_policy
 from gpuloom.services.placement import metrics
-from gpuloom.services.placement.decisions import Decisions, _bound, ask_of
+from gpuloom.services.placement.decisions import _bound, ask_of
 from gpuloom.services.placement.dispatchers import (
     DispatcherChannels,
     Dispatchers,
@@ -91,7 +86,8 @@ from gpuloom.services.placement.dispatchers import (
     bind_request,
 )
 from gpuloom.services.placement.domain import Binding, ExtraGpu, Job
-from gpuloom.services.placement.inventory import Inventory, allocation, gpu_state
+from gpuloom.services.placement.inventory import allocation
+from gpuloom.services.placement.training_cluster import TrainingCluster
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.v1 import dispatcher_pb2
 
@@ -159,14 +155,8 @@ class TrainingConfig:
     hook_grace_s: float = 30.0  # beyond the hook's timeout, before a migration is given up
     tick_s: float = 1.0
     grow_idle_s: float = GROW_IDLE_S  # grow-shrink: a GPU free this long may be grown onto
-    # gandiva's over-subscription (a pending job time-sliced into a full GPU): how long it
-    # waits for a GPU first, the service every job it would join must have had, how many
-    # jobs of its shape must wait ahead of it, and how many of its GPU count must have been
-    # seen to end (the policy's rules, docs/training.md).
-    slice_after_s: float = SLICE_AFTER_S
-    share_after_s: float = SHARE_AFTER_S
-    queue_ahead: int = QUEUE_AHEAD
-    bet_min_ended: int = BET_MIN_ENDED
+    # gandiva's rules of time (over-subscription, preemption): the policy's arguments.
+    gandiva: GandivaKnobs = field(default_factory=GandivaKnobs)
 
     @property
     def enabled(self) -> bool:
@@ -219,6 +209,8 @@ class _Track:
     service_s: float = 0.0  # the seconds it was seen running (not suspended): its service
     service_at: float | None = None  # when service_s was last brought up to date
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
+    memory_released: bool = False  # suspended with its device memory in host memory
+    memory_note: str = ""  # suspended: its dispatcher's note on its memory
 
 
 @dataclass(slots=True)
@@ -233,30 +225,31 @@ class _GpuState:
 class TrainingDriver:
     def __init__(
         self,
-        decisions: Decisions,
-        inventory: Inventory,
+        cluster: TrainingCluster,
         dispatchers: Dispatchers,
         control: TrainingControl | None,
         config: TrainingConfig = TrainingConfig(),
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._decisions = decisions
-        self._inventory = inventory
+        self._cluster = cluster  # placement's jobs and capacity, through a narrow interface
         self._dispatchers = dispatchers
         self._control = control
         self.config = config
         self._clock = clock
-        self.policy: TrainingPolicy | None = get_policy(config.policy) if config.enabled else None
-        if isinstance(self.policy, GandivaPolicy):
-            self.policy.slice_after_s = config.slice_after_s
-            self.policy.share_after_s = config.share_after_s
-            self.policy.queue_ahead = config.queue_ahead
-            self.policy.bet_min_ended = config.bet_min_ended
+        self.policy: TrainingPolicy | None = (
+            get_policy(config.policy, config.gandiva) if config.enabled else None
+        )
         self._efficiency = slice_efficiency(config.quantum_s, SWITCH_S)
         self._tracks: dict[str, _Track] = {}
         self._gpus: dict[str, _GpuState] = {}
         self._idle_since: dict[str, float] = {}  # free GPUs: since when (grow-shrink)
         self._sliced_at: dict[str, float] = {}  # pending jobs time-sliced in: when (retries)
+        # GPU -> whether its dispatcher frees a suspended job's memory (its heartbeats say):
+        # then a time-slice group's members take the GPU's memory in turns.
+        self._memory_in_turns: dict[str, bool] = {}
+        # Head-of-queue preemption: preempted job -> the head that took its GPUs; it stays
+        # suspended while the head is there.
+        self._preempted_by: dict[str, str] = {}
         # The service of the training jobs seen to succeed since this service started, per
         # GPU count: gandiva's Gittins rule reads it (kept in memory: a restart starts empty).
         self._ended = ServiceHistory()
@@ -289,10 +282,10 @@ class TrainingDriver:
         """A heartbeat's training reports (validated by the caller): the jobs on that GPU get
         their mini-batch times; reports of other assignments are ignored."""
         now = self._clock()
-        record = self._inventory.record(gpu_uuid)
+        record = self._cluster.record(gpu_uuid)
         mine: list[tuple[Job, TrainingReport]] = []
         for report in reports:
-            job = self._decisions.job(report.assignment_id)
+            job = self._cluster.job(report.assignment_id)
             if (
                 job is None
                 or job.state is not JobState.ASSIGNED
@@ -304,6 +297,8 @@ class TrainingDriver:
             # Every job's suspension first: whether one runs alone depends on the others'.
             track = self._tracks.setdefault(job.job_id, _Track())
             track.observed_suspended = report.suspended
+            track.memory_released = report.suspended and report.memory_released
+            track.memory_note = report.memory_note if report.suspended else ""
             if (
                 report.suspended
                 and report.suspended_reason == SWITCH_REASON
@@ -344,6 +339,15 @@ class TrainingDriver:
                     track.utilisation = min(1.0, max(0.0, util / 100))
             self._show(job.job_id, publish=False)
 
+    def note_suspend_memory(self, gpu_uuid: str, releases: bool) -> None:
+        """A heartbeat's word on whether the GPU's dispatcher frees a suspended job's memory
+        (the driver's checkpoint API): time-slicing there takes the memory in turns."""
+        self._memory_in_turns[gpu_uuid] = releases
+
+    def memory_in_turns(self, gpu_uuids: Sequence[str]) -> bool:
+        """Whether jobs time-sliced on all these GPUs take their memory in turns."""
+        return bool(gpu_uuids) and all(self._memory_in_turns.get(u, False) for u in gpu_uuids)
+
     def _runs_alone(self, job_id: str, gpu_uuid: str) -> bool:
         others = [j for j in self._training_on(gpu_uuid) if j.job_id != job_id]
         return all(self._tracks.get(j.job_id, _Track()).observed_suspended for j in others)
@@ -355,7 +359,7 @@ class TrainingDriver:
         time-slice."""
         calls: list[tuple[Job, bool]] = []
         starts: list[tuple[Job, _Move]] = []
-        async with self._decisions.lock:
+        async with self._cluster.lock:
             now = self._clock()
             await self._learn_lengths(self._forget_ended())
             self._account_service(now)
@@ -371,8 +375,10 @@ class TrainingDriver:
                 plan = live_plan(self._view(managed, now), self.policy)
                 for gpu_uuid in plan.unpack:
                     self._unpack(gpu_uuid)
+                preempting = {gpu_uuid for _, gpu_uuid, _ in plan.preemptions}
                 for gpu_uuid in plan.pack:
-                    self._pack(gpu_uuid, now)
+                    if gpu_uuid not in preempting and not self._preemption_on(gpu_uuid):
+                        self._pack(gpu_uuid, now)
                 for job_id, target, reason in plan.moves:
                     start = self._begin_move(job_id, target, reason, now)
                     if start is not None:
@@ -383,12 +389,23 @@ class TrainingDriver:
                         starts.append(start)
                 for job_id, gpu_uuid in plan.slices:
                     self._slice_in(job_id, gpu_uuid, now)
+                for head, gpu_uuid, victim in plan.preemptions:
+                    self._preempt(head, gpu_uuid, victim, now)
                 calls = self._switches(now)
-            for job in self._managed():
+            managed = self._managed()
+            for job in managed:
                 self._show(job.job_id, publish=True)
+            self._count_suspend_memory(managed)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
         await self._switch(calls)
+
+    def _count_suspend_memory(self, managed: Sequence[Job]) -> None:
+        """The metric: GPUs holding training jobs, by whether a suspension frees the memory."""
+        gpus = {u for j in managed if j.binding is not None for u in j.binding.gpu_uuids}
+        freed = sum(self._memory_in_turns.get(u, False) for u in gpus)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("freed").set(freed)
+        metrics.TRAINING_SUSPEND_MEMORY.labels("resident").set(len(gpus) - freed)
 
     def _account_service(self, now: float) -> None:
         """Bring every assigned training job's service up to date: the time since the last
@@ -402,15 +419,14 @@ class TrainingDriver:
 
     def _note_idle(self, now: float) -> None:
         """Since when each GPU that holds nothing and takes work has been free."""
-        fleet = self._inventory.fleet
         free = set()
-        for record in self._inventory.records():
+        for record in self._cluster.records():
             uuid_ = record.info.gpu_uuid
             if (
-                uuid_ in fleet
-                and not fleet.slot(uuid_).allocations
-                and fleet.slot(uuid_).schedulable
-                and not self._inventory.is_down(record)
+                self._cluster.has_gpu(uuid_)
+                and not self._cluster.slot(uuid_).allocations
+                and self._cluster.slot(uuid_).schedulable
+                and not self._cluster.is_down(record)
             ):
                 free.add(uuid_)
                 self._idle_since.setdefault(uuid_, now)
@@ -420,12 +436,19 @@ class TrainingDriver:
     def _forget_ended(self) -> list[tuple[str, _Track]]:
         """Forget the jobs no longer assigned; returns the finished ones seen running."""
         finished: list[tuple[str, _Track]] = []
+        for victim, head in list(self._preempted_by.items()):
+            for job_id in (victim, head):
+                job = self._cluster.job(job_id)
+                if job is None or job.state not in (JobState.BINDING, JobState.ASSIGNED):
+                    # The head ended (or its binding failed), or the preempted job ended:
+                    # the round-robin takes over again.
+                    self._preempted_by.pop(victim, None)
         for job_id in list(self._sliced_at):
-            job = self._decisions.job(job_id)
+            job = self._cluster.job(job_id)
             if job is None or job.state not in (JobState.PENDING, JobState.BINDING):
                 del self._sliced_at[job_id]
         for job_id in list(self._tracks):
-            job = self._decisions.job(job_id)
+            job = self._cluster.job(job_id)
             if job is None or job.state is not JobState.ASSIGNED:
                 track = self._tracks.pop(job_id)
                 if job is None and track.service_s > 0:
@@ -445,14 +468,14 @@ class TrainingDriver:
         failed or was cancelled does not)."""
         for job_id, track in finished:
             with contextlib.suppress(NotFound):
-                if (await self._decisions.get(job_id)).state is JobState.SUCCEEDED:
+                if (await self._cluster.get(job_id)).state is JobState.SUCCEEDED:
                     self._ended.add(track.gpus, track.service_s)
 
     def _managed(self) -> list[Job]:
         """The assigned training jobs (not MIG batch tasks), in submission order."""
         jobs = [
             j
-            for j in self._decisions.live.values()
+            for j in self._cluster.live_jobs()
             if j.state is JobState.ASSIGNED
             and j.spec.kind is JobKind.TRAINING
             and j.binding is not None
@@ -463,12 +486,11 @@ class TrainingDriver:
     def _training_on(self, gpu_uuid: str) -> list[Job]:
         """The assigned training jobs on a GPU, in submission order (read from the fleet's
         allocations there: no scan of every job)."""
-        fleet = self._inventory.fleet
-        if gpu_uuid not in fleet:
+        if not self._cluster.has_gpu(gpu_uuid):
             return []
         jobs = []
-        for allocation_id in fleet.slot(gpu_uuid).allocations:
-            job = self._decisions.job(allocation_id)
+        for allocation_id in self._cluster.slot(gpu_uuid).allocations:
+            job = self._cluster.job(allocation_id)
             if (
                 job is not None
                 and job.state is JobState.ASSIGNED
@@ -480,7 +502,6 @@ class TrainingDriver:
         return sorted(jobs, key=lambda j: (j.submitted_at, j.job_id))
 
     def _view(self, managed: Sequence[Job], now: float) -> LiveView:
-        fleet = self._inventory.fleet
         mine: dict[str, set[str]] = {}  # GPU -> the allocations managed jobs hold there
         for job in managed:
             assert job.binding is not None
@@ -488,14 +509,14 @@ class TrainingDriver:
                 held = job.job_id if i == 0 else gang_member_id(job.job_id, i)
                 mine.setdefault(uuid_, set()).add(held)
         gpus = []
-        for record in self._inventory.records():
+        for record in self._cluster.records():
             uuid_ = record.info.gpu_uuid
-            if uuid_ not in fleet:
+            if not self._cluster.has_gpu(uuid_):
                 continue
-            slot = fleet.slot(uuid_)
+            slot = self._cluster.slot(uuid_)
             ours = mine.get(uuid_, set())
             other = any(a_id not in ours for a_id in slot.allocations)
-            busy = other or not slot.schedulable or self._inventory.is_down(record)
+            busy = other or not slot.schedulable or self._cluster.is_down(record)
             gpus.append(
                 LiveGpu(uuid_, record.info.node, record.info.model, record.info.memory_bytes, busy)
             )
@@ -533,6 +554,7 @@ class TrainingDriver:
             grow_idle_s=self.config.grow_idle_s,
             pending=self._pending(every=any(j.spec.elastic for j in managed)),
             ended=self._ended,
+            preempt=True,
         )
 
     def _pending(self, every: bool) -> list[LivePending]:
@@ -540,9 +562,9 @@ class TrainingDriver:
         nodes whose CPU and host memory they fit: the training jobs (sliceable: not elastic,
         no shared model's replica), and with `every` (grow-shrink: a shrink may make room) all
         of them."""
-        nodes = self._inventory.fleet.nodes
+        nodes = self._cluster.nodes
         pending = []
-        for job in self._decisions.live.values():
+        for job in self._cluster.live_jobs():
             spec = job.spec
             if job.state is not JobState.PENDING or spec.is_mig_batch:
                 continue
@@ -576,12 +598,12 @@ class TrainingDriver:
         """Time-slice a pending training job into the round-robin of the training jobs whose
         first GPU is `gpu_uuid` (under the lock): on each of their GPUs it joins, in the fleet,
         the time-slice group of a job there of its GPU count whose rectangle holds its share
-        (its memory must fit beside theirs), stops waiting, and is bound like any placed job;
+        (its memory beside theirs, or in turns with theirs where the dispatchers free a
+        suspended job's memory), stops waiting, and is bound like any placed job;
         its dispatchers reserve it suspended (`time_slice_of`), and the round-robin gives it
         its turns."""
-        job = self._decisions.job(job_id)
-        scheduler = self._decisions.scheduler
-        if job is None or job.state is not JobState.PENDING or job_id not in scheduler:
+        job = self._cluster.job(job_id)
+        if job is None or job.state is not JobState.PENDING or not self._cluster.waiting(job_id):
             return
         if now < self._sliced_at.get(job_id, -math.inf) + RETRY_QUANTA * self.config.quantum_s:
             return  # its binding failed (it waits again): not at once into the same failure
@@ -591,26 +613,28 @@ class TrainingDriver:
             # never run there, and a higher one would take every turn from the jobs there.
             log.debug("training job not time-sliced in: other priorities", job=job_id)
             return
-        fleet = self._inventory.fleet
         request = ask_of(job).request
         refusals = []
+        in_turns = False
         for host in on_gpu:
             assert host.binding is not None
             uuids = host.binding.gpu_uuids
             if len(uuids) != request.gpus:
                 continue
+            # Where the dispatchers free a suspended job's memory, the group takes the memory
+            # in turns: jobs whose memory sums above the GPU may take turns.
+            in_turns = self.memory_in_turns(uuids)
             groups = []
             for i, uuid_ in enumerate(uuids):
-                held = fleet.allocation(host.job_id if i == 0 else gang_member_id(host.job_id, i))
+                held = self._cluster.allocation(
+                    host.job_id if i == 0 else gang_member_id(host.job_id, i)
+                )
                 if held is not None:
                     groups.append((uuid_, held.slice_group))
             try:
                 if len(groups) != len(uuids):
                     raise InvalidPlacementError(f"{host.job_id} holds not all of its GPUs")
-                if len(groups) == 1:
-                    joined = (fleet.slice_into(request, *groups[0]),)
-                else:
-                    joined = fleet.slice_gang_into(request, groups)
+                joined = self._cluster.join_time_slice(request, groups, in_turns)
             except InvalidPlacementError as error:
                 refusals.append(str(error))
                 continue
@@ -619,26 +643,26 @@ class TrainingDriver:
             # Asked again every tick while the policy wants it: not worth a line each time.
             log.debug("training job not time-sliced in", job=job_id, gpu=gpu_uuid, why=refusals)
             return
-        scheduler.end(job_id)  # it stops waiting
         self._sliced_at[job_id] = now
         first = joined[0]
         assert first.rect is not None
-        records = [self._inventory.record(uuid_) for uuid_ in uuids]
+        records = [self._cluster.record(uuid_) for uuid_ in uuids]
         rect = first.rect
         binding = Binding(
             gpu_uuid=gpu_uuid,
             node=records[0].info.node,
             dispatcher_address=records[0].dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=first.memory_bytes,
+            memory_cap_bytes=first.runs_with_bytes,
             token=secrets.token_urlsafe(32),
             extra=tuple(ExtraGpu(r.info.gpu_uuid, r.dispatcher_address) for r in records[1:]),
+            memory_in_turns=in_turns,
             # Its group on every GPU's dispatcher: the assignment id (the job id) of the
             # group's first job, which holds that id on each of its GPUs.
             time_slice_of=first.slice_of,
         )
         assert self.policy is not None
-        self._decisions.bind_placed(
+        self._cluster.bind_time_sliced(  # it stops waiting
             job.advance(
                 now,
                 state=JobState.BINDING,
@@ -648,7 +672,35 @@ class TrainingDriver:
             )
         )
         metrics.TRAINING_SLICES.inc()
-        log.info("training job time-sliced in", job=job_id, gpus=list(uuids), group=first.slice_of)
+        log.info(
+            "training job time-sliced in",
+            job=job_id,
+            gpus=list(uuids),
+            group=first.slice_of,
+            memory="in turns" if in_turns else "beside",
+        )
+
+    # ---- head-of-queue preemption ----
+
+    def _preempt(self, head: str, gpu_uuid: str, victim: str, now: float) -> None:
+        """The policy's preemption for the head of the queue, through suspension: the head
+        joins the time-slice group of `victim`'s GPU(s) (with the memory in turns where the
+        dispatcher frees a suspended job's memory) and runs there; `victim` stays suspended
+        (its memory checkpointed) until the head ends, then runs on."""
+        job = self._cluster.job(victim)
+        if job is None or job.state is not JobState.ASSIGNED or victim in self._preempted_by:
+            return
+        self._slice_in(head, gpu_uuid, now)
+        joined = self._cluster.job(head)
+        if joined is None or joined.state is JobState.PENDING:
+            return  # refused (memory, priority, shape): it waits on
+        self._preempted_by[victim] = head
+        metrics.TRAINING_PREEMPTIONS.inc()
+        log.info("head of the queue preempts a training job", head=head, preempted=victim)
+
+    def _preemption_on(self, gpu_uuid: str) -> bool:
+        heads = set(self._preempted_by.values())
+        return any(j.job_id in heads for j in self._training_on(gpu_uuid))
 
     # ---- packing ----
 
@@ -719,15 +771,21 @@ class TrainingDriver:
             by_gpu.setdefault(job.binding.gpu_uuid, []).append(job)
         for gpu_uuid, jobs in by_gpu.items():
             state = self._gpus.setdefault(gpu_uuid, _GpuState())
-            if len(jobs) < 2 or (state.packed and len(jobs) == 2):
-                running = {j.job_id for j in jobs}
+            # A job preempted for the head of the queue waits suspended while the head is
+            # there; the others take turns as usual.
+            takers = [j for j in jobs if j.job_id not in self._preempted_by]
+            if len(takers) < len(jobs):
+                state.packed = False
+            if len(takers) < 2 or (state.packed and len(jobs) == 2):
+                running = {j.job_id for j in takers}
             else:
                 state.packed = False
                 if not state.turn_started or now - state.turn_started >= self.config.quantum_s:
                     if state.turn_started:
                         state.turn += 1
                     state.turn_started = now
-                order = list(range(len(jobs)))
+                taker_ids = {j.job_id for j in takers}
+                order = [i for i, j in enumerate(jobs) if j.job_id in taker_ids]
                 turn = round_robin_turn(
                     order, {i: jobs[i].spec.priority for i in order}, state.turn
                 )
@@ -793,7 +851,7 @@ class TrainingDriver:
             track.observed_suspended = now_suspended
             track.commanded_at = self._clock()
         if calls:
-            async with self._decisions.lock:
+            async with self._cluster.lock:
                 for job, _ in calls:
                     self._show(job.job_id, publish=True)
 
@@ -804,19 +862,25 @@ class TrainingDriver:
     ) -> tuple[Job, _Move] | None:
         """Take the target's capacity in the fleet for a job with a checkpoint hook (under
         the lock); None when the job cannot move now."""
-        job = self._decisions.job(job_id)
+        job = self._cluster.job(job_id)
         if job is None or job.binding is None or job.spec.checkpoint is None:
             return None
         track = self._tracks.setdefault(job_id, _Track())
-        if track.move is not None or now < track.retry_at or target_uuid not in self._inventory:
+        if track.move is not None or now < track.retry_at or not self._cluster.has_gpu(target_uuid):
             return None
-        record = self._inventory.record(target_uuid)
+        record = self._cluster.record(target_uuid)
+        current = allocation(job)
         wanted = replace(
-            allocation(job), allocation_id=job_id + MOVE_SUFFIX, rect=None, slice_of=""
+            current,
+            allocation_id=job_id + MOVE_SUFFIX,
+            rect=None,
+            slice_of="",
+            memory_bytes=current.runs_with_bytes,
+            turn_memory_bytes=0,
         )
         if record.info.node == job.binding.node:  # its node's CPU and memory are held already
             wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
-        held = self._fleet_add(target_uuid, wanted)
+        held = self._cluster.hold(target_uuid, wanted)
         if held is None or held.rect is None:
             return None
         rect = held.rect
@@ -835,7 +899,7 @@ class TrainingDriver:
             deadline=now + job.spec.checkpoint.effective_timeout_s + self.config.hook_grace_s,
         )
         track.move = move
-        self._decisions.moving[job_id] = (target_uuid,)
+        self._cluster.note_moving(job_id, (target_uuid,))
         return job, move
 
     def _begin_resize(
@@ -844,7 +908,7 @@ class TrainingDriver:
         """Grow-shrink (under the lock): a grow takes its new GPUs in the fleet, as further GPUs
         of the job (the caller reserves them on their dispatchers, then asks the runner); a
         shrink asks the runner at once. None when the job cannot be resized now."""
-        job = self._decisions.job(job_id)
+        job = self._cluster.job(job_id)
         if job is None or job.binding is None or job.spec.checkpoint is None:
             return None
         binding = job.binding
@@ -869,7 +933,7 @@ class TrainingDriver:
         added = () if shrink else gpus[len(now_on) :]
         taken: list[str] = []
         for i, uuid_ in enumerate(added, start=len(now_on)):
-            if uuid_ not in self._inventory or self._inventory.record(uuid_).info.node != (
+            if not self._cluster.has_gpu(uuid_) or self._cluster.record(uuid_).info.node != (
                 binding.node
             ):
                 break
@@ -881,14 +945,14 @@ class TrainingDriver:
                 host_memory_bytes=0,
                 gang=job_id,
             )
-            if self._fleet_add(uuid_, member) is None:
+            if self._cluster.hold(uuid_, member) is None:
                 break
             taken.append(member.allocation_id)
         if len(taken) != len(added):
             for member_id in taken:
-                self._inventory.fleet.release(member_id)
+                self._cluster.release(member_id)
             return None
-        records = {u: self._inventory.record(u) for u in gpus}
+        records = {u: self._cluster.record(u) for u in gpus}
         kept = {g.gpu_uuid: g for g in binding.extra}
         target = replace(
             binding,
@@ -910,7 +974,7 @@ class TrainingDriver:
         )
         track.move = move
         if added:
-            self._decisions.moving[job_id] = added
+            self._cluster.note_moving(job_id, added)
         log.info(
             "resize begun" if added else "resize asked for",
             job=job_id,
@@ -955,7 +1019,7 @@ class TrainingDriver:
         except DomainError as error:
             environment = None
             message = error.message
-        async with self._decisions.lock:
+        async with self._cluster.lock:
             track = self._tracks.get(job.job_id)
             if track is None or track.move is not move:
                 if environment is not None:  # ended meanwhile: let the target go too
@@ -985,8 +1049,8 @@ class TrainingDriver:
         """The runner's answer to a migration: move the job, or keep it where it is."""
         if not migration_id:
             raise InvalidArgument("migration_id", "required")
-        async with self._decisions.lock:
-            job = self._decisions.job(job_id)
+        async with self._cluster.lock:
+            job = self._cluster.job(job_id)
             if job is None:
                 raise NotFound(f"no live job {job_id!r}")
             track = self._tracks.get(job_id)
@@ -999,7 +1063,7 @@ class TrainingDriver:
             if not succeeded:
                 self._fail_move(job_id, track, message or "the checkpoint hook failed")
                 self._show(job_id, publish=True)
-                job = self._decisions.job(job_id)
+                job = self._cluster.job(job_id)
                 assert job is not None
                 return job
             if move.resize:
@@ -1008,19 +1072,24 @@ class TrainingDriver:
                 move.committing = True
             else:
                 old = job.binding
-                fleet = self._inventory.fleet
-                fleet.release(job_id + MOVE_SUFFIX)
-                fleet.release(job_id)
+                self._cluster.release(job_id + MOVE_SUFFIX)
+                self._cluster.release(job_id, old.gpu_uuid)  # the source has room again
                 x, y, w, h = move.target.rect
-                self._fleet_add(
+                current = allocation(job)
+                self._cluster.hold(
                     move.target.gpu_uuid,
-                    replace(allocation(job), rect=Rect(x, y, w, h), slice_of=""),
+                    replace(
+                        current,
+                        rect=Rect(x, y, w, h),
+                        slice_of="",
+                        memory_bytes=current.runs_with_bytes,
+                        turn_memory_bytes=0,  # alone on its target
+                    ),
                 )
-                self._decisions.capacity_changed(old.gpu_uuid)
                 self._moved(job_id, track)
                 track.migrations += 1
                 moved = job.advance(self._clock(), binding=move.target)
-                self._decisions.update_live(moved)
+                self._cluster.update_live(moved)
                 self._show(job_id, publish=True)
                 self._release(old, job_id)
                 metrics.TRAINING_MIGRATIONS.labels("moved").inc()
@@ -1033,7 +1102,7 @@ class TrainingDriver:
                 )
         if move.resize:
             return await self._commit_resize(job, track, move)
-        moved = self._decisions.job(job_id) or moved
+        moved = self._cluster.job(job_id) or moved
         return moved
 
     async def _commit_resize(self, job: Job, track: _Track, move: _Move) -> Job:
@@ -1052,7 +1121,7 @@ class TrainingDriver:
         except DomainError as error:
             with contextlib.suppress(DomainError):
                 await self._dispatchers.reserve(first, bind_request(job, old))
-            async with self._decisions.lock:
+            async with self._cluster.lock:
                 if track.move is move:
                     self._fail_move(
                         job_id, track, f"reserving GPU {old.gpu_uuid} again failed: {error.message}"
@@ -1062,8 +1131,8 @@ class TrainingDriver:
                 f"job {job_id}: the {move.reason} was not done ({error.message}); it restarts "
                 "where it was"
             ) from None
-        async with self._decisions.lock:
-            job_now = self._decisions.job(job_id)
+        async with self._cluster.lock:
+            job_now = self._cluster.job(job_id)
             if job_now is None or track.move is not move or job_now.binding is None:
                 # Ended meanwhile: the new reservation goes too.
                 self._release(replace(move.target, extra=()), job_id)
@@ -1073,19 +1142,17 @@ class TrainingDriver:
             dropped = [
                 (i, g) for i, g in enumerate(old.extra, start=1) if g.gpu_uuid not in move.gpus
             ]
-            fleet = self._inventory.fleet
             for i, gpu in dropped:
-                fleet.release(gang_member_id(job_id, i))
-                self._decisions.capacity_changed(gpu.gpu_uuid)
+                self._cluster.release(gang_member_id(job_id, i), gpu.gpu_uuid)
             self._moved(job_id, track)
             track.resizes += 1
             resized = job_now.advance(self._clock(), binding=target)
-            self._decisions.update_live(resized)
+            self._cluster.update_live(resized)
             self._show(job_id, publish=True)
             for _, gpu in dropped:
                 self._release_at(gpu.dispatcher_address, job_id)
             if dropped:
-                self._decisions.wake()  # the pending job that needed them may be placed now
+                self._cluster.wake()  # the pending job that needed them may be placed now
             metrics.TRAINING_RESIZES.labels(move.reason).inc()
             log.info(
                 "training job resized",
@@ -1093,7 +1160,7 @@ class TrainingDriver:
                 reason=move.reason,
                 gpus=list(target.gpu_uuids),
             )
-        return self._decisions.job(job_id) or resized
+        return self._cluster.job(job_id) or resized
 
     def _fail_move(self, job_id: str, track: _Track, error: str) -> None:
         move = track.move
@@ -1116,16 +1183,13 @@ class TrainingDriver:
     def _give_back(self, job_id: str, move: _Move) -> None:
         """The target's capacity goes back, in the fleet and on its dispatcher (a grow: the
         GPUs it was adding)."""
-        fleet = self._inventory.fleet
-        self._decisions.moving.pop(job_id, None)
+        self._cluster.done_moving(job_id)
         if move.resize:
             start = len(move.gpus) - len(move.added)
             for i, uuid_ in enumerate(move.added, start=start):
-                fleet.release(gang_member_id(job_id, i))
-                self._decisions.capacity_changed(uuid_)
+                self._cluster.release(gang_member_id(job_id, i), uuid_)
         else:
-            fleet.release(job_id + MOVE_SUFFIX)
-            self._decisions.capacity_changed(move.target.gpu_uuid)
+            self._cluster.release(job_id + MOVE_SUFFIX, move.target.gpu_uuid)
         self._release_targets(job_id, move)
 
     def _release_targets(self, job_id: str, move: _Move) -> None:
@@ -1148,29 +1212,6 @@ class TrainingDriver:
                 log.info("release on dispatcher deferred", job=job_id, error=error.message)
 
         self._spawn(release())
-
-    def _fleet_add(self, gpu_uuid: str, wanted: Allocation) -> Allocation | None:
-        """Add an allocation to a GPU of the fleet (first-fit without a rect); None when it
-        does not fit, on the GPU or in its node's CPU and host memory (nothing changes)."""
-        fleet = self._inventory.fleet
-        if gpu_uuid not in fleet:
-            return None
-        record = self._inventory.record(gpu_uuid)
-        slot = fleet.slot(gpu_uuid)
-        node = fleet.node(slot.node)
-        if wanted.cpu_milli > node.cpu_free or wanted.host_memory_bytes > node.memory_free:
-            return None
-        schedulable = slot.schedulable
-        models = tuple(slot.models.items())  # the store's models stay counted
-        held = list(fleet.remove_gpu(gpu_uuid))
-        try:
-            fleet.add_gpu(gpu_state(record, [*held, wanted], models))
-        except (InvalidStateError, ValueError):
-            fleet.add_gpu(gpu_state(record, held, models))
-            fleet.set_schedulable(gpu_uuid, schedulable)
-            return None
-        fleet.set_schedulable(gpu_uuid, schedulable)
-        return fleet.allocation(wanted.allocation_id)
 
     def _spawn(self, coroutine: object) -> None:
         task = asyncio.ensure_future(coroutine)  # type: ignore[arg-type]
@@ -1222,12 +1263,16 @@ class TrainingDriver:
             last_hook_error=track.last_hook_error,
             last_hook_error_at=track.last_hook_error_at,
             migration=migration,
+            preempted_by=self._preempted_by.get(job_id, ""),
+            memory_note=track.memory_note if phase is TrainingPhase.SUSPENDED else "",
+            memory_in_turns=self.memory_in_turns(job.binding.gpu_uuids),
+            memory_released=track.memory_released and phase is TrainingPhase.SUSPENDED,
         )
 
     def _moved(self, job_id: str, track: _Track) -> None:
         """A migration or resize is done: the job runs where it now is, unsuspended, to be
         measured afresh (its mini-batch times were of its old GPUs)."""
-        self._decisions.moving.pop(job_id, None)
+        self._cluster.done_moving(job_id)
         track.move = None
         track.commanded_suspended = None
         track.observed_suspended = False
@@ -1237,16 +1282,16 @@ class TrainingDriver:
         """Put the job's training state on it. `publish` (under the lock only): a change
         other than its mini-batch figures becomes a new revision, which watchers (its runner)
         see; without it, or for new figures only, the job is updated in place."""
-        job = self._decisions.job(job_id)
+        job = self._cluster.job(job_id)
         if job is None or job.state is not JobState.ASSIGNED or job.binding is None:
             return
         track = self._tracks.setdefault(job_id, _Track())
         state = self._state(job_id, job)
         if publish and _without_figures(state) != _without_figures(track.published):
             track.published = state
-            self._decisions.set_training(job_id, state, publish=True)
+            self._cluster.set_training(job_id, state, publish=True)
         elif state != job.training:
-            self._decisions.set_training(job_id, state, publish=False)
+            self._cluster.set_training(job_id, state, publish=False)
 
 
 def _without_figures(state: TrainingState | None) -> TrainingState | None:

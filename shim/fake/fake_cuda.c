@@ -354,9 +354,17 @@ typedef struct fk_op {
     struct fk_op *next;
 } fk_op;
 
+/* A graph's kernel node: what it launches; in an executable graph, also the node of the
+ * graph it was instantiated from (cuGraphExecKernelNodeSetParams names that one). */
+typedef struct fk_node {
+    const fk_func *func;
+    unsigned dims[6];
+    const struct fk_node *origin;
+} fk_node;
+
 typedef struct fk_graph {
     int count;
-    const fk_func **funcs;
+    fk_node *nodes;
 } fk_graph;
 
 typedef struct fk_stream {
@@ -471,13 +479,13 @@ static CUresult launch_gated(const char *entry, CUfunction f, unsigned gx, unsig
     }
     if (s->capturing) {
         fk_graph *g = s->capture;
-        const fk_func **grown = realloc(g->funcs, (size_t)(g->count + 1) * sizeof *grown);
+        fk_node *grown = realloc(g->nodes, (size_t)(g->count + 1) * sizeof *grown);
         if (grown == NULL) {
             pthread_mutex_unlock(&g_lock);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        g->funcs = grown;
-        g->funcs[g->count++] = func;
+        g->nodes = grown;
+        g->nodes[g->count++] = (fk_node){func, {gx, gy, gz, bx, by, bz}, NULL};
         pthread_mutex_unlock(&g_lock);
         trace("fake %s %s %u %u %u %u %u %u captured", entry, func->name, gx, gy, gz, bx, by, bz);
         return CUDA_SUCCESS;
@@ -1085,16 +1093,22 @@ EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph g
     fk_graph *copy = calloc(1, sizeof *copy);
     if (copy == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
     copy->count = g->count;
-    copy->funcs = malloc((size_t)(g->count ? g->count : 1) * sizeof *copy->funcs);
-    if (copy->funcs == NULL) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (g->count) memcpy(copy->funcs, g->funcs, (size_t)g->count * sizeof *copy->funcs);
+    copy->nodes = malloc((size_t)(g->count ? g->count : 1) * sizeof *copy->nodes);
+    if (copy->nodes == NULL) {
+        free(copy);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    for (int i = 0; i < g->count; i++) {
+        copy->nodes[i] = g->nodes[i];
+        copy->nodes[i].origin = &g->nodes[i];
+    }
     *exec = (CUgraphExec)copy;
     return CUDA_SUCCESS;
 }
 
 static void free_graph(fk_graph *g) {
     if (g == NULL) return;
-    free(g->funcs);
+    free(g->nodes);
     free(g);
 }
 
@@ -1105,6 +1119,71 @@ EXPORT CUresult CUDAAPI cuGraphDestroy(CUgraph graph) {
 
 EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec exec) {
     free_graph((fk_graph *)exec);
+    return CUDA_SUCCESS;
+}
+
+/* -- a graph's nodes, in the order they were added (every node of the fake's is a kernel) -- */
+
+EXPORT CUresult CUDAAPI cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *count) {
+    if (graph == NULL || count == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fk_graph *g = (fk_graph *)graph;
+    if (nodes != NULL)
+        for (size_t i = 0; i < *count && i < (size_t)g->count; i++)
+            nodes[i] = (CUgraphNode)&g->nodes[i];
+    *count = (size_t)g->count;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType *type) {
+    if (node == NULL || type == NULL) return CUDA_ERROR_INVALID_VALUE;
+    *type = CU_GRAPH_NODE_TYPE_KERNEL;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult CUDAAPI cuGraphKernelNodeGetParams_v2(CUgraphNode node,
+                                                      CUDA_KERNEL_NODE_PARAMS *params) {
+    if (node == NULL || params == NULL) return CUDA_ERROR_INVALID_VALUE;
+    const fk_node *n = (const fk_node *)node;
+    memset(params, 0, sizeof *params);
+    params->func = (CUfunction)n->func;
+    params->gridDimX = n->dims[0], params->gridDimY = n->dims[1], params->gridDimZ = n->dims[2];
+    params->blockDimX = n->dims[3], params->blockDimY = n->dims[4], params->blockDimZ = n->dims[5];
+    return CUDA_SUCCESS;
+}
+
+/* The executable's copy of `node` (a node of the graph it was instantiated from) gets new
+ * parameters. */
+EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams_v2(CUgraphExec exec, CUgraphNode node,
+                                                          const CUDA_KERNEL_NODE_PARAMS *params) {
+    if (exec == NULL || node == NULL || params == NULL || params->func == NULL)
+        return CUDA_ERROR_INVALID_VALUE;
+    fk_graph *g = (fk_graph *)exec;
+    for (int i = 0; i < g->count; i++)
+        if (g->nodes[i].origin == (const fk_node *)node) {
+            g->nodes[i].func = (const fk_func *)params->func;
+            unsigned dims[6] = {params->gridDimX,  params->gridDimY,  params->gridDimZ,
+                                params->blockDimX, params->blockDimY, params->blockDimZ};
+            memcpy(g->nodes[i].dims, dims, sizeof dims);
+            return CUDA_SUCCESS;
+        }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The executable takes the kernels of `graph`, which must have as many nodes. */
+EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(CUgraphExec exec, CUgraph graph,
+                                             CUgraphExecUpdateResultInfo *info) {
+    if (exec == NULL || graph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    fk_graph *e = (fk_graph *)exec;
+    const fk_graph *g = (const fk_graph *)graph;
+    if (info != NULL) memset(info, 0, sizeof *info);
+    if (e->count != g->count) {
+        if (info != NULL) info->result = CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED;
+        return CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE;
+    }
+    for (int i = 0; i < g->count; i++) {
+        e->nodes[i] = g->nodes[i];
+        e->nodes[i].origin = &g->nodes[i];
+    }
     return CUDA_SUCCESS;
 }
 
@@ -1127,7 +1206,7 @@ static CUresult graph_launch_gated(const char *entry, CUgraphExec exec, CUstream
         fk_op *op = calloc(1, sizeof *op);
         if (op == NULL) break;
         op->kind = OP_KERNEL;
-        op->func = g->funcs[i];
+        op->func = g->nodes[i].func;
         enqueue(s, op);
     }
     pthread_mutex_unlock(&g_lock);
@@ -2133,6 +2212,12 @@ static const proc_entry g_procs[] = {
     PROC("cuGraphInstantiateWithFlags", 11040, cuGraphInstantiateWithFlags, NULL),
     PROC("cuGraphDestroy", 10000, cuGraphDestroy, NULL),
     PROC("cuGraphExecDestroy", 10000, cuGraphExecDestroy, NULL),
+    PROC("cuGraphInstantiate", 12000, cuGraphInstantiateWithFlags, NULL),
+    PROC("cuGraphGetNodes", 10000, cuGraphGetNodes, NULL),
+    PROC("cuGraphNodeGetType", 10000, cuGraphNodeGetType, NULL),
+    PROC("cuGraphKernelNodeGetParams", 12000, cuGraphKernelNodeGetParams_v2, NULL),
+    PROC("cuGraphExecKernelNodeSetParams", 12000, cuGraphExecKernelNodeSetParams_v2, NULL),
+    PROC("cuGraphExecUpdate", 12000, cuGraphExecUpdate_v2, NULL),
     PROC("cuStreamCreate", 2000, cuStreamCreate, NULL),
     PROC("cuStreamDestroy", 4000, cuStreamDestroy_v2, NULL),
     PROC("cuStreamSynchronize", 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz),

@@ -29,6 +29,8 @@ CUresult CUDAAPI cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gridD
                                                 unsigned int sharedMemBytes, CUstream hStream,
                                                 void **kernelParams);
 CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream);
+CUresult CUDAAPI cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                  CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams);
 CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream hStream);
 CUresult CUDAAPI cuStreamQuery_ptsz(CUstream hStream);
 CUresult CUDAAPI cuStreamIsCapturing_ptsz(CUstream hStream, CUstreamCaptureStatus *status);

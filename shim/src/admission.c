@@ -157,8 +157,9 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
     }
     if (g_mode == GL_MODE_FIKIT) {
         /* Policy composed: first a lease of its priority level (its quota), then the arbiter
-         * (priority across levels). Not on a capturing stream: recorded, not run. */
-        if (g_leased && !is_capturing(key)) {
+         * (priority across levels). Not on a capturing stream: recorded, not run. A lease
+         * held (wait_for_lease's own first check) costs no lock and no driver call. */
+        if (g_leased && now_ns() >= r_u64(r, GL_OFF_ADMIT_UNTIL) && !is_capturing(key)) {
             pthread_mutex_lock(&g_wait_lock);
             CUresult leased = wait_for_lease(r);
             pthread_mutex_unlock(&g_wait_lock);

@@ -8,11 +8,12 @@
 
 #pragma GCC visibility push(hidden)
 
-/* What is being launched: a kernel (its function and dimensions, for its kernel ID), or NULL
- * for a graph. */
+/* What is being launched: a kernel (its function and dimensions, for its kernel ID), or a
+ * graph (f NULL, its ID in `graph`: 0 when it has none, graphs.c). */
 typedef struct {
     CUfunction f;
     unsigned dims[6];
+    uint64_t graph;
 } gl_launch;
 
 /* Everything after the fast check: refusal, loss, eviction, modes, waiting for a lease or a

@@ -87,11 +87,8 @@ struct gl_arbiter {
     int stop;
     int doorbell;
     uint64_t beat_ns, next_beat; /* the heartbeat's cadence, whatever wakes the thread */
-    uint64_t spin_ns; /* busy-poll budget around a predicted holder launch (0: never) */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
     uint64_t gap_threshold_ns, fill_guard_ns;
-    int arming; /* publish arms (the one-wake-up path); 0: every release is a grant */
-    int quiet;  /* publish holders' window-opening kernels (their other launches ring not) */
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
     uint8_t *board[GL_BOARDS];
     arm_state arm;
@@ -389,7 +386,7 @@ static int desired_arm(gl_arbiter *a, arm_state *want) {
  * withdraw it and publish the new one (filler's words first; a fire is kept in the board). */
 static void rearm(gl_arbiter *a, uint64_t now) {
     arm_state want;
-    int wanted = a->arming && desired_arm(a, &want);
+    int wanted = desired_arm(a, &want);
     if (wanted && a->arm.live && a->arm.holder == want.holder &&
         a->arm.filler == want.filler && a->arm.filler_seq == want.filler_seq &&
         memcmp(a->arm.kernels, want.kernels, sizeof want.kernels) == 0 &&
@@ -505,19 +502,6 @@ static void sleep_on_doorbell(gl_arbiter *a, uint64_t now, uint64_t until) {
     }
 }
 
-/* Polls the doorbell without sleeping until it rings or `until`: while a filler waits for a
- * holder launch predicted about now, this saves the arbiter's own wake-up (one of the two on
- * the path from the launch to the filler's release). Bounded by the spin budget per gap. */
-static void spin_on_doorbell(gl_arbiter *a, uint64_t until) {
-    uint64_t count;
-    while (now_ns() < until) {
-        if (read(a->doorbell, &count, sizeof count) == (ssize_t)sizeof count) return;
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-    }
-}
-
 static void *run(void *arg) {
     gl_arbiter *a = arg;
     for (;;) {
@@ -529,21 +513,8 @@ static void *run(void *arg) {
         round_locked(a);
         uint64_t now = now_ns(), until = a->next_beat;
         if (a->next_wake < until) until = a->next_wake;
-        /* A filler waits and a gap window is open: the holder's next launch is expected at
-         * its end. Sleep until shortly before it, then poll until shortly after. */
-        uint64_t expected = a->stats.waiting > 0 ? gl_fk_window_end(a->core) : 0;
         pthread_mutex_unlock(&a->lock);
-        uint64_t lead = a->spin_ns / 4, spin_from = expected > lead ? expected - lead : 0;
-        if (a->spin_ns == 0 || expected <= now || spin_from > until) {
-            sleep_on_doorbell(a, now, until);
-            continue;
-        }
-        if (spin_from > now) {
-            sleep_on_doorbell(a, now, spin_from);
-            now = now_ns();
-            if (now < spin_from) continue; /* a ring came first */
-        }
-        spin_on_doorbell(a, expected + (a->spin_ns - lead));
+        sleep_on_doorbell(a, now, until);
     }
 }
 
@@ -588,8 +559,7 @@ API int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
     return writable ? a->board_fd[priority] : a->board_ro_fd[priority];
 }
 
-API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
-                                 uint64_t spin_ns) {
+API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns) {
     if (doorbell_fd < 0 || beat_ns == 0) {
         errno = EINVAL;
         return NULL;
@@ -606,8 +576,6 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
     }
     a->gap_threshold_ns = config->gap_threshold_ns;
     a->fill_guard_ns = config->fill_guard_ns;
-    a->arming = 1;
-    a->quiet = 1;
     if (open_boards(a) != 0) {
         int error = errno;
         close_boards(a);
@@ -619,7 +587,6 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
     a->doorbell = doorbell_fd;
     a->beat_ns = beat_ns;
     a->next_beat = now_ns(); /* the first round beats */
-    a->spin_ns = spin_ns;
     a->next_wake = UINT64_MAX;
     pthread_mutex_init(&a->lock, NULL);
     int error = pthread_create(&a->thread, NULL, run, a);
@@ -687,8 +654,8 @@ static int fill_table(slot_state *s, uint64_t threshold, const uint64_t *ids,
  * kernels, when they all fit the list; the flag goes last, so a shim that reads it set reads
  * the IDs of this table (on a swap, at worst one launch rings for nothing or goes unrung: the
  * arbiter reads that post at its next round all the same). */
-static void publish_openers(const gl_arbiter *a, const slot_state *s) {
-    int all = a->quiet && s->openers_all;
+static void publish_openers(const slot_state *s) {
+    int all = s->openers_all;
     store32(s->region, GL_OFF_FK_OPENERS_ALL, 0);
     for (int k = 0; k < GL_ARM_KERNELS; k++)
         store64(s->region, GL_OFF_FK_OPENERS + 8 * k, all ? s->openers[k] : 0);
@@ -735,7 +702,7 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     /* Whatever the region held before is history, not requests. */
     s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
     s->seen_done = load32(s->region, GL_OFF_FK_DONE);
-    publish_openers(a, s);
+    publish_openers(s);
     store64(s->region, GL_OFF_FK_BEAT, now_ns());
     pthread_mutex_unlock(&a->lock);
     ring(a);
@@ -770,7 +737,7 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
     s->mask = fresh.mask;
     memcpy(s->openers, fresh.openers, sizeof s->openers);
     s->openers_all = fresh.openers_all;
-    publish_openers(a, s);
+    publish_openers(s);
     pthread_mutex_unlock(&a->lock);
     return 0;
 }
@@ -815,22 +782,6 @@ API int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
     pthread_mutex_unlock(&a->lock);
     ring(a);
     return result;
-}
-
-API void gl_arbiter_set_arming(gl_arbiter *a, int on) {
-    pthread_mutex_lock(&a->lock);
-    a->arming = on != 0;
-    if (!a->arming) withdraw(a, now_ns());
-    pthread_mutex_unlock(&a->lock);
-    ring(a);
-}
-
-API void gl_arbiter_set_quiet(gl_arbiter *a, int on) {
-    pthread_mutex_lock(&a->lock);
-    a->quiet = on != 0;
-    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++)
-        if (a->slots[t].used) publish_openers(a, &a->slots[t]);
-    pthread_mutex_unlock(&a->lock);
 }
 
 API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {

@@ -33,11 +33,8 @@ typedef struct {
 
 /* Starts the thread. `doorbell_fd` is a non-blocking eventfd the caller keeps open for the
  * arbiter's life (the thread reads it); `beat_ns` is how often every region's heartbeat is
- * refreshed; `spin_ns` is how long, around a holder launch predicted while a filler waits, the
- * thread polls the doorbell instead of sleeping (a quarter before, the rest after; 0: never).
- * Returns NULL (errno set) on a bad config or when the thread cannot start. */
-gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns,
-                             uint64_t spin_ns);
+ * refreshed. Returns NULL (errno set) on a bad config or when the thread cannot start. */
+gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns);
 
 /* The priority board of `priority` (0..GL_BOARDS-1): the read-write descriptor (for the
  * processes of that priority) or the read-only one (for worse priorities). The arbiter keeps
@@ -69,15 +66,6 @@ void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
  * its posts are not read; resumed, it competes again from its current words. 0, or -1 for a
  * slot not in use. */
 int gl_arbiter_set_suspended(gl_arbiter *arbiter, int slot, int on);
-
-/* Arms on (the default) or off: off, no arm is published and every release is the arbiter's
- * grant (two wake-ups); a live arm is withdrawn. */
-void gl_arbiter_set_arming(gl_arbiter *arbiter, int on);
-
-/* Quiet holders on (the default) or off: on, each task's region lists its window-opening
- * kernels, and its shim, holding the GPU, rings the doorbell only for those (docs/fikit.md);
- * off, every holder launch rings while somebody waits. */
-void gl_arbiter_set_quiet(gl_arbiter *arbiter, int on);
 
 void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
 

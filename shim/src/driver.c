@@ -73,6 +73,12 @@ void init_once(void) {
         (__typeof__(g_aux.array_requirements))g_real_dlsym(lib, "cuArrayGetMemoryRequirements");
     g_aux.mipmap_requirements = (__typeof__(g_aux.mipmap_requirements))g_real_dlsym(
         lib, "cuMipmappedArrayGetMemoryRequirements");
+    g_aux.graph_get_nodes =
+        (__typeof__(g_aux.graph_get_nodes))g_real_dlsym(lib, "cuGraphGetNodes");
+    g_aux.node_get_type =
+        (__typeof__(g_aux.node_get_type))g_real_dlsym(lib, "cuGraphNodeGetType");
+    g_aux.kernel_node_get_params = (__typeof__(g_aux.kernel_node_get_params))g_real_dlsym(
+        lib, "cuGraphKernelNodeGetParams_v2");
 }
 
 /* NVML is loaded by the application, usually after cuInit (pynvml dlopens it when first used),

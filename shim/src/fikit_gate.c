@@ -192,7 +192,7 @@ static int fire_arm(uint8_t *r, uint64_t kernel) {
 }
 
 /* Whether the arbiter needs this holder launch at once: a kernel of the published
- * window-opening list, a graph (no kernel ID), or any launch while the list is not complete. */
+ * window-opening list, a graph without an ID, or any launch while the list is not complete. */
 static int opens_window(const uint8_t *r, uint64_t kernel) {
     if (r_u32(r, GL_OFF_FK_OPENERS_ALL) != 1 || kernel == 0) return 1;
     for (int k = 0; k < GL_ARM_KERNELS; k++)
@@ -201,7 +201,7 @@ static int opens_window(const uint8_t *r, uint64_t kernel) {
 }
 
 static uint64_t launch_kernel_id(const gl_launch *launch) {
-    if (launch == NULL) return 0; /* a graph: one unit, no kernel ID */
+    if (launch->f == NULL) return launch->graph; /* a graph: one unit, its own ID */
     return function_kernel_id(launch->f, launch->dims);
 }
 

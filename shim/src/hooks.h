@@ -28,6 +28,12 @@
     HOOK(cuLaunchCooperativeKernel_ptsz, "cuLaunchCooperativeKernel", 9000, 1) \
     HOOK(cuGraphLaunch, "cuGraphLaunch", 10000, 0)                      \
     HOOK(cuGraphLaunch_ptsz, "cuGraphLaunch", 10000, 1)                 \
+    HOOK(cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags", 11040, 0) \
+    HOOK(cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams", 12000, 0) \
+    HOOK(cuGraphInstantiateWithParams_ptsz, "cuGraphInstantiateWithParams", 12000, 1) \
+    HOOK(cuGraphExecDestroy, "cuGraphExecDestroy", 10000, 0)            \
+    HOOK(cuGraphExecUpdate_v2, "cuGraphExecUpdate", 12000, 0)           \
+    HOOK(cuGraphExecKernelNodeSetParams_v2, "cuGraphExecKernelNodeSetParams", 12000, 0) \
     HOOK(cuCtxSynchronize, "cuCtxSynchronize", 2000, 0)                 \
     HOOK(cuStreamSynchronize, "cuStreamSynchronize", 2000, 0)           \
     HOOK(cuStreamSynchronize_ptsz, "cuStreamSynchronize", 7000, 1)      \

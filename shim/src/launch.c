@@ -19,7 +19,7 @@ static CUresult before_launch(int hook, CUfunction f, unsigned gx, unsigned gy, 
                               launch_state *st) {
     st->measured = NULL;
     st->key = key;
-    const gl_launch launch = {f, {gx, gy, gz, bx, by, bz}};
+    const gl_launch launch = {f, {gx, gy, gz, bx, by, bz}, 0};
     kp_note_launch(f, launch.dims);
     CUresult result = gate(key, &launch, &st->granted);
     int measure = result == CUDA_SUCCESS && measure_on();
@@ -104,19 +104,22 @@ GL_TWIN_HOOKS(cuLaunchCooperativeKernel, _ptsz,
                void **params),
               (f, gx, gy, gz, bx, by, bz, shared, stream, params))
 
-/* A graph launch is one unit, named "<graph>" with all dimensions 0 (measured as one record:
- * from before its first node to after its last). */
-static CUresult before_graph(int hook, CUstream key, launch_state *st) {
+/* A graph launch is one unit under its graph ID (graphs.c), all dimensions 0; measured as one
+ * record, from before its first node to after its last, when it has an ID. */
+static CUresult before_graph(int hook, CUgraphExec exec, CUstream key, launch_state *st) {
     st->measured = NULL;
     st->key = key;
-    CUresult result = gate(key, NULL, &st->granted);
-    unsigned dims[6] = {0};
-    if (UNLIKELY(g_config.trace_fd >= 0))
-        trace("launch %s %016llx <graph> 0 0 0 0 0 0%s", g_hooks[hook].symbol,
-              (unsigned long long)kernel_id("<graph>", dims),
-              result == CUDA_SUCCESS ? "" : " refused");
-    if (result == CUDA_SUCCESS && measure_on())
-        st->measured = measure_begin(key, "<graph>", dims, kernel_id("<graph>", dims));
+    uint64_t structure;
+    const gl_launch launch = {NULL, {0}, graph_identity(exec, &structure)};
+    CUresult result = gate(key, &launch, &st->granted);
+    int measure = result == CUDA_SUCCESS && launch.graph != 0 && measure_on();
+    if (UNLIKELY(g_config.trace_fd >= 0) || measure) {
+        char name[40];
+        graph_name(structure, name, sizeof name);
+        trace("launch %s %016llx %s 0 0 0 0 0 0%s", g_hooks[hook].symbol,
+              (unsigned long long)launch.graph, name, result == CUDA_SUCCESS ? "" : " refused");
+        if (measure) st->measured = measure_begin(key, name, launch.dims, launch.graph);
+    }
     if (result == CUDA_SUCCESS) note_launch(key);
     return result;
 }
@@ -126,7 +129,7 @@ static ALWAYS_INLINE CUresult cuGraphLaunch_body(int hook, int per_thread, CUgra
     init();
     if (!REAL_AT(cuGraphLaunch, hook)) return CUDA_ERROR_NOT_FOUND;
     launch_state m;
-    CUresult r = before_graph(hook, stream_key(stream, per_thread), &m);
+    CUresult r = before_graph(hook, exec, stream_key(stream, per_thread), &m);
     return r != CUDA_SUCCESS ? r : after_launch(&m, REAL_AT(cuGraphLaunch, hook)(exec, stream));
 }
 

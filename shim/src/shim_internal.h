@@ -68,6 +68,9 @@ extern struct gl_aux {
     __typeof__(&cuDeviceGetMemPool) device_get_mem_pool;
     __typeof__(&cuArrayGetMemoryRequirements) array_requirements;
     __typeof__(&cuMipmappedArrayGetMemoryRequirements) mipmap_requirements;
+    __typeof__(&cuGraphGetNodes) graph_get_nodes;
+    __typeof__(&cuGraphNodeGetType) node_get_type;
+    __typeof__(&cuGraphKernelNodeGetParams) kernel_node_get_params;
 } g_aux;
 
 typedef void *(*dlsym_fn)(void *, const char *);
@@ -157,6 +160,14 @@ uint64_t kernel_id(const char *name, const unsigned dims[6]);
 uint64_t function_kernel_id(CUfunction f, const unsigned dims[6]);
 /* The name of `f` (cuFuncGetName, else the table the identity hooks fill, else "?"). */
 void function_name(CUfunction f, char *out, size_t size);
+
+/* ---- graphs.c: graph identity ---- */
+
+/* The kernel ID of executable graph `exec` and its structure hash (*structure), or 0 (and 0)
+ * when it has none. */
+uint64_t graph_identity(CUgraphExec exec, uint64_t *structure);
+/* A graph's record name: "<graph:HHHHHHHHHHHHHHHH>", or "<graph>" for structure 0. */
+void graph_name(uint64_t structure, char *out, size_t size);
 
 /* ---- conn.c: the dispatcher connection, registration, the background thread ---- */
 

@@ -236,9 +236,7 @@ int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *re
                 if (reg == NULL || b != NULL) continue;
                 if (f == 3) reg->mode = (uint32_t)v;
                 if (f == 4) reg->memory_cap_bytes = v;
-                if (f == 5) reg->sm_percent = (uint32_t)v;
                 if (f == 6) reg->priority = (uint32_t)v;
-                if (f == 7) reg->window_ns = v;
             }
             if (s < 0) return -1;
             result = 1;

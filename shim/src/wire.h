@@ -18,9 +18,8 @@
 #define GL_OFF_STATE 12
 #define GL_OFF_ADMIT_UNTIL 16
 #define GL_OFF_LEASE_ID 24
-#define GL_OFF_MEMORY_CAP 32
-#define GL_OFF_SM_PERCENT 40
-#define GL_OFF_MODE 44
+/* 32..47: unused (zero). The memory cap, the priority and the mode come on the Registered
+ * frame, once (gl_registration). */
 /* Suspension (SuspendClient; docs/dispatcher.md "Suspend and resume"): CLOCK_MONOTONIC ns
  * until which the process is suspended, renewed by the dispatcher while it lasts; 0 = not
  * suspended. A suspended shim waits at its next launch or allocation, without the
@@ -117,11 +116,10 @@ enum { GL_POST_LAUNCHED = 0, GL_POST_REQUEST = 1, GL_POST_TRACKED = 2 };
  * that lease is released. */
 enum { GL_LR_REPORT = 1, GL_LR_RELEASE = 2 };
 
+/* What the shim takes from the Registered frame (its other fields are for other clients). */
 typedef struct {
     uint32_t mode;
     uint64_t memory_cap_bytes;
-    uint32_t sm_percent;
-    uint64_t window_ns;
     uint32_t priority;
     /* Mode FIKIT: the priority boards that rode on the frame, mapped by gl_register (boards
      * 0..board_count-1; the last is this process's own priority, mapped read-write, the others

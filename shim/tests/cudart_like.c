@@ -81,6 +81,13 @@
  *   ipcfill BYTE | ipcpeek          the same on the last IPC-opened memory
  *   waitfile PATH                   wait (up to 60 s) until PATH exists
  *   capture NAME N                  capture N launches into a graph, then cuGraphLaunch it
+ *   glaunch | gdestroy              cuGraphLaunch | cuGraphExecDestroy the last captured graph
+ *   gsetparams NAME                 its first kernel node runs NAME instead
+ *                                   (cuGraphExecKernelNodeSetParams)
+ *   gupdate                         cuGraphExecUpdate it from its graph
+ *   gloop SECONDS PAUSE_US          launch it and stream-sync until SECONDS pass, sleeping
+ *                                   PAUSE_US after each: "gloop launches=N rc=R mean_ms=M"
+ *                                   (M: a launch to its sync, on average)
  *   timed NAME N                    events around N launches: prints the elapsed ms
  * Exit status: 0, or 3 when a launch failed (the code is printed), 2 on a usage error.
  */
@@ -112,7 +119,8 @@
     X(cuIpcOpenMemHandle) X(cuIpcCloseMemHandle) X(cuMemcpyHtoD) X(cuArrayCreate)             \
     X(cuArray3DCreate) X(cuMipmappedArrayCreate) X(cuArrayDestroy) X(cuMipmappedArrayDestroy)  \
     X(cuGraphCreate) X(cuGraphAddMemAllocNode) X(cuGraphAddNode_v2) X(cuMemPoolSetAttribute)   \
-    X(cuMemPoolTrimTo) X(cuDeviceGetMemPool)
+    X(cuMemPoolTrimTo) X(cuDeviceGetMemPool) X(cuGraphGetNodes)                               \
+    X(cuGraphExecKernelNodeSetParams) X(cuGraphExecUpdate) X(cuGraphExecDestroy)
 
 /* The legacy (pre-3.2, 32-bit) entry points, by their exported names. */
 CUresult legacy_cuMemAlloc(unsigned int *dptr, unsigned int bytes) __asm__("cuMemAlloc");
@@ -200,6 +208,10 @@ static int resolve_proc(int ptds) {
         if (strcmp(name, "cuGraphInstantiate") == 0) snprintf(name, sizeof name, "%s",
                                                               "cuGraphInstantiateWithFlags");
         if (strcmp(name, "cuGraphAddNode_v2") == 0) snprintf(name, sizeof name, "cuGraphAddNode");
+        if (strcmp(name, "cuGraphExecKernelNodeSetParams_v2") == 0)
+            snprintf(name, sizeof name, "cuGraphExecKernelNodeSetParams");
+        if (strcmp(name, "cuGraphExecUpdate_v2") == 0)
+            snprintf(name, sizeof name, "cuGraphExecUpdate");
         slots[i] = NULL;
         CUresult r = gpa(name, &slots[i], CUDA_VERSION, flags, &status);
         if (r != CUDA_SUCCESS) printf("resolve missing %s %d\n", name, (int)r);
@@ -221,6 +233,8 @@ static int g_func_count;
 static CUmodule g_module;
 static CUlibrary g_library;
 static CUstream g_stream;
+static CUgraph g_graph;    /* the last captured graph */
+static CUgraphExec g_exec; /* its executable */
 
 enum { A_POINTER, A_HANDLE, A_ASYNC, A_VMM, A_ARRAY, A_MIPMAP, A_LEGACY };
 
@@ -918,15 +932,51 @@ int main(int argc, char **argv) {
             long count = atol(argv[i + 2]);
             i += 2;
             unsigned d[6] = {1, 1, 1, 1, 1, 1};
-            CUgraph graph = NULL;
-            CUgraphExec exec = NULL;
             r = D.cuStreamBeginCapture(g_stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
             for (long n = 0; n < count && r == CUDA_SUCCESS; n++) r = launch_one("kernel", f, d);
-            CUresult ended = D.cuStreamEndCapture(g_stream, &graph);
+            CUresult ended = D.cuStreamEndCapture(g_stream, &g_graph);
             if (r == CUDA_SUCCESS) r = ended;
-            if (r == CUDA_SUCCESS) r = D.cuGraphInstantiate(&exec, graph, 0);
+            if (r == CUDA_SUCCESS) r = D.cuGraphInstantiate(&g_exec, g_graph, 0);
             printf("capture rc=%d\n", (int)r);
-            if (r == CUDA_SUCCESS) printf("graph rc=%d\n", (int)D.cuGraphLaunch(exec, g_stream));
+            if (r == CUDA_SUCCESS) printf("graph rc=%d\n", (int)D.cuGraphLaunch(g_exec, g_stream));
+        } else if (strcmp(op, "glaunch") == 0) {
+            printf("glaunch rc=%d\n", (int)D.cuGraphLaunch(g_exec, g_stream));
+        } else if (strcmp(op, "gsetparams") == 0) {
+            NEED(1);
+            CUgraphNode node = NULL;
+            size_t nodes = 1;
+            r = D.cuGraphGetNodes(g_graph, &node, &nodes);
+            CUDA_KERNEL_NODE_PARAMS params = {.func = find(argv[++i]), .gridDimX = 1,
+                                              .gridDimY = 1, .gridDimZ = 1, .blockDimX = 1,
+                                              .blockDimY = 1, .blockDimZ = 1};
+            if (r == CUDA_SUCCESS) r = D.cuGraphExecKernelNodeSetParams(g_exec, node, &params);
+            printf("gsetparams rc=%d\n", (int)r);
+        } else if (strcmp(op, "gupdate") == 0) {
+            CUgraphExecUpdateResultInfo info;
+            printf("gupdate rc=%d\n", (int)D.cuGraphExecUpdate(g_exec, g_graph, &info));
+        } else if (strcmp(op, "gdestroy") == 0) {
+            printf("gdestroy rc=%d\n", (int)D.cuGraphExecDestroy(g_exec));
+            g_exec = NULL;
+        } else if (strcmp(op, "gloop") == 0) {
+            NEED(2);
+            double seconds = atof(argv[i + 1]);
+            long pause_us = atol(argv[i + 2]);
+            i += 2;
+            uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9), total = 0;
+            long launches = 0;
+            CUresult last = CUDA_SUCCESS;
+            while (now_ns() < stop) {
+                uint64_t t0 = now_ns();
+                last = D.cuGraphLaunch(g_exec, g_stream);
+                if (last != CUDA_SUCCESS) break;
+                D.cuStreamSynchronize(g_stream);
+                total += now_ns() - t0;
+                launches++;
+                if (pause_us > 0) sleep_us(pause_us);
+            }
+            printf("gloop launches=%ld rc=%d mean_ms=%.3f\n", launches, (int)last,
+                   launches ? total / 1e6 / launches : 0.0);
+            if (last != CUDA_SUCCESS) failed = 1;
         } else if (strcmp(op, "timed") == 0) {
             NEED(2);
             CUfunction f = find(argv[i + 1]);

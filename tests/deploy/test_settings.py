@@ -95,7 +95,12 @@ def test_compose_gives_each_service_only_settings_it_reads(
 def test_k8s_gives_each_container_only_settings_it_reads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    placeholders = {"spec.nodeName": "node-a", "status.podIP": "10.1.2.3"}
+    placeholders = {
+        "spec.nodeName": "node-a",
+        "status.podIP": "10.1.2.3",
+        "metadata.namespace": "gpuloom",
+        "metadata.name": "gpuloom-k8s-5d8f7-abcde",
+    }
     checked = 0
     for name, workload in workloads().items():
         pod = workload["spec"]["template"]["spec"]

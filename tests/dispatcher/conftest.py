@@ -78,9 +78,8 @@ def reserve_request(
 def dispatcher_settings(**overrides: object) -> DispatcherSettings:
     values: dict[str, object] = {
         "window_ms": 200.0,
-        "lease_min_ms": 2.0,
-        "lease_initial_ms": 10.0,
-        "lease_max_ms": 20.0,
+        "policy_args": "tokens.lease_min_s=0.002,tokens.lease_initial_s=0.01,"
+        "tokens.lease_max_s=0.02",
         "register_timeout_s": 1.0,
         # The token path's mechanics (leases over the socket and the desk) are what these tests
         # drive; the default policy (composed) is tested where it is named (tests/shim).

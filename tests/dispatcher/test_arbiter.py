@@ -28,8 +28,8 @@ from gpuloom.shimwire import (
     FikitPort,
     FikitPost,
     FikitRole,
-    ShimMode,
 )
+from tests.polling import holds_within
 
 US = 1000
 MS = 1_000_000
@@ -49,7 +49,7 @@ class Task:
     ) -> None:
         """With `boards`, the priority boards a Registered frame carries (the one-wake-up
         path); `doorbell_fd` replaces the arbiter's doorbell (to launch without waking it)."""
-        self.region, self.fd = AdmissionRegion.create("t", 0, 0, ShimMode.FIKIT)
+        self.region, self.fd = AdmissionRegion.create("t")
         self.slot = arbiter.add_task(self.fd, priority, kernels)
         self.mapping = mmap.mmap(self.fd, REGION_BYTES)
         fds = arbiter.board_fds(priority) if boards else []
@@ -70,22 +70,12 @@ class Task:
         os.close(self.fd)
 
 
-def wait_for(condition, timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.0005)
-    return condition()
-
-
-@pytest.fixture(params=[0.0, 200e-6], ids=["sleeping", "spinning"])
-def arbiter(request: pytest.FixtureRequest) -> Iterator[Arbiter]:
-    """Both ways the thread waits for a predicted holder launch decide alike."""
+@pytest.fixture
+def arbiter() -> Iterator[Arbiter]:
     config = FikitConfig(
         gap_threshold_ns=100 * US, idle_margin_ns=200 * US, idle_backlog_ns=0, max_wait_ns=0
     )
-    arbiter = Arbiter(config, beat_s=0.01, spin_s=request.param)
+    arbiter = Arbiter(config, beat_s=0.01)
     yield arbiter
     arbiter.stop()
 
@@ -97,10 +87,10 @@ FILL_TABLE = [KernelTiming(FILL_SHORT, 200 * US, None), KernelTiming(FILL_LONG, 
 def test_roles_follow_priority_and_the_next_priority_takes_over(arbiter: Arbiter) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
-        assert wait_for(lambda: high.port.role is FikitRole.HOLDER)
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: high.port.role is FikitRole.HOLDER)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         arbiter.remove_task(high.slot)
-        assert wait_for(lambda: low.port.role is FikitRole.HOLDER)
+        assert holds_within(lambda: low.port.role is FikitRole.HOLDER)
     finally:
         high.close()
         low.close()
@@ -111,7 +101,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
 ) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         # The holder launches back to back (a gap of 2 ms follows each kernel): a 5 ms fill
         # never fits; keep the holder busy so it never counts as idle. A loaded machine may
         # pause this process past the idle margin (the holder is then idle, and the filler
@@ -130,7 +120,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
             arbiter.remove_task(low.slot)
             low.close()
             low = fresh = Task(arbiter, 5, FILL_TABLE)
-            assert wait_for(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+            assert holds_within(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
         else:
             pytest.fail("the machine never let the holder launch every 1.5 ms")
         assert low.port.granted != seq
@@ -138,7 +128,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
         arbiter.remove_task(low.slot)
         low.close()
         low = Task(arbiter, 5, FILL_TABLE)
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         in_windows = arbiter.core_counters().granted_window
         seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
         high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
@@ -154,7 +144,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
 def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         first = low.port.post(FILL_LONG, FikitPost.REQUEST)
         assert low.port.wait_grant(first, 1.0)  # the holder never launched: idle
         second = low.port.post(FILL_LONG, FikitPost.REQUEST)
@@ -173,7 +163,7 @@ def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter)
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     other = Task(arbiter, 7, FILL_TABLE)
     try:
-        assert wait_for(lambda: other.port.role is FikitRole.FILL)
+        assert holds_within(lambda: other.port.role is FikitRole.FILL)
         rng = __import__("random").Random(7)
         for _ in range(2000):  # the low task scribbles over its own shim words
             offset = rng.randrange(128, REGION_BYTES - 4, 4)
@@ -184,7 +174,7 @@ def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter)
         low.port.ring()
         # The arbiter is alive and the well-behaved task still gets its grants.
         before = other.port.heartbeat_ns
-        assert wait_for(lambda: other.port.heartbeat_ns > before)
+        assert holds_within(lambda: other.port.heartbeat_ns > before)
         arbiter.remove_task(low.slot)
         seq = other.port.post(FILL_SHORT, FikitPost.REQUEST)
         assert other.port.wait_grant(seq, 1.0)
@@ -199,7 +189,7 @@ def test_the_arbiter_refuses_a_65th_process_and_bad_priorities(arbiter: Arbiter)
     try:
         with pytest.raises(ArbiterFull):
             Task(arbiter, 9, [])
-        region, fd = AdmissionRegion.create("x", 0, 0, ShimMode.FIKIT)
+        region, fd = AdmissionRegion.create("x")
         arbiter.remove_task(tasks[0].slot)
         with pytest.raises(OSError, match="Invalid argument"):
             arbiter.add_task(fd, 10, [])
@@ -231,11 +221,11 @@ def armed_pair(arbiter: Arbiter, silent_fd: int) -> tuple[Task, Task, int]:
     waits, armed: returns them and the request's sequence number."""
     high = Task(arbiter, 0, ARM_TABLE, boards=True, doorbell_fd=silent_fd)
     low = Task(arbiter, 5, FILL_TABLE, boards=True)
-    assert wait_for(lambda: low.port.role is FikitRole.FILL)
+    assert holds_within(lambda: low.port.role is FikitRole.FILL)
     high.port.post(BUSY_KERNEL, FikitPost.LAUNCHED)  # busy, no gap window
     os.eventfd_write(arbiter.doorbell_fd, 1)
     seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
-    assert wait_for(lambda: low.port.armed[0] != 0)
+    assert holds_within(lambda: low.port.armed[0] != 0)
     nonce, kernels = high.port.arm
     assert nonce == low.port.armed[0] and kernels == [HOLDER_KERNEL]
     assert low.port.armed[1] == 0  # it watches priority 0's board
@@ -259,7 +249,7 @@ def test_the_holders_launch_releases_the_armed_filler_without_the_arbiter(
         assert quiet_arbiter.stats().rounds == rounds and low.port.granted != seq
         # Told afterwards, the core counts the fill as granted (and the grant word follows).
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
-        assert wait_for(lambda: low.port.granted == seq)
+        assert holds_within(lambda: low.port.granted == seq)
         stats = quiet_arbiter.stats()
         assert stats.fired == 1 and stats.late_releases == 0 and stats.waiting == 0
         # That arm is spent; the next one is given ahead, for the filler's next request if it
@@ -286,17 +276,17 @@ def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: Arbiter) ->
         # the filler a fresh one); its request moves the arm to it.
         mid = Task(quiet_arbiter, 3, FILL_TABLE, boards=True)
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
-        assert wait_for(lambda: low.port.armed[0] != 0)
+        assert holds_within(lambda: low.port.armed[0] != 0)
         nonce = low.port.armed[0]
         mid_seq = mid.port.post(FILL_SHORT, FikitPost.REQUEST)
-        assert wait_for(lambda: mid.port.armed[0] != 0)
+        assert holds_within(lambda: mid.port.armed[0] != 0)
         assert low.port.armed[0] == 0
         # The holder fires the stale nonce by hand, and the old filler takes it (a filler
         # reading its arm just before the withdrawal would).
         struct.pack_into("<Q", high.boards[0], BOARD_FIRED, nonce)
         struct.pack_into("<Q", low.mapping, OFF_FK_RELEASED, nonce)
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
-        assert wait_for(lambda: low.port.granted == seq)
+        assert holds_within(lambda: low.port.granted == seq)
         assert quiet_arbiter.stats().late_releases == 1
         # The same nonce again changes nothing; the better filler's arm still stands.
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
@@ -339,28 +329,6 @@ def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbi
         os.close(silent)
 
 
-def test_with_arming_off_every_release_is_a_grant() -> None:
-    """GPULOOM_DISPATCHER_FIKIT_ARM=false: no arm is published; the holder's launch is heard
-    through the doorbell and the filler granted by the arbiter (two wake-ups)."""
-    arbiter = Arbiter(ARM_CONFIG, beat_s=1.0, arm=False)
-    high = Task(arbiter, 0, ARM_TABLE, boards=True)
-    low = Task(arbiter, 5, FILL_TABLE, boards=True)
-    try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
-        high.port.post(BUSY_KERNEL, FikitPost.TRACKED)
-        seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
-        time.sleep(0.02)
-        assert low.port.armed[0] == 0 and high.port.arm[0] == 0
-        high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
-        assert low.port.wait_grant(seq, 1.0)
-        assert low.port.early_releases == 0
-        assert arbiter.stats().arms == 0 and arbiter.stats().grants >= 1
-    finally:
-        high.close()
-        low.close()
-        arbiter.stop()
-
-
 def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
     quiet_arbiter: Arbiter,
 ) -> None:
@@ -374,7 +342,7 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)  # fires the first arm
         assert low.port.wait_grant(seq, 0.5) and low.port.early_releases == 1
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
-        assert wait_for(
+        assert holds_within(
             lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == seq + 1
         )
         low.port.report_done(seq)
@@ -393,11 +361,11 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         low.port.seq, low.port._released = quiet.port.seq, quiet.port._released
         quiet.port.close()
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
-        assert wait_for(lambda: low.port.granted == nxt)  # the core counts it granted
+        assert holds_within(lambda: low.port.granted == nxt)  # the core counts it granted
         assert quiet_arbiter.stats().fired == 2
         # Fired before the request was posted, an arm given ahead releases nothing.
         low.port.report_done(nxt)
-        assert wait_for(
+        assert holds_within(
             lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == nxt + 1
         )
         high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
@@ -406,7 +374,7 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         assert low.port.early_releases == 1
         # Nor does it release a kernel it does not name.
         low.port.report_done(late)
-        assert wait_for(
+        assert holds_within(
             lambda: struct.unpack_from("<I", low.mapping, OFF_FK_ARMED_SEQ)[0] == late + 1
         )
         quiet = Task.__new__(Task)
@@ -456,7 +424,7 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
     high = Task(arbiter, 0, table, doorbell_fd=silent)
     low = Task(arbiter, 5, FILL_TABLE)
     try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         for _ in range(10):  # a loaded machine may pause the holder past the margin: retry
             launched = high.port.post(QUIET_KERNEL, FikitPost.TRACKED)
             seq = low.port.post(FILL_LONG, FikitPost.REQUEST)
@@ -474,7 +442,7 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
             arbiter.remove_task(low.slot)
             low.close()
             low = fresh = Task(arbiter, 5, FILL_TABLE)
-            assert wait_for(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+            assert holds_within(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
         else:
             pytest.skip("the machine never let the holder launch every 150 us")
         # Its last kernel still runs: the filler waits; it ends (no ring), the filler goes.
@@ -494,23 +462,23 @@ def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
 ) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         arbiter.set_suspended(high.slot, True)
-        assert wait_for(lambda: low.port.role is FikitRole.HOLDER)
+        assert holds_within(lambda: low.port.role is FikitRole.HOLDER)
         # What the suspended shim writes is not read: no request of its is ever granted.
         seq = high.port.post(FILL_SHORT, FikitPost.REQUEST)
         time.sleep(0.05)
         assert high.port.granted != seq
         arbiter.set_suspended(high.slot, True)  # again: no change
         arbiter.set_suspended(high.slot, False)
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         assert high.port.role is FikitRole.HOLDER
         # Back in the decisions from its current words: its stale request stays unanswered,
         # its launches are a holder's again.
         assert high.port.granted != seq
         arbiter.remove_task(high.slot)
         arbiter.set_suspended(high.slot, True)  # a slot not in use: ignored
-        assert wait_for(lambda: low.port.role is FikitRole.HOLDER)
+        assert holds_within(lambda: low.port.role is FikitRole.HOLDER)
     finally:
         high.close()
         low.close()
@@ -541,14 +509,14 @@ def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:
     ringer.start()
     delays = {}
     try:
-        assert wait_for(lambda: low.port.role is FikitRole.FILL)
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
         for rings in (False, True):
             launched = high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
             seq = low.port.post(FILL_LONG, FikitPost.REQUEST)  # 5 ms: fits no 2 ms gap
             time.sleep(0.005)
             assert low.port.granted != seq  # the holder's kernel runs
             beat = high.port.heartbeat_ns  # just after a heartbeat ...
-            assert wait_for(lambda beat=beat: high.port.heartbeat_ns != beat, 1.0)
+            assert holds_within(lambda beat=beat: high.port.heartbeat_ns != beat, 1.0)
             ended = time.monotonic()
             high.port.report_done(launched)  # ... the kernel ends, ringing nothing
             if rings:
@@ -557,7 +525,7 @@ def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:
             delays[rings] = time.monotonic() - ended
             ringing.clear()
             low.port.report_done(seq)
-            assert wait_for(lambda n=1 + rings: arbiter.core_counters().granted_idle == n)
+            assert holds_within(lambda n=1 + rings: arbiter.core_counters().granted_idle == n)
             time.sleep(0.06)  # its end taken (and the next heartbeat passed)
         # Found idle at the next heartbeat (about 50 ms on), ringing or not: not at the 2.2 ms
         # (gap and margin) a ring would otherwise reveal it at.

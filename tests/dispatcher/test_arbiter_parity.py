@@ -25,7 +25,6 @@ from gpuloom.shimwire import (
     AdmissionRegion,
     FikitPort,
     FikitPost,
-    ShimMode,
 )
 
 MS = 1_000_000
@@ -88,7 +87,7 @@ def arbiter_decisions() -> tuple[list[frozenset[int]], int]:
     ports: dict[str, FikitPort] = {}
     try:
         for name, priority in PRIORITIES.items():
-            region, fd = AdmissionRegion.create(name, 0, 0, ShimMode.FIKIT)
+            region, fd = AdmissionRegion.create(name)
             arbiter.add_task(fd, priority, TABLE)
             mapping = mmap.mmap(fd, REGION_BYTES)
             opened.append((region, fd, mapping))

@@ -20,7 +20,10 @@ WINDOWS = 10
 # Leases of 25-50 ms: a Python client needs from a few hundred microseconds to milliseconds (on
 # a loaded machine) to wake up for a lease, and that time is lost; with 10 ms leases ~4%.
 SATURATE = str(Path(__file__).with_name("saturate.py"))
-TOKENS = {"window_ms": WINDOW_S * 1e3, "lease_initial_ms": 25.0, "lease_max_ms": 50.0}
+TOKENS = {
+    "window_ms": WINDOW_S * 1e3,
+    "policy_args": "tokens.lease_initial_s=0.025,tokens.lease_max_s=0.05",
+}
 
 
 def _share(held: list[tuple[float, float]], start: float, stop: float) -> float:

@@ -29,18 +29,15 @@ def position_model() -> str:
     return json.dumps(fit_predictor("position", runs).to_dict())
 
 
-def test_with_least_a_kernel_gets_the_least_gap_its_profile_predicts_after_it() -> None:
-    table = {t.kernel_id: t for t in table_from_profile(profile(position_model()), "least")}
-    # Kernel 1's mean gap (2.5 ms) would open a window after every launch of it; the arbiter,
-    # which sees IDs and not positions, counts on 10 us only: no window.
-    assert table[1] == KernelTiming(1, 50 * US, 10 * US)
-    assert table[2] == KernelTiming(2, 30 * US, 20 * US)
-    assert table[3].gap_after_ns is None
-
-
-def test_mean_gaps_by_default_and_when_the_model_is_unusable() -> None:
-    mean = {t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(position_model()))}
-    assert mean == {1: 2505 * US, 2: 20 * US, 3: None}
+def test_each_kernel_gets_its_mean_duration_and_mean_gap_whatever_the_gap_model() -> None:
+    mean = {t.kernel_id: t for t in table_from_profile(profile(position_model()))}
+    # Kernel 1's mean gap (2.5 ms) is what the arbiter counts on after it, though the
+    # position model knows it is 10 us in one place and 5 ms in the other.
+    assert mean == {
+        1: KernelTiming(1, 50 * US, 2505 * US),
+        2: KernelTiming(2, 30 * US, 20 * US),
+        3: KernelTiming(3, 40 * US, None),
+    }
     for garbage in ("", "{", '{"format": 1, "predictor": "nope"}', "[1, 2]"):
-        table = {t.kernel_id: t.gap_after_ns for t in table_from_profile(profile(garbage), "least")}
+        table = {t.kernel_id: t for t in table_from_profile(profile(garbage))}
         assert table == mean, garbage

@@ -23,8 +23,8 @@ from gpuloom.shimwire import (
     AdmissionRegion,
     AdmissionState,
     DeskPort,
-    ShimMode,
 )
+from tests.polling import holds_within
 
 MS = 1e-3
 NATIVE_BIT = 1 << 62
@@ -34,7 +34,7 @@ class Process:
     """One shim's region, registered with the desk."""
 
     def __init__(self, desk: LeaseDesk) -> None:
-        self.region, self.fd = AdmissionRegion.create("p", 0, 50, ShimMode.SHARE)
+        self.region, self.fd = AdmissionRegion.create("p")
         self.slot = desk.add(self.fd)
         self.mapping = mmap.mmap(self.fd, REGION_BYTES)
         self.port = DeskPort(self.mapping, desk.doorbell_fd)
@@ -52,19 +52,10 @@ def desk() -> Iterator[LeaseDesk]:
     desk.stop()
 
 
-def wait_for(condition, timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.0002)
-    return condition()
-
-
 def taken(desk: LeaseDesk, count: int) -> list[DeskEvent]:
     """Events until `count` have come (the thread answers asynchronously)."""
     events: list[DeskEvent] = []
-    assert wait_for(lambda: events.extend(desk.take()) or len(events) >= count), events
+    assert holds_within(lambda: events.extend(desk.take()) or len(events) >= count), events
     return events
 
 
@@ -97,7 +88,7 @@ def test_with_terms_the_desk_renews_at_once_and_journals_it(desk: LeaseDesk) -> 
         epoch = process.region.epoch
         before = time.monotonic_ns()
         process.port.post()
-        assert wait_for(lambda: process.region.epoch != epoch)
+        assert holds_within(lambda: process.region.epoch != epoch)
         lease_id = process.region.lease_id
         assert lease_id & NATIVE_BIT and process.region.state is AdmissionState.LEASED
         assert process.region.admitted()
@@ -182,7 +173,7 @@ def test_terms_given_while_events_are_untaken_count_what_those_charged(desk: Lea
     try:
         give(desk, process, lease_s=10 * MS, budget_s=30 * MS)
         process.port.post()
-        assert wait_for(lambda: desk.stats().renewed == 1)
+        assert holds_within(lambda: desk.stats().renewed == 1)
         give(desk, process, lease_s=10 * MS, budget_s=30 * MS)  # as if that lease were unknown
         lengths = []
         for _ in range(3):
@@ -249,7 +240,7 @@ def test_random_bytes_over_the_request_words_never_stop_the_desk(desk: LeaseDesk
             bad.mapping[OFF_LR_SEQ : OFF_LR_SEQ + 40] = os.urandom(40)
             os.eventfd_write(desk.doorbell_fd, 1)
         good.port.post()
-        assert wait_for(lambda: good.region.lease_id & NATIVE_BIT)
+        assert holds_within(lambda: good.region.lease_id & NATIVE_BIT)
         assert desk.stats().slots == 2
     finally:
         bad.close()
@@ -265,12 +256,12 @@ def test_a_flooding_process_is_throttled_alone(desk: LeaseDesk) -> None:
         for _ in range(600):
             seen = desk.stats().requests
             flood.port.post()
-            assert wait_for(
+            assert holds_within(
                 lambda seen=seen: desk.stats().requests > seen or desk.stats().throttled
             )
         assert desk.stats().throttled > 0
         other.port.post()
-        assert wait_for(lambda: other.region.lease_id & NATIVE_BIT)
+        assert holds_within(lambda: other.region.lease_id & NATIVE_BIT)
         assert desk.stats().pending == 512 + 1  # the flooder's cap, and the other's renewal
         events = desk.take()
         assert any(e.slot == other.slot for e in events)
@@ -286,7 +277,7 @@ def test_a_removed_process_takes_its_events_and_its_region_with_it(desk: LeaseDe
         give(desk, stays)
         gone.port.post()
         stays.port.post()
-        assert wait_for(lambda: desk.stats().requests == 2)
+        assert holds_within(lambda: desk.stats().requests == 2)
         desk.remove(gone.slot)
         events = desk.take()
         assert [e.slot for e in events] == [stays.slot]

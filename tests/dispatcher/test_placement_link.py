@@ -224,6 +224,25 @@ async def test_heartbeats_carry_usage_and_the_assignments_held(
         assert first.share.quota.limit_percent == 40
 
 
+@pytest.mark.parametrize("library", ["fake", "fake_min", "off"])
+async def test_heartbeats_say_whether_a_suspension_frees_memory(
+    short_dir: Path, placement: PlacementServer, library: str
+) -> None:
+    """With the driver's checkpoint API (the fake driver's) a suspended client's memory is
+    freed, so the book takes a time-slice group's memory in turns and says so; a driver
+    without the API (fake_min), or the release switched off, keeps today's behaviour."""
+    shim = Path(__file__).resolve().parents[2] / "shim" / "build"
+    overrides = {
+        "cuda_library": str(shim / ("fake" if library == "off" else library) / "libcuda.so.1"),
+        "suspend_release_memory": library != "off",
+    }
+    async with linked_dispatcher(short_dir, placement.address, **overrides) as linked:
+        await eventually(lambda: placement.fake.heartbeats, "a first heartbeat")
+        frees = library == "fake"
+        assert placement.fake.heartbeats[-1].suspend_releases_memory is frees
+        assert linked.dispatcher.core.book.memory_in_turns is frees
+
+
 async def test_registration_and_heartbeats_carry_the_models_the_store_holds(
     short_dir: Path, placement: PlacementServer
 ) -> None:

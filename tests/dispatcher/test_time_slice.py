@@ -86,6 +86,27 @@ def test_a_member_still_needs_memory_of_its_own() -> None:
     assert book.all() == before
 
 
+def test_with_memory_in_turns_a_group_holds_its_largest_members_memory() -> None:
+    """A dispatcher whose driver checkpoints a suspended client's memory takes a group's
+    memory in turns: members whose memory sums above the GPU are admitted."""
+    book = ReservationBook(20 * GIB, None)
+    book.memory_in_turns = True
+    book.reserve(spec("a", sm=50))
+    book.reserve(spec("b", time_slice_of="a", sm=50))  # 10 + 10 GiB, taken in turns
+    book.reserve(spec("x", memory_gib=4, sm=50))  # beside the group
+    assert book.memory_reserved_bytes() == 14 * GIB
+    book.reserve(spec("c", time_slice_of="a", memory_gib=14, sm=50))  # the group holds 14 now
+    assert book.memory_reserved_bytes() == 18 * GIB
+    before = book.all()
+    with pytest.raises(ResourceExhausted, match="beyond its time-slice group's"):
+        book.reserve(spec("d", time_slice_of="a", memory_gib=17, sm=50))  # 17 + 4 > 20
+    with pytest.raises(ResourceExhausted, match="not enough GPU memory"):
+        book.reserve(spec("e", memory_gib=3, sm=50))  # 18 + 3 > 20
+    assert book.all() == before
+    book.release("c")
+    assert book.memory_reserved_bytes() == 14 * GIB
+
+
 def test_a_member_needs_its_group_on_this_gpu() -> None:
     book = ReservationBook(80 * GIB, None)
     with pytest.raises(FailedPrecondition, match="nothing to time-slice with"):

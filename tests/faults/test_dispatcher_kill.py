@@ -35,8 +35,7 @@ async def test_kill_9_of_the_dispatcher_mid_lease_keeps_every_shim_to_its_bound(
     # Windows short enough that a share out of quota waits well within the bound for the next.
     dispatcher.env.update(
         GPULOOM_DISPATCHER_WINDOW_MS="200",
-        GPULOOM_DISPATCHER_LEASE_INITIAL_MS="10",
-        GPULOOM_DISPATCHER_LEASE_MAX_MS="20",
+        GPULOOM_DISPATCHER_POLICY_ARGS="tokens.lease_initial_s=0.01,tokens.lease_max_s=0.02",
     )
     dispatcher.start()
     try:

@@ -93,6 +93,7 @@ class Cluster:
             profile_store_address=f"{HOST}:{self.store.port}",
             heartbeat_interval_s=0.5,
             function_owner=self.function_owner,
+            mig_batch_window_s=1.0,  # a MIG Pod's batch is due a second after its submission
         )
         self.placement = await PlacementApp.start(settings, HOST, self.root)
 

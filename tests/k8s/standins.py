@@ -2,7 +2,8 @@
 real one speaks, with Pods and Nodes built by the official `kubernetes` client's models:
 
 - `ApiServer`: the REST API subset gpuloom calls (list, get, merge-patch and delete Pods, the
-  binding subresource, Deployments and their scale subresource), over HTTP, with the
+  binding subresource, Deployments and their scale subresource, coordination.k8s.io/v1
+  Leases with resourceVersion concurrency), over HTTP, with the
   server's Status objects for errors; creating a Pod runs it through the mutating admission
   webhook (an admission.k8s.io/v1 AdmissionReview over HTTPS, its JSONPatch applied), as the
   API server does, and so do Pod updates; callers are known by their bearer tokens.
@@ -30,6 +31,7 @@ import urllib.request
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -152,10 +154,12 @@ class ApiServer:
     validating: Webhook | None = None
     pods: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     deployments: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    leases: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     fail_bindings: int = 0  # answer this many binding POSTs with 500
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (user, method, path)
     lock: threading.Lock = field(default_factory=threading.RLock)
     _server: ThreadingHTTPServer | None = None
+    _version: int = 0  # the last resourceVersion given (Leases)
 
     @property
     def url(self) -> str:
@@ -189,7 +193,7 @@ class ApiServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            do_GET = do_POST = do_PATCH = do_DELETE = _serve
+            do_GET = do_POST = do_PATCH = do_DELETE = do_PUT = _serve
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -308,6 +312,10 @@ class ApiServer:
                 len(parts) >= 6 and parts[4] == "pods"
             ):
                 return self._pod_call(user, method, parts[3], parts[5], parts[6:], body)
+            if parts[:4] == ["apis", "coordination.k8s.io", "v1", "namespaces"] and (
+                len(parts) in (6, 7) and parts[5] == "leases"
+            ):
+                return self._lease_call(method, parts[4], parts[6:], body)
             if parts == ["apis", "apps", "v1", "deployments"] and method == "GET":
                 return 200, self._list("DeploymentList", self.deployments.values(), query)
             if (
@@ -358,6 +366,46 @@ class ApiServer:
                 return 409, _status(409, "Precondition failed: UID in precondition")
             del self.pods[key]
             return 200, copy.deepcopy(pod)
+        return 405, _status(405, "method not allowed")
+
+    def _lease_call(
+        self, method: str, namespace: str, rest: list[str], body: Any
+    ) -> tuple[int, dict[str, Any]]:
+        """coordination.k8s.io/v1 Leases: GET, POST (create), PUT (replace) with the
+        API server's optimistic concurrency (a PUT naming another resourceVersion: 409)."""
+        if method == "POST" and not rest:
+            _check_lease(body)
+            key = (namespace, body["metadata"]["name"])
+            if key in self.leases:
+                return 409, _status(409, f'leases.coordination.k8s.io "{key[1]}" already exists')
+            self._version += 1
+            lease = copy.deepcopy(body)
+            lease["metadata"].update(namespace=namespace, resourceVersion=str(self._version))
+            self.leases[key] = lease
+            return 201, copy.deepcopy(lease)
+        if len(rest) != 1:
+            return 405, _status(405, "method not allowed")
+        key = (namespace, rest[0])
+        lease = self.leases.get(key)
+        if lease is None:
+            return 404, _status(404, f'leases.coordination.k8s.io "{rest[0]}" not found')
+        if method == "GET":
+            return 200, copy.deepcopy(lease)
+        if method == "PUT":
+            _check_lease(body)
+            wanted = body["metadata"].get("resourceVersion")
+            if wanted != lease["metadata"]["resourceVersion"]:
+                return 409, _status(
+                    409,
+                    f'Operation cannot be fulfilled on leases.coordination.k8s.io "{rest[0]}": '
+                    "the object has been modified; please apply your changes to the latest "
+                    "version and try again",
+                )
+            self._version += 1
+            replaced = copy.deepcopy(body)
+            replaced["metadata"].update(namespace=namespace, resourceVersion=str(self._version))
+            self.leases[key] = replaced
+            return 200, copy.deepcopy(replaced)
         return 405, _status(405, "method not allowed")
 
     def _list(self, kind: str, items: Any, query: Mapping[str, str]) -> dict[str, Any]:
@@ -424,6 +472,24 @@ class ApiServer:
             patch = json.loads(base64.b64decode(response["patch"]))
             return apply_patch(document, patch), True
         return document, False
+
+
+def _check_lease(body: Any) -> None:
+    """A Lease as the API server decodes it: its fields by their JSON names (the official
+    client's V1Lease / V1LeaseSpec), MicroTimes in RFC 3339 with microseconds."""
+    if not isinstance(body, dict) or body.get("kind") != "Lease":
+        raise Refused("a Lease is expected")
+    if body.get("apiVersion") != "coordination.k8s.io/v1" or not body["metadata"].get("name"):
+        raise Refused("a coordination.k8s.io/v1 Lease with a name is expected")
+    spec = body.get("spec") or {}
+    unknown = set(spec) - set(client.V1LeaseSpec.attribute_map.values())
+    if unknown:
+        raise Refused(f"unknown field(s) of a LeaseSpec: {sorted(unknown)}")
+    for name in ("acquireTime", "renewTime"):
+        if name in spec:
+            datetime.strptime(spec[name], "%Y-%m-%dT%H:%M:%S.%fZ")
+    if not isinstance(spec.get("leaseDurationSeconds", 1), int):
+        raise Refused("leaseDurationSeconds is an integer")
 
 
 def _status(code: int, message: str) -> dict[str, Any]:

@@ -114,6 +114,34 @@ def test_a_shared_model_and_a_function_replica() -> None:
     assert not asks_gpuloom(as_json(pod_model("plain", {"cpu": "1"})))
 
 
+def test_a_mig_instance_is_a_mig_batch_task_of_the_containers_command() -> None:
+    pod = pod_model("resize", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "resize"})
+    pod.spec.containers[0].command = ["python", "resize.py"]
+    pod.spec.containers[0].args = ["--in", "/data"]
+    ask = ask_of(pod)
+    assert ask.mig and ask.gpus == 1
+    spec = ask.spec
+    assert spec.is_mig_batch and spec.kind is JobKind.BATCH and spec.task_key == "resize"
+    assert not spec.mps and spec.whole_gpus == 0 and spec.share.whole
+    assert spec.command == ("python", "resize.py", "--in", "/data")
+    # The image's entrypoint: the image stands for the program, the args follow.
+    entrypoint = pod_model("e", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "resize"})
+    entrypoint.spec.containers[0].args = ["--fast"]
+    assert ask_of(entrypoint).spec.command == ("registry.example.com/serve:1", "--fast")
+    # restartPolicy Always makes a Pod inference: refused, naming the field that did it.
+    always = pod_model(
+        "a", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "k"}, restart_policy="Always"
+    )
+    with pytest.raises(InvalidArgument, match="a MIG Pod is a batch task") as caught:
+        ask_of(always)
+    assert caught.value.field == "spec.restartPolicy"
+    long = pod_model("l", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "k"})
+    long.spec.containers[0].command = ["x" * 5000]
+    with pytest.raises(InvalidArgument) as caught:
+        ask_of(long)
+    assert caught.value.field == "spec.containers[0].command"
+
+
 @pytest.mark.parametrize(
     ("limits", "annotations", "field", "says"),
     [
@@ -150,7 +178,60 @@ def test_a_shared_model_and_a_function_replica() -> None:
             "a share is of one GPU",
         ),
         ({"gpuloom.io/gpu": "0"}, {}, "limits[gpuloom.io/gpu]", "within 1..64"),
-        ({"gpuloom.io/mig": "3"}, {}, "limits[gpuloom.io/mig]", "not placeable for Pods yet"),
+        (
+            {"gpuloom.io/mig": "2"},
+            {"gpuloom.io/task-key": "resize"},
+            "limits[gpuloom.io/mig]",
+            "within 1..1, got 2",
+        ),
+        (
+            {"gpuloom.io/mig": "0"},
+            {"gpuloom.io/task-key": "resize"},
+            "limits[gpuloom.io/mig]",
+            "within 1..1, got 0",
+        ),
+        (
+            {"gpuloom.io/mig": "1", "gpuloom.io/sm": "50"},
+            {"gpuloom.io/task-key": "resize"},
+            "limits[gpuloom.io/sm]",
+            "no MPS share or memory",
+        ),
+        (
+            {"gpuloom.io/mig": "1", "gpuloom.io/memory": "4Gi"},
+            {"gpuloom.io/task-key": "resize"},
+            "limits[gpuloom.io/memory]",
+            "no MPS share or memory",
+        ),
+        (
+            {"gpuloom.io/mig": "1", "gpuloom.io/gpu": "2"},
+            {"gpuloom.io/task-key": "resize"},
+            "limits[gpuloom.io/gpu]",
+            "must be 1 with gpuloom.io/mig",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {},
+            "metadata.annotations[gpuloom.io/task-key]",
+            "required with gpuloom.io/mig",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {"gpuloom.io/task-key": "resize", "gpuloom.io/kind": "inference"},
+            "metadata.annotations[gpuloom.io/kind]",
+            "a MIG Pod is a batch task",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {"gpuloom.io/task-key": "resize", "gpuloom.io/function": "f"},
+            "limits[gpuloom.io/mig]",
+            "never in a MIG instance",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {"gpuloom.io/task-key": "resize", "gpuloom.io/shared-model": "m"},
+            "metadata.annotations[gpuloom.io/shared-model]",
+            "MIG batch task",
+        ),
         ({"gpuloom.io/cores": "3"}, {}, "limits[gpuloom.io/cores]", "unknown gpuloom resource"),
         (
             {"gpuloom.io/gpu": "1"},

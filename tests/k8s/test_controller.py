@@ -12,6 +12,7 @@ from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import MigrationRequest, TrainingPhase, TrainingState
 from gpuloom.kube.extender import request_id
 from gpuloom.services.k8s.controller import NOT_MIGRATED, PodController
+from gpuloom.services.k8s.migtasks import MigFollowers
 from gpuloom.services.k8s.pods import PodJobs
 
 
@@ -73,7 +74,9 @@ async def test_a_migration_of_a_pods_job_is_answered_failed_and_an_older_attempt
     older, newer = job("j-old", "u1", 1), job("j-new", "u1", 2, training)
     placement = FakePlacement([newer, older])
     index = PodJobs()
-    controller = PodController(placement, FakeApi([pod("u1")]), index, "gpuloom", 60)  # type: ignore[arg-type]
+    api = FakeApi([pod("u1")])
+    followers = MigFollowers(placement, api)  # type: ignore[arg-type]
+    controller = PodController(placement, api, index, "gpuloom", 60, followers)  # type: ignore[arg-type]
     await controller.reconcile()
     assert placement.cancelled == [("j-old", "a newer attempt for its Pod was submitted")]
     assert placement.checkpoints == [("j-new", "m-1", False, NOT_MIGRATED)]

@@ -65,6 +65,10 @@ def test_the_examples_are_valid_admitted_and_ask_what_the_text_says(tmp_path: Pa
     assert trainer.spec.kind is JobKind.TRAINING and trainer.spec.checkpoint is not None
     assert trainer.spec.gpu_model == "A100-80GB"
 
+    resize = pod_ask(admitted(pods["resize-images"]), POLICIES)
+    assert resize.mig and resize.spec.kind is JobKind.BATCH and resize.spec.task_key == "resize"
+    assert resize.spec.command == ("python", "resize.py") and resize.gpus == 1
+
     # The shared model's snippet, made a whole Pod.
     (snippet,) = [d for d in found if "kind" not in d]
     pod = {

@@ -22,7 +22,7 @@ from gpuloom.domain.placement import JobState
 from gpuloom.kubelet import deviceplugin_pb2 as dp
 from gpuloom.services.k8s.app import DevicePluginApp
 from gpuloom.services.k8s.settings import DevicePluginSettings
-from tests.k8s.conftest import CONTAINER_SHIM, NODES, Cluster, until
+from tests.k8s.conftest import CONTAINER_SHIM, K8S_USER, NODES, PLUGIN_USER, Cluster, until
 from tests.k8s.standins import Kubelet, Refused, container_environment, pod_model, post, schedule
 from tests.shim.conftest import Run, Runner
 
@@ -301,6 +301,20 @@ async def test_only_gpuloom_writes_its_annotations_and_other_pods_pass_untouched
         await asyncio.to_thread(cluster.api.annotate, "team-a", "mine", {"gpuloom.io/job": "j-x"})
     # Its own annotations are the author's to change.
     await asyncio.to_thread(cluster.api.annotate, "team-a", "mine", {"note": "ok"})
+    # A device plugin's account changes gpuloom.io/allocated and nothing else of a Pod.
+    for change, field in (
+        ({"gpuloom.io/job": "j-x"}, "gpuloom.io/job"),
+        ({"note": "mine now"}, "note"),
+    ):
+        refused = rf"annotations\[{field}\]: a device plugin may change only"
+        with pytest.raises(Refused, match=refused):
+            await asyncio.to_thread(cluster.api.annotate, "team-a", "mine", change, PLUGIN_USER)
+    await asyncio.to_thread(
+        cluster.api.annotate, "team-a", "mine", {"gpuloom.io/allocated": "1.0"}, PLUGIN_USER
+    )
+    await asyncio.to_thread(
+        cluster.api.annotate, "team-a", "mine", {"gpuloom.io/allocated": None}, K8S_USER
+    )
     assert (await scheduled(cluster, pod, ["node-b"])).node == "node-b"
 
 

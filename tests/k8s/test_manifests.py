@@ -66,7 +66,14 @@ BUILT_IN_ROLES = {
 }
 # The modules of each component that holds a Kubernetes API client.
 COMPONENT_MODULES = {
-    "gpuloom-k8s": ["controller.py", "extender.py", "webhook.py", "app.py"],
+    "gpuloom-k8s": [
+        "controller.py",
+        "extender.py",
+        "webhook.py",
+        "app.py",
+        "migtasks.py",
+        "leader.py",
+    ],
     "gpuloom-device-plugin": ["deviceplugin.py"],
 }
 KUBECTL = shutil.which("kubectl")
@@ -228,8 +235,11 @@ def test_each_install_builds_and_what_it_builds_is_valid(tmp_path: Path, install
         if "secret" in v
     }
     assert names == {secret["metadata"]["name"]}
-    (binding,) = [d for d in documents if d["kind"] == "RoleBinding"]
-    assert binding["metadata"]["namespace"] == "kube-system"
+    bindings = {d["metadata"]["name"]: d for d in documents if d["kind"] == "RoleBinding"}
+    assert {n: b["metadata"]["namespace"] for n, b in bindings.items()} == {
+        "gpuloom-scheduler-authentication-reader": "kube-system",
+        "gpuloom-k8s-leader": NAMESPACE,  # the leader election's Lease, in gpuloom's own
+    }
     daemonsets = {d["metadata"]["name"]: d for d in documents if d["kind"] == "DaemonSet"}
     dispatcher = daemonsets["dispatcher"]["spec"]["template"]["spec"]
     env = env_of(dispatcher["containers"][0])
@@ -265,8 +275,8 @@ def test_every_account_secret_and_config_map_referenced_exists() -> None:
             for value in env_of(container).values():
                 if isinstance(value, dict) and "secretKeyRef" in value:
                     assert value["secretKeyRef"]["name"] in secrets, (name, value)
-    roles = set(by_kind("ClusterRole")) | BUILT_IN_ROLES
-    bindings = [*by_kind("ClusterRoleBinding").values()]
+    roles = set(by_kind("ClusterRole")) | set(by_kind("Role")) | BUILT_IN_ROLES
+    bindings = [*by_kind("ClusterRoleBinding").values(), *by_kind("RoleBinding").values()]
     bindings += [*by_kind("RoleBinding", K8S / "kube-system").values()]
     for binding in bindings:
         assert binding["roleRef"]["name"] in roles, binding["metadata"]["name"]
@@ -344,8 +354,13 @@ def test_the_webhooks_reach_the_k8s_process_on_its_routes() -> None:
     namespace = by_kind("Namespace")[NAMESPACE]
     assert "gpuloom.io/webhook" not in namespace["metadata"].get("labels", {})
     # The webhooks trust these users to write gpuloom's annotations: the two components'.
-    users = {f"system:serviceaccount:{NAMESPACE}:{a}" for a in COMPONENT_MODULES}
-    assert set(K8sSettings.model_fields["service_accounts"].default.split(",")) == users
+    # The k8s process writes them all; the device plugins gpuloom.io/allocated only.
+    fields = K8sSettings.model_fields
+    assert fields["service_accounts"].default == f"system:serviceaccount:{NAMESPACE}:gpuloom-k8s"
+    assert (
+        fields["device_plugin_accounts"].default
+        == f"system:serviceaccount:{NAMESPACE}:gpuloom-device-plugin"
+    )
     for role, account in (("k8s", "gpuloom-k8s"), ("device-plugin", "gpuloom-device-plugin")):
         assert container_serving(role)[1]["serviceAccountName"] == account
 
@@ -502,6 +517,7 @@ async def requests_of(server: str, names: set[str]) -> set[tuple[str, str, str]]
         "replicas": 1,
         "field_selector": "spec.nodeName=node-a",
         "label_selector": "gpuloom.io/function",
+        "lease": {"metadata": {"name": "gpuloom-k8s"}},
     }
     for name in sorted(names):
         method = getattr(api, name)
@@ -533,8 +549,16 @@ async def test_rbac_grants_exactly_the_calls_the_code_makes(recorder: str, accou
     ]
     (binding,) = bindings
     role = by_kind("ClusterRole")[binding["roleRef"]["name"]]
-    assert granted(role) == needed
-    assert not by_kind("Role")  # nothing granted in a namespace besides
+    # In gpuloom's namespace (the install's): the leader election's Lease, by its name.
+    local = [
+        by_kind("Role")[b["roleRef"]["name"]]
+        for b in by_kind("RoleBinding").values()
+        if b["subjects"][0]["name"] == account
+    ]
+    assert granted(role) | {g for r in local for g in granted(r)} == needed
+    leases = [rule for r in local for rule in r["rules"] if "get" in rule["verbs"]]
+    for rule in leases:
+        assert rule["resourceNames"] == [K8sSettings.model_fields["lease_name"].default]
 
 
 def test_the_request_translation_is_the_api_servers() -> None:
@@ -549,3 +573,8 @@ def test_the_request_translation_is_the_api_servers() -> None:
     )
     assert rbac_of("GET", "/apis/apps/v1/deployments") == ("apps", "deployments", "list")
     assert rbac_of("DELETE", "/api/v1/namespaces/a/pods/p") == ("", "pods", "delete")
+    assert rbac_of("PUT", "/apis/coordination.k8s.io/v1/namespaces/a/leases/l") == (
+        "coordination.k8s.io",
+        "leases",
+        "update",
+    )

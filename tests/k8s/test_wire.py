@@ -190,3 +190,44 @@ async def test_the_json_server_answers_malformed_requests_and_keeps_serving() ->
         assert calls == ["boom", 1, 2]
     finally:
         await server.stop()
+
+
+def test_a_device_plugin_changes_only_the_allocated_annotation() -> None:
+    plugin = "system:serviceaccount:gpuloom:gpuloom-device-plugin"
+    policy = AdmissionPolicy(
+        POLICIES, "gpuloom", ("system:serviceaccount:gpuloom:gpuloom-k8s",), plugin_users=(plugin,)
+    )
+    old = as_json(pod_model("p", {"gpuloom.io/gpu": "1"}, {"gpuloom.io/job": "j-1"}))
+
+    def update(new: dict, user: str = plugin) -> dict:
+        request = {
+            "uid": "r-1",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "operation": "UPDATE",
+            "userInfo": {"username": user},
+            "object": new,
+            "oldObject": old,
+        }
+        document = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}
+        return answer({**document, "request": request}, policy, validating=True)["response"]
+
+    allocated = json.loads(json.dumps(old))
+    allocated["metadata"]["annotations"]["gpuloom.io/allocated"] = "1.5"
+    assert update(allocated)["allowed"]
+    relabelled = json.loads(json.dumps(allocated))
+    relabelled["metadata"]["labels"] = {"team": "b"}
+    rebound = json.loads(json.dumps(old))
+    rebound["metadata"]["annotations"]["gpuloom.io/job"] = "j-2"
+    respec = json.loads(json.dumps(old))
+    respec["spec"]["containers"][0]["image"] = "evil:1"
+    for new, field in (
+        (relabelled, "metadata.labels"),
+        (rebound, "metadata.annotations[gpuloom.io/job]"),
+        (respec, "spec"),
+    ):
+        verdict = update(new)
+        assert not verdict["allowed"]
+        assert verdict["status"]["message"].startswith(f"gpuloom: {field}: a device plugin may")
+    # gpuloom's own account may change its annotations; anyone else none of them.
+    assert update(rebound, "system:serviceaccount:gpuloom:gpuloom-k8s")["allowed"]
+    assert not update(allocated, "alice")["allowed"]

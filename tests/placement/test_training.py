@@ -37,7 +37,7 @@ from gpuloom.domain.training import (
     TrainingReport,
     TrainingState,
 )
-from gpuloom.policies.training.gandiva import BET_MIN_ENDED
+from gpuloom.policies.training.gandiva import BET_MIN_ENDED, GandivaKnobs
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -175,6 +175,9 @@ def test_training_reports_are_validated_naming_the_field() -> None:
         "training[1].suspended_reason": pb.TrainingReport(
             assignment_id="j-2", suspended=True, suspended_reason="x" * 1025
         ),
+        "training[1].memory_note": pb.TrainingReport(
+            assignment_id="j-2", suspended=True, memory_note="x" * 1025
+        ),
     }
     for field, bad in bad_cases.items():
         with pytest.raises(InvalidArgument) as refused:
@@ -191,9 +194,14 @@ def test_training_reports_are_validated_naming_the_field() -> None:
     assert refused.value.field == "training[1].cycle.next_low_point"
     with pytest.raises(InvalidArgument, match="not suspended"):
         reports_from_pb([pb.TrainingReport(assignment_id="j-6", suspended_reason="by hand")])
-    suspended = pb.TrainingReport(assignment_id="j-7", suspended=True, suspended_reason="why")
+    with pytest.raises(InvalidArgument, match="not suspended"):
+        reports_from_pb([pb.TrainingReport(assignment_id="j-6", memory_note="restore failed")])
+    suspended = pb.TrainingReport(
+        assignment_id="j-7", suspended=True, suspended_reason="why", memory_note="restore failed"
+    )
     (read,) = reports_from_pb([suspended])
-    assert read.suspended_reason == "why" and reports_from_pb([report_to_pb(read)]) == [read]
+    assert read.suspended_reason == "why" and read.memory_note == "restore failed"
+    assert reports_from_pb([report_to_pb(read)]) == [read]
     upside_down = pb.TrainingReport(assignment_id="j-4")
     upside_down.cycle.low_memory_bytes, upside_down.cycle.high_memory_bytes = 10, 5
     with pytest.raises(InvalidArgument, match="above high_memory_bytes"):
@@ -611,6 +619,10 @@ def test_training_state_and_hooks_convert_exactly_both_ways() -> None:
         last_hook_error="timed out",
         last_hook_error_at=20.0,
         migration=MigrationRequest("m1", "GPU-1", "node-0", "spread", 30.0, 110.0),
+        memory_in_turns=True,
+        memory_released=True,
+        preempted_by="j-h",
+        memory_note="restore failed",
     )
     assert training_from_pb(training_to_pb(state)) == state
     view = job_view(
@@ -773,10 +785,12 @@ async def _slicing(tmp_path: Path, bet_min_ended: int):
             quantum_s=QUANTUM,
             pack_trial_s=TRIAL,
             tick_s=3600,
-            slice_after_s=SLICE_AFTER,
-            share_after_s=SHARE_AFTER,
-            queue_ahead=0,
-            bet_min_ended=bet_min_ended,
+            gandiva=GandivaKnobs(
+                slice_after_s=SLICE_AFTER,
+                share_after_s=SHARE_AFTER,
+                queue_ahead=0,
+                bet_min_ended=bet_min_ended,
+            ),
         ),
         training_control=control,
     )
@@ -1037,3 +1051,156 @@ async def test_the_jobs_seen_to_end_inform_the_gittins_rule_live(
     else:
         sliced = await assigned(core, b.job_id)
         assert sliced.binding is not None and sliced.binding.time_slice_of == a.job_id
+
+
+async def beat_memory(core: PlacementCore, gpu_uuid: str, frees: bool, *reports) -> None:
+    """A heartbeat saying whether the GPU's dispatcher frees a suspended job's memory."""
+    held = [j.job_id for j in core.jobs.holding(gpu_uuid)]
+    await core.heartbeat(
+        gpu_uuid, 40.0, 0, held, (), training=list(reports), suspend_releases_memory=frees
+    )
+
+
+async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_frees_it(
+    slicing: CoreHarness,
+) -> None:
+    core = slicing.core
+    assert core is not None
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")  # 80 GiB
+    a = await core.submit("r-a", whole_gpu("a", memory_gib=50))
+    slicing.clock.now += 1
+    b = await core.submit("r-b", whole_gpu("b", memory_gib=50))
+    assert a.state is JobState.ASSIGNED and b.state is JobState.PENDING
+    # A dispatcher whose suspension keeps the memory resident: 50 + 50 GiB never take turns,
+    # and `gpuloom job` and the metric say why.
+    await beat_memory(core, "GPU-0", False)
+    await core.training.tick()
+    slicing.clock.now += 2 * SLICE_AFTER
+    for _ in range(2):
+        await core.training.tick()
+    assert (await core.get(b.job_id)).state is JobState.PENDING
+    shown = (await core.get(a.job_id)).training
+    assert shown is not None and not shown.memory_in_turns
+    assert "stays resident while suspended" in shown.memory_text()
+    assert metric("gpuloom_placement_training_suspend_memory_gpus", memory="resident") == 1
+    # Its dispatcher frees a suspended job's memory (the driver's checkpoint API): b joins a's
+    # group, the group holds the larger member's 50 GiB, and b runs with its own 50 GiB cap.
+    await beat_memory(core, "GPU-0", True)
+    await core.training.tick()
+    b_now = await assigned(core, b.job_id)
+    assert b_now.binding is not None and b_now.binding.time_slice_of == a.job_id
+    assert b_now.binding.memory_in_turns and b_now.binding.memory_cap_bytes == 50 * GIB
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    assert slicing.dispatchers.held["10.0.0.0:50060"][b.job_id].time_slice_of == a.job_id
+    assert metric("gpuloom_placement_training_suspend_memory_gpus", memory="freed") == 1
+    assert await take_turns(slicing, a.job_id, b.job_id) == [a.job_id, b.job_id] * 2
+    # A suspension reported with its memory in host memory shows as such.
+    await beat_memory(
+        core, "GPU-0", True, replace(report(b.job_id, 0.1, True), memory_released=True)
+    )
+    await core.training.tick()
+    shown = (await core.get(b.job_id)).training
+    assert shown is not None and shown.memory_released and "host memory" in shown.memory_text()
+    # A resume whose restore failed (no room): it stays suspended and gpuloom job says why.
+    why = "restore failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
+    failed = replace(report(b.job_id, 0.1, True), memory_released=True, memory_note=why)
+    await beat_memory(core, "GPU-0", True, failed)
+    shown = (await core.get(b.job_id)).training
+    assert shown is not None and shown.memory_note == why
+    # Across a restart the group is charged the same (the binding keeps memory in turns).
+    await slicing.stop()
+    core = await slicing.start()
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    # a ends: b's 50 GiB stay held; b ends: the GPU is empty.
+    await core.report_done(a.job_id, True, 0, "")
+    assert fleet.slot("GPU-0").memory_used == 50 * GIB
+    await core.report_done(b.job_id, True, 0, "")
+    assert fleet.slot("GPU-0").memory_used == 0
+    fleet.verify()
+
+
+@pytest.fixture
+async def preempting(tmp_path: Path):
+    """gandiva that never time-slices a waiting job in (it would wait a week) but lets the
+    head of the queue preempt after 600 s, a job that has run 300 s."""
+    control = FakeTrainingControl()
+    h = CoreHarness(
+        tmp_path,
+        training=TrainingConfig(
+            policy="gandiva",
+            quantum_s=QUANTUM,
+            pack_trial_s=TRIAL,
+            tick_s=3600,
+            gandiva=GandivaKnobs(
+                slice_after_s=604_800,
+                share_after_s=SHARE_AFTER,
+                queue_ahead=0,
+                bet_min_ended=0,
+                preempt_after_s=SLICE_AFTER,
+            ),
+        ),
+        training_control=control,
+    )
+    await h.start()
+    h.control = control  # type: ignore[attr-defined]
+    yield h
+    await h.stop()
+
+
+async def test_the_head_of_the_queue_preempts_a_later_job_through_suspension(
+    preempting: CoreHarness,
+) -> None:
+    """A backfilled job (it arrived after the head and took the half of the GPU the head could
+    not use) is preempted once the head has waited: the head joins its time-slice group (the
+    memory in turns: 60 + 30 GiB on an 80 GiB GPU) and runs, the preempted job stays suspended
+    until the head ends, then runs on."""
+    core = preempting.core
+    assert core is not None
+    control: FakeTrainingControl = preempting.control  # type: ignore[attr-defined]
+    await core.register_gpu(gpu(0), "10.0.0.0:50060")
+    await beat_memory(core, "GPU-0", True)
+    a = await core.submit("r-a", training("a", memory_gib=40))
+    preempting.clock.now += 1
+    head = await core.submit("r-head", training("head", memory_gib=60))
+    preempting.clock.now += 1
+    late = await core.submit("r-late", training("late", memory_gib=30))
+    assert a.state is JobState.ASSIGNED and late.state is JobState.ASSIGNED
+    assert head.state is JobState.PENDING  # 40 + 60 GiB do not fit; 40 + 30 do
+    await core.training.tick()
+    await core.report_done(a.job_id, True, 0, "")  # 30 + 60 GiB still do not fit
+    assert (await core.get(head.job_id)).state is JobState.PENDING
+    before = metric("gpuloom_placement_training_preemptions_total")
+    # The head has waited 400 s of its 600: nothing yet.
+    for _ in range(4):
+        preempting.clock.now += 100
+        await core.training.tick()
+    assert (await core.get(head.job_id)).state is JobState.PENDING
+    preempting.clock.now += 300
+    await core.training.tick()
+    head_now = await assigned(core, head.job_id)
+    assert metric("gpuloom_placement_training_preemptions_total") == before + 1
+    assert head_now.binding is not None and head_now.binding.time_slice_of == late.job_id
+    assert head_now.binding.memory_in_turns
+    fleet = core.jobs.scheduler.fleet
+    fleet.verify()
+    assert fleet.slot("GPU-0").memory_used == 60 * GIB
+    # The head runs; the preempted job waits suspended, quantum after quantum.
+    for _ in range(4):
+        await core.training.tick()
+        assert control.suspended == {late.job_id}
+        preempting.clock.now += QUANTUM
+    shown = (await core.get(late.job_id)).training
+    assert shown is not None and shown.preempted_by == head.job_id
+    assert shown.describe() == f"preempted by {head.job_id}"
+    # The head ends: the preempted job runs on.
+    await core.report_done(head.job_id, True, 0, "")
+    await core.training.tick()
+    assert control.suspended == set()
+    shown = (await core.get(late.job_id)).training
+    assert shown is not None and not shown.preempted_by
+    assert fleet.slot("GPU-0").memory_used == 30 * GIB

@@ -14,6 +14,9 @@ assignments. The fake GPU's engine log is the ground truth of which kernels ran 
 - Over-subscription: a job asking for a whole GPU that is taken waits, then is time-sliced
   into it: reserved in the running job's rectangle (`time_slice_of`), suspended from the
   start, it runs nothing until its first turn; then they take turns and both finish.
+- Memory in turns: two jobs whose memory sums above the GPU (the fake driver's processes share
+  its memory; the dispatcher has its checkpoint API) take turns, each suspension moving the
+  job's memory to host memory; every step runs once and the free memory comes back.
 - Priorities: a priority-5 job waits, suspended, while a priority-0 job on its GPU runs; the
   priority-0 job is never suspended, not even when their dispatcher restarts and forgets the
   suspension (placement makes it again)."""
@@ -69,6 +72,8 @@ class Plane:
     build: Path
     backend: SimulatedBackend = field(default_factory=lambda: SimulatedBackend("2xA100-80GB"))
     dispatchers: list[GpuDispatcher] = field(default_factory=list)
+    # Suspensions free memory through the fake driver's checkpoint API (off by default here).
+    release_memory: bool = False
 
     @property
     def address(self) -> str:
@@ -103,6 +108,7 @@ class Plane:
                 cuda_library=str(self.build / "fake" / "libcuda.so.1"),
                 training_analyze_ms=300.0,
                 training_window_s=2.0,
+                suspend_release_memory=self.release_memory,
             ),
             self.backend,
             self.backend.gpu(index),
@@ -732,3 +738,234 @@ async def test_a_pending_job_is_time_sliced_into_a_full_gpu(
         ]
         assert not beside, f"{len(beside)} kernels of the first job beside the rider's first"
         assert first_suspended_ns
+
+
+STEADY_LAYER = 64 * MIB  # 4 layers: 256 MiB per job, two of them above the fake GPU's 400 MiB
+STEADY_KERNELS = "k_fwd_200us,k_bwd_300us,k_opt_100us"
+RELEASED = "gpuloom_dispatcher_suspend_memory_total"
+
+
+def steady(steps: int, out: Path, layer: int = STEADY_LAYER) -> list[str]:
+    """cudart_like's loop that allocates once and reuses (as PyTorch's caching allocator
+    does; 4 layers of 64 MiB, a mini-batch every 20 ms), its output appended to `out`: it
+    checks at every step that no step was lost or repeated, and every byte at the end."""
+    loop = [
+        str(PROGRAM), "module", STEADY_KERNELS,
+        "steady", str(steps), "20000", "4", str(layer), STEADY_KERNELS,
+    ]  # fmt: skip
+    return ["sh", "-c", f'exec "$@" >> {out}', "sh", *loop]
+
+
+async def fake_gpu_free(plane: Plane) -> int:
+    """The fake GPU's free memory, as a process outside the shim sees it."""
+    process = await asyncio.create_subprocess_exec(
+        str(PROGRAM), "meminfo", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await asyncio.wait_for(process.communicate(), 30)
+    line = next(x for x in out.decode().splitlines() if x.startswith("meminfo"))
+    return int(line.split("free=")[1].split()[0])
+
+
+async def test_two_jobs_whose_memory_sums_above_the_gpu_take_turns(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Suspension that frees memory, through placement: two jobs each asking for 50 GiB of
+    an 80 GiB GPU (and really allocating 256 MiB each of the fake GPU's 400 MiB, which the
+    fake driver's processes share). The dispatcher has the driver's checkpoint API (the fake
+    driver's) and says so in its heartbeats, so placement time-slices the second into the
+    first's group with the memory taken in turns; each suspension checkpoints the job's
+    memory to host memory, so the other can allocate. Every step of both runs exactly once,
+    every byte survives, and the fake GPU's free memory is back within 1% at the end."""
+    training = {
+        **GANDIVA,
+        "training_slice_after_s": 1.0,
+        "training_share_after_s": 1.0,
+        "training_queue_ahead": 0,
+        "training_bet_min_ended": 0,
+    }
+    async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_SHARED_MEMORY", "1")
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_MEM_MIB", "400")
+        plane.release_memory = True
+        free_before = await fake_gpu_free(plane)
+        released_before = counter(RELEASED, gpu="0", outcome="released")
+        failed_before = counter(RELEASED, gpu="0", outcome="restore_failed")
+        dispatcher = await plane.add_gpu()
+        assert dispatcher.core.book.memory_in_turns
+        said: list[str] = []
+        steps = {"first": 500, "rider": 150}
+        outs = {name: plane.work / f"{name}.out" for name in steps}
+
+        def half_gpu_memory_and_more(name: str) -> JobSpec:
+            return JobSpec(
+                name=name,
+                kind=JobKind.TRAINING,
+                share=share_of(100, 100, memory_bytes=50 * GIB),
+                mps=True,
+            )
+
+        runs = [
+            start(
+                plane,
+                half_gpu_memory_and_more("first"),
+                steady(steps["first"], outs["first"]),
+                said,
+            )
+        ]
+
+        async def first_allocated() -> bool:
+            return outs["first"].exists() and "steady allocated" in outs["first"].read_text()
+
+        await until("the first job's memory allocated", first_allocated, 20)
+        runs.append(
+            start(
+                plane,
+                half_gpu_memory_and_more("rider"),
+                steady(steps["rider"], outs["rider"]),
+                said,
+            )
+        )
+        phases: dict[str, set[int]] = {"first": set(), "rider": set()}
+        released_seen = False
+        try:
+
+            async def taking_turns() -> bool:
+                nonlocal released_seen
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                for job in jobs:
+                    if job.state == pb.JOB_STATE_ASSIGNED:
+                        phases[job.spec.name].add(job.training.phase)
+                        released_seen |= job.training.memory_released
+                return released_seen and all(
+                    {pb.TRAINING_PHASE_SUSPENDED, pb.TRAINING_PHASE_RUNNING} <= seen
+                    for seen in phases.values()
+                )
+
+            await until("the two taking turns, a suspension's memory released", taking_turns, 40)
+            first, rider = await plane.job_named("first"), await plane.job_named("rider")
+            assert rider.assignment.time_slice_of == first.job_id
+            assert rider.training.memory_in_turns and first.training.memory_in_turns
+        finally:
+            outcomes = await asyncio.wait_for(asyncio.gather(*runs), 180)
+        for outcome, name in zip(outcomes, steps, strict=True):
+            text = outs[name].read_text()
+            assert outcome.exit_code == 0, (said, text)
+            n = steps[name]
+            assert f"steady minibatches={n} done={n} failed=0 corrupt=0 damaged_layers=0" in text
+            ran = [int(x.split()[2]) for x in text.splitlines() if x.startswith("steady step")]
+            assert ran == list(range(n)), f"{name}: a step lost or repeated"
+        # 256 + 256 MiB never fit the 400 MiB fake GPU together: the rider allocated only
+        # because the first job's memory went to host memory while it was suspended.
+        assert counter(RELEASED, gpu="0", outcome="released") > released_before
+        assert counter(RELEASED, gpu="0", outcome="restore_failed") == failed_before
+        free_after = await fake_gpu_free(plane)
+        assert abs(free_after - free_before) <= free_before / 100, (free_before, free_after)
+
+
+async def test_the_head_of_the_queue_preempts_a_backfilled_job_live(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Head-of-queue preemption through suspension, live: "head" (60 GiB of the 80 GiB GPU,
+    half its time) waits behind "first" (40 GiB); "late" (30 GiB) arrives after it and takes
+    the other half (backfilling). Once "first" ends the head still does not fit beside
+    "late"; having waited its (shortened) turn it preempts "late": it joins late's time-slice
+    group with the memory in turns (really 320 + 128 MiB on the fake GPU's 400 MiB), "late" is
+    suspended (its memory checkpointed) and runs no kernel until the head has ended, then
+    runs on. Every step of each runs exactly once; the free memory comes back."""
+    training = {
+        **GANDIVA,
+        "training_slice_after_s": 604_800.0,  # never time-sliced in: only preemption
+        "training_share_after_s": 1.0,
+        "training_queue_ahead": 0,
+        "training_bet_min_ended": 0,
+        "training_preempt_after_s": 1.0,
+    }
+    async with live_plane(short_dir, shim_build, monkeypatch, **training) as plane:
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_SHARED_MEMORY", "1")
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_MEM_MIB", "400")
+        plane.release_memory = True
+        free_before = await fake_gpu_free(plane)
+        await plane.add_gpu()
+        said: list[str] = []
+        steps = {"first": 100, "head": 100, "late": 300}
+        layers = {"first": 32 * MIB, "head": 80 * MIB, "late": 32 * MIB}
+        memory = {"first": 40, "head": 60, "late": 30}
+        outs = {name: plane.work / f"{name}.out" for name in steps}
+
+        def half(name: str) -> JobSpec:
+            return JobSpec(
+                name=name,
+                kind=JobKind.TRAINING,
+                share=share_of(100, 50, 100, memory_bytes=memory[name] * GIB),
+                mps=True,
+            )
+
+        def run(name: str) -> asyncio.Future:
+            return start(plane, half(name), steady(steps[name], outs[name], layers[name]), said)
+
+        async def state_of(name: str) -> int:
+            jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+            return next((j.state for j in jobs if j.spec.name == name), 0)
+
+        runs = {"first": run("first")}
+        try:
+
+            async def first_allocated() -> bool:
+                return outs["first"].exists() and "steady allocated" in outs["first"].read_text()
+
+            await until("the first job's memory allocated", first_allocated, 20)
+            runs["head"] = run("head")
+
+            async def head_waits() -> bool:
+                return await state_of("head") == pb.JOB_STATE_PENDING
+
+            await until("the head waiting", head_waits, 20)
+            runs["late"] = run("late")
+            preempted_ns = 0
+
+            async def preempted() -> bool:
+                nonlocal preempted_ns
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                late = next((j for j in jobs if j.spec.name == "late"), None)
+                if late is not None and late.training.preempted_by and not preempted_ns:
+                    preempted_ns = time.monotonic_ns()
+                return bool(preempted_ns)
+
+            await until("the late job preempted", preempted, 40)
+            head, late = await plane.job_named("head"), await plane.job_named("late")
+            assert late.training.preempted_by == head.job_id
+            assert head.assignment.time_slice_of == late.job_id
+
+            async def head_done() -> bool:
+                return await state_of("head") == pb.JOB_STATE_SUCCEEDED
+
+            await until("the head done", head_done, 60)
+            head_done_ns = time.monotonic_ns()
+        finally:
+            outcomes = await asyncio.wait_for(asyncio.gather(*runs.values()), 180)
+        for outcome, name in zip(outcomes, runs, strict=True):
+            text = outs[name].read_text()
+            assert outcome.exit_code == 0, (said, text)
+            n = steps[name]
+            assert f"steady minibatches={n} done={n} failed=0 corrupt=0 damaged_layers=0" in text
+            ran = [int(x.split()[2]) for x in text.splitlines() if x.startswith("steady step")]
+            assert ran == list(range(n)), f"{name}: a step lost or repeated"
+        # While the head ran, the preempted job ran nothing (the suspension at most a period
+        # late after placement showed it; the head's last kernels a heartbeat before its end).
+        engine = plane.engine_runs()
+        late_pid, head_pid = pid_of(outs["late"]), pid_of(outs["head"])
+        head_runs = [begin for pid, begin, _ in engine if pid == head_pid]
+        assert head_runs and min(head_runs) > preempted_ns - int(2e9)
+        during = [
+            begin
+            for pid, begin, _ in engine
+            if pid == late_pid and min(head_runs) < begin < max(head_runs)
+        ]
+        assert not during, f"{len(during)} kernels of the preempted job while the head ran"
+        assert max(head_runs) < head_done_ns
+        free_after = await fake_gpu_free(plane)
+        assert abs(free_after - free_before) <= free_before / 100, (free_before, free_after)

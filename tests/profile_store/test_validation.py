@@ -10,6 +10,7 @@ import pytest
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.validation import MAX_ENTRIES, validate_profile
+from gpuloom.policies.profiling.kernels import GRAPH_NODE_KERNEL, graph_kernel_id, graph_name
 from tests.profile_store import samples
 
 
@@ -23,6 +24,9 @@ def _point(**changes: object) -> d.ThroughputProfile:
     profile = samples.throughput_profile()
     return replace(profile, points=(replace(profile.points[0], **changes), *profile.points[1:]))
 
+
+NO_DIM = d.Dim3(0, 0, 0)
+GRAPH = graph_name([(GRAPH_NODE_KERNEL, 1), (GRAPH_NODE_KERNEL, 2)])
 
 BAD = {
     "empty key": (replace(samples.kernel_profile(), key=""), "profile.meta.key"),
@@ -39,6 +43,16 @@ BAD = {
     "zero grid": (_kernel(grid=d.Dim3(0, 1, 1)), "profile.kernels[0].grid.x"),
     "block too large": (_kernel(block=d.Dim3(1, 1, 65)), "profile.kernels[0].block.z"),
     "no samples": (_kernel(sample_count=0), "profile.kernels[0].sample_count"),
+    "graph with a grid": (
+        _kernel(name=GRAPH, grid=d.Dim3(1, 1, 1), block=NO_DIM),
+        "profile.kernels[0].grid",
+    ),
+    "graph with a block": (_kernel(name=GRAPH, grid=NO_DIM), "profile.kernels[0].block"),
+    "graph name not hex": (
+        _kernel(name="<graph:00000000000000zz>", grid=NO_DIM, block=NO_DIM),
+        "profile.kernels[0].name",
+    ),
+    "kernel without dims": (_kernel(grid=NO_DIM, block=NO_DIM), "profile.kernels[0].grid.x"),
     "empty kernel name": (_kernel(name=""), "profile.kernels[0].name"),
     "duplicate kernel id": (
         replace(
@@ -100,3 +114,9 @@ def test_bad_profile_is_refused_naming_the_field(case: str) -> None:
 @pytest.mark.parametrize("make", samples.ALL_KINDS)
 def test_valid_profiles_pass(make: object) -> None:
     validate_profile(make())  # type: ignore[operator]
+
+
+def test_a_graph_entry_is_its_name_and_no_dimensions() -> None:
+    """A CUDA graph measured as one unit: named by its structure, all six dimensions 0."""
+    profile = _kernel(name=GRAPH, kernel_id=graph_kernel_id(GRAPH), grid=NO_DIM, block=NO_DIM)
+    validate_profile(profile)

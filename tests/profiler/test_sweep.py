@@ -26,7 +26,7 @@ FAKE_MPS = Path(__file__).parents[1] / "dispatcher" / "fake_mps_control.py"
 
 @pytest.fixture
 async def dispatcher_address(short_dir: Path) -> AsyncIterator[str]:
-    dispatcher, channel = await start_live(short_dir, lease_initial_ms=10.0, lease_max_ms=20.0)
+    dispatcher, channel = await start_live(short_dir)
     try:
         yield f"127.0.0.1:{dispatcher.port}"
     finally:

@@ -67,7 +67,10 @@ async def test_memory_cap_on_every_allocation_path(live: LiveDispatcher, run: Ru
 
 
 KERNEL, SYNC_EVERY = "k_work_2000us", "1"
-SHARING = {"window_ms": 500.0, "lease_min_ms": 20.0, "lease_initial_ms": 25.0, "lease_max_ms": 50.0}
+SHARING = {
+    "window_ms": 500.0,
+    "policy_args": "tokens.lease_min_s=0.02,tokens.lease_initial_s=0.025,tokens.lease_max_s=0.05",
+}
 
 
 @pytest.mark.parametrize("live", [SHARING], indirect=True)

@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+from gpuloom.policies.profiling.kernels import GRAPH_NODE_KERNEL, graph_kernel_id, graph_name
 from tests.shim.conftest import (
     CUDA_ERROR_NOT_FOUND,
     CUDA_ERROR_NOT_PERMITTED,
@@ -37,7 +38,7 @@ def _launches(trace: list[str]) -> list[tuple[str, int, str, tuple, tuple]]:
     out = []
     for line in trace:
         parts = line.split()
-        if parts[0] == "launch" and parts[3] != "<graph>":
+        if parts[0] == "launch" and not parts[3].startswith("<graph"):
             dims = tuple(int(p) for p in parts[4:10])
             out.append((parts[1], int(parts[2], 16), parts[3], dims[:3], dims[3:]))
     return out
@@ -86,21 +87,67 @@ def test_kernel_ids_are_stable_and_distinguish_dimensions() -> None:
     assert a != kernel_id("j", (1, 1, 1), (32, 1, 1))
 
 
-@pytest.mark.parametrize("flags", [[], ["--ptds"]], ids=["legacy", "ptsz"])
-def test_graph_launch_is_one_unit_and_captured_launches_are_not_blocked(
-    run: Runner, flags: list[str]
+def _graph_launches(trace: list[str], suffix: str = "") -> list[tuple[int, str]]:
+    """(ID, name) of each graph launch the shim traced."""
+    return [
+        (int(parts[2], 16), parts[3])
+        for parts in (line.split() for line in trace)
+        if parts[:2] == ["launch", f"cuGraphLaunch{suffix}"]
+    ]
+
+
+def _graph_of(name: str, count: int) -> tuple[int, str]:
+    """What the shim names a graph of `count` 1x1 launches of `name`: its ID and name."""
+    node = (GRAPH_NODE_KERNEL, kernel_id(name, (1, 1, 1), (1, 1, 1)))
+    graph = graph_name([node] * count)
+    return graph_kernel_id(graph), graph
+
+
+@pytest.mark.parametrize(
+    ("flags", "suffix"),
+    [([], ""), (["--ptds"], "_ptsz"), (["--proc"], "")],
+    ids=["legacy", "ptsz", "cudart-style"],
+)
+def test_graph_launch_is_one_unit_named_by_its_kernels_and_captures_are_not_blocked(
+    run: Runner, flags: list[str], suffix: str
 ) -> None:
     result = run(*flags, "module", "k_g_50us", "stream", "capture", "k_g_50us", "3", "ssync")
     assert result.returncode == 0, result.stderr
     assert "capture rc=0" in result.stdout and "graph rc=0" in result.stdout
-    suffix = "_ptsz" if flags else ""
-    graphs = [
-        line for line in result.shim_trace if line.startswith(f"launch cuGraphLaunch{suffix} ")
-    ]
-    assert len(graphs) == 1 and " <graph> " in graphs[0]
+    # Its ID is its structure's, as the profile and admission compute it.
+    assert _graph_launches(result.shim_trace, suffix) == [_graph_of("k_g_50us", 3)]
     assert f"fake cuGraphLaunch{suffix} 3" in result.fake_trace
     # The engine ran the three captured kernels once, when the graph was launched.
     assert [name for _, name, _, _ in run.engine_runs()] == ["k_g_50us"] * 3
+
+
+def test_a_graph_has_one_id_across_processes_and_another_graph_another(run: Runner) -> None:
+    module = ["module", "k_a_10us,k_b_10us", "stream"]
+    first = run(*module, "capture", "k_a_10us", "2", "ssync")
+    again = run(*module, "capture", "k_a_10us", "2", "ssync")
+    longer = run(*module, "capture", "k_a_10us", "3", "ssync")
+    other = run(*module, "capture", "k_b_10us", "2", "ssync")
+    ids = [_graph_launches(r.shim_trace)[0][0] for r in (first, again, longer, other)]
+    assert ids[0] == ids[1] and len(set(ids[1:])) == 3
+
+
+def test_a_graph_whose_kernels_change_loses_its_id_and_an_update_gives_one_back(
+    run: Runner,
+) -> None:
+    result = run(
+        "module", "k_a_10us,k_b_10us", "stream", "capture", "k_a_10us", "2", "ssync",
+        "gsetparams", "k_b_10us", "glaunch", "ssync",  # the executable now runs k_b, k_a
+        "gupdate", "glaunch", "ssync",  # back to its graph's kernels
+        "gdestroy",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "gsetparams rc=0" in result.stdout and "gupdate rc=0" in result.stdout
+    graph = _graph_of("k_a_10us", 2)
+    # Changed in place, it is a graph of unknown length (ID 0), never taken for the old one.
+    assert _graph_launches(result.shim_trace) == [graph, (0, "<graph>"), graph]
+    assert [name for _, name, _, _ in run.engine_runs()] == [
+        "k_a_10us", "k_a_10us", "k_b_10us", "k_a_10us", "k_a_10us", "k_a_10us",
+    ]  # fmt: skip
 
 
 def test_names_without_cuFuncGetName_come_from_the_module_and_library_tables(

@@ -9,9 +9,12 @@ import re
 
 import pytest
 
+from gpuloom.policies.profiling.kernels import GRAPH_NODE_KERNEL, graph_kernel_id, graph_name
 from gpuloom.v1 import shim_pb2
 from tests.dispatcher.conftest import LiveDispatcher
 from tests.shim.conftest import Runner, kernel_id, launch
+
+ONE = (1, 1, 1)
 
 MEASURE, OFF = 2, 3
 
@@ -222,12 +225,13 @@ async def test_graph_is_one_record_and_captures_are_not_measured(
     truth = [(start, end) for p, _, start, end in run.engine_runs() if p == pid]
     assert len(truth) == 6
     records = await _records(live, assignment.assignment_id, 1)
-    # The first graph launch is the warm-up of the "<graph>" ID; the second is measured whole.
+    # The first graph launch is the warm-up of the graph's ID; the second is measured whole,
+    # under the ID its structure gives it (what admission looks up).
     assert len(records) == 1, records
     (record,) = records
-    assert record.name == "<graph>"
+    assert record.name == graph_name([(GRAPH_NODE_KERNEL, kernel_id(kernel, ONE, ONE))] * 3)
     assert _dims(record) == ((0, 0, 0), (0, 0, 0))
-    assert record.kernel_id == kernel_id("<graph>", (0, 0, 0), (0, 0, 0))
+    assert record.kernel_id == graph_kernel_id(record.name)
     real = truth[5][1] - truth[3][0]
     assert record.end_ns - record.start_ns == pytest.approx(real, rel=0.05)
 

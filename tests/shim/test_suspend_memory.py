@@ -157,6 +157,9 @@ async def test_a_restore_without_room_leaves_it_suspended_with_the_reason(
     assert refused.suspended and refused.suspended_memory_released
     assert refused.suspended_memory_note.startswith("restore failed"), refused
     assert str(CUDA_ERROR_OUT_OF_MEMORY) in refused.suspended_memory_note
+    # Placement hears the reason with the next heartbeat (gpuloom job shows it).
+    (report,) = await live.dispatcher.core.training_reports()
+    assert report.suspended and report.memory_note == refused.suspended_memory_note
     go.touch()
     await hog.finish()
     resumed = await _resume(live, a.assignment_id)

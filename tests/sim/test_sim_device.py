@@ -180,3 +180,19 @@ def test_the_orion_columns_reach_the_kernels(tmp_path: Path) -> None:
     kernel = load_scenario(tmp_path / "s.json").tasks[0].kernels[0]
     assert (kernel.sm_usage, kernel.profile) == (12, "memory")
     assert load_scenario(tmp_path / "s.json").gpu == GpuConfig()
+
+
+def test_a_kernel_held_to_a_partition_smaller_than_its_launch_shape_runs_slower_alone() -> None:
+    device = Device(GpuConfig(sms=80), 2, concurrent=True)
+    # Its blocks would fill every SM; its partition (20 SMs) gives it a quarter of them.
+    device.submit(0, 0, "confined", 100_000, 20, "compute", want=80)
+    # Its blocks fill 10 SMs, inside its partition: the partition costs it nothing.
+    device.submit(0, 1, "fits", 100_000, 10, "memory", want=10)
+    done = {c.tag: c for c in run_all(device, [])}
+    # Beside each other (20 + 10 SMs fit): each slowed by the other's class factor on its SMs.
+    assert done["fits"].end == pytest.approx(100_000 * (1 + 0.5 * 20 / 80), rel=1e-3)
+    alone = Device(GpuConfig(sms=80), 1, concurrent=True)
+    alone.submit(0, 0, "confined", 100_000, 20, "compute", want=80)
+    assert run_all(alone, [])[0].end == pytest.approx(400_000, rel=1e-3)
+    with pytest.raises(ValueError, match=r"want 10 outside 20\.\.80"):
+        alone.submit(500_000, 0, "bad", 1, 20, "compute", want=10)

@@ -18,8 +18,8 @@ from gpuloom.policies.harvest import (
     Running,
     SpatialHarvest,
 )
-from gpuloom.sim.harvest import harvest_figures
-from gpuloom.sim.kernels import DEFAULT_MODE, simulate
+from gpuloom.sim.harvest import harvest_figures, time_sharing_ceiling
+from gpuloom.sim.kernels import DEFAULT_MODE, ModeResult, simulate
 from gpuloom.sim.scenario import ScenarioError, load_scenario
 
 HOLDER = Running(priority=0, demand=40, profile="compute")
@@ -139,7 +139,12 @@ def test_the_json_reports_the_harvest_beside_the_p99(tmp_path: Path) -> None:
     figures = data["modes"][DEFAULT_MODE]["figures"]
     assert figures["hp_p99_x_alone"] <= 1.05 and figures["harvest"] > 0
     out = data["harvest"]
-    assert set(out) == {"busy_alone", *(m for m in data["modes"] if m != "exclusive")}
+    assert set(out) == {
+        "busy_alone",
+        "ceiling",
+        *(m for m in data["modes"] if m != "exclusive"),
+    }
+    assert set(out["ceiling"]) == {"train"}
     entry = out[DEFAULT_MODE]
     assert set(entry["high"]["infer"]) == {"p99_over_alone", "mean_over_alone"}
     assert set(entry["harvest"]["train"]) == {"kept", "limit", "harvest"}
@@ -147,3 +152,39 @@ def test_the_json_reports_the_harvest_beside_the_p99(tmp_path: Path) -> None:
     busy = out["busy_alone"]
     limit = min(1.0, (1 - busy["infer"]) / busy["train"])
     assert entry["harvest"]["train"]["limit"] == pytest.approx(limit, abs=1e-3)
+
+
+def test_the_ceiling_packs_the_fillers_kernels_in_order_into_the_holders_idle_stretches(
+    tmp_path: Path,
+) -> None:
+    data = {
+        "seed": 1,
+        "duration_s": 0.001,
+        "tasks": [
+            {
+                "name": "infer",
+                "priority": 0,
+                "arrival": {"rate_per_s": 10},
+                "kernels": [{"name": "h", "duration_us": 100}],
+            },
+            {
+                "name": "train",
+                "priority": 5,
+                "arrival": {"closed_loop": True},
+                "kernels": [{"name": "a", "duration_us": 60}, {"name": "b", "duration_us": 80}],
+            },
+        ],
+    }
+    path = tmp_path / "ceiling.json"
+    path.write_text(json.dumps(data))
+    scenario = load_scenario(path)
+    us = 1_000
+    # The holder alone: busy 0-200, 300-350 and 900-1000 us; the filler alone: 700 us.
+    spans = ((0, 200 * us, 0), (300 * us, 350 * us, 0), (900 * us, 1000 * us, 0))
+    exclusive = ModeResult("exclusive", (), 0.0, 0.0, (*spans, (0, 700 * us, 1)))
+    got = time_sharing_ceiling(scenario, exclusive, [0.35, 0.7])
+    # 200-300: a (60) fits, b (80) does not and blocks the stream; 350-900: b a b a b a b
+    # (80 + 60 + ... = 500), then a would end at 910, after the holder's kernel at 900.
+    kept = (60 + 500) / 700
+    assert got["train"]["kept"] == pytest.approx(kept, abs=1e-4)
+    assert got["train"]["harvest"] == pytest.approx(kept / min(1, 0.65 / 0.7), abs=1e-4)

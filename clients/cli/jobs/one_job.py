@@ -142,7 +142,12 @@ def _training_rows(state: TrainingState) -> list[tuple[str, object]]:
             else "not measured yet",
         ),
         ("height", f"{state.height} training job(s) on its GPU"),
+        ("GPU memory", state.memory_text()),
     ]
+    if state.memory_note:
+        rows.append(("memory note", state.memory_note))
+    if state.preempted_by:
+        rows.append(("preempted", f"by {state.preempted_by}: suspended until it ends"))
     for trial in state.packings:
         result = (
             f"gain {trial.gain:.3f} ({trial.solo_minibatch_s:.4g} s alone, "

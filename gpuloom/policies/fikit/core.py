@@ -34,6 +34,16 @@ class FikitConfig:
     max_wait_ns: int = 0  # 0: never
     fill_guard_ns: int = 0  # a window fill must end this long before the window (gl_fk_config)
 
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is not a whole number of ns in
+        0..2^62 (the C core keeps them as uint64, 2^64-1 meaning unknown)."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 62:
+                raise ValueError(
+                    f"{field.name} must be a whole number of ns in 0..2^62, got {value!r}"
+                )
+
 
 @dataclass(frozen=True, slots=True)
 class FikitCounters:

@@ -212,6 +212,17 @@ class Allocation:
     # GPU of a job (`gang` set) may be a member too: a gang time-sliced with another on its GPUs
     # joins on each the group there (each GPU's group has its own key).
     slice_of: str = ""
+    # A member of a time-slice group whose memory is taken in turns (its dispatcher moves a
+    # suspended member's device memory to host memory through the driver's checkpoint API):
+    # the memory it runs with (its cap). `memory_bytes` is then its part of the group's charge,
+    # which is the largest member's memory, not the sum (the fleet spreads it). 0: not in turns
+    # (`memory_bytes` is what it runs with and is charged).
+    turn_memory_bytes: int = 0
+
+    @property
+    def runs_with_bytes(self) -> int:
+        """The memory the allocation's job runs with (its cap)."""
+        return self.turn_memory_bytes or self.memory_bytes
 
     @property
     def slice_group(self) -> str:
@@ -236,6 +247,12 @@ class Allocation:
         _check_sm(self.sm_percent)
         _check_quota("quota_percent", self.quota_percent)
         _check_memory(self.memory_bytes)
+        _check_count("turn_memory_bytes", self.turn_memory_bytes)
+        if self.turn_memory_bytes and self.memory_bytes > self.turn_memory_bytes:
+            raise InvalidRequestError(
+                f"allocation {self.allocation_id}: memory_bytes {self.memory_bytes} is more than "
+                f"the turn_memory_bytes {self.turn_memory_bytes} it runs with"
+            )
         _check_priority(self.priority)
         if not isinstance(self.task_key, str):
             raise InvalidRequestError(f"task_key must be a string, got {self.task_key!r}")

@@ -59,24 +59,7 @@ class GapPredictor(Protocol):
         """One prediction, for a scheduler that sees one launch at a time."""
         ...
 
-    def least_gaps(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per kernel ID (ascending), the shortest gap predicted after it wherever it occurs:
-        all a scheduler that sees only the kernel ID (not its position or successor) can
-        count on."""
-        ...
-
     def to_dict(self) -> dict[str, Any]: ...
-
-
-def _least_by_id(
-    ids: np.ndarray, gaps: np.ndarray, floor: tuple[np.ndarray, np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-    """The least of `gaps` per kernel ID of `ids`, and of the `floor` table's (ids, gaps)."""
-    every = np.concatenate((floor[0], ids))
-    vocabulary, index = np.unique(every, return_inverse=True)
-    least = np.full(len(vocabulary), np.inf)
-    np.minimum.at(least, index, np.concatenate((floor[1], gaps)))
-    return vocabulary, least
 
 
 def _hex(ids: np.ndarray) -> list[str]:
@@ -190,9 +173,6 @@ class MeanGap:
     ) -> float:
         return float(self.predict_ids(np.array([kernel_id], dtype=np.uint64))[0])
 
-    def least_gaps(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.kernel_ids, self.gaps_ns  # one prediction per ID: the mean
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
@@ -288,10 +268,6 @@ class PairGap:
         first = np.array([kernel_id], dtype=np.uint64)
         return float(self.predict_pairs(first, np.array([next_kernel_id], np.uint64))[0])
 
-    def least_gaps(self) -> tuple[np.ndarray, np.ndarray]:
-        # The mean too: pairs beyond MAX_PAIRS and a run's last kernel fall back to it.
-        return _least_by_id(self.first_ids, self.gaps_ns, self.mean.least_gaps())
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
@@ -367,10 +343,6 @@ class PositionGap:
         ):
             return float(self.gaps_ns[position])
         return self.pair.gap_after(kernel_id, next_kernel_id)
-
-    def least_gaps(self) -> tuple[np.ndarray, np.ndarray]:
-        # Launches that stray from the sequence are predicted by `pair`.
-        return _least_by_id(self.sequence[:-1], self.gaps_ns, self.pair.least_gaps())
 
     def to_dict(self) -> dict[str, Any]:
         return {

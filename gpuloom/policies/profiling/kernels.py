@@ -16,6 +16,12 @@ Kernel ID (the C shim computes the same, shim/src/names.c): 64-bit FNV-1a, offse
 
 with no separator and no terminating NUL: for each byte, h ^= byte, then h *= prime mod 2^64.
 
+A CUDA graph is measured and admitted as one unit (shim/src/graphs.c): its structure hash is
+64-bit FNV-1a (same basis and prime) over, for each node in the driver's order,
+u32le(node type) followed, for a kernel node (type 0), by u64le(the node's kernel ID); its
+record is named "<graph:HHHHHHHHHHHHHHHH>" (the hash, 16 lowercase hex digits) with all six
+dimensions 0, and its ID is that name's kernel ID.
+
 Everything is numpy-vectorised (sorts, reduceat, bincount; no Python loop per record): the
 profiler service has to digest >= 300,000 records/s.
 """
@@ -53,6 +59,34 @@ def kernel_id(name: str, grid: Dim3, block: Dim3) -> int:
     for byte in data:
         h = ((h ^ byte) * FNV_PRIME) & _MASK64
     return h
+
+
+GRAPH_NODE_KERNEL = 0  # CU_GRAPH_NODE_TYPE_KERNEL
+NO_DIMS: Dim3 = (0, 0, 0)
+
+
+def _fnv(h: int, value: int, size: int) -> int:
+    for byte in value.to_bytes(size, "little"):
+        h = ((h ^ byte) * FNV_PRIME) & _MASK64
+    return h
+
+
+def graph_name(nodes: Sequence[tuple[int, int | None]]) -> str:
+    """The record name of a graph whose nodes are (node type, kernel ID or None), in the
+    driver's order (definition in the module docstring)."""
+    h = FNV_OFFSET
+    for node_type, kernel in nodes:
+        h = _fnv(h, node_type, 4)
+        if node_type == GRAPH_NODE_KERNEL:
+            if kernel is None:
+                raise ValueError("a kernel node needs its kernel ID")
+            h = _fnv(h, kernel, 8)
+    return f"<graph:{h:016x}>"
+
+
+def graph_kernel_id(name: str) -> int:
+    """The ID a graph named `name` is measured and admitted under."""
+    return kernel_id(name, NO_DIMS, NO_DIMS)
 
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

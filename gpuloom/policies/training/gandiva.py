@@ -32,8 +32,8 @@ Reactive mode, on every arrival and departure, jobs that wait are taken in arriv
    (the fewest GPUs taken; on one server, the latest arrivals first), if it is the likelier
    to end soon: its Gittins index above the sum of theirs, `bet_min_ended` jobs of each GPU
    count ended. They go back to the queue (`Suspend`, reason "preempt"), behind it. Only
-   where the view allows it (`ClusterView.preempt`: the simulator's; live, a placed job
-   stays placed).
+   where the view allows it (`ClusterView.preempt`; live, the preempted job is suspended in
+   place while the head runs in its time-slice group).
 
 Rules of time (a wait, a job's service) may change the decision with nothing arriving or
 ending: `review_at` says when to ask again.
@@ -67,6 +67,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import Counter
+from dataclasses import asdict, dataclass
 
 from gpuloom.policies.training.model import (
     Action,
@@ -112,6 +113,41 @@ GROW_IDLE_S = 600.0  # grow-shrink: a GPU free this long may be given to a job t
 # `share_after_s` is a bound (a stalled job gains none), which may have to be asked again;
 # this floor keeps that from running to ever smaller steps.
 REVIEW_STEP_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class GandivaKnobs:
+    """Gandiva's rules of time, the arguments `GandivaPolicy` takes (the constants above are
+    their defaults). Live, placement's settings `GPULOOM_PLACEMENT_TRAINING_SLICE_AFTER_S`,
+    `..._SHARE_AFTER_S`, `..._QUEUE_AHEAD`, `..._BET_MIN_ENDED` and `..._PREEMPT_AFTER_S` set
+    them, and placement's driver hands them to the policy it creates (`get_policy`).
+
+    - `slice_after_s`: a waiting job is time-sliced into a round-robin only after waiting this
+      long for free GPUs;
+    - `share_after_s`: ... only into a round-robin whose jobs have each had this much service,
+      while it has not; a job time-sliced in that has had it is suspended back to the queue;
+      a job preempted for the head of the queue must have had it;
+    - `queue_ahead`: ... only with at least this many jobs of its shape waiting ahead of it;
+    - `bet_min_ended`: ... only once this many jobs of its GPU count have ended (the Gittins
+      index's evidence; 0: with none ended, the other rules alone decide);
+    - `preempt_after_s`: the head of the queue preempts later jobs running alone on the GPUs it
+      needs once it has waited this long (inf: never)."""
+
+    slice_after_s: float = SLICE_AFTER_S
+    share_after_s: float = SHARE_AFTER_S
+    queue_ahead: int = QUEUE_AHEAD
+    bet_min_ended: int = BET_MIN_ENDED
+    preempt_after_s: float = PREEMPT_AFTER_S
+
+    def __post_init__(self) -> None:
+        for name in ("slice_after_s", "share_after_s", "preempt_after_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        for name in ("queue_ahead", "bet_min_ended"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 class _Scratch:
@@ -174,6 +210,9 @@ class GandivaPolicy:
         bet_min_ended: int = BET_MIN_ENDED,
         preempt_after_s: float = PREEMPT_AFTER_S,
     ) -> None:
+        """`max_height`: jobs time-sliced on one set of GPUs at most; `grow_shrink`: the
+        `gandiva-gs` passes; the rules of time: see GandivaKnobs (checked there)."""
+        GandivaKnobs(slice_after_s, share_after_s, queue_ahead, bet_min_ended, preempt_after_s)
         self.queue_ahead = queue_ahead
         self.preempt_after_s = preempt_after_s  # inf: no preemption
         # 0: with no job of its count ended, a job is time-sliced in on the other rules alone
@@ -185,6 +224,13 @@ class GandivaPolicy:
         name = "gandiva-gs" if grow_shrink else "gandiva"
         self.name = name if max_height == MAX_HEIGHT else f"{name}:{max_height}"
         self.bad_pairs: set[tuple[str, str, str]] = set()  # (GPU type, job type, job type)
+
+    @classmethod
+    def with_knobs(
+        cls, knobs: GandivaKnobs, max_height: int = MAX_HEIGHT, grow_shrink: bool = False
+    ) -> GandivaPolicy:
+        """The policy with its rules of time set by `knobs`."""
+        return cls(max_height, grow_shrink, **asdict(knobs))
 
     def decide(self, view: ClusterView) -> list[Action]:
         free = FreeMap(view.servers, view.groups)

@@ -42,8 +42,12 @@ of a GPU's training jobs (not an elastic job's), and `Resize` of an elastic job 
 GPUs of its server, or shrink back; its first GPU stays). The `Place` of a waiting job
 (placement's scheduler places it) and a de-fragmenting `Place` are not taken live (a job is
 not moved onto a busy GPU, nor moved for a job the policy would place elsewhere than the
-scheduler), nor is a `Suspend` back to the queue (a job placement has placed stays placed;
-the view says so, `ClusterView.preempt`, so the policy plans no preemption).
+scheduler), nor is a `Suspend` back to the queue for a demotion (a job placement has placed
+stays placed). Head-of-queue preemption is taken through suspension (`ClusterView.preempt` is
+on): a `Place` of the waiting head, reason "preempt", onto exactly the GPUs of one job the same
+call suspends for it (reason "preempt") becomes a preemption: the head joins that job's
+time-slice group and the job stays suspended there until the head ends. A preemption onto GPUs
+partly free, or held by several preempted jobs, is not taken live (a binding joins one group).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from gpuloom.policies.training.model import (
     Server,
     ServiceHistory,
     Slice,
+    Suspend,
     TrainingPolicy,
     Unpack,
 )
@@ -143,6 +148,10 @@ class LivePlan:
     # Over-subscription: (pending job id, GPU uuid) to join the round-robin of the training
     # jobs of that GPU (their first GPU, for jobs on several).
     slices: tuple[tuple[str, str], ...] = ()
+    # Head-of-queue preemption: (pending head's job id, GPU uuid, preempted job's id): the head
+    # joins the round-robin of that GPU's training jobs, and the preempted one stays suspended
+    # there until the head ends.
+    preemptions: tuple[tuple[str, str, str], ...] = ()
 
 
 def live_view(
@@ -156,9 +165,11 @@ def live_view(
     grow_idle_s: float = math.inf,
     pending: Sequence[LivePending] = (),
     ended: ServiceHistory | None = None,
+    preempt: bool = False,
 ) -> LiveView:
     """The cluster as the training policies see it (see the module's docstring); `ended`: the
-    service of the training jobs that ended (none if not given)."""
+    service of the training jobs that ended (none if not given); `preempt`: whether the head
+    of the queue may preempt (the caller takes it through suspension)."""
     by_server: dict[tuple[str, str], list[LiveGpu]] = {}
     for gpu in sorted(gpus, key=lambda g: (g.node, g.model, g.gpu_uuid)):
         by_server.setdefault((gpu.node, gpu.model), []).append(gpu)
@@ -269,7 +280,7 @@ def live_view(
         grow_idle_s=grow_idle_s,
         attained_s=MappingProxyType(attained),
         pack_in_place=True,
-        preempt=False,
+        preempt=preempt,
         ended=ServiceHistory() if ended is None else ended,
     )
     gpu_of_slot = {slot: uuid for uuid, slot in slot_of.items()}
@@ -326,11 +337,16 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
     moves: list[tuple[str, str, str]] = []
     resizes: list[tuple[str, tuple[str, ...], str]] = []
     slices: list[tuple[str, str]] = []
+    preemptions: list[tuple[str, str, str]] = []
+    preempted: set[int] = set()
     waiting = set(live.view.waiting)
     group_of: dict[int, int] = {j: g.id for g in live.view.groups for j in g.jobs}
     groups = {g.id: g for g in live.view.groups}
     for action in policy.decide(live.view):
-        if isinstance(action, Unpack):
+        if isinstance(action, Suspend):
+            if action.reason == "preempt":
+                preempted.add(action.job)
+        elif isinstance(action, Unpack):
             gpu = live.gpu_of_group.get(action.group)
             if gpu is not None:
                 unpack.append(gpu)
@@ -339,7 +355,11 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
                 pack.append(live.gpu_of_group[action.group])
         elif isinstance(action, Place):
             job_id = live.job_ids.get(action.job)
-            if (
+            if action.reason == "preempt" and job_id and action.job in waiting:
+                taken = _preemption(live, groups, preempted, action)
+                if taken is not None:
+                    preemptions.append((job_id, *taken))
+            elif (
                 job_id
                 and action.reason != "defrag"
                 and len(action.slots) == 1
@@ -368,4 +388,25 @@ def live_plan(live: LiveView, policy: TrainingPolicy) -> LivePlan:
                 )
             ):
                 slices.append((job_id, live.gpu_of_group[group.id]))
-    return LivePlan(tuple(unpack), tuple(pack), tuple(moves), tuple(resizes), tuple(slices))
+    return LivePlan(
+        tuple(unpack), tuple(pack), tuple(moves), tuple(resizes), tuple(slices), tuple(preemptions)
+    )
+
+
+def _preemption(
+    live: LiveView, groups: Mapping[int, Group], preempted: set[int], action: Place
+) -> tuple[str, str] | None:
+    """A head-of-queue preemption as it is taken live: the head goes onto exactly the GPUs of
+    one preempted training job running alone (it joins that job's time-slice group, which
+    stays suspended until the head ends): (its first GPU, its job id). None where the head's
+    GPUs are partly free or held by several preempted jobs (not taken live: a binding joins
+    one group)."""
+    for group in groups.values():
+        if (
+            len(group.jobs) == 1
+            and group.jobs[0] in preempted
+            and set(group.slots) == set(action.slots)
+            and live.job_ids.get(group.jobs[0])
+        ):
+            return live.gpu_of_group[group.id], live.job_ids[group.jobs[0]]
+    return None

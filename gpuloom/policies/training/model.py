@@ -162,7 +162,8 @@ class ClusterView:
     # busy GPU): a job alone on its GPU is no packing target.
     pack_in_place: bool = False
     # A job running alone may be preempted, suspended back to the queue off its GPUs
-    # (`Suspend`, reason "preempt"): the simulator's; live, a job placement placed stays placed.
+    # (`Suspend`, reason "preempt"); live, it stays suspended where it is while the head runs
+    # in its time-slice group (gpuloom/policies/training/live.py).
     preempt: bool = True
 
     def can_pack(self, gpu_type: str, a: str, b: str) -> bool:

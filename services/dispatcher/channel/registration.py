@@ -120,13 +120,7 @@ class RegistrationPart:
         mode = self._choose_mode(reservation, task_key)
         if mode is ShimMode.SHARE and self._arbiter is not None:
             mode = ShimMode.FIKIT
-        region, fd = AdmissionRegion.create(
-            f"gpuloom-{assignment_id}",
-            reservation.memory_cap_bytes,
-            reservation.share.sm_percent,
-            mode,
-            self._sample_period_us,
-        )
+        region, fd = AdmissionRegion.create(f"gpuloom-{assignment_id}", self._sample_period_us)
         suspended = assignment_id in self._suspended
         fds = [fd]
         if self._heart is not None:

@@ -102,7 +102,6 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         arbiter: Arbiter | None = None,
         composed: bool = False,
         kernel_tables: KernelTables | None = None,
-        lease_desk: bool = False,
         introspector: TrainingIntrospector | None = None,
     ) -> None:
         self._gpu = gpu_label
@@ -127,7 +126,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         self._fikit_core_seen = FikitCounters(*[0] * len(dataclasses.fields(FikitCounters)))
         # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
-        self._desk = LeaseDesk() if lease_desk and arbiter is None else None
+        self._desk = LeaseDesk() if arbiter is None else None
         self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
         self._by_desk_slot: dict[int, _Connection] = {}
         # Every term withdrawn (so this thread may write lease words); new ones are due.

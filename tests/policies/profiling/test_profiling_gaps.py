@@ -56,28 +56,6 @@ def test_pair_and_position_fall_back() -> None:
     assert np.isnan(predicted[-1])
 
 
-def test_least_gaps_are_the_shortest_gap_after_each_kernel_wherever_it_occurs() -> None:
-    # Kernel 1 is followed by 10 (then 2) and by 50 (then 3): a scheduler that sees only the
-    # ID can count on 10. Kernel 2 is always followed by 20; kernel 3 ends every run.
-    runs = Runs.from_sequences([[1, 2, 1, 3]] * 3, [[10, 20, 50]] * 3)
-    for name in ("pair", "position"):
-        ids, gaps = fit_predictor(name, runs).least_gaps()
-        assert dict(zip(ids.tolist(), gaps.tolist(), strict=True)) == {1: 10, 2: 20}
-    # The mean predictor knows one number per ID: its mean.
-    ids, gaps = fit_predictor("mean", runs).least_gaps()
-    assert dict(zip(ids.tolist(), gaps.tolist(), strict=True)) == {1: 30, 2: 20}
-    # Positions refine pairs: the same pair (1, 2) followed by gaps of 5 and 90 at two places.
-    runs = Runs.from_sequences([[1, 2, 1, 2]] * 3, [[5, 1, 90]] * 3)
-    ids, gaps = fit_predictor("position", runs).least_gaps()
-    assert dict(zip(ids.tolist(), gaps.tolist(), strict=True))[1] == 5
-    assert fit_predictor("pair", runs).gap_after(1, 2) == pytest.approx(47.5)
-    # A loaded predictor answers the same.
-    fitted = fit_predictor("position", runs)
-    loaded = load_predictor(json.loads(json.dumps(fitted.to_dict())))
-    for fitted_table, loaded_table in zip(fitted.least_gaps(), loaded.least_gaps(), strict=True):
-        assert np.array_equal(fitted_table, loaded_table)
-
-
 def test_position_uses_the_sequence_most_runs_share() -> None:
     runs = Runs.from_sequences(
         [[1, 2, 3], [], [1, 2, 3], [1, 3, 2], [1, 2, 3], []],

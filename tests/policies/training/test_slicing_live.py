@@ -2,7 +2,7 @@
 a pending one-GPU training job is time-sliced into a full GPU's round-robin by the policy's
 own rules (its wait, the service of the jobs it joins, the queue ahead of it), only into GPUs
 holding training jobs, never an elastic job's or a GPU busy with other work; and the live view
-packs in place only."""
+packs in place only. Head-of-queue preemption is taken live onto exactly one later job's GPUs."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gpuloom.policies.training.live import (
     live_plan,
     live_view,
 )
+from gpuloom.policies.training.model import Place, Suspend
 
 GIB = 1 << 30
 EFFICIENCY = 60 / 61
@@ -88,3 +89,34 @@ def test_the_live_view_packs_in_place_only() -> None:
     result = plan(cluster, jobs, [], 0.0)
     assert result.pack == ("g0",)
     assert result.moves == ()
+
+
+def preempting_plan(cluster: list[LiveGpu], jobs: list[LiveJob], pending, preempt: bool):
+    """gandiva that never time-slices a waiting job in, and lets the head preempt after an
+    hour jobs that have had an hour of service, asked at two hours."""
+    policy = GandivaPolicy(
+        slice_after_s=1e9, share_after_s=HOUR, queue_ahead=0, bet_min_ended=0, preempt_after_s=HOUR
+    )
+    live = live_view(cluster, jobs, {}, 2 * HOUR, EFFICIENCY, pending=pending, preempt=preempt)
+    return live_plan(live, policy)
+
+
+def test_the_head_preempts_live_onto_exactly_one_later_jobs_gpus() -> None:
+    late = LiveJob("late", "g0", "resnet", 8 * GIB, 10.0, attained_s=2 * HOUR)
+    head = LivePending("head", 1, 8 * GIB, 0.0, sliceable=True)
+    taken = preempting_plan(gpus(1), [late], [head], preempt=True)
+    assert taken.preemptions == (("head", "g0", "late"),) and taken.slices == ()
+    # Not where the view forbids it, nor for a job that arrived before the head.
+    assert preempting_plan(gpus(1), [late], [head], preempt=False).preemptions == ()
+    early = LiveJob("early", "g0", "resnet", 8 * GIB, 0.0, attained_s=2 * HOUR)
+    later_head = LivePending("head", 1, 8 * GIB, 10.0, sliceable=True)
+    assert preempting_plan(gpus(1), [early], [later_head], preempt=True).preemptions == ()
+    # A head of two GPUs that would take one free GPU and the late job's: the policy preempts,
+    # but a binding joins one time-slice group, so it is not taken live.
+    wide = LivePending("head", 2, 8 * GIB, 0.0, sliceable=True)
+    live = live_view(gpus(2), [late], {}, 2 * HOUR, EFFICIENCY, pending=[wide], preempt=True)
+    decided = GandivaPolicy(
+        slice_after_s=1e9, share_after_s=HOUR, queue_ahead=0, bet_min_ended=0, preempt_after_s=HOUR
+    ).decide(live.view)
+    assert [a.reason for a in decided if isinstance(a, Suspend | Place)] == ["preempt", "preempt"]
+    assert preempting_plan(gpus(2), [late], [wide], preempt=True).preemptions == ()

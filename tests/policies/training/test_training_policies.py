@@ -11,7 +11,7 @@ import pytest
 
 from gpuloom.policies.registry import UnknownPolicyError
 from gpuloom.policies.training.fifo import FifoPolicy
-from gpuloom.policies.training.gandiva import GandivaPolicy
+from gpuloom.policies.training.gandiva import SLICE_AFTER_S, GandivaKnobs, GandivaPolicy
 from gpuloom.policies.training.live import (
     OTHER_WORK,
     LiveGpu,
@@ -563,3 +563,27 @@ def test_unmeasured_jobs_are_not_packed_and_measured_ones_pack_in_place() -> Non
     # Too big together for the GPU: never packed.
     big = [replace(j, memory_bytes=50 * GIB_) for j in measured]
     assert live_plan(live_view(gpus, big, {}, 0.0, EFFICIENCY), GandivaPolicy()).pack == ()
+
+
+def test_gandivas_rules_of_time_are_its_arguments_from_the_registry() -> None:
+    knobs = GandivaKnobs(
+        slice_after_s=5.0, share_after_s=6.0, queue_ahead=1, bet_min_ended=0, preempt_after_s=7.0
+    )
+    for name, height, grows in (("gandiva:3", 3, False), ("gandiva-gs", 8, True)):
+        policy = get_policy(name, knobs)
+        assert isinstance(policy, GandivaPolicy)
+        assert (policy.max_height, policy.grow_shrink) == (height, grows)
+        got = (
+            policy.slice_after_s,
+            policy.share_after_s,
+            policy.queue_ahead,
+            policy.bet_min_ended,
+            policy.preempt_after_s,
+        )
+        assert got == (5.0, 6.0, 1, 0, 7.0)
+    default = get_policy("gandiva")
+    assert isinstance(default, GandivaPolicy) and default.slice_after_s == SLICE_AFTER_S
+    with pytest.raises(ValueError, match="queue_ahead must be an integer >= 0"):
+        GandivaKnobs(queue_ahead=-1)
+    with pytest.raises(ValueError, match="slice_after_s must be a number of seconds"):
+        GandivaPolicy(slice_after_s=float("nan"))

@@ -24,9 +24,11 @@ from gpuloom.policies.placement.fleet.records import (
     InvalidPlacementError,
     InvalidStateError,
     NodeSlot,
+    _charged_in_turns,
     _load_allocations,
     _load_models,
     _member_order,
+    _recharge_in_turns,
     _remove,
 )
 from gpuloom.policies.placement.fleet.shared_models import SharedModels
@@ -113,7 +115,7 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
             node_cpu_milli=gpu.node_cpu_milli,
             node_memory_bytes=gpu.node_memory_bytes,
         )
-        placed = _load_allocations(slot, gpu.allocations, self._where)
+        placed = _load_allocations(slot, _charged_in_turns(gpu.allocations), self._where)
         # A group key names one group: none of these may be live on another GPU.
         for group in {k for a in placed for k in (a.allocation_id, a.slice_group)}:
             elsewhere = self._group_gpu(group)
@@ -248,9 +250,14 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
             self._leave_slice(allocation)
         group = allocation.slice_group
         if group in slot.allocations or group in self._slices:
-            # Its time-slice group lives on in the same box: only the memory comes back.
+            # Its time-slice group lives on in the same box: only the memory comes back (taken
+            # in turns: the group's charge becomes its largest remaining member's).
             before = self._before(slot)
             slot.memory_free += allocation.memory_bytes
+            if allocation.turn_memory_bytes or any(
+                a.turn_memory_bytes for a in slot.allocations.values() if a.slice_group == group
+            ):
+                slot.memory_free += _recharge_in_turns(slot.allocations, group)
             self._after(slot, before)
             self._update_holder(slot)
             return allocation

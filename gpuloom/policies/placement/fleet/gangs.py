@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet.policy import PlacementPolicy
 from gpuloom.policies.placement.fleet.records import (
@@ -23,6 +25,9 @@ from gpuloom.policies.placement.model import (
     describe_gib,
     gang_member_id,
 )
+
+if TYPE_CHECKING:
+    pass
 
 
 class Gangs:

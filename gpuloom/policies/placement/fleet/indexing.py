@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from gpuloom.policies.placement.fleet.indexes import (
     ModelIndex,
@@ -23,6 +24,9 @@ from gpuloom.policies.placement.maxrects import (
 from gpuloom.policies.placement.model import (
     model_alternatives,
 )
+
+if TYPE_CHECKING:
+    pass
 
 
 class Indexing:

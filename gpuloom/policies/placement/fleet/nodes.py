@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet.policy import PlacementPolicy
@@ -18,6 +19,9 @@ from gpuloom.policies.placement.model import (
     Unplaceable,
     describe_gib,
 )
+
+if TYPE_CHECKING:
+    pass
 
 
 class Nodes:

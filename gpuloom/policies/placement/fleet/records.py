@@ -4,7 +4,7 @@ helpers that load stored state into them."""
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpuloom.policies.placement.maxrects import (
@@ -253,3 +253,51 @@ def _remove(items: list, key: object) -> None:
     if i == len(items) or items[i] != key:
         raise AssertionError(f"index lost {key!r}")
     del items[i]
+
+
+def _turn_charge(memory_bytes: int, slot: GpuSlot, group: str) -> int:
+    """What a job running with `memory_bytes` adds to time-slice group `group`'s memory when
+    its members take their memory in turns: the group holds its largest member's."""
+    held = sum(a.memory_bytes for a in slot.allocations.values() if a.slice_group == group)
+    return max(0, memory_bytes - held)
+
+
+def _spread_in_turns(members: Sequence[Allocation]) -> list[Allocation]:
+    """A time-slice group's allocations charged in turns: the one running with the most memory
+    is charged all of it, the others nothing (the group holds its largest member's memory)."""
+    if not members:
+        return []
+    largest = max(members, key=lambda a: (a.runs_with_bytes, a.allocation_id))
+    return [
+        replace(
+            a,
+            memory_bytes=a.runs_with_bytes if a is largest else 0,
+            turn_memory_bytes=a.runs_with_bytes,
+        )
+        for a in members
+    ]
+
+
+def _recharge_in_turns(allocations: dict[str, Allocation], group: str) -> int:
+    """Charge group `group`'s allocations (in `allocations`, changed in place) in turns after
+    a member left; returns the memory that comes free."""
+    members = [a for a in allocations.values() if a.slice_group == group]
+    before = sum(a.memory_bytes for a in members)
+    for a in _spread_in_turns(members):
+        allocations[a.allocation_id] = a
+    return before - max((a.runs_with_bytes for a in members), default=0)
+
+
+def _charged_in_turns(allocations: Iterable[Allocation]) -> list[Allocation]:
+    """Stored allocations with the memory of each time-slice group that holds a member in turns
+    charged once, at its largest member's (the stored charges may predate a member's end)."""
+    listed = list(allocations)
+    groups = {a.slice_group for a in listed if a.turn_memory_bytes}
+    if not groups:
+        return listed
+    spread = {
+        a.allocation_id: a
+        for group in groups
+        for a in _spread_in_turns([m for m in listed if m.slice_group == group])
+    }
+    return [spread.get(a.allocation_id, a) for a in listed]

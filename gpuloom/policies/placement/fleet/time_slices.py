@@ -4,10 +4,12 @@ on a GPU, taking turns in its rectangle."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from gpuloom.policies.placement.fleet.records import (
     GpuSlot,
     InvalidPlacementError,
+    _turn_charge,
 )
 from gpuloom.policies.placement.maxrects import (
     rect_of,
@@ -21,21 +23,30 @@ from gpuloom.policies.placement.model import (
     gang_member_id,
 )
 
+if TYPE_CHECKING:
+    pass
+
 
 class TimeSlices:
     """Part of `Fleet`: Time-slice groups (Gandiva's over-subscription): a job joins the group of
     an allocation already on a GPU, taking turns in its rectangle."""
 
-    def slice_into(self, job: JobRequest, gpu_id: str, group: str) -> Allocation:
+    def slice_into(
+        self, job: JobRequest, gpu_id: str, group: str, memory_in_turns: bool = False
+    ) -> Allocation:
         """Commit `job` on `gpu_id` as a member of time-slice group `group` (the id of the
         group's first allocation, see Allocation.slice_group): it sits in the group's rectangle,
         taking turns with the group's jobs, and holds only its memory and its node's CPU and
-        host memory. Returns the allocation. InvalidRequestError for a job field that makes no
-        sense; InvalidPlacementError naming the problem when it cannot join (nothing changes):
-        a job on several GPUs (see slice_gang_into) or a shared model's replica, an id already
-        held (or a live group's key), an unknown or unschedulable GPU, no allocation of the
-        group there, a GPU of another model, a quota x SM larger than the group's rectangle,
-        too little free memory, or a node short of the job's CPU or host memory."""
+        host memory. With `memory_in_turns` (the GPU's dispatcher moves a suspended member's
+        memory to host memory) the group's memory is taken in turns too: the group holds its
+        largest member's memory, not the sum, so the job is charged only what it needs beyond
+        that (Allocation.turn_memory_bytes). Returns the allocation. InvalidRequestError for a
+        job field that makes no sense; InvalidPlacementError naming the problem when it cannot
+        join (nothing changes): a job on several GPUs (see slice_gang_into) or a shared model's
+        replica, an id already held (or a live group's key), an unknown or unschedulable GPU,
+        no allocation of the group there, a GPU of another model, a quota x SM larger than the
+        group's rectangle, too little free memory, or a node short of the job's CPU or host
+        memory."""
         job.validate()
         slot = self._gpus.get(gpu_id)
         problem = ""
@@ -49,7 +60,7 @@ class TimeSlices:
         elif taken := self._id_taken(job.job_id):
             problem = taken
         else:
-            problem = self._join_problem(job, slot, group)
+            problem = self._join_problem(job, slot, group, memory_in_turns)
         if not problem and slot is not None and not self._nodes[slot.node].takes(job):
             problem = self._node_problem(job, slot.node, "has not")
         if problem or slot is None:
@@ -57,12 +68,12 @@ class TimeSlices:
                 f"job {job.job_id} cannot join time-slice group {group!r} on GPU {gpu_id}: "
                 f"{problem}"
             )
-        allocation = self._member(job, slot, group, job.job_id, first=True)
+        allocation = self._member(job, slot, group, job.job_id, True, memory_in_turns)
         self._occupy(slot, allocation, slot.boxes[group])
         return allocation
 
     def slice_gang_into(
-        self, job: JobRequest, groups: Sequence[tuple[str, str]]
+        self, job: JobRequest, groups: Sequence[tuple[str, str]], memory_in_turns: bool = False
     ) -> tuple[Allocation, ...]:
         """Commit `job`, on `job.gpus` >= 2 whole GPUs of one node, as a member of a time-slice
         group on each: `groups` lists (gpu_id, group) pairs, the group of an allocation on that
@@ -77,7 +88,8 @@ class TimeSlices:
         GPUs of different nodes, any id of the job held (or a live group's key), and per GPU
         what slice_into refuses (unknown, unschedulable, no allocation of the group there,
         another model, a rectangle smaller than the whole GPU, too little free memory), or the
-        node short of the job's CPU or host memory."""
+        node short of the job's CPU or host memory. `memory_in_turns`: as for slice_into, on
+        each GPU."""
         job.validate()
         pairs = tuple(groups)
         for pair in pairs:
@@ -101,7 +113,7 @@ class TimeSlices:
         for (gpu_id, group), slot in zip(pairs, slots, strict=True):
             if problem:
                 break
-            reason = self._join_problem(job, slot, group)
+            reason = self._join_problem(job, slot, group, memory_in_turns)
             if reason:
                 problem = f"GPU {gpu_id}: {reason}"
         node = slots[0].node if slots and slots[0] is not None else ""
@@ -122,12 +134,14 @@ class TimeSlices:
         joined = []
         for i, ((_, group), slot) in enumerate(zip(pairs, slots, strict=True)):
             assert slot is not None
-            allocation = self._member(job, slot, group, ids[i], first=i == 0)
+            allocation = self._member(job, slot, group, ids[i], i == 0, memory_in_turns)
             self._occupy(slot, allocation, slot.boxes[group])
             joined.append(allocation)
         return tuple(joined)
 
-    def _join_problem(self, job: JobRequest, slot: GpuSlot | None, group: str) -> str:
+    def _join_problem(
+        self, job: JobRequest, slot: GpuSlot | None, group: str, memory_in_turns: bool
+    ) -> str:
         """Why `job` cannot join time-slice group `group` on this GPU ("" when it can), its
         node's CPU and host memory aside."""
         box = slot.boxes.get(group) if slot is not None and isinstance(group, str) else None
@@ -146,24 +160,32 @@ class TimeSlices:
                 f"its {describe_shape(job.w, job.sm_percent)} does not fit in the group's "
                 f"{rect_of(box).label()}"
             )
-        if job.memory_bytes > slot.memory_free:
+        need = _turn_charge(job.memory_bytes, slot, group) if memory_in_turns else job.memory_bytes
+        if need > slot.memory_free:
+            beside = " beyond its group's" if memory_in_turns else ""
             return (
-                f"it needs {describe_gib(job.memory_bytes)} of memory, the GPU has "
+                f"it needs {describe_gib(need)} of memory{beside}, the GPU has "
                 f"{describe_gib(slot.memory_free)} free"
             )
         return ""
 
     @staticmethod
     def _member(
-        job: JobRequest, slot: GpuSlot, group: str, allocation_id: str, first: bool
+        job: JobRequest,
+        slot: GpuSlot,
+        group: str,
+        allocation_id: str,
+        first: bool,
+        memory_in_turns: bool,
     ) -> Allocation:
         """The allocation `job` holds on `slot` as a member of `group`: on a job's first GPU
-        its node resources, on a further one none and `gang` the job id."""
+        its node resources, on a further one none and `gang` the job id; its memory taken in
+        turns with the group's, or beside it."""
         return Allocation(
             allocation_id,
             job.sm_percent,
             job.quota_request_percent,
-            job.memory_bytes,
+            _turn_charge(job.memory_bytes, slot, group) if memory_in_turns else job.memory_bytes,
             job.priority,
             job.task_key,
             rect_of(slot.boxes[group]),
@@ -171,6 +193,7 @@ class TimeSlices:
             job.host_memory_bytes if first else 0,
             "" if first else job.job_id,
             slice_of=group,
+            turn_memory_bytes=job.memory_bytes if memory_in_turns else 0,
         )
 
     def slice_members(self, group: str) -> tuple[str, ...]:

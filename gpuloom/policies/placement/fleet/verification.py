@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gpuloom.policies.placement.fleet.indexes import (
     memory_class,
 )
@@ -20,6 +22,9 @@ from gpuloom.policies.placement.model import (
     GRID_H,
     GRID_W,
 )
+
+if TYPE_CHECKING:
+    pass
 
 
 class Verification:
