@@ -116,10 +116,10 @@ def test_fgd_scores_are_refreshed_only_for_the_nodes_that_changed() -> None:
     first = deltas.scores(1).copy()
     state.commit(0, 0, (0,))
     assert deltas.version[1, 1] == state.version[1]  # b untouched: still current
-    assert deltas.version[0, 1] != state.version[0]
+    assert deltas.version[1, 0] != state.version[0]
     again = deltas.scores(1)
     assert again[1] == first[1]
-    assert deltas.version[0, 1] == state.version[0]
+    assert deltas.version[1, 0] == state.version[0]
 
 
 # ---- the baselines ----

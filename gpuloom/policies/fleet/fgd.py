@@ -84,25 +84,32 @@ STATES_PER_NODE = 8  # node states remembered per node before unused ones are fo
 MIN_STATES = 8192
 
 
-class _Results:
-    """One pod class's results per node state id (NaN score: not computed yet)."""
+class _ByState:
+    """Values per node state id, one array per field (NaN in the first field: not computed
+    yet): one pod class's score and GPU, or a state's fragmentation."""
 
-    def __init__(self, size: int) -> None:
-        self.score = np.full(size, np.nan)
-        self.gpu = np.full(size, -1, dtype=np.int64)
+    def __init__(self, size: int, **fills: float) -> None:
+        self.fills = fills
+        self.values = {name: np.full(size, fill) for name, fill in fills.items()}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.values[name]
 
     def fit(self, size: int, kept: np.ndarray | None) -> None:
-        """Cover ids below `size`; when ids were renumbered, keep the kept ones' results."""
+        """Cover ids below `size`; when ids were renumbered, keep the kept ones' values."""
         if kept is not None:
             self._grow(int(kept[-1]) + 1)
-            self.score, self.gpu = self.score[kept], self.gpu[kept]
+            self.values = {name: a[kept] for name, a in self.values.items()}
         self._grow(size)
 
     def _grow(self, size: int) -> None:
-        if size > len(self.score):
-            more = max(size, 2 * len(self.score)) - len(self.score)
-            self.score = np.append(self.score, np.full(more, np.nan))
-            self.gpu = np.append(self.gpu, np.full(more, -1, dtype=np.int64))
+        have = len(next(iter(self.values.values())))
+        if size > have:
+            more = max(size, 2 * have) - have
+            self.values = {
+                name: np.append(a, np.full(more, self.fills[name], dtype=a.dtype))
+                for name, a in self.values.items()
+            }
 
 
 class FragDeltas:
@@ -115,78 +122,92 @@ class FragDeltas:
     def __init__(self, state: FleetState) -> None:
         n, q = len(state.nodes), len(state.shapes)
         self.state = state
-        self.score = np.full((n, q), -np.inf)
-        self.gpu = np.full((n, q), -1, dtype=np.int64)
-        self.version = np.full((n, q), -1, dtype=np.int64)
+        # Per (shape, node): one shape's row is contiguous, as a decision reads it.
+        self.score = np.full((q, n), -np.inf)
+        self.gpu = np.full((q, n), -1, dtype=np.int64)
+        self.version = np.full((q, n), -1, dtype=np.int64)
         self._states = _NodeStates(state)
-        self._results: dict[tuple[int, int, int], _Results] = {}
+        self._results: dict[tuple[int, int, int], _ByState] = {}
+        self._frag = _ByState(64, frag=np.nan)  # each state's fragmentation
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
         deltas = state.memo.get("frag_deltas")
         if not isinstance(deltas, FragDeltas):
             deltas = state.memo["frag_deltas"] = cls(state)
-        elif deltas.score.shape[1] < len(state.shapes):  # shapes added since (add_shape)
-            deltas._grow(len(state.shapes) - deltas.score.shape[1])
+        elif deltas.score.shape[0] < len(state.shapes):  # shapes added since (add_shape)
+            deltas._grow(len(state.shapes) - deltas.score.shape[0])
         return deltas
 
     def _grow(self, more: int) -> None:
-        n = self.score.shape[0]
+        n = self.score.shape[1]
 
         def pad(a: np.ndarray, fill: float) -> np.ndarray:
-            return np.hstack([a, np.full((n, more), fill, dtype=a.dtype)])
+            return np.vstack([a, np.full((more, n), fill, dtype=a.dtype)])
 
         self.score, self.gpu = pad(self.score, -np.inf), pad(self.gpu, -1)
         self.version = pad(self.version, -1)
 
     def refresh(self, q: int) -> None:
-        """Recompute shape q's column for the nodes that changed since it was last read: a
-        lookup by node state, computed only for states this pod class has not met."""
+        """Recompute shape q's column for the nodes that changed since it was last read (of
+        those `FleetState.allowed` allows, when it is set): a lookup by node state, computed
+        only for states this pod class has not met."""
         s = self.state
-        stale = np.flatnonzero(self.version[:, q] != s.version)
+        stale = np.flatnonzero(self.version[q] != s.version)
+        if s.allowed is not None:  # the others read -inf (`only_allowed`): left for later
+            stale = stale[s.allowed[stale]]
         if not stale.size:
             return
         fits = s.fits_rows(q, stale)
-        self.version[stale, q] = s.version[stale]
-        self.score[stale[~fits], q] = -np.inf
+        self.version[q, stale] = s.version[stale]
+        self.score[q, stale[~fits]] = -np.inf
         where = stale[fits]
         if not where.size:
             return
         sid, renumbered = self._states.current()
         size = len(self._states.ids)
         if renumbered is not None:
-            for results in self._results.values():
-                results.fit(size, renumbered)
+            for by_state in self._results.values():
+                by_state.fit(size, renumbered)
+        self._frag.fit(size, renumbered)
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
-            results = self._results[pod] = _Results(max(size, 64))
+            results = self._results[pod] = _ByState(max(size, 64), score=np.nan, gpu=-1)
         results.fit(size, None)
         ids = sid[where]
-        missing = np.isnan(results.score[ids])
+        missing = np.isnan(results["score"][ids])
         if missing.any():
             new, first = np.unique(ids[missing], return_index=True)
-            results.score[new], results.gpu[new] = self._compute(q, where[missing][first])
-        self.score[where, q], self.gpu[where, q] = results.score[ids], results.gpu[ids]
+            score, gpu = self._compute(q, where[missing][first], new)
+            results["score"][new], results["gpu"][new] = score, gpu
+        self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
 
-    def _compute(self, q: int, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(score, GPU) per node of `where` (all fit shape q): the top score over the node's
-        options, and the first GPU that reaches it (-1: whole GPUs or none)."""
+    def _compute(self, q: int, where: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(score, GPU) per node of `where` (all fit shape q; their state ids `ids`): the top
+        score over the node's options, and the first GPU that reaches it (-1: whole GPUs or
+        none)."""
         s = self.state
         rows, cols, after = frag_options(s, q, where)
-        before = measure(s, s.gpu_free[where], s.cpu_free[where], s.model_idx[where])[rows]
-        score = fgd_score(before, after)
+        before = self._frag["frag"][ids]
+        unknown = np.isnan(before)
+        if unknown.any():
+            at = where[unknown]
+            before[unknown] = measure(s, s.gpu_free[at], s.cpu_free[at], s.model_idx[at])
+            self._frag["frag"][ids[unknown]] = before[unknown]
+        score = fgd_score(before[rows], after)
         top = _first_top_per_row(rows, score)
         return score[top], cols[top]
 
     def scores(self, q: int) -> np.ndarray:
-        """The published FGD score per node for shape q (-inf: does not fit), refreshed."""
+        """The published FGD score per node for shape q (-inf: does not fit), refreshed; with
+        `FleetState.allowed` set, only the allowed nodes' (read it through `only_allowed`)."""
         self.refresh(q)
-        return self.score[:, q]
+        return self.score[q]
 
     def choice(self, n: int, q: int) -> Choice:
         """Node n with the GPU of the published rule (a share) or its first free GPUs."""
-        gpu = int(self.gpu[n, q])
+        gpu = int(self.gpu[q, n])
         return Choice(n, (gpu,) if gpu >= 0 else self.state.bestfit_gpus(n, q))
 
 
@@ -204,6 +225,4 @@ class FgdPolicy:
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """The GPU a share of shape q takes on each node of `rows` (which it fits)."""
-        deltas = FragDeltas.of(state)
-        deltas.refresh(q)
-        return deltas.gpu[rows, q]
+        return FragDeltas.of(state).gpu[q, rows]

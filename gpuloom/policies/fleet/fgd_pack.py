@@ -65,9 +65,7 @@ class FgdPackPolicy:
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """FGD's GPU on each node of `rows` (`choose` takes FGD's GPU there too)."""
-        deltas = FragDeltas.of(state)
-        deltas.refresh(q)
-        return deltas.gpu[rows, q]
+        return FragDeltas.of(state).gpu[q, rows]
 
 
 def _as_fgd(state: FleetState, q: int) -> bool:

@@ -315,7 +315,7 @@ class RankedFleetPolicy(FleetPolicy, Protocol):
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """For a share (one GPU, less than whole): the GPU `choose` gives it on each node of
-        `rows` (which it fits)."""
+        `rows` (which it fits), as of the last `keys` that read those rows (unchanged since)."""
         ...
 
 

@@ -1,6 +1,6 @@
 """The data placement works on: GPUs with their allocations, job requests, the rectangles they
 take, and decisions. Plain data: it imports nothing of the rest of placement (the policy
-protocol, which takes a `Fleet`, lives beside the fleet in fleet.py).
+protocol, which takes a `Fleet`, lives beside the fleet, in fleet/policy.py).
 
 A GPU's compute capacity is FaST-GShare's rectangle (Gu et al., section 3.4.2): width = time
 quota, height = SM percent, 100 % x 100 %. An allocation takes a quota x SM rectangle of it and

@@ -11,14 +11,18 @@ from hypothesis import strategies as st
 
 from gpuloom.policies.fleet.model import RankedFleetPolicy
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
-from gpuloom.policies.placement import Placement, get_policy
+from gpuloom.policies.placement import Placement, fleet_model, get_policy
 from gpuloom.policies.placement.fleet_model import MIB, FleetModelPolicy, _gpu_free_milli
 
 from .helpers import GIB, fleet_of, gpu, job
 
 
-def node_gpu(gpu_id: str, node: str, model: str = "A", cpu: int = 8000):
-    return gpu(gpu_id, model, 40, node=node, node_cpu_milli=cpu, node_memory_bytes=64 * GIB)
+def node_gpu(
+    gpu_id: str, node: str, model: str = "A", cpu: int = 8000, memory_gib: float = 40, **kw
+):
+    return gpu(
+        gpu_id, model, memory_gib, node=node, node_cpu_milli=cpu, node_memory_bytes=64 * GIB, **kw
+    )
 
 
 def small_fleet():
@@ -149,11 +153,11 @@ class AskedAgain:
         return self.inner.choose(state, q, rng)
 
 
-def rich_fleet():
+def rich_fleet(nodes: int):
     """Nodes of 4 or 8 GPUs of two models, small GPU memory: a node's preferred GPU often lacks
-    the memory or a free rectangle of the job's shape."""
+    the memory or a free rectangle of the job's shape (on a few nodes, often every node's)."""
     gpus = []
-    for n in range(12):
+    for n in range(nodes):
         model = "A" if n % 3 else "B"
         for g in range(4 if n % 2 else 8):
             gpus.append(
@@ -169,11 +173,26 @@ def rich_fleet():
     return fleet_of(*gpus)
 
 
-@settings(max_examples=12, deadline=None)
-@given(name=st.sampled_from(["fgd", "best"]), seed=st.integers(0, 10_000))
-def test_the_walk_decides_as_asking_again(name: str, seed: int) -> None:
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(["fgd", "best"]),
+    seed=st.integers(0, 10_000),
+    batch=st.sampled_from([1, 2, fleet_model.WALK_BATCH]),
+    nodes=st.sampled_from([2, 3, 12]),
+)
+def test_the_walk_decides_as_asking_again(name: str, seed: int, batch: int, nodes: int) -> None:
+    # Small first batches walk the nodes' order over several batches.
+    walk_batch = fleet_model.WALK_BATCH
+    fleet_model.WALK_BATCH = batch
+    try:
+        walk_and_ask(name, seed, nodes)
+    finally:
+        fleet_model.WALK_BATCH = walk_batch
+
+
+def walk_and_ask(name: str, seed: int, nodes: int) -> None:
     rng = random.Random(seed)
-    fast, slow = rich_fleet(), rich_fleet()
+    fast, slow = rich_fleet(nodes), rich_fleet(nodes)
     walking = FleetModelPolicy(name)
     asking = FleetModelPolicy(name)
     reference = AskedAgain(name)
