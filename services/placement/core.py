@@ -26,7 +26,7 @@ import structlog
 from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.placement import JobSpec, JobState
 from gpuloom.domain.training import TrainingReport
-from gpuloom.policies.placement import Allocation
+from gpuloom.policies.placement import DEFAULT_POLICY, Allocation
 from gpuloom.services.placement import metrics
 from gpuloom.services.placement.decisions import Decisions
 from gpuloom.services.placement.dispatchers import Dispatchers, MigRunner
@@ -53,7 +53,7 @@ LIVE_STATES = (JobState.PENDING, JobState.BINDING, JobState.ASSIGNED)
 
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
-    default_policy: str = "mra"
+    default_policy: str = DEFAULT_POLICY
     # The submitter auto-scaling's replicas belong to ("": none).
     function_owner: str = ""
     heartbeat_interval_s: float = 2.0

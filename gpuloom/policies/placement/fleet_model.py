@@ -158,18 +158,10 @@ class FleetModelPolicy:
         return Placement(job.job_id, gpus[0], node, rect, self.name)
 
     def _unplaceable(self, job: JobRequest, fleet: Fleet) -> Unplaceable:
+        """Why the job has no GPU; the fleet adds what its nodes lack (as for every policy)."""
         if job.gpus > 1:
             return fleet.gang_unplaceable(job)
-        found = fleet.unplaceable(job, job.w, job.sm_percent)
-        if job.needs_node:
-            takers = [n for n in fleet.nodes.values() if n.takes(job)]
-            if not takers:
-                return Unplaceable(job.job_id, f"no node has {fleet.describe_node_ask(job)} free")
-            return Unplaceable(
-                job.job_id,
-                f"{found.reason}, on the nodes that have {fleet.describe_node_ask(job)} free",
-            )
-        return found
+        return fleet.unplaceable(job, job.w, job.sm_percent)
 
     def _view(self, job: JobRequest, shape: PodShape, fleet: Fleet) -> _View | None:
         nodes = [n for n in fleet.nodes.values() if n.gpu_ids]

@@ -17,7 +17,7 @@ from gpuloom.policies.placement.spread import SpreadPolicy
 from gpuloom.policies.placement.timeshare import TimeSharePolicy
 from gpuloom.policies.registry import Registry
 
-DEFAULT_POLICY = "mra"
+DEFAULT_POLICY = "best"
 
 POLICIES: Registry[PlacementPolicy] = Registry(
     "placement",
