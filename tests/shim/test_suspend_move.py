@@ -1,10 +1,10 @@
 """Migration without a hook, on one node, end to end at the dispatcher level: two live
 dispatchers (one per fake GPU of one node, GPULOOM_FAKE_CUDA_GPUS), the shim, and the fake
 driver's checkpoint API. The source dispatcher suspends a training loop (lock + checkpoint),
-`move_out` restores it onto the target GPU (the driver's GPU pairs) and tells its shim to
-register with the target's dispatcher under the target's reservation; the target's
-`unlock_moved` lets it run there. Every step runs exactly once, every byte is intact, the
-memory is the target GPU's. Faults: a target of another chip type (stays suspended on the
+`MoveClient` (`move_out`) restores it onto the target GPU (the driver's GPU pairs) and tells
+its shim to register with the target's dispatcher under the target's reservation; the target's
+`UnlockMovedClient` (`unlock_moved`) lets it run there. Every step runs exactly once, every
+byte is intact, the memory is the target GPU's. Faults: a target of another chip type (stays suspended on the
 source, the reason shown, resumable there), a move of a client that is not checkpointed, bad
 targets (refused, nothing changed)."""
 
@@ -146,16 +146,23 @@ async def test_a_job_without_a_hook_moves_to_another_gpu_of_its_node(node: Node)
     suspended = await _suspend(node.source, a.assignment_id)
     assert suspended.suspended and suspended.suspended_memory_released, suspended
     b = await node.target.reserve()
-    await node.source.dispatcher.core.move_out(
-        a.assignment_id,
-        MoveTarget(TARGET, node.target.dispatcher.core.socket_path, b.assignment_token),
+    moved = await node.source.stub.MoveClient(
+        dispatcher_pb2.MoveClientRequest(
+            assignment_id=a.assignment_id,
+            target_gpu_uuid=TARGET,
+            target_socket_path=node.target.dispatcher.core.socket_path,
+            target_token=b.assignment_token,
+        )
     )
+    assert moved.suspended_memory_note == "", moved
     client = await _until_connected(node.target, b.assignment_id)
     assert client.pid == job.pid  # the same process, registered with the target
     # Restored onto the target (still locked): its memory is the target GPU's now.
     assert await node.free_bytes(SOURCE) == source_before
     assert target_before - await node.free_bytes(TARGET) >= HELD
-    await node.target.dispatcher.core.unlock_moved(b.assignment_id)
+    await node.target.stub.UnlockMovedClient(
+        dispatcher_pb2.UnlockMovedClientRequest(assignment_id=b.assignment_id)
+    )
     await node.source.stub.Release(dispatcher_pb2.ReleaseRequest(assignment_id=a.assignment_id))
     lines = await _finish(job)
     assert _steps(lines) == list(range(40))  # every step exactly once, in order
@@ -199,8 +206,17 @@ async def test_bad_moves_are_refused_and_change_nothing(node: Node) -> None:
     job = await node.training(a.assignment_token, steps=20)
     socket, token = node.target.dispatcher.core.socket_path, "t" * 40
     core = node.source.dispatcher.core
-    with pytest.raises(FailedPrecondition, match="not suspended with its memory checkpointed"):
-        await core.move_out(a.assignment_id, MoveTarget(TARGET, socket, token))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await node.source.stub.MoveClient(
+            dispatcher_pb2.MoveClientRequest(
+                assignment_id=a.assignment_id, target_gpu_uuid=TARGET,
+                target_socket_path=socket, target_token=token,
+            )
+        )  # fmt: skip
+    assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "not suspended with its memory checkpointed" in str(refused.value.details())
+    with pytest.raises(FailedPrecondition, match="no process registered"):
+        await node.target.dispatcher.core.unlock_moved((await node.target.reserve()).assignment_id)
     bad = [
         (MoveTarget("GPU-12", socket, token), "target_gpu_uuid"),
         (MoveTarget(SOURCE, socket, token), "own GPU"),
