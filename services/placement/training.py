@@ -16,7 +16,10 @@
   with ReportCheckpoint. On success the job's binding moves to the target (the old reservation
   is released) and the runner restarts the job there; on failure or without an answer by the
   deadline the target is given back and the job stays where it is, running, with the error in
-  its training state, a metric and a log line. Jobs without a checkpoint hook never migrate.
+  its training state, a metric and a log line. A one-GPU job without a checkpoint hook moves
+  only to a GPU of its node and model, both dispatchers freeing a suspended job's memory:
+  placement suspends it (checkpointed), MoveClient restores it onto the target and moves its
+  shim there, UnlockMovedClient lets it run on; no runner is asked, nothing restarts.
 - **Grow-shrink** (`gandiva-gs`, elastic jobs: `JobSpec.max_gpus`): a resize is a migration
   whose first GPU stays. A grow takes the idle GPUs in the fleet (as further GPUs of the job)
   and reserves them on their dispatchers before the runner is asked; a shrink asks at once.
