@@ -262,6 +262,10 @@ class _Track:
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
     memory_released: bool = False  # suspended with its device memory in host memory
     memory_note: str = ""  # suspended: its dispatcher's note on its memory
+    # Moved without a hook but not unlocked on its new GPU yet: that dispatcher's address
+    # (UnlockMovedClient is tried again every tick until it answers).
+    unlock_at: str = ""
+    unlocking: bool = False  # a retry is under way
 
 
 @dataclass(slots=True)
@@ -449,6 +453,11 @@ class TrainingDriver:
             self._count_suspend_memory(managed)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
+        async with self._cluster.lock:
+            for job_id, track in self._tracks.items():
+                if track.unlock_at and not track.unlocking:
+                    track.unlocking = True
+                    self._spawn(self._unlock_again(job_id, track.unlock_at))
         await self._switch(calls)
 
     def _count_suspend_memory(self, managed: Sequence[Job]) -> None:
@@ -1166,11 +1175,29 @@ class TrainingDriver:
                 track.commanded_at = self._clock()
             else:
                 self._commit_move(job.job_id, track, move)
-                if unlock_error:  # it is on the target, locked: said, not hidden
-                    track.last_hook_error = f"moved, but not unlocked: {unlock_error}"[:4096]
-                    track.last_hook_error_at = self._clock()
-                    log.error("moved job not unlocked", job=job.job_id, error=unlock_error)
+                if unlock_error:  # it is on the target, locked: said, and tried every tick
+                    self._not_unlocked(job.job_id, track, target.dispatcher_address, unlock_error)
             self._show(job.job_id, publish=True)
+
+    def _not_unlocked(self, job_id: str, track: _Track, address: str, error: str) -> None:
+        track.unlock_at = address
+        track.last_hook_error = f"moved, but not unlocked yet: {error}"[:4096]
+        track.last_hook_error_at = self._clock()
+        log.error("moved job not unlocked; tried again every tick", job=job_id, error=error)
+
+    async def _unlock_again(self, job_id: str, address: str) -> None:
+        """One more UnlockMovedClient for a job moved without a hook whose unlock failed."""
+        error = await self._unlock_when_registered(address, job_id)
+        async with self._cluster.lock:
+            track = self._tracks.get(job_id)
+            if track is None:
+                return
+            track.unlocking = False
+            if not error:
+                track.unlock_at = ""
+                track.last_hook_error = ""
+                log.info("moved job unlocked", job=job_id)
+                self._show(job_id, publish=True)
 
     async def _unlock_when_registered(self, address: str, assignment_id: str) -> str:
         """UnlockMovedClient, retried until the moved shim registered (MOVE_REGISTER_S at

@@ -38,6 +38,7 @@ from gpuloom.domain.training import (
     TrainingState,
 )
 from gpuloom.policies.training.gandiva import BET_MIN_ENDED, GandivaKnobs
+from gpuloom.services.placement import training as training_module
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -691,6 +692,41 @@ async def test_a_move_without_a_hook_that_fails_leaves_it_where_it_was_with_the_
         await core.training.tick()
     assert [c[2] for c in control.calls if c[0] == "move"].count(tried) == 1
     assert (await core.get(tried)).binding.gpu_uuid == "GPU-0"  # type: ignore[union-attr]
+
+
+async def test_a_moved_job_whose_shim_registers_late_is_unlocked_at_a_later_tick(
+    gandiva: CoreHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target's unlock keeps failing past the move's wait: the move is committed (the
+    process is there), the error shown, and the unlock is tried again every tick until it
+    answers; then the error is cleared."""
+    monkeypatch.setattr(training_module, "MOVE_REGISTER_S", 0.2)
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    control.unregistered_unlocks = 10**6
+    a, b = await crowded_then_free(gandiva, training("a"), training("b"))
+    await frees_memory(core, "GPU-0", "GPU-1")
+    mover = await moved_without_hook(gandiva, [a, b], "GPU-1")
+
+    async def error_shown() -> str:
+        job = await core.get(mover)
+        return job.training.last_hook_error if job.training else ""
+
+    for _ in range(100):
+        if await error_shown():
+            break
+        await asyncio.sleep(0.05)
+    assert (await error_shown()).startswith("moved, but not unlocked yet: no process registered")
+    control.unregistered_unlocks = 0  # the shim registers
+    for _ in range(100):
+        await core.training.tick()
+        if not await error_shown():
+            break
+        await asyncio.sleep(0.05)
+    assert await error_shown() == ""
+    unlocks = [c for c in control.calls if c[0] == "unlock_moved" and c[2] == mover]
+    assert unlocks[-1] == ("unlock_moved", "10.0.0.1:50060", mover)
 
 
 async def test_a_job_without_a_hook_is_not_moved_where_a_dispatcher_keeps_memory_resident(
