@@ -3,6 +3,7 @@ turned back into the domain errors the service raised."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, Self
@@ -13,14 +14,8 @@ from gpuloom.convert.status import error_from_rpc
 from gpuloom.transport import open_channel
 
 
-class BlockingClient:
-    def __init__(
-        self, address: str, make_stub: Callable[[grpc.Channel], Any], timeout_s: float
-    ) -> None:
-        self.address = address
-        self._channel = open_channel(address)
-        self._stub = make_stub(self._channel)
-        self._timeout_s = timeout_s
+class ClosedOnExit(ABC):
+    """A `with` block closes it: `close()` on the way out, whatever happened."""
 
     def __enter__(self) -> Self:
         return self
@@ -29,6 +24,19 @@ class BlockingClient:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class BlockingClient(ClosedOnExit):
+    def __init__(
+        self, address: str, make_stub: Callable[[grpc.Channel], Any], timeout_s: float
+    ) -> None:
+        self.address = address
+        self._channel = open_channel(address)
+        self._stub = make_stub(self._channel)
+        self._timeout_s = timeout_s
 
     def close(self) -> None:
         self._channel.close()

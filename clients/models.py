@@ -21,12 +21,11 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
-from gpuloom.clients.blocking import BlockingClient
+from gpuloom.clients.blocking import BlockingClient, ClosedOnExit
 from gpuloom.cudadrv import DEFAULT_LIBRARY, IPC_HANDLE_BYTES, Driver
 from gpuloom.domain.models import DTYPE_BYTES, check_model_name, encode_header
 from gpuloom.v1 import dispatcher_pb2 as pb
@@ -145,7 +144,7 @@ def check_handle(handle: pb.ModelHandle, name: str, gpu_uuid: str) -> None:
             raise ModelHandleError(f"tensors: {tensor.name!r} lies outside the model's bytes")
 
 
-class AttachedModel:
+class AttachedModel(ClosedOnExit):
     """A model's tensors opened from the store's IPC handle; close() unmaps and detaches."""
 
     def __init__(
@@ -195,14 +194,6 @@ class AttachedModel:
                 self._client.detach(self.name, self.replica, self.model_id)
             finally:
                 self._client.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _torch_available() -> bool:

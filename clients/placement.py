@@ -37,7 +37,7 @@ from gpuloom.domain.placement import (
     JobState,
     JobView,
 )
-from gpuloom.domain.shares import LOWEST_PRIORITY, share_of
+from gpuloom.domain.shares import LOWEST_PRIORITY, MIG_SLICE_SIZES, share_of
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc as pb_grpc
 
@@ -491,10 +491,16 @@ def _resources_into(
         spec.max_gpus = max_gpus
     memory = memory_bytes or 0
     if mig is not None:
-        # A MIG batch task: the batch planner chooses the instance size.
-        if mig is not True:
-            raise resources.fail("mig", f"must be true (the planner sizes it), got {mig!r}")
+        # A MIG batch task: true lets the batch planner choose the instance size; a number of
+        # compute slices asks for that size.
+        if mig is not True and (isinstance(mig, bool) or mig not in MIG_SLICE_SIZES):
+            sizes = ", ".join(map(str, MIG_SLICE_SIZES))
+            raise resources.fail(
+                "mig", f"must be true (the planner sizes it) or one of {sizes}, got {mig!r}"
+            )
         spec.resources.mig.SetInParent()
+        if mig is not True:
+            spec.resources.mig.slices = mig
     elif whole is not None:
         if not 0 <= whole < 1 << 32:
             raise resources.fail("whole_gpus", f"must be within 1..64, got {whole}")

@@ -13,9 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
+from gpuloom.clients.blocking import ClosedOnExit
 from gpuloom.clients.dispatcher import DispatcherClient
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.times import rfc3339
@@ -61,7 +61,7 @@ class FleetSnapshot:
         }
 
 
-class FleetView:
+class FleetView(ClosedOnExit):
     """Takes snapshots of the fleet through `placement`; close() closes the dispatcher clients
     it opened (not `placement`)."""
 
@@ -76,14 +76,6 @@ class FleetView:
         self._clock = clock
         self._dispatchers: dict[str, DispatcherClient] = {}
         self._pool = ThreadPoolExecutor(MAX_PARALLEL, thread_name_prefix="gpuloom-top")
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

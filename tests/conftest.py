@@ -14,7 +14,7 @@ import shutil
 import socket
 import tempfile
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -65,6 +65,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
+    path = Path(tempfile.mkdtemp(prefix="gl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -9,17 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import pytest
 
 from gpuloom.services.dispatcher.gpu.simulated import FLEET_ID_FILE
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
+from tests.polling import wait_for
 
 GPULOOM = str(Path(sys.executable).parent / "gpuloom")
 # The id of every plane's simulated fleet, written before it starts (a dispatcher makes a
@@ -35,6 +34,36 @@ class Plane:
     metrics_url: str  # "" without a metrics endpoint
     store: str = ""  # the profile store's address
     profiler: str = ""  # the profiler's address
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any GPULOOM_ variable, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
+    env.update(extra)
+    return env
+
+
+def up_env(**extra: str) -> dict[str, str]:
+    """`gpuloom up`'s environment: simulated GPUs and every port chosen by the system, then
+    `extra` (which may set any of them)."""
+    return clean_env(
+        **{
+            "GPULOOM_PROFILE_STORE_PORT": "0",
+            "GPULOOM_PROFILER_PORT": "0",
+            "GPULOOM_PLACEMENT_PORT": "0",
+            "GPULOOM_DISPATCHER_PORT": "0",
+            "GPULOOM_METRICS_PORT": "0",
+            "GPULOOM_DISPATCHER_BACKEND": "simulated",
+            **extra,
+        }
+    )
+
+
+def start_up(env: dict[str, str]) -> subprocess.Popen[str]:
+    """`gpuloom up` in `env`, its banner and its log to read through pipes."""
+    return subprocess.Popen(
+        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def free_port() -> int:
@@ -58,15 +87,9 @@ def running_plane(
     nowhere)."""
     (state / "dispatcher").mkdir(parents=True, exist_ok=True)
     (state / "dispatcher" / FLEET_ID_FILE).write_text(PLANE_FLEET_ID + "\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-    env.update(
+    env = up_env(
         GPULOOM_DATA_DIR=str(state),
-        GPULOOM_PROFILE_STORE_PORT="0",
-        GPULOOM_PROFILER_PORT="0",
-        GPULOOM_PLACEMENT_PORT="0",
-        GPULOOM_DISPATCHER_PORT="0",
         GPULOOM_METRICS_PORT=str(free_port()) if metrics else "0",
-        GPULOOM_DISPATCHER_BACKEND="simulated",
         GPULOOM_DISPATCHER_SIM_GPUS=sim_gpus,
         GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.2",
         **(extra_env or {}),
@@ -115,11 +138,3 @@ def running_plane(
             process.wait()
         if log is not None:
             log_file.close()  # type: ignore[union-attr]
-
-
-def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -17,32 +15,23 @@ import pytest
 from gpuloom.clients.profile_store import ProfileStoreClient
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
 from tests.conftest import free_port
+from tests.plane import GPULOOM, clean_env, start_up, up_env
 from tests.profile_store import samples
-
-GPULOOM = str(Path(sys.executable).parent / "gpuloom")
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-    env.update(GPULOOM_DATA_DIR=str(tmp_path / "state"), **extra)
-    return env
+    return clean_env(GPULOOM_DATA_DIR=str(tmp_path / "state"), **extra)
 
 
 def test_up_serves_the_embedded_default_and_stops_cleanly(tmp_path: Path) -> None:
     port, metrics = free_port(), free_port()
-    env = _env(
-        tmp_path,
+    env = up_env(  # the other ports: any free ones
+        GPULOOM_DATA_DIR=str(tmp_path / "state"),
         GPULOOM_PROFILE_STORE_PORT=str(port),
         GPULOOM_METRICS_PORT=str(metrics),
-        GPULOOM_DISPATCHER_PORT="0",  # any free ports
-        GPULOOM_PROFILER_PORT="0",
-        GPULOOM_PLACEMENT_PORT="0",
         GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB,H100-80GB",
-        GPULOOM_DISPATCHER_BACKEND="simulated",
     )
-    process = subprocess.Popen(
-        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start_up(env)
     try:
         assert process.stdout is not None
         banner = [process.stdout.readline() for _ in range(7)]

@@ -3,57 +3,32 @@ and `gpuloom mig run` read them)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+from typing import Any
+
 from gpuloom.domain.mig_runs import TaskRun, TaskStart
 from gpuloom.v1 import dispatcher_pb2
 
+# The messages name their fields as the domain types do, one for one.
+TASK_RUN_FIELDS = tuple(f.name for f in fields(TaskRun))
+TASK_START_FIELDS = tuple(f.name for f in fields(TaskStart))
+
+
+def _named(source: object, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(source, name) for name in names}
+
 
 def task_run_from_pb(msg: dispatcher_pb2.MigTaskRun) -> TaskRun:
-    return TaskRun(
-        task=msg.task,
-        size=msg.size,
-        first_slice=msg.first_slice,
-        instance_uuid=msg.instance_uuid,
-        planned_start_s=msg.planned_start_s,
-        planned_end_s=msg.planned_end_s,
-        start_s=msg.start_s,
-        end_s=msg.end_s,
-        exit_code=msg.exit_code,
-    )
+    return TaskRun(**_named(msg, TASK_RUN_FIELDS))
 
 
 def task_run_to_pb(run: TaskRun) -> dispatcher_pb2.MigTaskRun:
-    return dispatcher_pb2.MigTaskRun(
-        task=run.task,
-        size=run.size,
-        first_slice=run.first_slice,
-        instance_uuid=run.instance_uuid,
-        planned_start_s=run.planned_start_s,
-        planned_end_s=run.planned_end_s,
-        start_s=run.start_s,
-        end_s=run.end_s,
-        exit_code=run.exit_code,
-    )
+    return dispatcher_pb2.MigTaskRun(**_named(run, TASK_RUN_FIELDS))
 
 
 def task_start_from_pb(msg: dispatcher_pb2.MigTaskStarted) -> TaskStart:
-    return TaskStart(
-        task=msg.task,
-        size=msg.size,
-        first_slice=msg.first_slice,
-        instance_uuid=msg.instance_uuid,
-        planned_start_s=msg.planned_start_s,
-        planned_end_s=msg.planned_end_s,
-        start_s=msg.start_s,
-    )
+    return TaskStart(**_named(msg, TASK_START_FIELDS))
 
 
 def task_start_to_pb(start: TaskStart) -> dispatcher_pb2.MigTaskStarted:
-    return dispatcher_pb2.MigTaskStarted(
-        task=start.task,
-        size=start.size,
-        first_slice=start.first_slice,
-        instance_uuid=start.instance_uuid,
-        planned_start_s=start.planned_start_s,
-        planned_end_s=start.planned_end_s,
-        start_s=start.start_s,
-    )
+    return dispatcher_pb2.MigTaskStarted(**_named(start, TASK_START_FIELDS))

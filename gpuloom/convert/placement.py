@@ -52,9 +52,9 @@ STATE_FROM_PB = {code: state for state, code in STATE_TO_PB.items()}
 def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
     """Unvalidated but for the kind (InvalidArgument names `field`.kind for a kind this
     version does not know), with the share's defaults applied (gpuloom.domain.shares.share_of)
-    and the policy and GPU model stripped of blanks. A MIG request counts as one slice when it
-    names no size: the batch planner sizes it anyway, and `mig_slices > 0` is what marks a MIG
-    batch task."""
+    and the policy and GPU model stripped of blanks. A MIG request marks a MIG batch task
+    (`mig_slices` 1) and asks for the size its `slices` names (`mig_size`; 0: the batch planner
+    chooses)."""
     if msg.kind not in KIND_FROM_PB and msg.kind != pb.JOB_KIND_UNSPECIFIED:
         raise InvalidArgument(f"{field}.kind", f"unknown job kind {msg.kind}")
     resources = msg.resources
@@ -73,7 +73,8 @@ def spec_from_pb(msg: pb.JobSpec, field: str = "spec") -> JobSpec:
         share=share,
         mps=mps is not None,
         whole_gpus=resources.whole_gpus if which == "whole_gpus" else 0,
-        mig_slices=(resources.mig.slices or 1) if which == "mig" else 0,
+        mig_slices=1 if which == "mig" else 0,
+        mig_size=resources.mig.slices if which == "mig" else 0,
         task_key=msg.task_key,
         slo=Slo(msg.slo.p99_latency_ms, msg.slo.target_requests_per_s),
         policy=msg.policy.strip(),
@@ -120,7 +121,8 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
     if spec.whole_gpus:
         msg.resources.whole_gpus = spec.whole_gpus
     elif spec.mig_slices:
-        msg.resources.mig.slices = spec.mig_slices
+        msg.resources.mig.SetInParent()
+        msg.resources.mig.slices = spec.mig_size
     if spec.checkpoint is not None:
         msg.checkpoint.CopyFrom(hook_to_pb(spec.checkpoint))
     return msg

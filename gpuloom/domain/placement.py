@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.gpus import MAX_CPU_MILLI, MAX_HOST_MEMORY_BYTES, MAX_NAME, GpuInfo
 from gpuloom.domain.models import check_model_name
-from gpuloom.domain.shares import Share, SpatioTemporalShare, validate_priority
+from gpuloom.domain.shares import (
+    Share,
+    SpatioTemporalShare,
+    validate_mig_slices,
+    validate_priority,
+)
 from gpuloom.domain.training import CheckpointHook, TrainingState
 
 MAX_KEY = 256
@@ -74,10 +79,11 @@ class JobSpec:
     reservation. Exactly one of `mps` (the share's SM percent and quota partition one GPU
     through MPS), `whole_gpus` (that many GPUs, whole: the share's SM and quota are 100) and
     `mig_slices` is set. `mig_slices` marks a MIG batch task (kind batch, with a task key and a
-    `command`): its value is not used, the batch planner chooses the instance size from the
-    task's MIG profile. `mig_times` (size -> seconds) is what placement read from that profile
-    when it accepted the task, kept with the job so that a restart plans it the same way; it
-    is not part of the request (not compared)."""
+    `command`); `mig_size` is the instance size it asks for, in compute slices (1, 2, 3, 4 or
+    7), or 0 to let the batch planner choose one from the task's MIG profile. `mig_times`
+    (size -> seconds) is what placement read from that profile when it accepted the task (of
+    the asked size only, when it asks one), kept with the job so that a restart plans it the
+    same way; it is not part of the request (not compared)."""
 
     name: str
     kind: JobKind | None
@@ -85,6 +91,7 @@ class JobSpec:
     mps: bool = False
     whole_gpus: int = 0
     mig_slices: int = 0
+    mig_size: int = 0
     task_key: str = ""
     slo: Slo = field(default_factory=Slo)
     policy: str = ""
@@ -278,6 +285,8 @@ class JobSpec:
             raise InvalidArgument(
                 "spec.resources", "mig cannot be combined with an MPS share or whole_gpus"
             )
+        if self.mig_size:
+            validate_mig_slices("spec.resources.mig.slices", self.mig_size)
         if self.kind is not JobKind.BATCH:
             raise InvalidArgument(
                 "spec.kind", "a MIG task (resources.mig) must be of kind batch (JOB_KIND_BATCH)"

@@ -8,8 +8,8 @@ one node, or 1 with a share; the device plugin's resource), `gpuloom.io/sm`,
 `gpuloom.io/quota`, `gpuloom.io/quota-limit` (an MPS share: SM percent and time quota in
 percent, each 100 when not given, the limit the quota), `gpuloom.io/memory` (the GPU memory
 cap, required with a share), `gpuloom.io/mig` (1: one MIG instance, a MIG batch task whose
-instance size placement chooses from its MIG profile; with a task key, of kind batch); and
-through the Pod's annotations: `gpuloom.io/priority`,
+instance size placement chooses from its MIG profile, or the size `gpuloom.io/mig-size` names;
+with a task key, of kind batch); and through the Pod's annotations: `gpuloom.io/priority`,
 `gpuloom.io/kind`, `gpuloom.io/shared-model`, `gpuloom.io/gpu-model`, `gpuloom.io/task-key`,
 `gpuloom.io/policy`, the checkpoint hook (`gpuloom.io/checkpoint-signal`, `-command`,
 `-timeout-s`) and `gpuloom.io/function` (a replica of an auto-scaled function). docs/deploy.md
@@ -42,6 +42,8 @@ QUOTA = "gpuloom.io/quota"
 QUOTA_LIMIT = "gpuloom.io/quota-limit"
 MEMORY = "gpuloom.io/memory"
 MIG = "gpuloom.io/mig"
+# A MIG size: slices, alone or as a profile name's start ("3g.40gb", "1g.10gb+me").
+MIG_SIZE_TEXT = re.compile(r"([1-9])(?:g\.[0-9]+gb(?:\+me)?)?")
 RESOURCES = (GPU, SM, QUOTA, QUOTA_LIMIT, MEMORY, MIG)
 SHARE_RESOURCES = (SM, QUOTA, QUOTA_LIMIT)
 # Annotations a Pod's author writes.
@@ -50,6 +52,7 @@ KIND = "gpuloom.io/kind"
 SHARED_MODEL = "gpuloom.io/shared-model"
 GPU_MODEL = "gpuloom.io/gpu-model"
 TASK_KEY = "gpuloom.io/task-key"
+MIG_SIZE = "gpuloom.io/mig-size"
 POLICY = "gpuloom.io/policy"
 CHECKPOINT_SIGNAL = "gpuloom.io/checkpoint-signal"
 CHECKPOINT_COMMAND = "gpuloom.io/checkpoint-command"
@@ -61,6 +64,7 @@ AUTHOR_ANNOTATIONS = (
     SHARED_MODEL,
     GPU_MODEL,
     TASK_KEY,
+    MIG_SIZE,
     POLICY,
     CHECKPOINT_SIGNAL,
     CHECKPOINT_COMMAND,
@@ -152,6 +156,8 @@ def pod_ask(
     mig = MIG in limits
     if mig:
         _check_mig(limits, where, annotations, spec)
+    elif MIG_SIZE in annotations:
+        raise InvalidArgument(_annotation(MIG_SIZE), f"a MIG size goes with {MIG}: 1")
     function = annotations.get(FUNCTION, "")
     if function and not FUNCTION_NAME.fullmatch(function):
         raise InvalidArgument(_annotation(FUNCTION), "must be 1..128 of A-Z a-z 0-9 . _ : -")
@@ -202,6 +208,7 @@ def pod_ask(
         mps=shared,
         whole_gpus=0 if shared or mig else gpus,
         mig_slices=1 if mig else 0,
+        mig_size=_mig_size(annotations) if mig else 0,
         command=_container_command(container, index) if mig else (),
         task_key=annotations.get(TASK_KEY, function),
         policy=annotations.get(POLICY, ""),
@@ -220,6 +227,7 @@ def pod_ask(
         "spec.priority.level": _annotation(PRIORITY),
         "spec.kind": _annotation(KIND),
         "spec.task_key": _annotation(TASK_KEY),
+        "spec.resources.mig.slices": _annotation(MIG_SIZE),
         "spec.policy": _annotation(POLICY),
         "spec.gpu_model": _annotation(GPU_MODEL),
         "spec.shared_model": _annotation(SHARED_MODEL),
@@ -385,6 +393,23 @@ def _check_mig(
             f"required with {MIG}: the MIG profile of this task key (`gpuloom profile put "
             "mig`) gives the task's time on each instance size, from which placement chooses it",
         )
+
+
+def _mig_size(annotations: Mapping[str, str]) -> int:
+    """The instance size `gpuloom.io/mig-size` asks for, in compute slices: a number ("3") or
+    a MIG profile name ("3g.40gb": its slices before the "g"); 0 when not given (placement's
+    planner chooses). Placement checks the number (1, 2, 3, 4 or 7)."""
+    text = annotations.get(MIG_SIZE)
+    if text is None:
+        return 0
+    found = MIG_SIZE_TEXT.fullmatch(text.strip())
+    if found is None:
+        raise InvalidArgument(
+            _annotation(MIG_SIZE),
+            f"must be compute slices (1, 2, 3, 4 or 7) or a MIG profile name such as 3g.40gb, "
+            f"got {text[:64]!r}",
+        )
+    return int(found.group(1))
 
 
 def _container_command(container: Mapping[str, Any], index: int) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import structlog
 
@@ -149,31 +149,19 @@ class MigExecutor:
             record(ReconfigRun("create", placement.size, placement.first_slice, began, elapsed()))
             try:
                 for assignment in node.tasks:
-                    start = elapsed()
-                    code = self._run_task(
-                        TaskStart(
-                            task=assignment.task,
-                            size=placement.size,
-                            first_slice=placement.first_slice,
-                            instance_uuid=instance.uuid,
-                            planned_start_s=assignment.start_s,
-                            planned_end_s=assignment.end_s,
-                            start_s=start,
-                        )
-                    )
-                    if code is None:
-                        break  # stopped: the rest of this instance's tasks are not run
-                    run = TaskRun(
+                    started = TaskStart(
                         task=assignment.task,
                         size=placement.size,
                         first_slice=placement.first_slice,
                         instance_uuid=instance.uuid,
                         planned_start_s=assignment.start_s,
                         planned_end_s=assignment.end_s,
-                        start_s=start,
-                        end_s=elapsed(),
-                        exit_code=code,
+                        start_s=elapsed(),
                     )
+                    code = self._run_task(started)
+                    if code is None:
+                        break  # stopped: the rest of this instance's tasks are not run
+                    run = TaskRun(**asdict(started), end_s=elapsed(), exit_code=code)
                     with self._lock:
                         tasks.append(run)
                     if on_task is not None:

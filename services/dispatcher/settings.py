@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpuloom.policies.admission.composed import IDLE_BACKLOG_NS as COMPOSED_IDLE_BACKLOG_NS
 from gpuloom.policies.arguments import parse_policy_args
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.model import TokenConfig
@@ -159,7 +160,12 @@ class DispatcherSettings(BaseSettings):
             },
             fixed={"tokens.window_s": "GPULOOM_DISPATCHER_WINDOW_MS"},
         )
-        arguments = PolicyArguments(fikit=parsed["fikit"], tokens=parsed["tokens"])
+        fikit = parsed["fikit"]
+        if self.policy == COMPOSED_POLICY:
+            # As the composed policy runs its core: at least its idle backlog (docs/harvest.md).
+            backlog = max(fikit.idle_backlog_ns, COMPOSED_IDLE_BACKLOG_NS)
+            fikit = replace(fikit, idle_backlog_ns=backlog)
+        arguments = PolicyArguments(fikit=fikit, tokens=parsed["tokens"])
         if arguments.tokens.lease_max_s > arguments.tokens.window_s:
             raise ValueError(
                 f"policy arguments: tokens.lease_max_s ({arguments.tokens.lease_max_s}) must not "

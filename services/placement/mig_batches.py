@@ -106,7 +106,22 @@ class MigBatches:
     # ---- hooks the decisions call ----
 
     async def admit(self, spec: JobSpec) -> JobSpec:
-        """A valid MIG batch task's spec with its per-size times from its MIG profile."""
+        """A valid MIG batch task's spec with its per-size times from its MIG profile: every
+        size it times, or only the size the task asks for (`mig_size`)."""
+        usable = await self._usable_times(spec)
+        if not spec.mig_size:
+            return replace(spec, mig_times=usable)
+        asked = tuple((size, seconds) for size, seconds in usable if size == spec.mig_size)
+        if not asked:
+            of_model = f" on {spec.gpu_model}" if spec.gpu_model else ""
+            raise FailedPrecondition(
+                f"the MIG profile of task {spec.task_key!r}{of_model} has no time for the "
+                f"{spec.mig_size}-slice instance it asks for (it times sizes "
+                f"{', '.join(str(size) for size, _ in usable)})"
+            )
+        return replace(spec, mig_times=asked)
+
+    async def _usable_times(self, spec: JobSpec) -> tuple[tuple[int, float], ...]:
         if self._runner is None:
             raise FailedPrecondition("this placement service runs no MIG batches (no MIG runner)")
         profiles = self._profile_source
@@ -119,7 +134,7 @@ class MigBatches:
         now = self._ledger.now()
         cached = self._profiles.get(key)
         if cached is not None and now - cached[0] < PROFILE_TTL_S:
-            return replace(spec, mig_times=cached[1])
+            return cached[1]
         times = await profiles.mig_times(spec.task_key, spec.gpu_model)
         of_model = f" on {spec.gpu_model}" if spec.gpu_model else ""
         if not times:
@@ -140,7 +155,7 @@ class MigBatches:
                 f"(sizes {sorted(times)})"
             )
         self._profiles[key] = (now, usable)  # only found ones: a profile put now counts at once
-        return replace(spec, mig_times=usable)
+        return usable
 
     def collect(self, jobs: Sequence[Job], now: float) -> None:
         """Queue freshly written MIG jobs for the next batch (under the ledger's lock)."""

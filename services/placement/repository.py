@@ -49,6 +49,8 @@ def spec_to_json(spec: JobSpec) -> str:
         document["host_memory_bytes"] = spec.host_memory_bytes
     if spec.mig_slices:  # MIG batch tasks only: other rows stay as they were
         document["mig_slices"] = spec.mig_slices
+        if spec.mig_size:
+            document["mig_size"] = spec.mig_size
         document["command"] = list(spec.command)
         document["mig_times"] = [list(pair) for pair in spec.mig_times]
     if spec.checkpoint is not None:  # training jobs with a hook only: other rows stay as they were
@@ -76,6 +78,7 @@ def spec_from_json(text: str) -> JobSpec:
         gpu_model=d["gpu_model"],
         # Absent from rows written before MIG batches (and from every other job).
         mig_slices=d.get("mig_slices", 0),
+        mig_size=d.get("mig_size", 0),
         command=tuple(d.get("command", ())),
         mig_times=tuple((int(size), float(seconds)) for size, seconds in d.get("mig_times", ())),
         shared_model=d.get("shared_model", ""),

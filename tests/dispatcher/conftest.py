@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import contextlib
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -20,14 +20,6 @@ from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 GIB = 1 << 30
 
 
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
-    path = Path(tempfile.mkdtemp(prefix="gl-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 @dataclass
 class LiveDispatcher:
     dispatcher: GpuDispatcher
@@ -38,18 +30,9 @@ class LiveDispatcher:
     def socket_path(self) -> str:
         return self.dispatcher.core.socket_path
 
-    async def reserve(
-        self,
-        sm: int = 100,
-        request: float = 50.0,
-        limit: float | None = None,
-        memory_gib: float = 1.0,
-        mode: int = 0,
-        assignment_id: str | None = None,
-    ) -> dispatcher_pb2.Assignment:
-        return await self.stub.Reserve(
-            reserve_request(sm, request, limit, memory_gib, mode, assignment_id)
-        )
+    async def reserve(self, **share: Any) -> dispatcher_pb2.Assignment:
+        """Reserve(reserve_request(**share))."""
+        return await self.stub.Reserve(reserve_request(**share))
 
 
 def reserve_request(
@@ -103,10 +86,16 @@ async def start_live(data_dir: Path, **overrides: object) -> tuple[GpuDispatcher
 
 @pytest.fixture
 async def live(short_dir: Path, request: pytest.FixtureRequest) -> AsyncIterator[LiveDispatcher]:
-    overrides = getattr(request, "param", {})
-    dispatcher, channel = await start_live(short_dir, **overrides)
+    async with running_live(short_dir, **getattr(request, "param", {})) as running:
+        yield running
+
+
+@contextlib.asynccontextmanager
+async def running_live(data_dir: Path, **overrides: object) -> AsyncIterator[LiveDispatcher]:
+    """A live dispatcher (start_live) and a stub of it, stopped on the way out."""
+    dispatcher, channel = await start_live(data_dir, **overrides)
     try:
-        yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
+        yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), data_dir)
     finally:
         await channel.close()
         await stop_live(dispatcher)

@@ -26,7 +26,14 @@ from gpuloom.domain.errors import InvalidArgument, NotFound
 from gpuloom.domain.models import device_layout, header_length, parse_header
 from gpuloom.v1 import common_pb2, dispatcher_pb2_grpc
 from gpuloom.v1 import dispatcher_pb2 as pb
-from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request, start_live, stop_live
+from tests.dispatcher.conftest import (
+    GIB,
+    LiveDispatcher,
+    reserve_request,
+    running_live,
+    start_live,
+    stop_live,
+)
 from tests.shim.conftest import shim_build  # noqa: F401  (fixture: builds the fake driver)
 
 MIB = 1 << 20
@@ -53,14 +60,9 @@ async def store(
     save_weights(models / "net.safetensors", weights(0))
     save_weights(models / "other.safetensors", weights(1))
     monkeypatch.setenv("GPULOOM_FAKE_CUDA_DIR", str(short_dir / "fake"))
-    dispatcher, channel = await start_live(
-        short_dir, models_dir=models, cuda_library=str(shim_build / "fake" / "libcuda.so.1")
-    )
-    try:
-        yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
-    finally:
-        await channel.close()
-        await stop_live(dispatcher)
+    library = str(shim_build / "fake" / "libcuda.so.1")
+    async with running_live(short_dir, models_dir=models, cuda_library=library) as running:
+        yield running
 
 
 def expected_bytes(path: Path) -> int:

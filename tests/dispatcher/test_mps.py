@@ -21,6 +21,7 @@ from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_cont
 from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import LiveDispatcher, start_live
+from tests.polling import alive
 
 FAKE = Path(__file__).with_name("fake_mps_control.py")
 CONTROL = shlex.join([sys.executable, str(FAKE)])
@@ -48,16 +49,6 @@ def _wait(condition: object, timeout_s: float = 15.0) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped) counts as gone.
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) -> None:
     mps = _supervisor(short_dir)
     try:
@@ -79,7 +70,7 @@ def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) ->
     finally:
         mps.stop()
     assert mps.available() == (False, "stopped")
-    assert not _alive(second)
+    assert not alive(second)
     assert not (short_dir / "pipe" / "control").exists()  # it quit (removes its socket)
     log = (short_dir / "log" / "control.log").read_text()
     assert "quit -> ok" in log and log.count("control daemon started") == 2
@@ -173,7 +164,7 @@ async def test_the_dispatcher_stops_its_daemon_on_shutdown(short_dir: Path) -> N
     await channel.close()
     assert dispatcher.mps is not None
     pid = dispatcher.mps.pid
-    assert pid is not None and _alive(pid)
+    assert pid is not None and alive(pid)
     await _stop(dispatcher, 0)
-    assert not _alive(pid)
+    assert not alive(pid)
     assert dispatcher.mps.available() == (False, "stopped")

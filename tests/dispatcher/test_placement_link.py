@@ -4,11 +4,9 @@ happens when placement forgets the GPU, goes away or is not up yet."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,25 +32,9 @@ from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.v1 import dispatcher_pb2, dispatcher_pb2_grpc, placement_pb2, placement_pb2_grpc
 from tests.conftest import free_port
 from tests.dispatcher.conftest import GIB, dispatcher_settings, reserve_request, start_live
+from tests.polling import eventually
 
 INTERVAL_S = 0.05
-
-
-async def eventually(
-    condition: Callable[[], bool | Awaitable[bool]], what: str, timeout_s: float = 10.0
-) -> None:
-    """Poll `condition` until it holds; fail naming `what` once the deadline has passed."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = condition()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 class FakePlacement(placement_pb2_grpc.PlacementServicer):

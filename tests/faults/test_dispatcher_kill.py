@@ -6,7 +6,6 @@ tasks it started; restarted, it runs the next batch)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 import threading
@@ -21,6 +20,7 @@ from gpuloom.domain.errors import DomainError
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import reserve_request
 from tests.dispatcher.test_restart import DispatcherProcess
+from tests.polling import alive
 from tests.shim.conftest import CUDA_ERROR_NOT_PERMITTED, Runner
 
 WAIT_MS = 300
@@ -102,16 +102,6 @@ async def test_kill_9_of_the_dispatcher_mid_lease_keeps_every_shim_to_its_bound(
 LONG_TASK = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(60)\n"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie of ours is gone for this purpose (the tasks are not our children, but be sure).
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat[stat.rfind(")") + 2] != "Z"
-
-
 def test_kill_9_of_the_dispatcher_mid_mig_batch_leaves_no_task_behind(short_dir: Path) -> None:
     """The batch's runner (gpuloom mig run's) sees its stream break and stops the tasks it
     started, so the restarted dispatcher finds its GPU free: nothing holds the instances, and a
@@ -145,12 +135,12 @@ def test_kill_9_of_the_dispatcher_mid_mig_batch_leaves_no_task_behind(short_dir:
             assert time.monotonic() < deadline, "the batch's tasks did not start"
             time.sleep(0.05)
         running = [int(p.read_text()) for p in pids]
-        assert all(_alive(pid) for pid in running)
+        assert all(alive(pid) for pid in running)
         dispatcher.kill()
         thread.join(30)
         assert not thread.is_alive() and isinstance(outcome[0], DomainError)
         deadline = time.monotonic() + 5
-        while any(_alive(pid) for pid in running):
+        while any(alive(pid) for pid in running):
             assert time.monotonic() < deadline, "a task outlived its run"
             time.sleep(0.05)
         dispatcher.start()

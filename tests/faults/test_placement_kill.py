@@ -26,12 +26,11 @@ import grpc
 import pytest
 
 from gpuloom.services.dispatcher.app import DispatcherApp
-from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
 from tests.conftest import POSTGRES_URL, free_port
 from tests.placement.conftest import PostgresSchema, mps_spec
-from tests.placement.test_restart import PlacementProcess
+from tests.placement.test_restart import PlacementProcess, dispatchers_registering_with
 
 WORKERS = 8
 MAX_JOBS_PER_WORKER = 200  # the stream runs until the kills are over, at most this long
@@ -168,17 +167,7 @@ async def test_kill_9_of_placement_mid_stream_loses_nothing_and_leaks_nothing(
     placement.env.pop("GPULOOM_PLACEMENT_DATABASE_SCHEMA")
     placement.env.update(database)
     placement.start()
-    dispatchers = await DispatcherApp.start(
-        DispatcherSettings(
-            port=0,
-            backend="simulated",
-            sim_gpus="2xA100-80GB",
-            node="n1",
-            placement_address=f"127.0.0.1:{port}",
-        ),
-        "127.0.0.1",
-        short_dir,
-    )
+    dispatchers = await dispatchers_registering_with(port, "2xA100-80GB", short_dir)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = placement_pb2_grpc.PlacementStub(channel)
     ledger = Ledger()

@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +38,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.transport import TransportSettings
 from tests.k8s.standins import ApiServer, Kubelet, Webhook
+from tests.polling import eventually
 from tests.security import pki
 from tests.shim.conftest import run, shim_build  # noqa: F401  (re-exported fixtures)
 
@@ -115,15 +115,7 @@ class Cluster:
 
 
 async def until(check: Callable[[], Any], what: str, timeout_s: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+    return await eventually(check, what, timeout_s, pause_s=0.05)
 
 
 @dataclass(frozen=True)

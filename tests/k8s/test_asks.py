@@ -135,6 +135,13 @@ def test_a_mig_instance_is_a_mig_batch_task_of_the_containers_command() -> None:
     with pytest.raises(InvalidArgument, match="a MIG Pod is a batch task") as caught:
         ask_of(always)
     assert caught.value.field == "spec.restartPolicy"
+    # No size: placement's planner chooses; a size, as slices or a MIG profile's name.
+    assert spec.mig_size == 0
+    for text, slices in (("3", 3), ("3g.40gb", 3), ("1g.10gb+me", 1), (" 7g.80gb ", 7)):
+        sized = pod_model(
+            "s", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "k", "gpuloom.io/mig-size": text}
+        )
+        assert ask_of(sized).spec.mig_size == slices, text
     long = pod_model("l", {"gpuloom.io/mig": "1"}, {"gpuloom.io/task-key": "k"})
     long.spec.containers[0].command = ["x" * 5000]
     with pytest.raises(InvalidArgument) as caught:
@@ -298,6 +305,24 @@ def test_a_mig_instance_is_a_mig_batch_task_of_the_containers_command() -> None:
             {"gpuloom.io/gpu-model": "A|"},
             "metadata.annotations[gpuloom.io/gpu-model]",
             "alternatives",
+        ),
+        (
+            {"gpuloom.io/gpu": "1"},
+            {"gpuloom.io/mig-size": "3"},
+            "metadata.annotations[gpuloom.io/mig-size]",
+            "goes with gpuloom.io/mig",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {"gpuloom.io/task-key": "k", "gpuloom.io/mig-size": "big"},
+            "metadata.annotations[gpuloom.io/mig-size]",
+            "3g.40gb",
+        ),
+        (
+            {"gpuloom.io/mig": "1"},
+            {"gpuloom.io/task-key": "k", "gpuloom.io/mig-size": "5g.50gb"},
+            "metadata.annotations[gpuloom.io/mig-size]",
+            "must be one of 1, 2, 3, 4, 7 slices, got 5",
         ),
     ],
 )

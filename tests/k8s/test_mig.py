@@ -3,7 +3,8 @@ in MIG mode (node-b's, turned on through its dispatcher): created through the ad
 webhook, its job a MIG batch task that waits for its batch while kube-scheduler's Filter finds
 no node, followed by the k8s process so that its batch hands it an instance, let through to
 that instance's node and bound, its container given the instance by the device plugin's
-Allocate, and its end ending the task (the instance destroyed). Refusals of MIG asks at
+Allocate, and its end ending the task (the instance destroyed). A restarted k8s process
+following a waiting MIG job again; a deleted MIG Pod's task cancelled. Refusals of MIG asks at
 admission, naming the field."""
 
 from __future__ import annotations
@@ -26,9 +27,19 @@ TASK = {"gpuloom.io/task-key": "resize"}
 COMMAND = [sys.executable, "-S", "-c", "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])"]
 
 
+async def mig_profile(cluster: Cluster) -> None:
+    times = tuple(MigTime(s, t) for s, t in ((1, 4.0), (2, 2.0), (3, 1.5), (7, 1.0)))
+    await cluster.store.store.put(MigProfile("resize", "A100-80GB", times), None)
+
+
 async def mig_node(cluster: Cluster, node: str) -> None:
     """The node's GPU in MIG mode, registered so with placement, its devices healthy; a MIG
     profile for the task key."""
+    await mig_mode(cluster, node)
+    await mig_profile(cluster)
+
+
+async def mig_mode(cluster: Cluster, node: str) -> None:
     core = cluster.dispatchers[node].dispatchers[0].core
     await core.set_mig_mode(True)
 
@@ -41,13 +52,23 @@ async def mig_node(cluster: Cluster, node: str) -> None:
         lambda: kubelet.devices and set(kubelet.devices.values()) == {"Healthy"},
         "the MIG GPU's devices healthy",
     )
-    times = tuple(MigTime(s, t) for s, t in ((1, 4.0), (2, 2.0), (3, 1.5), (7, 1.0)))
-    await cluster.store.store.put(MigProfile("resize", "A100-80GB", times), None)
 
 
-async def test_a_mig_pods_whole_path(cluster: Cluster) -> None:
+async def pod_annotation(cluster: Cluster, name: str, key: str) -> str | None:
+    # Off the event loop: the stand-in holds its lock while it calls the webhook, which this
+    # loop serves.
+    pod = await asyncio.to_thread(cluster.api.pod, "team-a", name)
+    return ((pod or {})["metadata"].get("annotations") or {}).get(key)
+
+
+# No size: the planner chooses (one task alone: the largest instance, the fastest); a size asked
+# with gpuloom.io/mig-size: an instance of that size.
+@pytest.mark.parametrize(("size", "slices"), [(None, 7), ("2g.20gb", 2)])
+async def test_a_mig_pods_whole_path(cluster: Cluster, size: str | None, slices: int) -> None:
     await mig_node(cluster, "node-b")
-    model = pod_model("resize", MIG, TASK)
+    model = pod_model(
+        "resize", MIG, TASK if size is None else {**TASK, "gpuloom.io/mig-size": size}
+    )
     model.spec.containers[0].command = COMMAND
     pod = await asyncio.to_thread(cluster.api.create_pod, model, "alice")
     assert pod["spec"]["schedulerName"] == "gpuloom"
@@ -68,17 +89,14 @@ async def test_a_mig_pods_whole_path(cluster: Cluster) -> None:
     # The k8s process follows the job: its batch hands it an instance (a task nobody follows
     # would fail), and the Pod is annotated so kube-scheduler tries it again.
     async def nudged() -> bool:
-        # Off the event loop: the stand-in holds its lock while it calls the webhook, which
-        # this loop serves.
-        pod = await asyncio.to_thread(cluster.api.pod, "team-a", "resize")
-        annotations = (pod or {})["metadata"].get("annotations")
-        return (annotations or {}).get(PLACED) == job.job_id
+        return await pod_annotation(cluster, "resize", PLACED) == job.job_id
 
     await until(nudged, "the Pod annotated once its instance was handed", timeout_s=60)
     job = await cluster.jobs.get(job.job_id)
     assert job.state is JobState.ASSIGNED and job.assignment is not None
     slot = job.assignment.mig
     assert slot is not None and slot.instance_uuid.startswith("MIG-")
+    assert slot.size == slices and job.spec.mig_size == (0 if size is None else slices)
     assert job.assignment.node == "node-b"
 
     # Filter again: only the instance's node passes; bound there.
@@ -150,6 +168,45 @@ async def test_a_mig_pods_whole_path(cluster: Cluster) -> None:
         lambda: registry.get_sample_value("gpuloom_pod_mig_slices", labels) is None,
         "the Pod's metrics dropped",
     )
+
+
+async def test_a_restarted_k8s_process_follows_a_waiting_mig_job_and_a_deleted_pod_ends_it(
+    cluster: Cluster,
+) -> None:
+    """Submitted while no GPU is in MIG mode (the task waits), the k8s process restarted (its
+    streams gone): its first reconcile follows the job again, so the instance is handed when a
+    MIG GPU comes; the Pod deleted, its task is cancelled and the instance destroyed."""
+    await mig_profile(cluster)
+    model = pod_model("resize", MIG, TASK)
+    pod = await asyncio.to_thread(cluster.api.create_pod, model, "alice")
+    first = await asyncio.to_thread(
+        schedule, cluster.extender, cluster.ca, pod, ["node-a", "node-b"], cluster.scheduler_cert
+    )
+    assert first.node is None
+    job = await cluster.job_of("team-a", "resize")
+    assert job.state is JobState.PENDING and job.job_id in cluster.k8s.followers.followed
+    await cluster.restart_k8s()
+    assert job.job_id in cluster.k8s.followers.followed  # its first reconcile
+
+    await mig_mode(cluster, "node-b")
+
+    async def nudged() -> bool:
+        return await pod_annotation(cluster, "resize", PLACED) == job.job_id
+
+    await until(nudged, "the instance handed to the followed job", timeout_s=60)
+    handed = await cluster.jobs.get(job.job_id)
+    assert handed.state is JobState.ASSIGNED and handed.assignment is not None
+    assert handed.assignment.mig is not None and handed.assignment.mig.instance_uuid
+
+    await asyncio.to_thread(cluster.api.delete_pod, "team-a", "resize")
+    await cluster.reconcile()
+    ended = await cluster.jobs.get(job.job_id)
+    assert ended.state is JobState.CANCELLED and "was deleted" in ended.message
+    core = cluster.dispatchers["node-b"].dispatchers[0].core
+    await until(
+        lambda: core.backend.mig_instances(core.gpu.index) == [], "the MIG instance destroyed"
+    )
+    await until(lambda: job.job_id not in cluster.k8s.followers.followed, "no longer followed")
 
 
 @pytest.mark.parametrize(

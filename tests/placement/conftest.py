@@ -3,11 +3,8 @@ dispatchers on simulated GPUs for it to bind on."""
 
 from __future__ import annotations
 
-import asyncio
-import shutil
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,18 +18,13 @@ from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.settings import DispatcherSettings
 from gpuloom.services.placement.app import PlacementApp
 from gpuloom.services.placement.settings import PlacementSettings
+from gpuloom.services.profile_store.app import ProfileStoreApp
+from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 from tests.conftest import POSTGRES_URL
+from tests.polling import eventually  # noqa: F401 (the placement tests' import)
 
 GIB = 1 << 30
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    """Unix socket paths are limited to 107 bytes; pytest's tmp_path can be longer."""
-    path = Path(tempfile.mkdtemp(prefix="gl-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class PostgresSchema:
@@ -46,6 +38,15 @@ class PostgresSchema:
         async with admin.begin() as conn:
             await conn.execute(text(f'DROP SCHEMA IF EXISTS "{self.name}" CASCADE'))
         await admin.dispose()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
+    """A profile store on SQLite in tmp_path."""
+    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'profiles.db'}")
+    app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
+    yield app
+    await app.stop(0)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -146,13 +147,6 @@ async def submit(
     return await stub.SubmitJob(
         placement_pb2.SubmitJobRequest(request_id=request_id or uuid.uuid4().hex, spec=spec)
     )
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait until `condition()` holds; fail after `timeout_s`."""
-    async with asyncio.timeout(timeout_s):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def counter(name: str, **labels: str) -> float:

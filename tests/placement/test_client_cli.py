@@ -555,6 +555,8 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
         (["--sm", "0", "--memory-gib", "1"], "--sm"),
         (["--mig", "--sm", "20", "--memory-gib", "1"], "--mig excludes"),
         (["--mig", "--gpus", "2"], "--mig excludes"),
+        (["--mig-size", "3"], "--mig-size goes with --mig"),
+        (["--mig", "--mig-size", "8"], "--mig-size"),
     ]:
         result = await invoke("run", address(placement), *args, "--", "true")
         assert result.exit_code == 2 and text in result.output, (args, result.output)
@@ -569,6 +571,14 @@ async def test_run_refuses_inconsistent_options(placement: Live) -> None:
     mig = await invoke("run", address(placement), "--mig", "--task-key", "lud", "--", "true")
     assert mig.exit_code == 1 and "MIG batch tasks take their times from MIG profiles" in (
         mig.output
+    )
+    # A size placement cannot make is named by its option.
+    size = await invoke(
+        "run", address(placement), "--mig", "--mig-size", "5", "--task-key", "lud", "--", "true"
+    )
+    assert size.exit_code == 1 and "Usage:" not in size.output
+    assert "--mig-size: refused by placement: spec.resources.mig.slices: must be one of" in (
+        size.output
     )
     assert await all_jobs(placement) == []
 
@@ -694,9 +704,9 @@ def test_job_documents_become_specs_with_defaults() -> None:
             "give one of mps, whole_gpus and mig",
         ),
         (
-            {"name": "n", "kind": "batch", "resources": {"mig": 3}, "command": ["true"]},
+            {"name": "n", "kind": "batch", "resources": {"mig": 5}, "command": ["true"]},
             "resources.mig",
-            "must be true",
+            "must be true (the planner sizes it) or one of 1, 2, 3, 4, 7",
         ),
         (
             {"name": "n", "kind": "batch", "resources": {"mig": True}, "command": "true"},

@@ -35,7 +35,6 @@ from gpuloom.services.placement.repository import (
 )
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
-from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2
 from tests.dispatcher.conftest import dispatcher_settings
 from tests.placement.conftest import eventually, start_placement, submit
@@ -321,6 +320,8 @@ async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None
         ({"command": ("echo", "a\0b")}, "spec.command[1]"),
         ({"share": share_of(50, 50, memory_bytes=GIB), "mps": True}, "spec.resources"),
         ({"whole_gpus": 1}, "spec.resources"),
+        ({"mig_size": 5}, "spec.resources.mig.slices"),
+        ({"mig_size": 8}, "spec.resources.mig.slices"),
     ],
 )
 async def test_bad_mig_specs_are_refused_naming_the_field(
@@ -332,6 +333,41 @@ async def test_bad_mig_specs_are_refused_naming_the_field(
     with pytest.raises(InvalidArgument) as refused:
         await core.submit("bad", spec)
     assert refused.value.field == field
+
+
+async def test_a_task_asking_a_size_is_planned_only_in_instances_of_that_size(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    # Left to the planner, FLAT tasks (the same time on every size) go to small instances;
+    # these ask for 3 slices and 7 slices.
+    harness.profiles.mig[("flat-too", A100)] = FLAT  # type: ignore[union-attr]
+    asked = await harness.submit(2, "flat", mig_size=3)
+    asked += await harness.submit(1, "flat-too", mig_size=7)
+    free = await harness.submit(2, "scaling")
+    harness.clock.now += 10
+    plan = await core.mig.plan_due()
+    assert plan is not None
+    sizes = {a.task: a.size for gpu_plan in plan.plans.values() for a in gpu_plan.new_assignments}
+    assert [sizes[j.job_id] for j in asked] == [3, 3, 7]
+    assert all(sizes[j.job_id] in SCALING for j in free)
+    for job in asked:  # its times, as stored, are those of its size only
+        stored = await core.repository.get_job(job.job_id)
+        assert stored is not None and stored.spec.mig_size == job.spec.mig_size
+        assert dict(stored.spec.mig_times) == {job.spec.mig_size: FLAT[job.spec.mig_size]}
+
+
+async def test_a_size_the_tasks_profile_does_not_time_is_a_failed_precondition(
+    harness: Harness,
+) -> None:
+    core = harness.core
+    assert core is not None
+    harness.profiles.mig[("small", A100)] = {1: 5.0, 2: 3.0}  # type: ignore[union-attr]
+    with pytest.raises(FailedPrecondition, match=r"no time for the 4-slice instance .* sizes 1, 2"):
+        await core.submit("r", mig_spec(task_key="small", mig_size=4))
+    assert not await core.repository.live_jobs()  # nothing was written
 
 
 async def test_a_command_without_mig_is_refused(harness: Harness) -> None:
@@ -582,6 +618,9 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
     spec = replace(mig_spec(command=("python", "-c", "print(1)")), mig_times=((1, 2.5), (7, 0.5)))
     again = spec_from_json(spec_to_json(spec))
     assert again == spec and again.mig_times == spec.mig_times and again.command == spec.command
+    sized = replace(spec, mig_size=3)
+    assert spec_from_json(spec_to_json(sized)) == sized
+    assert "mig_size" not in spec_to_json(spec)  # rows of tasks asking no size stay as they were
     slot = MigSlot(3, 4, planned_start=10.0, planned_end=12.5, instance_uuid="MIG-GPU-0-s4-3g")
     binding = Binding("GPU-0", "n", "h:1", (0, 0, 0, 0), 40 * GIB, "", mig=slot)
     assert _binding_from_json(_binding_to_json(binding)) == binding
@@ -603,14 +642,6 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
 
 
 # --- end to end: gRPC, a real profile store, real dispatchers on simulated MIG GPUs ----------
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
-    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'profiles.db'}")
-    app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
-    yield app
-    await app.stop(0)
 
 
 @pytest.fixture
@@ -712,8 +743,22 @@ async def test_mig_batch_tasks_run_through_the_service_on_mig_dispatchers(
                 f"-s{slot.first_slice}-{slot.size}g"
             )
             assert job.spec.command == tuple(command(i))
-        # Every instance the runs created is gone again.
-        for dispatcher in mig_dispatchers:
-            assert dispatcher.core.backend.mig_instances(dispatcher.core.gpu.index) == []
+        # Every instance the runs created is gone again (the batch ends after its last task).
+        await eventually(
+            lambda: all(
+                gpu.core.backend.mig_instances(gpu.core.gpu.index) == [] for gpu in mig_dispatchers
+            )
+        )
     finally:
         await live.stop()
+
+
+def test_the_size_a_task_asks_for_crosses_the_wire_and_no_size_stays_no_size() -> None:
+    from gpuloom.convert.placement import spec_from_pb, spec_to_pb
+
+    for size in (0, 1, 3, 7):
+        msg = spec_to_pb(mig_spec(mig_size=size))
+        assert msg.resources.WhichOneof("share") == "mig"
+        assert msg.resources.mig.slices == size
+        back = spec_from_pb(msg)
+        assert (back.mig_slices, back.mig_size) == (1, size)

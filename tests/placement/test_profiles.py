@@ -17,20 +17,11 @@ from gpuloom.domain import profiles as d
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.placement.settings import PlacementSettings
 from gpuloom.services.profile_store.app import ProfileStoreApp
-from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import placement_pb2
 from tests.placement.conftest import Live, mps_spec, register_all, start_placement, submit
 from tests.placement.test_client_cli import SERVICE_LOG
 
 MODEL = "A100-80GB"
-
-
-@pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
-    settings = ProfileStoreSettings(port=0, database_url=f"sqlite:///{tmp_path / 'profiles.db'}")
-    app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
-    yield app
-    await app.stop(0)
 
 
 @pytest.fixture

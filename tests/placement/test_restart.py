@@ -95,23 +95,28 @@ async def _submit_until_accepted(
         return
 
 
-async def test_killing_placement_mid_stream_loses_no_job_and_places_none_twice(
-    schema: str, tmp_path: Path, short_dir: Path
-) -> None:
-    port = free_port()
-    placement = PlacementProcess(port, schema, tmp_path)
-    placement.start()
-    dispatchers = await DispatcherApp.start(
+async def dispatchers_registering_with(port: int, sim_gpus: str, short_dir: Path) -> DispatcherApp:
+    """Simulated dispatchers of node n1 that register with the placement on `port`."""
+    return await DispatcherApp.start(
         DispatcherSettings(
             port=0,
             backend="simulated",
-            sim_gpus="4xA100-80GB",
+            sim_gpus=sim_gpus,
             node="n1",
             placement_address=f"127.0.0.1:{port}",
         ),
         "127.0.0.1",
         short_dir,
     )
+
+
+async def test_killing_placement_mid_stream_loses_no_job_and_places_none_twice(
+    schema: str, tmp_path: Path, short_dir: Path
+) -> None:
+    port = free_port()
+    placement = PlacementProcess(port, schema, tmp_path)
+    placement.start()
+    dispatchers = await dispatchers_registering_with(port, "4xA100-80GB", short_dir)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stub = placement_pb2_grpc.PlacementStub(channel)
     try:
@@ -173,7 +178,7 @@ async def test_killing_placement_mid_stream_loses_no_job_and_places_none_twice(
             ).assignment.gpu.gpu_uuid
             for j in jobs
         }
-        await eventually(lambda: {k: v[0] for k, v in holders().items()} == final, 20)
+        await eventually(lambda: {k: v[0] for k, v in holders().items()} == final, timeout_s=20)
         assert all(len(v) == 1 for v in holders().values())
         for d in dispatchers.dispatchers:
             area = sum(

@@ -49,6 +49,7 @@ from gpuloom.services.placement.training import SWITCH_S
 from gpuloom.v1 import placement_pb2 as pb
 from tests.dispatcher.conftest import dispatcher_settings
 from tests.placement.conftest import GIB, Live, counter, start_placement
+from tests.polling import eventually
 from tests.shim.conftest import PROGRAM, shim_build  # noqa: F401  (fixture: builds the shim)
 
 MIB = 1 << 20
@@ -139,11 +140,7 @@ class Plane:
 
 async def until(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float) -> None:
     """Poll `check` until it holds; generous deadlines: the machine may be loaded."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
+    await eventually(check, what, timeout_s, pause_s=0.05)
 
 
 @contextlib.asynccontextmanager

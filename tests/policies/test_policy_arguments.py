@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from gpuloom.policies.admission.composed import IDLE_BACKLOG_NS
 from gpuloom.policies.arguments import parse_policy_args
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.tokens.model import TokenConfig
@@ -73,15 +74,19 @@ def test_the_dispatcher_reads_its_policy_arguments_from_one_setting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     defaults = DispatcherSettings().policy_arguments()
-    # The arbiter's 50 us fill guard is the dispatcher's default; the window is WINDOW_MS.
-    assert defaults.fikit == DISPATCHER_FIKIT and DISPATCHER_FIKIT.fill_guard_ns == 50_000
+    # The arbiter's 50 us fill guard is the dispatcher's default; the window is WINDOW_MS; the
+    # default policy, composed, runs its core with its own idle backlog (docs/harvest.md).
+    composed = dataclasses.replace(DISPATCHER_FIKIT, idle_backlog_ns=IDLE_BACKLOG_NS)
+    assert defaults.fikit == composed and DISPATCHER_FIKIT.fill_guard_ns == 50_000
     assert defaults.tokens == TokenConfig()
     monkeypatch.setenv("GPULOOM_DISPATCHER_WINDOW_MS", "500")
     monkeypatch.setenv(
         "GPULOOM_DISPATCHER_POLICY_ARGS", "fikit.max_wait_ns=7,tokens.lease_initial_s=0.03"
     )
     arguments = DispatcherSettings().policy_arguments()
-    assert arguments.fikit == FikitConfig(fill_guard_ns=50_000, max_wait_ns=7)
+    assert arguments.fikit == FikitConfig(
+        fill_guard_ns=50_000, max_wait_ns=7, idle_backlog_ns=IDLE_BACKLOG_NS
+    )
     assert arguments.tokens == TokenConfig(window_s=0.5, lease_initial_s=0.03)
 
 

@@ -12,7 +12,6 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profiler.app import ProfilerApp
 from gpuloom.services.profiler.settings import ProfilerSettings
 from gpuloom.v1 import profiler_pb2, profiler_pb2_grpc
-from tests.dispatcher.conftest import short_dir  # noqa: F401  (fixture)
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 
 

@@ -3,7 +3,10 @@ a CA, the services' certificate, a client certificate, and a tokens file."""
 
 from __future__ import annotations
 
+import json
 import secrets
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import grpc
 import pytest
 
 from gpuloom.transport import TransportSettings, open_aio_channel
+from tests.polling import holds_within
+from tests.profile_store.test_grpcurl import grpcurl_binary
 from tests.security.pki import Authority, Files, write
 
 ROLES = {"admin": "admin", "alice": "submitter", "bob": "submitter", "placement": "service"}
@@ -78,3 +83,49 @@ def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Deployment:
     for name, value in made.environment().items():
         monkeypatch.setenv(name, value)
     return made
+
+
+def first_output(
+    run: Callable[[], subprocess.CompletedProcess[str]], what: str, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """Run a command (each run must succeed) until it prints something, as a CLI listing does
+    once the plane has what it lists; fail naming `what` after `timeout_s`."""
+    runs: list[subprocess.CompletedProcess[str]] = []
+
+    def printed() -> bool:
+        runs.append(run())
+        assert runs[-1].returncode == 0, runs[-1].stderr
+        return bool(runs[-1].stdout)
+
+    assert holds_within(printed, timeout_s, pause_s=0.2), f"nothing listed: no {what}"
+    return runs[-1]
+
+
+def submit_with_grpcurl(
+    placement: str,
+    tls: tuple[Path, Path, Path],
+    token: str,
+    name: str,
+    server_name: str | None = None,
+) -> dict[str, object]:
+    """SubmitJob of a one-GPU batch job `name` with grpcurl and the flags of docs/security.md
+    (`tls`: the CA, the client certificate and its key); the job as grpcurl prints it."""
+    ca, cert, key = tls
+    body = {
+        "request_id": f"{name}-1",
+        "spec": {
+            "name": name,
+            "kind": "JOB_KIND_BATCH",
+            "resources": {"memory_bytes": "1073741824", "whole_gpus": 1},
+        },
+    }
+    flags = ["-cacert", str(ca), "-cert", str(cert), "-key", str(key)]
+    if server_name is not None:
+        flags += ["-servername", server_name]
+    submitted = subprocess.run(
+        [grpcurl_binary(), *flags, "-H", f"authorization: Bearer {token}", "-d",
+         json.dumps(body), placement, "gpuloom.v1.Placement/SubmitJob"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    return json.loads(submitted.stdout)

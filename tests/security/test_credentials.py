@@ -6,11 +6,9 @@ between its services, and for the CLI and grpcurl with the documented flags."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import grpc
@@ -22,18 +20,12 @@ from gpuloom.transport import load_settings, open_channel
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
 from tests.conftest import free_port
-from tests.plane import GPULOOM
-from tests.profile_store.test_grpcurl import grpcurl_binary
+from tests.plane import GPULOOM, clean_env, start_up, up_env
+from tests.security.conftest import first_output, submit_with_grpcurl
 
 
 def gpuloom(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([GPULOOM, *args], env=env, capture_output=True, text=True, timeout=120)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-    env.update(extra)
-    return env
 
 
 def test_init_makes_a_private_directory_once_and_keeps_it(tmp_path: Path) -> None:
@@ -137,21 +129,14 @@ def test_serve_refuses_to_start_without_credentials_unless_told_to_serve_open(
 def test_a_plane_on_a_network_address_serves_mutual_tls_and_tokens(tmp_path: Path) -> None:
     where = tmp_path / "creds"
     assert gpuloom("credentials", "init", "--dir", str(where)).returncode == 0
-    env = clean_env(
+    env = up_env(
         GPULOOM_DATA_DIR=str(tmp_path / "state"),
         GPULOOM_CREDENTIALS_DIR=str(where),
         GPULOOM_BIND_HOST="0.0.0.0",
         GPULOOM_METRICS_PORT=str(free_port()),
-        GPULOOM_PROFILE_STORE_PORT="0",
-        GPULOOM_PROFILER_PORT="0",
-        GPULOOM_PLACEMENT_PORT="0",
-        GPULOOM_DISPATCHER_PORT="0",
-        GPULOOM_DISPATCHER_BACKEND="simulated",
         GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB",
     )
-    process = subprocess.Popen(
-        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start_up(env)
     try:
         assert process.stdout is not None
         banner = [process.stdout.readline() for _ in range(6)]
@@ -161,49 +146,14 @@ def test_a_plane_on_a_network_address_serves_mutual_tls_and_tokens(tmp_path: Pat
 
         # The dispatcher registered over mutual TLS with the services' token; the CLI finds
         # the directory's client settings (TLS, the admin's certificate and token).
-        deadline = time.monotonic() + 30
-        while True:
-            shown = gpuloom("gpus", "--json", env=client)
-            assert shown.returncode == 0, shown.stderr
-            if shown.stdout or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        shown = first_output(lambda: gpuloom("gpus", "--json", env=client), "a GPU", 30)
         assert "A100-80GB" in shown.stdout
 
         # grpcurl with the documented flags.
         token = (where / "admin.token").read_text().strip()
-        body = {
-            "request_id": "tls-1",
-            "spec": {
-                "name": "tls",
-                "kind": "JOB_KIND_BATCH",
-                "resources": {"memory_bytes": "1073741824", "whole_gpus": 1},
-            },
-        }
-        submitted = subprocess.run(
-            [
-                grpcurl_binary(),
-                "-cacert",
-                str(where / "ca.crt"),
-                "-cert",
-                str(where / "admin.crt"),
-                "-key",
-                str(where / "admin.key"),
-                "-servername",
-                "gpuloom",
-                "-H",
-                f"authorization: Bearer {token}",
-                "-d",
-                json.dumps(body),
-                placement,
-                "gpuloom.v1.Placement/SubmitJob",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert submitted.returncode == 0, submitted.stderr
-        assert json.loads(submitted.stdout)["state"] == "JOB_STATE_ASSIGNED"
+        tls = (where / "ca.crt", where / "admin.crt", where / "admin.key")
+        submitted = submit_with_grpcurl(placement, tls, token, "tls", server_name="gpuloom")
+        assert submitted["state"] == "JOB_STATE_ASSIGNED"
 
         # Without the directory: plaintext is no use, nor TLS without a client certificate.
         for settings_env in (

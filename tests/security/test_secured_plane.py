@@ -5,48 +5,30 @@ submitters use the CLI and grpcurl with the documented settings and flags."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 from tests.conftest import free_port
-from tests.profile_store.test_grpcurl import grpcurl_binary
-from tests.security.conftest import make_deployment
-
-GPULOOM = str(Path(sys.executable).parent / "gpuloom")
-
-
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-    env.update(extra)
-    return env
+from tests.plane import GPULOOM, clean_env, start_up, up_env
+from tests.security.conftest import first_output, make_deployment, submit_with_grpcurl
 
 
 def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
     deployment = make_deployment(tmp_path / "pki")
-    env = _clean_env(
+    env = up_env(
         GPULOOM_DATA_DIR=str(tmp_path / "state"),
         GPULOOM_METRICS_PORT=str(free_port()),
-        GPULOOM_PROFILE_STORE_PORT="0",
-        GPULOOM_PROFILER_PORT="0",
-        GPULOOM_PLACEMENT_PORT="0",
-        GPULOOM_DISPATCHER_PORT="0",
-        GPULOOM_DISPATCHER_BACKEND="simulated",
         GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB",
         **deployment.environment(),
     )
-    process = subprocess.Popen(
-        [GPULOOM, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    process = start_up(env)
     try:
         assert process.stdout is not None
         banner = [process.stdout.readline() for _ in range(6)]
         placement = next(line for line in banner if "placement" in line).split()[-1]
 
         def cli(who: str, *args: str) -> subprocess.CompletedProcess[str]:
-            client = _clean_env(
+            client = clean_env(
                 GPULOOM_PLACEMENT_ADDRESS=placement,
                 GPULOOM_TLS_CA_FILE=str(deployment.client.ca),
                 GPULOOM_TLS_CERT_FILE=str(deployment.client.cert),
@@ -58,47 +40,13 @@ def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
             )
 
         # The dispatcher registered its GPU with placement over mutual TLS, with its token.
-        deadline = time.monotonic() + 20
-        while True:
-            shown = cli("alice", "gpus", "--json")
-            assert shown.returncode == 0, shown.stderr
-            if shown.stdout or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        shown = first_output(lambda: cli("alice", "gpus", "--json"), "a GPU", 20)
         assert len(shown.stdout.splitlines()) == 1 and "A100-80GB" in shown.stdout
 
         # grpcurl with the flags of docs/security.md: placement reserves on the dispatcher.
-        submitted = subprocess.run(
-            [
-                grpcurl_binary(),
-                "-cacert",
-                str(deployment.client.ca),
-                "-cert",
-                str(deployment.client.cert),
-                "-key",
-                str(deployment.client.key),
-                "-H",
-                f"authorization: Bearer {deployment.tokens['alice']}",
-                "-d",
-                json.dumps(
-                    {
-                        "request_id": "secured-1",
-                        "spec": {
-                            "name": "secured",
-                            "kind": "JOB_KIND_BATCH",
-                            "resources": {"memory_bytes": "1073741824", "whole_gpus": 1},
-                        },
-                    }
-                ),
-                placement,
-                "gpuloom.v1.Placement/SubmitJob",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert submitted.returncode == 0, submitted.stderr
-        job = json.loads(submitted.stdout)
+        files = deployment.client
+        tls = (files.ca, files.cert, files.key)
+        job = submit_with_grpcurl(placement, tls, deployment.tokens["alice"], "secured")
         assert job["state"] == "JOB_STATE_ASSIGNED"
 
         mine = cli("alice", "job", job["job_id"], "--json")
@@ -115,7 +63,7 @@ def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
         # A client setting that is wrong is a usage error, named.
         bad = subprocess.run(
             [GPULOOM, "jobs"],
-            env=_clean_env(
+            env=clean_env(
                 GPULOOM_PLACEMENT_ADDRESS=placement,
                 GPULOOM_AUTH_TOKEN_FILE=str(tmp_path / "missing-token"),
             ),

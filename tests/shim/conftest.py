@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpuloom.policies.profiling.kernels import kernel_id  # noqa: F401  (the shim's, re-exported)
-from tests.dispatcher.conftest import live, short_dir  # noqa: F401  (re-exported fixtures)
+from tests.dispatcher.conftest import live  # noqa: F401  (re-exported fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "shim"

@@ -27,6 +27,7 @@ from gpuloom.sim.scenario import load_scenario
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc, profile_store_pb2
 from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
 from tests.dispatcher.conftest import GIB, LiveDispatcher, start_live, stop_live
+from tests.polling import eventually
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Run, Runner
 
@@ -267,7 +268,7 @@ async def test_a_killed_holder_leaves_the_waiting_filler_free(fikit: Fikit, run:
     holder = fikit.env(await fikit.token("infer", 0))
     filler = fikit.env(await fikit.token("train", 5))
     holder_task = asyncio.create_task(run.run_async(*_holder_loop(30), env=holder, timeout=40))
-    await _until(lambda: _ran(run, UNPROFILED) > 20)
+    await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
     filler_task = asyncio.create_task(run.run_async(*_train(1.0), env=filler, timeout=40))
     await asyncio.sleep(0.5)
     killed_at = time.monotonic_ns()
@@ -285,14 +286,16 @@ async def test_a_killed_waiting_filler_goes_unnoticed(fikit: Fikit, run: Runner)
     holder = fikit.env(await fikit.token("infer", 0))
     filler = fikit.env(await fikit.token("train", 5))
     holder_task = asyncio.create_task(run.run_async(*_holder_loop(1.5), env=holder, timeout=40))
-    await _until(lambda: _ran(run, UNPROFILED) > 20)
+    await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
     filler_task = asyncio.create_task(run.run_async(*_train(30), env=filler, timeout=40))
     await asyncio.sleep(0.3)
     killed_at = time.monotonic_ns()
     os.kill(_pid_running(_train(30)), signal.SIGKILL)
     await filler_task
     # The arbiter forgot it (its socket closed) while the holder still runs ...
-    assert await _until(lambda: fikit.live.dispatcher.arbiter.stats().tasks == 1)
+    await eventually(
+        lambda: fikit.live.dispatcher.arbiter.stats().tasks == 1, "one arbiter task", 5.0, 0.02
+    )
     result = await holder_task
     assert result.returncode == 0, result.stderr
     assert _ran(run, UNPROFILED, after_ns=killed_at) > 100  # ... and went on
@@ -304,7 +307,7 @@ async def test_a_dead_dispatcher_releases_the_waiting_filler_within_the_bound(
     holder = fikit.env(await fikit.token("infer", 0))
     filler = fikit.env(await fikit.token("train", 5), GPULOOM_SHIM_WAIT_MS="500")
     holder_task = asyncio.create_task(run.run_async(*_holder_loop(3), env=holder, timeout=40))
-    await _until(lambda: _ran(run, UNPROFILED) > 20)
+    await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
     filler_task = asyncio.create_task(run.run_async(*_train(1.0), env=filler, timeout=40))
     await asyncio.sleep(0.3)
     stopped_at = time.monotonic_ns()
@@ -322,15 +325,6 @@ async def test_a_dead_dispatcher_releases_the_waiting_filler_within_the_bound(
     )
     assert first_after is not None
     assert (first_after - stopped_at) / 1e6 < 500 + 200  # the bound, plus scheduling slack
-
-
-async def _until(condition, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 def _pid_running(args: list[str]) -> int:

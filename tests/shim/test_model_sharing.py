@@ -19,8 +19,7 @@ import pytest
 
 from gpuloom.clients.models import save_weights
 from gpuloom.v1 import dispatcher_pb2 as pb
-from gpuloom.v1 import dispatcher_pb2_grpc
-from tests.dispatcher.conftest import GIB, LiveDispatcher, start_live, stop_live
+from tests.dispatcher.conftest import GIB, LiveDispatcher, running_live
 
 MIB = 1 << 20
 CAP = 32 * MIB
@@ -108,14 +107,9 @@ async def live(short_dir: Path, shim_build: Path) -> AsyncIterator[LiveDispatche
     models = short_dir / "models"
     models.mkdir()
     save_weights(models / "net.safetensors", ARRAYS)
-    dispatcher, channel = await start_live(
-        short_dir, models_dir=models, cuda_library=str(shim_build / "fake" / "libcuda.so.1")
-    )
-    try:
-        yield LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel), short_dir)
-    finally:
-        await channel.close()
-        await stop_live(dispatcher)
+    library = str(shim_build / "fake" / "libcuda.so.1")
+    async with running_live(short_dir, models_dir=models, cuda_library=library) as running:
+        yield running
 
 
 async def test_two_replicas_share_one_copy_and_their_caps_are_not_charged(

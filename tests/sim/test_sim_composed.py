@@ -11,9 +11,9 @@ import pytest
 
 from gpuloom.sim.kernels import figures, simulate
 from gpuloom.sim.scenario import load_scenario
+from tests.sim.orion import mobilenet_on_orion, needs_traces
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces" / "orion-model-kernels"
 
 
 def _kernels(*durations_us: int, gap_us: int | None = None) -> list[dict]:
@@ -115,14 +115,9 @@ def test_oversubscribed_requests_guarantee_nothing_and_priority_decides(tmp_path
     assert composed.to_dict() == fikit.to_dict()
 
 
-@pytest.mark.skipif(not TRACES.is_dir(), reason="no ../shared/traces beside")
+@needs_traces
 def test_on_orion_lists_the_default_keeps_hp_p99_and_the_fill_work(tmp_path: Path) -> None:
-    scenario = json.loads((ROOT / "benchmarks" / "fikit_mobilenetv2.json").read_text())
-    for task in scenario["tasks"]:
-        task["kernels_csv"] = str(TRACES / Path(task["kernels_csv"]).name)
-    path = tmp_path / "short.json"
-    path.write_text(json.dumps(scenario))
-    loaded = load_scenario(path)
+    loaded = mobilenet_on_orion(tmp_path)
     alone = simulate(loaded, "exclusive")
     composed = figures(simulate(loaded, "composed"), alone)
     fikit = figures(simulate(loaded, "fikit"), alone)

@@ -13,10 +13,7 @@ from gpuloom.clients.cli import cli
 from gpuloom.policies.admission import DEFAULT_ADMISSION
 from gpuloom.sim.kernels import simulate
 from gpuloom.sim.scenario import load_scenario
-
-ROOT = Path(__file__).resolve().parents[2]
-TRACES = ROOT.parent / "shared" / "traces" / "orion-model-kernels"
-needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no ../shared/traces beside")
+from tests.sim.orion import ROOT, mobilenet_on_orion, needs_traces
 
 
 def inline(**task: object) -> dict:
@@ -138,13 +135,7 @@ def test_benchmark_scenarios_load_from_the_checkout() -> None:
 
 @needs_traces
 def test_fikit_keeps_high_priority_p99_near_exclusive(tmp_path: Path) -> None:
-    scenario = json.loads((ROOT / "benchmarks" / "fikit_mobilenetv2.json").read_text())
-    # 10 s (92 requests): over fewer, p99 is the single worst request.
-    for task in scenario["tasks"]:
-        task["kernels_csv"] = str(TRACES / Path(task["kernels_csv"]).name)
-    path = tmp_path / "short.json"
-    path.write_text(json.dumps(scenario))
-    loaded = load_scenario(path)
+    loaded = mobilenet_on_orion(tmp_path)  # 10 s, 92 requests: over fewer, p99 is one request
     p99 = {}
     low_done = 0
     for mode in ("exclusive", "sharing", "fikit"):

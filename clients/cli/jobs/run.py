@@ -79,6 +79,15 @@ _SPEC_OPTIONS: tuple[tuple[str | None, tuple[str, ...], dict[str, Any]], ...] = 
         },
     ),
     (
+        "spec.resources.mig.slices",
+        ("--mig-size",),
+        {
+            "type": click.IntRange(1, 7),
+            "help": "With --mig: the instance size in compute slices (1, 2, 3, 4 or 7); "
+            "default: the batch planner chooses one from the task's MIG profile.",
+        },
+    ),
+    (
         "spec.resources.whole_gpus",
         ("--gpus",),
         {
@@ -269,6 +278,7 @@ def _run_spec(
     memory_gib: float | None,
     whole_gpu: bool,
     mig: bool,
+    mig_size: int | None,
     gpus: int | None,
     max_gpus: int | None,
     cpu_milli: int,
@@ -284,12 +294,15 @@ def _run_spec(
     shared = sm is not None or quota is not None
     if mig and (shared or whole_gpu or gpus is not None or max_gpus is not None):
         raise click.UsageError("--mig excludes --sm, --quota, --whole-gpu, --gpus and --max-gpus")
+    if mig_size is not None and not mig:
+        raise click.UsageError("--mig-size goes with --mig")
     if mig:
         return JobSpec(
             name=name or os.path.basename(command[0])[:128] or "run",
             kind=JobKind(kind),
             share=share_of(priority=priority),
             mig_slices=1,
+            mig_size=mig_size or 0,
             task_key=task_key,
             policy=policy,
             gpu_model=gpu_model,

@@ -19,6 +19,10 @@
   is back on pace. So best-effort work is not starved below its request by a busy high
   priority; the high priority then pays for exactly that time.
 
+- **A filler's kernels queue back to back while the holders idle:** the core lets up to
+  `idle_backlog_ns` (150 us, or the FIKIT config's idle backlog if larger) of granted fill work
+  be outstanding, so a filler's next kernel is granted before its last one ends and no launch
+  gap opens between them (FIKIT alone grants one at a time; docs/harvest.md measures both).
 - **Beside the holder (spatial harvesting, under MPS):** a request queued behind the holders
   may go at once, beside the holder's running kernel, when the harvest rule
   (`gpuloom.policies.harvest`, default `spatial`: SMs left free, no profile clash, ends before
@@ -33,13 +37,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpuloom.policies.admission.leases import NS, Leases
 from gpuloom.policies.admission.model import Kernel, TaskShare
 from gpuloom.policies.fikit.core import UNKNOWN, FikitConfig, FikitCore
 from gpuloom.policies.harvest import Candidate, HarvestPolicy, Running, SpatialHarvest
 from gpuloom.policies.tokens import TokenConfig
+
+IDLE_BACKLOG_NS = 150_000  # docs/harvest.md, "Why the harvest is low"
 
 
 def _known(value: int | None) -> int:
@@ -67,10 +73,14 @@ class ComposedAdmission:
         guarantee: bool = True,
         guarantee_slack: float = 0.02,
         harvest: HarvestPolicy | None = None,
+        idle_backlog_ns: int = IDLE_BACKLOG_NS,
     ) -> None:
         """`guarantee_slack`: how far (a fraction of the window) a task may fall behind its
-        request's pace before it is promoted."""
-        self.core = FikitCore(fikit)
+        request's pace before it is promoted. `idle_backlog_ns`: the least fill work the core
+        lets be outstanding while the holders idle (the FIKIT config's if larger)."""
+        fikit = fikit or FikitConfig()
+        backlog = max(fikit.idle_backlog_ns, idle_backlog_ns)
+        self.core = FikitCore(replace(fikit, idle_backlog_ns=backlog))
         self.token_config = tokens or TokenConfig()
         self.token_policy = token_policy
         self.guarantee = guarantee

@@ -162,3 +162,23 @@ def test_composed_never_launches_without_a_lease_nor_grants_one_not_waiting(
         if one_level:
             # With one level it is token sharing: FIKIT never queues a request.
             assert policy.core.counters().queued == 0
+
+
+@pytest.mark.parametrize(("backlog_ns", "second_at_once"), [(150_000, True), (0, False)])
+def test_while_the_holder_idles_a_fillers_next_kernel_is_granted_before_its_last_one_ends(
+    backlog_ns: int, second_at_once: bool
+) -> None:
+    policy = ComposedAdmission(idle_backlog_ns=backlog_ns)
+    policy.add_task(0, TaskShare(1), 0)  # the holder: never launches, idle after its margin
+    policy.add_task(1, TaskShare(8), 0)
+    assert not policy.launch(1, Kernel(100_000, 10_000), 300_000)
+    granted, _ = policy.decide(300_000)
+    assert list(granted) == [1]  # the holders idle: one kernel always may go
+    # Its next kernel asks while the first still runs: within 150 us of fill work it goes now,
+    # so no launch gap opens between the two; with no backlog it waits for the first to end.
+    assert not policy.launch(1, Kernel(40_000, 10_000), 310_000)
+    granted, _ = policy.decide(310_000)
+    assert (list(granted) == [1]) is second_at_once
+    policy.completed(1, 100_000, 400_000)
+    granted, _ = policy.decide(400_000)
+    assert list(granted) == ([] if second_at_once else [1])
