@@ -4,9 +4,9 @@ driver's checkpoint API. The source dispatcher suspends a training loop (lock + 
 `MoveClient` (`move_out`) restores it onto the target GPU (the driver's GPU pairs) and tells
 its shim to register with the target's dispatcher under the target's reservation; the target's
 `UnlockMovedClient` (`unlock_moved`) lets it run there. Every step runs exactly once, every
-byte is intact, the memory is the target GPU's. Faults: a target of another chip type (stays suspended on the
-source, the reason shown, resumable there), a move of a client that is not checkpointed, bad
-targets (refused, nothing changed)."""
+byte is intact, the memory is the target GPU's. Faults: a target of another chip type (stays
+suspended on the source, the reason shown, resumable there), a move of a client that is not
+checkpointed, bad targets (refused, nothing changed)."""
 
 from __future__ import annotations
 
