@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import threading
+from collections.abc import Sequence
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
@@ -184,6 +185,32 @@ class _ReservedArgs(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_uint64 * 8)]
 
 
+class _GpuPair(ctypes.Structure):
+    """CUcheckpointGpuPair (CUDA 13.0): the GPU checkpointed and the GPU to restore onto."""
+
+    _fields_ = [("old_uuid", ctypes.c_ubyte * 16), ("new_uuid", ctypes.c_ubyte * 16)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    """CUcheckpointRestoreArgs as CUDA 13.0 declares it (older headers: 64 reserved bytes)."""
+
+    _fields_ = [
+        ("gpu_pairs", ctypes.POINTER(_GpuPair)),
+        ("gpu_pairs_count", ctypes.c_uint),
+        ("reserved", ctypes.c_char * (52 - ctypes.sizeof(ctypes.c_void_p))),
+        ("reserved1", ctypes.c_uint64),
+    ]
+
+
+def gpu_uuid_bytes(uuid: str) -> bytes:
+    """A GPU UUID as NVML writes it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx) -> its 16 bytes.
+    Raises ValueError naming it when it is not one."""
+    digits = uuid[4:].replace("-", "") if uuid.startswith("GPU-") else ""
+    if len(digits) != 32 or any(c not in "0123456789abcdefABCDEF" for c in digits):
+        raise ValueError(f"not a GPU UUID (GPU-<32 hex digits>): {uuid!r}")
+    return bytes.fromhex(digits)
+
+
 class CheckpointDriver:
     """The checkpoint API as an external controller calls it: on another process, by pid.
     Lock blocks the process's further CUDA calls (waiting for those in flight), checkpoint
@@ -237,8 +264,21 @@ class CheckpointDriver:
     def checkpoint(self, pid: int) -> None:
         self._call("cuCheckpointProcessCheckpoint", pid)
 
-    def restore(self, pid: int) -> None:
-        self._call("cuCheckpointProcessRestore", pid)
+    def restore(self, pid: int, gpu_pairs: Sequence[tuple[str, str]] = ()) -> None:
+        """gpu_pairs: (UUID checkpointed on, UUID to restore onto) for each GPU to move (the
+        restore args of CUDA 13.0, same chip type only); none: back onto the same GPUs. A bad
+        UUID raises ValueError before the driver is called."""
+        if len(gpu_pairs) > 8:
+            raise ValueError(f"at most 8 GPU pairs, got {len(gpu_pairs)}")
+        pairs = (_GpuPair * max(1, len(gpu_pairs)))()
+        for index, (old, new) in enumerate(gpu_pairs):
+            pairs[index].old_uuid[:] = gpu_uuid_bytes(old)
+            pairs[index].new_uuid[:] = gpu_uuid_bytes(new)
+        args = _RestoreArgs(gpu_pairs=pairs if gpu_pairs else None, gpu_pairs_count=len(gpu_pairs))
+        Driver._check(
+            "cuCheckpointProcessRestore",
+            self._fns["cuCheckpointProcessRestore"](pid, ctypes.byref(args)),
+        )
 
     def unlock(self, pid: int) -> None:
         self._call("cuCheckpointProcessUnlock", pid)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -116,6 +116,34 @@ class Checkpointer:
         except CudaError as error:
             return MemoryState(True, f"restore failed: {error}", state.pid, True)
         return MemoryState(False)
+
+    def restore_onto(self, state: MemoryState, gpu_pairs: Sequence[tuple[str, str]]) -> MemoryState:
+        """Restore a released process onto other GPUs (pairs of UUIDs: checkpointed on,
+        restore onto; the same chip type), leaving it LOCKED there: the target GPU's dispatcher
+        unlocks it once its shim registered there (`unlock_moved`). Blocking. Returns released
+        False on success; restore_failed with the reason when it stays checkpointed here (no
+        room there, another chip type, a GPU the driver does not know)."""
+        driver = self.driver()
+        if not state.released or driver is None:
+            return MemoryState(False, "not checkpointed: nothing to move", state.pid, True)
+        try:
+            driver.restore(state.pid, gpu_pairs)
+        except CudaError as error:
+            return MemoryState(True, f"move failed: {error}", state.pid, True)
+        return MemoryState(False, "", state.pid)
+
+    def unlock_moved(self, pid: int, owners: Collection[int]) -> None:
+        """Unlock a process restored onto this GPU (LOCKED by the move), which must be one of
+        `owners` (the processes registered for the reservation here). Blocking. Raises
+        CheckpointRefused for another pid, CudaError when the driver refuses (not LOCKED)."""
+        if pid <= 0 or pid not in owners:
+            raise CheckpointRefused(
+                f"pid {pid} is not the reservation's process ({sorted(owners) or 'none'})"
+            )
+        driver = self.driver()
+        if driver is None:
+            raise CheckpointRefused(f"no checkpoint API: {self._unsupported}")
+        driver.unlock(pid)
 
     def alive(self, state: MemoryState) -> bool:
         """Whether the checkpointed process still exists for the driver."""

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import structlog
 
+from gpuloom.cudadrv import CudaError
 from gpuloom.domain.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -37,6 +38,7 @@ from gpuloom.services.dispatcher.domain import (
     EventKind,
     GpuStatusView,
     LeaseState,
+    MoveTarget,
     Reservation,
     ReserveSpec,
     Suspension,
@@ -337,6 +339,60 @@ class DispatcherCore:
         del self._memory[assignment_id]
         metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), "restored").inc()
         return True
+
+    # ---- migration without a hook, on one node (docs/training.md) ----
+
+    async def move_out(self, assignment_id: str, target: MoveTarget) -> ClientStatus:
+        """Move a suspended client whose memory is checkpointed to another GPU of this node:
+        restore it there (the driver's GPU pairs: this GPU -> the target), still locked, and
+        tell its shim to register with the target's dispatcher under the target's token (the
+        target's `unlock_moved` lets it run). On a restore that fails (no room there, another
+        chip type) it stays suspended here, checkpointed, the reason in its status. The caller
+        (placement) releases this reservation once the target has the process."""
+        target.validate(self.gpu.gpu_uuid)
+        if self.book.get(assignment_id) is None:
+            raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        state = self._memory.get(assignment_id)
+        if state is None or not state.released or self.checkpointer is None:
+            note = "" if state is None else f" ({state.note})"
+            raise FailedPrecondition(
+                f"assignment {assignment_id!r} is not suspended with its memory checkpointed"
+                f"{note}: suspend it first"
+            )
+        pairs = [(self.gpu.gpu_uuid, target.gpu_uuid)]
+        after = await asyncio.to_thread(self.checkpointer.restore_onto, state, pairs)
+        if after.restore_failed:
+            self._memory[assignment_id] = replace(state, note=after.note, restore_failed=True)
+            metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), "move_failed").inc()
+            log.warning("suspended client not moved", assignment=assignment_id,
+                        target=target.gpu_uuid, why=after.note)  # fmt: skip
+            return await self.client_status(assignment_id)
+        self._memory.pop(assignment_id, None)
+        told = await self._on_channel(
+            lambda: self.channel.move_client(assignment_id, target.socket_path, target.token)
+        )
+        metrics.SUSPEND_MEMORY.labels(str(self.gpu.index), "moved").inc()
+        log.info("suspended client moved", assignment=assignment_id, pid=state.pid,
+                 target=target.gpu_uuid, shim_told=told)  # fmt: skip
+        return await self.client_status(assignment_id)
+
+    async def unlock_moved(self, assignment_id: str) -> ClientStatus:
+        """On the target GPU: let a process that `move_out` restored here run, once its shim
+        registered for this reservation (only that process is ever unlocked)."""
+        if self.book.get(assignment_id) is None:
+            raise NotFound(f"no assignment {assignment_id!r} on this GPU")
+        if self.checkpointer is None:
+            raise FailedPrecondition("this dispatcher does not use the driver's checkpoint API")
+        connected = await self._on_channel(self.channel.connected)
+        process = connected.get(assignment_id)
+        if process is None:
+            raise FailedPrecondition(f"no process registered for {assignment_id!r} yet")
+        try:
+            await asyncio.to_thread(self.checkpointer.unlock_moved, process.pid, (process.pid,))
+        except (CheckpointRefused, CudaError) as error:
+            raise FailedPrecondition(f"cannot unlock pid {process.pid}: {error}") from None
+        log.info("moved client runs here", assignment=assignment_id, pid=process.pid)
+        return await self.client_status(assignment_id)
 
     async def _watch_released(self) -> None:
         """A process that dies while its memory is checkpointed: its reservation is freed

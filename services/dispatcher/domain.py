@@ -19,6 +19,40 @@ from gpuloom.shimwire import ShimMode
 
 ASSIGNMENT_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TOKEN = re.compile(r"^[A-Za-z0-9_-]{32,128}$")
+GPU_UUID = re.compile(
+    r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
+)
+MAX_SOCKET_PATH_BYTES = 107
+
+
+@dataclass(frozen=True, slots=True)
+class MoveTarget:
+    """Where a suspended client moves (docs/training.md, "Migration without a hook"): another
+    GPU of this node, of the same chip type, whose dispatcher holds a reservation for it."""
+
+    gpu_uuid: str  # as NVML writes it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx
+    socket_path: str  # the target dispatcher's shim socket
+    token: str  # the target reservation's assignment token
+
+    def validate(self, own_gpu_uuid: str) -> None:
+        if not GPU_UUID.match(self.gpu_uuid):
+            raise InvalidArgument(
+                "target_gpu_uuid", "must be a GPU UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)"
+            )
+        if self.gpu_uuid.lower() == own_gpu_uuid.lower():
+            raise InvalidArgument("target_gpu_uuid", "is this dispatcher's own GPU")
+        path = self.socket_path.encode()
+        if not path.startswith(b"/") or len(path) > MAX_SOCKET_PATH_BYTES or b"\0" in path:
+            raise InvalidArgument(
+                "target_socket_path",
+                f"must be an absolute path of at most {MAX_SOCKET_PATH_BYTES} bytes",
+            )
+        if not TOKEN.match(self.token):
+            raise InvalidArgument(
+                "target_token", "must be 32..128 URL-safe characters (A-Z a-z 0-9 _ -)"
+            )
+
+
 MAX_CLIENT_NAME_CHARS = 256
 
 

@@ -125,7 +125,8 @@ SUSPEND_MEMORY = prometheus_client.Counter(
     "gpuloom_dispatcher_suspend_memory_total",
     "What became of suspended clients' device memory: released (the driver's checkpoint API "
     "moved it to host memory), resident (kept on the GPU: no API, or the lock or checkpoint "
-    "failed), restored (back at resume), restore_failed (not back: still suspended)",
+    "failed), restored (back at resume), restore_failed (not back: still suspended), moved "
+    "(restored onto another GPU of the node), move_failed (not: still suspended here)",
     ["gpu", "outcome"],
 )
 SUSPENDED = prometheus_client.Gauge(

@@ -13,7 +13,7 @@ from gpuloom.domain.training import MAX_SUSPEND_REASON_CHARS
 from gpuloom.services.common.grpc_errors import rpc, stream_rpc
 from gpuloom.services.dispatcher import convert
 from gpuloom.services.dispatcher.core import DispatcherCore
-from gpuloom.services.dispatcher.domain import check_assignment_id
+from gpuloom.services.dispatcher.domain import MoveTarget, check_assignment_id
 from gpuloom.services.dispatcher.model_store import ModelStore
 from gpuloom.v1 import dispatcher_pb2 as pb
 from gpuloom.v1 import dispatcher_pb2_grpc as pb_grpc
@@ -83,6 +83,23 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
         status = await core.suspend(
             check_assignment_id(request.assignment_id), request.max_wait_ms / 1e3, request.reason
         )
+        return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
+
+    @rpc(SERVICE)
+    async def MoveClient(self, request: pb.MoveClientRequest, context: Context) -> pb.ClientStatus:
+        core = self._core
+        target = MoveTarget(
+            request.target_gpu_uuid, request.target_socket_path, request.target_token
+        )
+        status = await core.move_out(check_assignment_id(request.assignment_id), target)
+        return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
+
+    @rpc(SERVICE)
+    async def UnlockMovedClient(
+        self, request: pb.UnlockMovedClientRequest, context: Context
+    ) -> pb.ClientStatus:
+        core = self._core
+        status = await core.unlock_moved(check_assignment_id(request.assignment_id))
         return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
 
     @rpc(SERVICE)

@@ -81,7 +81,9 @@ TRAINING_PACKINGS = prometheus_client.Counter(
 TRAINING_MIGRATIONS = prometheus_client.Counter(
     "gpuloom_placement_training_migrations_total",
     "Training-job migrations by outcome: moved, hook_failed (the checkpoint hook failed or timed "
-    "out: the job stays where it is), abandoned (the job ended, or the target refused)",
+    "out: the job stays where it is), move_failed (a move without a hook through the driver's "
+    "checkpoint API failed: the job stays suspended where it was, then resumed), abandoned (the "
+    "job ended, or the target refused)",
     ["outcome"],
 )
 TRAINING_SUSPEND_MEMORY = prometheus_client.Gauge(

@@ -16,7 +16,10 @@
   with ReportCheckpoint. On success the job's binding moves to the target (the old reservation
   is released) and the runner restarts the job there; on failure or without an answer by the
   deadline the target is given back and the job stays where it is, running, with the error in
-  its training state, a metric and a log line. Jobs without a checkpoint hook never migrate.
+  its training state, a metric and a log line. A one-GPU job without a checkpoint hook moves
+  only to a GPU of its node and model, both dispatchers freeing a suspended job's memory:
+  placement suspends it (checkpointed), MoveClient restores it onto the target and moves its
+  shim there, UnlockMovedClient lets it run on; no runner is asked, nothing restarts.
 - **Grow-shrink** (`gandiva-gs`, elastic jobs: `JobSpec.max_gpus`): a resize is a migration
   whose first GPU stays. A grow takes the idle GPUs in the fleet (as further GPUs of the job)
   and reserves them on their dispatchers before the runner is asked; a shrink asks at once.
@@ -100,6 +103,12 @@ SWITCH_S = 1.0  # one suspend + resume, as the simulator counts it (docs/trainin
 # a GPU that then failed to bind it (it waits again) is not time-sliced in again as long.
 RETRY_QUANTA = 5
 MOVE_SUFFIX = "@move"  # the fleet id of the capacity a migrating job holds on its target
+# A move without a hook (the driver's checkpoint API, docs/training.md): the longest a
+# restore onto the target may take (beyond the dispatcher call timeout), how long the moved
+# shim has to register with the target's dispatcher, and the reason its suspension carries.
+MOVE_CALL_S = 60.0
+MOVE_REGISTER_S = 10.0
+MOVE_REASON = "gandiva: migration"
 
 
 class TrainingControl(Protocol):
@@ -113,6 +122,19 @@ class TrainingControl(Protocol):
 
     async def resume(self, address: str, assignment_id: str) -> bool:
         """Resume the client; returns whether it is still suspended. Raises a DomainError."""
+        ...
+
+    async def move(
+        self, address: str, assignment_id: str, target_gpu_uuid: str, socket_path: str, token: str
+    ) -> str:
+        """MoveClient: restore a client suspended with its memory checkpointed onto another GPU
+        of its node and move its shim there; returns "" when moved, else why it stays
+        suspended where it is. Raises a DomainError (not checkpointed, bad target)."""
+        ...
+
+    async def unlock_moved(self, address: str, assignment_id: str) -> None:
+        """UnlockMovedClient on the target. Raises a DomainError (FailedPrecondition before
+        the moved process registered there)."""
         ...
 
 
@@ -145,6 +167,32 @@ class GrpcTrainingControl:
             raise _domain_error(address, error) from None
         return status.suspended
 
+    async def move(
+        self, address: str, assignment_id: str, target_gpu_uuid: str, socket_path: str, token: str
+    ) -> str:
+        request = dispatcher_pb2.MoveClientRequest(
+            assignment_id=assignment_id,
+            target_gpu_uuid=target_gpu_uuid,
+            target_socket_path=socket_path,
+            target_token=token,
+        )
+        try:
+            status = await self._channels.stub(address).MoveClient(
+                request, timeout=self._timeout_s + MOVE_CALL_S
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _domain_error(address, error) from None
+        return status.suspended_memory_note if status.suspended_memory_note else ""
+
+    async def unlock_moved(self, address: str, assignment_id: str) -> None:
+        request = dispatcher_pb2.UnlockMovedClientRequest(assignment_id=assignment_id)
+        try:
+            await self._channels.stub(address).UnlockMovedClient(
+                request, timeout=self._timeout_s + MOVE_CALL_S
+            )
+        except grpc.aio.AioRpcError as error:
+            raise _domain_error(address, error) from None
+
 
 @dataclass(frozen=True, slots=True)
 class TrainingConfig:
@@ -176,6 +224,9 @@ class _Move:
     gpus: tuple[str, ...] = ()
     added: tuple[str, ...] = ()
     committing: bool = False  # the runner reported success: the first GPU is re-reserved
+    # Without a hook: moved by placement through the driver's checkpoint API (same node, same
+    # GPU model, one GPU), not by the runner.
+    hookless: bool = False
 
     @property
     def resize(self) -> bool:
@@ -211,6 +262,10 @@ class _Track:
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
     memory_released: bool = False  # suspended with its device memory in host memory
     memory_note: str = ""  # suspended: its dispatcher's note on its memory
+    # Moved without a hook but not unlocked on its new GPU yet: that dispatcher's address
+    # (UnlockMovedClient is tried again every tick until it answers).
+    unlock_at: str = ""
+    unlocking: bool = False  # a retry is under way
 
 
 @dataclass(slots=True)
@@ -398,6 +453,11 @@ class TrainingDriver:
             self._count_suspend_memory(managed)
         for job, move in starts:
             self._spawn(self._reserve_target(job, move))
+        async with self._cluster.lock:
+            for job_id, track in self._tracks.items():
+                if track.unlock_at and not track.unlocking:
+                    track.unlocking = True
+                    self._spawn(self._unlock_again(job_id, track.unlock_at))
         await self._switch(calls)
 
     def _count_suspend_memory(self, managed: Sequence[Job]) -> None:
@@ -534,7 +594,8 @@ class TrainingDriver:
                     utilisation=track.utilisation,
                     gpu_model=j.spec.gpu_model,
                     measured=track.solo_minibatch_s > 0,
-                    movable=j.spec.checkpoint is not None and now >= track.retry_at,
+                    movable=(j.spec.checkpoint is not None or self._movable_without_hook(j))
+                    and now >= track.retry_at,
                     extra_gpus=tuple(g.gpu_uuid for g in j.binding.extra),
                     gpus=max(j.spec.whole_gpus, 1),
                     max_gpus=j.spec.max_gpus,
@@ -792,6 +853,8 @@ class TrainingDriver:
                 running = {jobs[turn].job_id}
             for job in jobs:
                 track = self._tracks.setdefault(job.job_id, _Track())
+                if track.move is not None and track.move.hookless:
+                    continue  # placement suspends and moves it itself
                 suspend = job.job_id not in running and track.move is None
                 if track.commanded_suspended is None and not suspend:
                     continue  # never suspended by us: nothing to resume
@@ -857,18 +920,40 @@ class TrainingDriver:
 
     # ---- migration ----
 
+    def _movable_without_hook(self, job: Job) -> bool:
+        """A job without a checkpoint hook can move through the driver's checkpoint API: one
+        GPU, whose dispatcher frees a suspended job's memory."""
+        binding = job.binding
+        return (
+            binding is not None
+            and not binding.extra
+            and self._memory_in_turns.get(binding.gpu_uuid, False)
+        )
+
     def _begin_move(
         self, job_id: str, target_uuid: str, reason: str, now: float
     ) -> tuple[Job, _Move] | None:
-        """Take the target's capacity in the fleet for a job with a checkpoint hook (under
-        the lock); None when the job cannot move now."""
+        """Take the target's capacity in the fleet for a job with a checkpoint hook, or one
+        without that can move through the driver's checkpoint API to a GPU of its node of the
+        same model (under the lock); None when the job cannot move now."""
         job = self._cluster.job(job_id)
-        if job is None or job.binding is None or job.spec.checkpoint is None:
+        if job is None or job.binding is None:
+            return None
+        hookless = job.spec.checkpoint is None
+        if hookless and not self._movable_without_hook(job):
             return None
         track = self._tracks.setdefault(job_id, _Track())
         if track.move is not None or now < track.retry_at or not self._cluster.has_gpu(target_uuid):
             return None
         record = self._cluster.record(target_uuid)
+        if hookless:
+            source = self._cluster.record(job.binding.gpu_uuid)
+            if (
+                record.info.node != job.binding.node
+                or record.info.model != source.info.model
+                or not self._memory_in_turns.get(target_uuid, False)
+            ):
+                return None
         current = allocation(job)
         wanted = replace(
             current,
@@ -896,7 +981,14 @@ class TrainingDriver:
             ),
             reason=reason,
             requested_at=now,
-            deadline=now + job.spec.checkpoint.effective_timeout_s + self.config.hook_grace_s,
+            deadline=now
+            + (
+                MOVE_CALL_S + MOVE_REGISTER_S
+                if job.spec.checkpoint is None
+                else job.spec.checkpoint.effective_timeout_s
+            )
+            + self.config.hook_grace_s,
+            hookless=hookless,
         )
         track.move = move
         self._cluster.note_moving(job_id, (target_uuid,))
@@ -1034,14 +1126,92 @@ class TrainingDriver:
             if not move.resize:
                 move.target = replace(target, environment=environment)
             move.reserved = True
+            if move.hookless:
+                move.committing = True  # placement moves it: no runner's report to wait for
+                self._spawn(self._move_without_hook(job, move))
             log.info(
                 "migration asked for",
                 job=job.job_id,
                 target=target.gpu_uuid,
                 reason=move.reason,
                 migration=move.migration_id,
+                hook=not move.hookless,
             )
             self._show(job.job_id, publish=True)
+
+    async def _move_without_hook(self, job: Job, move: _Move) -> None:
+        """The target is reserved: suspend the job at its source (its memory checkpointed),
+        MoveClient there (restored onto the target, its shim registers with the target's
+        dispatcher), UnlockMovedClient at the target once it registered, then commit the move.
+        A failure leaves it suspended where it was, with the reason; the target is given back
+        and it is not moved again for RETRY_QUANTA quanta (then to wherever the policy says)."""
+        assert self._control is not None and job.binding is not None
+        source, target = job.binding, move.target
+        note = ""
+        try:
+            await self._control.suspend(
+                source.dispatcher_address, job.job_id, self.config.suspend_wait_ms, MOVE_REASON
+            )
+            note = await self._control.move(
+                source.dispatcher_address,
+                job.job_id,
+                target.gpu_uuid,
+                target.environment.get("GPULOOM_DISPATCHER_SOCKET", ""),
+                target.token,
+            )
+        except DomainError as error:
+            note = error.message
+        unlock_error = ""
+        if not note:
+            unlock_error = await self._unlock_when_registered(target.dispatcher_address, job.job_id)
+        async with self._cluster.lock:
+            track = self._tracks.get(job.job_id)
+            if track is None or track.move is not move:
+                self._release_targets(job.job_id, move)  # ended meanwhile
+                return
+            if note:
+                self._fail_move(job.job_id, track, f"move without a hook failed: {note}")
+                track.commanded_suspended = True  # suspended at its source: resumed there
+                track.commanded_at = self._clock()
+            else:
+                self._commit_move(job.job_id, track, move)
+                if unlock_error:  # it is on the target, locked: said, and tried every tick
+                    self._not_unlocked(job.job_id, track, target.dispatcher_address, unlock_error)
+            self._show(job.job_id, publish=True)
+
+    def _not_unlocked(self, job_id: str, track: _Track, address: str, error: str) -> None:
+        track.unlock_at = address
+        track.last_hook_error = f"moved, but not unlocked yet: {error}"[:4096]
+        track.last_hook_error_at = self._clock()
+        log.error("moved job not unlocked; tried again every tick", job=job_id, error=error)
+
+    async def _unlock_again(self, job_id: str, address: str) -> None:
+        """One more UnlockMovedClient for a job moved without a hook whose unlock failed."""
+        error = await self._unlock_when_registered(address, job_id)
+        async with self._cluster.lock:
+            track = self._tracks.get(job_id)
+            if track is None:
+                return
+            track.unlocking = False
+            if not error:
+                track.unlock_at = ""
+                track.last_hook_error = ""
+                log.info("moved job unlocked", job=job_id)
+                self._show(job_id, publish=True)
+
+    async def _unlock_when_registered(self, address: str, assignment_id: str) -> str:
+        """UnlockMovedClient, retried until the moved shim registered (MOVE_REGISTER_S at
+        most). Returns "" when unlocked, else the last error."""
+        assert self._control is not None
+        deadline = time.monotonic() + MOVE_REGISTER_S
+        while True:
+            try:
+                await self._control.unlock_moved(address, assignment_id)
+                return ""
+            except DomainError as error:
+                if time.monotonic() >= deadline:
+                    return error.message
+            await asyncio.sleep(0.1)
 
     async def report_checkpoint(
         self, job_id: str, migration_id: str, succeeded: bool, message: str
@@ -1060,6 +1230,11 @@ class TrainingDriver:
                     f"job {job_id} has no migration {migration_id!r} in progress"
                 )
             assert track is not None and job.binding is not None
+            if move.hookless:
+                raise FailedPrecondition(
+                    f"job {job_id}: migration {migration_id} is placement's own (no hook): "
+                    "nothing to report"
+                )
             if not succeeded:
                 self._fail_move(job_id, track, message or "the checkpoint hook failed")
                 self._show(job_id, publish=True)
@@ -1071,38 +1246,47 @@ class TrainingDriver:
                     raise FailedPrecondition(f"job {job_id}: resize {migration_id} is under way")
                 move.committing = True
             else:
-                old = job.binding
-                self._cluster.release(job_id + MOVE_SUFFIX)
-                self._cluster.release(job_id, old.gpu_uuid)  # the source has room again
-                x, y, w, h = move.target.rect
-                current = allocation(job)
-                self._cluster.hold(
-                    move.target.gpu_uuid,
-                    replace(
-                        current,
-                        rect=Rect(x, y, w, h),
-                        slice_of="",
-                        memory_bytes=current.runs_with_bytes,
-                        turn_memory_bytes=0,  # alone on its target
-                    ),
-                )
-                self._moved(job_id, track)
-                track.migrations += 1
-                moved = job.advance(self._clock(), binding=move.target)
-                self._cluster.update_live(moved)
-                self._show(job_id, publish=True)
-                self._release(old, job_id)
-                metrics.TRAINING_MIGRATIONS.labels("moved").inc()
-                log.info(
-                    "training job migrated",
-                    job=job_id,
-                    source=old.gpu_uuid,
-                    target=move.target.gpu_uuid,
-                    reason=move.reason,
-                )
+                moved = self._commit_move(job_id, track, move)
         if move.resize:
             return await self._commit_resize(job, track, move)
         moved = self._cluster.job(job_id) or moved
+        return moved
+
+    def _commit_move(self, job_id: str, track: _Track, move: _Move) -> Job:
+        """A migration succeeded (under the lock): the job's binding and capacity move to the
+        target, the source is released."""
+        job = self._cluster.job(job_id)
+        assert job is not None and job.binding is not None
+        old = job.binding
+        self._cluster.release(job_id + MOVE_SUFFIX)
+        self._cluster.release(job_id, old.gpu_uuid)  # the source has room again
+        x, y, w, h = move.target.rect
+        current = allocation(job)
+        self._cluster.hold(
+            move.target.gpu_uuid,
+            replace(
+                current,
+                rect=Rect(x, y, w, h),
+                slice_of="",
+                memory_bytes=current.runs_with_bytes,
+                turn_memory_bytes=0,  # alone on its target
+            ),
+        )
+        self._moved(job_id, track)
+        track.migrations += 1
+        moved = job.advance(self._clock(), binding=move.target)
+        self._cluster.update_live(moved)
+        self._show(job_id, publish=True)
+        self._release(old, job_id)
+        metrics.TRAINING_MIGRATIONS.labels("moved").inc()
+        log.info(
+            "training job migrated",
+            job=job_id,
+            source=old.gpu_uuid,
+            target=move.target.gpu_uuid,
+            reason=move.reason,
+            hook=not move.hookless,
+        )
         return moved
 
     async def _commit_resize(self, job: Job, track: _Track, move: _Move) -> Job:
@@ -1171,9 +1355,11 @@ class TrainingDriver:
         track.last_hook_error = error[:4096]
         track.last_hook_error_at = self._clock()
         track.retry_at = track.last_hook_error_at + RETRY_QUANTA * self.config.quantum_s
-        metrics.TRAINING_MIGRATIONS.labels("hook_failed").inc()
+        metrics.TRAINING_MIGRATIONS.labels("move_failed" if move.hookless else "hook_failed").inc()
         log.warning(
-            "checkpoint hook failed: the job stays where it is",
+            "move without a hook failed: the job stays where it is"
+            if move.hookless
+            else "checkpoint hook failed: the job stays where it is",
             job=job_id,
             migration=move.migration_id,
             target=move.target.gpu_uuid,

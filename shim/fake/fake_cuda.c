@@ -60,8 +60,23 @@
  * CHECKPOINTED, restorable later) and copies every byte back to the same addresses. A request
  * in the wrong state gets CUDA_ERROR_ILLEGAL_STATE; one for a pid that is not a live CUDA
  * process of this fake, CUDA_ERROR_INVALID_VALUE. Memory another process opened through IPC
- * keeps the bytes it had at the checkpoint. The restore args' GPU remapping is not modelled
- * (one fake GPU). GPULOOM_FAKE_CUDA_CKPT_FAIL=restore makes restores fail (state FAILED).
+ * keeps the bytes it had at the checkpoint. GPULOOM_FAKE_CUDA_CKPT_FAIL=restore makes restores
+ * fail (state FAILED).
+ *
+ * Several GPUs of one node (GPULOOM_FAKE_CUDA_GPUS="UUID=CHIP:MIB,..." , at most 8, UUIDs as
+ * NVML writes them, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx): each has its own memory ledger
+ * (memory-UUID.ledger, shared by its processes as above) and its own engine (engine-UUID.lock);
+ * a process runs on the one GPULOOM_FAKE_CUDA_GPU names (default: the first), which is its
+ * device 0 (cuDeviceGetName answers its chip). A malformed list or an unknown GPU: cuInit fails
+ * (CUDA_ERROR_INVALID_VALUE / CUDA_ERROR_INVALID_DEVICE) and says why on stderr. Without the
+ * list there is one GPU, GPU-fa4e0000-0000-0000-0000-000000000000 (the fake NVML's device 0),
+ * of GPULOOM_FAKE_CUDA_MEM_MIB. cuCheckpointProcessRestore honours the GPU pairs of CUDA 13.0's
+ * CUcheckpointRestoreArgs (the layout is declared here: the cuda.h this build uses has only
+ * reserved words there): the process's memory is taken on the new GPU (the old one's stays
+ * given back) and it runs there from then on. A pair whose old UUID is not the process's GPU:
+ * CUDA_ERROR_INVALID_VALUE; a new UUID that is not a GPU of the list, or one of another chip
+ * type: CUDA_ERROR_INVALID_DEVICE; no room there: CUDA_ERROR_OUT_OF_MEMORY. Each leaves the
+ * process CHECKPOINTED, restorable later (onto its own GPU or another).
  * Built with -DFAKE_MINIMAL it has no checkpoint API, like a driver older than r570.
  *
  * Built with -DFAKE_MINIMAL it lacks cuLaunchKernelEx, cuFuncGetName and cuKernelGetName, like
@@ -111,6 +126,21 @@ static uint64_t g_switch_us;       /* GPULOOM_FAKE_CUDA_SWITCH_US */
 static int g_ledger_fd = -1;       /* GPULOOM_FAKE_CUDA_SHARED_MEMORY=1: the GPU's memory ledger */
 static int g_fail_restore;         /* GPULOOM_FAKE_CUDA_CKPT_FAIL=restore */
 
+/* The node's fake GPUs (GPULOOM_FAKE_CUDA_GPUS; one by default) and the one this process runs
+ * on. */
+#define FAKE_GPUS_MAX 8
+typedef struct {
+    unsigned char uuid[16];
+    char chip[64];
+    uint64_t total;
+} fake_gpu;
+static fake_gpu g_gpus[FAKE_GPUS_MAX];
+static int g_gpu_count;
+static int g_gpu;                /* index in g_gpus */
+static int g_gpu_listed;         /* GPULOOM_FAKE_CUDA_GPUS was given */
+static CUresult g_gpu_error;     /* the GPU settings were invalid: what cuInit answers */
+static char g_dir[512];
+
 static void trace(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void trace(const char *fmt, ...) {
     if (g_trace_fd < 0) return;
@@ -126,30 +156,134 @@ static void trace(const char *fmt, ...) {
     }
 }
 
+/* "GPU-" and 32 hex digits (dashes between them ignored) -> 16 bytes. 0: parsed. */
+static int uuid_parse(const char *text, size_t length, unsigned char out[16]) {
+    if (length < 4 || strncmp(text, "GPU-", 4) != 0) return -1;
+    int digits = 0;
+    for (size_t i = 4; i < length; i++) {
+        char c = text[i];
+        if (c == '-') continue;
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
+              : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        if (v < 0 || digits >= 32) return -1;
+        if (digits % 2 == 0) out[digits / 2] = (unsigned char)(v << 4);
+        else out[digits / 2] |= (unsigned char)v;
+        digits++;
+    }
+    return digits == 32 ? 0 : -1;
+}
+
+/* 16 bytes -> GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (out: at least 41 bytes). */
+static void uuid_format(const unsigned char uuid[16], char *out) {
+    int n = sprintf(out, "GPU-");
+    for (int i = 0; i < 16; i++) {
+        if (i == 4 || i == 6 || i == 8 || i == 10) out[n++] = '-';
+        n += sprintf(out + n, "%02x", uuid[i]);
+    }
+}
+
+static int gpu_find(const unsigned char uuid[16]) {
+    for (int i = 0; i < g_gpu_count; i++)
+        if (memcmp(g_gpus[i].uuid, uuid, 16) == 0) return i;
+    return -1;
+}
+
+static void gpu_settings_invalid(CUresult error, const char *fmt, const char *what) {
+    fprintf(stderr, "gpuloom fake libcuda: ");
+    fprintf(stderr, fmt, what);
+    fprintf(stderr, "\n");
+    g_gpu_error = error;
+}
+
+/* GPULOOM_FAKE_CUDA_GPUS: "UUID=CHIP:MIB" entries, comma-separated. */
+static void gpus_parse(const char *list) {
+    g_gpu_listed = 1;
+    const char *at = list;
+    while (*at) {
+        const char *end = strchr(at, ',');
+        size_t length = end ? (size_t)(end - at) : strlen(at);
+        char entry[160];
+        if (length == 0 || length >= sizeof entry || g_gpu_count == FAKE_GPUS_MAX) {
+            gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE,
+                                 "GPULOOM_FAKE_CUDA_GPUS: %s (want 1..8 UUID=CHIP:MIB entries)", list);
+            return;
+        }
+        memcpy(entry, at, length);
+        entry[length] = 0;
+        char *equals = strchr(entry, '='), *colon = strrchr(entry, ':');
+        fake_gpu *gpu = &g_gpus[g_gpu_count];
+        char *mib_end = NULL;
+        unsigned long long mib = colon ? strtoull(colon + 1, &mib_end, 10) : 0;
+        if (!equals || !colon || colon < equals || colon == equals + 1 ||
+            (size_t)(colon - equals - 1) >= sizeof gpu->chip || !mib_end || *mib_end || mib == 0 ||
+            mib > (1ull << 24) || uuid_parse(entry, (size_t)(equals - entry), gpu->uuid) != 0 ||
+            gpu_find(gpu->uuid) >= 0) {
+            gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE,
+                                 "GPULOOM_FAKE_CUDA_GPUS: bad entry %s (want UUID=CHIP:MIB, UUIDs "
+                                 "GPU-<32 hex digits>, each once)", entry);
+            return;
+        }
+        memcpy(gpu->chip, equals + 1, (size_t)(colon - equals - 1));
+        gpu->chip[colon - equals - 1] = 0;
+        gpu->total = (uint64_t)mib << 20;
+        g_gpu_count++;
+        at = end ? end + 1 : at + length;
+    }
+    if (g_gpu_count == 0)
+        gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE, "GPULOOM_FAKE_CUDA_GPUS is empty%s", "");
+}
+
+/* The files of GPU `index`: its memory ledger and engine lock (-1: could not open). */
+static int gpu_file(int index, const char *kind) {
+    char file[700], uuid[48];
+    if (!g_gpu_listed) {
+        snprintf(file, sizeof file, "%s/%s", g_dir, strcmp(kind, "memory") == 0 ? "memory.ledger" : "engine.lock");
+    } else {
+        uuid_format(g_gpus[index].uuid, uuid);
+        snprintf(file, sizeof file, "%s/%s-%s.%s", g_dir, kind, uuid,
+                 strcmp(kind, "memory") == 0 ? "ledger" : "lock");
+    }
+    return open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+}
+
 __attribute__((constructor)) static void fake_setup(void) {
     const char *path = getenv("GPULOOM_FAKE_CUDA_TRACE");
     if (path && *path) g_trace_fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    char dir[512];
     const char *base = getenv("GPULOOM_FAKE_CUDA_DIR");
     if (base && *base)
-        snprintf(dir, sizeof dir, "%s", base);
+        snprintf(g_dir, sizeof g_dir, "%s", base);
     else
-        snprintf(dir, sizeof dir, "/tmp/gpuloom-fake-cuda-%u", (unsigned)getuid());
-    mkdir(dir, 0755);
+        snprintf(g_dir, sizeof g_dir, "/tmp/gpuloom-fake-cuda-%u", (unsigned)getuid());
+    mkdir(g_dir, 0755);
+    const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
+    const char *gpus = getenv("GPULOOM_FAKE_CUDA_GPUS");
+    if (gpus && *gpus) {
+        gpus_parse(gpus);
+    } else {
+        g_gpu_count = 1;
+        uuid_parse("GPU-fa4e0000-0000-0000-0000-000000000000", 40, g_gpus[0].uuid);
+        snprintf(g_gpus[0].chip, sizeof g_gpus[0].chip, "gpuloom fake GPU");
+        g_gpus[0].total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+    }
+    const char *mine = getenv("GPULOOM_FAKE_CUDA_GPU");
+    if (g_gpu_error == CUDA_SUCCESS && mine && *mine) {
+        unsigned char uuid[16];
+        g_gpu = uuid_parse(mine, strlen(mine), uuid) == 0 ? gpu_find(uuid) : -1;
+        if (g_gpu < 0) {
+            g_gpu = 0;
+            gpu_settings_invalid(CUDA_ERROR_INVALID_DEVICE,
+                                 "GPULOOM_FAKE_CUDA_GPU=%s is not a GPU of GPULOOM_FAKE_CUDA_GPUS", mine);
+        }
+    }
+    g_engine_fd = gpu_file(g_gpu, "engine");
     char file[600];
-    snprintf(file, sizeof file, "%s/engine.lock", dir);
-    g_engine_fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    snprintf(file, sizeof file, "%s/runs.log", dir);
+    snprintf(file, sizeof file, "%s/runs.log", g_dir);
     g_runs_fd = open(file, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     const char *shared = getenv("GPULOOM_FAKE_CUDA_SHARED_MEMORY");
-    if (shared && strcmp(shared, "1") == 0) {
-        snprintf(file, sizeof file, "%s/memory.ledger", dir);
-        g_ledger_fd = open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    }
+    if (g_gpu_listed || (shared && strcmp(shared, "1") == 0)) g_ledger_fd = gpu_file(g_gpu, "memory");
     const char *fail = getenv("GPULOOM_FAKE_CUDA_CKPT_FAIL");
     g_fail_restore = fail && strcmp(fail, "restore") == 0;
-    const char *mem = getenv("GPULOOM_FAKE_CUDA_MEM_MIB");
-    g_mem_total = (uint64_t)(mem && *mem ? strtoull(mem, NULL, 10) : 81920) << 20;
+    g_mem_total = g_gpus[g_gpu].total;
     const char *switch_us = getenv("GPULOOM_FAKE_CUDA_SWITCH_US");
     if (switch_us && *switch_us) {
         char *end = NULL;
@@ -538,9 +672,9 @@ static int pid_alive(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno ==
 
 /* Under the ledger's flock: the device memory every live process holds, and this process's
  * slot (-1: none free). */
-static uint64_t ledger_scan(ledger_slot *slots, int *mine) {
+static uint64_t ledger_scan(int fd, ledger_slot *slots, int *mine) {
     memset(slots, 0, sizeof(ledger_slot) * LEDGER_SLOTS);
-    if (pread(g_ledger_fd, slots, sizeof(ledger_slot) * LEDGER_SLOTS, 0) < 0) { /* empty */
+    if (pread(fd, slots, sizeof(ledger_slot) * LEDGER_SLOTS, 0) < 0) { /* empty */
     }
     uint64_t used = 0;
     int me = (int)getpid(), empty = -1;
@@ -558,24 +692,28 @@ static uint64_t ledger_scan(ledger_slot *slots, int *mine) {
     return used;
 }
 
-/* Take (delta > 0, if the GPU has room) or give back (delta < 0) device memory. 0: no room. */
-static int ledger_change(int64_t delta) {
-    if (g_ledger_fd < 0) return 1;
+/* Take (delta > 0, if the GPU of ledger `fd`, `total` bytes, has room) or give back (delta < 0)
+ * device memory. 0: no room. */
+static int ledger_change_on(int fd, uint64_t total, int64_t delta) {
+    if (fd < 0) return 1;
     ledger_slot slots[LEDGER_SLOTS];
     int mine, ok = 1;
-    flock(g_ledger_fd, LOCK_EX);
-    uint64_t used = ledger_scan(slots, &mine);
-    if (mine < 0 || (delta > 0 && used + (uint64_t)delta > g_mem_total)) {
+    flock(fd, LOCK_EX);
+    uint64_t used = ledger_scan(fd, slots, &mine);
+    if (mine < 0 || (delta > 0 && used + (uint64_t)delta > total)) {
         ok = delta <= 0;
     } else {
         ledger_slot *slot = &slots[mine];
         slot->bytes = delta < 0 && (uint64_t)-delta > slot->bytes ? 0 : slot->bytes + delta;
-        if (pwrite(g_ledger_fd, slot, sizeof *slot, (off_t)(mine * sizeof *slot)) < 0) {
+        if (pwrite(fd, slot, sizeof *slot, (off_t)(mine * sizeof *slot)) < 0) {
         }
     }
-    flock(g_ledger_fd, LOCK_UN);
+    flock(fd, LOCK_UN);
     return ok;
 }
+
+/* The same on this process's GPU. */
+static int ledger_change(int64_t delta) { return ledger_change_on(g_ledger_fd, g_mem_total, delta); }
 
 /* The device memory in use: every live process's (shared mode), else this process's. */
 static uint64_t device_used(void) {
@@ -583,7 +721,7 @@ static uint64_t device_used(void) {
     ledger_slot slots[LEDGER_SLOTS];
     int mine;
     flock(g_ledger_fd, LOCK_SH);
-    uint64_t used = ledger_scan(slots, &mine);
+    uint64_t used = ledger_scan(g_ledger_fd, slots, &mine);
     flock(g_ledger_fd, LOCK_UN);
     return used;
 }
@@ -759,6 +897,7 @@ static pthread_once_t g_ckpt_once = PTHREAD_ONCE_INIT;
 
 EXPORT CUresult CUDAAPI cuInit(unsigned int flags) {
     if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    if (g_gpu_error != CUDA_SUCCESS) return g_gpu_error;
 #ifndef FAKE_MINIMAL
     pthread_once(&g_ckpt_once, ckpt_start);
 #endif
@@ -792,7 +931,9 @@ EXPORT CUresult CUDAAPI cuDeviceGetName(char *name, int length, CUdevice device)
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
     if (name == NULL || length <= 0) return CUDA_ERROR_INVALID_VALUE;
     if (device != 0) return CUDA_ERROR_INVALID_DEVICE;
-    snprintf(name, (size_t)length, "gpuloom fake GPU");
+    pthread_mutex_lock(&g_lock);
+    snprintf(name, (size_t)length, "%s", g_gpus[g_gpu].chip);
+    pthread_mutex_unlock(&g_lock);
     return CUDA_SUCCESS;
 }
 
@@ -1888,7 +2029,25 @@ typedef struct {
     int32_t result;
     uint32_t unused;
     uint64_t saved_bytes; /* device memory in host memory while checkpointed */
+    uint32_t pair_count;  /* a restore's GPU pairs (old UUID, new UUID) */
+    uint32_t unused2;
+    unsigned char pairs[FAKE_GPUS_MAX][2][16];
 } ckpt_page;
+
+/* CUDA 13.0's CUcheckpointGpuPair and CUcheckpointRestoreArgs, whose layout the cuda.h this
+ * build uses (12.9: reserved words only) does not declare: the pairs in its first words. */
+typedef struct {
+    CUuuid oldUuid;
+    CUuuid newUuid;
+} fake_gpu_pair;
+typedef struct {
+    fake_gpu_pair *gpuPairs;
+    unsigned int gpuPairsCount;
+    char reserved[52 - sizeof(fake_gpu_pair *)];
+    cuuint64_t reserved1;
+} fake_restore_args;
+_Static_assert(sizeof(fake_restore_args) == sizeof(CUcheckpointRestoreArgs),
+               "CUDA 13.0's restore args are as large as the reserved words of older headers");
 
 static ckpt_page *g_ckpt;    /* this process's page (NULL: not served) */
 static char g_ckpt_path[64];
@@ -1965,10 +2124,47 @@ static CUresult ckpt_checkpoint(void) {
     return CUDA_SUCCESS;
 }
 
-/* Called with g_lock held: the device memory taken again, every byte copied back. */
+/* Called with g_lock held: the GPU a restore puts the process on (its own unless a pair moves
+ * it), or an error (then nothing changed). */
+static CUresult ckpt_target(int *target) {
+    *target = g_gpu;
+    for (uint32_t i = 0; i < g_ckpt->pair_count && i < FAKE_GPUS_MAX; i++) {
+        if (memcmp(g_ckpt->pairs[i][0], g_gpus[g_gpu].uuid, 16) != 0) return CUDA_ERROR_INVALID_VALUE;
+        int to = gpu_find(g_ckpt->pairs[i][1]);
+        if (to < 0 || strcmp(g_gpus[to].chip, g_gpus[g_gpu].chip) != 0) return CUDA_ERROR_INVALID_DEVICE;
+        *target = to;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* Called with g_lock held: the device memory taken again (on the target GPU of the request's
+ * pairs, which the process runs on from then on), every byte copied back. */
 static CUresult ckpt_restore(void) {
     uint64_t saved = g_ckpt->saved_bytes;
-    if (!ledger_change((int64_t)saved)) return CUDA_ERROR_OUT_OF_MEMORY;
+    int target;
+    CUresult refused = ckpt_target(&target);
+    if (refused != CUDA_SUCCESS) return refused;
+    if (target != g_gpu) {
+        int ledger = gpu_file(target, "memory"), engine = gpu_file(target, "engine");
+        if (ledger < 0 || saved > g_gpus[target].total ||
+            !ledger_change_on(ledger, g_gpus[target].total, (int64_t)saved)) {
+            if (ledger >= 0) close(ledger);
+            if (engine >= 0) close(engine);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        char from[48], to[48];
+        uuid_format(g_gpus[g_gpu].uuid, from);
+        uuid_format(g_gpus[target].uuid, to);
+        trace("fake checkpoint moved %s -> %s", from, to);
+        close(g_ledger_fd);
+        g_ledger_fd = ledger;
+        if (g_engine_fd >= 0) close(g_engine_fd);
+        g_engine_fd = engine; /* no kernel runs: the process is locked */
+        g_gpu = target;
+        g_mem_total = g_gpus[target].total;
+    } else if (!ledger_change((int64_t)saved)) {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     int failed = g_fail_restore;
     for (fk_alloc *a = g_allocs; a && !failed; a = a->next) {
         if (a->kind != ALLOC_POINTER || a->fd < 0 || a->bytes != NULL) continue;
@@ -2015,7 +2211,7 @@ static CUresult ckpt_serve(uint32_t op, unsigned timeout_ms) {
         r = ckpt_restore();
         pthread_mutex_unlock(&g_lock);
         if (r == CUDA_SUCCESS) g_ckpt->state = CU_PROCESS_STATE_LOCKED;
-        else if (r != CUDA_ERROR_OUT_OF_MEMORY) g_ckpt->state = CU_PROCESS_STATE_FAILED;
+        else if (r == CUDA_ERROR_UNKNOWN) g_ckpt->state = CU_PROCESS_STATE_FAILED; /* bytes lost */
         break;
     case CK_UNLOCK:
         if (state != CU_PROCESS_STATE_LOCKED) break;
@@ -2100,8 +2296,12 @@ static ckpt_page *ckpt_open(int pid) {
     return p;
 }
 
-static CUresult ckpt_request(const char *entry, int pid, uint32_t op, unsigned timeout_ms) {
+static CUresult ckpt_request(const char *entry, int pid, uint32_t op, unsigned timeout_ms,
+                             const fake_restore_args *restore) {
     if (!g_inited) return CUDA_ERROR_NOT_INITIALIZED;
+    uint32_t pairs = restore ? restore->gpuPairsCount : 0;
+    if (pairs > FAKE_GPUS_MAX || (pairs > 0 && restore->gpuPairs == NULL))
+        return CUDA_ERROR_INVALID_VALUE;
     if (pid == (int)getpid()) return CUDA_ERROR_INVALID_VALUE; /* a controller is another process */
     ckpt_page *p = ckpt_open(pid);
     if (p == NULL) return CUDA_ERROR_INVALID_VALUE;
@@ -2111,6 +2311,11 @@ static CUresult ckpt_request(const char *entry, int pid, uint32_t op, unsigned t
     if (lock >= 0) flock(lock, LOCK_EX); /* one controller at a time */
     p->op = op;
     p->timeout_ms = timeout_ms;
+    p->pair_count = pairs;
+    for (uint32_t i = 0; i < pairs; i++) {
+        memcpy(p->pairs[i][0], restore->gpuPairs[i].oldUuid.bytes, 16);
+        memcpy(p->pairs[i][1], restore->gpuPairs[i].newUuid.bytes, 16);
+    }
     uint32_t seq = __atomic_add_fetch(&p->request_seq, 1, __ATOMIC_ACQ_REL);
     futex_wake(&p->request_seq);
     CUresult r;
@@ -2133,22 +2338,22 @@ static CUresult ckpt_request(const char *entry, int pid, uint32_t op, unsigned t
 }
 
 EXPORT CUresult CUDAAPI cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
-    return ckpt_request("cuCheckpointProcessLock", pid, CK_LOCK, args ? args->timeoutMs : 0);
+    return ckpt_request("cuCheckpointProcessLock", pid, CK_LOCK, args ? args->timeoutMs : 0, NULL);
 }
 
 EXPORT CUresult CUDAAPI cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
     (void)args;
-    return ckpt_request("cuCheckpointProcessCheckpoint", pid, CK_CHECKPOINT, 0);
+    return ckpt_request("cuCheckpointProcessCheckpoint", pid, CK_CHECKPOINT, 0, NULL);
 }
 
 EXPORT CUresult CUDAAPI cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
-    (void)args;
-    return ckpt_request("cuCheckpointProcessRestore", pid, CK_RESTORE, 0);
+    return ckpt_request("cuCheckpointProcessRestore", pid, CK_RESTORE, 0,
+                        (const fake_restore_args *)args);
 }
 
 EXPORT CUresult CUDAAPI cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
     (void)args;
-    return ckpt_request("cuCheckpointProcessUnlock", pid, CK_UNLOCK, 0);
+    return ckpt_request("cuCheckpointProcessUnlock", pid, CK_UNLOCK, 0, NULL);
 }
 
 EXPORT CUresult CUDAAPI cuCheckpointProcessGetState(int pid, CUprocessState *state) {

@@ -12,7 +12,7 @@
 
 struct gl_config g_config = {.log_level = LOG_WARN, .wait_ms = 2000, .trace_fd = -1, .event_pool = 4096};
 
-static int valid_token(const char *token) {
+int config_valid_token(const char *token) {
     size_t n = strlen(token);
     if (n < 32 || n > 128) return 0;
     for (const char *p = token; *p; p++) {
@@ -111,7 +111,7 @@ void read_config(void) {
     else if (strlen(socket_path) >= sizeof g_config.socket_path)
         snprintf(g_config.unusable, sizeof g_config.unusable,
                  "GPULOOM_DISPATCHER_SOCKET is longer than a Unix socket path may be (107 bytes)");
-    else if (!valid_token(token))
+    else if (!config_valid_token(token))
         snprintf(g_config.unusable, sizeof g_config.unusable,
                  "GPULOOM_ASSIGNMENT_TOKEN is not 32..128 URL-safe characters");
     if (*g_config.unusable) {

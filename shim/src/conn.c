@@ -62,6 +62,7 @@ static void mark_refused(const char *why) {
 static void adopt_registration(int sock, uint8_t *r, int doorbell, gl_registration *reg) {
     fikit_adopt(r, doorbell, reg);
     pthread_mutex_lock(&g_send_lock);
+    if (g_sock >= 0 && g_sock != sock) close(g_sock); /* moved: the old dispatcher's */
     g_sock = sock;
     g_mode = reg->mode;
     /* The region is complete before the registration is sent: the flag is final. */
@@ -112,7 +113,37 @@ void background_wake(void) {
     }
 }
 
-/* Reads the socket (Evicted, ProtocolError, close) and reconnects; in measure mode also
+/* MoveTo: the process runs on another GPU now; register with its dispatcher (the socket and
+ * token given) and take its region, closing the old connection. Settings that cannot be used
+ * are refused and change nothing. A registration that fails leaves the connection lost, and
+ * the reconnection goes on with the new dispatcher. */
+static void move_to(const uint8_t *frame, size_t length) {
+    char path[sizeof g_config.socket_path], token[sizeof g_config.token], why[512];
+    if (gl_decode_move(frame, length, path, sizeof path, token, sizeof token) != 0 ||
+        !config_valid_token(token)) {
+        say(LOG_WARN, "dispatcher protocol error: a MoveTo without a usable socket and token");
+        return;
+    }
+    snprintf(g_config.socket_path, sizeof g_config.socket_path, "%s", path);
+    snprintf(g_config.token, sizeof g_config.token, "%s", token);
+    int sock = -1, refused = 0, doorbell = -1;
+    uint8_t *r = NULL;
+    gl_registration reg;
+    if (gl_register(g_config.socket_path, g_config.token, program_invocation_short_name,
+                    g_config.wait_ms, &sock, (volatile uint8_t **)&r, &doorbell, &reg, &refused,
+                    why, sizeof why) == 0) {
+        adopt_registration(sock, r, doorbell, &reg);
+        say(LOG_INFO, "moved to the dispatcher at %s: mode %u, memory cap %llu bytes", path,
+            reg.mode, (unsigned long long)reg.memory_cap_bytes);
+        trace("moved mode %u cap %llu", reg.mode, (unsigned long long)reg.memory_cap_bytes);
+    } else if (refused) {
+        mark_refused(why);
+    } else {
+        mark_lost(why);
+    }
+}
+
+/* Reads the socket (Evicted, ProtocolError, MoveTo, close) and reconnects; in measure mode also
  * harvests and sends the kernel records. */
 static void *background(void *arg) {
     (void)arg;
@@ -194,6 +225,10 @@ static void *background(void *arg) {
                 trace("evicted");
             } else if (kind == 3) {
                 say(LOG_WARN, "dispatcher protocol error: %s", text);
+            } else if (kind == 4) {
+                move_to(buffer + 4, length);
+                have = 0; /* the rest was the old dispatcher's */
+                break;
             }
             memmove(buffer, buffer + 4 + length, have - 4 - length);
             have -= 4 + length;

@@ -152,6 +152,8 @@ extern struct gl_config {
 } g_config;
 
 void read_config(void);
+/* A token as an assignment's: 32..128 URL-safe characters. */
+int config_valid_token(const char *token);
 
 /* ---- names.c: kernel names and IDs ---- */
 

@@ -243,9 +243,44 @@ int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *re
         } else if (field == 2 || field == 3) {
             first_string(bytes, (size_t)value, text, text_size);
             result = (int)field;
+        } else if (field == 4) {
+            result = 4;
         }
     }
     return status < 0 ? -1 : result;
+}
+
+/* A string field into `out` (0: it fits with its NUL, and is not empty). */
+static int copy_string(const uint8_t *bytes, uint64_t length, char *out, size_t size) {
+    if (length == 0 || length >= size || memchr(bytes, 0, (size_t)length)) return -1;
+    memcpy(out, bytes, (size_t)length);
+    out[length] = 0;
+    return 0;
+}
+
+int gl_decode_move(const uint8_t *data, size_t length, char *socket_path, size_t path_size,
+                   char *token, size_t token_size) {
+    size_t pos = 0;
+    unsigned field;
+    uint64_t value;
+    const uint8_t *bytes;
+    int status, found = 0;
+    while ((status = next_field(data, length, &pos, &field, &value, &bytes)) == 1) {
+        if (field != 4 || bytes == NULL) continue;
+        size_t inner = 0;
+        unsigned f;
+        uint64_t v;
+        const uint8_t *b;
+        int s, have = 0;
+        while ((s = next_field(bytes, (size_t)value, &inner, &f, &v, &b)) == 1) {
+            if (b == NULL) continue;
+            if (f == 1 && copy_string(b, v, socket_path, path_size) == 0) have |= 1;
+            if (f == 2 && copy_string(b, v, token, token_size) == 0) have |= 2;
+        }
+        if (s < 0) return -1;
+        found = have == 3;
+    }
+    return status == 0 && found ? 0 : -1;
 }
 
 /* ---- registration ---- */

@@ -177,8 +177,12 @@ size_t gl_encode_kernel_record(uint8_t *out, const gl_kernel_record *r);
 int gl_send_measurement_batch(int sock, const uint8_t *records, size_t length);
 
 /* Decode one DispatcherMessage: returns 2 evicted, 3 error (text in `text`), 1 registered,
- * 0 unknown, -1 malformed. */
+ * 4 move_to (read it with gl_decode_move), 0 unknown, -1 malformed. */
 int gl_decode_dispatcher(const uint8_t *data, size_t length, gl_registration *reg, char *text,
                          size_t text_size);
+/* The MoveTo of a DispatcherMessage: its socket path and token, each NUL-terminated. 0: both
+ * there and shorter than their buffers; -1 otherwise (nothing to act on). */
+int gl_decode_move(const uint8_t *data, size_t length, char *socket_path, size_t path_size,
+                   char *token, size_t token_size);
 
 #endif

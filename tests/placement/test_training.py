@@ -38,6 +38,7 @@ from gpuloom.domain.training import (
     TrainingState,
 )
 from gpuloom.policies.training.gandiva import BET_MIN_ENDED, GandivaKnobs
+from gpuloom.services.placement import training as training_module
 from gpuloom.services.placement.convert import job_view
 from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.domain import Job
@@ -589,6 +590,157 @@ async def test_jobs_without_a_hook_are_never_migrated(gandiva: CoreHarness) -> N
         assert job.binding is not None and job.binding.gpu_uuid == "GPU-0"
         assert job.training is not None and job.training.migrations == 0
         assert job.training.migration is None
+    assert not core.inventory.fleet.allocations("GPU-1")
+
+
+async def frees_memory(core: PlacementCore, *gpu_uuids: str) -> None:
+    """Heartbeats saying these GPUs' dispatchers free a suspended job's memory."""
+    for gpu_uuid in gpu_uuids:
+        held = [j.job_id for j in core.jobs.holding(gpu_uuid)]
+        await core.heartbeat(gpu_uuid, 40.0, 0, held, (), suspend_releases_memory=True)
+
+
+async def moved_without_hook(h: CoreHarness, jobs: list[str], gpu_uuid: str) -> str:
+    """Tick until one of the jobs is bound to gpu_uuid (or fail); its id."""
+    core = h.core
+    assert core is not None
+    for _ in range(300):
+        await core.training.tick()
+        for job_id in jobs:
+            job = await core.get(job_id)
+            if job.binding is not None and job.binding.gpu_uuid == gpu_uuid:
+                return job_id
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"none of {jobs} moved to {gpu_uuid}")
+
+
+async def test_a_job_without_a_hook_moves_through_the_drivers_checkpoint_api(
+    gandiva: CoreHarness,
+) -> None:
+    """Where both GPUs' dispatchers free a suspended job's memory, a job without a hook is
+    moved by placement: suspended at its source (checkpointed), MoveClient there, then
+    UnlockMovedClient at the target once its shim registered; the runner is not asked."""
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    control.unregistered_unlocks = 2  # the shim registers with the target a little later
+    a, b = await crowded_then_free(gandiva, training("a"), training("b"))
+    await frees_memory(core, "GPU-0", "GPU-1")
+    moved_before = metric("gpuloom_placement_training_migrations_total", outcome="moved")
+    mover = await moved_without_hook(gandiva, [a, b], "GPU-1")
+    stayed = b if mover == a else a
+    source, target = "10.0.0.0:50060", "10.0.0.1:50060"
+    mine = [c for c in control.calls if c[2] == mover and c[0] != "resume"]
+    assert mine[-5:] == [
+        ("suspend", source, mover),
+        ("move", source, mover),
+        ("unlock_moved", target, mover),
+        ("unlock_moved", target, mover),
+        ("unlock_moved", target, mover),
+    ]
+    job = await core.get(mover)
+    assert job.binding is not None and job.binding.dispatcher_address == target
+    assert job.training is not None and job.training.migrations == 1
+    assert job.training.migration is None and job.training.last_hook_error == ""
+    held = gandiva.dispatchers.held
+    await eventually(lambda: mover not in held[source])
+    assert mover in held[target] and stayed in held[source]
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert fleet.gpu_of(mover) == "GPU-1" and fleet.gpu_of(stayed) == "GPU-0"
+    assert (
+        metric("gpuloom_placement_training_migrations_total", outcome="moved") == moved_before + 1
+    )
+    with pytest.raises(FailedPrecondition):  # there is nothing for a runner to report
+        await core.report_checkpoint(mover, "any", True, "")
+
+
+async def test_a_move_without_a_hook_that_fails_leaves_it_where_it_was_with_the_reason(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    why = "move failed: cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
+    control.move_failures = [why]
+    a, b = await crowded_then_free(gandiva, training("a"), training("b"))
+    await frees_memory(core, "GPU-0", "GPU-1")
+    failed_before = metric("gpuloom_placement_training_migrations_total", outcome="move_failed")
+    for _ in range(300):
+        await core.training.tick()
+        if (
+            not control.move_failures
+            and metric("gpuloom_placement_training_migrations_total", outcome="move_failed")
+            == failed_before + 1
+        ):
+            break
+        await asyncio.sleep(0.01)
+    (tried,) = {c[2] for c in control.calls if c[0] == "move"}
+    job = await core.get(tried)
+    assert job.binding is not None and job.binding.gpu_uuid == "GPU-0"  # where it was
+    assert job.training is not None and job.training.failed_migrations == 1
+    assert job.training.last_hook_error == f"move without a hook failed: {why}"
+    fleet = core.inventory.fleet
+    fleet.verify()
+    assert fleet.gpu_of(tried) == "GPU-0"
+    assert all(x.allocation_id != tried + "@move" for x in fleet.allocations("GPU-1"))
+    # The free GPU goes to the other job instead; the one that failed is not tried again
+    # within its back-off (RETRY_QUANTA quanta).
+    other = b if tried == a else a
+    assert await moved_without_hook(gandiva, [other], "GPU-1") == other
+    for _ in range(3):
+        await core.training.tick()
+    assert [c[2] for c in control.calls if c[0] == "move"].count(tried) == 1
+    assert (await core.get(tried)).binding.gpu_uuid == "GPU-0"  # type: ignore[union-attr]
+
+
+async def test_a_moved_job_whose_shim_registers_late_is_unlocked_at_a_later_tick(
+    gandiva: CoreHarness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target's unlock keeps failing past the move's wait: the move is committed (the
+    process is there), the error shown, and the unlock is tried again every tick until it
+    answers; then the error is cleared."""
+    monkeypatch.setattr(training_module, "MOVE_REGISTER_S", 0.2)
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    control.unregistered_unlocks = 10**6
+    a, b = await crowded_then_free(gandiva, training("a"), training("b"))
+    await frees_memory(core, "GPU-0", "GPU-1")
+    mover = await moved_without_hook(gandiva, [a, b], "GPU-1")
+
+    async def error_shown() -> str:
+        job = await core.get(mover)
+        return job.training.last_hook_error if job.training else ""
+
+    for _ in range(100):
+        if await error_shown():
+            break
+        await asyncio.sleep(0.05)
+    assert (await error_shown()).startswith("moved, but not unlocked yet: no process registered")
+    control.unregistered_unlocks = 0  # the shim registers
+    for _ in range(100):
+        await core.training.tick()
+        if not await error_shown():
+            break
+        await asyncio.sleep(0.05)
+    assert await error_shown() == ""
+    unlocks = [c for c in control.calls if c[0] == "unlock_moved" and c[2] == mover]
+    assert unlocks[-1] == ("unlock_moved", "10.0.0.1:50060", mover)
+
+
+async def test_a_job_without_a_hook_is_not_moved_where_a_dispatcher_keeps_memory_resident(
+    gandiva: CoreHarness,
+) -> None:
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    await crowded_then_free(gandiva, training("a"), training("b"))
+    await frees_memory(core, "GPU-0")  # GPU-1's dispatcher does not (no API, or off)
+    for _ in range(5):
+        await core.training.tick()
+        gandiva.clock.now += QUANTUM
+    assert not [c for c in control.calls if c[0] == "move"]
     assert not core.inventory.fleet.allocations("GPU-1")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import time
@@ -36,6 +37,7 @@ import pytest
 
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.clients.run import JobRunner, RunOutcome
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.placement import JobKind, JobSpec
 from gpuloom.domain.shares import share_of
 from gpuloom.domain.training import CheckpointHook
@@ -966,3 +968,86 @@ async def test_the_head_of_the_queue_preempts_a_backfilled_job_live(
         assert max(head_runs) < head_done_ns
         free_after = await fake_gpu_free(plane)
         assert abs(free_after - free_before) <= free_before / 100, (free_before, free_after)
+
+
+FAKE_UUIDS = (
+    "GPU-aaaa0000-0000-0000-0000-000000000000",
+    "GPU-aaaa0000-0000-0000-0000-000000000001",
+)
+
+
+class FakeGpusBackend(SimulatedBackend):
+    """The simulated GPUs under the fake driver's GPU UUIDs (GPULOOM_FAKE_CUDA_GPUS), which
+    the driver's GPU pairs name."""
+
+    def gpu(self, index: int) -> GpuInfo:
+        return dataclasses.replace(super().gpu(index), gpu_uuid=FAKE_UUIDS[index])
+
+    def gpus(self) -> list[GpuInfo]:
+        return [self.gpu(i) for i in range(len(super().gpus()))]
+
+
+async def test_a_job_without_a_hook_migrates_between_real_dispatchers(
+    short_dir: Path,
+    shim_build: Path,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Migration without a hook, live: two loops that allocate once and reuse (no checkpoint
+    hook) share GPU 0 of a node whose two fake GPUs (GPULOOM_FAKE_CUDA_GPUS, one chip type)
+    each have a dispatcher with the driver's checkpoint API; once GPU 1 registers, placement
+    spreads one of them there by suspending it (its memory checkpointed), MoveClient
+    (restored onto GPU 1, its shim registered with GPU 1's dispatcher) and UnlockMovedClient.
+    The same process runs on, every step exactly once and every byte intact, `gpuloom run`
+    never restarting it, and its memory is GPU 1's."""
+    async with live_plane(short_dir, shim_build, monkeypatch, **GANDIVA) as plane:
+        gpus = ",".join(f"{uuid}=A100:1024" for uuid in FAKE_UUIDS)
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_GPUS", gpus)
+        monkeypatch.setenv("GPULOOM_FAKE_CUDA_GPU", FAKE_UUIDS[0])  # where jobs start
+        plane.release_memory = True
+        plane.backend = FakeGpusBackend("2xA100-80GB")
+        moved_before = counter("gpuloom_placement_training_migrations_total", outcome="moved")
+        first = await plane.add_gpu()
+        said: list[str] = []
+        steps = 300
+        outs = {name: plane.work / f"{name}.out" for name in ("a", "b")}
+        runs = [start(plane, spec(name), steady(steps, out), said) for name, out in outs.items()]
+        try:
+
+            async def allocated() -> bool:
+                return all(
+                    o.exists() and "steady allocated" in o.read_text() for o in outs.values()
+                )
+
+            await until("both jobs' memory allocated", allocated, 20)
+            second = await plane.add_gpu()
+
+            async def one_moved() -> bool:
+                jobs = (await plane.live.stub.ListJobs(pb.ListJobsRequest())).jobs
+                return any(
+                    j.assignment.gpu.gpu_uuid == FAKE_UUIDS[1] and j.training.migrations == 1
+                    for j in jobs
+                )
+
+            await until("a job moved to GPU 1", one_moved, 60)
+        finally:
+            outcomes = await asyncio.wait_for(asyncio.gather(*runs), 180)
+        for outcome, (name, out) in zip(outcomes, outs.items(), strict=True):
+            text = out.read_text()
+            assert outcome.exit_code == 0, (said, text)
+            assert f"steady minibatches={steps} done={steps} failed=0 corrupt=0" in text, text
+            ran = [int(x.split()[2]) for x in text.splitlines() if x.startswith("steady step")]
+            assert ran == list(range(steps)), f"{name}: a step lost or repeated"
+            assert text.count("init rc=0") == 1, f"{name}: started again"
+        moved = [await plane.job_named(name) for name in outs]
+        assert sorted(j.assignment.gpu.gpu_uuid for j in moved) == sorted(FAKE_UUIDS)
+        assert (
+            counter("gpuloom_placement_training_migrations_total", outcome="moved")
+            == moved_before + 1
+        )
+        for dispatcher in (first, second):
+            for job in moved:
+                await until(
+                    "the reservations released",
+                    lambda d=dispatcher, j=job: _holds_none(d, j.job_id),
+                    10,
+                )

@@ -1,5 +1,6 @@
 """Stand-ins for the dispatcher side of Gandiva's live mechanisms: an in-memory
-`TrainingControl` (SuspendClient / ResumeClient) for the core's tests, and a dispatcher gRPC
+`TrainingControl` (SuspendClient / ResumeClient, MoveClient / UnlockMovedClient) for the core's
+tests, and a dispatcher gRPC
 server implementing just Reserve, Release, SuspendClient and ResumeClient for the tests that
 run placement and `gpuloom run` end to end (the real dispatcher's side is issue 16's other
 half)."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from gpuloom.domain.errors import Unavailable
+from gpuloom.domain.errors import FailedPrecondition, Unavailable
 from gpuloom.v1 import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 
@@ -19,6 +20,8 @@ class FakeTrainingControl:
         self.suspended: set[str] = set()
         self.calls: list[tuple[str, str, str]] = []
         self.down: set[str] = set()
+        self.move_failures: list[str] = []
+        self.unregistered_unlocks = 0
 
     async def suspend(
         self, address: str, assignment_id: str, max_wait_ms: float, reason: str
@@ -35,6 +38,29 @@ class FakeTrainingControl:
         self.calls.append(("resume", address, assignment_id))
         self.suspended.discard(assignment_id)
         return False
+
+    async def move(
+        self, address: str, assignment_id: str, target_gpu_uuid: str, socket_path: str, token: str
+    ) -> str:
+        """Moved unless `move_failures` holds a reason (taken, one per call); the moved
+        process registers with the target after `unregistered_unlocks` refused unlocks."""
+        if address in self.down:
+            raise Unavailable(f"dispatcher {address} unreachable")
+        self.calls.append(("move", address, assignment_id))
+        if assignment_id not in self.suspended:
+            raise FailedPrecondition(
+                f"{assignment_id} is not suspended with its memory checkpointed"
+            )
+        if self.move_failures:
+            return self.move_failures.pop(0)
+        self.suspended.discard(assignment_id)  # it runs on the target once unlocked
+        return ""
+
+    async def unlock_moved(self, address: str, assignment_id: str) -> None:
+        self.calls.append(("unlock_moved", address, assignment_id))
+        if self.unregistered_unlocks > 0:
+            self.unregistered_unlocks -= 1
+            raise FailedPrecondition(f"no process registered for {assignment_id!r} yet")
 
 
 class FakeDispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):

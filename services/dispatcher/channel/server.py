@@ -270,6 +270,19 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
                 for bound in ("request", "limit"):
                     metrics.CLIENT_QUOTA.remove(self._gpu, assignment_id, bound)
 
+    def move_client(self, assignment_id: str, socket_path: str, token: str) -> bool:
+        """Tell a connected process it now runs on another GPU: it registers with that GPU's
+        dispatcher (`socket_path`, under `token`) and closes this connection. False: no process
+        is connected under the assignment."""
+        connection = self._by_assignment.get(assignment_id)
+        if connection is None:
+            return False
+        move = shim_pb2.DispatcherMessage(
+            move_to=shim_pb2.MoveTo(socket_path=socket_path, token=token)
+        )
+        self._send(connection, move)
+        return True
+
     def connected(self) -> dict[str, ConnectedProcess]:
         """assignment id -> the process of every registered connection."""
         return {
