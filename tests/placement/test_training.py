@@ -89,11 +89,17 @@ def metric(name: str, **labels: str) -> float:
 
 @pytest.fixture
 async def gandiva(tmp_path: Path):
+    async for harness in _gandiva(tmp_path, GandivaKnobs()):
+        yield harness
+
+
+async def _gandiva(tmp_path: Path, knobs: GandivaKnobs):
+    """A started core under gandiva with `knobs`, its fake training control at `h.control`."""
     control = FakeTrainingControl()
     h = CoreHarness(
         tmp_path,
         training=TrainingConfig(
-            policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600
+            policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600, gandiva=knobs
         ),
         training_control=control,
     )
@@ -776,28 +782,14 @@ async def slicing_on_evidence(tmp_path: Path):
         yield harness
 
 
-async def _slicing(tmp_path: Path, bet_min_ended: int):
-    control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva",
-            quantum_s=QUANTUM,
-            pack_trial_s=TRIAL,
-            tick_s=3600,
-            gandiva=GandivaKnobs(
-                slice_after_s=SLICE_AFTER,
-                share_after_s=SHARE_AFTER,
-                queue_ahead=0,
-                bet_min_ended=bet_min_ended,
-            ),
-        ),
-        training_control=control,
+def _slicing(tmp_path: Path, bet_min_ended: int):
+    knobs = GandivaKnobs(
+        slice_after_s=SLICE_AFTER,
+        share_after_s=SHARE_AFTER,
+        queue_ahead=0,
+        bet_min_ended=bet_min_ended,
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    return _gandiva(tmp_path, knobs)
 
 
 def whole_gpu(name: str, *, memory_gib: float = 8, priority: int = 5) -> JobSpec:
@@ -1128,28 +1120,15 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
 async def preempting(tmp_path: Path):
     """gandiva that never time-slices a waiting job in (it would wait a week) but lets the
     head of the queue preempt after 600 s, a job that has run 300 s."""
-    control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva",
-            quantum_s=QUANTUM,
-            pack_trial_s=TRIAL,
-            tick_s=3600,
-            gandiva=GandivaKnobs(
-                slice_after_s=604_800,
-                share_after_s=SHARE_AFTER,
-                queue_ahead=0,
-                bet_min_ended=0,
-                preempt_after_s=SLICE_AFTER,
-            ),
-        ),
-        training_control=control,
+    knobs = GandivaKnobs(
+        slice_after_s=604_800,
+        share_after_s=SHARE_AFTER,
+        queue_ahead=0,
+        bet_min_ended=0,
+        preempt_after_s=SLICE_AFTER,
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    async for harness in _gandiva(tmp_path, knobs):
+        yield harness
 
 
 async def test_the_head_of_the_queue_preempts_a_later_job_through_suspension(
