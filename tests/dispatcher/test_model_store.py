@@ -239,10 +239,11 @@ async def test_without_a_models_directory_loading_is_off(short_dir: Path) -> Non
     dispatcher, channel = await start_live(short_dir)
     try:
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "GPULOOM_DISPATCHER_MODELS_DIR" in caught.value.details()
+        await assert_refused(
+            stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "GPULOOM_DISPATCHER_MODELS_DIR",
+        )
     finally:
         await channel.close()
         await stop_live(dispatcher)
@@ -378,10 +379,11 @@ async def test_without_a_usable_driver_loading_says_why_and_charges_nothing(
     )
     try:
         stub = dispatcher_pb2_grpc.DispatcherStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "cannot load the CUDA driver" in caught.value.details()
+        await assert_refused(
+            stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "cannot load the CUDA driver",
+        )
         listed = await stub.ListModels(pb.ListModelsRequest())
         assert not listed.models and listed.store_bytes == 0
         status = await stub.GetGpuStatus(pb.GetGpuStatusRequest())

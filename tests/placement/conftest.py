@@ -22,6 +22,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 from tests.conftest import POSTGRES_URL
+from tests.placement.harness import CoreHarness
 from tests.polling import eventually  # noqa: F401 (the placement tests' import)
 
 GIB = 1 << 30
@@ -47,6 +48,15 @@ async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
     app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
     yield app
     await app.stop(0)
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[CoreHarness]:
+    """A started placement core (tests/placement/harness.py): SQLite, fake dispatchers."""
+    h = CoreHarness(tmp_path)
+    await h.start()
+    yield h
+    await h.stop()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

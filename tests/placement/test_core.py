@@ -37,14 +37,6 @@ def gpu(i: int, memory_gib: int = 80) -> GpuInfo:
     return GpuInfo(f"GPU-{i}", f"node-{i // 2}", "A100-80GB", memory_gib * GIB, 108)
 
 
-@pytest.fixture
-async def harness(tmp_path: Path):
-    h = CoreHarness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
-
-
 async def test_a_silent_gpu_is_lost_with_its_jobs_and_comes_back_on_its_next_heartbeat(
     harness: CoreHarness,
 ) -> None:

@@ -65,14 +65,6 @@ def mig_task(**kw) -> JobSpec:
     )
 
 
-@pytest.fixture
-async def harness(tmp_path: Path):
-    h = CoreHarness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
-
-
 async def settled(core, job_id: str, state: JobState):
     for _ in range(300):
         job = await core.get(job_id)
