@@ -349,11 +349,8 @@ async def test_a_placement_started_again_resumes_its_own_suspensions_and_no_othe
 ) -> None:
     """The dispatchers kept suspensions an earlier placement made (this one has no memory of
     them): those made for time-slicing are resumed in their turn, one made by hand is not."""
-    core = gandiva.core
-    assert core is not None
     control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
-    for i in range(2):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await gandiva.with_gpus(gpu, range(2))
     # Quota 60: one such job per GPU; each alone on its GPU, so each would run.
     ours = (await core.submit("r-ours", training("ours", quota=60))).job_id
     by_hand = (await core.submit("r-hand", training("hand", quota=60))).job_id
@@ -730,10 +727,7 @@ async def test_a_migration_never_over_commits_the_target_nodes_cpu(gandiva: Core
 async def test_a_training_job_alone_on_several_gpus_runs_on_them_undisturbed(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    for i in range(3):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await gandiva.with_gpus(gpu, range(3))
     spec = JobSpec(
         name="wide",
         kind=JobKind.TRAINING,
@@ -917,11 +911,8 @@ async def test_a_time_sliced_job_survives_a_placement_restart(slicing: CoreHarne
 async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gpus(
     slicing: CoreHarness,
 ) -> None:
-    core = slicing.core
-    assert core is not None
     control: FakeTrainingControl = slicing.control  # type: ignore[attr-defined]
-    for i in range(2):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await slicing.with_gpus(gpu, range(2))
 
     def wide(name: str) -> JobSpec:
         return JobSpec(
