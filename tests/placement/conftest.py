@@ -53,10 +53,8 @@ async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
 @pytest.fixture
 async def harness(tmp_path: Path) -> AsyncIterator[CoreHarness]:
     """A started placement core (tests/placement/harness.py): SQLite, fake dispatchers."""
-    h = CoreHarness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
+    async with CoreHarness(tmp_path) as h:
+        yield h
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Self
 
 from gpuloom.domain.gpus import GpuInfo
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
@@ -84,3 +85,10 @@ class CoreHarness:
         assert self.core is not None and self.engine is not None
         await self.core.stop()
         await self.engine.dispose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()

@@ -143,10 +143,8 @@ class Harness(CoreHarness):
 
 @pytest.fixture
 async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
-    h = Harness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
+    async with Harness(tmp_path) as h:
+        yield h
 
 
 def ids(jobs: list[Job]) -> list[str]:

@@ -96,17 +96,12 @@ async def gandiva(tmp_path: Path):
 async def _gandiva(tmp_path: Path, knobs: GandivaKnobs):
     """A started core under gandiva with `knobs`, its fake training control at `h.control`."""
     control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600, gandiva=knobs
-        ),
-        training_control=control,
+    training = TrainingConfig(
+        policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600, gandiva=knobs
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    async with CoreHarness(tmp_path, training=training, training_control=control) as h:
+        h.control = control  # type: ignore[attr-defined]
+        yield h
 
 
 async def beat(core: PlacementCore, gpu_uuid: str, reports: list[TrainingReport]) -> None:
