@@ -5,10 +5,12 @@ services that keep state in one (`gpuloom migrate`, the one-shot job of compose 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
+from pydantic import BaseModel
 
 from gpuloom.services.common.auth import ServerSecurity
 from gpuloom.services.common.database import ensure_reachable, head_revision
@@ -48,6 +50,25 @@ class Endpoint:
     address: str
 
 
+App = TypeVar("App", ProfileStoreApp, ProfilerApp, PlacementApp)
+Settings = TypeVar("Settings", bound=BaseModel)
+
+
+def _started(started: Sequence[object], kind: type[App]) -> App | None:
+    """The service of `kind` started in this process, if any."""
+    return next((app for app in started if isinstance(app, kind)), None)
+
+
+def _pointed_at(
+    settings: Settings, field: str, app: App | None, common: CommonSettings, keep: bool = True
+) -> Settings:
+    """`settings` with the address `field` set to `app`'s, when `app` runs in this process,
+    unless (`keep`) the setting already names an address."""
+    if app is None or (keep and getattr(settings, field)):
+        return settings
+    return settings.model_copy(update={field: f"{common.bind_host}:{app.port}"})
+
+
 async def run(
     services: tuple[str, ...],
     announce: Callable[[list[Endpoint]], None],
@@ -76,43 +97,29 @@ async def run(
         if "profiler" in services:
             port_variable = "GPULOOM_PROFILER_PORT"
             settings = load(ProfilerSettings)
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None:  # the store in this process, wherever it listens
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
+            # The store in this process, wherever the settings say it listens.
+            store = _started(started, ProfileStoreApp)
+            settings = _pointed_at(settings, "profile_store_address", store, common, keep=False)
             profiler = await ProfilerApp.start(settings, common.bind_host)
             started.append(profiler)
             endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
         if "placement" in services:
             port_variable = "GPULOOM_PLACEMENT_PORT"
             settings = load(PlacementSettings)
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None and not settings.profile_store_address:
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
+            store = _started(started, ProfileStoreApp)
+            settings = _pointed_at(settings, "profile_store_address", store, common)
             placement = await PlacementApp.start(settings, common.bind_host, common.data_dir)
             started.append(placement)
             endpoints.append(Endpoint("placement (gRPC)", f"{common.bind_host}:{placement.port}"))
         if "dispatcher" in services:
             port_variable = "GPULOOM_DISPATCHER_PORT"  # GPU i's dispatcher listens on it + i
             settings = load(DispatcherSettings)
-            profiler = next((a for a in started if isinstance(a, ProfilerApp)), None)
-            if profiler is not None and not settings.profiler_address:
-                settings = settings.model_copy(
-                    update={"profiler_address": f"{common.bind_host}:{profiler.port}"}
-                )
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None and not settings.profile_store_address:
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
-            placement = next((a for a in started if isinstance(a, PlacementApp)), None)
-            if placement is not None and not settings.placement_address:
-                settings = settings.model_copy(
-                    update={"placement_address": f"{common.bind_host}:{placement.port}"}
-                )
+            profiler = _started(started, ProfilerApp)
+            settings = _pointed_at(settings, "profiler_address", profiler, common)
+            store = _started(started, ProfileStoreApp)
+            settings = _pointed_at(settings, "profile_store_address", store, common)
+            placement = _started(started, PlacementApp)
+            settings = _pointed_at(settings, "placement_address", placement, common)
             dispatchers = await DispatcherApp.start(settings, common.bind_host, common.data_dir)
             started.append(dispatchers)
             for dispatcher in dispatchers.dispatchers:

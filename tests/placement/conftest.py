@@ -51,9 +51,15 @@ async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
 
 
 @pytest.fixture
-async def harness(tmp_path: Path) -> AsyncIterator[CoreHarness]:
+def harness_class() -> type[CoreHarness]:
+    """The harness `harness` starts; a test module overrides it for a subclass of its own."""
+    return CoreHarness
+
+
+@pytest.fixture
+async def harness(tmp_path: Path, harness_class: type[CoreHarness]) -> AsyncIterator[CoreHarness]:
     """A started placement core (tests/placement/harness.py): SQLite, fake dispatchers."""
-    async with CoreHarness(tmp_path) as h:
+    async with harness_class(tmp_path) as h:
         yield h
 
 

@@ -142,9 +142,8 @@ class Harness(CoreHarness):
 
 
 @pytest.fixture
-async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
-    async with Harness(tmp_path) as h:
-        yield h
+def harness_class() -> type[Harness]:
+    return Harness
 
 
 def ids(jobs: list[Job]) -> list[str]:
