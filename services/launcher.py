@@ -54,19 +54,21 @@ App = TypeVar("App", ProfileStoreApp, ProfilerApp, PlacementApp)
 Settings = TypeVar("Settings", bound=BaseModel)
 
 
-def _started(started: Sequence[object], kind: type[App]) -> App | None:
-    """The service of `kind` started in this process, if any."""
-    return next((app for app in started if isinstance(app, kind)), None)
-
-
 def _pointed_at(
-    settings: Settings, field: str, app: App | None, common: CommonSettings, keep: bool = True
+    settings: Settings,
+    started: Sequence[object],
+    common: CommonSettings,
+    keep: bool = True,
+    **addresses: type[App],
 ) -> Settings:
-    """`settings` with the address `field` set to `app`'s, when `app` runs in this process,
-    unless (`keep`) the setting already names an address."""
-    if app is None or (keep and getattr(settings, field)):
-        return settings
-    return settings.model_copy(update={field: f"{common.bind_host}:{app.port}"})
+    """`settings` with each address setting named in `addresses` set to that of the service of
+    its kind started in this process, if there is one, unless (`keep`) it already names one."""
+    update = {}
+    for field, kind in addresses.items():
+        app = next((app for app in started if isinstance(app, kind)), None)
+        if app is not None and not (keep and getattr(settings, field)):
+            update[field] = f"{common.bind_host}:{app.port}"
+    return settings.model_copy(update=update) if update else settings
 
 
 async def run(
@@ -96,30 +98,35 @@ async def run(
             endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
         if "profiler" in services:
             port_variable = "GPULOOM_PROFILER_PORT"
-            settings = load(ProfilerSettings)
             # The store in this process, wherever the settings say it listens.
-            store = _started(started, ProfileStoreApp)
-            settings = _pointed_at(settings, "profile_store_address", store, common, keep=False)
+            settings = _pointed_at(
+                load(ProfilerSettings),
+                started,
+                common,
+                keep=False,
+                profile_store_address=ProfileStoreApp,
+            )
             profiler = await ProfilerApp.start(settings, common.bind_host)
             started.append(profiler)
             endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
         if "placement" in services:
             port_variable = "GPULOOM_PLACEMENT_PORT"
-            settings = load(PlacementSettings)
-            store = _started(started, ProfileStoreApp)
-            settings = _pointed_at(settings, "profile_store_address", store, common)
+            settings = _pointed_at(
+                load(PlacementSettings), started, common, profile_store_address=ProfileStoreApp
+            )
             placement = await PlacementApp.start(settings, common.bind_host, common.data_dir)
             started.append(placement)
             endpoints.append(Endpoint("placement (gRPC)", f"{common.bind_host}:{placement.port}"))
         if "dispatcher" in services:
             port_variable = "GPULOOM_DISPATCHER_PORT"  # GPU i's dispatcher listens on it + i
-            settings = load(DispatcherSettings)
-            profiler = _started(started, ProfilerApp)
-            settings = _pointed_at(settings, "profiler_address", profiler, common)
-            store = _started(started, ProfileStoreApp)
-            settings = _pointed_at(settings, "profile_store_address", store, common)
-            placement = _started(started, PlacementApp)
-            settings = _pointed_at(settings, "placement_address", placement, common)
+            settings = _pointed_at(
+                load(DispatcherSettings),
+                started,
+                common,
+                profiler_address=ProfilerApp,
+                profile_store_address=ProfileStoreApp,
+                placement_address=PlacementApp,
+            )
             dispatchers = await DispatcherApp.start(settings, common.bind_host, common.data_dir)
             started.append(dispatchers)
             for dispatcher in dispatchers.dispatchers:
