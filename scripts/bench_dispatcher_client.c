@@ -43,6 +43,28 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
+static void sleep_us(long pause_us) {
+    if (pause_us <= 0) return;
+    struct timespec pause = {.tv_sec = pause_us / 1000000, .tv_nsec = (pause_us % 1000000) * 1000};
+    nanosleep(&pause, NULL);
+}
+
+enum { LATENCIES_CAPACITY = 1 << 20 };
+
+static int64_t *latency_buffer(void) {
+    int64_t *latencies = malloc(LATENCIES_CAPACITY * sizeof *latencies);
+    if (latencies == NULL) die("malloc");
+    return latencies;
+}
+
+/* The latencies (ns), raw int64s, to `out_path`. */
+static void write_latencies(const char *out_path, const int64_t *latencies, size_t count) {
+    FILE *out = fopen(out_path, "wb");
+    if (out == NULL) die("open output");
+    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
+    fclose(out);
+}
+
 static uint32_t load_epoch(volatile uint8_t *region) {
     return __atomic_load_n((uint32_t *)(region + GL_OFF_EPOCH), __ATOMIC_ACQUIRE);
 }
@@ -66,12 +88,11 @@ static int ask(int use_desk, int sock, volatile uint8_t *region, int doorbell,
  * for the next one, then wait for it in the region. Latencies (ns) to `out_path`. */
 static void measure(volatile uint8_t *region, int sock, int doorbell, int use_desk,
                     double seconds, long pause_us, uint64_t spin_ns, const char *out_path) {
-    size_t capacity = 1 << 20, count = 0;
-    int64_t *latencies = malloc(capacity * sizeof *latencies);
-    if (latencies == NULL) die("malloc");
+    size_t count = 0;
+    int64_t *latencies = latency_buffer();
     uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
     int first = 1;
-    while (now_ns() < stop && count < capacity) {
+    while (now_ns() < stop && count < LATENCIES_CAPACITY) {
         uint64_t previous = load_u64(region, GL_OFF_LEASE_ID);
         gl_usage report = {.lease_id = previous, .gpu_time_ns = 1000, .release = 1};
         uint64_t started = now_ns();
@@ -98,16 +119,9 @@ static void measure(volatile uint8_t *region, int sock, int doorbell, int use_de
         }
         if (!first) latencies[count++] = (int64_t)(now_ns() - started);
         first = 0;
-        if (pause_us > 0) {
-            struct timespec pause = {.tv_sec = pause_us / 1000000,
-                                     .tv_nsec = (pause_us % 1000000) * 1000};
-            nanosleep(&pause, NULL);
-        }
+        sleep_us(pause_us);
     }
-    FILE *out = fopen(out_path, "wb");
-    if (out == NULL) die("open output");
-    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
-    fclose(out);
+    write_latencies(out_path, latencies, count);
     free(latencies);
 }
 
@@ -126,27 +140,19 @@ static int pingpong(double seconds, long pause_us, const char *out_path) {
         _exit(0);
     }
     close(pair[1]);
-    size_t capacity = 1 << 20, count = 0;
-    int64_t *latencies = malloc(capacity * sizeof *latencies);
-    if (latencies == NULL) die("malloc");
+    size_t count = 0;
+    int64_t *latencies = latency_buffer();
     uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9);
-    while (now_ns() < stop && count < capacity) {
+    while (now_ns() < stop && count < LATENCIES_CAPACITY) {
         char byte = 'x';
         uint64_t started = now_ns();
         if (send(pair[0], &byte, 1, 0) != 1 || recv(pair[0], &byte, 1, 0) != 1) die("pingpong");
         latencies[count++] = (int64_t)(now_ns() - started);
-        if (pause_us > 0) {
-            struct timespec pause = {.tv_sec = pause_us / 1000000,
-                                     .tv_nsec = (pause_us % 1000000) * 1000};
-            nanosleep(&pause, NULL);
-        }
+        sleep_us(pause_us);
     }
     close(pair[0]);
     waitpid(child, NULL, 0);
-    FILE *out = fopen(out_path, "wb");
-    if (out == NULL) die("open output");
-    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
-    fclose(out);
+    write_latencies(out_path, latencies, count);
     return 0;
 }
 
@@ -167,30 +173,22 @@ static int pingpong_futex(double seconds, long pause_us, const char *out_path) {
         }
         _exit(0);
     }
-    size_t capacity = 1 << 20, count = 0;
-    int64_t *latencies = malloc(capacity * sizeof *latencies);
-    if (latencies == NULL) die("malloc");
+    size_t count = 0;
+    int64_t *latencies = latency_buffer();
     uint64_t stop = now_ns() + (uint64_t)(seconds * 1e9), one = 1;
-    while (now_ns() < stop && count < capacity) {
+    while (now_ns() < stop && count < LATENCIES_CAPACITY) {
         uint32_t seen = __atomic_load_n(word, __ATOMIC_ACQUIRE);
         uint64_t started = now_ns();
         if (write(bell, &one, sizeof one) != (ssize_t)sizeof one) die("eventfd");
         while (__atomic_load_n(word, __ATOMIC_ACQUIRE) == seen)
             syscall(SYS_futex, word, FUTEX_WAIT, seen, NULL, NULL, 0);
         latencies[count++] = (int64_t)(now_ns() - started);
-        if (pause_us > 0) {
-            struct timespec pause = {.tv_sec = pause_us / 1000000,
-                                     .tv_nsec = (pause_us % 1000000) * 1000};
-            nanosleep(&pause, NULL);
-        }
+        sleep_us(pause_us);
     }
     __atomic_store_n(word + 1, 1, __ATOMIC_RELEASE);
     if (write(bell, &one, sizeof one) != (ssize_t)sizeof one) die("eventfd");
     waitpid(child, NULL, 0);
-    FILE *out = fopen(out_path, "wb");
-    if (out == NULL) die("open output");
-    if (fwrite(latencies, sizeof *latencies, count, out) != count) die("write output");
-    fclose(out);
+    write_latencies(out_path, latencies, count);
     return 0;
 }
 

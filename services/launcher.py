@@ -5,10 +5,12 @@ services that keep state in one (`gpuloom migrate`, the one-shot job of compose 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import structlog
+from pydantic import BaseModel
 
 from gpuloom.services.common.auth import ServerSecurity
 from gpuloom.services.common.database import ensure_reachable, head_revision
@@ -48,6 +50,27 @@ class Endpoint:
     address: str
 
 
+App = TypeVar("App", ProfileStoreApp, ProfilerApp, PlacementApp)
+Settings = TypeVar("Settings", bound=BaseModel)
+
+
+def _pointed_at(
+    settings: Settings,
+    started: Sequence[object],
+    common: CommonSettings,
+    keep: bool = True,
+    **addresses: type[App],
+) -> Settings:
+    """`settings` with each address setting named in `addresses` set to that of the service of
+    its kind started in this process, if there is one, unless (`keep`) it already names one."""
+    update = {}
+    for field, kind in addresses.items():
+        app = next((app for app in started if isinstance(app, kind)), None)
+        if app is not None and not (keep and getattr(settings, field)):
+            update[field] = f"{common.bind_host}:{app.port}"
+    return settings.model_copy(update=update) if update else settings
+
+
 async def run(
     services: tuple[str, ...],
     announce: Callable[[list[Endpoint]], None],
@@ -75,44 +98,35 @@ async def run(
             endpoints.append(Endpoint("profile-store (gRPC)", f"{common.bind_host}:{app.port}"))
         if "profiler" in services:
             port_variable = "GPULOOM_PROFILER_PORT"
-            settings = load(ProfilerSettings)
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None:  # the store in this process, wherever it listens
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
+            # The store in this process, wherever the settings say it listens.
+            settings = _pointed_at(
+                load(ProfilerSettings),
+                started,
+                common,
+                keep=False,
+                profile_store_address=ProfileStoreApp,
+            )
             profiler = await ProfilerApp.start(settings, common.bind_host)
             started.append(profiler)
             endpoints.append(Endpoint("profiler (gRPC)", f"{common.bind_host}:{profiler.port}"))
         if "placement" in services:
             port_variable = "GPULOOM_PLACEMENT_PORT"
-            settings = load(PlacementSettings)
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None and not settings.profile_store_address:
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
+            settings = _pointed_at(
+                load(PlacementSettings), started, common, profile_store_address=ProfileStoreApp
+            )
             placement = await PlacementApp.start(settings, common.bind_host, common.data_dir)
             started.append(placement)
             endpoints.append(Endpoint("placement (gRPC)", f"{common.bind_host}:{placement.port}"))
         if "dispatcher" in services:
             port_variable = "GPULOOM_DISPATCHER_PORT"  # GPU i's dispatcher listens on it + i
-            settings = load(DispatcherSettings)
-            profiler = next((a for a in started if isinstance(a, ProfilerApp)), None)
-            if profiler is not None and not settings.profiler_address:
-                settings = settings.model_copy(
-                    update={"profiler_address": f"{common.bind_host}:{profiler.port}"}
-                )
-            store = next((a for a in started if isinstance(a, ProfileStoreApp)), None)
-            if store is not None and not settings.profile_store_address:
-                settings = settings.model_copy(
-                    update={"profile_store_address": f"{common.bind_host}:{store.port}"}
-                )
-            placement = next((a for a in started if isinstance(a, PlacementApp)), None)
-            if placement is not None and not settings.placement_address:
-                settings = settings.model_copy(
-                    update={"placement_address": f"{common.bind_host}:{placement.port}"}
-                )
+            settings = _pointed_at(
+                load(DispatcherSettings),
+                started,
+                common,
+                profiler_address=ProfilerApp,
+                profile_store_address=ProfileStoreApp,
+                placement_address=PlacementApp,
+            )
             dispatchers = await DispatcherApp.start(settings, common.bind_host, common.data_dir)
             started.append(dispatchers)
             for dispatcher in dispatchers.dispatchers:

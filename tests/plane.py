@@ -66,6 +66,23 @@ def start_up(env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
+def placement_in_banner(process: subprocess.Popen[str]) -> str:
+    """The placement address in the banner of `gpuloom up` (one GPU: six lines, read here)."""
+    assert process.stdout is not None
+    banner = [process.stdout.readline() for _ in range(6)]
+    return next(line for line in banner if "placement" in line).split()[-1]
+
+
+def stop_up(process: subprocess.Popen[str], timeout_s: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not ended within `timeout_s`; its pipes drained."""
+    process.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.communicate(timeout=timeout_s)
+    if process.poll() is None:
+        process.kill()
+        process.communicate()
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

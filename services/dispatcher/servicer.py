@@ -25,6 +25,12 @@ Context = grpc.aio.ServicerContext
 MAX_REASON_CHARS = MAX_SUSPEND_REASON_CHARS
 
 
+def _check_reason(reason: str) -> str:
+    if len(reason) > MAX_REASON_CHARS:
+        raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
+    return reason
+
+
 class DispatcherServicer(pb_grpc.DispatcherServicer):
     def __init__(self, core: DispatcherCore, models: ModelStore) -> None:
         self._core = core
@@ -68,20 +74,18 @@ class DispatcherServicer(pb_grpc.DispatcherServicer):
     async def EvictClient(
         self, request: pb.EvictClientRequest, context: Context
     ) -> pb.EvictClientResponse:
-        if len(request.reason) > MAX_REASON_CHARS:
-            raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
-        await self._core.evict(check_assignment_id(request.assignment_id), request.reason)
+        reason = _check_reason(request.reason)
+        await self._core.evict(check_assignment_id(request.assignment_id), reason)
         return pb.EvictClientResponse()
 
     @rpc(SERVICE)
     async def SuspendClient(
         self, request: pb.SuspendClientRequest, context: Context
     ) -> pb.ClientStatus:
-        if len(request.reason) > MAX_REASON_CHARS:
-            raise InvalidArgument("reason", f"must be at most {MAX_REASON_CHARS} characters")
+        reason = _check_reason(request.reason)
         core = self._core
         status = await core.suspend(
-            check_assignment_id(request.assignment_id), request.max_wait_ms / 1e3, request.reason
+            check_assignment_id(request.assignment_id), request.max_wait_ms / 1e3, reason
         )
         return convert.client_status_to_pb(status, core.gpu, core.node, core.socket_path)
 

@@ -44,6 +44,19 @@ static long number(const char *text, long lo, long hi) {
     return errno || *end || end == text || value < lo || value > hi ? -1 : value;
 }
 
+/* The whole number of `unit` in lo..hi that the variable `name` sets, into `*into`; unset,
+ * empty or bad (named on stderr), `*into` keeps its default. */
+static void whole_number(const char *name, long lo, long hi, const char *unit, int *into) {
+    const char *text = getenv(name);
+    if (text == NULL || *text == 0) return;
+    long value = number(text, lo, hi);
+    if (value < 0)
+        bad("%s=%.64s is not a whole number of %s in %ld..%ld; using %d", name, text, unit, lo, hi,
+            *into);
+    else
+        *into = (int)value;
+}
+
 /* Parse the environment once. A bad value is named on stderr and only its own setting falls
  * back (a log level to warn, the wait and the pool to their defaults, the loss policy to
  * closed); every other setting, the memory cap and the admission stay. A socket or token that
@@ -74,24 +87,8 @@ void read_config(void) {
             bad("GPULOOM_ON_DISPATCHER_LOSS=%.64s is not open or closed; failing closed", loss);
         }
     }
-    const char *wait = getenv("GPULOOM_SHIM_WAIT_MS");
-    if (wait && *wait) {
-        long value = number(wait, 1, 600000);
-        if (value < 0)
-            bad("GPULOOM_SHIM_WAIT_MS=%.64s is not a whole number of milliseconds in 1..600000; "
-                "waiting %d ms", wait, g_config.wait_ms);
-        else
-            g_config.wait_ms = (int)value;
-    }
-    const char *pool = getenv("GPULOOM_SHIM_EVENT_POOL");
-    if (pool && *pool) {
-        long value = number(pool, 1, 65536);
-        if (value < 0)
-            bad("GPULOOM_SHIM_EVENT_POOL=%.64s is not a whole number of event pairs in 1..65536; "
-                "using %d", pool, g_config.event_pool);
-        else
-            g_config.event_pool = (int)value;
-    }
+    whole_number("GPULOOM_SHIM_WAIT_MS", 1, 600000, "milliseconds", &g_config.wait_ms);
+    whole_number("GPULOOM_SHIM_EVENT_POOL", 1, 65536, "event pairs", &g_config.event_pool);
     g_config.alive_ns = (uint64_t)g_config.wait_ms * 1000000u;
     if (g_config.alive_ns < GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS)
         g_config.alive_ns = GL_BEAT_MIN_PERIODS * GL_BEAT_PERIOD_NS;

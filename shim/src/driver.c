@@ -50,35 +50,26 @@ void init_once(void) {
         void *p = g_real_dlsym(lib, g_hooks[i].symbol);
         g_real[i] = p == g_hooks[i].hook ? NULL : p; /* never call ourselves */
     }
-    g_aux.func_get_name = (__typeof__(g_aux.func_get_name))g_real_dlsym(lib, "cuFuncGetName");
-    g_aux.kernel_get_name =
-        (__typeof__(g_aux.kernel_get_name))g_real_dlsym(lib, "cuKernelGetName");
-    g_aux.event_create = (__typeof__(g_aux.event_create))g_real_dlsym(lib, "cuEventCreate");
-    g_aux.event_record = (__typeof__(g_aux.event_record))g_real_dlsym(lib, "cuEventRecord");
-    g_aux.event_query = (__typeof__(g_aux.event_query))g_real_dlsym(lib, "cuEventQuery");
-    g_aux.event_elapsed =
-        (__typeof__(g_aux.event_elapsed))g_real_dlsym(lib, "cuEventElapsedTime");
-    g_aux.is_capturing =
-        (__typeof__(g_aux.is_capturing))g_real_dlsym(lib, "cuStreamIsCapturing");
-    g_aux.ctx_get_current =
-        (__typeof__(g_aux.ctx_get_current))g_real_dlsym(lib, "cuCtxGetCurrent");
-    g_aux.ctx_set_current =
-        (__typeof__(g_aux.ctx_set_current))g_real_dlsym(lib, "cuCtxSetCurrent");
-    g_aux.exchange_capture_mode = (__typeof__(g_aux.exchange_capture_mode))g_real_dlsym(
-        lib, "cuThreadExchangeStreamCaptureMode");
-    g_aux.ctx_get_device = (__typeof__(g_aux.ctx_get_device))g_real_dlsym(lib, "cuCtxGetDevice");
-    g_aux.device_get_mem_pool =
-        (__typeof__(g_aux.device_get_mem_pool))g_real_dlsym(lib, "cuDeviceGetMemPool");
-    g_aux.array_requirements =
-        (__typeof__(g_aux.array_requirements))g_real_dlsym(lib, "cuArrayGetMemoryRequirements");
-    g_aux.mipmap_requirements = (__typeof__(g_aux.mipmap_requirements))g_real_dlsym(
-        lib, "cuMipmappedArrayGetMemoryRequirements");
-    g_aux.graph_get_nodes =
-        (__typeof__(g_aux.graph_get_nodes))g_real_dlsym(lib, "cuGraphGetNodes");
-    g_aux.node_get_type =
-        (__typeof__(g_aux.node_get_type))g_real_dlsym(lib, "cuGraphNodeGetType");
-    g_aux.kernel_node_get_params = (__typeof__(g_aux.kernel_node_get_params))g_real_dlsym(
-        lib, "cuGraphKernelNodeGetParams_v2");
+    /* The driver functions the shim calls itself, unhooked: NULL where the driver has none. */
+#define RESOLVE_AUX(field, symbol) g_aux.field = (__typeof__(g_aux.field))g_real_dlsym(lib, symbol)
+    RESOLVE_AUX(func_get_name, "cuFuncGetName");
+    RESOLVE_AUX(kernel_get_name, "cuKernelGetName");
+    RESOLVE_AUX(event_create, "cuEventCreate");
+    RESOLVE_AUX(event_record, "cuEventRecord");
+    RESOLVE_AUX(event_query, "cuEventQuery");
+    RESOLVE_AUX(event_elapsed, "cuEventElapsedTime");
+    RESOLVE_AUX(is_capturing, "cuStreamIsCapturing");
+    RESOLVE_AUX(ctx_get_current, "cuCtxGetCurrent");
+    RESOLVE_AUX(ctx_set_current, "cuCtxSetCurrent");
+    RESOLVE_AUX(exchange_capture_mode, "cuThreadExchangeStreamCaptureMode");
+    RESOLVE_AUX(ctx_get_device, "cuCtxGetDevice");
+    RESOLVE_AUX(device_get_mem_pool, "cuDeviceGetMemPool");
+    RESOLVE_AUX(array_requirements, "cuArrayGetMemoryRequirements");
+    RESOLVE_AUX(mipmap_requirements, "cuMipmappedArrayGetMemoryRequirements");
+    RESOLVE_AUX(graph_get_nodes, "cuGraphGetNodes");
+    RESOLVE_AUX(node_get_type, "cuGraphNodeGetType");
+    RESOLVE_AUX(kernel_node_get_params, "cuGraphKernelNodeGetParams_v2");
+#undef RESOLVE_AUX
 }
 
 /* NVML is loaded by the application, usually after cuInit (pynvml dlopens it when first used),

@@ -3,6 +3,7 @@ FikitPort is the Python reference of the C shim's side)."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -84,6 +85,28 @@ HOLDER_TABLE = [KernelTiming(HOLDER_KERNEL, 100 * US, 2 * MS)]
 FILL_TABLE = [KernelTiming(FILL_SHORT, 200 * US, None), KernelTiming(FILL_LONG, 5 * MS, None)]
 
 
+@contextlib.contextmanager
+def holder_and_filler(arbiter: Arbiter) -> Iterator[tuple[Task, Task]]:
+    """A holder (priority 0) and a filler (priority 5) task, the filler seen filling; both
+    closed on the way out."""
+    high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
+    try:
+        assert holds_within(lambda: low.port.role is FikitRole.FILL)
+        yield high, low
+    finally:
+        high.close()
+        low.close()
+
+
+def refilled(arbiter: Arbiter, filler: Task) -> Task:
+    """`filler` gone (removed and closed); a fresh priority-5 filler in its place, filling."""
+    arbiter.remove_task(filler.slot)
+    filler.close()
+    fresh = Task(arbiter, 5, FILL_TABLE)
+    assert holds_within(lambda: fresh.port.role is FikitRole.FILL)
+    return fresh
+
+
 def test_roles_follow_priority_and_the_next_priority_takes_over(arbiter: Arbiter) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
@@ -117,18 +140,12 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
                 last, longest = now, max(longest, now - last)
             if longest < 0.0015:
                 break
-            arbiter.remove_task(low.slot)
-            low.close()
-            low = fresh = Task(arbiter, 5, FILL_TABLE)
-            assert holds_within(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+            low = refilled(arbiter, low)
         else:
             pytest.fail("the machine never let the holder launch every 1.5 ms")
         assert low.port.granted != seq
         # A 200 us fill fits the 2 ms gap: granted at the holder's next launch.
-        arbiter.remove_task(low.slot)
-        low.close()
-        low = Task(arbiter, 5, FILL_TABLE)
-        assert holds_within(lambda: low.port.role is FikitRole.FILL)
+        low = refilled(arbiter, low)
         in_windows = arbiter.core_counters().granted_window
         seq = low.port.post(FILL_SHORT, FikitPost.REQUEST)
         high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)
@@ -142,9 +159,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
 
 
 def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) -> None:
-    high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
-    try:
-        assert holds_within(lambda: low.port.role is FikitRole.FILL)
+    with holder_and_filler(arbiter) as (_idle_holder, low):
         first = low.port.post(FILL_LONG, FikitPost.REQUEST)
         assert low.port.wait_grant(first, 1.0)  # the holder never launched: idle
         second = low.port.post(FILL_LONG, FikitPost.REQUEST)
@@ -154,9 +169,6 @@ def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) 
         assert low.port.wait_grant(second, 1.0)
         counters = arbiter.core_counters()
         assert counters.granted_idle == 2 and counters.granted_window == 0
-    finally:
-        high.close()
-        low.close()
 
 
 def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter) -> None:
@@ -439,10 +451,7 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
                 break
             if longest < 0.00015:
                 pytest.fail("a busy holder's unrung launches were taken for idleness")
-            arbiter.remove_task(low.slot)
-            low.close()
-            low = fresh = Task(arbiter, 5, FILL_TABLE)
-            assert holds_within(lambda fresh=fresh: fresh.port.role is FikitRole.FILL)
+            low = refilled(arbiter, low)
         else:
             pytest.skip("the machine never let the holder launch every 150 us")
         # Its last kernel still runs: the filler waits; it ends (no ring), the filler goes.
@@ -460,9 +469,7 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
 def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
     arbiter: Arbiter,
 ) -> None:
-    high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
-    try:
-        assert holds_within(lambda: low.port.role is FikitRole.FILL)
+    with holder_and_filler(arbiter) as (high, low):
         arbiter.set_suspended(high.slot, True)
         assert holds_within(lambda: low.port.role is FikitRole.HOLDER)
         # What the suspended shim writes is not read: no request of its is ever granted.
@@ -479,9 +486,6 @@ def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
         arbiter.remove_task(high.slot)
         arbiter.set_suspended(high.slot, True)  # a slot not in use: ignored
         assert holds_within(lambda: low.port.role is FikitRole.HOLDER)
-    finally:
-        high.close()
-        low.close()
 
 
 def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:

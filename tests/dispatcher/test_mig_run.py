@@ -71,6 +71,18 @@ def request_of(tasks: Sequence[MigBatchTask], **fields: object) -> dispatcher_pb
     return dispatcher_pb2.MigRunInput(batch=batch)
 
 
+def short_tasks(count: int, folder: Path) -> list[MigBatchTask]:
+    """`count` tasks t0, t1, ... of 0.1 s in a whole (7-slice) instance, writing in `folder`."""
+    return [task(f"t{i}", {7: 0.1}, folder / f"t{i}.out") for i in range(count)]
+
+
+async def batch_call(stub: Stub, tasks: Sequence[MigBatchTask]) -> grpc.aio.StreamStreamCall:
+    """A RunMigBatch call that has sent its batch of `tasks`; the test is its runner."""
+    call = stub.RunMigBatch()
+    await call.write(request_of(tasks))
+    return call
+
+
 Starter = Callable[[dispatcher_pb2.MigTaskStarted], Awaitable[int]]
 
 
@@ -197,9 +209,8 @@ async def test_a_runner_that_hangs_up_gets_nothing_more_and_frees_the_gpu(
 ) -> None:
     stub, backend, _ = mig_stub
     # Only 7 slices: the three run one after another in one instance.
-    tasks = [task(f"t{i}", {7: 0.1}, tmp_path / f"t{i}.out") for i in range(3)]
-    call = stub.RunMigBatch()
-    await call.write(request_of(tasks))
+    tasks = short_tasks(3, tmp_path)
+    call = await batch_call(stub, tasks)
     handed = []
     async for update in call:
         if update.WhichOneof("update") == "task_started":
@@ -229,9 +240,8 @@ async def test_a_runner_that_stops_sending_ends_the_run(
     mig_stub: tuple[Stub, SimulatedBackend, str], tmp_path: Path
 ) -> None:
     stub, backend, _ = mig_stub
-    tasks = [task(f"t{i}", {7: 0.1}, tmp_path / f"t{i}.out") for i in range(3)]
-    call = stub.RunMigBatch()
-    await call.write(request_of(tasks))
+    tasks = short_tasks(3, tmp_path)
+    call = await batch_call(stub, tasks)
     updates = []
     async for update in call:
         updates.append(update)
@@ -258,9 +268,8 @@ async def test_a_bad_task_end_is_refused_and_ends_the_run(
     needle: str,
 ) -> None:
     stub, backend, _ = mig_stub
-    tasks = [task(f"t{i}", {7: 0.1}, tmp_path / f"t{i}.out") for i in range(2)]
-    call = stub.RunMigBatch()
-    await call.write(request_of(tasks))
+    tasks = short_tasks(2, tmp_path)
+    call = await batch_call(stub, tasks)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         async for update in call:
             if update.WhichOneof("update") == "task_started":

@@ -236,16 +236,10 @@ async def test_bad_load_requests_are_refused_and_load_nothing(store: LiveDispatc
 
 
 async def test_without_a_models_directory_loading_is_off(short_dir: Path) -> None:
-    dispatcher, channel = await start_live(short_dir)
-    try:
-        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "GPULOOM_DISPATCHER_MODELS_DIR" in caught.value.details()
-    finally:
-        await channel.close()
-        await stop_live(dispatcher)
+    async with running_live(short_dir) as live:
+        await assert_refused(
+            load(live), grpc.StatusCode.FAILED_PRECONDITION, "GPULOOM_DISPATCHER_MODELS_DIR"
+        )
 
 
 async def test_a_store_process_that_dies_loses_its_models_and_their_charge(
@@ -373,22 +367,15 @@ async def test_without_a_usable_driver_loading_says_why_and_charges_nothing(
     models = short_dir / "models"
     models.mkdir()
     save_weights(models / "net.safetensors", weights(0))
-    dispatcher, channel = await start_live(
-        short_dir, models_dir=models, cuda_library=str(short_dir / "no-libcuda.so.1")
-    )
-    try:
-        stub = dispatcher_pb2_grpc.DispatcherStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.LoadModel(pb.LoadModelRequest(name="net", path="net.safetensors"))
-        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "cannot load the CUDA driver" in caught.value.details()
-        listed = await stub.ListModels(pb.ListModelsRequest())
+    no_driver = str(short_dir / "no-libcuda.so.1")
+    async with running_live(short_dir, models_dir=models, cuda_library=no_driver) as live:
+        await assert_refused(
+            load(live), grpc.StatusCode.FAILED_PRECONDITION, "cannot load the CUDA driver"
+        )
+        listed = await listing(live)
         assert not listed.models and listed.store_bytes == 0
-        status = await stub.GetGpuStatus(pb.GetGpuStatusRequest())
+        status = await live.stub.GetGpuStatus(pb.GetGpuStatusRequest())
         assert status.memory_reserved_bytes == 0
-    finally:
-        await channel.close()
-        await stop_live(dispatcher)
 
 
 async def test_on_a_gpu_running_mps_the_store_process_is_an_mps_client(

@@ -14,12 +14,7 @@ from gpuloom.services.dispatcher.convert import reserve_spec_from_pb
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import GIB, LiveDispatcher, reserve_request
 from tests.profile_store.test_grpcurl import grpcurl_binary
-
-
-async def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call  # type: ignore[misc]
-    return caught.value.code(), caught.value.details() or ""
+from tests.rpc import refusal
 
 
 @pytest.mark.parametrize(
@@ -38,7 +33,7 @@ async def _code_and_details(call: object) -> tuple[grpc.StatusCode, str]:
 async def test_bad_reservations_are_refused_and_change_nothing(
     live: LiveDispatcher, request_args: dict, code: grpc.StatusCode, field: str
 ) -> None:
-    got, details = await _code_and_details(live.stub.Reserve(reserve_request(**request_args)))
+    got, details = await refusal(live.stub.Reserve(reserve_request(**request_args)))
     assert got == code
     assert field in details
     status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
@@ -47,11 +42,9 @@ async def test_bad_reservations_are_refused_and_change_nothing(
 
 async def test_capacity_is_never_over_committed(live: LiveDispatcher) -> None:
     await live.reserve(request=60, memory_gib=50)
-    got, details = await _code_and_details(live.stub.Reserve(reserve_request(request=50)))
+    got, details = await refusal(live.stub.Reserve(reserve_request(request=50)))
     assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "over-committed" in details
-    got, details = await _code_and_details(
-        live.stub.Reserve(reserve_request(request=10, memory_gib=40))
-    )
+    got, details = await refusal(live.stub.Reserve(reserve_request(request=10, memory_gib=40)))
     assert got == grpc.StatusCode.RESOURCE_EXHAUSTED and "not enough GPU memory" in details
     # What still fits is admitted; SM shares may add up past 100% (they take turns in time).
     await live.reserve(sm=100, request=40, memory_gib=30)
@@ -66,7 +59,7 @@ async def test_reserve_is_idempotent_by_assignment_id(live: LiveDispatcher) -> N
     again = await live.stub.Reserve(request)
     assert again.assignment_token == first.assignment_token
     changed = reserve_request(sm=40, request=20, assignment_id="svc-a.1")
-    got, details = await _code_and_details(live.stub.Reserve(changed))
+    got, details = await refusal(live.stub.Reserve(changed))
     assert got == grpc.StatusCode.ALREADY_EXISTS and "svc-a.1" in details
     listed = await live.stub.ListClients(dispatcher_pb2.ListClientsRequest())
     assert [c.assignment.share.sm_percent for c in listed.clients] == [30]
@@ -78,7 +71,7 @@ async def test_a_caller_supplied_token_is_used_and_must_be_well_formed(
 ) -> None:
     request = reserve_request()
     request.assignment_token = "short"
-    got, details = await _code_and_details(live.stub.Reserve(request))
+    got, details = await refusal(live.stub.Reserve(request))
     assert got == grpc.StatusCode.INVALID_ARGUMENT and "assignment_token" in details
     request.assignment_token = "T" * 40
     assignment = await live.stub.Reserve(request)
@@ -109,11 +102,11 @@ async def test_evict_disconnects_and_unknown_is_not_found(live: LiveDispatcher) 
     )
     assert shim.region.state.name == "EVICTED"
     shim.close()
-    got, _ = await _code_and_details(
+    got, _ = await refusal(
         live.stub.EvictClient(dispatcher_pb2.EvictClientRequest(assignment_id="nobody"))
     )
     assert got == grpc.StatusCode.NOT_FOUND
-    got, details = await _code_and_details(
+    got, details = await refusal(
         live.stub.EvictClient(
             dispatcher_pb2.EvictClientRequest(
                 assignment_id=assignment.assignment_id, reason="x" * 2000

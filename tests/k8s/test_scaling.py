@@ -16,6 +16,7 @@ from gpuloom.domain.placement import JobState
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 from tests.k8s.conftest import NODES, Cluster
 from tests.k8s.standins import schedule
+from tests.profile_store.samples import throughput_profile
 
 MODEL = "A100-80GB"
 FUNCTION = "resnet"
@@ -23,14 +24,11 @@ FUNCTION = "resnet"
 
 def throughput() -> d.ThroughputProfile:
     # (12 % SM, 40 % quota) serves 100 requests/s: the most efficient configuration.
-    return d.ThroughputProfile(
-        key=FUNCTION,
-        gpu_model=MODEL,
-        points=(
-            d.ThroughputPoint(12, 40.0, 100.0, 8.0, 20.0),
-            d.ThroughputPoint(50, 60.0, 400.0, 3.0, 8.0),
-        ),
+    points = (
+        d.ThroughputPoint(12, 40.0, 100.0, 8.0, 20.0),
+        d.ThroughputPoint(50, 60.0, 400.0, 3.0, 8.0),
     )
+    return throughput_profile(FUNCTION, MODEL, points)
 
 
 def load(rps: float) -> placement_pb2.SetFunctionLoadRequest:

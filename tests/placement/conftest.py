@@ -22,6 +22,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.services.profile_store.settings import ProfileStoreSettings
 from gpuloom.v1 import common_pb2, placement_pb2, placement_pb2_grpc
 from tests.conftest import POSTGRES_URL
+from tests.placement.harness import CoreHarness
 from tests.polling import eventually  # noqa: F401 (the placement tests' import)
 
 GIB = 1 << 30
@@ -47,6 +48,19 @@ async def store(tmp_path: Path) -> AsyncIterator[ProfileStoreApp]:
     app = await ProfileStoreApp.start(settings, "127.0.0.1", tmp_path)
     yield app
     await app.stop(0)
+
+
+@pytest.fixture
+def harness_class() -> type[CoreHarness]:
+    """The harness `harness` starts; a test module overrides it for a subclass of its own."""
+    return CoreHarness
+
+
+@pytest.fixture
+async def harness(tmp_path: Path, harness_class: type[CoreHarness]) -> AsyncIterator[CoreHarness]:
+    """A started placement core (tests/placement/harness.py): SQLite, fake dispatchers."""
+    async with harness_class(tmp_path) as h:
+        yield h
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -3,8 +3,11 @@ it can be stopped and started again on the same file (a restart)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Self
 
+from gpuloom.domain.gpus import GpuInfo
 from gpuloom.services.placement.core import CoreConfig, PlacementCore
 from gpuloom.services.placement.mig_batches import MigBatchConfig
 from gpuloom.services.placement.profiles import ProfileSource
@@ -68,7 +71,24 @@ class CoreHarness:
         await self.core.start()
         return self.core
 
+    async def with_gpus(
+        self, make_gpu: Callable[[int], GpuInfo], indexes: Iterable[int]
+    ) -> PlacementCore:
+        """The started core with `make_gpu(i)` registered for each of `indexes`, behind the
+        dispatcher at 10.0.0.i:50060."""
+        assert self.core is not None
+        for i in indexes:
+            await self.core.register_gpu(make_gpu(i), f"10.0.0.{i}:50060")
+        return self.core
+
     async def stop(self) -> None:
         assert self.core is not None and self.engine is not None
         await self.core.stop()
         await self.engine.dispose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.stop()

@@ -37,21 +37,10 @@ def gpu(i: int, memory_gib: int = 80) -> GpuInfo:
     return GpuInfo(f"GPU-{i}", f"node-{i // 2}", "A100-80GB", memory_gib * GIB, 108)
 
 
-@pytest.fixture
-async def harness(tmp_path: Path):
-    h = CoreHarness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
-
-
 async def test_a_silent_gpu_is_lost_with_its_jobs_and_comes_back_on_its_next_heartbeat(
     harness: CoreHarness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    for i in range(2):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await harness.with_gpus(gpu, range(2))
     jobs = [await core.submit(f"r{i}", spec(f"j{i}", sm=100, quota=100)) for i in range(2)]
     assert {j.binding.gpu_uuid for j in jobs if j.binding} == {"GPU-0", "GPU-1"}
     harness.clock.now += 4
@@ -299,10 +288,9 @@ async def test_a_gpu_re_registered_smaller_than_its_jobs_is_refused_and_changes_
 
 
 async def test_list_gpus_pages_through_the_fleet_by_node_then_uuid(harness: CoreHarness) -> None:
-    core = harness.core
-    assert core is not None
-    for i in (4, 0, 3, 1, 2):  # nodes: node-0 (GPU-0, 1), node-1 (GPU-2, 3), node-2 (GPU-4)
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await harness.with_gpus(
+        gpu, (4, 0, 3, 1, 2)
+    )  # nodes: node-0 (GPU-0, 1), node-1 (GPU-2, 3), node-2 (GPU-4)
     seen, token = [], ""
     while True:
         views, token = core.gpus("", 2, token)

@@ -103,6 +103,17 @@ async def elastic_on_two_gpus(core: PlacementCore) -> Job:
     return job
 
 
+async def asked_to_grow(h: CoreHarness) -> tuple[PlacementCore, Job, str]:
+    """The elastic job on one of two GPUs, asked to grow once they have been idle the period:
+    the core, the job as it was placed and the resize's migration id."""
+    core = h.core
+    assert core is not None
+    job = await elastic_on_two_gpus(core)
+    h.clock.now += IDLE_S
+    migration, _ = await asked(core, job.job_id, "grow")
+    return core, job, migration
+
+
 async def grown(h: CoreHarness) -> tuple[PlacementCore, str]:
     """GPU-0 and GPU-1 on one node; the elastic job (1..2) on GPU-0 grows onto GPU-1 once it
     has been idle for the period."""
@@ -193,12 +204,8 @@ async def test_an_elastic_job_grows_onto_an_idle_gpu_then_shrinks_for_a_pending_
 async def test_a_failed_hook_leaves_the_job_on_its_gpus_and_gives_the_new_one_back(
     gs: CoreHarness,
 ) -> None:
-    core = gs.core
-    assert core is not None
-    job = await elastic_on_two_gpus(core)
+    core, job, migration = await asked_to_grow(gs)
     assert job.binding is not None
-    gs.clock.now += IDLE_S
-    migration, _ = await asked(core, job.job_id, "grow")
     stayed = await core.report_checkpoint(job.job_id, migration, False, "exit code 3")
     assert stayed.binding is not None and stayed.binding.gpu_uuids == job.binding.gpu_uuids
     assert stayed.binding.token == job.binding.token
@@ -221,13 +228,9 @@ async def test_a_failed_hook_leaves_the_job_on_its_gpus_and_gives_the_new_one_ba
 async def test_a_dispatcher_refusing_the_first_gpu_again_fails_the_resize_and_keeps_the_job(
     gs: CoreHarness,
 ) -> None:
-    core = gs.core
-    assert core is not None
-    job = await elastic_on_two_gpus(core)
+    core, job, migration = await asked_to_grow(gs)
     assert job.binding is not None
     first = address(int(job.binding.gpu_uuid[-1]))
-    gs.clock.now += IDLE_S
-    migration, _ = await asked(core, job.job_id, "grow")
     gs.dispatchers.down.add(first)
     with pytest.raises(FailedPrecondition, match="restarts where it was"):
         await core.report_checkpoint(job.job_id, migration, True, "")

@@ -142,11 +142,8 @@ class Harness(CoreHarness):
 
 
 @pytest.fixture
-async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
-    h = Harness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
+def harness_class() -> type[Harness]:
+    return Harness
 
 
 def ids(jobs: list[Job]) -> list[str]:
@@ -156,10 +153,7 @@ def ids(jobs: list[Job]) -> list[str]:
 async def test_a_batch_is_due_when_its_oldest_task_has_waited_the_window(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    for i in range(2):
-        await core.register_gpu(mig_gpu(i), f"10.0.0.{i}:50060")
+    core = await harness.with_gpus(mig_gpu, range(2))
     jobs = await harness.submit(2)
     assert all(job.state is JobState.PENDING for job in jobs)
     assert (
@@ -203,10 +197,7 @@ async def test_a_batch_is_due_at_once_when_max_tasks_wait(tmp_path: Path) -> Non
 async def test_a_batch_is_split_over_two_mig_gpus_with_legal_plans_written_durably(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    for i in range(2):
-        await core.register_gpu(mig_gpu(i), f"10.0.0.{i}:50060")
+    core = await harness.with_gpus(mig_gpu, range(2))
     harness.runner.go.clear()
     jobs = await harness.submit(6, "scaling") + await harness.submit(4, "flat")
     harness.clock.now += 10
@@ -289,9 +280,7 @@ async def test_a_second_batch_is_planned_after_the_first_and_runs_after_it(
 
 
 async def test_exit_codes_end_jobs_succeeded_or_failed(harness: Harness) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     jobs = await harness.submit(2)
     harness.exit_codes[jobs[1].job_id] = 3
     harness.clock.now += 10
@@ -338,9 +327,7 @@ async def test_bad_mig_specs_are_refused_naming_the_field(
 async def test_a_task_asking_a_size_is_planned_only_in_instances_of_that_size(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     # Left to the planner, FLAT tasks (the same time on every size) go to small instances;
     # these ask for 3 slices and 7 slices.
     harness.profiles.mig[("flat-too", A100)] = FLAT  # type: ignore[union-attr]
@@ -451,9 +438,7 @@ async def test_a_task_goes_only_to_gpus_of_the_model_it_names(harness: Harness) 
 
 
 async def test_a_refused_run_gives_its_tasks_back_to_the_next_batch(harness: Harness) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     harness.runner.refuse.add("10.0.0.0:50060")
     jobs = await harness.submit(4)
     harness.clock.now += 10
@@ -485,9 +470,7 @@ async def test_a_refused_run_gives_its_tasks_back_to_the_next_batch(harness: Har
 
 
 async def test_a_run_whose_stream_breaks_loses_its_tasks_saying_so(harness: Harness) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     harness.runner.break_after_start.add("10.0.0.0:50060")
     jobs = await harness.submit(2)
     harness.clock.now += 10
@@ -499,9 +482,7 @@ async def test_a_run_whose_stream_breaks_loses_its_tasks_saying_so(harness: Harn
 async def test_a_task_in_a_batch_is_reported_done_only_once_handed_and_may_be_cancelled(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     harness.runner.go.clear()
     jobs = await harness.submit(3, "flat")
     waiting = await core.submit("waiting", mig_spec("waiting"))
@@ -531,9 +512,7 @@ async def test_a_task_in_a_batch_is_reported_done_only_once_handed_and_may_be_ca
 async def test_a_handed_task_can_be_cancelled_and_its_instance_moves_on(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     jobs = await harness.submit(2, "flat", follow=False)
     # A runner that takes the instance and never ends: the job is cancelled instead.
     first_seen: asyncio.Queue[Job] = asyncio.Queue()
@@ -566,9 +545,7 @@ async def test_a_handed_task_can_be_cancelled_and_its_instance_moves_on(
 async def test_a_task_no_runner_follows_fails_when_handed_its_instance(
     harness: Harness,
 ) -> None:
-    core = harness.core
-    assert core is not None
-    await core.register_gpu(mig_gpu(0), "10.0.0.0:50060")
+    core = await harness.with_gpus(mig_gpu, range(1))
     orphan = (await harness.submit(1, "flat", follow=False))[0]
     followed = await harness.submit(1, "scaling")
     harness.clock.now += 10

@@ -24,6 +24,7 @@ from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import share_of
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.services.dispatcher.node_resources import host_cpu_milli, parse_meminfo
+from gpuloom.services.placement.core import PlacementCore
 from gpuloom.services.placement.decisions import GPU_UUIDS_VARIABLE
 from gpuloom.v1 import common_pb2, placement_pb2
 from tests.placement.conftest import Live, gpu_info, mps_spec, submit
@@ -65,14 +66,6 @@ def mig_task(**kw) -> JobSpec:
     )
 
 
-@pytest.fixture
-async def harness(tmp_path: Path):
-    h = CoreHarness(tmp_path)
-    await h.start()
-    yield h
-    await h.stop()
-
-
 async def settled(core, job_id: str, state: JobState):
     for _ in range(300):
         job = await core.get(job_id)
@@ -82,13 +75,18 @@ async def settled(core, job_id: str, state: JobState):
     raise AssertionError(f"{job_id} is {job.state}, not {state}")
 
 
+async def register(core: PlacementCore, *gpus: GpuInfo) -> None:
+    """`gpus` registered in order, the first behind the dispatcher at 10.0.0.1:50060, the
+    next at 10.0.0.2, and so on."""
+    for n, info in enumerate(gpus, start=1):
+        await core.register_gpu(info, f"10.0.0.{n}:50060")
+
+
 async def test_a_two_gpu_job_is_reserved_on_both_dispatchers_and_released_from_both(
     harness: CoreHarness,
 ) -> None:
     core = harness.core
-    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
-    await core.register_gpu(gpu(1, "n1"), "10.0.0.2:50060")
-    await core.register_gpu(gpu(2, "n2"), "10.0.0.3:50060")
+    await register(core, gpu(0, "n1"), gpu(1, "n1"), gpu(2, "n2"))
     job = await core.submit("r", whole("pair", 2, cpu_milli=2000))
     assert job.state is JobState.ASSIGNED and job.binding is not None
     assert set(job.binding.gpu_uuids) == {"GPU-0", "GPU-1"}  # one node, both GPUs
@@ -113,8 +111,7 @@ async def test_a_failed_reserve_of_the_second_gpu_releases_the_first_and_the_job
     harness: CoreHarness,
 ) -> None:
     core = harness.core
-    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
-    await core.register_gpu(gpu(1, "n1"), "10.0.0.2:50060")
+    await register(core, gpu(0, "n1"), gpu(1, "n1"))
     harness.dispatchers.down.add("10.0.0.2:50060")
     job = await core.submit("r", whole("pair", 2))
     assert job.state is JobState.PENDING
@@ -137,9 +134,8 @@ async def test_asks_the_fleet_can_never_meet_are_refused_naming_the_field(
     harness: CoreHarness,
 ) -> None:
     core = harness.core
-    await core.register_gpu(gpu(0, "n1", "V100M16"), "10.0.0.1:50060")
-    await core.register_gpu(gpu(1, "n1", "V100M16"), "10.0.0.2:50060")
-    await core.register_gpu(gpu(2, "n2", "V100M32", cpu=4000), "10.0.0.3:50060")
+    v100m16 = [gpu(0, "n1", "V100M16"), gpu(1, "n1", "V100M16")]
+    await register(core, *v100m16, gpu(2, "n2", "V100M32", cpu=4000))
     cases = [
         (whole("three", 3), "spec.resources.whole_gpus", "the most: 2"),
         (whole("two", 2, gpu_model="V100M32"), "spec.resources.whole_gpus", "the most: 1"),
@@ -169,8 +165,7 @@ async def test_a_job_restricted_to_nodes_waits_for_them_and_keeps_them_across_a_
 ) -> None:
     h = CoreHarness(tmp_path)
     core = await h.start()
-    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
-    await core.register_gpu(gpu(1, "n2"), "10.0.0.2:50060")
+    await register(core, gpu(0, "n1"), gpu(1, "n2"))
     hold = await core.submit("hold", whole("hold", 1, nodes=("n2",)))
     assert hold.binding is not None and hold.binding.node == "n2"
     waits = await core.submit("waits", share("waits", nodes=("n2", "n9")))
@@ -185,8 +180,7 @@ async def test_a_job_restricted_to_nodes_waits_for_them_and_keeps_them_across_a_
         assert caught.value.field == field, caught.value
     await h.stop()
     core = await h.start()  # the restriction is stored with the job
-    await core.register_gpu(gpu(0, "n1"), "10.0.0.1:50060")
-    await core.register_gpu(gpu(1, "n2"), "10.0.0.2:50060")
+    await register(core, gpu(0, "n1"), gpu(1, "n2"))
     assert (await core.get(waits.job_id)).spec.nodes == ("n2", "n9")
     await core.cancel(hold.job_id)
     moved = await settled(core, waits.job_id, JobState.ASSIGNED)

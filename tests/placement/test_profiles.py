@@ -20,6 +20,7 @@ from gpuloom.services.profile_store.app import ProfileStoreApp
 from gpuloom.v1 import placement_pb2
 from tests.placement.conftest import Live, mps_spec, register_all, start_placement, submit
 from tests.placement.test_client_cli import SERVICE_LOG
+from tests.profile_store.samples import throughput_profile
 
 MODEL = "A100-80GB"
 
@@ -38,15 +39,12 @@ async def placement(store: ProfileStoreApp, tmp_path: Path) -> AsyncIterator[Liv
 
 def throughput(function: str) -> d.ThroughputProfile:
     # requests/s per (SM % x quota %): (12, 40) is the most efficient configuration.
-    return d.ThroughputProfile(
-        key=function,
-        gpu_model=MODEL,
-        points=(
-            d.ThroughputPoint(12, 40.0, 100.0, 8.0, 20.0),
-            d.ThroughputPoint(24, 40.0, 180.0, 6.0, 15.0),
-            d.ThroughputPoint(50, 60.0, 400.0, 3.0, 8.0),
-        ),
+    points = (
+        d.ThroughputPoint(12, 40.0, 100.0, 8.0, 20.0),
+        d.ThroughputPoint(24, 40.0, 180.0, 6.0, 15.0),
+        d.ThroughputPoint(50, 60.0, 400.0, 3.0, 8.0),
     )
+    return throughput_profile(function, MODEL, points)
 
 
 def load(function: str, rps: float) -> placement_pb2.SetFunctionLoadRequest:

@@ -11,6 +11,7 @@ import pytest
 from gpuloom.services.dispatcher.app import DispatcherApp
 from gpuloom.v1 import placement_pb2
 from tests.placement.conftest import GIB, Live, eventually, mps_spec, register_all, submit
+from tests.rpc import refusal
 
 # FaST-GShare's experiment (section 5.4): 8 pods, (SM %, quota %), the largest arriving first
 # (MRA is a greedy online packer: see tests/policies/placement/test_placement_fast_experiment).
@@ -76,12 +77,6 @@ async def test_a_job_that_does_not_fit_waits_with_its_reason_and_runs_when_room_
     assert update.job_id in held()
 
 
-async def _code(call: object) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call  # type: ignore[misc]
-    return caught.value.code(), caught.value.details() or ""
-
-
 @pytest.mark.parametrize(
     ("spec_args", "code", "field"),
     [
@@ -107,7 +102,7 @@ async def test_bad_specs_are_refused_naming_the_field_and_change_nothing(
     placement: Live, dispatchers: DispatcherApp, spec_args: dict, code: grpc.StatusCode, field: str
 ) -> None:
     await register_all(placement.stub, dispatchers)
-    got, details = await _code(submit(placement.stub, mps_spec(**spec_args)))
+    got, details = await refusal(submit(placement.stub, mps_spec(**spec_args)))
     assert got == code and details.startswith(field), details
     listing = await placement.stub.ListJobs(placement_pb2.ListJobsRequest())
     assert len(listing.jobs) == 0
@@ -120,9 +115,9 @@ async def test_request_ids_make_submissions_idempotent(
     first = await submit(placement.stub, mps_spec("a"), request_id="req-1")
     again = await submit(placement.stub, mps_spec("a"), request_id="req-1")
     assert again.job_id == first.job_id and again.revision == first.revision
-    got, details = await _code(submit(placement.stub, mps_spec("a", sm=20), request_id="req-1"))
+    got, details = await refusal(submit(placement.stub, mps_spec("a", sm=20), request_id="req-1"))
     assert got == grpc.StatusCode.ALREADY_EXISTS and "req-1" in details
-    got, details = await _code(submit(placement.stub, mps_spec("a"), request_id="bad id!"))
+    got, details = await refusal(submit(placement.stub, mps_spec("a"), request_id="bad id!"))
     assert got == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request_id")
     listing = await placement.stub.ListJobs(placement_pb2.ListJobsRequest())
     assert [j.job_id for j in listing.jobs] == [first.job_id]
@@ -140,15 +135,15 @@ async def test_finished_jobs_cannot_be_cancelled_or_finished_again(
     # It still says where it ran, without the environment (its token is spent).
     assert done.assignment.gpu.gpu_uuid == job.assignment.gpu.gpu_uuid
     assert job.assignment.environment and not done.assignment.environment
-    got, details = await _code(
+    got, details = await refusal(
         placement.stub.CancelJob(placement_pb2.CancelJobRequest(job_id=job.job_id))
     )
     assert got == grpc.StatusCode.FAILED_PRECONDITION and "succeeded" in details
-    got, _ = await _code(
+    got, _ = await refusal(
         placement.stub.ReportJobDone(placement_pb2.ReportJobDoneRequest(job_id=job.job_id))
     )
     assert got == grpc.StatusCode.FAILED_PRECONDITION
-    got, _ = await _code(placement.stub.GetJob(placement_pb2.GetJobRequest(job_id="j-nope")))
+    got, _ = await refusal(placement.stub.GetJob(placement_pb2.GetJobRequest(job_id="j-nope")))
     assert got == grpc.StatusCode.NOT_FOUND
     # Its capacity went back to the dispatcher.
     await eventually(lambda: not any(d.core.book.all() for d in dispatchers.dispatchers))
@@ -189,7 +184,7 @@ async def test_heartbeats_report_reservations_placement_no_longer_owns(
         )
     )
     assert list(reply.release_assignment_ids) == ["j-forgotten"]
-    got, details = await _code(
+    got, details = await refusal(
         placement.stub.Heartbeat(placement_pb2.HeartbeatRequest(gpu_uuid="GPU-unknown"))
     )
     assert got == grpc.StatusCode.NOT_FOUND and "register" in details
@@ -215,7 +210,7 @@ async def test_list_jobs_filters_and_pages(placement: Live, dispatchers: Dispatc
         placement_pb2.ListJobsRequest(states=[placement_pb2.JOB_STATE_PENDING])
     )
     assert len(pending.jobs) == 0
-    got, details = await _code(
+    got, details = await refusal(
         placement.stub.ListJobs(placement_pb2.ListJobsRequest(page_token="%%%"))
     )
     assert got == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("page_token")

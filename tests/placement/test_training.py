@@ -90,18 +90,19 @@ def metric(name: str, **labels: str) -> float:
 
 @pytest.fixture
 async def gandiva(tmp_path: Path):
+    async for harness in _gandiva(tmp_path, GandivaKnobs()):
+        yield harness
+
+
+async def _gandiva(tmp_path: Path, knobs: GandivaKnobs):
+    """A started core under gandiva with `knobs`, its fake training control at `h.control`."""
     control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600
-        ),
-        training_control=control,
+    training = TrainingConfig(
+        policy="gandiva", quantum_s=QUANTUM, pack_trial_s=TRIAL, tick_s=3600, gandiva=knobs
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    async with CoreHarness(tmp_path, training=training, training_control=control) as h:
+        h.control = control  # type: ignore[attr-defined]
+        yield h
 
 
 async def beat(core: PlacementCore, gpu_uuid: str, reports: list[TrainingReport]) -> None:
@@ -344,11 +345,8 @@ async def test_a_placement_started_again_resumes_its_own_suspensions_and_no_othe
 ) -> None:
     """The dispatchers kept suspensions an earlier placement made (this one has no memory of
     them): those made for time-slicing are resumed in their turn, one made by hand is not."""
-    core = gandiva.core
-    assert core is not None
     control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
-    for i in range(2):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await gandiva.with_gpus(gpu, range(2))
     # Quota 60: one such job per GPU; each alone on its GPU, so each would run.
     ours = (await core.submit("r-ours", training("ours", quota=60))).job_id
     by_hand = (await core.submit("r-hand", training("hand", quota=60))).job_id
@@ -876,10 +874,7 @@ async def test_a_migration_never_over_commits_the_target_nodes_cpu(gandiva: Core
 async def test_a_training_job_alone_on_several_gpus_runs_on_them_undisturbed(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    for i in range(3):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await gandiva.with_gpus(gpu, range(3))
     spec = JobSpec(
         name="wide",
         kind=JobKind.TRAINING,
@@ -928,28 +923,14 @@ async def slicing_on_evidence(tmp_path: Path):
         yield harness
 
 
-async def _slicing(tmp_path: Path, bet_min_ended: int):
-    control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva",
-            quantum_s=QUANTUM,
-            pack_trial_s=TRIAL,
-            tick_s=3600,
-            gandiva=GandivaKnobs(
-                slice_after_s=SLICE_AFTER,
-                share_after_s=SHARE_AFTER,
-                queue_ahead=0,
-                bet_min_ended=bet_min_ended,
-            ),
-        ),
-        training_control=control,
+def _slicing(tmp_path: Path, bet_min_ended: int):
+    knobs = GandivaKnobs(
+        slice_after_s=SLICE_AFTER,
+        share_after_s=SHARE_AFTER,
+        queue_ahead=0,
+        bet_min_ended=bet_min_ended,
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    return _gandiva(tmp_path, knobs)
 
 
 def whole_gpu(name: str, *, memory_gib: float = 8, priority: int = 5) -> JobSpec:
@@ -1077,11 +1058,8 @@ async def test_a_time_sliced_job_survives_a_placement_restart(slicing: CoreHarne
 async def test_a_pending_job_on_several_gpus_is_time_sliced_into_another_ones_gpus(
     slicing: CoreHarness,
 ) -> None:
-    core = slicing.core
-    assert core is not None
     control: FakeTrainingControl = slicing.control  # type: ignore[attr-defined]
-    for i in range(2):
-        await core.register_gpu(gpu(i), f"10.0.0.{i}:50060")
+    core = await slicing.with_gpus(gpu, range(2))
 
     def wide(name: str) -> JobSpec:
         return JobSpec(
@@ -1280,28 +1258,15 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
 async def preempting(tmp_path: Path):
     """gandiva that never time-slices a waiting job in (it would wait a week) but lets the
     head of the queue preempt after 600 s, a job that has run 300 s."""
-    control = FakeTrainingControl()
-    h = CoreHarness(
-        tmp_path,
-        training=TrainingConfig(
-            policy="gandiva",
-            quantum_s=QUANTUM,
-            pack_trial_s=TRIAL,
-            tick_s=3600,
-            gandiva=GandivaKnobs(
-                slice_after_s=604_800,
-                share_after_s=SHARE_AFTER,
-                queue_ahead=0,
-                bet_min_ended=0,
-                preempt_after_s=SLICE_AFTER,
-            ),
-        ),
-        training_control=control,
+    knobs = GandivaKnobs(
+        slice_after_s=604_800,
+        share_after_s=SHARE_AFTER,
+        queue_ahead=0,
+        bet_min_ended=0,
+        preempt_after_s=SLICE_AFTER,
     )
-    await h.start()
-    h.control = control  # type: ignore[attr-defined]
-    yield h
-    await h.stop()
+    async for harness in _gandiva(tmp_path, knobs):
+        yield harness
 
 
 async def test_the_head_of_the_queue_preempts_a_later_job_through_suspension(

@@ -95,18 +95,20 @@ class FakeDispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     async def SuspendClient(
         self, request: dispatcher_pb2.SuspendClientRequest, context: grpc.aio.ServicerContext
     ) -> dispatcher_pb2.ClientStatus:
-        if request.assignment_id not in self.reservations:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such assignment")
-        self.suspended.add(request.assignment_id)
-        return self._status(request.assignment_id)
+        return await self._set_suspended(request.assignment_id, True, context)
 
     async def ResumeClient(
         self, request: dispatcher_pb2.ResumeClientRequest, context: grpc.aio.ServicerContext
     ) -> dispatcher_pb2.ClientStatus:
-        if request.assignment_id not in self.reservations:
+        return await self._set_suspended(request.assignment_id, False, context)
+
+    async def _set_suspended(
+        self, assignment_id: str, suspended: bool, context: grpc.aio.ServicerContext
+    ) -> dispatcher_pb2.ClientStatus:
+        if assignment_id not in self.reservations:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such assignment")
-        self.suspended.discard(request.assignment_id)
-        return self._status(request.assignment_id)
+        (self.suspended.add if suspended else self.suspended.discard)(assignment_id)
+        return self._status(assignment_id)
 
     def _status(self, assignment_id: str) -> dispatcher_pb2.ClientStatus:
         return dispatcher_pb2.ClientStatus(

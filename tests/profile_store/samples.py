@@ -31,16 +31,20 @@ def kernel_profile(
     )
 
 
-def throughput_profile(key: str = "resnet-infer", gpu_model: str = "A100") -> d.ThroughputProfile:
-    return d.ThroughputProfile(
-        key=key,
-        gpu_model=gpu_model,
-        points=(
-            d.ThroughputPoint(12, 40.0, 180.0, 8.0, 21.0),
-            d.ThroughputPoint(24, 40.0, 330.0, 6.5, 15.0),
-            d.ThroughputPoint(100, 100.0, 1500.0, 2.0, 4.0),
-        ),
-    )
+THROUGHPUT_POINTS = (
+    d.ThroughputPoint(12, 40.0, 180.0, 8.0, 21.0),
+    d.ThroughputPoint(24, 40.0, 330.0, 6.5, 15.0),
+    d.ThroughputPoint(100, 100.0, 1500.0, 2.0, 4.0),
+)
+
+
+def throughput_profile(
+    key: str = "resnet-infer",
+    gpu_model: str = "A100",
+    points: tuple[d.ThroughputPoint, ...] = THROUGHPUT_POINTS,
+) -> d.ThroughputProfile:
+    """(SM %, quota %, requests/s, p50 ms, p99 ms) points of `key` on `gpu_model`."""
+    return d.ThroughputProfile(key=key, gpu_model=gpu_model, points=points)
 
 
 def mig_profile(key: str = "rodinia-lud", gpu_model: str = "A100") -> d.MigProfile:

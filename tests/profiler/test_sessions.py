@@ -9,12 +9,7 @@ import pytest
 
 from gpuloom.services.profiler.convert import pack
 from gpuloom.v1 import common_pb2, profiler_pb2, profiler_pb2_grpc
-
-
-async def _refused(call: object) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call  # type: ignore[misc]
-    return caught.value.code(), caught.value.details() or ""
+from tests.rpc import refusal
 
 
 async def _open(stub: profiler_pb2_grpc.ProfilerStub, key: str = "resnet50", runs: int = 10):
@@ -29,7 +24,7 @@ async def test_sessions_open_list_and_cancel(profiler: profiler_pb2_grpc.Profile
     )
     assert default.runs == 20 and default.state == profiler_pb2.SESSION_STATE_OPEN
     other = await _open(profiler, "resnet50", 10)
-    code, details = await _refused(_open(profiler, "resnet50", 30))
+    code, details = await refusal(_open(profiler, "resnet50", 30))
     assert code == grpc.StatusCode.ALREADY_EXISTS and other.session_id in details
 
     listed = await profiler.ListSessions(
@@ -40,13 +35,13 @@ async def test_sessions_open_list_and_cancel(profiler: profiler_pb2_grpc.Profile
         profiler_pb2.CancelSessionRequest(session_id=other.session_id)
     )
     assert cancelled.state == profiler_pb2.SESSION_STATE_CANCELLED
-    code, _ = await _refused(
+    code, _ = await refusal(
         profiler.CancelSession(profiler_pb2.CancelSessionRequest(session_id=other.session_id))
     )
     assert code == grpc.StatusCode.FAILED_PRECONDITION
     again = await _open(profiler, "resnet50", 10)  # a cancelled session frees the task
     assert again.session_id != other.session_id
-    code, _ = await _refused(profiler.GetSession(profiler_pb2.GetSessionRequest(session_id="x")))
+    code, _ = await refusal(profiler.GetSession(profiler_pb2.GetSessionRequest(session_id="x")))
     assert code == grpc.StatusCode.NOT_FOUND
 
 
@@ -56,7 +51,7 @@ async def test_sessions_open_list_and_cancel(profiler: profiler_pb2_grpc.Profile
 async def test_bad_sessions_are_refused(
     profiler: profiler_pb2_grpc.ProfilerStub, runs: int, key: str, field: str
 ) -> None:
-    code, details = await _refused(_open(profiler, key, runs))
+    code, details = await refusal(_open(profiler, key, runs))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field)
 
 
@@ -110,7 +105,7 @@ async def test_bad_uploads_are_refused_whole(
 ) -> None:
     session = await _open(profiler)
     good = _upload(session.session_id)
-    code, details = await _refused(
+    code, details = await refusal(
         _upload_all(profiler, good, _upload(session.session_id, **columns))
     )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field)
@@ -122,11 +117,11 @@ async def test_bad_uploads_are_refused_whole(
 async def test_uploads_for_unknown_or_closed_sessions(
     profiler: profiler_pb2_grpc.ProfilerStub,
 ) -> None:
-    code, details = await _refused(_upload_all(profiler, _upload("nope")))
+    code, details = await refusal(_upload_all(profiler, _upload("nope")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("session_id")
     session = await _open(profiler)
     await profiler.CancelSession(profiler_pb2.CancelSessionRequest(session_id=session.session_id))
-    code, _ = await _refused(_upload_all(profiler, _upload(session.session_id)))
+    code, _ = await refusal(_upload_all(profiler, _upload(session.session_id)))
     assert code == grpc.StatusCode.FAILED_PRECONDITION
 
 

@@ -4,6 +4,7 @@ through a live dispatcher, the profiler stores the points, and a rerun resumes."
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shlex
 import sys
@@ -49,20 +50,25 @@ async def _sweep(
     return process.returncode or 0, err.decode()
 
 
+async def _stored(
+    stub: profile_store_pb2_grpc.ProfileStoreStub, key: str
+) -> profile_store_pb2.ThroughputProfile:
+    """The throughput profile stored for `key` on the A100-80GB."""
+    request = profile_store_pb2.GetProfileRequest(key=key, gpu_model="A100-80GB")
+    return await stub.GetThroughputProfile(request)
+
+
 async def test_a_sweep_stores_every_point_and_resumes(
     dispatcher_address: str,
     profiler_app: ProfilerApp,
     store_app: ProfileStoreApp,
     stub: profile_store_pb2_grpc.ProfileStoreStub,
 ) -> None:
-    code, output = await _sweep(
-        dispatcher_address, profiler_app, store_app, "--sm", "50", "--quotas", "20,80"
-    )
+    sweep = functools.partial(_sweep, dispatcher_address, profiler_app, store_app)
+    code, output = await sweep("--sm", "50", "--quotas", "20,80")
     assert code == 0, output
     assert "[1/2] SM 50% quota 20%" in output and "[2/2] SM 50% quota 80%" in output
-    profile = await stub.GetThroughputProfile(
-        profile_store_pb2.GetProfileRequest(key="toy-infer", gpu_model="A100-80GB")
-    )
+    profile = await _stored(stub, "toy-infer")
     by_quota = {p.quota_percent: p for p in profile.points}
     assert set(by_quota) == {20.0, 80.0}
     # The time quota really limits the load generator: about 100 vs 400 requests/s.
@@ -70,14 +76,10 @@ async def test_a_sweep_stores_every_point_and_resumes(
     assert 2.5 < high / low < 6, (low, high)
     assert by_quota[20.0].p99_latency_ms >= by_quota[20.0].p50_latency_ms > 0
 
-    code, output = await _sweep(
-        dispatcher_address, profiler_app, store_app, "--sm", "50", "--quotas", "20,40,80"
-    )
+    code, output = await sweep("--sm", "50", "--quotas", "20,40,80")
     assert code == 0, output
     assert "skipping 2 points already measured" in output and "[1/1] SM 50% quota 40%" in output
-    profile = await stub.GetThroughputProfile(
-        profile_store_pb2.GetProfileRequest(key="toy-infer", gpu_model="A100-80GB")
-    )
+    profile = await _stored(stub, "toy-infer")
     assert sorted(p.quota_percent for p in profile.points) == [20.0, 40.0, 80.0]
 
 
@@ -100,9 +102,7 @@ async def test_bad_grids_are_refused_before_anything_runs(
     code, output = await _sweep(dispatcher_address, profiler_app, store_app, *options)
     assert code != 0 and message in output
     with pytest.raises(grpc.aio.AioRpcError):
-        await stub.GetThroughputProfile(
-            profile_store_pb2.GetProfileRequest(key="toy-infer", gpu_model="A100-80GB")
-        )
+        await _stored(stub, "toy-infer")
 
 
 async def test_the_sm_axis_is_real_with_mps_on_the_fake_driver(
@@ -141,9 +141,7 @@ async def test_the_sm_axis_is_real_with_mps_on_the_fake_driver(
     finally:
         await channel.close()
         await stop_live(dispatcher)
-    profile = await stub.GetThroughputProfile(
-        profile_store_pb2.GetProfileRequest(key="fake-infer", gpu_model="A100-80GB")
-    )
+    profile = await _stored(stub, "fake-infer")
     by_sm = {p.sm_percent: p.requests_per_s for p in profile.points}
     assert sorted(by_sm) == [25, 50, 100]
     assert by_sm[25] < by_sm[50] < by_sm[100], by_sm

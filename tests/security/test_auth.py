@@ -23,6 +23,7 @@ from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc, profile_store_pb2, profile_store_pb2_grpc
 from tests.conftest import free_port
 from tests.placement.conftest import mps_spec
+from tests.rpc import refusal
 from tests.security.conftest import Deployment
 from tests.security.pki import Authority, write
 
@@ -35,12 +36,6 @@ async def placement(deployment: Deployment, tmp_path: Path) -> AsyncIterator[str
     app = await PlacementApp.start(settings, HOST, tmp_path)
     yield f"{HOST}:{app.port}"
     await app.stop(0)
-
-
-async def _code(call: object) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await call  # type: ignore[misc]
-    return caught.value.code(), caught.value.details() or ""
 
 
 async def _submit(stub: placement_pb2_grpc.PlacementStub, request_id: str = "") -> pb.Job:
@@ -70,13 +65,13 @@ async def test_submitters_see_and_end_only_their_own_jobs(
             bob.CancelJob(pb.CancelJobRequest(job_id=job_id)),
             bob.ReportJobDone(pb.ReportJobDoneRequest(job_id=job_id, succeeded=True)),
         ):
-            code, details = await _code(refused)
+            code, details = await refusal(refused)
             assert code is grpc.StatusCode.PERMISSION_DENIED
             assert job_id in details and "another submitter" in details
-        code, details = await _code(bob.WatchJob(pb.WatchJobRequest(job_id=job_id)).read())
+        code, details = await refusal(bob.WatchJob(pb.WatchJobRequest(job_id=job_id)).read())
         assert code is grpc.StatusCode.PERMISSION_DENIED and job_id in details
         # Bob cannot take Alice's job (and its token) by reusing her request id either.
-        code, details = await _code(_submit(bob, "alice-1"))
+        code, details = await refusal(_submit(bob, "alice-1"))
         assert code is grpc.StatusCode.PERMISSION_DENIED and "alice-1" in details
 
         # Nothing changed by the refused calls; each sees only its own jobs.
@@ -99,22 +94,22 @@ async def test_calls_without_a_valid_token_are_refused_saying_why(
 ) -> None:
     request = pb.ListJobsRequest()
     async with deployment.channel(placement, None) as bare:
-        code, details = await _code(placement_pb2_grpc.PlacementStub(bare).ListJobs(request))
+        code, details = await refusal(placement_pb2_grpc.PlacementStub(bare).ListJobs(request))
         assert code is grpc.StatusCode.UNAUTHENTICATED and "missing bearer token" in details
         # Health stays open (probes carry no token).
         health = await health_pb2_grpc.HealthStub(bare).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
         stub = placement_pb2_grpc.PlacementStub(bare)
-        code, details = await _code(
+        code, details = await refusal(
             stub.ListJobs(request, metadata=[("authorization", "Basic abc")])
         )
         assert code is grpc.StatusCode.UNAUTHENTICATED and "Bearer TOKEN" in details
     async with deployment.channel(placement, None, auth_token="x" * 32) as wrong:
-        code, details = await _code(placement_pb2_grpc.PlacementStub(wrong).ListJobs(request))
+        code, details = await refusal(placement_pb2_grpc.PlacementStub(wrong).ListJobs(request))
         assert code is grpc.StatusCode.UNAUTHENTICATED and details == "unknown bearer token"
     async with deployment.channel(placement, "alice") as a:
         register = placement_pb2_grpc.PlacementStub(a).RegisterGpu(pb.RegisterGpuRequest())
-        code, details = await _code(register)
+        code, details = await refusal(register)
         assert code is grpc.StatusCode.PERMISSION_DENIED
         assert "Placement/RegisterGpu" in details and "'alice' holds a submitter" in details
 
@@ -131,7 +126,7 @@ async def test_mutual_tls_refuses_callers_without_a_certificate_of_the_ca(
     ):
         async with deployment.channel(placement, "admin", **changes) as channel:
             stub = placement_pb2_grpc.PlacementStub(channel)
-            code, _ = await _code(stub.ListJobs(request, timeout=5))
+            code, _ = await refusal(stub.ListJobs(request, timeout=5))
             assert code is grpc.StatusCode.UNAVAILABLE, changes
 
 
@@ -154,14 +149,16 @@ async def test_certificates_and_tokens_are_read_again_when_their_files_change(
     async with deployment.channel(placement, "admin") as channel:
         await placement_pb2_grpc.PlacementStub(channel).ListJobs(request, timeout=5)
     async with deployment.channel(placement, "admin", **old) as stale:
-        code, _ = await _code(placement_pb2_grpc.PlacementStub(stale).ListJobs(request, timeout=5))
+        code, _ = await refusal(
+            placement_pb2_grpc.PlacementStub(stale).ListJobs(request, timeout=5)
+        )
         assert code is grpc.StatusCode.UNAVAILABLE  # the old CA no longer verifies the server
 
     # A token added to the file is taken within a second.
     deployment.tokens["carol"] = "carol-" + "c" * 24
     async with deployment.channel(placement, "carol") as c:
         stub = placement_pb2_grpc.PlacementStub(c)
-        code, _ = await _code(stub.ListJobs(request))
+        code, _ = await refusal(stub.ListJobs(request))
         assert code is grpc.StatusCode.UNAUTHENTICATED
         deployment.write_tokens()
         await asyncio.sleep(1.1)
@@ -181,7 +178,7 @@ async def test_every_service_takes_the_same_security(
     try:
         async with deployment.channel(address, "alice") as a:
             stub = profile_store_pb2_grpc.ProfileStoreStub(a)
-            code, details = await _code(stub.ListProfiles(request))
+            code, details = await refusal(stub.ListProfiles(request))
             assert code is grpc.StatusCode.PERMISSION_DENIED and "ProfileStore" in details
         async with deployment.channel(address, "placement") as s:
             await profile_store_pb2_grpc.ProfileStoreStub(s).ListProfiles(request)
@@ -254,11 +251,11 @@ async def test_placement_without_client_certificates_still_asks_for_tokens(
             assert list((await stub.ListJobs(pb.ListJobsRequest())).jobs) == []
         async with deployment.channel(address, None, **no_certificate) as bare:
             stub = placement_pb2_grpc.PlacementStub(bare)
-            code, _ = await _code(stub.ListJobs(pb.ListJobsRequest()))
+            code, _ = await refusal(stub.ListJobs(pb.ListJobsRequest()))
             assert code is grpc.StatusCode.UNAUTHENTICATED
         async with deployment.channel(address, "alice", tls_ca_file="") as plaintext:
             stub = placement_pb2_grpc.PlacementStub(plaintext)
-            code, _ = await _code(stub.ListJobs(pb.ListJobsRequest(), timeout=5))
+            code, _ = await refusal(stub.ListJobs(pb.ListJobsRequest(), timeout=5))
             assert code is grpc.StatusCode.UNAVAILABLE  # TLS all the same
     finally:
         await app.stop(0)

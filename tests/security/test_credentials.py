@@ -20,7 +20,7 @@ from gpuloom.transport import load_settings, open_channel
 from gpuloom.v1 import placement_pb2 as pb
 from gpuloom.v1 import placement_pb2_grpc
 from tests.conftest import free_port
-from tests.plane import GPULOOM, clean_env, start_up, up_env
+from tests.plane import GPULOOM, clean_env, placement_in_banner, start_up, stop_up, up_env
 from tests.security.conftest import first_output, submit_with_grpcurl
 
 
@@ -138,9 +138,7 @@ def test_a_plane_on_a_network_address_serves_mutual_tls_and_tokens(tmp_path: Pat
     )
     process = start_up(env)
     try:
-        assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(6)]
-        port = next(line for line in banner if "placement" in line).split(":")[-1].strip()
+        port = placement_in_banner(process).split(":")[-1]  # it binds 0.0.0.0
         placement = f"127.0.0.1:{port}"
         client = clean_env(GPULOOM_CREDENTIALS_DIR=str(where), GPULOOM_PLACEMENT_ADDRESS=placement)
 
@@ -172,9 +170,4 @@ def test_a_plane_on_a_network_address_serves_mutual_tls_and_tokens(tmp_path: Pat
                     )
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     finally:
-        process.terminate()
-        try:
-            process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
+        stop_up(process)

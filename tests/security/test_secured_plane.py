@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import free_port
-from tests.plane import GPULOOM, clean_env, start_up, up_env
+from tests.plane import GPULOOM, clean_env, placement_in_banner, start_up, stop_up, up_env
 from tests.security.conftest import first_output, make_deployment, submit_with_grpcurl
 
 
@@ -23,9 +23,7 @@ def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
     )
     process = start_up(env)
     try:
-        assert process.stdout is not None
-        banner = [process.stdout.readline() for _ in range(6)]
-        placement = next(line for line in banner if "placement" in line).split()[-1]
+        placement = placement_in_banner(process)
 
         def cli(who: str, *args: str) -> subprocess.CompletedProcess[str]:
             client = clean_env(
@@ -74,9 +72,4 @@ def test_a_secured_control_plane_serves_its_submitters(tmp_path: Path) -> None:
         assert bad.returncode == 2
         assert "GPULOOM_AUTH_TOKEN_FILE: cannot read" in bad.stderr
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_up(process)

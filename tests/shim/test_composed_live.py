@@ -12,26 +12,22 @@ from __future__ import annotations
 import asyncio
 import statistics
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from gpuloom.services.dispatcher.settings import DispatcherSettings
-from gpuloom.services.profile_store.app import ProfileStoreApp
-from gpuloom.v1 import common_pb2, dispatcher_pb2
-from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
-from tests.dispatcher.conftest import GIB
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Runner
 from tests.shim.test_fikit_live import (
     HIGH,
     LOW,
     Fikit,
+    LiveWithProfiles,
     _infer,
     _jct_ms,
     _launches,
     _train,
-    live_with_profiles,
+    profiled,  # noqa: F401  (fixture)
 )
 
 DEFAULT_POLICY = DispatcherSettings.model_fields["policy"].default
@@ -44,18 +40,11 @@ DEFAULTS = {
 
 
 @pytest.fixture
-async def composed(
-    short_dir: Path,
-    store_app: ProfileStoreApp,  # noqa: F811
-    stub: store_grpc.ProfileStoreStub,  # noqa: F811
-) -> AsyncIterator[Fikit]:
+async def composed(profiled: LiveWithProfiles) -> AsyncIterator[Fikit]:  # noqa: F811
     # The dispatcher's default policy, named as such (tests/dispatcher's settings pin the token
     # policy for the lease mechanics they test).
     assert DEFAULT_POLICY == "composed"
-    async with live_with_profiles(
-        short_dir,
-        store_app,
-        stub,
+    async with profiled(
         policy=DEFAULT_POLICY,
         window_ms=1000.0,
         policy_args="tokens.lease_initial_s=0.02,tokens.lease_max_s=0.1",
@@ -64,33 +53,17 @@ async def composed(
 
 
 @pytest.fixture
-async def defaults(
-    short_dir: Path,
-    store_app: ProfileStoreApp,  # noqa: F811
-    stub: store_grpc.ProfileStoreStub,  # noqa: F811
-) -> AsyncIterator[Fikit]:
+async def defaults(profiled: LiveWithProfiles) -> AsyncIterator[Fikit]:  # noqa: F811
     """A dispatcher with its default admission settings."""
     assert DEFAULTS["policy"] == "composed"
-    async with live_with_profiles(short_dir, store_app, stub, **DEFAULTS) as live:
+    async with profiled(**DEFAULTS) as live:
         yield live
 
 
-async def _reserve(fikit: Fikit, task_key: str, priority: int, request: float, limit: float):
-    answer = await fikit.live.stub.Reserve(
-        dispatcher_pb2.ReserveRequest(
-            assignment_id=f"{task_key}-{len(fikit.reserved)}",
-            client_name=task_key,
-            task_key=task_key,
-            priority=common_pb2.Priority(level=priority),
-            memory_cap_bytes=GIB,
-            share=common_pb2.SpatioTemporalShare(
-                sm_percent=100,
-                quota=common_pb2.TimeQuota(request_percent=request, limit_percent=limit),
-            ),
-        )
-    )
-    fikit.reserved.append(f"{task_key}-{len(fikit.reserved)}")
-    return fikit.env(answer.assignment_token)
+async def _reserve(
+    fikit: Fikit, task_key: str, priority: int, request: float, limit: float
+) -> dict[str, str]:
+    return fikit.env(await fikit.token(task_key, priority, request, limit))
 
 
 async def test_priority_1_keeps_its_latency_beside_priority_8_by_default(

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,7 +83,10 @@ class Fikit:
                 dispatcher_pb2.ReleaseRequest(assignment_id=self.reserved.pop())
             )
 
-    async def token(self, task_key: str, priority: int) -> str:
+    async def token(
+        self, task_key: str, priority: int, request: float = 50, limit: float = 100
+    ) -> str:
+        """A reservation's token: all the SMs, `request`..`limit` percent of the time."""
         assignment_id = f"{task_key}-{time.monotonic_ns()}"
         self.reserved.append(assignment_id)
         answer = await self.live.stub.Reserve(
@@ -94,7 +98,7 @@ class Fikit:
                 memory_cap_bytes=GIB,
                 share=common_pb2.SpatioTemporalShare(
                     sm_percent=100,
-                    quota=common_pb2.TimeQuota(request_percent=50, limit_percent=100),
+                    quota=common_pb2.TimeQuota(request_percent=request, limit_percent=limit),
                 ),
             )
         )
@@ -130,13 +134,22 @@ async def live_with_profiles(
         await stop_live(dispatcher)
 
 
+LiveWithProfiles = Callable[..., contextlib.AbstractAsyncContextManager[Fikit]]
+
+
 @pytest.fixture
-async def fikit(
+def profiled(
     short_dir: Path,
     store_app: ProfileStoreApp,  # noqa: F811
     stub: store_grpc.ProfileStoreStub,  # noqa: F811
-) -> AsyncIterator[Fikit]:
-    async with live_with_profiles(short_dir, store_app, stub, policy="fikit") as live:
+) -> LiveWithProfiles:
+    """live_with_profiles on this test's directory and profile store: give it the settings."""
+    return functools.partial(live_with_profiles, short_dir, store_app, stub)
+
+
+@pytest.fixture
+async def fikit(profiled: LiveWithProfiles) -> AsyncIterator[Fikit]:
+    async with profiled(policy="fikit") as live:
         yield live
 
 
@@ -264,13 +277,28 @@ def _ran(run: Runner, name: str, after_ns: int = 0, before_ns: int | None = None
     )
 
 
-async def test_a_killed_holder_leaves_the_waiting_filler_free(fikit: Fikit, run: Runner) -> None:
+async def _holder_then_filler(
+    fikit: Fikit,
+    run: Runner,
+    holder_s: float,
+    filler_s: float,
+    settle_s: float = 0.3,
+    **filler_env: str,
+) -> tuple[asyncio.Task[Run], asyncio.Task[Run]]:
+    """The unprofiled holder (priority 0) looping `holder_s`, seen running; then a filler
+    (priority 5) training for `filler_s`, given `settle_s` to start waiting on it."""
     holder = fikit.env(await fikit.token("infer", 0))
-    filler = fikit.env(await fikit.token("train", 5))
-    holder_task = asyncio.create_task(run.run_async(*_holder_loop(30), env=holder, timeout=40))
+    filler = fikit.env(await fikit.token("train", 5), **filler_env)
+    holding = run.run_async(*_holder_loop(holder_s), env=holder, timeout=40)
+    holder_task = asyncio.create_task(holding)
     await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
-    filler_task = asyncio.create_task(run.run_async(*_train(1.0), env=filler, timeout=40))
-    await asyncio.sleep(0.5)
+    filler_task = asyncio.create_task(run.run_async(*_train(filler_s), env=filler, timeout=40))
+    await asyncio.sleep(settle_s)
+    return holder_task, filler_task
+
+
+async def test_a_killed_holder_leaves_the_waiting_filler_free(fikit: Fikit, run: Runner) -> None:
+    holder_task, filler_task = await _holder_then_filler(fikit, run, 30, 1.0, settle_s=0.5)
     killed_at = time.monotonic_ns()
     os.kill(_pid_of(run, UNPROFILED), signal.SIGKILL)
     await holder_task
@@ -283,12 +311,7 @@ async def test_a_killed_holder_leaves_the_waiting_filler_free(fikit: Fikit, run:
 
 
 async def test_a_killed_waiting_filler_goes_unnoticed(fikit: Fikit, run: Runner) -> None:
-    holder = fikit.env(await fikit.token("infer", 0))
-    filler = fikit.env(await fikit.token("train", 5))
-    holder_task = asyncio.create_task(run.run_async(*_holder_loop(1.5), env=holder, timeout=40))
-    await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
-    filler_task = asyncio.create_task(run.run_async(*_train(30), env=filler, timeout=40))
-    await asyncio.sleep(0.3)
+    holder_task, filler_task = await _holder_then_filler(fikit, run, 1.5, 30)
     killed_at = time.monotonic_ns()
     os.kill(_pid_running(_train(30)), signal.SIGKILL)
     await filler_task
@@ -304,12 +327,8 @@ async def test_a_killed_waiting_filler_goes_unnoticed(fikit: Fikit, run: Runner)
 async def test_a_dead_dispatcher_releases_the_waiting_filler_within_the_bound(
     fikit: Fikit, run: Runner
 ) -> None:
-    holder = fikit.env(await fikit.token("infer", 0))
-    filler = fikit.env(await fikit.token("train", 5), GPULOOM_SHIM_WAIT_MS="500")
-    holder_task = asyncio.create_task(run.run_async(*_holder_loop(3), env=holder, timeout=40))
-    await eventually(lambda: _ran(run, UNPROFILED) > 20, "the unprofiled task's kernels", 5.0, 0.02)
-    filler_task = asyncio.create_task(run.run_async(*_train(1.0), env=filler, timeout=40))
-    await asyncio.sleep(0.3)
+    waiting = {"GPULOOM_SHIM_WAIT_MS": "500"}
+    holder_task, filler_task = await _holder_then_filler(fikit, run, 3, 1.0, **waiting)
     stopped_at = time.monotonic_ns()
     await stop_live(fikit.live.dispatcher)  # closes every connection, stops the arbiter
     result = await filler_task

@@ -46,32 +46,43 @@ for _ in range(3):
 WORKLOAD += ["sync"]
 
 
+async def profile_runs(
+    dispatcher_link: tuple[dispatcher_pb2_grpc.DispatcherStub, str],
+    profiler_stub: profiler_pb2_grpc.ProfilerStub,
+    run: Runner,
+    task_key: str,
+    workload: list[str],
+) -> profiler_pb2.Session:
+    """Opens a profiling session of `RUNS` runs for `task_key`, runs `workload` under the shim
+    that many times, each in its own reservation, and returns the session once closed."""
+    dispatcher, socket_path = dispatcher_link
+    session = await profiler_stub.OpenSession(
+        profiler_pb2.OpenSessionRequest(task_key=task_key, gpu_model="A100-80GB", runs=RUNS)
+    )
+    await asyncio.sleep(0.3)  # the dispatcher sees the open session
+    for n in range(RUNS):
+        request = reserve_request(sm=100, request=50, limit=100, assignment_id=f"{task_key}-{n}")
+        request.task_key = task_key
+        assignment = await dispatcher.Reserve(request)
+        env = {
+            "GPULOOM_DISPATCHER_SOCKET": socket_path,
+            "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
+        }
+        result = await run.run_async(*workload, env=env)
+        assert result.returncode == 0, result.stderr
+        await dispatcher.Release(
+            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
+        )
+    return await session_when_closed(profiler_stub, session.session_id)
+
+
 async def test_t_runs_of_a_cuda_workload_become_its_kernel_profile(
     linked: tuple[dispatcher_pb2_grpc.DispatcherStub, str],  # noqa: F811
     profiler: profiler_pb2_grpc.ProfilerStub,  # noqa: F811
     stub: profile_store_pb2_grpc.ProfileStoreStub,  # noqa: F811
     run: Runner,
 ) -> None:
-    dispatcher, socket_path = linked
-    session = await profiler.OpenSession(
-        profiler_pb2.OpenSessionRequest(task_key="fake-cnn", gpu_model="A100-80GB", runs=RUNS)
-    )
-    await asyncio.sleep(0.3)  # the dispatcher sees the open session
-    for n in range(RUNS):
-        request = reserve_request(sm=100, request=50, limit=100, assignment_id=f"cnn-{n}")
-        request.task_key = "fake-cnn"
-        assignment = await dispatcher.Reserve(request)
-        env = {
-            "GPULOOM_DISPATCHER_SOCKET": socket_path,
-            "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
-        }
-        result = await run.run_async(*WORKLOAD, env=env)
-        assert result.returncode == 0, result.stderr
-        await dispatcher.Release(
-            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
-        )
-
-    done = await session_when_closed(profiler, session.session_id)
+    done = await profile_runs(linked, profiler, run, "fake-cnn", WORKLOAD)
     assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
     assert done.records == RUNS * 2 * len(DURATIONS_US)  # 3 launches each, first dropped
 
@@ -117,25 +128,7 @@ async def test_a_measured_graph_is_stored_under_the_id_admission_looks_up(
     """A task that runs a CUDA graph: each run measures the graph as one unit; the stored
     profile holds it by its structure's ID, with the fake GPU's duration for the whole graph,
     and the kernel table the arbiter gets from that profile has it."""
-    dispatcher, socket_path = linked
-    session = await profiler.OpenSession(
-        profiler_pb2.OpenSessionRequest(task_key="fake-graph", gpu_model="A100-80GB", runs=RUNS)
-    )
-    await asyncio.sleep(0.3)  # the dispatcher sees the open session
-    for n in range(RUNS):
-        request = reserve_request(sm=100, request=50, limit=100, assignment_id=f"graph-{n}")
-        request.task_key = "fake-graph"
-        assignment = await dispatcher.Reserve(request)
-        env = {
-            "GPULOOM_DISPATCHER_SOCKET": socket_path,
-            "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
-        }
-        result = await run.run_async(*GRAPH_WORKLOAD, env=env)
-        assert result.returncode == 0, result.stderr
-        await dispatcher.Release(
-            dispatcher_pb2.ReleaseRequest(assignment_id=assignment.assignment_id)
-        )
-    done = await session_when_closed(profiler, session.session_id)
+    done = await profile_runs(linked, profiler, run, "fake-graph", GRAPH_WORKLOAD)
     assert done.state == profiler_pb2.SESSION_STATE_COMPLETE, done
 
     stored = await stub.GetKernelProfile(

@@ -216,6 +216,20 @@ def _launching(live: LiveDispatcher, run: Runner, token: str, kernels: int) -> a
     )
 
 
+async def _resume_and_check(
+    live: LiveDispatcher, run: Runner, job: asyncio.Future[Run], assignment_id: str, started_ns: int
+) -> None:
+    """Resumes the suspended client: its process (5 kernels, started at `started_ns`) ends well,
+    every kernel having run after the resume and none before."""
+    resume_ns = time.monotonic_ns()
+    await live.stub.ResumeClient(dispatcher_pb2.ResumeClientRequest(assignment_id=assignment_id))
+    result = await job
+    assert result.returncode == 0, result.stderr
+    runs = run.engine_runs()
+    assert len(runs) == 5
+    assert all(started_ns < start and start > resume_ns for _, _, start, _ in runs)
+
+
 @pytest.mark.parametrize("live", [TRAINING], indirect=True)
 async def test_a_process_that_registers_while_suspended_waits_for_resume(
     live: LiveDispatcher, run: Runner
@@ -229,15 +243,7 @@ async def test_a_process_that_registers_while_suspended_waits_for_resume(
     job = _launching(live, run, assignment.assignment_token, 5)
     await asyncio.sleep(1.0)
     assert not job.done()
-    resume_ns = time.monotonic_ns()
-    await live.stub.ResumeClient(
-        dispatcher_pb2.ResumeClientRequest(assignment_id=assignment.assignment_id)
-    )
-    result = await job
-    assert result.returncode == 0, result.stderr
-    runs = run.engine_runs()
-    assert len(runs) == 5
-    assert all(started_ns < start and start > resume_ns for _, _, start, _ in runs)
+    await _resume_and_check(live, run, job, assignment.assignment_id, started_ns)
 
 
 async def test_a_time_slice_member_runs_no_kernel_until_resumed(
@@ -257,13 +263,7 @@ async def test_a_time_slice_member_runs_no_kernel_until_resumed(
     assert client.connected and client.suspended
     assert client.suspended_reason == TIME_SLICE_REASON
     assert run.engine_runs() == []
-    resume_ns = time.monotonic_ns()
-    await live.stub.ResumeClient(dispatcher_pb2.ResumeClientRequest(assignment_id="member"))
-    result = await job
-    assert result.returncode == 0, result.stderr
-    runs = run.engine_runs()
-    assert len(runs) == 5
-    assert all(started_ns < start and start > resume_ns for _, _, start, _ in runs)
+    await _resume_and_check(live, run, job, "member", started_ns)
 
 
 async def test_the_dispatchers_death_frees_a_suspended_process(

@@ -39,6 +39,7 @@ from gpuloom.sim.training import (
     Throughputs,
     TraceJob,
     TrainingInputError,
+    TrainingRun,
     elastic_range,
     parse_cluster,
     parse_trace,
@@ -525,15 +526,21 @@ def test_mixed_gpu_types_keep_two_gpu_jobs_off_the_k80s(
     assert sum(run.jct_h) * 3600 >= fastest - 1e-6 * len(jobs)
 
 
-@needs_traces
-@pytest.mark.parametrize("name", ["103959", "e13805", "2869ce"])
-@pytest.mark.parametrize("cluster", ["v100:32", "v100:16,p100:16"])
-def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -> None:
+def _fifo_and_gandiva(name: str, cluster: str) -> tuple[TrainingRun, TrainingRun]:
+    """The Philly-derived trace `name` (seed 0) on `cluster`, simulated under fifo and gandiva."""
     t = Throughputs((GAVEL / "simulation_throughputs.json").read_text(), "t")
     servers = parse_cluster(cluster, t.gpu_types)
     path = GAVEL / "msr-philly-derived-seed0" / f"{name}.trace"
     jobs = parse_trace(path.read_text(), str(path), t, sorted({s.gpu_type for s in servers}))
     fifo, gandiva = (simulate(jobs, servers, t, get_policy(p)) for p in ("fifo", "gandiva"))
+    return fifo, gandiva
+
+
+@needs_traces
+@pytest.mark.parametrize("name", ["103959", "e13805", "2869ce"])
+@pytest.mark.parametrize("cluster", ["v100:32", "v100:16,p100:16"])
+def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -> None:
+    fifo, gandiva = _fifo_and_gandiva(name, cluster)
     assert gandiva.avg_jct_h < fifo.avg_jct_h
     assert gandiva.avg_first_feedback_h < fifo.avg_first_feedback_h
     assert gandiva.undone <= gandiva.packings
@@ -560,11 +567,7 @@ def test_gandiva_beats_fifo_on_jct_and_first_feedback(name: str, cluster: str) -
     ],
 )
 def test_gandiva_is_never_worse_than_fifo(name: str, cluster: str) -> None:
-    t = Throughputs((GAVEL / "simulation_throughputs.json").read_text(), "t")
-    servers = parse_cluster(cluster, t.gpu_types)
-    path = GAVEL / "msr-philly-derived-seed0" / f"{name}.trace"
-    jobs = parse_trace(path.read_text(), str(path), t, sorted({s.gpu_type for s in servers}))
-    fifo, gandiva = (simulate(jobs, servers, t, get_policy(p)) for p in ("fifo", "gandiva"))
+    fifo, gandiva = _fifo_and_gandiva(name, cluster)
     assert sum(gandiva.jct_h) <= sum(fifo.jct_h) * (1 + 1e-12)  # unrounded averages
     assert gandiva.avg_first_feedback_h <= fifo.avg_first_feedback_h
 

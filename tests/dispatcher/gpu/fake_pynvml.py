@@ -143,6 +143,16 @@ class _Handle:
     ci: int = -1
 
 
+def _gpu(
+    name: str, uuid: str, memory_mib: int, overrides: dict[str, object], **mig: object
+) -> FakeGpu:
+    """A FakeGpu of this model (with `mig`: MIG-capable, MIG mode off), with `overrides`."""
+    defaults: dict[str, object] = {"name": name, "uuid": uuid, "memory_total": memory_mib << 20}
+    if mig:
+        defaults.update(mig_mode=NVML_DEVICE_MIG_DISABLE, **mig)
+    return FakeGpu(**{**defaults, **overrides})  # type: ignore[arg-type]
+
+
 def a100_80gb(index: int = 0, **kwargs: object) -> FakeGpu:
     seven = [(s, 1) for s in range(7)]
     profiles = (
@@ -152,15 +162,8 @@ def a100_80gb(index: int = 0, **kwargs: object) -> FakeGpu:
         GiProfile(4, 5, "MIG 4g.40gb", 40192, ((0, 4),)),
         GiProfile(7, 0, "MIG 7g.80gb", 80896, ((0, 8),)),
     )
-    defaults: dict[str, object] = {
-        "name": "NVIDIA A100-SXM4-80GB",
-        "uuid": f"GPU-a100-{index}",
-        "memory_total": 81920 << 20,
-        "mig_mode": NVML_DEVICE_MIG_DISABLE,
-        "profiles": profiles,
-        "max_mig_devices": 7,
-    }
-    return FakeGpu(**{**defaults, **kwargs})  # type: ignore[arg-type]
+    name, uuid = "NVIDIA A100-SXM4-80GB", f"GPU-a100-{index}"
+    return _gpu(name, uuid, 81920, kwargs, profiles=profiles, max_mig_devices=7)
 
 
 def a30(index: int = 0, **kwargs: object) -> FakeGpu:
@@ -169,24 +172,12 @@ def a30(index: int = 0, **kwargs: object) -> FakeGpu:
         GiProfile(2, 5, "MIG 2g.12gb", 11968, ((0, 2), (2, 2))),
         GiProfile(4, 0, "MIG 4g.24gb", 24064, ((0, 4),)),
     )
-    defaults: dict[str, object] = {
-        "name": "NVIDIA A30",
-        "uuid": f"GPU-a30-{index}",
-        "memory_total": 24576 << 20,
-        "mig_mode": NVML_DEVICE_MIG_DISABLE,
-        "profiles": profiles,
-        "max_mig_devices": 4,
-    }
-    return FakeGpu(**{**defaults, **kwargs})  # type: ignore[arg-type]
+    name, uuid = "NVIDIA A30", f"GPU-a30-{index}"
+    return _gpu(name, uuid, 24576, kwargs, profiles=profiles, max_mig_devices=4)
 
 
 def t4(index: int = 0, **kwargs: object) -> FakeGpu:
-    defaults: dict[str, object] = {
-        "name": "Tesla T4",
-        "uuid": f"GPU-t4-{index}",
-        "memory_total": 15360 << 20,
-    }
-    return FakeGpu(**{**defaults, **kwargs})  # type: ignore[arg-type]
+    return _gpu("Tesla T4", f"GPU-t4-{index}", 15360, kwargs)
 
 
 class FakeNvml:

@@ -4,8 +4,15 @@ import dataclasses
 
 import pytest
 
-from gpuloom.domain.mig_geometry import A30, A100
-from gpuloom.policies.mig import Assignment, InvalidPlanError, Plan, Reconfiguration, verify_plan
+from gpuloom.domain.mig_geometry import A30, A100, MigGeometry
+from gpuloom.policies.mig import (
+    Assignment,
+    InvalidPlanError,
+    MigTask,
+    Plan,
+    Reconfiguration,
+    verify_plan,
+)
 
 from .helpers import task
 
@@ -85,81 +92,86 @@ def test_a_task_cannot_run_where_its_time_is_inf() -> None:
         verify_plan(valid_plan(), tasks, A30)
 
 
-def test_reconfigurations_run_one_at_a_time() -> None:
-    plan = with_reconfigurations(
-        valid_plan(),
-        Reconfiguration("create", 4, 0, 0.0, 0.13),
-        Reconfiguration("destroy", 4, 0, 1.13, 1.23),
-        Reconfiguration("create", 1, 0, 1.20, 1.31),
-    )
-    with pytest.raises(InvalidPlanError, match="one at a time"):
-        verify_plan(plan, TASKS, A30)
+R = Reconfiguration
 
 
-def test_reconfigurations_take_their_table_time() -> None:
-    plan = with_reconfigurations(
-        valid_plan(),
-        Reconfiguration("create", 4, 0, 0.0, 0.10),
-        Reconfiguration("destroy", 4, 0, 1.13, 1.23),
-        Reconfiguration("create", 1, 0, 1.23, 1.34),
-    )
-    with pytest.raises(InvalidPlanError, match=r"expected 0\.13 s"):
-        verify_plan(plan, TASKS, A30)
-
-
-def test_instances_that_coexist_never_overlap() -> None:
-    plan = with_reconfigurations(
-        valid_plan(),
-        Reconfiguration("create", 4, 0, 0.0, 0.13),
-        Reconfiguration("create", 1, 0, 1.13, 1.24),
-        Reconfiguration("destroy", 4, 0, 1.24, 1.34),
-    )
-    with pytest.raises(InvalidPlanError, match="overlaps 4g@0"):
-        verify_plan(plan, TASKS, A30)
-
-
-def test_only_existing_instances_are_destroyed() -> None:
-    plan = with_reconfigurations(
-        valid_plan(),
-        Reconfiguration("create", 4, 0, 0.0, 0.13),
-        Reconfiguration("destroy", 2, 0, 1.13, 1.23),
-    )
-    with pytest.raises(InvalidPlanError, match=r"destroy 2g@0 .* does not exist"):
-        verify_plan(plan, TASKS, A30)
-
-
-def test_a_task_may_not_outlive_its_instance() -> None:
-    # b still runs on 1g@0 when it is destroyed.
-    plan = dataclasses.replace(
-        valid_plan(),
-        reconfigurations=(
-            *valid_plan().reconfigurations,
-            Reconfiguration("destroy", 1, 0, 2.0, 2.1),
+@pytest.mark.parametrize(
+    ("reconfigurations", "message"),
+    [
+        pytest.param(
+            (R("create", 4, 0, 0.0, 0.13), R("destroy", 4, 0, 1.13, 1.23),
+             R("create", 1, 0, 1.20, 1.31)),
+            "one at a time",
+            id="they-run-one-at-a-time",
         ),
-    )
-    with pytest.raises(InvalidPlanError, match="does not exist"):
+        pytest.param(
+            (R("create", 4, 0, 0.0, 0.10), R("destroy", 4, 0, 1.13, 1.23),
+             R("create", 1, 0, 1.23, 1.34)),
+            r"expected 0\.13 s",
+            id="each-takes-its-table-time",
+        ),
+        pytest.param(
+            (R("create", 4, 0, 0.0, 0.13), R("create", 1, 0, 1.13, 1.24),
+             R("destroy", 4, 0, 1.24, 1.34)),
+            "overlaps 4g@0",
+            id="instances-that-coexist-never-overlap",
+        ),
+        pytest.param(
+            (R("create", 4, 0, 0.0, 0.13), R("destroy", 2, 0, 1.13, 1.23)),
+            r"destroy 2g@0 .* does not exist",
+            id="only-existing-instances-are-destroyed",
+        ),
+        pytest.param(
+            (*valid_plan().reconfigurations, R("destroy", 1, 0, 2.0, 2.1)),
+            "does not exist",
+            id="a-task-may-not-outlive-its-instance",  # b still runs on 1g@0
+        ),
+    ],
+)  # fmt: skip
+def test_broken_reconfigurations_are_rejected(
+    reconfigurations: tuple[Reconfiguration, ...], message: str
+) -> None:
+    plan = with_reconfigurations(valid_plan(), *reconfigurations)
+    with pytest.raises(InvalidPlanError, match=message):
         verify_plan(plan, TASKS, A30)
 
 
-def test_two_tasks_never_share_a_slice() -> None:
-    plan = Plan(
-        gpu="A30",
-        policy="hand",
-        assignments=(Assignment(0, "a", 4, 0, 0.0, 1.0), Assignment(1, "b", 4, 0, 0.5, 2.0)),
-        reconfigurations=(),
-        initial_instances=(A30.placement(4, 0),),
-    )
-    with pytest.raises(InvalidPlanError, match="run at the same time"):
-        verify_plan(plan, TASKS, A30)
-
-
-def test_initial_instances_may_not_overlap() -> None:
-    plan = Plan(
-        gpu="A100",
-        policy="hand",
-        assignments=(),
-        reconfigurations=(),
-        initial_instances=(A100.placement(7, 0), A100.placement(3, 0)),
-    )
-    with pytest.raises(InvalidPlanError, match="overlaps 7g@0"):
-        verify_plan(plan, [], A100)
+@pytest.mark.parametrize(
+    ("plan", "tasks", "geometry", "message"),
+    [
+        pytest.param(
+            Plan(
+                gpu="A30",
+                policy="hand",
+                assignments=(
+                    Assignment(0, "a", 4, 0, 0.0, 1.0),
+                    Assignment(1, "b", 4, 0, 0.5, 2.0),
+                ),
+                reconfigurations=(),
+                initial_instances=(A30.placement(4, 0),),
+            ),
+            TASKS,
+            A30,
+            "run at the same time",
+            id="two-tasks-never-share-a-slice",
+        ),
+        pytest.param(
+            Plan(
+                gpu="A100",
+                policy="hand",
+                assignments=(),
+                reconfigurations=(),
+                initial_instances=(A100.placement(7, 0), A100.placement(3, 0)),
+            ),
+            [],
+            A100,
+            "overlaps 7g@0",
+            id="initial-instances-may-not-overlap",
+        ),
+    ],
+)
+def test_plans_that_overlap_on_a_slice_are_rejected(
+    plan: Plan, tasks: list[MigTask], geometry: MigGeometry, message: str
+) -> None:
+    with pytest.raises(InvalidPlanError, match=message):
+        verify_plan(plan, tasks, geometry)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+
 from gpuloom.policies.placement import (
     GRID_H,
     GRID_W,
@@ -14,6 +17,7 @@ from gpuloom.policies.placement import (
     Rect,
     Unplaceable,
 )
+from gpuloom.policies.placement.scheduler import Ask, Scheduler
 
 GIB = 1 << 30
 STEPS = 100  # grid steps per quota percent
@@ -85,3 +89,61 @@ def union_area(boxes: list[tuple[int, int, int, int]]) -> int:
                 top = y1
         total += covered * (x1 - x0)
     return total
+
+
+# ---- the scheduler's property tests: a random run of events ----
+
+
+def scheduler_events(submit: SearchStrategy[tuple], gpus: int, max_size: int) -> SearchStrategy:
+    """Lists of `submit` events, and ends, failed bindings and decides (skipping the oldest
+    waiting job or not) picked by an index, and heartbeats of one of GPUs g0..g<gpus-1>."""
+    return st.lists(
+        st.one_of(
+            submit,
+            st.tuples(st.just("end"), st.integers(0, 10_000)),
+            st.tuples(st.just("bind_failed"), st.integers(0, 10_000)),
+            st.tuples(st.just("heartbeat"), st.integers(0, gpus - 1)),
+            st.tuples(st.just("decide"), st.booleans()),
+        ),
+        min_size=10,
+        max_size=max_size,
+    )
+
+
+class SchedulerRun:
+    """A scheduler over `fleet` driven through a run of events, and the jobs submitted."""
+
+    def __init__(self, scheduler: Scheduler, fleet: Fleet) -> None:
+        self.scheduler = scheduler
+        self.fleet = fleet
+        self.asks: dict[str, Ask] = {}
+
+    def submit(self, a: Ask) -> None:
+        self.asks[a.job_id] = a
+        self.scheduler.submit(a)
+
+    def end(self, pick: int) -> None:
+        """End the job `pick` chooses among those submitted, and forget it."""
+        job_id = sorted(self.asks)[pick % len(self.asks)]
+        self.scheduler.end(job_id)
+        del self.asks[job_id]
+
+    def holding(self, pick: int) -> str | None:
+        """The job `pick` chooses among those submitted that hold a GPU; None when none does."""
+        fleet = self.fleet
+        holding = sorted(job_id for job_id in self.asks if fleet.gpu_of(job_id) is not None)
+        return holding[pick % len(holding)] if holding else None
+
+    def heartbeat(self, index: int) -> None:
+        """GPU g<index> heard from: schedulable again, and the scheduler told."""
+        gpu_id = f"g{index}"
+        self.fleet.set_schedulable(gpu_id, True)
+        self.scheduler.capacity_changed(gpu_id)
+
+    def decide(self, skip_oldest: bool) -> list[Ask]:
+        """Decide, skipping the oldest submitted job if `skip_oldest`; the jobs still waiting
+        but the skipped one (none of them should fit now)."""
+        skip = {min(self.asks)} if skip_oldest and self.asks else set()
+        self.scheduler.decide(skip)
+        waiting = self.asks.items()
+        return [a for job_id, a in waiting if job_id in self.scheduler and job_id not in skip]

@@ -27,7 +27,7 @@ from gpuloom.policies.placement.model import GRID_H, GRID_W
 from gpuloom.policies.placement.registry import FLEET_MODEL_POLICIES
 from gpuloom.policies.placement.scheduler import Ask, Placed, Scheduler, Waiting
 
-from .helpers import GIB, fleet_of, gpu, job, placed
+from .helpers import GIB, SchedulerRun, fleet_of, gpu, job, placed, scheduler_events
 
 ALL = {name: get_policy(name) for name in POLICIES}
 WHOLE = Rect(0, 0, GRID_W, GRID_H)
@@ -290,27 +290,18 @@ def test_host_memory_given_back_by_a_failed_binding_lets_a_waiting_job_onto_the_
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 POLICY_NAMES = ["mra", "binpack", "spread", "time-share", "fgd", "best", "bestfit", "random"]
 
-events = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("submit"),
-            st.sampled_from([(20, 50), (50, 50), (33, 33.33), (100, 66.67), (100, 100)]),
-            st.sampled_from([1, 1, 2, 3]),  # GPUs
-            st.sampled_from([0, 1500, 4000]),  # CPU milli
-            st.sampled_from([0, 8, 24]),  # host memory, GiB
-            st.sampled_from(["", "A", "B", "A|B"]),
-            st.sampled_from(POLICY_NAMES),
-            # The nodes it may use (n3 has no GPU): a Kubernetes scheduler's candidates.
-            st.sampled_from([frozenset(), frozenset({"n1"}), frozenset({"n2"}), frozenset({"n3"})]),
-        ),
-        st.tuples(st.just("end"), st.integers(0, 10_000)),
-        st.tuples(st.just("bind_failed"), st.integers(0, 10_000)),
-        st.tuples(st.just("heartbeat"), st.integers(0, 4)),
-        st.tuples(st.just("decide"), st.booleans()),
-    ),
-    min_size=10,
-    max_size=50,
+submits = st.tuples(
+    st.just("submit"),
+    st.sampled_from([(20, 50), (50, 50), (33, 33.33), (100, 66.67), (100, 100)]),
+    st.sampled_from([1, 1, 2, 3]),  # GPUs
+    st.sampled_from([0, 1500, 4000]),  # CPU milli
+    st.sampled_from([0, 8, 24]),  # host memory, GiB
+    st.sampled_from(["", "A", "B", "A|B"]),
+    st.sampled_from(POLICY_NAMES),
+    # The nodes it may use (n3 has no GPU): a Kubernetes scheduler's candidates.
+    st.sampled_from([frozenset(), frozenset({"n1"}), frozenset({"n2"}), frozenset({"n3"})]),
 )
+events = scheduler_events(submits, gpus=5, max_size=50)
 
 
 @FAST
@@ -323,8 +314,8 @@ def test_nothing_is_over_committed_and_no_waiting_job_fits_after_decide(events: 
         node_gpu("g3", "n2", "B", cpu=8000, mem_gib=48),
         node_gpu("g4", "n2", "A", cpu=8000, mem_gib=48),
     )
-    scheduler = Scheduler(ALL, "mra", fleet=fleet)
-    asks: dict[str, Ask] = {}
+    run = SchedulerRun(Scheduler(ALL, "mra", fleet=fleet), fleet)
+    scheduler, asks = run.scheduler, run.asks
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "submit":
@@ -342,35 +333,23 @@ def test_nothing_is_over_committed_and_no_waiting_job_fits_after_decide(events: 
                 gpu_model=model,
                 nodes=nodes,
             )
-            a = Ask(request, policy=policy, submitted_at=n)
-            asks[a.job_id] = a
-            scheduler.submit(a)
+            run.submit(Ask(request, policy=policy, submitted_at=n))
         elif kind == "end" and asks:
-            job_id = sorted(asks)[event[1] % len(asks)]
-            scheduler.end(job_id)
-            del asks[job_id]
-        elif kind == "bind_failed":
-            holding = sorted(j for j in asks if fleet.gpu_of(j) is not None)
-            if holding:
-                job_id = holding[event[1] % len(holding)]
-                failed = fleet.gpus_of(job_id)[-1]
-                fleet.set_schedulable(failed, False)
-                scheduler.bind_failed(asks[job_id], "binding failed")
-                assert fleet.gpus_of(job_id) == ()  # every GPU of it given back
+            run.end(event[1])
+        elif kind == "bind_failed" and (job_id := run.holding(event[1])):
+            failed = fleet.gpus_of(job_id)[-1]
+            fleet.set_schedulable(failed, False)
+            scheduler.bind_failed(asks[job_id], "binding failed")
+            assert fleet.gpus_of(job_id) == ()  # every GPU of it given back
         elif kind == "heartbeat":
-            gpu_id = f"g{event[1]}"
-            fleet.set_schedulable(gpu_id, True)
-            scheduler.capacity_changed(gpu_id)
+            run.heartbeat(event[1])
         elif kind == "decide":
-            skip = {min(asks)} if event[1] and asks else set()
-            scheduler.decide(skip)
-            for job_id, a in asks.items():
-                if job_id in scheduler and job_id not in skip:
-                    answer = fleet.place(
-                        JobRequest(**{**_fields(a.request), "job_id": "probe"}),
-                        ALL[scheduler.policy_name(a)],
-                    )
-                    assert isinstance(answer, Unplaceable), (job_id, answer)
+            for a in run.decide(event[1]):
+                answer = fleet.place(
+                    JobRequest(**{**_fields(a.request), "job_id": "probe"}),
+                    ALL[scheduler.policy_name(a)],
+                )
+                assert isinstance(answer, Unplaceable), (a.job_id, answer)
         fleet.verify()  # GPUs, CPU and host memory within capacity, every index exact
         for job_id, a in asks.items():
             holds = fleet.gpus_of(job_id)

@@ -20,7 +20,7 @@ from gpuloom.policies.placement import (
 )
 from gpuloom.policies.placement.scheduler import NO_GPU_YET, Ask, Placed, Scheduler, Waiting
 
-from .helpers import fleet_of, gpu, job
+from .helpers import SchedulerRun, fleet_of, gpu, job, scheduler_events
 
 ALL = {name: get_policy(name) for name in POLICIES}
 
@@ -193,23 +193,14 @@ SHAPES = [
     (sm, quota, mem) for sm in (20, 50, 100) for quota in (25, 50, 100) for mem in (4, 10, 30)
 ]
 
-events = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("submit"),
-            st.sampled_from(SHAPES),
-            st.integers(0, 2),  # priority
-            st.sampled_from(["", "A", "B"]),  # model
-            st.sampled_from(["mra", "binpack", "spread", "time-share"]),
-        ),
-        st.tuples(st.just("end"), st.integers(0, 10_000)),
-        st.tuples(st.just("bind_failed"), st.integers(0, 10_000)),
-        st.tuples(st.just("heartbeat"), st.integers(0, 1)),
-        st.tuples(st.just("decide"), st.booleans()),
-    ),
-    min_size=10,
-    max_size=60,
+submits = st.tuples(
+    st.just("submit"),
+    st.sampled_from(SHAPES),
+    st.integers(0, 2),  # priority
+    st.sampled_from(["", "A", "B"]),  # model
+    st.sampled_from(["mra", "binpack", "spread", "time-share"]),
 )
+events = scheduler_events(submits, gpus=2, max_size=60)
 
 
 @FAST
@@ -217,41 +208,29 @@ events = st.lists(
 def test_no_gpu_is_over_committed_and_no_waiting_job_fits_after_decide(events: list) -> None:
     # Two small GPUs: jobs wait often, and releases often let some of them in.
     fleet = fleet_of(gpu("g0", "A", 40), gpu("g1", "B", 80))
-    scheduler = Scheduler(ALL, "mra", fleet=fleet)
-    asks: dict[str, Ask] = {}
+    run = SchedulerRun(Scheduler(ALL, "mra", fleet=fleet), fleet)
+    scheduler, asks = run.scheduler, run.asks
     for n, event in enumerate(events):
         kind = event[0]
         if kind == "submit":
             (sm, quota, mem), priority, model, policy = event[1:]
             a = ask(f"j{n}", sm, quota, mem, at=n, priority=priority, gpu_model=model)
-            a = Ask(a.request, policy=policy, submitted_at=n)
-            asks[a.job_id] = a
-            scheduler.submit(a)
+            run.submit(Ask(a.request, policy=policy, submitted_at=n))
         elif kind == "end" and asks:
-            job_id = sorted(asks)[event[1] % len(asks)]
-            scheduler.end(job_id)
-            del asks[job_id]
-        elif kind == "bind_failed":
-            placed = sorted(j for j in asks if fleet.gpu_of(j) is not None)
-            if placed:
-                job_id = placed[event[1] % len(placed)]
-                gpu_id = fleet.gpu_of(job_id)
-                assert gpu_id is not None
-                fleet.set_schedulable(gpu_id, False)  # as the service suspends it
-                scheduler.bind_failed(asks[job_id], "binding failed")
+            run.end(event[1])
+        elif kind == "bind_failed" and (job_id := run.holding(event[1])):
+            gpu_id = fleet.gpu_of(job_id)
+            assert gpu_id is not None
+            fleet.set_schedulable(gpu_id, False)  # as the service suspends it
+            scheduler.bind_failed(asks[job_id], "binding failed")
         elif kind == "heartbeat":
-            gpu_id = f"g{event[1]}"
-            fleet.set_schedulable(gpu_id, True)
-            scheduler.capacity_changed(gpu_id)
+            run.heartbeat(event[1])
         elif kind == "decide":
-            skip = {min(asks)} if event[1] and asks else set()
-            scheduler.decide(skip)
             # Completeness: no waiting job but the skipped ones would fit now.
-            for job_id, a in asks.items():
-                if job_id in scheduler and job_id not in skip:
-                    policy = ALL[scheduler.policy_name(a)]
-                    answer = policy.place(a.request, fleet, NO_PROFILES)
-                    assert isinstance(answer, Unplaceable), (job_id, answer)
+            for a in run.decide(event[1]):
+                policy = ALL[scheduler.policy_name(a)]
+                answer = policy.place(a.request, fleet, NO_PROFILES)
+                assert isinstance(answer, Unplaceable), (a.job_id, answer)
         fleet.verify()  # no overlap, no memory over-committed, indexes exact
         for job_id in asks:  # every job is either waiting or holding, never both
             assert (job_id in scheduler) != (fleet.gpu_of(job_id) is not None), job_id
