@@ -26,7 +26,16 @@ from gpuloom.cudadrv import (
     ProcessState,
 )
 from tests.shim.conftest import PROGRAM, Runner
-from tests.shim.shared_gpu import GPU_MIB, LAYER, MIB, meminfo_free, shared_gpu_env, steady_ops
+from tests.shim.shared_gpu import (
+    GPU_MIB,
+    LAYER,
+    MIB,
+    DriverProcesses,
+    finish,
+    meminfo_free,
+    shared_gpu_env,
+    steady_ops,
+)
 
 
 @pytest.fixture
@@ -34,12 +43,8 @@ def driver(shim_build: Path) -> CheckpointDriver:
     return CheckpointDriver(str(shim_build / "fake" / "libcuda.so.1"))
 
 
-class Gpu:
+class Gpu(DriverProcesses):
     """cudart_like processes on one fake GPU (no shim: the driver alone)."""
-
-    def __init__(self, run: Runner) -> None:
-        self.run = run
-        self.started: list[subprocess.Popen[str]] = []
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         environment = shared_gpu_env(self.run, shim=False)
@@ -61,29 +66,12 @@ class Gpu:
     def start(
         self, *ops: str, ready: str, extra: dict[str, str] | None = None
     ) -> tuple[int, subprocess.Popen[str]]:
-        process = subprocess.Popen(
-            [str(PROGRAM), *ops], env=self.env(extra), stdout=subprocess.PIPE, text=True
-        )
-        self.started.append(process)
-        assert process.stdout is not None
-        pid = 0
-        for line in process.stdout:
-            if line.startswith("init"):
-                pid = int(line.split("pid=")[1])
-            if line.startswith(ready):
-                return pid, process
-        raise AssertionError(f"{ops} ended before {ready!r}")
+        return self.launch(self.env(extra), ops, ready)
 
     def training(
         self, steps: int, layers: int = 4, extra: dict[str, str] | None = None
     ) -> tuple[int, subprocess.Popen[str]]:
         return self.start(*steady_ops(steps, layers), ready="steady allocated", extra=extra)
-
-    def close(self) -> None:
-        for process in self.started:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
 
 
 @pytest.fixture
@@ -91,11 +79,6 @@ def gpu(run: Runner) -> Iterator[Gpu]:
     fake = Gpu(run)
     yield fake
     fake.close()
-
-
-def _finish(process: subprocess.Popen[str]) -> list[str]:
-    out, _ = process.communicate(timeout=60)
-    return out.splitlines()
 
 
 def test_suspend_releases_the_gpus_memory_and_resume_brings_every_byte_back(
@@ -124,7 +107,7 @@ def test_suspend_releases_the_gpus_memory_and_resume_brings_every_byte_back(
     assert before - gpu.free_bytes() >= held
     driver.unlock(pid)
     assert driver.state(pid) is ProcessState.RUNNING
-    lines = _finish(job)
+    lines = finish(job)
     steps = [int(x.split()[2]) for x in lines if x.startswith("steady step")]
     assert steps == list(range(30))  # every step exactly once, in order
     assert lines[-1] == "steady minibatches=30 done=30 failed=0 corrupt=0 damaged_layers=0"
@@ -149,7 +132,7 @@ def test_requests_out_of_order_are_refused_and_change_nothing(
         driver.unlock(pid)  # a checkpointed process must be restored first
     driver.restore(pid)
     driver.unlock(pid)
-    assert _finish(job)[-1].endswith("corrupt=0 damaged_layers=0")
+    assert finish(job)[-1].endswith("corrupt=0 damaged_layers=0")
 
 
 def test_a_restore_without_room_fails_and_leaves_it_checkpointed(
@@ -170,7 +153,7 @@ def test_a_restore_without_room_fails_and_leaves_it_checkpointed(
     hog.wait(timeout=30)
     driver.restore(pid)  # room again: it restores, every byte intact
     driver.unlock(pid)
-    assert _finish(job)[-1] == "steady minibatches=10 done=10 failed=0 corrupt=0 damaged_layers=0"
+    assert finish(job)[-1] == "steady minibatches=10 done=10 failed=0 corrupt=0 damaged_layers=0"
 
 
 def test_a_restore_that_cannot_put_the_bytes_back_leaves_the_process_failed(
@@ -222,7 +205,7 @@ def test_a_lock_that_times_out_leaves_the_process_running(
     assert refused.value.code == CUDA_ERROR_TIMEOUT
     assert time.monotonic() - started < 2.5
     assert driver.state(pid) is ProcessState.RUNNING
-    assert "ssync rc=0" in _finish(job)
+    assert "ssync rc=0" in finish(job)
 
 
 def test_a_driver_without_the_api_says_so(shim_build: Path) -> None:
@@ -249,7 +232,7 @@ def test_every_kind_of_allocation_is_released_and_restored(
     assert before - gpu.free_bytes() == 4 * LAYER
     driver.unlock(pid)
     go.touch()
-    lines = _finish(job)
+    lines = finish(job)
     assert "peek rc=0 first=7 uniform=1" in lines
     assert "freeall rc=0" in lines
     assert gpu.free_bytes() == before

@@ -20,7 +20,16 @@ from gpuloom.cudadrv import (
     ProcessState,
 )
 from tests.shim.conftest import PROGRAM, Runner
-from tests.shim.shared_gpu import GPU_MIB, LAYER, MIB, meminfo_free, shared_gpu_env, steady_ops
+from tests.shim.shared_gpu import (
+    GPU_MIB,
+    LAYER,
+    MIB,
+    DriverProcesses,
+    finish,
+    meminfo_free,
+    shared_gpu_env,
+    steady_ops,
+)
 
 CUDA_ERROR_INVALID_DEVICE = 101
 SOURCE = "GPU-aaaa0000-0000-0000-0000-000000000001"
@@ -36,12 +45,8 @@ def driver(shim_build: Path) -> CheckpointDriver:
     return CheckpointDriver(str(shim_build / "fake" / "libcuda.so.1"))
 
 
-class Node:
+class Node(DriverProcesses):
     """cudart_like processes on the fake GPUs of one node (no shim: the driver alone)."""
-
-    def __init__(self, run: Runner) -> None:
-        self.run = run
-        self.started: list[subprocess.Popen[str]] = []
 
     def env(self, gpu: str, gpus: str = GPUS) -> dict[str, str]:
         environment = shared_gpu_env(self.run, shim=False)
@@ -55,27 +60,10 @@ class Node:
         return meminfo_free(done.stdout.splitlines())
 
     def start(self, gpu: str, *ops: str, ready: str) -> tuple[int, subprocess.Popen[str]]:
-        process = subprocess.Popen(
-            [str(PROGRAM), *ops], env=self.env(gpu), stdout=subprocess.PIPE, text=True
-        )
-        self.started.append(process)
-        assert process.stdout is not None
-        pid = 0
-        for line in process.stdout:
-            if line.startswith("init"):
-                pid = int(line.split("pid=")[1])
-            if line.startswith(ready):
-                return pid, process
-        raise AssertionError(f"{ops} ended before {ready!r}")
+        return self.launch(self.env(gpu), ops, ready)
 
     def training(self, gpu: str, steps: int) -> tuple[int, subprocess.Popen[str]]:
         return self.start(gpu, *steady_ops(steps), ready="steady allocated")
-
-    def close(self) -> None:
-        for process in self.started:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
 
 
 @pytest.fixture
@@ -83,11 +71,6 @@ def node(run: Runner) -> Iterator[Node]:
     fake = Node(run)
     yield fake
     fake.close()
-
-
-def _finish(process: subprocess.Popen[str]) -> list[str]:
-    out, _ = process.communicate(timeout=60)
-    return out.splitlines()
 
 
 def test_a_restore_with_a_gpu_pair_moves_the_memory_onto_the_target_gpu(
@@ -106,7 +89,7 @@ def test_a_restore_with_a_gpu_pair_moves_the_memory_onto_the_target_gpu(
     assert node.free_bytes(SOURCE) == source_before
     assert target_before - node.free_bytes(TARGET) >= HELD
     driver.unlock(pid)
-    lines = _finish(job)
+    lines = finish(job)
     steps = [int(x.split()[2]) for x in lines if x.startswith("steady step")]
     assert steps == list(range(30))  # every step exactly once, in order
     assert lines[-1] == "steady minibatches=30 done=30 failed=0 corrupt=0 damaged_layers=0"
@@ -148,7 +131,7 @@ def test_a_restore_onto_another_chip_type_an_unknown_gpu_or_no_room_is_refused(
     driver.restore(pid, [(SOURCE, TARGET)])  # room again: restored there, every byte intact
     assert target_before - node.free_bytes(TARGET) >= HELD
     driver.unlock(pid)
-    assert _finish(job)[-1] == "steady minibatches=10 done=10 failed=0 corrupt=0 damaged_layers=0"
+    assert finish(job)[-1] == "steady minibatches=10 done=10 failed=0 corrupt=0 damaged_layers=0"
 
 
 def test_a_restore_without_pairs_stays_on_its_gpu(driver: CheckpointDriver, node: Node) -> None:
@@ -161,7 +144,7 @@ def test_a_restore_without_pairs_stays_on_its_gpu(driver: CheckpointDriver, node
     assert source_before - node.free_bytes(SOURCE) >= HELD
     assert node.free_bytes(TARGET) == target_before
     driver.unlock(pid)
-    assert _finish(job)[-1].endswith("corrupt=0 damaged_layers=0")
+    assert finish(job)[-1].endswith("corrupt=0 damaged_layers=0")
 
 
 @pytest.mark.parametrize(
