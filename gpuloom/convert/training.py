@@ -82,6 +82,7 @@ def reports_from_pb(reports: Iterable[pb.TrainingReport]) -> list[TrainingReport
             msg.suspended_reason,
             msg.memory_released,
             msg.memory_note,
+            msg.restore_failed,
         )
         report.validate(f"training[{index}]")
         out.append(report)
@@ -98,6 +99,7 @@ def report_to_pb(report: TrainingReport) -> pb.TrainingReport:
         suspended_reason=report.suspended_reason,
         memory_released=report.memory_released,
         memory_note=report.memory_note,
+        restore_failed=report.restore_failed,
     )
 
 

@@ -100,6 +100,9 @@ class TrainingReport:
     # While suspended: why its memory is not in host memory (no checkpoint API, a lock or
     # checkpoint that failed), or why a resume could not restore it (it stays suspended).
     memory_note: str = ""
+    # While suspended: a restore of its checkpointed memory failed (a resume on its GPU, or a
+    # move onto another): placement may move it elsewhere.
+    restore_failed: bool = False
 
     def validate(self, field: str) -> None:
         if not 1 <= len(self.assignment_id) <= 128:
@@ -114,6 +117,10 @@ class TrainingReport:
                 )
             if text and not self.suspended:
                 raise InvalidArgument(f"{field}.{name}", "given for a process not suspended")
+        if self.restore_failed and not self.memory_released:
+            raise InvalidArgument(
+                f"{field}.restore_failed", "only for a process whose memory is in host memory"
+            )
         cycle = self.cycle
         for name, value in (
             ("minibatch_s", cycle.minibatch_s),

@@ -424,21 +424,24 @@ class DispatcherCore:
         """Each reservation with a detected cycle or a suspension, by assignment id."""
         suspended = await self._on_channel(self.channel.suspensions)
         cycles = {} if self.introspector is None else self.introspector.cycles()
-        return [
-            TrainingReport(
-                r.assignment_id,
-                cycles.get(r.assignment_id, TrainingCycle()),
-                r.assignment_id in suspended,
-                suspended[r.assignment_id].reason if r.assignment_id in suspended else "",
-                r.assignment_id in suspended
-                and self._memory.get(r.assignment_id, MemoryState(False)).released,
-                self._memory.get(r.assignment_id, MemoryState(False)).note[:1024]
-                if r.assignment_id in suspended
-                else "",
+        reports = []
+        for r in sorted(self.book.all(), key=lambda r: r.assignment_id):
+            if r.assignment_id not in cycles and r.assignment_id not in suspended:
+                continue
+            held = r.assignment_id in suspended
+            memory = self._memory.get(r.assignment_id, MemoryState(False)) if held else None
+            reports.append(
+                TrainingReport(
+                    r.assignment_id,
+                    cycles.get(r.assignment_id, TrainingCycle()),
+                    held,
+                    suspended[r.assignment_id].reason if held else "",
+                    memory is not None and memory.released,
+                    "" if memory is None else memory.note[:1024],
+                    memory is not None and memory.released and memory.restore_failed,
+                )
             )
-            for r in sorted(self.book.all(), key=lambda r: r.assignment_id)
-            if r.assignment_id in cycles or r.assignment_id in suspended
-        ]
+        return reports
 
     # ---- queries ----
 

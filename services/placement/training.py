@@ -262,6 +262,7 @@ class _Track:
     gpus: int = 1  # its GPU count, as the policy sees it (for the lengths of ended jobs)
     memory_released: bool = False  # suspended with its device memory in host memory
     memory_note: str = ""  # suspended: its dispatcher's note on its memory
+    restore_failed: bool = False  # suspended: restoring its checkpointed memory failed
     # Moved without a hook but not unlocked on its new GPU yet: that dispatcher's address
     # (UnlockMovedClient is tried again every tick until it answers).
     unlock_at: str = ""
@@ -354,6 +355,7 @@ class TrainingDriver:
             track.observed_suspended = report.suspended
             track.memory_released = report.suspended and report.memory_released
             track.memory_note = report.memory_note if report.suspended else ""
+            track.restore_failed = report.suspended and report.restore_failed
             if (
                 report.suspended
                 and report.suspended_reason == SWITCH_REASON
@@ -446,6 +448,7 @@ class TrainingDriver:
                     self._slice_in(job_id, gpu_uuid, now)
                 for head, gpu_uuid, victim in plan.preemptions:
                     self._preempt(head, gpu_uuid, victim, now)
+                starts += self._elsewhere_when_not_restored(now)
                 calls = self._switches(now)
             managed = self._managed()
             for job in managed:
@@ -919,6 +922,40 @@ class TrainingDriver:
                     self._show(job.job_id, publish=True)
 
     # ---- migration ----
+
+    def _elsewhere_when_not_restored(self, now: float) -> list[tuple[Job, _Move]]:
+        """A job without a hook whose checkpointed memory could not be restored (a resume with
+        no room on its GPU, or a move that failed, once its back-off is over) is moved to
+        another GPU of its node of the same model that has the room, the first by UUID (under
+        the lock; the policy's own moves come first)."""
+        starts = []
+        for job in self._managed():
+            track = self._tracks.get(job.job_id)
+            binding = job.binding
+            if (
+                track is None
+                or not track.restore_failed
+                or track.move is not None
+                or job.spec.checkpoint is not None
+                or binding is None
+            ):
+                continue
+            model = self._cluster.record(binding.gpu_uuid).info.model
+            for record in sorted(self._cluster.records(), key=lambda r: r.info.gpu_uuid):
+                info = record.info
+                if (
+                    info.gpu_uuid == binding.gpu_uuid
+                    or info.node != binding.node
+                    or info.model != model
+                    or self._cluster.is_down(record)
+                ):
+                    continue
+                reason = f"its memory could not be restored on {binding.gpu_uuid}: "
+                start = self._begin_move(job.job_id, info.gpu_uuid, reason + track.memory_note, now)
+                if start is not None:
+                    starts.append(start)
+                    break
+        return starts
 
     def _movable_without_hook(self, job: Job) -> bool:
         """A job without a checkpoint hook can move through the driver's checkpoint API: one

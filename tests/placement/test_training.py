@@ -180,6 +180,9 @@ def test_training_reports_are_validated_naming_the_field() -> None:
         "training[1].memory_note": pb.TrainingReport(
             assignment_id="j-2", suspended=True, memory_note="x" * 1025
         ),
+        "training[1].restore_failed": pb.TrainingReport(
+            assignment_id="j-2", suspended=True, restore_failed=True
+        ),
     }
     for field, bad in bad_cases.items():
         with pytest.raises(InvalidArgument) as refused:
@@ -690,6 +693,45 @@ async def test_a_move_without_a_hook_that_fails_leaves_it_where_it_was_with_the_
         await core.training.tick()
     assert [c[2] for c in control.calls if c[0] == "move"].count(tried) == 1
     assert (await core.get(tried)).binding.gpu_uuid == "GPU-0"  # type: ignore[union-attr]
+
+
+async def test_a_job_whose_memory_cannot_be_restored_on_its_gpu_is_moved_where_it_fits(
+    gandiva: CoreHarness,
+) -> None:
+    """A job without a hook, suspended with its memory checkpointed, whose resume could not
+    restore it (no room on its GPU): placement moves it to another GPU of its node of the
+    same model. Without the failed restore the lone job stays."""
+    core = gandiva.core
+    assert core is not None
+    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    (lone,) = await two_on_one_gpu(gandiva, training("lone"))
+    await core.register_gpu(gpu(1), "10.0.0.1:50060")
+    suspended = TrainingReport(
+        lone, TrainingCycle(1.0, True, 0, 0, 0.0, 40, 10), True, "suspended", True
+    )
+
+    async def heartbeats(restore_failed: bool) -> None:
+        note = "restore failed: CUDA_ERROR_OUT_OF_MEMORY (2)" if restore_failed else ""
+        said = replace(suspended, memory_note=note, restore_failed=restore_failed)
+        await core.heartbeat(
+            "GPU-0", 40.0, 0, [lone], training=[said], suspend_releases_memory=True
+        )
+        await core.heartbeat("GPU-1", 0.0, 0, [], suspend_releases_memory=True)
+
+    await heartbeats(restore_failed=False)
+    for _ in range(3):
+        await core.training.tick()
+        gandiva.clock.now += QUANTUM
+    assert not [c for c in control.calls if c[0] == "move"]
+    await heartbeats(restore_failed=True)
+    assert await moved_without_hook(gandiva, [lone], "GPU-1") == lone
+    assert [c[:2] for c in control.calls if c[2] == lone and c[0] == "move"] == [
+        ("move", "10.0.0.0:50060")
+    ]
+    job = await core.get(lone)
+    assert job.training is not None and job.training.migrations == 1
+    core.inventory.fleet.verify()
+    assert core.inventory.fleet.gpu_of(lone) == "GPU-1"
 
 
 async def test_a_moved_job_whose_shim_registers_late_is_unlocked_at_a_later_tick(

@@ -148,6 +148,8 @@ async def test_a_restore_without_room_leaves_it_suspended_with_the_reason(
 ) -> None:
     a, job = await gpu.reserved_training(20)
     assert (await _suspend(live, a.assignment_id)).suspended_memory_released
+    (report,) = await live.dispatcher.core.training_reports()
+    assert report.memory_released and not report.restore_failed
     go = tmp_path / "go"
     hog = await gpu.start(
         None, "alloc", "alloc", str(GPU_MIB * MIB - LAYER), "waitfile", str(go),
@@ -157,9 +159,11 @@ async def test_a_restore_without_room_leaves_it_suspended_with_the_reason(
     assert refused.suspended and refused.suspended_memory_released
     assert refused.suspended_memory_note.startswith("restore failed"), refused
     assert str(CUDA_ERROR_OUT_OF_MEMORY) in refused.suspended_memory_note
-    # Placement hears the reason with the next heartbeat (gpuloom job shows it).
+    # Placement hears the reason with the next heartbeat (gpuloom job shows it), and that the
+    # restore failed (it may move the job elsewhere).
     (report,) = await live.dispatcher.core.training_reports()
     assert report.suspended and report.memory_note == refused.suspended_memory_note
+    assert report.memory_released and report.restore_failed
     go.touch()
     await hog.finish()
     resumed = await _resume(live, a.assignment_id)
