@@ -34,7 +34,8 @@ STOP_GRACE_S = 10.0  # after a command hook: SIGTERM, then SIGKILL after this lo
 class RunOutcome:
     """How the command ended: `exit_code` is its exit status (128 + N if signal N killed it,
     127 if it was not found, 126 if it could not be started otherwise), `message` what was
-    reported, and `job` the job as placement recorded the end (None if the report failed)."""
+    reported, and `job` the job as placement recorded the end (as it ended, if it was cancelled,
+    evicted or lost meanwhile; None if the report failed)."""
 
     exit_code: int
     message: str
@@ -189,8 +190,16 @@ class JobRunner:
         try:
             return self.client.report_done(job_id, code == 0, code, message)
         except DomainError as error:
-            self._say(f"could not report job {job_id} done: {error.message}")
-            return None
+            refused = error.message
+        # Ended meanwhile (cancelled, evicted, lost) before the watcher said so: say how.
+        with contextlib.suppress(DomainError):
+            job = self.client.get(job_id)
+            if job.state.finished:
+                detail = f": {job.message}" if job.message else ""
+                self._say(f"job {job_id} was {job.state.value}{detail}")
+                return job
+        self._say(f"could not report job {job_id} done: {refused}")
+        return None
 
     def _follow(self, run: _Run) -> None:
         """Watch the job while its child runs: SIGTERM the child if the job is cancelled or

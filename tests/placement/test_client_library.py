@@ -221,3 +221,32 @@ def test_the_runner_tells_each_reason_to_wait_once_however_often_binding_is_retr
     runner = JobRunner(_RetryingClient(job, [failed, waiting] * 20), on_message=said.append)  # type: ignore[arg-type]
     assert runner.wait_assigned(job).state is JobState.ASSIGNED
     assert said == [f"job j-1 pending: {failed}", f"job j-1 pending: {waiting}"]
+
+
+class _EndedMeanwhileClient:
+    """A placement client whose job was evicted while its command ran, before the runner's
+    watch told it: the report of the command's end is refused."""
+
+    def __init__(self, job: JobView) -> None:
+        self.job = job
+
+    def watch(self, job_id: str) -> list[JobView]:
+        return []
+
+    def report_done(self, job_id: str, succeeded: bool, code: int, message: str) -> JobView:
+        raise FailedPrecondition(f"job {job_id} already finished (evicted)")
+
+    def get(self, job_id: str) -> JobView:
+        return self.job
+
+
+def test_a_command_ending_after_its_job_was_evicted_says_the_eviction() -> None:
+    spec = JobSpec(name="e", kind=JobKind.BATCH, share=share_of(memory_bytes=GIB))
+    why = "evicted by the dispatcher of GPU SIM-0: over its share"
+    evicted = JobView("j-1", "r-1", spec, JobState.EVICTED, 0.0, 0.0, 1, message=why)
+    said: list[str] = []
+    runner = JobRunner(_EndedMeanwhileClient(evicted), on_message=said.append)  # type: ignore[arg-type]
+    assigned = replace(evicted, state=JobState.ASSIGNED, message="")
+    outcome = runner.run_assigned(assigned, [sys.executable, "-c", "raise SystemExit(3)"])
+    assert outcome.exit_code == 3 and outcome.job is evicted
+    assert said == [f"job j-1 was evicted: {why}"]
