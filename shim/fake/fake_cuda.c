@@ -10,16 +10,25 @@
  * or the time they were recorded on an idle stream, so cuEventElapsedTime measures real time
  * and cuEventQuery answers CUDA_ERROR_NOT_READY until then.
  *
- * Kernel durations come from the module image: a text list of "name duration_us [sm_need]"
- * lines; a name listed without a duration, or ending in "_<N>us" (k_sleep_250us), takes N
- * microseconds; otherwise 100 us.
+ * Kernel durations come from the module image: a text list of
+ * "name duration_us [sm_need [bound]]" lines; a name listed without a duration, or ending in
+ * "_<N>us" (k_sleep_250us), takes N microseconds; otherwise 100 us. `bound` is the unit the
+ * kernel is bound by, compute, memory or unknown (default); another word makes the image
+ * invalid.
  *
- * The MPS timing model: `sm_need` (1..100, default 100) is the percentage of the GPU's SMs the
- * kernel can keep busy. A process whose CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1..100; unset or
- * invalid: 100) is below a kernel's need runs it need/share times longer (a kernel that fills
- * the GPU takes twice as long on half of it); at or above its need it takes its duration.
- * Kernels of different processes still take turns on the one engine (the fake does not run
- * partitions side by side).
+ * The partition timing model: `sm_need` (1..100, default 100) is the percentage of the GPU's
+ * SMs the kernel can keep busy. A process whose CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1..100;
+ * unset or invalid: 100) is below a kernel's need runs it need/share times longer (a kernel
+ * that fills the GPU takes twice as long on half of it); at or above its need it takes its
+ * duration.
+ *
+ * Between processes, two GPUs (GPULOOM_FAKE_CUDA_MPS; give every process of a GPU the same):
+ * without MPS (0 or unset) kernels of different processes take turns on the one engine, a
+ * kernel at a time (a GPU time-slicing its contexts, with no preemption: a kernel longer than
+ * a slice holds the engine to its end). With MPS (1) they run at once under the simulator's
+ * model (engine_run_mps): SM shares, and a slowdown by the co-runners' bound classes
+ * (GPULOOM_FAKE_CUDA_INTERFERENCE). Mixing the two on one GPU is not modelled: a process
+ * without MPS does not see the MPS processes' kernels, nor they its.
  *
  * Environment:
  *   GPULOOM_FAKE_CUDA_DIR    directory of the engine lock and runs.log (default
@@ -33,6 +42,13 @@
  *                            follows another process's on the engine starts this much later,
  *                            so processes whose kernels interleave lose time, as packed jobs
  *                            that interfere on a real GPU do.
+ *   GPULOOM_FAKE_CUDA_MPS    1: the GPU runs an MPS server, kernels co-run (above); 0 or
+ *                            unset: they take turns. Anything else fails cuInit.
+ *   GPULOOM_FAKE_CUDA_INTERFERENCE  "SAME,OTHER,UNKNOWN": the MPS engine's interference factors
+ *                            (1..100 each; default 2.5,1.5,2.0, the simulator's calibrated
+ *                            ones): the slowdown beside a co-runner holding every SM, when both
+ *                            are bound by the same unit, by different ones, or either is
+ *                            unknown. A malformed list or a factor below 1 fails cuInit.
  *
  * Memory: every allocating entry point the shim hooks is here (pointers, pitched, managed,
  * async and pool allocations, cuMemCreate, CUDA arrays and mipmapped arrays with rows padded to
@@ -123,6 +139,10 @@ static uint64_t g_mem_total;
 static uint64_t g_mem_used;
 static unsigned g_sm_share = 100; /* CUDA_MPS_ACTIVE_THREAD_PERCENTAGE */
 static uint64_t g_switch_us;       /* GPULOOM_FAKE_CUDA_SWITCH_US */
+static int g_mps;                  /* GPULOOM_FAKE_CUDA_MPS=1: the GPU runs an MPS server */
+/* GPULOOM_FAKE_CUDA_INTERFERENCE: same class, other class, either unknown (the simulator's
+ * calibrated defaults, gpuloom/sim/device.py Interference). */
+static double g_interference[3] = {2.5, 1.5, 2.0};
 static int g_ledger_fd = -1;       /* GPULOOM_FAKE_CUDA_SHARED_MEMORY=1: the GPU's memory ledger */
 static int g_fail_restore;         /* GPULOOM_FAKE_CUDA_CKPT_FAIL=restore */
 
@@ -233,15 +253,19 @@ static void gpus_parse(const char *list) {
         gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE, "GPULOOM_FAKE_CUDA_GPUS is empty%s", "");
 }
 
-/* The files of GPU `index`: its memory ledger and engine lock (-1: could not open). */
+/* The files of GPU `index`: its memory ledger, engine lock and MPS engine state (-1: could not
+ * open). */
 static int gpu_file(int index, const char *kind) {
     char file[700], uuid[48];
     if (!g_gpu_listed) {
-        snprintf(file, sizeof file, "%s/%s", g_dir, strcmp(kind, "memory") == 0 ? "memory.ledger" : "engine.lock");
+        snprintf(file, sizeof file, "%s/%s", g_dir,
+                 strcmp(kind, "memory") == 0 ? "memory.ledger"
+                 : strcmp(kind, "mps") == 0  ? "mps-engine.state"
+                                             : "engine.lock");
     } else {
         uuid_format(g_gpus[index].uuid, uuid);
         snprintf(file, sizeof file, "%s/%s-%s.%s", g_dir, kind, uuid,
-                 strcmp(kind, "memory") == 0 ? "ledger" : "lock");
+                 strcmp(kind, "memory") == 0 ? "ledger" : strcmp(kind, "mps") == 0 ? "state" : "lock");
     }
     return open(file, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
 }
@@ -296,6 +320,26 @@ __attribute__((constructor)) static void fake_setup(void) {
         unsigned long value = strtoul(share, &end, 10);
         if (end && *end == 0 && value >= 1 && value <= 100) g_sm_share = (unsigned)value;
     }
+    const char *mps = getenv("GPULOOM_FAKE_CUDA_MPS");
+    if (mps && *mps && strcmp(mps, "0") != 0) {
+        if (strcmp(mps, "1") == 0)
+            g_mps = 1;
+        else
+            gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE, "GPULOOM_FAKE_CUDA_MPS=%s (want 0 or 1)", mps);
+    }
+    const char *factors = getenv("GPULOOM_FAKE_CUDA_INTERFERENCE");
+    if (factors && *factors) {
+        double f[3];
+        char tail;
+        if (sscanf(factors, "%lf,%lf,%lf%c", &f[0], &f[1], &f[2], &tail) != 3 || !(f[0] >= 1 && f[0] <= 100) ||
+            !(f[1] >= 1 && f[1] <= 100) || !(f[2] >= 1 && f[2] <= 100))
+            gpu_settings_invalid(CUDA_ERROR_INVALID_VALUE,
+                                 "GPULOOM_FAKE_CUDA_INTERFERENCE=%s (want SAME,OTHER,UNKNOWN factors in 1..100; "
+                                 "below 1 would speed kernels up)",
+                                 factors);
+        else
+            memcpy(g_interference, f, sizeof f);
+    }
 }
 
 static void sleep_until(uint64_t deadline) {
@@ -344,6 +388,225 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
     return end;
 }
 
+/* ---- the MPS engine (GPULOOM_FAKE_CUDA_MPS=1): the kernels of every process co-run ----
+ *
+ * The simulator's model (gpuloom/sim/device.py, docs/harvest.md "Device model") in SM percent:
+ * a kernel asks for demand = min(sm_need, its process's partition) percent of the SMs; when
+ * the running kernels ask for more than 100, each gets share = 100 / total of its demand; and
+ * a kernel is slowed by its co-runners: rate = share / (1 + sum over co-runners j of
+ * (F(mine, j's) - 1) * j's held percent / 100), F the interference factor of the two bound
+ * classes. A kernel's work is its duration alone (run_us: a partition below its need already
+ * stretches it, as the simulator's demand / want does), done at that rate (at most 1): alone
+ * it takes exactly that duration. The running kernels of a GPU are kept in a file mapped by
+ * every process (mps-engine[-UUID].state), changed under a lock (a mutex between this
+ * process's streams, flock between processes); a change (a kernel started or ended) bumps a
+ * futex word that wakes every waiting kernel to re-plan its end. Time in the model moves from
+ * event to event: a kernel ends at the instant its work is done, whichever thread notices, so
+ * a thread the host's scheduler wakes late neither stretches its own kernel nor slows the
+ * others. */
+
+enum { BOUND_UNKNOWN, BOUND_COMPUTE, BOUND_MEMORY };
+#define MPS_SLOTS 64
+
+static int bound_parse(const char *text) {
+    if (strcmp(text, "unknown") == 0) return BOUND_UNKNOWN;
+    if (strcmp(text, "compute") == 0) return BOUND_COMPUTE;
+    if (strcmp(text, "memory") == 0) return BOUND_MEMORY;
+    return -1;
+}
+
+typedef struct {
+    int32_t pid;     /* 0: a free slot */
+    uint32_t ended;  /* the kernel ended at `end`; its thread has not collected it yet */
+    uint32_t demand; /* percent of the SMs it asks for */
+    uint32_t bound;
+    uint64_t start, end;
+    double work;     /* ns left at rate 1 */
+    double rate;
+} mps_slot;
+
+typedef struct {
+    uint32_t generation; /* futex word: bumped on every change of what runs */
+    uint32_t reserved;
+    uint64_t now;        /* the model's time: its last update (CLOCK_MONOTONIC ns) */
+    mps_slot slots[MPS_SLOTS];
+} mps_engine;
+
+static pthread_mutex_t g_mps_lock = PTHREAD_MUTEX_INITIALIZER;
+static mps_engine *g_mps_maps[FAKE_GPUS_MAX];
+static int g_mps_fds[FAKE_GPUS_MAX];
+
+/* Locks GPU `gpu`'s engine (mapping it the first time); NULL: its file could not be used. */
+static mps_engine *mps_lock(int gpu) {
+    pthread_mutex_lock(&g_mps_lock);
+    if (g_mps_maps[gpu] == NULL) {
+        int fd = gpu_file(gpu, "mps");
+        if (fd < 0 || ftruncate(fd, sizeof(mps_engine)) != 0) { /* zeros: nothing runs */
+            if (fd >= 0) close(fd);
+            pthread_mutex_unlock(&g_mps_lock);
+            return NULL;
+        }
+        void *map = mmap(NULL, sizeof(mps_engine), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (map == MAP_FAILED) {
+            close(fd);
+            pthread_mutex_unlock(&g_mps_lock);
+            return NULL;
+        }
+        g_mps_maps[gpu] = map;
+        g_mps_fds[gpu] = fd;
+    }
+    flock(g_mps_fds[gpu], LOCK_EX);
+    return g_mps_maps[gpu];
+}
+
+static void mps_unlock(int gpu) {
+    flock(g_mps_fds[gpu], LOCK_UN);
+    pthread_mutex_unlock(&g_mps_lock);
+}
+
+static int mps_running(const mps_slot *k) { return k->pid != 0 && !k->ended; }
+
+static double mps_factor(unsigned mine, unsigned theirs) {
+    if (mine == BOUND_UNKNOWN || theirs == BOUND_UNKNOWN) return g_interference[2];
+    return g_interference[mine == theirs ? 0 : 1];
+}
+
+static void mps_rates(mps_engine *e) {
+    double total = 0;
+    for (int i = 0; i < MPS_SLOTS; i++)
+        if (mps_running(&e->slots[i])) total += e->slots[i].demand;
+    double share = total > 100 ? 100 / total : 1;
+    for (int i = 0; i < MPS_SLOTS; i++) {
+        mps_slot *k = &e->slots[i];
+        if (!mps_running(k)) continue;
+        double slow = 1;
+        for (int j = 0; j < MPS_SLOTS; j++) {
+            const mps_slot *other = &e->slots[j];
+            if (j != i && mps_running(other))
+                slow += (mps_factor(k->bound, other->bound) - 1) * other->demand * share / 100;
+        }
+        k->rate = share / slow;
+    }
+}
+
+/* When the running kernel that ends first ends, at the current rates (0: none runs). */
+static uint64_t mps_next_end(const mps_engine *e) {
+    uint64_t next = 0;
+    for (int i = 0; i < MPS_SLOTS; i++) {
+        const mps_slot *k = &e->slots[i];
+        if (!mps_running(k)) continue;
+        double left = k->work / k->rate;
+        uint64_t at = e->now + (uint64_t)left + ((double)(uint64_t)left < left);
+        if (next == 0 || at < next) next = at;
+    }
+    return next;
+}
+
+/* Runs the model to `t`, ending each kernel at the instant its work is done. Returns whether
+ * what runs changed. A dead process's kernels are dropped (as a real driver's are). */
+static int mps_advance(mps_engine *e, uint64_t t) {
+    int changed = 0;
+    for (int i = 0; i < MPS_SLOTS; i++) {
+        mps_slot *k = &e->slots[i];
+        if (k->pid != 0 && k->pid != (int32_t)getpid() && kill(k->pid, 0) != 0 && errno == ESRCH) {
+            memset(k, 0, sizeof *k);
+            changed = 1;
+        }
+    }
+    if (changed) mps_rates(e);
+    for (;;) {
+        uint64_t next = mps_next_end(e);
+        uint64_t to = next != 0 && next <= t ? next : t;
+        if (to > e->now) {
+            for (int i = 0; i < MPS_SLOTS; i++)
+                if (mps_running(&e->slots[i])) e->slots[i].work -= e->slots[i].rate * (double)(to - e->now);
+            e->now = to;
+        }
+        if (next == 0 || next > t) return changed;
+        for (int i = 0; i < MPS_SLOTS; i++) {
+            mps_slot *k = &e->slots[i];
+            if (mps_running(k) && k->work / k->rate < 1) { /* under a ns left: done now */
+                k->ended = 1;
+                k->end = e->now;
+                k->work = 0;
+            }
+        }
+        mps_rates(e);
+        changed = 1;
+    }
+}
+
+static void mps_changed(mps_engine *e) {
+    __atomic_add_fetch(&e->generation, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &e->generation, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+static void mps_wait(mps_engine *e, uint32_t generation, uint64_t until) {
+    uint64_t now = now_ns();
+    if (until != 0 && until <= now) return;
+    uint64_t wait = until != 0 ? until - now : 100000000u; /* none ends: look again later */
+    struct timespec t = {(time_t)(wait / 1000000000u), (long)(wait % 1000000000u)};
+    syscall(SYS_futex, &e->generation, FUTEX_WAIT, generation, &t, NULL, 0);
+}
+
+/* engine_run under MPS: the kernel starts when it was ready (or at the model's last change,
+ * if that is later: the model does not go back) beside whatever runs, and ends when the model
+ * says its work is done. Returns its end (the model's, not this thread's wake-up). */
+static uint64_t engine_run_mps(const char *name, uint64_t duration_us, unsigned need,
+                               unsigned bound, uint64_t ready) {
+    int gpu = g_gpu;
+    mps_engine *e = mps_lock(gpu);
+    if (e == NULL) { /* no shared file: alone, as the one-engine fake would run it */
+        uint64_t start = ready;
+        sleep_until(start + duration_us * 1000u);
+        return start + duration_us * 1000u;
+    }
+    mps_slot *mine = NULL;
+    for (;;) {
+        mps_advance(e, now_ns());
+        for (int i = 0; i < MPS_SLOTS && mine == NULL; i++)
+            if (e->slots[i].pid == 0) mine = &e->slots[i];
+        if (mine) break;
+        uint32_t generation = e->generation; /* every slot taken: wait for one to free */
+        uint64_t until = mps_next_end(e);
+        mps_unlock(gpu);
+        mps_wait(e, generation, until);
+        e = mps_lock(gpu);
+    }
+    uint64_t start = ready > e->now ? ready : e->now;
+    uint64_t now = now_ns();
+    if (start > now) start = now;
+    mps_advance(e, start); /* the others up to its start, then it runs beside them */
+    *mine = (mps_slot){.pid = (int32_t)getpid(),
+                       .demand = need < g_sm_share ? need : g_sm_share,
+                       .bound = bound,
+                       .start = e->now,
+                       .work = (double)duration_us * 1000.0};
+    start = e->now;
+    mps_rates(e);
+    mps_advance(e, now);
+    mps_changed(e);
+    while (!mine->ended) {
+        uint32_t generation = e->generation;
+        uint64_t until = mps_next_end(e);
+        mps_unlock(gpu);
+        mps_wait(e, generation, until);
+        mps_lock(gpu);
+        if (mps_advance(e, now_ns())) mps_changed(e);
+    }
+    uint64_t end = mine->end;
+    memset(mine, 0, sizeof *mine);
+    mps_unlock(gpu);
+    if (g_runs_fd >= 0) {
+        char line[256];
+        int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
+                         (unsigned long long)start, (unsigned long long)end);
+        if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
+        }
+    }
+    return end;
+}
+
 /* ---- the checkpoint lock: calls that use the GPU wait while the process is locked ---- */
 
 static pthread_cond_t g_unlocked = PTHREAD_COND_INITIALIZER;
@@ -381,6 +644,7 @@ typedef struct fk_func {
     char name[128];
     uint64_t duration_us; /* on the whole GPU */
     unsigned sm_need;     /* percent of the SMs it can use */
+    unsigned bound;       /* BOUND_*: the unit it is bound by (the MPS engine's interference) */
 } fk_func;
 
 /* Its duration under this process's SM share (the MPS timing model). */
@@ -429,11 +693,19 @@ static CUresult load_module(fk_module **out, const void *image) {
         memcpy(line, text, length);
         line[length] = 0;
         text += length + (line_end ? 1 : 0);
-        char name[128];
+        char name[128], bound[16] = "unknown";
         unsigned long long duration = 0;
         unsigned need = 100;
-        int fields = sscanf(line, "%127s %llu %u", name, &duration, &need);
+        int fields = sscanf(line, "%127s %llu %u %15s", name, &duration, &need, bound);
         if (fields < 1) continue;
+        int bound_class = bound_parse(bound);
+        if (bound_class < 0) { /* a typo must not pass as "unknown" */
+            fprintf(stderr, "gpuloom fake libcuda: kernel %s: bound class %s (want compute, memory or unknown)\n",
+                    name, bound);
+            free(module->funcs);
+            free(module);
+            return CUDA_ERROR_INVALID_IMAGE;
+        }
         if (module->count == module->capacity) {
             int capacity = module->capacity ? module->capacity * 2 : 8;
             fk_func *grown = realloc(module->funcs, (size_t)capacity * sizeof *grown);
@@ -449,6 +721,7 @@ static CUresult load_module(fk_module **out, const void *image) {
         snprintf(f->name, sizeof f->name, "%s", name);
         f->duration_us = fields >= 2 ? duration : duration_from_name(name);
         f->sm_need = need >= 1 && need <= 100 ? need : 100;
+        f->bound = (unsigned)bound_class;
     }
     if (module->count == 0) {
         free(module->funcs);
@@ -527,7 +800,9 @@ static void *stream_worker(void *arg) {
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
-            uint64_t end = engine_run(op->func->name, run_us(op->func), ready);
+            const fk_func *f = op->func;
+            uint64_t end = g_mps ? engine_run_mps(f->name, run_us(f), f->sm_need, f->bound, ready)
+                                 : engine_run(f->name, run_us(f), ready);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
         } else {
