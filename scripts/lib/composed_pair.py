@@ -15,10 +15,19 @@ phase, each on a fresh fake GPU (its own GPULOOM_FAKE_CUDA_DIR):
     pair         both through `gpuloom run`: the training at priority 8 started first, then the
                  inference at priority 1, each asking half the GPU's time up to all of it
 
-Per round: the inference's mean and p99 as multiples of its own alone figures, and the
+Per round: the inference's mean and p99 as multiples of its own alone figures, the
 training's work beside it (its kernels started while the inference ran, per second, from the
-fake GPU's log) as a share of its rate alone. Reported: each round, and the medians. The
-target (docs/benchmarks.md): the median mean at most 1.05x alone."""
+fake GPU's log) as a share of its rate alone (`kept`), and its harvest (docs/harvest.md): kept
+over `min(1, (1 - inference busy alone) / training busy alone)`, what time sharing alone could
+give it, each busy share measured from its own alone phase on the fake GPU's log (the union of
+its kernels' time over the span from its first kernel's start to its last one's end).
+Reported: each round, and the medians. The target (docs/benchmarks.md): the median mean at
+most 1.05x alone.
+
+`mps=True` gives every phase's fake GPU an MPS server (GPULOOM_FAKE_CUDA_MPS=1): kernels of the
+two processes co-run under the simulator's model instead of taking turns. The default
+deployment runs no MPS under its policy (docs/deploy.md, "MPS"), so the default run is
+without."""
 
 from __future__ import annotations
 
@@ -119,13 +128,35 @@ class _Plane:
         self.log.close()
 
 
-def _fake_env(base: dict[str, str], fake: Path) -> dict[str, str]:
+def _fake_env(base: dict[str, str], fake: Path, mps: bool) -> dict[str, str]:
     fake.mkdir()
     return {
         **base,
         "LD_LIBRARY_PATH": str(ROOT / "shim" / "build" / "fake"),
         "GPULOOM_FAKE_CUDA_DIR": str(fake),
+        "GPULOOM_FAKE_CUDA_MPS": "1" if mps else "0",
     }
+
+
+def busy_share(spans: list[tuple[int, int]]) -> float:
+    """The share of the time from the first span's start to the last end covered by spans."""
+    if not spans:
+        raise ValueError("no kernel ran")
+    ordered = sorted(spans)
+    covered, reach = 0, ordered[0][0]
+    for start, end in ordered:
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / (max(end for _, end in ordered) - ordered[0][0])
+
+
+def harvest(kept: float, high_busy: float, low_busy: float) -> float:
+    """The best-effort task's kept share over what time sharing alone could give it
+    (docs/harvest.md, "Harvest figures"); co-running can take it above 1."""
+    if not 0 < low_busy <= 1 or not 0 <= high_busy < 1:
+        raise ValueError(f"busy shares out of range: high {high_busy}, low {low_busy}")
+    return kept / min(1.0, (1.0 - high_busy) / low_busy)
 
 
 def _infer_args(requests: int) -> list[str]:
@@ -167,22 +198,29 @@ def _gpuloom_run(key: str, priority: int, kind: str) -> list[str]:
             "--memory-gib", "1", "--timeout", "60", "--"]  # fmt: skip
 
 
-def _one_round(state: Path, n: int, env: dict[str, str], requests: int, train_s: float) -> dict:
+def _one_round(
+    state: Path, n: int, env: dict[str, str], requests: int, train_s: float, mps: bool
+) -> dict:
     def alone() -> dict:
-        out = _run(_infer_args(requests), _fake_env(env, state / f"alone-{n}"))
+        fake = state / f"alone-{n}"
+        out = _run(_infer_args(requests), _fake_env(env, fake, mps))
         return {
             "mean_ms": _value(out, "infer", "mean_ms"),
             "p99_ms": _value(out, "infer", "p99_ms"),
+            "busy": busy_share([(s, e) for name, s, e in _engine(fake) if name in HIGH]),
         }
 
     def train_alone() -> dict:
         fake = state / f"train-{n}"
-        _run(_train_args(TRAIN_ALONE_S), _fake_env(env, fake))
+        _run(_train_args(TRAIN_ALONE_S), _fake_env(env, fake, mps))
         runs = [(s, e) for name, s, e in _engine(fake) if name == LOW]
-        return {"kernels_per_s": len(runs) / ((runs[-1][1] - runs[0][0]) / 1e9)}
+        return {
+            "kernels_per_s": len(runs) / ((runs[-1][1] - runs[0][0]) / 1e9),
+            "busy": busy_share(runs),
+        }
 
     def pair() -> dict:
-        fake_env = _fake_env(env, state / f"pair-{n}")
+        fake_env = _fake_env(env, state / f"pair-{n}", mps)
         training = subprocess.Popen(
             _gpuloom_run("pair-train", 8, "training") + _train_args(train_s), env=fake_env,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -216,10 +254,15 @@ def _one_round(state: Path, n: int, env: dict[str, str], requests: int, train_s:
     result["be_work_share"] = (
         result["pair"]["train_kernels_per_s"] / result["train_alone"]["kernels_per_s"]
     )
+    result["harvest"] = harvest(
+        result["be_work_share"], result["alone"]["busy"], result["train_alone"]["busy"]
+    )
     return result
 
 
-def run_pair(rounds: int, requests: int, train_s: float) -> tuple[list[dict], bool]:
+def run_pair(
+    rounds: int, requests: int, train_s: float, mps: bool = False
+) -> tuple[list[dict], bool]:
     """The rounds (module docstring), printed as markdown; returns them and whether the median
     mean met the target."""
     import grpc
@@ -234,29 +277,32 @@ def run_pair(rounds: int, requests: int, train_s: float) -> tuple[list[dict], bo
             for request in _profiles("A100-80GB"):
                 store.PutKernelProfile(request)
         env = {k: v for k, v in plane.env.items() if k != "GPULOOM_DATA_DIR"}
-        results = [_one_round(state, n, env, requests, train_s) for n in range(rounds)]
+        results = [_one_round(state, n, env, requests, train_s, mps) for n in range(rounds)]
     finally:
         plane.stop()
         shutil.rmtree(state, ignore_errors=True)
+    gpu = "with MPS (GPULOOM_FAKE_CUDA_MPS=1)" if mps else "without MPS"
     print(
         f"\nThe default policy live (`gpuloom up`, default settings; `gpuloom run` at priority 1 "
-        f"and 8; fake driver), {requests} requests, {rounds} alternating rounds, load average "
-        f"{os.getloadavg()[0]:.2f}:\n"
+        f"and 8; fake driver {gpu}), {requests} requests, {rounds} alternating rounds, load "
+        f"average {os.getloadavg()[0]:.2f}:\n"
     )
     print("| round | alone mean / p99 ms | paired mean / p99 ms | hp mean x alone "
-          "| hp p99 x alone | best-effort work share |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|")
+          "| hp p99 x alone | busy alone hp / be | best-effort work share | harvest |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, r in enumerate(results):
         print(
             f"| {n + 1} | {r['alone']['mean_ms']:.3f} / {r['alone']['p99_ms']:.3f} "
             f"| {r['pair']['mean_ms']:.3f} / {r['pair']['p99_ms']:.3f} | {r['mean_x_alone']:.3f} "
-            f"| {r['p99_x_alone']:.3f} | {r['be_work_share']:.3f} |"
+            f"| {r['p99_x_alone']:.3f} "
+            f"| {r['alone']['busy']:.3f} / {r['train_alone']['busy']:.3f} "
+            f"| {r['be_work_share']:.3f} | {r['harvest']:.3f} |"
         )
     median = {k: statistics.median(r[k] for r in results)
-              for k in ("mean_x_alone", "p99_x_alone", "be_work_share")}  # fmt: skip
+              for k in ("mean_x_alone", "p99_x_alone", "be_work_share", "harvest")}  # fmt: skip
     print(
-        f"| median | | | {median['mean_x_alone']:.3f} | {median['p99_x_alone']:.3f} "
-        f"| {median['be_work_share']:.3f} |"
+        f"| median | | | {median['mean_x_alone']:.3f} | {median['p99_x_alone']:.3f} | "
+        f"| {median['be_work_share']:.3f} | {median['harvest']:.3f} |"
     )
     met = median["mean_x_alone"] <= TARGET
     print(
