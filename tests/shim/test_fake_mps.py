@@ -13,6 +13,7 @@ import itertools
 import pytest
 
 from gpuloom.sim.device import Device, GpuConfig
+from tests.dispatcher.conftest import LiveDispatcher
 
 from .conftest import Run, Runner, launch
 
@@ -161,3 +162,67 @@ async def test_interference_factors_are_settable(run: Runner) -> None:
     for _, name, start, end in runs:
         us = COMPUTE[1] if name == "k_conv" else MEMORY[1]
         assert end - start == us * 1000, runs
+
+
+# ---- end to end: what the dispatcher admits together co-runs ----
+
+PARTITIONS = {
+    "window_ms": 500.0,
+    "policy_args": "tokens.lease_min_s=0.02,tokens.lease_initial_s=0.025,tokens.lease_max_s=0.05",
+}
+
+
+@pytest.mark.parametrize("live", [PARTITIONS], indirect=True)
+@pytest.mark.parametrize("mps", [True, False], ids=["mps", "turns"])
+async def test_two_partitions_leased_together_co_run_only_on_an_mps_gpu(
+    live: LiveDispatcher, run: Runner, mps: bool
+) -> None:
+    """Two 50% SM partitions (policy spatiotemporal: their leases may be held together), each a
+    loop of kernels that use half the SMs, through the shim. On the MPS GPU their kernels run
+    at once (slowed 1.25x by each other, compute beside memory), and the dispatcher charges
+    each process the device time its kernels took; without MPS they take turns (and each one's
+    measured time also counts its waits for the other's kernels: docs/harvest.md, "Not
+    built")."""
+    assignments = [await live.reserve(sm=50, request=50, limit=100) for _ in range(2)]
+    kernels = (("k_conv", 2000, 50, "compute"), ("k_copy", 2000, 50, "memory"))
+    results = await asyncio.gather(
+        *(
+            run.run_async(
+                "module",
+                _module(kernel),
+                "loop",
+                "2",
+                kernel[0],
+                "1",
+                env={
+                    "GPULOOM_DISPATCHER_SOCKET": live.socket_path,
+                    "GPULOOM_ASSIGNMENT_TOKEN": assignment.assignment_token,
+                    "GPULOOM_SHIM_WAIT_MS": "3000",
+                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
+                    "GPULOOM_FAKE_CUDA_MPS": "1" if mps else "0",
+                },
+                timeout=60,
+            )
+            for assignment, kernel in zip(assignments, kernels, strict=True)
+        )
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr
+        assert "UNTHROTTLED" not in result.stderr, result.stderr
+    runs = run.engine_runs()
+    assert len({pid for pid, *_ in runs}) == 2
+    busy = sum(end - start for *_, start, end in runs)
+    if mps:
+        assert _overlap_ns(runs) > 0.25 * busy, (_overlap_ns(runs), busy)
+        longest = max(end - start for *_, start, end in runs)
+        assert 2_400_000 <= longest <= 2_500_000 + 1_000  # 2 ms at 1 / 1.25 of its speed
+    else:
+        assert _overlap_ns(runs) == 0
+        return
+    channel = live.dispatcher.channel
+    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
+    for assignment, result in zip(assignments, results, strict=True):
+        pid = int(result.value("init", "pid"))
+        truth_s = sum(end - start for p, _, start, end in runs if p == pid) / 1e9
+        charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
+        assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
