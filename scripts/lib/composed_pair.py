@@ -25,9 +25,8 @@ Reported: each round, and the medians. The target (docs/benchmarks.md): the medi
 most 1.05x alone.
 
 `mps=True` gives every phase's fake GPU an MPS server (GPULOOM_FAKE_CUDA_MPS=1): kernels of the
-two processes co-run under the simulator's model instead of taking turns. The default
-deployment runs no MPS under its policy (docs/deploy.md, "MPS"), so the default run is
-without."""
+two processes co-run under the simulator's model instead of taking turns. The default run is
+without: `gpuloom up`'s simulated GPU starts no MPS daemon (docs/dispatcher.md, "MPS")."""
 
 from __future__ import annotations
 
