@@ -349,6 +349,16 @@ static void sleep_until(uint64_t deadline) {
     }
 }
 
+/* runs.log: the ground truth of what ran when. */
+static void log_run(const char *name, uint64_t start, uint64_t end) {
+    if (g_runs_fd < 0) return;
+    char line[256];
+    int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
+                     (unsigned long long)start, (unsigned long long)end);
+    if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
+    }
+}
+
 /* Run one kernel on the shared engine: wait for it, hold it for the duration. Returns when it
  * ended.
  *
@@ -378,13 +388,7 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
         }
         flock(g_engine_fd, LOCK_UN);
     }
-    if (g_runs_fd >= 0) {
-        char line[256];
-        int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
-                         (unsigned long long)start, (unsigned long long)end);
-        if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
-        }
-    }
+    log_run(name, start, end);
     return end;
 }
 
@@ -556,10 +560,10 @@ static uint64_t engine_run_mps(const char *name, uint64_t duration_us, unsigned 
                                unsigned bound, uint64_t ready) {
     int gpu = g_gpu;
     mps_engine *e = mps_lock(gpu);
-    if (e == NULL) { /* no shared file: alone, as the one-engine fake would run it */
-        uint64_t start = ready;
-        sleep_until(start + duration_us * 1000u);
-        return start + duration_us * 1000u;
+    if (e == NULL) { /* no shared file: alone, beside nothing */
+        sleep_until(ready + duration_us * 1000u);
+        log_run(name, ready, ready + duration_us * 1000u);
+        return ready + duration_us * 1000u;
     }
     mps_slot *mine = NULL;
     for (;;) {
@@ -597,13 +601,7 @@ static uint64_t engine_run_mps(const char *name, uint64_t duration_us, unsigned 
     uint64_t end = mine->end;
     memset(mine, 0, sizeof *mine);
     mps_unlock(gpu);
-    if (g_runs_fd >= 0) {
-        char line[256];
-        int n = snprintf(line, sizeof line, "run %d %s %llu %llu\n", (int)getpid(), name,
-                         (unsigned long long)start, (unsigned long long)end);
-        if (n > 0 && write(g_runs_fd, line, (size_t)n) < 0) { /* best effort */
-        }
-    }
+    log_run(name, start, end);
     return end;
 }
 
