@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import subprocess
+import time
 
 import pytest
 
@@ -226,3 +228,22 @@ async def test_two_partitions_leased_together_co_run_only_on_an_mps_gpu(
         truth_s = sum(end - start for p, _, start, end in runs if p == pid) / 1e9
         charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
         assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
+
+
+def test_a_killed_process_kernel_stops_slowing_the_others(run: Runner) -> None:
+    """A process killed mid-kernel leaves its kernel in the shared engine state; the next
+    process drops it (its pid is gone), as a real driver frees a dead context's work."""
+    command, environment, _, _ = run.prepare(
+        list(_task(("k_long", 5_000_000, 100, "unknown"), 1)), MPS, False, "fake"
+    )
+    victim = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, text=True)
+    try:
+        assert victim.stdout is not None and victim.stdout.readline().startswith("init rc=0")
+        time.sleep(0.3)  # its 5 s kernel is running
+    finally:
+        victim.kill()
+        victim.wait()
+    result = run(*_task(("k_after", 50_000, 100, "unknown"), 1), env=MPS, preload=False)
+    assert result.returncode == 0, result.stderr
+    (after,) = [r for r in run.engine_runs() if r[1] == "k_after"]
+    assert after[3] - after[2] == 50_000_000, after  # alone: not slowed by the dead kernel
