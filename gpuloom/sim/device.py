@@ -61,8 +61,8 @@ class Interference:
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
     """The simulated GPU. Defaults: a V100 (80 SMs; the orion lists were measured on one) run
-    under MPS, where spatial harvesting applies. The default deployment (policy composed) runs
-    no MPS (docs/deploy.md, "MPS"): `mps=False` is that GPU (docs/harvest.md)."""
+    under MPS, as the default deployment runs its real GPUs (policy composed, docs/deploy.md,
+    "MPS"); `mps=False` is a GPU without it (time slices)."""
 
     sms: int = 80
     mps: bool = True
