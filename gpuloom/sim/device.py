@@ -61,8 +61,8 @@ class Interference:
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
     """The simulated GPU. Defaults: a V100 (80 SMs; the orion lists were measured on one) run
-    under MPS, where spatial harvesting applies. The default deployment (policy composed) runs
-    no MPS (docs/deploy.md, "MPS"): `mps=False` is that GPU (docs/harvest.md)."""
+    under MPS, as the default deployment runs its real GPUs (policy composed, docs/deploy.md,
+    "MPS"); `mps=False` is a GPU without it (time slices)."""
 
     sms: int = 80
     mps: bool = True
@@ -139,6 +139,7 @@ class _Kernel:
     cls: str
     start: int | None = None  # when it first ran
     segment: int | None = None  # start of the running stretch (time-sliced)
+    ran: int = 0  # ns it held the GPU in the stretches before the current one
     rate: float = 0.0
 
 
@@ -148,6 +149,9 @@ class Completion:
     tag: Any
     start: int
     end: int
+    # ns the kernel held the GPU: `end - start` less the slices other contexts held while it
+    # was preempted (time-sliced); under MPS all of `end - start` (it held SMs throughout).
+    ran: int
 
 
 class Device:
@@ -249,7 +253,7 @@ class Device:
             if k.work <= _EPS:
                 self.streams[k.ctx].popleft()
                 self.segments.append((k.segment, t, k.ctx))
-                done.append(Completion(k.ctx, k.tag, k.start, t))
+                done.append(Completion(k.ctx, k.tag, k.start, t, k.ran + t - k.segment))
         if not self.concurrent:
             if self.switch_until is not None and t >= self.switch_until:
                 self.switch_until = None
@@ -264,6 +268,7 @@ class Device:
                 k = self.streams[self.active][0]
                 if k.segment is not None and t > k.segment:
                     self.segments.append((k.segment, t, k.ctx))
+                    k.ran += t - k.segment
                 k.segment = None
                 self.preemptions += 1
                 self.active = None  # its slice is over: the next context's turn

@@ -252,7 +252,7 @@ class _Engine:
             if kind == self.DEVICE:
                 if arg == self.device_generation:
                     for done in self.device.advance(at):
-                        self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start)
+                        self.kernel_end(self.tasks[done.ctx], done.tag, at, done.start, done.ran)
                     self.device_timer()
                     self.harvest_waiting(at)
             elif kind == self.ENQUEUE:
@@ -368,11 +368,13 @@ class _Engine:
         self.launch(task, now)
         return True
 
-    def kernel_end(self, task: _Task, i: int, now: int, start: int) -> None:
+    def kernel_end(self, task: _Task, i: int, now: int, start: int, ran: int) -> None:
         if self.requests_limit is not None:
             self.measure(task, i, start, now)
         task.in_flight -= 1
-        self.policy.completed(task.index, now - start, now)
+        # Charged the time the kernel held the GPU, not the slices another context held while
+        # it was preempted (time-sliced): those are the other's time, charged to the other.
+        self.policy.completed(task.index, ran, now)
         if task.blocked:
             task.blocked = False
             self.launch_next(task, now)

@@ -113,11 +113,15 @@ def _fields(config: MpsConfig) -> dict[str, object]:
 
 def test_settings_choose_where_mps_runs() -> None:
     real, simulated = "GPU-8f3c", "SIM-A100-80GB-0"
-    auto = DispatcherSettings(policy="spatiotemporal")
-    assert auto.runs_mps(real) and not auto.runs_mps(simulated)
-    assert DispatcherSettings(policy="spatiotemporal", mps="on").runs_mps(simulated)
-    assert not DispatcherSettings(policy="spatiotemporal", mps="off").runs_mps(real)
-    for policy in ("exclusive", "fifo", "fikit", "composed"):  # no MPS beside the arbiter
+    # The default policy (composed) and spatiotemporal run MPS on real GPUs, not on simulated
+    # ones (the fake driver's live path runs without a daemon) unless told "on".
+    assert DispatcherSettings().policy == "composed"
+    for policy in ("composed", "spatiotemporal"):
+        auto = DispatcherSettings(policy=policy)
+        assert auto.runs_mps(real) and not auto.runs_mps(simulated)
+        assert DispatcherSettings(policy=policy, mps="on").runs_mps(simulated)
+        assert not DispatcherSettings(policy=policy, mps="off").runs_mps(real)
+    for policy in ("exclusive", "fifo", "fikit"):  # the baselines run as published: no MPS
         assert not DispatcherSettings(policy=policy, mps="on").runs_mps(real)
     with pytest.raises(ValueError, match="MPS control command is empty"):
         DispatcherSettings(mps_control="  ")

@@ -56,6 +56,8 @@ def test_no_kernel_runs_faster_than_alone_and_all_work_is_done(submits, concurre
         assert c.ctx == ctx
         assert c.start >= at
         assert c.end - c.start >= duration  # never faster co-running than alone
+        # What it is charged: its own time on the GPU, the whole span under MPS.
+        assert c.ran == (c.end - c.start if concurrent else duration)
     # One stream runs its kernels in order, one at a time.
     for ctx in range(3):
         mine = sorted((c.tag, c.start, c.end) for c in done if c.ctx == ctx)
@@ -79,7 +81,7 @@ def test_a_kernel_alone_runs_its_duration() -> None:
     for concurrent in (True, False):
         device = Device(GpuConfig(), 2, concurrent)
         done = run_all(device, [(100, 1, 7_000, 80, "compute")])
-        assert done == [Completion(1, 0, 100, 7_100)]
+        assert done == [Completion(1, 0, 100, 7_100, 7_000)]
 
 
 def test_interference_follows_the_profile_classes_and_the_sms() -> None:
