@@ -1261,7 +1261,7 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
     await core.training.tick()
     b_now = await assigned(core, b.job_id)
     assert b_now.binding is not None and b_now.binding.time_slice_of == a.job_id
-    assert b_now.binding.memory_in_turns and b_now.binding.memory_cap_bytes == 50 * GIB
+    assert b_now.binding.memory_in_turns and b_now.binding.share.memory_bytes == 50 * GIB
     fleet = core.jobs.scheduler.fleet
     fleet.verify()
     assert fleet.slot("GPU-0").memory_used == 50 * GIB
