@@ -197,8 +197,29 @@ class Rect:
             )
 
 
+class _HoldsShare:
+    """What placement reads of a job's `share` (a field of the dataclass below it): its SM
+    percent, its time quota's request (the guaranteed part, which placement reserves: the
+    rectangle's width) and its priority."""
+
+    __slots__ = ()
+    share: Share
+
+    @property
+    def sm_percent(self) -> int:
+        return self.share.sm_percent
+
+    @property
+    def quota_request_percent(self) -> float:
+        return self.share.quota.request_percent
+
+    @property
+    def priority(self) -> int:
+        return self.share.priority
+
+
 @dataclass(frozen=True, slots=True)
-class Allocation:
+class Allocation(_HoldsShare):
     """Resources held on one GPU. `share` is the job's share as it runs there: its SM percent,
     its time quota (the fleet reserves the request), its priority and its memory cap (for a
     replica beside its model, less the weights: what the fleet decided). `rect` is where it
@@ -229,19 +250,6 @@ class Allocation:
     # its part of the group's charge, which is the largest member's memory, not the sum (the
     # fleet spreads it). None: not in turns (charged the memory it runs with).
     turn_charge_bytes: int | None = None
-
-    @property
-    def sm_percent(self) -> int:
-        return self.share.sm_percent
-
-    @property
-    def quota_percent(self) -> float:
-        """The time quota's request (the guaranteed part), which the rectangle is as wide as."""
-        return self.share.quota.request_percent
-
-    @property
-    def priority(self) -> int:
-        return self.share.priority
 
     @property
     def runs_with_bytes(self) -> int:
@@ -278,7 +286,7 @@ class Allocation:
                     "(a group's first allocation leaves it empty)"
                 )
         _check_share(self.share)
-        _check_quota("quota_percent", self.quota_percent)
+        _check_quota("quota_request_percent", self.quota_request_percent)
         if self.turn_charge_bytes is not None:
             _check_count("turn_charge_bytes", self.turn_charge_bytes)
             if self.turn_charge_bytes > self.runs_with_bytes:
@@ -291,10 +299,13 @@ class Allocation:
         if self.rect is not None:
             self.rect.validate()
             # The time-share baseline widens the SM side to 100 %, never narrows either side.
-            if self.rect.w < quota_steps(self.quota_percent) or self.rect.h < self.sm_percent:
+            if (
+                self.rect.w < quota_steps(self.quota_request_percent)
+                or self.rect.h < self.sm_percent
+            ):
                 raise InvalidRequestError(
                     f"allocation {self.allocation_id}: rectangle {self.rect.label()} is smaller "
-                    f"than its {self.quota_percent:g}% quota x {self.sm_percent}% SM"
+                    f"than its {self.quota_request_percent:g}% quota x {self.sm_percent}% SM"
                 )
 
 
@@ -340,7 +351,7 @@ class GpuState:
 
 
 @dataclass(frozen=True, slots=True)
-class JobRequest:
+class JobRequest(_HoldsShare):
     """What a job asks of the fleet: its `share` (SM percent, time quota, memory, priority), of
     which placement reserves the time quota's request, the guaranteed part (FaST-GShare's
     Q_request); the limit is the dispatcher's business, carried on in the same share."""
@@ -361,20 +372,8 @@ class JobRequest:
     nodes: frozenset[str] = frozenset()
 
     @property
-    def sm_percent(self) -> int:
-        return self.share.sm_percent
-
-    @property
-    def quota_request_percent(self) -> float:
-        return self.share.quota.request_percent
-
-    @property
     def memory_bytes(self) -> int:
         return self.share.memory_bytes
-
-    @property
-    def priority(self) -> int:
-        return self.share.priority
 
     @property
     def models(self) -> tuple[str, ...]:

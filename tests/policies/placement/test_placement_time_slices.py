@@ -72,7 +72,7 @@ def test_a_member_sits_in_the_group_rectangle_and_holds_memory_and_node_resource
     member = fleet.slice_into(job("b", 50, 30, 12, cpu_milli=500, task_key="t"), "g0", "a")
     assert member == fleet.allocation("b")
     assert member.rect == first.rect and member.slice_of == "a" and member.slice_group == "a"
-    assert (member.sm_percent, member.quota_percent, member.task_key) == (50, 30, "t")
+    assert (member.sm_percent, member.quota_request_percent, member.task_key) == (50, 30, "t")
     # No area: the free space is as it was; memory and node resources are held.
     assert fleet.free_rects("g0") == free and fleet.slot("g0").area_free == area == 0
     assert fleet.slot("g0").memory_used == 22 * GIB

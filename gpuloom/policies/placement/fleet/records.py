@@ -200,11 +200,11 @@ def _load_allocations(
     for allocation in pending:
         w, h = shapes.get(allocation.slice_group, (0, 0))
         shapes[allocation.slice_group] = (
-            max(w, quota_steps(allocation.quota_percent)),
+            max(w, quota_steps(allocation.quota_request_percent)),
             max(h, allocation.sm_percent),
         )
     for allocation in pending:
-        w, h = quota_steps(allocation.quota_percent), allocation.sm_percent
+        w, h = quota_steps(allocation.quota_request_percent), allocation.sm_percent
         group = allocation.slice_group
         held = slot.boxes.get(group)
         if held is not None:
