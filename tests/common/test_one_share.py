@@ -4,7 +4,7 @@ CLI, a job file or the client library asks is what the dispatcher reserves."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 from hypothesis import given
@@ -16,7 +16,14 @@ from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import DEFAULT_PRIORITY, Share, TimeQuota, share_of
-from gpuloom.policies.placement import Fleet, GpuState, Placement, get_policy
+from gpuloom.policies.placement import (
+    Allocation,
+    Fleet,
+    GpuState,
+    JobRequest,
+    Placement,
+    get_policy,
+)
 from gpuloom.services.placement.decisions import ask_of
 from gpuloom.services.placement.dispatchers import bind_request
 from gpuloom.services.placement.domain import Binding, Job
@@ -110,3 +117,12 @@ def test_a_replica_beside_its_model_binds_its_share_less_the_weights() -> None:
     assert isinstance(fleet.place(ask_of(job).request, get_policy("mra")), Placement)
     held = fleet.allocation("j-1")
     assert held is not None and held.share == replace(spec.share, memory_bytes=5 * GIB)
+
+
+@pytest.mark.parametrize("record", [JobRequest, Allocation, Binding])
+def test_placement_holds_the_share_itself_not_copies_of_its_fields(record: type) -> None:
+    """docs/architecture.md's walks count none of these as a shape of its own."""
+    names = {f.name: f.type for f in fields(record)}
+    assert names.get("share") == "Share"
+    copies = {"sm_percent", "quota_request_percent", "quota_percent", "memory_bytes", "priority"}
+    assert not copies & names.keys() and "memory_cap_bytes" not in names
