@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -93,6 +94,15 @@ def service_error(error: DomainError, service: str, address: str) -> click.Click
         how = f" (set with {option} or {env})" if option else ""
         return click.ClickException(f"cannot reach {service} at {address}{how}: {message}")
     return click.ClickException(f"{message} ({service} at {address})")
+
+
+@contextlib.contextmanager
+def calling(service: str, address: str) -> Iterator[None]:
+    """The calls inside, whose domain errors end the command with one line (service_error)."""
+    try:
+        yield
+    except DomainError as error:
+        raise service_error(error, service, address) from None
 
 
 _HOW_TO_SET = {

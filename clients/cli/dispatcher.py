@@ -12,13 +12,12 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 
-from gpuloom.clients.cli.addresses import placement_option, service_error
+from gpuloom.clients.cli.addresses import calling, placement_option
 from gpuloom.clients.cli.top import PIPE_WIDTH, by_priority, gib_or_dash, process_table
 from gpuloom.clients.dispatcher import DispatcherClient
 from gpuloom.clients.placement import PlacementClient
 from gpuloom.convert.dispatcher import status_json
 from gpuloom.domain.dispatcher import DispatcherStatus
-from gpuloom.domain.errors import DomainError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -186,11 +185,8 @@ def _dispatcher(
 
 def find_dispatcher(gpu_uuid: str, placement_address: str) -> str:
     """The address of the dispatcher of the GPU `gpu_uuid`, as placement knows it."""
-    try:
-        with PlacementClient(placement_address) as placement:
-            entry = next((g for g in placement.gpus() if g.gpu.gpu_uuid == gpu_uuid), None)
-    except DomainError as error:
-        raise service_error(error, "placement", placement_address) from None
+    with calling("placement", placement_address), PlacementClient(placement_address) as placement:
+        entry = next((g for g in placement.gpus() if g.gpu.gpu_uuid == gpu_uuid), None)
     if entry is None:
         raise click.ClickException(f"no GPU {gpu_uuid} registered with placement")
     if not entry.dispatcher_address:
@@ -202,10 +198,8 @@ T = TypeVar("T")
 
 
 def _call(function: Callable[[], T], where: str) -> T:
-    try:
+    with calling("dispatcher", where):
         return function()
-    except DomainError as error:
-        raise service_error(error, "dispatcher", where) from None
 
 
 def _summary(found: DispatcherStatus) -> list[str]:

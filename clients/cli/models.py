@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import click
 
+from gpuloom.clients.cli.addresses import calling
 from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.models import ADDRESS_VARIABLE, DEFAULT_ADDRESS, ModelsClient
 from gpuloom.convert.json_mapping import message_json
-from gpuloom.domain.errors import DomainError
 from gpuloom.v1 import dispatcher_pb2 as pb
 
 dispatcher_option = click.option(
@@ -28,11 +28,8 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON."
 
 @contextlib.contextmanager
 def _client(address: str) -> Iterator[ModelsClient]:
-    try:
-        with ModelsClient(address) as client:
-            yield client
-    except DomainError as error:
-        raise click.ClickException(f"{error.message} (dispatcher at {address})") from None
+    with calling("dispatcher", address), ModelsClient(address) as client:
+        yield client
 
 
 def _show(listing: pb.ListModelsResponse, as_json: bool) -> None:

@@ -18,8 +18,8 @@ from gpuloom.clients.cli.addresses import (
     PROFILER_ENV,
     STORE_ENV,
     address_option,
+    calling,
     profiler_option,
-    service_error,
 )
 from gpuloom.clients.cli.profiles import delete_profile, list_profiles, put_profile, show_profile
 from gpuloom.clients.cli.table import echo_table
@@ -236,11 +236,8 @@ def cancel_session(session_id: str, address: str, as_json: bool) -> None:
 
 @contextlib.contextmanager
 def _profiler(address: str) -> Iterator[ProfilerClient]:
-    try:
-        with ProfilerClient(address) as client:
-            yield client
-    except DomainError as error:
-        raise service_error(error, "profiler", address) from None
+    with calling("profiler", address), ProfilerClient(address) as client:
+        yield client
 
 
 def _show(session: SessionView, as_json: bool) -> None:

@@ -10,12 +10,11 @@ from typing import Any
 
 import click
 
-from gpuloom.clients.cli.addresses import service_error, store_option
+from gpuloom.clients.cli.addresses import calling, store_option
 from gpuloom.clients.cli.table import echo_table
 from gpuloom.clients.times import rfc3339
 from gpuloom.convert import profiles as convert
 from gpuloom.domain import profiles as d
-from gpuloom.domain.errors import DomainError
 
 KINDS = [k.value for k in d.ProfileKind]
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
@@ -25,10 +24,6 @@ def _client(address: str) -> Any:
     from gpuloom.clients.profile_store import ProfileStoreClient
 
     return ProfileStoreClient(address)
-
-
-def _fail(error: DomainError, address: str) -> click.ClickException:
-    return service_error(error, "profile store", address)
 
 
 @click.command("list")
@@ -42,13 +37,10 @@ def list_profiles(
     kind: str | None, key: str, gpu_model: str, limit: int, address: str, as_json: bool
 ) -> None:
     """List stored profiles, one line each."""
-    try:
-        with _client(address) as client:
-            found = list(
-                islice(client.list(d.ProfileKind(kind) if kind else None, key, gpu_model), limit)
-            )
-    except DomainError as error:
-        raise _fail(error, address) from None
+    with calling("profile store", address), _client(address) as client:
+        found = list(
+            islice(client.list(d.ProfileKind(kind) if kind else None, key, gpu_model), limit)
+        )
     if as_json:
         for s in found:
             click.echo(json.dumps(convert.summary_json(s)))
@@ -71,11 +63,8 @@ def list_profiles(
 @json_option
 def show_profile(kind: str, key: str, gpu_model: str, address: str, as_json: bool) -> None:
     """Show one profile in full: KIND KEY GPU_MODEL (KEY is the task key or function name)."""
-    try:
-        with _client(address) as client:
-            profile = client.get(d.ProfileKind(kind), key, gpu_model)
-    except DomainError as error:
-        raise _fail(error, address) from None
+    with calling("profile store", address), _client(address) as client:
+        profile = client.get(d.ProfileKind(kind), key, gpu_model)
     if as_json:
         click.echo(json.dumps(convert.profile_json(profile), indent=2))
         return
@@ -111,11 +100,8 @@ def put_profile(kind: str, file: str, expected_version: int | None, address: str
         raise click.UsageError(f"{file}: cannot read it: {error}") from None
     except ValueError as error:
         raise click.UsageError(f"{file}: not a {kind} profile: {error}") from None
-    try:
-        with _client(address) as client:
-            stored = client.put(profile, expected_version)
-    except DomainError as error:
-        raise _fail(error, address) from None
+    with calling("profile store", address), _client(address) as client:
+        stored = client.put(profile, expected_version)
     click.echo(
         f"stored {kind} profile {stored.key!r} on {stored.gpu_model!r} (version {stored.version})"
     )
@@ -136,11 +122,8 @@ def delete_profile(
 ) -> None:
     """Delete one profile: KIND KEY GPU_MODEL. Its version still counts on: a profile put
     again later gets the next version."""
-    try:
-        with _client(address) as client:
-            version = client.delete(d.ProfileKind(kind), key, gpu_model, expected_version)
-    except DomainError as error:
-        raise _fail(error, address) from None
+    with calling("profile store", address), _client(address) as client:
+        version = client.delete(d.ProfileKind(kind), key, gpu_model, expected_version)
     click.echo(f"deleted {kind} profile {key!r} on {gpu_model!r} (version {version})")
 
 

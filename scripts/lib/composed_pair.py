@@ -33,13 +33,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from up_plane import UpPlane, up_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 GPULOOM = str(Path(sys.executable).parent / "gpuloom")
@@ -76,55 +77,6 @@ def _profiles(gpu_model: str):
                 kernels=kernels,
             )
         )
-
-
-class _Plane:
-    def __init__(self, state: Path) -> None:
-        # No GPULOOM_ setting but where the native builds are: the dispatcher's defaults.
-        kept = ("GPULOOM_FIKIT_LIB", "GPULOOM_SHIM_PATH")
-        self.env = {
-            k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_") or k in kept
-        }
-        self.env.update(
-            GPULOOM_DATA_DIR=str(state),
-            # Served open, on purpose (a benchmark on a machine of its own; docs/security.md).
-            GPULOOM_INSECURE="true",
-            GPULOOM_LOG_LEVEL="warning",
-            GPULOOM_PROFILE_STORE_PORT="0",
-            GPULOOM_PROFILER_PORT="0",
-            GPULOOM_PLACEMENT_PORT="0",
-            GPULOOM_DISPATCHER_PORT="0",
-            GPULOOM_METRICS_PORT="0",
-            GPULOOM_DISPATCHER_BACKEND="simulated",
-            GPULOOM_DISPATCHER_SIM_GPUS="A100-80GB",
-            GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.5",
-        )
-        self.log = (state / "plane.log").open("w")
-        self.process = subprocess.Popen(
-            [GPULOOM, "up"], env=self.env, stdout=subprocess.PIPE, stderr=self.log, text=True,
-            start_new_session=True,
-        )  # fmt: skip
-        assert self.process.stdout is not None
-        self.address: dict[str, str] = {}
-        deadline = time.monotonic() + 60
-        while "placement" not in self.address or "profile-store" not in self.address:
-            line = self.process.stdout.readline()
-            if not line or time.monotonic() > deadline:
-                raise RuntimeError(f"gpuloom up did not start; its log: {state / 'plane.log'}")
-            name, _, address = line.strip().rpartition("  ")
-            if name.strip():  # "NAME ...  ADDRESS" lines; the title has no double space
-                self.address.setdefault(name.split()[0], address.strip())
-        self.env["GPULOOM_PLACEMENT_ADDRESS"] = self.address["placement"]
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
 
 
 def _fake_env(base: dict[str, str], fake: Path, mps: bool) -> dict[str, str]:
@@ -269,13 +221,26 @@ def run_pair(
     from gpuloom.v1 import profile_store_pb2_grpc
 
     state = Path(tempfile.mkdtemp(prefix="gl-bench-pair-", dir="/tmp"))
-    plane = _Plane(state)
+    plane = UpPlane(
+        up_environment(
+            state,
+            "A100-80GB",
+            # No GPULOOM_ setting but where the native builds are: the dispatcher's defaults.
+            keep=("GPULOOM_FIKIT_LIB", "GPULOOM_SHIM_PATH"),
+            # Served open, on purpose (a benchmark on a machine of its own; docs/security.md).
+            GPULOOM_INSECURE="true",
+            GPULOOM_LOG_LEVEL="warning",
+        ),
+        state / "plane.log",
+    )
     try:
-        with grpc.insecure_channel(plane.address["profile-store"]) as channel:
+        plane.start(endpoints=4)  # store, profiler, placement, the GPU's dispatcher
+        with grpc.insecure_channel(plane.address("profile-store")) as channel:
             store = profile_store_pb2_grpc.ProfileStoreStub(channel)
             for request in _profiles("A100-80GB"):
                 store.PutKernelProfile(request)
         env = {k: v for k, v in plane.env.items() if k != "GPULOOM_DATA_DIR"}
+        env["GPULOOM_PLACEMENT_ADDRESS"] = plane.address("placement")
         results = [_one_round(state, n, env, requests, train_s, mps) for n in range(rounds)]
     finally:
         plane.stop()

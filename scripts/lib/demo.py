@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from up_plane import UpFailed, UpPlane, up_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -87,75 +87,32 @@ def indent(text: str) -> str:
     return "\n".join("    " + line for line in text.rstrip("\n").splitlines())
 
 
-class Plane:
-    """`gpuloom up` in a child process, its banner parsed into endpoints."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.log = state / "plane.log"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("GPULOOM_")}
-        self.env.update(
-            GPULOOM_DATA_DIR=str(state),
+def start_plane(state: Path) -> UpPlane:
+    """`gpuloom up` on SIM_GPUS with its state in `state`, its endpoints printed."""
+    plane = UpPlane(
+        up_environment(
+            state,
+            SIM_GPUS,
             # Its own credentials (made on the plane's first start), which its CLI calls find
             # here too; a reader's `scripts/up` keeps them in ~/.config/gpuloom.
             GPULOOM_CREDENTIALS_DIR=str(state / "credentials"),
             GPULOOM_LOG_FORMAT="console",
-            GPULOOM_PROFILE_STORE_PORT="0",
-            GPULOOM_PROFILER_PORT="0",
-            GPULOOM_PLACEMENT_PORT="0",
-            GPULOOM_DISPATCHER_PORT="0",
-            GPULOOM_METRICS_PORT="0",
-            GPULOOM_DISPATCHER_BACKEND="simulated",
-            GPULOOM_DISPATCHER_SIM_GPUS=SIM_GPUS,
-            GPULOOM_PLACEMENT_HEARTBEAT_INTERVAL_S="0.5",
-        )
-        self.process: subprocess.Popen[str] | None = None
-        self.endpoints: dict[str, str] = {}
-
-    def start(self) -> None:
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(
-                [GPULOOM, "up"],
-                env=self.env,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                start_new_session=True,
-            )
-        assert self.process.stdout is not None
-        header = self.process.stdout.readline()
-        if not header.startswith("gpuloom is running"):
-            self.process.wait(timeout=30)
-            raise DemoFailed(f"gpuloom up did not start; its log: {self.log}")
-        while len(self.endpoints) < 5:  # store, profiler, placement, two dispatchers
-            line = self.process.stdout.readline()
-            if not line:
-                raise DemoFailed(f"gpuloom up stopped while starting; its log: {self.log}")
-            name, _, address = line.strip().rpartition("  ")
-            self.endpoints[name.strip()] = address.strip()
-        say(header.rstrip())
-        for name, address in self.endpoints.items():
-            say(f"  {name:<34} {address}")
-
-    def address(self, starting: str) -> str:
-        (address,) = [a for n, a in self.endpoints.items() if n.startswith(starting)]
-        return address
-
-    def stop(self) -> int:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            raise DemoFailed("gpuloom up did not stop within 30 s of SIGTERM") from None
+        ),
+        state / "plane.log",
+    )
+    try:
+        plane.start(endpoints=5, timeout_s=START_TIMEOUT_S)  # store, profiler, placement, 2 GPUs
+    except UpFailed as error:
+        raise DemoFailed(str(error)) from None
+    say(plane.header)
+    for name, address in plane.endpoints.items():
+        say(f"  {name:<34} {address}")
+    return plane
 
 
 class Day:
-    def __init__(self, plane: Plane, grpcurl: str) -> None:
-        self.plane = plane
+    def __init__(self, plane: UpPlane, state: Path, grpcurl: str) -> None:
+        self.state = state
         self.grpcurl_path = grpcurl
         self.placement = plane.address("placement")
         self.store = plane.address("profile-store")
@@ -179,7 +136,7 @@ class Day:
     def grpcurl(self, address: str, method: str, body: dict[str, Any] | None = None) -> list[Any]:
         """Call `method` at `address` with the admin token (what changes state needs one); every
         message of the answer, parsed."""
-        token = (self.plane.state / "credentials" / "admin.token").read_text().strip()
+        token = (self.state / "credentials" / "admin.token").read_text().strip()
         header = ["-H", f"authorization: Bearer {token}"]
         args = ["-plaintext", *header, *(["-d", json.dumps(body)] if body is not None else [])]
         shown = [
@@ -369,9 +326,9 @@ class Day:
                 for name, seconds in MIG_TASKS
             ]
         }
-        batch_file = self.plane.state / "mig-batch.json"
+        batch_file = self.state / "mig-batch.json"
         batch_file.write_text(json.dumps(batch, indent=2) + "\n")
-        logs = self.plane.state / "mig-logs"
+        logs = self.state / "mig-logs"
         output = self.gpuloom(
             "mig", "run", "--dispatcher", self.mig_dispatcher, "--logs", str(logs), str(batch_file)
         )
@@ -404,11 +361,11 @@ def main(argv: list[str]) -> int:
     state = options.state.resolve()
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True)
-    plane = Plane(state)
+    plane = None
     failure = None
     try:
-        plane.start()
-        day = Day(plane, grpcurl)
+        plane = start_plane(state)
+        day = Day(plane, state, grpcurl)
         say(f"(the CLI below runs with GPULOOM_PLACEMENT_ADDRESS={day.placement})")
         day.fleet()
         day.profiles()
@@ -417,14 +374,13 @@ def main(argv: list[str]) -> int:
     except (DemoFailed, subprocess.TimeoutExpired) as error:
         failure = str(error)
     finally:
-        try:
-            code = plane.stop()
-        except DemoFailed as error:
-            failure, code = failure or str(error), 1
-    if failure is None and code != 0:
+        code = 0 if plane is None else plane.stop()
+    if code is None:
+        failure = failure or "gpuloom up did not stop within 30 s of SIGTERM"
+    elif failure is None and code != 0:
         failure = f"gpuloom up exited {code} when stopped"
     say("\n== Where to look")
-    say(f"  the plane's log:        {plane.log}")
+    say(f"  the plane's log:        {state / 'plane.log'}")
     say(f"  MIG task output:        {state}/mig-logs/")
     say("  more: docs/jobs.md (gpuloom run, jobs, gpus), docs/mig.md (gpuloom mig run),")
     say("        docs/profile-store.md, docs/deploy.md (compose and Kubernetes)")

@@ -6,6 +6,7 @@ zero values, which the domain validation then names (e.g. "spec.kind: required .
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from gpuloom.convert.placement import STATE_FROM_PB, throughput_config_to_pb
 from gpuloom.convert.placement import gpu_entry_to_pb as entry_to_pb
@@ -42,7 +43,7 @@ def job_view(job: Job, with_token: bool = False) -> JobView:
             "node": binding.node,
             "dispatcher_address": binding.dispatcher_address,
             "assignment_id": job.job_id,
-            "memory_cap_bytes": binding.memory_cap_bytes,
+            "memory_cap_bytes": binding.share.memory_bytes,
         }
         if binding.mig is not None:
             environment = _environment(job, binding.environment, with_token)
@@ -135,10 +136,7 @@ def direct_reservations_from_pb(
         direct.append(
             Allocation(
                 allocation_id=direct_id(gpu_uuid, reservation.assignment_id),
-                sm_percent=share.sm_percent,
-                quota_percent=share.quota.request_percent,
-                memory_bytes=share.memory_bytes,
-                priority=min(share.priority, LOWEST_PRIORITY),
+                share=replace(share, priority=min(share.priority, LOWEST_PRIORITY)),
                 task_key=reservation.task_key,
             )
         )

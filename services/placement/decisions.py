@@ -526,15 +526,15 @@ class Decisions:
         placement = placed.placement
         gpu = self._inventory.record(placement.gpu_id)
         rect = placement.rect
-        # What the fleet charged: less than asked for a replica placed beside its model (the
-        # weights are the model store's), and the cap the dispatcher enforces.
+        # The share the fleet holds: its memory less than asked for a replica placed beside its
+        # model (the weights are the model store's), the cap the dispatcher enforces.
         held = self._inventory.fleet.allocation(job.job_id)
         binding = Binding(
             gpu_uuid=placement.gpu_id,
             node=placement.node,
             dispatcher_address=gpu.dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=job.spec.share.memory_bytes if held is None else held.memory_bytes,
+            share=job.spec.share if held is None else held.share,
             token=secrets.token_urlsafe(32),
             extra=tuple(
                 ExtraGpu(g, self._inventory.record(g).dispatcher_address)
@@ -777,13 +777,9 @@ def _bound(binding: Binding, environments: list[dict[str, str]]) -> Binding:
 def ask_of(job: Job) -> Ask:
     """What an MPS or whole-GPU job asks of the scheduler."""
     spec = job.spec
-    share = spec.share
     request = JobRequest(
         job_id=job.job_id,
-        sm_percent=share.sm_percent,
-        quota_request_percent=share.quota.request_percent,
-        memory_bytes=share.memory_bytes,
-        priority=share.priority,
+        share=spec.share,
         gpu_model=spec.gpu_model,
         task_key=spec.task_key,
         shared_model=spec.shared_model,

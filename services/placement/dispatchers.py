@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class BindRequest:
-    """What placement asks a dispatcher to reserve for a job: the job's share, its memory cap
-    the one its binding holds on that GPU."""
+    """What placement asks a dispatcher to reserve for a job: the share its binding holds on
+    that GPU (the job's, with the memory cap placement decided)."""
 
     assignment_id: str
     client_name: str
@@ -45,7 +45,7 @@ def bind_request(job: Job, binding: Binding) -> BindRequest:
     return BindRequest(
         assignment_id=job.job_id,
         client_name=spec.name,
-        share=replace(spec.share, memory_bytes=binding.memory_cap_bytes),
+        share=binding.share,
         token=binding.token,
         task_key=spec.task_key,
         time_slice_of=binding.time_slice_of,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.gpus import GpuInfo
 from gpuloom.domain.placement import JobSpec, JobState, MigSlot
+from gpuloom.domain.shares import Share
 from gpuloom.domain.training import TrainingState
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
@@ -36,7 +37,9 @@ class Binding:
     dispatcher_address: str
     # The job's rectangle in the GPU's (quota x SM) grid: quota in 0.01 % steps, SM in %.
     rect: tuple[int, int, int, int]
-    memory_cap_bytes: int
+    # The job's share as reserved there: its memory is the cap the dispatcher enforces (less
+    # than the job asked for a replica beside its model; a MIG instance's memory).
+    share: Share
     token: str
     environment: dict[str, str] = field(default_factory=dict, hash=False)
     mig: MigSlot | None = None  # MIG batch tasks: the instance planned for it (rect unused)
@@ -47,7 +50,7 @@ class Binding:
     time_slice_of: str = ""
     # A time-slice member whose GPUs' dispatchers free a suspended member's memory: the group
     # takes its memory in turns (the fleet charges the group its largest member's memory);
-    # `memory_cap_bytes` is still the memory it runs with.
+    # its share's memory is still the memory it runs with.
     memory_in_turns: bool = False
 
     @property

@@ -420,10 +420,7 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                 gpu_uuid,
                 Allocation(
                     allocation_id=job.job_id if first else gang_member_id(job.job_id, i),
-                    sm_percent=spec.share.sm_percent,
-                    quota_percent=spec.share.quota.request_percent,
-                    memory_bytes=binding.memory_cap_bytes,
-                    priority=spec.share.priority,
+                    share=binding.share,
                     task_key=spec.task_key,
                     rect=Rect(*binding.rect),
                     cpu_milli=spec.cpu_milli if first else 0,
@@ -437,7 +434,9 @@ def allocations(job: Job) -> list[tuple[str, Allocation]]:
                         else binding.time_slice_of
                     ),
                     # Its memory taken in turns with its group's (the fleet spreads the charge).
-                    turn_memory_bytes=binding.memory_cap_bytes if binding.memory_in_turns else 0,
+                    turn_charge_bytes=binding.share.memory_bytes
+                    if binding.memory_in_turns
+                    else None,
                 ),
             )
         )

@@ -384,7 +384,9 @@ class MigBatches:
                     node=gpu.record.info.node,
                     dispatcher_address=gpu.record.dispatcher_address,
                     rect=(0, 0, 0, 0),
-                    memory_cap_bytes=mig_profile(model, a.size).memory_bytes,
+                    share=replace(
+                        job.spec.share, memory_bytes=mig_profile(model, a.size).memory_bytes
+                    ),
                     token="",
                     mig=MigSlot(
                         size=a.size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import Table, bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -105,7 +105,7 @@ def _binding_to_json(binding: Binding | None) -> str | None:
         "node": binding.node,
         "dispatcher_address": binding.dispatcher_address,
         "rect": list(binding.rect),
-        "memory_cap_bytes": binding.memory_cap_bytes,
+        "memory_cap_bytes": binding.share.memory_bytes,
         "token": binding.token,
         "environment": binding.environment,
     }
@@ -129,11 +129,13 @@ def _binding_to_json(binding: Binding | None) -> str | None:
     return json.dumps(document, separators=(",", ":"))
 
 
-def _binding_from_json(text: str | None) -> Binding | None:
+def _binding_from_json(text: str | None, spec: JobSpec) -> Binding | None:
+    """A stored binding; its share is the job's, with the memory cap it stores."""
     if text is None:
         return None
     d = json.loads(text)
     d["rect"] = tuple(d["rect"])
+    d["share"] = replace(spec.share, memory_bytes=d.pop("memory_cap_bytes"))
     mig = d.pop("mig", None)
     extra = tuple(ExtraGpu(*g) for g in d.pop("extra", ()))
     return Binding(**d, mig=None if mig is None else MigSlot(*mig), extra=extra)
@@ -163,10 +165,11 @@ def _job_values(job: Job) -> dict[str, object]:
 
 def _job_from_row(row: object) -> Job:
     r = row._mapping  # type: ignore[attr-defined]
+    spec = spec_from_json(r["spec"])
     return Job(
         job_id=r["job_id"],
         request_id=r["request_id"],
-        spec=spec_from_json(r["spec"]),
+        spec=spec,
         state=JobState(r["state"]),
         submitted_at=r["submitted_at"],
         updated_at=r["updated_at"],
@@ -174,7 +177,7 @@ def _job_from_row(row: object) -> Job:
         pending_reason=r["pending_reason"],
         message=r["message"],
         policy=r["policy"],
-        binding=_binding_from_json(r["binding"]),
+        binding=_binding_from_json(r["binding"], spec),
         exit_code=r["exit_code"],
         function=r["function"],
         started_at=r["started_at"],

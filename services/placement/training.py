@@ -717,7 +717,7 @@ class TrainingDriver:
             node=records[0].info.node,
             dispatcher_address=records[0].dispatcher_address,
             rect=(rect.x, rect.y, rect.w, rect.h),
-            memory_cap_bytes=first.runs_with_bytes,
+            share=first.share,
             token=secrets.token_urlsafe(32),
             extra=tuple(ExtraGpu(r.info.gpu_uuid, r.dispatcher_address) for r in records[1:]),
             memory_in_turns=in_turns,
@@ -997,8 +997,7 @@ class TrainingDriver:
             allocation_id=job_id + MOVE_SUFFIX,
             rect=None,
             slice_of="",
-            memory_bytes=current.runs_with_bytes,
-            turn_memory_bytes=0,
+            turn_charge_bytes=None,
         )
         if record.info.node == job.binding.node:  # its node's CPU and memory are held already
             wanted = replace(wanted, cpu_milli=0, host_memory_bytes=0)
@@ -1013,7 +1012,7 @@ class TrainingDriver:
                 node=record.info.node,
                 dispatcher_address=record.dispatcher_address,
                 rect=(rect.x, rect.y, rect.w, rect.h),
-                memory_cap_bytes=job.binding.memory_cap_bytes,
+                share=job.binding.share,
                 token=secrets.token_urlsafe(32),
             ),
             reason=reason,
@@ -1305,8 +1304,7 @@ class TrainingDriver:
                 current,
                 rect=Rect(x, y, w, h),
                 slice_of="",
-                memory_bytes=current.runs_with_bytes,
-                turn_memory_bytes=0,  # alone on its target
+                turn_charge_bytes=None,  # alone on its target
             ),
         )
         self._moved(job_id, track)

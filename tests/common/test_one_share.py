@@ -4,6 +4,8 @@ CLI, a job file or the client library asks is what the dispatcher reserves."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,6 +16,15 @@ from gpuloom.convert.shares import reservation_share, reservation_share_fields
 from gpuloom.domain.errors import InvalidArgument
 from gpuloom.domain.placement import JobKind, JobSpec, JobState
 from gpuloom.domain.shares import DEFAULT_PRIORITY, Share, TimeQuota, share_of
+from gpuloom.policies.placement import (
+    Allocation,
+    Fleet,
+    GpuState,
+    JobRequest,
+    Placement,
+    get_policy,
+)
+from gpuloom.services.placement.decisions import ask_of
 from gpuloom.services.placement.dispatchers import bind_request
 from gpuloom.services.placement.domain import Binding, Job
 from gpuloom.v1 import common_pb2, dispatcher_pb2, placement_pb2
@@ -77,10 +88,41 @@ def test_an_unknown_kind_is_refused_naming_the_field() -> None:
 def test_the_share_placement_binds_is_the_share_the_dispatcher_reads(
     sm: int, a: float, b: float, memory: int, priority: int
 ) -> None:
-    asked = share_of(sm, min(a, b), max(a, b), GIB, priority)
+    """Through placement's view of the job and the fleet's allocation, which hold the same
+    `Share` (the fleet decides only a replica's memory), to the dispatcher's message."""
+    asked = share_of(sm, min(a, b), max(a, b), memory, priority)
     spec = JobSpec(name="j", kind=JobKind.INFERENCE, share=asked, mps=True)
     job = Job("j-1", "r", spec_from_pb(spec_to_pb(spec)), JobState.BINDING, 0.0, 0.0)
-    binding = Binding("GPU-0", "n", "h:1", (0, 0, 1, 1), memory, "t" * 32)
+    fleet = Fleet.from_allocations([GpuState("GPU-0", "n", "H100-80GB", 1 << 41)])
+    assert isinstance(fleet.place(ask_of(job).request, get_policy("mra")), Placement)
+    held = fleet.allocation("j-1")
+    assert held is not None
+    binding = Binding("GPU-0", "n", "h:1", (0, 0, 1, 1), held.share, "t" * 32)
     request = bind_request(job, binding)
     message = dispatcher_pb2.ReserveRequest(**reservation_share_fields(request.share))
     assert reservation_share(message) == Share(sm, asked.quota, memory, priority)
+
+
+def test_a_replica_beside_its_model_binds_its_share_less_the_weights() -> None:
+    spec = JobSpec(
+        name="r",
+        kind=JobKind.INFERENCE,
+        share=share_of(10, 10.0, memory_bytes=8 * GIB, priority=2),
+        mps=True,
+        shared_model="bert",
+    )
+    job = Job("j-1", "r", spec, JobState.BINDING, 0.0, 0.0)
+    fleet = Fleet.from_allocations([GpuState("GPU-0", "n", "H100-80GB", 80 * GIB)])
+    fleet.set_models("GPU-0", [("bert", 3 * GIB)])
+    assert isinstance(fleet.place(ask_of(job).request, get_policy("mra")), Placement)
+    held = fleet.allocation("j-1")
+    assert held is not None and held.share == replace(spec.share, memory_bytes=5 * GIB)
+
+
+@pytest.mark.parametrize("record", [JobRequest, Allocation, Binding])
+def test_placement_holds_the_share_itself_not_copies_of_its_fields(record: type) -> None:
+    """docs/architecture.md's walks count none of these as a shape of its own."""
+    names = {f.name: f.type for f in fields(record)}
+    assert names.get("share") == "Share"
+    copies = {"sm_percent", "quota_request_percent", "quota_percent", "memory_bytes", "priority"}
+    assert not copies & names.keys() and "memory_cap_bytes" not in names

@@ -64,7 +64,7 @@ def task_job(name: str, state: JobState = JobState.PENDING, gpu: str = "") -> Jo
     binding = None
     if gpu:
         slot = MigSlot(size=7, first_slice=0, planned_start=NOW, planned_end=NOW + 1)
-        binding = Binding(gpu, "node-0", "d:1", (0, 0, 0, 0), 0, "", mig=slot)
+        binding = Binding(gpu, "node-0", "d:1", (0, 0, 0, 0), spec.share, "", mig=slot)
     return Job(name, name, spec, state, NOW - 20, NOW - 20, binding=binding)
 
 

@@ -599,8 +599,9 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
     assert spec_from_json(spec_to_json(sized)) == sized
     assert "mig_size" not in spec_to_json(spec)  # rows of tasks asking no size stay as they were
     slot = MigSlot(3, 4, planned_start=10.0, planned_end=12.5, instance_uuid="MIG-GPU-0-s4-3g")
-    binding = Binding("GPU-0", "n", "h:1", (0, 0, 0, 0), 40 * GIB, "", mig=slot)
-    assert _binding_from_json(_binding_to_json(binding)) == binding
+    cap = replace(spec.share, memory_bytes=40 * GIB)
+    binding = Binding("GPU-0", "n", "h:1", (0, 0, 0, 0), cap, "", mig=slot)
+    assert _binding_from_json(_binding_to_json(binding), spec) == binding
     # Rows written before MIG batches have none of the new keys.
     old_spec = (
         '{"gpu_model":"","kind":"inference","memory_bytes":1,"name":"n","policy":"",'
@@ -613,8 +614,9 @@ def test_mig_specs_and_slots_survive_the_database_and_old_rows_stay_readable() -
         '{"gpu_uuid":"GPU-0","node":"n","dispatcher_address":"h:1","rect":[0,0,10,10],'
         '"memory_cap_bytes":1,"token":"t","environment":{}}'
     )
-    loaded = _binding_from_json(old_binding)
+    loaded = _binding_from_json(old_binding, old)
     assert loaded is not None and loaded.mig is None
+    assert loaded.share == replace(old.share, memory_bytes=1)  # the job's, with the stored cap
     assert _binding_to_json(loaded) == old_binding
 
 

@@ -270,7 +270,7 @@ async def test_a_restart_keeps_the_reduced_charge_and_the_store_returns_with_a_h
         shared_model="net",
     )
     job = await core.submit("req-1", spec)
-    assert job.binding is not None and job.binding.memory_cap_bytes == 2 * GIB
+    assert job.binding is not None and job.binding.share.memory_bytes == 2 * GIB
     async with asyncio.timeout(10):
         while (await core.get(job.job_id)).state is not JobState.ASSIGNED:
             await asyncio.sleep(0.01)

@@ -120,6 +120,12 @@ async def two_on_one_gpu(h: CoreHarness, *specs: JobSpec) -> list[str]:
     return [j.job_id for j in jobs]
 
 
+def core_and_control(h: CoreHarness) -> tuple[PlacementCore, FakeTrainingControl]:
+    """A started gandiva harness's core and its fake training control."""
+    assert h.core is not None
+    return h.core, h.control  # type: ignore[attr-defined]
+
+
 async def phase(core: PlacementCore, job_id: str) -> TrainingPhase:
     job = await core.get(job_id)
     assert job.training is not None
@@ -258,9 +264,7 @@ async def test_a_checkpoint_hook_survives_a_restart(tmp_path: Path) -> None:
 async def test_two_training_jobs_on_one_gpu_take_turns_one_quantum_each(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     a, b = await two_on_one_gpu(gandiva, training("a"), training("b"))
     running = []
     for _ in range(4):
@@ -287,9 +291,7 @@ async def test_two_training_jobs_on_one_gpu_take_turns_one_quantum_each(
 async def test_a_higher_priority_job_is_never_suspended_for_a_lower_one(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     low, high, high2 = await two_on_one_gpu(
         gandiva,
         training("low", priority=7, quota=30),
@@ -313,9 +315,7 @@ async def test_a_higher_priority_job_is_never_suspended_for_a_lower_one(
 async def test_a_suspension_its_dispatcher_lost_is_made_again(gandiva: CoreHarness) -> None:
     """A dispatcher keeps no suspension across a restart: once its heartbeat reports the
     suspended low-priority job running, the driver suspends it again, and only then."""
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     low, high = await two_on_one_gpu(
         gandiva, training("low", priority=7, quota=30), training("high", priority=1, quota=30)
     )
@@ -368,9 +368,7 @@ async def test_a_placement_started_again_resumes_its_own_suspensions_and_no_othe
 async def test_a_dispatcher_that_fails_the_switch_is_tried_again_each_quantum(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     tries = {"n": 0}
     real_suspend = control.suspend
 
@@ -413,9 +411,7 @@ async def measured_alone(h: CoreHarness, jobs: list[str], seconds: dict[str, flo
 async def test_a_packing_that_loses_to_time_slicing_is_undone_and_not_tried_again(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     a, b = await two_on_one_gpu(gandiva, training("a", task_key="ta"), training("b", task_key="tb"))
     # Both running at once (before the first turn): what they report is no time alone.
     for _ in range(2):
@@ -621,9 +617,7 @@ async def test_a_job_without_a_hook_moves_through_the_drivers_checkpoint_api(
     """Where both GPUs' dispatchers free a suspended job's memory, a job without a hook is
     moved by placement: suspended at its source (checkpointed), MoveClient there, then
     UnlockMovedClient at the target once its shim registered; the runner is not asked."""
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     control.unregistered_unlocks = 2  # the shim registers with the target a little later
     a, b = await crowded_then_free(gandiva, training("a"), training("b"))
     await frees_memory(core, "GPU-0", "GPU-1")
@@ -659,9 +653,7 @@ async def test_a_job_without_a_hook_moves_through_the_drivers_checkpoint_api(
 async def test_a_move_without_a_hook_that_fails_leaves_it_where_it_was_with_the_reason(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     why = "move failed: cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
     control.move_failures = [why]
     a, b = await crowded_then_free(gandiva, training("a"), training("b"))
@@ -701,9 +693,7 @@ async def test_a_job_whose_memory_cannot_be_restored_on_its_gpu_is_moved_where_i
     """A job without a hook, suspended with its memory checkpointed, whose resume could not
     restore it (no room on its GPU): placement moves it to another GPU of its node of the
     same model. Without the failed restore the lone job stays."""
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     (lone,) = await two_on_one_gpu(gandiva, training("lone"))
     await core.register_gpu(gpu(1), "10.0.0.1:50060")
     suspended = TrainingReport(
@@ -741,9 +731,7 @@ async def test_a_moved_job_whose_shim_registers_late_is_unlocked_at_a_later_tick
     process is there), the error shown, and the unlock is tried again every tick until it
     answers; then the error is cleared."""
     monkeypatch.setattr(training_module, "MOVE_REGISTER_S", 0.2)
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     control.unregistered_unlocks = 10**6
     a, b = await crowded_then_free(gandiva, training("a"), training("b"))
     await frees_memory(core, "GPU-0", "GPU-1")
@@ -772,9 +760,7 @@ async def test_a_moved_job_whose_shim_registers_late_is_unlocked_at_a_later_tick
 async def test_a_job_without_a_hook_is_not_moved_where_a_dispatcher_keeps_memory_resident(
     gandiva: CoreHarness,
 ) -> None:
-    core = gandiva.core
-    assert core is not None
-    control: FakeTrainingControl = gandiva.control  # type: ignore[attr-defined]
+    core, control = core_and_control(gandiva)
     await crowded_then_free(gandiva, training("a"), training("b"))
     await frees_memory(core, "GPU-0")  # GPU-1's dispatcher does not (no API, or off)
     for _ in range(5):
@@ -1261,7 +1247,7 @@ async def test_jobs_whose_memory_sums_above_the_gpu_take_turns_where_suspension_
     await core.training.tick()
     b_now = await assigned(core, b.job_id)
     assert b_now.binding is not None and b_now.binding.time_slice_of == a.job_id
-    assert b_now.binding.memory_in_turns and b_now.binding.memory_cap_bytes == 50 * GIB
+    assert b_now.binding.memory_in_turns and b_now.binding.share.memory_bytes == 50 * GIB
     fleet = core.jobs.scheduler.fleet
     fleet.verify()
     assert fleet.slot("GPU-0").memory_used == 50 * GIB

@@ -11,11 +11,10 @@ from typing import TypeVar
 
 import click
 
-from gpuloom.clients.cli.addresses import service_error
+from gpuloom.clients.cli.addresses import calling
 from gpuloom.clients.placement import GIB, PlacementClient
 from gpuloom.clients.times import duration, rfc3339
 from gpuloom.convert import placement as convert
-from gpuloom.domain.errors import DomainError
 from gpuloom.domain.placement import JobSpec, JobState, JobView
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -27,15 +26,8 @@ T = TypeVar("T")
 @contextlib.contextmanager
 def placement_client(address: str) -> Iterator[PlacementClient]:
     """A client whose domain errors become exit status 1 with the server's message."""
-    try:
-        with PlacementClient(address) as client:
-            yield client
-    except DomainError as error:
-        raise _fail(error, address) from None
-
-
-def _fail(error: DomainError, address: str) -> click.ClickException:
-    return service_error(error, "placement", address)
+    with calling("placement", address), PlacementClient(address) as client:
+        yield client
 
 
 def job_json(job: JobView, indent: int | None = None) -> str:

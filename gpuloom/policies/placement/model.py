@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gpuloom.domain.shares import Share
+
 QUOTA_STEPS_PER_PERCENT = 100
 GRID_W = 100 * QUOTA_STEPS_PER_PERCENT  # the whole time window
 GRID_H = 100  # all SMs
@@ -93,6 +95,16 @@ def _check_priority(value: object) -> None:
         raise InvalidRequestError(
             f"priority must be an integer in 0..{MAX_PRIORITY} (0 highest), got {value!r}"
         )
+
+
+def _check_share(value: object) -> None:
+    """A share's SM percent, memory and priority as placement takes them (its quota request is
+    checked against the grid by the caller, naming its own field)."""
+    if not isinstance(value, Share):
+        raise InvalidRequestError(f"share must be a Share, got {value!r}")
+    _check_sm(value.sm_percent)
+    _check_memory(value.memory_bytes)
+    _check_priority(value.priority)
 
 
 def check_model_name(name: str, value: object) -> None:
@@ -185,17 +197,38 @@ class Rect:
             )
 
 
+class _HoldsShare:
+    """What placement reads of a job's `share` (a field of the dataclass below it): its SM
+    percent, its time quota's request (the guaranteed part, which placement reserves: the
+    rectangle's width) and its priority."""
+
+    __slots__ = ()
+    share: Share
+
+    @property
+    def sm_percent(self) -> int:
+        return self.share.sm_percent
+
+    @property
+    def quota_request_percent(self) -> float:
+        return self.share.quota.request_percent
+
+    @property
+    def priority(self) -> int:
+        return self.share.priority
+
+
 @dataclass(frozen=True, slots=True)
-class Allocation:
-    """Resources held on one GPU. `rect` is where they sit in its quota x SM rectangle; the
-    service stores it with the allocation so that a restart rebuilds the same free space.
-    None (an old record) is placed first-fit when the GPU is loaded."""
+class Allocation(_HoldsShare):
+    """Resources held on one GPU. `share` is the job's share as it runs there: its SM percent,
+    its time quota (the fleet reserves the request), its priority and its memory cap (for a
+    replica beside its model, less the weights: what the fleet decided). `rect` is where it
+    sits in the GPU's quota x SM rectangle; the service stores it with the allocation so that
+    a restart rebuilds the same free space. None (an old record) is placed first-fit when the
+    GPU is loaded."""
 
     allocation_id: str
-    sm_percent: int  # 1..100, what the job runs with
-    quota_percent: float  # (0, 100], the time-quota request (the guaranteed part)
-    memory_bytes: int
-    priority: int = 0  # 0..9, 0 highest
+    share: Share
     task_key: str = ""
     rect: Rect | None = None
     # The node's CPU (milli) and host memory the job holds; a job spanning GPUs charges them
@@ -214,15 +247,23 @@ class Allocation:
     slice_of: str = ""
     # A member of a time-slice group whose memory is taken in turns (its dispatcher moves a
     # suspended member's device memory to host memory through the driver's checkpoint API):
-    # the memory it runs with (its cap). `memory_bytes` is then its part of the group's charge,
-    # which is the largest member's memory, not the sum (the fleet spreads it). 0: not in turns
-    # (`memory_bytes` is what it runs with and is charged).
-    turn_memory_bytes: int = 0
+    # its part of the group's charge, which is the largest member's memory, not the sum (the
+    # fleet spreads it). None: not in turns (charged the memory it runs with).
+    turn_charge_bytes: int | None = None
 
     @property
     def runs_with_bytes(self) -> int:
         """The memory the allocation's job runs with (its cap)."""
-        return self.turn_memory_bytes or self.memory_bytes
+        return self.share.memory_bytes
+
+    @property
+    def memory_bytes(self) -> int:
+        """The GPU memory the fleet charges it: what it runs with, or in turns its part."""
+        return self.share.memory_bytes if self.turn_charge_bytes is None else self.turn_charge_bytes
+
+    @property
+    def in_turns(self) -> bool:
+        return self.turn_charge_bytes is not None
 
     @property
     def slice_group(self) -> str:
@@ -244,25 +285,27 @@ class Allocation:
                     f"allocation {self.allocation_id}: slice_of names the allocation itself "
                     "(a group's first allocation leaves it empty)"
                 )
-        _check_sm(self.sm_percent)
-        _check_quota("quota_percent", self.quota_percent)
-        _check_memory(self.memory_bytes)
-        _check_count("turn_memory_bytes", self.turn_memory_bytes)
-        if self.turn_memory_bytes and self.memory_bytes > self.turn_memory_bytes:
-            raise InvalidRequestError(
-                f"allocation {self.allocation_id}: memory_bytes {self.memory_bytes} is more than "
-                f"the turn_memory_bytes {self.turn_memory_bytes} it runs with"
-            )
-        _check_priority(self.priority)
+        _check_share(self.share)
+        _check_quota("quota_request_percent", self.quota_request_percent)
+        if self.turn_charge_bytes is not None:
+            _check_count("turn_charge_bytes", self.turn_charge_bytes)
+            if self.turn_charge_bytes > self.runs_with_bytes:
+                raise InvalidRequestError(
+                    f"allocation {self.allocation_id}: turn_charge_bytes "
+                    f"{self.turn_charge_bytes} is more than the {self.runs_with_bytes} it runs with"
+                )
         if not isinstance(self.task_key, str):
             raise InvalidRequestError(f"task_key must be a string, got {self.task_key!r}")
         if self.rect is not None:
             self.rect.validate()
             # The time-share baseline widens the SM side to 100 %, never narrows either side.
-            if self.rect.w < quota_steps(self.quota_percent) or self.rect.h < self.sm_percent:
+            if (
+                self.rect.w < quota_steps(self.quota_request_percent)
+                or self.rect.h < self.sm_percent
+            ):
                 raise InvalidRequestError(
                     f"allocation {self.allocation_id}: rectangle {self.rect.label()} is smaller "
-                    f"than its {self.quota_percent:g}% quota x {self.sm_percent}% SM"
+                    f"than its {self.quota_request_percent:g}% quota x {self.sm_percent}% SM"
                 )
 
 
@@ -308,16 +351,13 @@ class GpuState:
 
 
 @dataclass(frozen=True, slots=True)
-class JobRequest:
-    """What a job asks of the fleet: placement reserves the time quota's request, the
-    guaranteed part (FaST-GShare's Q_request); the limit is the dispatcher's business, carried
-    there in the job's share, not here."""
+class JobRequest(_HoldsShare):
+    """What a job asks of the fleet: its `share` (SM percent, time quota, memory, priority), of
+    which placement reserves the time quota's request, the guaranteed part (FaST-GShare's
+    Q_request); the limit is the dispatcher's business, carried on in the same share."""
 
     job_id: str
-    sm_percent: int
-    quota_request_percent: float
-    memory_bytes: int
-    priority: int = 0
+    share: Share
     gpu_model: str = ""  # "" = any model; "A|B": either model
     task_key: str = ""
     # A replica of this model: where the model is resident (a GPU's store holds it) the job is
@@ -330,6 +370,10 @@ class JobRequest:
     host_memory_bytes: int = 0  # of the node's memory
     # Only GPUs of these nodes (a Kubernetes scheduler's candidates); empty = any node.
     nodes: frozenset[str] = frozenset()
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.share.memory_bytes
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -352,10 +396,8 @@ class JobRequest:
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first field that makes no sense."""
         _check_id("job_id", self.job_id)
-        _check_sm(self.sm_percent)
+        _check_share(self.share)
         _check_quota("quota_request_percent", self.quota_request_percent)
-        _check_memory(self.memory_bytes)
-        _check_priority(self.priority)
         _check_gpu_model(self.gpu_model)
         if not isinstance(self.task_key, str):
             raise InvalidRequestError("task_key must be a string")

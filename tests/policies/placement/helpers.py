@@ -7,9 +7,11 @@ from itertools import pairwise
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import (
     GRID_H,
     GRID_W,
+    Allocation,
     Fleet,
     GpuState,
     JobRequest,
@@ -35,7 +37,17 @@ def fleet_of(*gpus: GpuState, **options: int) -> Fleet:
 def job(
     job_id: str, sm: int, quota: float, memory_gib: float = 1, priority: int = 0, **kw
 ) -> JobRequest:
-    return JobRequest(job_id, sm, quota, int(memory_gib * GIB), priority=priority, **kw)
+    share = share_of(sm, quota, memory_bytes=int(memory_gib * GIB), priority=priority)
+    return JobRequest(job_id, share, **kw)
+
+
+def allocation_of(
+    allocation_id: str, sm: int, quota: float, memory_bytes: int = 0, priority: int = 0, *a, **kw
+) -> Allocation:
+    """An allocation of `sm` % SM x `quota` % quota and `memory_bytes` (the rest: Allocation's
+    fields after its share)."""
+    share = share_of(sm, quota, memory_bytes=memory_bytes, priority=priority)
+    return Allocation(allocation_id, share, *a, **kw)
 
 
 def rect(quota_at: float, sm_at: int, quota: float, sm: int) -> Rect:

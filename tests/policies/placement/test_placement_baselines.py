@@ -1,15 +1,15 @@
 """The choices of the bin-packing, spreading and time-sharing baselines."""
 
-from gpuloom.policies.placement import Allocation, get_policy
+from gpuloom.policies.placement import get_policy
 
-from .helpers import fleet_of, gpu, job, placed, rect
+from .helpers import allocation_of, fleet_of, gpu, job, placed, rect
 
 
 def fleet_with_three_fill_levels():
     # a: 70 % of the area used, b: 30 %, c: 0 %; a's 30 % quota x 100 % SM is free.
     return fleet_of(
-        gpu("a", allocations=(Allocation("x", 100, 70, 0, rect=rect(0, 0, 70, 100)),)),
-        gpu("b", allocations=(Allocation("y", 100, 30, 0, rect=rect(0, 0, 30, 100)),)),
+        gpu("a", allocations=(allocation_of("x", 100, 70, 0, rect=rect(0, 0, 70, 100)),)),
+        gpu("b", allocations=(allocation_of("y", 100, 30, 0, rect=rect(0, 0, 30, 100)),)),
         gpu("c"),
     )
 

@@ -3,9 +3,9 @@ job fits nowhere, loading stored allocations, and argument checks."""
 
 import pytest
 
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import (
     POLICIES,
-    Allocation,
     Fleet,
     GpuState,
     InvalidPlacementError,
@@ -18,7 +18,7 @@ from gpuloom.policies.placement import (
     get_policy,
 )
 
-from .helpers import GIB, fleet_of, gpu, job, placed, rect
+from .helpers import GIB, allocation_of, fleet_of, gpu, job, placed, rect
 
 ALL = sorted(POLICIES)
 
@@ -57,7 +57,9 @@ def test_memory_is_never_overcommitted(policy: str) -> None:
 
 
 def test_shape_reason_names_quota_and_sm() -> None:
-    fleet = fleet_of(gpu("a", allocations=(Allocation("x", 50, 100, 0, rect=rect(0, 0, 100, 50)),)))
+    fleet = fleet_of(
+        gpu("a", allocations=(allocation_of("x", 50, 100, 0, rect=rect(0, 0, 100, 50)),))
+    )
     assert reason(fleet.place(job("j", 60, 40), get_policy("mra"))) == (
         "no GPU has 40% quota x 60% SM free"
     )
@@ -96,8 +98,8 @@ def test_remove_gpu_returns_its_allocations() -> None:
 
 def test_from_allocations_restores_positions_and_places_old_records() -> None:
     stored = (
-        Allocation("p", 50, 50, GIB, 1, "t", rect(50, 50, 50, 50)),
-        Allocation("legacy", 50, 50, GIB),  # no rectangle stored: first fit
+        allocation_of("p", 50, 50, GIB, 1, "t", rect(50, 50, 50, 50)),
+        allocation_of("legacy", 50, 50, GIB),  # no rectangle stored: first fit
     )
     fleet = Fleet.from_allocations([gpu("g", allocations=stored)])
     assert fleet.allocation("p").rect == rect(50, 50, 50, 50)
@@ -111,15 +113,18 @@ def test_from_allocations_restores_positions_and_places_old_records() -> None:
     [
         (
             (
-                Allocation("x", 50, 50, 0, rect=rect(0, 0, 50, 50)),
-                Allocation("y", 50, 50, 0, rect=rect(25, 25, 50, 50)),
+                allocation_of("x", 50, 50, 0, rect=rect(0, 0, 50, 50)),
+                allocation_of("y", 50, 50, 0, rect=rect(25, 25, 50, 50)),
             ),
             "allocations x and y overlap",
         ),
-        ((Allocation("x", 10, 10, 50 * GIB), Allocation("y", 10, 10, 50 * GIB)), "hold 100 GiB"),
-        ((Allocation("x", 10, 10, 0), Allocation("x", 10, 10, 0)), "x appears twice"),
         (
-            (Allocation("x", 100, 60, 0), Allocation("y", 100, 60, 0)),
+            (allocation_of("x", 10, 10, 50 * GIB), allocation_of("y", 10, 10, 50 * GIB)),
+            "hold 100 GiB",
+        ),
+        ((allocation_of("x", 10, 10, 0), allocation_of("x", 10, 10, 0)), "x appears twice"),
+        (
+            (allocation_of("x", 100, 60, 0), allocation_of("y", 100, 60, 0)),
             "no room left for allocation y",
         ),
     ],
@@ -130,9 +135,9 @@ def test_from_allocations_rejects_impossible_state(allocations, message: str) ->
 
 
 def test_an_allocation_id_is_unique_across_the_fleet() -> None:
-    fleet = fleet_of(gpu("a", allocations=(Allocation("x", 10, 10, 0),)))
+    fleet = fleet_of(gpu("a", allocations=(allocation_of("x", 10, 10, 0),)))
     with pytest.raises(InvalidStateError, match="x appears twice"):
-        fleet.add_gpu(gpu("b", allocations=(Allocation("x", 10, 10, 0),)))
+        fleet.add_gpu(gpu("b", allocations=(allocation_of("x", 10, 10, 0),)))
     with pytest.raises(InvalidRequestError, match="already holds an allocation on GPU a"):
         fleet.place(job("x", 10, 10), get_policy("mra"))
     with pytest.raises(InvalidStateError, match="already registered"):
@@ -174,9 +179,10 @@ def test_unknown_policy_names_the_known_ones() -> None:
     ],
 )
 def test_job_fields_are_checked(kwargs: dict, field: str) -> None:
-    fields = {"job_id": "j", "sm_percent": 10, "quota_request_percent": 20.0, "memory_bytes": 0}
+    asked = {"sm_percent": 10, "quota_request_percent": 20.0, "memory_bytes": 0} | kwargs
+    request = JobRequest(asked.pop("job_id", "j"), share_of(**asked))
     with pytest.raises(InvalidRequestError, match=field):
-        fleet_of(gpu("a")).place(JobRequest(**(fields | kwargs)), get_policy("mra"))
+        fleet_of(gpu("a")).place(request, get_policy("mra"))
 
 
 def test_fractional_quota_is_rounded_up_to_the_grid() -> None:

@@ -5,7 +5,6 @@ import pytest
 
 from gpuloom.policies.placement import (
     NO_PROFILES,
-    Allocation,
     GapAwarePolicy,
     InvalidRequestError,
     KernelProfiles,
@@ -15,7 +14,7 @@ from gpuloom.policies.placement import (
     fillable_ns,
 )
 
-from .helpers import fleet_of, gpu, job, placed, rect
+from .helpers import allocation_of, fleet_of, gpu, job, placed, rect
 
 MS = 1_000_000.0
 US = 1_000.0
@@ -48,13 +47,13 @@ def test_long_gaps_fill_better_than_short_ones() -> None:
     assert fill_rate(LONG_GAPS, HALF_MS) == pytest.approx(0.75)
 
 
-def held(gpu_id: str, task: str, priority: int = 0):
-    holder = Allocation(f"{gpu_id}-holder", 50, 50, 0, priority, task, rect(0, 0, 50, 50))
+def holding(gpu_id: str, task: str, priority: int = 0):
+    holder = allocation_of(f"{gpu_id}-holder", 50, 50, 0, priority, task, rect(0, 0, 50, 50))
     return gpu(gpu_id, allocations=(holder,))
 
 
 def test_a_low_priority_job_goes_where_its_kernels_fill_the_gaps() -> None:
-    fleet = fleet_of(held("a", "short"), held("b", "long"))
+    fleet = fleet_of(holding("a", "short"), holding("b", "long"))
     low = job("filler", 30, 30, priority=5, task_key="low")
     # MRA alone ties the two GPUs and takes the lower id.
     assert placed(MraPolicy().place(low, fleet, NO_PROFILES)).gpu_id == "a"
@@ -66,7 +65,7 @@ def test_a_low_priority_job_goes_where_its_kernels_fill_the_gaps() -> None:
 
 
 def test_lower_priority_jobs_already_there_share_the_gaps() -> None:
-    fleet = fleet_of(held("a", "medium"), held("b", "long"))
+    fleet = fleet_of(holding("a", "medium"), holding("b", "long"))
     policy, profiles = GapAwarePolicy(), KernelProfiles([MEDIUM_GAPS, LONG_GAPS, HALF_MS])
     first = placed(fleet.place(job("f1", 10, 10, priority=3, task_key="half"), policy, profiles))
     assert first.gpu_id == "b"  # 0.75 > 0.6
@@ -76,9 +75,9 @@ def test_lower_priority_jobs_already_there_share_the_gaps() -> None:
 
 
 def test_a_full_gpu_is_passed_over_for_the_next_best() -> None:
-    full = Allocation("big", 50, 100, 0, 9, "", rect(0, 50, 100, 50))
-    b = held("b", "long")
-    fleet = fleet_of(held("a", "medium"), gpu("b", allocations=(*b.allocations, full)))
+    full = allocation_of("big", 50, 100, 0, 9, "", rect(0, 50, 100, 50))
+    b = holding("b", "long")
+    fleet = fleet_of(holding("a", "medium"), gpu("b", allocations=(*b.allocations, full)))
     p = placed(
         fleet.place(
             job("f", 60, 10, priority=3, task_key="half"),
@@ -102,13 +101,13 @@ def test_a_full_gpu_is_passed_over_for_the_next_best() -> None:
 )
 def test_falls_back_to_mra(profiles: KernelProfiles, low) -> None:
     # b's holder has long gaps, but gap-aware cannot use them here: MRA's choice, a.
-    fleet = fleet_of(held("a", "short"), held("b", "long"))
+    fleet = fleet_of(holding("a", "short"), holding("b", "long"))
     p = placed(fleet.place(low, GapAwarePolicy(), profiles))
     assert (p.gpu_id, p.policy) == ("a", "mra")
 
 
 def test_profiles_can_change() -> None:
-    fleet = fleet_of(held("a", "short"), held("b", "long"))
+    fleet = fleet_of(holding("a", "short"), holding("b", "long"))
     policy, profiles = GapAwarePolicy(), KernelProfiles([SHORT_GAPS, LONG_GAPS, FILLER])
     assert policy.rate(profiles, "long", "low") > 0
     profiles.set_profile(KernelTimes("long", (1 * MS,), (200 * US,)))

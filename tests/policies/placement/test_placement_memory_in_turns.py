@@ -30,7 +30,7 @@ def test_two_jobs_whose_memory_sums_above_the_gpu_take_their_memory_in_turns() -
     with pytest.raises(InvalidPlacementError, match="needs 30 GiB of memory, the GPU has 10"):
         fleet.slice_into(job("b", 100, 100, 30), "g0", "a")  # beside: does not fit
     member = fleet.slice_into(job("b", 100, 100, 30), "g0", "a", memory_in_turns=True)
-    assert member.turn_memory_bytes == 30 * GIB and member.runs_with_bytes == 30 * GIB
+    assert member.in_turns and member.runs_with_bytes == 30 * GIB
     assert member.memory_bytes == 0  # nothing beyond the group's 30 GiB
     assert used(fleet) == 30 * GIB
     bigger = fleet.slice_into(job("c", 100, 100, 36), "g0", "a", memory_in_turns=True)

@@ -1,10 +1,10 @@
 """MRA specifics: the best-match choice, Subdivide and redundant-rectangle removal on a
 hand-worked example, keep-restructure on release, and the rebuild threshold."""
 
-from gpuloom.policies.placement import Allocation, MraPolicy, get_policy
+from gpuloom.policies.placement import MraPolicy, get_policy
 from gpuloom.policies.placement.maxrects import FULL, FreeRects, maximal_boxes, subtract
 
-from .helpers import STEPS, fleet_of, gpu, job, placed, rect
+from .helpers import STEPS, allocation_of, fleet_of, gpu, job, placed, rect
 
 
 def box(quota_at: float, sm_at: int, quota_to: float, sm_to: int):
@@ -46,8 +46,8 @@ def test_split_and_redundant_removal_hand_worked() -> None:
 def test_best_match_takes_the_least_area_difference_over_all_gpus() -> None:
     fleet = fleet_of(
         # a: 40 % quota x 100 % SM free (4000 %^2), b: 50 % x 100 % free, c: empty.
-        gpu("a", allocations=(Allocation("x", 100, 60, 0, rect=rect(0, 0, 60, 100)),)),
-        gpu("b", allocations=(Allocation("y", 100, 50, 0, rect=rect(0, 0, 50, 100)),)),
+        gpu("a", allocations=(allocation_of("x", 100, 60, 0, rect=rect(0, 0, 60, 100)),)),
+        gpu("b", allocations=(allocation_of("y", 100, 50, 0, rect=rect(0, 0, 50, 100)),)),
         gpu("c"),
     )
     p = placed(fleet.place(job("j", 50, 30), MraPolicy()))
@@ -62,7 +62,9 @@ def test_best_match_takes_the_least_area_difference_over_all_gpus() -> None:
 def test_inside_one_gpu_the_smallest_fitting_rectangle_wins() -> None:
     # Free: a 20 % quota x 100 % SM strip (area 2000 %^2) and a 100 % x 30 % band (3000);
     # a job that fits both goes to the strip.
-    fleet = fleet_of(gpu("g", allocations=(Allocation("x", 70, 80, 0, rect=rect(0, 30, 80, 70)),)))
+    fleet = fleet_of(
+        gpu("g", allocations=(allocation_of("x", 70, 80, 0, rect=rect(0, 30, 80, 70)),))
+    )
     assert sorted(fleet.free_rects("g")) == sorted([rect(80, 0, 20, 100), rect(0, 0, 100, 30)])
     assert placed(fleet.place(job("j", 30, 20), MraPolicy())).rect == rect(80, 0, 20, 30)
 
@@ -95,8 +97,8 @@ def test_release_restructures_so_merged_space_is_found() -> None:
 
 def test_the_list_is_rebuilt_past_the_threshold() -> None:
     allocations = (
-        Allocation("wall", 100, 20, 0, rect=rect(0, 0, 20, 100)),
-        Allocation("step", 50, 20, 0, rect=rect(20, 0, 20, 50)),
+        allocation_of("wall", 100, 20, 0, rect=rect(0, 0, 20, 100)),
+        allocation_of("step", 50, 20, 0, rect=rect(20, 0, 20, 50)),
     )
     # Releasing "step" leaves one maximal rectangle and the kept one: 2 > 1 * 1 + 0.
     strict = fleet_of(gpu("g", allocations=allocations), rebuild_factor=1, rebuild_slack=0)

@@ -13,7 +13,6 @@ from gpuloom.domain.placement import JobKind, JobSpec
 from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement import (
     POLICIES,
-    Allocation,
     Fleet,
     GpuState,
     InvalidRequestError,
@@ -23,7 +22,7 @@ from gpuloom.policies.placement import (
 )
 from gpuloom.policies.placement.scheduler import Ask, Placed, Scheduler, Waiting
 
-from .helpers import GIB, fleet_of, gpu, job, placed
+from .helpers import GIB, allocation_of, fleet_of, gpu, job, placed
 
 ALL = {name: get_policy(name) for name in POLICIES}
 
@@ -125,8 +124,8 @@ def test_replicas_and_node_asks_wait_in_buckets_of_their_own() -> None:
 
 def test_a_job_on_several_gpus_is_no_replica() -> None:
     with pytest.raises(InvalidRequestError, match="replica"):
-        JobRequest("j", 100, 100, GIB, gpus=2, shared_model="bert").validate()
-    JobRequest("j", 100, 100, GIB, gpus=1, shared_model="bert").validate()
+        JobRequest("j", share_of(memory_bytes=GIB), gpus=2, shared_model="bert").validate()
+    JobRequest("j", share_of(memory_bytes=GIB), gpus=1, shared_model="bert").validate()
     spec = JobSpec(
         name="j",
         kind=JobKind.BATCH,
@@ -148,7 +147,7 @@ def test_a_job_on_several_gpus_is_no_replica() -> None:
 
 def test_an_allocation_loaded_without_a_rect_keeps_its_node_resources_and_gang() -> None:
     # As training's migration adds one (first-fit): its CPU, host memory and gang stay charged.
-    loose = Allocation("j#1", 100, 100, GIB, cpu_milli=1500, host_memory_bytes=GIB, gang="j")
+    loose = allocation_of("j#1", 100, 100, GIB, cpu_milli=1500, host_memory_bytes=GIB, gang="j")
     fleet = fleet_of(
         gpu("g0", "A", 16, node="n1", node_cpu_milli=4000, node_memory_bytes=8 * GIB),
         gpu(

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gpuloom.domain.shares import TimeQuota
 from gpuloom.policies.placement import (
     GRID_AREA,
     Allocation,
@@ -29,7 +30,7 @@ from gpuloom.policies.placement import (
 from gpuloom.policies.placement.fleet_model import FleetModelPolicy
 from gpuloom.policies.placement.maxrects import box_area, box_of
 
-from .helpers import GIB, fleet_of, gpu, job, placed, rect
+from .helpers import GIB, allocation_of, fleet_of, gpu, job, placed, rect
 
 MRA = get_policy("mra")
 
@@ -71,7 +72,7 @@ def test_a_member_sits_in_the_group_rectangle_and_holds_memory_and_node_resource
     member = fleet.slice_into(job("b", 50, 30, 12, cpu_milli=500, task_key="t"), "g0", "a")
     assert member == fleet.allocation("b")
     assert member.rect == first.rect and member.slice_of == "a" and member.slice_group == "a"
-    assert (member.sm_percent, member.quota_percent, member.task_key) == (50, 30, "t")
+    assert (member.sm_percent, member.quota_request_percent, member.task_key) == (50, 30, "t")
     # No area: the free space is as it was; memory and node resources are held.
     assert fleet.free_rects("g0") == free and fleet.slot("g0").area_free == area == 0
     assert fleet.slot("g0").memory_used == 22 * GIB
@@ -276,11 +277,11 @@ def _stored(*allocations: Allocation, gpu_id: str = "g0") -> GpuState:
 
 
 R = rect(0, 0, 50, 50)
-FIRST = Allocation("a", 50, 50, 0, rect=R)
+FIRST = allocation_of("a", 50, 50, 0, rect=R)
 
 
 def _member(a_id: str, at: object = R, group: str = "a", gib: int = 0, shape: int = 10):
-    return Allocation(a_id, shape, shape, gib * GIB, rect=at, slice_of=group)  # type: ignore[arg-type]
+    return allocation_of(a_id, shape, shape, gib * GIB, rect=at, slice_of=group)  # type: ignore[arg-type]
 
 
 BAD_STATES = {
@@ -295,7 +296,7 @@ BAD_STATES = {
     "member too big": (
         [
             _stored(
-                Allocation("a", 10, 10, 0, rect=rect(0, 0, 10, 10)), _member("b", None, shape=20)
+                allocation_of("a", 10, 10, 0, rect=rect(0, 0, 10, 10)), _member("b", None, shape=20)
             )
         ],
         "does not fit in its time-slice group a's",
@@ -328,15 +329,15 @@ def test_stored_groups_that_cannot_be_are_refused(case: str) -> None:
 
 def test_an_allocation_names_its_group_sensibly() -> None:
     for bad, says in [
-        (Allocation("a", 10, 10, 0, slice_of="a"), "names the allocation itself"),
-        (Allocation("a#1", 10, 10, 0, gang="a", slice_of="a#1"), "names the allocation itself"),
-        (Allocation("a", 10, 10, 0, slice_of=None), "slice_of must be a non-empty string"),  # type: ignore[arg-type]
+        (allocation_of("a", 10, 10, 0, slice_of="a"), "names the allocation itself"),
+        (allocation_of("a#1", 10, 10, 0, gang="a", slice_of="a#1"), "names the allocation itself"),
+        (allocation_of("a", 10, 10, 0, slice_of=None), "slice_of must be a non-empty string"),  # type: ignore[arg-type]
     ]:
         with pytest.raises(InvalidRequestError, match=says):
             bad.validate()
-    Allocation("a", 10, 10, 0, slice_of="b").validate()
+    allocation_of("a", 10, 10, 0, slice_of="b").validate()
     # A further GPU of a job joins the group on its GPU (a gang time-sliced into a gang).
-    Allocation("a#1", 10, 10, 0, gang="a", slice_of="b#1").validate()
+    allocation_of("a#1", 10, 10, 0, gang="a", slice_of="b#1").validate()
 
 
 # ---- a job on several whole GPUs joining a group on each ----
@@ -741,7 +742,10 @@ def run_sequence(gpus: list[GpuState], ops: list[tuple]) -> Fleet:
                 if boxes and fit:
                     x0, y0, x1, y1 = boxes[group]
                     quota = min(quota, (x1 - x0) / 100)
-                    j = replace(j, sm_percent=min(sm, y1 - y0), quota_request_percent=quota)
+                    fitted = replace(
+                        j.share, sm_percent=min(sm, y1 - y0), quota=TimeQuota(quota, quota)
+                    )
+                    j = replace(j, share=fitted)
                     j = replace(j, gpu_model="")
                 if op[3] % 7 == 0:
                     gpu_id = sorted(fleet.gpu_ids())[(op[2] + 1) % len(gpus)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import replace
 
 from gpuloom.policies.placement.context import NO_PROFILES, PlacementContext
 from gpuloom.policies.placement.fleet.gangs import Gangs
@@ -254,8 +255,8 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
             # in turns: the group's charge becomes its largest remaining member's).
             before = self._before(slot)
             slot.memory_free += allocation.memory_bytes
-            if allocation.turn_memory_bytes or any(
-                a.turn_memory_bytes for a in slot.allocations.values() if a.slice_group == group
+            if allocation.in_turns or any(
+                a.in_turns for a in slot.allocations.values() if a.slice_group == group
             ):
                 slot.memory_free += _recharge_in_turns(slot.allocations, group)
             self._after(slot, before)
@@ -427,10 +428,7 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
             )
         allocation = Allocation(
             job.job_id,
-            job.sm_percent,
-            job.quota_request_percent,
-            need,
-            job.priority,
+            job.share if need == job.memory_bytes else replace(job.share, memory_bytes=need),
             job.task_key,
             rect,
             job.cpu_milli,

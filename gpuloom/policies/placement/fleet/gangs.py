@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet.policy import PlacementPolicy
 from gpuloom.policies.placement.fleet.records import (
@@ -110,7 +111,7 @@ class Gangs:
 
     def max_gpus_per_node(self, gpu_model: str = "") -> int:
         """The most GPUs (of the models the constraint admits) any one node has."""
-        probe = JobRequest("probe", 100, 100, 0, gpu_model=gpu_model)
+        probe = JobRequest("probe", share_of(), gpu_model=gpu_model)
         return max(
             (
                 sum(probe.allows(self._gpus[g].model) for g in n.gpu_ids)
@@ -153,10 +154,7 @@ class Gangs:
                 slot,
                 Allocation(
                     job.job_id if first else gang_member_id(job.job_id, i),
-                    job.sm_percent,
-                    job.quota_request_percent,
-                    job.memory_bytes,
-                    job.priority,
+                    job.share,
                     job.task_key,
                     placement.rect,
                     job.cpu_milli if first else 0,

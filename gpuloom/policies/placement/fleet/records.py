@@ -200,11 +200,11 @@ def _load_allocations(
     for allocation in pending:
         w, h = shapes.get(allocation.slice_group, (0, 0))
         shapes[allocation.slice_group] = (
-            max(w, quota_steps(allocation.quota_percent)),
+            max(w, quota_steps(allocation.quota_request_percent)),
             max(h, allocation.sm_percent),
         )
     for allocation in pending:
-        w, h = quota_steps(allocation.quota_percent), allocation.sm_percent
+        w, h = quota_steps(allocation.quota_request_percent), allocation.sm_percent
         group = allocation.slice_group
         held = slot.boxes.get(group)
         if held is not None:
@@ -271,8 +271,7 @@ def _spread_in_turns(members: Sequence[Allocation]) -> list[Allocation]:
     return [
         replace(
             a,
-            memory_bytes=a.runs_with_bytes if a is largest else 0,
-            turn_memory_bytes=a.runs_with_bytes,
+            turn_charge_bytes=a.runs_with_bytes if a is largest else 0,
         )
         for a in members
     ]
@@ -292,7 +291,7 @@ def _charged_in_turns(allocations: Iterable[Allocation]) -> list[Allocation]:
     """Stored allocations with the memory of each time-slice group that holds a member in turns
     charged once, at its largest member's (the stored charges may predate a member's end)."""
     listed = list(allocations)
-    groups = {a.slice_group for a in listed if a.turn_memory_bytes}
+    groups = {a.slice_group for a in listed if a.in_turns}
     if not groups:
         return listed
     spread = {

@@ -79,7 +79,11 @@ class SharedModels:
         for need in sorted(groups):
             view = self._view(groups[need])
             # The view's GPUs all charge `need`: the policy sees a plain job of that memory.
-            decision = policy.place(replace(job, memory_bytes=need, shared_model=""), view, context)
+            decision = policy.place(
+                replace(job, share=replace(job.share, memory_bytes=need), shared_model=""),
+                view,
+                context,
+            )
             if isinstance(decision, Placement):
                 return decision
         return None

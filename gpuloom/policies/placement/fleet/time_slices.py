@@ -40,7 +40,7 @@ class TimeSlices:
         host memory. With `memory_in_turns` (the GPU's dispatcher moves a suspended member's
         memory to host memory) the group's memory is taken in turns too: the group holds its
         largest member's memory, not the sum, so the job is charged only what it needs beyond
-        that (Allocation.turn_memory_bytes). Returns the allocation. InvalidRequestError for a
+        that (Allocation.turn_charge_bytes). Returns the allocation. InvalidRequestError for a
         job field that makes no sense; InvalidPlacementError naming the problem when it cannot
         join (nothing changes): a job on several GPUs (see slice_gang_into) or a shared model's
         replica, an id already held (or a live group's key), an unknown or unschedulable GPU,
@@ -183,17 +183,16 @@ class TimeSlices:
         turns with the group's, or beside it."""
         return Allocation(
             allocation_id,
-            job.sm_percent,
-            job.quota_request_percent,
-            _turn_charge(job.memory_bytes, slot, group) if memory_in_turns else job.memory_bytes,
-            job.priority,
+            job.share,
             job.task_key,
             rect_of(slot.boxes[group]),
             job.cpu_milli if first else 0,
             job.host_memory_bytes if first else 0,
             "" if first else job.job_id,
             slice_of=group,
-            turn_memory_bytes=job.memory_bytes if memory_in_turns else 0,
+            turn_charge_bytes=_turn_charge(job.memory_bytes, slot, group)
+            if memory_in_turns
+            else None,
         )
 
     def slice_members(self, group: str) -> tuple[str, ...]:
