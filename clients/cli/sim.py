@@ -70,7 +70,7 @@ def sim() -> None:
     help="Draw 20 ms of device activity per mode into this PNG.",
 )
 def kernels(scenario: Path, mode: str, as_json: bool, timeline: Path | None) -> None:
-    """Simulate SCENARIO.json: one GPU (MPS or time slices), kernels from real lists."""
+    """Simulate SCENARIO.json: one GPU (time slices; MPS with gpu.mps), kernels from real lists."""
     try:
         loaded = load_scenario(scenario)
     except ScenarioError as error:

@@ -60,12 +60,13 @@ class Interference:
 
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
-    """The simulated GPU. Defaults: a V100 (80 SMs; the orion lists were measured on one) run
-    under MPS, as the default deployment runs its real GPUs (policy composed, docs/deploy.md,
-    "MPS"); `mps=False` is a GPU without it (time slices)."""
+    """The simulated GPU. Defaults: a V100 (80 SMs; the orion lists were measured on one)
+    without MPS, its contexts time-sliced, as the default deployment runs its real GPUs (policy
+    composed runs no MPS: docs/deploy.md, "MPS"); `mps=True` co-runs kernels under MPS, where
+    spatial harvesting applies (docs/harvest.md)."""
 
     sms: int = 80
-    mps: bool = True
+    mps: bool = False
     timeslice_ns: int = 1_000_000  # calibrated: docs/harvest.md
     switch_ns: int = 10_000
     interference: Interference = field(default_factory=Interference)

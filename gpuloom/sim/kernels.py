@@ -15,7 +15,8 @@ request completes when its last kernel does. Modes:
   kernel ends and idle hosts are reported to it; its wake time is a timer. Under MPS a
   policy with `beside` (composed) is also asked whether a waiting lower-priority kernel may
   run beside the holder's running kernel (spatial harvesting, docs/harvest.md);
-- mps (calibration, not in `all`): every host launches freely under MPS.
+- mps (calibration, not in `all`): every host launches freely under MPS (co-running whatever
+  `gpu.mps` says, as `sharing` always time-slices).
 
 Pure: an injected seeded RNG, virtual time in integer ns, no wall clock, no I/O.
 """
@@ -207,7 +208,8 @@ class _Engine:
             )
             for i, (spec, seed) in enumerate(tasks)
         ]
-        self.concurrent = scenario.gpu.mps and mode != "sharing"
+        # `sharing` is the plain GPU (time slices) and `mps` plain MPS, whatever `gpu.mps` says.
+        self.concurrent = mode == "mps" or (scenario.gpu.mps and mode != "sharing")
         self.device = Device(scenario.gpu, len(self.tasks), self.concurrent)
         self.device_generation = 0  # a DEVICE event of an older generation is stale
         self.kernels = self.device.segments  # (start, end, task): what ran when

@@ -25,15 +25,14 @@ FIKIT_POLICY = "fikit"
 # The default (gpuloom/policies/admission/composed.py): the FIKIT arbiter between priority
 # levels, spatio-temporal leases (quotas, SM partitions) within each level.
 COMPOSED_POLICY = "composed"
-# The policies whose GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on:
-# spatiotemporal, whose shares are SM partitions (FaST-GShare's spatio-temporal rectangles), and
-# the default, composed, so that kernels of its levels can run beside one another (Orion's
-# spatial sharing, docs/harvest.md) and a share's SM percent is a real partition. Its arbiter
-# still gates every launch in the shim, so FIKIT's gap filling works unchanged under MPS (the
-# FIKIT paper's 3.1 rules out MPS for its own driver-level time slicing, which gpuloom does not
-# use); a fill kernel that overruns a gap runs beside the holder's next kernel instead of
-# holding the GPU until it ends. Not fikit (the baseline stays as published), fifo, exclusive.
-MPS_POLICIES = frozenset({"spatiotemporal", COMPOSED_POLICY})
+# The policies whose shares are SM partitions (FaST-GShare's spatio-temporal rectangles): their
+# GPUs run an MPS control daemon (services/dispatcher/mps.py) when MPS is on. Not the default,
+# composed (docs/harvest.md, "MPS or time slices"): measured live under MPS its gap fills and
+# idle-backlog grants run beside the holder's kernels and slow them (high-priority mean 1.51x
+# alone, 1.09-1.20x without MPS), the simulator's harvest moves by at most 0.019 without it,
+# the FIKIT paper (3.1) runs without MPS, and MPS couples the clients' GPU faults. Its SM
+# percents only say which leases of a level may be held together. Not fikit, fifo, exclusive.
+SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
 # The FIKIT arbiter's defaults in the dispatcher: the core's, with a 50 us fill guard (a real
 # filler launches tens of us after its grant; the simulator's grant is instant, its guard 0).
 DISPATCHER_FIKIT = FikitConfig(fill_guard_ns=50_000)
@@ -86,9 +85,10 @@ class DispatcherSettings(BaseSettings):
     # process may use, /proc/meminfo's MemTotal). 0 offers none (jobs asking for it go elsewhere).
     node_cpu_milli: int | None = Field(default=None, ge=0, le=1 << 32)
     node_memory_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
-    # MPS for the MPS_POLICIES (the default composed, spatiotemporal): "auto" runs the control
-    # daemon on real GPUs (not on simulated ones), "on" on every GPU (tests: with a fake control
-    # program), "off" never (SM percents are then bookkeeping only, and contexts time-slice).
+    # MPS for the SM_PARTITION_POLICIES (spatiotemporal): "auto" runs the control daemon on real
+    # GPUs (not on simulated ones), "on" on every GPU (tests: with a fake control program), "off"
+    # never (SM percents are then bookkeeping only). Other policies, the default included, never
+    # run one: their contexts time-slice.
     mps: Literal["auto", "on", "off"] = "auto"
     # The MPS control program (split like a shell command line).
     mps_control: str = "nvidia-cuda-mps-control"
@@ -179,7 +179,7 @@ class DispatcherSettings(BaseSettings):
 
     def runs_mps(self, gpu_uuid: str) -> bool:
         """Whether the dispatcher of this GPU supervises an MPS control daemon."""
-        if self.policy not in MPS_POLICIES or self.mps == "off":
+        if self.policy not in SM_PARTITION_POLICIES or self.mps == "off":
             return False
         return self.mps == "on" or gpu_uuid.startswith(("GPU-", "MIG-"))
 

@@ -19,6 +19,7 @@ import pytest
 from gpuloom.services.dispatcher.app import _stop
 from gpuloom.services.dispatcher.mps import MpsConfig, MpsSupervisor, parse_control
 from gpuloom.services.dispatcher.settings import DispatcherSettings
+from gpuloom.sim.device import GpuConfig
 from gpuloom.v1 import dispatcher_pb2
 from tests.dispatcher.conftest import LiveDispatcher, start_live
 from tests.polling import alive
@@ -113,18 +114,26 @@ def _fields(config: MpsConfig) -> dict[str, object]:
 
 def test_settings_choose_where_mps_runs() -> None:
     real, simulated = "GPU-8f3c", "SIM-A100-80GB-0"
-    # The default policy (composed) and spatiotemporal run MPS on real GPUs, not on simulated
-    # ones (the fake driver's live path runs without a daemon) unless told "on".
+    # Only spatiotemporal (SM partitions) runs MPS: on real GPUs, not on simulated ones (the
+    # fake driver's live path runs without a daemon) unless told "on".
+    auto = DispatcherSettings(policy="spatiotemporal")
+    assert auto.runs_mps(real) and not auto.runs_mps(simulated)
+    assert DispatcherSettings(policy="spatiotemporal", mps="on").runs_mps(simulated)
+    assert not DispatcherSettings(policy="spatiotemporal", mps="off").runs_mps(real)
+    # The default policy (composed) runs none, as the simulator's default GPU (docs/harvest.md,
+    # "MPS or time slices"), nor do the baselines, whatever GPULOOM_DISPATCHER_MPS says.
     assert DispatcherSettings().policy == "composed"
-    for policy in ("composed", "spatiotemporal"):
-        auto = DispatcherSettings(policy=policy)
-        assert auto.runs_mps(real) and not auto.runs_mps(simulated)
-        assert DispatcherSettings(policy=policy, mps="on").runs_mps(simulated)
-        assert not DispatcherSettings(policy=policy, mps="off").runs_mps(real)
-    for policy in ("exclusive", "fifo", "fikit"):  # the baselines run as published: no MPS
+    assert not DispatcherSettings().runs_mps(real)
+    for policy in ("composed", "exclusive", "fifo", "fikit"):
         assert not DispatcherSettings(policy=policy, mps="on").runs_mps(real)
     with pytest.raises(ValueError, match="MPS control command is empty"):
         DispatcherSettings(mps_control="  ")
+
+
+def test_the_simulators_default_gpu_is_the_default_deployments() -> None:
+    # "Every GPU and MPS setting left at its default" in a scenario means the GPU the default
+    # settings run: both without MPS (time slices), or both with it.
+    assert GpuConfig().mps == DispatcherSettings().runs_mps("GPU-8f3c")
 
 
 MPS_ON = {"mps": "on", "mps_control": CONTROL}

@@ -130,7 +130,7 @@ def test_on_orion_lists_the_default_keeps_hp_p99_and_the_fill_work(tmp_path: Pat
     composed = figures(simulate(loaded, "composed"), alone)
     fikit = figures(simulate(loaded, "fikit"), alone)
     assert composed["hp_p99_x_alone"] <= 1.05
-    # (within 0.005: kernels harvested beside the holder shift the device time by a hair,
-    # 0.8483 against 0.8484 for the same 194 iterations)
-    assert composed["be_work_share"] >= fikit["be_work_share"] - 0.005
+    # The default GPU time-slices (no MPS, as deployed): nothing runs beside the holder, and
+    # the idle backlog only adds fill work (0.897 against fikit's 0.845).
+    assert composed["be_work_share"] >= fikit["be_work_share"]
     assert fikit["be_work_share"] > 0.5

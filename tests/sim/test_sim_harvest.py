@@ -63,10 +63,12 @@ def test_unknown_classes_pass_only_when_allowed_and_the_registry_knows_the_rule(
 
 def _scenario(tmp_path: Path, **top: object) -> Path:
     """A holder whose kernels use a quarter of the SMs, compute-bound, with host gaps too short
-    to fill, beside a closed loop of short memory-bound kernels on 4 SMs each."""
+    to fill, beside a closed loop of short memory-bound kernels on 4 SMs each, on a GPU under
+    MPS (spatial harvesting's; the simulator's default GPU has none)."""
     data = {
         "seed": 3,
         "duration_s": 1.0,
+        "gpu": {"mps": True},
         "tasks": [
             {
                 "name": "infer",
@@ -118,12 +120,27 @@ def test_the_default_policy_harvests_beside_the_holder_and_keeps_its_p99(
     assert any(b[0] < a[1] and a[2] != b[2] for a, b in itertools.pairwise(spans))
 
 
-def test_without_mps_nothing_is_harvested(tmp_path: Path) -> None:
-    scenario = load_scenario(_scenario(tmp_path, gpu={"mps": False}))
+@pytest.mark.parametrize("gpu", [{"mps": False}, {}], ids=["mps-off", "default-gpu"])
+def test_without_mps_nothing_is_harvested(tmp_path: Path, gpu: dict) -> None:
+    # The simulator's default GPU is the default deployment's: no MPS, contexts time-slice.
+    scenario = load_scenario(_scenario(tmp_path, gpu=gpu))
+    assert not scenario.gpu.mps
     result = simulate(scenario, DEFAULT_MODE)
     assert result.counters["harvested"] == 0
     spans = sorted(result.kernels)
     assert all(b[0] >= a[1] for a, b in itertools.pairwise(spans))  # one at a time
+
+
+def test_the_mps_mode_co_runs_and_sharing_time_slices_whatever_the_gpu_says(
+    tmp_path: Path,
+) -> None:
+    # The calibration modes name their GPU: plain MPS, and the plain GPU without it.
+    for gpu in ({}, {"mps": False}, {"mps": True}):
+        scenario = load_scenario(_scenario(tmp_path, gpu=gpu))
+        free = sorted(simulate(scenario, "mps").kernels)
+        assert any(b[0] < a[1] and a[2] != b[2] for a, b in itertools.pairwise(free))
+        sliced = sorted(simulate(scenario, "sharing").kernels)
+        assert all(b[0] >= a[1] for a, b in itertools.pairwise(sliced))
 
 
 def test_an_unknown_harvest_policy_is_refused(tmp_path: Path) -> None:
