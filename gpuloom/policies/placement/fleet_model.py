@@ -13,7 +13,8 @@ live fleet, one model node per live node:
 - a GPU this job cannot use (unschedulable, another model than the job's `gpu_model`, too little
   free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
   job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
-  GPUs the job can really take; unschedulable GPUs count as full;
+  GPUs the job can really take; unschedulable GPUs, and those of nodes that do not take the job
+  (`Fleet.offers`: not one of its `nodes`, or short of its CPU or host memory), count as full;
 - the pods each node hosts per GPU affinity (what GPU clustering groups by): each allocation
   of a share counts as a share pod, each whole-GPU job as a 1-GPU pod (a job on several GPUs
   too: the view does not count its GPUs), filled for `gpuclustering` only, the one policy
@@ -190,9 +191,10 @@ class FleetModelPolicy:
             state.mem_free[i] = node.memory_free // MIB
             ids = tuple(node.gpu_ids)
             gpu_ids.append(ids)
+            taken = not job.needs_node or node.takes(job)
             for j, gpu_id in enumerate(ids):
                 slot = slots[gpu_id]
-                if not slot.schedulable:
+                if not slot.schedulable or not taken:
                     gpu_free[i, j] = 0
                     continue
                 boxes = slot.boxes
