@@ -376,8 +376,15 @@ class _Kept:
             gpus = policy.share_gpus(state, ask.q, ahead)
             fits = self.roomy[ahead, gpus].tolist()
             gpus = gpus.tolist()
+            # Checked up to the first node that takes the job: the walk ends there (or at a
+            # hidden node read again before it), so the nodes after it stay as they are.
+            reached = len(ahead)
             for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
                 fits[n] = fits[n] and self._fits(ask, i, j)
+                if fits[n]:
+                    reached = n + 1
+                    break
+            entries, gpus, fits = entries[:reached], gpus[:reached], fits[:reached]
             failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
             read = self._hide(policy, ask, failed)
             for entry, j, ok in zip(entries, gpus, fits, strict=True):
