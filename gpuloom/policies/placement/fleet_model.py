@@ -364,15 +364,6 @@ class _Kept:
             ahead = order[pos : pos + batch]
             pos += len(ahead)
             batch *= 2
-            entries = [
-                (tuple(-key for key in row), r, i)
-                for *row, r, i in zip(
-                    *(key[ahead].tolist() for key in keys),
-                    rank[ahead].tolist(),
-                    ahead.tolist(),
-                    strict=True,
-                )
-            ]
             gpus = policy.share_gpus(state, ask.q, ahead)
             fits = self.roomy[ahead, gpus].tolist()
             gpus = gpus.tolist()
@@ -384,7 +375,16 @@ class _Kept:
                 if fits[n]:
                     reached = n + 1
                     break
-            entries, gpus, fits = entries[:reached], gpus[:reached], fits[:reached]
+            ahead, gpus, fits = ahead[:reached], gpus[:reached], fits[:reached]
+            entries = [
+                (tuple(-key for key in row), r, i)
+                for *row, r, i in zip(
+                    *(key[ahead].tolist() for key in keys),
+                    rank[ahead].tolist(),
+                    ahead.tolist(),
+                    strict=True,
+                )
+            ]
             failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
             read = self._hide(policy, ask, failed)
             for entry, j, ok in zip(entries, gpus, fits, strict=True):
@@ -465,10 +465,13 @@ class _Kept:
         assert state is not None and state.allowed is not None
         if not failed:
             return {}
-        for i, _ in failed:
-            self._save(i)
         rows = np.array([i for i, _ in failed], dtype=np.int64)
         free = state.gpu_free[rows]
+        versions = state.version[rows].tolist()
+        saved = self.saved
+        for r, i in enumerate(rows.tolist()):
+            if i not in saved:
+                saved[i] = (free[r].copy(), versions[r])
         room = self.roomy[rows]
         open_ = free >= ask.d
         hide = open_ & ~room
