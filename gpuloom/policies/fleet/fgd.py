@@ -68,11 +68,17 @@ class _NodeStates:
         stale = np.flatnonzero(self.seen != s.version)
         renumbered = None
         if stale.size:
-            ids, sid = self.ids, self.sid
-            for n, m, c in zip(
-                stale.tolist(), s.model_idx[stale].tolist(), s.cpu_free[stale].tolist(), strict=True
-            ):
-                sid[n] = ids.setdefault((m, c, s.gpu_free[n].tobytes()), len(ids))
+            ids = self.ids
+            # A new state takes the next id (len(ids) is read before setdefault adds it).
+            self.sid[stale] = [
+                ids.setdefault((m, c, row.tobytes()), len(ids))
+                for m, c, row in zip(
+                    s.model_idx[stale].tolist(),
+                    s.cpu_free[stale].tolist(),
+                    s.gpu_free[stale],
+                    strict=True,
+                )
+            ]
             self.seen[stale] = s.version[stale]
             if len(ids) > self.limit:
                 renumbered = self._renumber()
@@ -183,7 +189,13 @@ class FragDeltas:
         ids = sid[where]
         missing = np.isnan(results["score"][ids])
         if missing.any():
-            new, first = np.unique(ids[missing], return_index=True)
+            # Each missing state once, at its first node (a dict: np.unique sorts, which costs
+            # more on the few dozen a decision has).
+            firsts: dict[int, int] = {}
+            for n, state_id in enumerate(ids[missing].tolist()):
+                firsts.setdefault(state_id, n)
+            new = np.fromiter(firsts.keys(), dtype=np.int64, count=len(firsts))
+            first = np.fromiter(firsts.values(), dtype=np.int64, count=len(firsts))
             score, gpu = self._compute(q, where[missing][first])
             results["score"][new], results["gpu"][new] = score, gpu
         self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
