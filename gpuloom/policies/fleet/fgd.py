@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.policies.fleet.frag import frag_options, measure
+from gpuloom.policies.fleet.frag import frag_moves
 from gpuloom.policies.fleet.model import Choice, FleetState, pick_best
 
 MAX_SCORE = 100  # kube-scheduler's MaxNodeScore
@@ -33,12 +33,19 @@ def fgd_score(before: np.ndarray, after: np.ndarray) -> np.ndarray:
 def _first_top_per_row(rows: np.ndarray, score: np.ndarray) -> np.ndarray:
     """Per row, the index of its first option with the row's top score. `rows` is sorted,
     every row from 0 up has at least one option, and a row's options come in GPU order (as
-    `frag_options` gives them), so the first is the lowest GPU."""
+    `frag_moves` gives them), so the first is the lowest GPU."""
     if len(rows) == rows[-1] + 1:  # one option per row
         return np.arange(len(rows))
-    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
-    top = np.flatnonzero(score == np.maximum.reduceat(score, starts)[rows])
-    return top[np.r_[True, rows[top][1:] != rows[top][:-1]]]
+    top = np.flatnonzero(score == np.maximum.reduceat(score, np.flatnonzero(_firsts(rows)))[rows])
+    return top[_firsts(rows[top])]
+
+
+def _firsts(rows: np.ndarray) -> np.ndarray:
+    """Whether each entry of a sorted array is the first of its value (np.r_ costs more)."""
+    first = np.empty(len(rows), dtype=bool)
+    first[:1] = True
+    np.not_equal(rows[1:], rows[:-1], out=first[1:])
+    return first
 
 
 class _NodeStates:
@@ -61,11 +68,17 @@ class _NodeStates:
         stale = np.flatnonzero(self.seen != s.version)
         renumbered = None
         if stale.size:
-            ids, sid = self.ids, self.sid
-            for n, m, c in zip(
-                stale.tolist(), s.model_idx[stale].tolist(), s.cpu_free[stale].tolist(), strict=True
-            ):
-                sid[n] = ids.setdefault((m, c, s.gpu_free[n].tobytes()), len(ids))
+            ids = self.ids
+            # A new state takes the next id (len(ids) is read before setdefault adds it).
+            self.sid[stale] = [
+                ids.setdefault((m, c, row.tobytes()), len(ids))
+                for m, c, row in zip(
+                    s.model_idx[stale].tolist(),
+                    s.cpu_free[stale].tolist(),
+                    s.gpu_free[stale],
+                    strict=True,
+                )
+            ]
             self.seen[stale] = s.version[stale]
             if len(ids) > self.limit:
                 renumbered = self._renumber()
@@ -86,7 +99,7 @@ MIN_STATES = 8192
 
 class _ByState:
     """Values per node state id, one array per field (NaN in the first field: not computed
-    yet): one pod class's score and GPU, or a state's fragmentation."""
+    yet): one pod class's score and GPU."""
 
     def __init__(self, size: int, **fills: float) -> None:
         self.fills = fills
@@ -128,7 +141,6 @@ class FragDeltas:
         self.version = np.full((q, n), -1, dtype=np.int64)
         self._states = _NodeStates(state)
         self._results: dict[tuple[int, int, int], _ByState] = {}
-        self._frag = _ByState(64, frag=np.nan)  # each state's fragmentation
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
@@ -169,7 +181,6 @@ class FragDeltas:
         if renumbered is not None:
             for by_state in self._results.values():
                 by_state.fit(size, renumbered)
-        self._frag.fit(size, renumbered)
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
@@ -178,23 +189,21 @@ class FragDeltas:
         ids = sid[where]
         missing = np.isnan(results["score"][ids])
         if missing.any():
-            new, first = np.unique(ids[missing], return_index=True)
-            score, gpu = self._compute(q, where[missing][first], new)
+            # Each missing state once, at its first node (a dict: np.unique sorts, which costs
+            # more on the few dozen a decision has).
+            firsts: dict[int, int] = {}
+            for n, state_id in enumerate(ids[missing].tolist()):
+                firsts.setdefault(state_id, n)
+            new = np.fromiter(firsts.keys(), dtype=np.int64, count=len(firsts))
+            first = np.fromiter(firsts.values(), dtype=np.int64, count=len(firsts))
+            score, gpu = self._compute(q, where[missing][first])
             results["score"][new], results["gpu"][new] = score, gpu
         self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
 
-    def _compute(self, q: int, where: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(score, GPU) per node of `where` (all fit shape q; their state ids `ids`): the top
-        score over the node's options, and the first GPU that reaches it (-1: whole GPUs or
-        none)."""
-        s = self.state
-        rows, cols, after = frag_options(s, q, where)
-        before = self._frag["frag"][ids]
-        unknown = np.isnan(before)
-        if unknown.any():
-            at = where[unknown]
-            before[unknown] = measure(s, s.gpu_free[at], s.cpu_free[at], s.model_idx[at])
-            self._frag["frag"][ids[unknown]] = before[unknown]
+    def _compute(self, q: int, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(score, GPU) per node of `where` (all fit shape q): the top score over the node's
+        options, and the first GPU that reaches it (-1: whole GPUs or none)."""
+        rows, cols, after, before = frag_moves(self.state, q, where)
         score = fgd_score(before[rows], after)
         top = _first_top_per_row(rows, score)
         return score[top], cols[top]

@@ -93,20 +93,39 @@ def frag_options(
     fragmentation after it: (row into `nodes`, GPU or -1, fragmentation after). Whole GPUs or
     none: one option per node (which fully free GPUs does not change the fragmentation). A
     share: one option per GPU it fits on, in GPU order."""
+    rows, cols, after, _ = frag_moves(state, q, nodes)
+    return rows, cols, after
+
+
+def frag_moves(
+    state: FleetState, q: int, nodes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """`frag_options` and each node's fragmentation now (`measure`), computed together: the
+    options and the nodes as they are are rows of one weighing (a row's figure does not
+    depend on the rows beside it)."""
     s = state
     k, d = int(s.s_k[q]), int(s.s_d[q])
     gpu_free = s.gpu_free[nodes]
-    cpu = s.cpu_free[nodes] - s.s_cpu[q]
+    cpu_now = s.cpu_free[nodes]
+    cpu = cpu_now - s.s_cpu[q]
     models = s.model_idx[nodes]
+    n = len(nodes)
     if k == 0 or d == WHOLE_GPU:
+        after_free = gpu_free
         if k:
             full = gpu_free == WHOLE_GPU
-            gpu_free = np.where(full & (np.cumsum(full, axis=1) <= k), 0, gpu_free)
-        rows = np.arange(len(nodes))
-        return rows, np.full(len(nodes), -1), measure(s, gpu_free, cpu, models)
+            after_free = np.where(full & (np.cumsum(full, axis=1) <= k), 0, gpu_free)
+        both = measure(
+            s,
+            np.concatenate([after_free, gpu_free]),
+            np.concatenate([cpu, cpu_now]),
+            np.concatenate([models, models]),
+        )
+        return np.arange(n), np.full(n, -1), both[:n], both[n:]
     rows, cols = np.nonzero(gpu_free >= d)
+    total = gpu_free.sum(axis=1)
     if not len(s.t_weight):
-        return rows, cols, (gpu_free.sum(axis=1)[rows] - d).astype(np.float64)
+        return rows, cols, (total[rows] - d).astype(np.float64), total.astype(np.float64)
     # Only the share's GPU changes: each option's counts are the node's, that GPU's part
     # taken out and its part after the share put in ([options, D], not [options, D, G]).
     count, usable = _gpu_counts(s, gpu_free)
@@ -115,5 +134,13 @@ def frag_options(
     was, now = g >= dem, (g - d) >= dem
     count_after = count[rows] - was + now
     usable_after = usable[rows] - g * was + (g - d) * now
-    total_after = gpu_free.sum(axis=1)[rows] - d
-    return rows, cols, _weigh(s, total_after, count_after, usable_after, cpu[rows], models[rows])
+    m = len(rows)
+    both = _weigh(
+        s,
+        np.concatenate([total[rows] - d, total]),
+        np.concatenate([count_after, count]),
+        np.concatenate([usable_after, usable]),
+        np.concatenate([cpu[rows], cpu_now]),
+        np.concatenate([models[rows], models]),
+    )
+    return rows, cols, both[:m], both[m:]

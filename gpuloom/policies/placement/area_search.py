@@ -2,9 +2,9 @@
 "MostAllocated" and "LeastAllocated" scoring applied to FaST-GShare's 2D GPU resource).
 
 Among the GPUs that can take the job (model, memory, schedulable, a free rectangle of its
-shape) a policy scores each by its free area; ties go to the lowest GPU id. Inside the chosen
-GPU the job takes the bottom-left-most free position (first fit over the maximal free
-rectangles the fleet keeps).
+shape, a node that takes it: `Fleet.offers`) a policy scores each by its free area; ties go to
+the lowest GPU id. Inside the chosen GPU the job takes the bottom-left-most free position
+(first fit over the maximal free rectangles the fleet keeps).
 
 Two searches give the same answer and run in step, the first to finish wins: the policy's own
 walk over the GPUs by free area (fast while the first GPUs fit) and `scan`, every free rectangle
@@ -34,12 +34,13 @@ def scan(fleet: Fleet, index: ModelIndex, job: JobRequest, w: int, h: int, sign:
     """Every free rectangle large enough, for the best GPU among theirs."""
     rects = index.rects
     slots = fleet.slots
+    node_ask = job.needs_node
     best: Key | None = None
     for i in range(bisect_left(rects, (w * h,)), len(rects)):
         _, gpu_id, box = rects[i]
         if box[2] - box[0] >= w and box[3] - box[1] >= h:
             slot = slots[gpu_id]
-            if slot.memory_free >= job.memory_bytes:
+            if slot.memory_free >= job.memory_bytes and (not node_ask or fleet.offers(slot, job)):
                 key = (sign * slot.area_free, gpu_id)
                 if best is None or key < best:
                     best = key

@@ -18,6 +18,7 @@ def _walk(fleet: Fleet, index: ModelIndex, job: JobRequest, w: int, h: int) -> S
     """Up each memory class's GPUs by free area to the first that fits; the best of those."""
     slots = fleet.slots
     need = job.memory_bytes
+    node_ask = job.needs_node
     best: Key | None = None
     for memory_class in memory_classes(index, need):
         keys = index.by_free[memory_class]
@@ -27,7 +28,11 @@ def _walk(fleet: Fleet, index: ModelIndex, job: JobRequest, w: int, h: int) -> S
             if best is not None and key >= best:
                 break
             slot = slots[key[1]]
-            if slot.memory_free >= need and slot.free.fits(w, h):
+            if (
+                slot.memory_free >= need
+                and slot.free.fits(w, h)
+                and (not node_ask or fleet.offers(slot, job))
+            ):
                 best = key
                 break
             if not i % CHUNK:

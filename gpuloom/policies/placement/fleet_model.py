@@ -13,7 +13,8 @@ live fleet, one model node per live node:
 - a GPU this job cannot use (unschedulable, another model than the job's `gpu_model`, too little
   free GPU memory, or no free rectangle of the job's shape) counts as having less free than the
   job's share (1 milli less, never more than it has), so the policy's own `fits` sees only the
-  GPUs the job can really take; unschedulable GPUs count as full;
+  GPUs the job can really take; unschedulable GPUs, and those of nodes that do not take the job
+  (`Fleet.offers`: not one of its `nodes`, or short of its CPU or host memory), count as full;
 - the pods each node hosts per GPU affinity (what GPU clustering groups by): each allocation
   of a share counts as a share pod, each whole-GPU job as a 1-GPU pod (a job on several GPUs
   too: the view does not count its GPUs), filled for `gpuclustering` only, the one policy
@@ -190,9 +191,10 @@ class FleetModelPolicy:
             state.mem_free[i] = node.memory_free // MIB
             ids = tuple(node.gpu_ids)
             gpu_ids.append(ids)
+            taken = not job.needs_node or node.takes(job)
             for j, gpu_id in enumerate(ids):
                 slot = slots[gpu_id]
-                if not slot.schedulable:
+                if not slot.schedulable or not taken:
                     gpu_free[i, j] = 0
                     continue
                 boxes = slot.boxes
@@ -362,6 +364,18 @@ class _Kept:
             ahead = order[pos : pos + batch]
             pos += len(ahead)
             batch *= 2
+            gpus = policy.share_gpus(state, ask.q, ahead)
+            fits = self.roomy[ahead, gpus].tolist()
+            gpus = gpus.tolist()
+            # Checked up to the first node that takes the job: the walk ends there (or at a
+            # hidden node read again before it), so the nodes after it stay as they are.
+            reached = len(ahead)
+            for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
+                fits[n] = fits[n] and self._fits(ask, i, j)
+                if fits[n]:
+                    reached = n + 1
+                    break
+            ahead, gpus, fits = ahead[:reached], gpus[:reached], fits[:reached]
             entries = [
                 (tuple(-key for key in row), r, i)
                 for *row, r, i in zip(
@@ -371,11 +385,6 @@ class _Kept:
                     strict=True,
                 )
             ]
-            gpus = policy.share_gpus(state, ask.q, ahead)
-            fits = self.roomy[ahead, gpus].tolist()
-            gpus = gpus.tolist()
-            for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
-                fits[n] = fits[n] and self._fits(ask, i, j)
             failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
             read = self._hide(policy, ask, failed)
             for entry, j, ok in zip(entries, gpus, fits, strict=True):
@@ -414,9 +423,11 @@ class _Kept:
     def _show_near(self, ask: _Ask) -> None:
         state = self.state
         assert state is not None
-        near = (state.gpu_free == ask.d - 1) & self.roomy
+        # The few GPUs one milli short first, then their memory (cheaper than a mask of all).
+        near = np.flatnonzero(state.gpu_free.ravel() == ask.d - 1)
+        near = near[self.roomy.ravel()[near]]
         changed: set[int] = set()
-        for i, j in zip(*np.nonzero(near), strict=True):
+        for i, j in zip(*np.divmod(near, state.gpu_free.shape[1]), strict=True):
             slot = ask.fleet.slot(self.gpu_ids[i][j])
             if slot.schedulable and slot.free.fits(ask.w, ask.h):
                 self._save(int(i))
@@ -456,10 +467,13 @@ class _Kept:
         assert state is not None and state.allowed is not None
         if not failed:
             return {}
-        for i, _ in failed:
-            self._save(i)
         rows = np.array([i for i, _ in failed], dtype=np.int64)
         free = state.gpu_free[rows]
+        versions = state.version[rows].tolist()
+        saved = self.saved
+        for r, i in enumerate(rows.tolist()):
+            if i not in saved:
+                saved[i] = (free[r].copy(), versions[r])
         room = self.roomy[rows]
         open_ = free >= ask.d
         hide = open_ & ~room

@@ -134,6 +134,7 @@ class GapAwarePolicy:
                         not slot.schedulable
                         or not job.allows(slot.model)
                         or slot.memory_free < job.memory_bytes
+                        or not fleet.offers(slot, job)
                     ):
                         continue
                     box = slot.free.best_fit(w, h)

@@ -4,7 +4,8 @@ ICPP 2023, section 3.4.2, Algorithm 2).
 
 Each GPU is a 100 % quota x 100 % SM rectangle with a list of maximal free rectangles (kept by
 the fleet, see maxrects.py). A job is a w x h rectangle (w = quota request, h = SM percent).
-Among the free rectangles of every GPU the job may use (model, memory, schedulable), MRA takes
+Among the free rectangles of every GPU the job may use (model, memory, schedulable, a node that
+takes it), MRA takes
 the one whose area exceeds the job's by the least (the global best match, so a job goes to a
 GPU already in use before an empty one) and puts the job in its bottom-left corner. The fleet
 then splits the free rectangles the job cuts and drops the redundant ones; a release keeps the
@@ -30,6 +31,7 @@ def best_match(fleet: Fleet, job: JobRequest, w: int, h: int) -> tuple[str, Box]
     best: tuple[int, str, Box] | None = None
     need = job.memory_bytes
     slots = fleet.slots
+    node_ask = job.needs_node
     for index in fleet.indexes_for(job.gpu_model):
         rects = index.rects
         # Entries are sorted by area: the first that fits is this model's best match.
@@ -42,6 +44,7 @@ def best_match(fleet: Fleet, job: JobRequest, w: int, h: int) -> tuple[str, Box]
                 box[2] - box[0] >= w
                 and box[3] - box[1] >= h
                 and slots[entry[1]].memory_free >= need
+                and (not node_ask or fleet.offers(slots[entry[1]], job))
             ):
                 best = entry
                 break

@@ -19,6 +19,7 @@ def _walk(fleet: Fleet, index: ModelIndex, job: JobRequest, w: int, h: int) -> S
     first that fits; the best of those, as (-free area, gpu id)."""
     slots = fleet.slots
     need = job.memory_bytes
+    node_ask = job.needs_node
     best: Key | None = None
     for memory_class in memory_classes(index, need):
         keys = index.by_free[memory_class]
@@ -34,7 +35,11 @@ def _walk(fleet: Fleet, index: ModelIndex, job: JobRequest, w: int, h: int) -> S
                 if best is not None and key >= best:
                     break
                 slot = slots[keys[i][1]]
-                if slot.memory_free >= need and slot.free.fits(w, h):
+                if (
+                    slot.memory_free >= need
+                    and slot.free.fits(w, h)
+                    and (not node_ask or fleet.offers(slot, job))
+                ):
                     hit = key
                     break
                 if not i % CHUNK:

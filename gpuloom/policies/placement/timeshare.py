@@ -4,7 +4,7 @@ sharing" scheduler FaST-GShare is compared with (Gu et al., section 5.4: 4 ResNe
 2 BERT pods need 4 GPUs this way and 1 with MRA).
 
 First fit: the lowest GPU id that has the quota (a full-height free rectangle of its width)
-and the memory; the job takes the earliest free quota there.
+and the memory, on a node that takes the job; the job takes the earliest free quota there.
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ class TimeSharePolicy:
                 if best is not None and gpu_id >= best:
                     break
                 slot = slots[gpu_id]
-                if slot.area_free < area or slot.memory_free < job.memory_bytes:
+                if (
+                    slot.area_free < area
+                    or slot.memory_free < job.memory_bytes
+                    or not fleet.offers(slot, job)
+                ):
                     continue
                 box = slot.free.first_fit(w, GRID_H)
                 if box is not None:

@@ -22,17 +22,18 @@ policy look at the whole fleet, where the job is charged its whole footprint. Th
 in both rounds: in the first it sees a view of the fleet holding only those GPUs.
 
 Nodes: every GPU belongs to a node, and the fleet keeps each node's CPU (milli) and host memory,
-as its GPUs were registered with them, and what jobs hold of them. A job asking for CPU or host
-memory is offered to its policy with the GPUs of the nodes short of them left out (for that
-decision only), so every policy respects node resources without knowing them; the commit
-checks them again. A job on several GPUs (`JobRequest.gpus > 1`) takes whole GPUs of one node,
+as its GPUs were registered with them, and what jobs hold of them. For a job asking for CPU or
+host memory (or naming its nodes), every policy passes over the GPUs of the nodes that do not
+take it (`Fleet.offers`, checked as it meets each GPU it would choose, so a decision costs no
+more than the GPUs it looks at; nothing in the indexes changes); the commit checks them again.
+A job on several GPUs (`JobRequest.gpus > 1`) takes whole GPUs of one node,
 all or none: a policy may choose them (`GangPolicy.place_gang`); otherwise the fleet packs it on
 the node left with the fewest whole free GPUs (ties by node name).
 
 Both together: a replica asking for CPU or host memory is offered, in its first round, only the
 GPUs holding its model whose nodes have them free (the view carries those nodes' records), and
-in its second round the fleet without the nodes short of them. A job on several GPUs takes them
-whole and cannot be a replica (`JobRequest.validate` refuses the pair).
+in its second round the whole fleet, whose nodes short of them its policy passes over. A job on
+several GPUs takes them whole and cannot be a replica (`JobRequest.validate` refuses the pair).
 
 **Time-slice groups** (Gandiva's over-subscription). `slice_into` puts a job on a GPU that may be
 full, as a member of the group of an allocation already there: the member takes turns with the

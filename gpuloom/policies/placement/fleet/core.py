@@ -358,16 +358,25 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
     def unplaceable(self, job: JobRequest, w: int, h: int, shape_note: str = "") -> Unplaceable:
         """Why no GPU takes a w x h rectangle with the job's memory and model: the first of
         unknown model, nothing schedulable, too little memory anywhere, no room of that shape,
-        no room of that shape with the memory."""
+        no room of that shape with the memory. Only the GPUs of nodes that take the job count
+        (`offers`; `_place_on_nodes` adds what the others lack)."""
         indexes = self.indexes_for(job.gpu_model)
         of_model = f" of model {job.gpu_model}" if job.gpu_model else ""
         if not indexes:
             known = ", ".join(self.models()) or "none registered"
             return Unplaceable(job.job_id, f"no GPU{of_model} (models: {known})")
         live = [index for index in indexes if index.by_id]
+        offered: set[str] | None = None
+        if job.needs_node:
+            takers = {n.name for n in self._nodes.values() if n.takes(job)}
+            offered = {g for index in live for g in index.by_id if self._gpus[g].node in takers}
+            live = [index for index in live if not offered.isdisjoint(index.by_id)]
         if not live:
             return Unplaceable(job.job_id, f"no schedulable GPU{of_model}")
-        largest = max(self._max_memory(index) for index in live)
+        if offered is None:
+            largest = max(self._max_memory(index) for index in live)
+        else:
+            largest = max(self._gpus[g].memory_bytes for g in offered)
         if job.memory_bytes > largest:
             return Unplaceable(
                 job.job_id,
@@ -375,7 +384,7 @@ class Fleet(TimeSlices, SharedModels, Gangs, Nodes, Verification, Indexing):
                 f"{describe_gib(largest)}",
             )
         shape = describe_shape(w, h) + shape_note
-        if not any(_has_shape(index.rects, w, h) for index in live):
+        if not any(_has_shape(index.rects, w, h, offered) for index in live):
             return Unplaceable(job.job_id, f"no GPU{of_model} has {shape} free")
         return Unplaceable(
             job.job_id,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gpuloom.domain.shares import share_of
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet.policy import PlacementPolicy
@@ -27,9 +25,6 @@ from gpuloom.policies.placement.model import (
     gang_member_id,
 )
 
-if TYPE_CHECKING:
-    pass
-
 
 class Gangs:
     """Part of `Fleet`: Jobs on several whole GPUs of one node, all or none."""
@@ -40,12 +35,9 @@ class Gangs:
         place_gang = getattr(policy, "place_gang", None)
         if place_gang is None:
             return self.pack_gang(job, policy.name)
-        if not job.nodes:
-            return place_gang(job, self, context)  # type: ignore[no-any-return]
-        others = [n for n in self._nodes.values() if n.name not in job.nodes]
-        with self._hidden(job, others):
-            decision = place_gang(job, self, context)
-        if isinstance(decision, Unplaceable):
+        # The policy passes over the nodes that do not take the job (`offers`).
+        decision = place_gang(job, self, context)
+        if job.nodes and isinstance(decision, Unplaceable):
             return self.gang_unplaceable(job)
         return decision  # type: ignore[no-any-return]
 

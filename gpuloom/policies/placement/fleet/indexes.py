@@ -49,9 +49,13 @@ def _unfree(index: ModelIndex, key: tuple[int, str], memory_free: int) -> None:
         del index.by_free[c]
 
 
-def _has_shape(rects: list[tuple[int, str, Box]], w: int, h: int) -> bool:
+def _has_shape(
+    rects: list[tuple[int, str, Box]], w: int, h: int, among: set[str] | None = None
+) -> bool:
+    """Whether a free box of at least w x h is in `rects` (on one of the GPUs `among`, when
+    given)."""
     for i in range(bisect_left(rects, (w * h,)), len(rects)):
-        box = rects[i][2]
-        if box[2] - box[0] >= w and box[3] - box[1] >= h:
+        _, gpu_id, box = rects[i]
+        if box[2] - box[0] >= w and box[3] - box[1] >= h and (among is None or gpu_id in among):
             return True
     return False

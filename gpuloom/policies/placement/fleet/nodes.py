@@ -1,16 +1,12 @@
-"""Node resources: a job's CPU and host memory, charged once on its node; policies offered the
-fleet without the nodes short of them."""
+"""Node resources: a job's CPU and host memory, charged once on its node; policies pass over the
+GPUs of the nodes short of them (`Fleet.offers`)."""
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet.policy import PlacementPolicy
 from gpuloom.policies.placement.fleet.records import (
-    NodeSlot,
+    GpuSlot,
     _names,
 )
 from gpuloom.policies.placement.model import (
@@ -20,42 +16,29 @@ from gpuloom.policies.placement.model import (
     describe_gib,
 )
 
-if TYPE_CHECKING:
-    pass
-
 
 class Nodes:
     """Part of `Fleet`: Node resources: a job's CPU and host memory, charged once on its node;
-    policies offered the fleet without the nodes short of them."""
+    policies pass over the GPUs of the nodes short of them (`offers`)."""
 
     def _place_on_nodes(
         self, job: JobRequest, policy: PlacementPolicy, context: PlacementContext
     ) -> Placement | Unplaceable:
-        """Ask the policy with the GPUs of nodes short of the job's CPU or host memory left
-        out of the indexes for this one decision."""
-        short = [n for n in self._nodes.values() if not n.takes(job)]
-        with self._hidden(job, short):
-            decision = policy.place(job, self, context)
-        if isinstance(decision, Unplaceable) and short:
+        """Ask the policy for a job that asks something of its node; the policy passes over
+        the GPUs of nodes that do not take it (`offers`), so nothing in the indexes changes
+        for the decision. An Unplaceable says what the nodes lack when some node is short."""
+        decision = policy.place(job, self, context)
+        if isinstance(decision, Unplaceable) and any(
+            not n.takes(job) for n in self._nodes.values()
+        ):
             return Unplaceable(job.job_id, self._node_reason(job, decision.reason))
         return decision
 
-    @contextlib.contextmanager
-    def _hidden(self, job: JobRequest, nodes: Iterable[NodeSlot]) -> Iterator[None]:
-        """The GPUs of `nodes` (those the job could use) out of the indexes meanwhile."""
-        hidden = [
-            g
-            for n in nodes
-            for g in n.gpu_ids
-            if self._gpus[g].schedulable and job.allows(self._gpus[g].model)
-        ]
-        for gpu_id in hidden:
-            self.set_schedulable(gpu_id, False)
-        try:
-            yield
-        finally:
-            for gpu_id in hidden:
-                self.set_schedulable(gpu_id, True)
+    def offers(self, slot: GpuSlot, job: JobRequest) -> bool:
+        """Whether the GPU's node takes the job: one of its nodes, with the CPU and host memory
+        it asks free. Every policy checks it for each GPU it would choose (the fleet commits
+        nothing else); always True for a job that asks nothing of its node."""
+        return not job.needs_node or self._nodes[slot.node].takes(job)
 
     def _node_problem(self, job: JobRequest, name: str, lead: str = "without") -> str:
         """Why node `name` does not take `job` (its GPU was named for it)."""

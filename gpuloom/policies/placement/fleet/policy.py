@@ -19,8 +19,11 @@ if TYPE_CHECKING:
 class PlacementPolicy(Protocol):
     """Chooses a GPU and a rectangle for one job. The fleet holds the free space of every GPU
     (incrementally, shared by all policies), so a policy keeps no per-GPU state and needs no
-    release hook; `Fleet.place` commits what it returns. Whatever else a policy may know
-    (kernel profiles) comes through `context`, the same lookups offered to every policy."""
+    release hook; `Fleet.place` commits what it returns. A policy chooses only a GPU the job
+    may use: schedulable (the indexes hold only those), of its models, with its memory free,
+    and on a node that takes it (`Fleet.offers`); the commit refuses any other. Whatever else
+    a policy may know (kernel profiles) comes through `context`, the same lookups offered to
+    every policy."""
 
     @property
     def name(self) -> str: ...
