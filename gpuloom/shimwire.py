@@ -269,6 +269,11 @@ class AdmissionRegion:
         return AdmissionState(self._state.value)
 
     @property
+    def fikit_leased(self) -> bool:
+        """Mode FIKIT under policy composed: its level's leases bound it too."""
+        return struct.unpack_from("<I", self._mapping, OFF_FK_LEASED)[0] == 1
+
+    @property
     def admit_until_ns(self) -> int:
         return self._admit_until.value
 
