@@ -88,6 +88,7 @@ API gl_engine *gl_engine_start(const gl_fk_config *config, int doorbell_fd, int 
         errno = error;
         return NULL;
     }
+    pthread_setname_np(e->thread, "gl-engine"); /* so top -H and perf name it */
     return e;
 }
 
