@@ -128,9 +128,9 @@ class ShimClient:
             sock.close()
             raise
         kind = message.WhichOneof("body")
-        # A FIKIT registration (policies fikit and composed) also carries the arbiter's doorbell
-        # and priority boards: this client admits no kernels, so it keeps only the region (and
-        # under composed asks for its level's leases on the socket).
+        # A FIKIT registration (policies fikit and composed) also carries the engine's doorbell
+        # and priority boards: this client admits no kernels, so it keeps the region and, under
+        # composed, the doorbell to ask for its level's leases as a SHARE client does.
         if (
             kind != "registered"
             or not fds
@@ -147,11 +147,11 @@ class ShimClient:
         finally:
             os.close(fds[0])
         desk = None
-        if len(fds) == 2 and use_desk and message.registered.mode == ShimMode.SHARE:
+        leased = message.registered.mode == ShimMode.SHARE or region.fikit_leased
+        if len(fds) >= 2 and use_desk and leased:
             desk = DeskPort(region.mapping, fds[1])
-        else:
-            for fd in fds[1:]:
-                os.close(fd)
+        for fd in fds[2 if desk is not None else 1 :]:
+            os.close(fd)
         registered = message.registered
         registration = Registration(
             assignment_id=registered.assignment_id,

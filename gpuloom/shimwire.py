@@ -269,6 +269,11 @@ class AdmissionRegion:
         return AdmissionState(self._state.value)
 
     @property
+    def fikit_leased(self) -> bool:
+        """Mode FIKIT under policy composed: its level's leases bound it too."""
+        return struct.unpack_from("<I", self._mapping, OFF_FK_LEASED)[0] == 1
+
+    @property
     def admit_until_ns(self) -> int:
         return self._admit_until.value
 
@@ -488,11 +493,9 @@ class FikitPort:
         holder's launch then fires its arm when it names this kernel."""
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         posted = time.monotonic_ns() if now_ns is None else now_ns
-        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(kind))
-        struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
-        if kind is not FikitPost.REQUEST:
-            self._fire(kernel_id)
-        else:  # an arm given ahead already fired now does not release this request
+        if kind is FikitPost.REQUEST:
+            # An arm given ahead already fired does not release this request; read before the
+            # post, as the C shim does: a fire after the post releases it.
             stale, index = self.armed
             if (
                 stale
@@ -500,6 +503,10 @@ class FikitPort:
                 and struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] == stale
             ):
                 self._stale = stale
+        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(kind))
+        struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
+        if kind is not FikitPost.REQUEST:
+            self._fire(kernel_id)
         self.ring()
         return self.seq
 

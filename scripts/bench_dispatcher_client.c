@@ -7,11 +7,12 @@
  *   bench_dispatcher_client --pingpong SECONDS PAUSE_US OUT
  *   bench_dispatcher_client --pingpong-futex SECONDS PAUSE_US OUT
  *   bench_dispatcher_client --desk-alone CLIENTS SECONDS PAUSE_US SPIN_US OUT
- * writes one int64 latency in nanoseconds per round trip to OUT. `--desk-alone` runs the lease
- * desk (shim/src/leasedesk.c, the dispatcher's own code) in this bare C process, with
- * open-ended standing terms for CLIENTS forked clients that ask as `desk` does: the desk's
- * mechanism without the dispatcher's Python around it. `desk` asks as the shim does
- * when the dispatcher runs its lease desk (request words in the region, the doorbell rung);
+ * writes one int64 latency in nanoseconds per round trip to OUT. `--desk-alone` runs the
+ * admission engine (shim/src/engine.c and its lease half leasedesk.c, the dispatcher's own code)
+ * in this bare C process, with open-ended standing terms for CLIENTS forked clients that ask as
+ * `desk` does: the engine's lease mechanism without the dispatcher's Python around it. `desk`
+ * asks as the shim does when the dispatcher gave it the engine's doorbell (request words in the
+ * region, the doorbell rung);
  * `socket` sends LeaseRequest frames to the Python channel thread.
  */
 #define _GNU_SOURCE
@@ -29,7 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "leasedesk.h"
+#include "engine.h"
 #include "wire.h"
 
 static void die(const char *what) {
@@ -192,17 +193,20 @@ static int pingpong_futex(double seconds, long pause_us, const char *out_path) {
     return 0;
 }
 
-/* The lease desk alone: the desk thread in this process, CLIENTS forked clients on regions of
- * their own with open-ended standing terms, this process taking the desk's journal as the
- * dispatcher's channel thread does (else the desk would throttle). No Python, no socket. */
+/* The admission engine alone: its thread in this process (its FIKIT half idle, as under a token
+ * policy), CLIENTS forked clients on regions of their own with open-ended standing terms, this
+ * process taking the journal as the dispatcher's channel thread does (else the engine would
+ * throttle). No Python, no socket. */
 static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_ns,
                       const char *out_path) {
     if (clients < 1 || clients > (int)GL_DESK_MAX_SLOTS) die("--desk-alone: CLIENTS out of range");
     int doorbell = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     int notify = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (doorbell < 0 || notify < 0) die("eventfd");
-    gl_desk *desk = gl_desk_start(doorbell, notify);
-    if (desk == NULL) die("gl_desk_start");
+    gl_fk_config config;
+    gl_fk_default_config(&config);
+    gl_engine *engine = gl_engine_start(&config, doorbell, notify, 20 * 1000000ull);
+    if (engine == NULL) die("gl_engine_start");
     volatile uint8_t **regions = calloc((size_t)clients, sizeof *regions);
     if (regions == NULL) die("calloc");
     uint64_t window_ns = 1000000000ull;
@@ -211,14 +215,14 @@ static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_
         if (fd < 0 || ftruncate(fd, GL_REGION_BYTES) != 0) die("region");
         regions[i] = mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (regions[i] == MAP_FAILED) die("mmap region");
-        int slot = gl_desk_add(desk, fd);
+        int slot = gl_engine_lease_add(engine, fd);
         gl_desk_terms terms = {.lease_ns = GL_DESK_FOREVER,
                                .budget_ns = GL_DESK_FOREVER,
                                .min_lease_ns = 1,
                                .limit_ns = GL_DESK_FOREVER,
                                .window_ns = window_ns,
                                .window_end_ns = now_ns() + window_ns};
-        if (slot < 0 || gl_desk_set_terms(desk, slot, &terms) != 0) die("desk terms");
+        if (slot < 0 || gl_engine_set_terms(engine, slot, &terms) != 0) die("desk terms");
         close(fd);
     }
     size_t name_size = strlen(out_path) + 16;
@@ -241,7 +245,7 @@ static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_
         uint64_t rung;  /* clear the desk's notification; the journal is taken either way */
         ssize_t cleared = read(notify, &rung, sizeof rung);
         (void)cleared;
-        while (gl_desk_take(desk, events, 256) > 0) {
+        while (gl_engine_take(engine, events, 256) > 0) {
         }
         int status;
         pid_t done;
@@ -250,7 +254,7 @@ static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_
             failed |= !WIFEXITED(status) || WEXITSTATUS(status) != 0;
         }
     }
-    gl_desk_stop(desk);
+    gl_engine_stop(engine);
     if (failed) die("a desk client failed");
     FILE *out = fopen(out_path, "wb");
     if (out == NULL) die("open output");

@@ -210,19 +210,19 @@ int main(int argc, char **argv) {
         unsigned head = 0, in_flight = 0;
         while (now_ns() < stop && count + 3 <= CAPACITY) {
             uint64_t posted = now_ns();
+            /* As the shim: an arm given ahead already fired when this request is posted does
+             * not release it (read before the post: a fire after it releases the request). */
+            uint64_t stale = load64(r, GL_OFF_FK_ARMED);
+            uint32_t stale_board = load32(r, GL_OFF_FK_ARM_BOARD);
+            if (stale == 0 || load32(r, GL_OFF_FK_ARMED_SEQ) != seq + 1 ||
+                stale_board + 1 >= registration.board_count ||
+                load64(registration.boards[stale_board], GL_BOARD_FIRED) != stale)
+                stale = 0;
             store64(r, GL_OFF_FK_KERNEL, kernel);
             store64(r, GL_OFF_FK_POST_NS, posted);
             store32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
             store32(r, GL_OFF_FK_REQ_SEQ, ++seq);
             ring(doorbell);
-            /* As the shim: an arm given ahead already fired when this request was posted does
-             * not release it. */
-            uint64_t stale = load64(r, GL_OFF_FK_ARMED);
-            uint32_t stale_board = load32(r, GL_OFF_FK_ARM_BOARD);
-            if (stale == 0 || load32(r, GL_OFF_FK_ARMED_SEQ) != seq ||
-                stale_board + 1 >= registration.board_count ||
-                load64(registration.boards[stale_board], GL_BOARD_FIRED) != stale)
-                stale = 0;
             unsigned spins = 0;
             uint32_t granted;
             uint64_t by_board = 0;

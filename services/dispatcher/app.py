@@ -15,7 +15,7 @@ from gpuloom.policies.admission.levels import LevelScheduler
 from gpuloom.policies.tokens.registry import get_policy
 from gpuloom.policies.tokens.scheduler import TokenScheduler
 from gpuloom.services.common.server import RunningServer, ServiceRegistration, start_server
-from gpuloom.services.dispatcher.arbiter import Arbiter
+from gpuloom.services.dispatcher.admission_engine import AdmissionEngine
 from gpuloom.services.dispatcher.channel import ChannelLimits, ShimChannel
 from gpuloom.services.dispatcher.checkpoint import Checkpointer
 from gpuloom.services.dispatcher.core import DispatcherCore
@@ -51,10 +51,11 @@ class GpuDispatcher:
     # Where measure-mode records go: to the profiler, or (without one) a bounded buffer.
     measurements: MeasurementBuffer | None
     profiler_link: ProfilerLink | None
+    # The GPU's native admission engine (every policy), and under fikit and composed where its
+    # FIKIT half's kernel tables come from.
+    engine: AdmissionEngine
     # Registration and heartbeats to placement; None without GPULOOM_DISPATCHER_PLACEMENT_ADDRESS.
     placement_link: PlacementLink | None = None
-    # Policy fikit: the native kernel arbiter and where its kernel tables come from.
-    arbiter: Arbiter | None = None
     kernel_tables: KernelTables | None = None
     # SM-partition policies with MPS on: the GPU's supervised MPS control daemon.
     mps: MpsSupervisor | None = None
@@ -105,9 +106,8 @@ async def start_gpu_dispatcher(
         # only serves the channel's lease path, which FIKIT shims do not use.
         token_policy = "exclusive" if fikit else settings.policy
         scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
-    arbiter = None
-    if fikit:
-        arbiter = Arbiter(arguments.fikit)
+    # One engine for every policy: a token policy adds no FIKIT task, so its FIKIT half idles.
+    engine = AdmissionEngine(arguments.fikit)
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(
@@ -159,7 +159,8 @@ async def start_gpu_dispatcher(
         ),
         window_s=config.window_s,
         choose_mode=None if link is None else link.choose_mode,
-        arbiter=arbiter,
+        engine=engine,
+        fikit=fikit,
         composed=composed,
         kernel_tables=kernel_tables,
         introspector=introspector,
@@ -218,7 +219,7 @@ async def start_gpu_dispatcher(
         channel.stop()
         if link is not None:
             await link.stop()
-        await _stop_fikit(arbiter, kernel_tables)
+        await _stop_engine(engine, kernel_tables)
         await models.close()
         if mps is not None:
             await asyncio.to_thread(mps.stop)
@@ -256,8 +257,8 @@ async def start_gpu_dispatcher(
         server,
         measurements,
         link,
+        engine,
         placement_link,
-        arbiter,
         kernel_tables,
         mps,
         models,
@@ -313,15 +314,14 @@ async def _stop(dispatcher: GpuDispatcher, grace_s: float) -> None:
     await asyncio.to_thread(dispatcher.channel.stop)
     if dispatcher.profiler_link is not None:
         await dispatcher.profiler_link.stop()
-    await _stop_fikit(dispatcher.arbiter, dispatcher.kernel_tables)
+    await _stop_engine(dispatcher.engine, dispatcher.kernel_tables)
     if dispatcher.models is not None:  # after the server: no load can start a new process
         await dispatcher.models.close()
     if dispatcher.mps is not None:  # last: its clients were the processes stopped above
         await asyncio.to_thread(dispatcher.mps.stop)
 
 
-async def _stop_fikit(arbiter: Arbiter | None, kernel_tables: KernelTables | None) -> None:
+async def _stop_engine(engine: AdmissionEngine, kernel_tables: KernelTables | None) -> None:
     if kernel_tables is not None:
         await kernel_tables.close()
-    if arbiter is not None:
-        arbiter.stop()
+    engine.stop()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from gpuloom.services.dispatcher.arbiter import KernelTiming
+from gpuloom.services.dispatcher.admission_engine import KernelTiming
 from gpuloom.tasks import cancel_and_wait
 from gpuloom.transport import open_aio_channel
 from gpuloom.v1 import profile_store_pb2, profile_store_pb2_grpc

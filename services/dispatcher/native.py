@@ -1,4 +1,4 @@
-"""The dispatcher's native library (libglfikit.so: the FIKIT arbiter and the lease desk): one
+"""The dispatcher's native library (libglfikit.so: the admission engine, the heartbeat): one
 handle that keeps errno for its calls, and counter structs read into the dataclasses that
 name them."""
 

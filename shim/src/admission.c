@@ -1,7 +1,8 @@
-/* Admission in share mode: asking the dispatcher for a lease (through the lease desk's words
- * in the region, or a LeaseRequest frame; either carries the usage of the lease that ended) and waiting for it on the region's epoch (a short spin, then
- * FUTEX_WAIT), bounded by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c (under policy
- * composed after a lease of its level, asked for over the socket); what a
+/* Admission in share mode: asking the dispatcher for a lease (through the admission engine's
+ * request words in the region, or a LeaseRequest frame; either carries the usage of the lease
+ * that ended) and waiting for it on the region's epoch (a short spin, then FUTEX_WAIT), bounded
+ * by GPULOOM_SHIM_WAIT_MS; mode FIKIT goes to fikit_gate.c (under policy composed after a
+ * lease of its level, asked for the same way); what a
  * refused or evicted process's launches get (an error, whatever the loss policy) and a lost
  * one's (the loss policy); and suspension (SuspendClient): a suspended
  * process waits at its next launch (any mode) or allocation (memcap.c) until resumed, without
@@ -23,14 +24,15 @@ static int g_stalled;
 static uint64_t g_last_request_ns;
 static int g_suspend_logged; /* atomic: a lapsed suspension was announced (once per episode) */
 
-/* Through the lease desk when the dispatcher runs one (request words in the region and the
- * doorbell: no socket, no Python on the way), else a LeaseRequest frame on the socket. */
+/* Through the admission engine when the dispatcher gave its doorbell (request words in the
+ * region and the doorbell: no socket, no Python on the way), else a LeaseRequest frame on the
+ * socket. Mode FIKIT under composed rings the same doorbell: one engine serves its kernels
+ * and its level's leases. */
 static int send_request(const uint8_t *r) {
     gl_usage usage;
     int has = take_report(r_u64(r, GL_OFF_LEASE_ID), 0, &usage);
     g_last_request_ns = now_ns();
-    /* Mode FIKIT's doorbell is the arbiter's: its leases are asked for over the socket. */
-    int doorbell = g_mode == GL_MODE_SHARE ? gpu_doorbell() : -1;
+    int doorbell = gpu_doorbell();
     if (doorbell >= 0)
         return gl_post_lease_request((uint8_t *)r, doorbell, has ? &usage : NULL,
                                      g_last_request_ns);

@@ -63,7 +63,7 @@ unsigned fikit_harvest(void);
 /* A (re)registration: its region, the GPU's doorbell (-1 when the dispatcher gave none) and
  * the priority boards mapped into `reg` (taken over: reg->board_count becomes 0). */
 void fikit_adopt(uint8_t *r, int doorbell, gl_registration *reg);
-/* The GPU's doorbell: the FIKIT arbiter's, or in mode SHARE the lease desk's; -1 if none (a
+/* The GPU's doorbell: the admission engine's (for kernels and leases alike); -1 if none (a
  * SHARE shim then asks for leases over the socket). */
 int gpu_doorbell(void);
 

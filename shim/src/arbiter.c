@@ -1,11 +1,10 @@
-/* The FIKIT arbiter thread (see arbiter.h and docs/fikit.md).
+/* The FIKIT part of the admission engine (see arbiter.h, engine.c and docs/fikit.md).
  *
  * One round: read every slot's shim-written words, turn what changed into core calls
  * (gl_fk_request for a launch or a request, gl_fk_completed for fill kernels known done), ask
  * the core what may go (gl_fk_decide), write the grants and wake their shims, then refresh
- * roles, notify flags and heartbeats. The thread sleeps on the doorbell eventfd until the next
- * post, command or the core's wake-up time. Everything runs under one mutex that add/remove
- * also take; a round costs microseconds.
+ * roles, notify flags and heartbeats. The engine's thread runs it after every doorbell ring
+ * and at gl_arbiter_next_round; a round costs microseconds.
  *
  * Ringing the doorbell changes no decision: a round it causes reads every request and launch
  * (which can only queue a request or make the holder busy), but the holder's completions only
@@ -19,22 +18,16 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <stdio.h>
-#include <linux/futex.h>
-#include <poll.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "native.h"
 #include "wire.h"
 
-#define API __attribute__((visibility("default")))
 #define GRANTS_TRACKED 64u /* granted fill kernels remembered per task until known done */
 
 typedef struct {
@@ -82,10 +75,6 @@ typedef struct {
 } arm_state;
 
 struct gl_arbiter {
-    pthread_mutex_t lock;
-    pthread_t thread;
-    int stop;
-    int doorbell;
     uint64_t beat_ns, next_beat; /* the heartbeat's cadence, whatever wakes the thread */
     uint64_t next_wake; /* the core's next decision time (UINT64_MAX: none) */
     uint64_t gap_threshold_ns, fill_guard_ns;
@@ -433,8 +422,7 @@ static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e) {
     s->openers[0] = e->id;
 }
 
-static void round_locked(gl_arbiter *a) {
-    uint64_t now = now_ns();
+void gl_arbiter_round(gl_arbiter *a, uint64_t now) {
     a->stats.rounds++;
     int beat = now >= a->next_beat;
     if (beat) a->next_beat = now - a->next_beat < a->beat_ns ? a->next_beat + a->beat_ns
@@ -487,38 +475,11 @@ static void round_locked(gl_arbiter *a) {
     rearm(a, now);
 }
 
-/* ---- the thread ---- */
-
-/* Sleeps on the doorbell until `until` (or a ring). */
-static void sleep_on_doorbell(gl_arbiter *a, uint64_t now, uint64_t until) {
-    uint64_t wait = until > now ? until - now : 0;
-    struct timespec timeout = {.tv_sec = (time_t)(wait / 1000000000u),
-                               .tv_nsec = (long)(wait % 1000000000u)};
-    struct pollfd p = {.fd = a->doorbell, .events = POLLIN};
-    if (wait > 0 && ppoll(&p, 1, &timeout, NULL) > 0) {
-        uint64_t count;
-        if (read(a->doorbell, &count, sizeof count) < 0) { /* drained by another read */
-        }
-    }
+uint64_t gl_arbiter_next_round(const gl_arbiter *a) {
+    return a->next_wake < a->next_beat ? a->next_wake : a->next_beat;
 }
 
-static void *run(void *arg) {
-    gl_arbiter *a = arg;
-    for (;;) {
-        pthread_mutex_lock(&a->lock);
-        if (a->stop) {
-            pthread_mutex_unlock(&a->lock);
-            return NULL;
-        }
-        round_locked(a);
-        uint64_t now = now_ns(), until = a->next_beat;
-        if (a->next_wake < until) until = a->next_wake;
-        pthread_mutex_unlock(&a->lock);
-        sleep_on_doorbell(a, now, until);
-    }
-}
-
-static void ring(gl_arbiter *a) { ring_eventfd(a->doorbell); }
+/* ---- set-up and the dispatcher's calls ---- */
 
 static void close_boards(gl_arbiter *a) {
     for (int p = 0; p < GL_BOARDS; p++) {
@@ -551,7 +512,7 @@ static int open_boards(gl_arbiter *a) {
     return 0;
 }
 
-API int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
+int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
     if (a == NULL || priority >= GL_BOARDS) {
         errno = EINVAL;
         return -1;
@@ -559,8 +520,8 @@ API int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
     return writable ? a->board_fd[priority] : a->board_ro_fd[priority];
 }
 
-API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns) {
-    if (doorbell_fd < 0 || beat_ns == 0) {
+gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns) {
+    if (beat_ns == 0) {
         errno = EINVAL;
         return NULL;
     }
@@ -584,20 +545,9 @@ API gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, ui
         errno = error;
         return NULL;
     }
-    a->doorbell = doorbell_fd;
     a->beat_ns = beat_ns;
     a->next_beat = now_ns(); /* the first round beats */
     a->next_wake = UINT64_MAX;
-    pthread_mutex_init(&a->lock, NULL);
-    int error = pthread_create(&a->thread, NULL, run, a);
-    if (error != 0) {
-        pthread_mutex_destroy(&a->lock);
-        close_boards(a);
-        free(a->core);
-        free(a);
-        errno = error;
-        return NULL;
-    }
     return a;
 }
 
@@ -607,16 +557,10 @@ static void release_slot(slot_state *s) {
     memset(s, 0, sizeof *s);
 }
 
-API void gl_arbiter_stop(gl_arbiter *a) {
+void gl_arbiter_free(gl_arbiter *a) {
     if (a == NULL) return;
-    pthread_mutex_lock(&a->lock);
-    a->stop = 1;
-    pthread_mutex_unlock(&a->lock);
-    ring(a);
-    pthread_join(a->thread, NULL);
     for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) release_slot(&a->slots[t]);
     close_boards(a);
-    pthread_mutex_destroy(&a->lock);
     free(a->core);
     free(a);
 }
@@ -662,7 +606,7 @@ static void publish_openers(const slot_state *s) {
     store32(s->region, GL_OFF_FK_OPENERS_ALL, (uint32_t)all);
 }
 
-API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
+int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
                             const uint64_t *kernel_ids, const uint64_t *durations_ns,
                             const uint64_t *gaps_ns, uint32_t kernels) {
     struct stat st;
@@ -676,12 +620,10 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     void *mapped =
         mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
     if (mapped == MAP_FAILED) return -1;
-    pthread_mutex_lock(&a->lock);
     int slot = -1;
     for (int t = 0; t < GL_FK_MAX_TASKS && slot < 0; t++)
         if (!a->slots[t].used) slot = t;
     if (slot < 0) {
-        pthread_mutex_unlock(&a->lock);
         munmap(mapped, GL_REGION_BYTES);
         errno = ENOSPC;
         return -1;
@@ -691,7 +633,6 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     if (fill_table(s, a->gap_threshold_ns, kernel_ids, durations_ns, gaps_ns, kernels) != 0 ||
         gl_fk_add_task(a->core, (uint32_t)slot, priority, now_ns()) != 0) {
         release_slot(s);
-        pthread_mutex_unlock(&a->lock);
         munmap(mapped, GL_REGION_BYTES);
         errno = ENOMEM;
         return -1;
@@ -704,12 +645,10 @@ API int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     s->seen_done = load32(s->region, GL_OFF_FK_DONE);
     publish_openers(s);
     store64(s->region, GL_OFF_FK_BEAT, now_ns());
-    pthread_mutex_unlock(&a->lock);
-    ring(a);
     return slot;
 }
 
-API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_ids,
+int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_ids,
                                const uint64_t *durations_ns, const uint64_t *gaps_ns,
                                uint32_t kernels) {
     if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS ||
@@ -723,10 +662,8 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
         errno = ENOMEM;
         return -1;
     }
-    pthread_mutex_lock(&a->lock);
     slot_state *s = &a->slots[slot];
     if (!s->used) {
-        pthread_mutex_unlock(&a->lock);
         free(fresh.table);
         errno = ENOENT;
         return -1;
@@ -738,26 +675,21 @@ API int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_i
     memcpy(s->openers, fresh.openers, sizeof s->openers);
     s->openers_all = fresh.openers_all;
     publish_openers(s);
-    pthread_mutex_unlock(&a->lock);
     return 0;
 }
 
-API void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
+void gl_arbiter_remove_task(gl_arbiter *a, int slot) {
     if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS) return;
-    pthread_mutex_lock(&a->lock);
     slot_state *s = &a->slots[slot];
     if (s->used) {
         withdraw(a, now_ns());
         gl_fk_remove_task(a->core, (uint32_t)slot, now_ns());
         release_slot(s);
     }
-    pthread_mutex_unlock(&a->lock);
-    ring(a); /* the others' roles may change */
 }
 
-API int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
+int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
     if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS) return -1;
-    pthread_mutex_lock(&a->lock);
     slot_state *s = &a->slots[slot];
     int result = s->used ? 0 : -1;
     if (s->used && s->suspended != (on != 0)) {
@@ -779,19 +711,11 @@ API int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
         }
         if (result == 0) s->suspended = on != 0;
     }
-    pthread_mutex_unlock(&a->lock);
-    ring(a);
     return result;
 }
 
-API void gl_arbiter_get_stats(gl_arbiter *a, gl_arbiter_stats *out) {
-    pthread_mutex_lock(&a->lock);
-    *out = a->stats;
-    pthread_mutex_unlock(&a->lock);
-}
+void gl_arbiter_get_stats(const gl_arbiter *a, gl_arbiter_stats *out) { *out = a->stats; }
 
-API void gl_arbiter_get_core_counters(gl_arbiter *a, gl_fk_counters *out) {
-    pthread_mutex_lock(&a->lock);
+void gl_arbiter_get_core_counters(const gl_arbiter *a, gl_fk_counters *out) {
     gl_fk_get_counters(a->core, out);
-    pthread_mutex_unlock(&a->lock);
 }

@@ -1,18 +1,20 @@
-/* The FIKIT arbiter: one native thread per GPU, inside the dispatcher process, that admits the
- * kernels of every shim on that GPU with the FIKIT decision core (fikit.h).
+/* The FIKIT part of the admission engine (engine.h): the state and the round that admit the
+ * kernels of every FIKIT shim of one GPU with the FIKIT decision core (fikit.h).
  *
- * Each shim shares two things with the arbiter: its own admission region (a memfd, see
- * wire.h: the arbiter writes the words at GL_OFF_FK_GRANT.., the shim those at
- * GL_OFF_FK_REQ_SEQ..) and the GPU's doorbell, an eventfd a shim writes to after posting a
- * request. No memory is shared between two shims, so one cannot write another's state; what a
- * shim writes is validated here before the core sees it. The dispatcher (Python, ctypes) adds
- * and removes tasks; the thread does the rest. */
+ * Each shim shares two things with the engine: its own admission region (a memfd, see wire.h:
+ * the engine writes the words at GL_OFF_FK_GRANT.., the shim those at GL_OFF_FK_REQ_SEQ..) and
+ * the GPU's doorbell, an eventfd a shim writes to after posting a request. No memory is shared
+ * between two shims, so one cannot write another's state; what a shim writes is validated
+ * here before the core sees it. Nothing here locks or sleeps: engine.c calls every function
+ * below with its one mutex held, from its one thread or from the dispatcher's calls. */
 #ifndef GL_ARBITER_H
 #define GL_ARBITER_H
 
 #include <stdint.h>
 
 #include "fikit.h"
+
+#pragma GCC visibility push(hidden)
 
 typedef struct gl_arbiter gl_arbiter;
 
@@ -31,18 +33,23 @@ typedef struct {
     uint32_t waiting;           /* tasks now blocked on a grant */
 } gl_arbiter_stats;
 
-/* Starts the thread. `doorbell_fd` is a non-blocking eventfd the caller keeps open for the
- * arbiter's life (the thread reads it); `beat_ns` is how often every region's heartbeat is
- * refreshed. Returns NULL (errno set) on a bad config or when the thread cannot start. */
-gl_arbiter *gl_arbiter_start(const gl_fk_config *config, int doorbell_fd, uint64_t beat_ns);
+/* A FIKIT part: `beat_ns` is how often every region's heartbeat is refreshed. NULL (errno
+ * set) on a bad config or when its priority boards cannot be made. */
+gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns);
+
+/* Unmaps every region, closes the boards, frees the part. */
+void gl_arbiter_free(gl_arbiter *arbiter);
+
+/* One round at `now` (see arbiter.c). */
+void gl_arbiter_round(gl_arbiter *arbiter, uint64_t now);
+
+/* When the next timed round is due: the heartbeat or the core's next decision time. */
+uint64_t gl_arbiter_next_round(const gl_arbiter *arbiter);
 
 /* The priority board of `priority` (0..GL_BOARDS-1): the read-write descriptor (for the
- * processes of that priority) or the read-only one (for worse priorities). The arbiter keeps
+ * processes of that priority) or the read-only one (for worse priorities). The part keeps
  * both open for its life; send copies. -1 (EINVAL) for a bad priority. */
 int gl_arbiter_board_fd(gl_arbiter *arbiter, uint32_t priority, int writable);
-
-/* Stops and joins the thread, unmaps every region, frees the arbiter. */
-void gl_arbiter_stop(gl_arbiter *arbiter);
 
 /* Registers a task: maps its region (region_fd stays the caller's), takes a copy of its kernel
  * profile (n kernels: ids, mean durations, mean gaps after, in ns; GL_FK_UNKNOWN allowed) and
@@ -67,9 +74,11 @@ void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
  * slot not in use. */
 int gl_arbiter_set_suspended(gl_arbiter *arbiter, int slot, int on);
 
-void gl_arbiter_get_stats(gl_arbiter *arbiter, gl_arbiter_stats *out);
+void gl_arbiter_get_stats(const gl_arbiter *arbiter, gl_arbiter_stats *out);
 
 /* The decision core's own counters (windows, fills granted in windows or while idle). */
-void gl_arbiter_get_core_counters(gl_arbiter *arbiter, gl_fk_counters *out);
+void gl_arbiter_get_core_counters(const gl_arbiter *arbiter, gl_fk_counters *out);
+
+#pragma GCC visibility pop
 
 #endif

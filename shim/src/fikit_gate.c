@@ -236,16 +236,20 @@ static uint8_t *armed_board(uint8_t *r, uint32_t seq, uint64_t kernel, uint64_t 
 static CUresult wait_grant(uint8_t *r, uint64_t kernel, uint32_t *granted_seq) {
     fikit_harvest();
     uint32_t seq = __atomic_add_fetch(&g_fk_seq, 1, __ATOMIC_RELAXED);
+    /* An arm given ahead that the holder fired before this request is posted does not release
+     * it: the window it was decided for has been running since (the arbiter decides). Read
+     * before the post, not after: a fire between the post and a later read (the doorbell's
+     * write lies between, and may hand the CPU to the arbiter) released this request, and
+     * taken for stale it left the request waiting for a grant with nothing to wake the
+     * arbiter until its next timed round or ring (docs/benchmarks.md, "Kernel admission"). */
+    uint64_t stale = 0;
+    uint8_t *posted_board = armed_board(r, seq, kernel, &stale);
+    if (posted_board == NULL || r_u64(posted_board, GL_BOARD_FIRED) != stale) stale = 0;
     w_u64(r, GL_OFF_FK_KERNEL, kernel);
     w_u64(r, GL_OFF_FK_POST_NS, now_ns());
     w_u32(r, GL_OFF_FK_WAITING, GL_POST_REQUEST);
     w_u32(r, GL_OFF_FK_REQ_SEQ, seq);
     ring_doorbell();
-    /* An arm given ahead that the holder fired before this request was posted does not
-     * release it: the window it was decided for has been running since (the arbiter decides). */
-    uint64_t stale = 0;
-    uint8_t *posted_board = armed_board(r, seq, kernel, &stale);
-    if (posted_board == NULL || r_u64(posted_board, GL_BOARD_FIRED) != stale) stale = 0;
     uint64_t bound = (uint64_t)g_config.wait_ms * 1000000u;
     CUresult result = CUDA_SUCCESS;
     unsigned spurious = 0;

@@ -1,30 +1,21 @@
-/* The lease desk thread (see leasedesk.h and docs/dispatcher.md).
+/* The lease part of the admission engine (see leasedesk.h, engine.c and docs/dispatcher.md).
  *
  * One round: for every process whose request sequence number moved, validate its request
  * words, then either renew its lease from its standing terms (write the lease words, bump the
- * epoch, FUTEX_WAKE) or forward the request to Python; journal either. The thread sleeps on
- * the doorbell eventfd between rounds. Everything runs under one mutex that the calls from
- * Python also take; a round costs a microsecond or two per request. */
+ * epoch, FUTEX_WAKE) or forward the request to Python; journal either. A round costs a
+ * microsecond or two per request. */
 #define _GNU_SOURCE
 #include "leasedesk.h"
 
 #include <errno.h>
-#include <limits.h>
-#include <linux/futex.h>
-#include <poll.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
 
 #include "native.h"
 #include "wire.h"
 
-#define API __attribute__((visibility("default")))
 /* A report of more GPU time than this in one lease is garbage, not a measurement (the same
  * bound as the Python channel's). */
 #define MAX_REPORTED_NS (3600ull * 1000000000ull)
@@ -43,10 +34,7 @@ typedef struct {
 } desk_slot;
 
 struct gl_desk {
-    pthread_mutex_t lock;
-    pthread_t thread;
-    int stop;
-    int doorbell, notify;
+    int notify;
     int notified;   /* notify written, events not taken since */
     int throttled;  /* some slot was skipped for too many untaken events */
     uint32_t high;  /* slots at or above this are unused */
@@ -187,51 +175,21 @@ static void take_request(gl_desk *d, uint32_t slot, uint64_t now) {
     record(d, slot, &e);
 }
 
-static void round_locked(gl_desk *d) {
-    uint64_t now = now_ns();
+void gl_desk_round(gl_desk *d, uint64_t now) {
     d->stats.rounds++;
     for (uint32_t t = 0; t < d->high; t++)
         if (d->slots[t].used) take_request(d, t, now);
 }
 
-static void *run(void *arg) {
-    gl_desk *d = arg;
-    struct pollfd p = {.fd = d->doorbell, .events = POLLIN};
-    for (;;) {
-        pthread_mutex_lock(&d->lock);
-        if (d->stop) {
-            pthread_mutex_unlock(&d->lock);
-            return NULL;
-        }
-        round_locked(d);
-        pthread_mutex_unlock(&d->lock);
-        /* A ring between the round and the poll stays counted in the eventfd: not lost. */
-        if (poll(&p, 1, 1000) > 0) {
-            uint64_t count;
-            if (read(d->doorbell, &count, sizeof count) < 0) { /* drained by another read */
-            }
-        }
-    }
-}
-
-API gl_desk *gl_desk_start(int doorbell_fd, int notify_fd) {
-    if (doorbell_fd < 0 || notify_fd < 0) {
+gl_desk *gl_desk_new(int notify_fd) {
+    if (notify_fd < 0) {
         errno = EINVAL;
         return NULL;
     }
     gl_desk *d = calloc(1, sizeof *d);
     if (d == NULL) return NULL;
-    d->doorbell = doorbell_fd;
     d->notify = notify_fd;
     d->next_lease = 1;
-    pthread_mutex_init(&d->lock, NULL);
-    int error = pthread_create(&d->thread, NULL, run, d);
-    if (error != 0) {
-        pthread_mutex_destroy(&d->lock);
-        free(d);
-        errno = error;
-        return NULL;
-    }
     return d;
 }
 
@@ -241,19 +199,13 @@ static void release_slot(gl_desk *d, uint32_t slot) {
     memset(s, 0, sizeof *s);
 }
 
-API void gl_desk_stop(gl_desk *d) {
+void gl_desk_free(gl_desk *d) {
     if (d == NULL) return;
-    pthread_mutex_lock(&d->lock);
-    d->stop = 1;
-    pthread_mutex_unlock(&d->lock);
-    ring_eventfd(d->doorbell);
-    pthread_join(d->thread, NULL);
     for (uint32_t t = 0; t < GL_DESK_MAX_SLOTS; t++) release_slot(d, t);
-    pthread_mutex_destroy(&d->lock);
     free(d);
 }
 
-API int gl_desk_add(gl_desk *d, int region_fd) {
+int gl_desk_add(gl_desk *d, int region_fd) {
     struct stat st;
     if (d == NULL || fstat(region_fd, &st) != 0 || st.st_size < (off_t)GL_REGION_BYTES) {
         errno = EINVAL;
@@ -262,12 +214,10 @@ API int gl_desk_add(gl_desk *d, int region_fd) {
     void *mapped =
         mmap(NULL, GL_REGION_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, region_fd, 0);
     if (mapped == MAP_FAILED) return -1;
-    pthread_mutex_lock(&d->lock);
     int slot = -1;
     for (uint32_t t = 0; t < GL_DESK_MAX_SLOTS && slot < 0; t++)
         if (!d->slots[t].used) slot = (int)t;
     if (slot < 0) {
-        pthread_mutex_unlock(&d->lock);
         munmap(mapped, GL_REGION_BYTES);
         errno = ENOSPC;
         return -1;
@@ -277,13 +227,11 @@ API int gl_desk_add(gl_desk *d, int region_fd) {
     s->seen_seq = load32(s->region, GL_OFF_LR_SEQ);
     if ((uint32_t)slot >= d->high) d->high = (uint32_t)slot + 1;
     d->stats.slots++;
-    pthread_mutex_unlock(&d->lock);
     return slot;
 }
 
-API void gl_desk_remove(gl_desk *d, int slot) {
+void gl_desk_remove(gl_desk *d, int slot) {
     if (d == NULL || slot < 0 || slot >= (int)GL_DESK_MAX_SLOTS) return;
-    pthread_mutex_lock(&d->lock);
     if (d->slots[slot].used) {
         /* Its events go: compact the journal without them. */
         uint32_t kept = 0;
@@ -297,10 +245,9 @@ API void gl_desk_remove(gl_desk *d, int slot) {
         d->stats.slots--;
         while (d->high > 0 && !d->slots[d->high - 1].used) d->high--;
     }
-    pthread_mutex_unlock(&d->lock);
 }
 
-API int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
+int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
     if (d == NULL || slot < 0 || slot >= (int)GL_DESK_MAX_SLOTS ||
         (terms != NULL && (terms->lease_ns == 0 || terms->window_ns == 0 ||
                            (terms->budget_ns != GL_DESK_FOREVER &&
@@ -308,10 +255,8 @@ API int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
         errno = EINVAL;
         return -1;
     }
-    pthread_mutex_lock(&d->lock);
     desk_slot *s = &d->slots[slot];
     if (!s->used) {
-        pthread_mutex_unlock(&d->lock);
         errno = ENOENT;
         return -1;
     }
@@ -328,19 +273,15 @@ API int gl_desk_set_terms(gl_desk *d, int slot, const gl_desk_terms *terms) {
                 s->budget_ns = add_capped(s->budget_ns, (uint64_t)(-pending), terms->limit_ns);
         }
     }
-    pthread_mutex_unlock(&d->lock);
     /* A request that came while it had no terms was forwarded already; none is lost. */
     return 0;
 }
 
-API void gl_desk_revoke_all(gl_desk *d) {
-    pthread_mutex_lock(&d->lock);
+void gl_desk_revoke_all(gl_desk *d) {
     for (uint32_t t = 0; t < d->high; t++) d->slots[t].has_terms = 0;
-    pthread_mutex_unlock(&d->lock);
 }
 
-API uint32_t gl_desk_take(gl_desk *d, gl_desk_event *out, uint32_t max) {
-    pthread_mutex_lock(&d->lock);
+uint32_t gl_desk_take(gl_desk *d, gl_desk_event *out, uint32_t max, int *rescan) {
     uint32_t n = d->count < max ? d->count : max;
     for (uint32_t i = 0; i < n; i++) {
         out[i] = d->journal[d->head];
@@ -351,16 +292,12 @@ API uint32_t gl_desk_take(gl_desk *d, gl_desk_event *out, uint32_t max) {
     }
     d->count -= n;
     d->notified = 0;
-    int rescan = d->throttled;
+    *rescan = d->throttled;
     d->throttled = 0;
-    pthread_mutex_unlock(&d->lock);
-    if (rescan) ring_eventfd(d->doorbell); /* the requests left unread are read now */
     return n;
 }
 
-API void gl_desk_get_stats(gl_desk *d, gl_desk_stats *out) {
-    pthread_mutex_lock(&d->lock);
+void gl_desk_get_stats(const gl_desk *d, gl_desk_stats *out) {
     *out = d->stats;
     out->pending = d->count;
-    pthread_mutex_unlock(&d->lock);
 }

@@ -1,5 +1,6 @@
-/* The lease desk: one native thread per GPU, inside the dispatcher process, that hands out
- * token leases to the shims of that GPU without waking Python (docs/dispatcher.md).
+/* The lease part of the admission engine (engine.h): it hands out token leases to the shims
+ * of one GPU without waking Python (docs/dispatcher.md). Nothing here locks or sleeps:
+ * engine.c calls every function below with its one mutex held.
  *
  * A shim in mode SHARE posts a lease request into its own admission region (the GL_OFF_LR_*
  * words, with the usage report of the lease that ended) and rings the GPU's doorbell. The
@@ -18,6 +19,8 @@
 #define GL_LEASEDESK_H
 
 #include <stdint.h>
+
+#pragma GCC visibility push(hidden)
 
 #define GL_DESK_MAX_SLOTS 256u
 #define GL_DESK_JOURNAL 4096u     /* events held until Python takes them */
@@ -62,7 +65,7 @@ typedef struct {
 } gl_desk_event;
 
 typedef struct {
-    uint64_t rounds;         /* times the thread woke and looked at the slots */
+    uint64_t rounds;         /* times the engine's thread woke and looked at the slots */
     uint64_t requests;       /* requests read from the regions */
     uint64_t renewed;        /* ... answered by the desk */
     uint64_t forwarded;      /* ... left to Python */
@@ -73,11 +76,15 @@ typedef struct {
     uint32_t pending;        /* events not yet taken */
 } gl_desk_stats;
 
-/* Starts the thread. `doorbell_fd`: a non-blocking eventfd the shims ring (the thread reads
- * it); `notify_fd`: an eventfd the desk writes when Python should take events (a forwarded
- * request, or a journal filling up). Both stay the caller's. NULL (errno set) on failure. */
-gl_desk *gl_desk_start(int doorbell_fd, int notify_fd);
-void gl_desk_stop(gl_desk *desk);
+/* A lease part. `notify_fd`: an eventfd it writes when Python should take events (a
+ * forwarded request, or a journal filling up); it stays the caller's. NULL (errno set) on
+ * failure. */
+gl_desk *gl_desk_new(int notify_fd);
+/* Unmaps every region and frees the part. */
+void gl_desk_free(gl_desk *desk);
+
+/* One round at `now`: every request posted since the last one, renewed or forwarded. */
+void gl_desk_round(gl_desk *desk, uint64_t now);
 
 /* Registers a process: maps its region (region_fd stays the caller's). Its current request
  * sequence number is history, not a request. Returns its slot, or -1 with errno EINVAL or
@@ -94,9 +101,12 @@ int gl_desk_set_terms(gl_desk *desk, int slot, const gl_desk_terms *terms);
  * terms are given. */
 void gl_desk_revoke_all(gl_desk *desk);
 
-/* Takes up to `max` events, oldest first; returns how many. */
-uint32_t gl_desk_take(gl_desk *desk, gl_desk_event *out, uint32_t max);
+/* Takes up to `max` events, oldest first; returns how many. *rescan is set when requests were
+ * left unread for want of journal room: the caller rings the doorbell so they are read now. */
+uint32_t gl_desk_take(gl_desk *desk, gl_desk_event *out, uint32_t max, int *rescan);
 
-void gl_desk_get_stats(gl_desk *desk, gl_desk_stats *out);
+void gl_desk_get_stats(const gl_desk *desk, gl_desk_stats *out);
+
+#pragma GCC visibility pop
 
 #endif

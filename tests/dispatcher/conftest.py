@@ -106,8 +106,7 @@ async def stop_live(dispatcher: GpuDispatcher) -> None:
     dispatcher.channel.stop()
     if dispatcher.kernel_tables is not None:
         await dispatcher.kernel_tables.close()
-    if dispatcher.arbiter is not None:
-        dispatcher.arbiter.stop()
+    dispatcher.engine.stop()
     if dispatcher.models is not None:
         await dispatcher.models.close()
     if dispatcher.mps is not None:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpuloom.policies.fikit.core import FikitConfig
-from gpuloom.services.dispatcher.arbiter import Arbiter, ArbiterFull, KernelTiming
+from gpuloom.services.dispatcher.admission_engine import AdmissionEngine, ArbiterFull, KernelTiming
 from gpuloom.shimwire import (
     BOARD_BYTES,
     BOARD_FIRED,
@@ -42,7 +42,7 @@ FILL_LONG = 0x3333  # 5 ms: fits no gap below
 class Task:
     def __init__(
         self,
-        arbiter: Arbiter,
+        arbiter: AdmissionEngine,
         priority: int,
         kernels: list[KernelTiming],
         boards: bool = False,
@@ -72,11 +72,11 @@ class Task:
 
 
 @pytest.fixture
-def arbiter() -> Iterator[Arbiter]:
+def arbiter() -> Iterator[AdmissionEngine]:
     config = FikitConfig(
         gap_threshold_ns=100 * US, idle_margin_ns=200 * US, idle_backlog_ns=0, max_wait_ns=0
     )
-    arbiter = Arbiter(config, beat_s=0.01)
+    arbiter = AdmissionEngine(config, beat_s=0.01)
     yield arbiter
     arbiter.stop()
 
@@ -86,7 +86,7 @@ FILL_TABLE = [KernelTiming(FILL_SHORT, 200 * US, None), KernelTiming(FILL_LONG, 
 
 
 @contextlib.contextmanager
-def holder_and_filler(arbiter: Arbiter) -> Iterator[tuple[Task, Task]]:
+def holder_and_filler(arbiter: AdmissionEngine) -> Iterator[tuple[Task, Task]]:
     """A holder (priority 0) and a filler (priority 5) task, the filler seen filling; both
     closed on the way out."""
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
@@ -98,7 +98,7 @@ def holder_and_filler(arbiter: Arbiter) -> Iterator[tuple[Task, Task]]:
         low.close()
 
 
-def refilled(arbiter: Arbiter, filler: Task) -> Task:
+def refilled(arbiter: AdmissionEngine, filler: Task) -> Task:
     """`filler` gone (removed and closed); a fresh priority-5 filler in its place, filling."""
     arbiter.remove_task(filler.slot)
     filler.close()
@@ -107,7 +107,7 @@ def refilled(arbiter: Arbiter, filler: Task) -> Task:
     return fresh
 
 
-def test_roles_follow_priority_and_the_next_priority_takes_over(arbiter: Arbiter) -> None:
+def test_roles_follow_priority_and_the_next_priority_takes_over(arbiter: AdmissionEngine) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
         assert holds_within(lambda: high.port.role is FikitRole.HOLDER)
@@ -120,7 +120,7 @@ def test_roles_follow_priority_and_the_next_priority_takes_over(arbiter: Arbiter
 
 
 def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
-    arbiter: Arbiter,
+    arbiter: AdmissionEngine,
 ) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     try:
@@ -158,7 +158,7 @@ def test_a_fill_kernel_is_granted_into_the_holders_gap_and_not_while_it_is_busy(
         low.close()
 
 
-def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) -> None:
+def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: AdmissionEngine) -> None:
     with holder_and_filler(arbiter) as (_idle_holder, low):
         first = low.port.post(FILL_LONG, FikitPost.REQUEST)
         assert low.port.wait_grant(first, 1.0)  # the holder never launched: idle
@@ -171,7 +171,7 @@ def test_an_idle_holder_lets_fillers_run_one_kernel_at_a_time(arbiter: Arbiter) 
         assert counters.granted_idle == 2 and counters.granted_window == 0
 
 
-def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter) -> None:
+def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: AdmissionEngine) -> None:
     high, low = Task(arbiter, 0, HOLDER_TABLE), Task(arbiter, 5, FILL_TABLE)
     other = Task(arbiter, 7, FILL_TABLE)
     try:
@@ -196,7 +196,7 @@ def test_garbage_in_a_region_is_survived_and_hurts_nobody_else(arbiter: Arbiter)
             task.close()
 
 
-def test_the_arbiter_refuses_a_65th_process_and_bad_priorities(arbiter: Arbiter) -> None:
+def test_the_arbiter_refuses_a_65th_process_and_bad_priorities(arbiter: AdmissionEngine) -> None:
     tasks = [Task(arbiter, 9, []) for _ in range(64)]
     try:
         with pytest.raises(ArbiterFull):
@@ -220,15 +220,15 @@ ARM_TABLE = [*HOLDER_TABLE, KernelTiming(BUSY_KERNEL, 100 * US, 10 * US)]
 
 
 @pytest.fixture
-def quiet_arbiter() -> Iterator[Arbiter]:
+def quiet_arbiter() -> Iterator[AdmissionEngine]:
     """Wakes only when rung (a 1 s heartbeat, a holder never idle): what the test does not
     ring, the arbiter does not see."""
-    arbiter = Arbiter(ARM_CONFIG, beat_s=1.0)
+    arbiter = AdmissionEngine(ARM_CONFIG, beat_s=1.0)
     yield arbiter
     arbiter.stop()
 
 
-def armed_pair(arbiter: Arbiter, silent_fd: int) -> tuple[Task, Task, int]:
+def armed_pair(arbiter: AdmissionEngine, silent_fd: int) -> tuple[Task, Task, int]:
     """A holder (launching without ringing the arbiter) and a filler whose 200 us request
     waits, armed: returns them and the request's sequence number."""
     high = Task(arbiter, 0, ARM_TABLE, boards=True, doorbell_fd=silent_fd)
@@ -246,23 +246,23 @@ def armed_pair(arbiter: Arbiter, silent_fd: int) -> tuple[Task, Task, int]:
 
 
 def test_the_holders_launch_releases_the_armed_filler_without_the_arbiter(
-    quiet_arbiter: Arbiter,
+    quiet_arbiter: AdmissionEngine,
 ) -> None:
     silent = os.eventfd(0, os.EFD_NONBLOCK)
     high, low, seq = armed_pair(quiet_arbiter, silent)
     try:
-        rounds = quiet_arbiter.stats().rounds
+        rounds = quiet_arbiter.fikit_stats().rounds
         high.port.post(BUSY_KERNEL, FikitPost.LAUNCHED)  # not an armed kernel: nothing
         assert not low.port.wait_grant(seq, 0.05)
         high.port.post(HOLDER_KERNEL, FikitPost.LAUNCHED)  # opens a 2 ms gap: fires
         assert low.port.wait_grant(seq, 0.5)
         assert low.port.early_releases == 1
         # The arbiter never ran meanwhile: the release took one wake-up, holder to filler.
-        assert quiet_arbiter.stats().rounds == rounds and low.port.granted != seq
+        assert quiet_arbiter.fikit_stats().rounds == rounds and low.port.granted != seq
         # Told afterwards, the core counts the fill as granted (and the grant word follows).
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         assert holds_within(lambda: low.port.granted == seq)
-        stats = quiet_arbiter.stats()
+        stats = quiet_arbiter.fikit_stats()
         assert stats.fired == 1 and stats.late_releases == 0 and stats.waiting == 0
         # That arm is spent; the next one is given ahead, for the filler's next request if it
         # asks for the kernel it asked for last.
@@ -278,7 +278,7 @@ def test_the_holders_launch_releases_the_armed_filler_without_the_arbiter(
         os.close(silent)
 
 
-def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: Arbiter) -> None:
+def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: AdmissionEngine) -> None:
     """A holder that fires after the arm was taken back (or writes its board by hand): the
     filler that still went says so, and the core counts its request granted, once."""
     silent = os.eventfd(0, os.EFD_NONBLOCK)
@@ -299,11 +299,11 @@ def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: Arbiter) ->
         struct.pack_into("<Q", low.mapping, OFF_FK_RELEASED, nonce)
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         assert holds_within(lambda: low.port.granted == seq)
-        assert quiet_arbiter.stats().late_releases == 1
+        assert quiet_arbiter.fikit_stats().late_releases == 1
         # The same nonce again changes nothing; the better filler's arm still stands.
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         time.sleep(0.02)
-        assert quiet_arbiter.stats().late_releases == 1
+        assert quiet_arbiter.fikit_stats().late_releases == 1
         assert mid.port.armed[0] != 0 and mid.port.granted != mid_seq
         mid.close()
     finally:
@@ -312,7 +312,9 @@ def test_a_withdrawn_arm_fired_late_is_accounted_once(quiet_arbiter: Arbiter) ->
         os.close(silent)
 
 
-def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbiter) -> None:
+def test_garbage_in_the_boards_and_arm_words_releases_nobody(
+    quiet_arbiter: AdmissionEngine,
+) -> None:
     """What a holder writes into its board, or a filler into its arm words, is checked against
     the arbiter's random nonce: no guess releases anybody, and the arbiter counts nothing."""
     silent = os.eventfd(0, os.EFD_NONBLOCK)
@@ -329,7 +331,7 @@ def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbi
         struct.pack_into("<Q", high.mapping, 256, 12345)
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         time.sleep(0.02)
-        stats = quiet_arbiter.stats()
+        stats = quiet_arbiter.fikit_stats()
         assert stats.fired == 0 and stats.late_releases == 0
         assert low.port.granted != seq and low.port.early_releases == 0
         # The board is read-only to worse priorities: the filler cannot write its holder's.
@@ -342,7 +344,7 @@ def test_garbage_in_the_boards_and_arm_words_releases_nobody(quiet_arbiter: Arbi
 
 
 def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
-    quiet_arbiter: Arbiter,
+    quiet_arbiter: AdmissionEngine,
 ) -> None:
     """The filler is running a fill and has nothing queued: the arm for its next request is
     given ahead (gl_fk_next_asker). Posted before the holder's window-opening launch (and not
@@ -360,7 +362,7 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         low.port.report_done(seq)
         time.sleep(0.01)
         # The next request, posted with its ring held back (the arbiter cannot read it) ...
-        rounds = quiet_arbiter.stats().rounds
+        rounds = quiet_arbiter.fikit_stats().rounds
         quiet = Task.__new__(Task)
         quiet.port = FikitPort(low.mapping, silent, low.boards)
         quiet.port._released = low.port._released
@@ -369,12 +371,12 @@ def test_an_arm_given_ahead_releases_the_next_request_posted_before_the_fire(
         # ... goes with the holder's next window-opening launch, the arbiter never between.
         high.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
         assert quiet.port.wait_grant(nxt, 0.5) and quiet.port.early_releases == 1
-        assert quiet_arbiter.stats().rounds == rounds
+        assert quiet_arbiter.fikit_stats().rounds == rounds
         low.port.seq, low.port._released = quiet.port.seq, quiet.port._released
         quiet.port.close()
         os.eventfd_write(quiet_arbiter.doorbell_fd, 1)
         assert holds_within(lambda: low.port.granted == nxt)  # the core counts it granted
-        assert quiet_arbiter.stats().fired == 2
+        assert quiet_arbiter.fikit_stats().fired == 2
         # Fired before the request was posted, an arm given ahead releases nothing.
         low.port.report_done(nxt)
         assert holds_within(
@@ -406,7 +408,7 @@ QUIET_KERNEL = 0x4444  # 20 us, 10 us of host work after it: opens no window
 
 
 def test_the_holders_window_opening_kernels_are_published_for_its_shim(
-    arbiter: Arbiter,
+    arbiter: AdmissionEngine,
 ) -> None:
     table = [*HOLDER_TABLE, KernelTiming(QUIET_KERNEL, 20 * US, 10 * US)]
     many = [KernelTiming(0x5000 + k, 50 * US, 1 * MS) for k in range(5)]
@@ -426,7 +428,7 @@ def test_the_holders_window_opening_kernels_are_published_for_its_shim(
 
 
 def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
-    arbiter: Arbiter,
+    arbiter: AdmissionEngine,
 ) -> None:
     """A holder's launches that open no window ring nothing, nor do their ends (the C shim's
     rule): the arbiter reads them at its own wake-ups, so a busy holder is never taken for
@@ -467,7 +469,7 @@ def test_launches_and_ends_posted_without_a_doorbell_still_keep_the_holder_busy(
 
 
 def test_a_suspended_holder_lets_the_next_priority_hold_and_is_not_heard(
-    arbiter: Arbiter,
+    arbiter: AdmissionEngine,
 ) -> None:
     with holder_and_filler(arbiter) as (high, low):
         arbiter.set_suspended(high.slot, True)
@@ -496,7 +498,7 @@ def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:
     config = FikitConfig(
         gap_threshold_ns=100 * US, idle_margin_ns=200 * US, idle_backlog_ns=0, max_wait_ns=0
     )
-    arbiter = Arbiter(config, beat_s=0.05)
+    arbiter = AdmissionEngine(config, beat_s=0.05)
     silent = os.eventfd(0, os.EFD_NONBLOCK)
     high = Task(arbiter, 0, HOLDER_TABLE, doorbell_fd=silent)
     low = Task(arbiter, 5, FILL_TABLE)
@@ -534,7 +536,7 @@ def test_ringing_the_doorbell_finds_no_idle_holder_sooner() -> None:
         # Found idle at the next heartbeat (about 50 ms on), ringing or not: not at the 2.2 ms
         # (gap and margin) a ring would otherwise reveal it at.
         assert delays[False] >= 0.03 and delays[True] >= 0.03, delays
-        assert arbiter.stats().rounds > 100  # the ringing did wake it, often
+        assert arbiter.fikit_stats().rounds > 100  # the ringing did wake it, often
     finally:
         stop.set()
         ringer.join()

@@ -18,7 +18,7 @@ import os
 import time
 
 from gpuloom.policies.fikit.core import UNKNOWN, FikitConfig, FikitCore
-from gpuloom.services.dispatcher.arbiter import Arbiter, KernelTiming
+from gpuloom.services.dispatcher.admission_engine import AdmissionEngine, KernelTiming
 from gpuloom.shimwire import (
     BOARD_BYTES,
     REGION_BYTES,
@@ -81,7 +81,7 @@ def core_decisions() -> list[frozenset[int]]:
 def arbiter_decisions() -> tuple[list[frozenset[int]], int]:
     """Through shared memory and the native arbiter thread, as the C shim drives it; also
     returns how many releases the holder's launches fired."""
-    arbiter = Arbiter(CONFIG, beat_s=0.01)
+    arbiter = AdmissionEngine(CONFIG, beat_s=0.01)
     opened = []
     boards: list[mmap.mmap] = []
     ports: dict[str, FikitPort] = {}
@@ -99,7 +99,7 @@ def arbiter_decisions() -> tuple[list[frozenset[int]], int]:
         requests: dict[int, tuple[str, int]] = {}  # step -> (task, sequence number)
         after_each = []
         for step, (name, kernel) in enumerate(EVENTS):
-            rounds = arbiter.stats().rounds
+            rounds = arbiter.fikit_stats().rounds
             if name == "A":  # as the C shim posts while somebody waits
                 ports[name].post(kernel, FikitPost.TRACKED)
             else:
@@ -108,7 +108,7 @@ def arbiter_decisions() -> tuple[list[frozenset[int]], int]:
             after_each.append(
                 frozenset(s for s, (n, seq) in requests.items() if _granted(ports[n], seq))
             )
-        return after_each, arbiter.stats().fired
+        return after_each, arbiter.fikit_stats().fired
     finally:
         arbiter.stop()
         for port in ports.values():
@@ -126,10 +126,10 @@ def _granted(port: FikitPort, seq: int) -> bool:
     return (port.granted - seq) & 0xFFFFFFFF < 0x80000000
 
 
-def _settle(arbiter: Arbiter, rounds: int) -> None:
+def _settle(arbiter: AdmissionEngine, rounds: int) -> None:
     """Until the arbiter has run a round after the post (the doorbell wakes it at once)."""
     deadline = time.monotonic() + 2
-    while arbiter.stats().rounds < rounds + 2 and time.monotonic() < deadline:
+    while arbiter.fikit_stats().rounds < rounds + 2 and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

@@ -428,6 +428,48 @@ async def test_a_request_the_desk_cannot_grant_waits_in_the_policy_order(
         assert status.running_sm_percent == 60
 
 
+@pytest.mark.parametrize(
+    "live", [{"window_ms": 10_000, "policy": "composed"}], indirect=True, ids=["composed"]
+)
+async def test_under_composed_a_levels_leases_are_renewed_by_the_same_engine(
+    live: LiveDispatcher,
+) -> None:
+    """The default policy: a process admitted kernel by kernel (mode FIKIT) asks for its
+    level's leases through the engine's doorbell too, and after the first lease they are
+    renewed from standing terms without Python, the books following. Two clients share the
+    level (one alone would hold an open-ended lease and never ask again)."""
+    assignment = await live.reserve(sm=50, request=40, limit=80)
+    await live.reserve(sm=50, request=40, limit=80)  # the level's other client, idle
+    engine = live.dispatcher.engine
+    renewed_before = engine.lease_stats().renewed
+    with ShimClient.connect(live.socket_path, assignment.assignment_token) as shim:
+        assert shim.registration.mode is ShimMode.FIKIT
+        assert shim.desk is not None  # the engine's doorbell, for its leases
+        assert engine.fikit_stats().tasks == 1  # ... and the same engine admits its kernels
+        ids = []
+        for _ in range(20):
+            lease = shim.acquire(timeout_s=2)
+            ids.append(lease.lease_id)
+            shim.record_usage(0.002)
+            while shim.current_lease() is not None:
+                time.sleep(0.001)
+        assert len(set(ids)) == 20
+        native = [i for i in ids if i >= 1 << 62]
+        assert len(native) >= 18, ids  # the first (and one per new terms) may be Python's
+        status = await live.stub.GetGpuStatus(dispatcher_pb2.GetGpuStatusRequest())
+        (client,) = [
+            c for c in status.clients if c.assignment.assignment_id == assignment.assignment_id
+        ]
+        missed = shim.missed_leases
+        assert client.leases_granted == 20 + missed
+        assert client.gpu_time_s == pytest.approx(19 * 0.002 + 0.010, abs=1e-6)
+        renewed = engine.lease_stats().renewed - renewed_before
+        assert len(native) <= renewed <= len(native) + missed
+
+
+@pytest.mark.parametrize(
+    "live", [{}, {"policy": "composed"}], indirect=True, ids=["spatiotemporal", "composed"]
+)
 async def test_garbage_in_the_request_words_costs_only_its_writer(live: LiveDispatcher) -> None:
     bad_token, good_token = [
         (await live.reserve(sm=50, request=30)).assignment_token for _ in range(2)

@@ -3,7 +3,7 @@
 import json
 
 from gpuloom.policies.profiling import Runs, fit_predictor
-from gpuloom.services.dispatcher.arbiter import KernelTiming
+from gpuloom.services.dispatcher.admission_engine import KernelTiming
 from gpuloom.services.dispatcher.kernel_tables import table_from_profile
 from gpuloom.v1 import profile_store_pb2
 

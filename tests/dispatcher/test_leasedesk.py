@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpuloom.services.dispatcher.leasedesk import (
+from gpuloom.services.dispatcher.admission_engine import (
     FOREVER,
+    AdmissionEngine,
     DeskEvent,
     DeskEventKind,
-    LeaseDesk,
 )
 from gpuloom.shimwire import (
     OFF_LR_SEQ,
@@ -33,9 +33,9 @@ NATIVE_BIT = 1 << 62
 class Process:
     """One shim's region, registered with the desk."""
 
-    def __init__(self, desk: LeaseDesk) -> None:
+    def __init__(self, desk: AdmissionEngine) -> None:
         self.region, self.fd = AdmissionRegion.create("p")
-        self.slot = desk.add(self.fd)
+        self.slot = desk.add_leased(self.fd)
         self.mapping = mmap.mmap(self.fd, REGION_BYTES)
         self.port = DeskPort(self.mapping, desk.doorbell_fd)
 
@@ -46,27 +46,29 @@ class Process:
 
 
 @pytest.fixture
-def desk() -> Iterator[LeaseDesk]:
-    desk = LeaseDesk()
+def desk() -> Iterator[AdmissionEngine]:
+    desk = AdmissionEngine()
     yield desk
     desk.stop()
 
 
-def taken(desk: LeaseDesk, count: int) -> list[DeskEvent]:
+def taken(desk: AdmissionEngine, count: int) -> list[DeskEvent]:
     """Events until `count` have come (the thread answers asynchronously)."""
     events: list[DeskEvent] = []
     assert holds_within(lambda: events.extend(desk.take()) or len(events) >= count), events
     return events
 
 
-def give(desk: LeaseDesk, process: Process, lease_s=10 * MS, budget_s=1.0, min_s=2 * MS) -> None:
+def give(
+    desk: AdmissionEngine, process: Process, lease_s=10 * MS, budget_s=1.0, min_s=2 * MS
+) -> None:
     """Terms in a 60 s window (limit 1 s, or the budget if larger)."""
     limit = max(budget_s, 1.0)
     desk.set_terms(process.slot, lease_s, budget_s, min_s, limit, 60.0, time.monotonic() + 60)
 
 
 def test_without_terms_a_request_is_forwarded_with_its_report_and_nothing_is_written(
-    desk: LeaseDesk,
+    desk: AdmissionEngine,
 ) -> None:
     process = Process(desk)
     try:
@@ -76,12 +78,12 @@ def test_without_terms_a_request_is_forwarded_with_its_report_and_nothing_is_wri
         assert event.kind is DeskEventKind.FORWARDED and event.slot == process.slot
         assert event.report == (7, 3000, 2000, False) and not event.invalid
         assert process.region.epoch == epoch and process.region.lease_id == 0
-        assert desk.stats().forwarded == 1
+        assert desk.lease_stats().forwarded == 1
     finally:
         process.close()
 
 
-def test_with_terms_the_desk_renews_at_once_and_journals_it(desk: LeaseDesk) -> None:
+def test_with_terms_the_desk_renews_at_once_and_journals_it(desk: AdmissionEngine) -> None:
     process = Process(desk)
     try:
         give(desk, process, lease_s=10 * MS)
@@ -101,7 +103,7 @@ def test_with_terms_the_desk_renews_at_once_and_journals_it(desk: LeaseDesk) -> 
 
 
 def test_the_budget_bounds_the_leases_and_a_report_gives_back_what_was_not_used(
-    desk: LeaseDesk,
+    desk: AdmissionEngine,
 ) -> None:
     process = Process(desk)
     try:
@@ -129,7 +131,7 @@ def test_the_budget_bounds_the_leases_and_a_report_gives_back_what_was_not_used(
         process.close()
 
 
-def test_open_ended_terms(desk: LeaseDesk) -> None:
+def test_open_ended_terms(desk: AdmissionEngine) -> None:
     process = Process(desk)
     try:
         inf = float("inf")
@@ -141,7 +143,7 @@ def test_open_ended_terms(desk: LeaseDesk) -> None:
         process.close()
 
 
-def test_a_window_end_gives_the_budget_back_as_the_scheduler_does(desk: LeaseDesk) -> None:
+def test_a_window_end_gives_the_budget_back_as_the_scheduler_does(desk: AdmissionEngine) -> None:
     """Limit 20 ms per 100 ms window, 3 ms left: one 3 ms lease, then nothing until the window
     ends; then the limit is back (used falls by the limit, not below 0)."""
     process = Process(desk)
@@ -166,14 +168,16 @@ def test_a_window_end_gives_the_budget_back_as_the_scheduler_does(desk: LeaseDes
         process.close()
 
 
-def test_terms_given_while_events_are_untaken_count_what_those_charged(desk: LeaseDesk) -> None:
+def test_terms_given_while_events_are_untaken_count_what_those_charged(
+    desk: AdmissionEngine,
+) -> None:
     """Python computed the budget from the events it took: a renewal it has not taken yet
     comes off the new budget, or the client would be granted that lease twice."""
     process = Process(desk)
     try:
         give(desk, process, lease_s=10 * MS, budget_s=30 * MS)
         process.port.post()
-        assert holds_within(lambda: desk.stats().renewed == 1)
+        assert holds_within(lambda: desk.lease_stats().renewed == 1)
         give(desk, process, lease_s=10 * MS, budget_s=30 * MS)  # as if that lease were unknown
         lengths = []
         for _ in range(3):
@@ -185,7 +189,7 @@ def test_terms_given_while_events_are_untaken_count_what_those_charged(desk: Lea
         process.close()
 
 
-def test_after_revoke_all_the_desk_writes_nothing(desk: LeaseDesk) -> None:
+def test_after_revoke_all_the_desk_writes_nothing(desk: AdmissionEngine) -> None:
     a, b = Process(desk), Process(desk)
     try:
         give(desk, a)
@@ -212,7 +216,7 @@ def test_after_revoke_all_the_desk_writes_nothing(desk: LeaseDesk) -> None:
     ids=["flags", "gpu-time", "burst"],
 )
 def test_garbage_request_words_are_forwarded_as_invalid_and_spend_nothing(
-    desk: LeaseDesk, garbage: dict
+    desk: AdmissionEngine, garbage: dict
 ) -> None:
     bad, good = Process(desk), Process(desk)
     try:
@@ -223,7 +227,7 @@ def test_garbage_request_words_are_forwarded_as_invalid_and_spend_nothing(
         (event,) = taken(desk, 1)
         assert event.kind is DeskEventKind.FORWARDED and event.invalid
         assert bad.region.epoch == epoch  # no lease for garbage
-        assert desk.stats().invalid_writes == 1
+        assert desk.lease_stats().invalid_writes == 1
         good.port.post()
         (event,) = taken(desk, 1)
         assert event.kind is DeskEventKind.RENEWED and event.slot == good.slot
@@ -232,7 +236,7 @@ def test_garbage_request_words_are_forwarded_as_invalid_and_spend_nothing(
         good.close()
 
 
-def test_random_bytes_over_the_request_words_never_stop_the_desk(desk: LeaseDesk) -> None:
+def test_random_bytes_over_the_request_words_never_stop_the_desk(desk: AdmissionEngine) -> None:
     bad, good = Process(desk), Process(desk)
     try:
         give(desk, good)
@@ -241,28 +245,28 @@ def test_random_bytes_over_the_request_words_never_stop_the_desk(desk: LeaseDesk
             os.eventfd_write(desk.doorbell_fd, 1)
         good.port.post()
         assert holds_within(lambda: good.region.lease_id & NATIVE_BIT)
-        assert desk.stats().slots == 2
+        assert desk.lease_stats().slots == 2
     finally:
         bad.close()
         good.close()
 
 
-def test_a_flooding_process_is_throttled_alone(desk: LeaseDesk) -> None:
+def test_a_flooding_process_is_throttled_alone(desk: AdmissionEngine) -> None:
     """Python takes no events meanwhile: the flooder's are capped, the other's still come."""
     flood, other = Process(desk), Process(desk)
     try:
         give(desk, flood, budget_s=float("inf"))
         give(desk, other)
         for _ in range(600):
-            seen = desk.stats().requests
+            seen = desk.lease_stats().requests
             flood.port.post()
             assert holds_within(
-                lambda seen=seen: desk.stats().requests > seen or desk.stats().throttled
+                lambda seen=seen: desk.lease_stats().requests > seen or desk.lease_stats().throttled
             )
-        assert desk.stats().throttled > 0
+        assert desk.lease_stats().throttled > 0
         other.port.post()
         assert holds_within(lambda: other.region.lease_id & NATIVE_BIT)
-        assert desk.stats().pending == 512 + 1  # the flooder's cap, and the other's renewal
+        assert desk.lease_stats().pending == 512 + 1  # the flooder's cap, and the other's renewal
         events = desk.take()
         assert any(e.slot == other.slot for e in events)
     finally:
@@ -270,18 +274,18 @@ def test_a_flooding_process_is_throttled_alone(desk: LeaseDesk) -> None:
         other.close()
 
 
-def test_a_removed_process_takes_its_events_and_its_region_with_it(desk: LeaseDesk) -> None:
+def test_a_removed_process_takes_its_events_and_its_region_with_it(desk: AdmissionEngine) -> None:
     gone, stays = Process(desk), Process(desk)
     try:
         give(desk, gone)
         give(desk, stays)
         gone.port.post()
         stays.port.post()
-        assert holds_within(lambda: desk.stats().requests == 2)
-        desk.remove(gone.slot)
+        assert holds_within(lambda: desk.lease_stats().requests == 2)
+        desk.remove_leased(gone.slot)
         events = desk.take()
         assert [e.slot for e in events] == [stays.slot]
-        assert desk.stats().slots == 1
+        assert desk.lease_stats().slots == 1
         # Its words no longer reach the desk.
         gone.port.post()
         stays.port.post()

@@ -112,7 +112,7 @@ async def test_priority_1_keeps_its_latency_beside_priority_8_by_default(
     assert median["paired"] <= 1.5 * median["alone"], report
     assert statistics.median(trained) > 0.1, report
     # Both roads were taken: leases of each level, and the arbiter between the levels.
-    stats = composed.live.dispatcher.arbiter.stats()
+    stats = composed.live.dispatcher.engine.fikit_stats()
     assert stats.requests > 0 and stats.grants > 0, stats
 
 

@@ -228,7 +228,7 @@ async def test_fikit_keeps_the_high_priority_latency_while_the_low_one_works(
         await fikit.release_all()
         report, kept = await _three_ways(fikit, run)
     assert kept, report
-    stats = fikit.live.dispatcher.arbiter.stats()
+    stats = fikit.live.dispatcher.engine.fikit_stats()
     assert stats.grants > 0 and stats.unknown_kernels == 0, stats
     # The C shims took the one-wake-up path: the holder's launches fired the training's arms.
     assert stats.arms > 0 and stats.fired > 0 and stats.invalid_writes == 0, stats
@@ -307,7 +307,7 @@ async def test_a_killed_holder_leaves_the_waiting_filler_free(fikit: Fikit, run:
     assert _ran(run, LOW, before_ns=killed_at) <= 1
     # ... and free as soon as it died.
     assert _launches(result) > 100
-    assert fikit.live.dispatcher.arbiter.stats().unknown_kernels > 0
+    assert fikit.live.dispatcher.engine.fikit_stats().unknown_kernels > 0
 
 
 async def test_a_killed_waiting_filler_goes_unnoticed(fikit: Fikit, run: Runner) -> None:
@@ -317,7 +317,7 @@ async def test_a_killed_waiting_filler_goes_unnoticed(fikit: Fikit, run: Runner)
     await filler_task
     # The arbiter forgot it (its socket closed) while the holder still runs ...
     await eventually(
-        lambda: fikit.live.dispatcher.arbiter.stats().tasks == 1, "one arbiter task", 5.0, 0.02
+        lambda: fikit.live.dispatcher.engine.fikit_stats().tasks == 1, "one arbiter task", 5.0, 0.02
     )
     result = await holder_task
     assert result.returncode == 0, result.stderr

@@ -130,7 +130,7 @@ async def _run_pair(
             if name == FILLER_KERNEL and settled < start < holder_end
         )
         await fikit.release_all()
-        return dispatcher.arbiter.core_counters(), dispatcher.arbiter.stats(), filled
+        return dispatcher.engine.core_counters(), dispatcher.engine.fikit_stats(), filled
     finally:
         await channel.close()
         await stop_live(dispatcher)

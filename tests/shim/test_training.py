@@ -387,12 +387,11 @@ async def test_a_suspended_fikit_holder_leaves_the_gpu_to_the_next_priority(
         dispatcher_pb2.SuspendClientRequest(assignment_id="fikit-high")
     )
     assert suspended.suspended, suspended
-    arbiter = live.dispatcher.arbiter
-    assert arbiter is not None
+    arbiter = live.dispatcher.engine
     await asyncio.sleep(0.1)  # the low one's role changes at the arbiter's next round
-    grants, began = arbiter.stats().grants, time.monotonic_ns()
+    grants, began = arbiter.fikit_stats().grants, time.monotonic_ns()
     await asyncio.sleep(0.8)
-    granted, ended = arbiter.stats().grants - grants, time.monotonic_ns()
+    granted, ended = arbiter.fikit_stats().grants - grants, time.monotonic_ns()
     await live.stub.ResumeClient(dispatcher_pb2.ResumeClientRequest(assignment_id="fikit-high"))
     for result in (await high, await low):
         assert result.returncode == 0, result.stderr

@@ -1,6 +1,6 @@
 """The shim channel of one GPU (docs/dispatcher.md, "The shim channel"): `server.py` (the
 thread, epoll, frames, life cycle), `registration.py`, `suspension.py`, `engine.py` (leases and
-the FIKIT arbiter), `model.py` (limits, connections, constants)."""
+the admission engine), `model.py` (limits, connections, constants)."""
 
 from gpuloom.services.dispatcher.channel.model import (
     FIKIT_ARBITER_EVENTS,

@@ -1,6 +1,7 @@
-"""The shim channel's admission engine: leases of the token scheduler (over the socket and the
-lease desk), the FIKIT arbiter's tasks and metrics, and decisions written into the regions: a
-part of ShimChannel (server.py), run on its thread."""
+"""The shim channel's side of admission: the token scheduler's leases (asked for over the socket,
+or renewed by the native admission engine from standing terms and journaled), the engine's
+metrics, and decisions written into the regions: a part of ShimChannel (server.py), run on its
+thread. The engine itself (admission_engine.py) is the same for every policy."""
 
 from __future__ import annotations
 
@@ -16,6 +17,11 @@ from gpuloom.policies.tokens.scheduler import (
     StandingTerms,
 )
 from gpuloom.services.dispatcher import metrics
+from gpuloom.services.dispatcher.admission_engine import (
+    FOREVER,
+    DeskEvent,
+    DeskEventKind,
+)
 from gpuloom.services.dispatcher.channel.model import (
     _MAX_REPORTED_SECONDS,
     FIKIT_ARBITER_EVENTS,
@@ -28,11 +34,6 @@ from gpuloom.services.dispatcher.channel.model import (
 from gpuloom.services.dispatcher.domain import (
     EventKind,
     Reservation,
-)
-from gpuloom.services.dispatcher.leasedesk import (
-    FOREVER,
-    DeskEvent,
-    DeskEventKind,
 )
 from gpuloom.shimwire import (
     ShimMode,
@@ -71,8 +72,8 @@ class EnginePart:
             return
         if report.release:  # ends its lease: its lease words are written here
             self._quiesce()
-        else:  # a charge only; the lease it is for may be in the desk's journal
-            self._take_desk_events()
+        else:  # a charge only; the lease it is for may be in the engine's journal
+            self._take_lease_events()
         connection.allocated_bytes = report.allocated_bytes
         assignment_id, now = connection.assignment_id, time.monotonic()
         self._apply(
@@ -85,7 +86,7 @@ class EnginePart:
                 report.release,
             )
         )
-        self._refresh_terms()  # the desk's budgets count this usage from now on
+        self._refresh_terms()  # the engine's budgets count this usage from now on
 
     def _charge(
         self,
@@ -108,9 +109,9 @@ class EnginePart:
         return None
 
     def _fikit_metrics(self) -> None:
-        if self._arbiter is None:
+        if not self._fikit:
             return
-        stats, core = self._arbiter.stats(), self._arbiter.core_counters()
+        stats, core = self._engine.fikit_stats(), self._engine.core_counters()
         seen, core_seen = self._fikit_seen, self._fikit_core_seen
         for event in FIKIT_ARBITER_EVENTS:
             delta = getattr(stats, event) - getattr(seen, event)
@@ -123,46 +124,43 @@ class EnginePart:
         metrics.FIKIT_WAITING.labels(self._gpu).set(stats.waiting)
         self._fikit_seen, self._fikit_core_seen = stats, core
 
-    # ---- the lease desk ----
+    # ---- leases renewed by the engine ----
 
     def _next_wakeup(self) -> float | None:
         scheduler = self._scheduler
-        if self._desk is not None and not scheduler.has_waiting:
+        if not scheduler.has_waiting:
             # Nobody waits, so leases that expire free nothing anyone needs now: they are ended
-            # at the next call. Windows need nobody either: the desk rolls budgets itself.
+            # at the next call. Windows need nobody either: the engine rolls budgets itself.
             return None
         return scheduler.next_deadline()
 
     def _quiesce(self) -> None:
         """Before this thread writes lease words or the scheduler may grant: withdraw every
-        term (after this the desk writes nothing) and take the desk's journal into the books."""
-        if self._desk is None:
-            return
-        if not self._desk_revoked:
-            self._desk.revoke_all()
-            self._desk_revoked = True
-        self._take_desk_events()
+        term (after this the engine writes no lease word) and take its journal into the
+        books."""
+        if not self._terms_revoked:
+            self._engine.revoke_all()
+            self._terms_revoked = True
+        self._take_lease_events()
 
-    def _take_desk_events(self) -> None:
-        desk = self._desk
-        if desk is None:
-            return
+    def _take_lease_events(self) -> None:
+        engine = self._engine
         forwarded: collections.deque[DeskEvent] = collections.deque()
-        self._import(desk.take(), forwarded)
+        self._import(engine.take(), forwarded)
         while forwarded:
             event = forwarded.popleft()
-            connection = self._by_desk_slot.get(event.slot)
+            connection = self._by_lease_slot.get(event.slot)
             if connection is None or connection.assignment_id is None:
                 continue
             try:
-                if not self._desk_revoked and self._grant_beside_terms(connection, event):
+                if not self._terms_revoked and self._grant_beside_terms(connection, event):
                     continue
-                if not self._desk_revoked:
+                if not self._terms_revoked:
                     # It may have to wait, or displace terms: withdraw them all first, and take
                     # the renewals made meanwhile into the books before deciding.
-                    desk.revoke_all()
-                    self._desk_revoked = True
-                    self._import(desk.take(), forwarded)
+                    engine.revoke_all()
+                    self._terms_revoked = True
+                    self._import(engine.take(), forwarded)
                 self._forwarded_request(connection, event)
             except ProtocolViolation as error:
                 self._refuse(connection, str(error))
@@ -174,7 +172,7 @@ class EnginePart:
         if self._scheduler.has_waiting:
             self._quiesce()
         else:
-            self._take_desk_events()
+            self._take_lease_events()
 
     def _import(self, events: list[DeskEvent], forwarded: collections.deque[DeskEvent]) -> None:
         """Renewals into the books at once: each was granted while nobody waited, before any
@@ -200,11 +198,11 @@ class EnginePart:
         ):
             return False
         now = time.monotonic()
-        terms = scheduler.standing_terms(now, self._desk_clients())
+        terms = scheduler.standing_terms(now, self._lease_clients())
         if client_id not in terms or not self._termed <= terms.keys():
             return False
         self._forwarded_request(connection, event)  # writes only this client's region
-        terms = scheduler.standing_terms(now, self._desk_clients())
+        terms = scheduler.standing_terms(now, self._lease_clients())
         if terms.keys() == self._termed | {client_id}:
             self._set_terms(terms)
         else:
@@ -212,7 +210,7 @@ class EnginePart:
         return True
 
     def _import_renewal(self, event: DeskEvent) -> None:
-        connection = self._by_desk_slot.get(event.slot)
+        connection = self._by_lease_slot.get(event.slot)
         if connection is None or connection.assignment_id is None:
             return
         report = None
@@ -226,7 +224,7 @@ class EnginePart:
                 connection.assignment_id, event.lease_id, expires, event.at_ns / 1e9, report
             )
         except (KeyError, ValueError) as error:  # a client removed meanwhile; a bad report
-            log.warning("lease desk renewal not taken", gpu=self._gpu, error=str(error))
+            log.warning("engine lease renewal not taken", gpu=self._gpu, error=str(error))
             return
         self._granted_since_flush += 1
         self._waits.append(max(event.at_ns - event.posted_ns, 0) / 1e9)
@@ -238,7 +236,7 @@ class EnginePart:
                 self._emit(EventKind.LEASE_ENDED, lease.client_id, lease_id=lease.lease_id)
 
     def _forwarded_request(self, connection: _Connection, event: DeskEvent) -> None:
-        """A request the desk had no terms for: answered as a LeaseRequest frame is."""
+        """A request the engine had no terms for: answered as a LeaseRequest frame is."""
         assignment_id = connection.assignment_id
         assert assignment_id is not None
         if event.invalid:
@@ -261,59 +259,56 @@ class EnginePart:
         self._apply(ended, given_up, self._scheduler.request(assignment_id, now))
 
     def _give_terms(self) -> None:
-        """After this thread's decisions: the policy's standing terms to every desk client."""
-        if self._desk is None or not self._desk_revoked:
+        """After this thread's decisions: the policy's standing terms to every engine client."""
+        if not self._terms_revoked:
             return
-        self._set_terms(self._scheduler.standing_terms(time.monotonic(), self._desk_clients()))
-        self._desk_revoked = False
+        self._set_terms(self._scheduler.standing_terms(time.monotonic(), self._lease_clients()))
+        self._terms_revoked = False
 
     def _refresh_terms(self) -> None:
         """New lease lengths (q follows the reported bursts) and budgets for the clients that
         hold terms. In place, without withdrawing them, when the same clients get terms (their
         SMs fit together as before); otherwise through a full withdrawal."""
-        if self._desk is None or self._desk_revoked:
+        if self._terms_revoked:
             return
-        self._take_desk_events()
-        if self._desk_revoked:  # a forwarded request came: new terms follow its decision
+        self._take_lease_events()
+        if self._terms_revoked:  # a forwarded request came: new terms follow its decision
             return
-        terms = self._scheduler.standing_terms(time.monotonic(), self._desk_clients())
+        terms = self._scheduler.standing_terms(time.monotonic(), self._lease_clients())
         if set(terms) == self._termed:
             self._set_terms(terms)
         else:
             self._quiesce()
 
-    def _desk_clients(self) -> set[str]:
-        """The clients the desk serves (a process asking over the socket, or a suspended one,
-        gets no terms)."""
+    def _lease_clients(self) -> set[str]:
+        """The clients the engine renews leases for (a process asking over the socket, or a
+        suspended one, gets no terms)."""
         return {
             c.assignment_id
-            for c in self._by_desk_slot.values()
+            for c in self._by_lease_slot.values()
             if c.assignment_id and c.assignment_id not in self._suspended
         }
 
     def _set_terms(self, terms: dict[str, StandingTerms]) -> None:
-        desk, config = self._desk, self._scheduler.config
-        assert desk is not None
+        engine, config = self._engine, self._scheduler.config
         self._termed = set()
-        for slot, connection in self._by_desk_slot.items():
+        for slot, connection in self._by_lease_slot.items():
             given = terms.get(connection.assignment_id or "")
             if given is None:
                 continue
-            desk.set_terms(
+            engine.set_terms(
                 slot, given.lease_s, given.budget_s, config.lease_min_s, given.limit_s,
                 config.window_s, given.window_end,
             )  # fmt: skip
             self._termed.add(connection.assignment_id or "")
 
-    def _desk_metrics(self) -> None:
-        if self._desk is None:
-            return
-        stats, seen = self._desk.stats(), self._desk_seen
+    def _lease_metrics(self) -> None:
+        stats, seen = self._engine.lease_stats(), self._lease_seen
         for event in ("renewed", "forwarded", "invalid_writes", "throttled"):
             delta = getattr(stats, event) - getattr(seen, event)
             if delta:
                 metrics.DESK_EVENTS.labels(self._gpu, event).inc(delta)
-        self._desk_seen = stats
+        self._lease_seen = stats
 
     # ---- decisions -> shared memory ----
 
@@ -324,9 +319,7 @@ class EnginePart:
         )
 
     def _admit_to_scheduler(self, reservation: Reservation, now: float) -> Decision | None:
-        if reservation.mode is not ShimMode.SHARE or (
-            self._arbiter is not None and not self._composed
-        ):
+        if reservation.mode is not ShimMode.SHARE or (self._fikit and not self._composed):
             return None
         quota = reservation.share.quota
         share = ClientShare(

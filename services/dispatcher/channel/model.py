@@ -41,7 +41,8 @@ _MAX_REPORTED_SECONDS = 3600.0
 SAMPLE_POLL_S = 0.025
 # While a suspension waits for its low point, the process's memory is looked at this often.
 SUSPEND_POLL_S = 0.001
-# FIKIT counters exported as gpuloom_dispatcher_fikit_events_total{event=...}: the arbiter's own,
+# FIKIT counters exported as gpuloom_dispatcher_fikit_events_total{event=...}: the engine's FIKIT
+# half's own,
 # then the decision core's (where the fill kernels went: windows or idle time).
 FIKIT_ARBITER_EVENTS = (
     "requests",
@@ -111,8 +112,8 @@ class _Connection:
         "assignment_id",
         "beat_slot",
         "deadline",
-        "desk_slot",
         "fikit_slot",
+        "lease_slot",
         "mode",
         "out",
         "peer",
@@ -132,8 +133,9 @@ class _Connection:
         self.region: AdmissionRegion | None = None
         self.deadline = 0.0
         self.requested_at: float | None = None
-        self.fikit_slot: int | None = None  # the arbiter's slot (mode FIKIT)
-        self.desk_slot: int | None = None  # the lease desk's slot (mode SHARE)
+        self.fikit_slot: int | None = None  # the engine's FIKIT slot (mode FIKIT)
+        # The engine's lease slot (mode SHARE, or FIKIT under policy composed).
+        self.lease_slot: int | None = None
         self.beat_slot: int | None = None  # the heartbeat's slot (every mode)
         self.allocated_bytes = 0  # device memory, as the shim's last usage report said
 

@@ -1,6 +1,6 @@
 """The shim channel's registration: a connection accepted, its peer identified, its token bound,
-its region made and its admission set up (leases, the FIKIT arbiter, the heartbeat): a part of
-ShimChannel (server.py), run on its thread."""
+its region made and its admission set up (in the admission engine: its leases, its kernels under
+FIKIT; the heartbeat): a part of ShimChannel (server.py), run on its thread."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 from gpuloom.domain.errors import DomainError
 from gpuloom.services.dispatcher import metrics
-from gpuloom.services.dispatcher.arbiter import ArbiterFull
+from gpuloom.services.dispatcher.admission_engine import ArbiterFull, DeskFull
 from gpuloom.services.dispatcher.channel.model import (
     _PEERCRED,
     ProtocolViolation,
@@ -30,9 +30,6 @@ from gpuloom.services.dispatcher.domain import (
     derive_task_key,
 )
 from gpuloom.services.dispatcher.kernel_tables import KernelTable
-from gpuloom.services.dispatcher.leasedesk import (
-    DeskFull,
-)
 from gpuloom.shimwire import (
     PROTOCOL_VERSION,
     REGION_BYTES,
@@ -118,7 +115,7 @@ class RegistrationPart:
             )
         task_key = reservation.task_key or derive_task_key(register.process_name, register.argv)
         mode = self._choose_mode(reservation, task_key)
-        if mode is ShimMode.SHARE and self._arbiter is not None:
+        if mode is ShimMode.SHARE and self._fikit:
             mode = ShimMode.FIKIT
         region, fd = AdmissionRegion.create(f"gpuloom-{assignment_id}", self._sample_period_us)
         suspended = assignment_id in self._suspended
@@ -134,35 +131,32 @@ class RegistrationPart:
                 connection.fikit_slot = self._add_fikit_task(
                     assignment_id, fd, reservation.priority, task_key
                 )
-            except (ArbiterFull, OSError) as error:
+                if self._composed:  # its level's leases: renewed by the engine too
+                    self._add_leased(connection, fd)
+            except (ArbiterFull, DeskFull, OSError) as error:
                 region.close()
                 os.close(fd)
                 self._refuse(connection, str(error), assignment_id)
                 return False
-            assert self._arbiter is not None
             if self._composed:
                 region.publish_leased()  # before the shim sees it
                 lease = self._scheduler.lease_of(assignment_id)
                 if lease is not None and not suspended:  # reconnected while holding a lease
                     region.publish_lease(lease.lease_id, _deadline_ns(lease))
-            fds.append(self._arbiter.doorbell_fd)
-            fds.extend(self._arbiter.board_fds(reservation.priority))
+            fds.append(self._engine.doorbell_fd)
+            fds.extend(self._engine.board_fds(reservation.priority))
         elif mode is ShimMode.SHARE:
             snapshot = self.scheduler_snapshot()
             lease = snapshot.clients[assignment_id].lease
             if lease is not None and not suspended:  # reconnected while holding a lease
                 region.publish_lease(lease.lease_id, _deadline_ns(lease))
-            if self._desk is not None:
-                try:
-                    connection.desk_slot = self._desk.add(fd)
-                except (DeskFull, OSError) as error:
-                    # Served all the same: without the doorbell it asks over the socket.
-                    log.warning("lease desk refused a process", gpu=self._gpu, error=str(error))
-                else:
-                    self._by_desk_slot[connection.desk_slot] = connection
-                    fds.append(self._desk.doorbell_fd)
-                    # No terms yet: its first request is forwarded, and granted beside the
-                    # others' terms when they leave room for it.
+            try:
+                self._add_leased(connection, fd)
+            except (DeskFull, OSError) as error:
+                # Served all the same: without the doorbell it asks over the socket.
+                log.warning("admission engine refused a process", gpu=self._gpu, error=str(error))
+            else:
+                fds.append(self._engine.doorbell_fd)
         elif not suspended:
             region.publish_open()
         if suspended:  # it stays suspended across a reconnection
@@ -212,8 +206,14 @@ class RegistrationPart:
         self._emit(EventKind.REGISTERED, assignment_id, f"pid {pid} uid {uid} task {task_key}")
         return True
 
+    def _add_leased(self, connection: _Connection, region_fd: int) -> None:
+        """Its leases renewed by the engine from standing terms (raises DeskFull, OSError). No
+        terms yet: its first request is forwarded, and granted beside the others' terms when
+        they leave room for it."""
+        connection.lease_slot = self._engine.add_leased(region_fd)
+        self._by_lease_slot[connection.lease_slot] = connection
+
     def _add_fikit_task(self, assignment_id: str, region_fd: int, priority: int, task: str) -> int:
-        assert self._arbiter is not None
         table: KernelTable | None = None
         if self._kernel_tables is not None:
 
@@ -221,7 +221,7 @@ class RegistrationPart:
                 self.submit(lambda: self._install_kernels(assignment_id, table))
 
             table = self._kernel_tables.lookup(task, loaded)
-        slot = self._arbiter.add_task(region_fd, priority, table or ())
+        slot = self._engine.add_task(region_fd, priority, table or ())
         log.info(
             "fikit task admitted",
             gpu=self._gpu,
@@ -234,9 +234,9 @@ class RegistrationPart:
 
     def _install_kernels(self, assignment_id: str, table: KernelTable) -> None:
         connection = self._by_assignment.get(assignment_id)
-        if connection is None or connection.fikit_slot is None or self._arbiter is None:
+        if connection is None or connection.fikit_slot is None:
             return  # gone meanwhile
-        self._arbiter.set_kernels(connection.fikit_slot, table)
+        self._engine.set_kernels(connection.fikit_slot, table)
         log.info("fikit kernel profile installed", assignment=assignment_id, kernels=len(table))
 
     def _refuse(self, connection: _Connection, reason: str, assignment_id: str = "") -> None:

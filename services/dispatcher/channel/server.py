@@ -5,11 +5,14 @@ request it answers (a LeaseRequest frame in, a lease written to shared memory) t
 never waits for the asyncio loop that serves gRPC. The control plane reaches the thread through
 `submit`, which queues a function and wakes the thread with an eventfd.
 
-With the lease desk (the default for token policies), a shim's lease request does not come here
-at all while the token policy has given it standing terms: the desk's native thread renews the
-lease from them, and this thread takes the desk's journal into the scheduler's books afterwards.
-Requests without terms are forwarded here and answered as before; then every term is withdrawn
-(so only this thread writes lease words) until the decision is made and new terms are given.
+Admission itself runs in the GPU's native admission engine (admission_engine.py), one thread
+for every policy. A shim's lease request (mode SHARE, or mode FIKIT under policy composed) does
+not come here at all while the token policy has given it standing terms: the engine renews the
+lease from them, and this thread takes the engine's journal into the scheduler's books
+afterwards. Requests without terms are forwarded here and answered as before; then every term
+is withdrawn (so only this thread writes lease words) until the decision is made and new terms
+are given. Kernels (mode FIKIT) are admitted by the engine's FIKIT half; this thread only adds
+and removes its tasks.
 
 The thread also reads every shim's memory sample ring (every SAMPLE_POLL_S) into the training
 introspector, and suspends and resumes clients (SuspendClient, ResumeClient): a suspension
@@ -42,7 +45,11 @@ from gpuloom.policies.tokens.scheduler import (
     TokenScheduler,
 )
 from gpuloom.services.dispatcher import metrics
-from gpuloom.services.dispatcher.arbiter import Arbiter, ArbiterStats
+from gpuloom.services.dispatcher.admission_engine import (
+    AdmissionEngine,
+    ArbiterStats,
+    DeskStats,
+)
 from gpuloom.services.dispatcher.channel.engine import EnginePart
 from gpuloom.services.dispatcher.channel.model import (
     _RECV_BYTES,
@@ -70,10 +77,6 @@ from gpuloom.services.dispatcher.domain import (
 from gpuloom.services.dispatcher.heartbeat import Heartbeat
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
-from gpuloom.services.dispatcher.leasedesk import (
-    DeskStats,
-    LeaseDesk,
-)
 from gpuloom.services.dispatcher.refusal_log import RefusalLog
 from gpuloom.services.dispatcher.reservations import ReservationBook
 from gpuloom.services.dispatcher.timer import DeadlineTimer
@@ -96,10 +99,11 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         scheduler: TokenScheduler | LevelScheduler,
         on_event: Callable[[DispatcherEvent], None],
         measurements: MeasurementSink,
+        engine: AdmissionEngine,
         limits: ChannelLimits | None = None,
         window_s: float = 1.0,
         choose_mode: Callable[[Reservation, str], ShimMode] | None = None,
-        arbiter: Arbiter | None = None,
+        fikit: bool = False,
         composed: bool = False,
         kernel_tables: KernelTables | None = None,
         introspector: TrainingIntrospector | None = None,
@@ -117,21 +121,21 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         # MEASURE while its task is being measured).
         self._choose_mode = choose_mode or (lambda reservation, task_key: reservation.mode)
         self._window_ns = int(window_s * 1e9)
-        # Policy fikit: shares are admitted kernel by kernel by the native arbiter, not leased.
-        # Policy composed: by the arbiter too, each after a lease of its priority level (the
-        # scheduler is then a LevelScheduler; the leases are asked for over the socket).
-        self._arbiter = arbiter
-        self._composed = composed and arbiter is not None
+        # The GPU's admission engine, for every policy (its owner stops it after the channel).
+        # Policy fikit: shares are admitted kernel by kernel by its FIKIT half, not leased.
+        # Policy composed: by the FIKIT half too, each after a lease of its priority level (the
+        # scheduler is then a LevelScheduler), renewed by its lease half as a token policy's.
+        self._engine = engine
+        self._fikit = fikit or composed
+        self._composed = composed
         self._kernel_tables = kernel_tables
         self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         self._fikit_core_seen = FikitCounters(*[0] * len(dataclasses.fields(FikitCounters)))
-        # SHARE leases renewed natively from standing terms (not with FIKIT: nothing is leased).
-        self._desk = LeaseDesk() if arbiter is None else None
-        self._desk_seen = DeskStats(0, 0, 0, 0, 0, 0, 0, 0)
-        self._by_desk_slot: dict[int, _Connection] = {}
+        self._lease_seen = DeskStats(*[0] * len(dataclasses.fields(DeskStats)))
+        self._by_lease_slot: dict[int, _Connection] = {}
         # Every term withdrawn (so this thread may write lease words); new ones are due.
-        self._desk_revoked = True
-        self._termed: set[str] = set()  # the clients whose terms the desk holds
+        self._terms_revoked = True
+        self._termed: set[str] = set()  # the clients whose terms the engine holds
         # Raw epoll: the loop runs once per lease request, so every layer counts.
         self._epoll = select.epoll()
         self._special: dict[int, str] = {}
@@ -183,9 +187,8 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
             listener.fileno(): "listener",
             self._wake_fd: "wake",
             self._timer.fd: "timer",
+            self._engine.notify_fd: "engine",
         }
-        if self._desk is not None:
-            self._special[self._desk.notify_fd] = "desk"
         for fd in self._special:
             self._epoll.register(fd, select.EPOLLIN)
         now = time.monotonic()
@@ -222,8 +225,6 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         self._epoll.close()
         os.close(self._wake_fd)
         self._timer.close()
-        if self._desk is not None:
-            self._desk.stop()
         if self._heart is not None:
             self._heart.stop()
 
@@ -262,7 +263,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
             evicted = shim_pb2.DispatcherMessage(evicted=shim_pb2.Evicted(reason=reason))
             self._send(connection, evicted)
             self._close(connection, "evicted", quiet=True, flush=True)
-        if mode is ShimMode.SHARE and (self._arbiter is None or self._composed):
+        if mode is ShimMode.SHARE and (not self._fikit or self._composed):
             self._before_departure()
             self._apply(self._scheduler.remove_client(assignment_id, now))
             with contextlib.suppress(KeyError):  # never reported yet
@@ -293,7 +294,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         }
 
     def scheduler_snapshot(self) -> SchedulerSnapshot:
-        self._take_desk_events()
+        self._take_lease_events()
         return self._scheduler.snapshot(time.monotonic())
 
     # ---- the thread ----
@@ -352,10 +353,9 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
             self._accept()
         elif kind == "wake":
             self._run_commands()
-        elif kind == "desk":
-            assert self._desk is not None
-            self._desk.clear_notification()
-            self._take_desk_events()
+        elif kind == "engine":
+            self._engine.clear_notification()
+            self._take_lease_events()
 
     def _run_commands(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -485,13 +485,13 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         if current and self._introspector is not None:
             # No process, no new samples: the last cycle stands (until one registers again).
             self._introspector.set_frozen(connection.assignment_id or "", True)
-        if connection.desk_slot is not None and self._desk is not None:
-            # Its journaled renewals go into the books before the desk forgets them.
-            self._take_desk_events()
-            self._desk.remove(connection.desk_slot)
-            del self._by_desk_slot[connection.desk_slot]
+        if connection.lease_slot is not None:
+            # Its journaled renewals go into the books before the engine forgets them.
+            self._take_lease_events()
+            self._engine.remove_leased(connection.lease_slot)
+            del self._by_lease_slot[connection.lease_slot]
             self._termed.discard(connection.assignment_id or "")
-            connection.desk_slot = None
+            connection.lease_slot = None
         assignment_id = connection.assignment_id
         if assignment_id is not None and self._by_assignment.get(assignment_id) is connection:
             del self._by_assignment[assignment_id]
@@ -500,8 +500,8 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
                 self._before_departure()
                 self._apply(self._scheduler.withdraw(assignment_id, time.monotonic()))
             self._emit(EventKind.DISCONNECTED, assignment_id, reason)
-        if connection.fikit_slot is not None and self._arbiter is not None:
-            self._arbiter.remove_task(connection.fikit_slot)
+        if connection.fikit_slot is not None:
+            self._engine.remove_task(connection.fikit_slot)
             connection.fikit_slot = None
         if connection.beat_slot is not None and self._heart is not None:
             self._heart.remove(connection.beat_slot)
@@ -530,7 +530,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
                     connection.region.renew_suspension(until)
         self._fikit_metrics()
         self._refresh_terms()
-        self._desk_metrics()
+        self._lease_metrics()
         self._leases_granted.inc(self._granted_since_flush)
         self._granted_since_flush = 0
         waits, self._waits = self._waits, []

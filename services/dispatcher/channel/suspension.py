@@ -82,7 +82,7 @@ class SuspensionPart:
         if suspension is None:
             return pending is not None
         connection = self._by_assignment.get(assignment_id)
-        # Before the region: its first launch after the resume is the arbiter's again.
+        # Before the region: its first launch after the resume is the engine's again.
         self._set_fikit_suspended(connection, False)
         if connection is not None and connection.region is not None:
             connection.region.publish_resumed(
@@ -100,11 +100,10 @@ class SuspensionPart:
         return True
 
     def _set_fikit_suspended(self, connection: _Connection | None, suspended: bool) -> None:
-        """Take a FIKIT client out of the arbiter's decisions (the next priority then holds
+        """Take a FIKIT client out of the engine's FIKIT decisions (the next priority then holds
         the GPU) or back in; other clients have no slot."""
-        arbiter = self._arbiter
-        if arbiter is not None and connection is not None and connection.fikit_slot is not None:
-            arbiter.set_suspended(connection.fikit_slot, suspended)
+        if connection is not None and connection.fikit_slot is not None:
+            self._engine.set_suspended(connection.fikit_slot, suspended)
 
     def _check_pending(self, now: float) -> None:
         """Suspend the pending clients whose memory is at its low point, or whose wait is up."""
@@ -172,7 +171,7 @@ class SuspensionPart:
         """The token scheduler leases this client's GPU time (SHARE, not under FIKIT)."""
         reservation = self._book.get(assignment_id)
         return (
-            (self._arbiter is None or self._composed)
+            (not self._fikit or self._composed)
             and reservation is not None
             and reservation.mode is ShimMode.SHARE
         )

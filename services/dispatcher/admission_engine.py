@@ -1,0 +1,373 @@
+"""The admission engine of one GPU: one native thread (shim/src/engine.c) that admits the work of
+every shim on that GPU, with one state, one mutex and one doorbell.
+
+Each round does both halves of admission (docs/dispatcher.md, "The admission engine"):
+
+- leases: a shim posts its lease request in its region and rings the doorbell; the engine
+  renews the lease from the standing terms the token policy gave that process (`set_terms`),
+  or forwards the request to the channel thread. Either way the event is journaled and taken
+  here (`take`), so the token scheduler's books follow. Under policy composed these are the
+  leases within a priority level; under a token policy, the only admission.
+- kernels: the processes added as FIKIT tasks (`add_task`: a region, a priority and a kernel
+  table) are admitted kernel by kernel by the FIKIT decision core, across priority levels.
+  Under a token policy no process is, and this half stays inert.
+
+The per-kernel and per-lease paths, shim posts in shared memory -> engine -> grants, never
+enter Python. This module is the thin ctypes binding plus the two eventfds: the doorbell every
+shim of this GPU receives at registration, and the notification the channel thread polls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import errno
+import functools
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpuloom.policies.fikit.core import (
+    MAX_TASKS,
+    PRIORITIES,
+    UNKNOWN,
+    FikitConfig,
+    FikitConfigStruct,
+    FikitCounters,
+    FikitCountersStruct,
+    config_struct,
+    read_core_counters,
+)
+from gpuloom.services.dispatcher.native import counters_struct, native_library, read_counters
+
+MAX_LEASE_SLOTS = 256
+FOREVER = (1 << 64) - 1
+INVALID_FLAG = 0x80000000
+_TAKE_BATCH = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ArbiterStats:
+    """The FIKIT half's counters."""
+
+    rounds: int
+    requests: int
+    grants: int
+    unknown_kernels: int
+    invalid_writes: int
+    role_races: int
+    arms: int
+    fired: int
+    late_releases: int
+    tasks: int
+    waiting: int
+
+
+@dataclass(frozen=True, slots=True)
+class DeskStats:
+    """The lease half's counters (it was the lease desk's own thread once: the name stays)."""
+
+    rounds: int
+    requests: int
+    renewed: int
+    forwarded: int
+    invalid_writes: int
+    throttled: int
+    slots: int
+    pending: int
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTiming:
+    """One kernel of a task's profile, as the engine predicts it."""
+
+    kernel_id: int
+    duration_ns: int
+    gap_after_ns: int | None  # None: the profile has no gap for it
+
+
+class DeskEventKind(enum.IntEnum):
+    RENEWED = 1
+    FORWARDED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class DeskEvent:
+    """A lease the engine granted (RENEWED) or a request it left to Python (FORWARDED)."""
+
+    kind: DeskEventKind
+    slot: int
+    report: tuple[int, int, int, bool] | None  # lease id, GPU ns, burst ns, release
+    allocated_bytes: int  # device memory the process holds, with a report
+    invalid: bool  # the request words failed validation
+    posted_ns: int
+    at_ns: int
+    lease_id: int
+    until_ns: int
+
+
+class ArbiterFull(Exception):
+    """All MAX_TASKS FIKIT slots of this GPU's engine are taken."""
+
+
+class DeskFull(Exception):
+    """All MAX_LEASE_SLOTS lease slots of this GPU's engine are taken."""
+
+
+class _Terms(ctypes.Structure):
+    _fields_ = [
+        ("lease_ns", ctypes.c_uint64),
+        ("budget_ns", ctypes.c_uint64),
+        ("min_lease_ns", ctypes.c_uint64),
+        ("limit_ns", ctypes.c_uint64),
+        ("window_ns", ctypes.c_uint64),
+        ("window_end_ns", ctypes.c_uint64),
+    ]
+
+
+class _Event(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_uint32),
+        ("slot", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("seq", ctypes.c_uint32),
+        ("report_lease", ctypes.c_uint64),
+        ("gpu_ns", ctypes.c_uint64),
+        ("burst_ns", ctypes.c_uint64),
+        ("allocated_bytes", ctypes.c_uint64),
+        ("posted_ns", ctypes.c_uint64),
+        ("at_ns", ctypes.c_uint64),
+        ("lease_id", ctypes.c_uint64),
+        ("until_ns", ctypes.c_uint64),
+        ("charge_ns", ctypes.c_int64),
+    ]
+
+
+_U64_ARRAY = ctypes.POINTER(ctypes.c_uint64)
+_ArbiterStats = counters_struct(ArbiterStats, u32=("tasks", "waiting"))
+_DeskStats = counters_struct(DeskStats, u32=("slots", "pending"))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = native_library()
+    handle, slot = ctypes.c_void_p, ctypes.c_int
+    kernels = [_U64_ARRAY, _U64_ARRAY, _U64_ARRAY, ctypes.c_uint32]
+    signatures: dict[str, tuple[object, list[object]]] = {
+        "gl_engine_start": (
+            ctypes.c_void_p,
+            [ctypes.POINTER(FikitConfigStruct), ctypes.c_int, ctypes.c_int, ctypes.c_uint64],
+        ),
+        "gl_engine_stop": (None, [handle]),
+        "gl_engine_board_fd": (ctypes.c_int, [handle, ctypes.c_uint32, ctypes.c_int]),
+        "gl_engine_add_task": (ctypes.c_int, [handle, ctypes.c_int, ctypes.c_uint32, *kernels]),
+        "gl_engine_set_kernels": (ctypes.c_int, [handle, slot, *kernels]),
+        "gl_engine_remove_task": (None, [handle, slot]),
+        "gl_engine_set_suspended": (ctypes.c_int, [handle, slot, ctypes.c_int]),
+        "gl_engine_fikit_stats": (None, [handle, ctypes.POINTER(_ArbiterStats)]),
+        "gl_engine_core_counters": (None, [handle, ctypes.POINTER(FikitCountersStruct)]),
+        "gl_engine_lease_add": (ctypes.c_int, [handle, ctypes.c_int]),
+        "gl_engine_lease_remove": (None, [handle, slot]),
+        "gl_engine_set_terms": (ctypes.c_int, [handle, slot, ctypes.c_void_p]),
+        "gl_engine_revoke_all": (None, [handle]),
+        "gl_engine_take": (ctypes.c_uint32, [handle, ctypes.c_void_p, ctypes.c_uint32]),
+        "gl_engine_lease_stats": (None, [handle, ctypes.POINTER(_DeskStats)]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+    return lib
+
+
+def _ns(seconds: float) -> int:
+    """Seconds (monotonic clock) as the engine's ns; infinity is FOREVER."""
+    if math.isinf(seconds):
+        return FOREVER
+    return min(max(int(seconds * 1e9), 0), FOREVER - 1)
+
+
+class AdmissionEngine:
+    """Owns the native thread and its two eventfds; safe to call from any thread."""
+
+    def __init__(self, config: FikitConfig | None = None, beat_s: float = 0.02) -> None:
+        """`config`: the FIKIT core's (its defaults when None: a token policy adds no task).
+        The FIKIT half publishes arms (the holder's launch releases the best waiting filler
+        itself: one wake-up) and each task's window-opening kernels (a holder's other launches
+        ring no doorbell); docs/fikit.md. `beat_s`: the FIKIT regions' heartbeat cadence."""
+        self._lib = _library()
+        self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.notify_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        handle = self._lib.gl_engine_start(
+            ctypes.byref(config_struct(config or FikitConfig())),
+            self.doorbell_fd,
+            self.notify_fd,
+            int(beat_s * 1e9),
+        )
+        if not handle:
+            error = ctypes.get_errno()
+            os.close(self.doorbell_fd)
+            os.close(self.notify_fd)
+            raise OSError(error, f"cannot start the admission engine: {os.strerror(error)}")
+        self._handle: int | None = handle
+        self._events = (_Event * _TAKE_BATCH)()
+
+    # ---- kernels: the FIKIT half ----
+
+    def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
+        """Register a FIKIT task; returns its slot. Raises ArbiterFull when no slot is free."""
+        handle = self._require()
+        ctypes.set_errno(0)
+        slot = self._lib.gl_engine_add_task(handle, region_fd, priority, *_arrays(kernels))
+        if slot < 0:
+            error = ctypes.get_errno()
+            if error == errno.ENOSPC:
+                raise ArbiterFull(
+                    f"the admission engine admits at most {MAX_TASKS} FIKIT processes"
+                )
+            raise OSError(error, f"cannot add a FIKIT task: {os.strerror(error)}")
+        return slot
+
+    def set_kernels(self, slot: int, kernels: Sequence[KernelTiming]) -> None:
+        """Replace a task's kernel table (its profile arrived after it registered)."""
+        ctypes.set_errno(0)
+        if self._lib.gl_engine_set_kernels(self._require(), slot, *_arrays(kernels)) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot install a FIKIT kernel table: {os.strerror(error)}")
+
+    def remove_task(self, slot: int) -> None:
+        self._lib.gl_engine_remove_task(self._require(), slot)
+
+    def set_suspended(self, slot: int, suspended: bool) -> None:
+        """Take a task out of the decisions while the dispatcher has it suspended (the next
+        priority then holds the GPU), or back in; a slot not in use is ignored."""
+        self._lib.gl_engine_set_suspended(self._require(), slot, int(suspended))
+
+    def board_fds(self, priority: int) -> list[int]:
+        """The priority boards a process of `priority` gets on its Registered frame, after its
+        region and the doorbell: the better priorities' read-only, then its own read-write
+        (docs/fikit.md). The engine keeps these descriptors; the frame carries copies."""
+        handle = self._require()
+        if not 0 <= priority < PRIORITIES:
+            raise ValueError(f"priority {priority} is outside 0..{PRIORITIES - 1}")
+        return [
+            self._lib.gl_engine_board_fd(handle, p, int(p == priority)) for p in range(priority + 1)
+        ]
+
+    def fikit_stats(self) -> ArbiterStats:
+        raw = _ArbiterStats()
+        self._lib.gl_engine_fikit_stats(self._require(), ctypes.byref(raw))
+        return read_counters(ArbiterStats, raw)
+
+    def core_counters(self) -> FikitCounters:
+        """The decision core's counters: windows opened and closed early, fills granted."""
+        raw = FikitCountersStruct()
+        self._lib.gl_engine_core_counters(self._require(), ctypes.byref(raw))
+        return read_core_counters(raw)
+
+    # ---- leases ----
+
+    def add_leased(self, region_fd: int) -> int:
+        """Register a process's region for leases; returns its lease slot. Raises DeskFull."""
+        ctypes.set_errno(0)
+        slot = self._lib.gl_engine_lease_add(self._require(), region_fd)
+        if slot < 0:
+            error = ctypes.get_errno()
+            if error == errno.ENOSPC:
+                raise DeskFull(
+                    f"the admission engine leases to at most {MAX_LEASE_SLOTS} processes per GPU"
+                )
+            raise OSError(error, f"cannot add to the admission engine: {os.strerror(error)}")
+        return slot
+
+    def remove_leased(self, slot: int) -> None:
+        self._lib.gl_engine_lease_remove(self._require(), slot)
+
+    def set_terms(
+        self,
+        slot: int,
+        lease_s: float,
+        budget_s: float,
+        min_lease_s: float,
+        limit_s: float,
+        window_s: float,
+        window_end_s: float,
+    ) -> None:
+        """Standing terms for a process (seconds; window_end_s on the monotonic clock). The
+        budget is taken as computed from the events taken so far."""
+        terms = _Terms(
+            _ns(lease_s), min(_ns(budget_s), _ns(limit_s)) if budget_s != math.inf else FOREVER,
+            _ns(min_lease_s), _ns(limit_s), _ns(window_s), _ns(window_end_s),
+        )  # fmt: skip
+        ctypes.set_errno(0)
+        if self._lib.gl_engine_set_terms(self._require(), slot, ctypes.byref(terms)) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"cannot set lease terms: {os.strerror(error)}")
+
+    def revoke_all(self) -> None:
+        """When this returns, the engine writes no lease word until new terms are given."""
+        self._lib.gl_engine_revoke_all(self._require())
+
+    def take(self) -> list[DeskEvent]:
+        """Every journaled lease event, oldest first."""
+        handle, buffer = self._require(), self._events
+        events: list[DeskEvent] = []
+        while True:
+            n = self._lib.gl_engine_take(handle, buffer, _TAKE_BATCH)
+            for raw in buffer[:n]:
+                report = None
+                if raw.flags & 1:
+                    report = (raw.report_lease, raw.gpu_ns, raw.burst_ns, bool(raw.flags & 2))
+                events.append(
+                    DeskEvent(
+                        DeskEventKind(raw.kind),
+                        raw.slot,
+                        report,
+                        raw.allocated_bytes,
+                        bool(raw.flags & INVALID_FLAG),
+                        raw.posted_ns,
+                        raw.at_ns,
+                        raw.lease_id,
+                        raw.until_ns,
+                    )
+                )
+            if n < _TAKE_BATCH:
+                return events
+
+    def clear_notification(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.notify_fd)
+
+    def lease_stats(self) -> DeskStats:
+        raw = _DeskStats()
+        self._lib.gl_engine_lease_stats(self._require(), ctypes.byref(raw))
+        return read_counters(DeskStats, raw)
+
+    # ---- life cycle ----
+
+    def stop(self) -> None:
+        if self._handle is None:
+            return
+        self._lib.gl_engine_stop(self._handle)
+        self._handle = None
+        os.close(self.doorbell_fd)
+        os.close(self.notify_fd)
+
+    def _require(self) -> int:
+        if self._handle is None:
+            raise RuntimeError("the admission engine is stopped")
+        return self._handle
+
+
+def _arrays(
+    kernels: Sequence[KernelTiming],
+) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, int]:
+    n = len(kernels)
+    ids = (ctypes.c_uint64 * n)(*(k.kernel_id for k in kernels))
+    durations = (ctypes.c_uint64 * n)(*(k.duration_ns for k in kernels))
+    gaps = (ctypes.c_uint64 * n)(
+        *(UNKNOWN if k.gap_after_ns is None else k.gap_after_ns for k in kernels)
+    )
+    return ids, durations, gaps, n
