@@ -40,7 +40,8 @@ class Leases:
         self.granted: list[int] = []  # tasks whose wanted lease came, in grant order
 
     def add(self, task: int, sm_percent: int, request: float, limit: float, now_ns: int) -> None:
-        self.scheduler.add_client(ClientShare(str(task), sm_percent, request, limit), now_ns / NS)
+        share = ClientShare.of(str(task), sm_percent, request, limit)
+        self.scheduler.add_client(share, now_ns / NS)
         self._tasks[task] = _State()
 
     def holds(self, task: int) -> bool:

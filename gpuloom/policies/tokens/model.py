@@ -8,6 +8,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.shares import Share, share_of
+
 # Remaining quota at or below this is "none left": a lease shorter than a microsecond is below
 # the cost of one kernel launch, and it stays representable next to a monotonic clock of years.
 EPSILON_S = 1e-6
@@ -56,31 +59,57 @@ class TokenConfig:
 
 @dataclass(frozen=True, slots=True)
 class ClientShare:
-    """What a client is entitled to: an SM partition and a time quota per window (FaST-GShare's
-    S_SMs, Q_request and Q_limit, the quotas as fractions of the window)."""
+    """What a client is entitled to: the reservation's `Share` itself, its SM partition and
+    time quota per window (FaST-GShare's S_SMs, Q_request and Q_limit), read here with the
+    quotas as fractions of the window. It holds the Share, not copies of its fields, so the
+    time quota keeps one form from SubmitJob to the scheduler (docs/architecture.md, the walks).
+    """
 
     client_id: str
-    sm_percent: int  # 1..100
-    quota_request: float  # 0 < request <= limit <= 1
-    quota_limit: float
+    share: Share
+
+    @classmethod
+    def of(
+        cls, client_id: str, sm_percent: int, quota_request: float, quota_limit: float
+    ) -> ClientShare:
+        """A client whose quotas are given as fractions of the window (the simulators' form)."""
+        return cls(client_id, share_of(sm_percent, quota_request * 100, quota_limit * 100))
+
+    @property
+    def sm_percent(self) -> int:
+        return self.share.sm_percent
+
+    @property
+    def quota_request(self) -> float:
+        """The guaranteed fraction of each window, 0 < request <= limit <= 1."""
+        return self.share.quota.request_percent / 100
+
+    @property
+    def quota_limit(self) -> float:
+        """The most of each window it may use when others leave time over."""
+        return self.share.quota.limit_percent / 100
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that makes no sense."""
+        """Raise ValueError naming the first field that makes no sense. The dispatcher's shares
+        were validated where they were made; a simulator's or a library caller's were not, and
+        the domain's check trusts protobuf for the types, so those are checked here."""
         if not isinstance(self.client_id, str) or not self.client_id:
             raise ValueError(f"client_id must be a non-empty string, got {self.client_id!r}")
-        sm = self.sm_percent
-        if not isinstance(sm, int) or isinstance(sm, bool) or not 1 <= sm <= 100:
-            raise ValueError(f"sm_percent must be an integer in 1..100, got {sm!r}")
-        request = _positive("quota_request", self.quota_request)
-        limit = _positive("quota_limit", self.quota_limit)
-        if request > 1:
-            raise ValueError(f"quota_request must be <= 1, got {self.quota_request!r}")
-        if limit > 1:
-            raise ValueError(f"quota_limit must be <= 1, got {self.quota_limit!r}")
-        if limit < request:
-            raise ValueError(
-                f"quota_limit ({self.quota_limit}) must be >= quota_request ({self.quota_request})"
-            )
+        if not isinstance(self.share, Share):
+            raise ValueError(f"share must be a Share, got {type(self.share).__name__}")
+        sm, quota = self.share.sm_percent, self.share.quota
+        if not isinstance(sm, int) or isinstance(sm, bool):
+            raise ValueError(f"share.sm_percent must be an integer, got {sm!r}")
+        for name, value in (
+            ("request_percent", quota.request_percent),
+            ("limit_percent", quota.limit_percent),
+        ):
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ValueError(f"share.quota.{name} must be a number, got {value!r}")
+        try:
+            self.share.partition.validate("share")
+        except InvalidArgument as error:
+            raise ValueError(error.message) from error
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,13 +321,7 @@ class EnginePart:
     def _admit_to_scheduler(self, reservation: Reservation, now: float) -> Decision | None:
         if reservation.mode is not ShimMode.SHARE or (self._fikit and not self._composed):
             return None
-        quota = reservation.share.quota
-        share = ClientShare(
-            reservation.assignment_id,
-            reservation.share.sm_percent,
-            quota.request_percent / 100,
-            quota.limit_percent / 100,
-        )
+        share = ClientShare(reservation.assignment_id, reservation.share)
         if isinstance(self._scheduler, LevelScheduler):
             return self._scheduler.add_client(share, now, reservation.priority)
         self._scheduler.add_client(share, now)

@@ -20,8 +20,8 @@ def _levels() -> LevelScheduler:
 
 def test_levels_do_not_wait_for_each_other() -> None:
     levels = _levels()
-    levels.add_client(ClientShare("hp", 100, 0.5, 0.5), 0.0, priority=1)
-    levels.add_client(ClientShare("lp", 100, 0.5, 0.5), 0.0, priority=8)
+    levels.add_client(ClientShare.of("hp", 100, 0.5, 0.5), 0.0, priority=1)
+    levels.add_client(ClientShare.of("lp", 100, 0.5, 0.5), 0.0, priority=8)
     low = levels.request("lp", 0.0).granted
     high = levels.request("hp", 0.0).granted
     # Both hold a lease at once, though each asks for all the SMs: the arbiter, not the
@@ -33,24 +33,24 @@ def test_levels_do_not_wait_for_each_other() -> None:
 
 def test_a_level_of_one_holds_open_ended_until_a_second_client_joins() -> None:
     levels = _levels()
-    assert not levels.add_client(ClientShare("a", 100, 0.5, 1.0), 0.0, priority=5)
+    assert not levels.add_client(ClientShare.of("a", 100, 0.5, 1.0), 0.0, priority=5)
     first = levels.request("a", 0.0).granted
     assert len(first) == 1 and first[0].expires_at == math.inf  # alone: no renewals
     # A second client joins the level: the open-ended lease ends at once.
-    joined = levels.add_client(ClientShare("b", 100, 0.5, 1.0), 0.001, priority=5)
+    joined = levels.add_client(ClientShare.of("b", 100, 0.5, 1.0), 0.001, priority=5)
     assert [lease.client_id for lease in joined.ended] == ["a"]
     (second,) = levels.request("b", 0.001).granted
     assert second.expires_at < math.inf  # the level leases by quota from now on
     assert not levels.request("a", 0.002).granted  # b holds all the SMs: a waits its turn
     assert levels.has_waiting
     # Another level's lone client is not touched.
-    levels.add_client(ClientShare("c", 100, 0.5, 1.0), 0.003, priority=1)
+    levels.add_client(ClientShare.of("c", 100, 0.5, 1.0), 0.003, priority=1)
     assert levels.request("c", 0.003).granted[0].expires_at == math.inf
 
 
 def test_a_limit_below_the_window_is_leased_in_bounded_leases_even_alone() -> None:
     levels = _levels()
-    levels.add_client(ClientShare("a", 100, 0.3, 0.3), 0.0, priority=2)
+    levels.add_client(ClientShare.of("a", 100, 0.3, 0.3), 0.0, priority=2)
     (lease,) = levels.request("a", 0.0).granted
     assert lease.expires_at <= 0.3
     assert levels.next_deadline() == lease.expires_at
@@ -58,9 +58,9 @@ def test_a_limit_below_the_window_is_leased_in_bounded_leases_even_alone() -> No
 
 def test_removed_clients_and_unknown_names() -> None:
     levels = _levels()
-    levels.add_client(ClientShare("a", 50, 0.5, 0.5), 0.0, priority=2)
+    levels.add_client(ClientShare.of("a", 50, 0.5, 0.5), 0.0, priority=2)
     with pytest.raises(ValueError, match="already exists"):
-        levels.add_client(ClientShare("a", 50, 0.5, 0.5), 0.0, priority=3)
+        levels.add_client(ClientShare.of("a", 50, 0.5, 0.5), 0.0, priority=3)
     levels.remove_client("a", 0.1)
     with pytest.raises(KeyError, match="unknown client 'a'"):
         levels.request("a", 0.2)
@@ -97,7 +97,7 @@ def test_each_level_keeps_its_sm_limit_and_open_ended_leases_go_only_to_a_sole_c
     for op, client, priority, sm, limit, step in calls:
         now += step
         if op == "add" and client not in added:
-            levels.add_client(ClientShare(client, sm, limit / 2, limit), now, priority)
+            levels.add_client(ClientShare.of(client, sm, limit / 2, limit), now, priority)
             added[client] = priority
         elif op == "remove" and client in added:
             levels.remove_client(client, now)

@@ -6,7 +6,7 @@ from gpuloom.policies.tokens import ClientShare, Decision, Lease, TokenConfig, T
 
 
 def share(client_id: str, sm: int = 100, request: float = 0.2, limit: float | None = None):
-    return ClientShare(client_id, sm, request, request if limit is None else limit)
+    return ClientShare.of(client_id, sm, request, request if limit is None else limit)
 
 
 def scheduler(

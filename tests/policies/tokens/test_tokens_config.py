@@ -1,9 +1,11 @@
 """Configuration, shares, the registry and argument checks: errors name what is wrong."""
 
 import math
+from dataclasses import fields
 
 import pytest
 
+from gpuloom.domain.shares import Share, TimeQuota, share_of
 from gpuloom.policies.tokens import (
     POLICIES,
     ClientShare,
@@ -59,14 +61,20 @@ def test_the_edges_of_the_config_ranges_are_accepted() -> None:
 @pytest.mark.parametrize(
     ("bad", "field"),
     [
-        (ClientShare("", 50, 0.2, 0.3), "client_id"),
-        (ClientShare("a", 0, 0.2, 0.3), "sm_percent"),
-        (ClientShare("a", 101, 0.2, 0.3), "sm_percent"),
-        (ClientShare("a", 50, 0.0, 0.3), "quota_request"),
-        (ClientShare("a", 50, math.nan, 0.3), "quota_request"),
-        (ClientShare("a", 50, 0.4, 0.3), "quota_limit"),
-        (ClientShare("a", 50, 0.2, 1.5), "quota_limit"),
-        (ClientShare("a", 50, 0.2, math.inf), "quota_limit"),
+        (ClientShare.of("", 50, 0.2, 0.3), "client_id"),
+        (ClientShare("a", TimeQuota(20.0, 30.0)), "share must be a Share"),  # type: ignore[arg-type]
+        (ClientShare.of("a", 0, 0.2, 0.3), "share.sm_percent"),
+        (ClientShare.of("a", 101, 0.2, 0.3), "share.sm_percent"),
+        (ClientShare.of("a", 50.5, 0.2, 0.3), "share.sm_percent"),  # type: ignore[arg-type]
+        (ClientShare.of("a", True, 0.2, 0.3), "share.sm_percent"),
+        (ClientShare("a", share_of(50, "20", 30.0)), "share.quota.request_percent"),  # type: ignore[arg-type]
+        (ClientShare("a", Share(50, TimeQuota(20.0, None), 0, 5)), "share.quota.limit_percent"),  # type: ignore[arg-type]
+        (ClientShare.of("a", 50, 0.0, 0.3), "share.quota.request_percent"),
+        (ClientShare.of("a", 50, math.nan, 0.3), "share.quota.request_percent"),
+        # The domain names the request as the one over its limit.
+        (ClientShare.of("a", 50, 0.4, 0.3), "share.quota.request_percent"),
+        (ClientShare.of("a", 50, 0.2, 1.5), "share.quota.limit_percent"),
+        (ClientShare.of("a", 50, 0.2, math.inf), "share.quota.limit_percent"),
     ],
 )
 def test_add_client_rejects_a_bad_share_by_field(bad: ClientShare, field: str) -> None:
@@ -74,6 +82,19 @@ def test_add_client_rejects_a_bad_share_by_field(bad: ClientShare, field: str) -
     with pytest.raises(ValueError, match=field):
         s.add_client(bad, 0.0)
     assert s.snapshot(0.0).clients == {}
+
+
+def test_a_client_share_holds_the_reservations_share_itself_not_copies_of_its_fields() -> None:
+    """docs/architecture.md's time-quota walk counts no shape of its own for ClientShare: the
+    scheduler reads the reservation's Share, its quotas as fractions through properties."""
+    assert {f.name: f.type for f in fields(ClientShare)} == {"client_id": "str", "share": "Share"}
+    held = share_of(30, 20.0, 50.0, memory_bytes=1 << 30, priority=2)
+    client = ClientShare("r-1", held)
+    assert client.share is held
+    assert (client.sm_percent, client.quota_request, client.quota_limit) == (30, 0.2, 0.5)
+    s = scheduler()
+    s.add_client(client, 0.0)
+    assert s.snapshot(0.0).clients["r-1"].share is client
 
 
 def test_add_client_rejects_a_duplicate_and_a_partition_over_the_global_limit() -> None:

@@ -25,7 +25,7 @@ FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCh
 fractions = st.sampled_from([0.02, 0.05, 0.1, 0.3, 1.0]) | st.floats(0.01, 1.0)
 quotas = st.tuples(fractions, fractions).map(sorted)
 shares = st.builds(
-    lambda client_id, sm, q: ClientShare(client_id, sm, q[0], q[1]),
+    lambda client_id, sm, q: ClientShare.of(client_id, sm, q[0], q[1]),
     st.sampled_from(IDS),
     st.sampled_from([20, 30, 50, 60, 100]) | st.integers(1, 100),
     quotas,
@@ -253,7 +253,7 @@ def test_each_burst_moves_the_lease_length_toward_it_within_bounds(
 ) -> None:
     config = TokenConfig(smoothing=smoothing, lease_initial_s=q, window_s=10.0)
     s = TokenScheduler("spatiotemporal", config, 0.0)
-    s.add_client(ClientShare("a", 100, 1.0, 1.0), 0.0)
+    s.add_client(ClientShare.of("a", 100, 1.0, 1.0), 0.0)
     lease = s.request("a", 0.0).granted[0]
     s.release("a", lease.lease_id, 0.0, burst, 0.001)
     new = s.snapshot(0.001).clients["a"].q_s
@@ -273,7 +273,7 @@ def test_each_burst_moves_the_lease_length_toward_it_within_bounds(
 def test_simulated_clients_never_run_past_their_limits(specs: list) -> None:
     clients = [
         SimClient(
-            ClientShare(f"c{i}", sm, q[0], q[1]),
+            ClientShare.of(f"c{i}", sm, q[0], q[1]),
             Workload.saturating(burst_s=0.01) if busy else Workload.idle(),
         )
         for i, (sm, q, _, busy) in enumerate(specs)

@@ -10,7 +10,7 @@ REQUESTS = {"a": 0.2, "b": 0.3, "c": 0.5}
 
 def clients(limits: dict[str, float], workloads: dict[str, Workload], sm: int = 100):
     return [
-        SimClient(ClientShare(name, sm, REQUESTS[name], limits[name]), workloads[name])
+        SimClient(ClientShare.of(name, sm, REQUESTS[name], limits[name]), workloads[name])
         for name in REQUESTS
     ]
 
