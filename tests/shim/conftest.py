@@ -18,7 +18,10 @@ from pathlib import Path
 import pytest
 
 from gpuloom.policies.profiling.kernels import kernel_id  # noqa: F401  (the shim's, re-exported)
-from tests.dispatcher.conftest import live  # noqa: F401  (re-exported fixture)
+from tests.dispatcher.conftest import (
+    LiveDispatcher,
+    live,  # noqa: F401  (re-exported fixture)
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIM = ROOT / "shim"
@@ -76,6 +79,23 @@ class Run:
             if part.startswith(f"{key}="):
                 return part.split("=", 1)[1]
         raise AssertionError(f"no {key}= in {self.line(prefix)!r}")
+
+
+async def assert_charged_as_ran(
+    dispatcher: LiveDispatcher,
+    assignments: list,
+    results: list[Run],
+    runs: list[tuple[int, str, int, int]],
+) -> None:
+    """The dispatcher charged each assignment's process what the shim measured with events:
+    within 10% of the device time its kernels took on the fake GPU (`runs`, its log)."""
+    channel = dispatcher.dispatcher.channel
+    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
+    for assignment, result in zip(assignments, results, strict=True):
+        pid = int(result.value("init", "pid"))
+        truth_s = sum(end - start for p, _, start, end in runs if p == pid) / 1e9
+        charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
+        assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
 
 
 class Runner:

@@ -17,6 +17,7 @@ from tests.shim.conftest import (
     CUDA_ERROR_OUT_OF_MEMORY,
     PROGRAM,
     Runner,
+    assert_charged_as_ran,
     launch,
 )
 
@@ -129,14 +130,7 @@ async def test_two_processes_share_the_gpu_by_their_requests(
     for pid, limit in zip(pid_of, requests, strict=True):
         assert busy(pid) / window <= limit + 0.02, (busy(pid) / window, limit)
 
-    # The dispatcher charged what the shim measured with events: close to the engine's truth.
-    channel = live.dispatcher.channel
-    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
-    for assignment, result in zip(assignments, results, strict=True):
-        pid = int(result.value("init", "pid"))
-        truth_s = sum(end - begin for p, _, begin, end in runs if p == pid) / 1e9
-        charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
-        assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
+    await assert_charged_as_ran(live, assignments, results, runs)
 
 
 @pytest.mark.parametrize("live", [SHARING], indirect=True)

@@ -17,7 +17,7 @@ import pytest
 from gpuloom.sim.device import Device, GpuConfig
 from tests.dispatcher.conftest import LiveDispatcher
 
-from .conftest import Run, Runner, launch
+from .conftest import Run, Runner, assert_charged_as_ran, launch
 
 MPS = {"GPULOOM_FAKE_CUDA_MPS": "1"}
 # Two tasks that fit the GPU together (50% + 40% of the SMs) and are bound by different units.
@@ -221,13 +221,7 @@ async def test_two_partitions_leased_together_co_run_only_on_an_mps_gpu(
     else:
         assert _overlap_ns(runs) == 0
         return
-    channel = live.dispatcher.channel
-    snapshot = await asyncio.wrap_future(channel.submit(channel.scheduler_snapshot))
-    for assignment, result in zip(assignments, results, strict=True):
-        pid = int(result.value("init", "pid"))
-        truth_s = sum(end - start for p, _, start, end in runs if p == pid) / 1e9
-        charged_s = snapshot.clients[assignment.assignment_id].total_gpu_s
-        assert charged_s == pytest.approx(truth_s, rel=0.1), (charged_s, truth_s)
+    await assert_charged_as_ran(live, assignments, results, runs)
 
 
 def test_a_killed_process_kernel_stops_slowing_the_others(run: Runner) -> None:
