@@ -33,6 +33,15 @@ def encode_frame(payload: bytes) -> bytes:
     return FRAME_HEADER.pack(len(payload)) + payload
 
 
+def store_word(buffer: mmap.mmap | bytearray, offset: int, value: int, size: int = 8) -> None:
+    """One aligned store of a `size`-byte word, as the C shim's __atomic_store_n: a reader on
+    another thread sees the old value or the new one. (struct.pack_into zeroes the bytes first
+    and then writes them one by one, so a concurrent reader can see a zero or half a word.)"""
+    word = (ctypes.c_uint64 if size == 8 else ctypes.c_uint32).from_buffer(buffer, offset)
+    word.value = value
+    del word
+
+
 class FrameReader:
     """Splits a byte stream into frame payloads, refusing empty and oversized frames."""
 
@@ -503,8 +512,10 @@ class FikitPort:
                 and struct.unpack_from("<Q", self._boards[index], BOARD_FIRED)[0] == stale
             ):
                 self._stale = stale
-        struct.pack_into("<QQI", self._mapping, OFF_FK_KERNEL, kernel_id, posted, int(kind))
-        struct.pack_into("<I", self._mapping, OFF_FK_REQ_SEQ, self.seq)
+        store_word(self._mapping, OFF_FK_KERNEL, kernel_id)
+        store_word(self._mapping, OFF_FK_POST_NS, posted)
+        store_word(self._mapping, OFF_FK_WAITING, int(kind), 4)
+        store_word(self._mapping, OFF_FK_REQ_SEQ, self.seq, 4)
         if kind is not FikitPost.REQUEST:
             self._fire(kernel_id)
         self.ring()
@@ -593,12 +604,16 @@ class DeskPort:
             flags = 0
             if report_lease_id:
                 flags = LeaseRequestFlag.REPORT | (LeaseRequestFlag.RELEASE if release else 0)
-        struct.pack_into(
-            "<IQQQQQ", self._mapping, OFF_LR_FLAGS, int(flags), report_lease_id, gpu_time_ns,
-            longest_burst_ns, time.monotonic_ns(), allocated_bytes,
-        )  # fmt: skip
+        # Word by word in gl_post_lease_request's order, the sequence number last.
+        for offset, value in (
+            (OFF_LR_LEASE, report_lease_id), (OFF_LR_GPU_NS, gpu_time_ns),
+            (OFF_LR_BURST_NS, longest_burst_ns), (OFF_LR_ALLOCATED, allocated_bytes),
+        ):  # fmt: skip
+            store_word(self._mapping, offset, value)
+        store_word(self._mapping, OFF_LR_FLAGS, int(flags), 4)
+        store_word(self._mapping, OFF_LR_POST_NS, time.monotonic_ns())
         seq = (struct.unpack_from("<I", self._mapping, OFF_LR_SEQ)[0] + 1) & 0xFFFFFFFF
-        struct.pack_into("<I", self._mapping, OFF_LR_SEQ, seq)
+        store_word(self._mapping, OFF_LR_SEQ, seq, 4)
         os.eventfd_write(self._doorbell, 1)
         return seq
 
