@@ -131,7 +131,7 @@ def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
     match p:
         case d.KernelProfile():
             headers = ["KERNEL ID", "NAME", "GRID", "BLOCK", "SAMPLES"]
-            headers += ["MEAN us", "P50 us", "P95 us", "GAP AFTER us"]
+            headers += ["MEAN us", "P50 us", "P95 us", "GAP AFTER us", "SMs", "BOUND"]
             rows = [
                 (
                     str(k.kernel_id),  # as the protos' JSON mapping writes a uint64
@@ -143,6 +143,8 @@ def _details(p: d.Profile) -> tuple[list[str], list[tuple[object, ...]], str]:
                     k.p50_duration_ns / 1000,
                     k.p95_duration_ns / 1000,
                     k.mean_gap_after_ns / 1000,
+                    k.sm_usage or "-",  # 0: unknown
+                    k.bound.value,
                 )
                 for k in p.kernels
             ]

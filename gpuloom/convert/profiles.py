@@ -25,6 +25,12 @@ KIND_TO_PB = {
     d.ProfileKind.JOB: pb.PROFILE_KIND_JOB,
 }
 KIND_FROM_PB = {v: k for k, v in KIND_TO_PB.items()}
+BOUND_TO_PB = {
+    d.KernelBound.UNKNOWN: pb.KERNEL_BOUND_UNKNOWN,
+    d.KernelBound.COMPUTE: pb.KERNEL_BOUND_COMPUTE,
+    d.KernelBound.MEMORY: pb.KERNEL_BOUND_MEMORY,
+}
+BOUND_FROM_PB = {v: k for k, v in BOUND_TO_PB.items()}
 
 
 def kind_from_pb(
@@ -38,6 +44,14 @@ def kind_from_pb(
             field, f"unknown or unspecified profile kind {value}; use one of {known}"
         )
     return KIND_FROM_PB[value]
+
+
+def bound_from_pb(value: int, field: str) -> d.KernelBound:
+    # Proto3 enums are open: a newer writer's value arrives as a bare number.
+    if value not in BOUND_FROM_PB:
+        known = ", ".join(pb.KernelBound.Name(v) for v in BOUND_FROM_PB)
+        raise InvalidArgument(field, f"unknown kernel bound class {value}; use one of {known}")
+    return BOUND_FROM_PB[value]
 
 
 def _dim3(msg: common.Dim3) -> d.Dim3:
@@ -81,8 +95,10 @@ def kernel_profile_from_pb(msg: pb.KernelProfile) -> d.KernelProfile:
                 p50_duration_ns=k.p50_duration_ns,
                 p95_duration_ns=k.p95_duration_ns,
                 mean_gap_after_ns=k.mean_gap_after_ns,
+                sm_usage=k.sm_usage,
+                bound=bound_from_pb(k.bound, f"profile.kernels[{i}].bound"),
             )
-            for k in msg.kernels
+            for i, k in enumerate(msg.kernels)
         ),
         gap_predictor=_gap_predictor_from_pb(msg.gap_predictor)
         if msg.HasField("gap_predictor")
@@ -114,6 +130,8 @@ def kernel_profile_to_pb(p: d.KernelProfile) -> pb.KernelProfile:
                 p50_duration_ns=k.p50_duration_ns,
                 p95_duration_ns=k.p95_duration_ns,
                 mean_gap_after_ns=k.mean_gap_after_ns,
+                sm_usage=k.sm_usage,
+                bound=BOUND_TO_PB[k.bound],
             )
             for k in p.kernels
         ],
@@ -265,7 +283,10 @@ def profile_from_json(kind: d.ProfileKind, text: str) -> d.Profile:
         raise ValueError(
             f"meta.kind is {pb.ProfileKind.Name(meta.kind)}, not a {kind.value} profile"
         )
-    return from_pb(message)
+    try:
+        return from_pb(message)
+    except InvalidArgument as error:  # a value the JSON mapping accepts but the domain has not
+        raise ValueError(error.message) from None
 
 
 def _json(message: Message) -> dict[str, Any]:

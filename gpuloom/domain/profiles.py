@@ -38,9 +38,21 @@ class Dim3:
     z: int = 1
 
 
+class KernelBound(enum.StrEnum):
+    """What limits a kernel (Orion's profile class): co-running a compute-bound kernel beside
+    a memory-bound one slows each less than two of one class. Unknown unless something
+    measured it: the shim reads no hardware counters (docs/harvest.md)."""
+
+    UNKNOWN = "unknown"
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
 @dataclass(frozen=True, slots=True)
 class KernelStats:
-    """Statistics of one kernel ID (FIKIT): durations and the idle gap that follows it."""
+    """Statistics of one kernel ID (FIKIT): durations and the idle gap that follows it; and
+    what spatial admission needs: the SMs its launch shape asks for on the profile's GPU model
+    (0: unknown) and its bound class."""
 
     kernel_id: int
     name: str
@@ -51,6 +63,8 @@ class KernelStats:
     p50_duration_ns: float
     p95_duration_ns: float
     mean_gap_after_ns: float
+    sm_usage: int = 0
+    bound: KernelBound = KernelBound.UNKNOWN
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,12 @@ import unicodedata
 from collections.abc import Iterable, Sequence
 
 from gpuloom.domain.errors import InvalidArgument
+from gpuloom.domain.gpus import find_model
 from gpuloom.domain.profiles import (
     Dim3,
     GapPredictorModel,
     JobProfile,
+    KernelBound,
     KernelProfile,
     MigProfile,
     Profile,
@@ -30,6 +32,9 @@ MAX_INT64 = 2**63 - 1
 # CUDA launch limits: grid x up to 2^31-1, grid y/z up to 65535; block up to 1024x1024x64.
 GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
 BLOCK_LIMITS = (1024, 1024, 64)
+# SMs a kernel may ask for on a GPU model the catalogue does not know: far above any GPU's
+# SM count (the largest today has under 200), so only a corrupt value is refused.
+MAX_SM_USAGE = 1024
 
 
 def check_name(field: str, value: str, max_chars: int) -> None:
@@ -115,6 +120,10 @@ def _check_shape(f: str, name: str, grid: Dim3, block: Dim3) -> None:
 def _check_kernel_profile(p: KernelProfile) -> None:
     check_range("profile.measured_runs", p.measured_runs, 1, MAX_MEASURED_RUNS)
     check_entries("profile.kernels", p.kernels)
+    model = find_model(p.gpu_model)
+    most_sms, of_what = (
+        (model.sm_count, f"the SMs of a {model.name}") if model else (MAX_SM_USAGE, "the cap")
+    )
     for i, k in enumerate(p.kernels):
         f = f"profile.kernels[{i}]"
         check_range(f"{f}.kernel_id", k.kernel_id, 0, 2**64 - 1)
@@ -127,6 +136,16 @@ def _check_kernel_profile(p: KernelProfile) -> None:
         check_non_negative(f"{f}.mean_gap_after_ns", k.mean_gap_after_ns)
         if k.p50_duration_ns > k.p95_duration_ns:
             raise InvalidArgument(f"{f}.p50_duration_ns", "must not exceed p95_duration_ns")
+        whole = isinstance(k.sm_usage, int) and not isinstance(k.sm_usage, bool)
+        if not whole or not 0 <= k.sm_usage <= most_sms:
+            raise InvalidArgument(
+                f"{f}.sm_usage", f"must be within 0..{most_sms} ({of_what}), got {k.sm_usage}"
+            )
+        if not isinstance(k.bound, KernelBound):
+            known = ", ".join(b.value for b in KernelBound)
+            raise InvalidArgument(
+                f"{f}.bound", f"unknown bound class {k.bound!r}; use one of {known}"
+            )
     check_unique("profile.kernels", (k.kernel_id for k in p.kernels), "kernel_id")
     if p.gap_predictor is not None:
         _check_gap_predictor(p.gap_predictor)

@@ -79,6 +79,9 @@ class KernelStatsRow(Base):
     p50_duration_ns: Mapped[float] = mapped_column(Float)
     p95_duration_ns: Mapped[float] = mapped_column(Float)
     mean_gap_after_ns: Mapped[float] = mapped_column(Float)
+    # Rows written before migration 0004 read as unknown: 0 SMs, bound "unknown".
+    sm_usage: Mapped[int] = mapped_column(Integer, server_default="0")
+    bound: Mapped[str] = mapped_column(String(16), server_default="unknown")
 
 
 class ThroughputPointRow(Base):

@@ -27,6 +27,7 @@ from gpuloom.domain.profiles import (
     Dim3,
     GapPredictorModel,
     JobProfile,
+    KernelBound,
     KernelProfile,
     KernelStats,
     MigProfile,
@@ -90,6 +91,8 @@ def _kernel_rows(p: KernelProfile) -> dict[Table, list[dict[str, Any]]]:
                 "p50_duration_ns": k.p50_duration_ns,
                 "p95_duration_ns": k.p95_duration_ns,
                 "mean_gap_after_ns": k.mean_gap_after_ns,
+                "sm_usage": k.sm_usage,
+                "bound": k.bound.value,
             }
             for i, k in enumerate(p.kernels)
         ],
@@ -120,6 +123,8 @@ async def _load_kernel(conn: AsyncConnection, header: Any) -> KernelProfile:
             p50_duration_ns=r.p50_duration_ns,
             p95_duration_ns=r.p95_duration_ns,
             mean_gap_after_ns=r.mean_gap_after_ns,
+            sm_usage=r.sm_usage,
+            bound=KernelBound(r.bound),
         )
         for r in rows
     )

@@ -6,6 +6,8 @@ from dataclasses import replace
 
 from gpuloom.domain import profiles as d
 
+BOUNDS = (d.KernelBound.COMPUTE, d.KernelBound.MEMORY, d.KernelBound.UNKNOWN)
+
 
 def kernel_profile(
     key: str = "resnet50-train", gpu_model: str = "A100", n: int = 3
@@ -25,6 +27,8 @@ def kernel_profile(
                 p50_duration_ns=950.0 + i,
                 p95_duration_ns=1400.0 + i,
                 mean_gap_after_ns=35.5,
+                sm_usage=16 + i,
+                bound=BOUNDS[i % len(BOUNDS)],
             )
             for i in range(n)
         ),

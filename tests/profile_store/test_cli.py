@@ -37,6 +37,13 @@ async def test_list_and_show_print_readable_tables(store_app: ProfileStoreApp) -
     assert shown.exit_code == 0, shown.output
     assert "measured runs: 20" in shown.output
     assert "128x1x1" not in shown.output and "130x2x1" in shown.output  # the third kernel
+    header = shown.output.splitlines()[2].split()
+    assert header[-2:] == ["SMs", "BOUND"]
+    assert [line.split()[-2:] for line in shown.output.splitlines()[4:]] == [
+        ["16", "compute"],
+        ["17", "memory"],
+        ["18", "unknown"],
+    ]
     # Kernel IDs as gRPC's JSON writes them (a uint64 in decimal), not in hex.
     kernel_json = await invoke(
         "profile", "show", "kernel", "resnet50-train", "A100", store, "--json"
@@ -152,3 +159,17 @@ async def test_kernel_ids_as_printed_are_taken_back(store_app: ProfileStoreApp, 
     assert stored.measured_runs == 21
     assert [k.kernel_id for k in stored.kernels] == [k.kernel_id for k in original.kernels]
     assert max(k.kernel_id for k in stored.kernels) >= 2**63
+    # The launch shape's SMs and the bound class travel as the JSON mapping writes them.
+    assert [(k["sm_usage"], k["bound"]) for k in document["kernels"]] == [
+        (16, "KERNEL_BOUND_COMPUTE"),
+        (17, "KERNEL_BOUND_MEMORY"),
+        (18, "KERNEL_BOUND_UNKNOWN"),
+    ]
+    assert [(k.sm_usage, k.bound) for k in stored.kernels] == [
+        (k.sm_usage, k.bound) for k in original.kernels
+    ]
+    document["kernels"][0]["bound"] = 7  # a number the JSON mapping takes, no class we know
+    path.write_text(json.dumps(document))
+    refused = await invoke("profile", "put", "kernel", str(path), store)
+    assert refused.exit_code == 2
+    assert "profile.kernels[0].bound" in refused.stderr and "unknown" in refused.stderr

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gpuloom.convert import profiles as convert
 from gpuloom.domain import profiles as d
-from gpuloom.domain.validation import validate_profile
+from gpuloom.domain.validation import MAX_SM_USAGE, validate_profile
 from gpuloom.services.profile_store.cache import InProcessCache
 from gpuloom.services.profile_store.core import ProfileStore
 from gpuloom.services.profile_store.models import Base
@@ -37,6 +37,7 @@ def kernel_stats(draw: st.DrawFn, kernel_id: int) -> d.KernelStats:
     return d.KernelStats(
         kernel_id, draw(names), draw(dims), draw(blocks), draw(st.integers(1, 10**9)),
         draw(non_negative), p50, p95, draw(non_negative),
+        draw(st.integers(0, MAX_SM_USAGE)), draw(st.sampled_from(d.KernelBound)),
     )  # fmt: skip
 
 

@@ -6,14 +6,17 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import Aborted, InvalidArgument, NotFound
+from gpuloom.services.common import database
 from gpuloom.services.profile_store.models import Base
 from gpuloom.services.profile_store.repository import ProfileRepository
+from gpuloom.services.profile_store.storage import MIGRATIONS
 from tests.profile_store import samples
 
 
@@ -124,3 +127,28 @@ async def test_migrations_create_exactly_the_modelled_schema(engine: AsyncEngine
     async with engine.connect() as conn:
         diff = await conn.run_sync(differences)
     assert diff == []
+
+
+def _migrate_to(revision: str, direction: str):
+    def run(connection) -> None:
+        config = database.alembic_config(MIGRATIONS)
+        config.attributes["connection"] = connection
+        getattr(command, direction)(config, revision)
+
+    return run
+
+
+async def test_kernel_rows_from_before_0004_read_as_unknown_shape(engine: AsyncEngine) -> None:
+    """Migration 0004 adds sm_usage and bound; rows written before it read as 0 and unknown,
+    and going back down drops the two columns and nothing else."""
+    repo = ProfileRepository(engine)
+    profile = samples.kernel_profile()
+    assert {k.sm_usage for k in profile.kernels} != {0}  # the columns hold something to lose
+    await repo.put(profile, None)
+    async with engine.begin() as conn:
+        await conn.run_sync(_migrate_to("0003", "downgrade"))
+    async with engine.begin() as conn:
+        await conn.run_sync(_migrate_to("head", "upgrade"))
+    fetched = await repo.get(d.profile_id(profile))
+    unknown = tuple(replace(k, sm_usage=0, bound=d.KernelBound.UNKNOWN) for k in profile.kernels)
+    assert _content(fetched) == replace(profile, kernels=unknown)

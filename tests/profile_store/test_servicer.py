@@ -57,6 +57,12 @@ BAD_REQUESTS = [
     ("PutKernelProfile", kernel_request(p95_duration_ns=math.nan), "p95_duration_ns"),
     ("PutKernelProfile", duplicate_ids(), "profile.kernels[1]"),
     ("PutKernelProfile", kernel_request(grid=common_pb2.Dim3(x=0)), "grid.x"),
+    ("PutKernelProfile", kernel_request(bound=9), "profile.kernels[0].bound"),
+    (
+        "PutKernelProfile",
+        with_meta(kernel_request(sm_usage=109), gpu_model="A100-80GB"),
+        "profile.kernels[0].sm_usage",
+    ),
     ("PutKernelProfile", with_meta(kernel_request(), kind=pb.PROFILE_KIND_MIG), "meta.kind"),
     ("PutKernelProfile", with_meta(kernel_request(), kind=77), "meta.kind"),
     ("PutThroughputProfile", throughput_request(0, 40), "sm_percent"),

@@ -9,7 +9,7 @@ import pytest
 
 from gpuloom.domain import profiles as d
 from gpuloom.domain.errors import InvalidArgument
-from gpuloom.domain.validation import MAX_ENTRIES, validate_profile
+from gpuloom.domain.validation import MAX_ENTRIES, MAX_SM_USAGE, validate_profile
 from gpuloom.policies.profiling.kernels import GRAPH_NODE_KERNEL, graph_kernel_id, graph_name
 from tests.profile_store import samples
 
@@ -61,6 +61,17 @@ BAD = {
         ),
         "profile.kernels[1]",
     ),
+    "SM usage above the model's SMs": (
+        replace(_kernel(sm_usage=133), gpu_model="H100-80GB"),
+        "profile.kernels[0].sm_usage",
+    ),
+    "SM usage above the cap, model unknown": (
+        _kernel(sm_usage=MAX_SM_USAGE + 1),
+        "profile.kernels[0].sm_usage",
+    ),
+    "negative SM usage": (_kernel(sm_usage=-1), "profile.kernels[0].sm_usage"),
+    "fractional SM usage": (_kernel(sm_usage=1.5), "profile.kernels[0].sm_usage"),
+    "unknown bound class": (_kernel(bound="fast"), "profile.kernels[0].bound"),
     "SM 0": (_point(sm_percent=0), "profile.points[0].sm_percent"),
     "SM 101": (_point(sm_percent=101), "profile.points[0].sm_percent"),
     "quota 0": (_point(quota_percent=0.0), "profile.points[0].quota_percent"),
@@ -120,3 +131,10 @@ def test_a_graph_entry_is_its_name_and_no_dimensions() -> None:
     """A CUDA graph measured as one unit: named by its structure, all six dimensions 0."""
     profile = _kernel(name=GRAPH, kernel_id=graph_kernel_id(GRAPH), grid=NO_DIM, block=NO_DIM)
     validate_profile(profile)
+
+
+def test_sm_usage_may_reach_the_models_sm_count_and_the_cap() -> None:
+    validate_profile(replace(_kernel(sm_usage=132), gpu_model="H100-80GB"))
+    validate_profile(replace(_kernel(sm_usage=132), gpu_model="h100-80gb"))  # as find_model
+    validate_profile(_kernel(sm_usage=MAX_SM_USAGE))  # "A100": not a catalogue name
+    validate_profile(_kernel(sm_usage=0, bound=d.KernelBound.UNKNOWN))  # unknown, unknown
