@@ -12,8 +12,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypedDict
 
 from gpuloom.domain.errors import FailedPrecondition, InvalidArgument
 from gpuloom.domain.mig_geometry import MigGeometry, get_geometry
@@ -33,6 +34,12 @@ class GpuModel:
     sm_count: int
     # Name of the MIG geometry the model follows; None where the model has no MIG.
     mig_geometry: str | None = None
+    # What one SM holds at once, from the compute capability's row of the CUDA C++ Programming
+    # Guide's table "Technical Specifications per Compute Capability" ("Maximum number of
+    # resident threads per SM", "... blocks per SM"): the profiler's SM usage
+    # (gpuloom/policies/profiling/shape.py) divides a launch's blocks by what fits.
+    max_threads_per_sm: int = field(kw_only=True)
+    max_blocks_per_sm: int = field(kw_only=True)
 
     @property
     def memory_bytes(self) -> int:
@@ -48,20 +55,28 @@ class GpuModel:
         return get_geometry(self.mig_geometry)
 
 
+class _SmLimits(TypedDict):
+    max_threads_per_sm: int
+    max_blocks_per_sm: int
+
+
+_SM_2048_32 = _SmLimits(max_threads_per_sm=2048, max_blocks_per_sm=32)
 MODELS: Mapping[str, GpuModel] = MappingProxyType(
     {
         m.name: m
         for m in (
-            GpuModel("A100-40GB", "A100", 40, 108, "A100"),
-            GpuModel("A100-80GB", "A100", 80, 108, "A100"),
-            GpuModel("H100-80GB", "H100", 80, 132, "H100"),
+            # Compute capability 8.0 (A100, A30) and 9.0 (H100, H200): 2048 threads, 32 blocks.
+            GpuModel("A100-40GB", "A100", 40, 108, "A100", **_SM_2048_32),
+            GpuModel("A100-80GB", "A100", 80, 108, "A100", **_SM_2048_32),
+            GpuModel("H100-80GB", "H100", 80, 132, "H100", **_SM_2048_32),
             # Same MIG rules as the H100 and no published reconfiguration times, so the
             # H100's geometry (with its Table 1 times) stands in.
-            GpuModel("H200-141GB", "H200", 141, 132, "H100"),
-            GpuModel("A30-24GB", "A30", 24, 56, "A30"),
-            GpuModel("V100-32GB", "V100", 32, 80),
-            GpuModel("T4-16GB", "T4", 16, 40),
-            GpuModel("L4-24GB", "L4", 24, 58),
+            GpuModel("H200-141GB", "H200", 141, 132, "H100", **_SM_2048_32),
+            GpuModel("A30-24GB", "A30", 24, 56, "A30", **_SM_2048_32),
+            # 7.0 (V100): 2048 threads, 32 blocks; 7.5 (T4): 1024, 16; 8.9 (L4): 1536, 24.
+            GpuModel("V100-32GB", "V100", 32, 80, **_SM_2048_32),
+            GpuModel("T4-16GB", "T4", 16, 40, max_threads_per_sm=1024, max_blocks_per_sm=16),
+            GpuModel("L4-24GB", "L4", 24, 58, max_threads_per_sm=1536, max_blocks_per_sm=24),
         )
     }
 )

@@ -6,9 +6,11 @@ import json
 
 import numpy as np
 
+from gpuloom.domain.gpus import find_model
 from gpuloom.domain.profiles import GapPredictorModel, KernelProfile, KernelStats
 from gpuloom.policies.profiling.gaps import choose_predictor
 from gpuloom.policies.profiling.kernels import Runs, order_runs, summarise
+from gpuloom.policies.profiling.shape import sm_usage
 from gpuloom.services.profiler.domain import KernelName, PredictorSummary, Session
 
 
@@ -18,7 +20,10 @@ def build_kernel_profile(
     names: dict[int, KernelName],
 ) -> tuple[KernelProfile, PredictorSummary]:
     """Per-kernel statistics over the T runs (FIKIT) and the gap predictor that did best on
-    held-out runs."""
+    held-out runs. Each kernel's SM usage comes from its launch shape where the GPU model is
+    one the catalogue knows (0, unknown, otherwise); its bound class stays unknown: the shim
+    measures no hardware counters (docs/harvest.md)."""
+    model = find_model(session.gpu_model)
     runs = order_runs(*columns, session.runs)
     table = summarise(runs)
     choice = choose_predictor(_for_cross_validation(runs))
@@ -36,6 +41,7 @@ def build_kernel_profile(
                 p50_duration_ns=row.p50_duration_ns,
                 p95_duration_ns=row.p95_duration_ns,
                 mean_gap_after_ns=row.mean_gap_after_ns,
+                sm_usage=0 if model is None else sm_usage(name.grid, name.block, model),
             )
         )
     profile = KernelProfile(

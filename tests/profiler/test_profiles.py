@@ -8,9 +8,18 @@ import json
 import numpy as np
 import pytest
 
+from gpuloom.domain.profiles import Dim3, KernelBound
+from gpuloom.domain.validation import validate_profile
 from gpuloom.policies.profiling.gaps import load_predictor
-from gpuloom.policies.profiling.kernels import kernel_id
+from gpuloom.policies.profiling.kernels import (
+    GRAPH_NODE_KERNEL,
+    graph_kernel_id,
+    graph_name,
+    kernel_id,
+)
 from gpuloom.services.profiler.convert import pack
+from gpuloom.services.profiler.domain import KernelName, Session
+from gpuloom.services.profiler.profile import build_kernel_profile
 from gpuloom.v1 import (
     common_pb2,
     profile_store_pb2,
@@ -27,6 +36,7 @@ SEQUENCE = ["conv1", "relu", "conv2", "relu", "pool", "fc", "softmax"]
 DURATION_NS = {"conv1": 80_000, "relu": 6_000, "conv2": 120_000, "pool": 9_000, "fc": 40_000,
                "softmax": 4_000}  # fmt: skip
 GRID, BLOCK = (64, 1, 1), (256, 1, 1)
+GRAPH = graph_name([(GRAPH_NODE_KERNEL, 1)])
 
 
 def _runs(rng: np.random.Generator) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -99,8 +109,71 @@ async def test_t_runs_become_a_stored_kernel_profile(
     for name, true_ns in DURATION_NS.items():
         assert by_name[name].mean_duration_ns == pytest.approx(true_ns, rel=0.05)
         assert by_name[name].grid.x == 64 and by_name[name].block.x == 256
+        # 64 blocks of 8 warps; an A100 SM holds 8 of them (64 warps): 8 SMs. No counters
+        # measured, so the bound class stays unknown.
+        assert by_name[name].sm_usage == 8
+        assert by_name[name].bound == profile_store_pb2.KERNEL_BOUND_UNKNOWN
     assert by_name["relu"].sample_count == 2 * RUNS
     assert by_name["softmax"].mean_gap_after_ns == 0  # last in every run: no gap after it
     assert by_name["conv1"].mean_gap_after_ns == pytest.approx(2_000, rel=0.05)
     assert by_name["pool"].mean_gap_after_ns == pytest.approx(15_000, rel=0.05)
     assert by_name["relu"].mean_gap_after_ns == pytest.approx(8_000, rel=0.05)
+
+
+def _session(gpu_model: str) -> Session:
+    return Session("s-1", "task", gpu_model, runs=2, opened_at_unix_s=0.0)
+
+
+def _columns(ids: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each kernel once per run, 1 us each, back to back."""
+    n = len(ids)
+    starts = np.arange(2 * n, dtype=np.int64) * 1_000
+    return (
+        np.array(ids * 2, dtype=np.uint64),
+        starts,
+        starts + 1_000,
+        np.repeat(np.arange(2), n),
+    )
+
+
+LAUNCHES = {
+    "sgemm": (Dim3(264, 1, 1), Dim3(128, 2, 1)),  # 8 warps: 8 per SM, 33 SMs on an H100
+    "huge": (Dim3(100_000, 1, 1), Dim3(64, 1, 1)),  # more than a wave: every SM
+    GRAPH: (Dim3(0, 0, 0), Dim3(0, 0, 0)),  # a graph has no shape: unknown
+}
+
+
+def _names() -> dict[int, KernelName]:
+    names = {}
+    for name, (grid, block) in LAUNCHES.items():
+        as_tuples = (grid.x, grid.y, grid.z), (block.x, block.y, block.z)
+        kid = graph_kernel_id(name) if name == GRAPH else kernel_id(name, *as_tuples)
+        names[kid] = KernelName(kid, name, grid, block)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("gpu_model", "expected"),
+    [
+        ("H100-80GB", {"sgemm": 33, "huge": 132, GRAPH: 0}),
+        ("t4-16gb", {"sgemm": 40, "huge": 40, GRAPH: 0}),  # T4: 4 such blocks per SM, 40 SMs
+        ("A100", {"sgemm": 0, "huge": 0, GRAPH: 0}),  # not a catalogue model: unknown
+    ],
+)
+def test_the_profile_carries_each_kernels_sm_usage_on_the_sessions_model(
+    gpu_model: str, expected: dict[str, int]
+) -> None:
+    names = _names()
+    profile, _ = build_kernel_profile(_session(gpu_model), _columns(list(names)), names)
+    assert {k.name: k.sm_usage for k in profile.kernels} == expected
+    assert {k.bound for k in profile.kernels} == {KernelBound.UNKNOWN}
+    validate_profile(profile)
+
+
+def test_a_launch_shape_that_cannot_run_fails_the_profile_naming_it() -> None:
+    names = {
+        7: KernelName(7, "wide", Dim3(4, 1, 1), Dim3(1024, 2, 1)),
+        8: KernelName(8, "fine", Dim3(4, 1, 1), Dim3(1024, 1, 1)),
+    }
+    with pytest.raises(ValueError, match="block 1024x2x1 has 2048 threads"):
+        build_kernel_profile(_session("H100-80GB"), _columns([7, 8]), names)
