@@ -122,7 +122,9 @@ def _check_kernel_profile(p: KernelProfile) -> None:
     check_entries("profile.kernels", p.kernels)
     model = find_model(p.gpu_model)
     most_sms, of_what = (
-        (model.sm_count, f"the SMs of a {model.name}") if model else (MAX_SM_USAGE, "the cap")
+        (model.sm_count, f"the {model.name}'s SMs")
+        if model
+        else (MAX_SM_USAGE, "a GPU model not in the catalogue")
     )
     for i, k in enumerate(p.kernels):
         f = f"profile.kernels[{i}]"
