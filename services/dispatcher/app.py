@@ -107,7 +107,14 @@ async def start_gpu_dispatcher(
         token_policy = "exclusive" if fikit else settings.policy
         scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
     # One engine for every policy: a token policy adds no FIKIT task, so its FIKIT half idles.
-    engine = AdmissionEngine(arguments.fikit)
+    # Where composed runs MPS, it also admits fill kernels beside the holder's running one.
+    harvest = None
+    if settings.harvests(gpu.gpu_uuid):
+        if gpu.sm_count > 0:
+            harvest = arguments.harvest
+        else:
+            log.warning("spatial harvesting off: the GPU's SM count is unknown", gpu=gpu.index)
+    engine = AdmissionEngine(arguments.fikit, harvest=harvest, sms=gpu.sm_count)
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(
