@@ -233,7 +233,10 @@ def _library() -> ctypes.CDLL:
         ),
         "gl_engine_stop": (None, [handle]),
         "gl_engine_board_fd": (ctypes.c_int, [handle, ctypes.c_uint32, ctypes.c_int]),
-        "gl_engine_add_task": (ctypes.c_int, [handle, ctypes.c_int, ctypes.c_uint32, *kernels]),
+        "gl_engine_add_task": (
+            ctypes.c_int,
+            [handle, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, *kernels],
+        ),
         "gl_engine_set_kernels": (ctypes.c_int, [handle, slot, *kernels]),
         "gl_engine_remove_task": (None, [handle, slot]),
         "gl_engine_set_suspended": (ctypes.c_int, [handle, slot, ctypes.c_int]),
@@ -309,12 +312,25 @@ class AdmissionEngine:
 
     # ---- kernels: the FIKIT half ----
 
-    def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
-        """Register a FIKIT task; returns its slot. Raises ArbiterFull when no slot is free."""
+    def add_task(
+        self,
+        region_fd: int,
+        priority: int,
+        kernels: Sequence[KernelTiming],
+        sm_percent: int = 100,
+    ) -> int:
+        """Register a FIKIT task with its SM partition (under MPS the spatial rule caps its
+        kernels' SMs at it); returns its slot. Raises ArbiterFull when no slot is free."""
+        if isinstance(sm_percent, bool) or not isinstance(sm_percent, int):
+            raise ValueError(f"sm_percent must be an integer 1..100, got {sm_percent!r}")
+        if not 1 <= sm_percent <= 100:
+            raise ValueError(f"sm_percent must be 1..100, got {sm_percent}")
         handle = self._require()
         ctypes.set_errno(0)
         table = _table(kernels)
-        slot = self._lib.gl_engine_add_task(handle, region_fd, priority, ctypes.byref(table))
+        slot = self._lib.gl_engine_add_task(
+            handle, region_fd, priority, sm_percent, ctypes.byref(table)
+        )
         if slot < 0:
             error = ctypes.get_errno()
             if error == errno.ENOSPC:

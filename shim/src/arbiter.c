@@ -42,6 +42,7 @@ typedef struct {
     int used;
     uint8_t *region;
     uint32_t priority;
+    uint32_t sm_percent;  /* its SM partition (MPS caps its kernels at it), 1..100 */
     uint32_t seen_req;    /* REQ_SEQ last handed to the core */
     uint32_t seen_done;   /* DONE last read */
     int queued;           /* a request of this task waits in the core */
@@ -448,10 +449,14 @@ static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e) {
 
 /* ---- spatial harvesting: a filler's request beside the holder's running kernel (MPS) ---- */
 
-/* The SMs a kernel asks for: its launch shape, or the whole GPU when that is unknown. */
-static uint32_t demand_of(const gl_arbiter *a, const kernel_entry *e) {
-    if (e == NULL || e->sm_usage == 0 || e->sm_usage > a->harvest.sms) return a->harvest.sms;
-    return e->sm_usage;
+/* The SMs a task's kernel asks for: its launch shape (the whole GPU when that is unknown),
+ * capped by the task's SM partition, which MPS enforces (as gpuloom/sim/kernels.py's demand). */
+static uint32_t demand_of(const gl_arbiter *a, const slot_state *s, const kernel_entry *e) {
+    uint32_t sms = a->harvest.sms;
+    uint32_t partition = (uint32_t)((uint64_t)sms * s->sm_percent / 100);
+    if (partition == 0) partition = 1;
+    uint32_t shape = e == NULL || e->sm_usage == 0 || e->sm_usage > sms ? sms : e->sm_usage;
+    return shape < partition ? shape : partition;
 }
 
 /* What `candidate`'s rule needs from the GPU now: every other task's kernel predicted on the
@@ -477,7 +482,7 @@ static uint32_t on_gpu(const gl_arbiter *a, uint32_t candidate, uint64_t now,
                 predictable = 0; /* more than it can weigh: nothing goes beside them */
                 continue;
             }
-            out[n++] = (gl_sp_running){s->priority, demand_of(a, e), e ? e->bound : 0};
+            out[n++] = (gl_sp_running){s->priority, demand_of(a, s, e), e ? e->bound : 0};
             if (s->priority >= own_priority) continue;
             /* A better task's kernel: the candidate must be off the SMs before its next one. */
             uint64_t at;
@@ -528,7 +533,7 @@ static void harvest(gl_arbiter *a, uint64_t now) {
             uint64_t holder_next;
             uint32_t n = on_gpu(a, t, now, running, &holder_next);
             gl_sp_candidate candidate = {.priority = s->priority,
-                                         .demand = demand_of(a, e),
+                                         .demand = demand_of(a, s, e),
                                          .bound = e->bound,
                                          .duration_ns = e->duration_ns,
                                          .queued_ns = ahead,
@@ -742,10 +747,11 @@ static int table_ok(const gl_kernel_table *t) {
                                            t->gaps_ns != NULL));
 }
 
-int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
+int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority, uint32_t sm_percent,
                         const gl_kernel_table *kernels) {
     struct stat st;
-    if (priority >= GL_FK_PRIORITIES || fstat(region_fd, &st) != 0 ||
+    if (priority >= GL_FK_PRIORITIES || sm_percent == 0 || sm_percent > 100 ||
+        fstat(region_fd, &st) != 0 ||
         st.st_size < (off_t)GL_REGION_BYTES || !table_ok(kernels)) {
         errno = EINVAL;
         return -1;
@@ -773,6 +779,7 @@ int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     s->used = 1;
     s->region = mapped;
     s->priority = priority;
+    s->sm_percent = sm_percent;
     /* Whatever the region held before is history, not requests. */
     s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
     s->seen_done = load32(s->region, GL_OFF_FK_DONE);

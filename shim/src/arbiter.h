@@ -68,10 +68,11 @@ uint64_t gl_arbiter_next_round(const gl_arbiter *arbiter);
 int gl_arbiter_board_fd(gl_arbiter *arbiter, uint32_t priority, int writable);
 
 /* Registers a task: maps its region (region_fd stays the caller's), takes a copy of its kernel
- * profile and its priority. Returns the task's slot (0..GL_FK_MAX_TASKS-1), or -1 with errno:
- * EINVAL (bad priority, region or table), ENOSPC (all slots taken), ENOMEM. */
+ * profile, its priority and its SM partition (1..100 percent: the spatial rule caps its
+ * kernels' SMs at it). Returns the task's slot (0..GL_FK_MAX_TASKS-1), or -1 with errno:
+ * EINVAL (bad priority, SM percent, region or table), ENOSPC (all slots taken), ENOMEM. */
 int gl_arbiter_add_task(gl_arbiter *arbiter, int region_fd, uint32_t priority,
-                        const gl_kernel_table *kernels);
+                        uint32_t sm_percent, const gl_kernel_table *kernels);
 
 /* Replaces a task's kernel profile (it arrived after the task registered). -1 with errno
  * EINVAL, ENOENT (no such task) or ENOMEM. */

@@ -116,10 +116,10 @@ API int gl_engine_board_fd(gl_engine *e, uint32_t priority, int writable) {
     return gl_arbiter_board_fd(e->fikit, priority, writable);
 }
 
-API int gl_engine_add_task(gl_engine *e, int region_fd, uint32_t priority,
+API int gl_engine_add_task(gl_engine *e, int region_fd, uint32_t priority, uint32_t sm_percent,
                            const gl_kernel_table *kernels) {
     pthread_mutex_lock(&e->lock);
-    int slot = gl_arbiter_add_task(e->fikit, region_fd, priority, kernels);
+    int slot = gl_arbiter_add_task(e->fikit, region_fd, priority, sm_percent, kernels);
     int error = errno;
     pthread_mutex_unlock(&e->lock);
     if (slot >= 0) ring(e); /* the others' roles may change */

@@ -42,7 +42,7 @@ void gl_engine_stop(gl_engine *engine);
 
 int gl_engine_board_fd(gl_engine *engine, uint32_t priority, int writable);
 int gl_engine_add_task(gl_engine *engine, int region_fd, uint32_t priority,
-                       const gl_kernel_table *kernels);
+                       uint32_t sm_percent, const gl_kernel_table *kernels);
 int gl_engine_set_kernels(gl_engine *engine, int slot, const gl_kernel_table *kernels);
 void gl_engine_remove_task(gl_engine *engine, int slot);
 int gl_engine_set_suspended(gl_engine *engine, int slot, int on);

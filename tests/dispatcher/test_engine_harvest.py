@@ -5,6 +5,8 @@ clashing, too wide, too long or never-profiled kernel waits either way."""
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from gpuloom.policies.fikit.core import FikitConfig
 from gpuloom.policies.harvest import HarvestConfig
 from gpuloom.services.dispatcher.admission_engine import AdmissionEngine, KernelTiming
-from gpuloom.shimwire import FikitPost, FikitRole
+from gpuloom.shimwire import REGION_BYTES, AdmissionRegion, FikitPort, FikitPost, FikitRole
 from tests.dispatcher.test_arbiter import MS, US, Task
 from tests.polling import holds_within
 
@@ -78,3 +80,29 @@ def test_a_filler_that_fits_goes_beside_the_running_holder_kernel_only_under_mps
 def test_harvesting_needs_the_gpus_sm_count() -> None:
     with pytest.raises(ValueError, match="SM count"):
         AdmissionEngine(CONFIG, harvest=HarvestConfig(), sms=0)
+
+
+def test_a_wide_kernel_counts_only_its_sm_partition() -> None:
+    # 70 SMs asked for, but its process's MPS partition is 5% of the 100: it fits beside the
+    # holder's 40 (as the simulator's demand, capped by the partition).
+    arbiter = engine(mps=True)
+    holder = Task(arbiter, 0, HOLDER_TABLE)
+    region, fd = AdmissionRegion.create("narrow")
+    mapping = mmap.mmap(fd, REGION_BYTES)
+    arbiter.add_task(fd, 5, [TOO_WIDE], sm_percent=5)
+    port = FikitPort(mapping, arbiter.doorbell_fd, [])
+    try:
+        assert holds_within(lambda: port.role is FikitRole.FILL)
+        holder.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        seq = port.post(TOO_WIDE.kernel_id, FikitPost.REQUEST)
+        assert holds_within(lambda: port.granted == seq, timeout_s=1.0)
+        assert arbiter.fikit_stats().harvested == 1
+        with pytest.raises(ValueError, match=r"sm_percent must be 1\.\.100"):
+            arbiter.add_task(fd, 5, [TOO_WIDE], sm_percent=0)
+    finally:
+        arbiter.stop()
+        port.close()
+        holder.close()
+        mapping.close()
+        region.close()
+        os.close(fd)
