@@ -110,6 +110,10 @@ static const kernel_entry *lookup(const slot_state *s, uint64_t id) {
 
 /* ---- one round ---- */
 
+/* A profiled time as the core takes it (at most 60 s): sums of clock times and a few of these
+ * cannot overflow. */
+static inline uint64_t clamp_ns(uint64_t ns) { return ns < GL_FK_MAX_NS ? ns : GL_FK_MAX_NS; }
+
 /* A kernel of this task (ID `kernel`, on the GPU from `at` or after the task's earlier kernels)
  * now counts as outstanding until `done` reaches its sequence number. */
 static void track(gl_arbiter *a, uint32_t task, uint32_t seq, uint64_t kernel, uint64_t at) {
@@ -127,7 +131,7 @@ static void track(gl_arbiter *a, uint32_t task, uint32_t seq, uint64_t kernel, u
     }
     const kernel_entry *e = lookup(s, kernel);
     if (start != GL_FK_UNKNOWN && e != NULL && e->duration_ns != GL_FK_UNKNOWN)
-        end = start + e->duration_ns; /* both below 2^62: no overflow */
+        end = start + clamp_ns(e->duration_ns);
     s->granted[i] = seq;
     s->granted_kernel[i] = kernel;
     s->granted_start[i] = start;
@@ -495,7 +499,7 @@ static uint32_t on_gpu(const gl_arbiter *a, uint32_t candidate, uint64_t now,
                 predictable = 0;
                 continue;
             } else {
-                at = end + e->gap_ns;
+                at = end + clamp_ns(e->gap_ns);
             }
             if (at < *holder_next) *holder_next = at;
         }
