@@ -240,6 +240,7 @@ def _library() -> ctypes.CDLL:
         "gl_engine_set_kernels": (ctypes.c_int, [handle, slot, *kernels]),
         "gl_engine_remove_task": (None, [handle, slot]),
         "gl_engine_set_suspended": (ctypes.c_int, [handle, slot, ctypes.c_int]),
+        "gl_engine_set_harvesting": (ctypes.c_int, [handle, ctypes.c_int]),
         "gl_engine_fikit_stats": (None, [handle, ctypes.POINTER(_ArbiterStats)]),
         "gl_engine_core_counters": (None, [handle, ctypes.POINTER(FikitCountersStruct)]),
         "gl_engine_lease_add": (ctypes.c_int, [handle, ctypes.c_int]),
@@ -355,6 +356,13 @@ class AdmissionEngine:
         """Take a task out of the decisions while the dispatcher has it suspended (the next
         priority then holds the GPU), or back in; a slot not in use is ignored."""
         self._lib.gl_engine_set_suspended(self._require(), slot, int(suspended))
+
+    def set_harvesting(self, on: bool) -> None:
+        """Pause or resume asking the spatial rule (it follows the GPU's MPS daemon: a process
+        reserved while it is down runs as a plain context). Raises ValueError to turn on an
+        engine started without `harvest`."""
+        if self._lib.gl_engine_set_harvesting(self._require(), int(on)) != 0:
+            raise ValueError("the admission engine was started without spatial harvesting")
 
     def board_fds(self, priority: int) -> list[int]:
         """The priority boards a process of `priority` gets on its Registered frame, after its

@@ -4,6 +4,8 @@ scheduler, shim channel thread, core and gRPC server (port base + GPU index)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +67,11 @@ class GpuDispatcher:
     @property
     def port(self) -> int:
         return self.server.port
+
+
+def _follow_mps(engine: AdmissionEngine, running: bool) -> None:
+    with contextlib.suppress(RuntimeError):  # the engine stopped first, at shutdown
+        engine.set_harvesting(running)
 
 
 def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -> MpsSupervisor:
@@ -136,6 +143,10 @@ async def start_gpu_dispatcher(
         # A daemon that does not start is reported and retried; the GPU is served anyway
         # (SM-partition reservations are refused until it runs).
         mps = mps_supervisor(settings, gpu, data_dir)
+        if harvest is not None:
+            # Kernels co-run only among MPS clients: the rule is asked while the daemon runs.
+            engine.set_harvesting(False)
+            mps.on_running = functools.partial(_follow_mps, engine)
         await asyncio.to_thread(mps.start)
     core: DispatcherCore
 

@@ -90,7 +90,8 @@ struct gl_arbiter {
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
     uint8_t *board[GL_BOARDS];
     arm_state arm;
-    int harvest_on;       /* the GPU runs MPS: ask the spatial rule (spatial.h) */
+    int harvest_given;    /* started with the spatial rule's config (the GPU runs MPS) */
+    int harvest_on;       /* ... and its MPS daemon runs now: ask the rule (spatial.h) */
     gl_sp_config harvest;
     gl_arbiter_stats stats;
     slot_state slots[GL_FK_MAX_TASKS];
@@ -667,7 +668,7 @@ gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns,
         errno = error;
         return NULL;
     }
-    a->harvest_on = harvest != NULL;
+    a->harvest_given = a->harvest_on = harvest != NULL;
     if (harvest != NULL) a->harvest = *harvest;
     a->gap_threshold_ns = config->gap_threshold_ns;
     a->fill_guard_ns = config->fill_guard_ns;
@@ -852,6 +853,12 @@ int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
         if (result == 0) s->suspended = on != 0;
     }
     return result;
+}
+
+int gl_arbiter_set_harvesting(gl_arbiter *a, int on) {
+    if (a == NULL || (on && !a->harvest_given)) return -1;
+    a->harvest_on = on != 0;
+    return 0;
 }
 
 void gl_arbiter_get_stats(const gl_arbiter *a, gl_arbiter_stats *out) { *out = a->stats; }

@@ -87,6 +87,11 @@ void gl_arbiter_remove_task(gl_arbiter *arbiter, int slot);
  * slot not in use. */
 int gl_arbiter_set_suspended(gl_arbiter *arbiter, int slot, int on);
 
+/* Pauses (off) or resumes (on) asking the spatial rule, as the GPU's MPS daemon stops or runs
+ * again (a process reserved meanwhile is no MPS client). 0, or -1 to turn on a part started
+ * without the rule's config. */
+int gl_arbiter_set_harvesting(gl_arbiter *arbiter, int on);
+
 void gl_arbiter_get_stats(const gl_arbiter *arbiter, gl_arbiter_stats *out);
 
 /* The decision core's own counters (windows, fills granted in windows or while idle). */

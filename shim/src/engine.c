@@ -151,6 +151,13 @@ API int gl_engine_set_suspended(gl_engine *e, int slot, int on) {
     return result;
 }
 
+API int gl_engine_set_harvesting(gl_engine *e, int on) {
+    pthread_mutex_lock(&e->lock);
+    int result = gl_arbiter_set_harvesting(e->fikit, on);
+    pthread_mutex_unlock(&e->lock);
+    return result;
+}
+
 API void gl_engine_fikit_stats(gl_engine *e, gl_arbiter_stats *out) {
     pthread_mutex_lock(&e->lock);
     gl_arbiter_get_stats(e->fikit, out);

@@ -46,6 +46,7 @@ int gl_engine_add_task(gl_engine *engine, int region_fd, uint32_t priority,
 int gl_engine_set_kernels(gl_engine *engine, int slot, const gl_kernel_table *kernels);
 void gl_engine_remove_task(gl_engine *engine, int slot);
 int gl_engine_set_suspended(gl_engine *engine, int slot, int on);
+int gl_engine_set_harvesting(gl_engine *engine, int on);
 void gl_engine_fikit_stats(gl_engine *engine, gl_arbiter_stats *out);
 void gl_engine_core_counters(gl_engine *engine, gl_fk_counters *out);
 

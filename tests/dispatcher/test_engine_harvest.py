@@ -77,6 +77,35 @@ def test_a_filler_that_fits_goes_beside_the_running_holder_kernel_only_under_mps
             filler.close()
 
 
+def test_harvesting_pauses_while_the_mps_daemon_is_down() -> None:
+    arbiter = engine(mps=True)
+    holder = Task(arbiter, 0, HOLDER_TABLE)
+    filler = Task(arbiter, 5, [FITS])
+    try:
+        assert holds_within(lambda: filler.port.role is FikitRole.FILL)
+        arbiter.set_harvesting(False)  # the daemon died: nothing co-runs now
+        holder.port.post(HOLDER_KERNEL, FikitPost.TRACKED)
+        seq = filler.port.post(FITS.kernel_id, FikitPost.REQUEST)
+        assert not holds_within(lambda: filler.port.granted == seq, timeout_s=0.3)
+        arbiter.set_harvesting(True)  # it runs again
+        assert holds_within(lambda: filler.port.granted == seq, timeout_s=1.0)
+        assert arbiter.fikit_stats().harvested == 1
+    finally:
+        arbiter.stop()
+        holder.close()
+        filler.close()
+
+
+def test_an_engine_started_without_mps_cannot_harvest() -> None:
+    arbiter = engine(mps=False)
+    try:
+        arbiter.set_harvesting(False)
+        with pytest.raises(ValueError, match="without spatial harvesting"):
+            arbiter.set_harvesting(True)
+    finally:
+        arbiter.stop()
+
+
 def test_harvesting_needs_the_gpus_sm_count() -> None:
     with pytest.raises(ValueError, match="SM count"):
         AdmissionEngine(CONFIG, harvest=HarvestConfig(), sms=0)

@@ -52,8 +52,11 @@ def _wait(condition: object, timeout_s: float = 15.0) -> bool:
 
 def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) -> None:
     mps = _supervisor(short_dir)
+    told: list[bool] = []  # what the admission engine's harvesting follows
+    mps.on_running = told.append
     try:
         assert mps.start()
+        assert told == [True]
         assert mps.available() == (True, "")
         first = mps.pid
         assert first is not None
@@ -65,12 +68,14 @@ def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) ->
         os.kill(first, signal.SIGKILL)  # the daemon dies: the supervisor starts a new one
         assert _wait(lambda: mps.pid not in (None, first)), mps.available()
         assert mps.restarts == 1
+        assert told == [True, False, True]  # it died, then answered again
         assert mps.command("get_default_active_thread_percentage").strip() == "100.0"
         second = mps.pid
         assert second is not None
     finally:
         mps.stop()
     assert mps.available() == (False, "stopped")
+    assert told == [True, False, True]  # nobody is told while it stops
     assert not alive(second)
     assert not (short_dir / "pipe" / "control").exists()  # it quit (removes its socket)
     log = (short_dir / "log" / "control.log").read_text()
