@@ -30,7 +30,7 @@
 #include "wire.h"
 
 #define GRANTS_TRACKED 64u /* granted fill kernels remembered per task until known done */
-#define GL_SP_RUNNING_MAX 256u /* kernels the spatial rule weighs at most */
+#define RUNNING_WEIGHED 256u /* kernels the spatial rule weighs at most */
 
 typedef struct {
     uint64_t id, duration_ns, gap_ns;
@@ -483,7 +483,7 @@ static uint32_t on_gpu(const gl_arbiter *a, uint32_t candidate, uint64_t now,
             int known = start != GL_FK_UNKNOWN && end != GL_FK_UNKNOWN;
             if (known && (start > now || end <= now)) continue;
             const kernel_entry *e = lookup(s, s->granted_kernel[i]);
-            if (n == GL_SP_RUNNING_MAX) {
+            if (n == RUNNING_WEIGHED) {
                 predictable = 0; /* more than it can weigh: nothing goes beside them */
                 continue;
             }
@@ -527,7 +527,7 @@ static uint64_t queued_ahead(const slot_state *s, uint64_t now) {
 static void harvest(gl_arbiter *a, uint64_t now) {
     int best = gl_fk_holder_priority(a->core);
     if (!a->harvest_on || best < 0) return;
-    gl_sp_running running[GL_SP_RUNNING_MAX];
+    gl_sp_running running[RUNNING_WEIGHED];
     for (uint32_t p = (uint32_t)best + 1; p < GL_FK_PRIORITIES; p++) {
         for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
             slot_state *s = &a->slots[t];
