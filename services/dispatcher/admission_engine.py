@@ -209,7 +209,6 @@ class _Candidate(ctypes.Structure):
     ]
 
 
-_U64_ARRAY = ctypes.POINTER(ctypes.c_uint64)
 _ArbiterStats = counters_struct(ArbiterStats, u32=("tasks", "waiting"))
 _DeskStats = counters_struct(DeskStats, u32=("slots", "pending"))
 
