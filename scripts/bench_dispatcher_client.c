@@ -205,7 +205,7 @@ static int desk_alone(int clients, double seconds, long pause_us, uint64_t spin_
     if (doorbell < 0 || notify < 0) die("eventfd");
     gl_fk_config config;
     gl_fk_default_config(&config);
-    gl_engine *engine = gl_engine_start(&config, doorbell, notify, 20 * 1000000ull);
+    gl_engine *engine = gl_engine_start(&config, doorbell, notify, 20 * 1000000ull, NULL);
     if (engine == NULL) die("gl_engine_start");
     volatile uint8_t **regions = calloc((size_t)clients, sizeof *regions);
     if (regions == NULL) die("calloc");

@@ -10,7 +10,10 @@ Each round does both halves of admission (docs/dispatcher.md, "The admission eng
   leases within a priority level; under a token policy, the only admission.
 - kernels: the processes added as FIKIT tasks (`add_task`: a region, a priority and a kernel
   table) are admitted kernel by kernel by the FIKIT decision core, across priority levels.
-  Under a token policy no process is, and this half stays inert.
+  Under a token policy no process is, and this half stays inert. Where the GPU runs MPS
+  (`harvest` given at start), a filler's request queued behind a running holder kernel is also
+  put to the spatial rule (shim/src/spatial.c, the C twin of gpuloom.policies.harvest): one it
+  admits goes at once, beside the holder's kernel (`harvested`).
 
 The per-kernel and per-lease paths, shim posts in shared memory -> engine -> grants, never
 enter Python. This module is the thin ctypes binding plus the two eventfds: the doorbell every
@@ -40,6 +43,7 @@ from gpuloom.policies.fikit.core import (
     config_struct,
     read_core_counters,
 )
+from gpuloom.policies.harvest import Candidate, HarvestConfig, Running
 from gpuloom.services.dispatcher.native import counters_struct, native_library, read_counters
 
 MAX_LEASE_SLOTS = 256
@@ -61,6 +65,7 @@ class ArbiterStats:
     arms: int
     fired: int
     late_releases: int
+    harvested: int
     tasks: int
     waiting: int
 
@@ -79,6 +84,12 @@ class DeskStats:
     pending: int
 
 
+# A kernel's bound class as spatial.h numbers it (the profile store's KernelBound too).
+BOUNDS = {"unknown": 0, "compute": 1, "memory": 2}
+# The most SMs the engine's spatial rule takes a GPU to have (GL_SP_MAX_SMS).
+MAX_SMS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class KernelTiming:
     """One kernel of a task's profile, as the engine predicts it."""
@@ -86,6 +97,14 @@ class KernelTiming:
     kernel_id: int
     duration_ns: int
     gap_after_ns: int | None  # None: the profile has no gap for it
+    sm_usage: int = 0  # SMs its launch shape occupies (0: unknown, taken as all of them)
+    bound: str = "unknown"  # compute, memory or unknown: what limits it
+
+    def __post_init__(self) -> None:
+        if self.bound not in BOUNDS:
+            raise ValueError(f"bound must be one of {sorted(BOUNDS)}, got {self.bound!r}")
+        if not 0 <= self.sm_usage <= 0xFFFFFFFF:
+            raise ValueError(f"sm_usage must be a u32, got {self.sm_usage}")
 
 
 class DeskEventKind(enum.IntEnum):
@@ -145,7 +164,51 @@ class _Event(ctypes.Structure):
     ]
 
 
-_U64_ARRAY = ctypes.POINTER(ctypes.c_uint64)
+class _KernelTable(ctypes.Structure):
+    _fields_ = [
+        ("ids", ctypes.POINTER(ctypes.c_uint64)),
+        ("durations_ns", ctypes.POINTER(ctypes.c_uint64)),
+        ("gaps_ns", ctypes.POINTER(ctypes.c_uint64)),
+        ("sm_usage", ctypes.POINTER(ctypes.c_uint32)),
+        ("bounds", ctypes.POINTER(ctypes.c_uint32)),
+        ("count", ctypes.c_uint32),
+    ]
+
+
+class _HarvestConfig(ctypes.Structure):
+    """gl_sp_config."""
+
+    _fields_ = [
+        ("sm_limit", ctypes.c_double),
+        ("stretch", ctypes.c_double),
+        ("max_holder_slowdown", ctypes.c_double),
+        ("other_factor", ctypes.c_double),
+        ("unknown_factor", ctypes.c_double),
+        ("allow_unknown", ctypes.c_uint32),
+        ("sms", ctypes.c_uint32),
+    ]
+
+
+class _Running(ctypes.Structure):
+    _fields_ = [
+        ("priority", ctypes.c_uint32),
+        ("demand", ctypes.c_uint32),
+        ("bound", ctypes.c_uint32),
+    ]
+
+
+class _Candidate(ctypes.Structure):
+    _fields_ = [
+        ("priority", ctypes.c_uint32),
+        ("demand", ctypes.c_uint32),
+        ("bound", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+        ("duration_ns", ctypes.c_uint64),
+        ("queued_ns", ctypes.c_uint64),
+        ("quota_left_ns", ctypes.c_uint64),
+    ]
+
+
 _ArbiterStats = counters_struct(ArbiterStats, u32=("tasks", "waiting"))
 _DeskStats = counters_struct(DeskStats, u32=("slots", "pending"))
 
@@ -154,18 +217,29 @@ _DeskStats = counters_struct(DeskStats, u32=("slots", "pending"))
 def _library() -> ctypes.CDLL:
     lib = native_library()
     handle, slot = ctypes.c_void_p, ctypes.c_int
-    kernels = [_U64_ARRAY, _U64_ARRAY, _U64_ARRAY, ctypes.c_uint32]
+    kernels = [ctypes.POINTER(_KernelTable)]
+    harvest = ctypes.POINTER(_HarvestConfig)
     signatures: dict[str, tuple[object, list[object]]] = {
         "gl_engine_start": (
             ctypes.c_void_p,
-            [ctypes.POINTER(FikitConfigStruct), ctypes.c_int, ctypes.c_int, ctypes.c_uint64],
+            [
+                ctypes.POINTER(FikitConfigStruct),
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_uint64,
+                harvest,
+            ],
         ),
         "gl_engine_stop": (None, [handle]),
         "gl_engine_board_fd": (ctypes.c_int, [handle, ctypes.c_uint32, ctypes.c_int]),
-        "gl_engine_add_task": (ctypes.c_int, [handle, ctypes.c_int, ctypes.c_uint32, *kernels]),
+        "gl_engine_add_task": (
+            ctypes.c_int,
+            [handle, ctypes.c_int, ctypes.c_uint32, ctypes.c_uint32, *kernels],
+        ),
         "gl_engine_set_kernels": (ctypes.c_int, [handle, slot, *kernels]),
         "gl_engine_remove_task": (None, [handle, slot]),
         "gl_engine_set_suspended": (ctypes.c_int, [handle, slot, ctypes.c_int]),
+        "gl_engine_set_harvesting": (ctypes.c_int, [handle, ctypes.c_int]),
         "gl_engine_fikit_stats": (None, [handle, ctypes.POINTER(_ArbiterStats)]),
         "gl_engine_core_counters": (None, [handle, ctypes.POINTER(FikitCountersStruct)]),
         "gl_engine_lease_add": (ctypes.c_int, [handle, ctypes.c_int]),
@@ -174,6 +248,18 @@ def _library() -> ctypes.CDLL:
         "gl_engine_revoke_all": (None, [handle]),
         "gl_engine_take": (ctypes.c_uint32, [handle, ctypes.c_void_p, ctypes.c_uint32]),
         "gl_engine_lease_stats": (None, [handle, ctypes.POINTER(_DeskStats)]),
+        "gl_sp_check_config": (ctypes.c_int, [harvest]),
+        "gl_sp_admit": (
+            ctypes.c_int,
+            [
+                harvest,
+                ctypes.c_uint64,
+                ctypes.POINTER(_Candidate),
+                ctypes.POINTER(_Running),
+                ctypes.c_uint32,
+                ctypes.c_uint64,
+            ],
+        ),
     }
     for name, (restype, argtypes) in signatures.items():
         function = getattr(lib, name)
@@ -192,12 +278,21 @@ def _ns(seconds: float) -> int:
 class AdmissionEngine:
     """Owns the native thread and its two eventfds; safe to call from any thread."""
 
-    def __init__(self, config: FikitConfig | None = None, beat_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        config: FikitConfig | None = None,
+        beat_s: float = 0.02,
+        harvest: HarvestConfig | None = None,
+        sms: int = 0,
+    ) -> None:
         """`config`: the FIKIT core's (its defaults when None: a token policy adds no task).
         The FIKIT half publishes arms (the holder's launch releases the best waiting filler
         itself: one wake-up) and each task's window-opening kernels (a holder's other launches
-        ring no doorbell); docs/fikit.md. `beat_s`: the FIKIT regions' heartbeat cadence."""
+        ring no doorbell); docs/fikit.md. `beat_s`: the FIKIT regions' heartbeat cadence.
+        `harvest`: only where the GPU runs MPS, the spatial rule's knobs, with `sms` the GPU's
+        SMs (1..MAX_SMS); None (the default) never asks the rule."""
         self._lib = _library()
+        harvest_struct = None if harvest is None else _harvest_struct(harvest, sms)
         self.doorbell_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.notify_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         handle = self._lib.gl_engine_start(
@@ -205,6 +300,7 @@ class AdmissionEngine:
             self.doorbell_fd,
             self.notify_fd,
             int(beat_s * 1e9),
+            None if harvest_struct is None else ctypes.byref(harvest_struct),
         )
         if not handle:
             error = ctypes.get_errno()
@@ -216,11 +312,25 @@ class AdmissionEngine:
 
     # ---- kernels: the FIKIT half ----
 
-    def add_task(self, region_fd: int, priority: int, kernels: Sequence[KernelTiming]) -> int:
-        """Register a FIKIT task; returns its slot. Raises ArbiterFull when no slot is free."""
+    def add_task(
+        self,
+        region_fd: int,
+        priority: int,
+        kernels: Sequence[KernelTiming],
+        sm_percent: int = 100,
+    ) -> int:
+        """Register a FIKIT task with its SM partition (under MPS the spatial rule caps its
+        kernels' SMs at it); returns its slot. Raises ArbiterFull when no slot is free."""
+        if isinstance(sm_percent, bool) or not isinstance(sm_percent, int):
+            raise ValueError(f"sm_percent must be an integer 1..100, got {sm_percent!r}")
+        if not 1 <= sm_percent <= 100:
+            raise ValueError(f"sm_percent must be 1..100, got {sm_percent}")
         handle = self._require()
         ctypes.set_errno(0)
-        slot = self._lib.gl_engine_add_task(handle, region_fd, priority, *_arrays(kernels))
+        table = _table(kernels)
+        slot = self._lib.gl_engine_add_task(
+            handle, region_fd, priority, sm_percent, ctypes.byref(table)
+        )
         if slot < 0:
             error = ctypes.get_errno()
             if error == errno.ENOSPC:
@@ -233,7 +343,8 @@ class AdmissionEngine:
     def set_kernels(self, slot: int, kernels: Sequence[KernelTiming]) -> None:
         """Replace a task's kernel table (its profile arrived after it registered)."""
         ctypes.set_errno(0)
-        if self._lib.gl_engine_set_kernels(self._require(), slot, *_arrays(kernels)) != 0:
+        table = _table(kernels)
+        if self._lib.gl_engine_set_kernels(self._require(), slot, ctypes.byref(table)) != 0:
             error = ctypes.get_errno()
             raise OSError(error, f"cannot install a FIKIT kernel table: {os.strerror(error)}")
 
@@ -244,6 +355,13 @@ class AdmissionEngine:
         """Take a task out of the decisions while the dispatcher has it suspended (the next
         priority then holds the GPU), or back in; a slot not in use is ignored."""
         self._lib.gl_engine_set_suspended(self._require(), slot, int(suspended))
+
+    def set_harvesting(self, on: bool) -> None:
+        """Pause or resume asking the spatial rule (it follows the GPU's MPS daemon: a process
+        reserved while it is down runs as a plain context). Raises ValueError to turn on an
+        engine started without `harvest`."""
+        if self._lib.gl_engine_set_harvesting(self._require(), int(on)) != 0:
+            raise ValueError("the admission engine was started without spatial harvesting")
 
     def board_fds(self, priority: int) -> list[int]:
         """The priority boards a process of `priority` gets on its Registered frame, after its
@@ -361,13 +479,63 @@ class AdmissionEngine:
         return self._handle
 
 
-def _arrays(
-    kernels: Sequence[KernelTiming],
-) -> tuple[ctypes.Array, ctypes.Array, ctypes.Array, int]:
+def _table(kernels: Sequence[KernelTiming]) -> _KernelTable:
+    """The C view of a kernel table (ctypes keeps the arrays alive with the struct)."""
     n = len(kernels)
     ids = (ctypes.c_uint64 * n)(*(k.kernel_id for k in kernels))
     durations = (ctypes.c_uint64 * n)(*(k.duration_ns for k in kernels))
     gaps = (ctypes.c_uint64 * n)(
         *(UNKNOWN if k.gap_after_ns is None else k.gap_after_ns for k in kernels)
     )
-    return ids, durations, gaps, n
+    sm_usage = (ctypes.c_uint32 * n)(*(k.sm_usage for k in kernels))
+    bounds = (ctypes.c_uint32 * n)(*(BOUNDS[k.bound] for k in kernels))
+    return _KernelTable(ids, durations, gaps, sm_usage, bounds, n)
+
+
+def _harvest_struct(config: HarvestConfig, sms: int) -> _HarvestConfig:
+    if isinstance(sms, bool) or not isinstance(sms, int) or not 1 <= sms <= MAX_SMS:
+        raise ValueError(
+            f"the GPU's SM count must be 1..{MAX_SMS} for spatial harvesting, got {sms!r}"
+        )
+    raw = _HarvestConfig(
+        config.sm_limit,
+        config.stretch,
+        config.max_holder_slowdown,
+        config.other_factor,
+        config.unknown_factor,
+        int(config.allow_unknown),
+        sms,
+    )
+    if _library().gl_sp_check_config(ctypes.byref(raw)) != 0:
+        raise ValueError(f"the native spatial rule refuses {config!r} with {sms} SMs")
+    return raw
+
+
+def native_spatial_admit(
+    config: HarvestConfig,
+    sms: int,
+    now_ns: int,
+    candidate: Candidate,
+    running: Sequence[Running],
+    holder_next_launch_ns: int | None,
+) -> bool:
+    """The engine's C rule (gl_sp_admit), asked as SpatialHarvest.admit is: for the parity
+    of the two."""
+    raw = _harvest_struct(config, sms)
+    cand = _Candidate(
+        candidate.priority,
+        candidate.demand,
+        BOUNDS[candidate.profile],
+        0,
+        UNKNOWN if candidate.duration_ns is None else candidate.duration_ns,
+        candidate.queued_ns,
+        UNKNOWN if candidate.quota_left_ns is None else candidate.quota_left_ns,
+    )
+    kernels = (_Running * len(running))(
+        *(_Running(r.priority, r.demand, BOUNDS[r.profile]) for r in running)
+    )
+    at = UNKNOWN if holder_next_launch_ns is None else holder_next_launch_ns
+    verdict = _library().gl_sp_admit(
+        ctypes.byref(raw), now_ns, ctypes.byref(cand), kernels, len(running), at
+    )
+    return verdict == 1

@@ -4,6 +4,8 @@ scheduler, shim channel thread, core and gRPC server (port base + GPU index)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +69,11 @@ class GpuDispatcher:
         return self.server.port
 
 
+def _follow_mps(engine: AdmissionEngine, running: bool) -> None:
+    with contextlib.suppress(RuntimeError):  # the engine stopped first, at shutdown
+        engine.set_harvesting(running)
+
+
 def mps_supervisor(settings: DispatcherSettings, gpu: GpuInfo, data_dir: Path) -> MpsSupervisor:
     base = (settings.mps_dir or data_dir / "dispatcher" / "mps") / f"gpu-{gpu.index}"
     config = MpsConfig(
@@ -107,7 +114,14 @@ async def start_gpu_dispatcher(
         token_policy = "exclusive" if fikit else settings.policy
         scheduler = TokenScheduler(get_policy(token_policy), config, time.monotonic())
     # One engine for every policy: a token policy adds no FIKIT task, so its FIKIT half idles.
-    engine = AdmissionEngine(arguments.fikit)
+    # Where composed runs MPS, it also admits fill kernels beside the holder's running one.
+    harvest = None
+    if settings.harvests(gpu.gpu_uuid):
+        if gpu.sm_count > 0:
+            harvest = arguments.harvest
+        else:
+            log.warning("spatial harvesting off: the GPU's SM count is unknown", gpu=gpu.index)
+    engine = AdmissionEngine(arguments.fikit, harvest=harvest, sms=gpu.sm_count)
     kernel_tables = None
     if fikit and settings.profile_store_address:
         kernel_tables = KernelTables(
@@ -129,6 +143,10 @@ async def start_gpu_dispatcher(
         # A daemon that does not start is reported and retried; the GPU is served anyway
         # (SM-partition reservations are refused until it runs).
         mps = mps_supervisor(settings, gpu, data_dir)
+        if harvest is not None:
+            # Kernels co-run only among MPS clients: the rule is asked while the daemon runs.
+            engine.set_harvesting(False)
+            mps.on_running = functools.partial(_follow_mps, engine)
         await asyncio.to_thread(mps.start)
     core: DispatcherCore
 

@@ -32,9 +32,17 @@ KernelTable = tuple[KernelTiming, ...]
 _MAX_PREDICTION_NS = 60 * 10**9
 
 
+# The profile store's KernelBound -> the engine's class names (an unknown value: unknown).
+_BOUNDS = {
+    profile_store_pb2.KERNEL_BOUND_COMPUTE: "compute",
+    profile_store_pb2.KERNEL_BOUND_MEMORY: "memory",
+}
+
+
 def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
-    """The arbiter's view of a kernel profile: the mean duration and the mean gap after it
-    per kernel ID."""
+    """The arbiter's view of a kernel profile: per kernel ID the mean duration, the mean gap
+    after it, the SMs its launch shape occupies and its bound class (the last two for the
+    spatial rule, where the GPU runs MPS; 0 and unknown where the profiler could not tell)."""
     table = []
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
@@ -46,6 +54,8 @@ def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
                 kernel.kernel_id,
                 min(int(duration), _MAX_PREDICTION_NS),
                 min(int(gap), _MAX_PREDICTION_NS) if math.isfinite(gap) and gap >= 0 else None,
+                kernel.sm_usage,
+                _BOUNDS.get(kernel.bound, "unknown"),
             )
         )
     return tuple(table)

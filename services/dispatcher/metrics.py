@@ -75,8 +75,10 @@ FIKIT_EVENTS = prometheus_client.Counter(
     "gap filling for them), invalid_writes (shim-written words rejected), role_races, arms "
     "(fills decided in advance for the holder's next launch), fired (arms a holder's launch "
     "fired: the filler released with one wake-up), late_releases (a filler released by an "
-    "arm already withdrawn); and the decision core's: granted_window, granted_idle (fill "
-    "kernels granted inside a holder's gap window, or while the holder idled), "
+    "arm already withdrawn), harvested (fill kernels granted beside the holder's running "
+    "kernel by the spatial rule, where the GPU runs MPS); and the decision core's: "
+    "granted_window, granted_idle (fill kernels granted inside a holder's gap window, or "
+    "while the holder idled), "
     "granted_starved (by the max-wait bound), windows_opened, windows_closed_early (by the "
     "holder's next launch before the predicted end)",
     ["gpu", "event"],

@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -87,6 +87,9 @@ class MpsSupervisor:
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self.restarts = 0
+        # Told True when the daemon answers, False when it fails or dies (from the starting or
+        # the watcher thread; not while stopping): what depends on MPS running follows it.
+        self.on_running: Callable[[bool], None] | None = None
 
     # ---- state ----
 
@@ -170,7 +173,12 @@ class MpsSupervisor:
             self._running = False
             self._cause = cause
         log.error("MPS control daemon not running", gpu=self.gpu_label, cause=cause)
+        self._tell(False)
         return False
+
+    def _tell(self, running: bool) -> None:
+        if self.on_running is not None and not self._stopping.is_set():
+            self.on_running(running)
 
     def _start_once(self) -> bool:
         pipe_dir, log_dir = self.config.pipe_dir, self.config.log_dir
@@ -221,6 +229,7 @@ class MpsSupervisor:
                 pipe_dir=str(pipe_dir),
                 log_dir=str(log_dir),
             )
+            self._tell(True)
             return True
         _end(process, 1.0)
         return self._fail(

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from gpuloom.policies.admission.composed import IDLE_BACKLOG_NS as COMPOSED_IDLE_BACKLOG_NS
 from gpuloom.policies.arguments import parse_policy_args
 from gpuloom.policies.fikit.core import FikitConfig
+from gpuloom.policies.harvest import HarvestConfig
 from gpuloom.policies.tokens.model import TokenConfig
 from gpuloom.policies.tokens.registry import POLICIES
 from gpuloom.services.common.server import DEFAULT_MAX_MESSAGE_BYTES
@@ -32,6 +33,8 @@ COMPOSED_POLICY = "composed"
 # alone, 1.09-1.20x without MPS), the simulator's harvest moves by at most 0.019 without it,
 # the FIKIT paper (3.1) runs without MPS, and MPS couples the clients' GPU faults. Its SM
 # percents only say which leases of a level may be held together. Not fikit, fifo, exclusive.
+# Composed runs MPS only where told (GPULOOM_DISPATCHER_MPS=on: "auto" is off for it), and then
+# its engine also admits fill kernels beside the holder's running one (spatial harvesting).
 SM_PARTITION_POLICIES = frozenset({"spatiotemporal"})
 # The FIKIT arbiter's defaults in the dispatcher: the core's, with a 50 us fill guard (a real
 # filler launches tens of us after its grant; the simulator's grant is instant, its guard 0).
@@ -42,6 +45,7 @@ DISPATCHER_FIKIT = FikitConfig(fill_guard_ns=50_000)
 class PolicyArguments:
     fikit: FikitConfig
     tokens: TokenConfig
+    harvest: HarvestConfig  # the spatial rule's knobs (asked only where composed runs MPS)
 
 
 class DispatcherSettings(BaseSettings):
@@ -87,8 +91,9 @@ class DispatcherSettings(BaseSettings):
     node_memory_bytes: int | None = Field(default=None, ge=0, le=1 << 50)
     # MPS for the SM_PARTITION_POLICIES (spatiotemporal): "auto" runs the control daemon on real
     # GPUs (not on simulated ones), "on" on every GPU (tests: with a fake control program), "off"
-    # never (SM percents are then bookkeeping only). Other policies, the default included, never
-    # run one: their contexts time-slice.
+    # never (SM percents are then bookkeeping only). The default policy, composed, runs one only
+    # with "on" (an opt-in: its engine then harvests beside the holder's kernels too;
+    # docs/deploy.md, "MPS"); fikit, fifo and exclusive never do: their contexts time-slice.
     mps: Literal["auto", "on", "off"] = "auto"
     # The MPS control program (split like a shell command line).
     mps_control: str = "nvidia-cuda-mps-control"
@@ -161,6 +166,7 @@ class DispatcherSettings(BaseSettings):
             {
                 "fikit": DISPATCHER_FIKIT,
                 "tokens": TokenConfig(window_s=self.window_ms / 1e3),
+                "harvest": HarvestConfig(),
             },
             fixed={"tokens.window_s": "GPULOOM_DISPATCHER_WINDOW_MS"},
         )
@@ -169,7 +175,7 @@ class DispatcherSettings(BaseSettings):
             # As the composed policy runs its core: at least its idle backlog (docs/harvest.md).
             backlog = max(fikit.idle_backlog_ns, COMPOSED_IDLE_BACKLOG_NS)
             fikit = replace(fikit, idle_backlog_ns=backlog)
-        arguments = PolicyArguments(fikit=fikit, tokens=parsed["tokens"])
+        arguments = PolicyArguments(fikit=fikit, tokens=parsed["tokens"], harvest=parsed["harvest"])
         if arguments.tokens.lease_max_s > arguments.tokens.window_s:
             raise ValueError(
                 f"policy arguments: tokens.lease_max_s ({arguments.tokens.lease_max_s}) must not "
@@ -179,9 +185,16 @@ class DispatcherSettings(BaseSettings):
 
     def runs_mps(self, gpu_uuid: str) -> bool:
         """Whether the dispatcher of this GPU supervises an MPS control daemon."""
+        if self.policy == COMPOSED_POLICY:
+            return self.mps == "on"
         if self.policy not in SM_PARTITION_POLICIES or self.mps == "off":
             return False
         return self.mps == "on" or gpu_uuid.startswith(("GPU-", "MIG-"))
+
+    def harvests(self, gpu_uuid: str) -> bool:
+        """Whether this GPU's admission engine asks the spatial rule: policy composed on a GPU
+        that runs MPS (its kernels of several processes then co-run)."""
+        return self.policy == COMPOSED_POLICY and self.runs_mps(gpu_uuid)
 
     def gpu_indexes(self, available: int) -> list[int]:
         """The GPU indexes to serve out of `available`; ValueError names a missing one."""

@@ -26,18 +26,23 @@
 #include <unistd.h>
 
 #include "native.h"
+#include "spatial.h"
 #include "wire.h"
 
 #define GRANTS_TRACKED 64u /* granted fill kernels remembered per task until known done */
+#define RUNNING_WEIGHED 256u /* kernels the spatial rule weighs at most */
 
 typedef struct {
     uint64_t id, duration_ns, gap_ns;
+    uint32_t sm_usage; /* SMs its launch shape occupies (0: unknown, taken as all) */
+    uint32_t bound;    /* GL_SP_*: what limits it */
 } kernel_entry;
 
 typedef struct {
     int used;
     uint8_t *region;
     uint32_t priority;
+    uint32_t sm_percent;  /* its SM partition (MPS caps its kernels at it), 1..100 */
     uint32_t seen_req;    /* REQ_SEQ last handed to the core */
     uint32_t seen_done;   /* DONE last read */
     int queued;           /* a request of this task waits in the core */
@@ -45,6 +50,10 @@ typedef struct {
     uint64_t queued_kernel; /* ... and this kernel ID */
     uint32_t granted[GRANTS_TRACKED]; /* sequence numbers of granted kernels not known done */
     uint32_t granted_head, granted_count;
+    /* ... and, for spatial harvesting, each one's kernel ID and predicted start and end on the
+     * task's stream (GL_FK_UNKNOWN: behind a kernel of unknown duration, or unknown itself) */
+    uint64_t granted_kernel[GRANTS_TRACKED];
+    uint64_t granted_start[GRANTS_TRACKED], granted_end[GRANTS_TRACKED];
     kernel_entry *table; /* open addressing, id 0 = empty; capacity mask+1 (power of two) */
     uint64_t mask;
     uint32_t role;
@@ -81,6 +90,9 @@ struct gl_arbiter {
     int board_fd[GL_BOARDS], board_ro_fd[GL_BOARDS];
     uint8_t *board[GL_BOARDS];
     arm_state arm;
+    int harvest_given;    /* started with the spatial rule's config (the GPU runs MPS) */
+    int harvest_on;       /* ... and its MPS daemon runs now: ask the rule (spatial.h) */
+    gl_sp_config harvest;
     gl_arbiter_stats stats;
     slot_state slots[GL_FK_MAX_TASKS];
     gl_fk_core *core; /* gl_fk_core_size() bytes */
@@ -99,15 +111,32 @@ static const kernel_entry *lookup(const slot_state *s, uint64_t id) {
 
 /* ---- one round ---- */
 
-/* A kernel of this task now counts as outstanding until `done` reaches its sequence number. */
-static void track(gl_arbiter *a, uint32_t task, uint32_t seq) {
+/* A profiled time as the core takes it (at most 60 s): sums of clock times and a few of these
+ * cannot overflow. */
+static inline uint64_t clamp_ns(uint64_t ns) { return ns < GL_FK_MAX_NS ? ns : GL_FK_MAX_NS; }
+
+/* A kernel of this task (ID `kernel`, on the GPU from `at` or after the task's earlier kernels)
+ * now counts as outstanding until `done` reaches its sequence number. */
+static void track(gl_arbiter *a, uint32_t task, uint32_t seq, uint64_t kernel, uint64_t at) {
     slot_state *s = &a->slots[task];
     if (s->granted_count == GRANTS_TRACKED) { /* the oldest is taken as done, by both */
         s->granted_head = (s->granted_head + 1) % GRANTS_TRACKED;
         s->granted_count--;
         gl_fk_completed(a->core, task, 1, now_ns());
     }
-    s->granted[(s->granted_head + s->granted_count) % GRANTS_TRACKED] = seq;
+    uint32_t i = (s->granted_head + s->granted_count) % GRANTS_TRACKED;
+    uint64_t start = at, end = GL_FK_UNKNOWN;
+    if (s->granted_count > 0) {
+        uint64_t before = s->granted_end[(i + GRANTS_TRACKED - 1) % GRANTS_TRACKED];
+        if (before == GL_FK_UNKNOWN || before > start) start = before;
+    }
+    const kernel_entry *e = lookup(s, kernel);
+    if (start != GL_FK_UNKNOWN && e != NULL && e->duration_ns != GL_FK_UNKNOWN)
+        end = start + clamp_ns(e->duration_ns);
+    s->granted[i] = seq;
+    s->granted_kernel[i] = kernel;
+    s->granted_start[i] = start;
+    s->granted_end[i] = end;
     s->granted_count++;
 }
 
@@ -115,7 +144,7 @@ static void grant(gl_arbiter *a, uint32_t task) {
     slot_state *s = &a->slots[task];
     if (!s->used || !s->queued) return;
     s->queued = 0;
-    track(a, task, s->queued_seq);
+    track(a, task, s->queued_seq, s->queued_kernel, now_ns());
     store32(s->region, GL_OFF_FK_GRANT, s->queued_seq);
     wake_word(s->region, GL_OFF_FK_GRANT);
     a->stats.grants++;
@@ -158,12 +187,13 @@ static void take_skipped_release(gl_arbiter *a, uint32_t task, uint32_t req, uin
     if (s->armed_nonce == 0 || s->queued || load64(s->region, GL_OFF_FK_RELEASED) != s->armed_nonce)
         return;
     if ((int32_t)(s->armed_seq - s->seen_req) <= 0 || (int32_t)(req - s->armed_seq) <= 0) return;
-    const kernel_entry *e = lookup(s, load64(s->region, GL_OFF_FK_RELEASED_KERNEL));
+    uint64_t kernel = load64(s->region, GL_OFF_FK_RELEASED_KERNEL);
+    const kernel_entry *e = lookup(s, kernel);
     s->armed_nonce = 0;
     if (gl_fk_launched(a->core, task, e ? e->duration_ns : GL_FK_UNKNOWN,
                        e ? e->gap_ns : GL_FK_UNKNOWN, now) < 0)
         return;
-    track(a, task, s->armed_seq);
+    track(a, task, s->armed_seq, kernel, now);
     a->stats.late_releases++;
 }
 
@@ -226,7 +256,7 @@ static void take_request(gl_arbiter *a, uint32_t task, uint64_t now) {
     }
     if (launched == 0) a->stats.role_races++; /* a better task arrived meanwhile */
     if (waiting == GL_POST_TRACKED)
-        track(a, task, req); /* the shim reports its completion with `done` */
+        track(a, task, req, kernel, posted); /* the shim reports its completion with `done` */
     else
         gl_fk_completed(a->core, task, 1, now); /* alone on the GPU: nobody needs to know */
 }
@@ -422,6 +452,107 @@ static void note_opener(gl_arbiter *a, slot_state *s, const kernel_entry *e) {
     s->openers[0] = e->id;
 }
 
+/* ---- spatial harvesting: a filler's request beside the holder's running kernel (MPS) ---- */
+
+/* The SMs a task's kernel asks for: its launch shape (the whole GPU when that is unknown),
+ * capped by the task's SM partition, which MPS enforces (as gpuloom/sim/kernels.py's demand). */
+static uint32_t demand_of(const gl_arbiter *a, const slot_state *s, const kernel_entry *e) {
+    uint32_t sms = a->harvest.sms;
+    uint32_t partition = (uint32_t)((uint64_t)sms * s->sm_percent / 100);
+    if (partition == 0) partition = 1;
+    uint32_t shape = e == NULL || e->sm_usage == 0 || e->sm_usage > sms ? sms : e->sm_usage;
+    return shape < partition ? shape : partition;
+}
+
+/* What `candidate`'s rule needs from the GPU now: every other task's kernel predicted on the
+ * GPU at `now` (started, not predicted or known done; one of unknown timing counts as on it),
+ * and the holder's next launch: the end of its running kernel, plus the gap after it when
+ * nothing of that task is queued behind it (GL_FK_UNKNOWN: not predictable). Returns how many
+ * kernels it wrote into `out`. */
+static uint32_t on_gpu(const gl_arbiter *a, uint32_t candidate, uint64_t now,
+                       gl_sp_running *out, uint64_t *holder_next) {
+    uint32_t n = 0, own_priority = a->slots[candidate].priority;
+    *holder_next = GL_FK_UNKNOWN;
+    int predictable = 1;
+    for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
+        const slot_state *s = &a->slots[t];
+        if (!s->used || s->suspended || t == candidate) continue;
+        for (uint32_t k = 0; k < s->granted_count; k++) {
+            uint32_t i = (s->granted_head + k) % GRANTS_TRACKED;
+            uint64_t start = s->granted_start[i], end = s->granted_end[i];
+            int known = start != GL_FK_UNKNOWN && end != GL_FK_UNKNOWN;
+            if (known && (start > now || end <= now)) continue;
+            const kernel_entry *e = lookup(s, s->granted_kernel[i]);
+            if (n == RUNNING_WEIGHED) {
+                predictable = 0; /* more than it can weigh: nothing goes beside them */
+                continue;
+            }
+            out[n++] = (gl_sp_running){s->priority, demand_of(a, s, e), e ? e->bound : 0};
+            if (s->priority >= own_priority) continue;
+            /* A better task's kernel: the candidate must be off the SMs before its next one. */
+            uint64_t at;
+            if (!known) {
+                predictable = 0;
+                continue;
+            } else if (k + 1 < s->granted_count) {
+                at = end; /* its next kernel is queued behind this one */
+            } else if (e == NULL || e->gap_ns == GL_FK_UNKNOWN) {
+                predictable = 0;
+                continue;
+            } else {
+                at = end + clamp_ns(e->gap_ns);
+            }
+            if (at < *holder_next) *holder_next = at;
+        }
+    }
+    if (!predictable) *holder_next = GL_FK_UNKNOWN;
+    return n;
+}
+
+/* The candidate's own outstanding work still to run (GL_FK_UNKNOWN: not predictable). */
+static uint64_t queued_ahead(const slot_state *s, uint64_t now) {
+    uint64_t ahead = 0;
+    for (uint32_t k = 0; k < s->granted_count; k++) {
+        uint32_t i = (s->granted_head + k) % GRANTS_TRACKED;
+        uint64_t start = s->granted_start[i], end = s->granted_end[i];
+        if (start == GL_FK_UNKNOWN || end == GL_FK_UNKNOWN) return GL_FK_UNKNOWN;
+        if (end > now) ahead += end - (start > now ? start : now);
+    }
+    return ahead;
+}
+
+/* Each request the core left queued, best priority first, asks the spatial rule; one it
+ * admits goes now as fill work (gl_fk_release, as a fired arm's does). Quota limits need no
+ * check here: a composed shim asks for a kernel only while its level's lease allows it. */
+static void harvest(gl_arbiter *a, uint64_t now) {
+    int best = gl_fk_holder_priority(a->core);
+    if (!a->harvest_on || best < 0) return;
+    gl_sp_running running[RUNNING_WEIGHED];
+    for (uint32_t p = (uint32_t)best + 1; p < GL_FK_PRIORITIES; p++) {
+        for (uint32_t t = 0; t < GL_FK_MAX_TASKS; t++) {
+            slot_state *s = &a->slots[t];
+            if (!s->used || s->suspended || !s->queued || s->priority != p) continue;
+            const kernel_entry *e = lookup(s, s->queued_kernel);
+            uint64_t ahead = queued_ahead(s, now);
+            if (e == NULL || e->duration_ns == GL_FK_UNKNOWN || ahead == GL_FK_UNKNOWN) continue;
+            uint64_t holder_next;
+            uint32_t n = on_gpu(a, t, now, running, &holder_next);
+            gl_sp_candidate candidate = {.priority = s->priority,
+                                         .demand = demand_of(a, s, e),
+                                         .bound = e->bound,
+                                         .duration_ns = e->duration_ns,
+                                         .queued_ns = ahead,
+                                         .quota_left_ns = GL_FK_UNKNOWN};
+            if (!gl_sp_admit(&a->harvest, now, &candidate, running, n, holder_next)) continue;
+            /* Its arm, if it has one, is taken back first (a fire that came first settles). */
+            if (a->arm.live && a->arm.filler == t) withdraw(a, now);
+            if (!s->queued || gl_fk_release(a->core, t, now) != 0) continue;
+            grant(a, t);
+            a->stats.harvested++;
+        }
+    }
+}
+
 void gl_arbiter_round(gl_arbiter *a, uint64_t now) {
     a->stats.rounds++;
     int beat = now >= a->next_beat;
@@ -445,6 +576,7 @@ void gl_arbiter_round(gl_arbiter *a, uint64_t now) {
     int n = gl_fk_decide(a->core, now, out, GL_FK_MAX_TASKS, &wake_at);
     for (int i = 0; i < n; i++)
         if (out[i] < GL_FK_MAX_TASKS) grant(a, out[i]);
+    harvest(a, now);
     /* Roles: the core's holder priority holds. Holders post every launch only while somebody
      * waits or fill work is outstanding: alone, a holder's launch costs a few stores. */
     int best = gl_fk_holder_priority(a->core);
@@ -520,8 +652,9 @@ int gl_arbiter_board_fd(gl_arbiter *a, uint32_t priority, int writable) {
     return writable ? a->board_fd[priority] : a->board_ro_fd[priority];
 }
 
-gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns) {
-    if (beat_ns == 0) {
+gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns,
+                           const gl_sp_config *harvest) {
+    if (beat_ns == 0 || (harvest != NULL && gl_sp_check_config(harvest) != 0)) {
         errno = EINVAL;
         return NULL;
     }
@@ -535,6 +668,8 @@ gl_arbiter *gl_arbiter_new(const gl_fk_config *config, uint64_t beat_ns) {
         errno = error;
         return NULL;
     }
+    a->harvest_given = a->harvest_on = harvest != NULL;
+    if (harvest != NULL) a->harvest = *harvest;
     a->gap_threshold_ns = config->gap_threshold_ns;
     a->fill_guard_ns = config->fill_guard_ns;
     if (open_boards(a) != 0) {
@@ -565,8 +700,10 @@ void gl_arbiter_free(gl_arbiter *a) {
     free(a);
 }
 
-static int fill_table(slot_state *s, uint64_t threshold, const uint64_t *ids,
-                      const uint64_t *durations, const uint64_t *gaps, uint32_t n) {
+static int fill_table(slot_state *s, uint64_t threshold, const gl_kernel_table *kernels) {
+    const uint64_t *ids = kernels->ids, *durations = kernels->durations_ns,
+                   *gaps = kernels->gaps_ns;
+    uint32_t n = kernels->count;
     uint64_t capacity = 16;
     while (capacity < 2 * (uint64_t)n) capacity <<= 1;
     s->table = calloc(capacity, sizeof *s->table);
@@ -576,7 +713,10 @@ static int fill_table(slot_state *s, uint64_t threshold, const uint64_t *ids,
         if (ids[k] == 0) continue; /* 0 marks an empty bucket (and "not computed" in a post) */
         uint64_t i = mix(ids[k]) & s->mask;
         while (s->table[i].id != 0 && s->table[i].id != ids[k]) i = (i + 1) & s->mask;
-        s->table[i] = (kernel_entry){ids[k], durations[k], gaps[k]};
+        uint32_t sm_usage = kernels->sm_usage ? kernels->sm_usage[k] : 0;
+        uint32_t bound = kernels->bounds ? kernels->bounds[k] : GL_SP_UNKNOWN;
+        s->table[i] = (kernel_entry){ids[k], durations[k], gaps[k], sm_usage,
+                                     bound <= GL_SP_MEMORY ? bound : GL_SP_UNKNOWN};
     }
     /* Its window-opening kernels: all of them fit an arm, or the latest launched are kept. */
     uint32_t openers = 0;
@@ -606,14 +746,18 @@ static void publish_openers(const slot_state *s) {
     store32(s->region, GL_OFF_FK_OPENERS_ALL, (uint32_t)all);
 }
 
-int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
-                            const uint64_t *kernel_ids, const uint64_t *durations_ns,
-                            const uint64_t *gaps_ns, uint32_t kernels) {
+/* A table of `count` kernels needs its three u64 arrays; the u32 ones may be NULL. */
+static int table_ok(const gl_kernel_table *t) {
+    return t != NULL && (t->count == 0 || (t->ids != NULL && t->durations_ns != NULL &&
+                                           t->gaps_ns != NULL));
+}
+
+int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority, uint32_t sm_percent,
+                        const gl_kernel_table *kernels) {
     struct stat st;
-    if (priority >= GL_FK_PRIORITIES || fstat(region_fd, &st) != 0 ||
-        st.st_size < (off_t)GL_REGION_BYTES || (kernels > 0 && (kernel_ids == NULL ||
-                                                               durations_ns == NULL ||
-                                                               gaps_ns == NULL))) {
+    if (priority >= GL_FK_PRIORITIES || sm_percent == 0 || sm_percent > 100 ||
+        fstat(region_fd, &st) != 0 ||
+        st.st_size < (off_t)GL_REGION_BYTES || !table_ok(kernels)) {
         errno = EINVAL;
         return -1;
     }
@@ -630,7 +774,7 @@ int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     }
     slot_state *s = &a->slots[slot];
     withdraw(a, now_ns()); /* the holder may change */
-    if (fill_table(s, a->gap_threshold_ns, kernel_ids, durations_ns, gaps_ns, kernels) != 0 ||
+    if (fill_table(s, a->gap_threshold_ns, kernels) != 0 ||
         gl_fk_add_task(a->core, (uint32_t)slot, priority, now_ns()) != 0) {
         release_slot(s);
         munmap(mapped, GL_REGION_BYTES);
@@ -640,6 +784,7 @@ int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     s->used = 1;
     s->region = mapped;
     s->priority = priority;
+    s->sm_percent = sm_percent;
     /* Whatever the region held before is history, not requests. */
     s->seen_req = load32(s->region, GL_OFF_FK_REQ_SEQ);
     s->seen_done = load32(s->region, GL_OFF_FK_DONE);
@@ -648,17 +793,13 @@ int gl_arbiter_add_task(gl_arbiter *a, int region_fd, uint32_t priority,
     return slot;
 }
 
-int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const uint64_t *kernel_ids,
-                               const uint64_t *durations_ns, const uint64_t *gaps_ns,
-                               uint32_t kernels) {
-    if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS ||
-        (kernels > 0 && (kernel_ids == NULL || durations_ns == NULL || gaps_ns == NULL))) {
+int gl_arbiter_set_kernels(gl_arbiter *a, int slot, const gl_kernel_table *kernels) {
+    if (a == NULL || slot < 0 || slot >= GL_FK_MAX_TASKS || !table_ok(kernels)) {
         errno = EINVAL;
         return -1;
     }
     slot_state fresh = {0};
-    if (fill_table(&fresh, a->gap_threshold_ns, kernel_ids, durations_ns, gaps_ns, kernels) !=
-        0) {
+    if (fill_table(&fresh, a->gap_threshold_ns, kernels) != 0) {
         errno = ENOMEM;
         return -1;
     }
@@ -712,6 +853,12 @@ int gl_arbiter_set_suspended(gl_arbiter *a, int slot, int on) {
         if (result == 0) s->suspended = on != 0;
     }
     return result;
+}
+
+int gl_arbiter_set_harvesting(gl_arbiter *a, int on) {
+    if (a == NULL || (on && !a->harvest_given)) return -1;
+    a->harvest_on = on != 0;
+    return 0;
 }
 
 void gl_arbiter_get_stats(const gl_arbiter *a, gl_arbiter_stats *out) { *out = a->stats; }

@@ -61,7 +61,7 @@ static void *run(void *arg) {
 static void ring(gl_engine *e) { ring_eventfd(e->doorbell); }
 
 API gl_engine *gl_engine_start(const gl_fk_config *config, int doorbell_fd, int notify_fd,
-                               uint64_t beat_ns) {
+                               uint64_t beat_ns, const gl_sp_config *harvest) {
     if (config == NULL || doorbell_fd < 0 || notify_fd < 0 || beat_ns == 0) {
         errno = EINVAL;
         return NULL;
@@ -70,7 +70,7 @@ API gl_engine *gl_engine_start(const gl_fk_config *config, int doorbell_fd, int 
     if (e == NULL) return NULL;
     e->doorbell = doorbell_fd;
     e->leases = gl_desk_new(notify_fd);
-    e->fikit = e->leases == NULL ? NULL : gl_arbiter_new(config, beat_ns);
+    e->fikit = e->leases == NULL ? NULL : gl_arbiter_new(config, beat_ns, harvest);
     if (e->fikit == NULL) {
         int error = errno;
         gl_desk_free(e->leases);
@@ -116,12 +116,10 @@ API int gl_engine_board_fd(gl_engine *e, uint32_t priority, int writable) {
     return gl_arbiter_board_fd(e->fikit, priority, writable);
 }
 
-API int gl_engine_add_task(gl_engine *e, int region_fd, uint32_t priority,
-                           const uint64_t *kernel_ids, const uint64_t *durations_ns,
-                           const uint64_t *gaps_ns, uint32_t kernels) {
+API int gl_engine_add_task(gl_engine *e, int region_fd, uint32_t priority, uint32_t sm_percent,
+                           const gl_kernel_table *kernels) {
     pthread_mutex_lock(&e->lock);
-    int slot = gl_arbiter_add_task(e->fikit, region_fd, priority, kernel_ids, durations_ns,
-                                   gaps_ns, kernels);
+    int slot = gl_arbiter_add_task(e->fikit, region_fd, priority, sm_percent, kernels);
     int error = errno;
     pthread_mutex_unlock(&e->lock);
     if (slot >= 0) ring(e); /* the others' roles may change */
@@ -129,12 +127,9 @@ API int gl_engine_add_task(gl_engine *e, int region_fd, uint32_t priority,
     return slot;
 }
 
-API int gl_engine_set_kernels(gl_engine *e, int slot, const uint64_t *kernel_ids,
-                              const uint64_t *durations_ns, const uint64_t *gaps_ns,
-                              uint32_t kernels) {
+API int gl_engine_set_kernels(gl_engine *e, int slot, const gl_kernel_table *kernels) {
     pthread_mutex_lock(&e->lock);
-    int result =
-        gl_arbiter_set_kernels(e->fikit, slot, kernel_ids, durations_ns, gaps_ns, kernels);
+    int result = gl_arbiter_set_kernels(e->fikit, slot, kernels);
     int error = errno;
     pthread_mutex_unlock(&e->lock);
     errno = error;
@@ -153,6 +148,13 @@ API int gl_engine_set_suspended(gl_engine *e, int slot, int on) {
     int result = gl_arbiter_set_suspended(e->fikit, slot, on);
     pthread_mutex_unlock(&e->lock);
     ring(e);
+    return result;
+}
+
+API int gl_engine_set_harvesting(gl_engine *e, int on) {
+    pthread_mutex_lock(&e->lock);
+    int result = gl_arbiter_set_harvesting(e->fikit, on);
+    pthread_mutex_unlock(&e->lock);
     return result;
 }
 

@@ -28,10 +28,12 @@ typedef struct gl_engine gl_engine;
 /* Starts the thread. `doorbell_fd`: a non-blocking eventfd the shims ring (the thread reads
  * it); `notify_fd`: an eventfd the engine writes when Python should take lease events; both
  * stay the caller's for the engine's life. `config`: the FIKIT core's; `beat_ns`: how often
- * every FIKIT region's heartbeat is refreshed (the thread wakes at least that often). NULL
- * (errno set) on a bad config or when the thread cannot start. */
+ * every FIKIT region's heartbeat is refreshed (the thread wakes at least that often);
+ * `harvest`: the spatial rule's config (the GPU's SMs included) where the GPU runs MPS, NULL
+ * where it does not (the default: fill kernels go only into the holders' gaps). NULL (errno
+ * set) on a bad config or when the thread cannot start. */
 gl_engine *gl_engine_start(const gl_fk_config *config, int doorbell_fd, int notify_fd,
-                           uint64_t beat_ns);
+                           uint64_t beat_ns, const gl_sp_config *harvest);
 
 /* Stops and joins the thread, unmaps every region, frees the engine. */
 void gl_engine_stop(gl_engine *engine);
@@ -40,13 +42,11 @@ void gl_engine_stop(gl_engine *engine);
 
 int gl_engine_board_fd(gl_engine *engine, uint32_t priority, int writable);
 int gl_engine_add_task(gl_engine *engine, int region_fd, uint32_t priority,
-                       const uint64_t *kernel_ids, const uint64_t *durations_ns,
-                       const uint64_t *gaps_ns, uint32_t kernels);
-int gl_engine_set_kernels(gl_engine *engine, int slot, const uint64_t *kernel_ids,
-                          const uint64_t *durations_ns, const uint64_t *gaps_ns,
-                          uint32_t kernels);
+                       uint32_t sm_percent, const gl_kernel_table *kernels);
+int gl_engine_set_kernels(gl_engine *engine, int slot, const gl_kernel_table *kernels);
 void gl_engine_remove_task(gl_engine *engine, int slot);
 int gl_engine_set_suspended(gl_engine *engine, int slot, int on);
+int gl_engine_set_harvesting(gl_engine *engine, int on);
 void gl_engine_fikit_stats(gl_engine *engine, gl_arbiter_stats *out);
 void gl_engine_core_counters(gl_engine *engine, gl_fk_counters *out);
 

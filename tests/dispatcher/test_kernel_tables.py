@@ -41,3 +41,16 @@ def test_each_kernel_gets_its_mean_duration_and_mean_gap_whatever_the_gap_model(
     for garbage in ("", "{", '{"format": 1, "predictor": "nope"}', "[1, 2]"):
         table = {t.kernel_id: t for t in table_from_profile(profile(garbage))}
         assert table == mean, garbage
+
+
+def test_each_kernel_carries_its_sm_usage_and_bound_class_for_the_spatial_rule() -> None:
+    found = profile(position_model())
+    found.kernels[0].sm_usage = 40
+    found.kernels[0].bound = profile_store_pb2.KERNEL_BOUND_COMPUTE
+    found.kernels[1].sm_usage = 132
+    found.kernels[1].bound = profile_store_pb2.KERNEL_BOUND_MEMORY
+    found.kernels[2].bound = 7  # a class this dispatcher does not know: unknown
+    table = {t.kernel_id: t for t in table_from_profile(found)}
+    assert (table[1].sm_usage, table[1].bound) == (40, "compute")
+    assert (table[2].sm_usage, table[2].bound) == (132, "memory")
+    assert (table[3].sm_usage, table[3].bound) == (0, "unknown")

@@ -52,8 +52,11 @@ def _wait(condition: object, timeout_s: float = 15.0) -> bool:
 
 def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) -> None:
     mps = _supervisor(short_dir)
+    told: list[bool] = []  # what the admission engine's harvesting follows
+    mps.on_running = told.append
     try:
         assert mps.start()
+        assert told == [True]
         assert mps.available() == (True, "")
         first = mps.pid
         assert first is not None
@@ -65,12 +68,14 @@ def test_the_daemon_runs_answers_commands_restarts_and_quits(short_dir: Path) ->
         os.kill(first, signal.SIGKILL)  # the daemon dies: the supervisor starts a new one
         assert _wait(lambda: mps.pid not in (None, first)), mps.available()
         assert mps.restarts == 1
+        assert told == [True, False, True]  # it died, then answered again
         assert mps.command("get_default_active_thread_percentage").strip() == "100.0"
         second = mps.pid
         assert second is not None
     finally:
         mps.stop()
     assert mps.available() == (False, "stopped")
+    assert told == [True, False, True]  # nobody is told while it stops
     assert not alive(second)
     assert not (short_dir / "pipe" / "control").exists()  # it quit (removes its socket)
     log = (short_dir / "log" / "control.log").read_text()
@@ -124,10 +129,25 @@ def test_settings_choose_where_mps_runs() -> None:
     # "MPS or time slices"), nor do the baselines, whatever GPULOOM_DISPATCHER_MPS says.
     assert DispatcherSettings().policy == "composed"
     assert not DispatcherSettings().runs_mps(real)
-    for policy in ("composed", "exclusive", "fifo", "fikit"):
+    assert not DispatcherSettings().harvests(real)
+    for policy in ("exclusive", "fifo", "fikit"):
         assert not DispatcherSettings(policy=policy, mps="on").runs_mps(real)
+    # Composed runs MPS only when told "on" (auto is off for it), and its engine then asks the
+    # spatial rule; spatiotemporal's MPS harvests nothing (it has no FIKIT half at work).
+    assert not DispatcherSettings(policy="composed", mps="auto").runs_mps(real)
+    on = DispatcherSettings(policy="composed", mps="on")
+    assert on.runs_mps(real) and on.runs_mps(simulated) and on.harvests(real)
+    assert not DispatcherSettings(policy="spatiotemporal", mps="on").harvests(real)
     with pytest.raises(ValueError, match="MPS control command is empty"):
         DispatcherSettings(mps_control="  ")
+
+
+def test_the_spatial_rules_knobs_come_from_the_policy_arguments() -> None:
+    settings = DispatcherSettings(mps="on", policy_args="harvest.max_holder_slowdown=1.1")
+    assert settings.policy_arguments().harvest.max_holder_slowdown == 1.1
+    assert DispatcherSettings().policy_arguments().harvest.max_holder_slowdown == 1.03
+    with pytest.raises(ValueError, match=r"policy arguments harvest: stretch must be 1\.\.100"):
+        DispatcherSettings(policy_args="harvest.stretch=0.5")
 
 
 def test_the_simulators_default_gpu_is_the_default_deployments() -> None:

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # The shim's wire code and the admission engine (its thread, both halves, the FIKIT core).
-NATIVE_SOURCES = ("wire.c", "engine.c", "leasedesk.c", "arbiter.c", "fikit.c")
+NATIVE_SOURCES = ("wire.c", "engine.c", "leasedesk.c", "arbiter.c", "fikit.c", "spatial.c")
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 

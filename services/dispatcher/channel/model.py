@@ -53,6 +53,7 @@ FIKIT_ARBITER_EVENTS = (
     "arms",
     "fired",
     "late_releases",
+    "harvested",
 )
 FIKIT_CORE_EVENTS = (
     "granted_window",

@@ -129,7 +129,7 @@ class RegistrationPart:
             # takes its admission path (docs/fikit.md).
             try:
                 connection.fikit_slot = self._add_fikit_task(
-                    assignment_id, fd, reservation.priority, task_key
+                    assignment_id, fd, reservation.priority, reservation.share.sm_percent, task_key
                 )
                 if self._composed:  # its level's leases: renewed by the engine too
                     self._add_leased(connection, fd)
@@ -213,7 +213,9 @@ class RegistrationPart:
         connection.lease_slot = self._engine.add_leased(region_fd)
         self._by_lease_slot[connection.lease_slot] = connection
 
-    def _add_fikit_task(self, assignment_id: str, region_fd: int, priority: int, task: str) -> int:
+    def _add_fikit_task(
+        self, assignment_id: str, region_fd: int, priority: int, sm_percent: int, task: str
+    ) -> int:
         table: KernelTable | None = None
         if self._kernel_tables is not None:
 
@@ -221,7 +223,7 @@ class RegistrationPart:
                 self.submit(lambda: self._install_kernels(assignment_id, table))
 
             table = self._kernel_tables.lookup(task, loaded)
-        slot = self._engine.add_task(region_fd, priority, table or ())
+        slot = self._engine.add_task(region_fd, priority, table or (), sm_percent)
         log.info(
             "fikit task admitted",
             gpu=self._gpu,
