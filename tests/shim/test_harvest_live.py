@@ -70,8 +70,7 @@ async def harvesting(
         kept = await stub.GetKernelProfile(
             profile_store_pb2.GetProfileRequest(key="hold", gpu_model=gpu.model)
         )
-        if kept.kernels[0].sm_usage == 0:
-            pytest.skip("the profile store does not keep a kernel's SM usage yet (issue 36)")
+        assert kept.kernels[0].sm_usage > 0, "the store must keep what the rule reads"
         yield live
 
 
