@@ -9,8 +9,10 @@ from hypothesis import strategies as st
 
 from gpuloom.policies.fleet.fgd import FgdPolicy, FragDeltas
 from gpuloom.policies.fleet.fgd_pack import (
+    CPU_BOUND,
     MULTI_GPU_SHARE,
     FgdPackPolicy,
+    cpu_pressure,
     multi_gpu_share,
 )
 from gpuloom.policies.fleet.model import Choice, FleetState, NodeSpec, PodShape
@@ -101,3 +103,29 @@ def test_a_workload_heavy_in_multi_gpu_pods_is_placed_exactly_as_fgd_places_it()
         ours = placements(FgdPackPolicy(), nodes, light, seed)
         differs |= ours != placements(FgdPolicy(), nodes, light, seed)
     assert differs  # below the threshold, packing moves small pods
+
+
+def test_a_workload_asking_the_fleets_cpu_per_gpu_is_placed_exactly_as_fgd_places_it() -> None:
+    # 5 nodes, 24 GPUs, 320 cores: 13.3 cores per GPU. Both workloads ask for the same GPUs;
+    # the CPU-only pods of the heavy one bring its CPU per GPU to the fleet's and above.
+    nodes = [node(f"n{i}", g, "T4" if i % 2 else "V100M16") for i, g in enumerate([8, 8, 4, 2, 2])]
+    gpu_pods = [share(300), share(500), share(700)] * 3 + [PodShape(1000, 1024, 1, 1000)] * 4
+    light = Workload.of(gpu_pods + [PodShape(2000, 4096, 0, 0)] * 3)
+    heavy = Workload.of(gpu_pods + [PodShape(16000, 4096, 0, 0)] * 8)
+    pressure = [cpu_pressure(FleetState(nodes, w.shapes, w.weights)) for w in (light, heavy)]
+    assert pressure[0] < CPU_BOUND <= pressure[1]
+    differs = False
+    for seed in range(4):
+        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
+        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
+        ours = placements(FgdPackPolicy(), nodes, light, seed)
+        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
+    assert differs  # below the bound, packing moves small pods
+
+
+def test_cpu_pressure_is_the_workloads_cpu_per_gpu_over_the_fleets() -> None:
+    nodes = [node("a", 4, cpu=64000), node("b", 4, cpu=32000)]  # 12 cores per GPU
+    # per pod on average: (6 + 0 + 30) / 3 = 12 cores and (2000 + 1000 + 0) / 3 = 1000 milli
+    shapes = [PodShape(6000, 1024, 2, 1000), PodShape(0, 1024, 1, 1000), PodShape(30000, 1, 0, 0)]
+    assert cpu_pressure(FleetState(nodes, shapes, [1, 1, 1])) == 1.0
+    assert cpu_pressure(FleetState(nodes, shapes[2:], [1])) == float("inf")  # no GPU asked

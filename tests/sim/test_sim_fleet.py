@@ -18,6 +18,7 @@ from gpuloom.policies.fleet.registry import POLICIES, get_policy
 from gpuloom.sim.fleet import (
     FleetInputError,
     Workload,
+    arrivals,
     parse_lifetimes,
     parse_nodes,
     parse_pods,
@@ -183,6 +184,41 @@ def test_every_policy_runs_and_is_deterministic(policy: str) -> None:
         "decisions_per_s": 0,
     }
     assert 0 < first.alloc_pct_at_130 <= 100
+
+
+class _OrderRecorder:
+    """Places nothing; keeps the node order (`FleetState.rank`) and the shapes it was asked."""
+
+    name = "order-recorder"
+
+    def __init__(self) -> None:
+        self.rank: list[int] = []
+        self.asked: list[int] = []
+
+    def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> None:
+        self.rank = state.rank.tolist()
+        self.asked.append(q)
+
+
+def test_node_order_is_drawn_after_the_arrivals_so_each_list_has_its_own() -> None:
+    nodes = [node(f"n{i:02d}", 1) for i in range(40)]
+    short = Workload.of([share(100 * (1 + i % 9)) for i in range(30)])
+    long = Workload.of([share(100 * (1 + i % 9)) for i in range(31)])
+    orders = []
+    for workload in (short, short, long):
+        recorder = _OrderRecorder()
+        simulate(nodes, workload, recorder, seed=7)
+        orders.append(recorder.rank)
+        assert sorted(recorder.rank) == list(range(40))
+    # One seed, one list: every policy sees the same order (and the same arrivals) ...
+    assert orders[0] == orders[1]
+    # ... but another list draws a different number of arrivals first, so another order.
+    assert orders[0] != orders[2]
+    # The arrivals are what the seed draws first, as before the order.
+    recorder = _OrderRecorder()
+    simulate(nodes, short, recorder, seed=7)
+    capacity = 40 * 1000
+    assert recorder.asked == arrivals(short, capacity, 1.3, np.random.default_rng(7)).tolist()
 
 
 @needs_traces

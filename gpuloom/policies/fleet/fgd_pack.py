@@ -8,6 +8,12 @@ packing term only breaks its ties, and only where packing is what FGD misses.
   order after that; a share takes FGD's GPU there.
 - When multi-GPU pods carry MULTI_GPU_SHARE or more of the workload's GPU demand, every pod
   goes where FGD puts it.
+- So does every pod when the workload asks for at least as much CPU per GPU as the fleet has
+  (`cpu_pressure` >= CPU_BOUND): then the fleet runs out of cores before GPUs, and packing by
+  GPU left, blind to CPU, strands GPUs on nodes without cores (`cpu250` and `cpu300`, 1.03
+  and 1.14: packing below FGD on 10 and 8 of 10 seeds), while FGD's measure counts a node
+  whose CPU a typical pod no longer fits as fragmented. Below it packing still gains
+  (`cpu235`, 0.998: +0.18).
 
 Why: the integer score makes nodes whose fragmentation growth differs by less than about 40
 milli tie; FGD then takes the first in a fixed random order, which spreads small pods over
@@ -26,6 +32,7 @@ from gpuloom.policies.fleet.fgd import FragDeltas
 from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState, pick_best
 
 MULTI_GPU_SHARE = 0.15  # at least this share of the GPU demand in multi-GPU pods: plain FGD
+CPU_BOUND = 1.0  # the workload asks at least the fleet's CPU per GPU: plain FGD
 
 
 def multi_gpu_share(state: FleetState) -> float:
@@ -38,6 +45,23 @@ def multi_gpu_share(state: FleetState) -> float:
         share = float(demand[state.s_k > 1].sum()) / total if total > 0 else 0.0
         state.memo["multi_gpu_share"] = share
     return share
+
+
+def cpu_pressure(state: FleetState) -> float:
+    """The workload's CPU demand per GPU milli (frequency-weighted over its pods) as a share of
+    the fleet's CPU per GPU milli; inf when the workload asks for no GPU."""
+    pressure = state.memo.get("cpu_pressure")
+    if not isinstance(pressure, float):
+        gpu = float((state.s_weight * state.s_k * state.s_d).sum())
+        cpu = float((state.s_weight * state.s_cpu).sum())
+        fleet_gpu = float(state.gpu_count.sum()) * WHOLE_GPU
+        fleet_cpu_per_gpu = float(state.cpu_cap.sum()) / fleet_gpu if fleet_gpu > 0 else 0.0
+        if gpu <= 0 or fleet_cpu_per_gpu <= 0:
+            pressure = float("inf")
+        else:
+            pressure = (cpu / gpu) / fleet_cpu_per_gpu
+        state.memo["cpu_pressure"] = pressure
+    return pressure
 
 
 class FgdPackPolicy:
@@ -70,9 +94,11 @@ class FgdPackPolicy:
 
 def _as_fgd(state: FleetState, q: int) -> bool:
     """Whether a pod of shape q goes where FGD puts it (whole GPUs, or a workload heavy in
-    multi-GPU pods)."""
+    multi-GPU pods or in CPU)."""
     k, d = int(state.s_k[q]), int(state.s_d[q])
-    return bool(k and d == WHOLE_GPU) or multi_gpu_share(state) >= MULTI_GPU_SHARE
+    if k and d == WHOLE_GPU:
+        return True
+    return multi_gpu_share(state) >= MULTI_GPU_SHARE or cpu_pressure(state) >= CPU_BOUND
 
 
 def _gpu_left(state: FleetState, q: int, rows: np.ndarray | None) -> np.ndarray:
