@@ -14,13 +14,12 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gpuloom.policies.profiling.kernels import kernel_id
-from gpuloom.v1 import common_pb2, profile_store_pb2
+from gpuloom.v1 import profile_store_pb2
 from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
 from tests.dispatcher.test_mps import CONTROL
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Runner
-from tests.shim.test_fikit_live import ONE, Fikit, LiveWithProfiles, profiled  # noqa: F401
+from tests.shim.test_fikit_live import Fikit, LiveWithProfiles, _kernel, profiled  # noqa: F401
 
 MPS = {"GPULOOM_FAKE_CUDA_MPS": "1"}
 HOLD = ("k_hold", 5000, 40, "compute")  # 5 ms on 40% of the SMs
@@ -29,20 +28,11 @@ FILL = ("k_fill", 150, 4, "memory")  # 150 us on 4%: beside it the holder's pred
 SECONDS = 2.0
 
 
-def _stats(name: str, us: int, percent: int, bound: str, sms: int):
-    return profile_store_pb2.KernelStats(
-        kernel_id=kernel_id(name, ONE, ONE),
-        name=name,
-        grid=common_pb2.Dim3(x=1, y=1, z=1),
-        block=common_pb2.Dim3(x=1, y=1, z=1),
-        sample_count=100,
-        mean_duration_ns=us * 1e3,
-        p50_duration_ns=us * 1e3,
-        p95_duration_ns=us * 1e3,
-        mean_gap_after_ns=0.0,  # back to back
-        sm_usage=max(1, sms * percent // 100),
-        bound=profile_store_pb2.KernelBound.Value(f"KERNEL_BOUND_{bound.upper()}"),
-    )
+def _stats(name: str, us: int, percent: int, bound: str, sms: int) -> profile_store_pb2.KernelStats:
+    stats = _kernel(name, us, 0.0)  # back to back
+    stats.sm_usage = max(1, sms * percent // 100)
+    stats.bound = profile_store_pb2.KernelBound.Value(f"KERNEL_BOUND_{bound.upper()}")
+    return stats
 
 
 async def _put(store: store_grpc.ProfileStoreStub, model: str, sms: int) -> None:

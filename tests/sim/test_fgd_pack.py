@@ -88,6 +88,18 @@ def placements(
     return chosen
 
 
+def _as_fgd_above_packing_below(nodes: list[NodeSpec], heavy: Workload, light: Workload) -> None:
+    """Above its threshold a workload is placed exactly as FGD places it; below it, packing
+    moves small pods on some seed."""
+    differs = False
+    for seed in range(4):
+        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
+        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
+        ours = placements(FgdPackPolicy(), nodes, light, seed)
+        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
+    assert differs
+
+
 def test_a_workload_heavy_in_multi_gpu_pods_is_placed_exactly_as_fgd_places_it() -> None:
     nodes = [node(f"n{i}", g, "T4" if i % 2 else "V100M16") for i, g in enumerate([8, 8, 4, 2, 2])]
     small = [share(300), share(500), share(700), PodShape(2000, 4096, 0, 0)] * 3
@@ -96,13 +108,7 @@ def test_a_workload_heavy_in_multi_gpu_pods_is_placed_exactly_as_fgd_places_it()
     heavy = Workload.of(small + whole + [PodShape(4000, 8192, 4, 1000)] * 3)
     share_of = [multi_gpu_share(FleetState(nodes, w.shapes, w.weights)) for w in (light, heavy)]
     assert share_of[0] < MULTI_GPU_SHARE <= share_of[1]
-    differs = False
-    for seed in range(4):
-        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
-        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
-        ours = placements(FgdPackPolicy(), nodes, light, seed)
-        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
-    assert differs  # below the threshold, packing moves small pods
+    _as_fgd_above_packing_below(nodes, heavy, light)
 
 
 def test_a_workload_asking_the_fleets_cpu_per_gpu_is_placed_exactly_as_fgd_places_it() -> None:
@@ -114,13 +120,7 @@ def test_a_workload_asking_the_fleets_cpu_per_gpu_is_placed_exactly_as_fgd_place
     heavy = Workload.of(gpu_pods + [PodShape(16000, 4096, 0, 0)] * 8)
     pressure = [cpu_pressure(FleetState(nodes, w.shapes, w.weights)) for w in (light, heavy)]
     assert pressure[0] < CPU_BOUND <= pressure[1]
-    differs = False
-    for seed in range(4):
-        ours = placements(FgdPackPolicy(), nodes, heavy, seed)
-        assert ours == placements(FgdPolicy(), nodes, heavy, seed)
-        ours = placements(FgdPackPolicy(), nodes, light, seed)
-        differs |= ours != placements(FgdPolicy(), nodes, light, seed)
-    assert differs  # below the bound, packing moves small pods
+    _as_fgd_above_packing_below(nodes, heavy, light)
 
 
 def test_cpu_pressure_is_the_workloads_cpu_per_gpu_over_the_fleets() -> None:
