@@ -125,11 +125,10 @@ class HarvestGauge:
         estimates = estimate_harvest(jobs, now_ns - start)
         self._export(estimates)
         self.recent.append(HarvestWindow(start, now_ns, estimates))
-        present = {p.job for p in self._processes.values()}
-        self._jobs = {
-            name: _Job(job.priority) for name, job in self._jobs.items() if name in present
-        }
-        self._profiles = {name: p for name, p in self._profiles.items() if name in present}
+        self._jobs = {}
+        for process in self._processes.values():  # the next window: the jobs still here
+            self._join(process.job, process.priority)
+        self._profiles = {n: p for n, p in self._profiles.items() if n in self._jobs}
         self._window_start = now_ns if self._processes else None
         return estimates
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 from prometheus_client import REGISTRY
+from pydantic import ValidationError
 
 from gpuloom.policies.fikit.harvest_gauge import LaunchProfile
 from gpuloom.services.dispatcher.admission_engine import KernelTiming
 from gpuloom.services.dispatcher.harvest_gauge import HarvestGauge, launch_profile_of
+from gpuloom.services.dispatcher.settings import DispatcherSettings
 
 S = 10**9
 US = 1000
@@ -76,3 +78,13 @@ def test_an_implausible_count_is_dropped() -> None:
     estimates = gauge.roll(S)
     assert gauge.rejected == 1
     assert estimates is not None and estimates["train"].kept == 0.0
+
+
+def test_the_window_setting_is_validated() -> None:
+    assert DispatcherSettings().harvest_window_s == 10.0
+    assert DispatcherSettings(harvest_window_s=1).harvest_window_s == 1.0
+    for bad in (0.5, 0, -1, 3601):
+        with pytest.raises(ValidationError, match="harvest_window_s"):
+            DispatcherSettings(harvest_window_s=bad)
+    with pytest.raises(ValueError):
+        HarvestGauge("g", window_s=0)
