@@ -283,6 +283,13 @@ class AdmissionRegion:
         return struct.unpack_from("<I", self._mapping, OFF_FK_LEASED)[0] == 1
 
     @property
+    def fikit_seq(self) -> int:
+        """Mode FIKIT: the shim's sequence word, one more at each launch or kernel request
+        (whatever its role; wraps at 2**32): its launch counter for the harvest gauge. Written
+        by the shim, so only as trustworthy as it (the gauge bounds what it takes)."""
+        return struct.unpack_from("<I", self._mapping, OFF_FK_REQ_SEQ)[0]
+
+    @property
     def admit_until_ns(self) -> int:
         return self._admit_until.value
 

@@ -99,6 +99,7 @@ class KernelTiming:
     gap_after_ns: int | None  # None: the profile has no gap for it
     sm_usage: int = 0  # SMs its launch shape occupies (0: unknown, taken as all of them)
     bound: str = "unknown"  # compute, memory or unknown: what limits it
+    samples: int = 1  # its launches in the profile's measured runs (the harvest gauge's weight)
 
     def __post_init__(self) -> None:
         if self.bound not in BOUNDS:

@@ -182,6 +182,7 @@ async def start_gpu_dispatcher(
         composed=composed,
         kernel_tables=kernel_tables,
         introspector=introspector,
+        harvest_window_s=settings.harvest_window_s,
     )
     checkpointer = None
     if settings.suspend_release_memory:

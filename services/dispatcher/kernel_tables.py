@@ -42,7 +42,8 @@ _BOUNDS = {
 def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
     """The arbiter's view of a kernel profile: per kernel ID the mean duration, the mean gap
     after it, the SMs its launch shape occupies and its bound class (the last two for the
-    spatial rule, where the GPU runs MPS; 0 and unknown where the profiler could not tell)."""
+    spatial rule, where the GPU runs MPS; 0 and unknown where the profiler could not tell),
+    and its sample count (the harvest gauge weighs kernels by it)."""
     table = []
     for kernel in profile.kernels:
         duration = kernel.mean_duration_ns
@@ -56,6 +57,7 @@ def table_from_profile(profile: profile_store_pb2.KernelProfile) -> KernelTable:
                 min(int(gap), _MAX_PREDICTION_NS) if math.isfinite(gap) and gap >= 0 else None,
                 kernel.sm_usage,
                 _BOUNDS.get(kernel.bound, "unknown"),
+                kernel.sample_count,
             )
         )
     return tuple(table)

@@ -134,3 +134,21 @@ SUSPEND_MEMORY = prometheus_client.Counter(
 SUSPENDED = prometheus_client.Gauge(
     "gpuloom_dispatcher_suspended_clients", "Clients suspended now", ["gpu"]
 )
+
+# ---- the harvest gauge (docs/harvest.md, "The harvest gauge") ----
+HARVEST_RATIO = prometheus_client.Gauge(
+    "gpuloom_dispatcher_harvest_ratio",
+    "FIKIT policies: a lower-priority job's harvest over the last harvest window, estimated: "
+    "its throughput over its throughput alone, divided by what time sharing alone could give it "
+    "(min(1, (1 - the best priority's busy share) / its busy share alone)); from its launches "
+    "and its kernel profile's durations and gaps. Only jobs with a kernel profile, beside a "
+    "best priority whose jobs all have one: no sample otherwise",
+    ["gpu", "job"],
+)
+HARVEST_KEPT = prometheus_client.Gauge(
+    "gpuloom_dispatcher_harvest_kept_ratio",
+    "FIKIT policies: a lower-priority job's throughput over the last harvest window as a share "
+    "of its throughput alone, estimated from its launches and its kernel profile (the best-effort "
+    "share); no sample where the harvest has none",
+    ["gpu", "job"],
+)

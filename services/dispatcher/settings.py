@@ -118,6 +118,10 @@ class DispatcherSettings(BaseSettings):
     training_sample_us: int = Field(default=1000, ge=0, le=1_000_000)
     training_window_s: float = Field(default=10.0, gt=0, le=3600)
     training_analyze_ms: float = Field(default=1000.0, ge=10, le=3_600_000)
+    # The harvest gauge (docs/harvest.md, "The harvest gauge"): under policies fikit and
+    # composed, each lower-priority job's harvest estimated over consecutive windows this long
+    # (the dispatcher reads the launch counts every 0.5 s, so at least 1 s).
+    harvest_window_s: float = Field(default=10.0, ge=1, le=3600)
     # SuspendClient waits this long for a low-memory point when the request names no bound.
     suspend_max_wait_ms: float = Field(default=2000.0, gt=0, le=600_000)
 

@@ -15,9 +15,16 @@ def profile(model_json: str) -> profile_store_pb2.KernelProfile:
     # request: the host's think time); kernel 2 by 20 us; kernel 3 ends the run.
     found = profile_store_pb2.KernelProfile(measured_runs=3)
     found.meta.key = "task"
-    for kernel, duration, gap in ((1, 50, 2505), (2, 30, 20), (3, 40, float("nan"))):
+    for kernel, duration, gap, samples in (
+        (1, 50, 2505, 6),
+        (2, 30, 20, 3),
+        (3, 40, float("nan"), 3),
+    ):
         found.kernels.add(
-            kernel_id=kernel, mean_duration_ns=duration * US, mean_gap_after_ns=gap * US
+            kernel_id=kernel,
+            mean_duration_ns=duration * US,
+            mean_gap_after_ns=gap * US,
+            sample_count=samples,
         )
     found.gap_predictor.kind = "position"
     found.gap_predictor.model_json = model_json
@@ -34,9 +41,9 @@ def test_each_kernel_gets_its_mean_duration_and_mean_gap_whatever_the_gap_model(
     # Kernel 1's mean gap (2.5 ms) is what the arbiter counts on after it, though the
     # position model knows it is 10 us in one place and 5 ms in the other.
     assert mean == {
-        1: KernelTiming(1, 50 * US, 2505 * US),
-        2: KernelTiming(2, 30 * US, 20 * US),
-        3: KernelTiming(3, 40 * US, None),
+        1: KernelTiming(1, 50 * US, 2505 * US, samples=6),
+        2: KernelTiming(2, 30 * US, 20 * US, samples=3),
+        3: KernelTiming(3, 40 * US, None, samples=3),
     }
     for garbage in ("", "{", '{"format": 1, "predictor": "nope"}', "[1, 2]"):
         table = {t.kernel_id: t for t in table_from_profile(profile(garbage))}

@@ -29,6 +29,7 @@ from gpuloom.services.dispatcher.domain import (
     EventKind,
     derive_task_key,
 )
+from gpuloom.services.dispatcher.harvest_gauge import launch_profile_of
 from gpuloom.services.dispatcher.kernel_tables import KernelTable
 from gpuloom.shimwire import (
     PROTOCOL_VERSION,
@@ -191,6 +192,11 @@ class RegistrationPart:
         connection.mode = mode
         connection.region = region
         self._by_assignment[assignment_id] = connection
+        if mode is ShimMode.FIKIT and self._harvest is not None:
+            self._harvest.add(
+                assignment_id, task_key, reservation.priority, region.fikit_seq,
+                time.monotonic_ns(),
+            )  # fmt: skip
         if self._introspector is not None:
             self._introspector.set_frozen(assignment_id, suspended)
         log.info(
@@ -220,9 +226,11 @@ class RegistrationPart:
         if self._kernel_tables is not None:
 
             def loaded(table: KernelTable) -> None:  # on the event loop: hop to this thread
-                self.submit(lambda: self._install_kernels(assignment_id, table))
+                self.submit(lambda: self._install_kernels(assignment_id, table, task))
 
             table = self._kernel_tables.lookup(task, loaded)
+        if table is not None and self._harvest is not None:
+            self._harvest.set_profile(task, launch_profile_of(table))
         slot = self._engine.add_task(region_fd, priority, table or (), sm_percent)
         log.info(
             "fikit task admitted",
@@ -234,11 +242,13 @@ class RegistrationPart:
         )
         return slot
 
-    def _install_kernels(self, assignment_id: str, table: KernelTable) -> None:
+    def _install_kernels(self, assignment_id: str, table: KernelTable, task: str) -> None:
         connection = self._by_assignment.get(assignment_id)
         if connection is None or connection.fikit_slot is None:
             return  # gone meanwhile
         self._engine.set_kernels(connection.fikit_slot, table)
+        if self._harvest is not None:
+            self._harvest.set_profile(task, launch_profile_of(table))
         log.info("fikit kernel profile installed", assignment=assignment_id, kernels=len(table))
 
     def _refuse(self, connection: _Connection, reason: str, assignment_id: str = "") -> None:

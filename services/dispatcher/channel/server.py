@@ -74,6 +74,7 @@ from gpuloom.services.dispatcher.domain import (
     Reservation,
     Suspension,
 )
+from gpuloom.services.dispatcher.harvest_gauge import HarvestGauge, HarvestWindow
 from gpuloom.services.dispatcher.heartbeat import Heartbeat
 from gpuloom.services.dispatcher.introspection import TrainingIntrospector
 from gpuloom.services.dispatcher.kernel_tables import KernelTables
@@ -107,6 +108,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         composed: bool = False,
         kernel_tables: KernelTables | None = None,
         introspector: TrainingIntrospector | None = None,
+        harvest_window_s: float = 10.0,
     ) -> None:
         self._gpu = gpu_label
         self._socket_path = socket_path
@@ -129,6 +131,8 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         self._fikit = fikit or composed
         self._composed = composed
         self._kernel_tables = kernel_tables
+        # The harvest gauge: FIKIT processes' launches per job (docs/harvest.md).
+        self._harvest = HarvestGauge(gpu_label, harvest_window_s) if self._fikit else None
         self._fikit_seen = ArbiterStats(*[0] * len(dataclasses.fields(ArbiterStats)))
         self._fikit_core_seen = FikitCounters(*[0] * len(dataclasses.fields(FikitCounters)))
         self._lease_seen = DeskStats(*[0] * len(dataclasses.fields(DeskStats)))
@@ -227,6 +231,8 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         self._timer.close()
         if self._heart is not None:
             self._heart.stop()
+        if self._harvest is not None:
+            self._harvest.close()
 
     def submit(self, function: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `function` on the channel thread; the future holds its result or exception."""
@@ -481,6 +487,14 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
         self._epoll.unregister(sock.fileno())
         sock.close()
         self._collect_from(connection)  # its last memory samples, before the region goes
+        if self._harvest is not None and connection.assignment_id is not None:
+            region = connection.region
+            seq = (
+                None
+                if region is None or connection.mode is not ShimMode.FIKIT
+                else region.fikit_seq
+            )
+            self._harvest.remove(connection.assignment_id, seq, time.monotonic_ns())
         current = self._by_assignment.get(connection.assignment_id or "") is connection
         if current and self._introspector is not None:
             # No process, no new samples: the last cycle stands (until one registers again).
@@ -529,6 +543,7 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
                 if connection is not None and connection.region is not None:
                     connection.region.renew_suspension(until)
         self._fikit_metrics()
+        self._harvest_counts()
         self._refresh_terms()
         self._lease_metrics()
         self._leases_granted.inc(self._granted_since_flush)
@@ -557,6 +572,22 @@ class ShimChannel(SuspensionPart, RegistrationPart, EnginePart):
             metrics.LEVEL_USED.labels(self._gpu, str(level)).set(used)
         metrics.QUOTA_RESERVED.labels(self._gpu).set(self._book.quota_reserved_percent() / 100)
         metrics.MEMORY_RESERVED.labels(self._gpu).set(self._book.memory_reserved_bytes())
+
+    def harvest_windows(self) -> list[HarvestWindow]:
+        """The harvest gauge's latest windows, oldest first (none under a token policy). Call
+        it on the channel thread (`submit`)."""
+        return [] if self._harvest is None else list(self._harvest.recent)
+
+    def _harvest_counts(self) -> None:
+        """Each FIKIT process's launches since the last read into the harvest gauge; at a
+        window's end, the gauge's estimates exported."""
+        if self._harvest is None:
+            return
+        now = time.monotonic_ns()
+        for assignment_id, connection in self._by_assignment.items():
+            if connection.mode is ShimMode.FIKIT and connection.region is not None:
+                self._harvest.observe(assignment_id, connection.region.fikit_seq, now)
+        self._harvest.roll(now)
 
     def _emit(
         self,
