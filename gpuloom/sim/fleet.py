@@ -82,7 +82,8 @@ def parse_nodes(text: str, source: str) -> list[NodeSpec]:
 
 def parse_pods(text: str, source: str, known_models: set[str]) -> list[PodShape]:
     """Pods of a pod list in its order (name, cpu_milli, memory_mib, num_gpu, gpu_milli and an
-    optional gpu_spec such as `V100M16|V100M32`; other columns are ignored)."""
+    optional gpu_spec such as `V100M16|V100M32`, kept as written in `PodShape.spec`; other
+    columns are ignored)."""
     pods = []
     for line, row in _rows(text, source, POD_COLUMNS):
         num_gpu = _int(row, "num_gpu", source, line)
@@ -108,6 +109,7 @@ def parse_pods(text: str, source: str, known_models: set[str]) -> list[PodShape]
                 num_gpu=num_gpu,
                 gpu_milli=milli,
                 models=models,
+                spec="|".join(m for m in spec.split("|") if m),
             )
         )
     return pods

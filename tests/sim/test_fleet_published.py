@@ -68,10 +68,37 @@ def test_typical_pods_key_without_memory_and_stop_at_95_percent() -> None:
     assert weights.tolist() == [0.8, 0.2]
 
 
-def test_typical_pods_of_equal_count_go_in_cpu_then_gpu_order() -> None:
+def test_typical_pods_of_equal_count_go_in_descending_cpu_then_gpu_order() -> None:
+    # The published list is sorted by sort.Reverse of (count, CPU, GPU milli, ...) ascending:
+    # equal counts come with the most CPU, then the most GPU milli, first.
     shapes = [PodShape(2000, 1, 1, 300), PodShape(1000, 1, 1, 700), PodShape(1000, 1, 1, 200)]
     typical, _ = typical_workload(shapes, [1, 1, 1], share=0.5)
-    assert typical == (TypicalShape(1000, 1, 200, None), TypicalShape(1000, 1, 700, None))
+    assert typical == (TypicalShape(2000, 1, 300, None), TypicalShape(1000, 1, 700, None))
+
+
+def test_typical_pods_key_the_models_as_the_list_writes_them() -> None:
+    both = frozenset({"V100M16", "V100M32"})
+    shapes = [
+        PodShape(1000, 1, 1, 500, both, "V100M16|V100M32"),
+        PodShape(1000, 1, 1, 500, both, "V100M16|V100M32|V100M32"),  # the same models
+        PodShape(2000, 1, 1, 1000),
+    ]
+    typical, weights = typical_workload(shapes, [3, 2, 4])
+    assert typical == (
+        TypicalShape(2000, 1, 1000, None),
+        TypicalShape(1000, 1, 500, both, "V100M16|V100M32"),
+        TypicalShape(1000, 1, 500, both, "V100M16|V100M32|V100M32"),
+    )
+    assert weights.tolist() == [4 / 9, 3 / 9, 2 / 9]
+    # parse_pods keeps the text: two spellings are two shapes.
+    pods = parse_pods(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,1000,1,1,500,V100M16|V100M32\nb,1000,1,1,500,V100M16|V100M32|V100M32\n",
+        "p.csv",
+        {"V100M16", "V100M32"},
+    )
+    assert [p.spec for p in pods] == ["V100M16|V100M32", "V100M16|V100M32|V100M32"]
+    assert len(Workload.of(pods).shapes) == 2
 
 
 def test_fragmentation_ignores_memory() -> None:
