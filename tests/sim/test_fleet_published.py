@@ -76,6 +76,16 @@ def test_typical_pods_of_equal_count_go_in_descending_cpu_then_gpu_order() -> No
     assert typical == (TypicalShape(2000, 1, 300, None), TypicalShape(1000, 1, 700, None))
 
 
+def test_typical_weights_are_normalised_in_the_published_order() -> None:
+    # (count / total) / (covered / total), as the published list is normalised: 1 of 5 pods
+    # over 3 covered is 0.33333333333333337 there, not 1 / 3; the last bit can tip a score.
+    shapes = [PodShape(4000 - 1000 * i, 1, 1, 500) for i in range(4)]
+    typical, weights = typical_workload(shapes, [2, 1, 1, 1], share=0.6)
+    assert [t.cpu_milli for t in typical] == [4000, 3000]
+    assert weights.tolist() == [(2 / 5) / (3 / 5), (1 / 5) / (3 / 5)]
+    assert weights[1] != 1 / 3
+
+
 def test_typical_pods_key_the_models_as_the_list_writes_them() -> None:
     both = frozenset({"V100M16", "V100M32"})
     shapes = [

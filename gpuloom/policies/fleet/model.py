@@ -83,7 +83,8 @@ def typical_workload(
     the models as written, sorted by count, then CPU, GPU milli, GPU count and the models'
     text, all descending (the published list is sorted by `sort.Reverse` of count, then those
     keys ascending, so its equal counts come in descending order too), taken one at a time
-    until they cover `share` of the pods, their weights normalised to sum to 1."""
+    until they cover `share` of the pods, their weights normalised to sum to 1 (in the published
+    order of operations, below)."""
     counts: dict[TypicalShape, float] = {}
     for shape, weight in zip(shapes, weights, strict=True):
         spec = (shape.spec or _model_key(shape.models)) if shape.num_gpu else ""
@@ -97,13 +98,20 @@ def typical_workload(
     )
     chosen: list[tuple[TypicalShape, float]] = []
     covered = 0.0
+    # The published threshold is a percent: percent * total / 100 (0.95 * total differs from it
+    # in the last bit for some totals).
+    threshold = round(share * 100, 9) * total / 100
     for key, count in ranked:
-        if covered >= share * total:
+        if covered >= threshold:
             break
         chosen.append((key, count))
         covered += count
     w = np.array([c for _, c in chosen], dtype=np.float64)
-    return tuple(k for k, _ in chosen), (w / w.sum() if w.sum() > 0 else w)
+    if covered <= 0:
+        return tuple(k for k, _ in chosen), w
+    # Normalised in the published order of operations, (count / total) / (covered / total),
+    # not count / covered: the last bit of a weight can tip an integer FGD score.
+    return tuple(k for k, _ in chosen), (w / total) / (covered / total)
 
 
 class FleetState:
