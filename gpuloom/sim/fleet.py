@@ -82,7 +82,8 @@ def parse_nodes(text: str, source: str) -> list[NodeSpec]:
 
 def parse_pods(text: str, source: str, known_models: set[str]) -> list[PodShape]:
     """Pods of a pod list in its order (name, cpu_milli, memory_mib, num_gpu, gpu_milli and an
-    optional gpu_spec such as `V100M16|V100M32`; other columns are ignored)."""
+    optional gpu_spec such as `V100M16|V100M32`, kept as written in `PodShape.spec`; other
+    columns are ignored)."""
     pods = []
     for line, row in _rows(text, source, POD_COLUMNS):
         num_gpu = _int(row, "num_gpu", source, line)
@@ -108,6 +109,7 @@ def parse_pods(text: str, source: str, known_models: set[str]) -> list[PodShape]
                 num_gpu=num_gpu,
                 gpu_milli=milli,
                 models=models,
+                spec="|".join(m for m in spec.split("|") if m),
             )
         )
     return pods
@@ -183,12 +185,25 @@ class FleetRun:
 FINAL_WINDOW = 0.005  # the figure: mean allocation over arrivals from inflate - 0.5% on
 
 
+@dataclass(frozen=True, slots=True)
+class Draws:
+    """A run's random draws given instead of drawn from its seed, to replay another
+    simulator's run exactly (the published simulator's, from Go's `math/rand`:
+    tests/sim/data/published_draws.go). `pods`: the pod list's rows (0-based, in list order) in
+    arrival order, a clone repeating its pod's row; `rank`: each node's place in the tie order
+    (0 first), in node-list order."""
+
+    pods: tuple[int, ...]
+    rank: tuple[int, ...]
+
+
 def simulate(
     nodes: list[NodeSpec],
     workload: Workload,
     policy: FleetPolicy,
     seed: int,
     inflate: float = 1.3,
+    draws: Draws | None = None,
 ) -> FleetRun:
     """One run of `policy` on a fresh fleet, the published protocol: the seed draws the
     arrivals (`arrivals`), then the node order that breaks ties (`FleetState.rank`); random
@@ -196,12 +211,25 @@ def simulate(
     simulator draws its node-name permutation after shuffling and tuning the list, so that
     each list has its own node orders for a seed: drawn first, the same ten orders would serve
     every list and their luck would move all lists' means together (with the arrivals fixed,
-    the order alone moves `gpupacking` on `cpu250` by 0.5, one standard deviation)."""
+    the order alone moves `gpupacking` on `cpu250` by 0.5, one standard deviation).
+    With `draws`, the arrivals and the node order are those given (`inflate` then only
+    places the final window); the seed still serves `random`."""
     rng = np.random.default_rng(seed)
     state = FleetState(nodes, workload.shapes, workload.weights)
     capacity = state.gpu_capacity
-    stream = arrivals(workload, capacity, inflate, rng)
-    state.rank = rng.permutation(len(nodes)).astype(np.int64)
+    if draws is None:
+        stream = arrivals(workload, capacity, inflate, rng)
+        state.rank = rng.permutation(len(nodes)).astype(np.int64)
+    else:
+        if sorted(draws.rank) != list(range(len(nodes))):
+            raise ValueError("draws.rank must rank every node once (0 to nodes - 1)")
+        rows = np.asarray(draws.pods, dtype=np.int64)
+        if len(rows) == 0 or rows.min() < 0 or rows.max() >= len(workload.pods):
+            raise ValueError(
+                f"draws.pods must be rows of the pod list (0 to {len(workload.pods) - 1})"
+            )
+        stream = np.asarray(workload.pods, dtype=np.int64)[rows]
+        state.rank = np.asarray(draws.rank, dtype=np.int64)
     request = state.s_k * state.s_d
     arrived = np.cumsum(request[stream]) / max(capacity, 1)
     allocated = np.empty(len(stream), dtype=np.int64)

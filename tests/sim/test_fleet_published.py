@@ -7,9 +7,12 @@ plain loops from the published definitions."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,9 +32,12 @@ from gpuloom.policies.fleet.model import (
     typical_workload,
 )
 from gpuloom.policies.fleet.registry import get_policy
-from gpuloom.sim.fleet import Workload, arrivals, simulate
+from gpuloom.sim.fleet import Draws, Workload, arrivals, parse_nodes, parse_pods, simulate
 
 RNG = np.random.default_rng(0)
+DATA = Path(__file__).resolve().parent / "data"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces" / "alibaba-gpu-v2023"
+needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="no ../shared/traces beside")
 
 
 def node(name: str, gpus: int, cpu: int = 64000, model: str = "T4") -> NodeSpec:
@@ -62,10 +68,47 @@ def test_typical_pods_key_without_memory_and_stop_at_95_percent() -> None:
     assert weights.tolist() == [0.8, 0.2]
 
 
-def test_typical_pods_of_equal_count_go_in_cpu_then_gpu_order() -> None:
+def test_typical_pods_of_equal_count_go_in_descending_cpu_then_gpu_order() -> None:
+    # The published list is sorted by sort.Reverse of (count, CPU, GPU milli, ...) ascending:
+    # equal counts come with the most CPU, then the most GPU milli, first.
     shapes = [PodShape(2000, 1, 1, 300), PodShape(1000, 1, 1, 700), PodShape(1000, 1, 1, 200)]
     typical, _ = typical_workload(shapes, [1, 1, 1], share=0.5)
-    assert typical == (TypicalShape(1000, 1, 200, None), TypicalShape(1000, 1, 700, None))
+    assert typical == (TypicalShape(2000, 1, 300, None), TypicalShape(1000, 1, 700, None))
+
+
+def test_typical_weights_are_normalised_in_the_published_order() -> None:
+    # (count / total) / (covered / total), as the published list is normalised: 1 of 5 pods
+    # over 3 covered is 0.33333333333333337 there, not 1 / 3; the last bit can tip a score.
+    shapes = [PodShape(4000 - 1000 * i, 1, 1, 500) for i in range(4)]
+    typical, weights = typical_workload(shapes, [2, 1, 1, 1], share=0.6)
+    assert [t.cpu_milli for t in typical] == [4000, 3000]
+    assert weights.tolist() == [(2 / 5) / (3 / 5), (1 / 5) / (3 / 5)]
+    assert weights[1] != 1 / 3
+
+
+def test_typical_pods_key_the_models_as_the_list_writes_them() -> None:
+    both = frozenset({"V100M16", "V100M32"})
+    shapes = [
+        PodShape(1000, 1, 1, 500, both, "V100M16|V100M32"),
+        PodShape(1000, 1, 1, 500, both, "V100M16|V100M32|V100M32"),  # the same models
+        PodShape(2000, 1, 1, 1000),
+    ]
+    typical, weights = typical_workload(shapes, [3, 2, 4])
+    assert typical == (
+        TypicalShape(2000, 1, 1000, None),
+        TypicalShape(1000, 1, 500, both, "V100M16|V100M32"),
+        TypicalShape(1000, 1, 500, both, "V100M16|V100M32|V100M32"),
+    )
+    assert weights.tolist() == [4 / 9, 3 / 9, 2 / 9]
+    # parse_pods keeps the text: two spellings are two shapes.
+    pods = parse_pods(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+        "a,1000,1,1,500,V100M16|V100M32\nb,1000,1,1,500,V100M16|V100M32|V100M32\n",
+        "p.csv",
+        {"V100M16", "V100M32"},
+    )
+    assert [p.spec for p in pods] == ["V100M16|V100M32", "V100M16|V100M32|V100M32"]
+    assert len(Workload.of(pods).shapes) == 2
 
 
 def test_fragmentation_ignores_memory() -> None:
@@ -205,6 +248,64 @@ def test_the_figure_is_the_mean_from_129_5_percent_and_the_node_order_is_per_see
     assert run.alloc_pct_at_130 is not None and 0 < run.alloc_pct_at_130 <= 100
     again = simulate(nodes, workload, get_policy("fgd"), seed=1)
     assert again.alloc_pct_at_130 == run.alloc_pct_at_130
+
+
+@pytest.mark.parametrize(
+    ("rows", "rank", "failed", "pct"),
+    [
+        ((0, 1), (0, 1), 1, 25.0),  # the 500 ties onto a, so the 600 (2 cores) fits nowhere
+        ((0, 1), (1, 0), 0, 55.0),  # b ranks first: the 500 there, the 600 on a
+        ((1, 0), (0, 1), 0, 55.0),  # the 600 first: only a has its cores
+        ((0, 0), (0, 1), 0, 50.0),  # a row may repeat (a clone): both 500s pack onto a
+    ],
+)
+def test_given_draws_replace_the_seeded_arrivals_and_node_order(
+    rows: tuple[int, ...], rank: tuple[int, ...], failed: int, pct: float
+) -> None:
+    nodes = [node("a", 1), node("b", 1, cpu=1000)]
+    workload = Workload.of([share(500, cpu=1000), share(600, cpu=2000)])
+    run = simulate(nodes, workload, get_policy("gpupacking"), 0, draws=Draws(rows, rank))
+    assert (run.failed_pods, run.alloc_pct_at_130) == (failed, pct)
+
+
+def test_draws_must_name_pod_rows_and_rank_every_node() -> None:
+    nodes, workload = [node("a", 1), node("b", 1)], Workload.of([share(500)])
+    with pytest.raises(ValueError, match="rank every node once"):
+        simulate(nodes, workload, get_policy("bestfit"), 0, draws=Draws((0,), (0, 0)))
+    with pytest.raises(ValueError, match="rows of the pod list"):
+        simulate(nodes, workload, get_policy("bestfit"), 0, draws=Draws((1,), (0, 1)))
+
+
+# Published runs and their figures (the 130 column of the published simulator's
+# experiments/analysis/expected_results/analysis_allo_discrete.csv, tune 1.3): the five
+# deterministic policies on `gpushare40` at seed 42, where our 10-seed means were furthest
+# above the published ones; FGD on `gpuspec25` at seed 44, which it matches only with the
+# typical pods keyed by the models as the list writes them (94.75 without).
+PUBLISHED_RUNS = [
+    ("gpushare40", 42, "gpupacking", 90.16),
+    ("gpushare40", 42, "gpuclustering", 89.98),
+    ("gpushare40", 42, "bestfit", 91.66),
+    ("gpushare40", 42, "dotprod", 89.59),
+    ("gpushare40", 42, "fgd", 94.24),
+    ("gpuspec25", 44, "fgd", 95.01),
+]
+
+
+@needs_traces
+@pytest.mark.parametrize(("pod_list", "seed", "policy", "figure"), PUBLISHED_RUNS)
+def test_the_published_run_is_reproduced_exactly_from_its_draws(
+    pod_list: str, seed: int, policy: str, figure: float
+) -> None:
+    """With the published simulator's arrivals and node order for a seed (data/
+    published_draws.go), a deterministic policy gives its published figure to the rounding."""
+    nodes = parse_nodes((TRACES / "openb_node_list_gpu_node.csv").read_text(), "nodes")
+    pods = parse_pods(
+        (TRACES / f"openb_pod_list_{pod_list}.csv").read_text(), "pods", {n.model for n in nodes}
+    )
+    drawn = json.loads((DATA / f"published_draws_{pod_list}_{seed}.json").read_text())
+    draws = Draws(pods=tuple(drawn["pods"]), rank=tuple(drawn["rank"]))
+    run = simulate(nodes, Workload.of(pods), get_policy(policy), seed=seed, draws=draws)
+    assert run.alloc_pct_at_130 == pytest.approx(figure, abs=0.006)
 
 
 # ---- properties: the policies against a plain-loop reference of the published rules ----

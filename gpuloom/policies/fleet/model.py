@@ -14,8 +14,9 @@ Two published rules of the FGD paper's simulator live here because every policy 
   per run: `FleetState.rank` (0 first; the identity unless the simulator draws one), read by
   `pick_best`;
 - the workload FGD weighs ("typical pods", `typical_workload`): the most frequent pod shapes,
-  keyed by CPU, GPU milli, GPU count and GPU model (memory is not part of the key, nor of
-  fragmentation), taken in decreasing frequency until they cover TYPICAL_SHARE of the pods.
+  keyed by CPU, GPU milli, GPU count and GPU model as the list writes it (memory is not part
+  of the key, nor of fragmentation), taken in decreasing frequency until they cover
+  TYPICAL_SHARE of the pods.
 """
 
 from __future__ import annotations
@@ -43,13 +44,16 @@ class NodeSpec:
 class PodShape:
     """What one pod asks for. `gpu_milli` is per GPU: 1000 for whole GPUs (num_gpu >= 1), less
     for a share of one GPU (num_gpu == 1), 0 for a CPU-only pod (num_gpu == 0). `models` is
-    None when any GPU model will do."""
+    None when any GPU model will do; `spec` is the model list as the pod list writes it
+    (`V100M16|V100M32|V100M32`, empty entries dropped), which FGD's workload keys by: two
+    spellings of the same models are two typical pods there (empty: `models` sorted)."""
 
     cpu_milli: int
     memory_mib: int
     num_gpu: int
     gpu_milli: int
     models: frozenset[str] | None = None
+    spec: str = ""
 
     @property
     def gpu_request(self) -> int:
@@ -59,12 +63,13 @@ class PodShape:
 
 @dataclass(frozen=True, slots=True)
 class TypicalShape:
-    """A pod shape as FGD's workload keys it: no memory."""
+    """A pod shape as FGD's workload keys it: no memory, the models as written (`spec`)."""
 
     cpu_milli: int
     num_gpu: int
     gpu_milli: int
     models: frozenset[str] | None
+    spec: str = ""
 
 
 def _model_key(models: frozenset[str] | None) -> str:
@@ -74,33 +79,39 @@ def _model_key(models: frozenset[str] | None) -> str:
 def typical_workload(
     shapes: Sequence[PodShape], weights: Sequence[float], share: float = TYPICAL_SHARE
 ) -> tuple[tuple[TypicalShape, ...], np.ndarray]:
-    """FGD's workload from pod shapes and their counts: shapes keyed without memory, sorted by
-    count (descending; equal counts by CPU, GPU milli, GPU count, model ascending), taken one
-    at a time until they cover `share` of the pods, their weights normalised to sum to 1."""
+    """FGD's workload from pod shapes and their counts: shapes keyed without memory and with
+    the models as written, sorted by count, then CPU, GPU milli, GPU count and the models'
+    text, all descending (the published list is sorted by `sort.Reverse` of count, then those
+    keys ascending, so its equal counts come in descending order too), taken one at a time
+    until they cover `share` of the pods, their weights normalised to sum to 1 (in the published
+    order of operations, below)."""
     counts: dict[TypicalShape, float] = {}
     for shape, weight in zip(shapes, weights, strict=True):
-        key = TypicalShape(shape.cpu_milli, shape.num_gpu, shape.gpu_milli, shape.models)
+        spec = (shape.spec or _model_key(shape.models)) if shape.num_gpu else ""
+        key = TypicalShape(shape.cpu_milli, shape.num_gpu, shape.gpu_milli, shape.models, spec)
         counts[key] = counts.get(key, 0.0) + float(weight)
     total = sum(counts.values())
     ranked = sorted(
         counts.items(),
-        key=lambda kv: (
-            -kv[1],
-            kv[0].cpu_milli,
-            kv[0].gpu_milli,
-            kv[0].num_gpu,
-            _model_key(kv[0].models),
-        ),
+        key=lambda kv: (kv[1], kv[0].cpu_milli, kv[0].gpu_milli, kv[0].num_gpu, kv[0].spec),
+        reverse=True,
     )
     chosen: list[tuple[TypicalShape, float]] = []
     covered = 0.0
+    # The published threshold is a percent: percent * total / 100 (0.95 * total differs from it
+    # in the last bit for some totals).
+    threshold = round(share * 100, 9) * total / 100
     for key, count in ranked:
-        if covered >= share * total:
+        if covered >= threshold:
             break
         chosen.append((key, count))
         covered += count
     w = np.array([c for _, c in chosen], dtype=np.float64)
-    return tuple(k for k, _ in chosen), (w / w.sum() if w.sum() > 0 else w)
+    if covered <= 0:
+        return tuple(k for k, _ in chosen), w
+    # Normalised in the published order of operations, (count / total) / (covered / total),
+    # not count / covered: the last bit of a weight can tip an integer FGD score.
+    return tuple(k for k, _ in chosen), (w / total) / (covered / total)
 
 
 class FleetState:
