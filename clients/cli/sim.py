@@ -26,6 +26,7 @@ from gpuloom.sim.fleet import (
     FleetRun,
     ReplayRun,
     Workload,
+    parse_draws,
     parse_lifetimes,
     parse_nodes,
     parse_pods,
@@ -193,6 +194,15 @@ def _draw(results: list[ModeResult], duration_s: float, names: list[str], out: P
     help="With --replay: divide the creation times by this (arrivals this many times faster, "
     "lifetimes kept).  [default: 1]",
 )
+@click.option(
+    "--draws",
+    "draws_files",
+    multiple=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Instead of drawing from --seed: the arrival and node orders of this JSON file "
+    "(seed, pods, rank; tests/sim/data/published_draws.go writes the published simulator's), "
+    "one run per file (repeatable).",
+)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per (policy, seed).")
 @click.option(
     "--plot",
@@ -209,6 +219,7 @@ def fleet(
     inflate: float | None,
     replay_times: bool,
     compress: float | None,
+    draws_files: tuple[Path, ...],
     as_json: bool,
     plot: Path | None,
 ) -> None:
@@ -222,12 +233,24 @@ def fleet(
     if compress is not None and not replay_times:
         click.echo("error: --compress is for --replay", err=True)
         sys.exit(2)
+    if draws_files and replay_times:
+        click.echo("error: --draws is for the FGD protocol, not --replay", err=True)
+        sys.exit(2)
+    context = click.get_current_context()
+    seeded = any(
+        context.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT
+        for p in ("seed", "repeat")
+    )
+    if draws_files and seeded:
+        click.echo("error: --draws gives each run's seed; leave out --seed and --repeat", err=True)
+        sys.exit(2)
     try:
         chosen = [get_fleet_policy(name) for name in policies]
         nodes = parse_nodes(_read(nodes_csv), str(nodes_csv))
         pods_text = _read(pods_csv)
         pods = parse_pods(pods_text, str(pods_csv), {n.model for n in nodes})
         lifetimes = parse_lifetimes(pods_text, str(pods_csv)) if replay_times else []
+        given = [parse_draws(_read(path), str(path), len(pods), len(nodes)) for path in draws_files]
     except (FleetInputError, UnknownPolicyError) as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(2)
@@ -247,9 +270,10 @@ def fleet(
         return
     inflate = 1.3 if inflate is None else inflate
     runs = []
+    plan = given or [(s, None) for s in range(seed, seed + max(repeat, 1))]
     for name, policy in zip(policies, chosen, strict=True):
-        for s in range(seed, seed + max(repeat, 1)):
-            run = simulate_fleet(nodes, workload, policy, s, inflate)
+        for s, draws in plan:
+            run = simulate_fleet(nodes, workload, policy, s, inflate, draws)
             runs.append(run)
             if as_json:
                 click.echo(json.dumps({**run.summary(), "policy": name}))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import heapq
 import io
+import json
 import math
 import time
 from collections import Counter, deque
@@ -195,6 +196,48 @@ class Draws:
 
     pods: tuple[int, ...]
     rank: tuple[int, ...]
+
+
+def parse_draws(text: str, source: str, pods: int, nodes: int) -> tuple[int, Draws]:
+    """A draws file (tests/sim/data/published_draws.go writes them): a JSON object with
+    `seed` (an integer), `pods` (rows of a pod list of `pods` rows, in arrival order) and
+    `rank` (each of `nodes` nodes' place in the tie order, every place once). Returns the seed
+    and the draws; a bad file raises FleetInputError naming the file and the key."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FleetInputError(f"{source}: not JSON: {error.msg} (line {error.lineno})") from None
+    if not isinstance(data, dict):
+        raise FleetInputError(f"{source}: must be a JSON object with seed, pods and rank")
+    unknown = sorted(set(data) - {"seed", "pods", "rank"})
+    if unknown:
+        raise FleetInputError(f"{source}, key {unknown[0]}: unknown (seed, pods, rank)")
+
+    def integers(key: str) -> list[int]:
+        value = data.get(key)
+        if not isinstance(value, list) or not value:
+            raise FleetInputError(f"{source}, key {key}: must be a non-empty list of integers")
+        for i, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise FleetInputError(f"{source}, key {key}[{i}]: not an integer: {item!r}")
+        return value
+
+    seed = data.get("seed")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise FleetInputError(f"{source}, key seed: must be an integer, got {seed!r}")
+    rows = integers("pods")
+    bad = next((i for i, row in enumerate(rows) if not 0 <= row < pods), None)
+    if bad is not None:
+        raise FleetInputError(
+            f"{source}, key pods[{bad}]: {rows[bad]} is not a row of the pod list (0 to {pods - 1})"
+        )
+    rank = integers("rank")
+    if sorted(rank) != list(range(nodes)):
+        raise FleetInputError(
+            f"{source}, key rank: must rank each of the node list's {nodes} nodes once "
+            f"(0 to {nodes - 1}); it has {len(rank)} entries"
+        )
+    return seed, Draws(tuple(rows), tuple(rank))
 
 
 def simulate(

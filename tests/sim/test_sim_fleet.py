@@ -16,6 +16,7 @@ from gpuloom.policies.fleet.frag import Fragmentation
 from gpuloom.policies.fleet.model import FleetState, NodeSpec, PodShape
 from gpuloom.policies.fleet.registry import POLICIES, get_policy
 from gpuloom.sim.fleet import (
+    Draws,
     FleetInputError,
     Workload,
     arrivals,
@@ -359,3 +360,52 @@ def test_replay_compress_brings_arrivals_closer_and_pods_wait() -> None:
         cli, ["sim", "fleet", "--nodes", "x", "--pods", "y", "--compress", "2"]
     )
     assert result.exit_code == 2 and "--compress is for --replay" in result.output
+
+
+def test_draws_file_gives_the_runs_arrivals_node_order_and_seed(tmp_path: Path) -> None:
+    nodes = parse_nodes(NODES, "n.csv")
+    workload = Workload.of(parse_pods(PODS, "p.csv", {n.model for n in nodes}))
+    draws = {"seed": 7, "pods": [4, 0, 2, 1, 4], "rank": [2, 0, 1]}
+    (tmp_path / "d.json").write_text(json.dumps(draws))
+    result = run_cli(tmp_path, NODES, PODS, "--policy", "fgd", "--draws", str(tmp_path / "d.json"))
+    assert result.exit_code == 0, result.output
+    result = run_cli(
+        tmp_path, NODES, PODS, "--policy", "fgd", "--json", "--draws", str(tmp_path / "d.json")
+    )
+    line = json.loads(result.output)
+    expected = simulate(
+        nodes, workload, get_policy("fgd"), 7, draws=Draws((4, 0, 2, 1, 4), (2, 0, 1))
+    )
+    assert line["seed"] == 7
+    assert line["alloc_pct_at_130"] == expected.alloc_pct_at_130
+    assert line["failed_pods"] == expected.failed_pods
+    # Not the seed's own draws: those place more pods, and fail some.
+    own = simulate(nodes, workload, get_policy("fgd"), 7)
+    assert own.alloc_pct_at_130 != expected.alloc_pct_at_130
+
+
+@pytest.mark.parametrize(
+    ("text", "args", "message"),
+    [
+        ("[1, 2]", (), "d.json: must be a JSON object"),
+        ("{", (), "d.json: not JSON"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 2], "x": 1}', (), "d.json, key x: unknown"),
+        ('{"seed": "1", "pods": [0], "rank": [0, 1, 2]}', (), "d.json, key seed: must be an int"),
+        ('{"seed": 1, "pods": [], "rank": [0, 1, 2]}', (), "d.json, key pods: must be a non-empty"),
+        ('{"seed": 1, "pods": [0, 5], "rank": [0, 1, 2]}', (), "key pods[1]: 5 is not a row"),
+        ('{"seed": 1, "pods": [0, true], "rank": [0, 1, 2]}', (), "key pods[1]: not an integer"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 1]}', (), "key rank: must rank each of the"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1]}', (), "it has 2 entries"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 2]}', ("--seed", "3"), "leave out --seed"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 2]}', ("--repeat", "2"), "leave out --seed"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 2]}', ("--replay",), "not --replay"),
+    ],
+)
+def test_bad_draws_file_exits_2_naming_the_key(
+    tmp_path: Path, text: str, args: tuple[str, ...], message: str
+) -> None:
+    (tmp_path / "d.json").write_text(text)
+    result = run_cli(tmp_path, NODES, PODS, "--draws", str(tmp_path / "d.json"), *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
