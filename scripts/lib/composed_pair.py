@@ -2,10 +2,20 @@
 last part).
 
 `gpuloom up` with its default settings (one simulated A100, no GPULOOM_DISPATCHER_ setting) on
-free ports; the two tasks' kernel profiles put in its store (what the profiler would measure:
-the fake kernels' own durations and the inference's host work as the gap after each); then
-`--pair-rounds` rounds of three phases, odd rounds in reverse order so that a drift biases no
-phase, each on a fresh fake GPU (its own GPULOOM_FAKE_CUDA_DIR):
+free ports; the two tasks' kernel profiles put in its store, of one or both kinds:
+
+    measured     what a deployment's profiler measures: each task run once alone on a fresh
+                 fake GPU before the rounds (the inference's requests, the training loop for
+                 TRAIN_ALONE_S), and per kernel its launches, mean duration and mean gap to the
+                 task's next kernel taken from the fake GPU's log (`measured`). The fake
+                 kernels and host work last longer than their names say, by the late wake-ups
+                 of the fake GPU's and the program's sleeps (about 100 us a kernel on a loaded
+                 two-core machine).
+    nominal      the durations the kernels' names give, 300/200/300 us and 150 us, with the
+                 inference's host work as the gap after each (`nominal`)
+
+then `--pair-rounds` rounds of the phases below, odd rounds in reverse order so that a drift
+biases no phase, each on a fresh fake GPU (its own GPULOOM_FAKE_CUDA_DIR):
 
     alone        the inference (`shim/build/cudart_like`: requests of three kernels of
                  300/200/300 us, 400 us of host work between them, 2 ms between requests)
@@ -13,7 +23,8 @@ phase, each on a fresh fake GPU (its own GPULOOM_FAKE_CUDA_DIR):
     train alone  the training loop (150 us kernels back to back, a stream sync after each) for
                  TRAIN_ALONE_S without gpuloom
     pair         both through `gpuloom run`: the training at priority 8 started first, then the
-                 inference at priority 1, each asking half the GPU's time up to all of it
+                 inference at priority 1, each asking half the GPU's time up to all of it; one
+                 such phase per kind of profile, under task keys of its own
 
 Per round: the inference's mean and p99 as multiples of its own alone figures, the
 training's work beside it (its kernels started while the inference ran, per second, from the
@@ -21,8 +32,8 @@ fake GPU's log) as a share of its rate alone (`kept`), and its harvest (docs/har
 over `min(1, (1 - inference busy alone) / training busy alone)`, what time sharing alone could
 give it, each busy share measured from its own alone phase on the fake GPU's log (the union of
 its kernels' time over the span from its first kernel's start to its last one's end).
-Reported: each round, and the medians. The target (docs/benchmarks.md): the median mean at
-most 1.05x alone.
+Reported: each round, and the medians per kind of profile. The target (docs/benchmarks.md):
+the median mean at most 1.05x alone, for each kind run.
 
 `mps=True` gives every phase's fake GPU an MPS server (GPULOOM_FAKE_CUDA_MPS=1): kernels of the
 two processes co-run under the simulator's model instead of taking turns. The default run is
