@@ -15,6 +15,7 @@ from composed_pair import (
     LOW_US,
     PAUSE_US,
     busy_share,
+    gap_delays,
     harvest,
     measured,
     nominal,
@@ -72,3 +73,21 @@ def test_measured_and_nominal_profiles_key_the_same_kernels() -> None:
     assert [k.mean_duration_ns for k in nominal("train")] == [LOW_US * 1e3]
     with pytest.raises(ValueError, match="no task"):
         nominal("serve")
+
+
+def test_the_inferences_gaps_beside_the_training_split_by_whether_it_waited() -> None:
+    h1, h2, h3 = HIGH
+    alone = [(h1, 0, 300_000), (h2, 800_000, 1_000_000), (h3, 1_500_000, 1_800_000)]
+    paired = [
+        (h1, 0, 300_000),
+        (LOW, 300_000, 850_000),  # running when h2 would have started alone (800 us): waited
+        (h2, 850_000, 1_050_000),
+        (LOW, 1_100_000, 1_300_000),  # ended before h3 was due (1,550 us): h3 is 30 us late
+        (h3, 1_580_000, 1_880_000),
+    ]
+    delays = gap_delays(alone, paired)
+    assert delays["overrun_share"] == pytest.approx(0.5)
+    assert delays["overrun_us"] == pytest.approx(50)
+    assert delays["clean_us"] == pytest.approx(30)
+    with pytest.raises(ValueError, match="fewer than two"):
+        gap_delays(alone, [(h1, 0, 300_000)])

@@ -31,9 +31,12 @@ training's work beside it (its kernels started while the inference ran, per seco
 fake GPU's log) as a share of its rate alone (`kept`), and its harvest (docs/harvest.md): kept
 over `min(1, (1 - inference busy alone) / training busy alone)`, what time sharing alone could
 give it, each busy share measured from its own alone phase on the fake GPU's log (the union of
-its kernels' time over the span from its first kernel's start to its last one's end).
-Reported: each round, and the medians per kind of profile. The target (docs/benchmarks.md):
-the median mean at most 1.05x alone, for each kind run.
+its kernels' time over the span from its first kernel's start to its last one's end); and
+where the inference's extra time goes (`gap_delays`): each gap between two of its kernels
+beside the training over the same gap alone, split by whether a training kernel was running
+when its next kernel would have started alone. Reported: each round, and the medians per kind
+of profile. The target (docs/benchmarks.md): the median mean at most 1.05x alone, for each kind
+run.
 
 `mps=True` gives every phase's fake GPU an MPS server (GPULOOM_FAKE_CUDA_MPS=1): kernels of the
 two processes co-run under the simulator's model instead of taking turns. The default run is
@@ -41,6 +44,8 @@ without: `gpuloom up`'s simulated GPU starts no MPS daemon (docs/dispatcher.md, 
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import re
 import shutil
@@ -183,6 +188,40 @@ def _value(out: str, prefix: str, key: str) -> float:
     return float(match.group(1))
 
 
+def gap_delays(alone: list[tuple[str, int, int]], paired: list[tuple[str, int, int]]) -> dict:
+    """Where the inference's time beside the training goes, from the fake GPU's logs (`_engine`'s
+    rows) of its alone phase and a pair phase: each gap between two of its kernels in the pair
+    over the median of the same gap alone (the same next kernel). A gap is *overrun* where a
+    training kernel was running at the moment the next kernel would have started alone (it
+    waited for it: no preemption), *clean* otherwise (the launch path and the host work slower
+    beside the training). Returns the median extra of the clean gaps and the mean of the
+    overrun ones, in us, and the overrun gaps' share."""
+
+    def gaps(runs: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        high = [r for r in runs if r[0] in HIGH]
+        return [(nxt[0], prev[2], nxt[1]) for prev, nxt in itertools.pairwise(high)]
+
+    own: dict[str, list[int]] = {}
+    for name, end, start in gaps(alone):
+        own.setdefault(name, []).append(start - end)
+    ref = {name: statistics.median(spans) for name, spans in own.items()}
+    low = sorted((s, e) for name, s, e in paired if name == LOW)  # one stream: none overlap
+    starts = [s for s, _ in low]
+    clean, overrun = [], []
+    for name, end, start in gaps(paired):
+        due = end + ref[name]
+        extra = (start - end - ref[name]) / 1e3
+        last = bisect.bisect_left(starts, due) - 1  # the last training kernel started before
+        (overrun if last >= 0 and low[last][1] > due else clean).append(extra)
+    if not clean and not overrun:
+        raise ValueError("the inference ran fewer than two kernels")
+    return {
+        "clean_us": statistics.median(clean) if clean else 0.0,
+        "overrun_us": statistics.mean(overrun) if overrun else 0.0,
+        "overrun_share": len(overrun) / (len(clean) + len(overrun)),
+    }
+
+
 def _engine(fake: Path) -> list[tuple[str, int, int]]:
     """The fake GPU's log: (kernel, start ns, end ns) of every kernel it ran."""
     runs = []
@@ -231,10 +270,12 @@ def _one_round(
     def alone() -> dict:
         fake = state / f"alone-{n}"
         out = _run(_infer_args(requests), _fake_env(env, fake, mps))
+        runs = _engine(fake)
         return {
             "mean_ms": _value(out, "infer", "mean_ms"),
             "p99_ms": _value(out, "infer", "p99_ms"),
-            "busy": busy_share([(s, e) for name, s, e in _engine(fake) if name in HIGH]),
+            "busy": busy_share([(s, e) for name, s, e in runs if name in HIGH]),
+            "runs": runs,
         }
 
     def train_alone() -> dict:
@@ -273,6 +314,7 @@ def _one_round(
             "mean_ms": _value(out, "infer", "mean_ms"),
             "p99_ms": _value(out, "infer", "p99_ms"),
             "train_kernels_per_s": low / ((end - begin) / 1e9),
+            "runs": runs,
         }
 
     phases = [("alone", alone), ("train_alone", train_alone)]
@@ -287,11 +329,21 @@ def _one_round(
         paired["p99_x_alone"] = paired["p99_ms"] / alone_["p99_ms"]
         paired["be_work_share"] = paired["train_kernels_per_s"] / train["kernels_per_s"]
         paired["harvest"] = harvest(paired["be_work_share"], alone_["busy"], train["busy"])
+        paired.update(gap_delays(alone_["runs"], paired.pop("runs")))
+    alone_.pop("runs")
     return result
 
 
 PROFILES = ("measured", "nominal")
-FIGURES = ("mean_x_alone", "p99_x_alone", "be_work_share", "harvest")
+FIGURES = ("mean_x_alone", "p99_x_alone", "be_work_share", "harvest", "clean_us", "overrun_share",
+           "overrun_us")  # fmt: skip
+
+
+def _gaps(figures: dict) -> str:
+    return (
+        f"{figures['clean_us']:+.0f} us / {figures['overrun_us']:+.0f} us "
+        f"({figures['overrun_share']:.1%})"
+    )
 
 
 def run_pair(
@@ -354,8 +406,9 @@ def run_pair(
             ))  # fmt: skip
         print()
     print("| round | profiles | alone mean / p99 ms | paired mean / p99 ms | hp mean x alone "
-          "| hp p99 x alone | busy alone hp / be | best-effort work share | harvest |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| hp p99 x alone | busy alone hp / be | best-effort work share | harvest "
+          "| hp gaps over alone: clean / overrun (share) |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, r in enumerate(results):
         for kind in profiles:
             p = r[kind]
@@ -364,7 +417,7 @@ def run_pair(
                 f"| {p['mean_ms']:.3f} / {p['p99_ms']:.3f} | {p['mean_x_alone']:.3f} "
                 f"| {p['p99_x_alone']:.3f} "
                 f"| {r['alone']['busy']:.3f} / {r['train_alone']['busy']:.3f} "
-                f"| {p['be_work_share']:.3f} | {p['harvest']:.3f} |"
+                f"| {p['be_work_share']:.3f} | {p['harvest']:.3f} | {_gaps(p)} |"
             )
     medians = {
         kind: {k: statistics.median(r[kind][k] for r in results) for k in FIGURES}
@@ -373,7 +426,7 @@ def run_pair(
     for kind, m in medians.items():
         print(
             f"| median | {kind} | | | {m['mean_x_alone']:.3f} | {m['p99_x_alone']:.3f} | "
-            f"| {m['be_work_share']:.3f} | {m['harvest']:.3f} |"
+            f"| {m['be_work_share']:.3f} | {m['harvest']:.3f} | {_gaps(m)} |"
         )
     print()
     met = True
