@@ -34,7 +34,10 @@ give it, each busy share measured from its own alone phase on the fake GPU's log
 its kernels' time over the span from its first kernel's start to its last one's end); and
 where the inference's extra time goes (`gap_delays`): each gap between two of its kernels
 beside the training over the same gap alone, split by whether a training kernel was running
-when its next kernel would have started alone. Reported: each round, and the medians per kind
+when its next kernel would have started alone. With `apart`, a control phase more per
+round: the inference without gpuloom beside the training loop (TRAIN_ALONE_S) on a fake GPU of
+its own, so that they share the CPUs and no GPU; its mean over alone and its gaps over alone
+say what the CPUs alone cost it. Reported: each round, and the medians per kind
 of profile. The target (docs/benchmarks.md): the median mean at most 1.05x alone, for each kind
 run.
 
@@ -266,6 +269,7 @@ def _one_round(
     train_s: float,
     mps: bool,
     profiles: tuple[str, ...],
+    with_apart: bool,
 ) -> dict:
     def alone() -> dict:
         fake = state / f"alone-{n}"
@@ -317,8 +321,31 @@ def _one_round(
             "runs": runs,
         }
 
+    def apart() -> dict:
+        # The training loop running beside, on a fake GPU of its own, without gpuloom: the
+        # inference shares only the CPUs with it.
+        fake_train, fake = state / f"apart-train-{n}", state / f"apart-infer-{n}"
+        training = subprocess.Popen(
+            _train_args(TRAIN_ALONE_S), env=_fake_env(env, fake_train, mps),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        while not (fake_train / "runs.log").exists():
+            if training.poll() is not None:
+                raise RuntimeError(f"the training ended: {training.communicate()}")
+            time.sleep(0.05)
+        out = _run(_infer_args(requests), _fake_env(env, fake, mps))
+        _, err = training.communicate(timeout=TRAIN_ALONE_S + 60)
+        if training.returncode != 0:
+            raise RuntimeError(f"the training exited {training.returncode}: {err}")
+        runs = _engine(fake)
+        if _engine(fake_train)[-1][2] < runs[-1][2]:
+            raise RuntimeError("the training ended before the inference: fewer requests")
+        return {"mean_ms": _value(out, "infer", "mean_ms"), "runs": runs}
+
     phases = [("alone", alone), ("train_alone", train_alone)]
     phases += [(kind, lambda kind=kind: pair(kind)) for kind in profiles]
+    if with_apart:
+        phases.append(("apart", apart))
     result: dict = {}
     for name, phase in phases if n % 2 == 0 else reversed(phases):
         result[name] = phase()
@@ -330,6 +357,10 @@ def _one_round(
         paired["be_work_share"] = paired["train_kernels_per_s"] / train["kernels_per_s"]
         paired["harvest"] = harvest(paired["be_work_share"], alone_["busy"], train["busy"])
         paired.update(gap_delays(alone_["runs"], paired.pop("runs")))
+    if with_apart:
+        beside = result["apart"]
+        beside["mean_x_alone"] = beside["mean_ms"] / alone_["mean_ms"]
+        beside["clean_us"] = gap_delays(alone_["runs"], beside.pop("runs"))["clean_us"]
     alone_.pop("runs")
     return result
 
@@ -352,10 +383,11 @@ def run_pair(
     train_s: float,
     mps: bool = False,
     profiles: tuple[str, ...] = ("measured",),
+    apart: bool = False,
 ) -> tuple[list[dict], bool]:
     """The rounds (module docstring), printed as markdown, one pair phase per entry of
-    `profiles` ("measured", "nominal"); returns them and whether every pair's median mean met
-    the target."""
+    `profiles` ("measured", "nominal"), and with `apart` the apart phase; returns them and
+    whether every pair's median mean met the target."""
     import grpc
 
     from gpuloom.v1 import profile_store_pb2_grpc
@@ -387,7 +419,8 @@ def run_pair(
                     kernels = alone[task] if kind == "measured" else nominal(task)
                     put_profile(store, f"pair-{task}-{kind}", "A100-80GB", kernels)
         results = [
-            _one_round(state, n, env, requests, train_s, mps, profiles) for n in range(rounds)
+            _one_round(state, n, env, requests, train_s, mps, profiles, apart)
+            for n in range(rounds)
         ]
     finally:
         plane.stop()
@@ -442,4 +475,15 @@ def run_pair(
             r["measured"]["mean_ms"] / r["nominal"]["mean_ms"] for r in results
         )
         print(f"Paired mean, measured over nominal profiles, median of the rounds: {ratio:.3f}")
+    if apart:
+        print("\nApart: the training beside on a fake GPU of its own, without gpuloom (the CPUs "
+              "shared, no GPU):\n")  # fmt: skip
+        print("| round | hp mean x alone | clean gaps over alone |")
+        print("|---:|---:|---:|")
+        for n, r in enumerate(results):
+            print(f"| {n + 1} | {r['apart']['mean_x_alone']:.3f} "
+                  f"| {r['apart']['clean_us']:+.0f} us |")  # fmt: skip
+        x = statistics.median(r["apart"]["mean_x_alone"] for r in results)
+        clean = statistics.median(r["apart"]["clean_us"] for r in results)
+        print(f"| median | {x:.3f} | {clean:+.0f} us |")
     return results, met
