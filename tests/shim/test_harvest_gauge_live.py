@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import sys
+from pathlib import Path
 
 from gpuloom.services.dispatcher.channel.server import ShimChannel
 from gpuloom.v1 import profile_store_pb2
@@ -23,10 +25,12 @@ from tests.shim.test_fikit_live import (
     LOW,
     PAUSE_US,
     LiveWithProfiles,
-    _kernel,
     _train,
     profiled,  # noqa: F401  (fixture)
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "lib"))
+from composed_pair import busy_share, measured
 
 # A window's estimate may differ from the log's figure by this much: the busy share of the
 # inference is the gauge's in the window and the log's alone (slower beside the training),
@@ -41,27 +45,6 @@ def _infer(requests: int) -> list[str]:
             str(GAP_US), ",".join(HIGH)]  # fmt: skip
 
 
-def _measured(runs: list[tuple[int, str, int, int]]) -> list[profile_store_pb2.KernelStats]:
-    """What the profiler measures of one process alone, from the fake GPU's log: per kernel
-    its launches, mean duration and mean gap to the process's next kernel. (The fake GPU's
-    kernels last longer than their names say, by its sleeps' wake-up latency: about 100 us
-    each on a loaded two-core machine, so the names are no profile.)"""
-    durations: dict[str, list[int]] = {}
-    gaps: dict[str, list[int]] = {}
-    for (_, name, start, end), following in zip(runs, [*runs[1:], None], strict=True):
-        durations.setdefault(name, []).append(end - start)
-        if following is not None:
-            gaps.setdefault(name, []).append(max(0, following[2] - end))
-    stats = []
-    for name, spans in durations.items():
-        kernel = _kernel(
-            name, statistics.mean(spans) / 1e3, statistics.mean(gaps.get(name, [0])) / 1e3
-        )
-        kernel.sample_count = len(spans)
-        stats.append(kernel)
-    return stats
-
-
 async def _put(store: store_grpc.ProfileStoreStub, key: str, model: str, kernels) -> None:
     await store.PutKernelProfile(
         profile_store_pb2.PutKernelProfileRequest(
@@ -72,17 +55,6 @@ async def _put(store: store_grpc.ProfileStoreStub, key: str, model: str, kernels
             )
         )
     )
-
-
-def _busy(spans: list[tuple[int, int]]) -> float:
-    """The share of the time from the first start to the last end that the spans cover."""
-    ordered = sorted(spans)
-    covered, reach = 0, ordered[0][0]
-    for start, end in ordered:
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered / (max(e for _, e in ordered) - ordered[0][0])
 
 
 async def test_the_gauge_reads_the_harvest_the_fake_gpu_logged(
@@ -96,17 +68,19 @@ async def test_the_gauge_reads_the_harvest_the_fake_gpu_logged(
         trained = await run.run_async(*_train(1.0), preload=False, timeout=30)
         assert alone.returncode == 0 and trained.returncode == 0
         runs = run.engine_runs()
-        infer_busy = _busy([(s, e) for _, n, s, e in runs if n in HIGH])
+        infer_busy = busy_share([(s, e) for _, n, s, e in runs if n in HIGH])
         train_alone = [(s, e) for _, n, s, e in runs if n == LOW]
-        train_busy = _busy(train_alone)
+        train_busy = busy_share(train_alone)
         rate_alone = len(train_alone) / ((train_alone[-1][1] - train_alone[0][0]) / 1e9)
         limit = min(1.0, (1 - infer_busy) / train_busy)
         seen = len(runs)
-        # Their profiles, measured from the alone runs (new keys: the dispatcher has cached
-        # the fixture's nominal ones).
+        # Their profiles, measured from the alone runs as the benchmarks measure them (the
+        # fake kernels last longer than their names say, by its sleeps' wake-up latency; new
+        # keys: the dispatcher has cached the fixture's nominal ones).
         model = fikit.live.dispatcher.core.gpu.model
-        await _put(stub, "infer-measured", model, _measured([r for r in runs if r[1] in HIGH]))
-        await _put(stub, "train-measured", model, _measured([r for r in runs if r[1] == LOW]))
+        for key, names in (("infer-measured", HIGH), ("train-measured", (LOW,))):
+            own = [(n, s, e) for _, n, s, e in runs if n in names]
+            await _put(stub, key, model, measured(own))
         # The pair under the default policy.
         low = fikit.env(await fikit.token("train-measured", 8))
         high = fikit.env(await fikit.token("infer-measured", 1))
