@@ -37,6 +37,12 @@ def _gpu_counts(state: FleetState, gpu_free: np.ndarray) -> tuple[np.ndarray, np
     return usable_gpu.sum(axis=2), (gpu_free[:, None, :] * usable_gpu).sum(axis=2)
 
 
+# The published FragAmount's buckets in its index order, Q3 left out: a pod that fits adds the
+# milli it cannot use to Q2 and the rest (usable, so not fragmentation) to Q3, never summed.
+Q1_LACK_BOTH, Q2_LACK_GPU, Q4_LACK_CPU, XL_SATISFIED, XR_LACK_CPU, NO_ACCESS = range(6)
+_BUCKETS = np.arange(6)[None, :, None]
+
+
 def _weigh(
     state: FleetState,
     total: np.ndarray,
@@ -45,16 +51,37 @@ def _weigh(
     cpu_free: np.ndarray,
     model_idx: np.ndarray,
 ) -> np.ndarray:
+    """The weighed sum in the published order of floating-point operations: per typical pod in
+    order, weight x milli (one product) added to the bucket of why the pod cannot use that
+    milli, then the buckets added in index order. Any other order can differ in the last bit,
+    and a last bit can tip FGD's integer score. A row's figure does not depend on the rows
+    beside it. Arrays are [typical pod, node] here, so that the pods are the slow axis."""
     di = state.t_demand_idx
-    fits = (
-        (cpu_free[:, None] >= state.t_cpu) & state.t_allows[model_idx] & (count[:, di] >= state.t_k)
-    )  # [M, T]
-    # Per typical pod the milli it cannot use, an exact integer, then weighed (as the published
-    # sum of frequency x milli: a node no pod is kept from is exactly 0).
-    unusable = np.where(fits & (state.t_k > 0), total[:, None] - usable[:, di], total[:, None])
-    # Summed row by row (not a matrix product, whose rounding depends on how many rows go in):
-    # a node's figure is the same whichever nodes it is computed with.
-    return (unusable * state.t_weight).sum(axis=1)
+    gpu_pod = (state.t_k > 0)[:, None]
+    cpu_ok = cpu_free >= state.t_cpu[:, None]  # [T, M]
+    gpu_ok = count.T[di] >= state.t_k[:, None]
+    access = state.t_allows.T[:, model_idx]
+    bucket = np.where(
+        gpu_pod,
+        np.where(
+            access,
+            np.where(cpu_ok, Q2_LACK_GPU, np.where(gpu_ok, Q4_LACK_CPU, Q1_LACK_BOTH)),
+            NO_ACCESS,
+        ),
+        np.where(cpu_ok, XL_SATISFIED, XR_LACK_CPU),
+    )
+    # A pod that fits cannot use the free milli of the GPUs too full for it; any other pod none
+    # of the node's free milli.
+    fits = gpu_pod & access & gpu_ok & cpu_ok
+    amount = np.where(fits, total - usable.T[di], total) * state.t_weight[:, None]
+    # [T, bucket, M], C-ordered: numpy sums an axis that is not the fast one in memory term by
+    # term, in order (the fast one it sums pairwise), and the zeros that stand for the other
+    # buckets' terms add nothing.
+    sums = np.add.reduce((bucket[:, None, :] == _BUCKETS) * amount[:, None, :], axis=0)
+    out = sums[0]
+    for b in range(1, len(sums)):
+        out = out + sums[b]
+    return out
 
 
 class Fragmentation:
