@@ -43,6 +43,29 @@ Q1_LACK_BOTH, Q2_LACK_GPU, Q4_LACK_CPU, XL_SATISFIED, XR_LACK_CPU, NO_ACCESS = r
 _BUCKETS = np.arange(6)[None, :, None]
 
 
+class _Typical:
+    """The typical pods' arrays as columns ([T, 1]) for `_weigh`, made once per state (its
+    typical pods never change). A CPU-only pod is let on every model and needs no GPU, so it
+    reaches the buckets of a pod with its CPU (XL) or without (XR) as a GPU pod reaches Q2
+    or Q4."""
+
+    def __init__(self, state: FleetState) -> None:
+        gpu_pod = state.t_k > 0
+        self.cpu = state.t_cpu[:, None]
+        self.k = state.t_k[:, None]
+        self.weight = state.t_weight[:, None]
+        self.allows = np.ascontiguousarray((state.t_allows | ~gpu_pod).T)  # [T, models]
+        self.with_cpu = np.where(gpu_pod, Q2_LACK_GPU, XL_SATISFIED)[:, None]
+        self.lacks_cpu = np.where(gpu_pod, Q4_LACK_CPU, XR_LACK_CPU)[:, None]
+
+    @classmethod
+    def of(cls, state: FleetState) -> _Typical:
+        typical = state.memo.get("typical_columns")
+        if not isinstance(typical, _Typical):
+            typical = state.memo["typical_columns"] = cls(state)
+        return typical
+
+
 def _weigh(
     state: FleetState,
     total: np.ndarray,
@@ -56,32 +79,25 @@ def _weigh(
     milli, then the buckets added in index order. Any other order can differ in the last bit,
     and a last bit can tip FGD's integer score. A row's figure does not depend on the rows
     beside it. Arrays are [typical pod, node] here, so that the pods are the slow axis."""
+    t = _Typical.of(state)
     di = state.t_demand_idx
-    gpu_pod = (state.t_k > 0)[:, None]
-    cpu_ok = cpu_free >= state.t_cpu[:, None]  # [T, M]
-    gpu_ok = count.T[di] >= state.t_k[:, None]
-    access = state.t_allows.T[:, model_idx]
+    cpu_ok = cpu_free >= t.cpu  # [T, M]
+    gpu_ok = count.T[di] >= t.k
     bucket = np.where(
-        gpu_pod,
-        np.where(
-            access,
-            np.where(cpu_ok, Q2_LACK_GPU, np.where(gpu_ok, Q4_LACK_CPU, Q1_LACK_BOTH)),
-            NO_ACCESS,
-        ),
-        np.where(cpu_ok, XL_SATISFIED, XR_LACK_CPU),
+        t.allows[:, model_idx],
+        np.where(cpu_ok, t.with_cpu, np.where(gpu_ok, t.lacks_cpu, Q1_LACK_BOTH)),
+        NO_ACCESS,
     )
-    # A pod that fits cannot use the free milli of the GPUs too full for it; any other pod none
-    # of the node's free milli.
-    fits = gpu_pod & access & gpu_ok & cpu_ok
-    amount = np.where(fits, total - usable.T[di], total) * state.t_weight[:, None]
+    # A pod that fits (in Q2 with enough GPUs) cannot use the free milli of the GPUs too full
+    # for it; any other pod none of the node's free milli.
+    fits = (bucket == Q2_LACK_GPU) & gpu_ok
+    amount = np.where(fits, total - usable.T[di], total) * t.weight
     # [T, bucket, M], C-ordered: numpy sums an axis that is not the fast one in memory term by
     # term, in order (the fast one it sums pairwise), and the zeros that stand for the other
-    # buckets' terms add nothing.
+    # buckets' terms add nothing. The buckets then one after the other (accumulate adds in
+    # order whatever the layout; a [6, 1] sum would be summed pairwise).
     sums = np.add.reduce((bucket[:, None, :] == _BUCKETS) * amount[:, None, :], axis=0)
-    out = sums[0]
-    for b in range(1, len(sums)):
-        out = out + sums[b]
-    return out
+    return np.add.accumulate(sums, axis=0)[-1]
 
 
 class Fragmentation:
