@@ -54,6 +54,7 @@ class _Typical:
         self.cpu = state.t_cpu[:, None]
         self.k = state.t_k[:, None]
         self.weight = state.t_weight[:, None]
+        self.gpu_pod = gpu_pod[:, None]
         self.allows = np.ascontiguousarray((state.t_allows | ~gpu_pod).T)  # [T, models]
         self.with_cpu = np.where(gpu_pod, Q2_LACK_GPU, XL_SATISFIED)[:, None]
         self.lacks_cpu = np.where(gpu_pod, Q4_LACK_CPU, XR_LACK_CPU)[:, None]
@@ -83,15 +84,18 @@ def _weigh(
     di = state.t_demand_idx
     cpu_ok = cpu_free >= t.cpu  # [T, M]
     gpu_ok = count.T[di] >= t.k
+    access = t.allows[:, model_idx]
+    # A GPU pod that fits cannot use the free milli of the GPUs too full for it; any other pod
+    # none of the node's free milli.
+    fits = cpu_ok & gpu_ok & access & t.gpu_pod
+    amount = np.where(fits, total - usable.T[di], total) * t.weight
+    if len(amount) == 1:  # one term (the live adapter's one typical pod): no order to keep
+        return amount[0]
     bucket = np.where(
-        t.allows[:, model_idx],
+        access,
         np.where(cpu_ok, t.with_cpu, np.where(gpu_ok, t.lacks_cpu, Q1_LACK_BOTH)),
         NO_ACCESS,
     )
-    # A pod that fits (in Q2 with enough GPUs) cannot use the free milli of the GPUs too full
-    # for it; any other pod none of the node's free milli.
-    fits = (bucket == Q2_LACK_GPU) & gpu_ok
-    amount = np.where(fits, total - usable.T[di], total) * t.weight
     # [T, bucket, M], C-ordered: numpy sums an axis that is not the fast one in memory term by
     # term, in order (the fast one it sums pairwise), and the zeros that stand for the other
     # buckets' terms add nothing. The buckets then one after the other (accumulate adds in
