@@ -513,8 +513,8 @@ def test_fragmentation_is_summed_bucket_by_bucket_as_published() -> None:
     _, cols, after = frag_options(state, 3, np.array([0]))
     assert cols.tolist() == [0, 1]
     assert after.tolist() == [
-        ref_frag_published(63000, [400, 1000], "T4", state.typical, [w1, w2, w3]),
-        ref_frag_published(63000, [700, 700], "T4", state.typical, [w1, w2, w3]),
+        ref_frag_published(62000, [400, 1000], "T4", state.typical, [w1, w2, w3]),
+        ref_frag_published(62000, [700, 700], "T4", state.typical, [w1, w2, w3]),
     ]
 
 
