@@ -37,6 +37,36 @@ def _gpu_counts(state: FleetState, gpu_free: np.ndarray) -> tuple[np.ndarray, np
     return usable_gpu.sum(axis=2), (gpu_free[:, None, :] * usable_gpu).sum(axis=2)
 
 
+# The published FragAmount's buckets in its index order, Q3 left out: a pod that fits adds the
+# milli it cannot use to Q2 and the rest (usable, so not fragmentation) to Q3, never summed.
+Q1_LACK_BOTH, Q2_LACK_GPU, Q4_LACK_CPU, XL_SATISFIED, XR_LACK_CPU, NO_ACCESS = range(6)
+_BUCKETS = np.arange(6)[None, :, None]
+
+
+class _Typical:
+    """The typical pods' arrays as columns ([T, 1]) for `_weigh`, made once per state (its
+    typical pods never change). A CPU-only pod is let on every model and needs no GPU, so it
+    reaches the buckets of a pod with its CPU (XL) or without (XR) as a GPU pod reaches Q2
+    or Q4."""
+
+    def __init__(self, state: FleetState) -> None:
+        gpu_pod = state.t_k > 0
+        self.cpu = state.t_cpu[:, None]
+        self.k = state.t_k[:, None]
+        self.weight = state.t_weight[:, None]
+        self.gpu_pod = gpu_pod[:, None]
+        self.allows = np.ascontiguousarray((state.t_allows | ~gpu_pod).T)  # [T, models]
+        self.with_cpu = np.where(gpu_pod, Q2_LACK_GPU, XL_SATISFIED)[:, None]
+        self.lacks_cpu = np.where(gpu_pod, Q4_LACK_CPU, XR_LACK_CPU)[:, None]
+
+    @classmethod
+    def of(cls, state: FleetState) -> _Typical:
+        typical = state.memo.get("typical_columns")
+        if not isinstance(typical, _Typical):
+            typical = state.memo["typical_columns"] = cls(state)
+        return typical
+
+
 def _weigh(
     state: FleetState,
     total: np.ndarray,
@@ -45,16 +75,33 @@ def _weigh(
     cpu_free: np.ndarray,
     model_idx: np.ndarray,
 ) -> np.ndarray:
+    """The weighed sum in the published order of floating-point operations: per typical pod in
+    order, weight x milli (one product) added to the bucket of why the pod cannot use that
+    milli, then the buckets added in index order. Any other order can differ in the last bit,
+    and a last bit can tip FGD's integer score. A row's figure does not depend on the rows
+    beside it. Arrays are [typical pod, node] here, so that the pods are the slow axis."""
+    t = _Typical.of(state)
     di = state.t_demand_idx
-    fits = (
-        (cpu_free[:, None] >= state.t_cpu) & state.t_allows[model_idx] & (count[:, di] >= state.t_k)
-    )  # [M, T]
-    # Per typical pod the milli it cannot use, an exact integer, then weighed (as the published
-    # sum of frequency x milli: a node no pod is kept from is exactly 0).
-    unusable = np.where(fits & (state.t_k > 0), total[:, None] - usable[:, di], total[:, None])
-    # Summed row by row (not a matrix product, whose rounding depends on how many rows go in):
-    # a node's figure is the same whichever nodes it is computed with.
-    return (unusable * state.t_weight).sum(axis=1)
+    cpu_ok = cpu_free >= t.cpu  # [T, M]
+    gpu_ok = count.T[di] >= t.k
+    access = t.allows[:, model_idx]
+    # A GPU pod that fits cannot use the free milli of the GPUs too full for it; any other pod
+    # none of the node's free milli.
+    fits = cpu_ok & gpu_ok & access & t.gpu_pod
+    amount = np.where(fits, total - usable.T[di], total) * t.weight
+    if len(amount) == 1:  # one term (the live adapter's one typical pod): no order to keep
+        return amount[0]
+    bucket = np.where(
+        access,
+        np.where(cpu_ok, t.with_cpu, np.where(gpu_ok, t.lacks_cpu, Q1_LACK_BOTH)),
+        NO_ACCESS,
+    )
+    # [T, bucket, M], C-ordered: numpy sums an axis that is not the fast one in memory term by
+    # term, in order (the fast one it sums pairwise), and the zeros that stand for the other
+    # buckets' terms add nothing. The buckets then one after the other (accumulate adds in
+    # order whatever the layout; a [6, 1] sum would be summed pairwise).
+    sums = np.add.reduce((bucket[:, None, :] == _BUCKETS) * amount[:, None, :], axis=0)
+    return np.add.accumulate(sums, axis=0)[-1]
 
 
 class Fragmentation:
