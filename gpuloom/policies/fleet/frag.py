@@ -14,9 +14,13 @@ Memory plays no part (the simulator's `NodeResource` has none).
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 
 from gpuloom.policies.fleet.model import WHOLE_GPU, FleetState
+
+_T = TypeVar("_T")
 
 
 def measure(
@@ -43,6 +47,14 @@ Q1_LACK_BOTH, Q2_LACK_GPU, Q4_LACK_CPU, XL_SATISFIED, XR_LACK_CPU, NO_ACCESS = r
 _BUCKETS = np.arange(6)[None, :, None]
 
 
+def _memoised(state: FleetState, key: str, make: type[_T]) -> _T:
+    """The one `make(state)` kept in the state's memo under `key` (made on first use)."""
+    value = state.memo.get(key)
+    if not isinstance(value, make):
+        value = state.memo[key] = make(state)
+    return value
+
+
 class _Typical:
     """The typical pods' arrays as columns ([T, 1]) for `_weigh`, made once per state (its
     typical pods never change). A CPU-only pod is let on every model and needs no GPU, so it
@@ -61,10 +73,7 @@ class _Typical:
 
     @classmethod
     def of(cls, state: FleetState) -> _Typical:
-        typical = state.memo.get("typical_columns")
-        if not isinstance(typical, _Typical):
-            typical = state.memo["typical_columns"] = cls(state)
-        return typical
+        return _memoised(state, "typical_columns", cls)
 
 
 def _weigh(
@@ -115,10 +124,7 @@ class Fragmentation:
     @classmethod
     def of(cls, state: FleetState) -> Fragmentation:
         """The one tracker of this state (made on first use)."""
-        tracker = state.memo.get("fragmentation")
-        if not isinstance(tracker, Fragmentation):
-            tracker = state.memo["fragmentation"] = cls(state)
-        return tracker
+        return _memoised(state, "fragmentation", cls)
 
     def nodes(self) -> np.ndarray:
         """Fragmentation (milli) per node, now."""
