@@ -197,6 +197,23 @@ class Draws:
     pods: tuple[int, ...]
     rank: tuple[int, ...]
 
+    def check(self, pods: int, nodes: int, source: str = "draws") -> None:
+        """Raises FleetInputError, naming `source` and the key, unless these draws fit a pod
+        list of `pods` rows and a node list of `nodes` nodes."""
+        if not self.pods:
+            raise FleetInputError(f"{source}, key pods: must be a non-empty list of integers")
+        bad = next((i for i, row in enumerate(self.pods) if not 0 <= row < pods), None)
+        if bad is not None:
+            raise FleetInputError(
+                f"{source}, key pods[{bad}]: {self.pods[bad]} is not a row: draws must name "
+                f"rows of the pod list (0 to {pods - 1})"
+            )
+        if sorted(self.rank) != list(range(nodes)):
+            raise FleetInputError(
+                f"{source}, key rank: must rank every node once, each of the node list's "
+                f"{nodes} (0 to {nodes - 1}); it has {len(self.rank)} entries"
+            )
+
 
 def parse_draws(text: str, source: str, pods: int, nodes: int) -> tuple[int, Draws]:
     """A draws file (tests/sim/data/published_draws.go writes them): a JSON object with
@@ -225,19 +242,9 @@ def parse_draws(text: str, source: str, pods: int, nodes: int) -> tuple[int, Dra
     seed = data.get("seed")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise FleetInputError(f"{source}, key seed: must be an integer, got {seed!r}")
-    rows = integers("pods")
-    bad = next((i for i, row in enumerate(rows) if not 0 <= row < pods), None)
-    if bad is not None:
-        raise FleetInputError(
-            f"{source}, key pods[{bad}]: {rows[bad]} is not a row of the pod list (0 to {pods - 1})"
-        )
-    rank = integers("rank")
-    if sorted(rank) != list(range(nodes)):
-        raise FleetInputError(
-            f"{source}, key rank: must rank each of the node list's {nodes} nodes once "
-            f"(0 to {nodes - 1}); it has {len(rank)} entries"
-        )
-    return seed, Draws(tuple(rows), tuple(rank))
+    draws = Draws(tuple(integers("pods")), tuple(integers("rank")))
+    draws.check(pods, nodes, source)
+    return seed, draws
 
 
 def simulate(
@@ -264,13 +271,8 @@ def simulate(
         stream = arrivals(workload, capacity, inflate, rng)
         state.rank = rng.permutation(len(nodes)).astype(np.int64)
     else:
-        if sorted(draws.rank) != list(range(len(nodes))):
-            raise ValueError("draws.rank must rank every node once (0 to nodes - 1)")
+        draws.check(len(workload.pods), len(nodes))
         rows = np.asarray(draws.pods, dtype=np.int64)
-        if len(rows) == 0 or rows.min() < 0 or rows.max() >= len(workload.pods):
-            raise ValueError(
-                f"draws.pods must be rows of the pod list (0 to {len(workload.pods) - 1})"
-            )
         stream = np.asarray(workload.pods, dtype=np.int64)[rows]
         state.rank = np.asarray(draws.rank, dtype=np.int64)
     request = state.s_k * state.s_d

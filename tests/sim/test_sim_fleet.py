@@ -394,7 +394,7 @@ def test_draws_file_gives_the_runs_arrivals_node_order_and_seed(tmp_path: Path) 
         ('{"seed": 1, "pods": [], "rank": [0, 1, 2]}', (), "d.json, key pods: must be a non-empty"),
         ('{"seed": 1, "pods": [0, 5], "rank": [0, 1, 2]}', (), "key pods[1]: 5 is not a row"),
         ('{"seed": 1, "pods": [0, true], "rank": [0, 1, 2]}', (), "key pods[1]: not an integer"),
-        ('{"seed": 1, "pods": [0], "rank": [0, 1, 1]}', (), "key rank: must rank each of the"),
+        ('{"seed": 1, "pods": [0], "rank": [0, 1, 1]}', (), "key rank: must rank every node once"),
         ('{"seed": 1, "pods": [0], "rank": [0, 1]}', (), "it has 2 entries"),
         ('{"seed": 1, "pods": [0], "rank": [0, 1, 2]}', ("--seed", "3"), "leave out --seed"),
         ('{"seed": 1, "pods": [0], "rank": [0, 1, 2]}', ("--repeat", "2"), "leave out --seed"),
