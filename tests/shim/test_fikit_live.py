@@ -55,21 +55,32 @@ def _kernel(name: str, duration_us: float, gap_us: float) -> profile_store_pb2.K
     )
 
 
+async def put_kernel_profile(
+    store: store_grpc.ProfileStoreStub,
+    key: str,
+    gpu_model: str,
+    kernels: list[profile_store_pb2.KernelStats],
+    measured_runs: int = 10,
+) -> None:
+    """Puts `kernels` in the store as task `key`'s profile on `gpu_model`."""
+    await store.PutKernelProfile(
+        profile_store_pb2.PutKernelProfileRequest(
+            profile=profile_store_pb2.KernelProfile(
+                meta=profile_store_pb2.ProfileMeta(key=key, gpu_model=gpu_model),
+                measured_runs=measured_runs,
+                kernels=kernels,
+            )
+        )
+    )
+
+
 async def _put_profiles(store: store_grpc.ProfileStoreStub, gpu_model: str) -> None:
     """What the profiler would have measured: the inference's gaps are its host work (the
     last kernel's gap is the pause to the next request); the training loop has none."""
     high = [_kernel(HIGH[0], 300, GAP_US), _kernel(HIGH[1], 200, GAP_US)]
     high.append(_kernel(HIGH[2], 300, PAUSE_US))
     for key, kernels in (("infer", high), ("train", [_kernel(LOW, 150, 0)])):
-        await store.PutKernelProfile(
-            profile_store_pb2.PutKernelProfileRequest(
-                profile=profile_store_pb2.KernelProfile(
-                    meta=profile_store_pb2.ProfileMeta(key=key, gpu_model=gpu_model),
-                    measured_runs=10,
-                    kernels=kernels,
-                )
-            )
-        )
+        await put_kernel_profile(store, key, gpu_model, kernels)
 
 
 @dataclass

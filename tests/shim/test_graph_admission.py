@@ -27,7 +27,7 @@ from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
 from tests.dispatcher.conftest import LiveDispatcher, start_live, stop_live
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Runner
-from tests.shim.test_fikit_live import Fikit
+from tests.shim.test_fikit_live import Fikit, put_kernel_profile
 
 HOLDER_KERNEL, HOLDER_NODES = "k_gh_300us", 3
 FILLER_KERNEL, FILLER_NODES = "k_gf_150us", 2
@@ -59,18 +59,6 @@ def _graph_stats(kernel: str, nodes: int, duration_us: float, gap_us: float):
     )
 
 
-async def _put(store: store_grpc.ProfileStoreStub, key: str, gpu_model: str, stats) -> None:
-    await store.PutKernelProfile(
-        profile_store_pb2.PutKernelProfileRequest(
-            profile=profile_store_pb2.KernelProfile(
-                meta=profile_store_pb2.ProfileMeta(key=key, gpu_model=gpu_model),
-                measured_runs=10,
-                kernels=[stats],
-            )
-        )
-    )
-
-
 @pytest.fixture
 async def stores(
     short_dir: Path,
@@ -96,12 +84,10 @@ async def _run_pair(
     try:
         model = dispatcher.core.gpu.model
         holder_us = 300 * HOLDER_NODES
-        await _put(
-            store, "g-holder", model, _graph_stats(HOLDER_KERNEL, HOLDER_NODES, holder_us, PAUSE_US)
-        )
-        await _put(
-            store, "g-filler", model, _graph_stats(FILLER_KERNEL, FILLER_NODES, filler_us, 0)
-        )
+        holder_stats = _graph_stats(HOLDER_KERNEL, HOLDER_NODES, holder_us, PAUSE_US)
+        await put_kernel_profile(store, "g-holder", model, [holder_stats])
+        filler_stats = _graph_stats(FILLER_KERNEL, FILLER_NODES, filler_us, 0)
+        await put_kernel_profile(store, "g-filler", model, [filler_stats])
         fikit = Fikit(LiveDispatcher(dispatcher, dispatcher_pb2_grpc.DispatcherStub(channel),
                                      short_dir))  # fmt: skip
         holder = fikit.env(await fikit.token("g-holder", 0))

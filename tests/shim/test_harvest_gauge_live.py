@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from gpuloom.services.dispatcher.channel.server import ShimChannel
-from gpuloom.v1 import profile_store_pb2
 from gpuloom.v1 import profile_store_pb2_grpc as store_grpc
 from tests.profile_store.conftest import store_app, stub  # noqa: F401  (fixtures)
 from tests.shim.conftest import Runner
@@ -27,6 +26,7 @@ from tests.shim.test_fikit_live import (
     LiveWithProfiles,
     _train,
     profiled,  # noqa: F401  (fixture)
+    put_kernel_profile,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "lib"))
@@ -43,18 +43,6 @@ REQUESTS = 700  # about 3 s of requests: at least one whole 1 s window inside th
 def _infer(requests: int) -> list[str]:
     return ["module", ",".join([*HIGH, LOW]), "infer", str(requests), str(PAUSE_US),
             str(GAP_US), ",".join(HIGH)]  # fmt: skip
-
-
-async def _put(store: store_grpc.ProfileStoreStub, key: str, model: str, kernels) -> None:
-    await store.PutKernelProfile(
-        profile_store_pb2.PutKernelProfileRequest(
-            profile=profile_store_pb2.KernelProfile(
-                meta=profile_store_pb2.ProfileMeta(key=key, gpu_model=model),
-                measured_runs=1,
-                kernels=kernels,
-            )
-        )
-    )
 
 
 async def test_the_gauge_reads_the_harvest_the_fake_gpu_logged(
@@ -80,7 +68,7 @@ async def test_the_gauge_reads_the_harvest_the_fake_gpu_logged(
         model = fikit.live.dispatcher.core.gpu.model
         for key, names in (("infer-measured", HIGH), ("train-measured", (LOW,))):
             own = [(n, s, e) for _, n, s, e in runs if n in names]
-            await _put(stub, key, model, measured(own))
+            await put_kernel_profile(stub, key, model, measured(own), measured_runs=1)
         # The pair under the default policy.
         low = fikit.env(await fikit.token("train-measured", 8))
         high = fikit.env(await fikit.token("infer-measured", 1))
