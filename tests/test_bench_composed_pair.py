@@ -19,6 +19,7 @@ from composed_pair import (
     harvest,
     measured,
     nominal,
+    run_pair,
 )
 
 
@@ -91,3 +92,19 @@ def test_the_inferences_gaps_beside_the_training_split_by_whether_it_waited() ->
     assert delays["clean_us"] == pytest.approx(30)
     with pytest.raises(ValueError, match="fewer than two"):
         gap_delays(alone, [(h1, 0, 300_000)])
+
+
+@pytest.mark.parametrize(
+    ("profiles", "controls", "named"),
+    [
+        (("measured",), ("solo", "nope"), "controls"),
+        (("measured",), ("apart", "apart"), "controls"),
+        (("guessed",), (), "profiles"),
+        ((), ("solo",), "profiles"),
+    ],
+)
+def test_the_pair_refuses_unknown_or_repeated_phases_before_starting_a_plane(
+    profiles: tuple[str, ...], controls: tuple[str, ...], named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{named}: "):
+        run_pair(1, 10, 1.0, profiles=profiles, controls=controls)

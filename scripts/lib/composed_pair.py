@@ -37,9 +37,11 @@ beside the training over the same gap alone, split by whether a training kernel 
 when its next kernel would have started alone. With `apart`, a control phase more per
 round: the inference without gpuloom beside the training loop (TRAIN_ALONE_S) on a fake GPU of
 its own, so that they share the CPUs and no GPU; its mean over alone and its gaps over alone
-say what the CPUs alone cost it. Reported: each round, and the medians per kind
-of profile. The target (docs/benchmarks.md): the median mean at most 1.05x alone, for each kind
-run.
+say what the CPUs alone cost it. With `solo`, another: the inference alone through `gpuloom
+run` (its own profile, no training), which says what gpuloom's launch path costs it by itself,
+so that the pair's extra over solo is what the second task's presence costs. Reported: each
+round, and the medians per kind of profile. The target (docs/benchmarks.md): the median mean
+at most 1.05x alone, for each kind run.
 
 `mps=True` gives every phase's fake GPU an MPS server (GPULOOM_FAKE_CUDA_MPS=1): kernels of the
 two processes co-run under the simulator's model instead of taking turns. The default run is
@@ -269,7 +271,7 @@ def _one_round(
     train_s: float,
     mps: bool,
     profiles: tuple[str, ...],
-    with_apart: bool,
+    controls: tuple[str, ...],
 ) -> dict:
     def alone() -> dict:
         fake = state / f"alone-{n}"
@@ -342,10 +344,17 @@ def _one_round(
             raise RuntimeError("the training ended before the inference: fewer requests")
         return {"mean_ms": _value(out, "infer", "mean_ms"), "runs": runs}
 
+    def solo() -> dict:
+        # The inference through gpuloom with no training: the shim, the dispatcher and the
+        # arbiter on its path, nobody to arbitrate against.
+        fake = state / f"solo-{n}"
+        args = _gpuloom_run(f"pair-infer-{profiles[0]}", 1, "inference") + _infer_args(requests)
+        out = _run(args, _fake_env(env, fake, mps))
+        return {"mean_ms": _value(out, "infer", "mean_ms"), "runs": _engine(fake)}
+
     phases = [("alone", alone), ("train_alone", train_alone)]
     phases += [(kind, lambda kind=kind: pair(kind)) for kind in profiles]
-    if with_apart:
-        phases.append(("apart", apart))
+    phases += [(name, {"apart": apart, "solo": solo}[name]) for name in controls]
     result: dict = {}
     for name, phase in phases if n % 2 == 0 else reversed(phases):
         result[name] = phase()
@@ -357,15 +366,21 @@ def _one_round(
         paired["be_work_share"] = paired["train_kernels_per_s"] / train["kernels_per_s"]
         paired["harvest"] = harvest(paired["be_work_share"], alone_["busy"], train["busy"])
         paired.update(gap_delays(alone_["runs"], paired.pop("runs")))
-    if with_apart:
-        beside = result["apart"]
-        beside["mean_x_alone"] = beside["mean_ms"] / alone_["mean_ms"]
-        beside["clean_us"] = gap_delays(alone_["runs"], beside.pop("runs"))["clean_us"]
+    for name in controls:
+        control = result[name]
+        control["mean_x_alone"] = control["mean_ms"] / alone_["mean_ms"]
+        control["clean_us"] = gap_delays(alone_["runs"], control.pop("runs"))["clean_us"]
     alone_.pop("runs")
     return result
 
 
 PROFILES = ("measured", "nominal")
+CONTROLS = {
+    "apart": "Apart: the training beside on a fake GPU of its own, without gpuloom (the CPUs "
+    "shared, no GPU)",
+    "solo": "Solo: the inference alone through `gpuloom run` (the shim, the dispatcher and its "
+    "arbiter on its path; no training)",
+}
 FIGURES = ("mean_x_alone", "p99_x_alone", "be_work_share", "harvest", "clean_us", "overrun_share",
            "overrun_us")  # fmt: skip
 
@@ -383,17 +398,19 @@ def run_pair(
     train_s: float,
     mps: bool = False,
     profiles: tuple[str, ...] = ("measured",),
-    apart: bool = False,
+    controls: tuple[str, ...] = (),
 ) -> tuple[list[dict], bool]:
     """The rounds (module docstring), printed as markdown, one pair phase per entry of
-    `profiles` ("measured", "nominal"), and with `apart` the apart phase; returns them and
-    whether every pair's median mean met the target."""
+    `profiles` ("measured", "nominal"), and a control phase per entry of `controls` ("apart",
+    "solo"); returns them and whether every pair's median mean met the target."""
     import grpc
 
     from gpuloom.v1 import profile_store_pb2_grpc
 
     if not profiles or set(profiles) - set(PROFILES) or len(set(profiles)) != len(profiles):
         raise ValueError(f"profiles: some of {PROFILES}, each once, not {profiles}")
+    if set(controls) - set(CONTROLS) or len(set(controls)) != len(controls):
+        raise ValueError(f"controls: some of {CONTROLS}, each once, not {controls}")
     state = Path(tempfile.mkdtemp(prefix="gl-bench-pair-", dir="/tmp"))
     plane = UpPlane(
         up_environment(
@@ -419,7 +436,7 @@ def run_pair(
                     kernels = alone[task] if kind == "measured" else nominal(task)
                     put_profile(store, f"pair-{task}-{kind}", "A100-80GB", kernels)
         results = [
-            _one_round(state, n, env, requests, train_s, mps, profiles, apart)
+            _one_round(state, n, env, requests, train_s, mps, profiles, controls)
             for n in range(rounds)
         ]
     finally:
@@ -475,15 +492,13 @@ def run_pair(
             r["measured"]["mean_ms"] / r["nominal"]["mean_ms"] for r in results
         )
         print(f"Paired mean, measured over nominal profiles, median of the rounds: {ratio:.3f}")
-    if apart:
-        print("\nApart: the training beside on a fake GPU of its own, without gpuloom (the CPUs "
-              "shared, no GPU):\n")  # fmt: skip
+    for name in controls:
+        print(f"\n{CONTROLS[name]}:\n")
         print("| round | hp mean x alone | clean gaps over alone |")
         print("|---:|---:|---:|")
         for n, r in enumerate(results):
-            print(f"| {n + 1} | {r['apart']['mean_x_alone']:.3f} "
-                  f"| {r['apart']['clean_us']:+.0f} us |")  # fmt: skip
-        x = statistics.median(r["apart"]["mean_x_alone"] for r in results)
-        clean = statistics.median(r["apart"]["clean_us"] for r in results)
+            print(f"| {n + 1} | {r[name]['mean_x_alone']:.3f} | {r[name]['clean_us']:+.0f} us |")
+        x = statistics.median(r[name]["mean_x_alone"] for r in results)
+        clean = statistics.median(r[name]["clean_us"] for r in results)
         print(f"| median | {x:.3f} | {clean:+.0f} us |")
     return results, met
