@@ -53,7 +53,8 @@ static inline int dispatcher_silent(const uint8_t *r, uint64_t now) {
 /* A holder posts and goes; a filler requests and waits for its grant (with wait_lock held). */
 CUresult fikit_admit(uint8_t *r, CUstream key, const gl_launch *launch, uint32_t *granted_seq,
                      pthread_mutex_t *wait_lock);
-/* After a granted launch on `key`: watch it with an event until it completes. */
+/* After a granted launch on `key`: watch it with an event until it completes (quiet, a
+ * holder's: its end rings no doorbell). */
 void fikit_track(CUstream key, uint32_t seq, int quiet);
 /* After an admitted launch (launched: it succeeded): fikit_track, and the doorbell when the
  * holder's fire released it (the arbiter then settles the fire). */

@@ -2,7 +2,8 @@
  *
  * A holder launches at once: it bumps its sequence number and stamps the time, and only while
  * the arbiter sets `notify` (somebody waits, or fill kernels are in flight) also writes the
- * kernel ID, rings the GPU's doorbell and watches the kernel with an event like a grant. A
+ * kernel ID, rings the GPU's doorbell and watches the kernel with an event like a grant (whose
+ * end rings nothing: the arbiter takes a holder's ends in its timed rounds only). A
  * filler posts a request (kernel ID, time, waiting flag, then the sequence number), rings, and
  * sleeps on its grant word until the arbiter writes its sequence number there. After a granted
  * launch it records an event; the sequence number of the latest granted kernel known done goes
@@ -31,7 +32,7 @@
 typedef struct {
     uint32_t seq;
     CUevent done;
-    int quiet; /* a holder's launch that opens no window: its end rings no doorbell */
+    int quiet; /* a holder's launch: its end rings no doorbell */
 } fk_flight;
 
 static int g_fk_doorbell = -1; /* the GPU's eventfd; replaced on reconnection */
@@ -126,7 +127,8 @@ unsigned fikit_harvest(void) {
     pthread_mutex_unlock(&g_fk_lock);
     if (changed) {
         w_u32(r, GL_OFF_FK_DONE, done);
-        /* Quiet kernels' ends wait for the arbiter's next round (no window hangs on them). */
+        /* A holder's ends wait for the arbiter's next timed round, the only one that takes
+         * them; a fill kernel's end rings (it may let the next fill go). */
         if (loud) ring_doorbell();
     }
     return left;
@@ -135,6 +137,10 @@ unsigned fikit_harvest(void) {
 static int fire_arm(uint8_t *r, uint64_t kernel);
 
 void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
+    /* A holder's kernel ends without a ring: the arbiter takes a holder's completions only in
+     * its timed rounds (shim/src/arbiter.c), so a ring would wake it for a round that cannot
+     * use them, on the holder's path from its kernel's end to its next launch. */
+    int holder = seq == t_fk_quiet_seq || seq == t_fk_open_seq;
     if (seq == t_fk_open_seq) {
         /* Only now may a filler go: its kernel must reach the GPU behind this one, not race
          * it there (a fill launched first would run first, and the holder would wait). */
@@ -142,7 +148,7 @@ void fikit_after_launch(CUstream key, uint32_t seq, int launched) {
         uint8_t *r = region();
         if (r == NULL || !launched || !fire_arm(r, t_fk_open_kernel)) ring_doorbell();
     }
-    if (launched) fikit_track(key, seq, seq == t_fk_quiet_seq);
+    if (launched) fikit_track(key, seq, holder);
     /* Released by the holder's fire: the arbiter hears of it now, after the launch. */
     if (__atomic_exchange_n(&g_fk_ring_after, 0, __ATOMIC_ACQ_REL)) ring_doorbell();
 }
