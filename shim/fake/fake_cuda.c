@@ -359,8 +359,18 @@ static void log_run(const char *name, uint64_t start, uint64_t end) {
     }
 }
 
+/* A kernel's hold on the shared engine, from engine_run to engine_release (fd -1: no engine
+ * file, no lock to give up). */
+typedef struct {
+    int fd;
+    int held; /* a kernel ran: engine_release is due */
+} engine_hold;
+
 /* Run one kernel on the shared engine: wait for it, hold it for the duration. Returns when it
- * ended.
+ * ended, the engine still held: engine_release gives it up after the worker has told its own
+ * stream. On a GPU the next context's kernel starts by itself; here it takes another
+ * process's worker waking from flock, which must not sit between this kernel's end and this
+ * process's host learning of it.
  *
  * The kernel starts as a GPU would start it, not when this thread got around to it: when it
  * was ready (`ready`: queued, and the work before it on its stream done) or when the engine's
@@ -368,12 +378,14 @@ static void log_run(const char *name, uint64_t start, uint64_t end) {
  * ends when the thread wakes from sleeping until start + duration. So a worker thread that the
  * host's scheduler runs late between two kernels does not show up as a gap that a GPU would
  * not have had (nor as a difference between the log and the events). */
-static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready) {
+static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready,
+                           engine_hold *hold) {
     /* The lock file holds the engine's last kernel: its end, and its process. */
     uint64_t last[2] = {0, 0};
-    if (g_engine_fd >= 0) {
-        flock(g_engine_fd, LOCK_EX);
-        if (pread(g_engine_fd, last, sizeof last, 0) != (ssize_t)sizeof last) {
+    int fd = g_engine_fd;
+    if (fd >= 0) {
+        flock(fd, LOCK_EX);
+        if (pread(fd, last, sizeof last, 0) != (ssize_t)sizeof last) {
             last[0] = last[1] = 0;
         }
     }
@@ -382,14 +394,18 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
     if (last[1] != 0 && last[1] != me) start += g_switch_us * 1000u; /* the other context out */
     sleep_until(start + duration_us * 1000u);
     uint64_t end = now_ns();
-    if (g_engine_fd >= 0) {
+    if (fd >= 0) {
         uint64_t mine[2] = {end, me};
-        if (pwrite(g_engine_fd, mine, sizeof mine, 0) != (ssize_t)sizeof mine) { /* best effort */
+        if (pwrite(fd, mine, sizeof mine, 0) != (ssize_t)sizeof mine) { /* best effort */
         }
-        flock(g_engine_fd, LOCK_UN);
     }
-    log_run(name, start, end);
+    log_run(name, start, end); /* before the host can learn of the end, and exit */
+    *hold = (engine_hold){.fd = fd, .held = 1};
     return end;
+}
+
+static void engine_release(const engine_hold *hold) {
+    if (hold->fd >= 0) flock(hold->fd, LOCK_UN);
 }
 
 /* ---- the MPS engine (GPULOOM_FAKE_CUDA_MPS=1): the kernels of every process co-run ----
@@ -777,6 +793,7 @@ typedef struct fk_stream {
     pthread_cond_t work;
     fk_op *head, *tail;
     int running; /* an op is being executed */
+    int releasing; /* its worker is giving the engine up after a kernel (engine_release) */
     uint64_t done_ns; /* when the last op finished (on the GPU's terms) */
     int stop;
     int capturing;
@@ -787,6 +804,25 @@ typedef struct fk_stream {
 static fk_stream *g_streams;
 static fk_stream *g_default;
 
+/* Takes the stream's first op off its queue. Called with g_lock held. */
+static void pop_op(fk_stream *s) {
+    fk_op *op = s->head;
+    s->head = op->next;
+    if (s->head == NULL) s->tail = NULL;
+    free(op);
+}
+
+/* An event completes when the work before it did (not when the worker got to it), or, on an
+ * idle stream, when it was recorded. Called with g_lock held. */
+static void complete_event(fk_stream *s, const fk_op *op) {
+    uint64_t at = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
+    s->done_ns = at;
+    if (op->event_seq == op->event->recorded) {
+        op->event->timestamp = at;
+        op->event->completed = op->event_seq;
+    }
+}
+
 static void *stream_worker(void *arg) {
     fk_stream *s = arg;
     pthread_mutex_lock(&g_lock);
@@ -795,29 +831,35 @@ static void *stream_worker(void *arg) {
         if (s->head == NULL && s->stop) break;
         fk_op *op = s->head;
         s->running = 1;
+        engine_hold hold = {.fd = -1};
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
             const fk_func *f = op->func;
             uint64_t end = g_mps ? engine_run_mps(f->name, run_us(f), f->sm_need, f->bound, ready)
-                                 : engine_run(f->name, run_us(f), ready);
+                                 : engine_run(f->name, run_us(f), ready, &hold);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
-        } else {
-            /* An event completes when the work before it did (not when this thread got to it),
-             * or, on an idle stream, when it was recorded. */
-            uint64_t at = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
-            s->done_ns = at;
-            if (op->event_seq == op->event->recorded) {
-                op->event->timestamp = at;
-                op->event->completed = op->event_seq;
+            pop_op(s);
+            /* The events right behind it complete with it: one wake-up for a sync. */
+            while (s->head != NULL && s->head->kind == OP_EVENT) {
+                complete_event(s, s->head);
+                pop_op(s);
             }
+        } else {
+            complete_event(s, op);
+            pop_op(s);
         }
-        s->head = op->next;
-        if (s->head == NULL) s->tail = NULL;
         s->running = 0;
-        free(op);
         pthread_cond_broadcast(&g_done);
+        if (hold.held) { /* the host told first, then the engine given up */
+            s->releasing = 1;
+            pthread_mutex_unlock(&g_lock);
+            engine_release(&hold);
+            pthread_mutex_lock(&g_lock);
+            s->releasing = 0;
+            pthread_cond_broadcast(&g_done); /* a checkpoint lock waits for it (ckpt_lock) */
+        }
     }
     pthread_mutex_unlock(&g_lock);
     return NULL;
@@ -2347,7 +2389,8 @@ static CUresult ckpt_lock(unsigned timeout_ms) {
     __atomic_store_n(&g_ckpt_locked, 1, __ATOMIC_SEQ_CST);
     for (;;) {
         int busy = __atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0;
-        for (fk_stream *st = g_streams; st && !busy; st = st->next_stream) busy = !stream_idle(st);
+        for (fk_stream *st = g_streams; st && !busy; st = st->next_stream)
+            busy = !stream_idle(st) || st->releasing; /* the engine file may be swapped next */
         if (!busy) break;
         if (pthread_cond_timedwait(&g_done, &g_lock, &deadline) == ETIMEDOUT && timeout_ms) {
             __atomic_store_n(&g_ckpt_locked, 0, __ATOMIC_SEQ_CST);
