@@ -137,7 +137,9 @@ CUresult gate_slow(CUstream key, const gl_launch *launch, uint32_t *granted_seq)
     int state = conn_state();
     if (state == CONN_REFUSED) return on_refusal("the dispatcher refused this process");
     if (state == CONN_EVICTED) return on_refusal("assignment evicted");
-    if (state != CONN_CONNECTED) return on_loss("no dispatcher");
+    /* A region stays mapped once a registration gave one: this process had a dispatcher. (The
+     * background thread says so too, but a fail-closed process may exit before it does.) */
+    if (state != CONN_CONNECTED) return on_loss(region() ? "lost the dispatcher" : "no dispatcher");
     /* Read after the state: a registration publishes its region before CONN_CONNECTED, so
      * this is never NULL (the fast check's copy may predate a first, late registration). */
     const uint8_t *r = region();
