@@ -359,16 +359,9 @@ static void log_run(const char *name, uint64_t start, uint64_t end) {
     }
 }
 
-/* A kernel's hold on the shared engine, from engine_run to engine_release (fd -1: no engine
- * file, no lock to give up). */
-typedef struct {
-    int fd;
-    int held; /* a kernel ran: engine_release is due */
-} engine_hold;
-
 /* Run one kernel on the shared engine: wait for it, hold it for the duration. Returns when it
- * ended, the engine still held: engine_release gives it up after the worker has told its own
- * stream. On a GPU the next context's kernel starts by itself; here it takes another
+ * ended, the engine still held (*held: the lock file, -1 for none): the worker gives it up
+ * after it has told its own stream. On a GPU the next context's kernel starts by itself; here it takes another
  * process's worker waking from flock, which must not sit between this kernel's end and this
  * process's host learning of it.
  *
@@ -378,8 +371,7 @@ typedef struct {
  * ends when the thread wakes from sleeping until start + duration. So a worker thread that the
  * host's scheduler runs late between two kernels does not show up as a gap that a GPU would
  * not have had (nor as a difference between the log and the events). */
-static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready,
-                           engine_hold *hold) {
+static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready, int *held) {
     /* The lock file holds the engine's last kernel: its end, and its process. */
     uint64_t last[2] = {0, 0};
     int fd = g_engine_fd;
@@ -400,12 +392,8 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
         }
     }
     log_run(name, start, end); /* before the host can learn of the end, and exit */
-    *hold = (engine_hold){.fd = fd, .held = 1};
+    *held = fd;
     return end;
-}
-
-static void engine_release(const engine_hold *hold) {
-    if (hold->fd >= 0) flock(hold->fd, LOCK_UN);
 }
 
 /* ---- the MPS engine (GPULOOM_FAKE_CUDA_MPS=1): the kernels of every process co-run ----
@@ -793,7 +781,7 @@ typedef struct fk_stream {
     pthread_cond_t work;
     fk_op *head, *tail;
     int running; /* an op is being executed */
-    int releasing; /* its worker is giving the engine up after a kernel (engine_release) */
+    int releasing; /* its worker is giving the engine up after a kernel */
     uint64_t done_ns; /* when the last op finished (on the GPU's terms) */
     int stop;
     int capturing;
@@ -831,13 +819,13 @@ static void *stream_worker(void *arg) {
         if (s->head == NULL && s->stop) break;
         fk_op *op = s->head;
         s->running = 1;
-        engine_hold hold = {.fd = -1};
+        int held = -1; /* the engine's lock file, still locked after a kernel */
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
             const fk_func *f = op->func;
             uint64_t end = g_mps ? engine_run_mps(f->name, run_us(f), f->sm_need, f->bound, ready)
-                                 : engine_run(f->name, run_us(f), ready, &hold);
+                                 : engine_run(f->name, run_us(f), ready, &held);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
             pop_op(s);
@@ -852,10 +840,10 @@ static void *stream_worker(void *arg) {
         }
         s->running = 0;
         pthread_cond_broadcast(&g_done);
-        if (hold.held) { /* the host told first, then the engine given up */
+        if (held >= 0) { /* the host told first, then the engine given up */
             s->releasing = 1;
             pthread_mutex_unlock(&g_lock);
-            engine_release(&hold);
+            flock(held, LOCK_UN);
             pthread_mutex_lock(&g_lock);
             s->releasing = 0;
             pthread_cond_broadcast(&g_done); /* a checkpoint lock waits for it (ckpt_lock) */
