@@ -846,7 +846,8 @@ static void *stream_worker(void *arg) {
             flock(held, LOCK_UN);
             pthread_mutex_lock(&g_lock);
             s->releasing = 0;
-            pthread_cond_broadcast(&g_done); /* a checkpoint lock waits for it (ckpt_lock) */
+            /* Only a checkpoint lock waits for it (ckpt_lock): no spurious wake-up for a sync. */
+            if (__atomic_load_n(&g_ckpt_locked, __ATOMIC_SEQ_CST)) pthread_cond_broadcast(&g_done);
         }
     }
     pthread_mutex_unlock(&g_lock);
