@@ -368,9 +368,11 @@ static void log_run(const char *name, uint64_t start, uint64_t end) {
  * The kernel starts as a GPU would start it, not when this thread got around to it: when it
  * was ready (`ready`: queued, and the work before it on its stream done) or when the engine's
  * previous kernel ended (kept in the lock file, for every process), whichever is later. It
- * ends when the thread wakes from sleeping until start + duration. So a worker thread that the
- * host's scheduler runs late between two kernels does not show up as a gap that a GPU would
- * not have had (nor as a difference between the log and the events). */
+ * ends at start + duration, however late this thread wakes from sleeping until then: a GPU
+ * ends a kernel without a CPU. So a worker thread that the host's scheduler runs late, between
+ * two kernels or at a kernel's end, shows up neither as GPU time a GPU would not have taken
+ * nor as a later start of the next kernel on the engine (nor as a difference between the log
+ * and the events); only the hosts learn of the ends late, as a descheduled host would. */
 static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready, int *held) {
     /* The lock file holds the engine's last kernel: its end, and its process. */
     uint64_t last[2] = {0, 0};
@@ -384,8 +386,8 @@ static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t read
     uint64_t start = ready > last[0] ? ready : last[0];
     uint64_t me = (uint64_t)getpid();
     if (last[1] != 0 && last[1] != me) start += g_switch_us * 1000u; /* the other context out */
-    sleep_until(start + duration_us * 1000u);
-    uint64_t end = now_ns();
+    uint64_t end = start + duration_us * 1000u;
+    sleep_until(end);
     if (fd >= 0) {
         uint64_t mine[2] = {end, me};
         if (pwrite(fd, mine, sizeof mine, 0) != (ssize_t)sizeof mine) { /* best effort */
