@@ -2,8 +2,8 @@
  *
  * Built from the real cuda.h (prototypes and types), it implements the slice of the driver API
  * that the shim and its tests use. Kernels "run" on one engine per fake GPU shared by every
- * process: a lock file (flock) under GPULOOM_FAKE_CUDA_DIR held while the kernel sleeps for its
- * duration (the times logged are an ideal GPU's: see engine_run). Launches are asynchronous
+ * process: each kernel books its turn in a lock file under GPULOOM_FAKE_CUDA_DIR and sleeps
+ * until its end (the times logged are an ideal GPU's: see engine_run). Launches are asynchronous
  * and stream-ordered: each stream has a worker thread that runs its queue; synchronisation
  * waits for the queue to drain. Events take the time at which
  * the work queued before them finished (the kernel's end on the engine, as logged in runs.log),
@@ -359,42 +359,52 @@ static void log_run(const char *name, uint64_t start, uint64_t end) {
     }
 }
 
-/* Run one kernel on the shared engine: wait for it, hold it for the duration. Returns when it
- * ended, the engine still held (*held: the lock file, -1 for none): the worker gives it up
- * after it has told its own stream. On a GPU the next context's kernel starts by itself; here it takes another
- * process's worker waking from flock, which must not sit between this kernel's end and this
- * process's host learning of it.
+/* Run one kernel on the shared engine: book its turn, then wait for its end. The lock file
+ * holds the engine's booking for every process of the GPU: the end of the last kernel booked,
+ * its process, and the end of the last kernel of another process before that process's run
+ * of bookings. It is locked only to read and move them, never while a kernel runs, so no
+ * process's thread stands between one kernel's end and the next one's start: on a GPU the
+ * next context's kernel starts by itself.
  *
  * The kernel starts as a GPU would start it, not when this thread got around to it: when it
- * was ready (`ready`: queued, and the work before it on its stream done) or when the engine's
- * previous kernel ended (kept in the lock file, for every process), whichever is later. It
- * ends at start + duration, however late this thread wakes from sleeping until then: a GPU
- * ends a kernel without a CPU. So a worker thread that the host's scheduler runs late, between
- * two kernels or at a kernel's end, shows up neither as GPU time a GPU would not have taken
- * nor as a later start of the next kernel on the engine (nor as a difference between the log
- * and the events); only the hosts learn of the ends late, as a descheduled host would. */
-static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready, int *held) {
-    /* The lock file holds the engine's last kernel: its end, and its process. */
-    uint64_t last[2] = {0, 0};
+ * was ready (`ready`: queued, and the work before it on its stream done) or when the other
+ * processes' booked kernels end, whichever is later (plus GPULOOM_FAKE_CUDA_SWITCH_US when the
+ * engine turns from another process to this one); this process's other streams' kernels run
+ * beside it, as streams of one context do. It ends at start + duration, however late this
+ * thread wakes from sleeping until then: a GPU ends a kernel without a CPU. So a worker thread
+ * that the host's scheduler runs late, at a kernel's end or before its next, shows up neither
+ * as GPU time a GPU would not have taken nor as a later start of another process's kernel
+ * (nor as a difference between the log and the events); only its own host learns of the end
+ * late, as a descheduled host would. Processes take the engine in the order their workers
+ * book it. */
+static uint64_t engine_run(const char *name, uint64_t duration_us, uint64_t ready) {
+    uint64_t book[3] = {0, 0, 0}; /* last end, its process, the others' last end before */
+    uint64_t me = (uint64_t)getpid();
     int fd = g_engine_fd;
     if (fd >= 0) {
         flock(fd, LOCK_EX);
-        if (pread(fd, last, sizeof last, 0) != (ssize_t)sizeof last) {
-            last[0] = last[1] = 0;
+        if (pread(fd, book, sizeof book, 0) != (ssize_t)sizeof book) {
+            book[0] = book[1] = book[2] = 0;
         }
     }
-    uint64_t start = ready > last[0] ? ready : last[0];
-    uint64_t me = (uint64_t)getpid();
-    if (last[1] != 0 && last[1] != me) start += g_switch_us * 1000u; /* the other context out */
+    uint64_t start;
+    if (book[1] == me) { /* this process's run goes on: after the others', beside its own */
+        start = ready > book[2] ? ready : book[2];
+    } else {
+        start = ready > book[0] ? ready : book[0];
+        if (book[1] != 0) start += g_switch_us * 1000u; /* the other context out */
+        book[2] = book[0];
+        book[1] = me;
+    }
     uint64_t end = start + duration_us * 1000u;
-    sleep_until(end);
+    if (end > book[0]) book[0] = end;
     if (fd >= 0) {
-        uint64_t mine[2] = {end, me};
-        if (pwrite(fd, mine, sizeof mine, 0) != (ssize_t)sizeof mine) { /* best effort */
+        if (pwrite(fd, book, sizeof book, 0) != (ssize_t)sizeof book) { /* best effort */
         }
+        flock(fd, LOCK_UN);
     }
+    sleep_until(end);
     log_run(name, start, end); /* before the host can learn of the end, and exit */
-    *held = fd;
     return end;
 }
 
@@ -783,7 +793,6 @@ typedef struct fk_stream {
     pthread_cond_t work;
     fk_op *head, *tail;
     int running; /* an op is being executed */
-    int releasing; /* its worker is giving the engine up after a kernel */
     uint64_t done_ns; /* when the last op finished (on the GPU's terms) */
     int stop;
     int capturing;
@@ -821,13 +830,12 @@ static void *stream_worker(void *arg) {
         if (s->head == NULL && s->stop) break;
         fk_op *op = s->head;
         s->running = 1;
-        int held = -1; /* the engine's lock file, still locked after a kernel */
         if (op->kind == OP_KERNEL) {
             uint64_t ready = op->queued_ns > s->done_ns ? op->queued_ns : s->done_ns;
             pthread_mutex_unlock(&g_lock);
             const fk_func *f = op->func;
             uint64_t end = g_mps ? engine_run_mps(f->name, run_us(f), f->sm_need, f->bound, ready)
-                                 : engine_run(f->name, run_us(f), ready, &held);
+                                 : engine_run(f->name, run_us(f), ready);
             pthread_mutex_lock(&g_lock);
             s->done_ns = end;
             pop_op(s);
@@ -842,15 +850,6 @@ static void *stream_worker(void *arg) {
         }
         s->running = 0;
         pthread_cond_broadcast(&g_done);
-        if (held >= 0) { /* the host told first, then the engine given up */
-            s->releasing = 1;
-            pthread_mutex_unlock(&g_lock);
-            flock(held, LOCK_UN);
-            pthread_mutex_lock(&g_lock);
-            s->releasing = 0;
-            /* Only a checkpoint lock waits for it (ckpt_lock): no spurious wake-up for a sync. */
-            if (__atomic_load_n(&g_ckpt_locked, __ATOMIC_SEQ_CST)) pthread_cond_broadcast(&g_done);
-        }
     }
     pthread_mutex_unlock(&g_lock);
     return NULL;
@@ -2381,7 +2380,7 @@ static CUresult ckpt_lock(unsigned timeout_ms) {
     for (;;) {
         int busy = __atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0;
         for (fk_stream *st = g_streams; st && !busy; st = st->next_stream)
-            busy = !stream_idle(st) || st->releasing; /* the engine file may be swapped next */
+            busy = !stream_idle(st);
         if (!busy) break;
         if (pthread_cond_timedwait(&g_done, &g_lock, &deadline) == ETIMEDOUT && timeout_ms) {
             __atomic_store_n(&g_ckpt_locked, 0, __ATOMIC_SEQ_CST);
