@@ -381,7 +381,11 @@ void measure_sync_point(void) {
     if (!__atomic_load_n(&g_measure_ready, __ATOMIC_ACQUIRE) ||
         __atomic_load_n(&g_measure_closed, __ATOMIC_RELAXED))
         return;
-    if (pthread_mutex_trylock(&g_harvest_lock) != 0) return; /* the background is at it */
+    /* Waits for a harvest the background thread is in the middle of (it never waits itself):
+     * that one may have asked about the pairs before this sync completed them, and skipped,
+     * this sync would leave them taken until the background's next round, and the launches
+     * right after the sync would find the pool exhausted. */
+    pthread_mutex_lock(&g_harvest_lock);
     harvest();
     int have = g_out_records > 0;
     pthread_mutex_unlock(&g_harvest_lock);
