@@ -2379,8 +2379,7 @@ static CUresult ckpt_lock(unsigned timeout_ms) {
     __atomic_store_n(&g_ckpt_locked, 1, __ATOMIC_SEQ_CST);
     for (;;) {
         int busy = __atomic_load_n(&g_inflight, __ATOMIC_SEQ_CST) > 0;
-        for (fk_stream *st = g_streams; st && !busy; st = st->next_stream)
-            busy = !stream_idle(st);
+        for (fk_stream *st = g_streams; st && !busy; st = st->next_stream) busy = !stream_idle(st);
         if (!busy) break;
         if (pthread_cond_timedwait(&g_done, &g_lock, &deadline) == ETIMEDOUT && timeout_ms) {
             __atomic_store_n(&g_ckpt_locked, 0, __ATOMIC_SEQ_CST);
