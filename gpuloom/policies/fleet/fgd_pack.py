@@ -73,26 +73,26 @@ class FgdPackPolicy:
         top = score.max(initial=-np.inf)
         if top == -np.inf:
             return None
-        if _as_fgd(state, q):
+        if as_fgd(state, q):
             n = pick_best(score, state.rank)  # FGD as it is
         else:
-            n = pick_best(np.where(score == top, -_gpu_left(state, q, None), -np.inf), state.rank)
+            n = pick_best(np.where(score == top, -gpu_left(state, q, None), -np.inf), state.rank)
         return None if n is None else deltas.choice(n, q)
 
     def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
         """The FGD score, then (for the pods we pack) the least free GPU left: the same node
         as `choose`, whose second step takes the least left among the nodes of the top score."""
         score = state.only_allowed(FragDeltas.of(state).scores(q))[rows]
-        if _as_fgd(state, q):
+        if as_fgd(state, q):
             return (score,)
-        return (score, -_gpu_left(state, q, rows))
+        return (score, -gpu_left(state, q, rows))
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """FGD's GPU on each node of `rows` (`choose` takes FGD's GPU there too)."""
         return FragDeltas.of(state).gpu[q, rows]
 
 
-def _as_fgd(state: FleetState, q: int) -> bool:
+def as_fgd(state: FleetState, q: int) -> bool:
     """Whether a pod of shape q goes where FGD puts it (whole GPUs, or a workload heavy in
     multi-GPU pods or in CPU)."""
     k, d = int(state.s_k[q]), int(state.s_d[q])
@@ -101,7 +101,7 @@ def _as_fgd(state: FleetState, q: int) -> bool:
     return multi_gpu_share(state) >= MULTI_GPU_SHARE or cpu_pressure(state) >= CPU_BOUND
 
 
-def _gpu_left(state: FleetState, q: int, rows: np.ndarray | None) -> np.ndarray:
+def gpu_left(state: FleetState, q: int, rows: np.ndarray | None) -> np.ndarray:
     """The free GPU a node would have left after a pod of shape q, as a share of its GPUs."""
     k, d = int(state.s_k[q]), int(state.s_d[q])
     count = state.gpu_count if rows is None else state.gpu_count[rows]

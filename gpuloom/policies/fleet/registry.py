@@ -1,12 +1,13 @@
 """Fleet placement policies by name (the trace simulator's family): the FGD paper's baselines
-"random", "bestfit", "dotprod", "gpupacking", "gpuclustering", "fgd", and ours, "fgd-pack";
-"best" is our strongest (an alias)."""
+"random", "bestfit", "dotprod", "gpupacking", "gpuclustering", "fgd", and ours, "fgd-pack" and
+"fgd-fates"; "best" is our strongest (an alias)."""
 
 from __future__ import annotations
 
 from gpuloom.policies.fleet.bestfit import BestFitPolicy
 from gpuloom.policies.fleet.dotprod import DotProductPolicy
 from gpuloom.policies.fleet.fgd import FgdPolicy
+from gpuloom.policies.fleet.fgd_fates import FgdFatesPolicy
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy
 from gpuloom.policies.fleet.gpuclustering import GpuClusteringPolicy
 from gpuloom.policies.fleet.gpupacking import GpuPackingPolicy
@@ -26,7 +27,8 @@ POLICIES: Registry[FleetPolicy] = Registry(
         "gpuclustering": GpuClusteringPolicy,
         "fgd": FgdPolicy,
         "fgd-pack": FgdPackPolicy,
-        "best": FgdPackPolicy,
+        "fgd-fates": FgdFatesPolicy,
+        "best": FgdFatesPolicy,
     },
 )
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from gpuloom.policies.fleet.fgd_fates import FgdFatesPolicy
 from gpuloom.policies.fleet.model import (
     WHOLE_GPU,
     FleetPolicy,
@@ -70,6 +71,9 @@ MAX_SHAPES = 64  # distinct shapes weighed at most (the most frequent; the asked
 SEED = 0
 WORKLOAD_REFRESH = 10_000  # decisions between refreshes of the kept view's workload weights
 WALK_BATCH = 16  # nodes checked ahead at first when walking a ranked policy's order (doubling)
+# `fgd-fates` measures its gap table on at most this many pods when the view is built or the
+# workload weighed again (about 0.3 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
+LIVE_CALIBRATION_PODS = 6_000
 
 
 def share_milli(w: int, h: int) -> int:
@@ -98,6 +102,8 @@ class FleetModelPolicy:
 
     def __init__(self, fleet_policy: str, seed: int = SEED) -> None:
         self._policy: FleetPolicy = FLEET_POLICIES.create(fleet_policy)
+        if isinstance(self._policy, FgdFatesPolicy):
+            self._policy = FgdFatesPolicy(calibration_pods=LIVE_CALIBRATION_PODS)
         self._name = fleet_policy
         self._counts_hosted = fleet_policy == "gpuclustering"
         self._rng = np.random.default_rng(seed)

@@ -1,7 +1,7 @@
-"""Placement policies by name: "mra" (the default), "binpack", "spread", "time-share",
-"gap-aware", and the trace simulator's fleet policies placing live jobs through one adapter
-(fleet_model.py): "random", "bestfit", "dotprod", "gpupacking", "gpuclustering", "fgd",
-"fgd-pack" and "best" (our strongest, an alias)."""
+"""Placement policies by name: "mra", "binpack", "spread", "time-share", "gap-aware", and the
+trace simulator's fleet policies placing live jobs through one adapter (fleet_model.py):
+"random", "bestfit", "dotprod", "gpupacking", "gpuclustering", "fgd", "fgd-pack", "fgd-fates"
+and "best" (our strongest, an alias, and the default for jobs that name no policy)."""
 
 from __future__ import annotations
 

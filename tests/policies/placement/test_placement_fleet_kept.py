@@ -175,7 +175,7 @@ def rich_fleet(nodes: int):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    name=st.sampled_from(["fgd", "best"]),
+    name=st.sampled_from(["fgd", "fgd-pack", "best"]),
     seed=st.integers(0, 10_000),
     batch=st.sampled_from([1, 2, fleet_model.WALK_BATCH]),
     nodes=st.sampled_from([2, 3, 12]),
@@ -190,7 +190,16 @@ def test_the_walk_decides_as_asking_again(name: str, seed: int, batch: int, node
         fleet_model.WALK_BATCH = walk_batch
 
 
-def walk_and_ask(name: str, seed: int, nodes: int) -> None:
+def test_the_walk_meets_gpus_that_cannot_take_the_job() -> None:
+    # The comparison above covers hiding: for each ranked policy, some decisions of a few
+    # fixed runs needed a second ask (`best` prefers used GPUs, so it meets fewer).
+    for name in ("fgd", "fgd-pack", "best"):
+        assert sum(walk_and_ask(name, seed, nodes) for seed in range(3) for nodes in (3, 12))
+
+
+def walk_and_ask(name: str, seed: int, nodes: int) -> int:
+    """Places and releases random jobs with a walking and an asking policy on twin fleets,
+    asserting the same decisions; returns how many decisions needed a second ask."""
     rng = random.Random(seed)
     fast, slow = rich_fleet(nodes), rich_fleet(nodes)
     walking = FleetModelPolicy(name)
@@ -224,5 +233,5 @@ def walk_and_ask(name: str, seed: int, nodes: int) -> None:
             victim = live.pop(rng.randrange(len(live)))
             fast.release(victim)
             slow.release(victim)
-    assert retried  # the walk met failing GPUs: the comparison covered hiding
     fast.verify()
+    return retried
