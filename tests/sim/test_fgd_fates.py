@@ -245,3 +245,39 @@ def test_live_placement_measures_the_table_on_the_smaller_budget() -> None:
     live = FleetModelPolicy("best")._policy
     assert isinstance(live, FgdFatesPolicy) and live.calibration_pods == LIVE_CALIBRATION_PODS
     assert LIVE_CALIBRATION_PODS < gap_fates.CALIBRATION_PODS
+
+
+def test_the_least_growth_kept_per_node_version_equals_one_computed_afresh() -> None:
+    # Placements, releases and a node hidden for a decision (as the live adapter does): the
+    # kept least growth and GPU of every shape on every node equal a fresh computation.
+    nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
+    workload = Workload.of([share(230), share(320), share(470), share(810), WHOLE] * 2)
+    rng = np.random.default_rng(7)
+    state = FleetState(nodes, workload.shapes, workload.weights)
+    policy = FgdFatesPolicy()
+    rows = np.arange(len(nodes))
+    placed = []
+    for step in range(60):
+        q = int(rng.choice(workload.pods))
+        if placed and rng.random() < 0.3:
+            state.release(*placed.pop(int(rng.integers(len(placed)))))
+        choice = policy.choose(state, q, rng)
+        if choice is not None:
+            state.commit(choice.node, q, choice.gpus)
+            placed.append((choice.node, q, choice.gpus))
+        if step % 7 == 0:  # hide a node's GPUs for one read, then put them back
+            saved = state.gpu_free[1].copy()
+            state.gpu_free[1] = 0
+            state.touch(1)
+            policy.keys(state, 0, rows)
+            state.gpu_free[1] = saved
+            state.touch(1)
+        for shape in range(len(workload.shapes)):
+            if int(state.s_d[shape]) == WHOLE_GPU:
+                continue
+            kept = policy.keys(state, shape, rows), policy.share_gpus(state, shape, rows)
+            state.memo.pop("least_growth")
+            fresh = policy.keys(state, shape, rows), policy.share_gpus(state, shape, rows)
+            for a, b in zip(kept[0], fresh[0], strict=True):
+                assert np.array_equal(a, b)
+            assert np.array_equal(kept[1], fresh[1])

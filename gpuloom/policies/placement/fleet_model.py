@@ -72,8 +72,8 @@ SEED = 0
 WORKLOAD_REFRESH = 10_000  # decisions between refreshes of the kept view's workload weights
 WALK_BATCH = 16  # nodes checked ahead at first when walking a ranked policy's order (doubling)
 # `fgd-fates` measures its gap table on at most this many pods when the view is built or the
-# workload weighed again (about 0.3 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
-LIVE_CALIBRATION_PODS = 6_000
+# workload weighed again (0.1-0.3 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
+LIVE_CALIBRATION_PODS = 3_000
 
 
 def share_milli(w: int, h: int) -> int:
