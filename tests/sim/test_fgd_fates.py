@@ -16,6 +16,7 @@ from gpuloom.policies.fleet.gap_fates import MIN_SAMPLES, GapFates, calibrate
 from gpuloom.policies.fleet.model import WHOLE_GPU, FleetState, NodeSpec, PodShape
 from gpuloom.policies.fleet.registry import get_policy
 from gpuloom.sim.fleet import Workload
+from tests.sim.test_fgd_pack import placements
 
 
 def node(name: str, gpus: int, cpu: int = 64000) -> NodeSpec:
@@ -164,20 +165,6 @@ def test_a_large_fleet_is_calibrated_on_every_kth_node_within_the_pod_budget() -
     # 2,000 every 4th (1,560 pods).
     assert gap_fates.sample_nodes(nodes, shapes, np.array([1.0]), 3, 10_000) == nodes
     assert gap_fates.sample_nodes(nodes, shapes, np.array([1.0]), 3, 2_000) == nodes[::4]
-
-
-def placements(policy, nodes: list[NodeSpec], workload: Workload, seed: int) -> list[object]:
-    """Where `policy` puts the workload's pods (twice over), one at a time."""
-    state = FleetState(nodes, workload.shapes, workload.weights)
-    rng = np.random.default_rng(seed)
-    state.rank = rng.permutation(len(nodes))
-    chosen = []
-    for q in rng.permutation(workload.pods * 2).tolist():
-        choice = policy.choose(state, q, rng)
-        if choice is not None:
-            state.commit(choice.node, q, choice.gpus)
-        chosen.append(choice)
-    return chosen
 
 
 def test_whole_gpu_and_cpu_only_pods_go_where_fgd_pack_puts_them() -> None:

@@ -15,7 +15,7 @@ from gpuloom.policies.fleet.fgd_pack import (
     cpu_pressure,
     multi_gpu_share,
 )
-from gpuloom.policies.fleet.model import Choice, FleetState, NodeSpec, PodShape
+from gpuloom.policies.fleet.model import Choice, FleetPolicy, FleetState, NodeSpec, PodShape
 from gpuloom.sim.fleet import Workload
 
 MODELS = ("T4", "V100M16")
@@ -73,7 +73,7 @@ def test_whole_gpu_pods_go_exactly_where_fgd_puts_them(
 
 
 def placements(
-    policy: FgdPolicy | FgdPackPolicy, nodes: list[NodeSpec], workload: Workload, seed: int
+    policy: FleetPolicy, nodes: list[NodeSpec], workload: Workload, seed: int
 ) -> list[Choice | None]:
     """Where `policy` puts the workload's pods (twice over), one at a time."""
     state = FleetState(nodes, workload.shapes, workload.weights)
