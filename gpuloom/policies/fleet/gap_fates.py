@@ -41,7 +41,7 @@ CALIBRATION_RUNS = 3  # fills of the fleet the table is measured on
 CALIBRATION_PODS = 50_000  # at most this many pods over the fills: larger fleets are sampled
 CALIBRATION_SEED = 20261206  # their draws: fixed, so a table is the same on every call
 CALIBRATION_FILL = 1.3  # each fill draws pods until their GPU request reaches 1.3 x capacity
-MIN_SAMPLES = 10  # a gap seen fewer times is taken as never filled
+MIN_SAMPLES = 10  # a gap seen fewer times is filled in from the workload (`_fill_unseen`)
 OPENING_COST = 80  # milli charged for opening a free GPU for a share
 CACHE_SIZE = 8
 
