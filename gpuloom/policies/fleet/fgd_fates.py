@@ -74,8 +74,14 @@ class _LeastGrowth:
         """(least growth, GPU) of shape q on each node of `rows`, after FGD's scores of q were
         refreshed (a row whose FGD entry is not, one `FleetState.allowed` leaves out, is left
         as it is: its score reads -inf)."""
-        fresh = deltas.version[q, rows] == state.version[rows]
-        stale = rows[(self.version[q, rows] != state.version[rows]) & fresh]
+        if len(rows) == len(state.nodes):  # every node: compare whole rows, gather once
+            version = state.version
+            changed = (self.version[q] != version) & (deltas.version[q] == version)
+            stale = rows[changed[rows]]
+        else:
+            version = state.version[rows]
+            fresh = deltas.version[q, rows] == version
+            stale = rows[(self.version[q, rows] != version) & fresh]
         if stale.size:
             growth = self.fates.growth(
                 state.gpu_free[stale], int(state.s_d[q]), state.cpu_free[stale] - state.s_cpu[q]
@@ -136,7 +142,8 @@ class FgdFatesPolicy:
         return (np.where(np.isfinite(least), -least, -np.inf), score, -gpu_left(state, q, rows))
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
-        """The GPU `choose` gives a share on each node of `rows` (which it fits)."""
+        """The GPU `choose` gives a share on each node of `rows` (which it fits), as of the
+        last `keys` that read those rows (unchanged since, so nothing is refreshed)."""
         if not _by_fates(state, q):
             return FragDeltas.of(state).gpu[q, rows]
-        return self._read(state, q, rows)[2]
+        return _LeastGrowth.of(state, self._fates(state)).gpu[q, rows]
