@@ -103,7 +103,7 @@ class FleetModelPolicy:
     def __init__(self, fleet_policy: str, seed: int = SEED) -> None:
         self._policy: FleetPolicy = FLEET_POLICIES.create(fleet_policy)
         if isinstance(self._policy, FgdFatesPolicy):
-            self._policy = FgdFatesPolicy(calibration_pods=LIVE_CALIBRATION_PODS)
+            self._policy.calibration_pods = LIVE_CALIBRATION_PODS
         self._name = fleet_policy
         self._counts_hosted = fleet_policy == "gpuclustering"
         self._rng = np.random.default_rng(seed)
