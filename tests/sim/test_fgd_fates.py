@@ -234,15 +234,20 @@ def test_live_placement_measures_the_table_on_the_smaller_budget() -> None:
     assert LIVE_CALIBRATION_PODS < gap_fates.CALIBRATION_PODS
 
 
-def test_the_least_growth_kept_per_node_version_equals_one_computed_afresh() -> None:
-    # Placements, releases and a node hidden for a decision (as the live adapter does): the
-    # kept least growth and GPU of every shape on every node equal a fresh computation.
+def test_the_least_growth_kept_per_node_state_equals_one_computed_afresh() -> None:
+    # Placements, releases, a node hidden for a decision (as the live adapter does), and node
+    # states forgotten and renumbered past a (small) limit: the kept least growth and GPU of
+    # every shape on every node, read with FGD's, equal a fresh computation throughout.
     nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
     workload = Workload.of([share(230), share(320), share(470), share(810), WHOLE] * 2)
     rng = np.random.default_rng(7)
     state = FleetState(nodes, workload.shapes, workload.weights)
     policy = FgdFatesPolicy()
     rows = np.arange(len(nodes))
+    policy.keys(state, 0, rows)
+    kept_deltas = state.memo["frag_deltas"]
+    kept_deltas._states.limit = 12
+    renumbered = 0
     placed = []
     for step in range(60):
         q = int(rng.choice(workload.pods))
@@ -259,12 +264,18 @@ def test_the_least_growth_kept_per_node_version_equals_one_computed_afresh() -> 
             policy.keys(state, 0, rows)
             state.gpu_free[1] = saved
             state.touch(1)
+        known = len(kept_deltas._states.ids)
         for shape in range(len(workload.shapes)):
             if int(state.s_d[shape]) == WHOLE_GPU:
                 continue
-            kept = policy.keys(state, shape, rows), policy.share_gpus(state, shape, rows)
-            state.memo.pop("least_growth")
+            kept = policy.keys(state, shape, None), policy.share_gpus(state, shape, rows)
+            state.memo.pop("frag_deltas")
             fresh = policy.keys(state, shape, rows), policy.share_gpus(state, shape, rows)
+            state.memo["frag_deltas"] = kept_deltas
             for a, b in zip(kept[0], fresh[0], strict=True):
                 assert np.array_equal(a, b)
-            assert np.array_equal(kept[1], fresh[1])
+            fits = fresh[0][0] > -np.inf  # share_gpus names a GPU where the share fits
+            assert np.array_equal(kept[1][fits], fresh[1][fits])
+        renumbered += len(kept_deltas._states.ids) < known
+    assert state.memo["frag_deltas"] is kept_deltas
+    assert renumbered  # the limit was reached and states were forgotten

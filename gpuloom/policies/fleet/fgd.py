@@ -97,9 +97,9 @@ STATES_PER_NODE = 8  # node states remembered per node before unused ones are fo
 MIN_STATES = 8192
 
 
-class _ByState:
+class ByState:
     """Values per node state id, one array per field (NaN in the first field: not computed
-    yet): one pod class's score and GPU."""
+    yet): one pod class's results (`FragDeltas.FIELDS`)."""
 
     def __init__(self, size: int, **fills: float) -> None:
         self.fills = fills
@@ -125,12 +125,22 @@ class _ByState:
             }
 
 
+def pad_rows(a: np.ndarray, more: int, fill: float) -> np.ndarray:
+    """`a` with `more` rows of `fill` below it."""
+    return np.vstack([a, np.full((more, a.shape[1]), fill, dtype=a.dtype)])
+
+
 class FragDeltas:
     """Per (node, shape), cached: the published FGD score (-inf where the shape does not fit)
     and its GPU for a share. Behind that cache, results are kept per node
     state (`_NodeStates`) and pod class (CPU, GPU count, GPU milli: what the results depend
     on; a shape's memory and GPU models only decide where it fits), so nodes alike, or a node
-    back in a state it was in, cost nothing to score."""
+    back in a state it was in, cost nothing to score. A subclass may keep more results that
+    depend only on the node state and pod class (`FIELDS`, `_compute`, `_store`): they are
+    then looked up and refreshed with FGD's, at no extra lookup."""
+
+    # Per node state and pod class: the fields `_compute` gives (NaN in the first: not yet).
+    FIELDS: dict[str, float] = {"score": np.nan, "gpu": -1}
 
     def __init__(self, state: FleetState) -> None:
         n, q = len(state.nodes), len(state.shapes)
@@ -140,25 +150,24 @@ class FragDeltas:
         self.gpu = np.full((q, n), -1, dtype=np.int64)
         self.version = np.full((q, n), -1, dtype=np.int64)
         self._states = _NodeStates(state)
-        self._results: dict[tuple[int, int, int], _ByState] = {}
+        self._results: dict[tuple[int, int, int], ByState] = {}
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
         deltas = state.memo.get("frag_deltas")
         if not isinstance(deltas, FragDeltas):
             deltas = state.memo["frag_deltas"] = cls(state)
-        elif deltas.score.shape[0] < len(state.shapes):  # shapes added since (add_shape)
-            deltas._grow(len(state.shapes) - deltas.score.shape[0])
+        elif deltas.score.shape[0] < len(state.shapes):  # shapes added since (add_shape):
+            # room for as many again, so a stream of new shapes copies the arrays a
+            # logarithmic number of times
+            have = deltas.score.shape[0]
+            deltas._grow(max(len(state.shapes) - have, have))
         return deltas
 
     def _grow(self, more: int) -> None:
-        n = self.score.shape[1]
-
-        def pad(a: np.ndarray, fill: float) -> np.ndarray:
-            return np.vstack([a, np.full((more, n), fill, dtype=a.dtype)])
-
-        self.score, self.gpu = pad(self.score, -np.inf), pad(self.gpu, -1)
-        self.version = pad(self.version, -1)
+        """Room for `more` shapes."""
+        self.score, self.gpu = pad_rows(self.score, more, -np.inf), pad_rows(self.gpu, more, -1)
+        self.version = pad_rows(self.version, more, -1)
 
     def refresh(self, q: int) -> None:
         """Recompute shape q's column for the nodes that changed since it was last read (of
@@ -184,29 +193,33 @@ class FragDeltas:
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
-            results = self._results[pod] = _ByState(max(size, 64), score=np.nan, gpu=-1)
+            results = self._results[pod] = ByState(max(size, 64), **self.FIELDS)
         results.fit(size, None)
         ids = sid[where]
-        missing = np.isnan(results["score"][ids])
-        if missing.any():
+        missing = np.flatnonzero(np.isnan(results["score"][ids]))
+        if missing.size:
             # Each missing state once, at its first node (a dict: np.unique sorts, which costs
             # more on the few dozen a decision has).
             firsts: dict[int, int] = {}
-            for n, state_id in enumerate(ids[missing].tolist()):
+            for n, state_id in zip(missing.tolist(), ids[missing].tolist(), strict=True):
                 firsts.setdefault(state_id, n)
             new = np.fromiter(firsts.keys(), dtype=np.int64, count=len(firsts))
             first = np.fromiter(firsts.values(), dtype=np.int64, count=len(firsts))
-            score, gpu = self._compute(q, where[missing][first])
-            results["score"][new], results["gpu"][new] = score, gpu
-        self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
+            for name, values in self._compute(q, where[first]).items():
+                results[name][new] = values
+        self._store(q, where, results, ids)
 
-    def _compute(self, q: int, where: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(score, GPU) per node of `where` (all fit shape q): the top score over the node's
-        options, and the first GPU that reaches it (-1: whole GPUs or none)."""
+    def _compute(self, q: int, where: np.ndarray) -> dict[str, np.ndarray]:
+        """Each field of FIELDS per node of `where` (all fit shape q): the top score over the
+        node's options, and the first GPU that reaches it (-1: whole GPUs or none)."""
         rows, cols, after, before = frag_moves(self.state, q, where)
         score = fgd_score(before[rows], after)
         top = _first_top_per_row(rows, score)
-        return score[top], cols[top]
+        return {"score": score[top], "gpu": cols[top]}
+
+    def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
+        """Shape q's entries of the nodes `where`, from their states' results."""
+        self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
 
     def scores(self, q: int) -> np.ndarray:
         """The published FGD score per node for shape q (-inf: does not fit), refreshed; with
@@ -228,9 +241,10 @@ class FgdPolicy:
         n = pick_best(state.only_allowed(deltas.scores(q)), state.rank)
         return None if n is None else deltas.choice(n, q)
 
-    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """The score of each node of `rows` (`choose` takes the highest)."""
-        return (state.only_allowed(FragDeltas.of(state).scores(q))[rows],)
+        score = state.only_allowed(FragDeltas.of(state).scores(q))
+        return (score if rows is None else score[rows],)
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """The GPU a share of shape q takes on each node of `rows` (which it fits)."""

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.policies.fleet.fgd import FragDeltas
+from gpuloom.policies.fleet.fgd import ByState, FragDeltas, pad_rows
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy, as_fgd, gpu_left
 from gpuloom.policies.fleet.gap_fates import CALIBRATION_PODS, GapFates
-from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState, pick_best
+from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState
 
 
 def _by_fates(state: FleetState, q: int) -> bool:
@@ -40,60 +40,55 @@ def _by_fates(state: FleetState, q: int) -> bool:
     return int(state.s_k[q]) == 1 and int(state.s_d[q]) < WHOLE_GPU and not as_fgd(state, q)
 
 
-class _LeastGrowth:
-    """Per (shape, node), kept per node version as FGD's scores are: the least growth of the
-    expected final waste over the node's GPUs for a share of that shape (inf: it fits none),
-    and the GPU it takes there (FGD's when it has the least growth, else the first that has).
-    A decision then computes only the nodes that changed since the shape last read them."""
+class _FatesDeltas(FragDeltas):
+    """FGD's scores and GPUs (`FragDeltas`) and with them, per (shape, node), the least growth
+    of the expected final waste over the node's GPUs for a share of that shape (inf: it fits
+    none) and the GPU it takes there (FGD's when it has the least growth, else the first that
+    has). Computed with FGD's results, once per node state and pod class, and refreshed with
+    them for the nodes that changed: a decision reads both for the price of one lookup."""
+
+    FIELDS = {**FragDeltas.FIELDS, "least": np.nan, "least_gpu": -1}
 
     def __init__(self, state: FleetState, fates: GapFates) -> None:
+        super().__init__(state)
         self.fates = fates
-        size = (len(state.shapes), len(state.nodes))
-        self.least = np.full(size, np.inf)
-        self.gpu = np.full(size, -1, dtype=np.int64)
-        self.version = np.full(size, -1, dtype=np.int64)
+        self.least = np.full(self.score.shape, np.inf)
+        self.least_gpu = np.full(self.score.shape, -1, dtype=np.int64)
 
     @classmethod
-    def of(cls, state: FleetState, fates: GapFates) -> _LeastGrowth:
-        kept = state.memo.get("least_growth")
-        if not isinstance(kept, cls) or kept.fates is not fates:
-            kept = state.memo["least_growth"] = cls(state, fates)
-        more = len(state.shapes) - kept.least.shape[0]
-        if more > 0:  # shapes added since (add_shape): room for as many again, so that a
-            # stream of new shapes copies the arrays a logarithmic number of times
-            more = max(more, kept.least.shape[0])
-            n = len(state.nodes)
-            kept.least = np.vstack([kept.least, np.full((more, n), np.inf)])
-            kept.gpu = np.vstack([kept.gpu, np.full((more, n), -1, dtype=np.int64)])
-            kept.version = np.vstack([kept.version, np.full((more, n), -1, dtype=np.int64)])
-        return kept
+    def of_fates(cls, state: FleetState, fates: GapFates) -> _FatesDeltas:
+        """The state's deltas, made (in place of FGD's own) when they do not yet keep this
+        table's least growth."""
+        deltas = state.memo.get("frag_deltas")
+        if not isinstance(deltas, cls) or deltas.fates is not fates:
+            state.memo["frag_deltas"] = cls(state, fates)
+        deltas = FragDeltas.of(state)  # grown to the shapes added since
+        assert isinstance(deltas, cls)
+        return deltas
 
-    def read(
-        self, state: FleetState, deltas: FragDeltas, q: int, rows: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(least growth, GPU) of shape q on each node of `rows`, after FGD's scores of q were
-        refreshed (a row whose FGD entry is not, one `FleetState.allowed` leaves out, is left
-        as it is: its score reads -inf)."""
-        if len(rows) == len(state.nodes):  # every node: compare whole rows, gather once
-            version = state.version
-            changed = (self.version[q] != version) & (deltas.version[q] == version)
-            stale = rows[changed[rows]]
-        else:
-            version = state.version[rows]
-            fresh = deltas.version[q, rows] == version
-            stale = rows[(self.version[q, rows] != version) & fresh]
-        if stale.size:
-            growth = self.fates.growth(
-                state.gpu_free[stale], int(state.s_d[q]), state.cpu_free[stale] - state.s_cpu[q]
-            )
-            least = growth.min(axis=1)
-            at = growth == least[:, None]
-            fgd = deltas.gpu[q, stale]
-            keep_fgd = (fgd >= 0) & at[np.arange(len(stale)), np.maximum(fgd, 0)]
-            self.gpu[q, stale] = np.where(keep_fgd, fgd, at.argmax(axis=1))
-            self.least[q, stale] = least
-            self.version[q, stale] = state.version[stale]
-        return self.least[q, rows], self.gpu[q, rows]
+    def _grow(self, more: int) -> None:
+        super()._grow(more)
+        self.least = pad_rows(self.least, more, np.inf)
+        self.least_gpu = pad_rows(self.least_gpu, more, -1)
+
+    def _compute(self, q: int, where: np.ndarray) -> dict[str, np.ndarray]:
+        out = super()._compute(q, where)
+        s = self.state
+        if not _by_fates(s, q):
+            out["least"], out["least_gpu"] = np.full(len(where), np.inf), out["gpu"]
+            return out
+        growth = self.fates.growth(s.gpu_free[where], int(s.s_d[q]), s.cpu_free[where] - s.s_cpu[q])
+        least = growth.min(axis=1)
+        at = growth == least[:, None]
+        fgd = out["gpu"]
+        keep_fgd = (fgd >= 0) & at[np.arange(len(where)), np.maximum(fgd, 0)]
+        out["least"], out["least_gpu"] = least, np.where(keep_fgd, fgd, at.argmax(axis=1))
+        return out
+
+    def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
+        super()._store(q, where, results, ids)
+        self.least[q, where] = results["least"][ids]
+        self.least_gpu[q, where] = results["least_gpu"][ids]
 
 
 class FgdFatesPolicy:
@@ -110,40 +105,44 @@ class FgdFatesPolicy:
         return GapFates.of(state, self.calibration_pods)
 
     def _read(
-        self, state: FleetState, q: int, rows: np.ndarray
+        self, state: FleetState, q: int, rows: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(FGD's score, least growth, GPU) of shape q on each node of `rows`; the growth is
-        inf where the score is -inf."""
-        deltas = FragDeltas.of(state)
-        score = state.only_allowed(deltas.scores(q))[rows]
-        least, gpu = _LeastGrowth.of(state, self._fates(state)).read(state, deltas, q, rows)
-        return score, np.where(np.isfinite(score), least, np.inf), gpu
+        """(FGD's score, least growth, GPU) of shape q on each node of `rows` (None: every
+        node); the growth is inf where the score is -inf."""
+        deltas = _FatesDeltas.of_fates(state, self._fates(state))
+        score = state.only_allowed(deltas.scores(q))
+        least, gpu = deltas.least[q], deltas.least_gpu[q]
+        if rows is not None:
+            score, least, gpu = score[rows], least[rows], gpu[rows]
+        return score, np.where(score > -np.inf, least, np.inf), gpu
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         if not _by_fates(state, q):
             return self._pack.choose(state, q, rng)
-        score, least, gpu = self._read(state, q, np.arange(len(state.nodes)))
+        score, least, gpu = self._read(state, q, None)
         top = least.min(initial=np.inf)
         if top == np.inf:
             return None
-        tied = least == top
-        best_score = np.where(tied, score, -np.inf)
-        tied &= best_score == best_score.max()
-        n = pick_best(np.where(tied, -gpu_left(state, q, None), -np.inf), state.rank)
-        assert n is not None  # some node reaches the least growth
+        tied = np.flatnonzero(least == top)
+        if len(tied) > 1:
+            tied = tied[score[tied] == score[tied].max()]
+        if len(tied) > 1:
+            left = gpu_left(state, q, tied)
+            tied = tied[left == left.min()]
+        n = int(tied[np.argmin(state.rank[tied])])
         return Choice(n, (int(gpu[n]),))
 
-    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """For a share: minus the least growth, then FGD's score, then minus the free GPU left
         (`choose` takes the highest, in that order); any other pod: `fgd-pack`'s keys."""
         if not _by_fates(state, q):
             return self._pack.keys(state, q, rows)
         score, least, _ = self._read(state, q, rows)
-        return (np.where(np.isfinite(least), -least, -np.inf), score, -gpu_left(state, q, rows))
+        return (-least, score, -gpu_left(state, q, rows))
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
         """The GPU `choose` gives a share on each node of `rows` (which it fits), as of the
         last `keys` that read those rows (unchanged since, so nothing is refreshed)."""
         if not _by_fates(state, q):
             return FragDeltas.of(state).gpu[q, rows]
-        return _LeastGrowth.of(state, self._fates(state)).gpu[q, rows]
+        return _FatesDeltas.of_fates(state, self._fates(state)).least_gpu[q, rows]

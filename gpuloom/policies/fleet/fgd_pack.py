@@ -79,10 +79,12 @@ class FgdPackPolicy:
             n = pick_best(np.where(score == top, -gpu_left(state, q, None), -np.inf), state.rank)
         return None if n is None else deltas.choice(n, q)
 
-    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
+    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
         """The FGD score, then (for the pods we pack) the least free GPU left: the same node
         as `choose`, whose second step takes the least left among the nodes of the top score."""
-        score = state.only_allowed(FragDeltas.of(state).scores(q))[rows]
+        score = state.only_allowed(FragDeltas.of(state).scores(q))
+        if rows is not None:
+            score = score[rows]
         if as_fgd(state, q):
             return (score,)
         return (score, -gpu_left(state, q, rows))

@@ -30,7 +30,7 @@ while the workload's shapes hold, share it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -56,21 +56,32 @@ class GapFates:
     samples: np.ndarray
     least_cpu: np.ndarray
     opening_cost: float = OPENING_COST
+    # Per share size: `growth` per free milli 0..1000, alive and dead, and the CPU a gap needs
+    # to stay alive (filled on first use: a share size's three lookups replace a dozen steps).
+    _by_milli: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def growth(self, free: np.ndarray, milli: int, cpu_left: np.ndarray) -> np.ndarray:
         """The growth of the expected final waste if a share of `milli` goes on GPUs with
-        `free` milli free (nodes x GPUs) of nodes left with `cpu_left` CPU after it: the gap
-        it leaves ends at final[gap], or as it is where the node is left without the CPU of
-        any share that fits it; less what the GPU had: final[free], or the opening cost for a
-        free GPU. inf where the share does not fit."""
-        fits = free >= milli
-        gap = np.where(fits, free - milli, 0)
-        dead = cpu_left[:, None] < self.least_cpu[gap]
-        after = np.where(dead, gap, self.final[gap])
-        before = np.where(
-            free >= WHOLE_GPU, self.opening_cost, self.final[np.minimum(free, WHOLE_GPU)]
-        )
-        return np.where(fits, after - before, np.inf)
+        `free` milli free (nodes x GPUs, each 0..1000) of nodes left with `cpu_left` CPU after
+        it: the gap it leaves ends at final[gap], or as it is where the node is left without
+        the CPU of any share that fits it; less what the GPU had: final[free], or the opening
+        cost for a free GPU. inf where the share does not fit."""
+        alive, dead, need = self._tables(milli)
+        return np.where(cpu_left[:, None] < need[free], dead[free], alive[free])
+
+    def _tables(self, milli: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tables = self._by_milli.get(milli)
+        if tables is None:
+            free = np.arange(WHOLE_GPU + 1)
+            fits = free >= milli
+            gap = np.where(fits, free - milli, 0)
+            before = np.where(free >= WHOLE_GPU, self.opening_cost, self.final[free])
+            alive = np.where(fits, self.final[gap] - before, np.inf)
+            dead = np.where(fits, gap - before, np.inf)
+            tables = self._by_milli[milli] = (alive, dead, self.least_cpu[gap])
+        return tables
 
     @classmethod
     def of(cls, state: FleetState, max_pods: int = CALIBRATION_PODS) -> GapFates:

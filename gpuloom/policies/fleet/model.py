@@ -320,8 +320,9 @@ class RankedFleetPolicy(FleetPolicy, Protocol):
     that changes a few rows (the live adapter hiding GPUs a job cannot use) re-reads only
     those rows' keys instead of asking `choose` again."""
 
-    def keys(self, state: FleetState, q: int, rows: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The keys of the nodes `rows` for a pod of shape q, one array per key."""
+    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
+        """The keys of the nodes `rows` (None: every node, in order) for a pod of shape q, one
+        array per key (read-only: they may be the policy's own cache)."""
         ...
 
     def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:

@@ -280,7 +280,6 @@ class _Kept:
         self.mixed = False
         self.roomy = np.zeros((0, 0), dtype=bool)  # per decision: GPUs with the job's memory free
         self.saved: dict[int, tuple[np.ndarray, int]] = {}  # rows changed for one decision
-        self.every_node = np.zeros(0, dtype=np.int64)
         self.slots: dict[str, GpuSlot] = {}  # the fleet's, for the decision
 
     def decide(
@@ -360,7 +359,7 @@ class _Kept:
         nothing it reads before it."""
         state = self.state
         assert state is not None
-        keys = policy.keys(state, ask.q, self.every_node)
+        keys = policy.keys(state, ask.q, None)
         order = np.flatnonzero(keys[0] > -np.inf)
         rank = state.rank
         order = order[np.lexsort((rank[order], *(-key[order] for key in reversed(keys))))]
@@ -382,15 +381,8 @@ class _Kept:
                     reached = n + 1
                     break
             ahead, gpus, fits = ahead[:reached], gpus[:reached], fits[:reached]
-            entries = [
-                (tuple(-key for key in row), r, i)
-                for *row, r, i in zip(
-                    *(key[ahead].tolist() for key in keys),
-                    rank[ahead].tolist(),
-                    ahead.tolist(),
-                    strict=True,
-                )
-            ]
+            negated = zip(*((-key[ahead]).tolist() for key in keys), strict=True)
+            entries = list(zip(negated, rank[ahead].tolist(), ahead.tolist(), strict=True))
             failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
             read = self._hide(policy, ask, failed)
             for entry, j, ok in zip(entries, gpus, fits, strict=True):
@@ -496,14 +488,10 @@ class _Kept:
         if policy is not self.ranked or self.ranked is None:
             return {}
         keys = self.ranked.keys(state, ask.q, rows)
+        negated = zip(*((-key).tolist() for key in keys), strict=True)
         return {
-            i: (tuple(-key for key in row), r, i) if row[0] > -np.inf else None
-            for *row, r, i in zip(
-                *(key.tolist() for key in keys),
-                state.rank[rows].tolist(),
-                rows.tolist(),
-                strict=True,
-            )
+            i: (neg, r, i) if neg[0] < np.inf else None
+            for neg, r, i in zip(negated, state.rank[rows].tolist(), rows.tolist(), strict=True)
         }
 
     # ---- keeping the view ----
@@ -572,7 +560,6 @@ class _Kept:
         self.node_index = {name: i for i, name in enumerate(self.nodes)}
         self.gpu_ids = [tuple(n.gpu_ids) for n in nodes]
         self.gpu_mem = np.zeros(self.state.gpu_free.shape, dtype=np.int64)
-        self.every_node = np.arange(len(nodes))
         for i in range(len(nodes)):
             self._refresh_row(fleet, i)
         return True
