@@ -71,6 +71,17 @@ def test_growth_charges_opening_a_free_gpu_and_refuses_what_does_not_fit() -> No
     assert growth.tolist() == [[80 - 50, 60 - 80, np.inf]]
 
 
+def test_opening_a_free_gpu_is_never_a_gain() -> None:
+    # A 320 share alone leaves 680, here known to end at 10, below the opening cost of 80:
+    # opening the GPU still grows the waste by 0, as much as joining the 650 (whose 350 gap
+    # ends at 30, as the 30 it leaves), not by -70, which would send every share to a free GPU.
+    fates = table({680: 10, 350: 30}, opening_cost=80)
+    growth = fates.growth(np.array([[1000, 350]]), 320, np.array([5000]))
+    assert growth.tolist() == [[0, 0]]
+    # A gap that ends above the opening cost is charged as before: 680 ending at 100, +20.
+    assert table({680: 100}).growth(np.array([[1000]]), 320, np.array([5000])).tolist() == [[20]]
+
+
 def test_a_gap_on_a_node_left_without_cpu_for_any_share_that_fits_it_ends_as_it_is() -> None:
     # A 320 share on a free GPU leaves 680, which ends at 100 on a node with CPU to spare;
     # on a node left with less than the 2000 milli every share asks for, it stays 680.

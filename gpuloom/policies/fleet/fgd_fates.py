@@ -4,10 +4,10 @@ filled; everything else as `fgd-pack`.
 - A pod that takes a share of one GPU goes to the GPU where the expected final waste grows
   least (`GapFates.growth`: what becomes of the gap it leaves, measured on the fleet with pods
   drawn from the workload, less what became of the gap it fills; a free GPU is charged the
-  opening cost; a gap on a node left without the CPU of any share that fits it ends as it
-  is). Among the nodes with that least growth: FGD's top score, then the node left
-  with the least free GPU, then the run's node order; on the node, FGD's GPU when it is one of
-  the least growth, else the first that is.
+  opening cost, and opening it is never a gain; a gap on a node left without the CPU of any
+  share that fits it ends as it is). Among the nodes with that least growth: FGD's top score,
+  then the node left with the least free GPU, then the run's node order; on the node, FGD's
+  GPU when it is one of the least growth, else the first that is.
 - Whole-GPU pods and CPU-only pods go where `fgd-pack` puts them (FGD's top score; CPU-only
   pods packed among its ties).
 - When `fgd-pack` places every pod as FGD does (a workload heavy in multi-GPU pods or in

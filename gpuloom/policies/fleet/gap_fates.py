@@ -19,7 +19,11 @@ Opening a free GPU for a share is charged OPENING_COST: the share could have joi
 instead, and a GPU it takes is one fewer for the whole-GPU pods that leave nothing free
 (measured on the default list, seeds 42-51 and 52-61: 70-90 milli give the same figures
 within noise, 60 about 0.05 points less; at 100 and 120, with an earlier table, the policy
-spread shares over free GPUs and lost 0.3 and 1.9 points: docs/placement.md).
+spread shares over free GPUs and lost 0.3 and 1.9 points: docs/placement.md). Opening is
+never a gain, though: where the gap left ends below the opening cost, its growth is 0, not
+negative (+0.45 to +0.6 points on the `gpushare` lists, where shares otherwise went to free
+GPUs first; live, on a workload whose gaps fill, every GPU was opened and whole-GPU jobs were
+refused).
 
 Only the workload's distribution and the fleet's nodes go in, as FGD's typical pods do: the
 policy stays online. The table is computed once per fleet (its nodes) and workload (FGD's
@@ -66,8 +70,11 @@ class GapFates:
         """The growth of the expected final waste if a share of `milli` goes on GPUs with
         `free` milli free (nodes x GPUs, each 0..1000) of nodes left with `cpu_left` CPU after
         it: the gap it leaves ends at final[gap], or as it is where the node is left without
-        the CPU of any share that fits it; less what the GPU had: final[free], or the opening
-        cost for a free GPU. inf where the share does not fit."""
+        the CPU of any share that fits it; less what the GPU had: final[free], or for a free
+        GPU the opening cost, and then never below 0. A gap that ends smaller than the opening
+        cost does not make opening a GPU a gain: charged less than joining a used GPU at no
+        growth, shares spread over every free GPU of a workload whose gaps fill, and whole-GPU
+        pods find none. inf where the share does not fit."""
         alive, dead, need = self._tables(milli)
         return np.where(cpu_left[:, None] < need[free], dead[free], alive[free])
 
@@ -80,6 +87,7 @@ class GapFates:
             before = np.where(free >= WHOLE_GPU, self.opening_cost, self.final[free])
             alive = np.where(fits, self.final[gap] - before, np.inf)
             dead = np.where(fits, gap - before, np.inf)
+            alive[WHOLE_GPU], dead[WHOLE_GPU] = max(alive[WHOLE_GPU], 0), max(dead[WHOLE_GPU], 0)
             tables = self._by_milli[milli] = (alive, dead, self.least_cpu[gap])
         return tables
 

@@ -235,3 +235,23 @@ def walk_and_ask(name: str, seed: int, nodes: int) -> int:
             slow.release(victim)
     fast.verify()
     return retried
+
+
+def test_the_kept_view_weighs_its_workload_early_then_rarely() -> None:
+    due = [d for d in range(1, 30_001) if fleet_model.weighing_due(d)]
+    assert due == [64, 128, 256, 512, 1024, 2048, 4096, 8192, 10_000, 20_000, 30_000]
+
+
+def test_the_workload_a_fleet_policy_weighs_is_every_job_it_placed_not_the_first() -> None:
+    # The view is built at the first job, when that job is the whole workload; at the first
+    # weighing the workload is every job placed so far.
+    fleet = fleet_of(*(node_gpu(f"g{i}", f"n{i // 2}", memory_gib=80) for i in range(8)))
+    policy = FleetModelPolicy("fgd")
+    for n in range(fleet_model.FIRST_WEIGHING):
+        decision = fleet.place(job(f"j{n}", (25, 50)[n % 2], 10), policy)
+        assert isinstance(decision, Placement)
+        fleet.release(decision.allocation_id)
+    state = policy._live[fleet].state
+    assert state is not None
+    weighed = {s.gpu_milli: w for s, w in zip(state.shapes, state.s_weight.tolist()) if w}
+    assert weighed == {25: 0.5, 50: 0.5}  # normalised: 32 jobs of each
