@@ -21,7 +21,7 @@ instead, and a GPU it takes is one fewer for the whole-GPU pods that leave nothi
 within noise, 60 about 0.05 points less; at 100 and 120, with an earlier table, the policy
 spread shares over free GPUs and lost 0.3 and 1.9 points: docs/placement.md). Opening is
 never a gain, though: where the gap left ends below the opening cost, its growth is 0, not
-negative (+0.45 to +0.6 points on the `gpushare` lists, where shares otherwise went to free
+negative (+0.4 to +0.7 points on the `gpushare` lists, where shares otherwise went to free
 GPUs first; live, on a workload whose gaps fill, every GPU was opened and whole-GPU jobs were
 refused).
 
