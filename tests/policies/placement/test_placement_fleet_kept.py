@@ -253,5 +253,6 @@ def test_the_workload_a_fleet_policy_weighs_is_every_job_it_placed_not_the_first
         fleet.release(decision.allocation_id)
     state = policy._live[fleet].state
     assert state is not None
-    weighed = {s.gpu_milli: w for s, w in zip(state.shapes, state.s_weight.tolist()) if w}
+    weights = zip(state.shapes, state.s_weight.tolist(), strict=True)
+    weighed = {s.gpu_milli: w for s, w in weights if w}
     assert weighed == {25: 0.5, 50: 0.5}  # normalised: 32 jobs of each
