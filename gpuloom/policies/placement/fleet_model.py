@@ -240,7 +240,7 @@ def weighing_due(decisions: int) -> bool:
     caches over (and `best` measures its table again when FGD's typical shapes changed).
     Weighed only every 10,000 decisions, the replay of the trace's default list (7,064 jobs)
     ran with one job's shape as its workload: `best` queued 270 jobs, `fgd` 290; weighed at
-    64, 128, ..., 212 and 211 (docs/benchmarks.md, "Replay through the live core")."""
+    64, 128, ..., 209 and 211 (docs/benchmarks.md, "Replay through the live core")."""
     if decisions >= WORKLOAD_REFRESH:
         return decisions % WORKLOAD_REFRESH == 0
     return decisions >= FIRST_WEIGHING and decisions & (decisions - 1) == 0
