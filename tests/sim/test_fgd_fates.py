@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuloom.policies.fleet import gap_fates
-from gpuloom.policies.fleet.fgd import FgdPolicy
+from gpuloom.policies.fleet.fgd import FgdPolicy, fgd_score
 from gpuloom.policies.fleet.fgd_fates import FgdFatesPolicy
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy
+from gpuloom.policies.fleet.frag import frag_moves
 from gpuloom.policies.fleet.gap_fates import MIN_SAMPLES, GapFates, calibrate
 from gpuloom.policies.fleet.model import WHOLE_GPU, FleetState, NodeSpec, PodShape
 from gpuloom.policies.fleet.registry import get_policy
@@ -210,27 +211,51 @@ def test_a_workload_fgd_pack_places_as_fgd_is_placed_as_fgd_without_a_table() ->
     assert "gap_fates" not in state.memo
 
 
-def test_keys_and_share_gpus_agree_with_choose() -> None:
-    # The live adapter walks `keys` and `share_gpus` instead of asking `choose`.
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), fates=st.booleans())
+def test_gpus_a_share_may_not_take_are_left_out_of_its_scores(seed: int, fates: bool) -> None:
+    # The live adapter marks the GPUs a job may not take (`FleetState.usable`): each node is
+    # then scored over its other GPUs, its fragmentation as it is. Against the options computed
+    # afresh: FGD's top score and first GPU reaching it, the least growth and its GPU.
     nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
     workload = Workload.of([share(230), share(320), share(470), share(650), WHOLE] * 2)
-    policy = FgdFatesPolicy()
-    rows = np.arange(len(nodes))
-    for seed in range(3):
-        state = FleetState(nodes, workload.shapes, workload.weights)
-        rng = np.random.default_rng(seed)
-        state.rank = rng.permutation(len(nodes))
-        for q in rng.permutation(workload.pods * 3).tolist():
-            choice = policy.choose(state, q, rng)
-            keys = policy.keys(state, q, rows)
-            if choice is None:
-                assert (keys[0] == -np.inf).all()
-                continue
-            order = sorted(rows.tolist(), key=lambda n: (*(-k[n] for k in keys), state.rank[n]))
-            assert order[0] == choice.node
-            if state.s_k[q] == 1 and state.s_d[q] < WHOLE_GPU:
-                assert policy.share_gpus(state, q, rows)[choice.node] == choice.gpus[0]
+    rng = np.random.default_rng(seed)
+    state = FleetState(nodes, workload.shapes, workload.weights)
+    policy = FgdFatesPolicy() if fates else FgdPolicy()
+    for q in rng.choice(workload.pods, 12).tolist():
+        choice = policy.choose(state, q, rng)
+        if choice is not None:
             state.commit(choice.node, q, choice.gpus)
+    usable = rng.random(state.gpu_free.shape) < 0.5
+    for q in range(4):  # the shares
+        state.usable = None
+        policy.choose(state, q, rng)  # the cache as it is without the limits
+        deltas = state.memo["frag_deltas"]
+        state.usable = usable
+        kept = deltas.read(q)
+        rows, cols, after, before = frag_moves(state, q, np.arange(len(nodes)))
+        options = np.full(state.gpu_free.shape, -np.inf)
+        options[rows, cols] = fgd_score(before[rows], after)
+        fits = state.fits_rows(q, np.arange(len(nodes)))
+        left = np.where(usable & fits[:, None], options, -np.inf)
+        top = left.max(axis=1)
+        assert kept["score"].tolist() == top.tolist()
+        placed = top > -np.inf
+        assert (kept["gpu"][placed] == (left == top[:, None]).argmax(axis=1)[placed]).all()
+        choice = policy.choose(state, q, rng)
+        assert (choice is None) == (not placed.any())
+        if choice is not None:
+            assert usable[choice.node, choice.gpus[0]]
+        if fates:
+            growth = GapFates.of(state, policy.calibration_pods).growth(
+                state.gpu_free, int(state.s_d[q]), state.cpu_free - state.s_cpu[q]
+            )
+            growth = np.where(usable, growth, np.inf)
+            least = growth.min(axis=1)
+            assert kept["least"][placed].tolist() == least[placed].tolist()
+            gpu = kept["least_gpu"][placed]
+            assert (growth[placed, gpu] == least[placed]).all()
+    state.usable = None
 
 
 def test_best_is_fgd_fates() -> None:
@@ -246,16 +271,15 @@ def test_live_placement_measures_the_table_on_the_smaller_budget() -> None:
 
 
 def test_the_least_growth_kept_per_node_state_equals_one_computed_afresh() -> None:
-    # Placements, releases, a node hidden for a decision (as the live adapter does), and node
-    # states forgotten and renumbered past a (small) limit: the kept least growth and GPU of
-    # every shape on every node, read with FGD's, equal a fresh computation throughout.
+    # Placements, releases, a row changed and GPUs left out for one decision (as the live
+    # adapter does), and node states forgotten and renumbered past a (small) limit: the kept
+    # score, least growth and GPUs of every share on every node equal a fresh computation.
     nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
     workload = Workload.of([share(230), share(320), share(470), share(810), WHOLE] * 2)
     rng = np.random.default_rng(7)
     state = FleetState(nodes, workload.shapes, workload.weights)
     policy = FgdFatesPolicy()
-    rows = np.arange(len(nodes))
-    policy.keys(state, 0, rows)
+    policy.choose(state, 0, rng)
     kept_deltas = state.memo["frag_deltas"]
     kept_deltas._states.limit = 12
     renumbered = 0
@@ -268,25 +292,28 @@ def test_the_least_growth_kept_per_node_state_equals_one_computed_afresh() -> No
         if choice is not None:
             state.commit(choice.node, q, choice.gpus)
             placed.append((choice.node, q, choice.gpus))
-        if step % 7 == 0:  # hide a node's GPUs for one read, then put them back
+        if step % 7 == 0:  # a row changed and GPUs left out for one decision, then put back
             saved = state.gpu_free[1].copy()
             state.gpu_free[1] = 0
             state.touch(1)
-            policy.keys(state, 0, rows)
+            state.usable = rng.random(state.gpu_free.shape) < 0.5
+            policy.choose(state, 0, rng)
+            state.usable = None
             state.gpu_free[1] = saved
             state.touch(1)
         known = len(kept_deltas._states.ids)
         for shape in range(len(workload.shapes)):
             if int(state.s_d[shape]) == WHOLE_GPU:
                 continue
-            kept = policy.keys(state, shape, None), policy.share_gpus(state, shape, rows)
+            kept = {k: v.copy() for k, v in kept_deltas.read(shape).items()}
             state.memo.pop("frag_deltas")
-            fresh = policy.keys(state, shape, rows), policy.share_gpus(state, shape, rows)
+            policy.choose(state, shape, rng)
+            fresh = state.memo["frag_deltas"].read(shape)
             state.memo["frag_deltas"] = kept_deltas
-            for a, b in zip(kept[0], fresh[0], strict=True):
-                assert np.array_equal(a, b)
-            fits = fresh[0][0] > -np.inf  # share_gpus names a GPU where the share fits
-            assert np.array_equal(kept[1][fits], fresh[1][fits])
+            fits = fresh["score"] > -np.inf
+            assert kept["score"].tolist() == fresh["score"].tolist()
+            for name in ("least", "gpu", "least_gpu"):
+                assert kept[name][fits].tolist() == fresh[name][fits].tolist(), name
         renumbered += len(kept_deltas._states.ids) < known
     assert state.memo["frag_deltas"] is kept_deltas
     assert renumbered  # the limit was reached and states were forgotten

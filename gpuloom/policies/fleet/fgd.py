@@ -10,7 +10,9 @@ are the node's first fully free ones.
 
 A node's score for a shape only changes when the node does, so scores are cached per (node,
 shape) and recomputed for the nodes whose version moved since that shape was last placed, each
-looked up by the node's state (computed once per state and pod class).
+looked up by the node's state (computed once per state and pod class). A share's score on each
+GPU is kept too, so that a pod that may not take some GPUs (`FleetState.usable`: the live
+adapter's GPU memory) is scored over the others without computing anything again.
 """
 
 from __future__ import annotations
@@ -99,11 +101,12 @@ MIN_STATES = 8192
 
 class ByState:
     """Values per node state id, one array per field (NaN in the first field: not computed
-    yet): one pod class's results (`FragDeltas.FIELDS`)."""
+    yet): one pod class's results (`FragDeltas.FIELDS` and the share's score per GPU)."""
 
-    def __init__(self, size: int, **fills: float) -> None:
-        self.fills = fills
-        self.values = {name: np.full(size, fill) for name, fill in fills.items()}
+    def __init__(self, size: int, blanks: dict[str, np.ndarray]) -> None:
+        """`blanks`: per field, one id's value before it is computed (its shape and type)."""
+        self.blanks = blanks
+        self.values = {name: _blank_rows(b, size) for name, b in blanks.items()}
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self.values[name]
@@ -120,35 +123,46 @@ class ByState:
         if size > have:
             more = max(size, 2 * have) - have
             self.values = {
-                name: np.append(a, np.full(more, self.fills[name], dtype=a.dtype))
+                name: np.concatenate([a, _blank_rows(self.blanks[name], more)])
                 for name, a in self.values.items()
             }
 
 
+def _blank_rows(blank: np.ndarray, rows: int) -> np.ndarray:
+    return np.broadcast_to(blank, (rows, *blank.shape)).copy()
+
+
 def pad_rows(a: np.ndarray, more: int, fill: float) -> np.ndarray:
     """`a` with `more` rows of `fill` below it."""
-    return np.vstack([a, np.full((more, a.shape[1]), fill, dtype=a.dtype)])
+    return np.concatenate([a, np.full((more, *a.shape[1:]), fill, dtype=a.dtype)])
 
 
 class FragDeltas:
     """Per (node, shape), cached: the published FGD score (-inf where the shape does not fit)
-    and its GPU for a share. Behind that cache, results are kept per node
-    state (`_NodeStates`) and pod class (CPU, GPU count, GPU milli: what the results depend
-    on; a shape's memory and GPU models only decide where it fits), so nodes alike, or a node
-    back in a state it was in, cost nothing to score. A subclass may keep more results that
-    depend only on the node state and pod class (`FIELDS`, `_compute`, `_store`): they are
-    then looked up and refreshed with FGD's, at no extra lookup."""
+    and its GPU for a share, and a share's score on each GPU (`options`). Behind that cache,
+    results are kept per node state (`_NodeStates`) and pod class (CPU, GPU count, GPU milli:
+    what the results depend on; a shape's memory and GPU models only decide where it fits),
+    so nodes alike, or a node back in a state it was in, cost nothing to score. A subclass may
+    keep more results that depend only on the node state and pod class (`FIELDS`, `_compute`,
+    `_store`, and `_leave_out` for how a GPU the pod may not take changes them): they are
+    then looked up and refreshed with FGD's, at no extra lookup. Read them with `read`."""
 
-    # Per node state and pod class: the fields `_compute` gives (NaN in the first: not yet).
+    # Per node state and pod class: the fields `_compute` gives (NaN in the first: not yet),
+    # and with them OPTIONS: a share's score on each GPU (-1: it does not fit there).
     FIELDS: dict[str, float] = {"score": np.nan, "gpu": -1}
+    OPTIONS = "options"
 
     def __init__(self, state: FleetState) -> None:
         n, q = len(state.nodes), len(state.shapes)
+        width = state.gpu_free.shape[1]
         self.state = state
         # Per (shape, node): one shape's row is contiguous, as a decision reads it.
         self.score = np.full((q, n), -np.inf)
         self.gpu = np.full((q, n), -1, dtype=np.int64)
+        self.options = np.full((q, n, width), -1, dtype=np.int8)  # scores 0..100 fit in int8
         self.version = np.full((q, n), -1, dtype=np.int64)
+        self._blanks = {name: np.array(fill) for name, fill in self.FIELDS.items()}
+        self._blanks[self.OPTIONS] = np.full(width, -1, dtype=np.int8)
         self._states = _NodeStates(state)
         self._results: dict[tuple[int, int, int], ByState] = {}
 
@@ -167,6 +181,7 @@ class FragDeltas:
     def _grow(self, more: int) -> None:
         """Room for `more` shapes."""
         self.score, self.gpu = pad_rows(self.score, more, -np.inf), pad_rows(self.gpu, more, -1)
+        self.options = pad_rows(self.options, more, -1)
         self.version = pad_rows(self.version, more, -1)
 
     def refresh(self, q: int) -> None:
@@ -193,7 +208,7 @@ class FragDeltas:
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
-            results = self._results[pod] = ByState(max(size, 64), **self.FIELDS)
+            results = self._results[pod] = ByState(max(size, 64), self._blanks)
         results.fit(size, None)
         ids = sid[where]
         missing = np.flatnonzero(np.isnan(results["score"][ids]))
@@ -211,25 +226,60 @@ class FragDeltas:
 
     def _compute(self, q: int, where: np.ndarray) -> dict[str, np.ndarray]:
         """Each field of FIELDS per node of `where` (all fit shape q): the top score over the
-        node's options, and the first GPU that reaches it (-1: whole GPUs or none)."""
+        node's options, and the first GPU that reaches it (-1: whole GPUs or none); and a
+        share's score on each GPU (OPTIONS)."""
         rows, cols, after, before = frag_moves(self.state, q, where)
         score = fgd_score(before[rows], after)
         top = _first_top_per_row(rows, score)
-        return {"score": score[top], "gpu": cols[top]}
+        options = np.full((len(where), self.options.shape[2]), -1, dtype=np.int8)
+        if cols[0] >= 0:  # a share: one option per GPU it fits on
+            options[rows, cols] = score
+        return {"score": score[top], "gpu": cols[top], self.OPTIONS: options}
 
     def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
         """Shape q's entries of the nodes `where`, from their states' results."""
         self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
+        self.options[q, where] = results[self.OPTIONS][ids]
+
+    def read(self, q: int) -> dict[str, np.ndarray]:
+        """Shape q's fields (FIELDS) per node, refreshed, as the pod being decided sees them:
+        with `FleetState.usable` set, a share's options on GPUs it may not take are left out
+        (`_leave_out`); with `FleetState.allowed` set, only the allowed nodes' are current
+        (read the score through `only_allowed`). Read-only: they may be the cache itself."""
+        self.refresh(q)
+        fields = self._fields(q)
+        if self.state.usable is not None:
+            self._leave_out(q, fields)
+        return fields
+
+    def _fields(self, q: int) -> dict[str, np.ndarray]:
+        return {"score": self.score[q], "gpu": self.gpu[q]}
+
+    def _leave_out(self, q: int, fields: dict[str, np.ndarray]) -> np.ndarray:
+        """`fields` of the nodes where the pod may not take a GPU it fits on: the top score
+        over the node's other options and the first GPU that reaches it (-inf and -1: none
+        left), written over copies of the arrays. Returns those nodes."""
+        s = self.state
+        assert s.usable is not None
+        options, usable = self.options[q], s.usable
+        lost = ((options >= 0) & ~usable).any(axis=1) & (fields["score"] > -np.inf)
+        at = np.flatnonzero(lost)
+        if not at.size:
+            return at
+        left = np.where(usable[at], options[at], -1)
+        top = left.max(axis=1)
+        for name in fields:
+            fields[name] = fields[name].copy()
+        fields["score"][at] = np.where(top >= 0, top, -np.inf)
+        fields["gpu"][at] = np.where(top >= 0, (left == top[:, None]).argmax(axis=1), -1)
+        return at
 
     def scores(self, q: int) -> np.ndarray:
-        """The published FGD score per node for shape q (-inf: does not fit), refreshed; with
-        `FleetState.allowed` set, only the allowed nodes' (read it through `only_allowed`)."""
-        self.refresh(q)
-        return self.score[q]
+        """The published FGD score per node for shape q (-inf: does not fit), as `read`."""
+        return self.read(q)["score"]
 
-    def choice(self, n: int, q: int) -> Choice:
-        """Node n with the GPU of the published rule (a share) or its first free GPUs."""
-        gpu = int(self.gpu[q, n])
+    def choice(self, n: int, q: int, gpu: int) -> Choice:
+        """Node n with `gpu` (a share's, as `read` gives it) or else its first free GPUs."""
         return Choice(n, (gpu,) if gpu >= 0 else self.state.bestfit_gpus(n, q))
 
 
@@ -238,14 +288,6 @@ class FgdPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        n = pick_best(state.only_allowed(deltas.scores(q)), state.rank)
-        return None if n is None else deltas.choice(n, q)
-
-    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """The score of each node of `rows` (`choose` takes the highest)."""
-        score = state.only_allowed(FragDeltas.of(state).scores(q))
-        return (score if rows is None else score[rows],)
-
-    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
-        """The GPU a share of shape q takes on each node of `rows` (which it fits)."""
-        return FragDeltas.of(state).gpu[q, rows]
+        kept = deltas.read(q)
+        n = pick_best(state.only_allowed(kept["score"]), state.rank)
+        return None if n is None else deltas.choice(n, q, int(kept["gpu"][n]))

@@ -45,7 +45,9 @@ class _FatesDeltas(FragDeltas):
     of the expected final waste over the node's GPUs for a share of that shape (inf: it fits
     none) and the GPU it takes there (FGD's when it has the least growth, else the first that
     has). Computed with FGD's results, once per node state and pod class, and refreshed with
-    them for the nodes that changed: a decision reads both for the price of one lookup."""
+    them for the nodes that changed: a decision reads both for the price of one lookup. Where
+    the pod may not take some GPUs, the growth is looked up again over the others (three
+    table lookups a GPU, `_leave_out`)."""
 
     FIELDS = {**FragDeltas.FIELDS, "least": np.nan, "least_gpu": -1}
 
@@ -78,17 +80,39 @@ class _FatesDeltas(FragDeltas):
             out["least"], out["least_gpu"] = np.full(len(where), np.inf), out["gpu"]
             return out
         growth = self.fates.growth(s.gpu_free[where], int(s.s_d[q]), s.cpu_free[where] - s.s_cpu[q])
-        least = growth.min(axis=1)
-        at = growth == least[:, None]
-        fgd = out["gpu"]
-        keep_fgd = (fgd >= 0) & at[np.arange(len(where)), np.maximum(fgd, 0)]
-        out["least"], out["least_gpu"] = least, np.where(keep_fgd, fgd, at.argmax(axis=1))
+        out["least"], out["least_gpu"] = _least(growth, out["gpu"])
         return out
 
     def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
         super()._store(q, where, results, ids)
         self.least[q, where] = results["least"][ids]
         self.least_gpu[q, where] = results["least_gpu"][ids]
+
+    def _fields(self, q: int) -> dict[str, np.ndarray]:
+        return {**super()._fields(q), "least": self.least[q], "least_gpu": self.least_gpu[q]}
+
+    def _leave_out(self, q: int, fields: dict[str, np.ndarray]) -> np.ndarray:
+        at = super()._leave_out(q, fields)
+        s = self.state
+        assert s.usable is not None
+        if not at.size:
+            return at
+        if not _by_fates(s, q):
+            fields["least_gpu"][at] = fields["gpu"][at]
+            return at
+        growth = self.fates.growth(s.gpu_free[at], int(s.s_d[q]), s.cpu_free[at] - s.s_cpu[q])
+        least, gpu = _least(np.where(s.usable[at], growth, np.inf), fields["gpu"][at])
+        fields["least"][at], fields["least_gpu"][at] = least, gpu
+        return at
+
+
+def _least(growth: np.ndarray, fgd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node (a row of `growth`, inf where the share does not go), the least growth and its
+    GPU: FGD's GPU `fgd` when it has the least, else the first that has."""
+    least = growth.min(axis=1)
+    at = growth == least[:, None]
+    keep_fgd = (fgd >= 0) & at[np.arange(len(growth)), np.maximum(fgd, 0)]
+    return least, np.where(keep_fgd, fgd, at.argmax(axis=1))
 
 
 class FgdFatesPolicy:
@@ -104,22 +128,12 @@ class FgdFatesPolicy:
     def _fates(self, state: FleetState) -> GapFates:
         return GapFates.of(state, self.calibration_pods)
 
-    def _read(
-        self, state: FleetState, q: int, rows: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(FGD's score, least growth, GPU) of shape q on each node of `rows` (None: every
-        node); the growth is inf where the score is -inf."""
-        deltas = _FatesDeltas.of_fates(state, self._fates(state))
-        score = state.only_allowed(deltas.scores(q))
-        least, gpu = deltas.least[q], deltas.least_gpu[q]
-        if rows is not None:
-            score, least, gpu = score[rows], least[rows], gpu[rows]
-        return score, np.where(score > -np.inf, least, np.inf), gpu
-
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         if not _by_fates(state, q):
             return self._pack.choose(state, q, rng)
-        score, least, gpu = self._read(state, q, None)
+        kept = _FatesDeltas.of_fates(state, self._fates(state)).read(q)
+        score = state.only_allowed(kept["score"])
+        least, gpu = np.where(score > -np.inf, kept["least"], np.inf), kept["least_gpu"]
         top = least.min(initial=np.inf)
         if top == np.inf:
             return None
@@ -131,18 +145,3 @@ class FgdFatesPolicy:
             tied = tied[left == left.min()]
         n = int(tied[np.argmin(state.rank[tied])])
         return Choice(n, (int(gpu[n]),))
-
-    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """For a share: minus the least growth, then FGD's score, then minus the free GPU left
-        (`choose` takes the highest, in that order); any other pod: `fgd-pack`'s keys."""
-        if not _by_fates(state, q):
-            return self._pack.keys(state, q, rows)
-        score, least, _ = self._read(state, q, rows)
-        return (-least, score, -gpu_left(state, q, rows))
-
-    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
-        """The GPU `choose` gives a share on each node of `rows` (which it fits), as of the
-        last `keys` that read those rows (unchanged since, so nothing is refreshed)."""
-        if not _by_fates(state, q):
-            return FragDeltas.of(state).gpu[q, rows]
-        return _FatesDeltas.of_fates(state, self._fates(state)).least_gpu[q, rows]

@@ -69,7 +69,8 @@ class FgdPackPolicy:
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         deltas = FragDeltas.of(state)
-        score = state.only_allowed(deltas.scores(q))
+        kept = deltas.read(q)
+        score = state.only_allowed(kept["score"])
         top = score.max(initial=-np.inf)
         if top == -np.inf:
             return None
@@ -77,21 +78,7 @@ class FgdPackPolicy:
             n = pick_best(score, state.rank)  # FGD as it is
         else:
             n = pick_best(np.where(score == top, -gpu_left(state, q, None), -np.inf), state.rank)
-        return None if n is None else deltas.choice(n, q)
-
-    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """The FGD score, then (for the pods we pack) the least free GPU left: the same node
-        as `choose`, whose second step takes the least left among the nodes of the top score."""
-        score = state.only_allowed(FragDeltas.of(state).scores(q))
-        if rows is not None:
-            score = score[rows]
-        if as_fgd(state, q):
-            return (score,)
-        return (score, -gpu_left(state, q, rows))
-
-    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
-        """FGD's GPU on each node of `rows` (`choose` takes FGD's GPU there too)."""
-        return FragDeltas.of(state).gpu[q, rows]
+        return None if n is None else deltas.choice(n, q, int(kept["gpu"][n]))
 
 
 def as_fgd(state: FleetState, q: int) -> bool:

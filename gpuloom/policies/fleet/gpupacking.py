@@ -32,7 +32,7 @@ def gpupacking_score(state: FleetState, q: int) -> np.ndarray:
         used = np.maximum(MAX_SCORE // 2 - k, MAX_SCORE // 3)
         return np.where(all_idle, score, used)
     # A share takes the least free GPU it fits on: a used one if any fits.
-    used_fit = np.where((free >= d) & (free < WHOLE_GPU), free, WHOLE_GPU + 1).min(axis=1)
+    used_fit = np.where(state.open_gpus(d) & (free < WHOLE_GPU), free, WHOLE_GPU + 1).min(axis=1)
     on_used = used_fit <= WHOLE_GPU - 1
     ratio = used_fit * 100 // WHOLE_GPU
     shared = np.maximum(MAX_SCORE - ratio // 10, MAX_SCORE // 2)

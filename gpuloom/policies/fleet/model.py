@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 
@@ -178,9 +178,13 @@ class FleetState:
         self.t_demand_idx = np.searchsorted(self.t_demands, self.t_d)
         # Tie order: rank[n] (lowest first), as the published simulator's node-name prefixes.
         self.rank = np.arange(n_nodes, dtype=np.int64)
-        # Nodes the pod being decided may use at all (None: every node): a caller's own limits
-        # for one decision (the live adapter's per-GPU memory), applied by `fits` and
-        # `only_allowed`, never by `fits_rows` (what policies cache per node).
+        # A caller's own limits for the pod being decided, beyond what the model knows (the live
+        # adapter's GPU memory and free rectangles), never applied by `fits_rows` (what policies
+        # cache per node): the GPUs it may take (`usable`, [node, GPU]; None: every GPU), read
+        # by `fits`, `open_gpus` and the policies' choice of GPU, and the nodes it may use at
+        # all (`allowed`; None: every node), read by `fits` and `only_allowed`. A GPU it may
+        # not take still counts in its node's state as it is (its free milli, fragmentation).
+        self.usable: np.ndarray | None = None
         self.allowed: np.ndarray | None = None
         # Derived data policies keep for this state (by the policy's key), such as FGD's cache.
         self.memo: dict[str, object] = {}
@@ -223,10 +227,16 @@ class FleetState:
         )
         k = self.s_k[q]
         if k:
-            ok &= (self.gpu_free >= self.s_d[q]).sum(axis=1) >= k
+            ok &= self.open_gpus(int(self.s_d[q])).sum(axis=1) >= k
         if self.allowed is not None:
             ok &= self.allowed
         return ok
+
+    def open_gpus(self, d: int) -> np.ndarray:
+        """Per GPU ([node, GPU]): whether it has `d` milli free and the pod being decided may
+        take it (`usable`)."""
+        room = self.gpu_free >= d
+        return room if self.usable is None else room & self.usable
 
     def only_allowed(self, scores: np.ndarray) -> np.ndarray:
         """`scores` with the nodes the pod may not use at -inf (`allowed`)."""
@@ -246,14 +256,16 @@ class FleetState:
 
     def bestfit_gpus(self, n: int, q: int) -> tuple[int, ...]:
         """The GPUs of node n a pod of shape q takes by default: k fully free GPUs, or for a
-        share the GPU with the least free milli that still fits (packs shares tightly)."""
+        share the GPU with the least free milli that still fits (packs shares tightly); of
+        those it may take (`usable`)."""
         k, d = int(self.s_k[q]), int(self.s_d[q])
         if k == 0:
             return ()
         free = self.gpu_free[n]
+        room = free >= d if self.usable is None else (free >= d) & self.usable[n]
         if d == WHOLE_GPU:
-            return tuple(int(j) for j in np.flatnonzero(free == WHOLE_GPU)[:k])
-        slack = np.where(free >= d, free - d, WHOLE_GPU + 1)
+            return tuple(int(j) for j in np.flatnonzero(room)[:k])
+        slack = np.where(room, free - d, WHOLE_GPU + 1)
         return (int(np.argmin(slack)),)
 
     def commit(self, n: int, q: int, gpus: tuple[int, ...]) -> None:
@@ -309,26 +321,6 @@ class FleetPolicy(Protocol):
     def name(self) -> str: ...
 
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None: ...
-
-
-@runtime_checkable
-class RankedFleetPolicy(FleetPolicy, Protocol):
-    """A fleet policy whose choice is the best node by keys each node has on its own: `choose`
-    takes the node with the highest `keys` (compared in order, most significant first; a first
-    key of -inf: the pod does not go there), ties to the lowest `FleetState.rank`, and a share
-    the GPU `share_gpus` names there. A node's keys and GPU depend on its row only, so a caller
-    that changes a few rows (the live adapter hiding GPUs a job cannot use) re-reads only
-    those rows' keys instead of asking `choose` again."""
-
-    def keys(self, state: FleetState, q: int, rows: np.ndarray | None) -> tuple[np.ndarray, ...]:
-        """The keys of the nodes `rows` (None: every node, in order) for a pod of shape q, one
-        array per key (read-only: they may be the policy's own cache)."""
-        ...
-
-    def share_gpus(self, state: FleetState, q: int, rows: np.ndarray) -> np.ndarray:
-        """For a share (one GPU, less than whole): the GPU `choose` gives it on each node of
-        `rows` (which it fits), as of the last `keys` that read those rows (unchanged since)."""
-        ...
 
 
 def pick_best(scores: np.ndarray, rank: np.ndarray) -> int | None:

@@ -19,5 +19,5 @@ class RandomPolicy:
         n = int(rng.choice(nodes))
         d = int(state.s_d[q])
         if state.s_k[q] and d < WHOLE_GPU:
-            return Choice(n, (int(rng.choice(np.flatnonzero(state.gpu_free[n] >= d))),))
+            return Choice(n, (int(rng.choice(np.flatnonzero(state.open_gpus(d)[n]))),))
         return Choice(n, state.bestfit_gpus(n, q))

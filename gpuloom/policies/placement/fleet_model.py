@@ -36,7 +36,6 @@ clamping above). MIG batch tasks never reach placement policies (mig_batches.py 
 
 from __future__ import annotations
 
-import heapq
 import math
 import weakref
 from collections import Counter, OrderedDict
@@ -51,7 +50,6 @@ from gpuloom.policies.fleet.model import (
     FleetState,
     NodeSpec,
     PodShape,
-    RankedFleetPolicy,
 )
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.placement.context import PlacementContext
@@ -73,7 +71,6 @@ SEED = 0
 # The kept view weighs its workload again at 64, 128, 256, ... decisions, then every 10,000.
 FIRST_WEIGHING = 64
 WORKLOAD_REFRESH = 10_000
-WALK_BATCH = 16  # nodes checked ahead at first when walking a ranked policy's order (doubling)
 # `fgd-fates` measures its gap table on at most this many pods when the view is built or the
 # workload weighed again (0.1-0.3 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
 LIVE_CALIBRATION_PODS = 3_000
@@ -246,6 +243,18 @@ def weighing_due(decisions: int) -> bool:
     return decisions >= FIRST_WEIGHING and decisions & (decisions - 1) == 0
 
 
+def _widest(slot: GpuSlot) -> np.ndarray:
+    """Per height h (at index h - 1): the width of the widest free rectangle of the GPU at
+    least h tall (0: none; an unschedulable GPU has none). A w x h share fits on the GPU when
+    it is at least w: `FreeRects.fits` for every GPU of the fleet at once."""
+    widest = np.zeros(GRID_H, dtype=np.int16)
+    if slot.schedulable:
+        for x0, y0, x1, y1 in slot.free.maximal:
+            tall = widest[: y1 - y0]
+            np.maximum(tall, x1 - x0, out=tall)
+    return widest
+
+
 def _gpu_free_milli(slot: GpuSlot) -> int:
     """A GPU's free share in milli, as the view shows it before any job's own limits."""
     if not slot.schedulable:
@@ -255,38 +264,22 @@ def _gpu_free_milli(slot: GpuSlot) -> int:
     return min(WHOLE_GPU - 1, slot.area_free * WHOLE_GPU // GRID_AREA)
 
 
-@dataclass(frozen=True, slots=True)
-class _Ask:
-    """One decision of the kept view: the job, its shape's index, its per-GPU share (milli) and
-    GPU count, the policy's name, the live fleet."""
-
-    job: JobRequest
-    q: int
-    d: int
-    k: int
-    name: str
-    fleet: Fleet
-    w: int  # the job's rectangle: quota steps by SM percent
-    h: int
-
-
 class _Kept:
     """The view of one live `Fleet`, kept in step with it instead of rebuilt per decision: a
     `FleetState` whose rows are refreshed for the nodes the fleet's journal says were touched
     (`Fleet.touched_since`), so FGD's per-node cache survives from one decision to the next
     and a decision costs what a simulated one does. Per job: a GPU model it names is the fleet
-    model's own model rule; nodes without enough GPUs with its memory free are left out
-    (`FleetState.allowed`, which leaves the rows and the policies' caches as they are); the
-    chosen GPU is checked for its memory and whether the share's rectangle fits (one that
-    fails: that node's GPUs that cannot take the job are hidden for this decision and the
-    policy asked again, until a GPU takes it or no node fits; a ranked policy's order is
-    walked instead, to the same node, `_walk`). Rows changed for a decision are put back with
-    their versions. What it cannot keep (nodes with GPUs of several models, a shared model, a
-    list of nodes) goes the rebuilding way (`decide` answers None)."""
+    model's own model rule; the GPUs without its memory free or without a free rectangle of
+    its shape (`widest`) are ones it may not take (`FleetState.usable`), and the nodes without
+    enough GPUs it may take are left out (`FleetState.allowed`): both leave the rows and the
+    policies' caches as they are (FGD keeps a share's score per GPU and scores the node over
+    the others), and the policy is asked once: the GPU it chooses takes the job. Rows changed
+    for a decision (`_show_near`) are put back with their versions. What it cannot keep
+    (nodes with GPUs of several models, a shared model, a list of nodes) goes the rebuilding
+    way (`decide` answers None)."""
 
     def __init__(self, policy: FleetPolicy, counts_hosted: bool) -> None:
         self.policy = policy
-        self.ranked = policy if isinstance(policy, RankedFleetPolicy) else None
         self.counts_hosted = counts_hosted
         self.state: FleetState | None = None
         self.topology = -1
@@ -295,9 +288,7 @@ class _Kept:
         self.index: dict[PodShape, int] = {}
         self.decisions = 0
         self.mixed = False
-        self.roomy = np.zeros((0, 0), dtype=bool)  # per decision: GPUs with the job's memory free
         self.saved: dict[int, tuple[np.ndarray, int]] = {}  # rows changed for one decision
-        self.slots: dict[str, GpuSlot] = {}  # the fleet's, for the decision
 
     def decide(
         self,
@@ -313,203 +304,43 @@ class _Kept:
             return None
         state = self.state
         assert state is not None
-        ask = _Ask(
-            job,
-            self.index[asked],
-            asked.gpu_milli,
-            asked.num_gpu,
-            name,
-            fleet,
-            job.w,
-            job.sm_percent,
-        )
-        self.slots = fleet.slots
-        self.roomy = self.gpu_mem >= job.memory_bytes
+        q, d, k = self.index[asked], asked.gpu_milli, asked.num_gpu
+        w, h = (GRID_W, GRID_H) if d == WHOLE_GPU else (job.w, job.sm_percent)
+        state.usable = (self.gpu_mem >= job.memory_bytes) & (self.widest[:, :, h - 1] >= w)
         self.saved = {}
         try:
             # For this decision only: a GPU one milli short (free area rounds down, the share
-            # up) whose rectangles fit the job shows the share; the nodes without enough GPUs
-            # that have the job's memory free are not allowed (rows changed for the decision
-            # are put back with their versions after it, so the policies' caches hold).
-            if ask.d < WHOLE_GPU:
-                self._show_near(ask)
-            state.allowed = ((state.gpu_free >= ask.d) & self.roomy).sum(axis=1) >= ask.k
-            if ask.d == WHOLE_GPU:
-                choice = self.policy.choose(state, ask.q, rng)
-                if choice is None:
-                    return Unplaceable(job.job_id, "")
-                i = choice.node
-                cols = np.flatnonzero((state.gpu_free[i] == WHOLE_GPU) & self.roomy[i])[: ask.k]
-                gpus = [self.gpu_ids[i][j] for j in cols]
+            # up) that the job may take shows the share (rows changed for the decision are put
+            # back with their versions after it, so the policies' caches hold).
+            if d < WHOLE_GPU:
+                self._show_near(d)
+            state.allowed = state.open_gpus(d).sum(axis=1) >= k
+            choice = self.policy.choose(state, q, rng)
+            if choice is None:
+                return Unplaceable(job.job_id, "")
+            node, ids = self.nodes[choice.node], self.gpu_ids[choice.node]
+            gpus = [ids[j] for j in choice.gpus]
+            if d == WHOLE_GPU:
                 whole = Rect(0, 0, GRID_W, GRID_H)
-                return Placement(job.job_id, gpus[0], self.nodes[i], whole, name, tuple(gpus[1:]))
-            if self.ranked is not None:
-                return self._walk(self.ranked, ask)
-            return self._ask(ask, rng)
+                return Placement(job.job_id, gpus[0], node, whole, name, tuple(gpus[1:]))
+            box = fleet.slot(gpus[0]).free.best_fit(w, h)
+            assert box is not None  # a GPU the job may take has a rectangle of its shape
+            return Placement(job.job_id, gpus[0], node, Rect(box[0], box[1], w, h), name)
         finally:
-            state.allowed = None
+            state.usable = state.allowed = None
             for i, (row, version) in self.saved.items():
                 state.gpu_free[i] = row
                 state.version[i] = version
 
-    def _ask(self, ask: _Ask, rng: np.random.Generator) -> Placement | Unplaceable:
-        """A share: ask the policy; while the GPU it chooses cannot take the job (too little
-        memory, or no free rectangle of the job's shape), hide that node's GPUs that cannot
-        and ask again."""
+    def _show_near(self, d: int) -> None:
         state = self.state
-        assert state is not None
-        while True:
-            choice = self.policy.choose(state, ask.q, rng)
-            if choice is None:
-                return Unplaceable(ask.job.job_id, "")
-            placed = self._place_share(ask, choice.node, choice.gpus[0])
-            if placed is not None:
-                return placed
-            self._hide(self.policy, ask, [(choice.node, choice.gpus[0])])
-
-    def _walk(self, policy: RankedFleetPolicy, ask: _Ask) -> Placement | Unplaceable:
-        """`_ask`'s decision, for a policy that ranks nodes by their own keys: the nodes in
-        the policy's order, each node whose GPU fails hidden and put back in the order with
-        its keys read again (what `_ask` would choose next), without asking again. The
-        nodes' GPUs are checked, hidden and re-read in batches of growing size ahead of the
-        walk: a node's keys are its own, so hiding one the walk has not reached changes
-        nothing it reads before it."""
-        state = self.state
-        assert state is not None
-        keys = policy.keys(state, ask.q, None)
-        order = np.flatnonzero(keys[0] > -np.inf)
-        rank = state.rank
-        order = order[np.lexsort((rank[order], *(-key[order] for key in reversed(keys))))]
-        again: list[tuple[tuple[float, ...], int, int]] = []  # hidden nodes, read again
-        pos, batch = 0, WALK_BATCH
-        while pos < len(order):
-            ahead = order[pos : pos + batch]
-            pos += len(ahead)
-            batch *= 2
-            gpus = policy.share_gpus(state, ask.q, ahead)
-            fits = self.roomy[ahead, gpus].tolist()
-            gpus = gpus.tolist()
-            # Checked up to the first node that takes the job: the walk ends there (or at a
-            # hidden node read again before it), so the nodes after it stay as they are.
-            reached = len(ahead)
-            for n, (i, j) in enumerate(zip(ahead.tolist(), gpus, strict=True)):
-                fits[n] = fits[n] and self._fits(ask, i, j)
-                if fits[n]:
-                    reached = n + 1
-                    break
-            ahead, gpus, fits = ahead[:reached], gpus[:reached], fits[:reached]
-            negated = zip(*((-key[ahead]).tolist() for key in keys), strict=True)
-            entries = list(zip(negated, rank[ahead].tolist(), ahead.tolist(), strict=True))
-            failed = [(e[2], j) for e, j, ok in zip(entries, gpus, fits, strict=True) if not ok]
-            read = self._hide(policy, ask, failed)
-            for entry, j, ok in zip(entries, gpus, fits, strict=True):
-                while again and again[0] < entry:
-                    placed = self._take_again(policy, ask, again)
-                    if placed is not None:
-                        return placed
-                if ok:
-                    placed = self._place_share(ask, entry[2], j)
-                    assert placed is not None  # it has the memory and a rectangle
-                    return placed
-                if read[entry[2]] is not None:
-                    heapq.heappush(again, read[entry[2]])
-        while again:
-            placed = self._take_again(policy, ask, again)
-            if placed is not None:
-                return placed
-        return Unplaceable(ask.job.job_id, "")
-
-    def _take_again(
-        self, policy: RankedFleetPolicy, ask: _Ask, again: list[tuple[tuple[float, ...], int, int]]
-    ) -> Placement | None:
-        """The best of the hidden nodes: placed there, or (should its GPU still fail) hidden
-        further and put back."""
-        state = self.state
-        assert state is not None
-        _, _, i = heapq.heappop(again)
-        j = int(policy.share_gpus(state, ask.q, np.array([i]))[0])
-        placed = self._place_share(ask, i, j)
-        if placed is None:
-            entry = self._hide(policy, ask, [(i, j)])[i]
-            if entry is not None:
-                heapq.heappush(again, entry)
-        return placed
-
-    def _show_near(self, ask: _Ask) -> None:
-        state = self.state
-        assert state is not None
-        # The few GPUs one milli short first, then their memory (cheaper than a mask of all).
-        near = np.flatnonzero(state.gpu_free.ravel() == ask.d - 1)
-        near = near[self.roomy.ravel()[near]]
-        changed: set[int] = set()
-        for i, j in zip(*np.divmod(near, state.gpu_free.shape[1]), strict=True):
-            slot = ask.fleet.slot(self.gpu_ids[i][j])
-            if slot.schedulable and slot.free.fits(ask.w, ask.h):
-                self._save(int(i))
-                state.gpu_free[i, j] = ask.d
-                changed.add(int(i))
-        for i in changed:
-            state.touch(i)
-
-    def _save(self, i: int) -> None:
-        state = self.state
-        assert state is not None
-        if i not in self.saved:
+        assert state is not None and state.usable is not None
+        near = np.flatnonzero((state.gpu_free == d - 1) & state.usable)
+        for i in np.unique(near // state.gpu_free.shape[1]).tolist():
             self.saved[i] = (state.gpu_free[i].copy(), int(state.version[i]))
-
-    def _fits(self, ask: _Ask, i: int, j: int) -> bool:
-        """Whether GPU j of node i has a free rectangle of the job's shape."""
-        return self.slots[self.gpu_ids[i][j]].free.fits(ask.w, ask.h)
-
-    def _place_share(self, ask: _Ask, i: int, j: int) -> Placement | None:
-        if not self.roomy[i, j]:
-            return None
-        gpu_id = self.gpu_ids[i][j]
-        box = self.slots[gpu_id].free.best_fit(ask.w, ask.h)
-        if box is None:
-            return None
-        rect = Rect(box[0], box[1], ask.w, ask.h)
-        return Placement(ask.job.job_id, gpu_id, self.nodes[i], rect, ask.name)
-
-    def _hide(
-        self, policy: FleetPolicy, ask: _Ask, failed: list[tuple[int, int]]
-    ) -> dict[int, tuple[tuple[float, ...], int, int] | None]:
-        """For this decision: every GPU of each node i of `failed` (with the GPU j that was
-        chosen there and cannot take the job) that cannot take the job shows less than its
-        share, and whether node i is allowed is read again. A ranked policy's walk entries of
-        those nodes, read again (None: the job no longer goes there)."""
-        state = self.state
-        assert state is not None and state.allowed is not None
-        if not failed:
-            return {}
-        rows = np.array([i for i, _ in failed], dtype=np.int64)
-        free = state.gpu_free[rows]
-        versions = state.version[rows].tolist()
-        saved = self.saved
-        for r, i in enumerate(rows.tolist()):
-            if i not in saved:
-                saved[i] = (free[r].copy(), versions[r])
-        room = self.roomy[rows]
-        open_ = free >= ask.d
-        hide = open_ & ~room
-        hide[np.arange(len(rows)), [j for _, j in failed]] = True
-        ids = self.gpu_ids
-        slots = self.slots
-        for r, jj in zip(*np.nonzero(open_ & ~hide), strict=True):
-            if not slots[ids[failed[r][0]][jj]].free.fits(ask.w, ask.h):
-                hide[r, jj] = True
-        free = np.where(hide, np.minimum(free, ask.d - 1), free)
-        state.gpu_free[rows] = free
-        state.touch_rows(rows)
-        state.allowed[rows] = ((free >= ask.d) & room).sum(axis=1) >= ask.k
-        if policy is not self.ranked or self.ranked is None:
-            return {}
-        keys = self.ranked.keys(state, ask.q, rows)
-        negated = zip(*((-key).tolist() for key in keys), strict=True)
-        return {
-            i: (neg, r, i) if neg[0] < np.inf else None
-            for neg, r, i in zip(negated, state.rank[rows].tolist(), rows.tolist(), strict=True)
-        }
+        state.gpu_free.ravel()[near] = d
+        for i in self.saved:
+            state.touch(i)
 
     # ---- keeping the view ----
 
@@ -577,6 +408,7 @@ class _Kept:
         self.node_index = {name: i for i, name in enumerate(self.nodes)}
         self.gpu_ids = [tuple(n.gpu_ids) for n in nodes]
         self.gpu_mem = np.zeros(self.state.gpu_free.shape, dtype=np.int64)
+        self.widest = np.zeros((*self.state.gpu_free.shape, GRID_H), dtype=np.int16)
         for i in range(len(nodes)):
             self._refresh_row(fleet, i)
         return True
@@ -593,6 +425,8 @@ class _Kept:
         free = [_gpu_free_milli(slots[g]) for g in ids]
         mem = [slots[g].memory_free if slots[g].schedulable else 0 for g in ids]
         cpu, host = node.cpu_free, node.memory_free // MIB
+        for j, g in enumerate(ids):  # always: the same free area may lie elsewhere now
+            self.widest[i, j] = _widest(slots[g])
         row = state.gpu_free[i, : len(ids)]
         if (
             state.cpu_free[i] == cpu
