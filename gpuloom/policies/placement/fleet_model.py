@@ -54,6 +54,7 @@ from gpuloom.policies.fleet.model import (
 from gpuloom.policies.fleet.registry import POLICIES as FLEET_POLICIES
 from gpuloom.policies.placement.context import PlacementContext
 from gpuloom.policies.placement.fleet import Fleet, GpuSlot
+from gpuloom.policies.placement.maxrects import Box
 from gpuloom.policies.placement.model import (
     GRID_AREA,
     GRID_H,
@@ -243,15 +244,19 @@ def weighing_due(decisions: int) -> bool:
     return decisions >= FIRST_WEIGHING and decisions & (decisions - 1) == 0
 
 
-def _widest(slot: GpuSlot) -> np.ndarray:
-    """Per height h (at index h - 1): the width of the widest free rectangle of the GPU at
-    least h tall (0: none; an unschedulable GPU has none). A w x h share fits on the GPU when
-    it is at least w: `FreeRects.fits` for every GPU of the fleet at once."""
+def _free_boxes(slot: GpuSlot) -> tuple[Box, ...]:
+    """The GPU's maximal free rectangles as a job may take them (none: unschedulable)."""
+    return tuple(slot.free.maximal) if slot.schedulable else ()
+
+
+def _widest(boxes: tuple[Box, ...]) -> np.ndarray:
+    """Per height h (at index h - 1): the width of the widest of the free rectangles `boxes`
+    at least h tall (0: none). A w x h share fits on the GPU when it is at least w:
+    `FreeRects.fits` for every GPU of the fleet at once."""
     widest = np.zeros(GRID_H, dtype=np.int16)
-    if slot.schedulable:
-        for x0, y0, x1, y1 in slot.free.maximal:
-            tall = widest[: y1 - y0]
-            np.maximum(tall, x1 - x0, out=tall)
+    for x0, y0, x1, y1 in boxes:
+        tall = widest[: y1 - y0]
+        np.maximum(tall, x1 - x0, out=tall)
     return widest
 
 
@@ -306,7 +311,7 @@ class _Kept:
         assert state is not None
         q, d, k = self.index[asked], asked.gpu_milli, asked.num_gpu
         w, h = (GRID_W, GRID_H) if d == WHOLE_GPU else (job.w, job.sm_percent)
-        state.usable = (self.gpu_mem >= job.memory_bytes) & (self.widest[:, :, h - 1] >= w)
+        state.usable = (self.gpu_mem >= job.memory_bytes) & (self.widest[h - 1] >= w)
         self.saved = {}
         try:
             # For this decision only: a GPU one milli short (free area rounds down, the share
@@ -408,7 +413,9 @@ class _Kept:
         self.node_index = {name: i for i, name in enumerate(self.nodes)}
         self.gpu_ids = [tuple(n.gpu_ids) for n in nodes]
         self.gpu_mem = np.zeros(self.state.gpu_free.shape, dtype=np.int64)
-        self.widest = np.zeros((*self.state.gpu_free.shape, GRID_H), dtype=np.int16)
+        # Per height, node and GPU (a decision reads one height); each GPU's boxes as last read.
+        self.widest = np.zeros((GRID_H, *self.state.gpu_free.shape), dtype=np.int16)
+        self.boxes: list[list[tuple[Box, ...] | None]] = [[None] * len(n.gpu_ids) for n in nodes]
         for i in range(len(nodes)):
             self._refresh_row(fleet, i)
         return True
@@ -425,8 +432,11 @@ class _Kept:
         free = [_gpu_free_milli(slots[g]) for g in ids]
         mem = [slots[g].memory_free if slots[g].schedulable else 0 for g in ids]
         cpu, host = node.cpu_free, node.memory_free // MIB
-        for j, g in enumerate(ids):  # always: the same free area may lie elsewhere now
-            self.widest[i, j] = _widest(slots[g])
+        for j, g in enumerate(ids):  # by the boxes: the same free area may lie elsewhere now
+            boxes = _free_boxes(slots[g])
+            if boxes != self.boxes[i][j]:
+                self.boxes[i][j] = boxes
+                self.widest[:, i, j] = _widest(boxes)
         row = state.gpu_free[i, : len(ids)]
         if (
             state.cpu_free[i] == cpu

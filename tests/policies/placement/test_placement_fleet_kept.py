@@ -14,6 +14,7 @@ from gpuloom.policies.placement import Placement, fleet_model, get_policy
 from gpuloom.policies.placement.fleet_model import (
     MIB,
     FleetModelPolicy,
+    _free_boxes,
     _gpu_free_milli,
     _widest,
 )
@@ -75,7 +76,7 @@ def assert_kept_equals_fresh(policy: FleetModelPolicy, fleet) -> None:
         assert state.mem_free[i] == node.memory_free // MIB
         for j, gpu_id in enumerate(kept.gpu_ids[i]):
             assert state.gpu_free[i, j] == _gpu_free_milli(fleet.slot(gpu_id))
-            assert (kept.widest[i, j] == _widest(fleet.slot(gpu_id))).all()
+            assert (kept.widest[:, i, j] == _widest(_free_boxes(fleet.slot(gpu_id)))).all()
 
 
 @settings(max_examples=25, deadline=None)
