@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpuloom.policies.fleet import gap_fates
-from gpuloom.policies.fleet.fgd import FgdPolicy, fgd_score
-from gpuloom.policies.fleet.fgd_fates import FgdFatesPolicy
+from gpuloom.policies.fleet.fgd import FgdPolicy, FragDeltas, fgd_score
+from gpuloom.policies.fleet.fgd_fates import FgdFatesPolicy, _LeastGrowth
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy
 from gpuloom.policies.fleet.frag import frag_moves
 from gpuloom.policies.fleet.gap_fates import MIN_SAMPLES, GapFates, calibrate
@@ -216,7 +216,8 @@ def test_a_workload_fgd_pack_places_as_fgd_is_placed_as_fgd_without_a_table() ->
 def test_gpus_a_share_may_not_take_are_left_out_of_its_scores(seed: int, fates: bool) -> None:
     # The live adapter marks the GPUs a job may not take (`FleetState.usable`): each node is
     # then scored over its other GPUs, its fragmentation as it is. Against the options computed
-    # afresh: FGD's top score and first GPU reaching it, the least growth and its GPU.
+    # afresh: FGD's top score and first GPU reaching it (read for every node or a few), the
+    # least growth, and the GPU chosen.
     nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
     workload = Workload.of([share(230), share(320), share(470), share(650), WHOLE] * 2)
     rng = np.random.default_rng(seed)
@@ -227,34 +228,38 @@ def test_gpus_a_share_may_not_take_are_left_out_of_its_scores(seed: int, fates: 
         if choice is not None:
             state.commit(choice.node, q, choice.gpus)
     usable = rng.random(state.gpu_free.shape) < 0.5
+    every = np.arange(len(nodes))
     for q in range(4):  # the shares
         state.usable = None
-        policy.choose(state, q, rng)  # the cache as it is without the limits
-        deltas = state.memo["frag_deltas"]
+        policy.choose(state, q, rng)  # the caches as they are without the limits
         state.usable = usable
-        kept = deltas.read(q)
-        rows, cols, after, before = frag_moves(state, q, np.arange(len(nodes)))
+        kept = FragDeltas.of(state).read(q)
+        rows, cols, after, before = frag_moves(state, q, every)
         options = np.full(state.gpu_free.shape, -np.inf)
         options[rows, cols] = fgd_score(before[rows], after)
-        fits = state.fits_rows(q, np.arange(len(nodes)))
+        fits = state.fits_rows(q, every)
         left = np.where(usable & fits[:, None], options, -np.inf)
         top = left.max(axis=1)
         assert kept["score"].tolist() == top.tolist()
         placed = top > -np.inf
         assert (kept["gpu"][placed] == (left == top[:, None]).argmax(axis=1)[placed]).all()
+        some = every[rng.random(len(nodes)) < 0.5]
+        assert FragDeltas.of(state).read(q, some)["score"].tolist() == top[some].tolist()
         choice = policy.choose(state, q, rng)
         assert (choice is None) == (not placed.any())
-        if choice is not None:
-            assert usable[choice.node, choice.gpus[0]]
+        if choice is None:
+            continue
+        assert usable[choice.node, choice.gpus[0]]
         if fates:
             growth = GapFates.of(state, policy.calibration_pods).growth(
                 state.gpu_free, int(state.s_d[q]), state.cpu_free - state.s_cpu[q]
             )
-            growth = np.where(usable, growth, np.inf)
+            growth = np.where(usable & fits[:, None], growth, np.inf)
             least = growth.min(axis=1)
-            assert kept["least"][placed].tolist() == least[placed].tolist()
-            gpu = kept["least_gpu"][placed]
-            assert (growth[placed, gpu] == least[placed]).all()
+            kept_least = _LeastGrowth.of(state, policy._fates(state)).read(q)
+            assert kept_least.tolist() == least.tolist()
+            assert least[choice.node] == least.min()
+            assert growth[choice.node, choice.gpus[0]] == least[choice.node]
     state.usable = None
 
 
@@ -270,17 +275,20 @@ def test_live_placement_measures_the_table_on_the_smaller_budget() -> None:
     assert LIVE_CALIBRATION_PODS < gap_fates.CALIBRATION_PODS
 
 
-def test_the_least_growth_kept_per_node_state_equals_one_computed_afresh() -> None:
+def test_the_kept_least_growth_and_scores_equal_ones_computed_afresh() -> None:
     # Placements, releases, a row changed and GPUs left out for one decision (as the live
-    # adapter does), and node states forgotten and renumbered past a (small) limit: the kept
-    # score, least growth and GPUs of every share on every node equal a fresh computation.
+    # adapter does), FGD read for a few nodes at a time, and node states forgotten and
+    # renumbered past a (small) limit: the kept least growth and FGD's score and GPU of every
+    # share on every node equal a fresh computation throughout.
     nodes = [node(f"n{i}", g) for i, g in enumerate([4, 2, 2, 1, 8])]
     workload = Workload.of([share(230), share(320), share(470), share(810), WHOLE] * 2)
     rng = np.random.default_rng(7)
     state = FleetState(nodes, workload.shapes, workload.weights)
     policy = FgdFatesPolicy()
     policy.choose(state, 0, rng)
-    kept_deltas = state.memo["frag_deltas"]
+    fates = policy._fates(state)
+    kept_growth = _LeastGrowth.of(state, fates)
+    kept_deltas = FragDeltas.of(state)
     kept_deltas._states.limit = 12
     renumbered = 0
     placed = []
@@ -305,15 +313,14 @@ def test_the_least_growth_kept_per_node_state_equals_one_computed_afresh() -> No
         for shape in range(len(workload.shapes)):
             if int(state.s_d[shape]) == WHOLE_GPU:
                 continue
-            kept = {k: v.copy() for k, v in kept_deltas.read(shape).items()}
-            state.memo.pop("frag_deltas")
-            policy.choose(state, shape, rng)
-            fresh = state.memo["frag_deltas"].read(shape)
-            state.memo["frag_deltas"] = kept_deltas
+            assert (
+                kept_growth.read(shape).tolist() == _LeastGrowth(state, fates).read(shape).tolist()
+            )
+            kept = kept_deltas.read(shape)
+            fresh = FragDeltas(state).read(shape)
             fits = fresh["score"] > -np.inf
             assert kept["score"].tolist() == fresh["score"].tolist()
-            for name in ("least", "gpu", "least_gpu"):
-                assert kept[name][fits].tolist() == fresh[name][fits].tolist(), name
+            assert kept["gpu"][fits].tolist() == fresh["gpu"][fits].tolist()
         renumbered += len(kept_deltas._states.ids) < known
-    assert state.memo["frag_deltas"] is kept_deltas
+    assert state.memo["frag_deltas"] is kept_deltas and state.memo["least_growth"] is kept_growth
     assert renumbered  # the limit was reached and states were forgotten

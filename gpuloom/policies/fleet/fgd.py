@@ -142,10 +142,8 @@ class FragDeltas:
     and its GPU for a share, and a share's score on each GPU (`options`). Behind that cache,
     results are kept per node state (`_NodeStates`) and pod class (CPU, GPU count, GPU milli:
     what the results depend on; a shape's memory and GPU models only decide where it fits),
-    so nodes alike, or a node back in a state it was in, cost nothing to score. A subclass may
-    keep more results that depend only on the node state and pod class (`FIELDS`, `_compute`,
-    `_store`, and `_leave_out` for how a GPU the pod may not take changes them): they are
-    then looked up and refreshed with FGD's, at no extra lookup. Read them with `read`."""
+    so nodes alike, or a node back in a state it was in, cost nothing to score. Read them
+    with `read`."""
 
     # Per node state and pod class: the fields `_compute` gives (NaN in the first: not yet),
     # and with them OPTIONS: a share's score on each GPU (-1: it does not fit there).
@@ -184,12 +182,15 @@ class FragDeltas:
         self.options = pad_rows(self.options, more, -1)
         self.version = pad_rows(self.version, more, -1)
 
-    def refresh(self, q: int) -> None:
-        """Recompute shape q's column for the nodes that changed since it was last read (of
-        those `FleetState.allowed` allows, when it is set): a lookup by node state, computed
-        only for states this pod class has not met."""
+    def refresh(self, q: int, rows: np.ndarray | None = None) -> None:
+        """Recompute shape q's column for the nodes (of `rows`; None: every node) that changed
+        since it was last read (of those `FleetState.allowed` allows, when it is set): a
+        lookup by node state, computed only for states this pod class has not met."""
         s = self.state
-        stale = np.flatnonzero(self.version[q] != s.version)
+        if rows is None:
+            stale = np.flatnonzero(self.version[q] != s.version)
+        else:
+            stale = rows[self.version[q, rows] != s.version[rows]]
         if s.allowed is not None:  # the others read -inf (`only_allowed`): left for later
             stale = stale[s.allowed[stale]]
         if not stale.size:
@@ -241,38 +242,29 @@ class FragDeltas:
         self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
         self.options[q, where] = results[self.OPTIONS][ids]
 
-    def read(self, q: int) -> dict[str, np.ndarray]:
-        """Shape q's fields (FIELDS) per node, refreshed, as the pod being decided sees them:
-        with `FleetState.usable` set, a share's options on GPUs it may not take are left out
-        (`_leave_out`); with `FleetState.allowed` set, only the allowed nodes' are current
-        (read the score through `only_allowed`). Read-only: they may be the cache itself."""
-        self.refresh(q)
-        fields = self._fields(q)
-        if self.state.usable is not None:
-            self._leave_out(q, fields)
-        return fields
-
-    def _fields(self, q: int) -> dict[str, np.ndarray]:
-        return {"score": self.score[q], "gpu": self.gpu[q]}
-
-    def _leave_out(self, q: int, fields: dict[str, np.ndarray]) -> np.ndarray:
-        """`fields` of the nodes where the pod may not take a GPU it fits on: the top score
-        over the node's other options and the first GPU that reaches it (-inf and -1: none
-        left), written over copies of the arrays. Returns those nodes."""
-        s = self.state
-        assert s.usable is not None
-        options, usable = self.options[q], s.usable
-        lost = ((options >= 0) & ~usable).any(axis=1) & (fields["score"] > -np.inf)
-        at = np.flatnonzero(lost)
-        if not at.size:
-            return at
-        left = np.where(usable[at], options[at], -1)
-        top = left.max(axis=1)
-        for name in fields:
-            fields[name] = fields[name].copy()
-        fields["score"][at] = np.where(top >= 0, top, -np.inf)
-        fields["gpu"][at] = np.where(top >= 0, (left == top[:, None]).argmax(axis=1), -1)
-        return at
+    def read(self, q: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Shape q's score and GPU on the nodes `rows` (None: every node), refreshed, as the
+        pod being decided sees them: with `FleetState.usable` set, a share's options on GPUs
+        it may not take are left out (the top score over the node's other options and the
+        first GPU that reaches it; -inf and -1: none left); with `FleetState.allowed` set,
+        only the allowed nodes' are current (read the score through `only_allowed`).
+        Read-only: they may be the cache itself."""
+        self.refresh(q, rows)
+        if rows is None:
+            score, gpu, options = self.score[q], self.gpu[q], self.options[q]
+            usable = self.state.usable
+        else:
+            score, gpu, options = self.score[q, rows], self.gpu[q, rows], self.options[q, rows]
+            usable = None if self.state.usable is None else self.state.usable[rows]
+        if usable is not None:
+            at = np.flatnonzero(((options >= 0) & ~usable).any(axis=1) & (score > -np.inf))
+            if at.size:
+                left = np.where(usable[at], options[at], -1)
+                top = left.max(axis=1)
+                score, gpu = score.copy(), gpu.copy()
+                score[at] = np.where(top >= 0, top, -np.inf)
+                gpu[at] = np.where(top >= 0, (left == top[:, None]).argmax(axis=1), -1)
+        return {"score": score, "gpu": gpu}
 
     def scores(self, q: int) -> np.ndarray:
         """The published FGD score per node for shape q (-inf: does not fit), as `read`."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpuloom.policies.fleet.fgd import ByState, FragDeltas, pad_rows
+from gpuloom.policies.fleet.fgd import FragDeltas, pad_rows
 from gpuloom.policies.fleet.fgd_pack import FgdPackPolicy, as_fgd, gpu_left
 from gpuloom.policies.fleet.gap_fates import CALIBRATION_PODS, GapFates
 from gpuloom.policies.fleet.model import WHOLE_GPU, Choice, FleetState
@@ -40,70 +40,63 @@ def _by_fates(state: FleetState, q: int) -> bool:
     return int(state.s_k[q]) == 1 and int(state.s_d[q]) < WHOLE_GPU and not as_fgd(state, q)
 
 
-class _FatesDeltas(FragDeltas):
-    """FGD's scores and GPUs (`FragDeltas`) and with them, per (shape, node), the least growth
-    of the expected final waste over the node's GPUs for a share of that shape (inf: it fits
-    none) and the GPU it takes there (FGD's when it has the least growth, else the first that
-    has). Computed with FGD's results, once per node state and pod class, and refreshed with
-    them for the nodes that changed: a decision reads both for the price of one lookup. Where
-    the pod may not take some GPUs, the growth is looked up again over the others (three
-    table lookups a GPU, `_leave_out`)."""
-
-    FIELDS = {**FragDeltas.FIELDS, "least": np.nan, "least_gpu": -1}
+class _LeastGrowth:
+    """Per (shape, node): the least growth of the expected final waste over the node's GPUs
+    for a share of that shape (inf: it fits none), refreshed for the nodes that changed since
+    the shape was last read (three table lookups a GPU: cheaper than keeping it by node
+    state). FGD's score, the first tie-break, is read only for the nodes of the least growth
+    (`FragDeltas.read` of those rows), so most nodes are never weighed over FGD's workload."""
 
     def __init__(self, state: FleetState, fates: GapFates) -> None:
-        super().__init__(state)
+        self.state = state
         self.fates = fates
-        self.least = np.full(self.score.shape, np.inf)
-        self.least_gpu = np.full(self.score.shape, -1, dtype=np.int64)
+        self.least = np.full((len(state.shapes), len(state.nodes)), np.inf)
+        self.version = np.full(self.least.shape, -1, dtype=np.int64)
 
     @classmethod
-    def of_fates(cls, state: FleetState, fates: GapFates) -> _FatesDeltas:
-        """The state's deltas, made (in place of FGD's own) when they do not yet keep this
-        table's least growth."""
-        deltas = state.memo.get("frag_deltas")
-        if not isinstance(deltas, cls) or deltas.fates is not fates:
-            state.memo["frag_deltas"] = cls(state, fates)
-        deltas = FragDeltas.of(state)  # grown to the shapes added since
-        assert isinstance(deltas, cls)
-        return deltas
+    def of(cls, state: FleetState, fates: GapFates) -> _LeastGrowth:
+        kept = state.memo.get("least_growth")
+        if not isinstance(kept, cls) or kept.fates is not fates:
+            kept = state.memo["least_growth"] = cls(state, fates)
+        elif kept.least.shape[0] < len(state.shapes):  # shapes added since (add_shape)
+            more = max(len(state.shapes) - kept.least.shape[0], kept.least.shape[0])
+            kept.least = pad_rows(kept.least, more, np.inf)
+            kept.version = pad_rows(kept.version, more, -1)
+        return kept
 
-    def _grow(self, more: int) -> None:
-        super()._grow(more)
-        self.least = pad_rows(self.least, more, np.inf)
-        self.least_gpu = pad_rows(self.least_gpu, more, -1)
-
-    def _compute(self, q: int, where: np.ndarray) -> dict[str, np.ndarray]:
-        out = super()._compute(q, where)
+    def growth(self, q: int, rows: np.ndarray) -> np.ndarray:
+        """The growth of a share of shape q on each GPU of the nodes `rows` (inf where it
+        does not fit the GPU, or the pod may not take it: `FleetState.usable`)."""
         s = self.state
-        if not _by_fates(s, q):
-            out["least"], out["least_gpu"] = np.full(len(where), np.inf), out["gpu"]
-            return out
-        growth = self.fates.growth(s.gpu_free[where], int(s.s_d[q]), s.cpu_free[where] - s.s_cpu[q])
-        out["least"], out["least_gpu"] = _least(growth, out["gpu"])
-        return out
+        d, cpu_left = int(s.s_d[q]), s.cpu_free[rows] - s.s_cpu[q]
+        growth = self.fates.growth(s.gpu_free[rows], d, cpu_left)
+        return growth if s.usable is None else np.where(s.usable[rows], growth, np.inf)
 
-    def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
-        super()._store(q, where, results, ids)
-        self.least[q, where] = results["least"][ids]
-        self.least_gpu[q, where] = results["least_gpu"][ids]
-
-    def _fields(self, q: int) -> dict[str, np.ndarray]:
-        return {**super()._fields(q), "least": self.least[q], "least_gpu": self.least_gpu[q]}
-
-    def _leave_out(self, q: int, fields: dict[str, np.ndarray]) -> np.ndarray:
-        at = super()._leave_out(q, fields)
+    def read(self, q: int) -> np.ndarray:
+        """The least growth per node for shape q (inf: the pod does not go there), as the pod
+        being decided sees it (`FleetState.usable` and `allowed`)."""
         s = self.state
-        assert s.usable is not None
-        if not at.size:
-            return at
-        if not _by_fates(s, q):
-            fields["least_gpu"][at] = fields["gpu"][at]
-            return at
-        growth = self.fates.growth(s.gpu_free[at], int(s.s_d[q]), s.cpu_free[at] - s.s_cpu[q])
-        least, gpu = _least(np.where(s.usable[at], growth, np.inf), fields["gpu"][at])
-        fields["least"][at], fields["least_gpu"][at] = least, gpu
-        return at
+        stale = np.flatnonzero(self.version[q] != s.version)
+        if s.allowed is not None:  # the others read inf: left for later
+            stale = stale[s.allowed[stale]]
+        if stale.size:
+            self.version[q, stale] = s.version[stale]
+            fits = s.fits_rows(q, stale)
+            self.least[q, stale[~fits]] = np.inf
+            where = stale[fits]
+            if where.size:
+                saved, s.usable = s.usable, None  # kept as the node is, whatever the pod
+                self.least[q, where] = self.growth(q, where).min(axis=1)
+                s.usable = saved
+        least = self.least[q]
+        if s.usable is not None:
+            # Nodes with a GPU the share fits on but may not take: over the others.
+            lost = (least < np.inf) & ((s.gpu_free >= s.s_d[q]) & ~s.usable).any(axis=1)
+            at = np.flatnonzero(lost)
+            if at.size:
+                least = least.copy()
+                least[at] = self.growth(q, at).min(axis=1)
+        return least if s.allowed is None else np.where(s.allowed, least, np.inf)
 
 
 def _least(growth: np.ndarray, fgd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -131,17 +124,22 @@ class FgdFatesPolicy:
     def choose(self, state: FleetState, q: int, rng: np.random.Generator) -> Choice | None:
         if not _by_fates(state, q):
             return self._pack.choose(state, q, rng)
-        kept = _FatesDeltas.of_fates(state, self._fates(state)).read(q)
-        score = state.only_allowed(kept["score"])
-        least, gpu = np.where(score > -np.inf, kept["least"], np.inf), kept["least_gpu"]
+        kept = _LeastGrowth.of(state, self._fates(state))
+        least = kept.read(q)
         top = least.min(initial=np.inf)
         if top == np.inf:
             return None
         tied = np.flatnonzero(least == top)
+        fgd = FragDeltas.of(state).read(q, tied)
+        score, fgd_gpu = fgd["score"], fgd["gpu"]
         if len(tied) > 1:
-            tied = tied[score[tied] == score[tied].max()]
+            best = score == score.max()
+            tied, fgd_gpu = tied[best], fgd_gpu[best]
         if len(tied) > 1:
             left = gpu_left(state, q, tied)
-            tied = tied[left == left.min()]
-        n = int(tied[np.argmin(state.rank[tied])])
-        return Choice(n, (int(gpu[n]),))
+            best = left == left.min()
+            tied, fgd_gpu = tied[best], fgd_gpu[best]
+        at = int(np.argmin(state.rank[tied]))
+        n = int(tied[at])
+        _, gpu = _least(kept.growth(q, np.array([n])), fgd_gpu[at : at + 1])
+        return Choice(n, (int(gpu[0]),))

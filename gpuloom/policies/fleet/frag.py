@@ -44,6 +44,7 @@ def _gpu_counts(state: FleetState, gpu_free: np.ndarray) -> tuple[np.ndarray, np
 # The published FragAmount's buckets in its index order, Q3 left out: a pod that fits adds the
 # milli it cannot use to Q2 and the rest (usable, so not fragmentation) to Q3, never summed.
 Q1_LACK_BOTH, Q2_LACK_GPU, Q4_LACK_CPU, XL_SATISFIED, XR_LACK_CPU, NO_ACCESS = range(6)
+_BUCKETS = np.arange(6)[None, :, None]
 
 
 def _memoised(state: FleetState, key: str, make: type[_T]) -> _T:
@@ -104,13 +105,11 @@ def _weigh(
         np.where(cpu_ok, t.with_cpu, np.where(gpu_ok, t.lacks_cpu, Q1_LACK_BOTH)),
         NO_ACCESS,
     )
-    # Per bucket that occurs, in index order, a [T, M] sum over the slow axis: numpy sums an
-    # axis that is not the fast one in memory term by term, in order (the fast one it sums
-    # pairwise), and the zeros that stand for the other buckets' terms add nothing, as a
-    # bucket that does not occur adds nothing to the total. The buckets then one after the
-    # other (accumulate adds in order whatever the layout; a [B, 1] sum would be pairwise).
-    present = np.flatnonzero(np.bincount(bucket.ravel(), minlength=NO_ACCESS + 1))
-    sums = np.stack([np.add.reduce(np.where(bucket == b, amount, 0.0), axis=0) for b in present])
+    # [T, bucket, M], C-ordered: numpy sums an axis that is not the fast one in memory term by
+    # term, in order (the fast one it sums pairwise), and the zeros that stand for the other
+    # buckets' terms add nothing. The buckets then one after the other (accumulate adds in
+    # order whatever the layout; a [6, 1] sum would be summed pairwise).
+    sums = np.add.reduce((bucket[:, None, :] == _BUCKETS) * amount[:, None, :], axis=0)
     return np.add.accumulate(sums, axis=0)[-1]
 
 
