@@ -101,7 +101,7 @@ MIN_STATES = 8192
 
 class ByState:
     """Values per node state id, one array per field (NaN in the first field: not computed
-    yet): one pod class's results (`FragDeltas.FIELDS` and the share's score per GPU)."""
+    yet): one pod class's results (`FragDeltas.FIELDS`)."""
 
     def __init__(self, size: int, blanks: dict[str, np.ndarray]) -> None:
         """`blanks`: per field, one id's value before it is computed (its shape and type)."""

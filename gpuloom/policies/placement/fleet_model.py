@@ -73,7 +73,7 @@ SEED = 0
 FIRST_WEIGHING = 64
 WORKLOAD_REFRESH = 10_000
 # `fgd-fates` measures its gap table on at most this many pods when the view is built or the
-# workload weighed again (0.1-0.3 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
+# workload weighed again (0.3-1 s at 8,000 GPUs), not the simulator's 50,000 (seconds).
 LIVE_CALIBRATION_PODS = 3_000
 
 
