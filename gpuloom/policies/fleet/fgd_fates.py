@@ -64,13 +64,13 @@ class _LeastGrowth:
             kept.version = pad_rows(kept.version, more, -1)
         return kept
 
-    def growth(self, q: int, rows: np.ndarray) -> np.ndarray:
+    def growth(self, q: int, rows: np.ndarray, usable: np.ndarray | None) -> np.ndarray:
         """The growth of a share of shape q on each GPU of the nodes `rows` (inf where it
-        does not fit the GPU, or the pod may not take it: `FleetState.usable`)."""
+        does not fit the GPU, or `usable` of those rows, when given, is False)."""
         s = self.state
         d, cpu_left = int(s.s_d[q]), s.cpu_free[rows] - s.s_cpu[q]
         growth = self.fates.growth(s.gpu_free[rows], d, cpu_left)
-        return growth if s.usable is None else np.where(s.usable[rows], growth, np.inf)
+        return growth if usable is None else np.where(usable, growth, np.inf)
 
     def read(self, q: int) -> np.ndarray:
         """The least growth per node for shape q (inf: the pod does not go there), as the pod
@@ -84,10 +84,8 @@ class _LeastGrowth:
             fits = s.fits_rows(q, stale)
             self.least[q, stale[~fits]] = np.inf
             where = stale[fits]
-            if where.size:
-                saved, s.usable = s.usable, None  # kept as the node is, whatever the pod
-                self.least[q, where] = self.growth(q, where).min(axis=1)
-                s.usable = saved
+            if where.size:  # kept as the node is, whatever the pod may take
+                self.least[q, where] = self.growth(q, where, None).min(axis=1)
         least = self.least[q]
         if s.usable is not None:
             # Nodes with a GPU the share fits on but may not take: over the others.
@@ -95,7 +93,7 @@ class _LeastGrowth:
             at = np.flatnonzero(lost)
             if at.size:
                 least = least.copy()
-                least[at] = self.growth(q, at).min(axis=1)
+                least[at] = self.growth(q, at, s.usable[at]).min(axis=1)
         return least if s.allowed is None else np.where(s.allowed, least, np.inf)
 
 
@@ -141,5 +139,7 @@ class FgdFatesPolicy:
             tied, fgd_gpu = tied[best], fgd_gpu[best]
         at = int(np.argmin(state.rank[tied]))
         n = int(tied[at])
-        _, gpu = _least(kept.growth(q, np.array([n])), fgd_gpu[at : at + 1])
+        row = np.array([n])
+        usable = None if state.usable is None else state.usable[row]
+        _, gpu = _least(kept.growth(q, row, usable), fgd_gpu[at : at + 1])
         return Choice(n, (int(gpu[0]),))
