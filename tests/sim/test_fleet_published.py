@@ -523,6 +523,23 @@ def test_fragmentation_is_summed_bucket_by_bucket_as_published() -> None:
     ]
 
 
+def test_one_node_whose_pods_all_fall_in_one_bucket_is_summed_in_pod_order() -> None:
+    # Twenty typical shares of 510-700 milli, every one fitting the GPU free at 800 and none
+    # the one at 400: all twenty add to Q2, one node at a time. numpy sums a lone axis of
+    # twenty pairwise, not in pod order, and the last bit differs from the published sum.
+    shapes = [share(510 + 10 * i) for i in range(20)] + [share(200), share(600)]
+    weights = [3 + (7 * i) % 11 for i in range(20)] + [0, 0]
+    state = FleetState([node("a", 2)], shapes, weights, typical_share=1.0)
+    state.commit(0, 20, (0,))
+    state.commit(0, 21, (1,))
+    assert state.gpu_free[0, :2].tolist() == [800, 400]
+    assert len(state.typical) == 20
+    expected = ref_frag_published(62000, [800, 400], "T4", state.typical, state.t_weight.tolist())
+    pairwise = float(np.sum(state.t_weight * 400))
+    assert expected != pairwise  # the order shows in the last bit here
+    assert Fragmentation.of(state).nodes()[0] == expected
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     gpus=st.lists(st.sampled_from([1, 2, 4, 8]), min_size=1, max_size=6),
