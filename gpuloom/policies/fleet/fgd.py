@@ -99,7 +99,7 @@ STATES_PER_NODE = 8  # node states remembered per node before unused ones are fo
 MIN_STATES = 8192
 
 
-class ByState:
+class _ByState:
     """Values per node state id, one array per field (NaN in the first field: not computed
     yet): one pod class's results (`FragDeltas.FIELDS`)."""
 
@@ -162,7 +162,7 @@ class FragDeltas:
         self._blanks = {name: np.array(fill) for name, fill in self.FIELDS.items()}
         self._blanks[self.OPTIONS] = np.full(width, -1, dtype=np.int8)
         self._states = _NodeStates(state)
-        self._results: dict[tuple[int, int, int], ByState] = {}
+        self._results: dict[tuple[int, int, int], _ByState] = {}
 
     @classmethod
     def of(cls, state: FleetState) -> FragDeltas:
@@ -209,7 +209,7 @@ class FragDeltas:
         pod = (int(s.s_cpu[q]), int(s.s_k[q]), int(s.s_d[q]))
         results = self._results.get(pod)
         if results is None:
-            results = self._results[pod] = ByState(max(size, 64), self._blanks)
+            results = self._results[pod] = _ByState(max(size, 64), self._blanks)
         results.fit(size, None)
         ids = sid[where]
         missing = np.flatnonzero(np.isnan(results["score"][ids]))
@@ -237,7 +237,7 @@ class FragDeltas:
             options[rows, cols] = score
         return {"score": score[top], "gpu": cols[top], self.OPTIONS: options}
 
-    def _store(self, q: int, where: np.ndarray, results: ByState, ids: np.ndarray) -> None:
+    def _store(self, q: int, where: np.ndarray, results: _ByState, ids: np.ndarray) -> None:
         """Shape q's entries of the nodes `where`, from their states' results."""
         self.score[q, where], self.gpu[q, where] = results["score"][ids], results["gpu"][ids]
         self.options[q, where] = results[self.OPTIONS][ids]
