@@ -97,13 +97,11 @@ class _LeastGrowth:
         return least if s.allowed is None else np.where(s.allowed, least, np.inf)
 
 
-def _least(growth: np.ndarray, fgd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per node (a row of `growth`, inf where the share does not go), the least growth and its
-    GPU: FGD's GPU `fgd` when it has the least, else the first that has."""
-    least = growth.min(axis=1)
-    at = growth == least[:, None]
-    keep_fgd = (fgd >= 0) & at[np.arange(len(growth)), np.maximum(fgd, 0)]
-    return least, np.where(keep_fgd, fgd, at.argmax(axis=1))
+def _least_gpu(growth: np.ndarray, fgd: int) -> int:
+    """The GPU of a node's least growth (`growth` per GPU, inf where the share does not go):
+    FGD's GPU `fgd` when it is one of them, else the first."""
+    least = growth == growth.min()
+    return fgd if fgd >= 0 and least[fgd] else int(least.argmax())
 
 
 class FgdFatesPolicy:
@@ -141,5 +139,4 @@ class FgdFatesPolicy:
         n = int(tied[at])
         row = np.array([n])
         usable = None if state.usable is None else state.usable[row]
-        _, gpu = _least(kept.growth(q, row, usable), fgd_gpu[at : at + 1])
-        return Choice(n, (int(gpu[0]),))
+        return Choice(n, (_least_gpu(kept.growth(q, row, usable)[0], int(fgd_gpu[at])),))
